@@ -1,0 +1,27 @@
+"""Near-storage core: update rules, backends, on-disk state layout, traffic counters.
+
+Imports neither Lightning nor DeepSpeed, so it can be used and tested on its own.
+"""
+
+from lightning_smartinf.csd.backend import Backend, Handle, ShardSpec
+from lightning_smartinf.csd.cpu import CpuBackend
+from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams, UpdateRule
+from lightning_smartinf.csd.storage import StorageError, validate_storage_path
+from lightning_smartinf.csd.traffic import COUNTERS, Traffic, TrafficSnapshot
+
+__all__ = [
+    "COUNTERS",
+    "SGD",
+    "Adagrad",
+    "Adam",
+    "Backend",
+    "CpuBackend",
+    "Handle",
+    "ShardSpec",
+    "StepParams",
+    "StorageError",
+    "Traffic",
+    "TrafficSnapshot",
+    "UpdateRule",
+    "validate_storage_path",
+]

@@ -1,0 +1,93 @@
+"""The contract between the DeepSpeed adapter and a near-storage update backend.
+
+A backend owns the fp32 master weights and optimizer states of a set of *shards* (one per ZeRO
+sub-group partition on this rank), keeps them on its storage, applies update rules there, and hands
+back only the updated low-precision parameters. Shard ``s`` lives on device ``s mod N``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import Tensor
+
+from lightning_smartinf.csd.rules import StepParams, UpdateRule
+from lightning_smartinf.csd.traffic import Traffic, TrafficSnapshot
+
+#: A submitted request; its result is ``None`` and it raises the device's error, if any.
+Handle = Future
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One flat partition of trainable parameters whose state a device owns.
+
+    Args:
+        index: position of the shard in this rank's shard list; decides the device (``index mod N``).
+        numel: number of trainable elements.
+        rule: the update rule (and so the state tensors) of the shard's param group.
+    """
+
+    index: int
+    numel: int
+    rule: UpdateRule
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of fp32 master plus states, before any on-disk alignment."""
+        return self.numel * self.rule.bytes_per_element
+
+
+class Backend(ABC):
+    """Near-storage update backend. Methods are called from one host thread; devices work behind it."""
+
+    def __init__(self) -> None:
+        self.traffic = Traffic()
+
+    @property
+    @abstractmethod
+    def num_devices(self) -> int:
+        """Number of devices the shards are spread over."""
+
+    @abstractmethod
+    def open(self, shards: Sequence[ShardSpec]) -> None:
+        """Place the shards on the devices and allocate their storage; checks free space first."""
+
+    @abstractmethod
+    def initialize(self, shard: int, master: Tensor) -> Handle:
+        """Write ``master`` (any float dtype, upcast to fp32) as the shard's master weights; reset its states."""
+
+    @abstractmethod
+    def submit(self, shard: int, grad: Tensor, hp: StepParams, out: Tensor) -> Handle:
+        """Apply one update with ``grad`` (the shard's gradient in the training dtype).
+
+        The updated master weights are written into ``out`` (the low-precision partition, any float dtype)
+        before the handle completes. ``grad`` and ``out`` must stay alive and untouched until then.
+        """
+
+    @abstractmethod
+    def read_master(self, shard: int, out: Tensor) -> Handle:
+        """Copy the shard's fp32 master weights into ``out`` (export and inspection; not on the step path)."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Block until every submitted request, including trailing state write-back, is done."""
+
+    @abstractmethod
+    def save(self, directory: Path) -> None:
+        """Write a self-describing copy of every shard's state under ``directory`` (waits first)."""
+
+    @abstractmethod
+    def load(self, directory: Path) -> None:
+        """Replace every shard's state with the copy :meth:`save` wrote under ``directory``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish outstanding work and release buffers, threads and temporary storage."""
+
+    def traffic_snapshot(self) -> TrafficSnapshot:
+        return self.traffic.snapshot()

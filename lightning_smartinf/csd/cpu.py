@@ -1,0 +1,371 @@
+"""The ``cpu`` backend: computational-storage devices emulated on host cores, one per storage path.
+
+Each device owns a directory, a worker thread that runs requests in submission order, one reader and
+one writer thread, and a fixed pool of aligned chunk buffers. A request streams its shard through
+the pool chunk by chunk: reads run ahead of the update, write-back trails behind it, so the disk is
+kept busy while the update computes. Host memory of the update path is
+``num_devices * buffer_count * chunk_bytes`` plus one fp32 gradient chunk per device, whatever the
+model size.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lightning_smartinf.csd.backend import Backend, Handle, ShardSpec
+from lightning_smartinf.csd.io import StateFile, aligned_empty
+from lightning_smartinf.csd.layout import ChunkLayout
+from lightning_smartinf.csd.rules import StepParams
+from lightning_smartinf.csd.storage import check_free_space, ensure_private_dir
+from lightning_smartinf.csd.traffic import Traffic
+
+MANIFEST = "manifest.json"
+FORMAT = "lightning_smartinf.state/1"
+
+
+def shard_file_name(index: int) -> str:
+    return f"shard{index:05d}.state"
+
+
+@dataclass
+class DeviceStats:
+    """Seconds a device spent on each kind of work (summed over its threads)."""
+
+    read_s: float = 0.0
+    write_s: float = 0.0
+    compute_s: float = 0.0
+
+
+@dataclass
+class _Shard:
+    spec: ShardSpec
+    layout: ChunkLayout
+    file: StateFile
+
+
+@dataclass
+class _Request:
+    shard: _Shard
+    read: bool
+    write: bool
+    # Called with (record view, master, states, chunk start, chunk length) for every chunk.
+    compute: Callable[[Tensor, Tensor, list[Tensor], int, int], None]
+    future: Future = field(default_factory=Future)
+    link_write: int = 0
+    link_read: int = 0
+
+
+class EmulatedDevice:
+    """One emulated computational-storage device: a directory, a buffer pool and three threads."""
+
+    def __init__(self, index: int, directory: Path, traffic: Traffic, *, chunk_elems: int, buffer_count: int) -> None:
+        self.index = index
+        self.directory = directory
+        self.stats = DeviceStats()
+        self._traffic = traffic
+        self._chunk_elems = chunk_elems
+        self._buffer_count = buffer_count
+        self._pool: queue.SimpleQueue[Tensor] = queue.SimpleQueue()
+        self._grad_chunk: Tensor | None = None
+        self.allocated_bytes = 0
+        self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"csd{index}-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"csd{index}-write")
+        self._worker = threading.Thread(target=self._serve, name=f"csd{index}-update", daemon=True)
+        self._worker.start()
+
+    def allocate(self, tensors_per_record: int) -> None:
+        """Allocate the buffer pool for records of up to ``tensors_per_record`` fp32 tensors."""
+        record_bytes = self._chunk_elems * 4 * tensors_per_record
+        for _ in range(self._buffer_count):
+            self._pool.put(aligned_empty(record_bytes, torch.float32))
+        self._grad_chunk = torch.empty(self._chunk_elems, dtype=torch.float32)
+        self.allocated_bytes = (self._buffer_count * tensors_per_record + 1) * self._chunk_elems * 4
+
+    def grad_chunk(self, n: int) -> Tensor:
+        assert self._grad_chunk is not None
+        return self._grad_chunk[:n]
+
+    def enqueue(self, request: _Request) -> Handle:
+        self._requests.put(request)
+        return request.future
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._worker.join()
+        self._reader.shutdown()
+        self._writer.shutdown()
+
+    def _serve(self) -> None:
+        while (request := self._requests.get()) is not None:
+            try:
+                self._stream(request)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting host thread
+                request.future.set_exception(exc)
+            else:
+                self._traffic.add(link_write_bytes=request.link_write, link_read_bytes=request.link_read)
+                request.future.set_result(None)
+
+    def _read(self, shard: _Shard, k: int, buf: Tensor) -> Tensor:
+        record = buf[: shard.layout.padded_len(k) * shard.layout.tensors_per_record]
+        t0 = time.perf_counter()
+        shard.file.read_into(record, shard.layout.record_offset(k))
+        self.stats.read_s += time.perf_counter() - t0
+        self._traffic.add(storage_read_bytes=record.numel() * 4)
+        return record
+
+    def _write(self, shard: _Shard, k: int, buf: Tensor, record: Tensor) -> None:
+        try:
+            t0 = time.perf_counter()
+            shard.file.write_from(record, shard.layout.record_offset(k))
+            self.stats.write_s += time.perf_counter() - t0
+            self._traffic.add(storage_write_bytes=record.numel() * 4)
+        finally:
+            self._pool.put(buf)
+
+    def _stream(self, request: _Request) -> None:
+        """Run one request over all chunks of its shard: read ahead, update, write behind."""
+        shard, layout = request.shard, request.shard.layout
+        num_chunks = layout.num_chunks
+        reads: deque[tuple[Tensor, Future]] = deque()
+        writes: list[Future] = []
+        next_read = 0
+        try:
+            for k in range(num_chunks):
+                # Keep up to buffer_count - 1 reads in flight; the last buffer is the one being updated.
+                while request.read and next_read < num_chunks and len(reads) < self._buffer_count - 1:
+                    buf = self._pool.get()
+                    reads.append((buf, self._reader.submit(self._read, shard, next_read, buf)))
+                    next_read += 1
+                if request.read:
+                    buf, pending = reads.popleft()
+                    try:
+                        record = pending.result()
+                    except BaseException:
+                        self._pool.put(buf)
+                        raise
+                else:
+                    buf = self._pool.get()
+                    record = buf[: layout.padded_len(k) * layout.tensors_per_record]
+                    record.zero_()
+                padded = layout.padded_len(k)
+                start, n = layout.chunk_range(k)
+                master = record[:n]
+                states = [record[(j + 1) * padded : (j + 1) * padded + n] for j in range(layout.num_states)]
+                t0 = time.perf_counter()
+                try:
+                    request.compute(record, master, states, start, n)
+                except BaseException:
+                    self._pool.put(buf)
+                    raise
+                self.stats.compute_s += time.perf_counter() - t0
+                if request.write:
+                    writes.append(self._writer.submit(self._write, shard, k, buf, record))
+                else:
+                    self._pool.put(buf)
+        finally:
+            for buf, pending in reads:
+                pending.exception()
+                self._pool.put(buf)
+            for pending in writes:
+                pending.exception()
+        for pending in writes:
+            pending.result()
+
+
+class CpuBackend(Backend):
+    """Emulated computational-storage devices, one per directory in ``device_dirs``.
+
+    Args:
+        device_dirs: one private directory per device; state files are created inside.
+        chunk_elems: elements per streamed chunk (a multiple of 1024).
+        buffer_count: chunk buffers per device (at least 2: one updating, one reading or writing).
+        owned_dirs: directories the backend created and removes on :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        device_dirs: Sequence[Path],
+        *,
+        chunk_elems: int = 1 << 20,
+        buffer_count: int = 4,
+        owned_dirs: Sequence[Path] = (),
+    ) -> None:
+        super().__init__()
+        if not device_dirs:
+            raise ValueError("`device_dirs` must name at least one directory.")
+        if buffer_count < 2:
+            raise ValueError(f"`buffer_count={buffer_count}` must be at least 2 (one updating, one in I/O).")
+        ChunkLayout(1, chunk_elems, 0)  # validates chunk_elems
+        self._chunk_elems = chunk_elems
+        self._owned_dirs = [Path(d) for d in owned_dirs]
+        self.devices = [
+            EmulatedDevice(i, Path(d), self.traffic, chunk_elems=chunk_elems, buffer_count=buffer_count)
+            for i, d in enumerate(device_dirs)
+        ]
+        self._shards: list[_Shard] = []
+        self._pending: list[Future] = []
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Host bytes of all buffer pools and gradient chunks (fixed after :meth:`open`)."""
+        return sum(device.allocated_bytes for device in self.devices)
+
+    def device_of(self, shard: int) -> EmulatedDevice:
+        return self.devices[shard % self.num_devices]
+
+    def open(self, shards: Sequence[ShardSpec]) -> None:
+        if self._shards:
+            raise RuntimeError("`CpuBackend.open` was already called.")
+        if [s.index for s in shards] != list(range(len(shards))):
+            raise ValueError(f"`ShardSpec.index` values must be 0..{len(shards) - 1} in order, got {[s.index for s in shards]}.")
+        layouts = [ChunkLayout(s.numel, self._chunk_elems, len(s.rule.state_names)) for s in shards]
+        for device in self.devices:
+            ensure_private_dir(device.directory)
+            needed = sum(lay.file_bytes for s, lay in zip(shards, layouts) if s.index % self.num_devices == device.index)
+            check_free_space(device.directory, needed, reusable=[device.directory / shard_file_name(s.index) for s in shards])
+        for spec, layout in zip(shards, layouts):
+            path = self.device_of(spec.index).directory / shard_file_name(spec.index)
+            self._shards.append(_Shard(spec, layout, StateFile(path, layout.file_bytes, create=True)))
+        tensors = max((lay.tensors_per_record for lay in layouts), default=1)
+        for device in self.devices:
+            device.allocate(tensors)
+
+    def _enqueue(self, request: _Request) -> Handle:
+        handle = self.device_of(request.shard.spec.index).enqueue(request)
+        self._pending.append(handle)
+        return handle
+
+    def _shard(self, index: int, tensor: Tensor, what: str) -> _Shard:
+        shard = self._shards[index]
+        if tensor.numel() != shard.spec.numel:
+            raise ValueError(f"{what} of shard {index} has {tensor.numel()} elements, expected {shard.spec.numel}.")
+        return shard
+
+    def initialize(self, shard: int, master: Tensor) -> Handle:
+        entry = self._shard(shard, master, "`master`")
+        rule = entry.spec.rule
+        init_values = [rule.initial_state_value(name) for name in rule.state_names]
+
+        def fill(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
+            m.copy_(master[start : start + n])
+            for state, value in zip(states, init_values):
+                if value != 0.0:
+                    state.fill_(value)
+
+        link = master.numel() * master.element_size()
+        return self._enqueue(_Request(entry, read=False, write=True, compute=fill, link_write=link))
+
+    def submit(self, shard: int, grad: Tensor, hp: StepParams, out: Tensor) -> Handle:
+        entry = self._shard(shard, grad, "`grad`")
+        self._shard(shard, out, "`out`")
+        device = self.device_of(shard)
+        rule = entry.spec.rule
+
+        def update(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
+            g = device.grad_chunk(n)
+            g.copy_(grad[start : start + n])
+            if hp.grad_scale != 1.0:
+                g.mul_(hp.grad_scale)
+            rule.apply(m, g, states, hp)
+            out[start : start + n].copy_(m)
+
+        request = _Request(
+            entry,
+            read=True,
+            write=True,
+            compute=update,
+            link_write=grad.numel() * grad.element_size(),
+            link_read=out.numel() * out.element_size(),
+        )
+        return self._enqueue(request)
+
+    def read_master(self, shard: int, out: Tensor) -> Handle:
+        entry = self._shard(shard, out, "`out`")
+
+        def copy_out(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
+            out[start : start + n].copy_(m)
+
+        link = out.numel() * 4
+        return self._enqueue(_Request(entry, read=True, write=False, compute=copy_out, link_read=link))
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        errors = [exc for h in pending if (exc := h.exception()) is not None]
+        if errors:
+            raise errors[0]
+
+    def save(self, directory: Path) -> None:
+        self.wait()
+        directory = Path(directory)
+        ensure_private_dir(directory)
+        for shard in self._shards:
+            shutil.copyfile(shard.file.path, directory / shard_file_name(shard.spec.index))
+        manifest = {
+            "format": FORMAT,
+            "chunk_elems": self._chunk_elems,
+            "shards": [
+                {
+                    "index": s.spec.index,
+                    "numel": s.spec.numel,
+                    "rule": s.spec.rule.name,
+                    "states": list(s.spec.rule.state_names),
+                    "bytes": s.layout.file_bytes,
+                }
+                for s in self._shards
+            ],
+        }
+        (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+    def load(self, directory: Path) -> None:
+        self.wait()
+        directory = Path(directory)
+        manifest_path = directory / MANIFEST
+        if not manifest_path.is_file():
+            raise FileNotFoundError(f"No device-state manifest at {manifest_path}; was the checkpoint saved by us?")
+        manifest = json.loads(manifest_path.read_text())
+        expected = [
+            (s.spec.index, s.spec.numel, s.spec.rule.name, list(s.spec.rule.state_names)) for s in self._shards
+        ]
+        found = [(e["index"], e["numel"], e["rule"], e["states"]) for e in manifest.get("shards", [])]
+        if manifest.get("format") != FORMAT or manifest.get("chunk_elems") != self._chunk_elems or found != expected:
+            raise ValueError(
+                f"Device state in {directory} does not match this model and optimizer: it holds {found} "
+                f"(chunk_elems={manifest.get('chunk_elems')}), this run needs {expected} "
+                f"(chunk_elems={self._chunk_elems}). Resume with the same model, optimizer and `chunk_elems`."
+            )
+        for shard in self._shards:
+            src = directory / shard_file_name(shard.spec.index)
+            if not src.is_file() or src.stat().st_size != shard.layout.file_bytes:
+                raise ValueError(f"State file {src} is missing or truncated (expected {shard.layout.file_bytes} B).")
+        for shard in self._shards:
+            shard.file.close()
+            shutil.copyfile(directory / shard_file_name(shard.spec.index), shard.file.path)
+            shard.file = StateFile(shard.file.path, shard.layout.file_bytes, create=False)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            for device in self.devices:
+                device.close()
+            for shard in self._shards:
+                shard.file.close()
+            for directory in self._owned_dirs:
+                shutil.rmtree(directory, ignore_errors=True)

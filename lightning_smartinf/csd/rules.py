@@ -1,0 +1,174 @@
+"""Optimizer update rules as the devices run them: fp32 master and states, chunk by chunk, in place.
+
+Each rule reproduces the arithmetic of the matching ``torch.optim`` class (single-tensor path), so a
+model trained through a device ends with the parameters a plain ``torch.optim`` run would give.
+Rules are stateless descriptions; the state tensors live on the device and are passed in per chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class StepParams:
+    """Hyper-parameters in effect for one shard in one optimizer step.
+
+    Carried with every submitted gradient, so LR schedulers and per-group settings reach the device.
+
+    Args:
+        step: 1-based count of optimizer steps applied to this shard's param group, this one included.
+        lr: learning rate in effect for this step.
+        grad_scale: factor the raw gradient is multiplied by before the update: it folds loss-scale
+            unscaling and gradient-norm clipping into one number.
+        weight_decay: L2 (Adam, SGD, Adagrad) or decoupled (AdamW) weight decay.
+        betas: Adam's ``(beta1, beta2)``.
+        eps: Adam's and Adagrad's epsilon.
+        momentum: SGD momentum.
+        dampening: SGD dampening.
+        nesterov: SGD Nesterov momentum.
+        lr_decay: Adagrad learning-rate decay.
+        maximize: maximise the objective instead of minimising it.
+    """
+
+    step: int
+    lr: float
+    grad_scale: float = 1.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    lr_decay: float = 0.0
+    maximize: bool = False
+
+
+class UpdateRule(ABC):
+    """An optimizer update over a flat fp32 master tensor and its per-element state tensors."""
+
+    #: Name used in manifests and error messages.
+    name: ClassVar[str]
+
+    @property
+    @abstractmethod
+    def state_names(self) -> tuple[str, ...]:
+        """Names of the per-element fp32 state tensors, in their on-device order."""
+
+    def initial_state_value(self, state: str) -> float:
+        """Value every element of ``state`` holds before the first step."""
+        return 0.0
+
+    @abstractmethod
+    def apply(self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams) -> None:
+        """Update ``master`` and ``states`` in place.
+
+        Args:
+            master: fp32 master weights of one chunk.
+            grad: fp32 gradient of the chunk, already multiplied by ``hp.grad_scale``; may be overwritten.
+            states: fp32 state tensors of the chunk, in :attr:`state_names` order.
+            hp: hyper-parameters of this step.
+        """
+
+    @property
+    def bytes_per_element(self) -> int:
+        """Bytes of fp32 master plus state per trainable element held on the device."""
+        return 4 * (1 + len(self.state_names))
+
+
+@dataclass(frozen=True)
+class Adam(UpdateRule):
+    """``torch.optim.Adam`` (``decoupled_weight_decay=False``) and ``torch.optim.AdamW`` (``True``)."""
+
+    decoupled_weight_decay: bool = False
+    amsgrad: bool = False
+    name: ClassVar[str] = "adam"
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if self.amsgrad else ("exp_avg", "exp_avg_sq")
+
+    def apply(self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams) -> None:
+        exp_avg, exp_avg_sq = states[0], states[1]
+        beta1, beta2 = hp.betas
+        if hp.maximize:
+            grad.neg_()
+        if hp.weight_decay != 0.0:
+            if self.decoupled_weight_decay:
+                master.mul_(1.0 - hp.lr * hp.weight_decay)
+            else:
+                grad.add_(master, alpha=hp.weight_decay)
+        exp_avg.lerp_(grad, 1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        bias_correction1 = 1.0 - beta1**hp.step
+        bias_correction2_sqrt = math.sqrt(1.0 - beta2**hp.step)
+        second = exp_avg_sq
+        if self.amsgrad:
+            second = states[2]
+            second.copy_(second.maximum(exp_avg_sq))
+        # ``grad`` is dead from here on: reuse it as the denominator to avoid an allocation.
+        denom = grad.copy_(second).sqrt_().div_(bias_correction2_sqrt).add_(hp.eps)
+        master.addcdiv_(exp_avg, denom, value=-hp.lr / bias_correction1)
+
+
+@dataclass(frozen=True)
+class SGD(UpdateRule):
+    """``torch.optim.SGD`` with optional momentum, dampening, Nesterov momentum and weight decay.
+
+    ``with_momentum`` fixes whether a momentum buffer is kept (decided by the param group's initial momentum).
+    """
+
+    with_momentum: bool = True
+    name: ClassVar[str] = "sgd"
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return ("momentum_buffer",) if self.with_momentum else ()
+
+    def apply(self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams) -> None:
+        if hp.maximize:
+            grad.neg_()
+        if hp.weight_decay != 0.0:
+            grad.add_(master, alpha=hp.weight_decay)
+        update = grad
+        if self.with_momentum and hp.momentum != 0.0:
+            buf = states[0]
+            if hp.step == 1:
+                # torch creates the buffer as a copy of the first gradient (no dampening on step 1).
+                buf.copy_(grad)
+            else:
+                buf.mul_(hp.momentum).add_(grad, alpha=1.0 - hp.dampening)
+            update = grad.add_(buf, alpha=hp.momentum) if hp.nesterov else buf
+        master.add_(update, alpha=-hp.lr)
+
+
+@dataclass(frozen=True)
+class Adagrad(UpdateRule):
+    """``torch.optim.Adagrad`` with learning-rate decay, weight decay and an initial accumulator value."""
+
+    initial_accumulator_value: float = 0.0
+    name: ClassVar[str] = "adagrad"
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return ("sum",)
+
+    def initial_state_value(self, state: str) -> float:
+        return self.initial_accumulator_value
+
+    def apply(self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams) -> None:
+        state_sum = states[0]
+        if hp.maximize:
+            grad.neg_()
+        if hp.weight_decay != 0.0:
+            grad.add_(master, alpha=hp.weight_decay)
+        clr = hp.lr / (1.0 + (hp.step - 1) * hp.lr_decay)
+        state_sum.addcmul_(grad, grad, value=1.0)
+        std = state_sum.sqrt().add_(hp.eps)
+        master.addcdiv_(grad, std, value=-clr)

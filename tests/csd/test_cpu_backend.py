@@ -1,0 +1,612 @@
+"""Conformance of the emulated-device backend with plain ``torch.optim``, traffic, storage and failure handling."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from lightning_smartinf.csd.backend import ShardSpec
+from lightning_smartinf.csd.cpu import MANIFEST, CpuBackend, shard_file_name
+from lightning_smartinf.csd.io import aligned_empty
+from lightning_smartinf.csd.layout import ChunkLayout
+from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams, UpdateRule
+from lightning_smartinf.csd.storage import StorageError, check_free_space, validate_storage_path
+
+CHUNK = 4096
+TIMEOUT_S = 30.0
+
+# name -> (rule, torch optimizer class, torch kwargs, StepParams kwargs beyond step/lr/grad_scale)
+OPTIMIZERS: dict[str, tuple[UpdateRule, type, dict, dict]] = {
+    "adamw": (
+        Adam(decoupled_weight_decay=True),
+        torch.optim.AdamW,
+        {"betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.1},
+        {"betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.1},
+    ),
+    "adam_amsgrad": (
+        Adam(amsgrad=True),
+        torch.optim.Adam,
+        {"amsgrad": True, "weight_decay": 0.01},
+        {"weight_decay": 0.01},
+    ),
+    "sgd_nesterov": (
+        SGD(),
+        torch.optim.SGD,
+        {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
+        {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
+    ),
+    "sgd_plain": (SGD(with_momentum=False), torch.optim.SGD, {}, {}),
+    "adagrad": (
+        Adagrad(initial_accumulator_value=0.1),
+        torch.optim.Adagrad,
+        {"lr_decay": 0.01, "initial_accumulator_value": 0.1, "eps": 1e-10},
+        {"lr_decay": 0.01, "eps": 1e-10},
+    ),
+}
+
+#: Odd sizes: one element, just under and over the 1024-element alignment, exactly one chunk, several chunks.
+ODD_SIZES = [1, 1023, 1025, CHUNK, 3 * CHUNK + 5]
+ODD_OPTS = ["adamw", "sgd_nesterov", "adagrad", "adam_amsgrad", "sgd_plain"]
+
+
+def _lr(t: int) -> float:
+    """A learning rate that changes every step, like a scheduler."""
+    return 1e-2 * (0.8 ** (t - 1)) + 1e-3 * t
+
+
+class Model:
+    """Shards on a backend beside deep-copied reference parameters stepped by plain ``torch.optim``."""
+
+    def __init__(
+        self,
+        backend: CpuBackend,
+        sizes: Sequence[int],
+        opts: Sequence[str],
+        *,
+        seed: int = 0,
+        init_dtype: torch.dtype = torch.float32,
+        initialize: bool = True,
+    ) -> None:
+        self.backend = backend
+        self.sizes = list(sizes)
+        self.opts = [OPTIMIZERS[o] for o in opts]
+        self.gen = torch.Generator().manual_seed(seed)
+        self.specs = [ShardSpec(i, n, opt[0]) for i, (n, opt) in enumerate(zip(self.sizes, self.opts))]
+        backend.open(self.specs)
+        inits = [torch.randn(n, generator=self.gen).to(init_dtype) for n in self.sizes]
+        self.refs = [torch.nn.Parameter(x.float()) for x in inits]
+        self.torch_opts = [
+            cls([ref], lr=_lr(1), foreach=False, **kw) for ref, (_, cls, kw, _) in zip(self.refs, self.opts)
+        ]
+        self.step_count = 0
+        if initialize:
+            for i, x in enumerate(inits):
+                backend.initialize(i, x)
+            backend.wait()
+
+    def step(
+        self,
+        *,
+        grad_dtype: torch.dtype = torch.float32,
+        out_dtype: torch.dtype = torch.bfloat16,
+        grad_scale: float = 1.0,
+        check: bool = True,
+    ) -> list[torch.Tensor]:
+        self.step_count += 1
+        t = self.step_count
+        lr = _lr(t)
+        outs = []
+        for i, (n, ref, opt, (_, _, _, hp_kwargs)) in enumerate(zip(self.sizes, self.refs, self.torch_opts, self.opts)):
+            grad = torch.randn(n, generator=self.gen).to(grad_dtype)
+            # Same fp32 arithmetic as the device; copy=True so an fp32 grad is not scaled in place.
+            ref.grad = grad.to(torch.float32, copy=True).mul_(grad_scale)
+            opt.param_groups[0]["lr"] = lr
+            opt.step()
+            out = torch.full((n,), float("nan"), dtype=out_dtype)
+            self.backend.submit(i, grad, StepParams(step=t, lr=lr, grad_scale=grad_scale, **hp_kwargs), out)
+            outs.append(out)
+        self.backend.wait()
+        if check:
+            for i, (out, ref) in enumerate(zip(outs, self.refs)):
+                expected = ref.detach().to(out_dtype)
+                assert_close(out, expected, rtol=0, atol=0, msg=lambda m, i=i: f"step {t}, shard {i}: {m}")
+        return outs
+
+    def check_masters(self) -> None:
+        for i, ref in enumerate(self.refs):
+            master = torch.full((self.sizes[i],), float("nan"))
+            self.backend.read_master(i, master)
+            self.backend.wait()
+            assert_close(master, ref.detach(), rtol=0, atol=0, msg=lambda m, i=i: f"master of shard {i}: {m}")
+
+    def file_bytes(self) -> int:
+        return sum(ChunkLayout(s.numel, CHUNK, len(s.rule.state_names)).file_bytes for s in self.specs)
+
+
+def _dirs(root: Path, n: int, name: str = "dev") -> list[Path]:
+    return [root / f"{name}{i}" for i in range(n)]
+
+
+@pytest.fixture
+def make_backend():
+    """Creates backends and closes every one at teardown (with a timeout, so a hang fails instead of blocking)."""
+    made: list[CpuBackend] = []
+
+    def make(dirs: Sequence[Path], **kwargs) -> CpuBackend:
+        kwargs.setdefault("chunk_elems", CHUNK)
+        backend = CpuBackend(dirs, **kwargs)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        _run_with_timeout(backend.close)
+
+
+def _run_with_timeout(fn: Callable[[], object], timeout: float = TIMEOUT_S) -> BaseException | None:
+    """Run ``fn`` in a daemon thread; return its exception (or ``None``); fail the test if it does not finish."""
+    box: list[BaseException | None] = [None]
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box[0] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        pytest.fail(f"{getattr(fn, '__qualname__', fn)} did not return within {timeout} s (hang)")
+    return box[0]
+
+
+# --------------------------------------------------------------------------------------------------- conformance
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("buffer_count", [2, 4])
+@pytest.mark.parametrize("num_devices", [1, 3])
+def test_matches_torch_optim(tmp_path, make_backend, num_devices, buffer_count, out_dtype) -> None:
+    backend = make_backend(_dirs(tmp_path, num_devices), buffer_count=buffer_count)
+    model = Model(backend, ODD_SIZES, ODD_OPTS)
+    for _ in range(5):
+        model.step(out_dtype=out_dtype)
+    model.check_masters()
+
+
+@pytest.mark.parametrize(
+    ("grad_dtype", "grad_scale"),
+    [
+        (torch.bfloat16, 1.0),
+        (torch.float16, 1.0),
+        (torch.float32, 1 / 3),
+        (torch.bfloat16, 2.0**-10),
+        (torch.float16, 0.7),
+    ],
+    ids=["bf16", "fp16", "fp32-scaled", "bf16-scaled", "fp16-scaled"],
+)
+def test_low_precision_and_scaled_grads(tmp_path, make_backend, grad_dtype, grad_scale) -> None:
+    backend = make_backend(_dirs(tmp_path, 2), buffer_count=3)
+    model = Model(backend, ODD_SIZES, ODD_OPTS, seed=1, init_dtype=torch.bfloat16)
+    for _ in range(5):
+        model.step(grad_dtype=grad_dtype, grad_scale=grad_scale, out_dtype=torch.bfloat16)
+    model.check_masters()
+
+
+def test_every_optimizer_on_a_multi_chunk_shard(tmp_path, make_backend) -> None:
+    names = list(OPTIMIZERS)
+    backend = make_backend(_dirs(tmp_path, 2), buffer_count=2)
+    model = Model(backend, [2 * CHUNK + 1000] * len(names), names, seed=2)
+    for _ in range(5):
+        model.step(out_dtype=torch.float32)
+    model.check_masters()
+
+
+def test_training_changes_parameters(tmp_path, make_backend) -> None:
+    """Guards the conformance tests against a backend and a reference that both do nothing."""
+    backend = make_backend(_dirs(tmp_path, 1))
+    model = Model(backend, [CHUNK + 1], ["adamw"], seed=3)
+    before = model.refs[0].detach().clone()
+    out = model.step(out_dtype=torch.float32)[0]
+    assert not torch.equal(out, before)
+
+
+def test_initialize_resets_state(tmp_path, make_backend) -> None:
+    """Re-initialising a shard restores fresh states (step 1 again must match a fresh torch optimizer)."""
+    backend = make_backend(_dirs(tmp_path, 1))
+    model = Model(backend, [CHUNK + 7], ["adam_amsgrad"], seed=4)
+    for _ in range(3):
+        model.step()
+    init = torch.randn(CHUNK + 7, generator=model.gen)
+    backend.initialize(0, init)
+    backend.wait()
+    model.refs = [torch.nn.Parameter(init.clone())]
+    _, cls, kw, _ = model.opts[0]
+    model.torch_opts = [cls(model.refs, lr=_lr(1), foreach=False, **kw)]
+    model.step_count = 0
+    for _ in range(2):
+        model.step()
+
+
+# ------------------------------------------------------------------------------------------ traffic and placement
+
+
+def _expected_traffic(model: Model, steps: int, init_elem: int, grad_elem: int, out_elem: int) -> dict[str, int]:
+    numel = sum(model.sizes)
+    fb = model.file_bytes()
+    return {
+        "link_write_bytes": numel * init_elem + steps * numel * grad_elem,
+        "link_read_bytes": steps * numel * out_elem,
+        "storage_read_bytes": steps * fb,
+        "storage_write_bytes": (steps + 1) * fb,
+    }
+
+
+@pytest.mark.parametrize("num_devices", [1, 3])
+def test_traffic_exact_aligned_sizes(tmp_path, make_backend, num_devices) -> None:
+    sizes = [1024, CHUNK, 3 * CHUNK, 2048]
+    opts = ["adamw", "sgd_nesterov", "adam_amsgrad", "sgd_plain"]
+    backend = make_backend(_dirs(tmp_path, num_devices), buffer_count=2)
+    model = Model(backend, sizes, opts, init_dtype=torch.bfloat16)
+    # No padding at multiples of 1024: the file is exactly the fp32 state.
+    assert (
+        model.file_bytes()
+        == sum(s.state_bytes for s in model.specs)
+        == 1024 * 12 + CHUNK * 8 + 3 * CHUNK * 16 + 2048 * 4
+    )
+    snap = backend.traffic_snapshot().as_dict()
+    assert snap == _expected_traffic(model, 0, init_elem=2, grad_elem=2, out_elem=2)
+    steps = 3
+    for _ in range(steps):
+        model.step(grad_dtype=torch.bfloat16, out_dtype=torch.bfloat16)
+    assert backend.traffic_snapshot().as_dict() == _expected_traffic(model, steps, 2, 2, 2)
+    # Per step: 2 B/param in, 2 B/param out over the link.
+    numel = sum(sizes)
+    before = backend.traffic_snapshot()
+    model.step(grad_dtype=torch.bfloat16, out_dtype=torch.bfloat16)
+    delta = (backend.traffic_snapshot() - before).as_dict()
+    assert delta == {
+        "link_write_bytes": 2 * numel,
+        "link_read_bytes": 2 * numel,
+        "storage_read_bytes": model.file_bytes(),
+        "storage_write_bytes": model.file_bytes(),
+    }
+
+
+def test_traffic_exact_padded_sizes(tmp_path, make_backend) -> None:
+    sizes = [1, 1025, 3 * CHUNK + 5]
+    opts = ["adamw", "sgd_nesterov", "adam_amsgrad"]  # 2, 1 and 3 states
+    backend = make_backend(_dirs(tmp_path, 2), buffer_count=3)
+    model = Model(backend, sizes, opts)
+    # Hand-computed layout: each state of a record padded to 1024 elements, records at chunk strides.
+    expected_files = [1024 * 4 * 3, 2048 * 4 * 2, 3 * CHUNK * 4 * 4 + 1024 * 4 * 4]
+    assert model.file_bytes() == sum(expected_files)
+    for _ in range(2):
+        model.step(grad_dtype=torch.float16, out_dtype=torch.float32)
+    assert backend.traffic_snapshot().as_dict() == _expected_traffic(model, 2, init_elem=4, grad_elem=2, out_elem=4)
+    for i, size in enumerate(expected_files):
+        assert (tmp_path / f"dev{i % 2}" / shard_file_name(i)).stat().st_size == size
+
+
+@pytest.mark.parametrize("num_devices", [1, 2, 3])
+def test_shard_placement_and_private_dirs(tmp_path, make_backend, num_devices) -> None:
+    dirs = [tmp_path / f"disk{i}" / "smartinf" for i in range(num_devices)]
+    dirs[0].mkdir(parents=True, mode=0o755)
+    os.chmod(dirs[0], 0o755)  # an existing, world-readable directory is made private too
+    backend = make_backend(dirs)
+    sizes = [1025, 1, CHUNK, 2 * CHUNK, 3]
+    model = Model(backend, sizes, ["adamw", "sgd_plain", "adagrad", "adam_amsgrad", "sgd_nesterov"])
+    for d in dirs:
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    for i, spec in enumerate(model.specs):
+        layout = ChunkLayout(spec.numel, CHUNK, len(spec.rule.state_names))
+        for j, d in enumerate(dirs):
+            path = d / shard_file_name(i)
+            if j == i % num_devices:
+                assert path.is_file(), path
+                assert path.stat().st_size == layout.file_bytes
+            else:
+                assert not path.exists(), path
+    assert backend.device_of(4).directory == dirs[4 % num_devices]
+
+
+def test_read_master_exact(tmp_path, make_backend) -> None:
+    backend = make_backend(_dirs(tmp_path, 2), buffer_count=2)
+    model = Model(backend, ODD_SIZES, ODD_OPTS, seed=5)
+    model.check_masters()  # right after initialize
+    for _ in range(4):
+        model.step(out_dtype=torch.float16)
+    model.check_masters()
+    # Into a low-precision tensor too.
+    out = torch.empty(ODD_SIZES[-1], dtype=torch.bfloat16)
+    backend.read_master(len(ODD_SIZES) - 1, out)
+    backend.wait()
+    assert_close(out, model.refs[-1].detach().bfloat16(), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------- save and load
+
+
+@pytest.mark.parametrize(("devices_before", "devices_after"), [(1, 3), (3, 2)])
+def test_save_load_resume_is_identical(tmp_path, make_backend, devices_before, devices_after) -> None:
+    sizes = [1025, 3 * CHUNK + 5, 1, CHUNK]
+    opts = ["adamw", "adam_amsgrad", "sgd_nesterov", "adagrad"]
+    first = make_backend(_dirs(tmp_path / "run1", devices_before), buffer_count=2)
+    model = Model(first, sizes, opts, seed=6)
+    for _ in range(3):
+        model.step()
+    ckpt = tmp_path / "ckpt"
+    first.save(ckpt)
+    assert (ckpt / MANIFEST).is_file()
+    assert stat.S_IMODE(ckpt.stat().st_mode) == 0o700
+    _run_with_timeout(first.close)
+
+    second = make_backend(_dirs(tmp_path / "run2", devices_after), buffer_count=4)
+    second.open(model.specs)
+    # Garbage that load must overwrite (masters *and* states).
+    for i, n in enumerate(sizes):
+        second.initialize(i, torch.full((n,), 123.0))
+    second.wait()
+    second.load(ckpt)
+    model.backend = second  # the reference optimizers continue uninterrupted
+    for _ in range(3):
+        model.step()
+    model.check_masters()
+    for i in range(len(sizes)):
+        assert (tmp_path / "run2" / f"dev{i % devices_after}" / shard_file_name(i)).is_file()
+
+
+def _saved(tmp_path: Path, make_backend, sizes=(1025, CHUNK), opts=("adamw", "sgd_nesterov")) -> tuple[Model, Path]:
+    backend = make_backend(_dirs(tmp_path / "src", 1))
+    model = Model(backend, sizes, opts, seed=8)
+    model.step()
+    ckpt = tmp_path / "ckpt"
+    backend.save(ckpt)
+    return model, ckpt
+
+
+def test_load_rejects_other_numel(tmp_path, make_backend) -> None:
+    _, ckpt = _saved(tmp_path, make_backend)
+    other = make_backend(_dirs(tmp_path / "dst", 1))
+    other.open([ShardSpec(0, 1025, OPTIMIZERS["adamw"][0]), ShardSpec(1, CHUNK + 1, OPTIMIZERS["sgd_nesterov"][0])])
+    with pytest.raises(ValueError, match="does not match") as info:
+        other.load(ckpt)
+    assert str(CHUNK + 1) in str(info.value) and str(CHUNK) in str(info.value)
+
+
+def test_load_rejects_other_rule(tmp_path, make_backend) -> None:
+    _, ckpt = _saved(tmp_path, make_backend)
+    other = make_backend(_dirs(tmp_path / "dst", 1))
+    other.open([ShardSpec(0, 1025, OPTIMIZERS["adamw"][0]), ShardSpec(1, CHUNK, OPTIMIZERS["adagrad"][0])])
+    with pytest.raises(ValueError, match="does not match") as info:
+        other.load(ckpt)
+    assert "adagrad" in str(info.value) and "sgd" in str(info.value)
+
+
+def test_load_rejects_other_state_set(tmp_path, make_backend) -> None:
+    """Same rule name, different states (Adam vs Adam+amsgrad) must not load."""
+    _, ckpt = _saved(tmp_path, make_backend)
+    other = make_backend(_dirs(tmp_path / "dst", 1))
+    other.open([ShardSpec(0, 1025, Adam(amsgrad=True)), ShardSpec(1, CHUNK, OPTIMIZERS["sgd_nesterov"][0])])
+    with pytest.raises(ValueError, match="max_exp_avg_sq"):
+        other.load(ckpt)
+
+
+def test_load_rejects_other_chunk_elems(tmp_path, make_backend) -> None:
+    model, ckpt = _saved(tmp_path, make_backend)
+    other = make_backend(_dirs(tmp_path / "dst", 1), chunk_elems=2 * CHUNK)
+    other.open(model.specs)
+    with pytest.raises(ValueError, match="chunk_elems"):
+        other.load(ckpt)
+
+
+def test_load_truncated_file_names_it_and_keeps_state(tmp_path, make_backend) -> None:
+    model, ckpt = _saved(tmp_path, make_backend)
+    victim = ckpt / shard_file_name(1)
+    os.truncate(victim, victim.stat().st_size - 4096)
+    with pytest.raises(ValueError, match=str(victim)):
+        model.backend.load(ckpt)
+    # Nothing was replaced: training continues exactly.
+    model.step()
+    model.check_masters()
+
+
+def test_load_missing_shard_file(tmp_path, make_backend) -> None:
+    model, ckpt = _saved(tmp_path, make_backend)
+    (ckpt / shard_file_name(0)).unlink()
+    with pytest.raises(ValueError, match=shard_file_name(0)):
+        model.backend.load(ckpt)
+
+
+def test_load_missing_manifest(tmp_path, make_backend) -> None:
+    model, ckpt = _saved(tmp_path, make_backend)
+    (ckpt / MANIFEST).unlink()
+    with pytest.raises(FileNotFoundError, match=MANIFEST):
+        model.backend.load(ckpt)
+    with pytest.raises(FileNotFoundError):
+        model.backend.load(tmp_path / "nowhere")
+
+
+# ------------------------------------------------------------------------------------------------------ errors
+
+
+def test_wrong_sizes_rejected(tmp_path, make_backend) -> None:
+    backend = make_backend(_dirs(tmp_path, 1))
+    Model(backend, [1025], ["adamw"])
+    hp = StepParams(step=1, lr=0.1)
+    with pytest.raises(ValueError, match="grad"):
+        backend.submit(0, torch.zeros(1024), hp, torch.zeros(1025))
+    with pytest.raises(ValueError, match="out"):
+        backend.submit(0, torch.zeros(1025), hp, torch.zeros(1026))
+    with pytest.raises(ValueError, match="master"):
+        backend.initialize(0, torch.zeros(1))
+    with pytest.raises(ValueError, match="out"):
+        backend.read_master(0, torch.zeros(2050))
+
+
+@pytest.mark.parametrize("buffer_count", [1, 0, -3])
+def test_buffer_count_too_small(tmp_path, buffer_count) -> None:
+    with pytest.raises(ValueError, match="buffer_count"):
+        CpuBackend(_dirs(tmp_path, 1), buffer_count=buffer_count)
+
+
+@pytest.mark.parametrize("chunk_elems", [1000, 0, -1024, 1536])
+def test_chunk_elems_not_multiple_of_1024(tmp_path, chunk_elems) -> None:
+    with pytest.raises(ValueError, match="chunk_elems"):
+        CpuBackend(_dirs(tmp_path, 1), chunk_elems=chunk_elems)
+
+
+def test_no_device_dirs() -> None:
+    with pytest.raises(ValueError, match="device_dirs"):
+        CpuBackend([])
+
+
+def test_open_twice(tmp_path, make_backend) -> None:
+    backend = make_backend(_dirs(tmp_path, 1))
+    backend.open([ShardSpec(0, 10, SGD())])
+    with pytest.raises(RuntimeError, match="open"):
+        backend.open([ShardSpec(0, 10, SGD())])
+
+
+def test_open_rejects_index_not_matching_position(tmp_path, make_backend) -> None:
+    """`ShardSpec.index` is documented as the shard's position; a mismatch (or a duplicate) must be refused.
+
+    Otherwise two specs with one index share a state file, and ``submit(i)`` borrows the gradient chunk of
+    device ``i % N`` while the request runs on device ``spec.index % N`` (two devices racing on one buffer).
+    """
+    backend = make_backend(_dirs(tmp_path, 2))
+    with pytest.raises(ValueError, match="index"):
+        backend.open([ShardSpec(1, 1024, SGD()), ShardSpec(0, 1024, SGD())])
+    other = make_backend(_dirs(tmp_path / "b", 2))
+    with pytest.raises(ValueError, match="index"):
+        other.open([ShardSpec(0, 1024, SGD()), ShardSpec(0, 1024, SGD())])
+
+
+def test_free_space_check(tmp_path) -> None:
+    free = shutil.disk_usage(tmp_path).free
+    check_free_space(tmp_path, 1 << 20)  # fits
+    with pytest.raises(StorageError, match="GiB") as info:
+        check_free_space(tmp_path, free + (64 << 30))
+    assert str(tmp_path) in str(info.value)
+
+
+def test_free_space_ignores_unrelated_files(tmp_path) -> None:
+    """Only state files the backend will overwrite may count as reclaimable space.
+
+    A (sparse) unrelated file as large as the disk must not make an impossible request pass.
+    """
+    free = shutil.disk_usage(tmp_path).free
+    (tmp_path / "dataset.bin").touch()
+    os.truncate(tmp_path / "dataset.bin", 2 * free)  # sparse: takes no blocks
+    with pytest.raises(StorageError):
+        check_free_space(tmp_path, free + (1 << 30))
+
+
+def test_open_refuses_when_disk_too_small(tmp_path, make_backend) -> None:
+    backend = make_backend(_dirs(tmp_path, 1))
+    free = shutil.disk_usage(tmp_path).free
+    numel = (free + (64 << 30)) // 12
+    with pytest.raises(StorageError, match=str(tmp_path / "dev0")):
+        backend.open([ShardSpec(0, numel, Adam())])
+    assert not (tmp_path / "dev0" / shard_file_name(0)).exists()
+
+
+def test_validate_storage_path(tmp_path) -> None:
+    assert validate_storage_path(tmp_path) == tmp_path.resolve()
+    missing = tmp_path / "missing"
+    with pytest.raises(ValueError, match="does not exist") as info:
+        validate_storage_path(missing)
+    assert str(missing) in str(info.value)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="not a directory") as info:
+        validate_storage_path(a_file, "storage_paths")
+    assert str(a_file) in str(info.value) and "storage_paths" in str(info.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root bypasses directory permissions")
+def test_validate_storage_path_not_writable(tmp_path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    os.chmod(locked, 0o500)
+    try:
+        with pytest.raises(ValueError, match="not writable") as info:
+            validate_storage_path(locked)
+        assert str(locked) in str(info.value)
+    finally:
+        os.chmod(locked, 0o700)
+
+
+# --------------------------------------------------------------------------------------------- device failures
+
+
+def test_io_error_surfaces_and_close_is_clean(tmp_path, make_backend) -> None:
+    backend = make_backend(_dirs(tmp_path, 2), buffer_count=2)
+    model = Model(backend, [3 * CHUNK, CHUNK], ["adamw", "sgd_nesterov"])
+    backend._shards[0].file.close()  # the device's next pread gets EBADF
+    hp = StepParams(step=1, lr=0.1)
+    backend.submit(0, torch.zeros(3 * CHUNK), hp, torch.zeros(3 * CHUNK))
+    good = torch.zeros(CHUNK)
+    backend.submit(1, torch.ones(CHUNK), StepParams(step=1, lr=0.1, momentum=0.9), good)
+    exc = _run_with_timeout(backend.wait)
+    assert isinstance(exc, OSError) and exc.errno == errno.EBADF, exc
+    assert not torch.equal(good, torch.zeros(CHUNK))  # the healthy device still did its work
+    assert _run_with_timeout(backend.wait) is None  # the error was reported once
+    assert _run_with_timeout(backend.close) is None
+    del model
+
+
+@pytest.mark.parametrize("buffer_count", [2, 3])
+def test_io_errors_do_not_leak_buffers(tmp_path, make_backend, buffer_count) -> None:
+    """A failed request must give its chunk buffers back; otherwise the device's pool drains and the next
+    request on that device (and so ``wait`` and ``close``) blocks forever."""
+    backend = make_backend(_dirs(tmp_path, 1), buffer_count=buffer_count)
+    n = CHUNK  # one chunk per request, so each failed request costs (at most) one buffer and nothing blocks
+    model = Model(backend, [n] * (buffer_count + 1), ["sgd_plain"] * (buffer_count + 1))
+    device = backend.devices[0]
+    try:
+        for i in range(buffer_count):
+            backend._shards[i].file.close()
+            backend.submit(i, torch.ones(n), StepParams(step=1, lr=0.1), torch.zeros(n))
+        exc = _run_with_timeout(backend.wait)
+        assert isinstance(exc, OSError), exc
+        assert device._pool.qsize() == buffer_count, "chunk buffers lost after failed requests"
+        # The healthy shard on the same device still trains.
+        out = torch.zeros(n)
+        backend.submit(buffer_count, torch.ones(n), StepParams(step=1, lr=0.1), out)
+        assert _run_with_timeout(backend.wait, timeout=10.0) is None
+        assert_close(out, model.refs[-1].detach().add(torch.ones(n), alpha=-0.1), rtol=0, atol=0)
+    finally:
+        # Unblock a starved worker so teardown can close the backend.
+        while device._pool.qsize() < buffer_count:
+            device._pool.put(aligned_empty(CHUNK * 4 * 2, torch.float32))
+
+
+# ------------------------------------------------------------------------------------------------- host memory
+
+
+@pytest.mark.parametrize(("num_devices", "buffer_count"), [(1, 4), (2, 2), (3, 3)])
+def test_host_buffer_memory_is_fixed(tmp_path, make_backend, num_devices, buffer_count) -> None:
+    chunk = 1 << 16
+    sizes = {}
+    for numel in (4 << 20, 16 << 20):
+        backend = make_backend(_dirs(tmp_path / str(numel), num_devices), chunk_elems=chunk, buffer_count=buffer_count)
+        backend.open([ShardSpec(0, numel, Adam())])
+        sizes[numel] = backend.buffer_bytes
+    assert sizes[4 << 20] == sizes[16 << 20] == num_devices * ((buffer_count * (1 + 2) + 1) * chunk * 4)
+
+
+def test_host_buffer_memory_uses_largest_record(tmp_path, make_backend) -> None:
+    backend = make_backend(_dirs(tmp_path, 2), buffer_count=2)
+    backend.open([ShardSpec(0, 10, SGD(with_momentum=False)), ShardSpec(1, 10, Adam(amsgrad=True))])
+    assert backend.buffer_bytes == 2 * ((2 * (1 + 3) + 1) * CHUNK * 4)
