@@ -1,0 +1,80 @@
+"""Running Lightning's DeepSpeed strategy on DeepSpeed's CPU accelerator with gloo.
+
+Lightning's ``DeepSpeedStrategy`` refuses non-CUDA accelerators, validates CUDA device indices and passes
+``device_rank=None`` on CPU; DeepSpeed itself trains ZeRO-3 on CPU. The mixin replaces exactly those
+three steps and leaves the CUDA path untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+
+class DeepSpeedOnCPUMixin:
+    """Mix into a ``DeepSpeedStrategy`` subclass (before it) to train on ``accelerator="cpu"`` as well as CUDA."""
+
+    @override
+    def setup_environment(self: Any) -> None:
+        if isinstance(self.accelerator, CUDAAccelerator):
+            super().setup_environment()
+            return
+        if not isinstance(self.accelerator, CPUAccelerator):
+            raise MisconfigurationException(
+                f"`{type(self).__name__}` runs on `accelerator='cuda'` or `'cpu'`, not on "
+                f"`{type(self.accelerator).__name__}`."
+            )
+        from deepspeed.accelerator import get_accelerator, set_accelerator
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        if get_accelerator().device_name() != "cpu":
+            set_accelerator(CPU_Accelerator())
+        DDPStrategy.setup_environment(self)
+
+    @override
+    def setup_distributed(self: Any) -> None:
+        if isinstance(self.accelerator, CUDAAccelerator):
+            super().setup_distributed()
+            return
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _deepspeed_args(self: Any) -> argparse.Namespace:
+        """The ``args`` for ``deepspeed.initialize``: CPU devices have no index, so the local rank stands in."""
+        on_cuda = isinstance(self.accelerator, CUDAAccelerator)
+        return argparse.Namespace(device_rank=self.root_device.index if on_cuda else self.local_rank)
+
+
+class DeepSpeedCPUStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
+    """Stock Lightning ``DeepSpeedStrategy`` (any ZeRO stage and offload) that also runs on CPU.
+
+    The baseline that benchmarks and equivalence tests compare ``smart_infinity`` with, e.g. ZeRO-Infinity
+    (``offload_optimizer_device="nvme"``) or ``deepspeed_stage_3_offload`` on the same machine.
+    """
+
+    @override
+    def _setup_model_and_optimizer(
+        self, model: Module, optimizer: Optimizer | None, lr_scheduler: Any = None
+    ) -> tuple[Any, Optimizer]:
+        import deepspeed
+
+        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+            args=self._deepspeed_args(),
+            config=self.config,
+            model=model,
+            model_parameters=filter(lambda p: p.requires_grad, model.parameters()),
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, deepspeed_optimizer

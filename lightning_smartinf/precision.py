@@ -1,0 +1,60 @@
+"""Precision plugin of the ``smart_infinity`` strategy."""
+
+from __future__ import annotations
+
+from typing import Any, get_args
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.precision.deepspeed import _PRECISION_INPUT
+from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
+from torch import Tensor
+from typing_extensions import override
+
+_LINK_DTYPES = {
+    "32-true": torch.float32,
+    "16-true": torch.float16,
+    "16-mixed": torch.float16,
+    "bf16-true": torch.bfloat16,
+    "bf16-mixed": torch.bfloat16,
+}
+
+
+class SmartInfinityPrecision(DeepSpeedPrecision):
+    """DeepSpeed precision for SmartUpdate: the training dtype is also what crosses the host-device link.
+
+    Gradients go to the devices and updated parameters come back in :attr:`link_dtype`; fp32 master
+    weights and optimizer states never leave the devices, whatever the precision.
+
+    Args:
+        precision: ``"bf16-mixed"`` (recommended), ``"16-mixed"`` (dynamic loss scaling), ``"32-true"``,
+            ``"bf16-true"`` or ``"16-true"``.
+
+    Raises:
+        ValueError: if ``precision`` is not one of those.
+    """
+
+    def __init__(self, precision: _PRECISION_INPUT) -> None:
+        supported = get_args(_PRECISION_INPUT)
+        if precision not in supported:
+            raise ValueError(
+                f"`Trainer(strategy='smart_infinity', precision={precision!r})` is not supported. "
+                f"`precision` must be one of: {', '.join(map(repr, supported))}."
+            )
+        super().__init__(precision)
+
+    @property
+    def link_dtype(self) -> torch.dtype:
+        """Element type of gradients sent to and parameters returned from the devices."""
+        return _LINK_DTYPES[self.precision]
+
+    @override
+    def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        """Back-propagate through DeepSpeed's engine, dividing by the accumulation steps exactly once.
+
+        Lightning's automatic optimization already divides the loss by ``accumulate_grad_batches``; the engine
+        would divide it again (``scale_wrt_gas``), training with gradients ``accumulate_grad_batches`` times too
+        small. Manual optimization does not divide, so there the engine keeps doing it.
+        """
+        kwargs.setdefault("scale_wrt_gas", not model.automatic_optimization)
+        super().backward(tensor, model, optimizer, *args, **kwargs)

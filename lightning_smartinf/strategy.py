@@ -1,0 +1,375 @@
+"""``SmartInfinityStrategy``: DeepSpeed ZeRO-3 with the optimizer update run next to the storage."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_smartinf.csd import Backend, CpuBackend, StorageError, TrafficSnapshot, validate_storage_path
+from lightning_smartinf.csd.storage import ensure_private_dir
+from lightning_smartinf.csd.torch_optim import SUPPORTED_OPTIMIZERS, rule_for_group
+from lightning_smartinf.precision import SmartInfinityPrecision
+from lightning_smartinf.cpu_support import DeepSpeedOnCPUMixin
+from lightning_smartinf.zero import check_deepspeed_version, smart_update_optimizer
+
+BACKENDS = ("cpu",)
+_STATE_DIR = "smartinf"
+_HOST_STATE = "host_state.json"
+
+
+class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
+    """Train with DeepSpeed ZeRO-3 while fp32 master weights and optimizer states live on storage devices.
+
+    Every ZeRO sub-group partition is a shard owned by one device (shard ``s`` on device ``s mod N`` of
+    this rank's storage paths). After backward, each shard's reduced gradient goes to its device in the
+    training dtype; the device reads its master weights and states, applies the update of the optimizer
+    from ``configure_optimizers`` there, writes them back to its storage and returns the updated
+    low-precision parameters. Runs on CUDA and on CPU (DeepSpeed's CPU accelerator with gloo).
+
+    Args:
+        accelerator: the accelerator; ``"cpu"`` and ``"cuda"`` are supported.
+        backend: device implementation; ``"cpu"`` emulates computational-storage devices on host cores.
+        storage_paths: directories, one per device, shared out among the ranks of a node (rank ``r`` gets
+            ``storage_paths[r::ranks_per_node]``); each rank needs at least one of its own. ``None``: one
+            private temporary directory per rank, removed at the end.
+        sub_group_size: elements per ZeRO sub-group, the unit of work of a device.
+        chunk_size: elements a device streams through one buffer at a time (a multiple of 1024).
+        buffer_count: chunk buffers per device; host memory of the update path is
+            ``devices * buffer_count * chunk_size * 4 * (1 + states)`` bytes.
+        staging_window: sub-groups in flight at once during a step (default: twice the devices); each
+            holds one gradient staging buffer of the largest sub-group in the training dtype.
+        offload_parameters: keep ZeRO's low-precision parameter partitions in host memory between uses.
+        config: a DeepSpeed config dict or JSON path to start from; SmartUpdate adds its own keys and
+            rejects settings that contradict it (optimizer offload, a DeepSpeed ``optimizer`` block, stages < 3).
+        reduce_bucket_size, allgather_bucket_size, contiguous_gradients, overlap_comm, logging_batch_size_per_gpu,
+        loss_scale, initial_scale_power, loss_scale_window, hysteresis, min_loss_scale, logging_level,
+        parallel_devices, cluster_environment, precision_plugin, process_group_backend, timeout:
+            as in :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`.
+    """
+
+    strategy_name = "smart_infinity"
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        backend: Literal["cpu"] = "cpu",
+        storage_paths: list[_PATH] | None = None,
+        sub_group_size: int = 40_000_000,
+        chunk_size: int = 1 << 20,
+        buffer_count: int = 4,
+        staging_window: int | None = None,
+        offload_parameters: bool = False,
+        config: _PATH | dict[str, Any] | None = None,
+        reduce_bucket_size: int = 200_000_000,
+        allgather_bucket_size: int = 200_000_000,
+        contiguous_gradients: bool = True,
+        overlap_comm: bool = True,
+        logging_batch_size_per_gpu: str | int = "auto",
+        loss_scale: float = 0,
+        initial_scale_power: int = 16,
+        loss_scale_window: int = 1000,
+        hysteresis: int = 2,
+        min_loss_scale: int = 1,
+        logging_level: int = logging.WARN,
+        parallel_devices: list[Any] | None = None,
+        cluster_environment: Any = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        check_deepspeed_version()
+        if backend not in BACKENDS:
+            raise MisconfigurationException(
+                f"`SmartInfinityStrategy(backend={backend!r})` is not supported. `backend` must be one of: "
+                f"{', '.join(map(repr, BACKENDS))}."
+            )
+        for name, value, minimum in (
+            ("sub_group_size", sub_group_size, 1),
+            ("buffer_count", buffer_count, 2),
+            ("staging_window", staging_window if staging_window is not None else 1, 1),
+        ):
+            if not isinstance(value, int) or value < minimum:
+                raise MisconfigurationException(
+                    f"`SmartInfinityStrategy({name}={value!r})` is invalid: it must be an integer >= {minimum}."
+                )
+        if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % 1024:
+            raise MisconfigurationException(
+                f"`SmartInfinityStrategy(chunk_size={chunk_size!r})` is invalid: it must be a positive multiple of "
+                f"1024 elements (the 4 KiB direct-I/O unit), e.g. {max(1024, round((chunk_size or 0) / 1024) * 1024)}."
+            )
+        self._storage_paths = self._validate_storage_paths(storage_paths)
+        self.backend_name = backend
+        self.chunk_size = chunk_size
+        self.buffer_count = buffer_count
+        self.staging_window = staging_window
+        self._backend: Backend | None = None
+        self._closed_traffic = TrafficSnapshot()
+
+        user_config = self._load_config(config)
+        smart_config = self._smart_update_config(
+            user_config,
+            sub_group_size=sub_group_size,
+            offload_parameters=offload_parameters,
+            reduce_bucket_size=reduce_bucket_size,
+            allgather_bucket_size=allgather_bucket_size,
+            contiguous_gradients=contiguous_gradients,
+            overlap_comm=overlap_comm,
+        )
+        if logging_batch_size_per_gpu != "auto":
+            smart_config.setdefault("train_micro_batch_size_per_gpu", logging_batch_size_per_gpu)
+        super().__init__(
+            accelerator=accelerator,
+            config=smart_config,
+            loss_scale=loss_scale,
+            initial_scale_power=initial_scale_power,
+            loss_scale_window=loss_scale_window,
+            hysteresis=hysteresis,
+            min_loss_scale=min_loss_scale,
+            logging_level=logging_level,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+
+    # ----------------------------------------------------------------------------------------- configuration
+
+    @staticmethod
+    def _validate_storage_paths(storage_paths: list[_PATH] | None) -> list[Path] | None:
+        if storage_paths is None:
+            return None
+        if isinstance(storage_paths, (str, os.PathLike)):
+            storage_paths = [storage_paths]
+        if len(storage_paths) == 0:
+            raise MisconfigurationException(
+                "`SmartInfinityStrategy(storage_paths=[])` is empty. Pass at least one directory, or `None` for a "
+                "temporary directory."
+            )
+        try:
+            resolved = [validate_storage_path(p) for p in storage_paths]
+        except ValueError as exc:
+            raise MisconfigurationException(f"`SmartInfinityStrategy`: {exc}") from None
+        seen: dict[Path, Any] = {}
+        for original, path in zip(storage_paths, resolved):
+            if path in seen:
+                raise MisconfigurationException(
+                    f"`SmartInfinityStrategy(storage_paths=...)` names {str(seen[path])!r} and {str(original)!r}, "
+                    "which are the same directory; two devices cannot share one storage path. Remove the duplicate."
+                )
+            seen[path] = original
+        return resolved
+
+    @staticmethod
+    def _smart_update_config(user_config: dict[str, Any] | None, **settings: Any) -> dict[str, Any]:
+        config = json.loads(json.dumps(user_config)) if user_config else {}
+        zero = config.setdefault("zero_optimization", {})
+        problems = []
+        if zero.get("stage", 3) != 3:
+            problems.append(f"`zero_optimization.stage={zero['stage']}`: SmartUpdate runs on ZeRO stage 3; remove it.")
+        if zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None):
+            problems.append(
+                f"`zero_optimization.offload_optimizer.device={zero['offload_optimizer']['device']!r}`: the optimizer "
+                "state lives on the SmartUpdate devices; remove `offload_optimizer` and set `storage_paths` instead."
+            )
+        if zero.get("offload_param", {}).get("device") == "nvme":
+            problems.append(
+                "`zero_optimization.offload_param.device='nvme'`: not supported with SmartUpdate; use 'cpu' "
+                "(`offload_parameters=True`)."
+            )
+        if "optimizer" in config:
+            problems.append(
+                "`optimizer`: SmartUpdate runs the optimizer from `LightningModule.configure_optimizers`; remove the "
+                f"DeepSpeed `optimizer` block and return one of {', '.join(SUPPORTED_OPTIMIZERS)} there."
+            )
+        if problems:
+            raise MisconfigurationException(
+                "The DeepSpeed `config` passed to `SmartInfinityStrategy` contradicts SmartUpdate:\n- "
+                + "\n- ".join(problems)
+            )
+        zero["stage"] = 3
+        zero.setdefault("sub_group_size", settings["sub_group_size"])
+        zero.setdefault("reduce_bucket_size", settings["reduce_bucket_size"])
+        zero.setdefault("allgather_bucket_size", settings["allgather_bucket_size"])
+        zero.setdefault("contiguous_gradients", settings["contiguous_gradients"])
+        zero.setdefault("overlap_comm", settings["overlap_comm"])
+        # The path is replaced per rank at set-up; "nvme" makes ZeRO keep only empty fp32 placeholders.
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": tempfile.gettempdir()}
+        if settings["offload_parameters"]:
+            zero["offload_param"] = {"device": "cpu"}
+        config["zero_allow_untested_optimizer"] = True
+        config["zero_force_ds_cpu_optimizer"] = False
+        return config
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return super().precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # The connector hands every DeepSpeedStrategy a plain DeepSpeedPrecision; ours adds validation and link dtype.
+        if isinstance(plugin, DeepSpeedPrecision) and not isinstance(plugin, SmartInfinityPrecision):
+            plugin = SmartInfinityPrecision(plugin.precision)
+        elif plugin is not None and not isinstance(plugin, SmartInfinityPrecision):
+            raise MisconfigurationException(
+                f"`SmartInfinityStrategy` needs a `SmartInfinityPrecision` plugin, got `{type(plugin).__name__}`. "
+                "Pass `precision=...` to the Trainer instead."
+            )
+        self._precision_plugin = plugin
+
+    # ------------------------------------------------------------------------------------------ engine set-up
+
+    @override
+    def _init_optimizers(self) -> tuple[Optimizer, Any]:
+        optimizer, scheduler = super()._init_optimizers()
+        try:
+            for group in optimizer.param_groups:
+                rule_for_group(optimizer, group)
+        except ValueError as exc:
+            raise MisconfigurationException(str(exc)) from None
+        return optimizer, scheduler
+
+    def _rank_device_dirs(self) -> tuple[list[Path], list[Path]]:
+        """This rank's device directories, and those of them the backend must remove at the end."""
+        if self._storage_paths is None:
+            directory = Path(tempfile.mkdtemp(prefix=f"smartinf-rank{self.global_rank}-"))
+            return [directory], [directory]
+        ranks_per_node = max(1, self.num_processes)
+        mine = self._storage_paths[self.local_rank :: ranks_per_node]
+        if not mine:
+            raise MisconfigurationException(
+                f"`SmartInfinityStrategy(storage_paths=...)` gives {len(self._storage_paths)} path(s) to "
+                f"{ranks_per_node} ranks per node, so ranks would share a storage path. Pass at least one path per "
+                "rank (directories on the same disk work, e.g. /mnt/nvme/r0 and /mnt/nvme/r1)."
+            )
+        return [p / _STATE_DIR / f"rank{self.global_rank:03d}" for p in mine], []
+
+    @override
+    def _setup_model_and_optimizer(
+        self, model: Module, optimizer: Optimizer | None, lr_scheduler: Any = None
+    ) -> tuple[Any, Optimizer]:
+        import deepspeed
+
+        if optimizer is None:
+            raise MisconfigurationException(
+                "`SmartInfinityStrategy` needs an optimizer from `LightningModule.configure_optimizers` (one of "
+                f"{', '.join(SUPPORTED_OPTIMIZERS)})."
+            )
+        device_dirs, owned = self._rank_device_dirs()
+        for directory in device_dirs:
+            ensure_private_dir(directory.parent)
+            ensure_private_dir(directory)
+        # ZeRO copies its swap folder into checkpoints; ours stays empty (device state is saved separately).
+        engine_swap = device_dirs[0] / "engine-swap"
+        ensure_private_dir(engine_swap)
+        assert isinstance(self.config, dict)
+        self.config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(engine_swap)
+
+        def make_backend() -> Backend:
+            self._backend = CpuBackend(
+                device_dirs, chunk_elems=self.chunk_size, buffer_count=self.buffer_count, owned_dirs=owned
+            )
+            return self._backend
+
+        model_parameters = filter(lambda p: p.requires_grad, model.parameters())
+        try:
+            with smart_update_optimizer(make_backend, staging_window=self.staging_window or 2 * len(device_dirs)):
+                engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+                    args=self._deepspeed_args(),
+                    config=self.config,
+                    model=model,
+                    model_parameters=model_parameters,
+                    optimizer=optimizer,
+                    lr_scheduler=lr_scheduler,
+                    dist_init_required=False,
+                )
+        except StorageError as exc:
+            raise StorageError(str(exc)) from None
+        return engine, deepspeed_optimizer
+
+    # ------------------------------------------------------------------------------------------------ traffic
+
+    @property
+    def traffic(self) -> TrafficSnapshot:
+        """Cumulative bytes moved by this rank's devices: link (host↔device) and storage (inside the device)."""
+        return self._backend.traffic_snapshot() if self._backend is not None else self._closed_traffic
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        before = self.traffic
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        module = self.lightning_module
+        if module is not None and module._current_fx_name is not None:
+            delta = self.traffic - before
+            for name, value in delta.as_dict().items():
+                module.log(f"smartinf/{name}", float(value), on_step=True, on_epoch=False, sync_dist=False,
+                           reduce_fx="sum")
+        return output
+
+    # --------------------------------------------------------------------------------------------- checkpoints
+
+    def _device_state_dir(self, checkpoint_dir: _PATH) -> Path:
+        return Path(checkpoint_dir) / "checkpoint" / _STATE_DIR / f"rank{self.global_rank:03d}"
+
+    @override
+    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        filepath = self.broadcast(filepath)
+        zero_optimizer = self.deepspeed_engine.optimizer
+        directory = self._device_state_dir(filepath)
+        zero_optimizer.smartinf_backend.save(directory)
+        (directory / _HOST_STATE).write_text(json.dumps(zero_optimizer.smartinf_state_dict()))
+        self.barrier("smartinf_save_checkpoint")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        client_state = super().load_checkpoint(checkpoint_path, weights_only)
+        if self.lightning_module is not None and self.lightning_module.trainer.state.fn == "fit":
+            directory = self._device_state_dir(checkpoint_path)
+            zero_optimizer = self.deepspeed_engine.optimizer
+            host_state = directory / _HOST_STATE
+            if not host_state.is_file():
+                raise MisconfigurationException(
+                    f"{checkpoint_path} has no SmartUpdate device state for rank {self.global_rank} ({host_state} "
+                    "is missing). Resume from a checkpoint saved with `strategy='smart_infinity'` and the same ranks."
+                )
+            zero_optimizer.smartinf_backend.load(directory)
+            zero_optimizer.load_smartinf_state_dict(json.loads(host_state.read_text()))
+        return client_state
+
+    @override
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            if self._backend is not None:
+                self._closed_traffic = self._backend.traffic_snapshot()
+                self._backend.close()
+                self._backend = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "smart_infinity",
+            cls,
+            description="ZeRO-3 with optimizer state and update on near-storage devices (emulated on CPU by default)",
+        )

@@ -1,0 +1,204 @@
+"""DeepSpeed ZeRO-3 optimizer whose sub-group updates run on near-storage devices (SmartUpdate).
+
+Stock ZeRO-3 with ``offload_optimizer: nvme`` keeps an empty fp32 placeholder per sub-group and swaps
+master weights, moments and gradients between host and disk around a host-side update. This
+subclass keeps the placeholders but never swaps: the backend owns master weights and states on its
+storage, receives each sub-group's reduced gradient in the training dtype, and writes the updated
+low-precision partition straight into ZeRO's flat parameter buffer.
+
+Invariants:
+- Sub-group ``i`` is backend shard ``i``; its gradient is the slice of ``grad_partitions_flat_buffer``
+  starting at the sum of the earlier sub-groups' partition sizes (ZeRO builds both in the same order).
+- The host never holds fp32 master weights or states: only ``staging_window`` gradient staging buffers
+  of the largest sub-group, in the training dtype.
+- An overflowing (fp16) or non-finite step returns before any submission: device state is untouched.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from torch import Tensor
+
+from lightning_smartinf.csd import Backend, ShardSpec, TrafficSnapshot
+from lightning_smartinf.csd.torch_optim import rule_for_group, step_params
+
+BackendFactory = Callable[[], Backend]
+
+
+class DeviceSwapper:
+    """Stands where ZeRO-3 expects its NVMe optimizer swapper; routes the initial masters to the backend.
+
+    ZeRO calls only the methods below on the SmartUpdate path; every other swapper call would mean a
+    DeepSpeed code path we did not account for, so it fails loudly instead of silently swapping.
+    """
+
+    def __init__(self, optimizer: SmartUpdateZeroOptimizer, swap_folder: str) -> None:
+        self._optimizer = optimizer
+        #: The engine copies this (empty) folder into checkpoints; device state is saved by the strategy.
+        self.swap_folder = swap_folder
+
+    def is_swappable_tensor(self, param: Tensor | None = None, numel: int | None = None) -> bool:
+        return True
+
+    def initialize_parameters(self, parameters: list[Tensor], src_tensors: list[Tensor]) -> None:
+        placeholders = self._optimizer.fp32_partitioned_groups_flat
+        for placeholder, src in zip(parameters, src_tensors):
+            shard = next(i for i, p in enumerate(placeholders) if p is placeholder)
+            self._optimizer.smartinf_backend.initialize(shard, src)
+        self._optimizer.smartinf_backend.wait()
+
+    def init_timers(self) -> None: ...
+
+    def log_timers(self) -> None: ...
+
+    def pre_backward(self) -> None: ...
+
+    def post_backward(self) -> None: ...
+
+    def purge_state(self) -> None: ...
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(
+            f"DeepSpeed called `optimizer_swapper.{name}`, which SmartUpdate does not implement; this DeepSpeed "
+            "version takes a code path lightning_smartinf was not tested with. Use a supported DeepSpeed version."
+        )
+
+
+class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
+    """ZeRO-3 optimizer with the update of every sub-group delegated to a near-storage backend.
+
+    Not built directly: :func:`lightning_smartinf.zero.install.smart_update_optimizer` binds the
+    backend factory and installs a subclass for the duration of ``deepspeed.initialize``.
+    """
+
+    #: Set on the subclass that :func:`smart_update_optimizer` installs.
+    _smartinf_backend_factory: BackendFactory
+    _smartinf_staging_window: int
+
+    def _configure_tensor_swapping(self, offload_optimizer_config: Any, aio_config: Any) -> None:
+        if self.params_in_nvme_and_cpu:
+            raise ValueError("SmartUpdate does not support `offload_param` to NVMe; offload parameters to `cpu`.")
+        self.smartinf_backend = type(self)._smartinf_backend_factory()
+        self.smartinf_group_steps: dict[int, int] = {}
+        offsets = [0]
+        for numel in self.fp16_partitioned_groups_flat_numel:
+            offsets.append(offsets[-1] + int(numel))
+        self._smartinf_grad_offsets = offsets
+        shards = []
+        for i, numel in enumerate(self.fp16_partitioned_groups_flat_numel):
+            group = self.optimizer.param_groups[self.sub_group_to_group_id[i]]
+            shards.append(ShardSpec(index=i, numel=int(numel), rule=rule_for_group(self.optimizer, group)))
+        self.smartinf_backend.open(shards)
+        self.optimizer_swapper = DeviceSwapper(self, str(offload_optimizer_config.nvme_path))
+
+    def initialize_optimizer_states(self) -> None:
+        # Device states were initialised with the masters (DeviceSwapper.initialize_parameters).
+        largest = max(self.fp16_partitioned_groups_flat_numel)
+        lp_dtype = self.fp16_partitioned_groups_flat[0].dtype
+        self._smartinf_staging: deque[Tensor] = deque()
+        self._smartinf_needs_staging = self.gradient_accumulation_dtype != lp_dtype
+        if self._smartinf_needs_staging:
+            # The link carries gradients in the training dtype; these are the only host buffers of the step.
+            for _ in range(type(self)._smartinf_staging_window):
+                self._smartinf_staging.append(torch.empty(int(largest), dtype=lp_dtype))
+
+    def _offload_grad_partition_at_boundary(
+        self, param: Tensor, grad_buffer: Tensor, offload_fp32_gradients: dict, offload_fp32_offsets: dict
+    ) -> None:
+        # Only the norm is needed now; the gradient stays in ZeRO's flat buffer until the step submits it.
+        self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
+
+    def _swap_out_offload_fp32_gradients(self, offload_fp32_gradients: dict, offload_fp32_offsets: dict) -> None:
+        return None
+
+    def _combined_scale(self, total_norm: Tensor) -> float:
+        """Loss scale times the clipping factor; same formula as ``unscale_and_clip_grads``."""
+        combined = float(self.loss_scale)
+        if self.clip_grad > 0.0:
+            clip = ((float(total_norm) / self.loss_scale) + 1e-6) / self.clip_grad
+            combined *= max(clip, 1.0)
+        return combined
+
+    def _grad_slice(self, sub_group: int) -> Tensor:
+        start, end = self._smartinf_grad_offsets[sub_group], self._smartinf_grad_offsets[sub_group + 1]
+        return self.grad_partitions_flat_buffer[start:end]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        self._pre_step()
+        self._partition_all_parameters()
+
+        self._overflow_check_and_loss_scale_update(update_scale=False)
+        total_norm = None
+        if not self.overflow:
+            total_norm = combine_grad_norm_groups(self._get_norm_groups())
+            if is_invalid_grad_norm(total_norm):
+                self.overflow = True
+        if self._loss_scale_update_and_overflow_cleanup():
+            return  # skipped step: nothing was sent, so every device's state is as it was
+        self._global_grad_norm = total_norm / self.loss_scale
+        grad_scale = 1.0 / self._combined_scale(total_norm)
+
+        for group_id in set(self.sub_group_to_group_id.values()):
+            self.smartinf_group_steps[group_id] = self.smartinf_group_steps.get(group_id, 0) + 1
+
+        backend = self.smartinf_backend
+        in_flight: deque[tuple[int, Any, Tensor | None]] = deque()
+
+        def retire_oldest() -> None:
+            sub_group, handle, staging = in_flight.popleft()
+            handle.result()
+            self._unflatten_partitioned_parameters(sub_group)
+            if staging is not None:
+                self._smartinf_staging.append(staging)
+
+        for i in range(len(self.fp16_groups)):
+            grad = self._grad_slice(i)
+            staging = None
+            if self._smartinf_needs_staging:
+                while not self._smartinf_staging:
+                    retire_oldest()
+                staging = self._smartinf_staging.popleft()
+                grad = staging[: grad.numel()].copy_(grad)
+            group_id = self.sub_group_to_group_id[i]
+            hp = step_params(
+                self.optimizer.param_groups[group_id], step=self.smartinf_group_steps[group_id], grad_scale=grad_scale
+            )
+            in_flight.append((i, backend.submit(i, grad, hp, self.fp16_partitioned_groups_flat[i]), staging))
+        while in_flight:
+            retire_oldest()
+        backend.wait()
+        self._post_step(set())
+
+    def smartinf_traffic(self) -> TrafficSnapshot:
+        return self.smartinf_backend.traffic_snapshot()
+
+    def smartinf_state_dict(self) -> dict[str, Any]:
+        """Host-side state that travels with the device state in checkpoints."""
+        return {
+            "group_steps": {str(k): v for k, v in self.smartinf_group_steps.items()},
+            "loss_scale": float(self.loss_scale),
+            "num_shards": len(self.fp16_groups),
+        }
+
+    def load_smartinf_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_shards"] != len(self.fp16_groups):
+            raise ValueError(
+                f"The checkpoint holds {state['num_shards']} sub-groups on this rank but the model has "
+                f"{len(self.fp16_groups)}. Resume with the same model, `sub_group_size` and number of ranks."
+            )
+        self.smartinf_group_steps = {int(k): int(v) for k, v in state["group_steps"].items()}
+        if self.dynamic_loss_scale:
+            self.loss_scaler.cur_scale = state["loss_scale"]
+
+    def destroy(self) -> None:
+        try:
+            super().destroy()
+        finally:
+            self.smartinf_backend.close()

@@ -1,0 +1,149 @@
+"""Strategy surface: registration, exact traffic accounting, host memory, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from models import LMModule, fit, param_groups
+
+import lightning_smartinf
+from lightning_smartinf import SmartInfinityPrecision, SmartInfinityStrategy
+
+
+def adamw(model):
+    return torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3), None
+
+
+def test_import_registers_strategy_and_exports():
+    assert "smart_infinity" in StrategyRegistry
+    assert StrategyRegistry["smart_infinity"]["strategy"] is SmartInfinityStrategy
+    assert {"SmartInfinityStrategy", "SmartInfinityPrecision"} <= set(lightning_smartinf.__all__)
+
+
+@pytest.mark.parametrize(("precision", "link_bytes"), [("bf16-mixed", 2), ("32-true", 4)])
+def test_traffic_is_exact_per_parameter(tmp_path, precision, link_bytes):
+    """Link: grad in + param out in the training dtype. Storage: fp32 master + 2 Adam moments, read and written."""
+    steps = 3
+    module = LMModule(adamw, dim=64)  # every partition size is then a multiple of 1024: no padding
+    numel = sum(p.numel() for p in module.parameters())
+    # 2 groups (decay/no-decay); sub-groups close at 4096 elements, chunks of 2048 split them further.
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=4096, chunk_size=2048)
+    trainer, _ = fit(module, strategy, steps=steps, precision=precision)
+
+    shards = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend._shards
+    padded = sum(s.layout.num_chunks and sum(s.layout.padded_len(k) for k in range(s.layout.num_chunks)) for s in shards)
+    traffic = trainer.strategy.traffic
+    init_link = numel * link_bytes  # initial masters are upcast from the low-precision partitions
+    assert traffic.link_write_bytes == init_link + steps * numel * link_bytes
+    assert traffic.link_read_bytes == steps * numel * link_bytes
+    assert traffic.storage_read_bytes == steps * padded * 12
+    assert traffic.storage_write_bytes == padded * 12 + steps * padded * 12
+    # Per-step metrics are the per-step deltas.
+    metrics = trainer.callback_metrics
+    assert metrics["smartinf/link_write_bytes"] == numel * link_bytes
+    assert metrics["smartinf/storage_read_bytes"] == padded * 12
+    assert padded - numel < 1024 * len(shards)
+
+
+def test_state_files_live_on_storage_paths_and_are_private(tmp_path):
+    paths = [tmp_path / "ssd0", tmp_path / "ssd1"]
+    for p in paths:
+        p.mkdir()
+    strategy = SmartInfinityStrategy(storage_paths=paths, sub_group_size=2000)
+    trainer, _ = fit(LMModule(adamw), strategy, steps=1)
+    shards = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend._shards
+    assert len(shards) >= 4
+    for shard in shards:
+        device_dir = paths[shard.spec.index % 2] / "smartinf" / "rank000"
+        assert shard.file.path.parent == device_dir
+        assert shard.file.path.stat().st_size == shard.layout.file_bytes
+        assert stat.S_IMODE(device_dir.stat().st_mode) == 0o700
+
+
+def test_default_storage_is_a_private_temporary_directory_removed_at_the_end():
+    strategy = SmartInfinityStrategy(sub_group_size=2000)
+    trainer, _ = fit(LMModule(adamw), strategy, steps=2)
+    backend_dirs = [d.directory for d in trainer.strategy.deepspeed_engine.optimizer.smartinf_backend.devices]
+    assert trainer.strategy.traffic.link_read_bytes > 0
+    assert all(not d.exists() for d in backend_dirs)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+def test_missing_storage_path(tmp_path):
+    with pytest.raises(MisconfigurationException, match=r"storage_paths.*does not exist.*Create the directory"):
+        SmartInfinityStrategy(storage_paths=[tmp_path / "nope"])
+
+
+def test_storage_path_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(MisconfigurationException, match="is not a directory"):
+        SmartInfinityStrategy(storage_paths=[tmp_path / "f"])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root bypasses directory permissions")
+def test_storage_path_not_writable(tmp_path):
+    (tmp_path / "ro").mkdir(mode=0o500)
+    with pytest.raises(MisconfigurationException, match="not writable"):
+        SmartInfinityStrategy(storage_paths=[tmp_path / "ro"])
+
+
+def test_duplicate_storage_paths(tmp_path):
+    with pytest.raises(MisconfigurationException, match="same directory"):
+        SmartInfinityStrategy(storage_paths=[tmp_path, tmp_path / "." ])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"backend": "gpu"}, r"backend='gpu'.*must be one of: 'cpu'"),
+        ({"chunk_size": 1000}, r"chunk_size=1000.*multiple of\s+1024"),
+        ({"buffer_count": 1}, r"buffer_count=1.*>= 2"),
+        ({"sub_group_size": 0}, r"sub_group_size=0"),
+        ({"config": {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}}, r"offload_optimizer.*storage_paths"),
+        ({"config": {"zero_optimization": {"stage": 2}}}, r"stage=2"),
+        ({"config": {"optimizer": {"type": "Adam"}}}, r"configure_optimizers"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(MisconfigurationException, match=match):
+        SmartInfinityStrategy(**kwargs)
+
+
+def test_unsupported_precision():
+    with pytest.raises(ValueError, match=r"precision='64-true'.*must be one of"):
+        SmartInfinityPrecision("64-true")
+
+
+def test_unsupported_optimizer_lists_the_supported_ones(tmp_path):
+    def rmsprop(model):
+        return torch.optim.RMSprop(model.parameters(), lr=1e-3), None
+
+    with pytest.raises(MisconfigurationException, match=r"RMSprop.*torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD"):
+        fit(LMModule(rmsprop), SmartInfinityStrategy(storage_paths=[tmp_path]), steps=1)
+
+
+def test_not_enough_free_space_is_reported_before_training(tmp_path, monkeypatch):
+    import shutil as shutil_module
+
+    real = shutil_module.disk_usage
+    monkeypatch.setattr(
+        "lightning_smartinf.csd.storage.shutil.disk_usage", lambda p: real(p)._replace(free=1024)
+    )
+    with pytest.raises(lightning_smartinf.csd.StorageError, match=r"GiB free.*needs.*GiB"):
+        fit(LMModule(adamw), SmartInfinityStrategy(storage_paths=[tmp_path]), steps=1)
+    assert not list((tmp_path / "smartinf" / "rank000").glob("*.state"))
+
+
+def test_unsupported_deepspeed_version(monkeypatch):
+    import deepspeed
+
+    monkeypatch.setattr("lightning_smartinf.zero.install.RequirementCache", lambda req: False)
+    with pytest.raises(RuntimeError, match=rf"deepspeed {deepspeed.__version__} is installed.*pip install"):
+        SmartInfinityStrategy()
