@@ -1,0 +1,55 @@
+"""Launched by ``torch.distributed.run`` from tests/test_multirank.py: trains on 2 CPU ranks and saves results."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models import CaptureParams, LMModule, param_groups, token_loader  # noqa: E402
+
+from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
+
+
+def adamw(model):
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
+    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=8)
+
+
+def main(out: Path, storage: list[str], steps: int) -> None:
+    capture = CaptureParams()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=SmartInfinityStrategy(storage_paths=storage, sub_group_size=3000),
+        precision="32-true",
+        max_steps=steps,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[capture],
+        use_distributed_sampler=False,
+    )
+    # Rank r takes samples r, r+2, ...: each global batch of 4 is the one-rank batch, split even/odd.
+    dataset = token_loader(steps * 2, batch_size=2).dataset
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=int(os.environ["RANK"]), shuffle=False)
+    trainer.fit(LMModule(adamw), DataLoader(dataset, batch_size=2, sampler=sampler))
+    backend = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend
+    rank = trainer.global_rank
+    report = {
+        "files": [str(s.file.path) for s in backend._shards],
+        "traffic": trainer.strategy.traffic.as_dict(),
+    }
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    if rank == 0:
+        torch.save(capture.params, out / "params.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2].split(","), int(sys.argv[3]))
