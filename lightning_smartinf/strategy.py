@@ -21,11 +21,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_smartinf.cpu_support import DeepSpeedOnCPUMixin
 from lightning_smartinf.csd import Backend, CpuBackend, StorageError, TrafficSnapshot, validate_storage_path
 from lightning_smartinf.csd.storage import ensure_private_dir
 from lightning_smartinf.csd.torch_optim import SUPPORTED_OPTIMIZERS, rule_for_group
 from lightning_smartinf.precision import SmartInfinityPrecision
-from lightning_smartinf.cpu_support import DeepSpeedOnCPUMixin
 from lightning_smartinf.zero import check_deepspeed_version, smart_update_optimizer
 
 BACKENDS = ("cpu",)
@@ -320,8 +320,9 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         if module is not None and module._current_fx_name is not None:
             delta = self.traffic - before
             for name, value in delta.as_dict().items():
-                module.log(f"smartinf/{name}", float(value), on_step=True, on_epoch=False, sync_dist=False,
-                           reduce_fx="sum")
+                module.log(
+                    f"smartinf/{name}", float(value), on_step=True, on_epoch=False, sync_dist=False, reduce_fx="sum"
+                )
         return output
 
     # --------------------------------------------------------------------------------------------- checkpoints

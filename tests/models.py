@@ -104,9 +104,18 @@ class CaptureParams(L.Callback):
             self.params = {n: p.detach().float().clone() for n, p in params}
 
 
-def fit(module: L.LightningModule, strategy: Any, *, steps: int, accumulate: int = 1, precision: str = "32-true",
-        clip: float | None = None, batches: int | None = None, callbacks: list | None = None,
-        **trainer_kwargs: Any) -> tuple[L.Trainer, dict[str, torch.Tensor]]:
+def fit(
+    module: L.LightningModule,
+    strategy: Any,
+    *,
+    steps: int,
+    accumulate: int = 1,
+    precision: str = "32-true",
+    clip: float | None = None,
+    batches: int | None = None,
+    callbacks: list | None = None,
+    **trainer_kwargs: Any,
+) -> tuple[L.Trainer, dict[str, torch.Tensor]]:
     capture = CaptureParams()
     trainer = L.Trainer(
         accelerator="cpu",

@@ -44,9 +44,7 @@ def adagrad(model: torch.nn.Module):
 )
 def test_fp32_matches_torch_optim(tmp_path, make_optimizer, accumulate, clip):
     _, reference = fit(LMModule(make_optimizer), "auto", steps=STEPS, accumulate=accumulate, clip=clip)
-    strategy = SmartInfinityStrategy(
-        storage_paths=[tmp_path], sub_group_size=3000, chunk_size=2048, buffer_count=3
-    )
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000, chunk_size=2048, buffer_count=3)
     trainer, ours = fit(LMModule(make_optimizer), strategy, steps=STEPS, accumulate=accumulate, clip=clip)
 
     assert trainer.global_step == STEPS

@@ -30,8 +30,9 @@ def test_update_path_memory_is_flat_while_state_grows_4x(tmp_path):
         strategy = SmartInfinityStrategy(
             storage_paths=[tmp_path / str(dim)], sub_group_size=1 << 16, chunk_size=1 << 14, buffer_count=3
         )
-        trainer, _ = fit(LMModule(adamw, dim=dim, layers=4), strategy, steps=8, precision="bf16-mixed",
-                         callbacks=[probe])
+        trainer, _ = fit(
+            LMModule(adamw, dim=dim, layers=4), strategy, steps=8, precision="bf16-mixed", callbacks=[probe]
+        )
         backend = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend
         state_bytes = sum(s.layout.file_bytes for s in backend._shards)
         growth = max(probe.samples[2:]) - probe.samples[1]  # after the first steps have warmed allocators up

@@ -23,10 +23,20 @@ def test_two_ranks_match_one_rank(tmp_path, free_port):
     storage = [tmp_path / "ssd0", tmp_path / "ssd1"]
     for path in storage:
         path.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-        str(SCRIPT), str(tmp_path), ",".join(map(str, storage)), str(STEPS),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        str(SCRIPT),
+        str(tmp_path),
+        ",".join(map(str, storage)),
+        str(STEPS),
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
@@ -41,7 +51,12 @@ def test_two_ranks_match_one_rank(tmp_path, free_port):
     from scripts.train_two_ranks import adamw
 
     # One rank sees each global batch of 4 whole (the two ranks see its even and odd samples).
-    _, one_rank = fit(LMModule(adamw), SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000),
-                      steps=STEPS, clip=0.5, batches=STEPS)
+    _, one_rank = fit(
+        LMModule(adamw),
+        SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000),
+        steps=STEPS,
+        clip=0.5,
+        batches=STEPS,
+    )
     errors = max_relative_error(two_ranks, one_rank)
     assert max(errors.values()) < 1e-5, errors

@@ -36,7 +36,9 @@ def test_traffic_is_exact_per_parameter(tmp_path, precision, link_bytes):
     trainer, _ = fit(module, strategy, steps=steps, precision=precision)
 
     shards = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend._shards
-    padded = sum(s.layout.num_chunks and sum(s.layout.padded_len(k) for k in range(s.layout.num_chunks)) for s in shards)
+    padded = sum(
+        s.layout.num_chunks and sum(s.layout.padded_len(k) for k in range(s.layout.num_chunks)) for s in shards
+    )
     traffic = trainer.strategy.traffic
     init_link = numel * link_bytes  # initial masters are upcast from the low-precision partitions
     assert traffic.link_write_bytes == init_link + steps * numel * link_bytes
@@ -96,7 +98,7 @@ def test_storage_path_not_writable(tmp_path):
 
 def test_duplicate_storage_paths(tmp_path):
     with pytest.raises(MisconfigurationException, match="same directory"):
-        SmartInfinityStrategy(storage_paths=[tmp_path, tmp_path / "." ])
+        SmartInfinityStrategy(storage_paths=[tmp_path, tmp_path / "."])
 
 
 @pytest.mark.parametrize(
@@ -106,7 +108,10 @@ def test_duplicate_storage_paths(tmp_path):
         ({"chunk_size": 1000}, r"chunk_size=1000.*multiple of\s+1024"),
         ({"buffer_count": 1}, r"buffer_count=1.*>= 2"),
         ({"sub_group_size": 0}, r"sub_group_size=0"),
-        ({"config": {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}}, r"offload_optimizer.*storage_paths"),
+        (
+            {"config": {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}},
+            r"offload_optimizer.*storage_paths",
+        ),
         ({"config": {"zero_optimization": {"stage": 2}}}, r"stage=2"),
         ({"config": {"optimizer": {"type": "Adam"}}}, r"configure_optimizers"),
     ],
@@ -125,7 +130,9 @@ def test_unsupported_optimizer_lists_the_supported_ones(tmp_path):
     def rmsprop(model):
         return torch.optim.RMSprop(model.parameters(), lr=1e-3), None
 
-    with pytest.raises(MisconfigurationException, match=r"RMSprop.*torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD"):
+    with pytest.raises(
+        MisconfigurationException, match=r"RMSprop.*torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD"
+    ):
         fit(LMModule(rmsprop), SmartInfinityStrategy(storage_paths=[tmp_path]), steps=1)
 
 
@@ -133,9 +140,7 @@ def test_not_enough_free_space_is_reported_before_training(tmp_path, monkeypatch
     import shutil as shutil_module
 
     real = shutil_module.disk_usage
-    monkeypatch.setattr(
-        "lightning_smartinf.csd.storage.shutil.disk_usage", lambda p: real(p)._replace(free=1024)
-    )
+    monkeypatch.setattr("lightning_smartinf.csd.storage.shutil.disk_usage", lambda p: real(p)._replace(free=1024))
     with pytest.raises(lightning_smartinf.csd.StorageError, match=r"GiB free.*needs.*GiB"):
         fit(LMModule(adamw), SmartInfinityStrategy(storage_paths=[tmp_path]), steps=1)
     assert not list((tmp_path / "smartinf" / "rank000").glob("*.state"))

@@ -234,12 +234,18 @@ class CpuBackend(Backend):
         if self._shards:
             raise RuntimeError("`CpuBackend.open` was already called.")
         if [s.index for s in shards] != list(range(len(shards))):
-            raise ValueError(f"`ShardSpec.index` values must be 0..{len(shards) - 1} in order, got {[s.index for s in shards]}.")
+            raise ValueError(
+                f"`ShardSpec.index` values must be 0..{len(shards) - 1} in order, got {[s.index for s in shards]}."
+            )
         layouts = [ChunkLayout(s.numel, self._chunk_elems, len(s.rule.state_names)) for s in shards]
         for device in self.devices:
             ensure_private_dir(device.directory)
-            needed = sum(lay.file_bytes for s, lay in zip(shards, layouts) if s.index % self.num_devices == device.index)
-            check_free_space(device.directory, needed, reusable=[device.directory / shard_file_name(s.index) for s in shards])
+            needed = sum(
+                lay.file_bytes for s, lay in zip(shards, layouts) if s.index % self.num_devices == device.index
+            )
+            check_free_space(
+                device.directory, needed, reusable=[device.directory / shard_file_name(s.index) for s in shards]
+            )
         for spec, layout in zip(shards, layouts):
             path = self.device_of(spec.index).directory / shard_file_name(spec.index)
             self._shards.append(_Shard(spec, layout, StateFile(path, layout.file_bytes, create=True)))
@@ -340,9 +346,7 @@ class CpuBackend(Backend):
         if not manifest_path.is_file():
             raise FileNotFoundError(f"No device-state manifest at {manifest_path}; was the checkpoint saved by us?")
         manifest = json.loads(manifest_path.read_text())
-        expected = [
-            (s.spec.index, s.spec.numel, s.spec.rule.name, list(s.spec.rule.state_names)) for s in self._shards
-        ]
+        expected = [(s.spec.index, s.spec.numel, s.spec.rule.name, list(s.spec.rule.state_names)) for s in self._shards]
         found = [(e["index"], e["numel"], e["rule"], e["states"]) for e in manifest.get("shards", [])]
         if manifest.get("format") != FORMAT or manifest.get("chunk_elems") != self._chunk_elems or found != expected:
             raise ValueError(

@@ -20,7 +20,9 @@ def validate_storage_path(path: str | os.PathLike, argument: str = "storage_path
     if not resolved.exists():
         raise ValueError(f"`{argument}` entry {str(path)!r} does not exist. Create the directory or fix the path.")
     if not resolved.is_dir():
-        raise ValueError(f"`{argument}` entry {str(path)!r} is not a directory. Pass the mount point or a folder on it.")
+        raise ValueError(
+            f"`{argument}` entry {str(path)!r} is not a directory. Pass the mount point or a folder on it."
+        )
     if not os.access(resolved, os.W_OK | os.X_OK):
         raise ValueError(
             f"`{argument}` entry {str(path)!r} is not writable by this user. "
@@ -45,5 +47,6 @@ def check_free_space(directory: Path, needed: int, reusable: Sequence[Path] = ()
     if free < needed:
         raise StorageError(
             f"Storage path {str(directory)!r} has {free / GIB:.2f} GiB free but the optimizer state placed there "
-            f"needs {needed / GIB:.2f} GiB. Free space, add `storage_paths` to spread the state, or choose a larger disk."
+            f"needs {needed / GIB:.2f} GiB. Free space, add `storage_paths` to spread the state, "
+            "or choose a larger disk."
         )

@@ -25,7 +25,8 @@ def check_deepspeed_version() -> None:
         import deepspeed
 
         raise RuntimeError(
-            f"lightning_smartinf hooks DeepSpeed's private ZeRO-3 methods and is tested with deepspeed{TESTED_DEEPSPEED}, "
+            "lightning_smartinf hooks DeepSpeed's private ZeRO-3 methods and is tested with "
+            f"deepspeed{TESTED_DEEPSPEED}, "
             f"but deepspeed {deepspeed.__version__} is installed. Install a tested version: "
             f"`pip install 'deepspeed{TESTED_DEEPSPEED}'`."
         )

@@ -174,6 +174,8 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         while in_flight:
             retire_oldest()
         backend.wait()
+        # torch's LR schedulers warn unless the wrapped optimizer's own step ran; the devices ran it.
+        self.optimizer._opt_called = True
         self._post_step(set())
 
     def smartinf_traffic(self) -> TrafficSnapshot:
