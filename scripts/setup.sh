@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# Idempotent developer/CI setup for lightning_smartinf; run from any directory.
+#   - system: libaio-dev (DeepSpeed async I/O) when root + apt-get are available
+#   - .venv with torch (CPU wheel on machines without nvidia-smi), the package in editable mode, test extras
+#   - pre-built DeepSpeed ops (cpu_adam, async_io, shm comm on CPU) under .venv/torch_extensions so tests skip the JIT compile
+# Env knobs: SMARTINF_VENV (venv path, default <repo>/.venv), SMARTINF_TORCH_CPU_VERSION (default 2.13.0),
+#            SMARTINF_FORCE_INSTALL=1 (ignore the stamp and reinstall the python packages).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+
+VENV="${SMARTINF_VENV:-$REPO/.venv}"
+PY="$VENV/bin/python"
+STAMP="$VENV/.smartinf-setup-stamp"
+TORCH_CPU_VERSION="${SMARTINF_TORCH_CPU_VERSION:-2.13.0}"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
+
+log() { echo "[setup] $*"; }
+t0=$SECONDS
+
+# --- 1. system packages -------------------------------------------------------------------------------
+HAVE_LIBAIO=0
+if [[ -f /usr/include/libaio.h ]]; then
+    HAVE_LIBAIO=1
+elif [[ "$(id -u)" == "0" ]] && command -v apt-get >/dev/null 2>&1; then
+    log "installing libaio-dev (apt-get)"
+    if apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev >/dev/null; then
+        HAVE_LIBAIO=1
+    else
+        log "NOTE: apt-get install libaio-dev failed; DeepSpeed async I/O (NVMe offload) will be unavailable"
+    fi
+else
+    log "NOTE: libaio headers missing and cannot apt-get install (not root or no apt-get);" \
+        "DeepSpeed async I/O (NVMe offload) will be unavailable"
+fi
+
+# --- 2. virtual environment ---------------------------------------------------------------------------
+if [[ ! -x "$PY" ]]; then
+    log "creating venv at $VENV"
+    python3 -m venv "$VENV"
+    rm -f "$STAMP"
+fi
+
+# --- 3. python packages (skipped when installed and pyproject.toml unchanged) --------------------------
+# The check uses find_spec/metadata rather than importing (importing deepspeed + lightning costs ~8 s).
+WANT_STAMP="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+HAVE_STAMP="$(cat "$STAMP" 2>/dev/null || true)"
+INSTALLED_CHECK="
+import importlib.metadata as md, importlib.util as u, sys
+md.version('lightning-smartinf')
+sys.exit(0 if all(u.find_spec(m) for m in ('lightning_smartinf', 'deepspeed', 'lightning', 'torch')) else 1)
+"
+if [[ "${SMARTINF_FORCE_INSTALL:-0}" != "1" && "$WANT_STAMP" == "$HAVE_STAMP" ]] \
+    && "$PY" -c "$INSTALLED_CHECK" >/dev/null 2>&1; then
+    log "python packages up to date (stamp matches pyproject.toml)"
+else
+    log "installing python packages into $VENV"
+    "$PY" -m pip install -q --upgrade pip
+    if ! command -v nvidia-smi >/dev/null 2>&1; then
+        # No NVIDIA driver: pin the CPU torch explicitly so pip never resolves a multi-GB CUDA wheel.
+        have_torch="$("$PY" -c "import importlib.metadata as md; print(md.version('torch'))" 2>/dev/null || true)"
+        if [[ "${have_torch%%+*}" == "$TORCH_CPU_VERSION" ]]; then
+            log "torch $have_torch already installed"
+        else
+            log "no nvidia-smi: installing CPU torch==$TORCH_CPU_VERSION"
+            "$PY" -m pip install -q "torch==$TORCH_CPU_VERSION"
+        fi
+    else
+        log "nvidia-smi found: using the default (CUDA) torch from the index, or the one already installed"
+    fi
+    "$PY" -m pip install -q -e ".[test]"
+    echo "$WANT_STAMP" >"$STAMP"
+    log "python packages installed ($((SECONDS - t0)) s so far)"
+fi
+
+# --- 4. pre-build DeepSpeed ops ----------------------------------------------------------------------
+# Same builder lookup DeepSpeed uses at runtime: get_accelerator().create_op_builder(name) gives the accelerator's
+# builder (the CPU one under DS_ACCELERATOR=cpu / no GPU, the CUDA one otherwise). Skipped when a stamp shows the ops
+# were built for the same torch/deepspeed/accelerator and the .so files are still there.
+if [[ -z "${DS_ACCELERATOR:-}" ]] && ! command -v nvidia-smi >/dev/null 2>&1; then
+    export DS_ACCELERATOR=cpu
+fi
+OPS=(CPUAdamBuilder)
+SOS=("$TORCH_EXTENSIONS_DIR/cpu_adam/cpu_adam.so")
+if [[ "${DS_ACCELERATOR:-}" == "cpu" ]]; then
+    # deepspeed.init_distributed on the CPU accelerator JIT-builds the shared-memory comm op (~2 min on 2 cores).
+    OPS+=(ShareMemCommBuilder)
+    SOS+=("$TORCH_EXTENSIONS_DIR/deepspeed_shm_comm/deepspeed_shm_comm.so")
+fi
+if [[ "$HAVE_LIBAIO" == "1" ]]; then
+    OPS+=(AsyncIOBuilder)
+    SOS+=("$TORCH_EXTENSIONS_DIR/async_io/async_io.so")
+else
+    log "skipping AsyncIOBuilder (no libaio headers)"
+fi
+OPS_STAMP="$TORCH_EXTENSIONS_DIR/.smartinf-ops-stamp"
+VERSIONS="$("$PY" -c "import importlib.metadata as md; print(md.version('torch'), md.version('deepspeed'))")"
+WANT_OPS="$VERSIONS accel=${DS_ACCELERATOR:-auto} ops=${OPS[*]}"
+ops_present=1
+for so in "${SOS[@]}"; do [[ -f "$so" ]] || ops_present=0; done
+if [[ "$ops_present" == "1" && "$(cat "$OPS_STAMP" 2>/dev/null || true)" == "$WANT_OPS" ]]; then
+    log "DeepSpeed ops already built in $TORCH_EXTENSIONS_DIR (${OPS[*]})"
+else
+    log "building DeepSpeed ops (${OPS[*]}) in $TORCH_EXTENSIONS_DIR; first build takes minutes"
+    mkdir -p "$TORCH_EXTENSIONS_DIR"
+    BUILD_LOG="$TORCH_EXTENSIONS_DIR/smartinf-build.log"
+    # Exit status: 0 all built; 1 CPU Adam failed (fatal); 2 only optional ops (shm comm, async_io) failed.
+    ops_rc=0
+    "$PY" - "${OPS[@]}" >"$BUILD_LOG" 2>&1 <<'PYEOF' || ops_rc=$?
+import sys
+import time
+
+from deepspeed.accelerator import get_accelerator
+
+rc = 0
+for name in sys.argv[1:]:
+    t = time.monotonic()
+    try:
+        builder = get_accelerator().create_op_builder(name)  # what DeepSpeed's runtime loads
+        if builder is None:
+            raise RuntimeError(f"accelerator {get_accelerator().device_name()!r} has no {name}")
+        builder.load(verbose=False)
+        print(f"[setup] {name} -> {builder.absolute_name()} ({type(builder).__module__}): "
+              f"ready in {time.monotonic() - t:.0f} s", flush=True)
+    except Exception as exc:  # report and go on; the shell decides what is fatal
+        print(f"[setup] {name} FAILED after {time.monotonic() - t:.0f} s: {exc!r}", flush=True)
+        rc = max(rc, 1 if name == "CPUAdamBuilder" else 2)
+sys.exit(rc)
+PYEOF
+    grep -F '[setup] ' "$BUILD_LOG" || true
+    if [[ "$ops_rc" == "0" ]]; then
+        echo "$WANT_OPS" >"$OPS_STAMP"
+    elif [[ "$ops_rc" == "2" ]]; then
+        log "NOTE: an optional op failed to build (non-fatal): without async_io DeepSpeed NVMe offload is" \
+            "unavailable; without shm comm DeepSpeed falls back to plain gloo. Details: $BUILD_LOG"
+    else
+        log "ERROR: building DeepSpeed's CPU Adam op failed; last lines of $BUILD_LOG:"
+        tail -n 25 "$BUILD_LOG" >&2
+        exit 1
+    fi
+fi
+
+log "done in $((SECONDS - t0)) s"
