@@ -267,7 +267,15 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         self, model: Module, optimizer: Optimizer | None, lr_scheduler: Any = None
     ) -> tuple[Any, Optimizer]:
         import deepspeed
+        from deepspeed.accelerator import get_accelerator
 
+        precision = self.precision_plugin.precision
+        if precision in ("16-mixed", "16-true") and not get_accelerator().is_fp16_supported():
+            raise MisconfigurationException(
+                f"`precision={precision!r}` needs fp16 support, which DeepSpeed's "
+                f"`{get_accelerator().device_name()}` accelerator lacks on this machine. Use "
+                "`precision='bf16-mixed'` (or train on a GPU)."
+            )
         if optimizer is None:
             raise MisconfigurationException(
                 "`SmartInfinityStrategy` needs an optimizer from `LightningModule.configure_optimizers` (one of "

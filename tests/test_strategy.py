@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
@@ -152,3 +153,47 @@ def test_unsupported_deepspeed_version(monkeypatch):
     monkeypatch.setattr("lightning_smartinf.zero.install.RequirementCache", lambda req: False)
     with pytest.raises(RuntimeError, match=rf"deepspeed {deepspeed.__version__} is installed.*pip install"):
         SmartInfinityStrategy()
+
+
+class NonFiniteAtStep(LMModule):
+    """Produces a non-finite loss (so non-finite gradients) on one batch."""
+
+    def __init__(self, bad_batch: int) -> None:
+        super().__init__(adamw)
+        self.bad_batch = bad_batch
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if batch_idx == self.bad_batch else loss
+
+
+def test_non_finite_gradients_skip_the_step_and_leave_device_state_untouched(tmp_path):
+    class Probe(L.Callback):
+        def __init__(self) -> None:
+            self.snapshots = []
+
+        def on_train_batch_end(self, trainer, *_):
+            backend = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend
+            backend.wait()
+            files = b"".join(s.file.path.read_bytes() for s in backend._shards)
+            self.snapshots.append((trainer.strategy.traffic, files))
+
+    probe = Probe()
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000)
+    trainer, _ = fit(NonFiniteAtStep(bad_batch=1), strategy, steps=3, batches=4, precision="bf16-mixed",
+                     callbacks=[probe])
+    (t0, f0), (t1, f1), (t2, f2) = probe.snapshots[:3]
+    assert (t1 - t0).link_write_bytes == 0 and (t1 - t0).storage_write_bytes == 0  # nothing reached a device
+    assert f1 == f0  # every state file byte-identical across the skipped step
+    assert (t2 - t1).storage_write_bytes > 0 and f2 != f1  # the next finite step updates again
+    # Three optimizer steps were taken, one skipped: the devices applied two (Adam bias correction sees t=2).
+    assert trainer.strategy.deepspeed_engine.optimizer.smartinf_group_steps == {0: 2, 1: 2}
+
+
+def test_fp16_on_a_cpu_without_fp16_support_is_a_clear_error(tmp_path):
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().is_fp16_supported():
+        pytest.skip("this accelerator supports fp16")
+    with pytest.raises(MisconfigurationException, match=r"precision='16-mixed'.*bf16-mixed"):
+        fit(LMModule(adamw), SmartInfinityStrategy(storage_paths=[tmp_path]), steps=1, precision="16-mixed")

@@ -1,0 +1,332 @@
+"""Optimizer-step benchmark: ZeRO-Infinity (DeepSpeed NVMe optimizer offload) vs. ``smart_infinity`` on CPU.
+
+Each configuration runs in its own subprocess (this script re-invokes itself with ``--run NAME``) so that peak
+RSS is per configuration. Results (JSON) go to ``benchmarks/out/bench_step.json``; a markdown table is printed.
+
+    PYTHONPATH=. TORCH_EXTENSIONS_DIR=.venv/torch_extensions .venv/bin/python benchmarks/bench_step.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+RUNS = ("zero_infinity", "smart_infinity")
+OUT_DIR = Path(__file__).resolve().parent / "out"
+
+
+# ------------------------------------------------------------------------------------------------ model
+
+
+def build_module(args: argparse.Namespace, run: str) -> Any:
+    import lightning as L
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, dim: int, heads: int) -> None:
+            super().__init__()
+            self.heads = heads
+            self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+            self.qkv = nn.Linear(dim, 3 * dim)
+            self.proj = nn.Linear(dim, dim)
+            self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+            return x + self.fc2(nn.functional.gelu(self.fc1(self.norm2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self, dim: int, layers: int, vocab: int, seq: int) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim)
+            self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+            self.blocks = nn.Sequential(*(Block(dim, max(1, dim // 64)) for _ in range(layers)))
+            self.norm = nn.LayerNorm(dim)
+            self.head = nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            hidden = self.embed(tokens) + self.pos[: tokens.shape[1]]
+            return self.head(self.norm(self.blocks(hidden)))
+
+    class LM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = GPT(args.dim, args.layers, args.vocab, args.seq)
+            self.num_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            tokens, targets = batch
+            logits = self.model(tokens)
+            return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+        def configure_optimizers(self) -> Any:
+            if run == "zero_infinity":
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                return DeepSpeedCPUAdam(self.parameters(), lr=1e-4, adamw_mode=True, weight_decay=0.01)
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.01)
+
+    return LM()
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+
+def proc_io() -> dict[str, int]:
+    """Block-device bytes of this process (all threads), from ``/proc/self/io``."""
+    out = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            key, value = line.split(":")
+            out[key.strip()] = int(value)
+    return {"read_bytes": out.get("read_bytes", 0), "write_bytes": out.get("write_bytes", 0)}
+
+
+def make_callback(args: argparse.Namespace) -> Any:
+    import lightning as L
+
+    class Meter(L.Callback):
+        def __init__(self) -> None:
+            self.step_times: list[float] = []
+            self.calls = 0
+            self.io0: dict[str, int] = {}
+            self.io1: dict[str, int] = {}
+            self.traffic0: Any = None
+            self.traffic1: Any = None
+            self.step_wall0 = self.step_wall1 = 0.0
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            optimizer = trainer.strategy.deepspeed_engine.optimizer
+            inner = optimizer.step
+
+            def timed_step(*a: Any, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                out = inner(*a, **k)
+                self.calls += 1
+                if self.calls > args.warmup:
+                    self.step_times.append(time.perf_counter() - t0)
+                return out
+
+            optimizer.step = timed_step
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == args.warmup:
+                self.io0 = proc_io()
+                self.traffic0 = getattr(trainer.strategy, "traffic", None)
+                self.step_wall0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == args.warmup + args.steps - 1:
+                self.io1 = proc_io()
+                self.traffic1 = getattr(trainer.strategy, "traffic", None)
+                self.step_wall1 = time.perf_counter()
+
+    return Meter()
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    storage = Path(tempfile.mkdtemp(prefix=f"bench_{args.run}_", dir=args.storage))
+    try:
+        if args.run == "zero_infinity":
+            from lightning_smartinf.cpu_support import DeepSpeedCPUStrategy
+
+            strategy = DeepSpeedCPUStrategy(
+                config={
+                    "train_micro_batch_size_per_gpu": args.batch,
+                    "zero_allow_untested_optimizer": True,
+                    "zero_optimization": {
+                        "stage": 3,
+                        "sub_group_size": args.sub_group_size,
+                        "offload_optimizer": {
+                            "device": "nvme",
+                            "nvme_path": str(storage),
+                            "pipeline_read": False,
+                            "pipeline_write": False,
+                            "buffer_count": 4,
+                        },
+                        "offload_param": {"device": "cpu"},
+                    },
+                    "aio": {
+                        "block_size": 1048576,
+                        "queue_depth": 8,
+                        "intra_op_parallelism": 1,
+                        "single_submit": False,
+                        "overlap_events": True,
+                    },
+                }
+            )
+        else:
+            from lightning_smartinf import SmartInfinityStrategy
+
+            strategy = SmartInfinityStrategy(
+                storage_paths=[storage], sub_group_size=args.sub_group_size, offload_parameters=True
+            )
+        module = build_module(args, args.run)
+        n = args.batch * (args.warmup + args.steps)
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, args.vocab, (n, args.seq + 1), generator=g)
+        loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch)
+        meter = make_callback(args)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            precision="bf16-mixed",
+            strategy=strategy,
+            max_steps=args.warmup + args.steps,
+            callbacks=[meter],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(storage),
+        )
+        t0 = time.perf_counter()
+        trainer.fit(module, loader)
+        fit_s = time.perf_counter() - t0
+        steps = len(meter.step_times)
+        p = module.num_params
+        result: dict[str, Any] = {
+            "run": args.run,
+            "params": p,
+            "timed_steps": steps,
+            "opt_step_median_s": statistics.median(meter.step_times) if steps else None,
+            "opt_step_times_s": meter.step_times,
+            "train_step_mean_s": (meter.step_wall1 - meter.step_wall0) / max(args.steps, 1),
+            "fit_s": fit_s,
+            "disk_read_bytes_per_param_step": (meter.io1["read_bytes"] - meter.io0["read_bytes"]) / p / args.steps,
+            "disk_write_bytes_per_param_step": (meter.io1["write_bytes"] - meter.io0["write_bytes"]) / p / args.steps,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
+        if meter.traffic0 is not None and meter.traffic1 is not None:
+            delta = (meter.traffic1 - meter.traffic0).as_dict()
+            result["traffic_bytes_per_param_step"] = {k: v / p / args.steps for k, v in delta.items()}
+        return result
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def fmt(x: Any, digits: int = 3) -> str:
+    return "—" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    zi, si = results.get("zero_infinity", {}), results.get("smart_infinity", {})
+    tr = si.get("traffic_bytes_per_param_step", {})
+    # ZeRO-Infinity's host<->storage "link" IS its disk traffic.
+    zi_link_w, zi_link_r = zi.get("disk_write_bytes_per_param_step"), zi.get("disk_read_bytes_per_param_step")
+    rows = [
+        ("optimizer step, median (s)", zi.get("opt_step_median_s"), si.get("opt_step_median_s")),
+        ("train step, mean (s)", zi.get("train_step_mean_s"), si.get("train_step_mean_s")),
+        ("disk read (B/param/step, /proc/self/io)", zi_link_r, si.get("disk_read_bytes_per_param_step")),
+        ("disk write (B/param/step, /proc/self/io)", zi_link_w, si.get("disk_write_bytes_per_param_step")),
+        ("link host→device write (B/param/step)", zi_link_w, tr.get("link_write_bytes")),
+        ("link device→host read (B/param/step)", zi_link_r, tr.get("link_read_bytes")),
+        (
+            "link total (B/param/step)",
+            None if zi_link_w is None else zi_link_w + zi_link_r,
+            None if not tr else tr["link_write_bytes"] + tr["link_read_bytes"],
+        ),
+        ("in-device storage read (B/param/step)", None, tr.get("storage_read_bytes")),
+        ("in-device storage write (B/param/step)", None, tr.get("storage_write_bytes")),
+        ("peak RSS (MiB)", zi.get("peak_rss_mib"), si.get("peak_rss_mib")),
+    ]
+    lines = ["| metric | ZeRO-Infinity | smart_infinity | ours / baseline |", "|---|---:|---:|---:|"]
+    for name, a, b in rows:
+        ratio = b / a if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else None
+        lines.append(f"| {name} | {fmt(a, 2)} | {fmt(b, 2)} | {fmt(ratio, 2)} |")
+    return "\n".join(lines)
+
+
+def machine_info(args: argparse.Namespace, storage: str) -> dict[str, Any]:
+    import deepspeed
+    import lightning
+    import torch
+
+    disk = subprocess.run(["df", "-h", storage], capture_output=True, text=True).stdout.strip().splitlines()
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "lightning": lightning.__version__,
+        "storage_dir": storage,
+        "disk": disk[-1] if disk else None,
+        "args": {k: v for k, v in vars(args).items() if k != "run"},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--vocab", type=int, default=6144)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--sub-group-size", type=int, default=8_000_000)
+    parser.add_argument("--storage", default=None, help="directory for both runs' storage (default: /tmp)")
+    parser.add_argument("--only", choices=RUNS, action="append", help="run only these configurations")
+    parser.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.run:
+        result = run_one(args)
+        print("BENCH_RESULT " + json.dumps(result), flush=True)
+        return
+
+    storage = args.storage or tempfile.gettempdir()
+    results: dict[str, dict[str, Any]] = {}
+    forwarded = [a for a in sys.argv[1:]]
+    for name in args.only or RUNS:
+        cmd = [sys.executable, __file__, *forwarded, "--run", name]
+        print(f"# running {name} ...", file=sys.stderr, flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("BENCH_RESULT ")]
+        if proc.returncode != 0 or not lines:
+            print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
+            results[name] = {"error": f"exit {proc.returncode}"}
+            continue
+        results[name] = json.loads(lines[-1][len("BENCH_RESULT "):])
+        print(f"# {name}: {results[name]}", file=sys.stderr, flush=True)
+
+    md = table(results)
+    info = machine_info(args, storage)
+    params = next((r["params"] for r in results.values() if "params" in r), None)
+    info["params"] = params
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / "bench_step.json").write_text(json.dumps({"machine": info, "results": results, "table": md}, indent=2))
+    print(f"params: {params:,}" if params else "params: ?")
+    print(f"machine: {info['cpu_count']} CPUs, torch {info['torch']}, deepspeed {info['deepspeed']}, "
+          f"lightning {info['lightning']}, disk: {info['disk']}")
+    print()
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
