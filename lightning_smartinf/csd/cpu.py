@@ -10,7 +10,6 @@ model size.
 
 from __future__ import annotations
 
-import json
 import queue
 import shutil
 import threading
@@ -25,18 +24,12 @@ import torch
 from torch import Tensor
 
 from lightning_smartinf.csd.backend import Backend, Handle, ShardSpec
+from lightning_smartinf.csd.checkpoint import ShardState, load_state, save_state, shard_file_name
 from lightning_smartinf.csd.io import StateFile, aligned_empty
 from lightning_smartinf.csd.layout import ChunkLayout
 from lightning_smartinf.csd.rules import StepParams
 from lightning_smartinf.csd.storage import check_free_space, ensure_private_dir
 from lightning_smartinf.csd.traffic import Traffic
-
-MANIFEST = "manifest.json"
-FORMAT = "lightning_smartinf.state/1"
-
-
-def shard_file_name(index: int) -> str:
-    return f"shard{index:05d}.state"
 
 
 @dataclass
@@ -317,51 +310,22 @@ class CpuBackend(Backend):
         if errors:
             raise errors[0]
 
+    def _state_files(self) -> list[ShardState]:
+        return [ShardState(s.spec, s.layout, s.file.path) for s in self._shards]
+
     def save(self, directory: Path) -> None:
         self.wait()
-        directory = Path(directory)
-        ensure_private_dir(directory)
-        for shard in self._shards:
-            shutil.copyfile(shard.file.path, directory / shard_file_name(shard.spec.index))
-        manifest = {
-            "format": FORMAT,
-            "chunk_elems": self._chunk_elems,
-            "shards": [
-                {
-                    "index": s.spec.index,
-                    "numel": s.spec.numel,
-                    "rule": s.spec.rule.name,
-                    "states": list(s.spec.rule.state_names),
-                    "bytes": s.layout.file_bytes,
-                }
-                for s in self._shards
-            ],
-        }
-        (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        save_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
 
     def load(self, directory: Path) -> None:
         self.wait()
-        directory = Path(directory)
-        manifest_path = directory / MANIFEST
-        if not manifest_path.is_file():
-            raise FileNotFoundError(f"No device-state manifest at {manifest_path}; was the checkpoint saved by us?")
-        manifest = json.loads(manifest_path.read_text())
-        expected = [(s.spec.index, s.spec.numel, s.spec.rule.name, list(s.spec.rule.state_names)) for s in self._shards]
-        found = [(e["index"], e["numel"], e["rule"], e["states"]) for e in manifest.get("shards", [])]
-        if manifest.get("format") != FORMAT or manifest.get("chunk_elems") != self._chunk_elems or found != expected:
-            raise ValueError(
-                f"Device state in {directory} does not match this model and optimizer: it holds {found} "
-                f"(chunk_elems={manifest.get('chunk_elems')}), this run needs {expected} "
-                f"(chunk_elems={self._chunk_elems}). Resume with the same model, optimizer and `chunk_elems`."
-            )
-        for shard in self._shards:
-            src = directory / shard_file_name(shard.spec.index)
-            if not src.is_file() or src.stat().st_size != shard.layout.file_bytes:
-                raise ValueError(f"State file {src} is missing or truncated (expected {shard.layout.file_bytes} B).")
         for shard in self._shards:
             shard.file.close()
-            shutil.copyfile(directory / shard_file_name(shard.spec.index), shard.file.path)
-            shard.file = StateFile(shard.file.path, shard.layout.file_bytes, create=False)
+        try:
+            load_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
+        finally:
+            for shard in self._shards:
+                shard.file = StateFile(shard.file.path, shard.layout.file_bytes, create=False)
 
     def close(self) -> None:
         try:

@@ -15,7 +15,8 @@ import torch
 from torch.testing import assert_close
 
 from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.cpu import MANIFEST, CpuBackend, shard_file_name
+from lightning_smartinf.csd.checkpoint import MANIFEST, shard_file_name
+from lightning_smartinf.csd.cpu import CpuBackend
 from lightning_smartinf.csd.io import aligned_empty
 from lightning_smartinf.csd.layout import ChunkLayout
 from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams, UpdateRule
