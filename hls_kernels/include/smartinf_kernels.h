@@ -1,0 +1,55 @@
+// smartinf_kernels.h — C prototypes of the kernel entry points, for hosts that call the g++ C-simulation
+// library (build/libsmartinf_kernels.so) and for the testbench. Port types are spelled as plain element
+// pointers here; the kernels see the same memory as 512-bit beats (see README.md, "Buffers").
+//
+// <T> is bf16 or fp16 (uint16_t bit patterns) or fp32 (float). Arguments, in order:
+//   state ports      fp32, n elements, buffers padded to a multiple of 16 elements
+//   grad             dense gradient in T, padded to a whole 64-byte beat (32 bf16/fp16 or 16 fp32)
+//   grad_idx/val, k  top-k gradient: k uint32 indices, strictly ascending, and their k values in T
+//   param_out        updated parameters in T, padded like grad; lanes past n are written as 0
+//   n                number of elements to update
+//   scalars, flags   derived fp32 hyper-parameters, see smartinf_abi.h
+#ifndef SMARTINF_KERNELS_H
+#define SMARTINF_KERNELS_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SMARTINF_ADAM_SCALARS_DECL                                                                 \
+    float grad_scale, float decay_mul, float l2_wd, float lerp_w, float beta2, float one_minus_beta2, \
+        float bc2_sqrt, float eps, float neg_step_size, uint32_t flags
+#define SMARTINF_SGD_SCALARS_DECL \
+    float grad_scale, float l2_wd, float momentum, float one_minus_dampening, float neg_lr, uint32_t flags
+#define SMARTINF_ADAGRAD_SCALARS_DECL float grad_scale, float l2_wd, float eps, float neg_clr, uint32_t flags
+
+#define SMARTINF_DECLARE(SUFFIX, T)                                                                      \
+    void smartinf_adam_##SUFFIX(float* master, float* exp_avg, float* exp_avg_sq, const T* grad,          \
+                                T* param_out, uint32_t n, SMARTINF_ADAM_SCALARS_DECL);                  \
+    void smartinf_adam_topk_##SUFFIX(float* master, float* exp_avg, float* exp_avg_sq,                    \
+                                     const uint32_t* grad_idx, const T* grad_val, T* param_out,           \
+                                     uint32_t n, uint32_t k, SMARTINF_ADAM_SCALARS_DECL);               \
+    void smartinf_sgd_##SUFFIX(float* master, float* momentum_buf, const T* grad, T* param_out,           \
+                               uint32_t n, SMARTINF_SGD_SCALARS_DECL);                                  \
+    void smartinf_sgd_topk_##SUFFIX(float* master, float* momentum_buf, const uint32_t* grad_idx,         \
+                                    const T* grad_val, T* param_out, uint32_t n, uint32_t k,              \
+                                    SMARTINF_SGD_SCALARS_DECL);                                         \
+    void smartinf_adagrad_##SUFFIX(float* master, float* state_sum, const T* grad, T* param_out,          \
+                                   uint32_t n, SMARTINF_ADAGRAD_SCALARS_DECL);                          \
+    void smartinf_adagrad_topk_##SUFFIX(float* master, float* state_sum, const uint32_t* grad_idx,        \
+                                        const T* grad_val, T* param_out, uint32_t n, uint32_t k,          \
+                                        SMARTINF_ADAGRAD_SCALARS_DECL);
+
+SMARTINF_DECLARE(bf16, uint16_t)
+SMARTINF_DECLARE(fp16, uint16_t)
+SMARTINF_DECLARE(fp32, float)
+
+#undef SMARTINF_DECLARE
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif  // SMARTINF_KERNELS_H
