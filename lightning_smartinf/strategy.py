@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -16,6 +17,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
 from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -23,13 +25,16 @@ from typing_extensions import override
 
 from lightning_smartinf.cpu_support import DeepSpeedOnCPUMixin
 from lightning_smartinf.csd import Backend, CpuBackend, StorageError, TrafficSnapshot, validate_storage_path
+from lightning_smartinf.csd.io import IOEngine, ThreadedIO, supports_direct_io
 from lightning_smartinf.csd.storage import ensure_private_dir
 from lightning_smartinf.csd.torch_optim import SUPPORTED_OPTIMIZERS, rule_for_group
 from lightning_smartinf.precision import SmartInfinityPrecision
 from lightning_smartinf.zero import check_deepspeed_version, smart_update_optimizer
 
 BACKENDS = ("cpu",)
+IO_ENGINES = ("auto", "aio", "threads")
 _STATE_DIR = "smartinf"
+log = logging.getLogger(__name__)
 _HOST_STATE = "host_state.json"
 
 
@@ -54,6 +59,11 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             ``devices * buffer_count * chunk_size * 4 * (1 + states)`` bytes.
         staging_window: sub-groups in flight at once during a step (default: twice the devices); each
             holds one gradient staging buffer of the largest sub-group in the training dtype.
+        io_engine: how devices move state to and from their storage: ``"aio"`` (DeepSpeed's libaio op,
+            direct I/O), ``"threads"`` (``pread``/``pwrite`` on a thread pool) or ``"auto"`` (aio where it
+            loads and the filesystem allows ``O_DIRECT``, else threads; the choice is logged).
+        io_block_size: bytes per I/O request (a multiple of 4096).
+        io_queue_depth: I/O requests in flight per device.
         offload_parameters: keep ZeRO's low-precision parameter partitions in host memory between uses.
         config: a DeepSpeed config dict or JSON path to start from; SmartUpdate adds its own keys and
             rejects settings that contradict it (optimizer offload, a DeepSpeed ``optimizer`` block, stages < 3).
@@ -74,6 +84,9 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         chunk_size: int = 1 << 20,
         buffer_count: int = 4,
         staging_window: int | None = None,
+        io_engine: Literal["auto", "aio", "threads"] = "auto",
+        io_block_size: int = 1 << 20,
+        io_queue_depth: int = 8,
         offload_parameters: bool = False,
         config: _PATH | dict[str, Any] | None = None,
         reduce_bucket_size: int = 200_000_000,
@@ -113,6 +126,18 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                 f"`SmartInfinityStrategy(chunk_size={chunk_size!r})` is invalid: it must be a positive multiple of "
                 f"1024 elements (the 4 KiB direct-I/O unit), e.g. {max(1024, round((chunk_size or 0) / 1024) * 1024)}."
             )
+        if io_engine not in IO_ENGINES:
+            raise MisconfigurationException(
+                f"`SmartInfinityStrategy(io_engine={io_engine!r})` is not supported. `io_engine` must be one of: "
+                f"{', '.join(map(repr, IO_ENGINES))}."
+            )
+        try:
+            ThreadedIO(io_block_size, io_queue_depth).close()
+        except ValueError as exc:
+            raise MisconfigurationException(f"`SmartInfinityStrategy`: {exc}") from None
+        self.io_engine = io_engine
+        self.io_block_size = io_block_size
+        self.io_queue_depth = io_queue_depth
         self._storage_paths = self._validate_storage_paths(storage_paths)
         self.backend_name = backend
         self.chunk_size = chunk_size
@@ -262,6 +287,34 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             )
         return [p / _STATE_DIR / f"rank{self.global_rank:03d}" for p in mine], []
 
+    def _io_factory(self, device_dirs: list[Path]) -> Callable[[], IOEngine]:
+        """The I/O engine each device uses, chosen once per rank and logged."""
+        direct = all(supports_direct_io(d) for d in device_dirs)
+        block, depth = self.io_block_size, self.io_queue_depth
+        reason = ""
+        if self.io_engine != "threads":
+            if not direct:
+                reason = "a storage path's filesystem refuses O_DIRECT, so I/O is buffered (page cache in play)"
+            else:
+                try:
+                    from lightning_smartinf.zero.aio import DeepSpeedAIO, load_aio_op
+
+                    op = load_aio_op()
+                except Exception as exc:  # noqa: BLE001 - any build or load failure means: fall back
+                    reason = f"DeepSpeed's async_io op is unavailable ({exc})"
+                else:
+                    log.info(f"SmartUpdate rank {self.global_rank}: device I/O through {DeepSpeedAIO.name}")
+                    return lambda: DeepSpeedAIO(block, depth, op=op)
+            if self.io_engine == "aio":
+                raise MisconfigurationException(
+                    f"`SmartInfinityStrategy(io_engine='aio')` cannot be used: {reason}. Use `io_engine='threads'` "
+                    "or `'auto'`."
+                )
+            rank_zero_warn(f"SmartUpdate falls back to thread-pool pread/pwrite: {reason}.")
+        mode = "direct" if direct else "buffered"
+        log.info(f"SmartUpdate rank {self.global_rank}: device I/O through {ThreadedIO.name}, {mode}")
+        return lambda: ThreadedIO(block, depth)
+
     @override
     def _setup_model_and_optimizer(
         self, model: Module, optimizer: Optimizer | None, lr_scheduler: Any = None
@@ -291,9 +344,15 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         assert isinstance(self.config, dict)
         self.config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(engine_swap)
 
+        io_factory = self._io_factory(device_dirs)
+
         def make_backend() -> Backend:
             self._backend = CpuBackend(
-                device_dirs, chunk_elems=self.chunk_size, buffer_count=self.buffer_count, owned_dirs=owned
+                device_dirs,
+                chunk_elems=self.chunk_size,
+                buffer_count=self.buffer_count,
+                owned_dirs=owned,
+                io_factory=io_factory,
             )
             return self._backend
 
@@ -312,6 +371,32 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         except StorageError as exc:
             raise StorageError(str(exc)) from None
         return engine, deepspeed_optimizer
+
+    @property
+    def sub_group_size(self) -> int:
+        assert isinstance(self.config, dict)
+        return int(self.config["zero_optimization"]["sub_group_size"])
+
+    @property
+    def devices_per_rank(self) -> int:
+        """Devices (storage paths) each rank drives."""
+        if self._storage_paths is None:
+            return 1
+        return len(self._storage_paths[self.local_rank :: max(1, self.num_processes)])
+
+    @property
+    def backend(self) -> CpuBackend:
+        """This rank's backend; exists between engine set-up and teardown."""
+        if self._backend is None:
+            raise RuntimeError("The SmartUpdate backend exists only while `Trainer.fit` runs (after set-up).")
+        return self._backend
+
+    def release_backend(self) -> None:
+        """Finish outstanding device work, then free buffer pools, threads and temporary storage. Idempotent."""
+        if self._backend is not None:
+            self._closed_traffic = self._backend.traffic_snapshot()
+            self._backend.close()
+            self._backend = None
 
     # ------------------------------------------------------------------------------------------------ traffic
 
@@ -369,10 +454,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         try:
             super().teardown()
         finally:
-            if self._backend is not None:
-                self._closed_traffic = self._backend.traffic_snapshot()
-                self._backend.close()
-                self._backend = None
+            self.release_backend()
 
     @classmethod
     @override

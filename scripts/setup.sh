@@ -4,7 +4,8 @@
 #   - .venv with torch (CPU wheel on machines without nvidia-smi), the package in editable mode, test extras
 #   - pre-built DeepSpeed ops (cpu_adam, async_io, shm comm on CPU) under .venv/torch_extensions so tests skip the JIT compile
 # Env knobs: SMARTINF_VENV (venv path, default <repo>/.venv), SMARTINF_TORCH_CPU_VERSION (default 2.13.0),
-#            SMARTINF_FORCE_INSTALL=1 (ignore the stamp and reinstall the python packages).
+#            SMARTINF_FORCE_INSTALL=1 (ignore the stamp and reinstall the python packages),
+#            SMARTINF_BUILD_AIO=0 (do not pre-build DeepSpeed's async_io op, the slowest one).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -88,7 +89,10 @@ if [[ "${DS_ACCELERATOR:-}" == "cpu" ]]; then
     OPS+=(ShareMemCommBuilder)
     SOS+=("$TORCH_EXTENSIONS_DIR/deepspeed_shm_comm/deepspeed_shm_comm.so")
 fi
-if [[ "$HAVE_LIBAIO" == "1" ]]; then
+if [[ "${SMARTINF_BUILD_AIO:-1}" == "0" ]]; then
+    log "skipping AsyncIOBuilder (SMARTINF_BUILD_AIO=0)"
+elif [[ "$HAVE_LIBAIO" == "1" ]]; then
+    # Only DeepSpeed's own NVMe swappers (the ZeRO-Infinity baseline) load it; the slowest build (~5.5 min, 2 cores).
     OPS+=(AsyncIOBuilder)
     SOS+=("$TORCH_EXTENSIONS_DIR/async_io/async_io.so")
 else

@@ -74,6 +74,10 @@ class Backend(ABC):
         """Copy the shard's fp32 master weights into ``out`` (export and inspection; not on the step path)."""
 
     @abstractmethod
+    def check_storage(self) -> None:
+        """Raise if a device's storage is gone; called before each step so the failure names the path."""
+
+    @abstractmethod
     def wait(self) -> None:
         """Block until every submitted request, including trailing state write-back, is done."""
 

@@ -25,10 +25,10 @@ from torch import Tensor
 
 from lightning_smartinf.csd.backend import Backend, Handle, ShardSpec
 from lightning_smartinf.csd.checkpoint import ShardState, load_state, save_state, shard_file_name
-from lightning_smartinf.csd.io import StateFile, aligned_empty
+from lightning_smartinf.csd.io import IOEngine, StateFile, ThreadedIO, aligned_empty
 from lightning_smartinf.csd.layout import ChunkLayout
 from lightning_smartinf.csd.rules import StepParams
-from lightning_smartinf.csd.storage import check_free_space, ensure_private_dir
+from lightning_smartinf.csd.storage import StorageError, check_free_space, ensure_private_dir
 from lightning_smartinf.csd.traffic import Traffic
 
 
@@ -41,11 +41,50 @@ class DeviceStats:
     compute_s: float = 0.0
 
 
+class BufferPool:
+    """A fixed set of aligned chunk buffers handed out and returned by a device's threads.
+
+    ``acquire`` blocks while every buffer is in use, which is the back-pressure that keeps reads from
+    running further ahead than the pool allows.
+    """
+
+    def __init__(self) -> None:
+        self._free: queue.SimpleQueue[Tensor] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self.size = 0
+        self.in_use = 0
+        #: Most buffers in use at once since the last :meth:`reset_peak`.
+        self.peak_in_use = 0
+
+    def add(self, buf: Tensor) -> None:
+        self.size += 1
+        self._free.put(buf)
+
+    def acquire(self) -> Tensor:
+        buf = self._free.get()
+        with self._lock:
+            self.in_use += 1
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return buf
+
+    def release(self, buf: Tensor) -> None:
+        with self._lock:
+            self.in_use -= 1
+        self._free.put(buf)
+
+    def reset_peak(self) -> int:
+        with self._lock:
+            peak, self.peak_in_use = self.peak_in_use, self.in_use
+        return peak
+
+
 @dataclass
 class _Shard:
     spec: ShardSpec
     layout: ChunkLayout
     file: StateFile
+    #: Latest write-back of each chunk; a later read of that chunk waits for it (write-back trails the update).
+    writes: dict[int, Future] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,14 +102,19 @@ class _Request:
 class EmulatedDevice:
     """One emulated computational-storage device: a directory, a buffer pool and three threads."""
 
-    def __init__(self, index: int, directory: Path, traffic: Traffic, *, chunk_elems: int, buffer_count: int) -> None:
+    def __init__(
+        self, index: int, directory: Path, traffic: Traffic, io: IOEngine, *, chunk_elems: int, buffer_count: int
+    ) -> None:
         self.index = index
         self.directory = directory
+        self.io = io
         self.stats = DeviceStats()
+        self._trailing: list[Future] = []
         self._traffic = traffic
         self._chunk_elems = chunk_elems
         self._buffer_count = buffer_count
-        self._pool: queue.SimpleQueue[Tensor] = queue.SimpleQueue()
+        self.pool = BufferPool()
+        self._pool = self.pool
         self._grad_chunk: Tensor | None = None
         self.allocated_bytes = 0
         self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
@@ -83,7 +127,7 @@ class EmulatedDevice:
         """Allocate the buffer pool for records of up to ``tensors_per_record`` fp32 tensors."""
         record_bytes = self._chunk_elems * 4 * tensors_per_record
         for _ in range(self._buffer_count):
-            self._pool.put(aligned_empty(record_bytes, torch.float32))
+            self._pool.add(aligned_empty(record_bytes, torch.float32))
         self._grad_chunk = torch.empty(self._chunk_elems, dtype=torch.float32)
         self.allocated_bytes = (self._buffer_count * tensors_per_record + 1) * self._chunk_elems * 4
 
@@ -100,6 +144,12 @@ class EmulatedDevice:
         self._worker.join()
         self._reader.shutdown()
         self._writer.shutdown()
+        self.io.close()
+
+    def drain(self) -> BaseException | None:
+        """Wait for all trailing write-back; return the first error, if any."""
+        trailing, self._trailing = self._trailing, []
+        return next((exc for f in trailing if (exc := f.exception()) is not None), None)
 
     def _serve(self) -> None:
         while (request := self._requests.get()) is not None:
@@ -113,8 +163,11 @@ class EmulatedDevice:
 
     def _read(self, shard: _Shard, k: int, buf: Tensor) -> Tensor:
         record = buf[: shard.layout.padded_len(k) * shard.layout.tensors_per_record]
+        previous_write = shard.writes.get(k)
+        if previous_write is not None:
+            previous_write.result()  # the chunk's last update must be on disk before we read it back
         t0 = time.perf_counter()
-        shard.file.read_into(record, shard.layout.record_offset(k))
+        self.io.read(shard.file, record, shard.layout.record_offset(k))
         self.stats.read_s += time.perf_counter() - t0
         self._traffic.add(storage_read_bytes=record.numel() * 4)
         return record
@@ -122,24 +175,27 @@ class EmulatedDevice:
     def _write(self, shard: _Shard, k: int, buf: Tensor, record: Tensor) -> None:
         try:
             t0 = time.perf_counter()
-            shard.file.write_from(record, shard.layout.record_offset(k))
+            self.io.write(shard.file, record, shard.layout.record_offset(k))
             self.stats.write_s += time.perf_counter() - t0
-            self._traffic.add(storage_write_bytes=record.numel() * 4)
         finally:
-            self._pool.put(buf)
+            self._pool.release(buf)
 
     def _stream(self, request: _Request) -> None:
-        """Run one request over all chunks of its shard: read ahead, update, write behind."""
+        """Run one request over all chunks of its shard: read ahead, update, write behind.
+
+        The request completes when its last chunk is updated (the parameters in ``out`` are ready);
+        write-back of the last chunks trails, ordered before any later read of the same chunk.
+        """
         shard, layout = request.shard, request.shard.layout
         num_chunks = layout.num_chunks
         reads: deque[tuple[Tensor, Future]] = deque()
-        writes: list[Future] = []
         next_read = 0
+        self._trailing = [f for f in self._trailing if not f.done() or f.exception() is not None]
         try:
             for k in range(num_chunks):
                 # Keep up to buffer_count - 1 reads in flight; the last buffer is the one being updated.
                 while request.read and next_read < num_chunks and len(reads) < self._buffer_count - 1:
-                    buf = self._pool.get()
+                    buf = self._pool.acquire()
                     reads.append((buf, self._reader.submit(self._read, shard, next_read, buf)))
                     next_read += 1
                 if request.read:
@@ -147,10 +203,10 @@ class EmulatedDevice:
                     try:
                         record = pending.result()
                     except BaseException:
-                        self._pool.put(buf)
+                        self._pool.release(buf)
                         raise
                 else:
-                    buf = self._pool.get()
+                    buf = self._pool.acquire()
                     record = buf[: layout.padded_len(k) * layout.tensors_per_record]
                     record.zero_()
                 padded = layout.padded_len(k)
@@ -161,21 +217,20 @@ class EmulatedDevice:
                 try:
                     request.compute(record, master, states, start, n)
                 except BaseException:
-                    self._pool.put(buf)
+                    self._pool.release(buf)
                     raise
                 self.stats.compute_s += time.perf_counter() - t0
                 if request.write:
-                    writes.append(self._writer.submit(self._write, shard, k, buf, record))
+                    write = self._writer.submit(self._write, shard, k, buf, record)
+                    shard.writes[k] = write
+                    self._trailing.append(write)
+                    self._traffic.add(storage_write_bytes=record.numel() * 4)
                 else:
-                    self._pool.put(buf)
+                    self._pool.release(buf)
         finally:
             for buf, pending in reads:
                 pending.exception()
-                self._pool.put(buf)
-            for pending in writes:
-                pending.exception()
-        for pending in writes:
-            pending.result()
+                self._pool.release(buf)
 
 
 class CpuBackend(Backend):
@@ -186,6 +241,7 @@ class CpuBackend(Backend):
         chunk_elems: elements per streamed chunk (a multiple of 1024).
         buffer_count: chunk buffers per device (at least 2: one updating, one reading or writing).
         owned_dirs: directories the backend created and removes on :meth:`close`.
+        io_factory: builds one I/O engine per device (default: :class:`ThreadedIO` with 1 MiB blocks, depth 8).
     """
 
     def __init__(
@@ -195,6 +251,7 @@ class CpuBackend(Backend):
         chunk_elems: int = 1 << 20,
         buffer_count: int = 4,
         owned_dirs: Sequence[Path] = (),
+        io_factory: Callable[[], IOEngine] = ThreadedIO,
     ) -> None:
         super().__init__()
         if not device_dirs:
@@ -205,7 +262,7 @@ class CpuBackend(Backend):
         self._chunk_elems = chunk_elems
         self._owned_dirs = [Path(d) for d in owned_dirs]
         self.devices = [
-            EmulatedDevice(i, Path(d), self.traffic, chunk_elems=chunk_elems, buffer_count=buffer_count)
+            EmulatedDevice(i, Path(d), self.traffic, io_factory(), chunk_elems=chunk_elems, buffer_count=buffer_count)
             for i, d in enumerate(device_dirs)
         ]
         self._shards: list[_Shard] = []
@@ -271,6 +328,15 @@ class CpuBackend(Backend):
         link = master.numel() * master.element_size()
         return self._enqueue(_Request(entry, read=False, write=True, compute=fill, link_write=link))
 
+    def check_storage(self) -> None:
+        """Raise :class:`StorageError` if a device's directory has disappeared (unmounted, deleted)."""
+        for device in self.devices:
+            if not device.directory.is_dir():
+                raise StorageError(
+                    f"Storage path {str(device.directory)!r} of device {device.index} disappeared during training "
+                    "(unmounted or deleted). Restore it and resume from the last checkpoint."
+                )
+
     def submit(self, shard: int, grad: Tensor, hp: StepParams, out: Tensor) -> Handle:
         entry = self._shard(shard, grad, "`grad`")
         self._shard(shard, out, "`out`")
@@ -307,8 +373,13 @@ class CpuBackend(Backend):
     def wait(self) -> None:
         pending, self._pending = self._pending, []
         errors = [exc for h in pending if (exc := h.exception()) is not None]
+        errors += [exc for device in self.devices if (exc := device.drain()) is not None]
         if errors:
             raise errors[0]
+
+    @property
+    def io_engine_name(self) -> str:
+        return self.devices[0].io.name
 
     def _state_files(self) -> list[ShardState]:
         return [ShardState(s.spec, s.layout, s.file.path) for s in self._shards]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import errno
 import os
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -28,6 +30,20 @@ def round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def supports_direct_io(directory: Path) -> bool:
+    """Whether files in ``directory`` can be opened with ``O_DIRECT`` (tmpfs and some network filesystems refuse)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = directory / ".smartinf-direct-io-probe"
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    probe.unlink(missing_ok=True)
+    return True
+
+
 class StateFile:
     """One file of device state, opened for direct positional I/O when the filesystem supports it."""
 
@@ -45,6 +61,9 @@ class StateFile:
             self._fd = os.open(path, flags, 0o600)
         if create:
             os.ftruncate(self._fd, size)
+            if size and hasattr(os, "posix_fallocate"):
+                # Reserve the blocks now: a full disk fails here, before training, never in the middle of a step.
+                os.posix_fallocate(self._fd, 0, size)
 
     def read_into(self, buf: Tensor, offset: int) -> None:
         """Fill ``buf`` (contiguous, aligned) from ``offset``."""
@@ -70,3 +89,69 @@ class StateFile:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+class IOEngine(ABC):
+    """Moves whole aligned buffers between a :class:`StateFile` and memory; blocking, thread-safe.
+
+    An engine may split a transfer into ``block_size`` requests and keep ``queue_depth`` of them in
+    flight; callers only see a transfer that is complete when the call returns.
+    """
+
+    #: Shown to users so they know which I/O path serves their devices.
+    name: str
+
+    def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8) -> None:
+        if block_size <= 0 or block_size % IO_ALIGN:
+            raise ValueError(
+                f"`io_block_size={block_size}` must be a positive multiple of {IO_ALIGN} bytes (the direct-I/O unit)."
+            )
+        if queue_depth < 1:
+            raise ValueError(f"`io_queue_depth={queue_depth}` must be at least 1 (requests in flight per device).")
+        self.block_size = block_size
+        self.queue_depth = queue_depth
+
+    @abstractmethod
+    def read(self, file: StateFile, buf: Tensor, offset: int) -> None:
+        """Fill ``buf`` from ``file`` at ``offset``."""
+
+    @abstractmethod
+    def write(self, file: StateFile, buf: Tensor, offset: int) -> None:
+        """Write all of ``buf`` to ``file`` at ``offset``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release threads or handles."""
+
+
+class ThreadedIO(IOEngine):
+    """``pread``/``pwrite`` on a pool of ``queue_depth`` threads, one ``block_size`` piece per request."""
+
+    name = "threads (pread/pwrite)"
+
+    def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8) -> None:
+        super().__init__(block_size, queue_depth)
+        self._pool = ThreadPoolExecutor(queue_depth, thread_name_prefix="csd-io")
+
+    def _pieces(self, buf: Tensor, offset: int) -> list[tuple[Tensor, int]]:
+        flat = buf.view(torch.uint8)
+        return [
+            (flat[start : start + self.block_size], offset + start) for start in range(0, flat.numel(), self.block_size)
+        ]
+
+    def _run(self, fn, buf: Tensor, offset: int) -> None:  # noqa: ANN001 - a bound StateFile method
+        pieces = self._pieces(buf, offset)
+        if len(pieces) == 1:
+            fn(*pieces[0])
+            return
+        for future in [self._pool.submit(fn, piece, at) for piece, at in pieces]:
+            future.result()
+
+    def read(self, file: StateFile, buf: Tensor, offset: int) -> None:
+        self._run(file.read_into, buf, offset)
+
+    def write(self, file: StateFile, buf: Tensor, offset: int) -> None:
+        self._run(file.write_from, buf, offset)
+
+    def close(self) -> None:
+        self._pool.shutdown()

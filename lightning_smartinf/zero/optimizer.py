@@ -16,11 +16,13 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from deepspeed import comm as dist
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from torch import Tensor
@@ -86,6 +88,8 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             raise ValueError("SmartUpdate does not support `offload_param` to NVMe; offload parameters to `cpu`.")
         self.smartinf_backend = type(self)._smartinf_backend_factory()
         self.smartinf_group_steps: dict[int, int] = {}
+        #: Seconds the host spent blocked on devices for updated parameters (cumulative).
+        self.smartinf_wait_s = 0.0
         offsets = [0]
         for numel in self.fp16_partitioned_groups_flat_numel:
             offsets.append(offsets[-1] + int(numel))
@@ -149,11 +153,14 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self.smartinf_group_steps[group_id] = self.smartinf_group_steps.get(group_id, 0) + 1
 
         backend = self.smartinf_backend
+        backend.check_storage()
         in_flight: deque[tuple[int, Any, Tensor | None]] = deque()
 
         def retire_oldest() -> None:
             sub_group, handle, staging = in_flight.popleft()
+            started = time.perf_counter()
             handle.result()
+            self.smartinf_wait_s += time.perf_counter() - started
             self._unflatten_partitioned_parameters(sub_group)
             if staging is not None:
                 self._smartinf_staging.append(staging)
@@ -173,7 +180,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             in_flight.append((i, backend.submit(i, grad, hp, self.fp16_partitioned_groups_flat[i]), staging))
         while in_flight:
             retire_oldest()
-        backend.wait()
+        # No backend.wait(): state write-back trails into the next forward; the devices order it before re-reads.
         # torch's LR schedulers warn unless the wrapped optimizer's own step ran; the devices ran it.
         self.optimizer._opt_called = True
         self._post_step(set())
@@ -181,12 +188,34 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def smartinf_traffic(self) -> TrafficSnapshot:
         return self.smartinf_backend.traffic_snapshot()
 
+    def smartinf_layout(self) -> list[list[dict[str, Any]]]:
+        """Per shard, the parameters whose partitions it holds, in order: enough to rebuild full fp32 weights.
+
+        Parameter ``p`` is split into ``world_size`` equal partitions of ``partition_numel`` elements (the last
+        padded); rank ``r`` holds elements ``[r * partition_numel, (r + 1) * partition_numel)`` of ``p.view(-1)``.
+        """
+        names = self.param_names
+        return [
+            [
+                {
+                    "name": names.get(param, f"param{param.ds_id}"),
+                    "shape": list(param.ds_shape),
+                    "partition_numel": int(param.partition_numel()),
+                }
+                for param in sub_group
+            ]
+            for sub_group in self.fp16_groups
+        ]
+
     def smartinf_state_dict(self) -> dict[str, Any]:
         """Host-side state that travels with the device state in checkpoints."""
         return {
             "group_steps": {str(k): v for k, v in self.smartinf_group_steps.items()},
             "loss_scale": float(self.loss_scale),
             "num_shards": len(self.fp16_groups),
+            "rank": dist.get_rank(group=self.dp_process_group),
+            "world_size": dist.get_world_size(group=self.dp_process_group),
+            "shards": self.smartinf_layout(),
         }
 
     def load_smartinf_state_dict(self, state: dict[str, Any]) -> None:

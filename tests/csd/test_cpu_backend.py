@@ -581,7 +581,7 @@ def test_io_errors_do_not_leak_buffers(tmp_path, make_backend, buffer_count) -> 
             backend.submit(i, torch.ones(n), StepParams(step=1, lr=0.1), torch.zeros(n))
         exc = _run_with_timeout(backend.wait)
         assert isinstance(exc, OSError), exc
-        assert device._pool.qsize() == buffer_count, "chunk buffers lost after failed requests"
+        assert device.pool.size - device.pool.in_use == buffer_count, "chunk buffers lost after failed requests"
         # The healthy shard on the same device still trains.
         out = torch.zeros(n)
         backend.submit(buffer_count, torch.ones(n), StepParams(step=1, lr=0.1), out)
@@ -589,8 +589,8 @@ def test_io_errors_do_not_leak_buffers(tmp_path, make_backend, buffer_count) -> 
         assert_close(out, model.refs[-1].detach().add(torch.ones(n), alpha=-0.1), rtol=0, atol=0)
     finally:
         # Unblock a starved worker so teardown can close the backend.
-        while device._pool.qsize() < buffer_count:
-            device._pool.put(aligned_empty(CHUNK * 4 * 2, torch.float32))
+        while device.pool.size - device.pool.in_use < buffer_count:
+            device.pool.add(aligned_empty(CHUNK * 4 * 2, torch.float32))
 
 
 # ------------------------------------------------------------------------------------------------- host memory
