@@ -1,0 +1,90 @@
+"""I/O engines of the emulated devices, and write-back that trails the update without ever being overtaken."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from lightning_smartinf.csd import Adam, CpuBackend, ShardSpec, StepParams
+from lightning_smartinf.csd.io import IOEngine, StateFile, ThreadedIO, aligned_empty
+
+
+def _round_trip(engine: IOEngine, tmp_path) -> None:
+    nbytes = 3 * engine.block_size + 4096  # several pieces plus a short tail
+    file = StateFile(tmp_path / "f", nbytes + 8192, create=True)
+    src = aligned_empty(nbytes)
+    src.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+    engine.write(file, src, 4096)
+    dst = aligned_empty(nbytes)
+    engine.read(file, dst, 4096)
+    assert torch.equal(src, dst)
+    file.close()
+    engine.close()
+
+
+@pytest.mark.parametrize(("block", "depth"), [(4096, 1), (1 << 16, 4), (1 << 20, 8)])
+def test_threaded_io_round_trip(tmp_path, block, depth):
+    _round_trip(ThreadedIO(block, depth), tmp_path)
+
+
+def test_deepspeed_aio_round_trip(tmp_path):
+    aio = pytest.importorskip("lightning_smartinf.zero.aio")
+    try:
+        op = aio.load_aio_op()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    _round_trip(aio.DeepSpeedAIO(1 << 16, 4, op=op), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"block_size": 1000}, r"io_block_size=1000.*multiple of 4096"), ({"queue_depth": 0}, r"io_queue_depth=0")],
+)
+def test_bad_io_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ThreadedIO(**kwargs)
+
+
+class SlowWrites(ThreadedIO):
+    """Real file I/O whose writes take long, so the next step's reads would overtake them if unordered."""
+
+    def write(self, file, buf, offset):
+        time.sleep(0.02)
+        super().write(file, buf, offset)
+
+
+def test_trailing_write_back_is_never_overtaken_by_the_next_read(tmp_path):
+    n, chunk = 5 * 1024, 1024
+    backend = CpuBackend([tmp_path], chunk_elems=chunk, buffer_count=2, io_factory=lambda: SlowWrites(4096, 2))
+    backend.open([ShardSpec(0, n, Adam())])
+    start = torch.randn(n)
+    backend.initialize(0, start)
+    reference = torch.nn.Parameter(start.clone())
+    optimizer = torch.optim.Adam([reference], lr=1e-2)
+    out = torch.empty(n)
+    for step in range(1, 6):
+        grad = torch.randn(n)
+        reference.grad = grad.clone()
+        optimizer.step()
+        # No wait between steps: the handle completes when parameters are ready, with writes still pending.
+        backend.submit(0, grad, StepParams(step=step, lr=1e-2), out).result()
+        assert_close(out, reference.detach(), rtol=0, atol=0)
+    backend.wait()
+    backend.close()
+
+
+def test_handle_completes_before_trailing_writes(tmp_path):
+    n = 8 * 1024
+    backend = CpuBackend([tmp_path], chunk_elems=1024, buffer_count=3, io_factory=lambda: SlowWrites(4096, 1))
+    backend.open([ShardSpec(0, n, Adam())])
+    backend.initialize(0, torch.zeros(n))
+    backend.wait()
+    handle = backend.submit(0, torch.ones(n), StepParams(step=1, lr=1e-2), torch.empty(n))
+    handle.result()
+    assert backend.devices[0]._trailing and not all(f.done() for f in backend.devices[0]._trailing)
+    backend.wait()
+    assert all(f.done() for f in backend.devices[0]._trailing) or not backend.devices[0]._trailing
+    backend.close()

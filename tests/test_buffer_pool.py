@@ -1,0 +1,100 @@
+"""The BufferPool callback: pool sizing at fit start, release at the end, and the metrics it logs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from models import LMModule, fit, param_groups
+
+from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.callbacks import BufferPool
+
+
+def adamw(model):
+    return torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3), None
+
+
+class KeepBackend(BufferPool):
+    """Records the backend before the callback releases it."""
+
+    def on_train_end(self, trainer, pl_module):
+        self.backend = trainer.strategy.backend
+        self.metrics = dict(trainer.callback_metrics)
+
+
+def test_pool_sized_from_sub_groups_metrics_logged_and_released(tmp_path):
+    paths = [tmp_path / "a", tmp_path / "b"]
+    for p in paths:
+        p.mkdir()
+    pool = KeepBackend()
+    strategy = SmartInfinityStrategy(storage_paths=paths, sub_group_size=3000, chunk_size=1 << 20, io_engine="threads")
+    trainer, _ = fit(LMModule(adamw), strategy, steps=3, precision="bf16-mixed", callbacks=[pool])
+
+    # chunk_size shrinks from 1M to the largest sub-group (3000 elements, rounded up to 1024).
+    assert strategy.chunk_size == 3072
+    assert pool.backend.buffer_bytes == 2 * (4 * 3 + 1) * 3072 * 4
+    metrics = pool.metrics
+    assert metrics["smartinf/wait_ms"] >= 0
+    assert 0 < metrics["smartinf/pool_utilisation"] <= 1
+    for device in (0, 1):
+        assert metrics[f"smartinf/device{device}_read_ms"] > 0
+        assert metrics[f"smartinf/device{device}_compute_ms"] > 0
+        assert f"smartinf/device{device}_write_ms" in metrics
+    # Released at the end: no backend, threads stopped, traffic still readable.
+    assert strategy._backend is None
+    assert all(not d._worker.is_alive() for d in pool.backend.devices)
+    assert strategy.traffic.link_read_bytes > 0
+
+
+def test_memory_budget_decides_the_buffer_count(tmp_path):
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=4096, chunk_size=4096)
+    budget = 8 * (4096 * 4 * 4) + 4096 * 4  # eight worst-case (4-tensor) buffers plus the gradient chunk
+    trainer, _ = fit(LMModule(adamw), strategy, steps=1, callbacks=[BufferPool(memory_budget=budget)])
+    assert strategy.buffer_count == 8
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"buffer_count": 4, "memory_budget": 1 << 30}, "give one of them"),
+        ({"chunk_size": 1000}, r"chunk_size=1000.*multiple of 1024"),
+        ({"buffer_count": 1}, r"buffer_count=1.*at least 2"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(MisconfigurationException, match=match):
+        BufferPool(**kwargs)
+
+
+def test_budget_too_small_for_two_buffers(tmp_path):
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=4096, chunk_size=4096)
+    with pytest.raises(MisconfigurationException, match=r"memory_budget=1000.*too small.*Raise the budget"):
+        fit(LMModule(adamw), strategy, steps=1, callbacks=[BufferPool(memory_budget=1000)])
+
+
+def test_needs_the_smart_infinity_strategy():
+    with pytest.raises(MisconfigurationException, match="works with `strategy='smart_infinity'`"):
+        fit(LMModule(adamw), "auto", steps=1, callbacks=[BufferPool()])
+
+
+@pytest.mark.parametrize("engine", ["threads", "aio"])
+def test_io_engines_train_to_the_same_parameters(tmp_path, engine):
+    if engine == "aio":
+        from lightning_smartinf.zero.aio import load_aio_op
+
+        try:
+            load_aio_op()
+        except RuntimeError as exc:
+            pytest.skip(str(exc))
+    _, reference = fit(LMModule(adamw), "auto", steps=4)
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000, io_engine=engine)
+    _, ours = fit(LMModule(adamw), strategy, steps=4)
+    assert max(float((ours[n] - reference[n]).abs().max()) for n in ours) < 1e-5
+
+
+def test_bad_io_engine():
+    with pytest.raises(MisconfigurationException, match=r"io_engine='spdk'.*'auto', 'aio', 'threads'"):
+        SmartInfinityStrategy(io_engine="spdk")
+    with pytest.raises(MisconfigurationException, match=r"io_block_size=100"):
+        SmartInfinityStrategy(io_block_size=100)
