@@ -187,6 +187,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                 sub_group_size=args.sub_group_size,
                 offload_parameters=True,
                 io_engine=args.io_engine,
+                staging_window=args.staging_window,
             )
         module = build_module(args, args.run)
         n = args.batch * (args.warmup + args.steps)
@@ -376,6 +377,7 @@ def main() -> None:
         choices=("auto", "aio", "threads"),
         help="smart_infinity device I/O engine (default threads: the faster one on this machine)",
     )
+    parser.add_argument("--staging-window", type=int, default=None, help="smart_infinity sub-groups in flight")
     parser.add_argument("--raw-gib", type=float, default=2.0, help="GiB per direction for the raw bandwidth probe")
     parser.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)
     args = parser.parse_args()
