@@ -57,8 +57,6 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         chunk_size: elements a device streams through one buffer at a time (a multiple of 1024).
         buffer_count: chunk buffers per device; host memory of the update path is
             ``devices * buffer_count * chunk_size * 4 * (1 + states)`` bytes.
-        staging_window: sub-groups in flight at once during a step (default: twice the devices); each
-            holds one gradient staging buffer of the largest sub-group in the training dtype.
         io_engine: how devices move state to and from their storage: ``"aio"`` (DeepSpeed's libaio op,
             direct I/O), ``"threads"`` (``pread``/``pwrite`` on a thread pool) or ``"auto"`` (aio where it
             loads and the filesystem allows ``O_DIRECT``, else threads; the choice is logged).
@@ -83,7 +81,6 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         sub_group_size: int = 40_000_000,
         chunk_size: int = 1 << 20,
         buffer_count: int = 4,
-        staging_window: int | None = None,
         io_engine: Literal["auto", "aio", "threads"] = "auto",
         io_block_size: int = 1 << 20,
         io_queue_depth: int = 8,
@@ -115,7 +112,6 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         for name, value, minimum in (
             ("sub_group_size", sub_group_size, 1),
             ("buffer_count", buffer_count, 2),
-            ("staging_window", staging_window if staging_window is not None else 1, 1),
         ):
             if not isinstance(value, int) or value < minimum:
                 raise MisconfigurationException(
@@ -142,7 +138,6 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         self.backend_name = backend
         self.chunk_size = chunk_size
         self.buffer_count = buffer_count
-        self.staging_window = staging_window
         self._backend: Backend | None = None
         self._closed_traffic = TrafficSnapshot()
 
@@ -358,7 +353,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
 
         model_parameters = filter(lambda p: p.requires_grad, model.parameters())
         try:
-            with smart_update_optimizer(make_backend, staging_window=self.staging_window or 2 * len(device_dirs)):
+            with smart_update_optimizer(make_backend):
                 engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
                     args=self._deepspeed_args(),
                     config=self.config,

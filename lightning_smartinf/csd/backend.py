@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from lightning_smartinf.csd.rules import StepParams, UpdateRule
@@ -62,11 +63,15 @@ class Backend(ABC):
         """Write ``master`` (any float dtype, upcast to fp32) as the shard's master weights; reset its states."""
 
     @abstractmethod
-    def submit(self, shard: int, grad: Tensor, hp: StepParams, out: Tensor) -> Handle:
-        """Apply one update with ``grad`` (the shard's gradient in the training dtype).
+    def submit(
+        self, shard: int, grad: Tensor, hp: StepParams, out: Tensor, link_dtype: torch.dtype | None = None
+    ) -> Handle:
+        """Apply one update with the shard's gradient ``grad``.
 
-        The updated master weights are written into ``out`` (the low-precision partition, any float dtype)
-        before the handle completes. ``grad`` and ``out`` must stay alive and untouched until then.
+        ``grad`` crosses the link in ``link_dtype`` (default: its own dtype): a wider host buffer is rounded
+        to it on the way, exactly as a transfer in that dtype would. The updated master weights are written
+        into ``out`` (the low-precision partition, any float dtype) before the handle completes; ``grad``
+        and ``out`` must stay alive and untouched until then.
         """
 
     @abstractmethod

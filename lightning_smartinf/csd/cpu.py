@@ -116,6 +116,7 @@ class EmulatedDevice:
         self.pool = BufferPool()
         self._pool = self.pool
         self._grad_chunk: Tensor | None = None
+        self._link_chunks: dict[torch.dtype, Tensor] = {}
         self.allocated_bytes = 0
         self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"csd{index}-read")
@@ -134,6 +135,14 @@ class EmulatedDevice:
     def grad_chunk(self, n: int) -> Tensor:
         assert self._grad_chunk is not None
         return self._grad_chunk[:n]
+
+    def link_chunk(self, n: int, dtype: torch.dtype) -> Tensor:
+        """Scratch for one gradient chunk as it crosses the link (allocated once per dtype)."""
+        chunk = self._link_chunks.get(dtype)
+        if chunk is None:
+            chunk = self._link_chunks[dtype] = torch.empty(self._chunk_elems, dtype=dtype)
+            self.allocated_bytes += chunk.numel() * chunk.element_size()
+        return chunk[:n]
 
     def enqueue(self, request: _Request) -> Handle:
         self._requests.put(request)
@@ -305,6 +314,8 @@ class CpuBackend(Backend):
 
     def _enqueue(self, request: _Request) -> Handle:
         handle = self.device_of(request.shard.spec.index).enqueue(request)
+        # Keep unfinished and failed requests for `wait`; finished ones have nothing left to report.
+        self._pending = [h for h in self._pending if not h.done() or h.exception() is not None]
         self._pending.append(handle)
         return handle
 
@@ -337,15 +348,22 @@ class CpuBackend(Backend):
                     "(unmounted or deleted). Restore it and resume from the last checkpoint."
                 )
 
-    def submit(self, shard: int, grad: Tensor, hp: StepParams, out: Tensor) -> Handle:
+    def submit(
+        self, shard: int, grad: Tensor, hp: StepParams, out: Tensor, link_dtype: torch.dtype | None = None
+    ) -> Handle:
         entry = self._shard(shard, grad, "`grad`")
         self._shard(shard, out, "`out`")
         device = self.device_of(shard)
         rule = entry.spec.rule
+        link_dtype = link_dtype or grad.dtype
+        round_on_link = link_dtype != grad.dtype
 
         def update(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
             g = device.grad_chunk(n)
-            g.copy_(grad[start : start + n])
+            if round_on_link:
+                g.copy_(device.link_chunk(n, link_dtype).copy_(grad[start : start + n]))
+            else:
+                g.copy_(grad[start : start + n])
             if hp.grad_scale != 1.0:
                 g.mul_(hp.grad_scale)
             rule.apply(m, g, states, hp)
@@ -356,7 +374,7 @@ class CpuBackend(Backend):
             read=True,
             write=True,
             compute=update,
-            link_write=grad.numel() * grad.element_size(),
+            link_write=grad.numel() * link_dtype.itemsize,
             link_read=out.numel() * out.element_size(),
         )
         return self._enqueue(request)

@@ -33,7 +33,7 @@ def check_deepspeed_version() -> None:
 
 
 @contextlib.contextmanager
-def smart_update_optimizer(backend_factory: Callable[[], Backend], *, staging_window: int) -> Iterator[None]:
+def smart_update_optimizer(backend_factory: Callable[[], Backend]) -> Iterator[None]:
     """Make ZeRO-3 engines built inside this block use ``SmartUpdateZeroOptimizer`` with ``backend_factory``."""
     check_deepspeed_version()
     from deepspeed.runtime.zero import stage3
@@ -43,7 +43,7 @@ def smart_update_optimizer(backend_factory: Callable[[], Backend], *, staging_wi
     bound = type(
         "SmartUpdateZeroOptimizer",
         (SmartUpdateZeroOptimizer,),
-        {"_smartinf_backend_factory": staticmethod(backend_factory), "_smartinf_staging_window": staging_window},
+        {"_smartinf_backend_factory": staticmethod(backend_factory)},
     )
     original = stage3.DeepSpeedZeroOptimizer_Stage3
     stage3.DeepSpeedZeroOptimizer_Stage3 = bound

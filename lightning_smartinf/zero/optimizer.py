@@ -9,15 +9,14 @@ low-precision partition straight into ZeRO's flat parameter buffer.
 Invariants:
 - Sub-group ``i`` is backend shard ``i``; its gradient is the slice of ``grad_partitions_flat_buffer``
   starting at the sum of the earlier sub-groups' partition sizes (ZeRO builds both in the same order).
-- The host never holds fp32 master weights or states: only ``staging_window`` gradient staging buffers
-  of the largest sub-group, in the training dtype.
+- The host never holds fp32 master weights or states, nor extra gradient copies: devices read each
+  gradient straight from ZeRO's buffer and round it to the training dtype as it crosses the link.
 - An overflowing (fp16) or non-finite step returns before any submission: device state is untouched.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -81,7 +80,6 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     #: Set on the subclass that :func:`smart_update_optimizer` installs.
     _smartinf_backend_factory: BackendFactory
-    _smartinf_staging_window: int
 
     def _configure_tensor_swapping(self, offload_optimizer_config: Any, aio_config: Any) -> None:
         if self.params_in_nvme_and_cpu:
@@ -103,14 +101,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def initialize_optimizer_states(self) -> None:
         # Device states were initialised with the masters (DeviceSwapper.initialize_parameters).
-        largest = max(self.fp16_partitioned_groups_flat_numel)
-        lp_dtype = self.fp16_partitioned_groups_flat[0].dtype
-        self._smartinf_staging: deque[Tensor] = deque()
-        self._smartinf_needs_staging = self.gradient_accumulation_dtype != lp_dtype
-        if self._smartinf_needs_staging:
-            # The link carries gradients in the training dtype; these are the only host buffers of the step.
-            for _ in range(type(self)._smartinf_staging_window):
-                self._smartinf_staging.append(torch.empty(int(largest), dtype=lp_dtype))
+        self._smartinf_link_dtype = self.fp16_partitioned_groups_flat[0].dtype
 
     def _offload_grad_partition_at_boundary(
         self, param: Tensor, grad_buffer: Tensor, offload_fp32_gradients: dict, offload_fp32_offsets: dict
@@ -154,32 +145,21 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
         backend = self.smartinf_backend
         backend.check_storage()
-        in_flight: deque[tuple[int, Any, Tensor | None]] = deque()
-
-        def retire_oldest() -> None:
-            sub_group, handle, staging = in_flight.popleft()
-            started = time.perf_counter()
-            handle.result()
-            self.smartinf_wait_s += time.perf_counter() - started
-            self._unflatten_partitioned_parameters(sub_group)
-            if staging is not None:
-                self._smartinf_staging.append(staging)
-
+        # Every sub-group is queued at once (devices take them in order); the host waits only for the
+        # parameters of each in turn. Gradients cross the link in the training dtype.
+        handles = []
         for i in range(len(self.fp16_groups)):
-            grad = self._grad_slice(i)
-            staging = None
-            if self._smartinf_needs_staging:
-                while not self._smartinf_staging:
-                    retire_oldest()
-                staging = self._smartinf_staging.popleft()
-                grad = staging[: grad.numel()].copy_(grad)
             group_id = self.sub_group_to_group_id[i]
             hp = step_params(
                 self.optimizer.param_groups[group_id], step=self.smartinf_group_steps[group_id], grad_scale=grad_scale
             )
-            in_flight.append((i, backend.submit(i, grad, hp, self.fp16_partitioned_groups_flat[i]), staging))
-        while in_flight:
-            retire_oldest()
+            out = self.fp16_partitioned_groups_flat[i]
+            handles.append(backend.submit(i, self._grad_slice(i), hp, out, link_dtype=self._smartinf_link_dtype))
+        for i, handle in enumerate(handles):
+            started = time.perf_counter()
+            handle.result()
+            self.smartinf_wait_s += time.perf_counter() - started
+            self._unflatten_partitioned_parameters(i)
         # No backend.wait(): state write-back trails into the next forward; the devices order it before re-reads.
         # torch's LR schedulers warn unless the wrapped optimizer's own step ran; the devices ran it.
         self.optimizer._opt_called = True
