@@ -1,0 +1,92 @@
+"""``python -m lightning_smartinf.plan``: predict iteration time, recommend a configuration, calibrate a machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from lightning_smartinf.plan.model import PlanError, load_profile, profile_names, workload_from_model
+from lightning_smartinf.plan.planner import format_plan, make_plan
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_smartinf.plan",
+        description="Analytic performance model of ZeRO-Infinity vs Smart-Infinity (SU, SU+O, SU+O+C): time "
+        "breakdown per iteration, speedups, and a recommended SmartInfinityStrategy configuration.",
+    )
+    parser.add_argument("--model", help="a Hugging Face config.json (or its directory), or a size such as 7B, 350M")
+    parser.add_argument(
+        "--profile",
+        default="paper-a5000",
+        help=f"packaged profile ({', '.join(profile_names())}) or a profile JSON file (default: paper-a5000)",
+    )
+    parser.add_argument("--devices", type=int, help="number of devices / SSDs (default: the recommended number)")
+    parser.add_argument("--compression", type=float, help="fraction of gradient elements kept, e.g. 0.01")
+    parser.add_argument(
+        "--transfer-bytes",
+        type=int,
+        choices=(2, 4),
+        help="bytes per gradient/parameter element on the link: 2 (bf16/fp16, this project) or 4 (fp32, the "
+        "paper's runs); default: the profile's",
+    )
+    parser.add_argument("--batch", type=int, default=4, help="micro-batch size per GPU (default 4, as the paper)")
+    parser.add_argument("--seq", type=int, help="sequence length (default: the config's context, capped at 4096)")
+    parser.add_argument("--calibrate", metavar="PATH", help="measure storage at PATH and this CPU; write a profile")
+    parser.add_argument("-o", "--output", help="where --calibrate writes the profile JSON (default: stdout)")
+    parser.add_argument("--calibrate-mb", type=int, default=384, help="MiB of test data per file (default 384)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of text")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.calibrate:
+            from lightning_smartinf.plan.calibrate import calibrate
+
+            name = Path(args.output).stem if args.output else None
+            profile = calibrate(args.calibrate, megabytes=args.calibrate_mb, name=name)
+            text = json.dumps(profile, indent=2) + "\n"
+            if args.output:
+                Path(args.output).write_text(text)
+                print(f"wrote profile {profile['name']!r} to {args.output}", file=sys.stderr)
+            else:
+                sys.stdout.write(text)
+            if not args.model:
+                return 0
+            args.profile = args.output or args.profile
+        if not args.model:
+            parser.error("--model is required (a config.json or a size like 7B), unless --calibrate is given")
+        work = workload_from_model(args.model, batch=args.batch, seq=args.seq)
+        prof = load_profile(args.profile)
+        if args.transfer_bytes:
+            prof = replace(prof, transfer_bytes=args.transfer_bytes)
+        plan = make_plan(work, prof, devices=args.devices, compression=args.compression)
+    except PlanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = {
+            "params": work.params,
+            "profile": prof.name,
+            "devices": plan.devices,
+            "breakdown": {m: {**b.__dict__, "total": b.total} for m, b in plan.breakdowns.items()},
+            "speedup": {m: plan.baseline.total / b.total for m, b in plan.breakdowns.items()},
+            "recommended_devices": plan.recommended_devices,
+            "sub_group_size": plan.sub_group_size,
+            "buffer_count": plan.buffer_count,
+            "compression": plan.compression if plan.recommend_compression else None,
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,426 @@
+"""Analytic model of one training iteration under ZeRO-Infinity and Smart-Infinity (SU, SU+O, SU+O+C).
+
+Pure Python (no torch). Units: bytes, seconds, parameters; bandwidths in GB/s (1e9 B/s) in profiles.
+
+Per iteration, for ``P`` trainable parameters, ``N`` storage devices (``docs/planner.md`` has the derivation):
+
+* GPU:  ``T_fb = k·P·tokens / (peak·eff) + 6P / gpu_link``  (``k`` = 8 with activation recompute; 6 B/param
+  of ZeRO-3 parameter fetch and gradient offload between GPU and host).
+* ZeRO-Infinity (RAID-0, host update), read ``16P`` (fp32 master, m, v, grad) and write ``16P`` at
+  ``min(N·b_ssd, raid ceiling)``, host update at ``host_update`` param/s, serialised (DeepSpeed's default).
+* SmartUpdate (SU): the shared link carries ``t·P`` gradient down (written to each device's SSD) and ``t·P``
+  updated parameters up (``t`` = ``transfer_bytes``: 2 here, 4 in the paper); each device reads ``12 + t`` B
+  (state + gradient) and writes ``12`` B per own parameter at its own SSD's bandwidth, and updates at
+  ``device_update`` param/s; all devices in parallel, steps serialised.
+* SU+O: the transfer handler overlaps the update with the storage traffic: ``max(storage, update)`` per
+  device plus one sub-group of pipeline fill.
+* SU+O+C: the gradient shrinks to ``c·(t + 4)`` (value + int32 index) bytes per parameter on the link and on the SSD, at
+  the cost of the top-k selection on the GPU (the paper's code also copies the fp16 gradient back to the GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+
+#: Bytes per parameter per step of each traffic class (Adam, fp32 master/m/v, fp16/bf16 model).
+FP32_STATE_BYTES = 12  # master + exp_avg + exp_avg_sq
+LOW_PRECISION_BYTES = 2  # fp16/bf16 gradient or parameter
+FP32_GRAD_BYTES = 4
+COMPRESSED_INDEX_BYTES = 4  # int32 position inside the sub-group
+
+METHODS = ("zero_infinity", "su", "su_o", "su_o_c")
+METHOD_LABELS = {
+    "zero_infinity": "ZeRO-Infinity",
+    "su": "SmartUpdate (SU)",
+    "su_o": "SU + overlap (SU+O)",
+    "su_o_c": "SU+O + compression (SU+O+C)",
+}
+
+
+class PlanError(ValueError):
+    """A user input the planner cannot use (unknown profile, unparsable size, incomplete config)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: parameter count and tokens per iteration (per GPU)."""
+
+    params: int
+    batch: int = 4
+    seq: int = 1024
+    name: str = ""
+    #: Model FLOPs per parameter per token for forward + backward (6), plus 2 with activation recompute.
+    flops_per_param_token: float = 8.0
+
+    def __post_init__(self) -> None:
+        if self.params <= 0:
+            raise PlanError(f"`params={self.params}` must be positive.")
+        if self.batch <= 0 or self.seq <= 0:
+            raise PlanError(f"`batch={self.batch}` and `seq={self.seq}` must be positive.")
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Hardware numbers the model needs. Bandwidths in GB/s, rates in parameters per second.
+
+    ``None`` for a bandwidth means "not a bottleneck here" (for example no GPU link on a CPU-only machine).
+    ``sources`` maps each field to where its number comes from (paper statement, datasheet, fitted, measured).
+    """
+
+    name: str
+    description: str = ""
+    # GPU
+    gpu: str = "none"
+    gpu_peak_tflops: float | None = None  # dense fp16/bf16 tensor peak; None: no GPU (CPU training)
+    gpu_efficiency: float = 0.4
+    gpu_link_gbps: float | None = None  # GPU <-> host (ZeRO-3 parameter fetch, gradient offload, top-k copy)
+    gpu_topk_gelems_per_s: float | None = None  # top-k selection (sort) throughput on the GPU
+    cpu_step_s_per_gparam: float = 0.0  # forward+backward time per 1e9 params when there is no GPU
+    # host update (ZeRO-Infinity baseline)
+    host_update_gparams_per_s: float = 1.0
+    # storage
+    ssd_read_gbps: float = 3.2  # one SSD, sequential direct read
+    ssd_write_gbps: float = 2.0  # one SSD, sequential direct write
+    raid_read_ceiling_gbps: float | None = 8.0  # aggregate the host reaches over RAID-0 (shared switch)
+    raid_write_ceiling_gbps: float | None = 8.0
+    shared_link_gbps: float | None = 8.0  # host <-> devices link the SmartUpdate transfers share
+    #: Aggregate ceiling of the devices' *internal* storage traffic: None for independent CSDs; the one disk's
+    #: bandwidth when emulated devices share it (``cpu`` backend).
+    device_storage_ceiling_gbps: float | None = None
+    #: The gradient is written to the device's SSD and read back by the device (SmartSSD P2P); False when the
+    #: device takes it from host memory (``cpu`` backend).
+    gradient_staged_on_ssd: bool = True
+    #: Bytes per element of the gradient sent to a device and of the parameter it returns: 2 (bf16/fp16, this
+    #: project) or 4 (fp32, the paper's measured runs: Table I's "2M" each way with M the fp16 model size).
+    transfer_bytes: int = 2
+    device_update_gparams_per_s: float = 0.5
+    max_devices: int = 10
+    device_memory_gb: float = 4.0  # per device buffer memory (FPGA DRAM / host pool budget per device)
+    #: ZeRO-Infinity baseline overlaps its reads and writes (``pipeline_read/write``).
+    baseline_pipelined: bool = False
+    sources: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], origin: str = "profile") -> Profile:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - {"measured", "comment"})
+        if unknown:
+            raise PlanError(f"{origin}: unknown profile keys {unknown}; allowed: {sorted(known)}.")
+        if "name" not in data:
+            raise PlanError(f"{origin}: a profile needs a `name`.")
+        clean = {k: v for k, v in data.items() if k in known}
+        profile = cls(**clean)
+        for f in fields(cls):
+            value = getattr(profile, f.name)
+            if f.name.endswith(("_gbps", "_per_s", "_tflops")) and value is not None and value <= 0:
+                raise PlanError(f"{origin}: `{f.name}={value}` must be positive (or null for 'no limit').")
+        return profile
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _limit(value: float | None) -> float:
+    return math.inf if value is None else value * GB
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Seconds per iteration, split by where the time goes (phases are serial unless the method overlaps)."""
+
+    method: str
+    devices: int
+    fwd_bwd: float
+    grad_transfer: float  # gradient over the shared link (baseline: fp32 gradient swap-out to the RAID)
+    update: float  # optimizer arithmetic not hidden behind I/O
+    param_return: float  # updated low-precision parameters back over the shared link
+    storage_io: float  # optimizer-state reads + writes not hidden (baseline: over the RAID; SU: inside devices)
+    compression: float = 0.0  # top-k selection and its copies (SU+O+C)
+    link_write_bytes: float = 0.0  # bytes per step host -> storage over the shared link
+    link_read_bytes: float = 0.0  # bytes per step storage -> host over the shared link
+    storage_bytes: float = 0.0  # bytes per step read+written on the SSDs in total
+
+    @property
+    def link_bytes(self) -> float:
+        return self.link_write_bytes + self.link_read_bytes
+
+    @property
+    def optimizer(self) -> float:
+        """Optimizer step: everything except forward/backward (and the compression done on the GPU)."""
+        return self.grad_transfer + self.update + self.param_return + self.storage_io
+
+    @property
+    def total(self) -> float:
+        return self.fwd_bwd + self.optimizer + self.compression
+
+
+def fwd_bwd_time(work: Workload, prof: Profile) -> float:
+    if prof.gpu_peak_tflops is None:
+        return prof.cpu_step_s_per_gparam * work.params / 1e9
+    compute = (
+        work.flops_per_param_token * work.params * work.tokens / (prof.gpu_peak_tflops * 1e12 * prof.gpu_efficiency)
+    )
+    offload = 3 * LOW_PRECISION_BYTES * work.params / _limit(prof.gpu_link_gbps)
+    return compute + offload
+
+
+def zero_infinity(work: Workload, prof: Profile, devices: int) -> Breakdown:
+    p = work.params
+    read_bw = min(devices * prof.ssd_read_gbps * GB, _limit(prof.raid_read_ceiling_gbps))
+    write_bw = min(devices * prof.ssd_write_gbps * GB, _limit(prof.raid_write_ceiling_gbps))
+    grad_out = FP32_GRAD_BYTES * p / write_bw
+    state_in = (FP32_STATE_BYTES + FP32_GRAD_BYTES) * p / read_bw
+    state_out = FP32_STATE_BYTES * p / write_bw
+    update = p / (prof.host_update_gparams_per_s * 1e9)
+    # An SSD's reads and writes share its bandwidth, so pipelining hides the host update behind the I/O, not
+    # reads behind writes.
+    if prof.baseline_pipelined:
+        update = max(0.0, update - (state_in + state_out))
+    return Breakdown(
+        "zero_infinity",
+        devices,
+        fwd_bwd=fwd_bwd_time(work, prof),
+        grad_transfer=grad_out,
+        update=update,
+        param_return=0.0,
+        storage_io=state_in + state_out,
+        link_write_bytes=16.0 * p,
+        link_read_bytes=16.0 * p,
+        storage_bytes=32.0 * p,
+    )
+
+
+def smart_update(
+    work: Workload,
+    prof: Profile,
+    devices: int,
+    *,
+    overlap: bool = False,
+    compression: float | None = None,
+    sub_group_size: int = 40_000_000,
+) -> Breakdown:
+    """SmartUpdate with ``devices`` CSDs; ``overlap`` = the transfer handler (SU+O); ``compression`` = kept ratio."""
+    if compression is not None and not 0 < compression <= 1:
+        raise PlanError(f"`compression={compression}` must be in (0, 1] (fraction of gradient elements kept).")
+    p = work.params
+    n = p / devices  # parameters per device
+    tb = prof.transfer_bytes
+    if compression is None:
+        grad_bytes = float(tb)
+        method = "su_o" if overlap else "su"
+        comp_time = 0.0
+    else:
+        grad_bytes = compression * (tb + COMPRESSED_INDEX_BYTES)
+        method = "su_o_c"
+        topk = p / _limit(prof.gpu_topk_gelems_per_s)  # 0 when not given
+        comp_time = topk + tb * p / _limit(prof.gpu_link_gbps)
+    link = _limit(prof.shared_link_gbps)
+    grad_link = (
+        grad_bytes * p / (min(link, devices * prof.ssd_write_gbps * GB) if prof.gradient_staged_on_ssd else link)
+    )
+    param_return = tb * p / link
+    ceiling = _limit(prof.device_storage_ceiling_gbps) / devices
+    b_r = min(prof.ssd_read_gbps * GB, ceiling)
+    b_w = min(prof.ssd_write_gbps * GB, ceiling)
+    staged = grad_bytes if prof.gradient_staged_on_ssd else 0.0
+    storage = (FP32_STATE_BYTES + staged) * n / b_r + FP32_STATE_BYTES * n / b_w
+    update = n / (prof.device_update_gparams_per_s * 1e9)
+    if overlap or compression is not None:
+        fill = min(storage, update) * min(1.0, sub_group_size / n)
+        hidden_io, exposed_update = (storage, max(0.0, update - storage) + fill)
+    else:
+        hidden_io, exposed_update = storage, update
+    return Breakdown(
+        method,
+        devices,
+        fwd_bwd=fwd_bwd_time(work, prof),
+        grad_transfer=grad_link,
+        update=exposed_update,
+        param_return=param_return,
+        storage_io=hidden_io,
+        compression=comp_time,
+        link_write_bytes=grad_bytes * p,
+        link_read_bytes=float(tb) * p,
+        storage_bytes=(2 * FP32_STATE_BYTES + 2 * staged) * p,
+    )
+
+
+def iteration(
+    method: str,
+    work: Workload,
+    prof: Profile,
+    devices: int,
+    *,
+    compression: float = 0.01,
+    sub_group_size: int = 40_000_000,
+) -> Breakdown:
+    if devices < 1:
+        raise PlanError(f"`devices={devices}` must be at least 1.")
+    if method == "zero_infinity":
+        return zero_infinity(work, prof, devices)
+    if method == "su":
+        return smart_update(work, prof, devices, sub_group_size=sub_group_size)
+    if method == "su_o":
+        return smart_update(work, prof, devices, overlap=True, sub_group_size=sub_group_size)
+    if method == "su_o_c":
+        return smart_update(work, prof, devices, overlap=True, compression=compression, sub_group_size=sub_group_size)
+    raise PlanError(f"`method={method!r}` is unknown; choose one of {', '.join(METHODS)}.")
+
+
+def speedup(method: str, work: Workload, prof: Profile, devices: int, **kw: Any) -> float:
+    """Iteration speedup of ``method`` over ZeRO-Infinity on a RAID-0 of the same ``devices`` SSDs."""
+    return zero_infinity(work, prof, devices).total / iteration(method, work, prof, devices, **kw).total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model sizes: "7B", "350M", "1.5e9", or a Hugging Face config.json
+# ---------------------------------------------------------------------------------------------------------------
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
+_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+
+
+def parse_size(text: str) -> int:
+    """``"7B"`` → 7e9, ``"350M"`` → 3.5e8, ``"1.5e9"`` → 1.5e9."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise PlanError(
+            f"`--model {text!r}` is neither a size (like 7B, 350M, 1.5e9) nor an existing config.json file."
+        )
+    value = float(match.group(1)) * _SUFFIX[match.group(2).lower()]
+    if value < 1:
+        raise PlanError(f"`--model {text!r}` gives {value:g} parameters; it must be at least 1.")
+    return int(round(value))
+
+
+def _first(cfg: dict[str, Any], *keys: str) -> Any:
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return None
+
+
+def params_from_config(cfg: dict[str, Any], origin: str = "config") -> int:
+    """Trainable parameters of a decoder/encoder transformer from a Hugging Face ``config.json`` dict.
+
+    Counts embeddings (+ untied LM head, learned positions), attention (with grouped KV heads), MLP (gated for
+    SiLU/GELU-gated families) and norms; within ~1% of the real count for GPT-2, BERT, Llama, Mistral, Qwen.
+    """
+    if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers
+        cfg = {**cfg, **cfg["text_config"]}
+    h = _first(cfg, "hidden_size", "n_embd", "d_model")
+    layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    vocab = _first(cfg, "vocab_size")
+    missing = [
+        name
+        for name, v in (("hidden_size/n_embd", h), ("num_hidden_layers/n_layer", layers), ("vocab_size", vocab))
+        if v is None
+    ]
+    if missing:
+        raise PlanError(
+            f"{origin}: cannot count parameters, missing {', '.join(missing)}. Pass a Hugging Face config.json of a "
+            "transformer, or a size such as `--model 7B`."
+        )
+    h, layers, vocab = int(h), int(layers), int(vocab)
+    inter = int(_first(cfg, "intermediate_size", "n_inner", "ffn_dim", "d_ff") or 4 * h)
+    heads = int(_first(cfg, "num_attention_heads", "n_head") or 1)
+    kv_heads = int(_first(cfg, "num_key_value_heads") or heads)
+    head_dim = int(_first(cfg, "head_dim") or h // heads)
+    act = str(_first(cfg, "hidden_act", "activation_function") or "").lower()
+    model_type = str(cfg.get("model_type", "")).lower()
+    gated = act in ("silu", "swiglu", "geglu") or model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
+    biases = model_type in ("gpt2", "bert", "roberta", "gpt_neox", "opt", "bloom", "")
+    attn = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
+    mlp = (3 if gated else 2) * h * inter
+    per_layer = attn + mlp + 4 * h  # two norms (weight + bias)
+    if biases:
+        per_layer += heads * head_dim + 2 * kv_heads * head_dim + h + inter * (2 if gated else 1) + h
+    total = layers * per_layer + vocab * h + 2 * h  # embeddings + final norm
+    if not cfg.get("tie_word_embeddings", True) and model_type not in ("bert", "roberta"):
+        total += vocab * h
+    positions = _first(cfg, "n_positions") if model_type == "gpt2" else None
+    if model_type in ("bert", "roberta", "opt", "gpt2"):
+        positions = _first(cfg, "max_position_embeddings", "n_positions")
+    if positions:
+        total += int(positions) * h
+    if model_type in ("bert", "roberta"):
+        total += int(cfg.get("type_vocab_size", 2)) * h
+    return int(total)
+
+
+def workload_from_model(model: str, batch: int = 4, seq: int | None = None) -> Workload:
+    """``model`` is a size (``"7B"``) or a path to a Hugging Face ``config.json`` (or its directory)."""
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise PlanError(f"`--model {model}`: cannot read {path} as JSON ({exc}).") from exc
+        if not isinstance(cfg, dict):
+            raise PlanError(f"`--model {model}`: {path} must hold a JSON object (a Hugging Face config).")
+        params = params_from_config(cfg, origin=str(path))
+        if seq is None:
+            seq = int(min(_first(cfg, "max_position_embeddings", "n_positions", "n_ctx") or 1024, 4096))
+        return Workload(params, batch=batch, seq=seq, name=str(cfg.get("_name_or_path") or path.parent.name))
+    if model.endswith(".json") or "/" in model:
+        raise PlanError(f"`--model {model}`: no such file. Pass a Hugging Face config.json or a size like 7B.")
+    return Workload(parse_size(model), batch=batch, seq=seq or 1024, name=model)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Profiles
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def profile_names() -> list[str]:
+    root = resources.files("lightning_smartinf.plan") / "profiles"
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A packaged profile by name (``paper-a5000``) or a JSON file written by ``--calibrate``."""
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            raise PlanError(f"`--profile {name_or_path}`: no such file.")
+        text, origin = path.read_text(), str(path)
+    else:
+        names = profile_names()
+        if str(name_or_path) not in names:
+            raise PlanError(
+                f"`--profile {name_or_path!r}` is unknown. Packaged profiles: {', '.join(names)}; "
+                "or pass a profile JSON file (write one with `--calibrate PATH -o profile.json`)."
+            )
+        text = (resources.files("lightning_smartinf.plan") / "profiles" / f"{name_or_path}.json").read_text()
+        origin = f"profile {name_or_path!r}"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{origin}: not valid JSON ({exc}).") from exc
+    if not isinstance(data, dict):
+        raise PlanError(f"{origin}: must hold a JSON object.")
+    return Profile.from_dict(data, origin)

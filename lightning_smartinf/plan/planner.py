@@ -1,0 +1,181 @@
+"""Recommendations and printable reports on top of :mod:`lightning_smartinf.plan.model`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_smartinf.plan.model import (
+    Breakdown,
+    PlanError,
+    Profile,
+    Workload,
+    iteration,
+    zero_infinity,
+)
+
+#: Candidate ZeRO sub-group sizes (elements); the paper used 4e7 and 1e8.
+SUB_GROUP_CANDIDATES = (10_000_000, 20_000_000, 40_000_000, 100_000_000, 200_000_000)
+#: Device buffer bytes per sub-group element in the paper's kernel: fp32 master, m, v + fp16 grad + fp16 param.
+DEVICE_BYTES_PER_ELEMENT = 16
+#: Speedup gained by compression below which the planner does not recommend it (it costs accuracy, Table IV).
+COMPRESSION_WORTH = 1.10
+#: A device count within this factor of the best time is "enough" (more devices buy < 5%).
+ENOUGH = 1.05
+
+
+SHORT_LABELS = {"zero_infinity": "ZeRO-Infinity", "su": "SU", "su_o": "SU+O", "su_o_c": "SU+O+C"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    work: Workload
+    profile: Profile
+    devices: int  # devices the breakdown is for
+    compression: float
+    breakdowns: dict[str, Breakdown]
+    recommended_devices: int
+    baseline_saturation_devices: int
+    sub_group_size: int
+    buffer_count: int
+    recommend_compression: bool
+    compression_gain: float
+
+    @property
+    def baseline(self) -> Breakdown:
+        return self.breakdowns["zero_infinity"]
+
+
+def _best_method(work: Workload, prof: Profile, n: int, compression: float, sub_group: int) -> float:
+    return min(
+        iteration("su_o", work, prof, n, sub_group_size=sub_group).total,
+        iteration("su_o_c", work, prof, n, compression=compression, sub_group_size=sub_group).total,
+    )
+
+
+def choose_sub_group(work: Workload, prof: Profile, devices: int) -> int:
+    """Largest candidate that gives every device >= 8 sub-groups (pipeline fill and drain under ~1/8 of a
+    device's work) and whose buffers fit in half the device memory (room for the next sub-group's)."""
+    per_device = work.params / devices
+    fitting = [
+        s
+        for s in SUB_GROUP_CANDIDATES
+        if 2 * s * DEVICE_BYTES_PER_ELEMENT <= prof.device_memory_gb * 1e9 and 8 * s <= per_device
+    ]
+    if fitting:
+        return max(fitting)
+    # A small model: 8 sub-groups per device, rounded up to a multiple of 1M elements, at most the smallest candidate.
+    return max(1 << 20, min(min(SUB_GROUP_CANDIDATES), int(-(-per_device // 8 // (1 << 20)) * (1 << 20))))
+
+
+def make_plan(work: Workload, prof: Profile, *, devices: int | None = None, compression: float | None = None) -> Plan:
+    if devices is not None and devices < 1:
+        raise PlanError(f"`--devices {devices}` must be at least 1.")
+    ratio = 0.01 if compression is None else compression
+    if not 0 < ratio <= 1:
+        raise PlanError(f"`--compression {ratio}` must be in (0, 1]: the fraction of gradient elements kept.")
+    top = max(prof.max_devices, devices or 1)
+    times = {n: _best_method(work, prof, n, ratio, choose_sub_group(work, prof, n)) for n in range(1, top + 1)}
+    best = min(times.values())
+    recommended = min(n for n, t in times.items() if t <= best * ENOUGH)
+    base = {n: zero_infinity(work, prof, n).total for n in range(1, top + 1)}
+    saturation = min(n for n, t in base.items() if t <= min(base.values()) * ENOUGH)
+    n = devices or recommended
+    sub_group = choose_sub_group(work, prof, n)
+    breakdowns = {
+        m: iteration(m, work, prof, n, compression=ratio, sub_group_size=sub_group)
+        for m in ("zero_infinity", "su", "su_o", "su_o_c")
+    }
+    gain = breakdowns["su_o"].total / breakdowns["su_o_c"].total
+    return Plan(
+        work=work,
+        profile=prof,
+        devices=n,
+        compression=ratio,
+        breakdowns=breakdowns,
+        recommended_devices=recommended,
+        baseline_saturation_devices=saturation,
+        sub_group_size=sub_group,
+        buffer_count=4,
+        recommend_compression=compression is not None or gain >= COMPRESSION_WORTH,
+        compression_gain=gain,
+    )
+
+
+def _fmt_params(p: int) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if p >= scale:
+            return f"{p / scale:.2f}{unit}"
+    return str(p)
+
+
+def format_plan(plan: Plan) -> str:
+    w, prof, n = plan.work, plan.profile, plan.devices
+    lines = [
+        f"model: {w.name or 'model'} = {_fmt_params(w.params)} parameters ({w.params:,}), "
+        f"batch {w.batch} x seq {w.seq}",
+        f"profile: {prof.name} ({prof.gpu}); {n} device(s)",
+        "",
+        f"{'method':<22}{'fwd/bwd':>9}{'grad xfer':>10}{'update':>9}{'param ret':>10}{'storage':>9}"
+        f"{'topk':>7}{'total s':>9}{'speedup':>9}{'link GB':>9}",
+    ]
+    base = plan.baseline.total
+    for method, b in plan.breakdowns.items():
+        label = SHORT_LABELS[method] + (f" (c={plan.compression:g})" if method == "su_o_c" else "")
+        lines.append(
+            f"{label:<22}{b.fwd_bwd:>9.2f}{b.grad_transfer:>10.2f}{b.update:>9.2f}{b.param_return:>10.2f}"
+            f"{b.storage_io:>9.2f}{b.compression:>7.2f}{b.total:>9.2f}{base / b.total:>8.2f}x{b.link_bytes / 1e9:>9.1f}"
+        )
+    lines += [
+        "SU = SmartUpdate (update on the devices), +O = transfer/update overlap, +C = top-k gradient compression.",
+        "(seconds per iteration; 'storage' is SSD reads+writes: over the RAID for ZeRO-Infinity, inside the devices"
+        " for SU; 'update' is the part not hidden behind I/O)",
+        "",
+        "recommendation:",
+        f"  devices: {plan.recommended_devices} (more buy < {int((ENOUGH - 1) * 100)}%); "
+        f"ZeRO-Infinity's RAID stops scaling at {plan.baseline_saturation_devices}",
+        f"  sub_group_size: {plan.sub_group_size:,} elements "
+        f"({plan.sub_group_size * DEVICE_BYTES_PER_ELEMENT / 1e9:.2f} GB device buffers per sub-group; "
+        f">= 8 sub-groups per device)",
+        f"  buffer pool: buffer_count={plan.buffer_count} chunk buffers per device "
+        "(add the BufferPool callback to size them from a host-memory budget)",
+    ]
+    if plan.recommend_compression:
+        lines.append(
+            f"  compression: keep {plan.compression:g} of gradient elements (SU+O+C {plan.compression_gain:.2f}x over"
+            " SU+O); costs accuracy (paper Table IV: GPT-2 MNLI-m -0.7 to -1.4)"
+        )
+    else:
+        lines.append(
+            f"  compression: not worth it here (SU+O+C {plan.compression_gain:.2f}x over SU+O, < "
+            f"{COMPRESSION_WORTH:.2f}x); keep full gradients"
+        )
+    paths = ", ".join(f'"/mnt/csd{i}"' for i in range(plan.devices))
+    yaml_paths = "\n".join(f"          - /mnt/csd{i}" for i in range(plan.devices))
+    comp = (
+        f"    # compression={plan.compression:g} (SmartComp) - not yet an option of the strategy\n"
+        if plan.recommend_compression
+        else ""
+    )
+    lines += [
+        "",
+        "python:",
+        "  from lightning_smartinf import SmartInfinityStrategy",
+        "  strategy = SmartInfinityStrategy(",
+        f"      storage_paths=[{paths}],  # one directory per device / SSD",
+        f"      sub_group_size={plan.sub_group_size:_},",
+        f"      buffer_count={plan.buffer_count},",
+        "  )",
+        "",
+        "yaml (LightningCLI):",
+        "  trainer:",
+        "    strategy:",
+        "      class_path: lightning_smartinf.SmartInfinityStrategy",
+        "      init_args:",
+        "        storage_paths:",
+        yaml_paths,
+        f"        sub_group_size: {plan.sub_group_size}",
+        f"        buffer_count: {plan.buffer_count}",
+    ]
+    if comp:
+        lines.append(comp.rstrip("\n").replace("    #", "  #"))
+    return "\n".join(lines)

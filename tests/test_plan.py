@@ -1,0 +1,251 @@
+"""The performance model and planner (``lightning_smartinf.plan``), validated against the paper's numbers.
+
+The targets below are the paper's reported figures (research/smart_infinity.md §6), written out here, not
+computed by the model. Two profile numbers are fitted (see the profiles' ``sources``): the A5000 efficiency
+(to §III's 75.57%) and the per-SSD write bandwidth (to the Fig. 9 SU and SU+O+C ranges); everything else,
+including the SU+O range, the A100 2.11x and the SU+O+C-over-SU+O ratio, is a prediction.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from lightning_smartinf.plan import (
+    PlanError,
+    Workload,
+    iteration,
+    load_profile,
+    make_plan,
+    params_from_config,
+    parse_size,
+    profile_names,
+    speedup,
+    workload_from_model,
+    zero_infinity,
+)
+from lightning_smartinf.plan.__main__ import main
+from lightning_smartinf.plan.validation import (
+    PAPER_MODELS,
+    PAPER_POINTS,
+    link_bytes_per_param,
+    optimizer_fraction,
+    validation_rows,
+)
+
+TOLERANCE = 0.15
+
+# (method, devices, profile, low, high) as printed in the paper (Fig. 9, Fig. 11b, §VII text).
+PAPER_REPORTED = {
+    ("su", 6, "paper-a5000"): (1.18, 1.24),
+    ("su", 10, "paper-a5000"): (1.54, 1.60),
+    ("su_o", 10, "paper-a5000"): (1.60, 1.66),
+    ("su_o_c", 10, "paper-a5000"): (1.85, 1.98),
+    ("su_o_c", 10, "paper-a100"): (2.11, 2.11),
+    ("su_o_c/su_o", 10, "paper-a5000"): (1.22, 1.31),
+}
+
+
+def test_validation_points_are_the_papers_numbers():
+    assert {(p.method, p.devices, p.profile): (p.low, p.high) for p in PAPER_POINTS} == PAPER_REPORTED
+    assert set(PAPER_MODELS) == {"GPT-2 4.0B", "GPT-2 8.4B", "BERT 4.0B", "BERT 8.3B"}
+
+
+@pytest.mark.parametrize("row", validation_rows(), ids=lambda r: f"{r[0].method}-{r[0].devices}-{r[0].profile}-{r[1]}")
+def test_model_reproduces_paper_speedups(row):
+    point, model, value, error = row
+    low, high = PAPER_REPORTED[(point.method, point.devices, point.profile)]
+    distance = 0.0 if low <= value <= high else min(abs(value - low) / low, abs(value - high) / high)
+    assert distance == pytest.approx(error)
+    assert distance <= TOLERANCE, f"{point.source} {model}: model {value:.3f}x, paper {low}-{high}x"
+
+
+def test_fit_quality_is_much_better_than_the_tolerance():
+    # Honest summary: the fitted points land within 2% of their ranges, predictions within 8%.
+    rows = validation_rows()
+    assert max(e for p, _, _, e in rows if p.fitted) < 0.04
+    assert max(e for *_, e in rows) < 0.08
+
+
+def test_optimizer_share_of_baseline_matches_section_iii():
+    # Fitted quantity (gpu_efficiency): update + optimizer I/O = 75.57% of GPT-2 8.4B's iteration on 6 SSDs.
+    assert optimizer_fraction("GPT-2 8.4B", 6) == pytest.approx(0.7557, abs=0.005)
+
+
+def test_traffic_matches_table_i():
+    m = 2.0  # Table I's M: fp16 model size, bytes per parameter
+    assert link_bytes_per_param("zero_infinity") == (8 * m, 8 * m)  # 6M states + 2M grads each way
+    assert link_bytes_per_param("su") == (2 * m, 2 * m)  # 2M grads down, 2M params up
+    write, read = link_bytes_per_param("su_o_c")
+    assert read == 2 * m
+    assert write == pytest.approx(0.02 * 2 * m)  # "c% x 2M", the paper's "2%" = top 1% + indices
+    zi, su = sum(link_bytes_per_param("zero_infinity")), sum(link_bytes_per_param("su"))
+    assert 1 - su / zi == pytest.approx(0.75)  # "removes 75% of the traffic", poster "4x"
+    assert zi / (write + read) == pytest.approx(8, rel=TOLERANCE)  # poster: "~8x reduced" with SmartComp
+
+
+def test_scaling_shape_of_fig_11():
+    prof = load_profile("paper-a5000")
+    work = PAPER_MODELS["GPT-2 4.0B"]
+    base = {n: zero_infinity(work, prof, n).total for n in range(1, 11)}
+    assert base[10] == pytest.approx(base[4], rel=0.05)  # RAID-0 stops scaling beyond ~4 SSDs
+    assert 0.85 < speedup("su_o", work, prof, 1, sub_group_size=40_000_000) < 1.0  # one CSD: slightly slower
+    smart = [iteration("su_o", work, prof, n, sub_group_size=40_000_000).total for n in range(1, 11)]
+    assert all(a > b for a, b in zip(smart, smart[1:]))  # keeps scaling with devices
+
+
+# --- this machine (numbers measured in docs/benchmarks.md; constants, no timing in tests) ----------------------
+
+
+def test_this_machine_zero_infinity_step_within_20_percent():
+    prof = load_profile("devvm-2cpu")
+    # plain, pipelined optimizer step (s): docs/benchmarks.md; 25.3M pipelined (0.37 s) from a later run (issue #8)
+    measured = {25_272_320: (0.47, 0.37), 335_724_544: (4.68, 4.41)}
+    for params, (plain, pipelined) in measured.items():
+        work = Workload(params)
+        assert zero_infinity(work, prof, 1).optimizer == pytest.approx(plain, rel=0.2)
+        piped = zero_infinity(work, replace(prof, baseline_pipelined=True), 1).optimizer
+        assert piped == pytest.approx(pipelined, rel=0.2)
+
+
+def test_this_machine_cpu_backend_is_bracketed_by_overlapped_and_serial_predictions():
+    prof = load_profile("devvm-2cpu")
+    work = Workload(335_724_544)
+    overlapped = iteration("su_o", work, prof, 1, sub_group_size=8_000_000).optimizer
+    serial = iteration("su", work, prof, 1, sub_group_size=8_000_000).optimizer
+    for measured in (4.75, 5.03, 6.93):  # docs/benchmarks.md, 4 GB of state
+        assert overlapped * 0.95 <= measured <= serial * 1.05
+
+
+# --- inputs ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("7B", 7_000_000_000), ("350m", 350_000_000), ("1.5e9", 1_500_000_000), ("125M", 125e6)]
+)
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["seven", "7Q", "", "0"])
+def test_parse_size_rejects(text):
+    with pytest.raises(PlanError, match="--model"):
+        parse_size(text)
+
+
+GPT2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
+BERT = {
+    "model_type": "bert",
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "intermediate_size": 3072,
+    "vocab_size": 30522,
+    "max_position_embeddings": 512,
+    "type_vocab_size": 2,
+}
+LLAMA2_7B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "intermediate_size": 11008,
+    "vocab_size": 32000,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
+MISTRAL_7B = {**LLAMA2_7B, "model_type": "mistral", "num_key_value_heads": 8, "intermediate_size": 14336}
+
+
+@pytest.mark.parametrize(
+    ("cfg", "expected"),
+    [(GPT2, 124_439_808), (BERT, 108_891_648), (LLAMA2_7B, 6_738_415_616), (MISTRAL_7B, 7_241_732_096)],
+    ids=["gpt2", "bert-base", "llama-2-7b", "mistral-7b"],
+)
+def test_params_from_hf_config(cfg, expected):
+    assert params_from_config(cfg) == pytest.approx(expected, rel=0.01)
+
+
+def test_config_without_needed_keys(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 768}))
+    with pytest.raises(PlanError, match="n_layer"):
+        workload_from_model(str(path))
+
+
+def test_profiles_load_and_cite_sources():
+    assert {"paper-a5000", "paper-a100", "devvm-2cpu"} <= set(profile_names())
+    for name in ("paper-a5000", "paper-a100"):
+        prof = load_profile(name)
+        fitted = {k for k, v in prof.sources.items() if "FITTED" in v}
+        assert fitted == ({"gpu_efficiency", "ssd_write_gbps"} if name == "paper-a5000" else {"ssd_write_gbps"})
+
+
+def test_unknown_profile():
+    with pytest.raises(PlanError, match="paper-a5000"):
+        load_profile("no-such-profile")
+
+
+def test_bad_profile_values(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"name": "x", "ssd_read_gbps": -1}))
+    with pytest.raises(PlanError, match="ssd_read_gbps"):
+        load_profile(path)
+    path.write_text(json.dumps({"name": "x", "bogus": 1}))
+    with pytest.raises(PlanError, match="bogus"):
+        load_profile(path)
+
+
+def test_plan_recommendation():
+    plan = make_plan(Workload(8_400_000_000), load_profile("paper-a5000"))
+    assert 6 <= plan.recommended_devices <= 10
+    assert plan.baseline_saturation_devices <= 5
+    assert plan.sub_group_size in (40_000_000, 100_000_000)
+    assert plan.recommend_compression
+
+
+# --- CLI -------------------------------------------------------------------------------------------------------
+
+
+def test_cli_prints_breakdown_and_snippet(capsys):
+    assert main(["--model", "8.4B", "--profile", "paper-a5000", "--devices", "10", "--compression", "0.01"]) == 0
+    out = capsys.readouterr().out
+    for text in ("ZeRO-Infinity", "SU+O+C", "speedup", "recommendation:", "SmartInfinityStrategy(", "class_path:"):
+        assert text in out
+
+
+def test_cli_hf_config_and_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(GPT2))
+    assert main(["--model", str(tmp_path), "--profile", "paper-a100", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == 124_439_808
+    assert out["speedup"]["zero_infinity"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "7B", "--profile", "nope"], "unknown"),
+        (["--model", "lots"], "neither a size"),
+        (["--model", "missing/config.json"], "no such file"),
+        (["--model", "7B", "--devices", "0"], "at least 1"),
+        (["--model", "7B", "--compression", "2"], "(0, 1]"),
+    ],
+)
+def test_cli_errors(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_calibrate_writes_a_usable_profile(tmp_path, capsys):
+    out = tmp_path / "mine.json"
+    assert main(["--calibrate", str(tmp_path), "--calibrate-mb", "8", "-o", str(out), "--model", "1B"]) == 0
+    prof = load_profile(out)
+    assert prof.name == "mine"
+    assert prof.ssd_read_gbps > 0 and prof.device_update_gparams_per_s > 0
+    data = json.loads(out.read_text())
+    assert data["measured"]["cpu_backend_step_s_per_gparam"] > 0
+    assert "SmartInfinityStrategy(" in capsys.readouterr().out
