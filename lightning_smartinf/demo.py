@@ -85,8 +85,8 @@ class LossPrinter(L.Callback):
             print(f"step {step:4d}  loss {float(trainer.callback_metrics['loss']):.3f}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="smartinf demo", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
     parser.add_argument("--devices", type=int, default=2, help="emulated CSDs (default 2)")
     args = parser.parse_args(argv)

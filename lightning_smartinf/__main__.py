@@ -1,0 +1,7 @@
+"""``python -m lightning_smartinf``: same as the ``smartinf`` command."""
+
+import sys
+
+from lightning_smartinf.cli import main
+
+sys.exit(main())

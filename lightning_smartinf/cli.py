@@ -1,0 +1,42 @@
+"""``smartinf`` (and ``python -m lightning_smartinf``): the project's command line.
+
+Each subcommand is a module with ``main(argv) -> int``; this dispatcher imports only the one asked for, so
+``smartinf plan`` starts without importing Lightning or DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+#: subcommand -> (module with ``main(argv)``, one-line help)
+COMMANDS = {
+    "demo": ("lightning_smartinf.demo", "train a small GPT on 2 emulated CSDs and print the traffic summary"),
+    "plan": ("lightning_smartinf.plan.__main__", "predict iteration time and recommend a configuration"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: smartinf <command> [args...]", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {text}" for name, (_, text) in COMMANDS.items()]
+    lines += ["", "`smartinf <command> --help` describes a command's arguments."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"smartinf: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}.\n", file=sys.stderr)
+        print(usage(), file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
