@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_smartinf.cpu_support import DeepSpeedOnCPUMixin
 from lightning_smartinf.csd import Backend, CpuBackend, StorageError, TrafficSnapshot, validate_storage_path
+from lightning_smartinf.csd.checkpoint import write_file_atomic
 from lightning_smartinf.csd.io import IOEngine, ThreadedIO, supports_direct_io
 from lightning_smartinf.csd.storage import ensure_private_dir
 from lightning_smartinf.csd.torch_optim import SUPPORTED_OPTIMIZERS, rule_for_group
@@ -425,7 +426,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         zero_optimizer = self.deepspeed_engine.optimizer
         directory = self._device_state_dir(filepath)
         zero_optimizer.smartinf_backend.save(directory)
-        (directory / _HOST_STATE).write_text(json.dumps(zero_optimizer.smartinf_state_dict()))
+        # Written last and atomically: its presence marks this rank's device state as complete.
+        write_file_atomic(directory / _HOST_STATE, json.dumps(zero_optimizer.smartinf_state_dict()).encode())
         self.barrier("smartinf_save_checkpoint")
 
     @override
@@ -442,6 +444,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                 )
             zero_optimizer.smartinf_backend.load(directory)
             zero_optimizer.load_smartinf_state_dict(json.loads(host_state.read_text()))
+            zero_optimizer.smartinf_refresh_params()
         return client_state
 
     @override

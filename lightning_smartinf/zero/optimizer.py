@@ -32,6 +32,21 @@ from lightning_smartinf.csd.torch_optim import rule_for_group, step_params
 BackendFactory = Callable[[], Backend]
 
 
+def _group_hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's JSON-serialisable settings (everything but the parameters; tensors as floats)."""
+    out: dict[str, Any] = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, tuple):
+            value = list(value)
+        if value is None or isinstance(value, (bool, int, float, str, list)):
+            out[key] = value
+    return out
+
+
 class DeviceSwapper:
     """Stands where ZeRO-3 expects its NVMe optimizer swapper; routes the initial masters to the backend.
 
@@ -196,6 +211,9 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             "rank": dist.get_rank(group=self.dp_process_group),
             "world_size": dist.get_world_size(group=self.dp_process_group),
             "shards": self.smartinf_layout(),
+            # ZeRO's own optimizer checkpoint is skipped with NVMe offload, so the param groups' hyperparameters
+            # (lr as moved by a scheduler, betas, weight decay, ...) travel here; chainable schedulers need them.
+            "param_groups": [_group_hyperparameters(g) for g in self.optimizer.param_groups],
         }
 
     def load_smartinf_state_dict(self, state: dict[str, Any]) -> None:
@@ -204,9 +222,36 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 f"The checkpoint holds {state['num_shards']} sub-groups on this rank but the model has "
                 f"{len(self.fp16_groups)}. Resume with the same model, `sub_group_size` and number of ranks."
             )
+        groups = state.get("param_groups")
+        if groups is not None and len(groups) != len(self.optimizer.param_groups):
+            raise ValueError(
+                f"The checkpoint holds {len(groups)} optimizer param groups but this run has "
+                f"{len(self.optimizer.param_groups)}. Resume with the same `configure_optimizers`."
+            )
         self.smartinf_group_steps = {int(k): int(v) for k, v in state["group_steps"].items()}
+        for group, saved in zip(self.optimizer.param_groups, groups or []):
+            for key, value in saved.items():
+                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
         if self.dynamic_loss_scale:
             self.loss_scaler.cur_scale = state["loss_scale"]
+
+    def reset_swap_buffers(self) -> None:
+        # `engine.load_checkpoint` calls this (NVMe-offload path) to swap restored state back in. The device state
+        # is restored by the strategy instead (`backend.load`, then `smartinf_refresh_params`): nothing to swap.
+        return None
+
+    def smartinf_refresh_params(self) -> None:
+        """Copy every shard's fp32 master weights into ZeRO's low-precision partitions (after ``backend.load``)."""
+        self._partition_all_parameters()
+        backend = self.smartinf_backend
+        for i, flat in enumerate(self.fp16_partitioned_groups_flat):
+            backend.read_master(i, flat)
+        backend.wait()
+        for i in range(len(self.fp16_groups)):
+            self._unflatten_partitioned_parameters(i)
+        self.invalidate_secondary_tensor()
+        if len(self.persistent_parameters) > 0:
+            self.persistent_parameters[0].all_gather(self.persistent_parameters)
 
     def destroy(self) -> None:
         try:

@@ -1,0 +1,88 @@
+"""Training set-up shared by tests/test_checkpoint.py and the processes it launches (crash_worker.py).
+
+Epochs are ``EVERY`` batches long and checkpoints are saved every ``EVERY`` steps, so every checkpoint sits on
+an epoch boundary (Lightning restarts an interrupted map-style epoch from its first batch). Device I/O uses the
+thread-pool engine: checkpoints do not depend on it, and it spares each process DeepSpeed's JIT op load.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models import CaptureParams, LMModule, param_groups, token_loader  # noqa: E402
+
+from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
+from lightning_smartinf.export import is_complete  # noqa: E402
+
+TOTAL = 12
+EVERY = 4
+SUB_GROUP = 3000
+
+
+def adamw_cosine(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
+    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=TOTAL)
+
+
+def train(
+    root: Path,
+    *,
+    storage: Sequence[Path] | None = None,
+    ckpt_path: Path | None = None,
+    steps: int = TOTAL,
+    every: int | None = EVERY,
+    precision: str = "32-true",
+    callbacks: Sequence[L.Callback] = (),
+    **trainer_kwargs: Any,
+) -> dict[str, torch.Tensor]:
+    """Train (or resume) to ``steps``, saving ``<root>/ckpts/step=N.ckpt`` every ``every`` steps; gathered params."""
+    root = Path(root)
+    if storage is None:
+        storage = [root / "ssd"]
+    for path in storage:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    capture = CaptureParams()
+    checkpoints = []
+    if every:
+        checkpoints.append(
+            ModelCheckpoint(dirpath=root / "ckpts", filename="{step}", every_n_train_steps=every, save_top_k=-1)
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=SmartInfinityStrategy(storage_paths=list(storage), sub_group_size=SUB_GROUP, io_engine="threads"),
+        precision=precision,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=bool(every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        use_distributed_sampler=False,
+        callbacks=[capture, *callbacks, *checkpoints],
+        **trainer_kwargs,
+    )
+    trainer.fit(LMModule(adamw_cosine), token_loader(EVERY), ckpt_path=str(ckpt_path) if ckpt_path else None)
+    return capture.params
+
+
+def checkpoint_step(path: Path) -> int:
+    match = re.search(r"step=(\d+)", path.name)
+    return int(match.group(1)) if match else -1
+
+
+def newest_complete(ckpt_dir: Path) -> Path | None:
+    """The checkpoint with the highest step whose device state was written to the end, or None."""
+    if not ckpt_dir.is_dir():
+        return None
+    done = [p for p in ckpt_dir.iterdir() if p.name.endswith(".ckpt") and is_complete(p)]
+    return max(done, key=checkpoint_step, default=None)
