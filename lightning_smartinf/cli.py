@@ -13,6 +13,7 @@ import sys
 COMMANDS = {
     "demo": ("lightning_smartinf.demo", "train a small GPT on 2 emulated CSDs and print the traffic summary"),
     "plan": ("lightning_smartinf.plan.__main__", "predict iteration time and recommend a configuration"),
+    "export": ("lightning_smartinf.export", "rebuild full fp32 weights from a checkpoint's device state (safetensors)"),
 }
 
 

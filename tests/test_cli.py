@@ -15,7 +15,7 @@ def test_help_lists_every_command(capsys):
 
 def test_unknown_command_is_exit_2_with_the_choices(capsys):
     assert main(["frobnicate"]) == 2
-    assert "unknown command 'frobnicate'; choose one of: demo, plan" in capsys.readouterr().err
+    assert "unknown command 'frobnicate'; choose one of: demo, plan, export" in capsys.readouterr().err
 
 
 def test_plan_subcommand(capsys):
