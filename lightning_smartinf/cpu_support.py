@@ -49,6 +49,15 @@ class DeepSpeedOnCPUMixin:
         self.set_world_ranks()
         self._init_deepspeed_distributed()
 
+    @override
+    def teardown(self: Any) -> None:
+        engine = self.model if hasattr(self.model, "destroy") and hasattr(self.model, "optimizer") else None
+        super().teardown()
+        if engine is not None:
+            # ZeRO-3's gradient hooks live on autograd nodes and close over the engine: a cycle through C++ that
+            # the garbage collector cannot see. Removing them lets the engine and its buffers be freed.
+            engine.destroy()
+
     def _deepspeed_args(self: Any) -> argparse.Namespace:
         """The ``args`` for ``deepspeed.initialize``: CPU devices have no index, so the local rank stands in."""
         on_cuda = isinstance(self.accelerator, CUDAAccelerator)

@@ -72,6 +72,12 @@ class BufferPool:
             self.in_use -= 1
         self._free.put(buf)
 
+    def clear(self) -> None:
+        """Drop every free buffer (call only when no request can run any more)."""
+        while not self._free.empty():
+            self._free.get_nowait()
+        self.size = self.in_use
+
     def reset_peak(self) -> int:
         with self._lock:
             peak, self.peak_in_use = self.peak_in_use, self.in_use
@@ -154,6 +160,11 @@ class EmulatedDevice:
         self._reader.shutdown()
         self._writer.shutdown()
         self.io.close()
+        # Free the memory now, even if something still references this device object.
+        self.pool.clear()
+        self._grad_chunk = None
+        self._link_chunks.clear()
+        self.allocated_bytes = 0
 
     def drain(self) -> BaseException | None:
         """Wait for all trailing write-back; return the first error, if any."""

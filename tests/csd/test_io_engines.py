@@ -88,3 +88,20 @@ def test_handle_completes_before_trailing_writes(tmp_path):
     backend.wait()
     assert all(f.done() for f in backend.devices[0]._trailing) or not backend.devices[0]._trailing
     backend.close()
+
+
+def test_gradient_is_rounded_to_the_link_dtype_and_counted_at_its_size(tmp_path):
+    n = 3000
+    wide, narrow = CpuBackend([tmp_path / "a"], chunk_elems=1024), CpuBackend([tmp_path / "b"], chunk_elems=1024)
+    start, grad = torch.randn(n), torch.randn(n)
+    outs = []
+    for backend, g, link in ((wide, grad, torch.bfloat16), (narrow, grad.to(torch.bfloat16), None)):
+        backend.open([ShardSpec(0, n, Adam())])
+        backend.initialize(0, start)
+        out = torch.empty(n, dtype=torch.bfloat16)
+        before = backend.traffic_snapshot()
+        backend.submit(0, g, StepParams(step=1, lr=1e-2), out, link_dtype=link).result()
+        assert (backend.traffic_snapshot() - before).link_write_bytes == 2 * n
+        outs.append(out)
+        backend.close()
+    assert torch.equal(outs[0], outs[1])
