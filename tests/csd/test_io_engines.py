@@ -98,6 +98,7 @@ def test_gradient_is_rounded_to_the_link_dtype_and_counted_at_its_size(tmp_path)
     for backend, g, link in ((wide, grad, torch.bfloat16), (narrow, grad.to(torch.bfloat16), None)):
         backend.open([ShardSpec(0, n, Adam())])
         backend.initialize(0, start)
+        backend.wait()
         out = torch.empty(n, dtype=torch.bfloat16)
         before = backend.traffic_snapshot()
         backend.submit(0, g, StepParams(step=1, lr=1e-2), out, link_dtype=link).result()
