@@ -84,9 +84,12 @@ def main() -> None:
 
     runs = {"plain": (make(), None)}
     runs["resident"] = (m := make(), ActivationOffloader([path], enabled=False).attach(m))
-    runs["offload"] = (m := make(), ActivationOffloader([path], threshold_bytes=args.threshold,
-                                                        keep_last=args.keep_last,
-                                                        max_inflight_bytes=args.budget_mib << 20).attach(m))
+    runs["offload"] = (
+        m := make(),
+        ActivationOffloader(
+            [path], threshold_bytes=args.threshold, keep_last=args.keep_last, max_inflight_bytes=args.budget_mib << 20
+        ).attach(m),
+    )
     times: dict[str, list[float]] = {k: [] for k in runs}
     for step in range(args.steps + 1):  # step 0 warms up
         for name, (model, off) in runs.items():
@@ -109,19 +112,25 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     measured = args.steps + 1
     result = {
-        "config": vars(args) | {"path": str(path), "direct_io": supports_direct_io(path),
-                                "threads": torch.get_num_threads()},
+        "config": vars(args)
+        | {"path": str(path), "direct_io": supports_direct_io(path), "threads": torch.get_num_threads()},
         "params_M": round(sum(p.numel() for p in runs["plain"][0].parameters()) / 1e6, 2),
         "peak_saved_bytes_resident": res.peak_resident_bytes,
         "peak_saved_bytes_offload": off.peak_resident_bytes,
         "activation_memory_reduction": round(1 - off.peak_resident_bytes / res.peak_resident_bytes, 3),
+        "peak_staging_bytes_offload": off.peak_staging_bytes,
+        "reduction_counting_staging": round(
+            1 - (off.peak_resident_bytes + off.peak_staging_bytes) / res.peak_resident_bytes, 3
+        ),
         "step_s_median": {k: round(v, 4) for k, v in med.items()},
         "overhead_vs_plain": round(med["offload"] / med["plain"] - 1, 3),
         "overhead_vs_resident_hooks": round(med["offload"] / med["resident"] - 1, 3),
         "per_step_bytes_written": off.bytes_written // measured,
         "per_step_bytes_read": off.bytes_read // measured,
-        "per_step": {k: getattr(off, k) / measured for k in ("tensors_offloaded", "tensors_kept", "dedup_hits",
-                                                              "forwarded", "sync_reads", "waited_reads")},
+        "per_step": {
+            k: getattr(off, k) / measured
+            for k in ("tensors_offloaded", "tensors_kept", "dedup_hits", "forwarded", "sync_reads", "waited_reads")
+        },
         "grads_bitwise_equal_last_step": grads_equal,
     }
     for _, o in runs.values():

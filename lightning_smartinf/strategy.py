@@ -64,6 +64,9 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         io_block_size: bytes per I/O request (a multiple of 4096).
         io_queue_depth: I/O requests in flight per device.
         offload_parameters: keep ZeRO's low-precision parameter partitions in host memory between uses.
+        offload_activations: write large saved activations to the storage paths during forward and read them
+            back ahead of backward (``True``, or a dict of
+            :class:`~lightning_smartinf.activations.ActivationOffload` arguments).
         config: a DeepSpeed config dict or JSON path to start from; SmartUpdate adds its own keys and
             rejects settings that contradict it (optimizer offload, a DeepSpeed ``optimizer`` block, stages < 3).
         reduce_bucket_size, allgather_bucket_size, contiguous_gradients, overlap_comm, logging_batch_size_per_gpu,
@@ -86,6 +89,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         io_block_size: int = 1 << 20,
         io_queue_depth: int = 8,
         offload_parameters: bool = False,
+        offload_activations: bool | dict[str, Any] = False,
         config: _PATH | dict[str, Any] | None = None,
         reduce_bucket_size: int = 200_000_000,
         allgather_bucket_size: int = 200_000_000,
@@ -132,6 +136,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             ThreadedIO(io_block_size, io_queue_depth).close()
         except ValueError as exc:
             raise MisconfigurationException(f"`SmartInfinityStrategy`: {exc}") from None
+        self._offload_activations = offload_activations
         self.io_engine = io_engine
         self.io_block_size = io_block_size
         self.io_queue_depth = io_queue_depth
@@ -255,6 +260,17 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                 "Pass `precision=...` to the Trainer instead."
             )
         self._precision_plugin = plugin
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self._offload_activations and self.lightning_module is not None:
+            from lightning_smartinf.activations import ActivationOffload
+
+            trainer = self.lightning_module.trainer
+            if not any(isinstance(c, ActivationOffload) for c in trainer.callbacks):
+                options = {} if self._offload_activations is True else dict(self._offload_activations)
+                trainer.callbacks.append(ActivationOffload(**options))
 
     # ------------------------------------------------------------------------------------------ engine set-up
 

@@ -197,3 +197,13 @@ def test_fp16_on_a_cpu_without_fp16_support_is_a_clear_error(tmp_path):
         pytest.skip("this accelerator supports fp16")
     with pytest.raises(MisconfigurationException, match=r"precision='16-mixed'.*bf16-mixed"):
         fit(LMModule(adamw), SmartInfinityStrategy(storage_paths=[tmp_path]), steps=1, precision="16-mixed")
+
+
+def test_offload_activations_argument_installs_the_callback(tmp_path):
+    from lightning_smartinf.activations import ActivationOffload
+
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], offload_activations={"threshold_bytes": 1024})
+    trainer, _ = fit(LMModule(adamw), strategy, steps=2)
+    offload = [c for c in trainer.callbacks if isinstance(c, ActivationOffload)]
+    assert len(offload) == 1
+    assert trainer.callback_metrics["smartinf/activation_write_bytes"] > 0

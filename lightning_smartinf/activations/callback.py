@@ -1,0 +1,127 @@
+"""``ActivationOffload``: the Lightning callback around :class:`~lightning_smartinf.activations.ActivationOffloader`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_smartinf.activations.offload import ActivationOffloader, OffloadStats
+
+
+class ActivationOffload(L.Callback):
+    """Offload large saved activations to the storage paths during forward; prefetch them back during backward.
+
+    The saved-tensor hooks are installed in ``on_train_batch_start`` and removed in ``on_after_backward``, so they
+    span ``training_step`` and its backward for every micro-batch (gradient accumulation included) and nothing
+    else (validation runs without grad). On any exception every activation file is removed.
+
+    Args:
+        storage_paths: where to write. ``None``: this rank's share of ``SmartInfinityStrategy(storage_paths=...)``.
+        threshold_bytes, keep_last, max_inflight_bytes, io_threads: see :class:`ActivationOffloader`.
+        log_stats: log ``smartinf/activation_{peak_bytes,write_bytes,read_bytes}`` per batch.
+
+    With DeepSpeed activation checkpointing on, only the checkpoint inputs are saved in forward (those are what
+    gets offloaded); the recomputation during backward is kept in memory. With it off, every activation above the
+    threshold outside the last ``keep_last`` layers is offloaded.
+    """
+
+    def __init__(
+        self,
+        storage_paths: Sequence[str | os.PathLike] | None = None,
+        threshold_bytes: int = 1 << 20,
+        keep_last: int = 1,
+        max_inflight_bytes: int = 64 << 20,
+        io_threads: int = 4,
+        log_stats: bool = True,
+    ) -> None:
+        for name, value, low in (
+            ("threshold_bytes", threshold_bytes, 0),
+            ("keep_last", keep_last, 0),
+            ("max_inflight_bytes", max_inflight_bytes, 1),
+            ("io_threads", io_threads, 1),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"`ActivationOffload({name}={value!r})` must be an integer >= {low}.")
+        self.storage_paths = storage_paths
+        self.kwargs = dict(
+            threshold_bytes=threshold_bytes,
+            keep_last=keep_last,
+            max_inflight_bytes=max_inflight_bytes,
+            io_threads=io_threads,
+        )
+        self.log_stats = log_stats
+        self.offloader: ActivationOffloader | None = None
+        self.stats: OffloadStats | None = None  # the last run's counters, kept after teardown
+        self._last = (0, 0)
+
+    def _paths(self, trainer: L.Trainer) -> list[Path]:
+        if self.storage_paths is not None:
+            return [
+                Path(p)
+                for p in (
+                    [self.storage_paths] if isinstance(self.storage_paths, (str, os.PathLike)) else self.storage_paths
+                )
+            ]
+        strategy_paths = getattr(trainer.strategy, "_storage_paths", None)
+        if not strategy_paths:
+            raise MisconfigurationException(
+                "`ActivationOffload(storage_paths=None)` needs `SmartInfinityStrategy(storage_paths=[...])` to take "
+                "its paths from; pass `storage_paths=` to the callback, or set them on the strategy."
+            )
+        ranks = max(1, trainer.strategy.num_processes) if hasattr(trainer.strategy, "num_processes") else 1
+        mine = list(strategy_paths[trainer.local_rank :: ranks]) or list(strategy_paths)
+        return mine
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.offloader is not None:
+            return
+        self.offloader = ActivationOffloader(self._paths(trainer), **self.kwargs).attach(pl_module)
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.offloader is not None:
+            self.offloader.reset_peak()
+            self.offloader.begin()
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.offloader is not None:
+            self.offloader.end()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        off = self.offloader
+        if off is None:
+            return
+        off.end()
+        if self.log_stats:
+            s = off.stats
+            written, read = s.bytes_written - self._last[0], s.bytes_read - self._last[1]
+            self._last = (s.bytes_written, s.bytes_read)
+            pl_module.log_dict(
+                {
+                    "smartinf/activation_peak_bytes": float(s.peak_resident_bytes),
+                    "smartinf/activation_write_bytes": float(written),
+                    "smartinf/activation_read_bytes": float(read),
+                },
+                on_step=True,
+                on_epoch=False,
+            )
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if self.offloader is not None:  # the run is over: remove every file and the run directories now
+            self.stats = self.offloader.stats
+            self.offloader.close()
+            self.offloader = None
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.offloader is not None:
+            self.stats = self.offloader.stats
+            self.offloader.close()
+            self.offloader = None
