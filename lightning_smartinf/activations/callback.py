@@ -10,7 +10,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_smartinf.activations.offload import ActivationOffloader, OffloadStats
+from lightning_smartinf.activations.offload import ActivationOffloader, OffloadStats, check_settings
 
 
 class ActivationOffload(L.Callback):
@@ -39,14 +39,13 @@ class ActivationOffload(L.Callback):
         io_threads: int = 4,
         log_stats: bool = True,
     ) -> None:
-        for name, value, low in (
-            ("threshold_bytes", threshold_bytes, 0),
-            ("keep_last", keep_last, 0),
-            ("max_inflight_bytes", max_inflight_bytes, 1),
-            ("io_threads", io_threads, 1),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"`ActivationOffload({name}={value!r})` must be an integer >= {low}.")
+        check_settings(
+            "ActivationOffload",
+            threshold_bytes=threshold_bytes,
+            keep_last=keep_last,
+            max_inflight_bytes=max_inflight_bytes,
+            io_threads=io_threads,
+        )
         self.storage_paths = storage_paths
         self.kwargs = dict(
             threshold_bytes=threshold_bytes,

@@ -186,6 +186,19 @@ def cleanup_stale_dirs(storage_path: Path) -> list[Path]:
     return removed
 
 
+#: Smallest allowed value of each integer setting.
+_MINIMUM = {"threshold_bytes": 0, "keep_last": 0, "max_inflight_bytes": 1, "io_threads": 1}
+
+
+def check_settings(owner: str, **settings: int) -> None:
+    """Raise ``ValueError`` naming the first setting that is not an integer at or above its minimum."""
+    for name, value in settings.items():
+        low = _MINIMUM[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            where = f"{owner}({name}={value!r})" if owner else f"{name}={value!r}"
+            raise ValueError(f"`{where}` must be an integer >= {low}.")
+
+
 class ActivationOffloader:
     """Offload saved activations to files on ``storage_paths`` during forward, read them back during backward.
 
@@ -220,14 +233,13 @@ class ActivationOffloader:
             storage_paths = [storage_paths]
         if not storage_paths:
             raise ValueError("`storage_paths=[]` is empty. Pass at least one directory to write activations to.")
-        for name, value, low in (
-            ("threshold_bytes", threshold_bytes, 0),
-            ("keep_last", keep_last, 0),
-            ("max_inflight_bytes", max_inflight_bytes, 1),
-            ("io_threads", io_threads, 1),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"`{name}={value!r}` must be an integer >= {low}.")
+        check_settings(
+            "",
+            threshold_bytes=threshold_bytes,
+            keep_last=keep_last,
+            max_inflight_bytes=max_inflight_bytes,
+            io_threads=io_threads,
+        )
         self.threshold_bytes = threshold_bytes
         self.keep_last = keep_last
         self.max_inflight_bytes = max_inflight_bytes
