@@ -5,6 +5,7 @@ Importing the package registers the ``"smart_infinity"`` strategy in Lightning's
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_smartinf.callbacks import BufferPool
 from lightning_smartinf.csd import Backend, CpuBackend, StepParams, TrafficSnapshot
 from lightning_smartinf.precision import SmartInfinityPrecision
 from lightning_smartinf.strategy import SmartInfinityStrategy
@@ -16,6 +17,7 @@ if "smart_infinity" not in StrategyRegistry:
 
 __all__ = [
     "Backend",
+    "BufferPool",
     "CpuBackend",
     "SmartInfinityPrecision",
     "SmartInfinityStrategy",
