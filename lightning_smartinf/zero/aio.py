@@ -21,7 +21,10 @@ def load_aio_op() -> Any:
             "DeepSpeed's async_io op is not available (it needs libaio: `apt-get install libaio-dev` or "
             "`yum install libaio-devel`, then a C++ compiler and ninja)."
         )
-    logging.getLogger(__name__).info("Loading DeepSpeed's async_io op (its first use on a machine compiles it)")
+    logging.getLogger(__name__).warning(
+        "Loading DeepSpeed's async_io op; if it was not pre-built (scripts/setup.sh does), this compiles it first "
+        "and takes minutes. Pass `io_engine='threads'` to skip it."
+    )
     return builder.load(verbose=False)
 
 
