@@ -284,18 +284,22 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             raise MisconfigurationException(str(exc)) from None
         return optimizer, scheduler
 
+    def _rank_storage_paths(self) -> list[Path]:
+        """This rank's share of ``storage_paths``: every ``ranks_per_node``-th one, from ``local_rank``."""
+        assert self._storage_paths is not None
+        return self._storage_paths[self.local_rank :: max(1, self.num_processes)]
+
     def _rank_device_dirs(self) -> tuple[list[Path], list[Path]]:
         """This rank's device directories, and those of them the backend must remove at the end."""
         if self._storage_paths is None:
             directory = Path(tempfile.mkdtemp(prefix=f"smartinf-rank{self.global_rank}-"))
             return [directory], [directory]
-        ranks_per_node = max(1, self.num_processes)
-        mine = self._storage_paths[self.local_rank :: ranks_per_node]
+        mine = self._rank_storage_paths()
         if not mine:
             raise MisconfigurationException(
                 f"`SmartInfinityStrategy(storage_paths=...)` gives {len(self._storage_paths)} path(s) to "
-                f"{ranks_per_node} ranks per node, so ranks would share a storage path. Pass at least one path per "
-                "rank (directories on the same disk work, e.g. /mnt/nvme/r0 and /mnt/nvme/r1)."
+                f"{max(1, self.num_processes)} ranks per node, so ranks would share a storage path. Pass at least "
+                "one path per rank (directories on the same disk work, e.g. /mnt/nvme/r0 and /mnt/nvme/r1)."
             )
         return [p / _STATE_DIR / f"rank{self.global_rank:03d}" for p in mine], []
 
@@ -394,7 +398,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         """Devices (storage paths) each rank drives."""
         if self._storage_paths is None:
             return 1
-        return len(self._storage_paths[self.local_rank :: max(1, self.num_processes)])
+        return len(self._rank_storage_paths())
 
     @property
     def backend(self) -> CpuBackend:

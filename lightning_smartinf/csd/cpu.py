@@ -120,7 +120,6 @@ class EmulatedDevice:
         self._chunk_elems = chunk_elems
         self._buffer_count = buffer_count
         self.pool = BufferPool()
-        self._pool = self.pool
         self._grad_chunk: Tensor | None = None
         self._link_chunks: dict[torch.dtype, Tensor] = {}
         self.allocated_bytes = 0
@@ -134,7 +133,7 @@ class EmulatedDevice:
         """Allocate the buffer pool for records of up to ``tensors_per_record`` fp32 tensors."""
         record_bytes = self._chunk_elems * 4 * tensors_per_record
         for _ in range(self._buffer_count):
-            self._pool.add(aligned_empty(record_bytes, torch.float32))
+            self.pool.add(aligned_empty(record_bytes, torch.float32))
         self._grad_chunk = torch.empty(self._chunk_elems, dtype=torch.float32)
         self.allocated_bytes = (self._buffer_count * tensors_per_record + 1) * self._chunk_elems * 4
 
@@ -198,7 +197,7 @@ class EmulatedDevice:
             self.io.write(shard.file, record, shard.layout.record_offset(k))
             self.stats.write_s += time.perf_counter() - t0
         finally:
-            self._pool.release(buf)
+            self.pool.release(buf)
 
     def _stream(self, request: _Request) -> None:
         """Run one request over all chunks of its shard: read ahead, update, write behind.
@@ -215,7 +214,7 @@ class EmulatedDevice:
             for k in range(num_chunks):
                 # Keep up to buffer_count - 1 reads in flight; the last buffer is the one being updated.
                 while request.read and next_read < num_chunks and len(reads) < self._buffer_count - 1:
-                    buf = self._pool.acquire()
+                    buf = self.pool.acquire()
                     reads.append((buf, self._reader.submit(self._read, shard, next_read, buf)))
                     next_read += 1
                 if request.read:
@@ -223,10 +222,10 @@ class EmulatedDevice:
                     try:
                         record = pending.result()
                     except BaseException:
-                        self._pool.release(buf)
+                        self.pool.release(buf)
                         raise
                 else:
-                    buf = self._pool.acquire()
+                    buf = self.pool.acquire()
                     record = buf[: layout.padded_len(k) * layout.tensors_per_record]
                     record.zero_()
                 padded = layout.padded_len(k)
@@ -237,7 +236,7 @@ class EmulatedDevice:
                 try:
                     request.compute(record, master, states, start, n)
                 except BaseException:
-                    self._pool.release(buf)
+                    self.pool.release(buf)
                     raise
                 self.stats.compute_s += time.perf_counter() - t0
                 if request.write:
@@ -246,11 +245,11 @@ class EmulatedDevice:
                     self._trailing.append(write)
                     self._traffic.add(storage_write_bytes=record.numel() * 4)
                 else:
-                    self._pool.release(buf)
+                    self.pool.release(buf)
         finally:
             for buf, pending in reads:
                 pending.exception()
-                self._pool.release(buf)
+                self.pool.release(buf)
 
 
 class CpuBackend(Backend):
@@ -406,9 +405,6 @@ class CpuBackend(Backend):
         if errors:
             raise errors[0]
 
-    @property
-    def io_engine_name(self) -> str:
-        return self.devices[0].io.name
 
     def _state_files(self) -> list[ShardState]:
         return [ShardState(s.spec, s.layout, s.file.path) for s in self._shards]

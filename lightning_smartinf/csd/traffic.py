@@ -28,9 +28,6 @@ class TrafficSnapshot:
     def __sub__(self, other: TrafficSnapshot) -> TrafficSnapshot:
         return TrafficSnapshot(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
 
-    def __add__(self, other: TrafficSnapshot) -> TrafficSnapshot:
-        return TrafficSnapshot(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
-
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 

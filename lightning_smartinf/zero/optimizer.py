@@ -26,7 +26,7 @@ from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_no
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from torch import Tensor
 
-from lightning_smartinf.csd import Backend, ShardSpec, TrafficSnapshot
+from lightning_smartinf.csd import Backend, ShardSpec
 from lightning_smartinf.csd.torch_optim import rule_for_group, step_params
 
 BackendFactory = Callable[[], Backend]
@@ -180,9 +180,6 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self.optimizer._opt_called = True
         self._post_step(set())
 
-    def smartinf_traffic(self) -> TrafficSnapshot:
-        return self.smartinf_backend.traffic_snapshot()
-
     def smartinf_layout(self) -> list[list[dict[str, Any]]]:
         """Per shard, the parameters whose partitions it holds, in order: enough to rebuild full fp32 weights.
 
@@ -249,9 +246,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         backend.wait()
         for i in range(len(self.fp16_groups)):
             self._unflatten_partitioned_parameters(i)
-        self.invalidate_secondary_tensor()
-        if len(self.persistent_parameters) > 0:
-            self.persistent_parameters[0].all_gather(self.persistent_parameters)
+        self._post_step(set())  # the same refresh of persistent and secondary copies as after a step
 
     def destroy(self) -> None:
         try:
