@@ -32,7 +32,7 @@ from lightning_smartinf.csd.torch_optim import SUPPORTED_OPTIMIZERS, rule_for_gr
 from lightning_smartinf.precision import SmartInfinityPrecision
 from lightning_smartinf.zero import check_deepspeed_version, smart_update_optimizer
 
-BACKENDS = ("cpu",)
+BACKENDS = ("cpu", "xrt")
 IO_ENGINES = ("auto", "aio", "threads")
 _STATE_DIR = "smartinf"
 log = logging.getLogger(__name__)
@@ -50,7 +50,11 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
 
     Args:
         accelerator: the accelerator; ``"cpu"`` and ``"cuda"`` are supported.
-        backend: device implementation; ``"cpu"`` emulates computational-storage devices on host cores.
+        backend: device implementation; ``"cpu"`` emulates computational-storage devices on host cores,
+            ``"xrt"`` drives Samsung SmartSSDs through XRT (pyxrt) running the kernels of ``hls_kernels/``.
+        xclbin: ``backend="xrt"`` only: path of the ``.xclbin`` built from ``hls_kernels/``.
+        xrt_devices: ``backend="xrt"`` only: one XRT device per storage path of this node, as device index or
+            PCIe BDF (``"0000:3b:00.1"``); ``None`` maps each storage path to the SmartSSD it is mounted from.
         storage_paths: directories, one per device, shared out among the ranks of a node (rank ``r`` gets
             ``storage_paths[r::ranks_per_node]``); each rank needs at least one of its own. ``None``: one
             private temporary directory per rank, removed at the end.
@@ -80,8 +84,10 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
     def __init__(
         self,
         accelerator: pl.accelerators.Accelerator | None = None,
-        backend: Literal["cpu"] = "cpu",
+        backend: Literal["cpu", "xrt"] = "cpu",
         storage_paths: list[_PATH] | None = None,
+        xclbin: _PATH | None = None,
+        xrt_devices: list[int | str] | None = None,
         sub_group_size: int = 40_000_000,
         chunk_size: int = 1 << 20,
         buffer_count: int = 4,
@@ -142,6 +148,20 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         self.io_queue_depth = io_queue_depth
         self._storage_paths = self._validate_storage_paths(storage_paths)
         self.backend_name = backend
+        self.xclbin = xclbin
+        self.xrt_devices = xrt_devices
+        if backend == "xrt":
+            from lightning_smartinf.csd.xrt import check_xrt_settings
+
+            try:
+                check_xrt_settings(xclbin, xrt_devices, self._storage_paths)
+            except (ValueError, FileNotFoundError) as exc:
+                raise MisconfigurationException(f"`SmartInfinityStrategy(backend='xrt')`: {exc}") from None
+        elif xclbin is not None or xrt_devices is not None:
+            raise MisconfigurationException(
+                f"`SmartInfinityStrategy(xclbin=..., xrt_devices=...)` apply to `backend='xrt'` only, but "
+                f"`backend={backend!r}`. Drop them or pass `backend='xrt'`."
+            )
         self.chunk_size = chunk_size
         self.buffer_count = buffer_count
         self._backend: Backend | None = None
@@ -289,6 +309,12 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         assert self._storage_paths is not None
         return self._storage_paths[self.local_rank :: max(1, self.num_processes)]
 
+    def _rank_xrt_devices(self) -> list[int | str] | None:
+        """This rank's XRT devices, paired with :meth:`_rank_storage_paths` (``None``: map by mount)."""
+        if self.xrt_devices is None:
+            return None
+        return self.xrt_devices[self.local_rank :: max(1, self.num_processes)]
+
     def _rank_device_dirs(self) -> tuple[list[Path], list[Path]]:
         """This rank's device directories, and those of them the backend must remove at the end."""
         if self._storage_paths is None:
@@ -363,13 +389,25 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         io_factory = self._io_factory(device_dirs)
 
         def make_backend() -> Backend:
-            self._backend = CpuBackend(
-                device_dirs,
-                chunk_elems=self.chunk_size,
-                buffer_count=self.buffer_count,
-                owned_dirs=owned,
-                io_factory=io_factory,
-            )
+            if self.backend_name == "xrt":
+                from lightning_smartinf.csd.xrt import XrtBackend
+
+                self._backend = XrtBackend(
+                    device_dirs,
+                    xclbin=self.xclbin,
+                    devices=self._rank_xrt_devices(),
+                    chunk_elems=self.chunk_size,
+                    buffer_count=self.buffer_count,
+                    owned_dirs=owned,
+                )
+            else:
+                self._backend = CpuBackend(
+                    device_dirs,
+                    chunk_elems=self.chunk_size,
+                    buffer_count=self.buffer_count,
+                    owned_dirs=owned,
+                    io_factory=io_factory,
+                )
             return self._backend
 
         model_parameters = filter(lambda p: p.requires_grad, model.parameters())

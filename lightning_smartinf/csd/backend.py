@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.rules import StepParams, UpdateRule
 from lightning_smartinf.csd.traffic import Traffic, TrafficSnapshot
 
@@ -64,12 +65,18 @@ class Backend(ABC):
 
     @abstractmethod
     def submit(
-        self, shard: int, grad: Tensor, hp: StepParams, out: Tensor, link_dtype: torch.dtype | None = None
+        self,
+        shard: int,
+        grad: Tensor | SparseGrad,
+        hp: StepParams,
+        out: Tensor,
+        link_dtype: torch.dtype | None = None,
     ) -> Handle:
-        """Apply one update with the shard's gradient ``grad``.
+        """Apply one update with the shard's gradient ``grad``, dense or top-k compressed.
 
-        ``grad`` crosses the link in ``link_dtype`` (default: its own dtype): a wider host buffer is rounded
-        to it on the way, exactly as a transfer in that dtype would. The updated master weights are written
+        ``grad`` (a dense gradient, or the values of a :class:`SparseGrad`, which the device scatters into
+        zeroed chunks) crosses the link in ``link_dtype`` (default: its own dtype): a wider host buffer is
+        rounded to it on the way, exactly as a transfer in that dtype would. The updated master weights are written
         into ``out`` (the low-precision partition, any float dtype) before the handle completes; ``grad``
         and ``out`` must stay alive and untouched until then.
         """
