@@ -65,12 +65,18 @@ class SparseGrad:
         bounds = torch.searchsorted(self.indices, torch.tensor([start, start + n], dtype=INDEX_DTYPE))
         return int(bounds[0]), int(bounds[1])
 
-    def scatter_chunk(self, out: Tensor, start: int) -> Tensor:
-        """Decompress the elements ``[start, start + len(out))`` into ``out`` (zeroed, then scattered)."""
+    def scatter_chunk(self, out: Tensor, start: int, via: torch.dtype | None = None) -> Tensor:
+        """Decompress elements ``[start, start + len(out))`` into ``out``: zero it, scatter the pairs there.
+
+        ``via``: the dtype the values crossed the link in, when it differs from theirs (they are rounded to it).
+        """
         lo, hi = self.chunk_bounds(start, out.numel())
         out.zero_()
         if hi > lo:
-            out.index_copy_(0, (self.indices[lo:hi] - start).long(), self.values[lo:hi].to(out.dtype))
+            values = self.values[lo:hi]
+            if via is not None and via != values.dtype:
+                values = values.to(via)
+            out.index_copy_(0, (self.indices[lo:hi] - start).long(), values.to(out.dtype))
         return out
 
     def to_dense(self, dtype: torch.dtype | None = None) -> Tensor:
@@ -84,3 +90,69 @@ def kept_count(numel: int, ratio: float) -> int:
     if numel == 0:
         return 0
     return min(numel, max(1, math.ceil(ratio * numel)))
+
+
+#: Shards at least this large select through a sampled threshold first (see :func:`topk_indices`).
+SAMPLED_SELECTION_MIN_NUMEL = 1 << 16
+#: Elements sampled to estimate the threshold, and how many more candidates than ``k`` it aims for.
+_SAMPLE_SIZE = 1 << 14
+_OVERSELECT = 1.3
+
+
+def topk_indices(magnitude: Tensor, k: int) -> Tensor:
+    """Ascending int64 positions of the ``k`` largest entries of ``magnitude`` (non-finite entries first).
+
+    Large inputs are not fully ranked: a threshold estimated from a strided sample keeps a candidate set
+    somewhat larger than ``k``, and ``torch.topk`` ranks only those. If the estimate keeps fewer than ``k``
+    candidates, the whole input is ranked. Either way the result is exactly ``k`` positions of largest
+    magnitude (ties broken arbitrarily), then sorted, which the device kernels require.
+    """
+    n = magnitude.numel()
+    if k >= n:
+        return torch.arange(n, device=magnitude.device)
+    if k == 0:
+        return torch.empty(0, dtype=torch.long, device=magnitude.device)
+    if n >= SAMPLED_SELECTION_MIN_NUMEL and k * _OVERSELECT < n / 4:
+        stride = max(1, n // _SAMPLE_SIZE)
+        sample = magnitude[::stride].float()
+        keep = min(sample.numel(), max(1, math.ceil(sample.numel() * k * _OVERSELECT / n)))
+        threshold = torch.topk(sample, keep, sorted=True).values[-1]
+        candidates = torch.nonzero(~(magnitude < threshold)).squeeze(1)  # NaN is not < anything: kept
+        if candidates.numel() >= k:
+            chosen = torch.topk(magnitude[candidates], k, sorted=False).indices
+            return candidates[chosen].sort().values
+    return torch.topk(magnitude, k, sorted=False).indices.sort().values
+
+
+def compress_topk(
+    grad: Tensor, ratio: float, residual: Tensor | None = None, value_dtype: torch.dtype | None = None
+) -> SparseGrad:
+    """Keep the ``kept_count(grad.numel(), ratio)`` largest-magnitude entries of a flat gradient.
+
+    With ``residual`` (error feedback), ``residual += grad`` is compressed instead and afterwards holds
+    exactly what was not sent (the kept positions are zeroed), so ``sent + residual == old residual + grad``.
+    ``grad`` is never modified. Values are returned in ``value_dtype`` (default: the gradient's dtype).
+    """
+    if grad.dim() != 1:
+        raise ValueError(f"`grad` must be a flat (1-D) tensor, got shape {tuple(grad.shape)}.")
+    check_ratio(ratio)
+    source = grad
+    if residual is not None:
+        if residual.shape != grad.shape:
+            raise ValueError(f"`residual` has shape {tuple(residual.shape)}, the gradient {tuple(grad.shape)}.")
+        source = residual.add_(grad)
+    k = kept_count(source.numel(), ratio)
+    positions = topk_indices(source.abs(), k)
+    values = source[positions].to(value_dtype or grad.dtype)
+    if residual is not None:
+        residual.index_fill_(0, positions, 0)
+    return SparseGrad(positions.to(INDEX_DTYPE), values, source.numel())
+
+
+def check_ratio(ratio: float) -> None:
+    """Raise ``ValueError`` unless ``0 < ratio <= 1``."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
+        raise ValueError(
+            f"The kept ratio {ratio!r} is invalid: it must be a number with 0 < ratio <= 1 (e.g. 0.01 keeps "
+            "the largest 1% of gradient entries; 1.0 keeps all)."
+        )

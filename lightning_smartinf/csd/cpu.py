@@ -25,6 +25,7 @@ from torch import Tensor
 
 from lightning_smartinf.csd.backend import Backend, Handle, ShardSpec
 from lightning_smartinf.csd.checkpoint import ShardState, load_state, save_state, shard_file_name
+from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.io import IOEngine, StateFile, ThreadedIO, aligned_empty
 from lightning_smartinf.csd.layout import ChunkLayout
 from lightning_smartinf.csd.rules import StepParams
@@ -329,14 +330,14 @@ class CpuBackend(Backend):
         self._pending.append(handle)
         return handle
 
-    def _shard(self, index: int, tensor: Tensor, what: str) -> _Shard:
+    def _shard(self, index: int, numel: int, what: str) -> _Shard:
         shard = self._shards[index]
-        if tensor.numel() != shard.spec.numel:
-            raise ValueError(f"{what} of shard {index} has {tensor.numel()} elements, expected {shard.spec.numel}.")
+        if numel != shard.spec.numel:
+            raise ValueError(f"{what} of shard {index} has {numel} elements, expected {shard.spec.numel}.")
         return shard
 
     def initialize(self, shard: int, master: Tensor) -> Handle:
-        entry = self._shard(shard, master, "`master`")
+        entry = self._shard(shard, master.numel(), "`master`")
         rule = entry.spec.rule
         init_values = [rule.initial_state_value(name) for name in rule.state_names]
 
@@ -359,38 +360,53 @@ class CpuBackend(Backend):
                 )
 
     def submit(
-        self, shard: int, grad: Tensor, hp: StepParams, out: Tensor, link_dtype: torch.dtype | None = None
+        self,
+        shard: int,
+        grad: Tensor | SparseGrad,
+        hp: StepParams,
+        out: Tensor,
+        link_dtype: torch.dtype | None = None,
     ) -> Handle:
-        entry = self._shard(shard, grad, "`grad`")
-        self._shard(shard, out, "`out`")
+        sparse = isinstance(grad, SparseGrad)
+        entry = self._shard(shard, grad.numel if sparse else grad.numel(), "`grad`")
+        self._shard(shard, out.numel(), "`out`")
         device = self.device_of(shard)
         rule = entry.spec.rule
         link_dtype = link_dtype or grad.dtype
         round_on_link = link_dtype != grad.dtype
 
-        def update(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
-            g = device.grad_chunk(n)
+        def load_dense(g: Tensor, start: int, n: int) -> None:
             if round_on_link:
                 g.copy_(device.link_chunk(n, link_dtype).copy_(grad[start : start + n]))
             else:
                 g.copy_(grad[start : start + n])
+
+        def load_sparse(g: Tensor, start: int, n: int) -> None:
+            grad.scatter_chunk(g, start, via=link_dtype)  # decompression, inside the transfer pipeline
+
+        load = load_sparse if sparse else load_dense
+
+        def update(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
+            g = device.grad_chunk(n)
+            load(g, start, n)
             if hp.grad_scale != 1.0:
                 g.mul_(hp.grad_scale)
             rule.apply(m, g, states, hp)
             out[start : start + n].copy_(m)
 
+        link_write = grad.link_bytes(link_dtype) if sparse else grad.numel() * link_dtype.itemsize
         request = _Request(
             entry,
             read=True,
             write=True,
             compute=update,
-            link_write=grad.numel() * link_dtype.itemsize,
+            link_write=link_write,
             link_read=out.numel() * out.element_size(),
         )
         return self._enqueue(request)
 
     def read_master(self, shard: int, out: Tensor) -> Handle:
-        entry = self._shard(shard, out, "`out`")
+        entry = self._shard(shard, out.numel(), "`out`")
 
         def copy_out(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
             out[start : start + n].copy_(m)
