@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
 from lightning_smartinf.callbacks import BufferPool  # noqa: E402
 from lightning_smartinf.csd import Backend, CpuBackend, StepParams, TrafficSnapshot  # noqa: E402
+from lightning_smartinf.monitor import TrainingMonitor  # noqa: E402
 from lightning_smartinf.precision import SmartInfinityPrecision  # noqa: E402
 from lightning_smartinf.strategy import SmartInfinityStrategy  # noqa: E402
 
@@ -33,5 +34,6 @@ __all__ = [
     "SmartInfinityStrategy",
     "StepParams",
     "TrafficSnapshot",
+    "TrainingMonitor",
     "__version__",
 ]

@@ -1,7 +1,8 @@
 """``smartinf`` (and ``python -m lightning_smartinf``): the project's command line.
 
 Each subcommand is a module with ``main(argv) -> int``; this dispatcher imports only the one asked for, so
-``smartinf plan`` starts without importing Lightning or DeepSpeed.
+``smartinf plan`` starts without importing Lightning or DeepSpeed. ``fit``, ``validate`` and ``test`` are
+``LightningCLI`` subcommands (:mod:`lightning_smartinf.fit`), which get the subcommand name as ``argv[0]``.
 """
 
 from __future__ import annotations
@@ -11,10 +12,17 @@ import sys
 
 #: subcommand -> (module with ``main(argv)``, one-line help)
 COMMANDS = {
+    "fit": ("lightning_smartinf.fit", "train with LightningCLI: `smartinf fit --config recipes/<name>.yaml`"),
+    "validate": ("lightning_smartinf.fit", "run the validation loop with LightningCLI (same config as fit)"),
+    "test": ("lightning_smartinf.fit", "run the test loop with LightningCLI (same config as fit)"),
+    "report": ("lightning_smartinf.report", "plot loss, tokens/s and link traffic from a CSV or TensorBoard log dir"),
     "demo": ("lightning_smartinf.demo", "train a small GPT on 2 emulated CSDs and print the traffic summary"),
     "plan": ("lightning_smartinf.plan.__main__", "predict iteration time and recommend a configuration"),
     "export": ("lightning_smartinf.export", "rebuild full fp32 weights from a checkpoint's device state (safetensors)"),
 }
+
+#: subcommands run by LightningCLI, which parses the subcommand name itself
+LIGHTNING_COMMANDS = ("fit", "validate", "test")
 
 
 def usage() -> str:
@@ -36,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         print(usage(), file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[command][0])
-    return int(module.main(rest) or 0)
+    return int(module.main(argv if command in LIGHTNING_COMMANDS else rest) or 0)
 
 
 if __name__ == "__main__":

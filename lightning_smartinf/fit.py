@@ -1,0 +1,65 @@
+"""``smartinf fit|validate|test``: Lightning's ``LightningCLI`` with ``strategy="smart_infinity"`` as the default.
+
+A run is a YAML recipe in LightningCLI's format (``trainer:``, ``model:`` and ``data:`` with ``class_path`` /
+``init_args``), plus command-line overrides::
+
+    smartinf fit --config recipes/<name>.yaml --trainer.max_steps 100
+    smartinf fit --print_config                      # the full config with every default, to start a recipe from
+
+Any LightningModule and LightningDataModule can be named; ``data:`` is optional (a module may bring its own
+dataloaders). The Trainer's ``strategy`` defaults to ``"smart_infinity"``, and a
+:class:`~lightning_smartinf.monitor.TrainingMonitor` is always attached (its settings under ``monitor:``). The
+config a run used is saved into its log directory. A recipe with an unknown key or a value of the wrong type is
+refused before anything is built, with jsonargparse's message naming the key (exit status 2).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from typing_extensions import override
+
+import lightning_smartinf  # noqa: F401  (registers "smart_infinity")
+from lightning_smartinf.monitor import TrainingMonitor
+
+#: The LightningCLI subcommands ``smartinf`` exposes.
+SUBCOMMANDS = ("fit", "validate", "test")
+
+
+class SmartInfinityCLI(LightningCLI):
+    """``LightningCLI`` for any LightningModule/LightningDataModule, defaulting to ``strategy="smart_infinity"``.
+
+    ``data:`` is optional, as in ``LightningCLI`` without a datamodule class. Adds a ``monitor:`` group: the arguments
+    of :class:`~lightning_smartinf.monitor.TrainingMonitor`, which is always attached.
+    """
+
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        return {name: keys for name, keys in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(TrainingMonitor, "monitor")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``LightningCLI``; ``argv`` starts with the subcommand (``["fit", "--config", "recipe.yaml"]``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    SmartInfinityCLI(
+        model_class=None,
+        datamodule_class=None,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        trainer_defaults={"strategy": "smart_infinity"},
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"prog": "smartinf"},
+        # LightningCLI warns when given both `args` and a command line; they are the same list when run as a command.
+        args=None if argv == sys.argv[1:] else argv,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
