@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -9,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_smartinf.csd.compression import check_ratio
 from lightning_smartinf.csd.layout import ELEM_ALIGN
 from lightning_smartinf.strategy import SmartInfinityStrategy
 
@@ -118,3 +121,87 @@ class BufferPool(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._strategy(trainer).release_backend()
+
+
+#: Deep Gradient Compression's warm-up: kept ratios 25%, 6.25%, 1.5625%, 0.390625% (sparsity 75% ... 99.6%).
+DGC_SCHEDULE = (0.25, 0.0625, 0.015625, 0.00390625)
+
+
+class CompressionWarmup(Callback):
+    """Eases gradient compression in: dense steps first, then a schedule of falling kept ratios, then the target.
+
+    The target is the strategy's ``compression`` ratio. The kept ratio of optimizer step ``s`` (0-based,
+    counted by ``trainer.global_step``, so a resumed run continues the schedule) is: dense while
+    ``s < dense_steps``; then each ratio of ``schedule`` that is above the target for ``steps_per_stage``
+    steps; then the target.
+
+    Args:
+        dense_steps: optimizer steps sent uncompressed first.
+        schedule: kept ratios to step through after the dense steps: a sequence, or ``"dgc"`` for
+            :data:`DGC_SCHEDULE` (75% → 93.75% → 98.4% → 99.6% sparsity). Ratios not above the target are skipped.
+        steps_per_stage: optimizer steps each ratio of ``schedule`` lasts.
+    """
+
+    def __init__(
+        self, dense_steps: int = 0, schedule: Sequence[float] | str | None = None, steps_per_stage: int = 1
+    ) -> None:
+        if not isinstance(dense_steps, int) or dense_steps < 0:
+            raise MisconfigurationException(f"`CompressionWarmup(dense_steps={dense_steps!r})` must be an int >= 0.")
+        if not isinstance(steps_per_stage, int) or steps_per_stage < 1:
+            raise MisconfigurationException(
+                f"`CompressionWarmup(steps_per_stage={steps_per_stage!r})` must be an int >= 1."
+            )
+        if schedule == "dgc":
+            schedule = DGC_SCHEDULE
+        elif isinstance(schedule, str):
+            raise MisconfigurationException(
+                f"`CompressionWarmup(schedule={schedule!r})` must be 'dgc', a sequence of kept ratios, or None."
+            )
+        ratios = tuple(schedule or ())
+        for ratio in ratios:
+            try:
+                check_ratio(ratio)
+            except ValueError as exc:
+                raise MisconfigurationException(f"`CompressionWarmup(schedule={schedule!r})`: {exc}") from None
+        self.dense_steps = dense_steps
+        self.schedule = ratios
+        self.steps_per_stage = steps_per_stage
+        self._stages: tuple[float, ...] = ()
+        self._target = 1.0  # the strategy's ratio, read at fit start
+
+    def warmup_steps(self) -> int:
+        """Optimizer steps before the target ratio is reached (known once fit has started)."""
+        return self.dense_steps + len(self._stages) * self.steps_per_stage
+
+    def ratio_at(self, step: int) -> float | None:
+        """Kept ratio of 0-based optimizer step ``step`` (``None``: dense)."""
+        if step < self.dense_steps:
+            return None
+        stage = (step - self.dense_steps) // self.steps_per_stage
+        return self._stages[stage] if stage < len(self._stages) else self._target
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        if not isinstance(strategy, SmartInfinityStrategy) or strategy.compression is None:
+            raise MisconfigurationException(
+                "`CompressionWarmup` schedules gradient compression, which is off: use "
+                "`SmartInfinityStrategy(compression=0.01)` or `strategy='smart_infinity_comp'`."
+            )
+        self._target = strategy.compression.ratio
+        self._stages = tuple(r for r in self.schedule if r > self._target)
+        total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        if math.isfinite(total) and self.warmup_steps() >= total:
+            raise MisconfigurationException(
+                f"`CompressionWarmup` lasts {self.warmup_steps()} optimizer steps ({self.dense_steps} dense + "
+                f"{len(self._stages)} stages x {self.steps_per_stage}) but training has only {int(total)}, so the "
+                f"target ratio {self._target} would never be used. Shorten the warm-up or train longer."
+            )
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, SmartInfinityStrategy)
+        ratio = self.ratio_at(trainer.global_step)
+        if ratio != strategy.kept_ratio:
+            strategy.set_kept_ratio(ratio)

@@ -20,8 +20,40 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_smartinf.csd.rules import Adam, UpdateRule
+
 #: Index dtype on the link and in the kernels (the kernels read the same bits as uint32).
 INDEX_DTYPE = torch.int32
+
+
+@dataclass(frozen=True)
+class TopKCompression:
+    """How gradients are compressed on their way to the devices.
+
+    Args:
+        ratio: fraction of each shard's gradient entries sent per step (``0 < ratio <= 1``); 0.01 sends the
+            largest 1%, as ``k * (4 + value bytes)`` bytes instead of ``numel * value bytes``.
+        error_feedback: add what was not sent to the next step's gradient (a residual the size of the
+            gradient partition, in its dtype, kept where the partition is). ``False`` drops it, as the
+            Smart-Infinity paper does.
+    """
+
+    ratio: float
+    error_feedback: bool = True
+
+    def __post_init__(self) -> None:
+        check_ratio(self.ratio)
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"`error_feedback={self.error_feedback!r}` must be True or False.")
+
+
+def check_sparse_supported(rule: UpdateRule) -> None:
+    """Raise ``ValueError`` if the devices' top-k kernels cannot run ``rule`` (they lack Adam's amsgrad)."""
+    if isinstance(rule, Adam) and rule.amsgrad:
+        raise ValueError(
+            "Gradient compression runs on the devices' top-k update kernels, which do not implement Adam's "
+            "`amsgrad=True`. Use `amsgrad=False`, or train without `compression`."
+        )
 
 
 @dataclass(frozen=True)
@@ -78,6 +110,12 @@ class SparseGrad:
                 values = values.to(via)
             out.index_copy_(0, (self.indices[lo:hi] - start).long(), values.to(out.dtype))
         return out
+
+    def cpu(self) -> SparseGrad:
+        """This gradient in host memory (itself if it is there already)."""
+        if self.indices.device.type == "cpu" and self.values.device.type == "cpu":
+            return self
+        return SparseGrad(self.indices.cpu(), self.values.cpu(), self.numel)
 
     def to_dense(self, dtype: torch.dtype | None = None) -> Tensor:
         dense = torch.zeros(self.numel, dtype=dtype or self.values.dtype, device=self.values.device)

@@ -11,7 +11,10 @@ Invariants:
   starting at the sum of the earlier sub-groups' partition sizes (ZeRO builds both in the same order).
 - The host never holds fp32 master weights or states, nor extra gradient copies: devices read each
   gradient straight from ZeRO's buffer and round it to the training dtype as it crosses the link.
-- An overflowing (fp16) or non-finite step returns before any submission: device state is untouched.
+- An overflowing (fp16) or non-finite step returns before any submission: device state is untouched,
+  and so is the compression residual.
+- With compression and error feedback, ``residual + what was sent`` equals the sum of all gradients so
+  far (in the current loss scale's units): the residual is added before selection, cleared where sent.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from torch import Tensor
 
 from lightning_smartinf.csd import Backend, ShardSpec
+from lightning_smartinf.csd.compression import TopKCompression, compress_topk
 from lightning_smartinf.csd.torch_optim import rule_for_group, step_params
 
 BackendFactory = Callable[[], Backend]
@@ -103,6 +107,14 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self.smartinf_group_steps: dict[int, int] = {}
         #: Seconds the host spent blocked on devices for updated parameters (cumulative).
         self.smartinf_wait_s = 0.0
+        #: Set by the strategy; ``None`` sends dense gradients.
+        self.smartinf_compression: TopKCompression | None = None
+        #: Kept ratio of the next step; ``None`` means dense (a warm-up phase), even with compression set.
+        self.smartinf_kept_ratio: float | None = None
+        #: Gradient entries sent and in total in the last step (equal when it was dense).
+        self.smartinf_last_kept: tuple[int, int] = (0, 0)
+        self.smartinf_residual: Tensor | None = None
+        self._smartinf_residual_scale = 1.0
         offsets = [0]
         for numel in self.fp16_partitioned_groups_flat_numel:
             offsets.append(offsets[-1] + int(numel))
@@ -135,6 +147,32 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             combined *= max(clip, 1.0)
         return combined
 
+    def _smartinf_step_ratio(self) -> float | None:
+        """The kept ratio for this step (``None``: dense); prepares the residual for it."""
+        compression = self.smartinf_compression
+        if compression is None:
+            return None
+        ratio = self.smartinf_kept_ratio
+        if not compression.error_feedback:
+            return ratio
+        if self.smartinf_residual is None:
+            if ratio is None:
+                return None
+            self.smartinf_residual = torch.zeros_like(self.grad_partitions_flat_buffer)
+            self._smartinf_residual_scale = float(self.loss_scale)
+        elif float(self.loss_scale) != self._smartinf_residual_scale:
+            # The residual holds loss-scaled gradients; keep it in the units of this step's gradients.
+            self.smartinf_residual.mul_(float(self.loss_scale) / self._smartinf_residual_scale)
+            self._smartinf_residual_scale = float(self.loss_scale)
+        # A dense step with a residual left over sends everything, so the residual is flushed, not lost.
+        return 1.0 if ratio is None else ratio
+
+    def _residual_slice(self, sub_group: int) -> Tensor | None:
+        if self.smartinf_residual is None:
+            return None
+        start, end = self._smartinf_grad_offsets[sub_group], self._smartinf_grad_offsets[sub_group + 1]
+        return self.smartinf_residual[start:end]
+
     def _grad_slice(self, sub_group: int) -> Tensor:
         start, end = self._smartinf_grad_offsets[sub_group], self._smartinf_grad_offsets[sub_group + 1]
         return self.grad_partitions_flat_buffer[start:end]
@@ -160,16 +198,27 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
         backend = self.smartinf_backend
         backend.check_storage()
+        ratio = self._smartinf_step_ratio()
         # Every sub-group is queued at once (devices take them in order); the host waits only for the
         # parameters of each in turn. Gradients cross the link in the training dtype.
         handles = []
+        kept = total = 0
         for i in range(len(self.fp16_groups)):
             group_id = self.sub_group_to_group_id[i]
             hp = step_params(
                 self.optimizer.param_groups[group_id], step=self.smartinf_group_steps[group_id], grad_scale=grad_scale
             )
             out = self.fp16_partitioned_groups_flat[i]
-            handles.append(backend.submit(i, self._grad_slice(i), hp, out, link_dtype=self._smartinf_link_dtype))
+            grad: Any = self._grad_slice(i)
+            total += grad.numel()
+            if ratio is None:
+                kept += grad.numel()
+            else:
+                grad = compress_topk(grad, ratio, self._residual_slice(i), value_dtype=self._smartinf_link_dtype)
+                grad = grad.cpu()  # only the kept pairs leave the accelerator, when the gradient is on one
+                kept += grad.k
+            handles.append(backend.submit(i, grad, hp, out, link_dtype=self._smartinf_link_dtype))
+        self.smartinf_last_kept = (kept, total)
         for i, handle in enumerate(handles):
             started = time.perf_counter()
             handle.result()
@@ -211,6 +260,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             # ZeRO's own optimizer checkpoint is skipped with NVMe offload, so the param groups' hyperparameters
             # (lr as moved by a scheduler, betas, weight decay, ...) travel here; chainable schedulers need them.
             "param_groups": [_group_hyperparameters(g) for g in self.optimizer.param_groups],
+            "residual_loss_scale": self._smartinf_residual_scale if self.smartinf_residual is not None else None,
         }
 
     def load_smartinf_state_dict(self, state: dict[str, Any]) -> None:
@@ -231,6 +281,20 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
         if self.dynamic_loss_scale:
             self.loss_scaler.cur_scale = state["loss_scale"]
+
+    def load_smartinf_residual(self, residual: Tensor | None, loss_scale: float | None) -> None:
+        """Restore (or, with ``None``, clear) the compression residual saved with a checkpoint."""
+        if residual is None:
+            self.smartinf_residual = None
+            return
+        if residual.shape != self.grad_partitions_flat_buffer.shape:
+            raise ValueError(
+                f"The checkpoint's compression residual has {residual.numel()} elements but this rank's gradient "
+                f"partition has {self.grad_partitions_flat_buffer.numel()}. Resume with the same model and ranks."
+            )
+        target = self.grad_partitions_flat_buffer
+        self.smartinf_residual = residual.to(dtype=target.dtype, device=target.device)
+        self._smartinf_residual_scale = float(loss_scale) if loss_scale is not None else float(self.loss_scale)
 
     def reset_swap_buffers(self) -> None:
         # `engine.load_checkpoint` calls this (NVMe-offload path) to swap restored state back in. The device state

@@ -42,6 +42,7 @@ def train(
     every: int | None = EVERY,
     precision: str = "32-true",
     callbacks: Sequence[L.Callback] = (),
+    strategy_kwargs: dict[str, Any] | None = None,
     **trainer_kwargs: Any,
 ) -> dict[str, torch.Tensor]:
     """Train (or resume) to ``steps``, saving ``<root>/ckpts/step=N.ckpt`` every ``every`` steps; gathered params."""
@@ -59,7 +60,9 @@ def train(
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=SmartInfinityStrategy(storage_paths=list(storage), sub_group_size=SUB_GROUP, io_engine="threads"),
+        strategy=SmartInfinityStrategy(
+            storage_paths=list(storage), sub_group_size=SUB_GROUP, io_engine="threads", **(strategy_kwargs or {})
+        ),
         precision=precision,
         max_steps=steps,
         logger=False,

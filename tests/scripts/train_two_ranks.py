@@ -20,12 +20,16 @@ def adamw(model):
     return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=8)
 
 
-def main(out: Path, storage: list[str], steps: int) -> None:
+def backend_numels(trainer: L.Trainer) -> list[int]:
+    return trainer.strategy.deepspeed_engine.optimizer.fp16_partitioned_groups_flat_numel
+
+
+def main(out: Path, storage: list[str], steps: int, compression: float | None = None) -> None:
     capture = CaptureParams()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=SmartInfinityStrategy(storage_paths=storage, sub_group_size=3000),
+        strategy=SmartInfinityStrategy(storage_paths=storage, sub_group_size=3000, compression=compression),
         precision="32-true",
         max_steps=steps,
         gradient_clip_val=0.5,
@@ -45,6 +49,7 @@ def main(out: Path, storage: list[str], steps: int) -> None:
     report = {
         "files": [str(s.file.path) for s in backend._shards],
         "traffic": trainer.strategy.traffic.as_dict(),
+        "sub_group_numels": [int(n) for n in backend_numels(trainer)],
     }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     if rank == 0:
@@ -52,4 +57,4 @@ def main(out: Path, storage: list[str], steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2].split(","), int(sys.argv[3]))
+    main(Path(sys.argv[1]), sys.argv[2].split(","), int(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) > 4 else None)

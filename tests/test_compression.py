@@ -1,0 +1,219 @@
+"""SmartComp through the strategy: equivalence at ratio 1, exact compressed traffic, warm-up, checkpoints, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from models import LMModule, fit, param_groups
+from scripts.ckpt_common import EVERY, train
+
+from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.callbacks import DGC_SCHEDULE, CompressionWarmup
+from lightning_smartinf.csd.compression import kept_count
+
+STEPS = 8
+
+
+def adamw(model: torch.nn.Module):
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95))
+    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
+
+
+class StepMetrics(L.Callback):
+    """Per optimizer step: the strategy's ``smartinf/*`` metrics and the sub-group sizes."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self.numels: list[int] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *_: object) -> None:
+        self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("smartinf/")})
+        self.numels = [int(n) for n in trainer.strategy.deepspeed_engine.optimizer.fp16_partitioned_groups_flat_numel]
+
+
+def _strategy(tmp_path: Path, **kwargs) -> SmartInfinityStrategy:
+    return SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000, chunk_size=2048, **kwargs)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_ratio_one_is_the_uncompressed_path(tmp_path, precision) -> None:
+    """Compression on but keeping everything (error feedback on) trains to bit-identical parameters."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    kwargs = dict(steps=STEPS, accumulate=2, clip=0.5, precision=precision)
+    _, dense = fit(LMModule(adamw), _strategy(tmp_path / "a"), **kwargs)
+    metrics = StepMetrics()
+    trainer, ours = fit(LMModule(adamw), _strategy(tmp_path / "b", compression=1.0), callbacks=[metrics], **kwargs)
+    assert trainer.global_step == STEPS
+    assert dense.keys() == ours.keys()
+    assert all(torch.equal(ours[n], dense[n]) for n in dense), "ratio 1.0 must reproduce the dense update exactly"
+    # Every entry went out as an (index, value) pair: the compressed path really ran.
+    link = trainer.precision_plugin.link_dtype.itemsize
+    total = sum(metrics.numels)
+    assert metrics.steps[-1]["smartinf/link_write_bytes"] == total * (4 + link)
+    assert metrics.steps[-1]["smartinf/kept_ratio"] == 1.0
+
+
+def test_one_percent_bf16_traffic_is_exact_and_under_2_1_bytes_per_param(tmp_path) -> None:
+    metrics = StepMetrics()
+    trainer, params = fit(
+        LMModule(adamw, dim=64),
+        _strategy(tmp_path, compression=0.01),
+        steps=4,
+        precision="bf16-mixed",
+        callbacks=[metrics],
+    )
+    numels = metrics.numels
+    total = sum(numels)
+    sent = sum(kept_count(n, 0.01) for n in numels)
+    for step in metrics.steps:
+        assert step["smartinf/link_write_bytes"] == sent * (4 + 2)  # int32 index + bf16 value per kept entry
+        assert step["smartinf/link_read_bytes"] == total * 2  # updated bf16 parameters come back dense
+        assert step["smartinf/kept_ratio"] == pytest.approx(sent / total)
+        assert step["smartinf/compression_ratio"] == pytest.approx(total * 2 / (sent * 6))
+        per_param = (step["smartinf/link_write_bytes"] + step["smartinf/link_read_bytes"]) / total
+        assert per_param <= 2.1
+    residual = trainer.strategy.deepspeed_engine.optimizer.smartinf_residual
+    assert residual is not None and residual.dtype == torch.bfloat16 and bool(residual.abs().sum() > 0)
+    assert all(torch.isfinite(p).all() for p in params.values())
+
+
+def test_error_feedback_off_keeps_no_residual(tmp_path) -> None:
+    trainer, _ = fit(
+        LMModule(adamw), _strategy(tmp_path, compression={"ratio": 0.05, "error_feedback": False}), steps=2
+    )
+    assert trainer.strategy.deepspeed_engine.optimizer.smartinf_residual is None
+
+
+def test_warmup_dense_then_dgc_schedule_then_target(tmp_path) -> None:
+    metrics = StepMetrics()
+    warmup = CompressionWarmup(dense_steps=2, schedule="dgc", steps_per_stage=1)
+    fit(LMModule(adamw), _strategy(tmp_path, compression=0.01), steps=7, callbacks=[warmup, metrics])
+    numels = metrics.numels
+    total = sum(numels)
+    expected = [None, None, *[r for r in DGC_SCHEDULE if r > 0.01], 0.01]
+    expected += [0.01] * (7 - len(expected))
+    assert [warmup.ratio_at(s) for s in range(7)] == expected
+    for step, ratio in zip(metrics.steps, expected):
+        if ratio is None:  # dense: the plain fp32 gradient bytes, nothing else
+            assert step["smartinf/link_write_bytes"] == total * 4
+            assert step["smartinf/compression_ratio"] == 1.0
+        else:
+            sent = sum(kept_count(n, ratio) for n in numels)
+            assert step["smartinf/link_write_bytes"] == sent * (4 + 4)
+
+
+def test_resume_with_residual_is_bit_identical(tmp_path) -> None:
+    comp = {"strategy_kwargs": {"compression": 0.05}}
+    expected = train(tmp_path / "ref", steps=2 * EVERY, **comp)
+    checkpoint = tmp_path / "ref" / "ckpts" / f"step={EVERY}.ckpt"
+    residual = checkpoint / "checkpoint" / "smartinf" / "rank000" / "residual.safetensors"
+    host_state = json.loads((residual.parent / "host_state.json").read_text())
+    assert residual.is_file() and host_state["residual"]["bytes"] == residual.stat().st_size
+    resumed = train(tmp_path / "resumed", steps=2 * EVERY, ckpt_path=checkpoint, every=None, **comp)
+    differ = [n for n in expected if not torch.equal(resumed[n], expected[n])]
+    assert not differ, f"resumed run differs in {differ}"
+
+    # The residual carries state worth saving: gradient mass not yet sent.
+    from safetensors.torch import load_file
+
+    assert float(load_file(str(residual))["residual"].abs().sum()) > 0
+
+    broken = bytearray(residual.read_bytes())
+    broken[-1] ^= 0xFF
+    residual.write_bytes(bytes(broken))
+    with pytest.raises(MisconfigurationException, match=r"residual\.safetensors is corrupt"):
+        train(tmp_path / "corrupt", steps=2 * EVERY, ckpt_path=checkpoint, every=None, **comp)
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_each_compress_their_own_partition(tmp_path, free_port) -> None:
+    storage = [tmp_path / "ssd0", tmp_path / "ssd1"]
+    for path in storage:
+        path.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    script = Path(__file__).parent / "scripts" / "train_two_ranks.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    command += [str(script), str(tmp_path), ",".join(map(str, storage)), "4", "0.05"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        numels = report["sub_group_numels"]
+        sent = sum(kept_count(n, 0.05) for n in numels)
+        # Each rank sent the top 5% of its own partition, 4 steps of fp32 pairs, after the initial masters.
+        assert report["traffic"]["link_write_bytes"] == sum(numels) * 4 + 4 * sent * 8
+    params = torch.load(tmp_path / "params.pt", weights_only=True)
+    assert all(torch.isfinite(p).all() for p in params.values())
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("compression", "message"),
+    [
+        (0.0, "0 < ratio <= 1"),
+        (1.5, "0 < ratio <= 1"),
+        (-0.01, "0 < ratio <= 1"),
+        ({"ratio": 0.01, "feedback": True}, "unknown key"),
+        ({"ratio": 0.01, "error_feedback": "yes"}, "must be True or False"),
+    ],
+)
+def test_bad_compression_argument(compression, message) -> None:
+    with pytest.raises(MisconfigurationException, match=message) as info:
+        SmartInfinityStrategy(compression=compression)
+    assert "compression=" in str(info.value)
+
+
+def test_amsgrad_with_compression_is_refused(tmp_path) -> None:
+    def amsgrad(model):
+        return torch.optim.Adam(model.parameters(), lr=1e-3, amsgrad=True), None
+
+    with pytest.raises(MisconfigurationException, match="amsgrad"):
+        fit(LMModule(amsgrad), _strategy(tmp_path, compression=0.01), steps=1)
+
+
+def test_warmup_longer_than_training(tmp_path) -> None:
+    with pytest.raises(MisconfigurationException, match="lasts 6 optimizer steps .* only 4"):
+        fit(
+            LMModule(adamw),
+            _strategy(tmp_path, compression=0.01),
+            steps=4,
+            callbacks=[CompressionWarmup(dense_steps=2, schedule=[0.5, 0.1], steps_per_stage=2)],
+        )
+
+
+def test_warmup_without_compression(tmp_path) -> None:
+    with pytest.raises(MisconfigurationException, match="compression, which is off"):
+        fit(LMModule(adamw), _strategy(tmp_path), steps=2, callbacks=[CompressionWarmup(dense_steps=1)])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dense_steps": -1}, "dense_steps"),
+        ({"steps_per_stage": 0}, "steps_per_stage"),
+        ({"schedule": "fast"}, "'dgc'"),
+        ({"schedule": [0.5, 2.0]}, "0 < ratio <= 1"),
+    ],
+)
+def test_bad_warmup_arguments(kwargs, message) -> None:
+    with pytest.raises(MisconfigurationException, match=message):
+        CompressionWarmup(**kwargs)
+
+
+def test_preset_and_set_kept_ratio() -> None:
+    trainer = L.Trainer(strategy="smart_infinity_comp", accelerator="cpu", devices=1, logger=False)
+    assert trainer.strategy.compression.ratio == 0.01 and trainer.strategy.compression.error_feedback
+    with pytest.raises(MisconfigurationException, match="0 < ratio <= 1"):
+        trainer.strategy.set_kept_ratio(0.0)
+    with pytest.raises(MisconfigurationException, match="compression is off"):
+        SmartInfinityStrategy().set_kept_ratio(0.1)
