@@ -16,6 +16,7 @@ refused before anything is built, with jsonargparse's message naming the key (ex
 from __future__ import annotations
 
 import sys
+import warnings
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
@@ -47,17 +48,19 @@ class SmartInfinityCLI(LightningCLI):
 def main(argv: list[str] | None = None) -> int:
     """Run ``LightningCLI``; ``argv`` starts with the subcommand (``["fit", "--config", "recipe.yaml"]``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    SmartInfinityCLI(
-        model_class=None,
-        datamodule_class=None,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        trainer_defaults={"strategy": "smart_infinity"},
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"prog": "smartinf"},
-        # LightningCLI warns when given both `args` and a command line; they are the same list when run as a command.
-        args=None if argv == sys.argv[1:] else argv,
-    )
+    with warnings.catch_warnings():
+        # LightningCLI warns whenever `args` is given while `sys.argv` has arguments; here they are ours on purpose.
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        SmartInfinityCLI(
+            model_class=None,
+            datamodule_class=None,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            trainer_defaults={"strategy": "smart_infinity"},
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": "smartinf"},
+            args=argv,
+        )
     return 0
 
 

@@ -78,6 +78,7 @@ def _read_events(directory: Path) -> Metrics:
         for event in accumulator.Scalars(tag):
             metrics.add(tag, int(event.step), float(event.value))
     metrics.series.pop("hp_metric", None)  # TensorBoardLogger's placeholder, not a metric of the run
+    metrics.series.pop("epoch", None)  # Lightning logs it as a scalar to TensorBoard, a column to CSV
     return metrics
 
 
@@ -217,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     except ReportError as exc:
         print(f"smartinf report: error: {exc}", file=sys.stderr)
         return 1
-    steps = max((len(s) for s, _ in metrics.series.values()), default=0)
-    print(f"wrote {output} ({steps} steps from {metrics.source})")
+    series = metrics.get("smartinf/tokens_per_s", "smartinf/link_bytes_per_param", *TRAIN_LOSS_KEYS)
+    steps = f"{len(set(series[1]))} steps" if series else "no steps"
+    print(f"wrote {output} ({steps} from {metrics.source})")
     return 0
 
 

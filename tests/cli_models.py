@@ -47,7 +47,7 @@ class TinyLM(L.LightningModule):
     """:class:`models.TinyGPT` trained with AdamW; logs ``train_loss`` and ``val_loss``.
 
     Args:
-        dim: model width (64 makes every ZeRO partition a multiple of 1024 elements: no padding on the devices).
+        dim: model width.
         layers: transformer blocks.
         lr: AdamW learning rate.
     """

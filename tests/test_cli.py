@@ -1,10 +1,25 @@
-"""The `smartinf` command line: dispatch, errors, and the README's demo."""
+"""The `smartinf` command line: dispatch, LightningCLI recipes and their errors, logs and reports, the README's demo."""
 
 from __future__ import annotations
 
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
 import pytest
+import yaml
+from cli_models import TinyLM
+from conftest import REPO_ROOT
+from models import param_groups
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_smartinf.cli import COMMANDS, main
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TOKENS_PER_STEP = 2 * 4 * 12  # accumulate_grad_batches x batch_size x sequence length (cli_models.RandomTokens)
 
 
 def test_help_lists_every_command(capsys):
@@ -15,7 +30,8 @@ def test_help_lists_every_command(capsys):
 
 def test_unknown_command_is_exit_2_with_the_choices(capsys):
     assert main(["frobnicate"]) == 2
-    assert "unknown command 'frobnicate'; choose one of: demo, plan, export" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown command 'frobnicate'; choose one of: fit, validate, test, report, demo, plan, export" in err
 
 
 def test_plan_subcommand(capsys):
@@ -37,3 +53,132 @@ def test_bad_arguments_exit_non_zero(argv):
         if main(argv) != 0:
             raise SystemExit(2)
     assert exc.value.code != 0
+
+
+# ------------------------------------------------------------------------------------------ LightningCLI recipes
+
+
+def recipe(tmp_path: Path, logger: str | None = "csv", **trainer: object) -> dict:
+    """A `smartinf fit` config for cli_models.TinyLM on random tokens: 2 optimizer steps of 2 micro-batches."""
+    config: dict = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "precision": "bf16-mixed",
+            "max_steps": 2,
+            "accumulate_grad_batches": 2,
+            "log_every_n_steps": 1,
+            "enable_checkpointing": False,
+            "enable_model_summary": False,
+            "enable_progress_bar": False,
+            **trainer,
+        },
+        "model": {"class_path": "cli_models.TinyLM"},
+        "data": {"class_path": "cli_models.RandomTokens", "init_args": {"batches": 4, "batch_size": 4}},
+    }
+    if logger is not None:
+        loggers = {"csv": "CSVLogger", "tensorboard": "TensorBoardLogger"}
+        config["trainer"]["logger"] = {
+            "class_path": f"lightning.pytorch.loggers.{loggers[logger]}",
+            "init_args": {"save_dir": str(tmp_path / "logs"), "name": "run"},
+        }
+    return config
+
+
+def write(tmp_path: Path, config: dict, name: str = "recipe.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def csv_metrics(log_dir: Path) -> dict[str, list[float]]:
+    with (log_dir / "metrics.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    return {key: [float(r[key]) for r in rows if r[key] != ""] for key in rows[0] if key not in ("epoch", "step")}
+
+
+def event_metrics(log_dir: Path) -> dict[str, list[float]]:
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: [e.value for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+@pytest.mark.parametrize(
+    ("logger", "precision", "link_bytes"), [("csv", "bf16-mixed", 2), ("tensorboard", "32-true", 4)]
+)
+def test_fit_logs_exact_traffic_and_the_report_plots_it(tmp_path, capsys, logger, precision, link_bytes):
+    """`smartinf fit` trains with smart_infinity by default; the monitor's metrics reach CSV and TensorBoard logs."""
+    assert main(["fit", "--config", write(tmp_path, recipe(tmp_path, logger, precision=precision))]) == 0
+    log_dir = tmp_path / "logs" / "run" / "version_0"
+    metrics = csv_metrics(log_dir) if logger == "csv" else event_metrics(log_dir)
+    params = sum(p.numel() for p in TinyLM().parameters())
+    # Each param group is one ZeRO sub-group here, stored in records padded to 1024 elements on the devices.
+    padded = sum(-(-sum(p.numel() for p in g["params"]) // 1024) * 1024 for g in param_groups(TinyLM().model, 0.1))
+
+    # Two optimizer steps, each moving gradients in and parameters out in the training dtype, and nothing else.
+    assert metrics["smartinf/link_bytes_per_param"] == [2.0 * link_bytes] * 2
+    # fp32 master, m and v read and written inside the devices (metrics are float32 in the loggers).
+    assert metrics["smartinf/storage_bytes_per_param"] == pytest.approx([24.0 * padded / params] * 2, rel=1e-7)
+    assert metrics["smartinf/link_write_bytes"] == [params * link_bytes] * 2  # the strategy's raw count
+    assert metrics["smartinf/zero_infinity_link_bytes_per_param"] == [32.0] * 2
+    assert metrics["smartinf/zero_infinity_link_bytes_per_step"] == [32.0 * params] * 2
+    tokens = [t * ms / 1e3 for t, ms in zip(metrics["smartinf/tokens_per_s"], metrics["smartinf/step_ms"])]
+    assert tokens == pytest.approx([TOKENS_PER_STEP] * 2, rel=1e-4)
+    assert len(metrics["smartinf/loss"]) == 2 and len(metrics["val_loss"]) == 1  # the epoch's 4 batches ended
+
+    # The config is saved next to the logs, with the defaults smartinf fit adds.
+    saved = yaml.safe_load((log_dir / "config.yaml").read_text())
+    assert saved["trainer"]["strategy"] == "smart_infinity"
+    assert saved["monitor"] == {"token_key": "input_ids", "progress_bar": True}
+
+    png = tmp_path / "report.png"
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "logs"), "-o", str(png)]) == 0
+    assert f"wrote {png} (2 steps from " in capsys.readouterr().out
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_validate_subcommand_runs_the_validation_loop(tmp_path):
+    config = recipe(tmp_path, strategy="auto", precision="32-true")
+    assert main(["validate", "--config", write(tmp_path, config)]) == 0
+    assert len(csv_metrics(tmp_path / "logs" / "run" / "version_0")["val_loss"]) == 1
+
+
+def test_python_dash_m_fit_help_lists_recipe_keys():
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_smartinf", "fit", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "usage: smartinf [options] fit" in result.stdout
+    assert "--trainer.strategy" in result.stdout and "smart_infinity" in result.stdout
+    assert "--monitor.token_key" in result.stdout and "--data CONFIG" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c["trainer"].update(max_stepz=3), "does not accept option 'trainer.max_stepz'"),
+        (lambda c: c["trainer"].update(max_steps="two"), 'Parser key "trainer.max_steps"'),
+        (lambda c: c["model"].update(init_args={"dimm": 8}), "Option 'dimm' is not accepted"),
+        (lambda c: c["model"].update(init_args={"lr": "fast"}), 'Parser key "lr"'),
+    ],
+    ids=["unknown-key", "wrong-type", "unknown-model-arg", "wrong-model-arg-type"],
+)
+def test_bad_recipe_is_exit_2_naming_the_key(tmp_path, capsys, edit, message):
+    config = recipe(tmp_path)
+    edit(config)
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", write(tmp_path, config)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
