@@ -34,13 +34,12 @@ import pytest
 import torch
 
 from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams, UpdateRule
+from lightning_smartinf.csd.xrt.abi import BEAT_BYTES, adagrad_scalars, adam_scalars, load_csim_library, sgd_scalars
+from lightning_smartinf.csd.xrt.model import build_csim_library
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HLS_DIR = REPO_ROOT / "hls_kernels"
 
-# Flag bits of hls_kernels/include/smartinf_abi.h.
-MAXIMIZE, WEIGHT_DECAY, DECOUPLED_DECAY, MOMENTUM, FIRST_STEP, NESTEROV = (1 << i for i in range(6))
-BEAT_BYTES = 64
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LENGTHS = (1, 15, 16, 17, 1000, 4099, 40000)  # 40000 spans three 16384-element decompression tiles
 DATA_KINDS = ("random", "zero", "huge", "tiny", "wide")
@@ -87,10 +86,6 @@ def _build_args() -> list[str]:
     return ["CSIM_DIR=build/nofma", "CSIM_DEFINES=-DSMARTINF_TORCH_FMA=0"]
 
 
-def _csim_dir() -> Path:
-    return HLS_DIR / ("build" if _fma_in_torch() else "build/nofma")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _one_torch_thread() -> Iterator[None]:
     # thousands of small element-wise ops: intra-op threads only add overhead (results do not change)
@@ -105,57 +100,13 @@ def lib() -> ctypes.CDLL:
     missing = [tool for tool in ("make", "g++") if shutil.which(tool) is None]
     if missing:
         pytest.skip(f"the HLS C simulation needs {' and '.join(missing)} on PATH to build hls_kernels/")
-    proc = _make("-j2", "csim", *_build_args())
-    assert proc.returncode == 0, f"`make -C hls_kernels csim` failed:\n{proc.stdout}\n{proc.stderr}"
-    cdll = ctypes.CDLL(str(_csim_dir() / "libsmartinf_kernels.so"))
-    ptr, u32, f32 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_float
-    n_scalars = {"adam": 9, "sgd": 5, "adagrad": 4}
-    n_states = {"adam": 2, "sgd": 1, "adagrad": 1}
-    for rule, ns in n_scalars.items():
-        for suffix in DTYPES:
-            dense = getattr(cdll, f"smartinf_{rule}_{suffix}")
-            dense.argtypes = [ptr] * (1 + n_states[rule]) + [ptr, ptr, u32] + [f32] * ns + [u32]
-            dense.restype = None
-            topk = getattr(cdll, f"smartinf_{rule}_topk_{suffix}")
-            topk.argtypes = [ptr] * (1 + n_states[rule]) + [ptr, ptr, ptr, u32, u32] + [f32] * ns + [u32]
-            topk.restype = None
-    return cdll
-
-
-# ---- host side: derived scalars, as a Python host computes them (mirror of smartinf_abi.h) -------------
-def adam_scalars(hp: StepParams, decoupled: bool) -> tuple[list[float], int]:
-    beta1, beta2 = hp.betas
-    decay = hp.weight_decay != 0.0
-    scalars = [
-        hp.grad_scale,
-        1.0 - hp.lr * hp.weight_decay if decay and decoupled else 1.0,
-        hp.weight_decay if decay and not decoupled else 0.0,
-        1.0 - beta1,
-        beta2,
-        1.0 - beta2,
-        math.sqrt(1.0 - beta2**hp.step),
-        hp.eps,
-        -hp.lr / (1.0 - beta1**hp.step),
-    ]  # ctypes.c_float rounds each double to the nearest float, as torch does with a Python scalar
-    flags = (MAXIMIZE if hp.maximize else 0) | (WEIGHT_DECAY if decay and not decoupled else 0)
-    flags |= DECOUPLED_DECAY if decay and decoupled else 0
-    return scalars, flags
-
-
-def sgd_scalars(hp: StepParams, with_momentum: bool) -> tuple[list[float], int]:
-    use_momentum = with_momentum and hp.momentum != 0.0
-    scalars = [hp.grad_scale, hp.weight_decay, hp.momentum, 1.0 - hp.dampening, -hp.lr]
-    flags = (MAXIMIZE if hp.maximize else 0) | (WEIGHT_DECAY if hp.weight_decay != 0.0 else 0)
-    if use_momentum:
-        flags |= MOMENTUM | (FIRST_STEP if hp.step == 1 else 0) | (NESTEROV if hp.nesterov else 0)
-    return scalars, flags
-
-
-def adagrad_scalars(hp: StepParams) -> tuple[list[float], int]:
-    clr = hp.lr / (1.0 + (hp.step - 1) * hp.lr_decay)
-    scalars = [hp.grad_scale, hp.weight_decay, hp.eps, -clr]
-    flags = (MAXIMIZE if hp.maximize else 0) | (WEIGHT_DECAY if hp.weight_decay != 0.0 else 0)
-    return scalars, flags
+    try:
+        path = build_csim_library(HLS_DIR)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    # Argument types of every entry point, and the scalar derivation below, come from the package's ABI module
+    # (lightning_smartinf/csd/xrt/abi.py): the XRT backend calls the kernels with exactly what is tested here.
+    return load_csim_library(path)
 
 
 # ---- 64-byte aligned, beat-padded buffers -----------------------------------------------------------
