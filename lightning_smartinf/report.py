@@ -23,6 +23,10 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 CSV_NAME = "metrics.csv"
 EVENTS_GLOB = "events.out.tfevents.*"
@@ -134,8 +138,8 @@ def _traffic(metrics: Metrics) -> tuple[str, dict[str, tuple[list[int], list[flo
     return "MB (this rank)", lines, reference[2][-1] / 1e6 if reference else None
 
 
-def plot(metrics: Metrics, output: str | Path) -> Path:
-    """Draw the three panels of ``metrics`` into the PNG file ``output``.
+def figure(metrics: Metrics) -> Figure:
+    """The three panels of ``metrics``: loss, throughput, traffic per step.
 
     Raises:
         ReportError: ``metrics`` has no loss, throughput or traffic series.
@@ -157,9 +161,9 @@ def plot(metrics: Metrics, output: str | Path) -> Path:
             "(`smartinf fit` adds it) and `strategy='smart_infinity'`."
         )
 
-    figure = Figure(figsize=(8, 10), layout="constrained")
-    loss_ax, speed_ax, traffic_ax = figure.subplots(3, 1, sharex=True)
-    figure.suptitle(f"smartinf report: {metrics.source}", fontsize=9)
+    fig = Figure(figsize=(8, 10), layout="constrained")
+    loss_ax, speed_ax, traffic_ax = fig.subplots(3, 1, sharex=True)
+    fig.suptitle(f"smartinf report: {metrics.source}", fontsize=9)
 
     for kind, series in (("train", train), ("validation", val)):
         if series is not None:
@@ -195,10 +199,19 @@ def plot(metrics: Metrics, output: str | Path) -> Path:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
+    return fig
 
+
+def plot(metrics: Metrics, output: str | Path) -> Path:
+    """Draw :func:`figure` of ``metrics`` into the PNG file ``output`` (its folder is created).
+
+    Raises:
+        ReportError: ``metrics`` has no loss, throughput or traffic series.
+    """
+    fig = figure(metrics)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, format="png", dpi=100)
+    fig.savefig(output, format="png", dpi=100)
     return output
 
 
