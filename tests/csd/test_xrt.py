@@ -293,3 +293,55 @@ def test_pairing_fails_clearly_for_a_plain_nvme_disk(tmp_path) -> None:
     _fake_sysfs(sysfs, storage, ["0000:00:03.0", "0000:09:00.0"])  # an NVMe SSD on a root port, no SmartSSD
     with pytest.raises(ValueError, match=r"Cannot pair storage path .*ssd.*0 of the XRT devices.*`xrt_devices=`"):
         pair_by_pcie([storage], ["0000:04:00.1", "0000:08:00.1"], sysfs=sysfs)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+def test_checkpoints_move_between_cpu_and_xrt(tmp_path, model_xclbin, backends) -> None:
+    """Both backends save the same state format: a cpu checkpoint resumes on xrt and back, state for state."""
+    from lightning_smartinf.csd.cpu import CpuBackend
+
+    specs = [ShardSpec(0, CHUNK + 5, Adam(decoupled_weight_decay=True)), ShardSpec(1, 1000, SGD())]
+    gen = torch.Generator().manual_seed(3)
+
+    def train(backend, steps: range) -> None:
+        for step in steps:
+            for spec in specs:
+                grad = torch.randn(spec.numel, generator=gen)
+                hp = StepParams(step=step, lr=1e-2, weight_decay=0.1, momentum=0.9)
+                backend.submit(spec.index, grad, hp, torch.empty(spec.numel))
+            backend.wait()
+
+    def masters(backend) -> list[torch.Tensor]:
+        outs = [torch.empty(s.numel) for s in specs]
+        for spec, out in zip(specs, outs):
+            backend.read_master(spec.index, out)
+        backend.wait()
+        return outs
+
+    cpu = CpuBackend([tmp_path / "cpu"], chunk_elems=CHUNK, buffer_count=2)
+    try:
+        cpu.open(specs)
+        for spec in specs:
+            cpu.initialize(spec.index, torch.randn(spec.numel, generator=gen))
+        train(cpu, range(1, 3))
+        cpu.save(tmp_path / "ckpt-cpu")
+        on_cpu = masters(cpu)
+    finally:
+        cpu.close()
+    xrt = _backend(backends, [tmp_path / "x0", tmp_path / "x1"], model_xclbin())
+    xrt.open(specs)
+    xrt.load(tmp_path / "ckpt-cpu")
+    for got, want in zip(masters(xrt), on_cpu):
+        assert torch.equal(got, want)
+    train(xrt, range(3, 5))
+    xrt.save(tmp_path / "ckpt-xrt")
+    back = CpuBackend([tmp_path / "cpu2"], chunk_elems=CHUNK, buffer_count=2)
+    try:
+        back.open(specs)
+        back.load(tmp_path / "ckpt-xrt")
+        for got, want in zip(masters(back), masters(xrt)):
+            assert torch.equal(got, want)
+    finally:
+        back.close()
