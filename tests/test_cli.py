@@ -163,6 +163,17 @@ def test_python_dash_m_fit_help_lists_recipe_keys():
     assert "--monitor.token_key" in result.stdout and "--data CONFIG" in result.stdout
 
 
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_recipe_parses_against_the_real_signatures(path, capsys):
+    """Each recipe's keys and types match the classes it names (parsed and printed, nothing built)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", str(path), "--print_config"])
+    assert exc.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["class_path"] == yaml.safe_load(path.read_text())["model"]["class_path"]
+    assert printed["monitor"] == {"token_key": "input_ids", "progress_bar": True}
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
