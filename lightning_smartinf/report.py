@@ -231,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     except ReportError as exc:
         print(f"smartinf report: error: {exc}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as exc:
+        print(
+            f"smartinf report: error: it needs `{exc.name}`. Install it by running "
+            "`pip install 'lightning-smartinf[cli]'` (matplotlib and tensorboard).",
+            file=sys.stderr,
+        )
+        return 1
     series = metrics.get("smartinf/tokens_per_s", "smartinf/link_bytes_per_param", *TRAIN_LOSS_KEYS)
     steps = f"{len(set(series[1]))} steps" if series else "no steps"
     print(f"wrote {output} ({steps} from {metrics.source})")
