@@ -1,8 +1,8 @@
 """Running Lightning's DeepSpeed strategy on DeepSpeed's CPU accelerator with gloo.
 
 Lightning's ``DeepSpeedStrategy`` refuses non-CUDA accelerators, validates CUDA device indices and passes
-``device_rank=None`` on CPU; DeepSpeed itself trains ZeRO-3 on CPU. The mixin replaces exactly those
-three steps and leaves the CUDA path untouched.
+``device_rank=None`` on CPU (training and inference engines); DeepSpeed itself trains ZeRO-3 on CPU. The
+mixin replaces exactly those steps and leaves the CUDA path untouched.
 """
 
 from __future__ import annotations
@@ -57,6 +57,32 @@ class DeepSpeedOnCPUMixin:
             # ZeRO-3's gradient hooks live on autograd nodes and close over the engine: a cycle through C++ that
             # the garbage collector cannot see. Removing them lets the engine and its buffers be freed.
             engine.destroy()
+
+    @override
+    def _initialize_deepspeed_inference(self: Any, model: Module) -> None:
+        # `validate`/`test`/`predict` without `fit`: Lightning passes `device_rank=None` on CPU. Same engine set-up
+        # as Lightning's, with our device rank; no optimizer, so no optimizer offload either.
+        if isinstance(self.accelerator, CUDAAccelerator):
+            super()._initialize_deepspeed_inference(model)
+            return
+        import deepspeed
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+        config.update({key: self.config[key] for key in ("fp16", "bf16") if key in self.config})
+        if self.zero_stage_3:
+            zero = {k: v for k, v in self.config["zero_optimization"].items() if k != "offload_optimizer"}
+            config.update({"zero_allow_untested_optimizer": True, "zero_optimization": zero})
+        remove_module_hooks(model)
+        self.model, _, _, _ = deepspeed.initialize(
+            args=self._deepspeed_args(),
+            config=config,
+            model=model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+        )
 
     def _deepspeed_args(self: Any) -> argparse.Namespace:
         """The ``args`` for ``deepspeed.initialize``: CPU devices have no index, so the local rank stands in."""

@@ -438,7 +438,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         assert isinstance(self.config, dict)
         self.config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(engine_swap)
 
-        io_factory = self._io_factory(device_dirs)
+        # The xrt backend moves state SSD <-> FPGA itself (P2P); only the cpu backend needs a host I/O engine.
+        io_factory = self._io_factory(device_dirs) if self.backend_name == "cpu" else ThreadedIO
 
         def make_backend() -> Backend:
             if self.backend_name == "xrt":

@@ -141,8 +141,9 @@ def test_fit_logs_exact_traffic_and_the_report_plots_it(tmp_path, capsys, logger
     assert image.shape[0] > 100 and image.shape[1] > 100
 
 
-def test_validate_subcommand_runs_the_validation_loop(tmp_path):
-    config = recipe(tmp_path, strategy="auto", precision="32-true")
+@pytest.mark.parametrize("strategy", ["smart_infinity", "auto"])
+def test_validate_subcommand_runs_the_validation_loop(tmp_path, strategy):
+    config = recipe(tmp_path, strategy=strategy, precision="32-true")
     assert main(["validate", "--config", write(tmp_path, config)]) == 0
     assert len(csv_metrics(tmp_path / "logs" / "run" / "version_0")["val_loss"]) == 1
 

@@ -33,9 +33,9 @@ class TopKCompression:
     Args:
         ratio: fraction of each shard's gradient entries sent per step (``0 < ratio <= 1``); 0.01 sends the
             largest 1%, as ``k * (4 + value bytes)`` bytes instead of ``numel * value bytes``.
-        error_feedback: add what was not sent to the next step's gradient (a residual the size of the
-            gradient partition, in its dtype, kept where the partition is). ``False`` drops it, as the
-            Smart-Infinity paper does.
+        error_feedback: add what was not sent to the next step's gradient (an fp32 residual the size of the
+            gradient partition, kept where the partition is: 4 bytes per parameter of this rank's partition).
+            ``False`` drops it, as the Smart-Infinity paper does.
     """
 
     ratio: float
@@ -168,7 +168,9 @@ def compress_topk(
     """Keep the ``kept_count(grad.numel(), ratio)`` largest-magnitude entries of a flat gradient.
 
     With ``residual`` (error feedback), ``residual += grad`` is compressed instead and afterwards holds
-    exactly what was not sent (the kept positions are zeroed), so ``sent + residual == old residual + grad``.
+    exactly what was not delivered: the dropped entries, and at the kept positions what rounding the values
+    to ``value_dtype`` lost (zero when no rounding happens). So ``sent + residual == old residual + grad``
+    up to the residual's own precision, which is why it should be fp32 even when gradients are bf16.
     ``grad`` is never modified. Values are returned in ``value_dtype`` (default: the gradient's dtype).
     """
     if grad.dim() != 1:
@@ -181,9 +183,10 @@ def compress_topk(
         source = residual.add_(grad)
     k = kept_count(source.numel(), ratio)
     positions = topk_indices(source.abs(), k)
-    values = source[positions].to(value_dtype or grad.dtype)
+    kept = source[positions]
+    values = kept.to(value_dtype or grad.dtype)
     if residual is not None:
-        residual.index_fill_(0, positions, 0)
+        residual.index_copy_(0, positions, kept - values.to(kept.dtype))
     return SparseGrad(positions.to(INDEX_DTYPE), values, source.numel())
 
 

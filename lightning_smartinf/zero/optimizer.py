@@ -158,7 +158,8 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if self.smartinf_residual is None:
             if ratio is None:
                 return None
-            self.smartinf_residual = torch.zeros_like(self.grad_partitions_flat_buffer)
+            # fp32 even for bf16 gradients: it sums up to ~1/ratio steps of small gradients, which bf16 would lose.
+            self.smartinf_residual = torch.zeros_like(self.grad_partitions_flat_buffer, dtype=torch.float32)
             self._smartinf_residual_scale = float(self.loss_scale)
         elif float(self.loss_scale) != self._smartinf_residual_scale:
             # The residual holds loss-scaled gradients; keep it in the units of this step's gradients.
@@ -292,8 +293,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 f"The checkpoint's compression residual has {residual.numel()} elements but this rank's gradient "
                 f"partition has {self.grad_partitions_flat_buffer.numel()}. Resume with the same model and ranks."
             )
-        target = self.grad_partitions_flat_buffer
-        self.smartinf_residual = residual.to(dtype=target.dtype, device=target.device)
+        self.smartinf_residual = residual.to(dtype=torch.float32, device=self.grad_partitions_flat_buffer.device)
         self._smartinf_residual_scale = float(loss_scale) if loss_scale is not None else float(self.loss_scale)
 
     def reset_swap_buffers(self) -> None:

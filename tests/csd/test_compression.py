@@ -95,7 +95,7 @@ def test_error_feedback_loses_nothing() -> None:
         sparse = compress_topk(grad, 0.02, residual=residual)
         # Sent plus new residual is exactly old residual plus gradient (fp32 add, then a partition).
         assert torch.equal(sparse.to_dense() + residual, before + grad)
-        assert bool((residual[sparse.indices.long()] == 0).all())
+        assert bool((residual[sparse.indices.long()] == 0).all())  # fp32 values: sent exactly
         total_in += grad.double()
         total_sent += sparse.to_dense().double()
     assert torch.allclose(total_sent + residual.double(), total_in, atol=1e-4)
@@ -104,9 +104,13 @@ def test_error_feedback_loses_nothing() -> None:
 def test_grad_is_not_modified_and_values_can_be_narrowed() -> None:
     grad = torch.randn(2048)
     copy = grad.clone()
-    sparse = compress_topk(grad, 0.1, residual=torch.zeros(2048), value_dtype=torch.bfloat16)
+    residual = torch.zeros(2048)
+    sparse = compress_topk(grad, 0.1, residual=residual, value_dtype=torch.bfloat16)
     assert torch.equal(grad, copy)
     assert sparse.values.dtype == torch.bfloat16
+    # What bf16 rounding took off the sent values stays in the fp32 residual: nothing is lost.
+    assert torch.equal(sparse.to_dense(torch.float32) + residual, grad)
+    assert bool(residual[sparse.indices.long()].abs().sum() > 0)
     assert sparse.link_bytes() == sparse.k * (4 + 2)
     assert sparse.link_bytes(torch.float32) == sparse.k * (4 + 4)
 
