@@ -2,6 +2,8 @@
 
 - ``python_docs.txt``: the documentation of Python's statements, expressions and built-in types (the text
   ``help()`` shows), one topic after another. Language-model pre-training and fine-tuning text.
+- ``python_docs_train.jsonl`` / ``python_docs_val.jsonl``: one ``{"topic": ..., "text": ...}`` document per
+  topic; the topics in ``VAL_TOPICS`` go to the validation file, the others to the training file.
 - ``python_docs_topics.csv``: paragraphs of those topics with a label saying which family their topic belongs
   to: ``statement`` (the topics of Python's statements: ``for``, ``try``, ``import``, ...) or ``type`` (the
   topics of built-in types and their methods: ``typesseq``, ``string-methods``, ``dict``, ...). Topics of
@@ -15,6 +17,7 @@ Python's documentation is under the PSF License Agreement, which permits redistr
 from __future__ import annotations
 
 import csv
+import json
 import re
 from pathlib import Path
 
@@ -63,6 +66,8 @@ TYPES = [
     "typesseq-mutable",
 ]
 
+VAL_TOPICS = ["await", "lambda", "naming", "operator-summary", "slicings", "typesmapping", "while", "yield"]
+
 
 def paragraphs(text: str) -> list[str]:
     """Prose paragraphs of a topic: joined lines, at least 80 characters, code examples and tables left out."""
@@ -81,6 +86,10 @@ def main() -> None:
     from pydoc_data.topics import topics
 
     (HERE / "python_docs.txt").write_text("\n".join(topics[k] for k in sorted(topics)), encoding="utf-8")
+    for name, keep in (("train", lambda k: k not in VAL_TOPICS), ("val", lambda k: k in VAL_TOPICS)):
+        with open(HERE / f"python_docs_{name}.jsonl", "w", encoding="utf-8") as f:
+            for key in filter(keep, sorted(topics)):
+                f.write(json.dumps({"topic": key, "text": topics[key]}) + "\n")
     with open(HERE / "python_docs_topics.csv", "w", encoding="utf-8", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["text", "label", "topic"])
