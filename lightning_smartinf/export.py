@@ -222,7 +222,8 @@ def export_pretrained(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_smartinf.export",
-        description="Consolidate the fp32 master weights of a SmartUpdate checkpoint into one safetensors file.",
+        description="Consolidate the fp32 master weights of a SmartUpdate checkpoint into one safetensors file "
+        "and/or a Hugging Face save_pretrained directory.",
     )
     parser.add_argument("checkpoint", help="checkpoint directory saved with strategy='smart_infinity'")
     parser.add_argument("output", nargs="?", help="output .safetensors file")

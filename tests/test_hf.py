@@ -7,7 +7,10 @@ small GPT-2 created here with a byte-level BPE tokenizer trained here. Text: Pyt
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -166,6 +169,31 @@ def test_gpt2_fp32_finetune_matches_torch_optim(tmp_path, gpt2_dir):
     assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda item: -item[1])[:4]
     start = without_key_bias(hf_weights(gpt2_dir))
     assert min(max_relative_error(reference, {k: start[k] for k in reference}).values()) > 1e-3
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_save_pretrained_gathers_every_partition(tmp_path, gpt2_dir, free_port):
+    """2 gloo ranks: each parameter's masters are split across the ranks' devices; the HF directory joins them to
+    the same weights the checkpoint export rebuilds from both ranks' state files."""
+    storage = [tmp_path / "ssd0", tmp_path / "ssd1"]
+    for path in storage:
+        path.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+        str(REPO_ROOT / "tests" / "scripts" / "hf_two_ranks.py"), str(gpt2_dir), str(TEXT), str(tmp_path),
+        ",".join(map(str, storage)),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+
+    saved = hf_weights(tmp_path / "hf")
+    from_ckpt = consolidate_fp32_state_dict(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    assert {k.removeprefix("model.") for k in from_ckpt} == saved.keys()
+    for name, value in from_ckpt.items():
+        torch.testing.assert_close(saved[name.removeprefix("model.")], value, rtol=0, atol=0)
+    start = hf_weights(gpt2_dir)
+    assert min(float((saved[k] - start[k]).abs().max()) for k in saved) > 1e-4
 
 
 # ---------------------------------------------------------------------------------------------- classification

@@ -375,7 +375,7 @@ class HFCausalLM(_HFModule):
     def on_validation_epoch_end(self) -> None:
         perplexity = self._metrics.get("val_ppl")
         if perplexity is not None and perplexity.update_called:
-            self.log("val_ppl", perplexity.compute(), prog_bar=True)
+            self.log("val_ppl", perplexity.compute(), prog_bar=True, sync_dist=True)  # equal on every rank
             perplexity.reset()
 
 
@@ -467,5 +467,5 @@ class HFSequenceClassifier(_HFModule):
     def on_validation_epoch_end(self) -> None:
         accuracy = self._metrics.get("val_acc")
         if accuracy is not None and accuracy.update_called:
-            self.log("val_acc", accuracy.compute(), prog_bar=True)
+            self.log("val_acc", accuracy.compute(), prog_bar=True, sync_dist=True)  # equal on every rank
             accuracy.reset()
