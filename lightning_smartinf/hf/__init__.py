@@ -14,7 +14,7 @@ Requires the ``hf`` extra: ``pip install 'lightning-smartinf[hf]'``.
 
 from lightning_utilities.core.imports import RequirementCache
 
-_TRANSFORMERS_AVAILABLE = RequirementCache("transformers>=4.46")
+_TRANSFORMERS_AVAILABLE = RequirementCache("transformers>=4.56")  # `from_pretrained(dtype=...)`
 if not _TRANSFORMERS_AVAILABLE:
     raise ModuleNotFoundError(
         f"`lightning_smartinf.hf` needs Hugging Face transformers ({_TRANSFORMERS_AVAILABLE.message}). Install it by "
