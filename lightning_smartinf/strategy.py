@@ -329,9 +329,10 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             return compression
         try:
             if isinstance(compression, dict):
-                unknown = set(compression) - {f.name for f in dataclasses.fields(TopKCompression)}
+                allowed = [f.name for f in dataclasses.fields(TopKCompression)]
+                unknown = set(compression) - set(allowed)
                 if unknown:
-                    raise ValueError(f"unknown key(s) {sorted(unknown)}; allowed: 'ratio', 'error_feedback'")
+                    raise ValueError(f"unknown key(s) {sorted(unknown)}; allowed: {allowed}")
                 return TopKCompression(**compression)
             return TopKCompression(compression)
         except (TypeError, ValueError) as exc:

@@ -33,10 +33,17 @@ class StepMetrics(L.Callback):
     def __init__(self) -> None:
         self.steps: list[dict[str, float]] = []
         self.numels: list[int] = []
+        self.segments: list[int] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *_: object) -> None:
         self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("smartinf/")})
-        self.numels = [int(n) for n in trainer.strategy.deepspeed_engine.optimizer.fp16_partitioned_groups_flat_numel]
+        optimizer = trainer.strategy.deepspeed_engine.optimizer
+        self.numels = [int(n) for n in optimizer.fp16_partitioned_groups_flat_numel]
+        self.segments = [n for group in optimizer.smartinf_segments for n in group]  # parameter partitions
+
+    def sent(self, ratio: float) -> int:
+        """Entries layer-wise top-k sends: each parameter's partition keeps its own share."""
+        return sum(kept_count(n, ratio) for n in self.segments)
 
 
 def _strategy(tmp_path: Path, **kwargs) -> SmartInfinityStrategy:
@@ -70,9 +77,9 @@ def test_one_percent_bf16_traffic_is_exact_and_under_2_1_bytes_per_param(tmp_pat
         precision="bf16-mixed",
         callbacks=[metrics],
     )
-    numels = metrics.numels
-    total = sum(numels)
-    sent = sum(kept_count(n, 0.01) for n in numels)
+    total = sum(metrics.numels)
+    sent = metrics.sent(0.01)
+    assert sent > sum(kept_count(n, 0.01) for n in metrics.numels)  # several parameters per sub-group
     for step in metrics.steps:
         assert step["smartinf/link_write_bytes"] == sent * (4 + 2)  # int32 index + bf16 value per kept entry
         assert step["smartinf/link_read_bytes"] == total * 2  # updated bf16 parameters come back dense
@@ -85,19 +92,20 @@ def test_one_percent_bf16_traffic_is_exact_and_under_2_1_bytes_per_param(tmp_pat
     assert all(torch.isfinite(p).all() for p in params.values())
 
 
-def test_error_feedback_off_keeps_no_residual(tmp_path) -> None:
-    trainer, _ = fit(
-        LMModule(adamw), _strategy(tmp_path, compression={"ratio": 0.05, "error_feedback": False}), steps=2
-    )
+def test_error_feedback_off_keeps_no_residual_and_whole_subgroup_selection(tmp_path) -> None:
+    metrics = StepMetrics()
+    compression = {"ratio": 0.05, "error_feedback": False, "layerwise": False}
+    trainer, _ = fit(LMModule(adamw), _strategy(tmp_path, compression=compression), steps=2, callbacks=[metrics])
     assert trainer.strategy.deepspeed_engine.optimizer.smartinf_residual is None
+    sent = sum(kept_count(n, 0.05) for n in metrics.numels)
+    assert metrics.steps[-1]["smartinf/link_write_bytes"] == sent * (4 + 4)
 
 
 def test_warmup_dense_then_dgc_schedule_then_target(tmp_path) -> None:
     metrics = StepMetrics()
     warmup = CompressionWarmup(dense_steps=2, schedule="dgc", steps_per_stage=1)
     fit(LMModule(adamw), _strategy(tmp_path, compression=0.01), steps=7, callbacks=[warmup, metrics])
-    numels = metrics.numels
-    total = sum(numels)
+    total = sum(metrics.numels)
     expected = [None, None, *[r for r in DGC_SCHEDULE if r > 0.01], 0.01]
     expected += [0.01] * (7 - len(expected))
     assert [warmup.ratio_at(s) for s in range(7)] == expected
@@ -106,8 +114,7 @@ def test_warmup_dense_then_dgc_schedule_then_target(tmp_path) -> None:
             assert step["smartinf/link_write_bytes"] == total * 4
             assert step["smartinf/compression_ratio"] == 1.0
         else:
-            sent = sum(kept_count(n, ratio) for n in numels)
-            assert step["smartinf/link_write_bytes"] == sent * (4 + 4)
+            assert step["smartinf/link_write_bytes"] == metrics.sent(ratio) * (4 + 4)
 
 
 def test_resume_with_residual_is_bit_identical(tmp_path) -> None:
@@ -147,7 +154,7 @@ def test_two_ranks_each_compress_their_own_partition(tmp_path, free_port) -> Non
     for rank in range(2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         numels = report["sub_group_numels"]
-        sent = sum(kept_count(n, 0.05) for n in numels)
+        sent = sum(kept_count(n, 0.05) for n in report["segments"])
         # Each rank sent the top 5% of its own partition, 4 steps of fp32 pairs, after the initial masters.
         assert report["traffic"]["link_write_bytes"] == sum(numels) * 4 + 4 * sent * 8
     params = torch.load(tmp_path / "params.pt", weights_only=True)
@@ -165,6 +172,7 @@ def test_two_ranks_each_compress_their_own_partition(tmp_path, free_port) -> Non
         (-0.01, "0 < ratio <= 1"),
         ({"ratio": 0.01, "feedback": True}, "unknown key"),
         ({"ratio": 0.01, "error_feedback": "yes"}, "must be True or False"),
+        ({"ratio": 0.01, "layerwise": 1}, "must be True or False"),
     ],
 )
 def test_bad_compression_argument(compression, message) -> None:

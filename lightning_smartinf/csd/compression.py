@@ -15,6 +15,7 @@ selection, so nothing is lost, only delayed.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,15 +37,19 @@ class TopKCompression:
         error_feedback: add what was not sent to the next step's gradient (an fp32 residual the size of the
             gradient partition, kept where the partition is: 4 bytes per parameter of this rank's partition).
             ``False`` drops it, as the Smart-Infinity paper does.
+        layerwise: select the top ``ratio`` of every parameter's partition separately (Deep Gradient
+            Compression's choice: no layer is starved); ``False`` selects over the whole sub-group at once.
     """
 
     ratio: float
     error_feedback: bool = True
+    layerwise: bool = True
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
-        if not isinstance(self.error_feedback, bool):
-            raise ValueError(f"`error_feedback={self.error_feedback!r}` must be True or False.")
+        for name in ("error_feedback", "layerwise"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}={getattr(self, name)!r}` must be True or False.")
 
 
 def check_sparse_supported(rule: UpdateRule) -> None:
@@ -163,9 +168,17 @@ def topk_indices(magnitude: Tensor, k: int) -> Tensor:
 
 
 def compress_topk(
-    grad: Tensor, ratio: float, residual: Tensor | None = None, value_dtype: torch.dtype | None = None
+    grad: Tensor,
+    ratio: float,
+    residual: Tensor | None = None,
+    value_dtype: torch.dtype | None = None,
+    segments: Sequence[int] | None = None,
 ) -> SparseGrad:
     """Keep the ``kept_count(grad.numel(), ratio)`` largest-magnitude entries of a flat gradient.
+
+    With ``segments`` (lengths that sum to ``grad.numel()``, e.g. the parameters of a ZeRO sub-group), each
+    segment keeps its own ``kept_count(length, ratio)`` entries, so a layer with small gradients is not starved
+    by one with large ones (layer-wise selection, as in Deep Gradient Compression).
 
     With ``residual`` (error feedback), ``residual += grad`` is compressed instead and afterwards holds
     exactly what was not delivered: the dropped entries, and at the kept positions what rounding the values
@@ -181,8 +194,18 @@ def compress_topk(
         if residual.shape != grad.shape:
             raise ValueError(f"`residual` has shape {tuple(residual.shape)}, the gradient {tuple(grad.shape)}.")
         source = residual.add_(grad)
-    k = kept_count(source.numel(), ratio)
-    positions = topk_indices(source.abs(), k)
+    magnitude = source.abs()
+    if segments is None:
+        positions = topk_indices(magnitude, kept_count(source.numel(), ratio))
+    else:
+        if sum(segments) != source.numel():
+            raise ValueError(f"`segments` sum to {sum(segments)}, the gradient has {source.numel()} elements.")
+        parts, offset = [], 0
+        for length in segments:
+            part = topk_indices(magnitude[offset : offset + length], kept_count(length, ratio))
+            parts.append(part + offset)
+            offset += length
+        positions = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
     kept = source[positions]
     values = kept.to(value_dtype or grad.dtype)
     if residual is not None:

@@ -119,6 +119,8 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         for numel in self.fp16_partitioned_groups_flat_numel:
             offsets.append(offsets[-1] + int(numel))
         self._smartinf_grad_offsets = offsets
+        #: Per sub-group, the partition sizes of its parameters in order (layer-wise top-k selects within each).
+        self.smartinf_segments = [[int(p.partition_numel()) for p in group] for group in self.fp16_groups]
         shards = []
         for i, numel in enumerate(self.fp16_partitioned_groups_flat_numel):
             group = self.optimizer.param_groups[self.sub_group_to_group_id[i]]
@@ -215,7 +217,13 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             if ratio is None:
                 kept += grad.numel()
             else:
-                grad = compress_topk(grad, ratio, self._residual_slice(i), value_dtype=self._smartinf_link_dtype)
+                grad = compress_topk(
+                    grad,
+                    ratio,
+                    self._residual_slice(i),
+                    value_dtype=self._smartinf_link_dtype,
+                    segments=self.smartinf_segments[i] if self.smartinf_compression.layerwise else None,
+                )
                 grad = grad.cpu()  # only the kept pairs leave the accelerator, when the gradient is on one
                 kept += grad.k
             handles.append(backend.submit(i, grad, hp, out, link_dtype=self._smartinf_link_dtype))

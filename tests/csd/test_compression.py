@@ -211,3 +211,19 @@ def test_sparse_wrong_numel_rejected(tmp_path) -> None:
             backend.submit(0, compress_topk(torch.randn(99), 0.1), StepParams(step=1, lr=0.1), torch.empty(100))
     finally:
         backend.close()
+
+
+def test_layerwise_segments_each_keep_their_share() -> None:
+    gen = torch.Generator().manual_seed(5)
+    # A loud segment beside a quiet one: whole-shard selection would take only from the loud one.
+    grad = torch.cat([torch.randn(3000, generator=gen) * 100, torch.randn(1000, generator=gen)])
+    whole = compress_topk(grad, 0.01)
+    assert int((whole.indices >= 3000).sum()) == 0
+    layered = compress_topk(grad, 0.01, segments=[3000, 1000])
+    assert layered.k == kept_count(3000, 0.01) + kept_count(1000, 0.01)
+    assert int((layered.indices >= 3000).sum()) == kept_count(1000, 0.01)
+    assert bool((layered.indices[1:] > layered.indices[:-1]).all())
+    expected = grad[3000:].abs().topk(kept_count(1000, 0.01)).values.sort().values
+    assert torch.equal(grad.abs()[layered.indices[layered.indices >= 3000].long()].sort().values, expected)
+    with pytest.raises(ValueError, match="sum to 3999"):
+        compress_topk(grad, 0.01, segments=[3000, 999])

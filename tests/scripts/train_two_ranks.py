@@ -50,6 +50,7 @@ def main(out: Path, storage: list[str], steps: int, compression: float | None = 
         "files": [str(s.file.path) for s in backend._shards],
         "traffic": trainer.strategy.traffic.as_dict(),
         "sub_group_numels": [int(n) for n in backend_numels(trainer)],
+        "segments": [n for group in trainer.strategy.deepspeed_engine.optimizer.smartinf_segments for n in group],
     }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     if rank == 0:
