@@ -18,7 +18,10 @@ COMMANDS = {
     "report": ("lightning_smartinf.report", "plot loss, tokens/s and link traffic from a CSV or TensorBoard log dir"),
     "demo": ("lightning_smartinf.demo", "train a small GPT on 2 emulated CSDs and print the traffic summary"),
     "plan": ("lightning_smartinf.plan.__main__", "predict iteration time and recommend a configuration"),
-    "export": ("lightning_smartinf.export", "rebuild full fp32 weights from a checkpoint's device state (safetensors)"),
+    "export": (
+        "lightning_smartinf.export",
+        "rebuild full fp32 weights from a checkpoint's device state (safetensors, or a HF save_pretrained directory)",
+    ),
 }
 
 #: subcommands run by LightningCLI, which parses the subcommand name itself

