@@ -347,8 +347,12 @@ class CpuBackend(Backend):
                 if value != 0.0:
                     state.fill_(value)
 
-        link = master.numel() * master.element_size()
+        link = self._initial_link_bytes(entry, master)
         return self._enqueue(_Request(entry, read=False, write=True, compute=fill, link_write=link))
+
+    def _initial_link_bytes(self, shard: _Shard, master: Tensor) -> int:
+        """Link bytes of :meth:`initialize`: the masters as given (a backend writing whole records counts those)."""
+        return master.numel() * master.element_size()
 
     def check_storage(self) -> None:
         """Raise :class:`StorageError` if a device's directory has disappeared (unmounted, deleted)."""

@@ -19,13 +19,12 @@ import os
 import shutil
 import stat
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from unittest import mock
 
-import numpy as np
 import pytest
 import torch
+from ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
 from torch.testing import assert_close
 
 from lightning_smartinf.csd.backend import Backend, ShardSpec
@@ -84,31 +83,6 @@ SUBSTITUTES = {"xrt": {"adam_amsgrad": "adam_l2_maximize"}}
 #: Odd sizes: one element, just under and over the 1024-element alignment, exactly one chunk, several chunks.
 ODD_SIZES = [1, 1023, 1025, CHUNK, 3 * CHUNK + 5]
 ODD_OPTS = ["adamw", "sgd_nesterov", "adagrad", "adam_amsgrad", "sgd_plain"]
-
-
-def _torch_sqrt_is_ieee() -> bool:
-    probe = torch.ldexp(
-        torch.rand(1 << 16, generator=torch.Generator().manual_seed(0)) + 0.5,
-        torch.randint(-60, 60, (1 << 16,), generator=torch.Generator().manual_seed(1)),
-    )
-    return torch.equal(probe.sqrt(), torch.from_numpy(np.sqrt(probe.numpy())))
-
-
-TORCH_SQRT_IS_IEEE = _torch_sqrt_is_ieee()
-
-
-@contextlib.contextmanager
-def ieee_sqrt() -> Iterator[None]:
-    """Make ``Tensor.sqrt``/``sqrt_`` correctly rounded (numpy's float32 sqrt is IEEE-754), as the kernels' is."""
-
-    def sqrt(self: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(np.sqrt(self.detach().contiguous().numpy()))
-
-    def sqrt_(self: torch.Tensor) -> torch.Tensor:
-        return self.copy_(sqrt(self))
-
-    with mock.patch.object(torch.Tensor, "sqrt", sqrt), mock.patch.object(torch.Tensor, "sqrt_", sqrt_):
-        yield
 
 
 def _lr(t: int) -> float:

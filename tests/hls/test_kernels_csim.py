@@ -27,11 +27,11 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+from ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
 
 from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams, UpdateRule
 from lightning_smartinf.csd.xrt.abi import BEAT_BYTES, adagrad_scalars, adam_scalars, load_csim_library, sgd_scalars
@@ -44,31 +44,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LENGTHS = (1, 15, 16, 17, 1000, 4099, 40000)  # 40000 spans three 16384-element decompression tiles
 DATA_KINDS = ("random", "zero", "huge", "tiny", "wide")
 STEPS = 3
-
-
-def _torch_sqrt_is_ieee() -> bool:
-    probe = torch.ldexp(
-        torch.rand(1 << 16, generator=torch.Generator().manual_seed(0)) + 0.5,
-        torch.randint(-60, 60, (1 << 16,), generator=torch.Generator().manual_seed(1)),
-    )
-    return torch.equal(probe.sqrt(), torch.from_numpy(np.sqrt(probe.numpy())))
-
-
-TORCH_SQRT_IS_IEEE = _torch_sqrt_is_ieee()
-
-
-@contextlib.contextmanager
-def ieee_sqrt() -> Iterator[None]:
-    """Make ``Tensor.sqrt``/``sqrt_`` correctly rounded (numpy's float32 sqrt is IEEE-754) for the rules."""
-
-    def sqrt(self: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(np.sqrt(self.detach().contiguous().numpy()))
-
-    def sqrt_(self: torch.Tensor) -> torch.Tensor:
-        return self.copy_(sqrt(self))
-
-    with mock.patch.object(torch.Tensor, "sqrt", sqrt), mock.patch.object(torch.Tensor, "sqrt_", sqrt_):
-        yield
 
 
 def _fma_in_torch() -> bool:

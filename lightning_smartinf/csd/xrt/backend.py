@@ -40,7 +40,7 @@ from torch import Tensor
 
 from lightning_smartinf.csd.backend import Backend, Handle, ShardSpec
 from lightning_smartinf.csd.compression import SparseGrad
-from lightning_smartinf.csd.cpu import CpuBackend, EmulatedDevice, _Request
+from lightning_smartinf.csd.cpu import CpuBackend, EmulatedDevice, _Request, _Shard
 from lightning_smartinf.csd.io import ThreadedIO
 from lightning_smartinf.csd.layout import ChunkLayout
 from lightning_smartinf.csd.rules import StepParams
@@ -436,20 +436,9 @@ class XrtBackend(CpuBackend):
             )
         super().open(shards)
 
-    def initialize(self, shard: int, master: Tensor) -> Handle:
-        entry = self._shard(shard, master.numel(), "`master`")
-        rule = entry.spec.rule
-        init_values = [rule.initial_state_value(name) for name in rule.state_names]
-
-        def fill(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
-            # The host writes the whole record (zeros, master, initial states) through the P2P mapping once.
-            m.copy_(master[start : start + n])
-            for state, value in zip(states, init_values):
-                if value != 0.0:
-                    state.fill_(value)
-
-        link = entry.layout.file_bytes
-        return self._enqueue(_Request(entry, read=False, write=True, compute=fill, link_write=link))
+    def _initial_link_bytes(self, shard: _Shard, master: Tensor) -> int:
+        # The host writes each whole record (zeros, master, initial states) through the P2P mapping once.
+        return shard.layout.file_bytes
 
     def submit(
         self,
