@@ -15,7 +15,7 @@ if "TORCH_EXTENSIONS_DIR" not in os.environ and _PREBUILT_OPS.is_dir():
 
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
-from lightning_smartinf.callbacks import BufferPool  # noqa: E402
+from lightning_smartinf.callbacks import BufferPool, CompressionWarmup  # noqa: E402
 from lightning_smartinf.csd import Backend, CpuBackend, StepParams, TrafficSnapshot  # noqa: E402
 from lightning_smartinf.monitor import TrainingMonitor  # noqa: E402
 from lightning_smartinf.precision import SmartInfinityPrecision  # noqa: E402
@@ -29,6 +29,7 @@ if "smart_infinity" not in StrategyRegistry:
 __all__ = [
     "Backend",
     "BufferPool",
+    "CompressionWarmup",
     "CpuBackend",
     "SmartInfinityPrecision",
     "SmartInfinityStrategy",
