@@ -440,7 +440,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         self.config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(engine_swap)
 
         # The xrt backend moves state SSD <-> FPGA itself (P2P); only the cpu backend needs a host I/O engine.
-        io_factory = self._io_factory(device_dirs) if self.backend_name == "cpu" else ThreadedIO
+        io_factory = self._io_factory(device_dirs) if self.backend_name == "cpu" else None
 
         def make_backend() -> Backend:
             if self.backend_name == "xrt":
@@ -455,6 +455,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                     owned_dirs=owned,
                 )
             else:
+                assert io_factory is not None
                 self._backend = CpuBackend(
                     device_dirs,
                     chunk_elems=self.chunk_size,

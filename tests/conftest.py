@@ -35,6 +35,17 @@ def free_port() -> Callable[[], int]:
     return find_free_port
 
 
+@pytest.fixture(scope="session")
+def csim_library() -> Path:
+    """The C simulation of hls_kernels/ that the xrt backend's pyxrt model runs (built once if missing or stale)."""
+    from lightning_smartinf.csd.xrt import build_csim_library
+
+    try:
+        return build_csim_library()
+    except RuntimeError as exc:
+        pytest.skip(f"the xrt backend's software model needs the HLS C simulation: {exc}")
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     import deepspeed
     import lightning

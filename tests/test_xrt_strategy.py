@@ -16,19 +16,15 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from models import LMModule, fit, max_relative_error, param_groups
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.csd.xrt import build_csim_library, forget_platform, platform_for, write_model_xclbin
+from lightning_smartinf.csd.xrt import forget_platform, platform_for, write_model_xclbin
 
 STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def model_xclbin(tmp_path_factory) -> Path:
-    try:
-        library = build_csim_library()
-    except RuntimeError as exc:
-        pytest.skip(f"the pyxrt model needs the HLS C simulation: {exc}")
+def model_xclbin(tmp_path_factory, csim_library) -> Path:
     root = tmp_path_factory.mktemp("xrt")
-    path = write_model_xclbin(root / "smartinf.json", library, devices=2, dram_root=root / "ddr")
+    path = write_model_xclbin(root / "smartinf.json", csim_library, devices=2, dram_root=root / "ddr")
     yield path
     forget_platform(path)
 

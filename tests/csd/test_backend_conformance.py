@@ -35,7 +35,7 @@ from lightning_smartinf.csd.io import aligned_empty
 from lightning_smartinf.csd.layout import ChunkLayout
 from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams, UpdateRule
 from lightning_smartinf.csd.storage import StorageError, check_free_space, validate_storage_path
-from lightning_smartinf.csd.xrt import XrtBackend, build_csim_library, forget_platform, write_model_xclbin
+from lightning_smartinf.csd.xrt import XrtBackend, forget_platform, write_model_xclbin
 
 CHUNK = 4096
 TIMEOUT_S = 30.0
@@ -183,15 +183,6 @@ class Model:
 
 def _dirs(root: Path, n: int, name: str = "dev") -> list[Path]:
     return [root / f"{name}{i}" for i in range(n)]
-
-
-@pytest.fixture(scope="session")
-def csim_library() -> Path:
-    """The C simulation of hls_kernels/ (built once per session if missing or stale)."""
-    try:
-        return build_csim_library()
-    except RuntimeError as exc:
-        pytest.skip(f"the xrt backend's software model needs the HLS C simulation: {exc}")
 
 
 @pytest.fixture(params=BACKENDS)

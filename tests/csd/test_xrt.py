@@ -22,7 +22,6 @@ from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams
 from lightning_smartinf.csd.xrt import (
     SMARTSSD_DDR_BYTES,
     XrtBackend,
-    build_csim_library,
     check_xrt_settings,
     forget_platform,
     pair_by_pcie,
@@ -34,22 +33,14 @@ from lightning_smartinf.csd.xrt.abi import padded_elems
 CHUNK = 4096
 
 
-@pytest.fixture(scope="module")
-def library() -> Path:
-    try:
-        return build_csim_library()
-    except RuntimeError as exc:
-        pytest.skip(f"needs the HLS C simulation: {exc}")
-
-
 @pytest.fixture
-def model_xclbin(tmp_path, library) -> Iterator:
+def model_xclbin(tmp_path, csim_library) -> Iterator:
     """``model_xclbin(**manifest kwargs)`` writes a model xclbin; its model machine is dropped at teardown."""
     written: list[Path] = []
 
     def write(name: str = "smartinf.json", **kwargs) -> Path:
         kwargs.setdefault("devices", 2)
-        path = write_model_xclbin(tmp_path / name, library, dram_root=tmp_path / f"ddr-{name}", **kwargs)
+        path = write_model_xclbin(tmp_path / name, csim_library, dram_root=tmp_path / f"ddr-{name}", **kwargs)
         written.append(path)
         return path
 

@@ -449,7 +449,7 @@ class XrtBackend(CpuBackend):
         link_dtype: torch.dtype | None = None,
     ) -> Handle:
         sparse = isinstance(grad, SparseGrad)
-        entry = self._shard(shard, grad.numel if isinstance(grad, SparseGrad) else grad.numel(), "`grad`")
+        entry = self._shard(shard, grad.numel if sparse else grad.numel(), "`grad`")
         self._shard(shard, out.numel(), "`out`")
         link_dtype = link_dtype or grad.dtype
         kernel_type(link_dtype)
@@ -472,10 +472,7 @@ class XrtBackend(CpuBackend):
             padded = record.numel() // layout.tensors_per_record
             device.run_update(name, args, record, padded, num_states, grad, link_dtype, kind, out, start, n)
 
-        if isinstance(grad, SparseGrad):
-            link_write = grad.link_bytes(kind)
-        else:
-            link_write = grad.numel() * kind.itemsize
+        link_write = grad.link_bytes(kind) if sparse else grad.numel() * kind.itemsize
         request = _Request(
             entry, read=True, write=True, compute=update, link_write=link_write, link_read=out.numel() * kind.itemsize
         )
