@@ -74,7 +74,9 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             direct I/O), ``"threads"`` (``pread``/``pwrite`` on a thread pool) or ``"auto"`` (aio where it
             loads and the filesystem allows ``O_DIRECT``, else threads; the choice is logged).
         io_block_size: bytes per I/O request (a multiple of 4096).
-        io_queue_depth: I/O requests in flight per device.
+        io_queue_depth: I/O requests in flight per chunk transfer.
+        io_threads: chunk transfers each emulated device (``backend="cpu"``) keeps in flight per direction;
+            reads are also capped at ``buffer_count - 1``.
         offload_parameters: keep ZeRO's low-precision parameter partitions in host memory between uses.
         offload_activations: write large saved activations to the storage paths during forward and read them
             back ahead of backward (``True``, or a dict of
@@ -103,6 +105,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         io_engine: Literal["auto", "aio", "threads"] = "auto",
         io_block_size: int = 1 << 20,
         io_queue_depth: int = 8,
+        io_threads: int = 3,
         offload_parameters: bool = False,
         offload_activations: bool | dict[str, Any] = False,
         config: _PATH | dict[str, Any] | None = None,
@@ -132,6 +135,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         for name, value, minimum in (
             ("sub_group_size", sub_group_size, 1),
             ("buffer_count", buffer_count, 2),
+            ("io_threads", io_threads, 1),
         ):
             if not isinstance(value, int) or value < minimum:
                 raise MisconfigurationException(
@@ -155,6 +159,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         self.io_engine = io_engine
         self.io_block_size = io_block_size
         self.io_queue_depth = io_queue_depth
+        self.io_threads = io_threads
         self._storage_paths = self._validate_storage_paths(storage_paths)
         self.backend_name = backend
         self.xclbin = xclbin
@@ -462,6 +467,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                     buffer_count=self.buffer_count,
                     owned_dirs=owned,
                     io_factory=io_factory,
+                    io_threads=self.io_threads,
                 )
             return self._backend
 

@@ -108,6 +108,7 @@ def test_duplicate_storage_paths(tmp_path):
         ({"backend": "gpu"}, r"backend='gpu'.*must be one of: 'cpu'"),
         ({"chunk_size": 1000}, r"chunk_size=1000.*multiple of\s+1024"),
         ({"buffer_count": 1}, r"buffer_count=1.*>= 2"),
+        ({"io_threads": 0}, r"io_threads=0.*>= 1"),
         ({"sub_group_size": 0}, r"sub_group_size=0"),
         (
             {"config": {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}},
