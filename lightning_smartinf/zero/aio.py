@@ -10,6 +10,12 @@ from torch import Tensor
 
 from lightning_smartinf.csd.io import IOEngine, StateFile
 
+# DeepSpeed's `sync_pwrite` logs a one-time warning through Python from inside a C++ `std::call_once` while
+# holding the GIL. Two threads making their first write at once deadlock: the second waits in `call_once`
+# with the GIL, the first needs the GIL to finish logging. So writes go one at a time until one has returned.
+_first_write = threading.Lock()
+_first_write_done = False
+
 
 def load_aio_op() -> Any:
     """DeepSpeed's ``async_io`` op, built on first use; raises ``RuntimeError`` naming the fix if unavailable."""
@@ -57,7 +63,13 @@ class DeepSpeedAIO(IOEngine):
             raise OSError(f"async_io read of {file.path} at byte {offset} failed ({done}).")
 
     def write(self, file: StateFile, buf: Tensor, offset: int) -> None:
-        done = self._handle().sync_pwrite(buf.view(-1), str(file.path), offset)
+        global _first_write_done
+        if _first_write_done:
+            done = self._handle().sync_pwrite(buf.view(-1), str(file.path), offset)
+        else:
+            with _first_write:  # waiting here releases the GIL
+                done = self._handle().sync_pwrite(buf.view(-1), str(file.path), offset)
+                _first_write_done = True
         if done < 0:
             raise OSError(f"async_io write of {file.path} at byte {offset} failed ({done}).")
 

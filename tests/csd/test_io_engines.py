@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -37,6 +39,47 @@ def test_deepspeed_aio_round_trip(tmp_path):
     except RuntimeError as exc:
         pytest.skip(str(exc))
     _round_trip(aio.DeepSpeedAIO(1 << 16, 4, op=op), tmp_path)
+
+
+_FIRST_WRITES = """
+import sys, threading
+from pathlib import Path
+from lightning_smartinf.csd.io import StateFile, aligned_empty
+from lightning_smartinf.zero.aio import DeepSpeedAIO, load_aio_op
+
+engine = DeepSpeedAIO(1 << 16, 4, op=load_aio_op())
+files = [StateFile(Path(sys.argv[1]) / f"f{i}", 1 << 16, create=True) for i in range(32)]
+start = threading.Barrier(32)
+
+def first_write(i):
+    buf = aligned_empty(1 << 16)
+    start.wait()
+    engine.write(files[i], buf, 0)
+
+threads = [threading.Thread(target=first_write, args=(i,)) for i in range(32)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("all first writes done")
+"""
+
+
+def test_deepspeed_aio_first_writes_from_many_threads_do_not_deadlock(tmp_path):
+    """DeepSpeed logs a one-time warning from a C++ ``call_once`` holding the GIL: concurrent first writes hung.
+
+    In a fresh process (the once-flag is per process), 32 threads each make their first write at the same moment.
+    """
+    aio = pytest.importorskip("lightning_smartinf.zero.aio")
+    try:
+        aio.load_aio_op()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_WRITES, str(tmp_path)], capture_output=True, text=True, timeout=90
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "all first writes done" in done.stdout
 
 
 @pytest.mark.parametrize(
