@@ -77,8 +77,10 @@ class SparseGrad:
 
     def __post_init__(self) -> None:
         if self.indices.dtype != INDEX_DTYPE or self.indices.dim() != 1:
-            raise ValueError(f"`SparseGrad.indices` must be a 1-D int32 tensor, got {self.indices.dtype} "
-                             f"of shape {tuple(self.indices.shape)}.")
+            raise ValueError(
+                f"`SparseGrad.indices` must be a 1-D int32 tensor, got {self.indices.dtype} "
+                f"of shape {tuple(self.indices.shape)}."
+            )
         if self.values.shape != self.indices.shape or not self.values.is_floating_point():
             raise ValueError(
                 f"`SparseGrad.values` must be a floating tensor shaped like `indices` {tuple(self.indices.shape)}, "

@@ -74,8 +74,11 @@ def test_state_moves_only_on_the_device_internal_path(tmp_path, model_xclbin, ba
     only on the storage path."""
     xclbin = model_xclbin()
     sizes = [3 * CHUNK + 5, 1025, 2 * CHUNK]
-    specs = [ShardSpec(0, sizes[0], Adam(decoupled_weight_decay=True)), ShardSpec(1, sizes[1], SGD()),
-             ShardSpec(2, sizes[2], Adagrad())]
+    specs = [
+        ShardSpec(0, sizes[0], Adam(decoupled_weight_decay=True)),
+        ShardSpec(1, sizes[1], SGD()),
+        ShardSpec(2, sizes[2], Adagrad()),
+    ]
     backend = _backend(backends, [tmp_path / "a", tmp_path / "b"], xclbin)
     backend.open(specs)
     for i, n in enumerate(sizes):
@@ -226,8 +229,11 @@ def test_buffers_larger_than_device_memory(tmp_path, model_xclbin, backends) -> 
     fits = _backend(backends, [tmp_path / "a"], xclbin, chunk_elems=chunk, buffer_count=4)
     assert fits.devices[0].device_bytes(3) <= SMARTSSD_DDR_BYTES
     big = _backend(backends, [tmp_path / "b"], xclbin, chunk_elems=chunk, buffer_count=5)
-    with pytest.raises(ValueError, match=r"`chunk_elems=67108864` with `buffer_count=5` needs 4608 MiB.*4\.00 GiB.*"
-                       r"Lower `chunk_size` \(at most 59652096 here\) or `buffer_count`"):
+    with pytest.raises(
+        ValueError,
+        match=r"`chunk_elems=67108864` with `buffer_count=5` needs 4608 MiB.*4\.00 GiB.*"
+        r"Lower `chunk_size` \(at most 59652096 here\) or `buffer_count`",
+    ):
         big.open([ShardSpec(0, 10, Adam())])
     assert platform_for(xclbin).device_state(0).ddr_used == 0  # refused before allocating anything
 

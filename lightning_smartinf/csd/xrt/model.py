@@ -288,10 +288,14 @@ class SoftwarePyxrt:
         self.xrt_info_device = xrt_info_device
         self.device = type("device", (_Device,), {"_platform": platform})
         self.xclbin = type("xclbin", (_Xclbin,), {"_platform": platform})
-        self.kernel = type("kernel", (_Kernel,), {"_platform": platform, "shared": _CuAccessMode.shared,
-                                                  "exclusive": _CuAccessMode.exclusive})
-        self.bo = type("bo", (_Bo,), {"_platform": platform, "flags": _BoFlags, "normal": _BoFlags.normal,
-                                      "p2p": _BoFlags.p2p})
+        self.kernel = type(
+            "kernel",
+            (_Kernel,),
+            {"_platform": platform, "shared": _CuAccessMode.shared, "exclusive": _CuAccessMode.exclusive},
+        )
+        self.bo = type(
+            "bo", (_Bo,), {"_platform": platform, "flags": _BoFlags, "normal": _BoFlags.normal, "p2p": _BoFlags.p2p}
+        )
         self.run = type("run", (_Run,), {"_platform": platform})
 
     def __repr__(self) -> str:
@@ -617,9 +621,11 @@ class _Run:
         needs = [padded_elems(n, 4) * 4] * (len(ptrs) - (4 if topk else 3) + 1)  # master and states
         if rule == "sgd" and not flags & (1 << 3):
             needs[1] = 0  # no momentum buffer: the kernel never touches it
-        needs += [padded_elems(k, 4) * 4, padded_elems(k, itemsize) * itemsize] if topk else [
-            padded_elems(n, itemsize) * itemsize
-        ]
+        needs += (
+            [padded_elems(k, 4) * 4, padded_elems(k, itemsize) * itemsize]
+            if topk
+            else [padded_elems(n, itemsize) * itemsize]
+        )
         needs.append(padded_elems(n, itemsize) * itemsize)  # param_out
         for i, need in zip(ptrs, needs):
             if self._args[i].size() < need:
