@@ -8,7 +8,7 @@ back only the updated low-precision parameters. Shard ``s`` lives on device ``s 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +71,7 @@ class Backend(ABC):
         hp: StepParams,
         out: Tensor,
         link_dtype: torch.dtype | None = None,
+        tentative: bool = False,
     ) -> Handle:
         """Apply one update with the shard's gradient ``grad``, dense or top-k compressed.
 
@@ -79,7 +80,36 @@ class Backend(ABC):
         rounded to it on the way, exactly as a transfer in that dtype would. The updated master weights are written
         into ``out`` (the low-precision partition, any float dtype) before the handle completes; ``grad``
         and ``out`` must stay alive and untouched until then.
+
+        With ``tentative=True`` (only where :attr:`supports_tentative`) the committed state of the shard is
+        left as it was until :meth:`commit`; :meth:`rollback` discards the update. A shard takes no other
+        request while it holds an uncommitted update.
         """
+
+    @property
+    def supports_tentative(self) -> bool:
+        """Whether :meth:`submit` takes ``tentative=True`` (the backend keeps a second copy of the state)."""
+        return False
+
+    def commit(self, shards: Iterable[int]) -> None:
+        """Make the tentative updates of ``shards`` the current state.
+
+        A backend without :attr:`supports_tentative` never holds one: committing none is a no-op, any other
+        shard is an error.
+        """
+        self._refuse_tentative(shards, "commit")
+
+    def rollback(self, shards: Iterable[int]) -> None:
+        """Discard the tentative updates of ``shards``; waits for every request first."""
+        self.wait()
+        self._refuse_tentative(shards, "roll back")
+
+    def _refuse_tentative(self, shards: Iterable[int], what: str) -> None:
+        shards = list(shards)
+        if shards:
+            raise RuntimeError(
+                f"{type(self).__name__} takes no tentative updates, so shards {shards} have none to {what}."
+            )
 
     @abstractmethod
     def read_master(self, shard: int, out: Tensor) -> Handle:

@@ -44,8 +44,9 @@ BLOCK = 8 << 20
 _TMP_MARK = ".tmp-"
 
 
-def shard_file_name(index: int) -> str:
-    return f"shard{index:05d}.state"
+def shard_file_name(index: int, slot: int = 0) -> str:
+    """Name of shard ``index``'s state file; ``slot`` 1 is the second copy kept for tentative updates."""
+    return f"shard{index:05d}.state" if slot == 0 else f"shard{index:05d}.slot{slot}.state"
 
 
 @dataclass(frozen=True)

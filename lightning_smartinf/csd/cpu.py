@@ -15,7 +15,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,9 +100,20 @@ class BufferPool:
 class _Shard:
     spec: ShardSpec
     layout: ChunkLayout
-    file: StateFile
-    #: Latest write-back of each chunk; a later read of that chunk waits for it (write-back trails the update).
-    writes: dict[int, Future] = field(default_factory=dict)
+    #: Slot 0, and slot 1 when the backend keeps tentative updates: a tentative update reads the committed
+    #: slot and writes the other, so the committed state stays intact until :meth:`CpuBackend.commit`.
+    files: list[StateFile]
+    #: The committed slot: every read starts from it.
+    slot: int = 0
+    #: An update written to the other slot awaits :meth:`CpuBackend.commit` or :meth:`CpuBackend.rollback`.
+    tentative: bool = False
+    #: Latest write-back of each (slot, chunk); a later read of that record waits for it (write-back trails).
+    writes: dict[tuple[int, int], Future] = field(default_factory=dict)
+
+    @property
+    def file(self) -> StateFile:
+        """The committed state file."""
+        return self.files[self.slot]
 
 
 @dataclass
@@ -115,6 +126,9 @@ class _Request:
     future: Future = field(default_factory=Future)
     link_write: int = 0
     link_read: int = 0
+    #: Slots read from and written to, fixed when the request is queued (:meth:`CpuBackend._enqueue`).
+    read_slot: int = 0
+    write_slot: int = 0
 
 
 class EmulatedDevice:
@@ -272,23 +286,24 @@ class EmulatedDevice:
             else:
                 self._cursor_k -= 1  # retried at the next chunk boundary
                 return
-            self._reads.append((request, k, buf, self._reader.submit(self._read, request.shard, k, buf)))
+            self._reads.append((request, k, buf, self._reader.submit(self._read, request, k, buf)))
 
-    def _read(self, shard: _Shard, k: int, buf: Tensor) -> Tensor:
+    def _read(self, request: _Request, k: int, buf: Tensor) -> Tensor:
+        shard, slot = request.shard, request.read_slot
         record = buf[: shard.layout.padded_len(k) * shard.layout.tensors_per_record]
-        previous_write = shard.writes.get(k)
+        previous_write = shard.writes.get((slot, k))
         if previous_write is not None:
-            previous_write.result()  # the chunk's last update must be on disk before we read it back
+            previous_write.result()  # the record's last update must be on disk before we read it back
         t0 = time.perf_counter()
-        self.io.read(shard.file, record, shard.layout.record_offset(k))
+        self.io.read(shard.files[slot], record, shard.layout.record_offset(k))
         self.stats.read_s += time.perf_counter() - t0
         self._traffic.add(storage_read_bytes=record.numel() * 4)
         return record
 
-    def _write(self, shard: _Shard, k: int, buf: Tensor, record: Tensor) -> None:
+    def _write(self, file: StateFile, offset: int, buf: Tensor, record: Tensor) -> None:
         try:
             t0 = time.perf_counter()
-            self.io.write(shard.file, record, shard.layout.record_offset(k))
+            self.io.write(file, record, offset)
             self.stats.write_s += time.perf_counter() - t0
         finally:
             self.pool.release(buf)
@@ -330,8 +345,9 @@ class EmulatedDevice:
                     raise
                 self.stats.compute_s += time.perf_counter() - t0
                 if request.write:
-                    write = self._writer.submit(self._write, shard, k, buf, record)
-                    shard.writes[k] = write
+                    file = shard.files[request.write_slot]
+                    write = self._writer.submit(self._write, file, layout.record_offset(k), buf, record)
+                    shard.writes[(request.write_slot, k)] = write
                     self._trailing.append(write)
                     self._traffic.add(storage_write_bytes=record.numel() * 4)
                 else:
@@ -356,7 +372,17 @@ class CpuBackend(Backend):
         io_threads: chunk transfers each device keeps in flight per direction (reads also at most
             ``buffer_count - 1``). Disks reward concurrency: on the reference VM disk 3 gave ~1.6x the state
             bandwidth of 1 (``benchmarks/bench_streaming.py``).
+        tentative_slots: keep a second state file per shard so that :meth:`submit` can take ``tentative=True``
+            updates, undone by :meth:`rollback` or made current by :meth:`commit`. Doubles the disk space of the
+            state (not its traffic).
     """
+
+    #: Whether a second state file per shard is kept for tentative updates (set by the constructor).
+    tentative_slots = False
+
+    @property
+    def supports_tentative(self) -> bool:
+        return self.tentative_slots
 
     def __init__(
         self,
@@ -367,6 +393,7 @@ class CpuBackend(Backend):
         owned_dirs: Sequence[Path] = (),
         io_factory: Callable[[], IOEngine] = ThreadedIO,
         io_threads: int = 3,
+        tentative_slots: bool = False,
     ) -> None:
         super().__init__()
         if not device_dirs:
@@ -377,6 +404,7 @@ class CpuBackend(Backend):
             raise ValueError(f"`io_threads={io_threads}` must be at least 1 (chunk transfers in flight per device).")
         ChunkLayout(1, chunk_elems, 0)  # validates chunk_elems
         self._chunk_elems = chunk_elems
+        self.tentative_slots = tentative_slots
         self._owned_dirs = [Path(d) for d in owned_dirs]
         self.devices = [
             EmulatedDevice(
@@ -413,22 +441,44 @@ class CpuBackend(Backend):
                 f"`ShardSpec.index` values must be 0..{len(shards) - 1} in order, got {[s.index for s in shards]}."
             )
         layouts = [ChunkLayout(s.numel, self._chunk_elems, len(s.rule.state_names)) for s in shards]
+        slots = 2 if self.tentative_slots else 1
         for device in self.devices:
             ensure_private_dir(device.directory)
-            needed = sum(
+            needed = slots * sum(
                 lay.file_bytes for s, lay in zip(shards, layouts) if s.index % self.num_devices == device.index
             )
-            check_free_space(
-                device.directory, needed, reusable=[device.directory / shard_file_name(s.index) for s in shards]
-            )
+            reusable = [device.directory / shard_file_name(s.index, slot) for s in shards for slot in range(slots)]
+            try:
+                check_free_space(device.directory, needed, reusable=reusable)
+            except StorageError as exc:
+                if slots == 1:
+                    raise
+                raise StorageError(
+                    f"{exc} (Overlapping the update with backward keeps two copies of the state; "
+                    "`overlap_backward=False` needs half the space.)"
+                ) from None
         for spec, layout in zip(shards, layouts):
-            path = self.device_of(spec.index).directory / shard_file_name(spec.index)
-            self._shards.append(_Shard(spec, layout, StateFile(path, layout.file_bytes, create=True)))
+            directory = self.device_of(spec.index).directory
+            files = [
+                StateFile(directory / shard_file_name(spec.index, slot), layout.file_bytes, create=True)
+                for slot in range(slots)
+            ]
+            self._shards.append(_Shard(spec, layout, files))
         tensors = max((lay.tensors_per_record for lay in layouts), default=1)
         for device in self.devices:
             device.allocate(tensors)
 
-    def _enqueue(self, request: _Request) -> Handle:
+    def _enqueue(self, request: _Request, tentative: bool = False) -> Handle:
+        shard = request.shard
+        if shard.tentative:
+            raise RuntimeError(
+                f"Shard {shard.spec.index} has an uncommitted tentative update; `commit` or `rollback` it first."
+            )
+        if tentative and not self.tentative_slots:
+            raise ValueError("`tentative=True` needs a backend built with `tentative_slots=True`.")
+        request.read_slot = shard.slot
+        request.write_slot = 1 - shard.slot if tentative else shard.slot
+        shard.tentative = tentative
         handle = self.device_of(request.shard.spec.index).enqueue(request)
         # Keep unfinished and failed requests for `wait`; finished ones have nothing left to report.
         self._pending = [h for h in self._pending if not h.done() or h.exception() is not None]
@@ -475,6 +525,7 @@ class CpuBackend(Backend):
         hp: StepParams,
         out: Tensor,
         link_dtype: torch.dtype | None = None,
+        tentative: bool = False,
     ) -> Handle:
         sparse = isinstance(grad, SparseGrad)
         entry = self._shard(shard, grad.numel if sparse else grad.numel(), "`grad`")
@@ -512,7 +563,7 @@ class CpuBackend(Backend):
             link_write=link_write,
             link_read=out.numel() * out.element_size(),
         )
-        return self._enqueue(request)
+        return self._enqueue(request, tentative)
 
     def read_master(self, shard: int, out: Tensor) -> Handle:
         entry = self._shard(shard, out.numel(), "`out`")
@@ -522,6 +573,26 @@ class CpuBackend(Backend):
 
         link = out.numel() * 4
         return self._enqueue(_Request(entry, read=True, write=False, compute=copy_out, link_read=link))
+
+    def commit(self, shards: Iterable[int]) -> None:
+        """Make the tentative updates of ``shards`` the current state (their handles need not be done yet)."""
+        for index in shards:
+            shard = self._shards[index]
+            if not shard.tentative:
+                raise RuntimeError(f"Shard {index} has no tentative update to commit.")
+            shard.slot, shard.tentative = 1 - shard.slot, False
+
+    def rollback(self, shards: Iterable[int]) -> None:
+        """Forget the tentative updates of ``shards``: waits for every request, then the committed state is as it was.
+
+        The ``out`` tensors of those updates hold the discarded parameters; :meth:`read_master` restores them.
+        """
+        shards = list(shards)
+        try:
+            self.wait()
+        finally:
+            for index in shards:
+                self._shards[index].tentative = False
 
     def wait(self) -> None:
         pending, self._pending = self._pending, []
@@ -540,12 +611,15 @@ class CpuBackend(Backend):
     def load(self, directory: Path) -> None:
         self.wait()
         for shard in self._shards:
-            shard.file.close()
+            if shard.tentative:
+                raise RuntimeError(f"Shard {shard.spec.index} has an uncommitted tentative update; roll it back first.")
+            for file in shard.files:
+                file.close()
         try:
             load_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
         finally:
             for shard in self._shards:
-                shard.file = StateFile(shard.file.path, shard.layout.file_bytes, create=False)
+                shard.files = [StateFile(f.path, shard.layout.file_bytes, create=False) for f in shard.files]
 
     def close(self) -> None:
         try:
@@ -554,6 +628,7 @@ class CpuBackend(Backend):
             for device in self.devices:
                 device.close()
             for shard in self._shards:
-                shard.file.close()
+                for file in shard.files:
+                    file.close()
             for directory in self._owned_dirs:
                 shutil.rmtree(directory, ignore_errors=True)

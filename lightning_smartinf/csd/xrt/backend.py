@@ -447,6 +447,7 @@ class XrtBackend(CpuBackend):
         hp: StepParams,
         out: Tensor,
         link_dtype: torch.dtype | None = None,
+        tentative: bool = False,
     ) -> Handle:
         sparse = isinstance(grad, SparseGrad)
         entry = self._shard(shard, grad.numel if sparse else grad.numel(), "`grad`")
@@ -476,5 +477,4 @@ class XrtBackend(CpuBackend):
         request = _Request(
             entry, read=True, write=True, compute=update, link_write=link_write, link_read=out.numel() * kind.itemsize
         )
-        return self._enqueue(request)
-
+        return self._enqueue(request, tentative)
