@@ -28,7 +28,11 @@ class BufferPool(Callback):
 
     - ``smartinf/wait_ms``: time the host spent blocked on devices for updated parameters;
     - ``smartinf/pool_utilisation``: most buffers in use at once, as a fraction of the pool (max over devices);
-    - ``smartinf/device{d}_read_ms``, ``..._write_ms``, ``..._compute_ms``: time device ``d`` spent on each.
+    - ``smartinf/device{d}_read_ms``, ``..._write_ms``, ``..._compute_ms``: time device ``d`` spent on each,
+      summed over its threads (with ``io_threads=3``, read and write can each reach 3x the step time);
+    - ``smartinf/early_kept``, ``smartinf/early_rolled_back``: sub-groups that devices updated during
+      backward (``overlap_backward``) and the step kept, or rolled back (clipping, a skipped step, a changed
+      learning rate) and redid.
 
     Args:
         chunk_size: elements per buffer; ``None`` keeps the strategy's, capped at the largest sub-group.
@@ -55,6 +59,7 @@ class BufferPool(Callback):
         self.buffer_count = buffer_count
         self.memory_budget = memory_budget
         self._last_wait_s = 0.0
+        self._last_early = (0, 0)
         self._last_step = 0
         self._last_stats: list[tuple[float, float, float]] = []
 
@@ -96,7 +101,9 @@ class BufferPool(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         backend = self._strategy(trainer).backend
         self._last_step = trainer.global_step
-        self._last_wait_s = trainer.strategy.deepspeed_engine.optimizer.smartinf_wait_s
+        optimizer = trainer.strategy.deepspeed_engine.optimizer
+        self._last_wait_s = optimizer.smartinf_wait_s
+        self._last_early = (optimizer.smartinf_early_kept, optimizer.smartinf_early_rolled_back)
         self._last_stats = [(d.stats.read_s, d.stats.write_s, d.stats.compute_s) for d in backend.devices]
         for device in backend.devices:
             device.pool.reset_peak()
@@ -107,9 +114,14 @@ class BufferPool(Callback):
             return  # accumulating: no optimizer step on this batch
         self._last_step = trainer.global_step
         backend = self._strategy(trainer).backend
-        wait_s = trainer.strategy.deepspeed_engine.optimizer.smartinf_wait_s
+        optimizer = trainer.strategy.deepspeed_engine.optimizer
+        wait_s = optimizer.smartinf_wait_s
         metrics = {"smartinf/wait_ms": (wait_s - self._last_wait_s) * 1e3}
         self._last_wait_s = wait_s
+        early = (optimizer.smartinf_early_kept, optimizer.smartinf_early_rolled_back)
+        metrics["smartinf/early_kept"] = float(early[0] - self._last_early[0])
+        metrics["smartinf/early_rolled_back"] = float(early[1] - self._last_early[1])
+        self._last_early = early
         metrics["smartinf/pool_utilisation"] = max(d.pool.reset_peak() / max(1, d.pool.size) for d in backend.devices)
         stats = [(d.stats.read_s, d.stats.write_s, d.stats.compute_s) for d in backend.devices]
         for index, (now, before) in enumerate(zip(stats, self._last_stats)):

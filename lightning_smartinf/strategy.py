@@ -77,13 +77,21 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         io_queue_depth: I/O requests in flight per chunk transfer.
         io_threads: chunk transfers each emulated device (``backend="cpu"``) keeps in flight per direction;
             reads are also capped at ``buffer_count - 1``.
+        overlap_backward: hand each sub-group's gradient to its device as soon as backward has reduced it, so
+            devices update during backward instead of after it. The update is tentative until the step
+            confirms it (same hyperparameters and scale, no clipping, no skipped step), otherwise it is rolled
+            back and redone, so results do not change. Keeps a second copy of the state on the storage paths
+            (2x the disk space, not the traffic). ``backend="cpu"`` without ``compression`` only.
         offload_parameters: keep ZeRO's low-precision parameter partitions in host memory between uses.
         offload_activations: write large saved activations to the storage paths during forward and read them
             back ahead of backward (``True``, or a dict of
             :class:`~lightning_smartinf.activations.ActivationOffload` arguments).
         config: a DeepSpeed config dict or JSON path to start from; SmartUpdate adds its own keys and
             rejects settings that contradict it (optimizer offload, a DeepSpeed ``optimizer`` block, stages < 3).
-        reduce_bucket_size, allgather_bucket_size, contiguous_gradients, overlap_comm, logging_batch_size_per_gpu,
+        reduce_bucket_size: elements of gradients ZeRO reduces at once. Gradients reach the devices one bucket at a
+            time, so ``None`` picks ``sub_group_size`` (within 1M..200M) when ``overlap_backward`` is in effect,
+            letting each device start as soon as its sub-group is reduced, and Lightning's 200M otherwise.
+        allgather_bucket_size, contiguous_gradients, overlap_comm, logging_batch_size_per_gpu,
         loss_scale, initial_scale_power, loss_scale_window, hysteresis, min_loss_scale, logging_level,
         parallel_devices, cluster_environment, precision_plugin, process_group_backend, timeout:
             as in :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`.
@@ -106,10 +114,11 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         io_block_size: int = 1 << 20,
         io_queue_depth: int = 8,
         io_threads: int = 3,
+        overlap_backward: bool = True,
         offload_parameters: bool = False,
         offload_activations: bool | dict[str, Any] = False,
         config: _PATH | dict[str, Any] | None = None,
-        reduce_bucket_size: int = 200_000_000,
+        reduce_bucket_size: int | None = None,
         allgather_bucket_size: int = 200_000_000,
         contiguous_gradients: bool = True,
         overlap_comm: bool = True,
@@ -181,8 +190,26 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         self._kept_ratio = self.compression.ratio if self.compression is not None else None
         self.chunk_size = chunk_size
         self.buffer_count = buffer_count
+        if not isinstance(overlap_backward, bool):
+            raise MisconfigurationException(
+                f"`SmartInfinityStrategy(overlap_backward={overlap_backward!r})` is invalid: pass True or False."
+            )
+        #: Whether devices start updating during backward (see ``overlap_backward``).
+        self.overlap_backward = overlap_backward and backend == "cpu" and self.compression is None
+        if overlap_backward and not self.overlap_backward:
+            why = "`compression`" if self.compression is not None else f"`backend={backend!r}`"
+            log.info("smart_infinity: updates start after backward, not during it (not supported with %s).", why)
         self._backend: Backend | None = None
         self._closed_traffic = TrafficSnapshot()
+        if reduce_bucket_size is None:
+            reduce_bucket_size = (
+                min(200_000_000, max(sub_group_size, 1 << 20)) if self.overlap_backward else 200_000_000
+            )
+        elif not isinstance(reduce_bucket_size, int) or reduce_bucket_size < 1:
+            raise MisconfigurationException(
+                f"`SmartInfinityStrategy(reduce_bucket_size={reduce_bucket_size!r})` is invalid: it must be an "
+                "integer >= 1 (elements), or None to follow `sub_group_size`."
+            )
 
         user_config = self._load_config(config)
         smart_config = self._smart_update_config(
@@ -468,6 +495,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                     owned_dirs=owned,
                     io_factory=io_factory,
                     io_threads=self.io_threads,
+                    tentative_slots=self.overlap_backward,
                 )
             return self._backend
 
@@ -486,6 +514,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         except StorageError as exc:
             raise StorageError(str(exc)) from None
         deepspeed_optimizer.smartinf_compression = self.compression
+        deepspeed_optimizer.smartinf_overlap = self.overlap_backward
         deepspeed_optimizer.smartinf_kept_ratio = self._kept_ratio
         return engine, deepspeed_optimizer
 
@@ -551,6 +580,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         filepath = self.broadcast(filepath)
         zero_optimizer = self.deepspeed_engine.optimizer
         directory = self._device_state_dir(filepath)
+        # Between a backward and its step, updates made during backward are still tentative: the backend saves
+        # the committed state, the one before this step, like every other part of the checkpoint.
         zero_optimizer.smartinf_backend.save(directory)
         host_state = zero_optimizer.smartinf_state_dict()
         residual = zero_optimizer.smartinf_residual
@@ -579,6 +610,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                 )
             state = json.loads(host_state.read_text())
             residual = self._load_residual(directory, state.get("residual"))
+            zero_optimizer.smartinf_discard_early()
             zero_optimizer.smartinf_backend.load(directory)
             zero_optimizer.load_smartinf_state_dict(state)
             zero_optimizer.load_smartinf_residual(residual, state.get("residual_loss_scale"))

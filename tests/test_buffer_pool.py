@@ -41,6 +41,10 @@ def test_pool_sized_from_sub_groups_metrics_logged_and_released(tmp_path):
     metrics = pool.metrics
     assert metrics["smartinf/wait_ms"] >= 0
     assert 0 < metrics["smartinf/pool_utilisation"] <= 1
+    # No clipping, no schedule: every sub-group of the last step was updated during backward and kept.
+    sub_groups = len(trainer.strategy.deepspeed_engine.optimizer.fp16_groups)
+    assert metrics["smartinf/early_kept"] == sub_groups > 0
+    assert metrics["smartinf/early_rolled_back"] == 0
     for device in (0, 1):
         assert metrics[f"smartinf/device{device}_read_ms"] > 0
         assert metrics[f"smartinf/device{device}_compute_ms"] > 0

@@ -412,3 +412,41 @@ def test_export_refuses_a_corrupt_file(reference, tmp_path) -> None:
     with pytest.raises(ValueError, match=re.escape(str(victim))):
         consolidate_fp32_state_dict(copy)
     assert export_main([str(copy), str(tmp_path / "x.safetensors")]) == 1
+
+
+# ------------------------------------------------------------------------------------- overlap with backward
+
+
+class SaveBeforeStep(L.Callback):
+    """Saves a checkpoint after backward, before the step: devices have already updated during that backward."""
+
+    def __init__(self, path: Path, at_step: int) -> None:
+        self.path, self.at_step = path, at_step
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step == self.at_step:
+            assert trainer.strategy.deepspeed_engine.optimizer._smartinf_early, "nothing was handed off early"
+            trainer.save_checkpoint(self.path)
+
+
+def test_checkpoint_between_backward_and_step_holds_the_state_before_the_step(tmp_path) -> None:
+    from models import LMModule, fit, param_groups
+
+    from lightning_smartinf import SmartInfinityStrategy
+
+    def sgd(model):
+        return torch.optim.SGD(param_groups(model, 1e-3), lr=5e-2, momentum=0.9), None
+
+    def strategy(path: Path) -> SmartInfinityStrategy:
+        path.mkdir()
+        return SmartInfinityStrategy(storage_paths=[path], sub_group_size=3000, chunk_size=2048, buffer_count=3)
+
+    _, after_two = fit(LMModule(sgd), strategy(tmp_path / "two"), steps=2)
+    _, after_four = fit(LMModule(sgd), strategy(tmp_path / "four"), steps=4)
+    path = tmp_path / "mid-step.ckpt"
+    trainer, ours = fit(LMModule(sgd), strategy(tmp_path / "ours"), steps=4, callbacks=[SaveBeforeStep(path, 2)])
+
+    optimizer = trainer.strategy.deepspeed_engine.optimizer
+    assert optimizer.smartinf_early_rolled_back == 0  # the save left step 3's tentative updates alone
+    assert_identical(consolidate_fp32_state_dict(path), after_two)  # and saved the committed state
+    assert_identical(ours, after_four)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 from models import LMModule, fit, max_relative_error, param_groups
@@ -53,6 +54,37 @@ def test_fp32_matches_torch_optim(tmp_path, make_optimizer, accumulate, clip):
     # The comparison is meaningful: training moved every parameter far beyond the tolerance.
     initial = {n: p.detach().clone() for n, p in LMModule(make_optimizer).named_parameters()}
     assert min(max_relative_error(reference, initial).values()) > 1e-3
+    # Every step handed sub-groups to the devices during backward; clipping (which the hand-off cannot know
+    # in advance) rolled them back and redid them, so both paths ran and neither changed the result.
+    optimizer = trainer.strategy.deepspeed_engine.optimizer
+    handed_off = optimizer.smartinf_early_kept + optimizer.smartinf_early_rolled_back
+    assert handed_off == STEPS * len(optimizer.fp16_groups)
+    if clip is None:
+        assert optimizer.smartinf_early_rolled_back == 0
+
+
+class HalveLrBeforeStep(L.Callback):
+    """Changes the learning rate after backward, before the step: what a hand-off during backward cannot see."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        for group in optimizer.param_groups:
+            group["lr"] *= 0.5
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_hyperparameters_changed_after_backward_reach_the_update(tmp_path, overlap):
+    _, reference = fit(LMModule(sgd_nesterov), "auto", steps=6, callbacks=[HalveLrBeforeStep()])
+    strategy = SmartInfinityStrategy(
+        storage_paths=[tmp_path], sub_group_size=3000, chunk_size=2048, buffer_count=3, overlap_backward=overlap
+    )
+    trainer, ours = fit(LMModule(sgd_nesterov), strategy, steps=6, callbacks=[HalveLrBeforeStep()])
+    errors = max_relative_error(ours, reference)
+    assert max(errors.values()) < 1e-5, errors
+    optimizer = trainer.strategy.deepspeed_engine.optimizer
+    assert optimizer.smartinf_early_kept == 0
+    assert optimizer.smartinf_early_rolled_back == (6 * len(optimizer.fp16_groups) if overlap else 0)
+    # Without overlap there is no second copy of the state.
+    assert len(list(tmp_path.rglob("*.slot1.state"))) == (len(optimizer.fp16_groups) if overlap else 0)
 
 
 def test_bf16_matches_deepspeed_stage3_cpu_offload(tmp_path):

@@ -168,25 +168,35 @@ class NonFiniteAtStep(LMModule):
         return loss * float("inf") if batch_idx == self.bad_batch else loss
 
 
-def test_non_finite_gradients_skip_the_step_and_leave_device_state_untouched(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_non_finite_gradients_skip_the_step_and_leave_device_state_untouched(tmp_path, overlap):
     class Probe(L.Callback):
         def __init__(self) -> None:
             self.snapshots = []
 
-        def on_train_batch_end(self, trainer, *_):
+        def on_train_batch_end(self, trainer, pl_module, *_):
             backend = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend
             backend.wait()
             files = b"".join(s.file.path.read_bytes() for s in backend._shards)
-            self.snapshots.append((trainer.strategy.traffic, files))
+            params = [p.ds_tensor.clone() for p in pl_module.parameters()]
+            self.snapshots.append((trainer.strategy.traffic, files, params))
 
     probe = Probe()
-    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000)
-    trainer, _ = fit(NonFiniteAtStep(bad_batch=1), strategy, steps=3, batches=4, precision="bf16-mixed",
-                     callbacks=[probe])
-    (t0, f0), (t1, f1), (t2, f2) = probe.snapshots[:3]
-    assert (t1 - t0).link_write_bytes == 0 and (t1 - t0).storage_write_bytes == 0  # nothing reached a device
-    assert f1 == f0  # every state file byte-identical across the skipped step
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000, overlap_backward=overlap)
+    trainer, _ = fit(
+        NonFiniteAtStep(bad_batch=1), strategy, steps=3, batches=4, precision="bf16-mixed", callbacks=[probe]
+    )
+    (t0, f0, p0), (t1, f1, p1), (t2, f2, p2) = probe.snapshots[:3]
+    if overlap:  # devices updated during backward, tentatively; the step rolled that back
+        assert (t1 - t0).storage_write_bytes > 0
+        optimizer = trainer.strategy.deepspeed_engine.optimizer
+        assert optimizer.smartinf_early_rolled_back == len(optimizer.fp16_groups)  # every sub-group, that step only
+    else:
+        assert (t1 - t0).link_write_bytes == 0 and (t1 - t0).storage_write_bytes == 0  # nothing reached a device
+    assert f1 == f0  # every committed state file byte-identical across the skipped step
+    assert all(torch.equal(a, b) for a, b in zip(p1, p0))  # and so are the parameters
     assert (t2 - t1).storage_write_bytes > 0 and f2 != f1  # the next finite step updates again
+    assert not all(torch.equal(a, b) for a, b in zip(p2, p1))
     # Three optimizer steps were taken, one skipped: the devices applied two (Adam bias correction sees t=2).
     assert trainer.strategy.deepspeed_engine.optimizer.smartinf_group_steps == {0: 2, 1: 2}
 
@@ -208,3 +218,18 @@ def test_offload_activations_argument_installs_the_callback(tmp_path):
     offload = [c for c in trainer.callbacks if isinstance(c, ActivationOffload)]
     assert len(offload) == 1
     assert trainer.callback_metrics["smartinf/activation_write_bytes"] > 0
+
+
+def test_reduce_bucket_follows_sub_group_size_when_updates_overlap_backward(tmp_path):
+    def bucket(**kwargs) -> int:
+        strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=8_000_000, **kwargs)
+        return strategy.config["zero_optimization"]["reduce_bucket_size"]
+
+    assert bucket() == 8_000_000  # gradients reach the devices one sub-group at a time
+    assert bucket(overlap_backward=False) == 200_000_000
+    assert bucket(reduce_bucket_size=5_000_000) == 5_000_000
+    assert bucket(config={"zero_optimization": {"reduce_bucket_size": 7}}) == 7
+    with pytest.raises(MisconfigurationException, match=r"reduce_bucket_size=0\)` is invalid"):
+        bucket(reduce_bucket_size=0)
+    with pytest.raises(MisconfigurationException, match=r"overlap_backward='yes'\)` is invalid"):
+        bucket(overlap_backward="yes")

@@ -15,6 +15,11 @@ Invariants:
   and so is the compression residual.
 - With compression and error feedback, ``residual + what was sent`` equals the sum of all gradients so
   far (in the current loss scale's units): the residual is added before selection, cleared where sent.
+- Early hand-off (``smartinf_overlap``): a sub-group whose every gradient partition on this rank is final goes
+  to its device during backward as a *tentative* update, with the step's hyperparameters as they stand and no
+  clipping. ``step`` keeps it only if nothing changed since (hyperparameters, loss scale, clipping factor, no
+  gradient reduced again, the step not skipped); otherwise the update is rolled back and redone or skipped,
+  so the result is always the one a step without hand-off gives.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ from typing import Any
 
 import torch
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from torch import Tensor
 
-from lightning_smartinf.csd import Backend, ShardSpec
+from lightning_smartinf.csd import Backend, Handle, ShardSpec
 from lightning_smartinf.csd.compression import TopKCompression, compress_topk
+from lightning_smartinf.csd.rules import StepParams
 from lightning_smartinf.csd.torch_optim import rule_for_group, step_params
 
 BackendFactory = Callable[[], Backend]
@@ -115,6 +122,18 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self.smartinf_last_kept: tuple[int, int] = (0, 0)
         self.smartinf_residual: Tensor | None = None
         self._smartinf_residual_scale = 1.0
+        #: Set by the strategy: hand sub-groups to their devices during backward (needs a tentative backend).
+        self.smartinf_overlap = False
+        #: Sub-groups handed off during backward and kept by the step, and those rolled back (cumulative).
+        self.smartinf_early_kept = 0
+        self.smartinf_early_rolled_back = 0
+        # Tentative updates of this step's backward, by sub-group: (handle, hyperparameters they used).
+        self._smartinf_early: dict[int, tuple[Handle, StepParams]] = {}
+        # Sub-groups whose gradient was reduced again after their hand-off (their update is stale).
+        self._smartinf_stale: set[int] = set()
+        self._smartinf_reduced: list[set[int]] = [set() for _ in self.fp16_groups]
+        self._smartinf_touched: set[int] = set()
+        self._smartinf_expected: list[set[int]] | None = None
         offsets = [0]
         for numel in self.fp16_partitioned_groups_flat_numel:
             offsets.append(offsets[-1] + int(numel))
@@ -136,10 +155,81 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self, param: Tensor, grad_buffer: Tensor, offload_fp32_gradients: dict, offload_fp32_offsets: dict
     ) -> None:
         # Only the norm is needed now; the gradient stays in ZeRO's flat buffer until the step submits it.
-        self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
+        param_id = self.get_param_id(param)
+        self.norm_for_param_grads[param_id] = self._constant_buffered_norm2(grad_buffer)
+        if self.smartinf_overlap:
+            i = self.grad_position[param_id][0]
+            if i in self._smartinf_early:
+                self._smartinf_stale.add(i)
+            self._smartinf_reduced[i].add(param.ds_id)
+            self._smartinf_touched.add(i)
 
     def _swap_out_offload_fp32_gradients(self, offload_fp32_gradients: dict, offload_fp32_offsets: dict) -> None:
+        # Called after each bucket of gradient partitions: hand off the sub-groups it completed.
+        touched, self._smartinf_touched = self._smartinf_touched, set()
+        if not touched:
+            return None
+        expected = self._smartinf_expected_params()
+        ready = sorted(i for i in touched if i not in self._smartinf_early and self._smartinf_reduced[i] >= expected[i])
+        if ready and not get_accelerator().is_synchronized_device():
+            # The partitions were copied to host memory asynchronously; devices read them from other threads.
+            get_accelerator().current_stream().synchronize()
+        for i in ready:
+            steps = self.smartinf_group_steps.get(self.sub_group_to_group_id[i], 0) + 1
+            # The step's own scale unless it clips or rescales.
+            hp = self._smartinf_step_params(i, steps, grad_scale=1.0 / float(self.loss_scale))
+            handle = self.smartinf_backend.submit(
+                i,
+                self._grad_slice(i),
+                hp,
+                self.fp16_partitioned_groups_flat[i],
+                link_dtype=self._smartinf_link_dtype,
+                tentative=True,
+            )
+            self._smartinf_early[i] = (handle, hp)
         return None
+
+    def _smartinf_step_params(self, sub_group: int, step: int, grad_scale: float) -> StepParams:
+        """The hyperparameters of ``sub_group``'s param group as they stand now, for its ``step``-th update."""
+        group = self.optimizer.param_groups[self.sub_group_to_group_id[sub_group]]
+        return step_params(group, step=step, grad_scale=grad_scale)
+
+    def _smartinf_expected_params(self) -> list[set[int]]:
+        """Per sub-group, the parameters that have gradient elements on this rank (the others send nothing)."""
+        if self._smartinf_expected is None:
+            self._smartinf_expected = [
+                {p.ds_id for p in group if p.partition_numel() * self._get_param_partition_rank(p) < p.ds_numel}
+                for group in self.fp16_groups
+            ]
+        return self._smartinf_expected
+
+    def _smartinf_take_early(self) -> tuple[dict[int, tuple[Handle, StepParams]], set[int]]:
+        """This backward's tentative updates and the stale ones among them; resets the hand-off bookkeeping."""
+        early, self._smartinf_early = self._smartinf_early, {}
+        stale, self._smartinf_stale = self._smartinf_stale, set()
+        for reduced in self._smartinf_reduced:
+            reduced.clear()
+        self._smartinf_touched.clear()
+        return early, stale
+
+    def _smartinf_roll_back(self, shards: list[int], *, restore_params: bool) -> None:
+        """Discard tentative updates; ``restore_params`` puts the committed parameters back in ZeRO's partitions."""
+        if not shards:
+            return
+        backend = self.smartinf_backend
+        backend.rollback(shards)
+        self.smartinf_early_rolled_back += len(shards)
+        if restore_params:
+            for i in shards:
+                backend.read_master(i, self.fp16_partitioned_groups_flat[i])
+            backend.wait()
+            for i in shards:
+                self._unflatten_partitioned_parameters(i)
+
+    def smartinf_discard_early(self) -> None:
+        """Roll back hand-offs of a backward that no step followed (the parameters go back as they were)."""
+        early, _ = self._smartinf_take_early()
+        self._smartinf_roll_back(sorted(early), restore_params=True)
 
     def _combined_scale(self, total_norm: Tensor) -> float:
         """Loss scale times the clipping factor; same formula as ``unscale_and_clip_grads``."""
@@ -184,6 +274,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def step(self, closure: Any = None) -> None:
         self._pre_step()
         self._partition_all_parameters()
+        early, stale = self._smartinf_take_early()
 
         self._overflow_check_and_loss_scale_update(update_scale=False)
         total_norm = None
@@ -192,7 +283,9 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             if is_invalid_grad_norm(total_norm):
                 self.overflow = True
         if self._loss_scale_update_and_overflow_cleanup():
-            return  # skipped step: nothing was sent, so every device's state is as it was
+            # Skipped step: nothing was sent, or only tentative updates, now undone; device state is as it was.
+            self._smartinf_roll_back(sorted(early), restore_params=True)
+            return
         self._global_grad_norm = total_norm / self.loss_scale
         grad_scale = 1.0 / self._combined_scale(total_norm)
 
@@ -202,18 +295,29 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         backend = self.smartinf_backend
         backend.check_storage()
         ratio = self._smartinf_step_ratio()
+        hps = [
+            self._smartinf_step_params(i, self.smartinf_group_steps[self.sub_group_to_group_id[i]], grad_scale)
+            for i in range(len(self.fp16_groups))
+        ]
+        # A tentative update stands only if it is exactly the update this step would submit.
+        kept_early = {
+            i: handle for i, (handle, hp) in early.items() if ratio is None and i not in stale and hp == hps[i]
+        }
+        self._smartinf_roll_back(sorted(set(early) - set(kept_early)), restore_params=False)
+        self.smartinf_early_kept += len(kept_early)
         # Every sub-group is queued at once (devices take them in order); the host waits only for the
         # parameters of each in turn. Gradients cross the link in the training dtype.
         handles = []
         kept = total = 0
         for i in range(len(self.fp16_groups)):
-            group_id = self.sub_group_to_group_id[i]
-            hp = step_params(
-                self.optimizer.param_groups[group_id], step=self.smartinf_group_steps[group_id], grad_scale=grad_scale
-            )
-            out = self.fp16_partitioned_groups_flat[i]
             grad: Any = self._grad_slice(i)
             total += grad.numel()
+            if i in kept_early:
+                handles.append(kept_early[i])
+                kept += grad.numel()
+                continue
+            hp = hps[i]
+            out = self.fp16_partitioned_groups_flat[i]
             if ratio is None:
                 kept += grad.numel()
             else:
@@ -233,6 +337,8 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             handle.result()
             self.smartinf_wait_s += time.perf_counter() - started
             self._unflatten_partitioned_parameters(i)
+        if kept_early:
+            backend.commit(kept_early)
         # No backend.wait(): state write-back trails into the next forward; the devices order it before re-reads.
         # torch's LR schedulers warn unless the wrapped optimizer's own step ran; the devices ran it.
         self.optimizer._opt_called = True
