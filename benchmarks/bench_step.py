@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-RUNS = ("zero_infinity", "zero_infinity_pipelined", "smart_infinity")
+RUNS = ("zero_infinity", "zero_infinity_pipelined", "smart_infinity", "smart_infinity_no_overlap")
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
@@ -187,6 +187,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                 sub_group_size=args.sub_group_size,
                 offload_parameters=True,
                 io_engine=args.io_engine,
+                overlap_backward=args.run != "smart_infinity_no_overlap",
             )
         module = build_module(args, args.run)
         n = args.batch * (args.warmup + args.steps)
@@ -224,6 +225,13 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             "disk_write_bytes_per_param_step": (meter.io1["write_bytes"] - meter.io0["write_bytes"]) / p / args.steps,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
+        optimizer = trainer.strategy.deepspeed_engine.optimizer
+        if hasattr(optimizer, "smartinf_early_kept"):
+            # Sub-groups updated during backward and kept by the step, and those the step rolled back.
+            result["early_kept"] = optimizer.smartinf_early_kept
+            result["early_rolled_back"] = optimizer.smartinf_early_rolled_back
+            result["sub_groups"] = len(optimizer.fp16_groups)
+            result["optimizer_steps"] = args.warmup + args.steps
         if meter.traffic0 is not None and meter.traffic1 is not None:
             delta = (meter.traffic1 - meter.traffic0).as_dict()
             result["traffic_bytes_per_param_step"] = {k: v / p / args.steps for k, v in delta.items()}
@@ -289,12 +297,12 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         results[k] for k in ("zero_infinity", "zero_infinity_pipelined") if "opt_step_median_s" in results.get(k, {})
     ]
     best = min(zis, key=lambda r: r["opt_step_median_s"]) if zis else {}
-    zi, zp, si = (
+    zi, zp, si, sn = (
         results.get("zero_infinity", {}),
         results.get("zero_infinity_pipelined", {}),
         results.get("smart_infinity", {}),
+        results.get("smart_infinity_no_overlap", {}),
     )
-    tr = si.get("traffic_bytes_per_param_step", {})
 
     def link(r: dict[str, Any], key: str | None) -> float | None:
         # ZeRO-Infinity's host<->storage "link" IS its disk traffic.
@@ -303,39 +311,46 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             return None
         return {"write": w, "read": rd, None: w + rd}[key]
 
-    ours_link = {
-        "write": tr.get("link_write_bytes"),
-        "read": tr.get("link_read_bytes"),
-        None: tr["link_write_bytes"] + tr["link_read_bytes"] if tr else None,
-    }
+    def traffic(r: dict[str, Any], key: str) -> float | None:
+        t = r.get("traffic_bytes_per_param_step")
+        if not t:
+            return None
+        return t["link_write_bytes"] + t["link_read_bytes"] if key == "link" else t[key]
+
+    def ours_link(r: dict[str, Any], key: str | None) -> float | None:
+        return traffic(r, {"write": "link_write_bytes", "read": "link_read_bytes", None: "link"}[key])
+
+    def early(r: dict[str, Any]) -> str | None:
+        if "early_kept" not in r:
+            return None
+        return f"{r['early_kept']} / {r['early_rolled_back']} of {r['sub_groups'] * r['optimizer_steps']}"
+
+    # (metric, value of a baseline run, value of one of ours)
     rows = [
-        ("optimizer step, median (s)", lambda r: r.get("opt_step_median_s"), si.get("opt_step_median_s")),
-        ("train step, mean (s)", lambda r: r.get("train_step_mean_s"), si.get("train_step_mean_s")),
-        (
-            "disk read (B/param/step, /proc/self/io)",
-            lambda r: r.get("disk_read_bytes_per_param_step"),
-            si.get("disk_read_bytes_per_param_step"),
-        ),
-        (
-            "disk write (B/param/step, /proc/self/io)",
-            lambda r: r.get("disk_write_bytes_per_param_step"),
-            si.get("disk_write_bytes_per_param_step"),
-        ),
-        ("link host→storage (B/param/step)", lambda r: link(r, "write"), ours_link["write"]),
-        ("link storage→host (B/param/step)", lambda r: link(r, "read"), ours_link["read"]),
-        ("link total (B/param/step)", lambda r: link(r, None), ours_link[None]),
-        ("in-device storage read (B/param/step)", lambda r: None, tr.get("storage_read_bytes")),
-        ("in-device storage write (B/param/step)", lambda r: None, tr.get("storage_write_bytes")),
-        ("peak RSS (MiB)", lambda r: r.get("peak_rss_mib"), si.get("peak_rss_mib")),
+        ("optimizer step, median (s)", lambda r: r.get("opt_step_median_s"), None),
+        ("train step, mean (s)", lambda r: r.get("train_step_mean_s"), None),
+        ("disk read (B/param/step, /proc/self/io)", lambda r: r.get("disk_read_bytes_per_param_step"), None),
+        ("disk write (B/param/step, /proc/self/io)", lambda r: r.get("disk_write_bytes_per_param_step"), None),
+        ("link host→storage (B/param/step)", lambda r: link(r, "write"), lambda r: ours_link(r, "write")),
+        ("link storage→host (B/param/step)", lambda r: link(r, "read"), lambda r: ours_link(r, "read")),
+        ("link total (B/param/step)", lambda r: link(r, None), lambda r: ours_link(r, None)),
+        ("in-device storage read (B/param/step)", lambda r: None, lambda r: traffic(r, "storage_read_bytes")),
+        ("in-device storage write (B/param/step)", lambda r: None, lambda r: traffic(r, "storage_write_bytes")),
+        ("peak RSS (MiB)", lambda r: r.get("peak_rss_mib"), None),
+        ("sub-groups updated in backward: kept / rolled back", lambda r: None, early),
     ]
     lines = [
-        "| metric | ZeRO-Infinity | ZeRO-Infinity pipelined | smart_infinity | best baseline / ours |",
-        "|---|---:|---:|---:|---:|",
+        "| metric | ZeRO-Infinity | ZeRO-Infinity pipelined | smart_infinity | smart_infinity, no overlap "
+        "| best baseline / ours |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    for name, get, ours in rows:
+    for name, get, get_ours in rows:
+        get_ours = get_ours or get
         base = get(best) if best else None
+        ours = get_ours(si)
         ratio = base / ours if isinstance(base, (int, float)) and isinstance(ours, (int, float)) and ours else None
-        lines.append(f"| {name} | {fmt(get(zi), 2)} | {fmt(get(zp), 2)} | {fmt(ours, 2)} | {fmt(ratio, 2)} |")
+        cells = [get(zi), get(zp), ours, get_ours(sn), ratio]
+        lines.append(f"| {name} | " + " | ".join(c if isinstance(c, str) else fmt(c, 2) for c in cells) + " |")
     return "\n".join(lines)
 
 

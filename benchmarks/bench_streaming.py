@@ -70,13 +70,14 @@ class PeakRss:
         while not self._stop.wait(0.005):
             self.peak = max(self.peak, rss_bytes())
 
-    def __enter__(self) -> PeakRss:
+    def start(self) -> None:
+        self.peak = rss_bytes()
         self._thread.start()
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
 
 
 class RawProbe:
@@ -169,9 +170,14 @@ def stream(
         backend.wait()
         buffers = backend.buffer_bytes
         steps: list[dict[str, float]] = []
-        rss0 = rss_bytes()
-        with PeakRss() as peak:
+        # RSS is sampled over the timed steps only: the warm-up step creates the I/O threads, their aio handles
+        # and the link scratch chunk, once per device, whatever the state size.
+        peak, rss0 = PeakRss(), 0
+        try:
             for step in range(1, args.steps + 2):  # step 1 is a warm-up
+                if step == 2:
+                    rss0 = rss_bytes()
+                    peak.start()
                 ceiling = probe.both() if probe is not None and step > 1 else None
                 hp = StepParams(step=step, lr=1e-4, weight_decay=0.1)
                 before = [(d.stats.read_s, d.stats.write_s, d.stats.compute_s) for d in backend.devices]
@@ -203,6 +209,8 @@ def stream(
                             "raw_gib_s": ceiling,
                         }
                     )
+        finally:
+            peak.stop()
         best = min(steps, key=lambda s: s["wall_s"])
         median = sorted(s["wall_s"] for s in steps)[len(steps) // 2]
         efficiency = sorted(s["state_gib"] / s["wall_s"] / s["raw_gib_s"] for s in steps if s["raw_gib_s"])
