@@ -6,13 +6,20 @@ once dense, once with ``compression`` (default 1%), error feedback and a ``Compr
 then the DGC schedule). Validation loss on held-out text is recorded along the way; the script prints the
 final ratio, the link bytes per parameter per step after warm-up, and writes a plot and a JSON record.
 
+With ``--finetune``, the model is first pre-trained densely on that English text (``--pretrain-steps``, plain
+Lightning), then fine-tuned from those weights on Python source (the standard library's first 60 modules,
+90% train / 10% held out) twice, dense and compressed, as Smart-Infinity evaluates SmartComp on fine-tuning.
+
     PYTHONPATH=. .venv/bin/python benchmarks/bench_compression.py --steps 400 --out docs/compression
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_compression.py --finetune --steps 200 --out docs/compression-ft
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import sysconfig
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -30,13 +37,20 @@ SEQ = 64
 
 
 class ValidatedCharGPT(CharGPT):
-    def __init__(self, *args: Any, optimizer: str = "adamw", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, optimizer: str = "adamw", max_lr: float = 3e-3, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.optimizer_name = optimizer
+        self.max_lr = max_lr
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_name == "adamw":
-            return super().configure_optimizers()
+            decay = [p for p in self.parameters() if p.ndim >= 2]
+            no_decay = [p for p in self.parameters() if p.ndim < 2]
+            groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+            optimizer = torch.optim.AdamW(groups, lr=self.max_lr)
+            total = self.trainer.max_steps
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.max_lr, total_steps=total)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
         optimizer = torch.optim.SGD(self.parameters(), lr=0.3, momentum=0.9, nesterov=True)
         scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.3, total_steps=self.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -65,6 +79,38 @@ class Record(L.Callback):
         self.link_per_step.append(float(m["smartinf/link_write_bytes"]) + float(m["smartinf/link_read_bytes"]))
 
 
+def python_source() -> str:
+    """The first 60 modules of the standard library, in name order: real code, shipped with Python."""
+    files = sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))[:60]
+    return "".join(Path(f).read_text(encoding="utf-8") for f in files)[:800_000]
+
+
+def split(text: str, vocab: list[str]) -> tuple[Subset, Subset]:
+    """90% of ``text``'s windows to train on, the last 10% held out."""
+    dataset = CharDataset(text, seq=SEQ, vocab=vocab)
+    cut = int(len(dataset) * 0.9)
+    return Subset(dataset, range(cut)), Subset(dataset, range(cut, len(dataset)))
+
+
+def pretrain(vocab: list[str], steps: int) -> dict[str, torch.Tensor]:
+    """Weights after ``steps`` dense AdamW steps on the English text (plain Lightning, fp32 on CPU)."""
+    L.seed_everything(0, verbose=False)
+    train_set, _ = split(english_text(), vocab)
+    model = ValidatedCharGPT(len(vocab), seq=SEQ)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    generator = torch.Generator().manual_seed(0)
+    trainer.fit(model, DataLoader(train_set, batch_size=16, shuffle=True, generator=generator))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def train(
     name: str,
     *,
@@ -73,14 +119,18 @@ def train(
     warmup: CompressionWarmup | None,
     val_every: int,
     root: Path,
+    data: tuple[Subset, Subset],
+    vocab: list[str],
     optimizer: str = "adamw",
     error_feedback: bool = True,
+    max_lr: float = 3e-3,
+    init: dict[str, torch.Tensor] | None = None,
 ) -> tuple[Record, int]:
     L.seed_everything(0, verbose=False)
-    dataset = CharDataset(english_text(), seq=SEQ)
-    split = int(len(dataset) * 0.9)
-    train_set, val_set = Subset(dataset, range(split)), Subset(dataset, range(split, len(dataset)))
-    model = ValidatedCharGPT(len(dataset.vocab), seq=SEQ, optimizer=optimizer)
+    train_set, val_set = data
+    model = ValidatedCharGPT(len(vocab), seq=SEQ, optimizer=optimizer, max_lr=max_lr)
+    if init is not None:
+        model.load_state_dict(init)
     params = sum(p.numel() for p in model.parameters())
     storage = [root / name / f"csd{i}" for i in range(2)]
     for path in storage:
@@ -133,8 +183,12 @@ def plot(dense: Record, comp: Record, ratio: float, warmup_steps: int, out: Path
     ax_loss.legend()
     params = comp.params
     for record, label, colour in ((dense, "dense", "tab:blue"), (comp, "compressed", "tab:red")):
-        ax_link.plot(range(1, len(record.link_per_step) + 1), [b / params for b in record.link_per_step],
-                     color=colour, label=label)
+        ax_link.plot(
+            range(1, len(record.link_per_step) + 1),
+            [b / params for b in record.link_per_step],
+            color=colour,
+            label=label,
+        )
     ax_link.set(xlabel="optimizer step", ylabel="bytes / parameter", title="Host-link bytes per step (in + out)")
     ax_link.set_ylim(bottom=0)
     ax_link.legend()
@@ -151,16 +205,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-every", type=int, default=25)
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--no-error-feedback", action="store_true")
+    parser.add_argument("--finetune", action="store_true", help="pre-train on English, fine-tune on Python source")
+    parser.add_argument("--pretrain-steps", type=int, default=400, help="dense pre-training steps (--finetune)")
+    parser.add_argument("--finetune-lr", type=float, default=1e-3, help="AdamW peak LR of fine-tuning (--finetune)")
     parser.add_argument("--out", type=Path, default=None, help="write <out>.png and <out>.json")
     args = parser.parse_args(argv)
 
     warmup = CompressionWarmup(dense_steps=args.dense_steps, schedule="dgc", steps_per_stage=args.steps_per_stage)
+    english = english_text()
+    code = python_source() if args.finetune else ""
+    vocab = sorted(set(english) | set(code))
+    init = pretrain(vocab, args.pretrain_steps) if args.finetune else None
+    data = split(code if args.finetune else english, vocab)
+    max_lr = args.finetune_lr if args.finetune else 3e-3
     with tempfile.TemporaryDirectory(prefix="smartinf-comp-") as root:
-        common = dict(steps=args.steps, val_every=args.val_every, root=Path(root), optimizer=args.optimizer)
-        dense, params = train("dense", ratio=None, warmup=None, **common)
-        comp, _ = train(
-            "comp", ratio=args.ratio, warmup=warmup, error_feedback=not args.no_error_feedback, **common
+        common = dict(
+            steps=args.steps,
+            val_every=args.val_every,
+            root=Path(root),
+            optimizer=args.optimizer,
+            data=data,
+            vocab=vocab,
+            max_lr=max_lr,
+            init=init,
         )
+        dense, params = train("dense", ratio=None, warmup=None, **common)
+        comp, _ = train("comp", ratio=args.ratio, warmup=warmup, error_feedback=not args.no_error_feedback, **common)
     dense.params = comp.params = params
     warm = warmup.warmup_steps()
     final_dense, final_comp = dense.val[-1][1], comp.val[-1][1]
@@ -171,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": args.ratio,
         "optimizer": args.optimizer,
         "error_feedback": not args.no_error_feedback,
+        "task": "fine-tune on Python source after dense pre-training on English" if args.finetune else "pre-train",
+        "pretrain_steps": args.pretrain_steps if args.finetune else 0,
+        "max_lr": max_lr if args.optimizer == "adamw" else 0.3,
         "warmup_steps": warm,
         "final_val_loss_dense": final_dense,
         "final_val_loss_compressed": final_comp,

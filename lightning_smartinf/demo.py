@@ -30,8 +30,10 @@ def english_text() -> str:
 
 
 class CharDataset(Dataset):
-    def __init__(self, text: str, seq: int) -> None:
-        self.vocab = sorted(set(text))
+    """``seq``-character windows of ``text`` and the next character of each; ``vocab`` defaults to its characters."""
+
+    def __init__(self, text: str, seq: int, vocab: list[str] | None = None) -> None:
+        self.vocab = sorted(set(text)) if vocab is None else vocab
         index = {c: i for i, c in enumerate(self.vocab)}
         self.data = torch.tensor([index[c] for c in text], dtype=torch.long)
         self.seq = seq

@@ -227,18 +227,32 @@ def test_preset_and_set_kept_ratio() -> None:
         SmartInfinityStrategy().set_kept_ratio(0.1)
 
 
-@pytest.mark.slow
-def test_one_percent_with_sgd_momentum_converges_within_5_percent_of_dense(tmp_path) -> None:
-    """The convergence record of docs/compression.md, re-run: real text, 400 steps, dense vs 1% top-k."""
+def _convergence_record(tmp_path: Path, name: str, argv: list[str]) -> dict:
+    """Run benchmarks/bench_compression.py (dense vs 1% top-k on real text) and return its JSON record."""
     import importlib.util
 
     path = Path(__file__).parents[1] / "benchmarks" / "bench_compression.py"
     spec = importlib.util.spec_from_file_location("bench_compression", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    out = tmp_path / "sgd"
-    assert bench.main(["--steps", "400", "--optimizer", "sgd", "--out", str(out)]) == 0
-    result = json.loads(out.with_suffix(".json").read_text())
+    out = tmp_path / name
+    assert bench.main([*argv, "--out", str(out)]) == 0
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return json.loads(out.with_suffix(".json").read_text())
+
+
+@pytest.mark.slow
+def test_one_percent_with_sgd_momentum_converges_within_5_percent_of_dense(tmp_path) -> None:
+    """The convergence record of docs/compression.md, re-run: real text, 400 steps, dense vs 1% top-k."""
+    result = _convergence_record(tmp_path, "sgd", ["--steps", "400", "--optimizer", "sgd"])
     assert result["relative_difference"] < 0.05, result
     assert result["link_bytes_per_param_per_step_compressed"] <= 2.1
-    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_one_percent_adamw_fine_tuning_stays_within_5_percent_of_dense(tmp_path) -> None:
+    """docs/compression.md's fine-tuning record, re-run: AdamW on Python source after dense English pre-training."""
+    result = _convergence_record(tmp_path, "finetune", ["--finetune", "--steps", "200"])
+    assert result["optimizer"] == "adamw" and result["pretrain_steps"] == 400
+    assert result["relative_difference"] < 0.05, result
+    assert result["link_bytes_per_param_per_step_compressed"] <= 2.1

@@ -1,0 +1,180 @@
+"""Why 1% top-k costs AdamW accuracy: a plain-PyTorch model of the SmartComp codec, for exploring remedies.
+
+This is **not** the product path (no DeepSpeed, no devices, fp32, no bf16 rounding): the update rules and the
+layer-wise top-k + error feedback are written out here so that variants of the device rule can be tried in
+seconds. `bench_compression.py` measures the real path; on the baseline variants the two agree within ~0.5%.
+
+Variants (comma-separated ``--variants``):
+
+- ``dense``: AdamW, every gradient sent.
+- ``ef``: 1% top-k per parameter with error feedback, the device runs ordinary AdamW (what we ship).
+- ``frozen``: as ``ef``, but the device stops updating Adam's variance once the warm-up ends (1-bit Adam).
+- ``age``: as ``ef``, but an entry sent after ``a`` steps adds ``G**2 / a`` to the variance, not ``G**2``.
+- ``vsel``: as ``ef``, but entries are selected by ``|residual| / sqrt(v)`` (v tracked on the host).
+- ``sgd_dense`` / ``sgd_ef``: SGD with Nesterov momentum, dense and 1% top-k with error feedback.
+
+``--finetune N`` first trains dense for ``--steps`` steps on English, then fine-tunes for N steps on Python
+source (the paper's accuracy claims are for fine-tuning) and compares the variants there.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/explore_topk_adam.py --steps 400 --variants dense,ef,frozen
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import math
+import sysconfig
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from lightning_smartinf.demo import CharDataset, CharGPT, english_text
+
+SEQ = 64
+DENSE_STEPS, STAGE_STEPS, DGC = 20, 10, (0.25, 0.0625, 0.015625)  # bench_compression.py's warm-up
+
+
+def kept_ratio(step: int, target: float) -> float | None:
+    """None while dense; then the DGC stages above the target; then the target (0-based ``step``)."""
+    if step < DENSE_STEPS:
+        return None
+    stages = [r for r in DGC if r > target]
+    stage = (step - DENSE_STEPS) // STAGE_STEPS
+    return stages[stage] if stage < len(stages) else target
+
+
+def batches(dataset: Dataset, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    loader = DataLoader(dataset, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    while True:
+        yield from loader
+
+
+def train(model: nn.Module, dataset: Dataset, steps: int, variant: str, max_lr: float, ratio: float) -> None:
+    sgd = variant.startswith("sgd")
+    params = list(model.parameters())
+    decay = {id(p): (0.0 if sgd or p.ndim < 2 else 0.1) for p in params}
+    # Only for the learning-rate (and beta1 / momentum) schedule; the updates are written out below.
+    opt = (
+        torch.optim.SGD(params, lr=max_lr, momentum=0.9, nesterov=True) if sgd else torch.optim.AdamW(params, lr=max_lr)
+    )
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=steps)
+    state = {id(p): {k: torch.zeros_like(p) for k in ("m", "v", "residual", "age", "v_host")} for p in params}
+    frozen_at: int | None = None
+    data = batches(dataset, seed=0)
+    for step in range(1, steps + 1):
+        tokens, targets = next(data)
+        loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        group = opt.param_groups[0]
+        lr = group["lr"]
+        beta1, beta2 = group.get("betas", (0.9, 0.999))
+        keep = None if variant.endswith("dense") else kept_ratio(step - 1, ratio)
+        if variant == "frozen" and frozen_at is None and step - 1 >= DENSE_STEPS + STAGE_STEPS * 3:
+            frozen_at = step - 1
+        with torch.no_grad():
+            for p in params:
+                s, grad = state[id(p)], p.grad
+                v_weight: torch.Tensor | None = None
+                if variant == "vsel":
+                    s["v_host"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                if keep is None:
+                    grad = grad + s["residual"]
+                    s["residual"].zero_()
+                    s["age"].zero_()
+                else:
+                    flat = s["residual"].view(-1)
+                    flat.add_(grad.view(-1))
+                    score = flat.abs() / (s["v_host"].view(-1).sqrt() + 1e-12) if variant == "vsel" else flat.abs()
+                    idx = score.topk(max(1, math.ceil(keep * flat.numel()))).indices
+                    sent = torch.zeros_like(flat)
+                    sent[idx] = flat[idx]
+                    flat[idx] = 0
+                    grad = sent.view_as(p)
+                    age = s["age"].view(-1)
+                    age.add_(1)
+                    if variant == "age":
+                        weight = torch.zeros_like(flat)
+                        weight[idx] = 1.0 / age[idx]
+                        v_weight = weight.view_as(p)
+                    age[idx] = 0
+                if sgd:
+                    buf = s["m"]
+                    buf.copy_(grad) if step == 1 else buf.mul_(group["momentum"]).add_(grad)
+                    p.add_(grad + group["momentum"] * buf, alpha=-lr)
+                    continue
+                p.mul_(1 - lr * decay[id(p)])
+                s["m"].lerp_(grad, 1 - beta1)
+                if frozen_at is None:
+                    s["v"].mul_(beta2).addcmul_(grad, grad if v_weight is None else grad * v_weight, value=1 - beta2)
+                v_step = frozen_at if frozen_at is not None else step
+                denom = s["v"].sqrt().div_(math.sqrt(1 - beta2**v_step)).add_(1e-8)
+                p.addcdiv_(s["m"], denom, value=-lr / (1 - beta1**step))
+        sched.step()
+
+
+def validation_loss(model: nn.Module, dataset: Dataset) -> float:
+    model.eval()
+    losses = []
+    with torch.no_grad():
+        for i, (tokens, targets) in enumerate(DataLoader(dataset, batch_size=32)):
+            if i == 16:
+                break
+            losses.append(nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default="dense,ef")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--ratio", type=float, default=0.01)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--finetune", type=int, default=0, help="fine-tuning steps on Python source (0: off)")
+    parser.add_argument("--finetune-lr", type=float, default=1e-3)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    english = english_text()
+    code = ""
+    if args.finetune:
+        files = sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))[:60]
+        code = "".join(Path(f).read_text(encoding="utf-8") for f in files)[:800_000]
+    vocab = sorted(set(english) | set(code))
+    start = time.perf_counter()
+    results: dict[str, float] = {}
+    base: dict[str, torch.Tensor] | None = None
+    if args.finetune:
+        torch.manual_seed(0)
+        model = CharGPT(len(vocab), seq=SEQ, dim=args.dim)
+        train(model, CharDataset(english, SEQ, vocab), args.steps, "dense", 3e-3, args.ratio)
+        base = {k: v.clone() for k, v in model.state_dict().items()}
+        text, steps, max_lr = code, args.finetune, args.finetune_lr
+    else:
+        text, steps, max_lr = english, args.steps, 3e-3
+    dataset = CharDataset(text, SEQ, vocab)
+    split = int(len(dataset) * 0.9)
+    train_set, val_set = Subset(dataset, range(split)), Subset(dataset, range(split, len(dataset)))
+    for variant in args.variants.split(","):
+        torch.manual_seed(0)
+        model = CharGPT(len(vocab), seq=SEQ, dim=args.dim)
+        if base is not None:
+            model.load_state_dict(base)
+        lr = 0.3 if variant.startswith("sgd") else max_lr
+        train(model, train_set, steps, variant, lr, args.ratio)
+        results[variant] = validation_loss(model, val_set)
+        print(f"{variant:10s} val loss {results[variant]:.4f}  ({time.perf_counter() - start:.0f} s)", flush=True)
+    for variant, loss in results.items():
+        ref = results.get("sgd_dense" if variant.startswith("sgd") else "dense")
+        if ref is not None and variant not in ("dense", "sgd_dense"):
+            print(f"{variant:10s} {100 * (loss - ref) / ref:+.1f}% vs dense")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
