@@ -188,6 +188,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                 offload_parameters=True,
                 io_engine=args.io_engine,
                 overlap_backward=args.run != "smart_infinity_no_overlap",
+                **dict(args.smartinf),
             )
         module = build_module(args, args.run)
         n = args.batch * (args.warmup + args.steps)
@@ -354,6 +355,39 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's rounds as one result: medians over every timed step of every round, per-round medians kept.
+
+    Byte counts are exact and equal in every round; they and the remaining fields come from the last good round.
+    """
+    good = [r for r in runs if "opt_step_times_s" in r]
+    if not good:
+        return runs[-1] if runs else {"error": "not run"}
+    merged = dict(good[-1])
+    merged["opt_step_times_s"] = [t for r in good for t in r["opt_step_times_s"]]
+    merged["opt_step_median_s"] = statistics.median(merged["opt_step_times_s"])
+    merged["train_step_mean_s"] = statistics.fmean(r["train_step_mean_s"] for r in good)
+    merged["round_opt_step_medians_s"] = [r["opt_step_median_s"] for r in good]
+    merged["round_train_step_means_s"] = [r["train_step_mean_s"] for r in good]
+    merged["peak_rss_mib"] = max(r["peak_rss_mib"] for r in good)
+    merged["rounds"] = len(good)
+    return merged
+
+
+def per_round_ratios(results: dict[str, dict[str, Any]], key: str) -> list[float]:
+    """Per round: the faster ZeRO-Infinity setting's time over ours (>1: ours faster)."""
+    ours = results.get("smart_infinity", {}).get(key, [])
+    bases = [results[k][key] for k in ("zero_infinity", "zero_infinity_pipelined") if key in results.get(k, {})]
+    return [min(b[i] for b in bases) / o for i, o in enumerate(ours) if bases and all(i < len(b) for b in bases)]
+
+
+def _int_setting(text: str) -> tuple[str, int]:
+    name, _, value = text.partition("=")
+    if not name.isidentifier() or not value.lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(f"expected NAME=INT, got {text!r}")
+    return name, int(value)
+
+
 def machine_info(args: argparse.Namespace, storage: str) -> dict[str, Any]:
     import deepspeed
     import lightning
@@ -391,6 +425,16 @@ def main() -> None:
         choices=("auto", "aio", "threads"),
         help="smart_infinity device I/O engine (default threads: the faster one on this machine)",
     )
+    parser.add_argument(
+        "--smartinf",
+        metavar="NAME=INT",
+        type=_int_setting,
+        action="append",
+        default=[],
+        help="extra integer SmartInfinityStrategy setting for both smart_infinity runs, e.g. chunk_size=4194304",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="repeat every configuration, alternating the order")
+    parser.add_argument("--settle", type=float, default=5.0, help="seconds after sync before each configuration")
     parser.add_argument("--raw-gib", type=float, default=2.0, help="GiB per direction for the raw bandwidth probe")
     parser.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -403,19 +447,25 @@ def main() -> None:
     storage = args.storage or tempfile.gettempdir()
     raw = raw_bandwidth(Path(storage), args.raw_gib)
     print(f"# raw direct I/O on {storage}: {raw}", file=sys.stderr, flush=True)
-    results: dict[str, dict[str, Any]] = {}
     forwarded = [a for a in sys.argv[1:]]
-    for name in args.only or RUNS:
-        cmd = [sys.executable, __file__, *forwarded, "--run", name]
-        print(f"# running {name} ...", file=sys.stderr, flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("BENCH_RESULT ")]
-        if proc.returncode != 0 or not lines:
-            print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
-            results[name] = {"error": f"exit {proc.returncode}"}
-            continue
-        results[name] = json.loads(lines[-1][len("BENCH_RESULT ") :])
-        print(f"# {name}: {results[name]}", file=sys.stderr, flush=True)
+    names = list(args.only or RUNS)
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        # Alternate the order (A B, B A, ...): this disk drifts and one run's write-back spills into the next.
+        for name in names if r % 2 == 0 else names[::-1]:
+            os.sync()
+            time.sleep(args.settle)
+            cmd = [sys.executable, __file__, *forwarded, "--run", name]
+            print(f"# round {r + 1}/{args.rounds}: running {name} ...", file=sys.stderr, flush=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("BENCH_RESULT ")]
+            if proc.returncode != 0 or not lines:
+                print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
+                rounds[name].append({"error": f"exit {proc.returncode}"})
+                continue
+            rounds[name].append(json.loads(lines[-1][len("BENCH_RESULT ") :]))
+            print(f"# {name}: {rounds[name][-1]}", file=sys.stderr, flush=True)
+    results = {name: merge_rounds(runs) for name, runs in rounds.items()}
 
     md = table(results)
     ours = results.get("smart_infinity", {})
@@ -431,6 +481,14 @@ def main() -> None:
             f"step: {achieved:.2f} GiB/s = {achieved / raw['concurrent_gib_s']:.0%} of the concurrent raw bandwidth "
             "(a lower bound: the step time also includes the norm, link rounding and host bookkeeping)."
         )
+    for key, what in (("round_opt_step_medians_s", "optimizer step"), ("round_train_step_means_s", "train step")):
+        ratios = per_round_ratios(results, key)
+        if len(ratios) > 1:
+            md += (
+                f"\n\nPer round ({len(ratios)} rounds, order alternating), {what}, best baseline / ours: "
+                + ", ".join(f"{x:.2f}" for x in ratios)
+                + f" (median {statistics.median(ratios):.2f})."
+            )
     info = machine_info(args, storage)
     info["raw_io"] = raw
     params = next((r["params"] for r in results.values() if "params" in r), None)
