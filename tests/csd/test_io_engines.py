@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -34,12 +35,17 @@ def test_threaded_io_round_trip(tmp_path, block, depth):
     _round_trip(ThreadedIO(block, depth), tmp_path)
 
 
-def test_deepspeed_aio_round_trip(tmp_path):
+def _aio_or_skip() -> tuple[Any, Any]:
+    """The aio module and DeepSpeed's loaded async_io op; skips the test where libaio or a compiler is missing."""
     aio = pytest.importorskip("lightning_smartinf.zero.aio")
     try:
-        op = aio.load_aio_op()
+        return aio, aio.load_aio_op()
     except RuntimeError as exc:
         pytest.skip(str(exc))
+
+
+def test_deepspeed_aio_round_trip(tmp_path):
+    aio, op = _aio_or_skip()
     _round_trip(aio.DeepSpeedAIO(1 << 16, 4, op=op), tmp_path)
 
 
@@ -76,11 +82,7 @@ def test_deepspeed_aio_first_writes_from_many_threads_and_exit_cleanly(tmp_path,
     and the process exits with the engine still open. Handles destroyed while the interpreter finalised aborted
     7 exits in 40 here, so the slow variant repeats it.
     """
-    aio = pytest.importorskip("lightning_smartinf.zero.aio")
-    try:
-        aio.load_aio_op()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
+    _aio_or_skip()
     for run in range(runs):
         done = subprocess.run(
             [sys.executable, "-c", _FIRST_WRITES, str(tmp_path)], capture_output=True, text=True, timeout=90
@@ -102,11 +104,7 @@ def _os_threads_settle_at(count: int, timeout: float = 10.0) -> bool:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts OS threads through /proc")
 def test_deepspeed_aio_close_joins_every_handles_io_thread(tmp_path):
     """Each calling thread's handle owns an OS thread; ``close`` must destroy all of them, not just forget them."""
-    aio = pytest.importorskip("lightning_smartinf.zero.aio")
-    try:
-        op = aio.load_aio_op()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
+    aio, op = _aio_or_skip()
     engine = aio.DeepSpeedAIO(1 << 16, 4, op=op)
     file = StateFile(tmp_path / "f", 1 << 16, create=True)
     engine.write(file, aligned_empty(1 << 16), 0)  # warm-up: whatever torch starts once is started now
