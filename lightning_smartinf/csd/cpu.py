@@ -610,9 +610,11 @@ class CpuBackend(Backend):
 
     def load(self, directory: Path) -> None:
         self.wait()
+        # Refused before any file is closed, so the backend stays usable after the error.
         for shard in self._shards:
             if shard.tentative:
                 raise RuntimeError(f"Shard {shard.spec.index} has an uncommitted tentative update; roll it back first.")
+        for shard in self._shards:
             for file in shard.files:
                 file.close()
         try:
