@@ -18,6 +18,11 @@ def adamw_cosine(model: torch.nn.Module):
     return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS, eta_min=3e-4)
 
 
+def adamw_fused(model: torch.nn.Module):
+    # The devices run torch's fused CPU kernel for a fused optimizer: the reference is fused too.
+    return torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95), fused=True), None
+
+
 def sgd_momentum(model: torch.nn.Module):
     groups = param_groups(model, 1e-3)
     groups[1]["momentum"] = 0.5  # per-group momentum must reach the device too
@@ -38,6 +43,7 @@ def adagrad(model: torch.nn.Module):
     ("make_optimizer", "accumulate", "clip"),
     [
         pytest.param(adamw_cosine, 2, 0.5, id="adamw-cosine-clip-accumulate"),
+        pytest.param(adamw_fused, 1, None, id="adamw-fused"),
         pytest.param(sgd_momentum, 1, None, id="sgd-momentum-steplr"),
         pytest.param(sgd_nesterov, 2, 1.0, id="sgd-nesterov-clip-accumulate"),
         pytest.param(adagrad, 1, 0.5, id="adagrad-clip"),

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from torch import Tensor
 
 
@@ -84,10 +85,17 @@ class UpdateRule(ABC):
 
 @dataclass(frozen=True)
 class Adam(UpdateRule):
-    """``torch.optim.Adam`` (``decoupled_weight_decay=False``) and ``torch.optim.AdamW`` (``True``)."""
+    """``torch.optim.Adam`` (``decoupled_weight_decay=False``) and ``torch.optim.AdamW`` (``True``).
+
+    With ``fused=True`` it reproduces the optimizer built with ``fused=True`` instead: torch's fused CPU
+    kernel, one pass over memory instead of nine, about 3x faster on host cores. It rounds a few elements
+    in a thousand one bit differently from the single-tensor path, so it is chosen only when the user's
+    optimizer is fused too (:func:`lightning_smartinf.csd.torch_optim.rule_for_group`).
+    """
 
     decoupled_weight_decay: bool = False
     amsgrad: bool = False
+    fused: bool = False
     name: ClassVar[str] = "adam"
 
     @property
@@ -97,6 +105,24 @@ class Adam(UpdateRule):
     def apply(self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams) -> None:
         exp_avg, exp_avg_sq = states[0], states[1]
         beta1, beta2 = hp.betas
+        if self.fused:
+            kernel = torch._fused_adamw_ if self.decoupled_weight_decay else torch._fused_adam_
+            kernel(
+                [master],
+                [grad],
+                [exp_avg],
+                [exp_avg_sq],
+                [states[2]] if self.amsgrad else [],
+                [torch.tensor(float(hp.step))],  # the kernel reads the step; torch.optim increments it before
+                lr=hp.lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=hp.weight_decay,
+                eps=hp.eps,
+                amsgrad=self.amsgrad,
+                maximize=hp.maximize,
+            )
+            return
         if hp.maximize:
             grad.neg_()
         if hp.weight_decay != 0.0:

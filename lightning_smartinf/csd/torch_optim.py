@@ -18,11 +18,14 @@ def rule_for_group(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> U
     Raises:
         ValueError: the optimizer (or one of its options) has no device implementation.
     """
-    if isinstance(optimizer, torch.optim.AdamW):
-        return Adam(decoupled_weight_decay=True, amsgrad=bool(group.get("amsgrad", False)))
-    if isinstance(optimizer, torch.optim.Adam):
-        decoupled = bool(group.get("decoupled_weight_decay", False))
-        return Adam(decoupled_weight_decay=decoupled, amsgrad=bool(group.get("amsgrad", False)))
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        # AdamW subclasses Adam in recent torch and sets `decoupled_weight_decay` itself; older torch did not.
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+        return Adam(
+            decoupled_weight_decay=decoupled,
+            amsgrad=bool(group.get("amsgrad", False)),
+            fused=bool(group.get("fused", False)),
+        )
     if isinstance(optimizer, torch.optim.SGD):
         return SGD(with_momentum=group.get("momentum", 0.0) != 0.0)
     if isinstance(optimizer, torch.optim.Adagrad):

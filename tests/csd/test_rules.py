@@ -1,4 +1,4 @@
-"""Each update rule against the matching ``torch.optim`` single-tensor step, bit for bit."""
+"""Each update rule against the matching ``torch.optim`` step (single-tensor, or fused if the rule is), bit for bit."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams, UpdateRule
+from lightning_smartinf.csd.torch_optim import rule_for_group
 
 NUMEL = 3001
 STEPS = 6
@@ -50,6 +51,28 @@ CASES = [
         {"maximize": True, "weight_decay": 0.02},
     ),
     ("adam_maximize", Adam(), torch.optim.Adam, {"maximize": True}, {"maximize": True}),
+    # fused=True: torch's fused CPU kernel, against the optimizer built with fused=True.
+    (
+        "adamw_fused",
+        Adam(True, fused=True),
+        torch.optim.AdamW,
+        {"fused": True, "weight_decay": 0.1},
+        {"weight_decay": 0.1},
+    ),
+    (
+        "adam_fused_l2_betas_eps",
+        Adam(fused=True),
+        torch.optim.Adam,
+        {"fused": True, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.05},
+        {"betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.05},
+    ),
+    (
+        "adamw_fused_amsgrad_maximize",
+        Adam(decoupled_weight_decay=True, amsgrad=True, fused=True),
+        torch.optim.AdamW,
+        {"fused": True, "amsgrad": True, "maximize": True, "weight_decay": 0.02},
+        {"maximize": True, "weight_decay": 0.02},
+    ),
     ("sgd_plain", SGD(with_momentum=False), torch.optim.SGD, {}, {}),
     ("sgd_momentum_zero_with_buffer", SGD(), torch.optim.SGD, {"momentum": 0.0}, {"momentum": 0.0}),
     ("sgd_momentum", SGD(), torch.optim.SGD, {"momentum": 0.9}, {"momentum": 0.9}),
@@ -198,3 +221,34 @@ def test_initial_state_values() -> None:
 
 def test_rule_names_distinct() -> None:
     assert {Adam.name, SGD.name, Adagrad.name} == {"adam", "sgd", "adagrad"}
+
+
+def test_fused_adam_is_a_different_rounding_of_the_same_update() -> None:
+    """The fused cases above compare the fused kernel, not the single-tensor arithmetic under another name."""
+    gen = torch.Generator().manual_seed(3)
+    init, grad = torch.randn(1 << 16, generator=gen), torch.randn(1 << 16, generator=gen)
+    masters = []
+    for fused in (False, True):
+        master, states = init.clone(), [torch.zeros(1 << 16), torch.zeros(1 << 16)]
+        for t in (1, 2, 3):
+            hp = StepParams(step=t, lr=1e-3, weight_decay=0.01)
+            Adam(decoupled_weight_decay=True, fused=fused).apply(master, grad.clone(), states, hp)
+        masters.append(master)
+    assert not torch.equal(masters[0], masters[1])
+    assert_close(masters[0], masters[1], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda p: torch.optim.AdamW(p), Adam(decoupled_weight_decay=True)),
+        (lambda p: torch.optim.AdamW(p, fused=True, amsgrad=True), Adam(True, amsgrad=True, fused=True)),
+        (lambda p: torch.optim.Adam(p, fused=True), Adam(fused=True)),
+        (lambda p: torch.optim.Adam(p, decoupled_weight_decay=True), Adam(decoupled_weight_decay=True)),
+        (lambda p: torch.optim.Adam(p, foreach=False), Adam()),
+    ],
+    ids=["adamw", "adamw-fused-amsgrad", "adam-fused", "adam-decoupled", "adam-foreach-false"],
+)
+def test_rule_for_group_follows_the_optimizers_options(make, expected) -> None:
+    optimizer = make([torch.nn.Parameter(torch.zeros(4))])
+    assert rule_for_group(optimizer, optimizer.param_groups[0]) == expected
