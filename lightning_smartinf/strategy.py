@@ -69,7 +69,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         sub_group_size: elements per ZeRO sub-group, the unit of work of a device.
         chunk_size: elements a device streams through one buffer at a time (a multiple of 1024).
         buffer_count: chunk buffers per device; host memory of the update path is
-            ``devices * buffer_count * chunk_size * 4 * (1 + states)`` bytes.
+            ``devices * buffer_count * chunk_size * 4 * (1 + states)`` bytes (192 MiB per device for Adam with
+            the defaults). Keep it above ``2 * io_threads + 1`` so reads never wait for a write to free a buffer.
         io_engine: how devices move state to and from their storage: ``"aio"`` (DeepSpeed's libaio op,
             direct I/O), ``"threads"`` (``pread``/``pwrite`` on a thread pool) or ``"auto"`` (aio where it
             loads and the filesystem allows ``O_DIRECT``, else threads; the choice is logged).
@@ -109,7 +110,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         compression: float | dict[str, Any] | TopKCompression | None = None,
         sub_group_size: int = 40_000_000,
         chunk_size: int = 1 << 20,
-        buffer_count: int = 4,
+        buffer_count: int = 16,
         io_engine: Literal["auto", "aio", "threads"] = "auto",
         io_block_size: int = 1 << 20,
         io_queue_depth: int = 8,

@@ -34,9 +34,9 @@ def test_pool_sized_from_sub_groups_metrics_logged_and_released(tmp_path):
 
     # chunk_size shrinks from 1M to the largest sub-group (3000 elements, rounded up to 1024).
     assert strategy.chunk_size == 3072
-    # Per device: buffer_count x (master, m, v) fp32 + an fp32 gradient chunk (ZeRO accumulates bf16 gradients
+    # Per device: buffer_count (16) x (master, m, v) fp32 + an fp32 gradient chunk (ZeRO accumulates bf16 gradients
     # in bf16 here, so no separate link-rounding chunk is needed).
-    assert pool.buffer_bytes == 2 * (4 * 3 + 1) * 3072 * 4
+    assert pool.buffer_bytes == 2 * (16 * 3 + 1) * 3072 * 4
     assert pool.backend.buffer_bytes == 0  # freed at teardown
     metrics = pool.metrics
     assert metrics["smartinf/wait_ms"] >= 0

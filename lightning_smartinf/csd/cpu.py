@@ -366,7 +366,9 @@ class CpuBackend(Backend):
     Args:
         device_dirs: one private directory per device; state files are created inside.
         chunk_elems: elements per streamed chunk (a multiple of 1024).
-        buffer_count: chunk buffers per device (at least 2: one updating, one reading or writing).
+        buffer_count: chunk buffers per device (at least 2: one updating, one reading or writing). Below
+            ``2 * io_threads + 2`` a write in flight holds a buffer a read is waiting for: on the reference VM disk
+            4 gave ~2.5x the optimizer step of 12 and more (``benchmarks/bench_step.py``, ``docs/benchmarks.md``).
         owned_dirs: directories the backend created and removes on :meth:`close`.
         io_factory: builds one I/O engine per device (default: :class:`ThreadedIO` with 1 MiB blocks, depth 8).
         io_threads: chunk transfers each device keeps in flight per direction (reads also at most
@@ -389,7 +391,7 @@ class CpuBackend(Backend):
         device_dirs: Sequence[Path],
         *,
         chunk_elems: int = 1 << 20,
-        buffer_count: int = 4,
+        buffer_count: int = 16,
         owned_dirs: Sequence[Path] = (),
         io_factory: Callable[[], IOEngine] = ThreadedIO,
         io_threads: int = 3,

@@ -95,7 +95,7 @@ def make_plan(work: Workload, prof: Profile, *, devices: int | None = None, comp
         recommended_devices=recommended,
         baseline_saturation_devices=saturation,
         sub_group_size=sub_group,
-        buffer_count=4,
+        buffer_count=16,
         recommend_compression=compression is not None or gain >= COMPRESSION_WORTH,
         compression_gain=gain,
     )
