@@ -425,14 +425,21 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                 reason = "a storage path's filesystem refuses O_DIRECT, so I/O is buffered (page cache in play)"
             else:
                 try:
-                    from lightning_smartinf.zero.aio import DeepSpeedAIO, load_aio_op
+                    from lightning_smartinf.zero.aio import DeepSpeedAIO, load_aio_op, lockable_bytes, memlock_error
 
                     op = load_aio_op()
                 except Exception as exc:  # noqa: BLE001 - any build or load failure means: fall back
                     reason = f"DeepSpeed's async_io op is unavailable ({exc})"
                 else:
-                    log.info(f"SmartUpdate rank {self.global_rank}: device I/O through {DeepSpeedAIO.name}")
-                    return lambda: DeepSpeedAIO(block, depth, op=op)
+                    # The pools are page-locked (worst case: master + 3 states per element); a lock that fails would
+                    # abort inside DeepSpeed, so a process that may not lock that much never gets the aio engine.
+                    need = len(device_dirs) * self.buffer_count * self.chunk_size * 4 * 4
+                    limit = lockable_bytes()
+                    if limit is not None and need > limit:
+                        reason = memlock_error(need, limit)
+                    else:
+                        log.info(f"SmartUpdate rank {self.global_rank}: device I/O through {DeepSpeedAIO.name}")
+                        return lambda: DeepSpeedAIO(block, depth, op=op)
             if self.io_engine == "aio":
                 raise MisconfigurationException(
                     f"`SmartInfinityStrategy(io_engine='aio')` cannot be used: {reason}. Use `io_engine='threads'` "

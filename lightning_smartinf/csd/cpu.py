@@ -26,7 +26,7 @@ from torch import Tensor
 from lightning_smartinf.csd.backend import Backend, Handle, ShardSpec
 from lightning_smartinf.csd.checkpoint import ShardState, load_state, save_state, shard_file_name
 from lightning_smartinf.csd.compression import SparseGrad
-from lightning_smartinf.csd.io import IOEngine, StateFile, ThreadedIO, aligned_empty
+from lightning_smartinf.csd.io import IOEngine, StateFile, ThreadedIO
 from lightning_smartinf.csd.layout import ChunkLayout
 from lightning_smartinf.csd.rules import StepParams
 from lightning_smartinf.csd.storage import StorageError, check_free_space, ensure_private_dir
@@ -176,7 +176,7 @@ class EmulatedDevice:
         """Allocate the buffer pool for records of up to ``tensors_per_record`` fp32 tensors."""
         record_bytes = self._chunk_elems * 4 * tensors_per_record
         for _ in range(self._buffer_count):
-            self.pool.add(aligned_empty(record_bytes, torch.float32))
+            self.pool.add(self.io.empty(record_bytes).view(torch.float32))
         self._grad_chunk = torch.empty(self._chunk_elems, dtype=torch.float32)
         self.allocated_bytes = (self._buffer_count * tensors_per_record + 1) * self._chunk_elems * 4
 

@@ -111,6 +111,10 @@ class IOEngine(ABC):
         self.block_size = block_size
         self.queue_depth = queue_depth
 
+    def empty(self, nbytes: int) -> Tensor:
+        """An aligned ``uint8`` buffer this engine transfers without an extra copy; valid until :meth:`close`."""
+        return aligned_empty(nbytes)
+
     @abstractmethod
     def read(self, file: StateFile, buf: Tensor, offset: int) -> None:
         """Fill ``buf`` from ``file`` at ``offset``."""

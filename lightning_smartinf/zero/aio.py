@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import atexit
 import logging
+import resource
 import threading
 import weakref
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_smartinf.csd.io import IOEngine, StateFile
@@ -25,8 +27,49 @@ _open_engines: weakref.WeakSet[DeepSpeedAIO] = weakref.WeakSet()
 
 @atexit.register
 def _close_open_engines() -> None:
+    # Only the handles: a daemon thread may still hold a locked buffer, and the OS reclaims memory at exit anyway.
     for engine in list(_open_engines):
-        engine.close()
+        engine._drop_handles()
+
+
+_CAP_IPC_LOCK = 14  # bit of CapEff in /proc/self/status
+
+
+def _status_field(name: str) -> str | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(name + ":"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def lockable_bytes() -> int | None:
+    """Bytes of memory this process may still page-lock; ``None`` when nothing limits it.
+
+    DeepSpeed's async_io moves data through page-locked memory only: buffers locked once, or a bounce buffer it
+    locks for each transfer. Without ``CAP_IPC_LOCK`` the ``RLIMIT_MEMLOCK`` soft limit (``ulimit -l``, often
+    8 MiB for ordinary users) caps that, and a lock that fails aborts the process inside DeepSpeed.
+    """
+    caps = _status_field("CapEff")
+    if caps is not None and int(caps, 16) >> _CAP_IPC_LOCK & 1:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    locked = _status_field("VmLck")  # e.g. "1024 kB"
+    return max(0, soft - (int(locked.split()[0]) * 1024 if locked else 0))
+
+
+def memlock_error(nbytes: int, limit: int) -> str:
+    """Why ``nbytes`` of page-locked memory cannot be had, and the fixes."""
+    return (
+        f"DeepSpeed's async_io needs {nbytes / 2**20:.1f} MiB of page-locked memory but this process may lock only "
+        f"{limit / 2**20:.1f} MiB more (`ulimit -l`, RLIMIT_MEMLOCK). Raise the limit (`ulimit -l unlimited`, or "
+        "`memlock` in /etc/security/limits.conf), lower `buffer_count` or `chunk_size`, or use `io_engine='threads'`."
+    )
 
 
 def load_aio_op() -> Any:
@@ -50,8 +93,12 @@ class DeepSpeedAIO(IOEngine):
     """Direct I/O through DeepSpeed's libaio handle: ``queue_depth`` requests of ``block_size`` in flight.
 
     A handle serves one caller at a time, so each calling thread (a device's reader and writer) gets its own.
-    ``close`` destroys every handle (joining its I/O threads); call it only when no thread is using the engine.
-    Engines still open at interpreter exit are closed by an ``atexit`` hook.
+    Buffers from :meth:`empty` are page-locked once, so transfers go straight to them; any other buffer costs
+    DeepSpeed a locked bounce buffer and a copy per transfer. A transfer that would need more locked memory than
+    the process may lock raises instead of aborting inside DeepSpeed (see :func:`lockable_bytes`).
+    ``close`` frees the locked buffers and destroys every handle (joining its I/O threads); call it only when no
+    thread is using the engine or its buffers. Engines still open at interpreter exit are closed by an ``atexit``
+    hook.
     """
 
     name = "DeepSpeed async_io (libaio, O_DIRECT)"
@@ -61,6 +108,9 @@ class DeepSpeedAIO(IOEngine):
         self._op = op if op is not None else load_aio_op()
         self._local = threading.local()
         self._handles: list[Any] = []
+        # Page-locked buffers handed out by `empty`, and the handle that allocated them (it frees them).
+        self._locked: list[Tensor] = []
+        self._allocator: Any = None
 
     def _handle(self) -> Any:
         handle = getattr(self._local, "handle", None)
@@ -72,24 +122,54 @@ class DeepSpeedAIO(IOEngine):
             _open_engines.add(self)
         return handle
 
+    def empty(self, nbytes: int) -> Tensor:
+        limit = lockable_bytes()
+        if limit is not None and nbytes > limit:
+            raise RuntimeError(memlock_error(nbytes, limit))
+        if self._allocator is None:
+            self._allocator = self._op.aio_handle(self.block_size, self.queue_depth, False, True, 1)
+            _open_engines.add(self)
+        buf = self._allocator.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+        self._locked.append(buf)
+        return buf
+
+    def _direct(self, handle: Any, buf: Tensor) -> Tensor:
+        """``buf`` flat, after checking that DeepSpeed can lock a bounce buffer for it if it needs one."""
+        if not handle.is_pinned(buf):
+            limit = lockable_bytes()
+            if limit is not None and buf.nbytes > limit:
+                raise RuntimeError(memlock_error(buf.nbytes, limit))
+        return buf.view(-1)
+
     def read(self, file: StateFile, buf: Tensor, offset: int) -> None:
-        done = self._handle().sync_pread(buf.view(-1), str(file.path), offset)
+        handle = self._handle()
+        done = handle.sync_pread(self._direct(handle, buf), str(file.path), offset)
         if done < 0:
             raise OSError(f"async_io read of {file.path} at byte {offset} failed ({done}).")
 
     def write(self, file: StateFile, buf: Tensor, offset: int) -> None:
         global _first_write_done
+        handle = self._handle()
+        flat = self._direct(handle, buf)
         if _first_write_done:
-            done = self._handle().sync_pwrite(buf.view(-1), str(file.path), offset)
+            done = handle.sync_pwrite(flat, str(file.path), offset)
         else:
             with _first_write:  # waiting here releases the GIL
-                done = self._handle().sync_pwrite(buf.view(-1), str(file.path), offset)
+                done = handle.sync_pwrite(flat, str(file.path), offset)
                 _first_write_done = True
         if done < 0:
             raise OSError(f"async_io write of {file.path} at byte {offset} failed ({done}).")
 
     def close(self) -> None:
+        locked, self._locked = self._locked, []
+        if self._allocator is not None:  # None after the exit hook dropped the handles: the OS reclaims the memory
+            for buf in locked:
+                self._allocator.free_cpu_locked_tensor(buf)
+        self._drop_handles()
+
+    def _drop_handles(self) -> None:
         # Both references go: the list and every thread's slot (a fresh `local` drops the old per-thread values).
         self._local = threading.local()
         self._handles.clear()
+        self._allocator = None
         _open_engines.discard(self)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -122,6 +123,84 @@ def test_deepspeed_aio_close_joins_every_handles_io_thread(tmp_path):
     engine.write(file, aligned_empty(1 << 16), 0)  # usable again: a new handle for this thread
     engine.close()
     file.close()
+
+
+def _locked_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmLck:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmLck from /proc")
+def test_deepspeed_aio_pool_buffers_are_page_locked_and_freed_on_close(tmp_path):
+    """Locked once, DeepSpeed transfers straight into them: no locked bounce buffer and copy per transfer."""
+    aio, op = _aio_or_skip()
+    if aio.lockable_bytes() is not None and aio.lockable_bytes() < 8 << 20:
+        pytest.skip("this process may not lock 8 MiB")
+    engine = aio.DeepSpeedAIO(1 << 20, 4, op=op)
+    before = _locked_kib()
+    bufs = [engine.empty(3 << 20) for _ in range(2)]
+    assert _locked_kib() - before >= 2 * 3 * 1024
+    assert all(engine._handle().is_pinned(b) for b in bufs)
+    assert all(b.data_ptr() % 4096 == 0 and b.dtype == torch.uint8 and b.numel() == 3 << 20 for b in bufs)
+    file = StateFile(tmp_path / "f", 3 << 20, create=True)
+    bufs[0].copy_(torch.randint(0, 256, (3 << 20,), dtype=torch.uint8))
+    engine.write(file, bufs[0], 0)
+    engine.read(file, bufs[1], 0)
+    assert torch.equal(bufs[0], bufs[1])
+    file.close()
+    engine.close()
+    assert _locked_kib() == before
+
+
+_NO_MEMLOCK = """
+import resource, sys
+from pathlib import Path
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.csd.io import StateFile, ThreadedIO, aligned_empty
+from lightning_smartinf.zero.aio import DeepSpeedAIO, load_aio_op, lockable_bytes
+
+resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]))
+assert lockable_bytes() is not None and lockable_bytes() <= 1 << 20, lockable_bytes()
+d = Path(sys.argv[1])
+engine = DeepSpeedAIO(1 << 16, 4, op=load_aio_op())
+file = StateFile(d / "f", 4 << 20, create=True)
+for attempt in (lambda: engine.empty(4 << 20), lambda: engine.write(file, aligned_empty(4 << 20), 0)):
+    try:
+        attempt()
+    except RuntimeError as exc:
+        assert "ulimit -l" in str(exc) and "io_engine='threads'" in str(exc), exc
+    else:
+        raise AssertionError("a lock beyond the limit was not refused")
+engine.write(file, aligned_empty(256 << 10), 0)  # a bounce buffer within the limit still works
+engine.close()
+file.close()
+auto = SmartInfinityStrategy(storage_paths=[d], io_engine="auto")._io_factory([d])()
+assert isinstance(auto, ThreadedIO), auto
+try:
+    SmartInfinityStrategy(storage_paths=[d], io_engine="aio")._io_factory([d])
+except MisconfigurationException as exc:
+    assert "io_engine='aio'" in str(exc) and "ulimit -l" in str(exc), exc
+else:
+    raise AssertionError("io_engine='aio' was accepted without the memory to lock its pools")
+print("refused cleanly")
+"""
+
+
+def test_deepspeed_aio_without_lockable_memory_is_refused_not_aborted(tmp_path):
+    """A user without ``CAP_IPC_LOCK`` and with an 8 MiB ``ulimit -l`` (a common default) had DeepSpeed abort the
+    process on the first 12 MiB transfer (a failed ``mlock`` asserted in C++). Now: a clear error, and ``auto``
+    picks threads. Run in a process without the capability and with a 1 MiB limit."""
+    _aio_or_skip()
+    command = [sys.executable, "-c", _NO_MEMLOCK, str(tmp_path)]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root keeps CAP_IPC_LOCK without setpriv to drop it")
+        command = ["setpriv", "--bounding-set", "-ipc_lock", *command]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "refused cleanly" in done.stdout
 
 
 @pytest.mark.parametrize(
