@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gib", type=float, default=4.0, help="GiB of fp32 master + Adam moments")
     parser.add_argument("--sub-group", type=int, default=8 << 20, help="elements per shard (ZeRO sub-group)")
     parser.add_argument("--chunk", type=int, default=1 << 20, help="elements per streamed chunk")
-    parser.add_argument("--buffer-count", type=int, default=4, help="chunk buffers per device")
+    parser.add_argument("--buffer-count", type=int, default=16, help="chunk buffers per device")
     parser.add_argument("--block", type=int, default=1 << 20, help="I/O block bytes")
     parser.add_argument("--depth", type=int, default=8, help="I/O queue depth")
     parser.add_argument("--io-threads", type=int, default=3, help="chunk transfers in flight per direction")
