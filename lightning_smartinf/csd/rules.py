@@ -88,7 +88,7 @@ class Adam(UpdateRule):
     """``torch.optim.Adam`` (``decoupled_weight_decay=False``) and ``torch.optim.AdamW`` (``True``).
 
     With ``fused=True`` it reproduces the optimizer built with ``fused=True`` instead: torch's fused CPU
-    kernel, one pass over memory instead of nine, about 3x faster on host cores. It rounds a few elements
+    kernel, one pass over memory instead of nine, 2.5-3x faster on host cores. It rounds a few elements
     in a thousand one bit differently from the single-tensor path, so it is chosen only when the user's
     optimizer is fused too (:func:`lightning_smartinf.csd.torch_optim.rule_for_group`).
     """
