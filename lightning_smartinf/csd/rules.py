@@ -90,7 +90,8 @@ class Adam(UpdateRule):
     With ``fused=True`` it reproduces the optimizer built with ``fused=True`` instead: torch's fused CPU
     kernel, one pass over memory instead of nine, 2.5-3x faster on host cores. It rounds a few elements
     in a thousand one bit differently from the single-tensor path, so it is chosen only when the user's
-    optimizer is fused too (:func:`lightning_smartinf.csd.torch_optim.rule_for_group`).
+    optimizer is fused too (:func:`lightning_smartinf.csd.torch_optim.rule_for_group`). The flag concerns
+    host-core devices only: ``backend="xrt"`` runs the HLS kernel's arithmetic whatever it says.
     """
 
     decoupled_weight_decay: bool = False
