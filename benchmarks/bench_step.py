@@ -100,17 +100,19 @@ def proc_io() -> dict[str, int]:
 
 
 def device_seconds(trainer: Any) -> dict[str, float] | None:
-    """Seconds ours' devices spent reading, writing and computing (summed over devices and their threads), and
-    seconds the host waited on them; ``None`` for ZeRO-Infinity."""
+    """Seconds ours' devices spent reading, writing and computing (summed over devices and their threads), seconds
+    the host waited on them, and state bytes read between steps that updates used; ``None`` for ZeRO-Infinity."""
     optimizer = trainer.strategy.deepspeed_engine.optimizer
     backend = getattr(optimizer, "smartinf_backend", None)
     if backend is None or not hasattr(backend, "devices"):
         return None
     out = {"wait_s": optimizer.smartinf_wait_s, "read_s": 0.0, "write_s": 0.0, "compute_s": 0.0}
+    out["prefetch_used_bytes"] = 0.0
     for device in backend.devices:
         out["read_s"] += device.stats.read_s
         out["write_s"] += device.stats.write_s
         out["compute_s"] += device.stats.compute_s
+        out["prefetch_used_bytes"] += device.stats.prefetch_used_bytes
     return out
 
 
@@ -359,6 +361,10 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     def device(r: dict[str, Any], key: str) -> float | None:
         return r.get("device_s_per_step", {}).get(key)
 
+    def prefetched(r: dict[str, Any]) -> float | None:
+        used = device(r, "prefetch_used_bytes")
+        return None if used is None else used / r["params"]
+
     # (metric, value of a baseline run, value of one of ours)
     rows = [
         ("optimizer step, median (s)", lambda r: r.get("opt_step_median_s"), None),
@@ -378,6 +384,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         ("device read, summed over threads (s/step)", lambda r: None, lambda r: device(r, "read_s")),
         ("device write, summed over threads (s/step)", lambda r: None, lambda r: device(r, "write_s")),
         ("host waited on devices (s/step)", lambda r: None, lambda r: device(r, "wait_s")),
+        ("state read between steps and used (B/param/step)", lambda r: None, prefetched),
     ]
     lines = [
         "| metric | ZeRO-Infinity | ZeRO-Infinity pipelined | smart_infinity | smart_infinity, no overlap "
@@ -428,10 +435,12 @@ def per_round_ratios(results: dict[str, dict[str, Any]], key: str) -> list[float
     return [min(b[i] for b in bases) / o for i, o in enumerate(ours) if bases and all(i < len(b) for b in bases)]
 
 
-def _int_setting(text: str) -> tuple[str, int]:
+def _setting(text: str) -> tuple[str, int | bool]:
     name, _, value = text.partition("=")
+    if name.isidentifier() and value in ("true", "false"):
+        return name, value == "true"
     if not name.isidentifier() or not value.lstrip("-").isdigit():
-        raise argparse.ArgumentTypeError(f"expected NAME=INT, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected NAME=INT or NAME=true|false, got {text!r}")
     return name, int(value)
 
 
@@ -474,11 +483,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--smartinf",
-        metavar="NAME=INT",
-        type=_int_setting,
+        metavar="NAME=VALUE",
+        type=_setting,
         action="append",
         default=[],
-        help="extra integer SmartInfinityStrategy setting for both smart_infinity runs, e.g. chunk_size=4194304",
+        help="extra integer or true/false SmartInfinityStrategy setting for both smart_infinity runs, e.g. "
+        "chunk_size=4194304 or prefetch_state=false",
     )
     parser.add_argument(
         "--unfused",

@@ -32,7 +32,9 @@ class BufferPool(Callback):
       summed over its threads (with ``io_threads=3``, read and write can each reach 3x the step time);
     - ``smartinf/early_kept``, ``smartinf/early_rolled_back``: sub-groups that devices updated during
       backward (``overlap_backward``) and the step kept, or rolled back (clipping, a skipped step, a changed
-      learning rate) and redid.
+      learning rate) and redid;
+    - ``smartinf/prefetch_used_bytes``: state the devices read between steps (``prefetch_state``) that this
+      step's updates used.
 
     Args:
         chunk_size: elements per buffer; ``None`` keeps the strategy's, capped at the largest sub-group.
@@ -62,6 +64,7 @@ class BufferPool(Callback):
         self._last_early = (0, 0)
         self._last_step = 0
         self._last_stats: list[tuple[float, float, float]] = []
+        self._last_prefetched = 0
 
     @staticmethod
     def _strategy(trainer: pl.Trainer) -> SmartInfinityStrategy:
@@ -105,6 +108,7 @@ class BufferPool(Callback):
         self._last_wait_s = optimizer.smartinf_wait_s
         self._last_early = (optimizer.smartinf_early_kept, optimizer.smartinf_early_rolled_back)
         self._last_stats = [(d.stats.read_s, d.stats.write_s, d.stats.compute_s) for d in backend.devices]
+        self._last_prefetched = sum(d.stats.prefetch_used_bytes for d in backend.devices)
         for device in backend.devices:
             device.pool.reset_peak()
 
@@ -128,6 +132,9 @@ class BufferPool(Callback):
             for name, a, b in zip(("read", "write", "compute"), now, before):
                 metrics[f"smartinf/device{index}_{name}_ms"] = (a - b) * 1e3
         self._last_stats = stats
+        prefetched = sum(d.stats.prefetch_used_bytes for d in backend.devices)
+        metrics["smartinf/prefetch_used_bytes"] = float(prefetched - self._last_prefetched)
+        self._last_prefetched = prefetched
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
 
     @override

@@ -83,6 +83,9 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             confirms it (same hyperparameters and scale, no clipping, no skipped step), otherwise it is rolled
             back and redone, so results do not change. Keeps a second copy of the state on the storage paths
             (2x the disk space, not the traffic). ``backend="cpu"`` without ``compression`` only.
+        prefetch_state: after each step, every device reads the first chunks of the sub-groups it will update
+            first in the next step into its idle buffers (at most ``buffer_count - 1``), so its storage works
+            while the host runs forward. Never changes results or memory; ``False`` is for comparisons.
         offload_parameters: keep ZeRO's low-precision parameter partitions in host memory between uses.
         offload_activations: write large saved activations to the storage paths during forward and read them
             back ahead of backward (``True``, or a dict of
@@ -116,6 +119,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         io_queue_depth: int = 8,
         io_threads: int = 3,
         overlap_backward: bool = True,
+        prefetch_state: bool = True,
         offload_parameters: bool = False,
         offload_activations: bool | dict[str, Any] = False,
         config: _PATH | dict[str, Any] | None = None,
@@ -195,6 +199,11 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             raise MisconfigurationException(
                 f"`SmartInfinityStrategy(overlap_backward={overlap_backward!r})` is invalid: pass True or False."
             )
+        if not isinstance(prefetch_state, bool):
+            raise MisconfigurationException(
+                f"`SmartInfinityStrategy(prefetch_state={prefetch_state!r})` is invalid: pass True or False."
+            )
+        self.prefetch_state = prefetch_state
         #: Whether devices start updating during backward (see ``overlap_backward``).
         self.overlap_backward = overlap_backward and backend == "cpu" and self.compression is None
         if overlap_backward and not self.overlap_backward:
@@ -493,6 +502,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                     chunk_elems=self.chunk_size,
                     buffer_count=self.buffer_count,
                     owned_dirs=owned,
+                    prefetch_state=self.prefetch_state,
                 )
             else:
                 assert io_factory is not None
@@ -504,6 +514,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                     io_factory=io_factory,
                     io_threads=self.io_threads,
                     tentative_slots=self.overlap_backward,
+                    prefetch_state=self.prefetch_state,
                 )
             return self._backend
 

@@ -45,6 +45,8 @@ def test_pool_sized_from_sub_groups_metrics_logged_and_released(tmp_path):
     sub_groups = len(trainer.strategy.deepspeed_engine.optimizer.fp16_groups)
     assert metrics["smartinf/early_kept"] == sub_groups > 0
     assert metrics["smartinf/early_rolled_back"] == 0
+    # Each device started the last step on state it read after the step before (`prefetch_state`).
+    assert metrics["smartinf/prefetch_used_bytes"] > 0
     for device in (0, 1):
         assert metrics[f"smartinf/device{device}_read_ms"] > 0
         assert metrics[f"smartinf/device{device}_compute_ms"] > 0

@@ -44,7 +44,11 @@ def test_traffic_is_exact_per_parameter(tmp_path, precision, link_bytes):
     init_link = numel * link_bytes  # initial masters are upcast from the low-precision partitions
     assert traffic.link_write_bytes == init_link + steps * numel * link_bytes
     assert traffic.link_read_bytes == steps * numel * link_bytes
-    assert traffic.storage_read_bytes == steps * padded * 12
+    # Between steps the devices read the next step's first chunks (`prefetch_state`): those count with the step
+    # that uses them; the last step's advice is never used, and its reads count when teardown drops them.
+    used, dropped = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend.prefetch_stats()
+    assert used > 0 and 0 < dropped <= padded * 12
+    assert traffic.storage_read_bytes == steps * padded * 12 + dropped
     assert traffic.storage_write_bytes == padded * 12 + steps * padded * 12
     # Per-step metrics are the per-step deltas.
     metrics = trainer.callback_metrics
@@ -233,3 +237,15 @@ def test_reduce_bucket_follows_sub_group_size_when_updates_overlap_backward(tmp_
         bucket(reduce_bucket_size=0)
     with pytest.raises(MisconfigurationException, match=r"overlap_backward='yes'\)` is invalid"):
         bucket(overlap_backward="yes")
+
+
+def test_prefetch_state_can_be_turned_off_and_is_validated(tmp_path):
+    with pytest.raises(MisconfigurationException, match=r"prefetch_state=1\)` is invalid: pass True or False"):
+        SmartInfinityStrategy(storage_paths=[tmp_path], prefetch_state=1)
+    steps = 2
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=4096, prefetch_state=False)
+    trainer, _ = fit(LMModule(adamw, dim=64), strategy, steps=steps)
+    backend = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend
+    assert backend.prefetch_stats() == (0, 0)
+    state_bytes = sum(s.layout.file_bytes for s in backend._shards)
+    assert trainer.strategy.traffic.storage_read_bytes == steps * state_bytes

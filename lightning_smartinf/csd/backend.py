@@ -111,6 +111,14 @@ class Backend(ABC):
                 f"{type(self).__name__} takes no tentative updates, so shards {shards} have none to {what}."
             )
 
+    def prefetch(self, shards: Sequence[int]) -> None:
+        """Advice: the next requests are for ``shards``, in this order. Never changes results (default: ignored).
+
+        Called after a step with the order the next step will likely hand shards off in, so that devices
+        can read state while the host runs forward.
+        """
+        return None
+
     @abstractmethod
     def read_master(self, shard: int, out: Tensor) -> Handle:
         """Copy the shard's fp32 master weights into ``out`` (export and inspection; not on the step path)."""

@@ -3,7 +3,8 @@
 Each device owns a directory, a worker thread that runs requests in submission order, one reader and
 one writer thread, and a fixed pool of aligned chunk buffers. A request streams its shard through
 the pool chunk by chunk: reads run ahead of the update, write-back trails behind it, so the disk is
-kept busy while the update computes. Host memory of the update path is
+kept busy while the update computes. Between steps an idle device reads the first chunks of the shards
+it is told come next (:meth:`CpuBackend.prefetch`) into its free buffers. Host memory of the update path is
 ``num_devices * buffer_count * chunk_bytes`` plus one fp32 gradient chunk per device, whatever the
 model size.
 """
@@ -40,6 +41,9 @@ class DeviceStats:
     read_s: float = 0.0
     write_s: float = 0.0
     compute_s: float = 0.0
+    #: Bytes read ahead of their request by :meth:`CpuBackend.prefetch`: used by it, or dropped unused.
+    prefetch_used_bytes: int = 0
+    prefetch_dropped_bytes: int = 0
 
 
 class BufferPool:
@@ -131,6 +135,26 @@ class _Request:
     write_slot: int = 0
 
 
+@dataclass
+class _Prefetch:
+    """Advice on a device's queue: its next requests read these (shard, committed slot) pairs, in order."""
+
+    targets: list[tuple[_Shard, int]]
+
+
+@dataclass
+class _DropPrefetch:
+    """On a device's queue: drop every chunk read ahead, then resolve ``done`` (the files may change after)."""
+
+    done: Future = field(default_factory=Future)
+
+
+_Queued = _Request | _Prefetch | _DropPrefetch | None
+
+#: Seconds an idle device waits for a request before it retries taking a buffer for a prefetch.
+_PREFETCH_POLL_S = 0.002
+
+
 class EmulatedDevice:
     """One emulated computational-storage device: a directory, a buffer pool and three threads."""
 
@@ -157,7 +181,7 @@ class EmulatedDevice:
         self._grad_chunk: Tensor | None = None
         self._link_chunks: dict[torch.dtype, Tensor] = {}
         self.allocated_bytes = 0
-        self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
         # Read-ahead state, touched only by the worker thread: the request being served first, then queued
         # requests already taken off ``_requests`` because reads ran ahead into them.
         self._window: deque[_Request] = deque()
@@ -165,6 +189,11 @@ class EmulatedDevice:
         self._cursor = 0  # index in ``_window`` of the request whose chunks are being read
         self._cursor_k = 0  # its next chunk to read
         self._closing = False  # the close sentinel was taken off ``_requests`` by read-ahead
+        # Between requests: chunks still to prefetch, and chunks read ahead of any request, in the order the
+        # advised requests will read them. Invariant: no request queued since the advice has the shard of a
+        # prefetched chunk (the first request that does adopts it or drops every one), so none is stale.
+        self._prefetch_plan: deque[tuple[_Shard, int, int]] = deque()
+        self._prefetched: deque[tuple[_Shard, int, int, Tensor, Future]] = deque()
         # More reads than ``buffer_count - 1`` are never in flight (one buffer is always the one updating).
         readers = max(1, min(io_threads, buffer_count - 1))
         self._reader = ThreadPoolExecutor(readers, thread_name_prefix=f"csd{index}-read")
@@ -196,6 +225,16 @@ class EmulatedDevice:
         self._requests.put(request)
         return request.future
 
+    def prefetch(self, targets: list[tuple[_Shard, int]]) -> None:
+        """Advise that the next requests read ``targets`` (shard, committed slot) first, in this order."""
+        self._requests.put(_Prefetch(targets))
+
+    def drop_prefetched(self) -> Future:
+        """Drop every chunk read ahead; the returned future resolves once no prefetch read is in flight."""
+        message = _DropPrefetch()
+        self._requests.put(message)
+        return message.done
+
     def close(self) -> None:
         self._requests.put(None)
         self._worker.join()
@@ -214,29 +253,107 @@ class EmulatedDevice:
         return next((exc for f in trailing if (exc := f.exception()) is not None), None)
 
     def _serve(self) -> None:
-        while True:
-            if not self._window:
-                if self._closing:
-                    return
-                request = self._requests.get()
-                if request is None:
-                    return
-                self._window.append(request)
-                self._cursor, self._cursor_k = 0, 0
-            request = self._window[0]
-            try:
-                self._stream(request)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting host thread
-                request.future.set_exception(exc)
-            else:
-                self._traffic.add(link_write_bytes=request.link_write, link_read_bytes=request.link_read)
-                request.future.set_result(None)
-            finally:
-                self._window.popleft()
-                if self._cursor == 0:  # reads had not left this request: the next one starts from its chunk 0
-                    self._cursor_k = 0
+        try:
+            while True:
+                if not self._window:
+                    if self._closing:
+                        return
+                    request = self._next_queued()
+                    if request is None:
+                        return
+                    self._window.append(request)
+                    self._cursor, self._cursor_k = 0, self._adopt_prefetched(request)
+                request = self._window[0]
+                try:
+                    self._stream(request)
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting host thread
+                    request.future.set_exception(exc)
                 else:
-                    self._cursor -= 1
+                    self._traffic.add(link_write_bytes=request.link_write, link_read_bytes=request.link_read)
+                    request.future.set_result(None)
+                finally:
+                    self._window.popleft()
+                    if self._cursor == 0:  # reads had not left this request: the next one starts from its chunk 0
+                        self._cursor_k = 0
+                    else:
+                        self._cursor -= 1
+        finally:
+            self._drop_prefetched()
+
+    def _next_queued(self) -> _Request | None:
+        """Block for the next request (None: close), prefetching advised chunks into free buffers meanwhile."""
+        while True:
+            self._issue_prefetch()
+            try:
+                item = self._requests.get(timeout=_PREFETCH_POLL_S) if self._prefetch_plan else self._requests.get()
+            except queue.Empty:
+                continue  # a write-back may have freed a buffer for the next prefetch
+            if not self._control(item):
+                return item  # type: ignore[return-value]
+
+    def _control(self, item: _Queued) -> bool:
+        """Act on a prefetch message taken off the queue; False if ``item`` is a request or the close sentinel."""
+        if isinstance(item, _Prefetch):
+            self._drop_prefetched()
+            if not self._window:  # advice is about an idle device; a busy one would read these chunks anyway
+                budget = self._buffer_count - 1
+                for shard, slot in item.targets:
+                    for k in range(min(budget, shard.layout.num_chunks)):
+                        self._prefetch_plan.append((shard, slot, k))
+                    budget -= min(budget, shard.layout.num_chunks)
+            return True
+        if isinstance(item, _DropPrefetch):
+            self._drop_prefetched()
+            item.done.set_result(None)
+            return True
+        return False
+
+    def _issue_prefetch(self) -> None:
+        """Start reads of planned chunks while a buffer is free; never blocks (write-backs free buffers later)."""
+        while self._prefetch_plan and (buf := self.pool.try_acquire()) is not None:
+            shard, slot, k = self._prefetch_plan.popleft()
+            pending = self._reader.submit(self._read, shard, slot, k, buf, count=False)
+            self._prefetched.append((shard, slot, k, buf, pending))
+
+    def _adopt_prefetched(self, request: _Request) -> int:
+        """Hand ``request`` the chunks read ahead for it, as its first reads; drop them all if it is another's.
+
+        Returns the number of chunks adopted: the request's next chunk to read. Their bytes count as read now,
+        with the request that uses them, so per-step traffic stays exact.
+        """
+        self._prefetch_plan.clear()  # a request arrived: the device is no longer idle
+        adopted = 0
+        while self._prefetched:
+            shard, slot, k, buf, pending = self._prefetched[0]
+            if shard is not request.shard:
+                break
+            if not request.read or slot != request.read_slot or k != adopted:
+                self._drop_prefetched()
+                return 0
+            self._prefetched.popleft()
+            self._reads.append((request, k, buf, pending))
+            nbytes = self._record_bytes(shard, k)
+            self._traffic.add(storage_read_bytes=nbytes)
+            self.stats.prefetch_used_bytes += nbytes
+            adopted += 1
+        if adopted == 0 and self._prefetched:
+            self._drop_prefetched()
+        return adopted
+
+    def _drop_prefetched(self) -> None:
+        """Forget the prefetch plan and release the buffers of chunks read ahead (waiting for their reads)."""
+        self._prefetch_plan.clear()
+        while self._prefetched:
+            shard, _, k, buf, pending = self._prefetched.popleft()
+            if pending.exception() is None:  # a read that happened is traffic, used or not
+                nbytes = self._record_bytes(shard, k)
+                self._traffic.add(storage_read_bytes=nbytes)
+                self.stats.prefetch_dropped_bytes += nbytes
+            self.pool.release(buf)
+
+    @staticmethod
+    def _record_bytes(shard: _Shard, k: int) -> int:
+        return shard.layout.padded_len(k) * shard.layout.tensors_per_record * 4
 
     def _may_read_ahead(self, i: int) -> bool:
         """Whether chunks of ``window[i]`` may be read now: no earlier request in the window has its shard.
@@ -263,10 +380,14 @@ class EmulatedDevice:
                     queued = self._requests.get_nowait()
                 except queue.Empty:
                     return None
+                if self._control(queued):
+                    continue
                 if queued is None:
                     self._closing = True
                     return None
-                self._window.append(queued)
+                self._window.append(queued)  # type: ignore[arg-type]
+                self._cursor, self._cursor_k = self._cursor + 1, self._adopt_prefetched(queued)  # type: ignore[arg-type]
+                continue
             self._cursor, self._cursor_k = self._cursor + 1, 0
 
     def _issue_reads(self) -> None:
@@ -277,7 +398,12 @@ class EmulatedDevice:
         Reads for a later request only take a buffer that is free now: the current request's parameters
         must never wait for a write-back on behalf of a request behind it.
         """
-        while len(self._reads) < self._buffer_count - 1 and (target := self._next_read()) is not None:
+        # Chunks prefetched for a later request hold buffers too: with them counted, one buffer is always free
+        # or being written back, so ``acquire`` cannot wait on reads only the worker itself would consume.
+        while (
+            len(self._reads) + len(self._prefetched) < self._buffer_count - 1
+            and (target := self._next_read()) is not None
+        ):
             request, k = target
             if request is self._window[0]:
                 buf = self.pool.acquire()
@@ -286,10 +412,11 @@ class EmulatedDevice:
             else:
                 self._cursor_k -= 1  # retried at the next chunk boundary
                 return
-            self._reads.append((request, k, buf, self._reader.submit(self._read, request, k, buf)))
+            pending = self._reader.submit(self._read, request.shard, request.read_slot, k, buf)
+            self._reads.append((request, k, buf, pending))
 
-    def _read(self, request: _Request, k: int, buf: Tensor) -> Tensor:
-        shard, slot = request.shard, request.read_slot
+    def _read(self, shard: _Shard, slot: int, k: int, buf: Tensor, *, count: bool = True) -> Tensor:
+        """Read chunk ``k`` of ``shard``'s ``slot`` into ``buf``; a prefetch (``count=False``) is counted later."""
         record = buf[: shard.layout.padded_len(k) * shard.layout.tensors_per_record]
         previous_write = shard.writes.get((slot, k))
         if previous_write is not None:
@@ -297,7 +424,8 @@ class EmulatedDevice:
         t0 = time.perf_counter()
         self.io.read(shard.files[slot], record, shard.layout.record_offset(k))
         self.stats.read_s += time.perf_counter() - t0
-        self._traffic.add(storage_read_bytes=record.numel() * 4)
+        if count:
+            self._traffic.add(storage_read_bytes=record.numel() * 4)
         return record
 
     def _write(self, file: StateFile, offset: int, buf: Tensor, record: Tensor) -> None:
@@ -377,10 +505,13 @@ class CpuBackend(Backend):
         tentative_slots: keep a second state file per shard so that :meth:`submit` can take ``tentative=True``
             updates, undone by :meth:`rollback` or made current by :meth:`commit`. Doubles the disk space of the
             state (not its traffic).
+        prefetch_state: act on :meth:`prefetch` advice (``False`` ignores it: for comparisons).
     """
 
     #: Whether a second state file per shard is kept for tentative updates (set by the constructor).
     tentative_slots = False
+    #: Whether :meth:`prefetch` advice is acted on (set by the constructor).
+    prefetch_state = True
 
     @property
     def supports_tentative(self) -> bool:
@@ -396,6 +527,7 @@ class CpuBackend(Backend):
         io_factory: Callable[[], IOEngine] = ThreadedIO,
         io_threads: int = 3,
         tentative_slots: bool = False,
+        prefetch_state: bool = True,
     ) -> None:
         super().__init__()
         if not device_dirs:
@@ -407,6 +539,7 @@ class CpuBackend(Backend):
         ChunkLayout(1, chunk_elems, 0)  # validates chunk_elems
         self._chunk_elems = chunk_elems
         self.tentative_slots = tentative_slots
+        self.prefetch_state = prefetch_state
         self._owned_dirs = [Path(d) for d in owned_dirs]
         self.devices = [
             EmulatedDevice(
@@ -567,6 +700,37 @@ class CpuBackend(Backend):
         )
         return self._enqueue(request, tentative)
 
+    def prefetch(self, shards: Sequence[int]) -> None:
+        """Each device reads the first chunks of its ``shards`` (in this order) into free buffers while idle.
+
+        Those chunks become the first reads of the next request for that shard, if it comes next on its
+        device and reads the same committed state; any other request drops them first. At most
+        ``buffer_count - 1`` chunks per device, so the pool's memory stays fixed. Shards with an uncommitted
+        tentative update are skipped (their committed state may change).
+        """
+        shards = list(shards)
+        if unknown := [i for i in shards if not 0 <= i < len(self._shards)]:
+            raise ValueError(
+                f"`prefetch` names shard {unknown[0]}, but the shards are 0..{len(self._shards) - 1}: advise only "
+                "shards passed to `open`."
+            )
+        if not self.prefetch_state:
+            return
+        targets: dict[int, list[tuple[_Shard, int]]] = {}
+        for index in shards:
+            shard = self._shards[index]
+            if not shard.tentative:
+                targets.setdefault(index % self.num_devices, []).append((shard, shard.slot))
+        for device, device_targets in targets.items():
+            self.devices[device].prefetch(device_targets)
+
+    def prefetch_stats(self) -> tuple[int, int]:
+        """Bytes prefetched so far, summed over devices: (used by their request, dropped unused)."""
+        return (
+            sum(d.stats.prefetch_used_bytes for d in self.devices),
+            sum(d.stats.prefetch_dropped_bytes for d in self.devices),
+        )
+
     def read_master(self, shard: int, out: Tensor) -> Handle:
         entry = self._shard(shard, out.numel(), "`out`")
 
@@ -616,6 +780,9 @@ class CpuBackend(Backend):
         for shard in self._shards:
             if shard.tentative:
                 raise RuntimeError(f"Shard {shard.spec.index} has an uncommitted tentative update; roll it back first.")
+        # Chunks read ahead hold the state being replaced, and no read may be in flight while files change.
+        for dropped in [device.drop_prefetched() for device in self.devices]:
+            dropped.result()
         for shard in self._shards:
             for file in shard.files:
                 file.close()

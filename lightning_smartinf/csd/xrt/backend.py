@@ -346,6 +346,7 @@ class XrtBackend(CpuBackend):
         chunk_elems: int = 1 << 20,
         buffer_count: int = 4,
         owned_dirs: Sequence[Path] = (),
+        prefetch_state: bool = True,
     ) -> None:
         Backend.__init__(self)
         if not device_dirs:
@@ -355,6 +356,7 @@ class XrtBackend(CpuBackend):
         ChunkLayout(1, chunk_elems, 0)  # validates chunk_elems
         self.xclbin_path = check_xrt_settings(xclbin, devices, [str(d) for d in device_dirs])
         self._chunk_elems = chunk_elems
+        self.prefetch_state = prefetch_state
         self._owned_dirs = [Path(d) for d in owned_dirs]
         self._shards = []
         self._pending = []
