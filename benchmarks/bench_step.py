@@ -99,6 +99,60 @@ def proc_io() -> dict[str, int]:
     return {"read_bytes": out.get("read_bytes", 0), "write_bytes": out.get("write_bytes", 0)}
 
 
+class DiskTrace:
+    """Samples the storage's block device (``/proc/diskstats``) and marks training phases, to show when it idles."""
+
+    def __init__(self, path: str, period_s: float = 0.005) -> None:
+        import threading
+
+        dev = os.stat(path).st_dev
+        self._key = (os.major(dev), os.minor(dev))
+        self.period_s = period_s
+        self.samples: list[tuple[float, int, int, int]] = []  # (t, busy ms, sectors read, sectors written)
+        self.marks: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> tuple[int, int, int] | None:
+        with open("/proc/diskstats") as f:
+            for line in f:
+                parts = line.split()
+                if (int(parts[0]), int(parts[1])) == self._key:
+                    return int(parts[12]), int(parts[5]), int(parts[9])
+        return None
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.period_s):
+            row = self._read()
+            if row is not None:
+                self.samples.append((time.perf_counter(), *row))
+
+    def mark(self, name: str) -> None:
+        self.marks.append((time.perf_counter(), name))
+
+    def phases(self) -> dict[str, dict[str, float]]:
+        """Per phase name, summed over its occurrences: seconds, disk busy fraction, MB/s read and written."""
+        self._stop.set()
+        self._thread.join()
+        out: dict[str, dict[str, float]] = {}
+        for (t0, name), (t1, _) in zip(self.marks, self.marks[1:]):
+            inside = [s for s in self.samples if t0 <= s[0] <= t1]
+            if len(inside) < 2:
+                continue
+            first, last = inside[0], inside[-1]
+            span = last[0] - first[0]
+            acc = out.setdefault(name, {"s": 0.0, "busy_s": 0.0, "read_mb": 0.0, "write_mb": 0.0})
+            acc["s"] += t1 - t0
+            acc["busy_s"] += min(span, (last[1] - first[1]) / 1e3)
+            acc["read_mb"] += (last[2] - first[2]) * 512 / 1e6
+            acc["write_mb"] += (last[3] - first[3]) * 512 / 1e6
+        for acc in out.values():
+            s = acc["s"]
+            acc.update(busy=acc.pop("busy_s") / s, read_mb_s=acc.pop("read_mb") / s, write_mb_s=acc.pop("write_mb") / s)
+        return out
+
+
 def device_seconds(trainer: Any) -> dict[str, float] | None:
     """Seconds ours' devices spent reading, writing and computing (summed over devices and their threads), seconds
     the host waited on them, and state bytes read between steps that updates used; ``None`` for ZeRO-Infinity."""
@@ -132,15 +186,18 @@ def make_callback(args: argparse.Namespace) -> Any:
             self.step_wall0 = self.step_wall1 = 0.0
             self.dev0: dict[str, float] | None = None
             self.dev1: dict[str, float] | None = None
+            self.trace: DiskTrace | None = None
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             optimizer = trainer.strategy.deepspeed_engine.optimizer
             inner = optimizer.step
 
             def timed_step(*a: Any, **k: Any) -> Any:
+                self._mark("step")
                 io0 = proc_io()
                 t0 = time.perf_counter()
                 out = inner(*a, **k)
+                self._mark("after step")
                 self.calls += 1
                 if self.calls > args.warmup:
                     self.step_times.append(time.perf_counter() - t0)
@@ -151,7 +208,17 @@ def make_callback(args: argparse.Namespace) -> Any:
 
             optimizer.step = timed_step
 
+        def _mark(self, name: str) -> None:
+            if self.trace is not None:
+                self.trace.mark(name)
+
+        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            self._mark("backward")
+
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == args.warmup and args.trace:
+                self.trace = DiskTrace(args.storage or tempfile.gettempdir())
+            self._mark("forward")
             if batch_idx == args.warmup:
                 self.io0 = proc_io()
                 self.traffic0 = getattr(trainer.strategy, "traffic", None)
@@ -164,6 +231,7 @@ def make_callback(args: argparse.Namespace) -> Any:
                 self.traffic1 = getattr(trainer.strategy, "traffic", None)
                 self.step_wall1 = time.perf_counter()
                 self.dev1 = device_seconds(trainer)
+                self._mark("end")
 
     return Meter()
 
@@ -265,6 +333,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             result["optimizer_steps"] = args.warmup + args.steps
         if meter.dev0 is not None and meter.dev1 is not None:
             result["device_s_per_step"] = {k: (meter.dev1[k] - meter.dev0[k]) / args.steps for k in meter.dev0}
+        if meter.trace is not None:
+            result["disk_phases"] = meter.trace.phases()
         if meter.traffic0 is not None and meter.traffic1 is not None:
             delta = (meter.traffic1 - meter.traffic0).as_dict()
             result["traffic_bytes_per_param_step"] = {k: v / p / args.steps for k, v in delta.items()}
@@ -498,6 +568,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="repeat every configuration, alternating the order")
     parser.add_argument("--settle", type=float, default=5.0, help="seconds after sync before each configuration")
     parser.add_argument("--raw-gib", type=float, default=2.0, help="GiB per direction for the raw bandwidth probe")
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="sample the storage's block device every 5 ms and report, per training phase, how busy it was",
+    )
     parser.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)
     args = parser.parse_args()
 

@@ -83,9 +83,10 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             confirms it (same hyperparameters and scale, no clipping, no skipped step), otherwise it is rolled
             back and redone, so results do not change. Keeps a second copy of the state on the storage paths
             (2x the disk space, not the traffic). ``backend="cpu"`` without ``compression`` only.
-        prefetch_state: after each step, every device reads the first chunks of the sub-groups it will update
-            first in the next step into its idle buffers (at most ``buffer_count - 1``), so its storage works
-            while the host runs forward. Never changes results or memory; ``False`` is for comparisons.
+        prefetch_state: after each step, every device is told the order it will get sub-groups in next step,
+            and reads their state into free buffers whenever it has no sub-group to update (during forward and
+            between hand-offs in backward; at most ``buffer_count - 1 - io_threads`` chunks at once), so its
+            storage does not idle. Never changes results or memory; ``False`` is for comparisons.
         offload_parameters: keep ZeRO's low-precision parameter partitions in host memory between uses.
         offload_activations: write large saved activations to the storage paths during forward and read them
             back ahead of backward (``True``, or a dict of

@@ -115,7 +115,7 @@ class Backend(ABC):
         """Advice: the next requests are for ``shards``, in this order. Never changes results (default: ignored).
 
         Called after a step with the order the next step will likely hand shards off in, so that devices
-        can read state while the host runs forward.
+        can read state while they would otherwise wait: during forward, and between hand-offs in backward.
         """
         return None
 

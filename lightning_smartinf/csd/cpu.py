@@ -189,13 +189,16 @@ class EmulatedDevice:
         self._cursor = 0  # index in ``_window`` of the request whose chunks are being read
         self._cursor_k = 0  # its next chunk to read
         self._closing = False  # the close sentinel was taken off ``_requests`` by read-ahead
-        # Between requests: chunks still to prefetch, and chunks read ahead of any request, in the order the
-        # advised requests will read them. Invariant: no request queued since the advice has the shard of a
-        # prefetched chunk (the first request that does adopts it or drops every one), so none is stale.
-        self._prefetch_plan: deque[tuple[_Shard, int, int]] = deque()
+        # Prefetch (worker only): per advised shard not yet requested, [shard, committed slot, next chunk]; and
+        # chunks read ahead of any request. Invariant: no request has taken a prefetched chunk's shard since the
+        # advice (the first that does adopts that shard's chunks or drops them), so none is stale.
+        self._prefetch_plan: deque[list] = deque()
         self._prefetched: deque[tuple[_Shard, int, int, Tensor, Future]] = deque()
         # More reads than ``buffer_count - 1`` are never in flight (one buffer is always the one updating).
         readers = max(1, min(io_threads, buffer_count - 1))
+        # Prefetched chunks leave the request being served room for ``readers`` reads and never take the pool's
+        # last two buffers (one updating, one reading), so its reads never wait on chunks no one consumes yet.
+        self._prefetch_cap = min(buffer_count - 2, max(1, buffer_count - 1 - readers))
         self._reader = ThreadPoolExecutor(readers, thread_name_prefix=f"csd{index}-read")
         self._writer = ThreadPoolExecutor(io_threads, thread_name_prefix=f"csd{index}-write")
         self._worker = threading.Thread(target=self._serve, name=f"csd{index}-update", daemon=True)
@@ -284,8 +287,9 @@ class EmulatedDevice:
         """Block for the next request (None: close), prefetching advised chunks into free buffers meanwhile."""
         while True:
             self._issue_prefetch()
+            waiting_for_buffer = bool(self._prefetch_plan) and len(self._prefetched) < self._prefetch_cap
             try:
-                item = self._requests.get(timeout=_PREFETCH_POLL_S) if self._prefetch_plan else self._requests.get()
+                item = self._requests.get(timeout=_PREFETCH_POLL_S) if waiting_for_buffer else self._requests.get()
             except queue.Empty:
                 continue  # a write-back may have freed a buffer for the next prefetch
             if not self._control(item):
@@ -294,13 +298,9 @@ class EmulatedDevice:
     def _control(self, item: _Queued) -> bool:
         """Act on a prefetch message taken off the queue; False if ``item`` is a request or the close sentinel."""
         if isinstance(item, _Prefetch):
-            self._drop_prefetched()
-            if not self._window:  # advice is about an idle device; a busy one would read these chunks anyway
-                budget = self._buffer_count - 1
-                for shard, slot in item.targets:
-                    for k in range(min(budget, shard.layout.num_chunks)):
-                        self._prefetch_plan.append((shard, slot, k))
-                    budget -= min(budget, shard.layout.num_chunks)
+            self._drop_prefetched()  # new advice replaces the old
+            if self._prefetch_cap > 0:
+                self._prefetch_plan.extend([shard, slot, 0] for shard, slot in item.targets)
             return True
         if isinstance(item, _DropPrefetch):
             self._drop_prefetched()
@@ -309,42 +309,52 @@ class EmulatedDevice:
         return False
 
     def _issue_prefetch(self) -> None:
-        """Start reads of planned chunks while a buffer is free; never blocks (write-backs free buffers later)."""
-        while self._prefetch_plan and (buf := self.pool.try_acquire()) is not None:
-            shard, slot, k = self._prefetch_plan.popleft()
+        """Start reads of advised chunks while the cap allows and a buffer is free; never blocks."""
+        while self._prefetch_plan and len(self._prefetched) < self._prefetch_cap:
+            entry = self._prefetch_plan[0]
+            shard, slot, k = entry
+            if k == shard.layout.num_chunks:
+                self._prefetch_plan.popleft()
+                continue
+            if (buf := self.pool.try_acquire()) is None:
+                return  # write-back holds the pool; retried when the queue poll times out
+            entry[2] += 1
             pending = self._reader.submit(self._read, shard, slot, k, buf, count=False)
             self._prefetched.append((shard, slot, k, buf, pending))
 
     def _adopt_prefetched(self, request: _Request) -> int:
-        """Hand ``request`` the chunks read ahead for it, as its first reads; drop them all if it is another's.
+        """Hand ``request`` the chunks read ahead for its shard, as its first reads; drop them if they do not fit.
 
-        Returns the number of chunks adopted: the request's next chunk to read. Their bytes count as read now,
-        with the request that uses them, so per-step traffic stays exact.
+        From now on the request reads its shard itself, so it leaves the plan. Returns the number of chunks
+        adopted (the request's next chunk to read). Their bytes count as read now, with the request that
+        uses them, so per-step traffic stays exact.
         """
-        self._prefetch_plan.clear()  # a request arrived: the device is no longer idle
-        adopted = 0
-        while self._prefetched:
-            shard, slot, k, buf, pending = self._prefetched[0]
-            if shard is not request.shard:
-                break
-            if not request.read or slot != request.read_slot or k != adopted:
-                self._drop_prefetched()
-                return 0
-            self._prefetched.popleft()
+        shard = request.shard
+        if self._prefetch_plan:
+            self._prefetch_plan = deque(entry for entry in self._prefetch_plan if entry[0] is not shard)
+        mine = [entry for entry in self._prefetched if entry[0] is shard]
+        if not mine:
+            return 0
+        self._prefetched = deque(entry for entry in self._prefetched if entry[0] is not shard)
+        fits = request.read and all(slot == request.read_slot and k == i for i, (_, slot, k, _, _) in enumerate(mine))
+        if not fits:
+            self._drop(mine)
+            return 0
+        for _, _, k, buf, pending in mine:
             self._reads.append((request, k, buf, pending))
             nbytes = self._record_bytes(shard, k)
             self._traffic.add(storage_read_bytes=nbytes)
             self.stats.prefetch_used_bytes += nbytes
-            adopted += 1
-        if adopted == 0 and self._prefetched:
-            self._drop_prefetched()
-        return adopted
+        return len(mine)
 
     def _drop_prefetched(self) -> None:
-        """Forget the prefetch plan and release the buffers of chunks read ahead (waiting for their reads)."""
+        """Forget the advice and release every chunk read ahead (waiting for their reads)."""
         self._prefetch_plan.clear()
-        while self._prefetched:
-            shard, _, k, buf, pending = self._prefetched.popleft()
+        dropped, self._prefetched = list(self._prefetched), deque()
+        self._drop(dropped)
+
+    def _drop(self, entries: list[tuple[_Shard, int, int, Tensor, Future]]) -> None:
+        for shard, _, k, buf, pending in entries:
             if pending.exception() is None:  # a read that happened is traffic, used or not
                 nbytes = self._record_bytes(shard, k)
                 self._traffic.add(storage_read_bytes=nbytes)
@@ -398,8 +408,8 @@ class EmulatedDevice:
         Reads for a later request only take a buffer that is free now: the current request's parameters
         must never wait for a write-back on behalf of a request behind it.
         """
-        # Chunks prefetched for a later request hold buffers too: with them counted, one buffer is always free
-        # or being written back, so ``acquire`` cannot wait on reads only the worker itself would consume.
+        # Prefetched chunks hold buffers too: with them counted (at most ``_prefetch_cap``), one buffer is always
+        # free or being written back, so ``acquire`` cannot wait on reads only the worker itself would consume.
         while (
             len(self._reads) + len(self._prefetched) < self._buffer_count - 1
             and (target := self._next_read()) is not None
@@ -701,12 +711,15 @@ class CpuBackend(Backend):
         return self._enqueue(request, tentative)
 
     def prefetch(self, shards: Sequence[int]) -> None:
-        """Each device reads the first chunks of its ``shards`` (in this order) into free buffers while idle.
+        """Advice: each device's next requests are for its ``shards``, in this order.
 
-        Those chunks become the first reads of the next request for that shard, if it comes next on its
-        device and reads the same committed state; any other request drops them first. At most
-        ``buffer_count - 1`` chunks per device, so the pool's memory stays fixed. Shards with an uncommitted
-        tentative update are skipped (their committed state may change).
+        Whenever a device has no request to serve, it reads the next chunks of the advised shards not yet
+        requested into free buffers: between steps, and while it waits for the next hand-off during backward.
+        A request adopts the chunks of its shard as its first reads if they are of the state it reads; otherwise
+        they are dropped, unused. At most ``buffer_count - 1 - io_threads`` chunks (at least 1) are held per
+        device at once, so the pool's memory stays fixed and the request being served always has room to read.
+        Shards with an uncommitted tentative update are skipped (their committed state may change). New advice
+        replaces the old; :meth:`load` and :meth:`close` drop what was read ahead.
         """
         shards = list(shards)
         if unknown := [i for i in shards if not 0 <= i < len(self._shards)]:

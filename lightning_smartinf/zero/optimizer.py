@@ -340,7 +340,8 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if kept_early:
             backend.commit(kept_early)
         # No backend.wait(): state write-back trails into the next forward; the devices order it before re-reads.
-        # The next backward hands sub-groups off in this backward's order: devices read their state meanwhile.
+        # The next backward hands sub-groups off in this backward's order: devices read their state whenever
+        # they would otherwise wait for one.
         backend.prefetch(list(early) + [i for i in range(len(self.fp16_groups)) if i not in early])
         # torch's LR schedulers warn unless the wrapped optimizer's own step ran; the devices ran it.
         self.optimizer._opt_called = True

@@ -38,7 +38,10 @@ class Reference:
 
 
 def _open(tmp_path: Path, engine: GatedIO, sizes: tuple[int, ...], **kwargs) -> tuple[CpuBackend, Reference]:
-    backend = CpuBackend([tmp_path / "csd0"], chunk_elems=CHUNK, buffer_count=4, io_factory=lambda: engine, **kwargs)
+    # 5 buffers, 1 reader: at most 3 chunks prefetched at once (buffer_count - 1 - io_threads).
+    backend = CpuBackend(
+        [tmp_path / "csd0"], chunk_elems=CHUNK, buffer_count=5, io_threads=1, io_factory=lambda: engine, **kwargs
+    )
     backend.open([ShardSpec(i, n, RULE) for i, n in enumerate(sizes)])
     reference = Reference(sizes)
     for i, master in enumerate(reference.masters):
@@ -61,16 +64,20 @@ def _step(backend: CpuBackend, reference: Reference, order: list[int], **submit)
     return outs
 
 
-def _settle(device: EmulatedDevice, chunks: int) -> None:
-    """Wait until ``chunks`` prefetched reads are done (the worker owns the deque: retry if it moves)."""
+def _settle(device: EmulatedDevice, *shards: int) -> None:
+    """Wait until the device holds finished prefetched reads of exactly these shards' chunks, in this order.
+
+    The worker owns the deque: a snapshot that races with it is retried.
+    """
     deadline = time.monotonic() + TIMEOUT_S
+    entries: list = []
     while time.monotonic() < deadline:
         with contextlib.suppress(RuntimeError):
             entries = list(device._prefetched)  # noqa: SLF001 - observing the device, not driving it
-            if len(entries) == chunks and all(pending.done() for *_, pending in entries):
+            if [e[0].spec.index for e in entries] == list(shards) and all(e[4].done() for e in entries):
                 return
         time.sleep(0.001)
-    raise AssertionError(f"{chunks} prefetched chunks never settled")
+    raise AssertionError(f"prefetched chunks of shards {list(shards)} never settled: {[e[:3] for e in entries]}")
 
 
 def _record_bytes(chunks: int) -> int:
@@ -84,7 +91,7 @@ def test_prefetched_chunks_are_the_next_requests_first_reads(tmp_path: Path) -> 
     try:
         _step(backend, reference, [0, 1])
         backend.prefetch([0, 1])
-        _settle(device, 3)  # buffer_count - 1: both chunks of shard 0, the first of shard 1
+        _settle(device, 0, 0, 1)  # the cap: both chunks of shard 0, the first of shard 1
         before = backend.traffic_snapshot()
         engine.reads_open.clear()
         grads = reference.grads()
@@ -94,8 +101,9 @@ def test_prefetched_chunks_are_the_next_requests_first_reads(tmp_path: Path) -> 
         first = backend.submit(0, grads[0], hp, outs[0])
         # Every read is held back, yet shard 0 completes: it ran on the two chunks read between the steps.
         first.result(timeout=TIMEOUT_S)
+        # Idle until shard 1 comes, the device starts reading shard 1's second chunk (held back by the gate).
         second = backend.submit(1, grads[1], hp, outs[1])
-        engine.reads_open.set()  # shard 1's second chunk still has to be read
+        engine.reads_open.set()
         second.result(timeout=TIMEOUT_S)
         backend.wait()
         for out, master in zip(outs, reference.masters):
@@ -103,28 +111,53 @@ def test_prefetched_chunks_are_the_next_requests_first_reads(tmp_path: Path) -> 
         # Prefetched bytes count with the step that used them: the step's traffic is exactly the state, once.
         delta = backend.traffic_snapshot() - before
         assert delta.storage_read_bytes == delta.storage_write_bytes == _record_bytes(4)
-        assert backend.prefetch_stats() == (_record_bytes(3), 0)
+        assert backend.prefetch_stats() == (_record_bytes(4), 0)  # all of the state, before its requests came
         assert device.pool.in_use == 0
     finally:
         engine.reads_open.set()
         backend.close()
 
 
-def test_advice_for_another_shard_is_dropped_before_the_request_runs(tmp_path: Path) -> None:
+def test_requests_out_of_the_advised_order_still_use_their_chunks(tmp_path: Path) -> None:
     engine = GatedIO()
-    backend, reference = _open(tmp_path, engine, (CHUNK, 3 * CHUNK))
+    backend, reference = _open(tmp_path, engine, (4 * CHUNK, 4 * CHUNK))
+    device = backend.devices[0]
+    try:
+        _step(backend, reference, [0, 1])
+        backend.prefetch([1, 0])
+        _settle(device, 1, 1, 1)  # the cap: 3 of shard 1's 4 chunks
+        before = backend.traffic_snapshot()
+        # Shard 0 first: shard 1's chunks stay valid and wait for it, holding 3 of the 5 buffers; shard 0 still
+        # streams its 4 chunks through the rest (with one more held, it would have no buffer left to read into).
+        _step(backend, reference, [0, 1])
+        backend.wait()
+        assert backend.prefetch_stats() == (_record_bytes(3), 0)
+        assert (backend.traffic_snapshot() - before).storage_read_bytes == _record_bytes(8)
+        assert device.pool.in_use == 0
+    finally:
+        backend.close()
+
+
+def test_new_advice_and_writes_drop_chunks_read_ahead(tmp_path: Path) -> None:
+    engine = GatedIO()
+    backend, reference = _open(tmp_path, engine, (3 * CHUNK, 3 * CHUNK))
     device = backend.devices[0]
     try:
         _step(backend, reference, [0, 1])
         backend.prefetch([1])
-        _settle(device, 3)
+        _settle(device, 1, 1, 1)
+        backend.prefetch([0])  # replaces the advice: shard 1's chunks go, shard 0's are read instead
+        _settle(device, 0, 0, 0)
+        assert backend.prefetch_stats() == (0, _record_bytes(3))
+        # A request that does not read the state (here: overwriting it) drops its shard's chunks, unused.
+        backend.initialize(0, reference.masters[0]).result(timeout=TIMEOUT_S)
+        reference.states[0] = [torch.zeros(3 * CHUNK), torch.zeros(3 * CHUNK)]
+        assert backend.prefetch_stats() == (0, _record_bytes(6))
         before = backend.traffic_snapshot()
-        _step(backend, reference, [0, 1])  # shard 0 first: the advice was wrong, the chunks of shard 1 go
+        _step(backend, reference, [0, 1])  # from the rewritten state of shard 0, not from the dropped chunks
         backend.wait()
-        dropped = _record_bytes(3)
-        assert backend.prefetch_stats() == (0, dropped)
-        # A read that happened is traffic even if unused: the state once, plus what was read in vain.
-        assert (backend.traffic_snapshot() - before).storage_read_bytes == _record_bytes(4) + dropped
+        # A read that happened is traffic even if unused; these were counted when dropped, not in this step.
+        assert (backend.traffic_snapshot() - before).storage_read_bytes == _record_bytes(6)
         assert device.pool.in_use == 0
     finally:
         backend.close()
@@ -138,7 +171,7 @@ def test_prefetch_reads_the_state_a_commit_made_current(tmp_path: Path) -> None:
         backend.prefetch([0])  # uncommitted: its current state is not settled yet, so it is not prefetched
         backend.commit([0])
         backend.prefetch([0])
-        _settle(backend.devices[0], 2)
+        _settle(backend.devices[0], 0, 0)
         # The tentative update was written to the other slot; the prefetch must have read that one.
         _step(backend, reference, [0], tentative=True)
         backend.commit([0])
@@ -160,7 +193,7 @@ def test_load_drops_prefetched_state_it_replaces(tmp_path: Path) -> None:
         )
         _step(backend, reference, [0, 1])
         backend.prefetch([0, 1])
-        _settle(backend.devices[0], 3)  # the state after the second step, about to be replaced
+        _settle(backend.devices[0], 0, 0, 1)  # the state after the second step, about to be replaced
         backend.load(tmp_path / "ckpt")
         reference.masters, reference.states, reference.step = saved
         _step(backend, reference, [0, 1])  # from the loaded state, not from the chunks read before the load
@@ -177,7 +210,7 @@ def test_close_releases_prefetched_chunks_and_counts_their_reads(tmp_path: Path)
     backend.wait()
     before = backend.traffic_snapshot()
     backend.prefetch([0])
-    _settle(device, 3)
+    _settle(device, 0, 0, 0)
     backend.close()
     assert not device._worker.is_alive()  # noqa: SLF001
     assert device.pool.in_use == 0 and device.pool.size == 0
