@@ -3,8 +3,8 @@
 Each device owns a directory, a worker thread that runs requests in submission order, one reader and
 one writer thread, and a fixed pool of aligned chunk buffers. A request streams its shard through
 the pool chunk by chunk: reads run ahead of the update, write-back trails behind it, so the disk is
-kept busy while the update computes. Between steps an idle device reads the first chunks of the shards
-it is told come next (:meth:`CpuBackend.prefetch`) into its free buffers. Host memory of the update path is
+kept busy while the update computes. A device with no request to serve reads ahead the shards it was told
+come next (:meth:`CpuBackend.prefetch`) into free buffers. Host memory of the update path is
 ``num_devices * buffer_count * chunk_bytes`` plus one fp32 gradient chunk per device, whatever the
 model size.
 """
@@ -729,13 +729,13 @@ class CpuBackend(Backend):
             )
         if not self.prefetch_state:
             return
-        targets: dict[int, list[tuple[_Shard, int]]] = {}
+        targets: list[list[tuple[_Shard, int]]] = [[] for _ in self.devices]
         for index in shards:
             shard = self._shards[index]
             if not shard.tentative:
-                targets.setdefault(index % self.num_devices, []).append((shard, shard.slot))
-        for device, device_targets in targets.items():
-            self.devices[device].prefetch(device_targets)
+                targets[index % self.num_devices].append((shard, shard.slot))
+        for device, device_targets in zip(self.devices, targets):
+            device.prefetch(device_targets)  # every device: new advice, even empty, replaces the old
 
     def prefetch_stats(self) -> tuple[int, int]:
         """Bytes prefetched so far, summed over devices: (used by their request, dropped unused)."""
