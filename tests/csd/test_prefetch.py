@@ -1,4 +1,4 @@
-"""Between steps an idle device reads the state it was told comes next; results never depend on the advice.
+"""A device with no request to serve reads ahead the state it was told comes next; results never depend on it.
 
 Real files, real threads, the real ``ThreadedIO`` behind read/write gates (as in ``test_read_ahead.py``), so a
 test can show a request finishing with every read held back: it can only have used chunks read before.
