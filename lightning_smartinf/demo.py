@@ -124,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     steps = trainer.global_step
     per_param = {k: v / (params * steps) for k, v in traffic.as_dict().items()}
     link = per_param["link_write_bytes"] + per_param["link_read_bytes"]
-    print("\nTraffic per trainable parameter per optimizer step (including the initial state write):")
+    print(
+        "\nTraffic per trainable parameter per optimizer step (including the initial state write, and the state the"
+        "\ndevices read ahead after the last step for a next one that never came):"
+    )
     print(
         f"  host link, SmartUpdate       : {per_param['link_write_bytes']:5.2f} B in (gradients) + "
         f"{per_param['link_read_bytes']:5.2f} B out (bf16 parameters) = {link:5.2f} B"
