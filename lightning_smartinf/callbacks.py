@@ -33,8 +33,8 @@ class BufferPool(Callback):
     - ``smartinf/early_kept``, ``smartinf/early_rolled_back``: sub-groups that devices updated during
       backward (``overlap_backward``) and the step kept, or rolled back (clipping, a skipped step, a changed
       learning rate) and redid;
-    - ``smartinf/prefetch_used_bytes``: state the devices read between steps (``prefetch_state``) that this
-      step's updates used.
+    - ``smartinf/prefetch_used_bytes``: state the devices read ahead while they had nothing to update
+      (``prefetch_state``) and this step's updates used.
 
     Args:
         chunk_size: elements per buffer; ``None`` keeps the strategy's, capped at the largest sub-group.
