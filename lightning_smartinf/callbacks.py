@@ -108,7 +108,7 @@ class BufferPool(Callback):
         self._last_wait_s = optimizer.smartinf_wait_s
         self._last_early = (optimizer.smartinf_early_kept, optimizer.smartinf_early_rolled_back)
         self._last_stats = [(d.stats.read_s, d.stats.write_s, d.stats.compute_s) for d in backend.devices]
-        self._last_prefetched = sum(d.stats.prefetch_used_bytes for d in backend.devices)
+        self._last_prefetched = backend.prefetch_stats()[0]
         for device in backend.devices:
             device.pool.reset_peak()
 
@@ -132,7 +132,7 @@ class BufferPool(Callback):
             for name, a, b in zip(("read", "write", "compute"), now, before):
                 metrics[f"smartinf/device{index}_{name}_ms"] = (a - b) * 1e3
         self._last_stats = stats
-        prefetched = sum(d.stats.prefetch_used_bytes for d in backend.devices)
+        prefetched = backend.prefetch_stats()[0]
         metrics["smartinf/prefetch_used_bytes"] = float(prefetched - self._last_prefetched)
         self._last_prefetched = prefetched
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)

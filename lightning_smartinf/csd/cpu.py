@@ -36,7 +36,7 @@ from lightning_smartinf.csd.traffic import Traffic
 
 @dataclass
 class DeviceStats:
-    """Seconds a device spent on each kind of work (summed over its threads)."""
+    """Seconds a device spent on each kind of work (summed over its threads), and bytes it prefetched."""
 
     read_s: float = 0.0
     write_s: float = 0.0
@@ -435,7 +435,7 @@ class EmulatedDevice:
         self.io.read(shard.files[slot], record, shard.layout.record_offset(k))
         self.stats.read_s += time.perf_counter() - t0
         if count:
-            self._traffic.add(storage_read_bytes=record.numel() * 4)
+            self._traffic.add(storage_read_bytes=self._record_bytes(shard, k))
         return record
 
     def _write(self, file: StateFile, offset: int, buf: Tensor, record: Tensor) -> None:
