@@ -3,6 +3,13 @@
 A backend owns the fp32 master weights and optimizer states of a set of *shards* (one per ZeRO
 sub-group partition on this rank), keeps them on its storage, applies update rules there, and hands
 back only the updated low-precision parameters. Shard ``s`` lives on device ``s mod N``.
+
+Device errors are loud, early and final. An I/O error on a device's storage reaches the host as a
+:class:`~lightning_smartinf.csd.storage.StorageError` naming the path, the operation and the errno, never as a
+bare ``OSError`` from a device thread; a device that stops answering raises one after the backend's timeout
+instead of hanging the run. The first such error reported to the host stops the backend (:attr:`Backend.failure`):
+the state on the devices may then be torn, so it refuses further updates and saves, and the process resumes from
+the last good checkpoint.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.rules import StepParams, UpdateRule
 from lightning_smartinf.csd.traffic import Traffic, TrafficSnapshot
 
-#: A submitted request; its result is ``None`` and it raises the device's error, if any.
+#: A submitted request; its result is ``None`` and it raises the device's error, if any. Wait for it with
+#: :meth:`Backend.result`, which applies the backend's device timeout and records a device error.
 Handle = Future
 
 
@@ -111,6 +119,22 @@ class Backend(ABC):
                 f"{type(self).__name__} takes no tentative updates, so shards {shards} have none to {what}."
             )
 
+    def result(self, handle: Handle) -> None:
+        """Block until ``handle`` is done and raise its error, if any (default: ``handle.result()``).
+
+        Backends with a device timeout raise :class:`~lightning_smartinf.csd.storage.StorageError` once the
+        handle's device has shown no progress for that long; a storage error sets :attr:`failure`.
+        """
+        handle.result()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The device error that stopped this backend, or ``None`` (default: a backend that never stops).
+
+        Once set, methods that use or save device state raise, naming this error; :meth:`close` still releases.
+        """
+        return None
+
     def prefetch(self, shards: Sequence[int]) -> None:
         """Advice: the next requests are for ``shards``, in this order. Never changes results (default: ignored).
 
@@ -129,7 +153,10 @@ class Backend(ABC):
 
     @abstractmethod
     def wait(self) -> None:
-        """Block until every submitted request, including trailing state write-back, is done."""
+        """Block until every submitted request, including trailing state write-back, is done.
+
+        Raises the first error of those requests not reported yet (by :meth:`result` or an earlier ``wait``).
+        """
 
     @abstractmethod
     def save(self, directory: Path) -> None:

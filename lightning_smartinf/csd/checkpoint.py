@@ -71,7 +71,8 @@ def _describe(shard: ShardState) -> dict:
 # ------------------------------------------------------------------------------------------------ file helpers
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Force a directory's entries (creations, renames) to disk."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -146,7 +147,7 @@ def write_file_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 _RENAME_EXCHANGE = 2
@@ -178,23 +179,34 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, f"renameat2({a}, {b}, RENAME_EXCHANGE) failed: {os.strerror(err)}")
 
 
-def _install(tmp: Path, directory: Path) -> None:
-    """Move the complete ``tmp`` directory to ``directory``, replacing an existing one atomically where possible."""
-    if directory.exists():
+def install_directory(tmp: Path, directory: Path) -> None:
+    """Move the complete ``tmp`` directory to ``directory``, atomically replacing whatever is at that name.
+
+    An existing entry (directory, file or symlink, never followed) is exchanged with ``tmp`` in one
+    ``renameat2(RENAME_EXCHANGE)`` and then removed. Without that call (not Linux, or a filesystem that refuses it)
+    the old entry is renamed aside first: a kill in between leaves no entry at the name, and the old one survives
+    as ``.<name>.old-*``.
+    """
+    if os.path.lexists(directory):
         if _exchange(tmp, directory):
-            _fsync_dir(directory.parent)
-            shutil.rmtree(tmp)  # now holds the previous state
+            fsync_dir(directory.parent)
+            _remove_entry(tmp)  # now holds the previous entry
             return
-        # No atomic exchange on this filesystem: move the old one aside first (a crash in between leaves no
-        # directory at the name; the old state survives as `.<name>.old-*`).
         aside = directory.with_name(f".{directory.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
         os.rename(directory, aside)
         os.rename(tmp, directory)
-        _fsync_dir(directory.parent)
-        shutil.rmtree(aside)
+        fsync_dir(directory.parent)
+        _remove_entry(aside)
         return
     os.rename(tmp, directory)
-    _fsync_dir(directory.parent)
+    fsync_dir(directory.parent)
+
+
+def _remove_entry(path: Path) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 def _is_disk_full(exc: BaseException) -> bool:
@@ -271,7 +283,7 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
         described = [{**_describe(s), "crc32": crcs[s.spec.index]} for s in shards]
         manifest = {"format": FORMAT, "chunk_elems": chunk_elems, "shards": described}
         write_file_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-        _install(tmp, directory)
+        install_directory(tmp, directory)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if _is_disk_full(exc):

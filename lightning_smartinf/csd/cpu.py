@@ -11,13 +11,19 @@ model size.
 
 from __future__ import annotations
 
+import errno
+import itertools
+import logging
+import math
+import os
 import queue
-import shutil
+import stat
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +35,7 @@ from lightning_smartinf.csd.checkpoint import ShardState, load_state, save_state
 from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.io import IOEngine, StateFile, ThreadedIO
 from lightning_smartinf.csd.layout import ChunkLayout
+from lightning_smartinf.csd.ownership import claim_directories, release_claims
 from lightning_smartinf.csd.rules import StepParams
 from lightning_smartinf.csd.storage import StorageError, check_free_space, ensure_private_dir
 from lightning_smartinf.csd.traffic import Traffic
@@ -55,7 +62,7 @@ class BufferPool:
 
     def __init__(self) -> None:
         self._free: queue.SimpleQueue[Tensor] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self.size = 0
         self.in_use = 0
         #: Most buffers in use at once since the last :meth:`reset_peak`.
@@ -84,9 +91,17 @@ class BufferPool:
         return buf
 
     def release(self, buf: Tensor) -> None:
+        """Give ``buf`` back; only once no transfer into or out of it is in flight (another may start at once)."""
         with self._lock:
             self.in_use -= 1
-        self._free.put(buf)
+            self._free.put(buf)
+            if self.in_use == 0:
+                self._lock.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no buffer is in use (so no transfer is in flight); False if ``timeout`` s passed first."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self.in_use == 0, timeout)
 
     def clear(self) -> None:
         """Drop every free buffer (call only when no request can run any more)."""
@@ -120,6 +135,14 @@ class _Shard:
         return self.files[self.slot]
 
 
+class _RequestHandle(Future):
+    """A request's :class:`~lightning_smartinf.csd.backend.Handle`: also names its device and work, for timeouts."""
+
+    #: Set by :meth:`EmulatedDevice.enqueue`.
+    device: EmulatedDevice | None = None
+    what = "a request"
+
+
 @dataclass
 class _Request:
     shard: _Shard
@@ -127,7 +150,7 @@ class _Request:
     write: bool
     # Called with (record view, master, states, chunk start, chunk length) for every chunk.
     compute: Callable[[Tensor, Tensor, list[Tensor], int, int], None]
-    future: Future = field(default_factory=Future)
+    future: _RequestHandle = field(default_factory=_RequestHandle)
     link_write: int = 0
     link_read: int = 0
     #: Slots read from and written to, fixed when the request is queued (:meth:`CpuBackend._enqueue`).
@@ -182,6 +205,11 @@ class EmulatedDevice:
         self._link_chunks: dict[torch.dtype, Tensor] = {}
         self.allocated_bytes = 0
         self._requests: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
+        #: ``time.monotonic()`` of the last sign of life: new work, or a chunk read, written or updated.
+        self.progress_at = time.monotonic()
+        # Chunk transfers in flight, by a unique key: (operation, file path, byte offset, monotonic start).
+        self._transfers: dict[int, tuple[str, Path, int, float]] = {}
+        self._transfer_keys = itertools.count()
         # Read-ahead state, touched only by the worker thread: the request being served first, then queued
         # requests already taken off ``_requests`` because reads ran ahead into them.
         self._window: deque[_Request] = deque()
@@ -225,35 +253,124 @@ class EmulatedDevice:
         return chunk[:n]
 
     def enqueue(self, request: _Request) -> Handle:
+        handle = request.future
+        handle.device = self
+        kind = "update" if request.read and request.write else "initialize" if request.write else "read_master"
+        handle.what = f"the {kind} of shard {request.shard.spec.index}"
+        self.progress_at = time.monotonic()
         self._requests.put(request)
-        return request.future
+        return handle
 
     def prefetch(self, targets: list[tuple[_Shard, int]]) -> None:
         """Advise that the next requests read ``targets`` (shard, committed slot) first, in this order."""
+        self.progress_at = time.monotonic()
         self._requests.put(_Prefetch(targets))
 
     def drop_prefetched(self) -> Future:
         """Drop every chunk read ahead; the returned future resolves once no prefetch read is in flight."""
         message = _DropPrefetch()
+        self.progress_at = time.monotonic()
         self._requests.put(message)
         return message.done
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the threads and free the buffers; False if a transfer still had not finished after ``timeout`` s.
+
+        Then the threads a hung transfer holds are left behind and the I/O engine stays open: its buffers may
+        still be written by the transfer.
+        """
         self._requests.put(None)
-        self._worker.join()
-        self._reader.shutdown()
-        self._writer.shutdown()
-        self.io.close()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._worker.join(timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        settled = not self._worker.is_alive() and self.pool.wait_idle(left)
+        self._reader.shutdown(wait=settled, cancel_futures=True)
+        self._writer.shutdown(wait=settled, cancel_futures=True)
+        if settled:
+            self.io.close()
+        else:
+            logging.getLogger(__name__).warning(
+                "Device %d at %r: %s still pending %s s after `close`; its threads are left behind and the process "
+                "may not exit until the storage answers.",
+                self.index,
+                str(self.directory),
+                self._describe_transfers(),
+                timeout,
+            )
         # Free the memory now, even if something still references this device object.
         self.pool.clear()
         self._grad_chunk = None
         self._link_chunks.clear()
         self.allocated_bytes = 0
+        return settled
 
-    def drain(self) -> BaseException | None:
-        """Wait for all trailing write-back; return the first error, if any."""
+    def drain(self, timeout: float | None = None) -> BaseException | None:
+        """Wait for all trailing write-back; return the first error, if any (``timeout``: see :meth:`wait_for`)."""
         trailing, self._trailing = self._trailing, []
-        return next((exc for f in trailing if (exc := f.exception()) is not None), None)
+        errors = (self.wait_for(f, "the state write-back", timeout) for f in trailing)
+        return next((exc for exc in errors if exc is not None), None)
+
+    def stalled_s(self) -> float:
+        """Seconds since this device last showed a sign of life (:attr:`progress_at`)."""
+        return time.monotonic() - self.progress_at
+
+    def wait_for(self, future: Future, what: str, timeout: float | None) -> BaseException | None:
+        """Block until ``future`` (work of this device, described by ``what``) is done; return its error, if any.
+
+        With a ``timeout``, raise :class:`StorageError` once the device has shown no sign of life (no new work, no
+        chunk read, written or updated) for ``timeout`` seconds while ``future`` is pending: it stopped answering.
+        A long queue of work that moves never times out.
+        """
+        if timeout is None:
+            return future.exception()
+        while True:
+            try:
+                return future.exception(timeout=max(0.0, timeout - self.stalled_s()))
+            except FutureTimeoutError:
+                if self.stalled_s() >= timeout:
+                    raise self._timeout_error(what, timeout) from None
+
+    def _timeout_error(self, what: str, timeout: float) -> StorageError:
+        transfers = sorted(list(self._transfers.values()), key=lambda t: t[3])
+        operation, path = (transfers[0][0], transfers[0][1]) if transfers else ("update", self.directory)
+        return StorageError(
+            f"Device {self.index} at {str(self.directory)!r} showed no progress for {timeout:g} s "
+            f"(`device_timeout_s={timeout!r}`) while the host waited for {what}; pending: "
+            f"{self._describe_transfers()}. Its storage stopped answering (a hung disk, an unresponsive network "
+            "mount), so the state there may be torn. Fix the storage, then resume from the last checkpoint; raise "
+            "`device_timeout_s` if the device is only slow.",
+            path=path,
+            operation=operation,
+            errno=errno.ETIMEDOUT,
+        )
+
+    def _describe_transfers(self) -> str:
+        now = time.monotonic()
+        transfers = sorted(list(self._transfers.values()), key=lambda t: t[3])
+        if not transfers:
+            return "no chunk transfer in flight (the update of a chunk has not returned)"
+        return "; ".join(f"{op} of {str(path)!r} at byte {at} (for {now - t0:.1f} s)" for op, path, at, t0 in transfers)
+
+    def _transfer(self, operation: str, file: StateFile, record: Tensor, offset: int) -> None:
+        """Read or write one chunk record through the engine, raising a :class:`StorageError` for an OSError.
+
+        The error names the file, the operation and the errno; the engine raises only once no piece is in flight.
+        """
+        key = next(self._transfer_keys)
+        self._transfers[key] = (operation, file.path, offset, time.monotonic())
+        try:
+            if operation == "read":
+                self.io.read(file, record, offset)
+            else:
+                self.io.write(file, record, offset)
+        except StorageError:
+            raise
+        except OSError as exc:
+            where = f" at byte {offset}"
+            raise StorageError.from_os_error(exc, path=file.path, operation=operation, where=where) from exc
+        finally:
+            del self._transfers[key]
+            self.progress_at = time.monotonic()
 
     def _serve(self) -> None:
         try:
@@ -432,7 +549,7 @@ class EmulatedDevice:
         if previous_write is not None:
             previous_write.result()  # the record's last update must be on disk before we read it back
         t0 = time.perf_counter()
-        self.io.read(shard.files[slot], record, shard.layout.record_offset(k))
+        self._transfer("read", shard.files[slot], record, shard.layout.record_offset(k))
         self.stats.read_s += time.perf_counter() - t0
         if count:
             self._traffic.add(storage_read_bytes=self._record_bytes(shard, k))
@@ -441,10 +558,10 @@ class EmulatedDevice:
     def _write(self, file: StateFile, offset: int, buf: Tensor, record: Tensor) -> None:
         try:
             t0 = time.perf_counter()
-            self.io.write(file, record, offset)
+            self._transfer("write", file, record, offset)
             self.stats.write_s += time.perf_counter() - t0
         finally:
-            self.pool.release(buf)
+            self.pool.release(buf)  # the engine returns or raises only once no piece of ``record`` is in flight
 
     def _stream(self, request: _Request) -> None:
         """Run one request over all chunks of its shard: read ahead, update, write behind.
@@ -482,6 +599,7 @@ class EmulatedDevice:
                     self.pool.release(buf)
                     raise
                 self.stats.compute_s += time.perf_counter() - t0
+                self.progress_at = time.monotonic()
                 if request.write:
                     file = shard.files[request.write_slot]
                     write = self._writer.submit(self._write, file, layout.record_offset(k), buf, record)
@@ -496,6 +614,23 @@ class EmulatedDevice:
                 _, _, buf, pending = self._reads.popleft()
                 pending.exception()
                 self.pool.release(buf)
+
+
+def check_device_timeout(device_timeout_s: object) -> float | None:
+    """``device_timeout_s`` as seconds, or ``None`` (wait forever); ``ValueError`` naming the fix otherwise."""
+    if device_timeout_s is None:
+        return None
+    if (
+        isinstance(device_timeout_s, bool)
+        or not isinstance(device_timeout_s, (int, float))
+        or not math.isfinite(device_timeout_s)
+        or device_timeout_s <= 0
+    ):
+        raise ValueError(
+            f"`device_timeout_s={device_timeout_s!r}` must be a positive, finite number of seconds (int or float), "
+            "or None to wait for a device forever. Pass e.g. `device_timeout_s=300`."
+        )
+    return float(device_timeout_s)
 
 
 class CpuBackend(Backend):
@@ -516,12 +651,21 @@ class CpuBackend(Backend):
             updates, undone by :meth:`rollback` or made current by :meth:`commit`. Doubles the disk space of the
             state (not its traffic).
         prefetch_state: act on :meth:`prefetch` advice (``False`` ignores it: for comparisons).
+        device_timeout_s: seconds a device may show no progress (no chunk read, written or updated) while the host
+            waits for it, before :meth:`result`, :meth:`wait` and the others raise :class:`StorageError` and the
+            backend stops (see :attr:`failure`). ``None`` waits forever.
+
+    Device errors are final: the first one reported to the host (an I/O error, or a device that stopped answering)
+    latches the backend as failed; see :attr:`failure`.
     """
 
     #: Whether a second state file per shard is kept for tentative updates (set by the constructor).
     tentative_slots = False
     #: Whether :meth:`prefetch` advice is acted on (set by the constructor).
     prefetch_state = True
+    #: Seconds without progress before waiting on a device fails (set by the constructor; ``None``: forever).
+    device_timeout_s: float | None = 300.0
+    _failure: StorageError | None = None
 
     @property
     def supports_tentative(self) -> bool:
@@ -538,12 +682,14 @@ class CpuBackend(Backend):
         io_threads: int = 3,
         tentative_slots: bool = False,
         prefetch_state: bool = True,
+        device_timeout_s: float | None = 300.0,
     ) -> None:
         super().__init__()
         if not device_dirs:
             raise ValueError("`device_dirs` must name at least one directory.")
         if buffer_count < 2:
             raise ValueError(f"`buffer_count={buffer_count}` must be at least 2 (one updating, one in I/O).")
+        self.device_timeout_s = check_device_timeout(device_timeout_s)
         if io_threads < 1:
             raise ValueError(f"`io_threads={io_threads}` must be at least 1 (chunk transfers in flight per device).")
         ChunkLayout(1, chunk_elems, 0)  # validates chunk_elems
@@ -551,24 +697,92 @@ class CpuBackend(Backend):
         self.tentative_slots = tentative_slots
         self.prefetch_state = prefetch_state
         self._owned_dirs = [Path(d) for d in owned_dirs]
-        self.devices = [
-            EmulatedDevice(
-                i,
-                Path(d),
-                self.traffic,
-                io_factory(),
-                chunk_elems=chunk_elems,
-                buffer_count=buffer_count,
-                io_threads=io_threads,
-            )
-            for i, d in enumerate(device_dirs)
-        ]
         self._shards: list[_Shard] = []
         self._pending: list[Future] = []
+        self.devices: list[EmulatedDevice] = []
+        self._closed = False
+        # One owner per directory: claimed before any file in them is created or truncated, held until `close`.
+        self._claims = claim_directories([ensure_private_dir(d) for d in device_dirs])
+        try:
+            for i, d in enumerate(device_dirs):
+                device = EmulatedDevice(
+                    i,
+                    Path(d),
+                    self.traffic,
+                    io_factory(),
+                    chunk_elems=chunk_elems,
+                    buffer_count=buffer_count,
+                    io_threads=io_threads,
+                )
+                self.devices.append(device)
+        except BaseException:
+            for device in self.devices:
+                device.close()
+            release_claims(self._claims, remove=self._owned_dirs)
+            raise
 
     @property
     def num_devices(self) -> int:
         return len(self.devices)
+
+    @property
+    def failure(self) -> StorageError | None:
+        """The device error that stopped this backend, or ``None``.
+
+        Set by the first :class:`StorageError` reported to the host (by :meth:`result`, :meth:`wait`,
+        :meth:`check_storage`, ...). From then on the state on the devices may be torn (some chunks updated, others
+        not): :meth:`submit`, :meth:`initialize`, :meth:`read_master`, :meth:`commit`, :meth:`save` and :meth:`load`
+        raise, :meth:`prefetch` does nothing, :meth:`wait` reports only errors not reported yet, and :meth:`close`
+        still releases everything (waiting at most ``device_timeout_s`` for threads a hung transfer holds).
+        Requests queued before the error was reported still run. The process must restart and resume from the
+        last good checkpoint.
+        """
+        return self._failure
+
+    def _latch(self, exc: BaseException) -> BaseException:
+        """Remember the first storage error reported to the host; returns ``exc`` for raising."""
+        if isinstance(exc, StorageError) and self._failure is None:
+            self._failure = exc
+        return exc
+
+    def _refuse(self, method: str) -> None:
+        """Raise if a device error stopped this backend (:attr:`failure`)."""
+        failure = self._failure
+        if failure is None:
+            return
+        raise StorageError(
+            f"`{type(self).__name__}.{method}` refused: the backend stopped at an earlier device error and the state "
+            "on the devices may be torn (some chunks updated, others not), so it takes no further update and saves "
+            "nothing (a checkpoint of torn state is worse than none). Restart the process and, once the storage is "
+            f"fixed, resume from the last good checkpoint. The error was: {failure}",
+            path=failure.path,
+            operation=failure.operation,
+            errno=failure.errno,
+        ) from failure
+
+    def _settle(self, future: Future, device: EmulatedDevice | None = None, what: str = "") -> BaseException | None:
+        """Wait for ``future`` of ``device`` (a request's handle names both); its error, or ``None``.
+
+        Raises (and latches) the :class:`StorageError` of a device that stopped answering.
+        """
+        device = device or getattr(future, "device", None)
+        if device is None:
+            return future.exception()
+        try:
+            return device.wait_for(future, what or getattr(future, "what", "a request"), self.device_timeout_s)
+        except StorageError as exc:
+            raise self._latch(exc)  # noqa: B904 - the timeout is the error, not a consequence of it
+
+    def result(self, handle: Handle) -> None:
+        """Wait for ``handle``; raise its error (a device error latches :attr:`failure`), or a timeout error.
+
+        Raises:
+            StorageError: the request's I/O failed, or its device showed no progress for ``device_timeout_s``.
+        """
+        exc = self._settle(handle)
+        if exc is not None:
+            self._pending = [h for h in self._pending if h is not handle]  # reported here: `wait` does not repeat it
+            raise self._latch(exc)
 
     @property
     def buffer_bytes(self) -> int:
@@ -637,6 +851,7 @@ class CpuBackend(Backend):
         return shard
 
     def initialize(self, shard: int, master: Tensor) -> Handle:
+        self._refuse("initialize")
         entry = self._shard(shard, master.numel(), "`master`")
         rule = entry.spec.rule
         init_values = [rule.initial_state_value(name) for name in rule.state_names]
@@ -655,12 +870,26 @@ class CpuBackend(Backend):
         return master.numel() * master.element_size()
 
     def check_storage(self) -> None:
-        """Raise :class:`StorageError` if a device's directory has disappeared (unmounted, deleted)."""
+        """Raise :class:`StorageError` if a device's directory has disappeared (unmounted, deleted).
+
+        That latches :attr:`failure`: the state there can no longer be saved.
+        """
+        self._refuse("check_storage")
         for device in self.devices:
-            if not device.directory.is_dir():
-                raise StorageError(
-                    f"Storage path {str(device.directory)!r} of device {device.index} disappeared during training "
-                    "(unmounted or deleted). Restore it and resume from the last checkpoint."
+            try:
+                code = None if stat.S_ISDIR(os.stat(device.directory).st_mode) else errno.ENOTDIR
+            except OSError as exc:
+                code = exc.errno
+            if code is not None:
+                raise self._latch(
+                    StorageError(
+                        f"Storage path {str(device.directory)!r} of device {device.index} disappeared during training "
+                        f"(unmounted or deleted): `stat` found {StorageError.errno_label(code)}. Restore it and "
+                        "resume from the last checkpoint.",
+                        path=device.directory,
+                        operation="stat",
+                        errno=code,
+                    )
                 )
 
     def submit(
@@ -672,6 +901,7 @@ class CpuBackend(Backend):
         link_dtype: torch.dtype | None = None,
         tentative: bool = False,
     ) -> Handle:
+        self._refuse("submit")
         sparse = isinstance(grad, SparseGrad)
         entry = self._shard(shard, grad.numel if sparse else grad.numel(), "`grad`")
         self._shard(shard, out.numel(), "`out`")
@@ -719,7 +949,8 @@ class CpuBackend(Backend):
         they are dropped, unused. At most ``buffer_count - 1 - io_threads`` chunks (at least 1) are held per
         device at once, so the pool's memory stays fixed and the request being served always has room to read.
         Shards with an uncommitted tentative update are skipped (their committed state may change). New advice
-        replaces the old; :meth:`load` and :meth:`close` drop what was read ahead.
+        replaces the old; :meth:`load` and :meth:`close` drop what was read ahead. Ignored after a device error
+        (:attr:`failure`).
         """
         shards = list(shards)
         if unknown := [i for i in shards if not 0 <= i < len(self._shards)]:
@@ -727,7 +958,7 @@ class CpuBackend(Backend):
                 f"`prefetch` names shard {unknown[0]}, but the shards are 0..{len(self._shards) - 1}: advise only "
                 "shards passed to `open`."
             )
-        if not self.prefetch_state:
+        if not self.prefetch_state or self._failure is not None:
             return
         targets: list[list[tuple[_Shard, int]]] = [[] for _ in self.devices]
         for index in shards:
@@ -745,6 +976,7 @@ class CpuBackend(Backend):
         )
 
     def read_master(self, shard: int, out: Tensor) -> Handle:
+        self._refuse("read_master")
         entry = self._shard(shard, out.numel(), "`out`")
 
         def copy_out(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
@@ -755,6 +987,7 @@ class CpuBackend(Backend):
 
     def commit(self, shards: Iterable[int]) -> None:
         """Make the tentative updates of ``shards`` the current state (their handles need not be done yet)."""
+        self._refuse("commit")
         for index in shards:
             shard = self._shards[index]
             if not shard.tentative:
@@ -774,28 +1007,64 @@ class CpuBackend(Backend):
                 self._shards[index].tentative = False
 
     def wait(self) -> None:
+        """Block until every request and write-back is done; raise the first error not reported yet.
+
+        Raises:
+            StorageError: a device's I/O failed, or a device showed no progress for ``device_timeout_s``; either
+                latches :attr:`failure`.
+        """
         pending, self._pending = self._pending, []
-        errors = [exc for h in pending if (exc := h.exception()) is not None]
-        errors += [exc for device in self.devices if (exc := device.drain()) is not None]
+        errors = [exc for h in pending if (exc := self._settle(h)) is not None]
+        for device in self.devices:
+            try:
+                if (exc := device.drain(self.device_timeout_s)) is not None:
+                    errors.append(exc)
+            except StorageError as exc:
+                raise self._latch(exc)  # noqa: B904 - the timeout is the error
         if errors:
-            raise errors[0]
+            raise self._latch(errors[0])
 
     def _state_files(self) -> list[ShardState]:
         return [ShardState(s.spec, s.layout, s.file.path) for s in self._shards]
 
     def save(self, directory: Path) -> None:
+        """Write every shard's state under ``directory`` (waits first); refused after a device error.
+
+        Works after :meth:`close` too (the state files stay on the storage): the directories are claimed again for
+        the copy if :meth:`close` released them, so no other run can be writing them meanwhile.
+        """
+        self._refuse("save")
         self.wait()
+        if self._closed and not self._claims:
+            if self._owned_dirs:
+                raise StorageError(
+                    "The device state was in temporary directories that were removed when the backend closed; "
+                    "save before closing it."
+                )
+            claims = claim_directories([device.directory for device in self.devices])
+            try:
+                save_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
+            finally:
+                release_claims(claims)
+            return
         save_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
 
     def load(self, directory: Path) -> None:
+        """Replace every shard's state with the copy under ``directory``.
+
+        Refused after a device error (:attr:`failure`), like :meth:`save`: threads may still hang on the failed
+        storage and its files may be unusable, so the process must restart and resume there.
+        """
+        self._refuse("load")
         self.wait()
         # Refused before any file is closed, so the backend stays usable after the error.
         for shard in self._shards:
             if shard.tentative:
                 raise RuntimeError(f"Shard {shard.spec.index} has an uncommitted tentative update; roll it back first.")
         # Chunks read ahead hold the state being replaced, and no read may be in flight while files change.
-        for dropped in [device.drop_prefetched() for device in self.devices]:
-            dropped.result()
+        for device, dropped in [(device, device.drop_prefetched()) for device in self.devices]:
+            if (exc := self._settle(dropped, device, "dropping the state read ahead")) is not None:
+                raise exc
         for shard in self._shards:
             for file in shard.files:
                 file.close()
@@ -805,14 +1074,40 @@ class CpuBackend(Backend):
             for shard in self._shards:
                 shard.files = [StateFile(f.path, shard.layout.file_bytes, create=False) for f in shard.files]
 
-    def close(self) -> None:
+    def close(self, *, keep_claims: bool = False) -> None:
+        """Finish outstanding work and release buffers, threads and temporary storage.
+
+        After a device error (:attr:`failure`) it only releases: it does not raise that error again, and waits at
+        most ``device_timeout_s`` per device for threads a hung transfer holds (then leaves them behind).
+
+        ``keep_claims``: keep owning the device directories (and the temporary ones, with the state in them) until
+        :meth:`release_storage`, so that :meth:`save` can still copy the final state. Without it they are released
+        now, and a later :meth:`save` claims them again for the copy. Closing again does nothing.
+        """
+        if self._closed:
+            return
+        self._closed = True
         try:
-            self.wait()
+            if self._failure is None:
+                self.wait()
         finally:
-            for device in self.devices:
-                device.close()
-            for shard in self._shards:
-                for file in shard.files:
-                    file.close()
-            for directory in self._owned_dirs:
-                shutil.rmtree(directory, ignore_errors=True)
+            try:
+                # A device whose transfer still hangs keeps its files open: a piece not yet started must not reach
+                # another file through a reused descriptor.
+                hung = {device.index for device in self.devices if not device.close(self.device_timeout_s)}
+                for shard in self._shards:
+                    if shard.spec.index % self.num_devices in hung:
+                        continue
+                    for file in shard.files:
+                        file.close()
+            finally:
+                if not keep_claims:
+                    self.release_storage()
+
+    def release_storage(self) -> None:
+        """Give up the device directories: the owned (temporary) ones are removed first, while still held.
+
+        Called by :meth:`close` unless it kept them; idempotent. Every state file is closed by then.
+        """
+        claims, self._claims = self._claims, []
+        release_claims(claims, remove=self._owned_dirs)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import os
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -95,7 +95,9 @@ class IOEngine(ABC):
     """Moves whole aligned buffers between a :class:`StateFile` and memory; blocking, thread-safe.
 
     An engine may split a transfer into ``block_size`` requests and keep ``queue_depth`` of them in
-    flight; callers only see a transfer that is complete when the call returns.
+    flight; callers only see a transfer that is complete when the call returns. A failed transfer raises
+    :class:`OSError` (with its ``errno``), and only once none of its requests is in flight any more: the caller
+    reuses the buffer as soon as the call returns or raises.
     """
 
     #: Shown to users so they know which I/O path serves their devices.
@@ -148,7 +150,15 @@ class ThreadedIO(IOEngine):
         if len(pieces) == 1:
             fn(*pieces[0])
             return
-        for future in [self._pool.submit(fn, piece, at) for piece, at in pieces]:
+        futures = []
+        try:
+            for piece, at in pieces:
+                futures.append(self._pool.submit(fn, piece, at))
+        finally:
+            # Every piece settles before the first error is raised: the caller may hand ``buf`` to other I/O
+            # as soon as this returns, so none of its pieces may still be in flight.
+            wait(futures)
+        for future in futures:
             future.result()
 
     def read(self, file: StateFile, buf: Tensor, offset: int) -> None:

@@ -2,16 +2,67 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
 GIB = 1024**3
 
 
-class StorageError(RuntimeError):
-    """A storage path cannot hold or serve the device state."""
+class StorageError(RuntimeError, OSError):
+    """A storage path cannot hold or serve the device state.
+
+    Also an :class:`OSError`, so code written for I/O errors handles it. An error of a device's storage says what
+    failed in ``path`` (the state file or the device directory), ``operation`` (``"read"``, ``"write"``,
+    ``"stat"``, ...) and ``errno`` (``errno.ETIMEDOUT`` for a device that stopped answering); each is ``None``
+    where it does not apply (a disk found too small before anything was written).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike | None = None,
+        operation: str | None = None,
+        errno: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.path = None if path is None else Path(path)
+        self.operation = operation
+        self.errno = errno
+
+    def __str__(self) -> str:
+        # OSError would print "[Errno N] ..." from its fields; the message already names them.
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple:
+        return type(self), self.args, {"path": self.path, "operation": self.operation, "errno": self.errno}
+
+    @staticmethod
+    def errno_label(code: int | None) -> str:
+        """``code`` as its name and number, e.g. ``EIO (5)``."""
+        if code is None:
+            return "no errno"
+        return f"{errno.errorcode.get(code, 'E?')} ({code})"
+
+    @classmethod
+    def from_os_error(cls, exc: OSError, *, path: str | os.PathLike, operation: str, where: str = "") -> StorageError:
+        """The error of a system call that failed on a device's storage, with what to do about it.
+
+        ``where`` adds to the path (e.g. ``" at byte 4096"``).
+        """
+        return cls(
+            f"Device {operation} of {str(path)!r}{where} failed with {cls.errno_label(exc.errno)}: "
+            f"{exc.strerror or exc}. The storage under the device state failed (a failing disk, a full "
+            "thin-provisioned or copy-on-write filesystem, a path that vanished), so the state there may be torn. "
+            "Fix the storage, then resume from the last checkpoint.",
+            path=path,
+            operation=operation,
+            errno=exc.errno,
+        )
 
 
 def validate_storage_path(path: str | os.PathLike, argument: str = "storage_paths") -> Path:
@@ -31,10 +82,123 @@ def validate_storage_path(path: str | os.PathLike, argument: str = "storage_path
     return resolved
 
 
-def ensure_private_dir(path: Path) -> None:
-    """Create ``path`` (and parents) if needed; the leaf is private to the user (0700)."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)
+#: Opens a directory itself, never the target of a symbolic link in its place.
+_NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def make_private_dirs(base: str | os.PathLike, parts: Sequence[str]) -> Path:
+    """Create ``base/parts[0]/.../parts[-1]`` one component at a time, each private (0700); return the leaf.
+
+    Every component below ``base`` ends as a directory of this user with mode 0700, whether it was created now or
+    existed. No symbolic link below ``base`` is followed: components are opened relative to their parent's
+    descriptor with ``O_NOFOLLOW`` and chmodded through that descriptor. ``base`` itself (the user's storage path,
+    resolved once by the caller) is used as it is and not modified.
+
+    Raises:
+        ValueError: a part is empty, ``.``, ``..`` or contains a path separator.
+        StorageError: ``base`` is not a directory; or a component is a symbolic link, is not a directory, or cannot
+            be created or made private (another user's, read-only filesystem). The message names the component.
+    """
+    for part in parts:
+        if part in ("", ".", "..") or os.sep in part or (os.altsep is not None and os.altsep in part):
+            raise ValueError(f"`parts` entry {part!r} must be one path component (not empty, `.`, `..` or with `/`).")
+    base = Path(base)
+    try:
+        fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise StorageError(
+            f"Storage path {str(base)!r} cannot be opened as a directory ({exc.strerror}). Pass an existing directory.",
+            path=base,
+            operation="open",
+            errno=exc.errno,
+        ) from None
+    path = base
+    try:
+        for part in parts:
+            path = path / part
+            try:
+                os.mkdir(part, 0o700, dir_fd=fd)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                # Some filesystems report EROFS or EACCES before EEXIST: an existing component is still usable.
+                if not _lexists(part, fd):
+                    raise StorageError(
+                        f"Cannot create directory {str(path)!r} ({exc.strerror}). Make {str(path.parent)!r} writable "
+                        "by this user or choose another storage path.",
+                        path=path,
+                        operation="mkdir",
+                        errno=exc.errno,
+                    ) from None
+            try:
+                child = os.open(part, _NOFOLLOW_DIR, dir_fd=fd)
+            except OSError as exc:
+                raise _not_a_private_dir(path, part, fd, exc) from None
+            os.close(fd)
+            fd = child
+            try:
+                os.fchmod(fd, 0o700)
+            except OSError as exc:
+                raise StorageError(
+                    f"Directory {str(path)!r} cannot be made private to this user ({exc.strerror}; it belongs to "
+                    f"uid {os.fstat(fd).st_uid}, this process runs as uid {os.geteuid()}). Remove it or choose "
+                    "another storage path.",
+                    path=path,
+                    operation="chmod",
+                    errno=exc.errno,
+                ) from None
+    finally:
+        os.close(fd)
+    return path
+
+
+def _lexists(name: str, dir_fd: int) -> bool:
+    try:
+        os.lstat(name, dir_fd=dir_fd)
+    except OSError:
+        return False
+    return True
+
+
+def _not_a_private_dir(path: Path, part: str, parent_fd: int, exc: OSError) -> StorageError:
+    try:
+        mode = os.lstat(part, dir_fd=parent_fd).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and stat.S_ISLNK(mode):
+        return StorageError(
+            f"{str(path)!r} is a symbolic link where SmartUpdate keeps a private directory; links below the storage "
+            "path are never followed (they could send the optimizer state elsewhere). Remove the link, or pass the "
+            "directory it points to as the storage path.",
+            path=path,
+            operation="open",
+        )
+    if mode is not None and not stat.S_ISDIR(mode):
+        return StorageError(
+            f"{str(path)!r} exists but is not a directory, and SmartUpdate keeps a private directory there. Move it "
+            "away or choose another storage path.",
+            path=path,
+            operation="open",
+        )
+    return StorageError(
+        f"Cannot open directory {str(path)!r} ({exc.strerror}). Check its permissions.",
+        path=path,
+        operation="open",
+        errno=exc.errno,
+    )
+
+
+def ensure_private_dir(path: str | os.PathLike) -> Path:
+    """Create ``path`` and its missing parents, each private (0700), and make ``path`` private; return it.
+
+    The existing ancestors are used as they are (their symbolic links followed); from the nearest one down, nothing
+    is followed (see :func:`make_private_dirs`): in particular ``path`` must not be a symbolic link.
+    """
+    path = Path(os.path.abspath(path))
+    base, missing = path.parent, [path.name]
+    while not os.path.lexists(base) and base != base.parent:
+        base, missing = base.parent, [base.name, *missing]
+    return make_private_dirs(base, missing)
 
 
 def check_free_space(directory: Path, needed: int, reusable: Sequence[Path] = ()) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
+import os
 import resource
 import threading
 import weakref
@@ -89,6 +91,19 @@ def load_aio_op() -> Any:
     return builder.load(verbose=False)
 
 
+def _failure(operation: str, file: StateFile, offset: int, returned: int) -> OSError:
+    """The error of a failed async_io transfer: DeepSpeed gives no errno, so open the file as it did to find one."""
+    try:
+        fd = os.open(file.path, os.O_RDONLY if operation == "read" else os.O_WRONLY)
+    except OSError as exc:
+        code = exc.errno if exc.errno is not None else errno.EIO
+    else:
+        os.close(fd)
+        code = errno.EIO
+    detail = f"{os.strerror(code)} (DeepSpeed async_io {operation} at byte {offset} returned {returned})"
+    return OSError(code, detail, str(file.path))
+
+
 class DeepSpeedAIO(IOEngine):
     """Direct I/O through DeepSpeed's libaio handle: ``queue_depth`` requests of ``block_size`` in flight.
 
@@ -99,6 +114,12 @@ class DeepSpeedAIO(IOEngine):
     ``close`` frees the locked buffers and destroys every handle (joining its I/O threads); call it only when no
     thread is using the engine or its buffers. Engines still open at interpreter exit are closed by an ``atexit``
     hook.
+
+    Errors: ``sync_pread``/``sync_pwrite`` return only after every request of the transfer completed, so a buffer
+    never leaves a transfer with I/O in flight. DeepSpeed reports a failure only as ``-1`` without an errno (it
+    could not open or size the file); the engine then opens the file itself to raise an :class:`OSError` with the
+    real errno (``EIO`` if that works). DeepSpeed (0.19) does not check the result of each request, so an I/O
+    error of the disk once the file is open goes unreported; use ``io_engine='threads'`` where that matters.
     """
 
     name = "DeepSpeed async_io (libaio, O_DIRECT)"
@@ -145,7 +166,7 @@ class DeepSpeedAIO(IOEngine):
         handle = self._handle()
         done = handle.sync_pread(self._direct(handle, buf), str(file.path), offset)
         if done < 0:
-            raise OSError(f"async_io read of {file.path} at byte {offset} failed ({done}).")
+            raise _failure("read", file, offset, done)
 
     def write(self, file: StateFile, buf: Tensor, offset: int) -> None:
         global _first_write_done
@@ -158,7 +179,7 @@ class DeepSpeedAIO(IOEngine):
                 done = handle.sync_pwrite(flat, str(file.path), offset)
                 _first_write_done = True
         if done < 0:
-            raise OSError(f"async_io write of {file.path} at byte {offset} failed ({done}).")
+            raise _failure("write", file, offset, done)
 
     def close(self) -> None:
         locked, self._locked = self._locked, []

@@ -40,11 +40,12 @@ from torch import Tensor
 
 from lightning_smartinf.csd.backend import Backend, Handle, ShardSpec
 from lightning_smartinf.csd.compression import SparseGrad
-from lightning_smartinf.csd.cpu import CpuBackend, EmulatedDevice, _Request, _Shard
+from lightning_smartinf.csd.cpu import CpuBackend, EmulatedDevice, _Request, _Shard, check_device_timeout
 from lightning_smartinf.csd.io import ThreadedIO
 from lightning_smartinf.csd.layout import ChunkLayout
+from lightning_smartinf.csd.ownership import claim_directories, release_claims
 from lightning_smartinf.csd.rules import StepParams
-from lightning_smartinf.csd.storage import GIB
+from lightning_smartinf.csd.storage import GIB, ensure_private_dir
 from lightning_smartinf.csd.traffic import Traffic
 from lightning_smartinf.csd.xrt.abi import (
     derive_scalars,
@@ -307,12 +308,14 @@ class XrtDevice(EmulatedDevice):
         else:
             dst.copy_(self.link_chunk(src.numel(), link_dtype).copy_(src))  # round to the link, then widen (exact)
 
-    def close(self) -> None:
-        super().close()
-        self._subs.clear()
-        self._records.clear()
-        self._staging.clear()
-        self._kernels.clear()
+    def close(self, timeout: float | None = None) -> bool:
+        settled = super().close(timeout)
+        if settled:  # else a hung transfer may still use a P2P mapping: keep its buffer objects alive
+            self._subs.clear()
+            self._records.clear()
+            self._staging.clear()
+            self._kernels.clear()
+        return settled
 
 
 # ---------------------------------------------------------------------------------------------- the backend
@@ -330,6 +333,10 @@ class XrtBackend(CpuBackend):
         chunk_elems: elements per streamed chunk (a multiple of 1024).
         buffer_count: P2P record buffers per device (at least 2).
         owned_dirs: directories the backend created and removes on :meth:`close`.
+        prefetch_state: act on :meth:`prefetch` advice (``False`` ignores it: for comparisons).
+        device_timeout_s: seconds a SmartSSD may show no progress while the host waits for it before a
+            :class:`~lightning_smartinf.csd.storage.StorageError` stops the backend; ``None`` waits forever (see
+            :class:`~lightning_smartinf.csd.cpu.CpuBackend`).
 
     Raises:
         ValueError: bad arguments (see :func:`check_xrt_settings`), or more directories than XRT devices.
@@ -347,12 +354,14 @@ class XrtBackend(CpuBackend):
         buffer_count: int = 4,
         owned_dirs: Sequence[Path] = (),
         prefetch_state: bool = True,
+        device_timeout_s: float | None = 300.0,
     ) -> None:
         Backend.__init__(self)
         if not device_dirs:
             raise ValueError("`device_dirs` must name at least one directory.")
         if buffer_count < 2:
             raise ValueError(f"`buffer_count={buffer_count}` must be at least 2 (one updating, one in I/O).")
+        self.device_timeout_s = check_device_timeout(device_timeout_s)
         ChunkLayout(1, chunk_elems, 0)  # validates chunk_elems
         self.xclbin_path = check_xrt_settings(xclbin, devices, [str(d) for d in device_dirs])
         self._chunk_elems = chunk_elems
@@ -361,14 +370,17 @@ class XrtBackend(CpuBackend):
         self._shards = []
         self._pending = []
         self.devices: list[XrtDevice] = []
+        self._closed = False
         self.pyxrt = load_pyxrt(self.xclbin_path)
         self.is_model = isinstance(self.pyxrt, SoftwarePyxrt)
         self._xclbin = self.pyxrt.xclbin(str(self.xclbin_path))
         self.kernel_names = frozenset(k.get_name() for k in self._xclbin.get_kernels())
         #: Device DDR per SmartSSD, from the memory banks of the xclbin.
         self.ddr_bytes = sum(m.get_size_kb() * 1024 for m in self._xclbin.get_mems() if m.get_used())
-        idents = self._pair(list(map(Path, device_dirs)), devices)
+        # One owner per directory: claimed before any file in them is created or truncated, held until `close`.
+        self._claims = claim_directories([ensure_private_dir(d) for d in device_dirs])
         try:
+            idents = self._pair(list(map(Path, device_dirs)), devices)
             for i, (directory, ident) in enumerate(zip(device_dirs, idents)):
                 try:
                     handle = self.pyxrt.device(ident)
@@ -395,6 +407,7 @@ class XrtBackend(CpuBackend):
         except BaseException:
             for device in self.devices:
                 device.close()
+            release_claims(self._claims, remove=self._owned_dirs)
             raise
 
     def _pair(self, device_dirs: list[Path], devices: Sequence[int | str] | None) -> list[int | str]:
@@ -451,6 +464,7 @@ class XrtBackend(CpuBackend):
         link_dtype: torch.dtype | None = None,
         tentative: bool = False,
     ) -> Handle:
+        self._refuse("submit")
         sparse = isinstance(grad, SparseGrad)
         entry = self._shard(shard, grad.numel if sparse else grad.numel(), "`grad`")
         self._shard(shard, out.numel(), "`out`")
