@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_smartinf.csd.compression import check_ratio
+from lightning_smartinf.arguments import POOL_TENSORS, Problems, pool_bytes, show
 from lightning_smartinf.csd.layout import ELEM_ALIGN
 from lightning_smartinf.strategy import SmartInfinityStrategy
 
@@ -39,24 +39,43 @@ class BufferPool(Callback):
     Args:
         chunk_size: elements per buffer; ``None`` keeps the strategy's, capped at the largest sub-group.
         buffer_count: buffers per device; ``None`` keeps the strategy's (or derives it from ``memory_budget``).
-        memory_budget: host bytes for all buffer pools of this rank; incompatible with ``buffer_count``.
+        memory_budget: host bytes for all buffer pools of this rank, an int (``"4GiB"`` is refused: write
+            ``4 << 30``); at most the host memory available now; incompatible with ``buffer_count``.
+
+    Raises:
+        MisconfigurationException: listing every argument of the wrong type or range.
     """
 
     def __init__(
         self, chunk_size: int | None = None, buffer_count: int | None = None, memory_budget: int | None = None
     ) -> None:
+        problems = Problems("BufferPool", MisconfigurationException)
+        fits = [
+            problems.integer(
+                "chunk_size", chunk_size, low=ELEM_ALIGN, multiple=ELEM_ALIGN, why="elements", optional=True
+            ),
+            problems.integer(
+                "buffer_count", buffer_count, low=2, why="one buffer updating, one in I/O", example=16, optional=True
+            ),
+            problems.integer("memory_budget", memory_budget, low=1, unit="bytes", example=1 << 30, optional=True),
+        ]
         if buffer_count is not None and memory_budget is not None:
-            raise MisconfigurationException(
-                "`BufferPool(buffer_count=..., memory_budget=...)`: give one of them; the budget decides the count."
+            problems.add(
+                "`buffer_count=...` and `memory_budget=...` were both given: give one of them; the budget decides the "
+                "count."
             )
-        if chunk_size is not None and (chunk_size <= 0 or chunk_size % ELEM_ALIGN):
-            raise MisconfigurationException(
-                f"`BufferPool(chunk_size={chunk_size})` must be a positive multiple of {ELEM_ALIGN} elements."
+        elif all(fits) and memory_budget is not None:
+            problems.fits_in_memory(
+                f"`memory_budget={memory_budget}`", memory_budget, "the pools are sized to fill it", "Lower the budget."
             )
-        if buffer_count is not None and buffer_count < 2:
-            raise MisconfigurationException(
-                f"`BufferPool(buffer_count={buffer_count})` must be at least 2 (one buffer updating, one in I/O)."
+        elif all(fits) and chunk_size is not None and buffer_count is not None:
+            problems.fits_in_memory(
+                f"`buffer_count={buffer_count}` with `chunk_size={chunk_size}`",
+                pool_bytes(1, buffer_count, chunk_size),
+                f"one device: {buffer_count} buffers x {chunk_size} elements x 4 B x {POOL_TENSORS} fp32 tensors",
+                "Lower `buffer_count` (at least 2) or `chunk_size`.",
             )
+        problems.raise_if_any()
         self.chunk_size = chunk_size
         self.buffer_count = buffer_count
         self.memory_budget = memory_budget
@@ -164,24 +183,22 @@ class CompressionWarmup(Callback):
     def __init__(
         self, dense_steps: int = 0, schedule: Sequence[float] | str | None = None, steps_per_stage: int = 1
     ) -> None:
-        if not isinstance(dense_steps, int) or dense_steps < 0:
-            raise MisconfigurationException(f"`CompressionWarmup(dense_steps={dense_steps!r})` must be an int >= 0.")
-        if not isinstance(steps_per_stage, int) or steps_per_stage < 1:
-            raise MisconfigurationException(
-                f"`CompressionWarmup(steps_per_stage={steps_per_stage!r})` must be an int >= 1."
-            )
+        problems = Problems("CompressionWarmup", MisconfigurationException)
+        problems.integer("dense_steps", dense_steps, why="optimizer steps", example=0)
+        problems.integer("steps_per_stage", steps_per_stage, low=1, why="optimizer steps", example=1)
         if schedule == "dgc":
             schedule = DGC_SCHEDULE
-        elif isinstance(schedule, str):
-            raise MisconfigurationException(
-                f"`CompressionWarmup(schedule={schedule!r})` must be 'dgc', a sequence of kept ratios, or None."
+        ratios: tuple = ()
+        if isinstance(schedule, Sequence) and not isinstance(schedule, str):
+            inside = problems.within("schedule")
+            if all([inside.ratio(index, ratio, example=0.25) for index, ratio in enumerate(schedule)]):
+                ratios = tuple(schedule)
+        elif schedule is not None:
+            problems.add(
+                f"`schedule={show(schedule)}` is not supported: it must be 'dgc', a list of kept ratios (each with "
+                "0 < ratio <= 1), or None. Pass e.g. `schedule='dgc'` or `schedule=[0.25, 0.0625]`."
             )
-        ratios = tuple(schedule or ())
-        for ratio in ratios:
-            try:
-                check_ratio(ratio)
-            except ValueError as exc:
-                raise MisconfigurationException(f"`CompressionWarmup(schedule={schedule!r})`: {exc}") from None
+        problems.raise_if_any()
         self.dense_steps = dense_steps
         self.schedule = ratios
         self.steps_per_stage = steps_per_stage

@@ -9,8 +9,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_smartinf.arguments import Problems, show
 from lightning_smartinf.csd import TrafficSnapshot
 from lightning_smartinf.plan.model import FP32_GRAD_BYTES, FP32_STATE_BYTES
 from lightning_smartinf.strategy import SmartInfinityStrategy
@@ -78,6 +80,14 @@ class TrainingMonitor(Callback):
     """
 
     def __init__(self, token_key: str = "input_ids", progress_bar: bool = True) -> None:
+        problems = Problems("TrainingMonitor", MisconfigurationException)
+        if not isinstance(token_key, str) or not token_key:
+            problems.add(
+                f"`token_key={show(token_key)}` is not a key name: it must be a non-empty str, the key of the token "
+                "ids in mapping batches. Pass e.g. `token_key='input_ids'`."
+            )
+        problems.flag("progress_bar", progress_bar)
+        problems.raise_if_any()
         self.token_key = token_key
         self.progress_bar = progress_bar
         self._params = 0

@@ -69,7 +69,7 @@ def test_memory_budget_decides_the_buffer_count(tmp_path):
     [
         ({"buffer_count": 4, "memory_budget": 1 << 30}, "give one of them"),
         ({"chunk_size": 1000}, r"chunk_size=1000.*multiple of 1024"),
-        ({"buffer_count": 1}, r"buffer_count=1.*at least 2"),
+        ({"buffer_count": 1}, r"buffer_count=1.*>= 2"),
     ],
 )
 def test_bad_arguments(kwargs, match):

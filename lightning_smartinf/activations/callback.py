@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,7 +11,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_smartinf.activations.offload import ActivationOffloader, OffloadStats, check_settings
+from lightning_smartinf.activations.offload import ActivationOffloader, OffloadStats
+from lightning_smartinf.arguments import Problems
 
 
 class ActivationOffload(L.Callback):
@@ -22,7 +24,8 @@ class ActivationOffload(L.Callback):
 
     Args:
         storage_paths: where to write. ``None``: this rank's share of ``SmartInfinityStrategy(storage_paths=...)``.
-        threshold_bytes, keep_last, max_inflight_bytes, io_threads: see :class:`ActivationOffloader`.
+        threshold_bytes, keep_last, max_inflight_bytes, io_threads: see :class:`ActivationOffloader`; ints (byte
+            counts in bytes: ``"1MiB"`` is refused, write ``1 << 20``).
         log_stats: log ``smartinf/activation_{peak_bytes,write_bytes,read_bytes}`` per batch.
 
     With DeepSpeed activation checkpointing on, only the checkpoint inputs are saved in forward (those are what
@@ -39,13 +42,19 @@ class ActivationOffload(L.Callback):
         io_threads: int = 4,
         log_stats: bool = True,
     ) -> None:
-        check_settings(
-            "ActivationOffload",
-            threshold_bytes=threshold_bytes,
-            keep_last=keep_last,
-            max_inflight_bytes=max_inflight_bytes,
-            io_threads=io_threads,
+        problems = Problems("ActivationOffload", ValueError)
+        _check_arguments(
+            problems,
+            {
+                "storage_paths": storage_paths,
+                "threshold_bytes": threshold_bytes,
+                "keep_last": keep_last,
+                "max_inflight_bytes": max_inflight_bytes,
+                "io_threads": io_threads,
+                "log_stats": log_stats,
+            },
         )
+        problems.raise_if_any()
         self.storage_paths = storage_paths
         self.kwargs = dict(
             threshold_bytes=threshold_bytes,
@@ -124,3 +133,31 @@ class ActivationOffload(L.Callback):
             self.stats = self.offloader.stats
             self.offloader.close()
             self.offloader = None
+
+
+def _check_arguments(problems: Problems, arguments: dict[str, Any]) -> None:
+    """Check those of the :class:`ActivationOffload` arguments that ``arguments`` holds."""
+    if "storage_paths" in arguments:
+        problems.paths("storage_paths", arguments["storage_paths"], optional=True)
+    for name, low, example in (("threshold_bytes", 0, 1 << 20), ("max_inflight_bytes", 1, 64 << 20)):
+        if name in arguments:
+            problems.integer(name, arguments[name], low=low, unit="bytes", example=example)
+    if "keep_last" in arguments:
+        problems.integer("keep_last", arguments["keep_last"], why="layers", example=1)
+    if "io_threads" in arguments:
+        problems.integer("io_threads", arguments["io_threads"], low=1, high=1024, example=4)
+    if "log_stats" in arguments:
+        problems.flag("log_stats", arguments["log_stats"])
+
+
+def check_offload_options(problems: Problems, argument: str, options: Any) -> None:
+    """Check ``argument`` (``SmartInfinityStrategy(offload_activations=...)``): a bool, or a dict of
+    :class:`ActivationOffload` arguments whose keys and values are checked as the callback would."""
+    if isinstance(options, bool):
+        return
+    if not isinstance(options, dict):
+        problems.instance(argument, options, dict, "True, False, or a dict of `ActivationOffload` arguments")
+        return
+    allowed = list(inspect.signature(ActivationOffload).parameters)
+    problems.keys(argument, options, allowed)
+    _check_arguments(problems.within(argument), {k: v for k, v in options.items() if k in allowed})

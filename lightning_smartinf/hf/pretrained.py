@@ -19,6 +19,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_smartinf.arguments import Problems
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
@@ -149,6 +151,13 @@ class SavePretrained(Callback):
     """
 
     def __init__(self, dirpath: str) -> None:
+        problems = Problems("SavePretrained", MisconfigurationException)
+        if problems.path("dirpath", dirpath) and os.path.exists(dirpath) and not os.path.isdir(dirpath):
+            problems.add(
+                f"`dirpath={str(dirpath)!r}` is a file, not a directory: the model is written into a directory. "
+                "Choose another path or move the file away."
+            )
+        problems.raise_if_any()
         self.dirpath = dirpath
         self.state: dict[str, Tensor] = {}
 
