@@ -20,7 +20,6 @@ Command line::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -29,28 +28,18 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lightning_smartinf import checkpoint_dir
+from lightning_smartinf.checkpoint_dir import HOST_STATE
 from lightning_smartinf.csd.checkpoint import read_manifest, shard_file_name, verify_state_file
 from lightning_smartinf.csd.layout import ChunkLayout
 
-STATE_DIR = Path("checkpoint") / "smartinf"
-HOST_STATE = "host_state.json"
-
 
 def rank_state_dir(checkpoint_path: str | os.PathLike, rank: int) -> Path:
-    return Path(checkpoint_path) / STATE_DIR / f"rank{rank:03d}"
+    return checkpoint_dir.rank_state_dir(checkpoint_path, rank)
 
 
 def _host_state(directory: Path) -> dict:
-    path = directory / HOST_STATE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} is missing: the checkpoint was not saved with `strategy='smart_infinity'`, or its save did not "
-            "complete (it is written last). Use an earlier checkpoint."
-        )
-    try:
-        return json.loads(path.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{path} is corrupt ({exc}).") from None
+    return checkpoint_dir.read_json(directory / HOST_STATE, "the device state", ("rank", "world_size", "shards"))
 
 
 def world_size(checkpoint_path: str | os.PathLike) -> int:
@@ -58,22 +47,11 @@ def world_size(checkpoint_path: str | os.PathLike) -> int:
 
 
 def is_complete(checkpoint_path: str | os.PathLike) -> bool:
-    """Whether every rank's device state of the checkpoint was written to the end (manifest and host state).
+    """Whether the checkpoint's save ran to the end: its seal is there (cheap, no checksums).
 
-    Cheap (no checksums): it tells a checkpoint interrupted by a crash from a finished one. Loading still
-    verifies every file.
+    It tells a checkpoint interrupted by a crash from a finished one. Loading and export verify every file.
     """
-    try:
-        size = world_size(checkpoint_path)
-        for rank in range(size):
-            directory = rank_state_dir(checkpoint_path, rank)
-            host = _host_state(directory)
-            read_manifest(directory)
-            if host.get("rank") != rank or host.get("world_size") != size:
-                return False
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return True
+    return checkpoint_dir.is_sealed(checkpoint_path)
 
 
 def _read_masters(path: Path, layout: ChunkLayout) -> Tensor:
@@ -95,6 +73,7 @@ def consolidate_fp32_state_dict(checkpoint_path: str | os.PathLike, *, verify: b
 
     ``verify``: check every shard file's size and CRC-32 against its manifest first (reads each file twice).
     """
+    checkpoint_dir.verify(checkpoint_path, checksum_shards=False)  # shard files: CRC-checked below when `verify`
     size = world_size(checkpoint_path)
     pieces: dict[str, list[Tensor | None]] = {}
     shapes: dict[str, list[int]] = {}
@@ -161,8 +140,11 @@ def hf_metadata(checkpoint_path: str | os.PathLike) -> dict | None:
     path = next((p for p in paths if p.is_file()), None)
     if path is None:
         raise FileNotFoundError(f"{paths[0]} is missing: {checkpoint_path} is not a DeepSpeed checkpoint directory.")
-    # The checkpoint's own pickle (Lightning's client state), as `Trainer.fit(ckpt_path=...)` reads it.
-    client_state = torch.load(path, map_location="cpu", weights_only=False)
+    checkpoint_dir.verify(checkpoint_path)
+    # Lightning's client state, read as `Trainer.fit(ckpt_path=...)` reads it: weights only, never code.
+    from lightning_smartinf.zero.safe_load import load_deepspeed_file
+
+    client_state = load_deepspeed_file(path)
     return client_state.get("smartinf_hf")
 
 

@@ -6,15 +6,21 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import tempfile
+import threading
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
 from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -24,22 +30,31 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_smartinf import checkpoint_dir
+from lightning_smartinf.arguments import POOL_TENSORS, Problems, pool_bytes, show
+from lightning_smartinf.checkpoint_dir import CheckpointError
 from lightning_smartinf.cpu_support import DeepSpeedOnCPUMixin
 from lightning_smartinf.csd import Backend, CpuBackend, StorageError, TrafficSnapshot, validate_storage_path
 from lightning_smartinf.csd.checkpoint import file_crc32, write_file_atomic
 from lightning_smartinf.csd.compression import TopKCompression, check_ratio, check_sparse_supported
-from lightning_smartinf.csd.io import IOEngine, ThreadedIO, supports_direct_io
-from lightning_smartinf.csd.storage import ensure_private_dir
+from lightning_smartinf.csd.io import IO_ALIGN, IOEngine, ThreadedIO, supports_direct_io
+from lightning_smartinf.csd.layout import ELEM_ALIGN
+from lightning_smartinf.csd.ownership import check_unclaimed, make_temp_device_dir, remove_stale_temp_dirs
+from lightning_smartinf.csd.storage import make_private_dirs
 from lightning_smartinf.csd.torch_optim import SUPPORTED_OPTIMIZERS, rule_for_group
 from lightning_smartinf.precision import SmartInfinityPrecision
 from lightning_smartinf.zero import check_deepspeed_version, smart_update_optimizer
+from lightning_smartinf.zero.safe_load import load_deepspeed_file, safe_checkpoint_engine
 
 BACKENDS = ("cpu", "xrt")
 IO_ENGINES = ("auto", "aio", "threads")
 _STATE_DIR = "smartinf"
 log = logging.getLogger(__name__)
-_HOST_STATE = "host_state.json"
+_HOST_STATE = checkpoint_dir.HOST_STATE
+_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 _RESIDUAL = "residual.safetensors"
+#: Removers of the temporary device state of finished runs (``storage_paths=None``), see ``release_backend``.
+_lingering_temporary_state: list[weakref.finalize] = []
 
 
 class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
@@ -71,13 +86,17 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         buffer_count: chunk buffers per device; host memory of the update path is
             ``devices * buffer_count * chunk_size * 4 * (1 + states)`` bytes (192 MiB per device for Adam with
             the defaults). Keep it above ``2 * io_threads + 1`` so reads never wait for a write to free a buffer.
+            With ``backend="cpu"``, pools of ``storage paths (1 for None) * buffer_count * chunk_size * 4 * 3``
+            bytes (master weight and Adam's two states) that exceed the available host memory are refused here.
         io_engine: how devices move state to and from their storage: ``"aio"`` (DeepSpeed's libaio op,
             direct I/O), ``"threads"`` (``pread``/``pwrite`` on a thread pool) or ``"auto"`` (aio where it
             loads and the filesystem allows ``O_DIRECT``, else threads; the choice is logged).
-        io_block_size: bytes per I/O request (a multiple of 4096).
+        io_block_size: bytes per I/O request: an int, a multiple of 4096, at most 1 GiB (``1 << 30``).
         io_queue_depth: I/O requests in flight per chunk transfer.
         io_threads: chunk transfers each emulated device (``backend="cpu"``) keeps in flight per direction;
             reads are also capped at ``buffer_count - 1``.
+        device_timeout_s: seconds a device may take to answer before the run fails with a
+            :class:`~lightning_smartinf.csd.StorageError` (a positive finite number); ``None`` waits forever.
         overlap_backward: hand each sub-group's gradient to its device as soon as backward has reduced it, so
             devices update during backward instead of after it. The update is tentative until the step
             confirms it (same hyperparameters and scale, no clipping, no skipped step), otherwise it is rolled
@@ -91,8 +110,10 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         offload_activations: write large saved activations to the storage paths during forward and read them
             back ahead of backward (``True``, or a dict of
             :class:`~lightning_smartinf.activations.ActivationOffload` arguments).
-        config: a DeepSpeed config dict or JSON path to start from; SmartUpdate adds its own keys and
-            rejects settings that contradict it (optimizer offload, a DeepSpeed ``optimizer`` block, stages < 3).
+        config: a DeepSpeed config dict or JSON path to start from (``None``: the file named by
+            ``$PL_DEEPSPEED_CONFIG_PATH``, if set); SmartUpdate adds its own keys and rejects settings that
+            contradict it (optimizer offload, a DeepSpeed ``optimizer`` block or ``gradient_accumulation_steps``,
+            stages < 3) and values of the wrong shape (``zero_optimization`` not a dict, ``"auto"`` sizes).
         reduce_bucket_size: elements of gradients ZeRO reduces at once. Gradients reach the devices one bucket at a
             time, so ``None`` picks ``sub_group_size`` (within 1M..200M) when ``overlap_backward`` is in effect,
             letting each device start as soon as its sub-group is reduced, and Lightning's 200M otherwise.
@@ -100,6 +121,11 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         loss_scale, initial_scale_power, loss_scale_window, hysteresis, min_loss_scale, logging_level,
         parallel_devices, cluster_environment, precision_plugin, process_group_backend, timeout:
             as in :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`.
+
+    Every argument is checked here, by type and range, and one ``MisconfigurationException`` lists every problem.
+    Counts and sizes are ``int`` (``True``, ``16.0`` and ``"16"`` are refused); byte counts are ints of bytes
+    (``"1MiB"`` is refused: write ``1 << 20``); flags are ``True`` or ``False``; dict arguments have their keys
+    and values checked. See :mod:`lightning_smartinf.arguments`.
     """
 
     strategy_name = "smart_infinity"
@@ -119,6 +145,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         io_block_size: int = 1 << 20,
         io_queue_depth: int = 8,
         io_threads: int = 3,
+        device_timeout_s: float | None = 300.0,
         overlap_backward: bool = True,
         prefetch_state: bool = True,
         offload_parameters: bool = False,
@@ -142,89 +169,131 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         check_deepspeed_version()
-        if backend not in BACKENDS:
-            raise MisconfigurationException(
-                f"`SmartInfinityStrategy(backend={backend!r})` is not supported. `backend` must be one of: "
-                f"{', '.join(map(repr, BACKENDS))}."
-            )
-        for name, value, minimum in (
-            ("sub_group_size", sub_group_size, 1),
-            ("buffer_count", buffer_count, 2),
-            ("io_threads", io_threads, 1),
+        problems = Problems("SmartInfinityStrategy", MisconfigurationException)
+        problems.choice("backend", backend, BACKENDS)
+        problems.choice("io_engine", io_engine, IO_ENGINES)
+        counts = [
+            problems.integer("sub_group_size", sub_group_size, low=1, why="elements", example=40_000_000),
+            problems.integer(
+                "chunk_size",
+                chunk_size,
+                low=ELEM_ALIGN,
+                multiple=ELEM_ALIGN,
+                why=f"elements; {ELEM_ALIGN} fp32 elements are the {IO_ALIGN} B direct-I/O unit",
+                example=1 << 20,
+            ),
+            problems.integer("buffer_count", buffer_count, low=2, why="one buffer updating, one in I/O", example=16),
+        ]
+        problems.integer(
+            "io_block_size",
+            io_block_size,
+            low=IO_ALIGN,
+            high=1 << 30,
+            multiple=IO_ALIGN,
+            unit="bytes",
+            why="the direct-I/O unit; one system call moves at most 2 GiB",
+            example=1 << 20,
+        )
+        problems.integer("io_queue_depth", io_queue_depth, low=1, high=1024, example=8)
+        problems.integer("io_threads", io_threads, low=1, high=1024, example=3)
+        problems.number(
+            "device_timeout_s",
+            device_timeout_s,
+            low=0,
+            above=True,
+            high=threading.TIMEOUT_MAX,
+            unit="seconds",
+            why="the longest wait Python's threading allows; None waits forever",
+            example=300.0,
+            optional=True,
+        )
+        for name, value in (
+            ("overlap_backward", overlap_backward),
+            ("prefetch_state", prefetch_state),
+            ("offload_parameters", offload_parameters),
+            ("contiguous_gradients", contiguous_gradients),
+            ("overlap_comm", overlap_comm),
         ):
-            if not isinstance(value, int) or value < minimum:
-                raise MisconfigurationException(
-                    f"`SmartInfinityStrategy({name}={value!r})` is invalid: it must be an integer >= {minimum}."
-                )
-        if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % 1024:
-            raise MisconfigurationException(
-                f"`SmartInfinityStrategy(chunk_size={chunk_size!r})` is invalid: it must be a positive multiple of "
-                f"1024 elements (the 4 KiB direct-I/O unit), e.g. {max(1024, round((chunk_size or 0) / 1024) * 1024)}."
+            problems.flag(name, value)
+        problems.integer(
+            "reduce_bucket_size",
+            reduce_bucket_size,
+            low=1,
+            why="elements; None follows `sub_group_size`",
+            example=200_000_000,
+            optional=True,
+        )
+        problems.integer("allgather_bucket_size", allgather_bucket_size, low=1, why="elements", example=200_000_000)
+        if logging_batch_size_per_gpu != "auto":
+            problems.integer(
+                "logging_batch_size_per_gpu",
+                logging_batch_size_per_gpu,
+                low=1,
+                why="or 'auto' for the train dataloader's batch size",
+                example="auto",
             )
-        if io_engine not in IO_ENGINES:
-            raise MisconfigurationException(
-                f"`SmartInfinityStrategy(io_engine={io_engine!r})` is not supported. `io_engine` must be one of: "
-                f"{', '.join(map(repr, IO_ENGINES))}."
-            )
-        try:
-            ThreadedIO(io_block_size, io_queue_depth).close()
-        except ValueError as exc:
-            raise MisconfigurationException(f"`SmartInfinityStrategy`: {exc}") from None
-        self._offload_activations = offload_activations
-        self.io_engine = io_engine
-        self.io_block_size = io_block_size
-        self.io_queue_depth = io_queue_depth
-        self.io_threads = io_threads
-        self._storage_paths = self._validate_storage_paths(storage_paths)
-        self.backend_name = backend
-        self.xclbin = xclbin
-        self.xrt_devices = xrt_devices
+        problems.number("loss_scale", loss_scale, low=0, high=1 << 127, why="0: dynamic loss scaling", example=0)
+        problems.integer(
+            "initial_scale_power",
+            initial_scale_power,
+            high=127,
+            why="the loss scale 2**power must be a finite fp32 number",
+            example=16,
+        )
+        problems.integer("loss_scale_window", loss_scale_window, low=1, example=1000)
+        problems.integer("hysteresis", hysteresis, low=1, example=2)
+        problems.number("min_loss_scale", min_loss_scale, low=0, above=True, high=1 << 127, example=1)
+        if not (isinstance(logging_level, str) and isinstance(logging.getLevelName(logging_level), int)):
+            problems.integer("logging_level", logging_level, why="a `logging` level, or its name", example=logging.WARN)
+        for name, value, kind, allowed in (
+            ("accelerator", accelerator, Accelerator, "an `Accelerator`, or None (`Trainer(accelerator=...)` sets it)"),
+            ("parallel_devices", parallel_devices, (list, tuple), "a list of `torch.device`, or None"),
+            ("cluster_environment", cluster_environment, ClusterEnvironment, "a `ClusterEnvironment`, or None"),
+            ("precision_plugin", precision_plugin, DeepSpeedPrecision, "a `SmartInfinityPrecision`, or None"),
+            ("process_group_backend", process_group_backend, str, "a backend name such as 'nccl' or 'gloo', or None"),
+            ("timeout", timeout, timedelta, "a `datetime.timedelta`, or None"),
+        ):
+            if value is not None:
+                problems.instance(name, value, kind, allowed)
+        if not isinstance(offload_activations, bool):
+            from lightning_smartinf.activations.callback import check_offload_options
+
+            check_offload_options(problems, "offload_activations", offload_activations)
+
+        self._storage_paths = self._validate_storage_paths(storage_paths, problems)
         if backend == "xrt":
             from lightning_smartinf.csd.xrt import check_xrt_settings
 
             try:
                 check_xrt_settings(xclbin, xrt_devices, self._storage_paths)
             except (ValueError, FileNotFoundError) as exc:
-                raise MisconfigurationException(f"`SmartInfinityStrategy(backend='xrt')`: {exc}") from None
+                problems.add(f"`backend='xrt'`: {exc}")
         elif xclbin is not None or xrt_devices is not None:
-            raise MisconfigurationException(
-                f"`SmartInfinityStrategy(xclbin=..., xrt_devices=...)` apply to `backend='xrt'` only, but "
-                f"`backend={backend!r}`. Drop them or pass `backend='xrt'`."
+            problems.add(
+                f"`xclbin=...` and `xrt_devices=...` apply to `backend='xrt'` only, but `backend={backend!r}`. Drop "
+                "them or pass `backend='xrt'`."
             )
-        self.compression = self._validate_compression(compression)
-        #: Kept ratio of the coming steps; ``None`` = dense. Moved by :class:`CompressionWarmup`.
-        self._kept_ratio = self.compression.ratio if self.compression is not None else None
-        self.chunk_size = chunk_size
-        self.buffer_count = buffer_count
-        if not isinstance(overlap_backward, bool):
-            raise MisconfigurationException(
-                f"`SmartInfinityStrategy(overlap_backward={overlap_backward!r})` is invalid: pass True or False."
+        self.compression = self._validate_compression(compression, problems)
+        if all(counts) and backend == "cpu":
+            # The xrt backend's buffers are in the SmartSSDs' DDR; the cpu backend's are here.
+            paths = len(storage_paths) if isinstance(storage_paths, (list, tuple)) else 1
+            problems.fits_in_memory(
+                f"`buffer_count={buffer_count}` with `chunk_size={chunk_size}` on {paths} storage path(s)",
+                pool_bytes(paths, buffer_count, chunk_size),
+                f"{paths} x {buffer_count} buffers x {chunk_size} elements x 4 B x {POOL_TENSORS} fp32 tensors: master "
+                "weight and 2 Adam states",
+                "Lower `buffer_count` (at least 2) or `chunk_size`.",
             )
-        if not isinstance(prefetch_state, bool):
-            raise MisconfigurationException(
-                f"`SmartInfinityStrategy(prefetch_state={prefetch_state!r})` is invalid: pass True or False."
-            )
-        self.prefetch_state = prefetch_state
+
         #: Whether devices start updating during backward (see ``overlap_backward``).
-        self.overlap_backward = overlap_backward and backend == "cpu" and self.compression is None
-        if overlap_backward and not self.overlap_backward:
-            why = "`compression`" if self.compression is not None else f"`backend={backend!r}`"
-            log.info("smart_infinity: updates start after backward, not during it (not supported with %s).", why)
-        self._backend: Backend | None = None
-        self._closed_traffic = TrafficSnapshot()
-        if reduce_bucket_size is None:
+        self.overlap_backward = overlap_backward is True and backend == "cpu" and self.compression is None
+        if reduce_bucket_size is None and counts[0]:
             reduce_bucket_size = (
                 min(200_000_000, max(sub_group_size, 1 << 20)) if self.overlap_backward else 200_000_000
             )
-        elif not isinstance(reduce_bucket_size, int) or reduce_bucket_size < 1:
-            raise MisconfigurationException(
-                f"`SmartInfinityStrategy(reduce_bucket_size={reduce_bucket_size!r})` is invalid: it must be an "
-                "integer >= 1 (elements), or None to follow `sub_group_size`."
-            )
-
-        user_config = self._load_config(config)
         smart_config = self._smart_update_config(
-            user_config,
+            self._load_config(config, problems),
+            problems,
             sub_group_size=sub_group_size,
             offload_parameters=offload_parameters,
             reduce_bucket_size=reduce_bucket_size,
@@ -232,6 +301,35 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             contiguous_gradients=contiguous_gradients,
             overlap_comm=overlap_comm,
         )
+        zero_sub_group = smart_config["zero_optimization"].get("sub_group_size")
+        if self.compression is not None and isinstance(zero_sub_group, (int, float)) and zero_sub_group >= 1 << 31:
+            problems.add(
+                f"`compression` with a ZeRO `sub_group_size` of {zero_sub_group:.0f}: compressed gradients address "
+                "their entries inside a sub-group with int32 indices, so it must be < 2**31. Lower `sub_group_size` "
+                "(e.g. 40_000_000)."
+            )
+        problems.raise_if_any()
+
+        self._offload_activations = offload_activations
+        self.io_engine = io_engine
+        self.io_block_size = io_block_size
+        self.io_queue_depth = io_queue_depth
+        self.io_threads = io_threads
+        #: Seconds a device may take to answer before the run fails with a ``StorageError``; ``None``: no limit.
+        self.device_timeout_s = None if device_timeout_s is None else float(device_timeout_s)
+        self.backend_name = backend
+        self.xclbin = xclbin
+        self.xrt_devices = xrt_devices
+        #: Kept ratio of the coming steps; ``None`` = dense. Moved by :class:`CompressionWarmup`.
+        self._kept_ratio = self.compression.ratio if self.compression is not None else None
+        self.chunk_size = chunk_size
+        self.buffer_count = buffer_count
+        self.prefetch_state = prefetch_state
+        if overlap_backward and not self.overlap_backward:
+            why = "`compression`" if self.compression is not None else f"`backend={backend!r}`"
+            log.info("smart_infinity: updates start after backward, not during it (not supported with %s).", why)
+        self._backend: Backend | None = None
+        self._closed_traffic = TrafficSnapshot()
         if logging_batch_size_per_gpu != "auto":
             smart_config.setdefault("train_micro_batch_size_per_gpu", logging_batch_size_per_gpu)
         super().__init__(
@@ -253,56 +351,136 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
     # ----------------------------------------------------------------------------------------- configuration
 
     @staticmethod
-    def _validate_storage_paths(storage_paths: list[_PATH] | None) -> list[Path] | None:
-        if storage_paths is None:
+    def _validate_storage_paths(storage_paths: Any, problems: Problems) -> list[Path] | None:
+        """``storage_paths`` resolved, each an existing writable directory named once; ``None`` if not given or bad."""
+        paths = problems.paths("storage_paths", storage_paths, optional=True)
+        if paths is None:
             return None
-        if isinstance(storage_paths, (str, os.PathLike)):
-            storage_paths = [storage_paths]
-        if len(storage_paths) == 0:
-            raise MisconfigurationException(
-                "`SmartInfinityStrategy(storage_paths=[])` is empty. Pass at least one directory, or `None` for a "
-                "temporary directory."
-            )
-        try:
-            resolved = [validate_storage_path(p) for p in storage_paths]
-        except ValueError as exc:
-            raise MisconfigurationException(f"`SmartInfinityStrategy`: {exc}") from None
-        seen: dict[Path, Any] = {}
-        for original, path in zip(storage_paths, resolved):
-            if path in seen:
-                raise MisconfigurationException(
-                    f"`SmartInfinityStrategy(storage_paths=...)` names {str(seen[path])!r} and {str(original)!r}, "
-                    "which are the same directory; two devices cannot share one storage path. Remove the duplicate."
+        resolved: dict[Path, Any] = {}
+        for original in paths:
+            try:
+                path = validate_storage_path(original)
+            except (ValueError, OSError) as exc:  # OSError: a name the OS refuses (too long, ...)
+                text = str(exc)
+                problems.add(
+                    text if text.startswith("`storage_paths`") else f"`storage_paths` entry {original!r}: {text}"
                 )
-            seen[path] = original
-        return resolved
+                continue
+            if path in resolved:
+                problems.add(
+                    f"`storage_paths` names {str(resolved[path])!r} and {str(original)!r}, which are the same "
+                    "directory; two devices cannot share one storage path. Remove the duplicate."
+                )
+            resolved[path] = original
+        return list(resolved) if len(resolved) == len(paths) else None
+
+    @override
+    def _load_config(
+        self, config: _PATH | dict[str, Any] | None, problems: Problems | None = None
+    ) -> dict[str, Any] | None:
+        """The user's DeepSpeed config: ``config``, or the JSON file it names (``$PL_DEEPSPEED_CONFIG_PATH`` when it
+        is ``None``). On a problem, adds it to ``problems`` (raises at once without) and returns ``None``."""
+        own = problems is None
+        problems = Problems(type(self).__name__, MisconfigurationException) if own else problems
+        name = "config"
+        if config is None and self.DEEPSPEED_ENV_VAR in os.environ:
+            config, name = os.environ[self.DEEPSPEED_ENV_VAR], self.DEEPSPEED_ENV_VAR
+        loaded: Any = config
+        if isinstance(config, (str, os.PathLike)):
+            loaded, path, shown = None, Path(config), f"`{name}={str(config)!r}`"
+            if not path.is_file():
+                kind = "is a directory" if path.is_dir() else "does not exist"
+                problems.add(f"{shown} {kind}: pass a DeepSpeed config dict or the path of a JSON file. Fix the path.")
+            else:
+                try:
+                    loaded = json.loads(path.read_text())
+                except json.JSONDecodeError as exc:
+                    problems.add(
+                        f"{shown} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}). Fix the file."
+                    )
+                except (OSError, UnicodeDecodeError) as exc:
+                    problems.add(f"{shown} cannot be read ({exc}). Fix its permissions or pass another file.")
+                if loaded is not None and not isinstance(loaded, dict):
+                    problems.add(
+                        f"{shown} holds a JSON {type(loaded).__name__}, not an object: a DeepSpeed config is a JSON "
+                        "object of settings (`{...}`)."
+                    )
+                    loaded = None
+        elif config is not None and not problems.instance(
+            name, config, dict, "a DeepSpeed config dict, the path of a JSON file, or None"
+        ):
+            loaded = None
+        if isinstance(loaded, dict):
+            try:
+                json.dumps(loaded)
+            except (TypeError, ValueError) as exc:
+                problems.add(
+                    f"`{name}` holds a value JSON cannot represent ({exc}). Use numbers, strings, lists, dicts."
+                )
+                loaded = None
+        if own:
+            problems.raise_if_any()
+        return loaded
 
     @staticmethod
-    def _smart_update_config(user_config: dict[str, Any] | None, **settings: Any) -> dict[str, Any]:
+    def _smart_update_config(user_config: dict[str, Any] | None, problems: Problems, **settings: Any) -> dict[str, Any]:
+        """``user_config`` with SmartUpdate's settings added; adds a problem for each key that contradicts them."""
         config = json.loads(json.dumps(user_config)) if user_config else {}
+        where = problems.within("config")
         zero = config.setdefault("zero_optimization", {})
-        problems = []
-        if zero.get("stage", 3) != 3:
-            problems.append(f"`zero_optimization.stage={zero['stage']}`: SmartUpdate runs on ZeRO stage 3; remove it.")
-        if zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None):
-            problems.append(
-                f"`zero_optimization.offload_optimizer.device={zero['offload_optimizer']['device']!r}`: the optimizer "
+        if not where.instance("zero_optimization", zero, dict, "a dict of ZeRO settings, or left out"):
+            zero = config["zero_optimization"] = {}
+        inside = where.within("zero_optimization")
+        stage = zero.get("stage", 3)
+        if isinstance(stage, bool) or stage != 3:
+            inside.add(
+                f"`{inside.name('stage')}={show(stage)}` is not supported: SmartUpdate runs on ZeRO stage 3. Remove "
+                "the key or set it to 3."
+            )
+        for block in ("offload_optimizer", "offload_param"):
+            if zero.get(block) is not None and not inside.instance(
+                block, zero[block], dict, "a dict of offload settings, or None"
+            ):
+                zero[block] = None
+        offload_optimizer = zero.get("offload_optimizer") or {}
+        if offload_optimizer.get("device", "none") not in ("none", None):
+            inside.add(
+                f"`{inside.name('offload_optimizer')}['device']={show(offload_optimizer['device'])}`: the optimizer "
                 "state lives on the SmartUpdate devices; remove `offload_optimizer` and set `storage_paths` instead."
             )
-        if zero.get("offload_param", {}).get("device") == "nvme":
-            problems.append(
-                "`zero_optimization.offload_param.device='nvme'`: not supported with SmartUpdate; use 'cpu' "
+        offload_param = zero.get("offload_param") or {}
+        if offload_param.get("device") == "nvme":
+            inside.add(
+                f"`{inside.name('offload_param')}['device']='nvme'` is not supported with SmartUpdate; use 'cpu' "
                 "(`offload_parameters=True`)."
             )
-        if "optimizer" in config:
-            problems.append(
-                "`optimizer`: SmartUpdate runs the optimizer from `LightningModule.configure_optimizers`; remove the "
-                f"DeepSpeed `optimizer` block and return one of {', '.join(SUPPORTED_OPTIMIZERS)} there."
+        elif offload_param.get("device", "none") not in ("none", "cpu", None):
+            inside.within("offload_param").choice("device", offload_param["device"], ("none", "cpu"))
+        for key in ("sub_group_size", "reduce_bucket_size", "allgather_bucket_size"):
+            if key in zero:
+                value = zero[key]
+                # DeepSpeed reads integral floats (`5e8`) as ints, as JSON configs often write them.
+                value = int(value) if isinstance(value, float) and value.is_integer() else value
+                inside.integer(
+                    key, value, low=1, why="elements", example=40_000_000 if key == "sub_group_size" else 200_000_000
+                )
+        for key in ("contiguous_gradients", "overlap_comm"):
+            if key in zero:
+                inside.flag(key, zero[key])
+        for block in ("fp16", "bf16", "aio", "activation_checkpointing"):
+            if block in config:
+                where.instance(block, config[block], dict, f"a dict of DeepSpeed `{block}` settings")
+        if "train_micro_batch_size_per_gpu" in config:
+            where.integer("train_micro_batch_size_per_gpu", config["train_micro_batch_size_per_gpu"], low=1)
+        if "gradient_accumulation_steps" in config:
+            where.add(
+                "`config['gradient_accumulation_steps']` is set by Lightning from "
+                "`Trainer(accumulate_grad_batches=...)`; remove it from the DeepSpeed config and set it there."
             )
-        if problems:
-            raise MisconfigurationException(
-                "The DeepSpeed `config` passed to `SmartInfinityStrategy` contradicts SmartUpdate:\n- "
-                + "\n- ".join(problems)
+        if "optimizer" in config:
+            where.add(
+                "`config['optimizer']`: SmartUpdate runs the optimizer from `LightningModule.configure_optimizers`; "
+                f"remove the DeepSpeed `optimizer` block and return one of {', '.join(SUPPORTED_OPTIMIZERS)} there."
             )
         zero["stage"] = 3
         zero.setdefault("sub_group_size", settings["sub_group_size"])
@@ -312,7 +490,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         zero.setdefault("overlap_comm", settings["overlap_comm"])
         # The path is replaced per rank at set-up; "nvme" makes ZeRO keep only empty fp32 placeholders.
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": tempfile.gettempdir()}
-        if settings["offload_parameters"]:
+        if settings["offload_parameters"] is True:
             zero["offload_param"] = {"device": "cpu"}
         config["zero_allow_untested_optimizer"] = True
         config["zero_force_ds_cpu_optimizer"] = False
@@ -367,22 +545,31 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         return self._storage_paths[self.local_rank :: max(1, self.num_processes)]
 
     @staticmethod
-    def _validate_compression(compression: Any) -> TopKCompression | None:
+    def _validate_compression(compression: Any, problems: Problems) -> TopKCompression | None:
+        """``compression`` as a :class:`TopKCompression` (``None``: dense, or a problem was added)."""
         if compression is None or isinstance(compression, TopKCompression):
             return compression
-        try:
-            if isinstance(compression, dict):
-                allowed = [f.name for f in dataclasses.fields(TopKCompression)]
-                unknown = set(compression) - set(allowed)
-                if unknown:
-                    raise ValueError(f"unknown key(s) {sorted(unknown)}; allowed: {allowed}")
-                return TopKCompression(**compression)
-            return TopKCompression(compression)
-        except (TypeError, ValueError) as exc:
-            raise MisconfigurationException(
-                f"`SmartInfinityStrategy(compression={compression!r})` is invalid: {exc}. Pass the kept ratio "
-                "(e.g. `compression=0.01`), a dict like `{'ratio': 0.01, 'error_feedback': False}`, or None."
-            ) from None
+        if isinstance(compression, dict):
+            fields = [f.name for f in dataclasses.fields(TopKCompression)]
+            inside = problems.within("compression")
+            valid = problems.keys("compression", compression, fields, required=["ratio"])
+            if "ratio" in compression:
+                valid = inside.ratio("ratio", compression["ratio"]) and valid
+            for key in ("error_feedback", "layerwise"):
+                if key in compression:
+                    valid = inside.flag(key, compression[key]) and valid
+            return TopKCompression(**compression) if valid else None
+        if isinstance(compression, (int, float)) and not isinstance(compression, bool):
+            return TopKCompression(compression) if problems.ratio("compression", compression) else None
+        problems.instance(
+            "compression",
+            compression,
+            (),
+            "the kept ratio (a number with 0 < ratio <= 1, e.g. 0.01), a dict like "
+            "{'ratio': 0.01, 'error_feedback': False}, a `TopKCompression`, or None",
+            fix="Pass e.g. `compression=0.01`." if not isinstance(compression, str) else "",
+        )
+        return None
 
     @property
     def kept_ratio(self) -> float | None:
@@ -411,10 +598,25 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             return None
         return self.xrt_devices[self.local_rank :: max(1, self.num_processes)]
 
+    #: Removes the temporary device directories of the last run (``storage_paths=None``); see :meth:`release_backend`.
+    _release_storage: weakref.finalize | None = None
+
     def _rank_device_dirs(self) -> tuple[list[Path], list[Path]]:
-        """This rank's device directories, and those of them the backend must remove at the end."""
+        """Create this rank's device directories (0700); return them and those the backend must remove at the end.
+
+        Raises:
+            StorageError: a directory is in use by another training (nothing in it was touched), or a component below
+                a storage path is a symbolic link or not a directory.
+        """
+        # A run starting ends the after-`fit` life of every finished run's temporary state in this process (a
+        # strategy is not reliably garbage-collected: Lightning's logging keeps bound methods of it), so at most
+        # one finished run's state lingers.
+        while _lingering_temporary_state:
+            _lingering_temporary_state.pop()()
         if self._storage_paths is None:
-            directory = Path(tempfile.mkdtemp(prefix=f"smartinf-rank{self.global_rank}-"))
+            for stale in remove_stale_temp_dirs():
+                log.info(f"SmartUpdate removed {str(stale)!r}, the temporary device directory of a run that died")
+            directory = make_temp_device_dir(self.global_rank)
             return [directory], [directory]
         mine = self._rank_storage_paths()
         if not mine:
@@ -423,7 +625,10 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                 f"{max(1, self.num_processes)} ranks per node, so ranks would share a storage path. Pass at least "
                 "one path per rank (directories on the same disk work, e.g. /mnt/nvme/r0 and /mnt/nvme/r1)."
             )
-        return [p / _STATE_DIR / f"rank{self.global_rank:03d}" for p in mine], []
+        directories = [make_private_dirs(p, (_STATE_DIR, f"rank{self.global_rank:03d}")) for p in mine]
+        # Fails before DeepSpeed's set-up; the backend's claim, taken when it is built, is what holds them.
+        check_unclaimed(directories)
+        return directories, []
 
     def _io_factory(self, device_dirs: list[Path]) -> Callable[[], IOEngine]:
         """The I/O engine each device uses, chosen once per rank and logged."""
@@ -480,12 +685,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                 f"{', '.join(SUPPORTED_OPTIMIZERS)})."
             )
         device_dirs, owned = self._rank_device_dirs()
-        for directory in device_dirs:
-            ensure_private_dir(directory.parent)
-            ensure_private_dir(directory)
         # ZeRO copies its swap folder into checkpoints; ours stays empty (device state is saved separately).
-        engine_swap = device_dirs[0] / "engine-swap"
-        ensure_private_dir(engine_swap)
+        engine_swap = make_private_dirs(device_dirs[0], ("engine-swap",))
         assert isinstance(self.config, dict)
         self.config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(engine_swap)
 
@@ -504,6 +705,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                     buffer_count=self.buffer_count,
                     owned_dirs=owned,
                     prefetch_state=self.prefetch_state,
+                    device_timeout_s=self.device_timeout_s,
                 )
             else:
                 assert io_factory is not None
@@ -516,6 +718,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                     io_threads=self.io_threads,
                     tentative_slots=self.overlap_backward,
                     prefetch_state=self.prefetch_state,
+                    device_timeout_s=self.device_timeout_s,
                 )
             return self._backend
 
@@ -532,7 +735,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                     dist_init_required=False,
                 )
         except StorageError as exc:
-            raise StorageError(str(exc)) from None
+            raise exc.with_traceback(None) from None  # no frames from inside DeepSpeed
         deepspeed_optimizer.smartinf_compression = self.compression
         deepspeed_optimizer.smartinf_overlap = self.overlap_backward
         deepspeed_optimizer.smartinf_kept_ratio = self._kept_ratio
@@ -558,11 +761,22 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         return self._backend
 
     def release_backend(self) -> None:
-        """Finish outstanding device work, then free buffer pools, threads and temporary storage. Idempotent."""
-        if self._backend is not None:
-            self._closed_traffic = self._backend.traffic_snapshot()
-            self._backend.close()
-            self._backend = None
+        """Finish outstanding device work, then free buffer pools and threads, and give up the storage. Idempotent.
+
+        With ``storage_paths=None`` the temporary device directories (and the state in them) outlive this call, still
+        owned by this process, so that ``trainer.save_checkpoint`` after ``fit`` can copy the final state; they are
+        removed when the next run in this process starts, when the strategy is garbage-collected, or at exit.
+        """
+        if self._backend is None:
+            return
+        backend, self._backend = self._backend, None
+        self._closed_traffic = backend.traffic_snapshot()
+        backend.close(keep_claims=True)
+        if self._storage_paths is None:
+            self._release_storage = weakref.finalize(self, backend.release_storage)
+            _lingering_temporary_state.append(self._release_storage)
+        else:
+            backend.release_storage()
 
     # ------------------------------------------------------------------------------------------------ traffic
 
@@ -591,19 +805,68 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
 
     # --------------------------------------------------------------------------------------------- checkpoints
 
-    def _device_state_dir(self, checkpoint_dir: _PATH) -> Path:
-        return Path(checkpoint_dir) / "checkpoint" / _STATE_DIR / f"rank{self.global_rank:03d}"
-
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-        filepath = self.broadcast(filepath)
+        """Save a checkpoint directory at ``filepath``, replacing any checkpoint there whole and atomically.
+
+        Every rank writes its part (DeepSpeed's files, Lightning's client state, its device state) into one staging
+        directory beside ``filepath``; rank 0 seals it (global step, every file's size and CRC-32) and swaps it in.
+        A kill at any instant leaves the previous checkpoint or the new one at ``filepath``.
+        """
+        if storage_options is not None:
+            raise TypeError(
+                "`Trainer.save_checkpoint(..., storage_options=...)` is not supported by `SmartInfinityStrategy`: "
+                "checkpoints are directories written by DeepSpeed and the devices. Drop `storage_options`."
+            )
+        failure = self.deepspeed_engine.optimizer.smartinf_backend.failure
+        if failure is not None:
+            raise StorageError(
+                f"`save_checkpoint({str(filepath)!r})` refused: a device failed earlier, so the state on the devices "
+                "may be torn, and a checkpoint of it would be worse than none. The last good checkpoint is as it was; "
+                f"resume from it once the storage is fixed. The error was: {failure}",
+                path=getattr(failure, "path", None),
+                operation=getattr(failure, "operation", None),
+                errno=getattr(failure, "errno", None),
+            )
+        target = Path(self.broadcast(os.path.abspath(filepath)))
+        staging: str | None = None
+        if self.is_global_zero:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            checkpoint_dir.remove_leftovers(target.parent)
+            staging_dir = checkpoint_dir.staging_path(target)
+            staging_dir.mkdir(mode=0o700)
+            staging = str(staging_dir)
+        staging_dir = Path(self.broadcast(staging))
+        try:
+            super().save_checkpoint(checkpoint, staging_dir)
+            self._save_device_state(staging_dir, int(checkpoint["global_step"]))
+            self.barrier("smartinf_save_checkpoint")
+            if self.is_global_zero:
+                checkpoint_dir.seal(staging_dir, global_step=int(checkpoint["global_step"]), world_size=self.world_size)
+                checkpoint_dir.install(staging_dir, target)
+        except BaseException as exc:
+            if self.is_global_zero:
+                shutil.rmtree(staging_dir, ignore_errors=True)
+            if isinstance(exc, OSError):  # StorageError included: say which checkpoint, and that the old one stands
+                raise StorageError(
+                    f"Saving checkpoint {str(target)!r} failed: {exc} Nothing was written at that name; the previous "
+                    "checkpoint there, if any, is untouched.",
+                    path=getattr(exc, "path", None) or exc.filename,
+                    operation=getattr(exc, "operation", None) or "save",
+                    errno=exc.errno,
+                ) from exc
+            raise
+        self.barrier("smartinf_checkpoint_installed")
+
+    def _save_device_state(self, root: Path, global_step: int) -> None:
+        """This rank's device state, residual and host state under ``root``; host state last, recording the step."""
         zero_optimizer = self.deepspeed_engine.optimizer
-        directory = self._device_state_dir(filepath)
+        directory = checkpoint_dir.rank_state_dir(root, self.global_rank)
         # Between a backward and its step, updates made during backward are still tentative: the backend saves
         # the committed state, the one before this step, like every other part of the checkpoint.
         zero_optimizer.smartinf_backend.save(directory)
         host_state = zero_optimizer.smartinf_state_dict()
+        host_state["global_step"] = global_step
         residual = zero_optimizer.smartinf_residual
         if residual is not None:
             from safetensors.torch import save as safetensors_bytes
@@ -612,30 +875,101 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             write_file_atomic(path, safetensors_bytes({"residual": residual.detach().cpu().contiguous()}))
             size, crc = file_crc32(path)
             host_state["residual"] = {"file": _RESIDUAL, "bytes": size, "crc32": crc}
-        # Written last and atomically: its presence marks this rank's device state as complete.
         write_file_atomic(directory / _HOST_STATE, json.dumps(host_state).encode())
-        self.barrier("smartinf_save_checkpoint")
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Delete a checkpoint (``ModelCheckpoint``'s ``save_top_k`` rotation) so that no kill leaves part of it."""
+        if self.is_global_zero:
+            checkpoint_dir.retire(Path(filepath))
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        client_state = super().load_checkpoint(checkpoint_path, weights_only)
-        if self.lightning_module is not None and self.lightning_module.trainer.state.fn == "fit":
-            directory = self._device_state_dir(checkpoint_path)
-            zero_optimizer = self.deepspeed_engine.optimizer
-            host_state = directory / _HOST_STATE
-            if not host_state.is_file():
-                raise MisconfigurationException(
-                    f"{checkpoint_path} has no SmartUpdate device state for rank {self.global_rank} ({host_state} "
-                    "is missing). Resume from a checkpoint saved with `strategy='smart_infinity'` and the same ranks."
+        """Verify the checkpoint against its seal, then load it without unpickling code (``weights_only=True``).
+
+        ``fit`` restores DeepSpeed's and Lightning's state and every rank's device state; ``validate``, ``test``
+        and ``predict`` load the trained weights (the fp32 masters on the devices, cast to the model's dtypes).
+        """
+        root = Path(checkpoint_path).resolve()  # the path itself may be a link (`save_last="link"`); nothing inside
+        try:
+            seal = checkpoint_dir.verify(root)
+            if seal["world_size"] != self.world_size:
+                raise CheckpointError(
+                    f"{root / checkpoint_dir.SEAL} was saved by {seal['world_size']} ranks, this run has "
+                    f"{self.world_size}. Resume with the same number of ranks, or export the weights "
+                    "(`smartinf export`) and start a new run from them."
                 )
-            state = json.loads(host_state.read_text())
-            residual = self._load_residual(directory, state.get("residual"))
-            zero_optimizer.smartinf_discard_early()
-            zero_optimizer.smartinf_backend.load(directory)
-            zero_optimizer.load_smartinf_state_dict(state)
-            zero_optimizer.load_smartinf_residual(residual, state.get("residual_loss_scale"))
-            zero_optimizer.smartinf_refresh_params()
+            model_states = root / checkpoint_dir.TAG / _MODEL_STATES
+            assert self.lightning_module is not None
+            if self.lightning_module.trainer.state.fn == "fit":
+                client_state = self._load_for_fit(root, seal)
+            else:
+                client_state = load_deepspeed_file(model_states)
+                self._load_trained_weights(root)
+            if client_state.get("global_step") != seal["global_step"]:
+                raise CheckpointError(
+                    f"{model_states} holds global step {client_state.get('global_step')!r}, but "
+                    f"{root / checkpoint_dir.SEAL} records step {seal['global_step']}: the checkpoint's parts come "
+                    "from different saves. Resume from another checkpoint."
+                )
+        except CheckpointError:
+            raise
+        except ValueError as exc:  # the device state's own checks (manifest, sizes, CRC-32), named by file
+            raise CheckpointError(str(exc)) from None
         return client_state
+
+    def _load_for_fit(self, root: Path, seal: dict[str, Any]) -> dict[str, Any]:
+        directory = checkpoint_dir.rank_state_dir(root, self.global_rank)
+        state = checkpoint_dir.read_json(
+            directory / _HOST_STATE, "the device state", ("global_step", "num_shards", "group_steps", "loss_scale")
+        )
+        if state["global_step"] != seal["global_step"]:
+            raise CheckpointError(
+                f"{directory / _HOST_STATE} records global step {state['global_step']!r}, but "
+                f"{root / checkpoint_dir.SEAL} records step {seal['global_step']}: the device state comes from "
+                "another save. Resume from another checkpoint."
+            )
+        engine = self.deepspeed_engine
+        with safe_checkpoint_engine(engine):
+            _, client_state = engine.load_checkpoint(
+                str(root),
+                tag=checkpoint_dir.TAG,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,
+                load_module_strict=self.lightning_module.strict_loading,
+            )
+        if client_state is None:
+            raise CheckpointError(f"{root} holds no DeepSpeed model states for this rank.")
+        zero_optimizer = engine.optimizer
+        residual = self._load_residual(directory, state.get("residual"))
+        zero_optimizer.smartinf_discard_early()
+        zero_optimizer.smartinf_backend.load(directory)
+        zero_optimizer.load_smartinf_state_dict(state)
+        zero_optimizer.load_smartinf_residual(residual, state.get("residual_loss_scale"))
+        zero_optimizer.smartinf_refresh_params()
+        return client_state
+
+    def _load_trained_weights(self, root: Path) -> None:
+        """Put the checkpoint's fp32 masters (cast to each parameter's dtype) into the evaluation engine's module.
+
+        Parameters the devices never held (frozen ones) keep the values the module was built with.
+        """
+        import deepspeed
+
+        from lightning_smartinf.export import consolidate_fp32_state_dict
+
+        weights = consolidate_fp32_state_dict(root)
+        module = self.lightning_module
+        assert module is not None
+        params = dict(module.named_parameters())
+        if unknown := sorted(set(weights) - set(params)):
+            raise CheckpointError(
+                f"{root} holds weights for {unknown[:5]}, which this module does not have. Evaluate it with the "
+                "module it was trained with."
+            )
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0), torch.no_grad():
+            for name, value in weights.items():
+                params[name].copy_(value.view(params[name].shape).to(params[name].dtype))
 
     def _load_residual(self, directory: Path, entry: dict | None) -> Any:
         """The compression residual saved in ``directory``, verified against its size and CRC-32, or ``None``."""

@@ -24,6 +24,7 @@ import torch
 from scripts.ckpt_common import EVERY, TOTAL, checkpoint_step, newest_complete, train
 
 import lightning_smartinf.csd.checkpoint as ckpt_module
+from lightning_smartinf import checkpoint_dir
 from lightning_smartinf.csd import SGD, Adam, ShardSpec, StorageError
 from lightning_smartinf.csd.checkpoint import MANIFEST, ShardState, load_state, save_state, shard_file_name
 from lightning_smartinf.csd.layout import ChunkLayout
@@ -268,9 +269,8 @@ def test_disk_full_during_checkpoint_keeps_the_last_one_loadable(reference, tmp_
     fs = small_fs("8m")
     with pytest.raises(StorageError, match="No space left to save the device state") as info:
         train(fs, storage=[tmp_path / "ssd"], steps=TOTAL, callbacks=[Ballast(fs)])
-    assert str(ckpt(fs, 2 * EVERY)) in str(info.value)
-    assert not list((ckpt(fs, 2 * EVERY) / "checkpoint" / "smartinf").iterdir())  # nothing half-written left
-    assert not is_complete(ckpt(fs, 2 * EVERY))
+    assert f"Saving checkpoint {str(ckpt(fs, 2 * EVERY))!r} failed" in str(info.value)
+    assert sorted(p.name for p in (fs / "ckpts").iterdir()) == [ckpt(fs, EVERY).name]  # nothing half-written left
     assert newest_complete(fs / "ckpts") == ckpt(fs, EVERY)
     resumed = train(tmp_path / "resume", ckpt_path=ckpt(fs, EVERY), every=None)
     assert_identical(resumed, expected)
@@ -331,50 +331,63 @@ def _run_killed(root: Path, spec: str) -> None:
 def _crash_and_resume(tmp_path: Path, spec: str, expected: dict[str, torch.Tensor]) -> int:
     root = tmp_path / re.sub(r"[^a-z0-9]+", "_", spec)
     _run_killed(root, spec)
-    latest = newest_complete(root / "ckpts")
-    # Every checkpoint directory that looks complete must really be: it loads (checksums verified) below.
-    if latest is not None and checkpoint_step(latest) == TOTAL:
+    ckpts = root / "ckpts"
+    # Never a mix: every checkpoint at a visible name is whole and sealed, the overwritten `last.ckpt` included.
+    for path in sorted(ckpts.iterdir()) if ckpts.is_dir() else []:
+        if not path.name.startswith("."):
+            checkpoint_dir.verify(path, checksum_shards=True)
+    latest = newest_complete(ckpts)
+    step = checkpoint_step(latest) if latest else 0  # read now: resuming saves over `last.ckpt`
+    if latest is not None and step >= EVERY:
+        assert (ckpts / "last.ckpt").is_dir(), "a checkpoint was completed, so `last.ckpt` must exist"
+    if step == TOTAL:
         # Killed after the last checkpoint (e.g. while tearing down): nothing left to train; check its weights.
         assert_identical(consolidate_fp32_state_dict(latest), expected)
     else:
-        assert_identical(train(root, ckpt_path=latest, every=EVERY), expected)
-    return checkpoint_step(latest) if latest else 0
+        assert_identical(train(root, ckpt_path=latest, every=EVERY, checkpointing="last"), expected)
+    return step
 
 
-SHORT_KILLS = ["update:6:2", "save:8:3", "host_state:8"]
-LONG_KILLS = [
-    "forward:1",
-    "backward:3",
-    "update:4:0",
-    "ds_save:4",
-    "save:4:1",
-    "backward:6",
-    "manifest:8",
-    "update:10:6",
-    "save:12:5",
-    "host_state:12",
-    "timer:0.1",
-    "timer:0.3",
-    "timer:0.6",
-]
+# Kill points (tests/scripts/crash_worker.py) and the step of the newest whole checkpoint they leave. Each epoch end
+# saves `epoch=E-step=N.ckpt` (shard copies 1-7), deletes the previous one, then saves over `last.ckpt` (8-14).
+SHORT_KILLS = {"update:6:2": EVERY, "save:8:3": EVERY, "install:8": 2 * EVERY}
+LONG_KILLS = {
+    "forward:1": 0,
+    "backward:3": 0,
+    "update:4:0": 0,
+    "ds_save:4": 0,
+    "save:4:1": 0,
+    "seal:4": 0,
+    "backward:6": EVERY,
+    "manifest:8": EVERY,
+    "host_state:8": EVERY,
+    "save:8:10": 2 * EVERY,
+    "update:10:6": 2 * EVERY,
+    "seal:12": 2 * EVERY,
+    "save:12:5": 2 * EVERY,
+    "host_state:12": 2 * EVERY,
+    "install:12": TOTAL,
+    "timer:0.1": None,
+    "timer:0.3": None,
+    "timer:0.6": None,
+}
 
 
 @pytest.mark.parametrize("spec", SHORT_KILLS)
 def test_sigkill_then_resume_is_bit_identical(reference, tmp_path, spec) -> None:
+    """`ModelCheckpoint(save_last=True, every_n_train_steps=4)` into one directory; killed, then resumed from there."""
     _, expected = reference
-    resumed_from = _crash_and_resume(tmp_path, spec, expected)
-    # The kill interrupted the save at step 8 (or the step after 4), so the resume came from step 4.
-    assert resumed_from == EVERY
+    assert _crash_and_resume(tmp_path, spec, expected) == SHORT_KILLS[spec]
 
 
 @pytest.mark.slow
 def test_sigkill_at_many_points_then_resume_is_bit_identical(reference, tmp_path) -> None:
     _, expected = reference
-    specs = LONG_KILLS + [f"timer:{random.Random(7).uniform(0.05, 1.0):.2f}"]
-    resumed_from = {spec: _crash_and_resume(tmp_path, spec, expected) for spec in specs}
+    kills = {**LONG_KILLS, f"timer:{random.Random(7).uniform(0.05, 1.0):.2f}": None}
+    resumed_from = {spec: _crash_and_resume(tmp_path, spec, expected) for spec in kills}
     assert len(resumed_from) >= 10
-    assert resumed_from["save:4:1"] == 0 and resumed_from["manifest:8"] == EVERY, resumed_from
-    assert resumed_from["host_state:12"] == 2 * EVERY and resumed_from["update:10:6"] == 2 * EVERY, resumed_from
+    wrong = {spec: step for spec, step in resumed_from.items() if kills[spec] is not None and kills[spec] != step}
+    assert not wrong, f"resumed from other steps than expected: {wrong}"
 
 
 # ------------------------------------------------------------------------------------------------------ export

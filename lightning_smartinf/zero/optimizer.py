@@ -334,7 +334,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self.smartinf_last_kept = (kept, total)
         for i, handle in enumerate(handles):
             started = time.perf_counter()
-            handle.result()
+            backend.result(handle)  # the device timeout applies; a device error stops the backend
             self.smartinf_wait_s += time.perf_counter() - started
             self._unflatten_partitioned_parameters(i)
         if kept_early:
@@ -433,4 +433,5 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         try:
             super().destroy()
         finally:
-            self.smartinf_backend.close()
+            # The storage stays claimed: whoever built the backend decides when to give it up (`release_storage`).
+            self.smartinf_backend.close(keep_claims=True)

@@ -7,7 +7,7 @@ thread-pool engine: checkpoints do not depend on it, and it spares each process 
 
 from __future__ import annotations
 
-import re
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,12 +40,22 @@ def train(
     ckpt_path: Path | None = None,
     steps: int = TOTAL,
     every: int | None = EVERY,
+    checkpointing: str = "all",
     precision: str = "32-true",
     callbacks: Sequence[L.Callback] = (),
+    checkpoint_callback: ModelCheckpoint | None = None,
+    trainers: list[L.Trainer] | None = None,
     strategy_kwargs: dict[str, Any] | None = None,
     **trainer_kwargs: Any,
 ) -> dict[str, torch.Tensor]:
-    """Train (or resume) to ``steps``, saving ``<root>/ckpts/step=N.ckpt`` every ``every`` steps; gathered params."""
+    """Train (or resume) to ``steps``, checkpointing into ``<root>/ckpts``; return the gathered params.
+
+    ``checkpointing="all"``: ``step=N.ckpt`` every ``every`` steps, all kept. ``"last"``: what users write,
+    ``ModelCheckpoint(save_last=True, every_n_train_steps=every)`` with its defaults (the newest
+    ``epoch=E-step=N.ckpt`` kept, the one before deleted, ``last.ckpt`` overwritten at every save). Not
+    ``every_n_epochs``: Lightning 2.6 replays one batch when it resumes from a checkpoint saved in
+    ``on_train_epoch_end`` (plain CPU training too), so no resume from one can equal an uninterrupted run.
+    """
     root = Path(root)
     if storage is None:
         storage = [root / "ssd"]
@@ -53,7 +63,11 @@ def train(
         Path(path).mkdir(parents=True, exist_ok=True)
     capture = CaptureParams()
     checkpoints = []
-    if every:
+    if checkpoint_callback is not None:
+        checkpoints.append(checkpoint_callback)
+    elif every and checkpointing == "last":
+        checkpoints.append(ModelCheckpoint(dirpath=root / "ckpts", save_last=True, every_n_train_steps=every))
+    elif every:
         checkpoints.append(
             ModelCheckpoint(dirpath=root / "ckpts", filename="{step}", every_n_train_steps=every, save_top_k=-1)
         )
@@ -61,12 +75,12 @@ def train(
         accelerator="cpu",
         devices=1,
         strategy=SmartInfinityStrategy(
-            storage_paths=list(storage), sub_group_size=SUB_GROUP, io_engine="threads", **(strategy_kwargs or {})
+            **{"storage_paths": list(storage), **(strategy_kwargs or {})}, sub_group_size=SUB_GROUP, io_engine="threads"
         ),
         precision=precision,
         max_steps=steps,
         logger=False,
-        enable_checkpointing=bool(every),
+        enable_checkpointing=bool(checkpoints),
         enable_progress_bar=False,
         enable_model_summary=False,
         deterministic=True,
@@ -74,18 +88,23 @@ def train(
         callbacks=[capture, *callbacks, *checkpoints],
         **trainer_kwargs,
     )
+    if trainers is not None:
+        trainers.append(trainer)
     trainer.fit(LMModule(adamw_cosine), token_loader(EVERY), ckpt_path=str(ckpt_path) if ckpt_path else None)
     return capture.params
 
 
 def checkpoint_step(path: Path) -> int:
-    match = re.search(r"step=(\d+)", path.name)
-    return int(match.group(1)) if match else -1
+    """The global step a checkpoint was saved at, from its seal (-1 if it has none)."""
+    try:
+        return int(json.loads((path / "checkpoint" / "smartinf" / "seal.json").read_text())["global_step"])
+    except (OSError, ValueError, KeyError):
+        return -1
 
 
 def newest_complete(ckpt_dir: Path) -> Path | None:
-    """The checkpoint with the highest step whose device state was written to the end, or None."""
+    """The sealed checkpoint with the highest step (``last.ckpt`` first among equals), or None."""
     if not ckpt_dir.is_dir():
         return None
-    done = [p for p in ckpt_dir.iterdir() if p.name.endswith(".ckpt") and is_complete(p)]
-    return max(done, key=checkpoint_step, default=None)
+    done = [p for p in sorted(ckpt_dir.iterdir()) if p.name.endswith(".ckpt") and is_complete(p)]
+    return max(done, key=lambda p: (checkpoint_step(p), p.name == "last.ckpt"), default=None)

@@ -1,7 +1,9 @@
 """Trains the checkpoint tests' model in its own process and can SIGKILL itself at a chosen point.
 
-Usage: ``crash_worker.py <root> [<kill point>]`` with checkpoints every ``EVERY`` steps in ``<root>/ckpts`` and
-device state in ``<root>/ssd``. Kill points (``what:step[:n]``, step = the optimizer step being run, 1-based):
+Usage: ``crash_worker.py <root> [<kill point>]``. Checkpoints are what users write,
+``ModelCheckpoint(dirpath=<root>/ckpts, save_last=True, every_n_train_steps=EVERY)``: every ``EVERY`` steps (an
+epoch) it saves ``epoch=E-step=N.ckpt``, deletes the previous one, then saves over ``last.ckpt``. Device state
+lives in ``<root>/ssd``. Kill points (``what:step[:n]``, step = the optimizer step being run, 1-based):
 
 - ``forward:S`` / ``backward:S``: inside the forward / backward pass of step S (a module hook);
 - ``update:S:I``: in step S right after shard I was handed to its device (device threads mid-read/update/write);
@@ -9,6 +11,8 @@ device state in ``<root>/ssd``. Kill points (``what:step[:n]``, step = the optim
 - ``save:S:N``: while saving the device state after step S, after N shard files were copied;
 - ``manifest:S``: after the device-state manifest was written, before the directory is renamed into place;
 - ``host_state:S``: after the device-state directory was installed, before ``host_state.json`` is written;
+- ``seal:S``: after the staged checkpoint was sealed, before it is moved to its name;
+- ``install:S``: after the staged checkpoint was swapped with the one at its name, before the old one is removed;
 - ``none``: no kill; prints ``TRAINING`` when training starts (the parent may kill it on a timer).
 
 The parent resumes from the newest complete checkpoint in its own process (see tests/test_checkpoint.py).
@@ -27,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ckpt_common  # noqa: E402
 
 import lightning_smartinf.csd.checkpoint as ckpt_module  # noqa: E402
+from lightning_smartinf import checkpoint_dir  # noqa: E402
 
 
 def die() -> None:
@@ -96,9 +101,27 @@ class KillAt(L.Callback):
                 return result
 
             ckpt_module.copy_with_crc = copy_then_die
+        if self.what == "seal":
+            install = checkpoint_dir.install
+
+            def die_then_install(staging, target) -> None:
+                if self.saved_step() == self.step:
+                    die()
+                install(staging, target)
+
+            checkpoint_dir.install = die_then_install
+        if self.what == "install":
+            remove = ckpt_module._remove_entry
+
+            def die_then_remove(path) -> None:
+                if self.saved_step() == self.step:
+                    die()
+                remove(path)
+
+            ckpt_module._remove_entry = die_then_remove
         if self.what in ("manifest", "host_state"):
             write = ckpt_module.write_file_atomic
-            install = ckpt_module._install
+            install = ckpt_module.install_directory
 
             def install_then_maybe_die(tmp, directory):
                 if self.what == "manifest" and self.saved_step() == self.step:
@@ -114,7 +137,7 @@ class KillAt(L.Callback):
                     die()
                 write(path, data)
 
-            ckpt_module._install = install_then_maybe_die
+            ckpt_module.install_directory = install_then_maybe_die
             ckpt_module.write_file_atomic = write_then_maybe_die
             # The strategy imported write_file_atomic by name.
             import lightning_smartinf.strategy as strategy_module
@@ -124,7 +147,7 @@ class KillAt(L.Callback):
 
 
 def main(root: Path, spec: str) -> None:
-    ckpt_common.train(root, callbacks=[KillAt(spec)])
+    ckpt_common.train(root, callbacks=[KillAt(spec)], checkpointing="last")
     print("FINISHED", flush=True)
 
 

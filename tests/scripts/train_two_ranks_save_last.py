@@ -1,0 +1,67 @@
+"""Run as a plain script (``python train_two_ranks_save_last.py ROOT MODE``): Lightning itself launches the second
+rank (``Trainer(devices=2)`` on CPU re-runs this script), and checkpoints go where users put them,
+``ModelCheckpoint(save_last=True, every_n_train_steps=EVERY)`` into one folder.
+
+Modes: ``full`` trains TOTAL steps and rank 0 saves the parameters to ``full.pt``; ``crash`` trains into
+``ROOT/ckpts`` and raises as step ``2 * EVERY + 1`` starts (after ``last.ckpt`` was saved over once); ``resume``
+resumes from ``ROOT/ckpts/last.ckpt`` to TOTAL and rank 0 saves ``resumed.pt``.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models import CaptureParams, LMModule, token_loader  # noqa: E402
+from scripts.ckpt_common import EVERY, SUB_GROUP, TOTAL, adamw_cosine  # noqa: E402
+
+from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
+
+
+class CrashAt(L.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 2 * EVERY:
+            raise SystemExit(3)  # every rank at the same step, as a crash of the job would
+
+
+def main(root: Path, mode: str) -> None:
+    storage = [root / f"ssd_{mode}{i}" for i in range(2)]
+    for path in storage:
+        path.mkdir(parents=True, exist_ok=True)
+    capture = CaptureParams()
+    callbacks: list[L.Callback] = [capture]
+    if mode != "full":
+        callbacks.append(ModelCheckpoint(dirpath=root / "ckpts", save_last=True, every_n_train_steps=EVERY))
+    if mode == "crash":
+        callbacks.append(CrashAt())
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=SmartInfinityStrategy(
+            storage_paths=[str(p) for p in storage], sub_group_size=SUB_GROUP, io_engine="threads"
+        ),
+        precision="32-true",
+        max_steps=TOTAL,
+        logger=False,
+        enable_checkpointing=mode != "full",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        callbacks=callbacks,
+        use_distributed_sampler=False,
+    )
+    dataset = token_loader(EVERY).dataset
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=int(os.environ.get("LOCAL_RANK", 0)), shuffle=False)
+    ckpt_path = root / "ckpts" / "last.ckpt" if mode == "resume" else None
+    trainer.fit(LMModule(adamw_cosine), DataLoader(dataset, batch_size=2, sampler=sampler), ckpt_path=ckpt_path)
+    if trainer.global_rank == 0 and mode != "crash":
+        torch.save(capture.params, root / f"{mode if mode == 'full' else 'resumed'}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])

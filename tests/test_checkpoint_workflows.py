@@ -1,0 +1,402 @@
+"""Checkpoints in the shapes users write them (issue 17): stock ``ModelCheckpoint`` settings, saves over existing
+checkpoints, ``Trainer.save_checkpoint`` after ``fit``, evaluation from a checkpoint, and checkpoints that must be
+refused (hostile pickles, links, parts of different saves, damaged files) without running anything from them.
+
+The model, optimizer and data are those of tests/test_checkpoint.py (tests/scripts/ckpt_common.py); ``reference`` is
+an uninterrupted run of ``TOTAL`` steps that keeps ``step=4/8/12.ckpt``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from scripts.ckpt_common import EVERY, SUB_GROUP, TOTAL, adamw_cosine, checkpoint_step, train
+
+from lightning_smartinf import SmartInfinityStrategy, checkpoint_dir
+from lightning_smartinf.checkpoint_dir import SEAL, CheckpointError
+from lightning_smartinf.csd import StorageError
+from lightning_smartinf.csd.io import ThreadedIO
+from lightning_smartinf.export import consolidate_fp32_state_dict
+from lightning_smartinf.export import main as export_main
+
+
+def assert_identical(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    assert ours.keys() == reference.keys()
+    differ = [n for n in reference if not torch.equal(ours[n], reference[n])]
+    assert not differ, f"parameters differ from the uninterrupted run: {differ}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    root = tmp_path_factory.mktemp("reference")
+    return root, train(root)
+
+
+def ckpt(root: Path, step: int) -> Path:
+    return root / "ckpts" / f"step={step}.ckpt"
+
+
+def visible(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def hidden(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+# -------------------------------------------------------------------------------- saving over existing checkpoints
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashAt(L.Callback):
+    """Ends the run with an exception as step ``step`` starts; its checkpoints so far stay where they are."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise Crash(f"crash at step {self.step}")
+
+
+def test_save_last_overwrites_last_and_resumes_bit_identically(reference, tmp_path) -> None:
+    """`ModelCheckpoint(save_last=True, every_n_train_steps=4)`: rotation, `last.ckpt` saved over, re-run in place."""
+    _, expected = reference
+    first = tmp_path / "first"
+    with pytest.raises(Crash):  # after two saves: last.ckpt written, then written over
+        train(first, checkpointing="last", callbacks=[CrashAt(2 * EVERY + 1)])
+    ckpts = first / "ckpts"
+    assert visible(ckpts) == ["epoch=1-step=8.ckpt", "last.ckpt"]  # default save_top_k=1 deleted step 4's
+    assert checkpoint_step(ckpts / "last.ckpt") == 2 * EVERY
+    for name in visible(ckpts):
+        checkpoint_dir.verify(ckpts / name, checksum_shards=True)
+        assert checkpoint_dir.is_private(ckpts / name)
+    # A re-run into the same directory resumes from last.ckpt and goes on overwriting it.
+    resumed = train(first, ckpt_path=ckpts / "last.ckpt", checkpointing="last")
+    assert_identical(resumed, expected)
+    assert visible(ckpts) == ["epoch=2-step=12.ckpt", "last.ckpt"]
+    assert checkpoint_step(ckpts / "last.ckpt") == TOTAL
+    assert_identical(consolidate_fp32_state_dict(ckpts / "last.ckpt"), expected)
+
+
+def test_save_last_every_epoch_saves_over_last_ckpt(reference, tmp_path) -> None:
+    """The set-up that crashed at its second save: `ModelCheckpoint(save_last=True, every_n_epochs=1)`.
+
+    Each `last.ckpt` holds exactly the weights of its step. (Resuming from it is not compared with an uninterrupted
+    run: Lightning 2.6 replays one batch when it resumes from a checkpoint saved in `on_train_epoch_end`, with any
+    strategy.)
+    """
+    root, _ = reference
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    class Inspect(L.Callback):
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            last = tmp_path / "ckpts" / "last.ckpt"
+            if last.exists():
+                seen[checkpoint_step(last)] = consolidate_fp32_state_dict(last)
+
+    callback = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True, every_n_epochs=1)
+    train(tmp_path, checkpoint_callback=callback, callbacks=[Inspect()])
+    assert sorted(seen) == [EVERY, 2 * EVERY]
+    for step, weights in seen.items():
+        assert_identical(weights, consolidate_fp32_state_dict(ckpt(root, step)))
+    assert visible(tmp_path / "ckpts") == ["epoch=2-step=12.ckpt", "last.ckpt"]
+    assert not hidden(tmp_path / "ckpts")
+
+
+def test_save_top_k_with_monitor_deletes_rotated_checkpoints_whole(reference, tmp_path) -> None:
+    _, expected = reference
+    callback = ModelCheckpoint(
+        dirpath=tmp_path / "ckpts", monitor="train_loss", save_top_k=2, every_n_train_steps=2, save_last=True
+    )
+    assert_identical(train(tmp_path, checkpoint_callback=callback), expected)
+    ckpts = tmp_path / "ckpts"
+    kept = [name for name in visible(ckpts) if name != "last.ckpt"]
+    assert len(kept) == 2 and not hidden(ckpts)  # 6 saves, 4 deleted without a trace
+    for name in [*kept, "last.ckpt"]:
+        checkpoint_dir.verify(ckpts / name, checksum_shards=True)
+    assert sorted(Path(p).name for p in callback.best_k_models) == kept
+
+
+def test_save_last_link_resumes_through_the_link(reference, tmp_path) -> None:
+    _, expected = reference
+    callback = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last="link", every_n_train_steps=EVERY)
+    with pytest.raises(Crash):
+        train(tmp_path, checkpoint_callback=callback, callbacks=[CrashAt(EVERY + 1)])
+    link = tmp_path / "ckpts" / "last.ckpt"
+    assert link.is_symlink() and checkpoint_step(link) == EVERY
+    resumed = train(
+        tmp_path,
+        ckpt_path=link,
+        checkpoint_callback=ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last="link", every_n_train_steps=EVERY),
+    )
+    assert_identical(resumed, expected)
+
+
+@pytest.mark.parametrize("storage", ["paths", "temporary"])
+def test_trainer_save_checkpoint_after_fit_twice_to_one_path(tmp_path, storage) -> None:
+    """`fit` then `trainer.save_checkpoint(path)`, twice; with `storage_paths=None` the state is in a temp dir."""
+    trainers: list[L.Trainer] = []
+    kwargs = {"strategy_kwargs": {"storage_paths": None}} if storage == "temporary" else {}
+    trained = train(tmp_path, steps=EVERY + 2, every=None, trainers=trainers, **kwargs)
+    if storage == "temporary":
+        temporary = trainers[0].strategy._release_storage
+        assert temporary is not None and temporary.alive
+    path = tmp_path / "after-fit.ckpt"
+    trainers[0].save_checkpoint(path)
+    trainers[0].save_checkpoint(path)
+    assert visible(tmp_path) == sorted(["after-fit.ckpt", "ssd"]), "a staging directory was left behind"
+    assert checkpoint_step(path) == EVERY + 2
+    checkpoint_dir.verify(path, checksum_shards=True)
+    assert_identical(consolidate_fp32_state_dict(path), trained)
+    train(tmp_path / "resume", ckpt_path=path, every=None)  # and it resumes
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_launched_by_lightning_save_last_and_resume(tmp_path, free_port) -> None:
+    """`Trainer(devices=2)` (Lightning starts rank 1), `save_last=True` saved over, a crash, and a resume."""
+    from test_checkpoint import _worker_env
+
+    script = Path(__file__).parent / "scripts" / "train_two_ranks_save_last.py"
+    results = {}
+    for mode in ("full", "crash", "resume"):
+        env = {**_worker_env(), "MASTER_PORT": str(free_port())}
+        done = subprocess.run(
+            [sys.executable, str(script), str(tmp_path), mode], env=env, capture_output=True, text=True, timeout=600
+        )
+        results[mode] = done.returncode
+        assert done.returncode == (3 if mode == "crash" else 0), done.stdout[-2000:] + done.stderr[-4000:]
+        if mode == "crash":
+            last = tmp_path / "ckpts" / "last.ckpt"
+            seal = checkpoint_dir.verify(last, checksum_shards=True)
+            assert (seal["global_step"], seal["world_size"]) == (2 * EVERY, 2)
+            assert sorted(p.name for p in (last / "checkpoint" / "smartinf").iterdir()) == [
+                "rank000",
+                "rank001",
+                "seal.json",
+            ]
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert_identical(torch.load(tmp_path / "resumed.pt", weights_only=True), full)
+
+
+# --------------------------------------------------------------------------------------- evaluation from a checkpoint
+
+
+class EvalCapture(L.Callback):
+    def __init__(self) -> None:
+        self.params: dict[str, torch.Tensor] = {}
+
+    def _capture(self, pl_module: L.LightningModule) -> None:
+        import deepspeed
+
+        params = list(pl_module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            self.params = {n: p.detach().float().clone() for n, p in params}
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._capture(pl_module)
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        self._capture(pl_module)
+
+    def on_predict_end(self, trainer, pl_module) -> None:
+        self._capture(pl_module)
+
+
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_evaluating_a_checkpoint_uses_its_weights(reference, tmp_path, stage) -> None:
+    from models import LMModule, token_loader
+
+    class Evaluated(LMModule):
+        def validation_step(self, batch, batch_idx):
+            return self.training_step(batch, batch_idx)
+
+        def test_step(self, batch, batch_idx):
+            return self.training_step(batch, batch_idx)
+
+        def predict_step(self, batch, batch_idx):
+            return self.model(batch[0]).argmax(-1)
+
+    root, expected = reference
+    (tmp_path / "ssd").mkdir()
+    capture = EvalCapture()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=SmartInfinityStrategy(storage_paths=[tmp_path / "ssd"], sub_group_size=SUB_GROUP),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[capture],
+    )
+    getattr(trainer, stage)(Evaluated(adamw_cosine, seed=5), token_loader(2), ckpt_path=str(ckpt(root, TOTAL)))
+    assert_identical(capture.params, expected)
+
+
+# ------------------------------------------------------------------------------------- checkpoints that are refused
+
+
+class Hostile:
+    """Unpickling this runs ``Path.touch(marker)``: the stand-in for any code a pickle can carry."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _copy(root: Path, step: int, dest: Path) -> Path:
+    shutil.copytree(ckpt(root, step), dest)
+    return dest
+
+
+def _reseal(path: Path) -> None:
+    """Seal again after tampering, as anyone who writes a hostile checkpoint can: the seal is no signature."""
+    seal = json.loads((path / SEAL).read_text())
+    checkpoint_dir.seal(path, global_step=seal["global_step"], world_size=seal["world_size"])
+
+
+def test_hostile_pickle_is_refused_and_never_runs(reference, tmp_path) -> None:
+    root, _ = reference
+    marker = tmp_path / "pwned"
+    copy = _copy(root, EVERY, tmp_path / "hostile.ckpt")
+    victim = copy / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    state = torch.load(victim, weights_only=True)
+    state["hyper_parameters"] = {"evil": Hostile(marker)}
+    torch.save(state, victim)
+    _reseal(copy)
+    with pytest.raises(CheckpointError, match=re.escape(str(victim)) + ".*refused"):
+        train(tmp_path / "resume", ckpt_path=copy, every=None)
+    assert export_main([str(copy), "--save-pretrained", str(tmp_path / "hf")]) == 1
+    assert not marker.exists(), "code from the checkpoint ran"
+
+
+def test_symlinks_and_escaping_names_are_refused(reference, tmp_path) -> None:
+    root, _ = reference
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    linked = _copy(root, EVERY, tmp_path / "linked.ckpt")
+    os.symlink(outside, linked / "checkpoint" / "extra.json")
+    with pytest.raises(CheckpointError, match="extra.json is a symlink"):
+        checkpoint_dir.verify(linked)
+
+    latest = _copy(root, EVERY, tmp_path / "latest.ckpt")
+    (latest / "latest").write_text("../../elsewhere")
+    _reseal(latest)
+    with pytest.raises(CheckpointError, match="names tag '../../elsewhere'"):
+        train(tmp_path / "resume", ckpt_path=latest, every=None)
+
+    escaping = _copy(root, EVERY, tmp_path / "escaping.ckpt")
+    seal = json.loads((escaping / SEAL).read_text())
+    seal["files"]["../../outside.json"] = {"bytes": 2, "crc32": 0}
+    (escaping / SEAL).write_text(json.dumps(seal))
+    with pytest.raises(CheckpointError, match=re.escape("'../../outside.json'") + ".*not a file inside"):
+        checkpoint_dir.verify(escaping)
+
+
+def test_parts_of_different_saves_are_refused(reference, tmp_path) -> None:
+    root, _ = reference
+    mixed = _copy(root, 2 * EVERY, tmp_path / "mixed.ckpt")
+    rank_dir = checkpoint_dir.rank_state_dir(mixed, 0)
+    shutil.rmtree(rank_dir)
+    shutil.copytree(checkpoint_dir.rank_state_dir(ckpt(root, EVERY), 0), rank_dir)  # device state of step 4
+    with pytest.raises(CheckpointError, match=re.escape(str(rank_dir)) + ".*(another save|seal records)"):
+        train(tmp_path / "a", ckpt_path=mixed, every=None)
+    _reseal(mixed)  # even sealed again, the steps recorded in its parts disagree
+    with pytest.raises(CheckpointError, match=r"host_state.json records global step 4, but .* records step 8"):
+        train(tmp_path / "b", ckpt_path=mixed, every=None)
+
+
+@pytest.mark.parametrize("victim", ["host_state", "seal", "manifest"])
+def test_damaged_json_names_the_file(reference, tmp_path, victim) -> None:
+    root, _ = reference
+    copy = _copy(root, EVERY, tmp_path / "damaged.ckpt")
+    path = {
+        "host_state": checkpoint_dir.rank_state_dir(copy, 0) / "host_state.json",
+        "seal": copy / SEAL,
+        "manifest": checkpoint_dir.rank_state_dir(copy, 0) / "manifest.json",
+    }[victim]
+    path.write_text(path.read_text()[:-30])
+    if victim == "host_state":
+        _reseal(copy)  # the damage got past the seal: the file's own check must still name it
+    with pytest.raises(CheckpointError, match=re.escape(str(path)) + ".*corrupt") as info:
+        train(tmp_path / "resume", ckpt_path=copy, every=None)
+    assert "JSONDecodeError" not in str(info.value) and "KeyError" not in str(info.value)
+
+
+def test_an_unsealed_directory_is_refused_naming_the_seal(reference, tmp_path) -> None:
+    root, _ = reference
+    copy = _copy(root, EVERY, tmp_path / "unsealed.ckpt")
+    (copy / SEAL).unlink()
+    with pytest.raises(CheckpointError, match=re.escape(str(copy / SEAL)) + " is missing"):
+        train(tmp_path / "resume", ckpt_path=copy, every=None)
+
+
+# ---------------------------------------------------------------------------------------------- a device I/O error
+
+
+class FailingWrites(ThreadedIO):
+    """The real ``ThreadedIO``, except that writes fail with EIO once step ``fail_at`` has started."""
+
+    trainer: L.Trainer | None = None
+    fail_at = 6
+
+    def write(self, file, buf, offset) -> None:
+        if self.trainer is not None and self.trainer.global_step + 1 >= self.fail_at:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        super().write(file, buf, offset)
+
+
+class ArmFailingWrites(L.Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        FailingWrites.trainer = trainer
+
+
+def test_a_device_error_fails_the_step_refuses_to_save_and_the_last_checkpoint_resumes(
+    reference, tmp_path, monkeypatch
+) -> None:
+    _, expected = reference
+    monkeypatch.setattr(SmartInfinityStrategy, "_io_factory", lambda self, dirs: FailingWrites)
+    monkeypatch.setattr(FailingWrites, "trainer", None)
+    ckpts = tmp_path / "ckpts"
+    # Lightning's own OnExceptionCheckpoint would save over last.ckpt with whatever the devices hold.
+    on_exception = OnExceptionCheckpoint(dirpath=ckpts, filename="last")
+    with pytest.raises(StorageError) as info:
+        train(tmp_path, checkpointing="last", callbacks=[ArmFailingWrites(), on_exception])
+    message = str(info.value)
+    assert info.value.errno == errno.EIO and "EIO (5)" in message and "write" in message
+    assert str(tmp_path / "ssd") in message
+    monkeypatch.undo()
+    # The error reached the step that failed; the checkpoint of step 4 is the last good one and untouched.
+    assert visible(ckpts) == ["epoch=0-step=4.ckpt", "last.ckpt"] and not hidden(ckpts)
+    assert checkpoint_step(ckpts / "last.ckpt") == EVERY
+    checkpoint_dir.verify(ckpts / "last.ckpt", checksum_shards=True)
+    resumed = train(tmp_path / "resume", ckpt_path=ckpts / "last.ckpt", every=None)
+    assert_identical(resumed, expected)
+
+
+def test_save_checkpoint_after_a_device_error_is_refused(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(SmartInfinityStrategy, "_io_factory", lambda self, dirs: FailingWrites)
+    monkeypatch.setattr(FailingWrites, "trainer", None)
+    trainers: list[L.Trainer] = []
+    with pytest.raises(StorageError):
+        train(tmp_path, every=None, trainers=trainers, callbacks=[ArmFailingWrites()])
+    path = tmp_path / "after-error.ckpt"
+    with pytest.raises(StorageError, match=r"refused: a device failed earlier.*EIO \(5\)"):
+        trainers[0].save_checkpoint(path)
+    assert not path.exists() and not hidden(tmp_path)
