@@ -18,6 +18,7 @@ runs code from a checkpoint. Neither Lightning nor DeepSpeed is imported here.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import pickle
@@ -164,6 +165,12 @@ def is_sealed(root: str | os.PathLike) -> bool:
 
 def _read_seal(root: Path) -> dict[str, Any]:
     path = root / SEAL
+    if not root.exists() and (aside := sorted(root.parent.glob(f".{glob.escape(root.name)}.old-*"))):
+        raise CheckpointError(
+            f"Checkpoint {str(root)!r} is missing, but {str(aside[-1])!r} is the checkpoint that stood there: a save "
+            "over it was interrupted on a filesystem without atomic exchange (`renameat2`). Rename it back to "
+            f"{root.name!r} and resume from it."
+        )
     if not root.is_dir():
         raise CheckpointError(
             f"Checkpoint {str(root)!r} is not a directory. A `strategy='smart_infinity'` checkpoint is a directory "

@@ -338,8 +338,8 @@ def _crash_and_resume(tmp_path: Path, spec: str, expected: dict[str, torch.Tenso
             checkpoint_dir.verify(path, checksum_shards=True)
     latest = newest_complete(ckpts)
     step = checkpoint_step(latest) if latest else 0  # read now: resuming saves over `last.ckpt`
-    if latest is not None and step >= EVERY:
-        assert (ckpts / "last.ckpt").is_dir(), "a checkpoint was completed, so `last.ckpt` must exist"
+    if step > EVERY:  # a whole save round (top-k checkpoint, then last.ckpt) completed before the newest one
+        assert checkpoint_step(ckpts / "last.ckpt") >= step - EVERY, "`last.ckpt` lost its last complete save"
     if step == TOTAL:
         # Killed after the last checkpoint (e.g. while tearing down): nothing left to train; check its weights.
         assert_identical(consolidate_fp32_state_dict(latest), expected)

@@ -400,3 +400,12 @@ def test_save_checkpoint_after_a_device_error_is_refused(tmp_path, monkeypatch) 
     with pytest.raises(StorageError, match=r"refused: a device failed earlier.*EIO \(5\)"):
         trainers[0].save_checkpoint(path)
     assert not path.exists() and not hidden(tmp_path)
+
+
+def test_a_checkpoint_moved_aside_by_an_interrupted_save_is_named(reference, tmp_path) -> None:
+    """Where `renameat2(RENAME_EXCHANGE)` is missing, a save renames the old checkpoint aside first; a kill right
+    then leaves no checkpoint at the name, and loading says where the old one is."""
+    root, _ = reference
+    aside = _copy(root, EVERY, tmp_path / ".last.ckpt.old-123-abcd")
+    with pytest.raises(CheckpointError, match=re.escape(str(aside)) + ".*Rename it back to 'last.ckpt'"):
+        train(tmp_path / "resume", ckpt_path=tmp_path / "last.ckpt", every=None)

@@ -18,12 +18,12 @@ import errno
 import os
 import shutil
 import stat
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 import torch
+from hang_guard import run_with_timeout
 from ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
 from torch.testing import assert_close
 
@@ -37,7 +37,6 @@ from lightning_smartinf.csd.storage import StorageError, check_free_space, valid
 from lightning_smartinf.csd.xrt import XrtBackend, forget_platform, write_model_xclbin
 
 CHUNK = 4096
-TIMEOUT_S = 30.0
 BACKENDS = ("cpu", "xrt")
 #: Devices of the modelled machine (the tests use at most 3 storage paths).
 MODEL_DEVICES = 4
@@ -218,25 +217,7 @@ def make_backend(construct):
 
     yield make
     for backend in made:
-        _run_with_timeout(backend.close)
-
-
-def _run_with_timeout(fn: Callable[[], object], timeout: float = TIMEOUT_S) -> BaseException | None:
-    """Run ``fn`` in a daemon thread; return its exception (or ``None``); fail the test if it does not finish."""
-    box: list[BaseException | None] = [None]
-
-    def target() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            box[0] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        pytest.fail(f"{getattr(fn, '__qualname__', fn)} did not return within {timeout} s (hang)")
-    return box[0]
+        run_with_timeout(backend.close)
 
 
 # --------------------------------------------------------------------------------------------------- conformance
@@ -444,7 +425,7 @@ def test_save_load_resume_is_identical(tmp_path, make_backend, devices_before, d
     first.save(ckpt)
     assert (ckpt / MANIFEST).is_file()
     assert stat.S_IMODE(ckpt.stat().st_mode) == 0o700
-    _run_with_timeout(first.close)
+    run_with_timeout(first.close)
 
     second = make_backend(_dirs(tmp_path / "run2", devices_after), buffer_count=4)
     second.open(model.specs)
@@ -655,11 +636,11 @@ def test_io_error_surfaces_and_close_is_clean(tmp_path, make_backend) -> None:
     backend.submit(0, torch.zeros(3 * CHUNK), hp, torch.zeros(3 * CHUNK))
     good = torch.zeros(CHUNK)
     backend.submit(1, torch.ones(CHUNK), StepParams(step=1, lr=0.1, momentum=0.9), good)
-    exc = _run_with_timeout(backend.wait)
+    exc = run_with_timeout(backend.wait)
     assert isinstance(exc, OSError) and exc.errno == errno.EBADF, exc
     assert not torch.equal(good, torch.zeros(CHUNK))  # the healthy device still did its work
-    assert _run_with_timeout(backend.wait) is None  # the error was reported once
-    assert _run_with_timeout(backend.close) is None
+    assert run_with_timeout(backend.wait) is None  # the error was reported once
+    assert run_with_timeout(backend.close) is None
     del model
 
 
@@ -674,12 +655,12 @@ def test_io_errors_do_not_leak_buffers(tmp_path, make_backend, buffer_count) -> 
     for i in range(buffer_count):
         backend._shards[i].file.close()
         backend.submit(i, torch.ones(n), StepParams(step=1, lr=0.1), torch.zeros(n))
-    exc = _run_with_timeout(backend.wait)
+    exc = run_with_timeout(backend.wait)
     assert isinstance(exc, StorageError) and exc.errno == errno.EBADF, exc
     assert device.pool.size - device.pool.in_use == buffer_count, "chunk buffers lost after failed requests"
     with pytest.raises(StorageError, match="refused"):
         backend.submit(buffer_count, torch.ones(n), StepParams(step=1, lr=0.1), torch.zeros(n))
-    assert _run_with_timeout(backend.close) is None
+    assert run_with_timeout(backend.close) is None
     del model
 
 

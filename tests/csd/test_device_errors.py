@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hang_guard import GUARD_S, run_with_timeout
 
 from lightning_smartinf.csd.backend import ShardSpec
 from lightning_smartinf.csd.cpu import CpuBackend, check_device_timeout
@@ -31,8 +32,6 @@ from lightning_smartinf.csd.storage import StorageError
 CHUNK = 1024
 RULE = Adam(decoupled_weight_decay=True)
 HP = StepParams(step=1, lr=1e-2, weight_decay=0.1)
-#: Bound on anything that must return; far above what the tests need, so only a hang reaches it.
-GUARD_S = 30.0
 #: A short device timeout, so the timeout tests take about this long.
 SHORT_TIMEOUT_S = 0.5
 
@@ -136,24 +135,6 @@ class SplitFailIO(ThreadedIO):
         super().read(self.gate if gated else file, buf, offset)  # type: ignore[arg-type]
 
 
-def _in_thread(fn: Callable[[], object], timeout: float = GUARD_S) -> BaseException | None:
-    """Run ``fn`` in a daemon thread; its exception (or ``None``); fails the test if it does not return in time."""
-    box: list[BaseException | None] = [None]
-
-    def target() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            box[0] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        pytest.fail(f"{getattr(fn, '__qualname__', fn)} did not return within {timeout} s (hang)")
-    return box[0]
-
-
 def _backend(
     tmp_path: Path, engines: list[ThreadedIO], sizes: tuple[int, ...] = (3 * CHUNK,), **kwargs
 ) -> tuple[CpuBackend, list[torch.Tensor]]:
@@ -206,14 +187,14 @@ def test_first_io_error_names_path_operation_and_errno(tmp_path, operation, code
         engine.arm()
         handle = _step(backend, 0, 3 * CHUNK)
         if operation == "read":  # the request itself fails
-            exc = _in_thread(lambda: backend.result(handle))
+            exc = run_with_timeout(lambda: backend.result(handle))
         else:  # write-back trails the request; `wait` reports it
-            assert _in_thread(lambda: backend.result(handle)) is None
-            exc = _in_thread(backend.wait)
+            assert run_with_timeout(lambda: backend.result(handle)) is None
+            exc = run_with_timeout(backend.wait)
         _assert_names(exc, backend._shards[0].file.path, operation, code)
         assert backend.failure is exc
     finally:
-        assert _in_thread(backend.close) is None
+        assert run_with_timeout(backend.close) is None
 
 
 def test_storage_error_keeps_its_fields_across_processes() -> None:
@@ -234,9 +215,9 @@ def test_after_an_error_the_backend_refuses_work_and_saves_nothing(tmp_path) -> 
         backend.save(saved)
         before = _files(saved)
         tentative = backend.submit(1, torch.ones(CHUNK), HP, torch.empty(CHUNK), tentative=True)
-        assert _in_thread(lambda: backend.result(tentative)) is None
+        assert run_with_timeout(lambda: backend.result(tentative)) is None
         engine.arm()
-        original = _in_thread(lambda: backend.result(_step(backend, 0, 2 * CHUNK)))
+        original = run_with_timeout(lambda: backend.result(_step(backend, 0, 2 * CHUNK)))
         assert isinstance(original, StorageError) and backend.failure is original
 
         refusals: dict[str, Callable[[], object]] = {
@@ -249,7 +230,7 @@ def test_after_an_error_the_backend_refuses_work_and_saves_nothing(tmp_path) -> 
             "check_storage": backend.check_storage,
         }
         for method, call in refusals.items():
-            exc = _in_thread(call)
+            exc = run_with_timeout(call)
             assert isinstance(exc, StorageError), (method, exc)
             assert f"`CpuBackend.{method}` refused" in str(exc)
             assert "torn" in str(exc) and "last good checkpoint" in str(exc)
@@ -259,10 +240,10 @@ def test_after_an_error_the_backend_refuses_work_and_saves_nothing(tmp_path) -> 
         # A checkpoint of torn state is worse than none: the saved one is untouched, and no temporary copy appeared.
         assert _files(saved) == before
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt")) == []
-        assert _in_thread(lambda: backend.prefetch([0, 1])) is None  # advice is ignored
-        assert _in_thread(backend.wait) is None  # the error was reported once
+        assert run_with_timeout(lambda: backend.prefetch([0, 1])) is None  # advice is ignored
+        assert run_with_timeout(backend.wait) is None  # the error was reported once
     finally:
-        assert _in_thread(backend.close) is None
+        assert run_with_timeout(backend.close) is None
     device = backend.devices[0]
     assert not device._worker.is_alive()
     assert device.pool.in_use == 0 and device.allocated_bytes == 0
@@ -275,11 +256,11 @@ def test_requests_queued_before_the_error_was_reported_still_run(tmp_path) -> No
     try:
         engine.arm()
         failed, healthy = _step(backend, 0, CHUNK), _step(backend, 1, CHUNK)
-        assert isinstance(_in_thread(lambda: backend.result(failed)), StorageError)
-        assert _in_thread(lambda: backend.result(healthy)) is None
-        assert isinstance(_in_thread(lambda: _step(backend, 1, CHUNK)), StorageError)
+        assert isinstance(run_with_timeout(lambda: backend.result(failed)), StorageError)
+        assert run_with_timeout(lambda: backend.result(healthy)) is None
+        assert isinstance(run_with_timeout(lambda: _step(backend, 1, CHUNK)), StorageError)
     finally:
-        assert _in_thread(backend.close) is None
+        assert run_with_timeout(backend.close) is None
 
 
 # ---------------------------------------------------------------------------------------------- no I/O in flight
@@ -326,14 +307,14 @@ def test_no_buffer_goes_back_to_the_pool_while_a_piece_is_in_flight(tmp_path) ->
         assert engine.gate_made.wait(GUARD_S) and engine.gate.slow_started.wait(GUARD_S)
         futures_wait(handles, timeout=0.3)  # time for a premature failure (and release) to show
         engine.gate.release.set()
-        exc = _in_thread(lambda: backend.result(handles[0]))
+        exc = run_with_timeout(lambda: backend.result(handles[0]))
         assert engine.gate.held_while_in_flight is True, "the chunk buffer left the read while a piece was in flight"
         _assert_names(exc, backend._shards[0].file.path, "read", errno.EIO)
         assert device.pool.wait_idle(GUARD_S)
     finally:
         if engine.gate is not None:
             engine.gate.release.set()
-        assert _in_thread(backend.close) is None
+        assert run_with_timeout(backend.close) is None
 
 
 # ---------------------------------------------------------------------------------------------- early: timeouts
@@ -348,7 +329,7 @@ def test_a_device_that_stops_answering_raises_after_the_timeout(tmp_path, operat
         engine.armed = True
         handle = _step(backend, 0, 3 * CHUNK)
         # Reads hang: the request itself never finishes. Writes hang: the request finishes, its write-back does not.
-        exc = _in_thread(lambda: backend.result(handle) if operation == "read" else backend.wait())
+        exc = run_with_timeout(lambda: backend.result(handle) if operation == "read" else backend.wait())
         assert engine.blocked.is_set()
         assert isinstance(exc, StorageError), repr(exc)
         assert exc.errno == errno.ETIMEDOUT and exc.operation == operation
@@ -357,9 +338,9 @@ def test_a_device_that_stops_answering_raises_after_the_timeout(tmp_path, operat
         assert str(device.directory) in message and str(exc.path) in message
         assert f"{operation} of" in message and f"`device_timeout_s={SHORT_TIMEOUT_S}`" in message
         assert backend.failure is exc
-        assert "refused" in str(_in_thread(lambda: _step(backend, 0, 3 * CHUNK)))
+        assert "refused" in str(run_with_timeout(lambda: _step(backend, 0, 3 * CHUNK)))
         # `close` releases what it can and gives the hung threads up after the timeout instead of hanging.
-        assert _in_thread(backend.close) is None
+        assert run_with_timeout(backend.close) is None
     finally:
         engine.release.set()
     device._worker.join(GUARD_S)
@@ -379,11 +360,11 @@ def test_a_slow_device_that_keeps_moving_does_not_time_out(tmp_path) -> None:
     backend, _ = _backend(tmp_path, [SlowIO(IO_ALIGN, 2)], sizes=(numel,), device_timeout_s=0.6)
     try:
         handle = _step(backend, 0, numel)
-        assert _in_thread(lambda: backend.result(handle)) is None
-        assert _in_thread(backend.wait) is None
+        assert run_with_timeout(lambda: backend.result(handle)) is None
+        assert run_with_timeout(backend.wait) is None
         assert backend.failure is None
     finally:
-        assert _in_thread(backend.close) is None
+        assert run_with_timeout(backend.close) is None
 
 
 def test_traffic_is_the_same_with_and_without_a_timeout(tmp_path) -> None:
@@ -429,14 +410,14 @@ def test_a_vanished_device_directory_stops_the_backend(tmp_path, how) -> None:
             shutil.rmtree(victim)
         else:
             victim.rename(victim.with_name("moved-away"))
-        exc = _in_thread(backend.check_storage)
+        exc = run_with_timeout(backend.check_storage)
         _assert_names(exc, victim, "stat", errno.ENOENT)
         assert "disappeared" in str(exc) and backend.failure is exc
-        assert "refused" in str(_in_thread(lambda: _step(backend, 0, CHUNK)))
-        assert "refused" in str(_in_thread(lambda: backend.save(saved)))
+        assert "refused" in str(run_with_timeout(lambda: _step(backend, 0, CHUNK)))
+        assert "refused" in str(run_with_timeout(lambda: backend.save(saved)))
         assert _files(saved) == before
     finally:
-        assert _in_thread(backend.close) is None
+        assert run_with_timeout(backend.close) is None
 
 
 def test_deepspeed_aio_reports_a_vanished_path_with_its_errno(tmp_path) -> None:
@@ -449,7 +430,7 @@ def test_deepspeed_aio_reports_a_vanished_path_with_its_errno(tmp_path) -> None:
     try:
         directory = backend.devices[0].directory
         directory.rename(directory.with_name("moved-away"))  # async_io opens the file by name for every transfer
-        exc = _in_thread(lambda: backend.result(_step(backend, 0, CHUNK)))
+        exc = run_with_timeout(lambda: backend.result(_step(backend, 0, CHUNK)))
         _assert_names(exc, backend._shards[0].file.path, "read", errno.ENOENT)
     finally:
-        assert _in_thread(backend.close) is None
+        assert run_with_timeout(backend.close) is None
