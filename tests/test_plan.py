@@ -215,6 +215,8 @@ def test_cli_prints_breakdown_and_snippet(capsys):
     out = capsys.readouterr().out
     for text in ("ZeRO-Infinity", "SU+O+C", "speedup", "recommendation:", "SmartInfinityStrategy(", "class_path:"):
         assert text in out
+    # The asked-for compression is in both snippets (tests/test_plan_snippets.py runs them).
+    assert "    compression=0.01," in out and "      compression: 0.01" in out and "not yet" not in out
 
 
 def test_cli_hf_config_and_json(tmp_path, capsys):

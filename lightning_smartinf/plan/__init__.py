@@ -18,7 +18,7 @@ from lightning_smartinf.plan.model import (
     workload_from_model,
     zero_infinity,
 )
-from lightning_smartinf.plan.planner import Plan, format_plan, make_plan
+from lightning_smartinf.plan.planner import Plan, format_plan, make_plan, python_snippet, strategy_args, yaml_snippet
 
 __all__ = [
     "METHODS",
@@ -34,7 +34,10 @@ __all__ = [
     "params_from_config",
     "parse_size",
     "profile_names",
+    "python_snippet",
     "speedup",
+    "strategy_args",
     "workload_from_model",
+    "yaml_snippet",
     "zero_infinity",
 ]

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from lightning_smartinf.plan.model import PlanError, load_profile, profile_names, workload_from_model
-from lightning_smartinf.plan.planner import format_plan, make_plan
+from lightning_smartinf.plan.planner import format_plan, make_plan, strategy_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             "sub_group_size": plan.sub_group_size,
             "buffer_count": plan.buffer_count,
             "compression": plan.compression if plan.recommend_compression else None,
+            "strategy": strategy_args(plan),
         }
         print(json.dumps(out, indent=2))
     else:

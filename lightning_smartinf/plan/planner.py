@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_smartinf.plan.model import (
     Breakdown,
@@ -22,6 +23,11 @@ COMPRESSION_WORTH = 1.10
 #: A device count within this factor of the best time is "enough" (more devices buy < 5%).
 ENOUGH = 1.05
 
+
+#: Placeholder storage directory of device ``i`` in the printed snippets.
+STORAGE_PLACEHOLDER = "/mnt/csd{}"
+PYTHON_HEADER = "python (paste into a training script; then `Trainer(strategy=strategy, ...)`):"
+YAML_HEADER = "yaml (`trainer.strategy` of a `smartinf fit` recipe; merge it in, or pass it as a second --config):"
 
 SHORT_LABELS = {"zero_infinity": "ZeRO-Infinity", "su": "SU", "su_o": "SU+O", "su_o_c": "SU+O+C"}
 
@@ -140,42 +146,103 @@ def format_plan(plan: Plan) -> str:
         "(add the BufferPool callback to size them from a host-memory budget)",
     ]
     if plan.recommend_compression:
-        lines.append(
+        lines += [
             f"  compression: keep {plan.compression:g} of gradient elements (SU+O+C {plan.compression_gain:.2f}x over"
-            " SU+O); costs accuracy (paper Table IV: GPT-2 MNLI-m -0.7 to -1.4)"
-        )
+            " SU+O); costs accuracy",
+            "    (paper Table IV, without error feedback: GPT-2 MNLI-m -0.7 to -1.4); the strategy adds error feedback",
+            "    by default: an fp32 residual of 4 B per parameter",
+        ]
     else:
         lines.append(
             f"  compression: not worth it here (SU+O+C {plan.compression_gain:.2f}x over SU+O, < "
             f"{COMPRESSION_WORTH:.2f}x); keep full gradients"
         )
-    paths = ", ".join(f'"/mnt/csd{i}"' for i in range(plan.devices))
-    yaml_paths = "\n".join(f"          - /mnt/csd{i}" for i in range(plan.devices))
-    comp = (
-        f"    # compression={plan.compression:g} (SmartComp) - not yet an option of the strategy\n"
-        if plan.recommend_compression
-        else ""
-    )
-    lines += [
-        "",
-        "python:",
-        "  from lightning_smartinf import SmartInfinityStrategy",
-        "  strategy = SmartInfinityStrategy(",
-        f"      storage_paths=[{paths}],  # one directory per device / SSD",
-        f"      sub_group_size={plan.sub_group_size:_},",
-        f"      buffer_count={plan.buffer_count},",
-        "  )",
-        "",
-        "yaml (LightningCLI):",
-        "  trainer:",
-        "    strategy:",
-        "      class_path: lightning_smartinf.SmartInfinityStrategy",
-        "      init_args:",
-        "        storage_paths:",
-        yaml_paths,
-        f"        sub_group_size: {plan.sub_group_size}",
-        f"        buffer_count: {plan.buffer_count}",
+    if plan.devices != plan.recommended_devices:
+        lines.append(f"  (the snippets below are for the {plan.devices} device(s) asked for)")
+    lines += ["", PYTHON_HEADER, "", python_snippet(plan), "", YAML_HEADER, "", yaml_snippet(plan)]
+    return "\n".join(lines)
+
+
+def strategy_args(plan: Plan) -> dict[str, Any]:
+    """The ``SmartInfinityStrategy`` arguments the plan recommends or was asked for, as its snippets print them.
+
+    ``storage_paths`` are placeholders (:data:`STORAGE_PLACEHOLDER`), one per device of the plan.
+    """
+    args: dict[str, Any] = {
+        "storage_paths": [STORAGE_PLACEHOLDER.format(i) for i in range(plan.devices)],
+        "sub_group_size": plan.sub_group_size,
+        "buffer_count": plan.buffer_count,
+    }
+    if plan.recommend_compression:
+        args["compression"] = plan.compression
+        # The strategy starts updates during backward only for dense gradients; say so instead of ignoring it.
+        args["overlap_backward"] = False
+    return args
+
+
+def _comments(plan: Plan) -> dict[str, str]:
+    """One comment per argument of :func:`strategy_args`, shared by the Python and YAML snippets."""
+    return {
+        "storage_paths": "one directory per device / SSD: replace the placeholders with yours",
+        "sub_group_size": "elements per ZeRO sub-group, the unit of work of a device",
+        "buffer_count": "chunk buffers per device",
+        "compression": f"SmartComp: send the largest {plan.compression * 100:g}% of each sub-group's gradient entries",
+        "overlap_backward": "compressed gradients reach the devices after backward, not during it",
+    }
+
+
+def _python_value(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000:
+        return f"{value:_}"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)
+
+
+def python_snippet(plan: Plan) -> str:
+    """Python that builds the recommended ``SmartInfinityStrategy`` (paste into a training script)."""
+    comments = _comments(plan)
+    lines = ["from lightning_smartinf import SmartInfinityStrategy", "", "strategy = SmartInfinityStrategy("]
+    for name, value in strategy_args(plan).items():
+        lines.append(f"    # {comments[name]}")
+        if isinstance(value, list):
+            inline = f"    {name}=[{', '.join(map(_python_value, value))}],"
+            if len(inline) <= 100:
+                lines.append(inline)
+            else:
+                lines += [f"    {name}=[", *(f"        {_python_value(v)}," for v in value), "    ],"]
+        else:
+            lines.append(f"    {name}={_python_value(value)},")
+    lines.append(")")
+    return "\n".join(lines)
+
+
+def _yaml_scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        text = repr(value)
+        # YAML 1.1 (PyYAML, jsonargparse) reads `1e-05` as a string: give the mantissa a dot.
+        mantissa, e, exponent = text.partition("e")
+        return f"{mantissa}.0e{exponent}" if e and "." not in mantissa else text
+    return str(value)
+
+
+def yaml_snippet(plan: Plan) -> str:
+    """The ``trainer.strategy`` of a ``smartinf fit`` recipe (LightningCLI) with the recommended arguments."""
+    comments = _comments(plan)
+    lines = [
+        "trainer:",
+        "  strategy:",
+        "    class_path: lightning_smartinf.SmartInfinityStrategy",
+        "    init_args:",
     ]
-    if comp:
-        lines.append(comp.rstrip("\n").replace("    #", "  #"))
+    for name, value in strategy_args(plan).items():
+        comment = comments[name]
+        lines.append(f"      # {comment}")
+        if isinstance(value, list):
+            lines.append(f"      {name}:")
+            lines += [f"        - {_yaml_scalar(item)}" for item in value]
+        else:
+            lines.append(f"      {name}: {_yaml_scalar(value)}")
     return "\n".join(lines)
