@@ -178,7 +178,7 @@ def test_storage_paths_shapes(tmp_path):
     refused(r"`storage_paths=5` is an int: it must be a directory or a non-empty list", storage_paths=5)
     refused(r"`storage_paths\[1\]=None` is not a path", storage_paths=[tmp_path, None])
     refused(r"`storage_paths\[0\]=''` is not a path", storage_paths=[""])
-    refused(r"`storage_paths` entry .*nope' does not exist", storage_paths=[tmp_path / "nope"])
+    refused(r"`storage_paths` entry .*nope/ssd' does not exist and cannot", storage_paths=[tmp_path / "nope" / "ssd"])
     refused(r"same directory", storage_paths=[tmp_path, tmp_path / "."])
 
 

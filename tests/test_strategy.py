@@ -86,9 +86,10 @@ def test_default_storage_is_a_private_temporary_directory_removed_at_the_end():
 # ------------------------------------------------------------------------------------------------ bad input
 
 
-def test_missing_storage_path(tmp_path):
-    with pytest.raises(MisconfigurationException, match=r"storage_paths.*does not exist.*Create the directory"):
-        SmartInfinityStrategy(storage_paths=[tmp_path / "nope"])
+def test_missing_storage_path_under_a_missing_parent(tmp_path):
+    """A missing path is created at set-up only below an existing parent (tests/test_storage_paths.py)."""
+    with pytest.raises(MisconfigurationException, match=r"storage_paths.*does not exist and cannot be created"):
+        SmartInfinityStrategy(storage_paths=[tmp_path / "nope" / "ssd"])
 
 
 def test_storage_path_is_a_file(tmp_path):

@@ -50,7 +50,12 @@ import torch
 from torch import Tensor, nn
 
 from lightning_smartinf.csd.io import IO_ALIGN, IOEngine, StateFile, ThreadedIO, aligned_empty, round_up
-from lightning_smartinf.csd.storage import StorageError, ensure_private_dir, validate_storage_path
+from lightning_smartinf.csd.storage import (
+    StorageError,
+    create_storage_path,
+    ensure_private_dir,
+    validate_storage_path,
+)
 
 __all__ = ["ActivationOffloader", "OffloadStats", "find_layers", "cleanup_stale_dirs", "ROOT_DIR_NAME"]
 
@@ -249,7 +254,8 @@ class ActivationOffloader:
         self._run = f"{socket.gethostname()}-{os.getpid()}-{next(_run_counter)}"
         self._dirs: list[Path] = []
         for p in storage_paths:
-            base = validate_storage_path(p, "storage_paths")
+            base = validate_storage_path(p, "storage_paths", missing_ok=True)
+            create_storage_path(base)  # as the strategy does: a missing path under a writable parent is made 0700
             ensure_private_dir(base / ROOT_DIR_NAME)
             cleanup_stale_dirs(base)
             run_dir = base / ROOT_DIR_NAME / self._run

@@ -1,4 +1,4 @@
-"""Checks and preparation of storage paths: existence, permissions, free space."""
+"""Checks and preparation of storage paths: existence (or creation), permissions, free space."""
 
 from __future__ import annotations
 
@@ -65,11 +65,30 @@ class StorageError(RuntimeError, OSError):
         )
 
 
-def validate_storage_path(path: str | os.PathLike, argument: str = "storage_paths") -> Path:
-    """Return ``path`` resolved, or raise a :class:`ValueError` saying what is wrong and how to fix it."""
-    resolved = Path(path).expanduser().resolve()
+def validate_storage_path(
+    path: str | os.PathLike, argument: str = "storage_paths", *, missing_ok: bool = False
+) -> Path:
+    """Return ``path`` resolved, or raise a :class:`ValueError` saying what is wrong and how to fix it.
+
+    ``missing_ok``: a path that does not exist yet is accepted when :func:`create_storage_path` can create it (its
+    parent is an existing directory this user may write to); nothing is created here.
+    """
+    try:
+        resolved = Path(path).expanduser().resolve()
+    except (RuntimeError, OSError) as exc:  # RuntimeError: Python < 3.13's "Symlink loop from ..."
+        if isinstance(exc, RuntimeError) or exc.errno == errno.ELOOP:
+            raise ValueError(
+                f"`{argument}` entry {str(path)!r} goes through a symbolic link loop (links that lead back to one "
+                "another). Remove a link of the loop or fix the path."
+            ) from None
+        raise
     if not resolved.exists():
-        raise ValueError(f"`{argument}` entry {str(path)!r} does not exist. Create the directory or fix the path.")
+        if not missing_ok:
+            raise ValueError(f"`{argument}` entry {str(path)!r} does not exist. Create the directory or fix the path.")
+        if problem := _not_creatable(resolved):
+            via = "" if str(resolved) == str(path) else f" (resolved: {str(resolved)!r})"
+            raise ValueError(f"`{argument}` entry {str(path)!r}{via} does not exist and cannot be created: {problem}")
+        return resolved
     if not resolved.is_dir():
         raise ValueError(
             f"`{argument}` entry {str(path)!r} is not a directory. Pass the mount point or a folder on it."
@@ -80,6 +99,77 @@ def validate_storage_path(path: str | os.PathLike, argument: str = "storage_path
             "Choose a directory you own or fix its permissions."
         )
     return resolved
+
+
+def _not_creatable(path: Path) -> str | None:
+    """Why the missing directory ``path`` (resolved) cannot be created, or ``None`` if it can be."""
+    parent = path.parent
+    if not parent.exists():
+        ancestor = parent
+        while not ancestor.exists() and ancestor != ancestor.parent:
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            return f"{str(ancestor)!r} is a file, not a directory, so nothing can be created below it. Fix the path."
+        return (
+            f"its parent {str(parent)!r} does not exist (only the last component of a storage path is created). "
+            "Mount the disk or create the parent, or fix the path."
+        )
+    if not parent.is_dir():
+        return f"its parent {str(parent)!r} is a file, not a directory. Fix the path."
+    if not os.access(parent, os.W_OK | os.X_OK):
+        read_only = _on_read_only_filesystem(parent)
+        return (
+            f"its parent {str(parent)!r} is on a read-only filesystem. Remount it read-write or choose another path."
+            if read_only
+            else f"its parent {str(parent)!r} is not writable by this user. Create the directory yourself (e.g. "
+            "with sudo, then chown it), fix the parent's permissions, or choose another path."
+        )
+    return None
+
+
+def _on_read_only_filesystem(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def create_storage_path(path: str | os.PathLike) -> bool:
+    """Create the storage path ``path`` (one directory, 0700) unless it exists; return whether this call created it.
+
+    Safe against other ranks and nodes creating it at the same time: a directory that appears meanwhile is used as
+    it is. An existing directory is never modified (its mode stays the user's).
+
+    Raises:
+        StorageError: ``path`` cannot be created (parent missing or not writable, read-only filesystem) or
+            something other than a directory is in the way. The message names the path and why.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return False
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        if path.is_dir():
+            return False  # created by another rank or node in the meantime
+        raise StorageError(
+            f"Storage path {str(path)!r} exists but is not a directory (a file or a broken symbolic link is in the "
+            "way). Move it away or choose another storage path.",
+            path=path,
+            operation="mkdir",
+            errno=errno.EEXIST,
+        ) from None
+    except OSError as exc:
+        raise StorageError(
+            f"Cannot create storage path {str(path)!r} ({exc.strerror}). Create it yourself, make "
+            f"{str(path.parent)!r} writable by this user, or choose another storage path.",
+            path=path,
+            operation="mkdir",
+            errno=exc.errno,
+        ) from None
+    # mkdir's mode is masked by the umask; make it private through a descriptor, following no link.
+    make_private_dirs(path.parent, (path.name,))
+    return True
 
 
 #: Opens a directory itself, never the target of a symbolic link in its place.
