@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf import SmartInfinityStrategy, quiet
 
 #: Bytes per trainable parameter per optimizer step of DeepSpeed ZeRO-Infinity's NVMe optimizer offload
 #: (fp32 grad 4 written in backward; master, m, v, grad 16 read; master, m, v 12 written), all over the host link.
@@ -92,6 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
     parser.add_argument("--devices", type=int, default=2, help="emulated CSDs (default 2)")
     args = parser.parse_args(argv)
+    silenced = quiet.silence(entry_point=True)
+    try:
+        return _run(args)
+    finally:
+        silenced.restore()
+
+
+def _run(args: argparse.Namespace) -> int:
 
     L.seed_everything(0, verbose=False)
     dataset = CharDataset(english_text(), seq=64)

@@ -22,6 +22,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 import lightning_smartinf  # noqa: F401  (registers "smart_infinity")
+from lightning_smartinf import quiet
 from lightning_smartinf.monitor import TrainingMonitor
 
 #: The LightningCLI subcommands ``smartinf`` exposes.
@@ -48,19 +49,23 @@ class SmartInfinityCLI(LightningCLI):
 def main(argv: list[str] | None = None) -> int:
     """Run ``LightningCLI``; ``argv`` starts with the subcommand (``["fit", "--config", "recipe.yaml"]``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    with warnings.catch_warnings():
-        # LightningCLI warns whenever `args` is given while `sys.argv` has arguments; here they are ours on purpose.
-        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-        SmartInfinityCLI(
-            model_class=None,
-            datamodule_class=None,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            trainer_defaults={"strategy": "smart_infinity"},
-            save_config_kwargs={"overwrite": True},
-            parser_kwargs={"prog": "smartinf"},
-            args=argv,
-        )
+    silenced = quiet.silence(entry_point=True)
+    try:
+        with warnings.catch_warnings():
+            # LightningCLI warns whenever `args` is given while `sys.argv` has arguments; here they are ours on purpose.
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+            SmartInfinityCLI(
+                model_class=None,
+                datamodule_class=None,
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                trainer_defaults={"strategy": "smart_infinity"},
+                save_config_kwargs={"overwrite": True},
+                parser_kwargs={"prog": "smartinf"},
+                args=argv,
+            )
+    finally:
+        silenced.restore()
     return 0
 
 

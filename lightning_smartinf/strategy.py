@@ -30,7 +30,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_smartinf import checkpoint_dir
+from lightning_smartinf import checkpoint_dir, quiet
 from lightning_smartinf.arguments import POOL_TENSORS, Problems, pool_bytes, show
 from lightning_smartinf.checkpoint_dir import CheckpointError
 from lightning_smartinf.cpu_support import DeepSpeedOnCPUMixin
@@ -40,7 +40,7 @@ from lightning_smartinf.csd.compression import TopKCompression, check_ratio, che
 from lightning_smartinf.csd.io import IO_ALIGN, IOEngine, ThreadedIO, supports_direct_io
 from lightning_smartinf.csd.layout import ELEM_ALIGN
 from lightning_smartinf.csd.ownership import check_unclaimed, make_temp_device_dir, remove_stale_temp_dirs
-from lightning_smartinf.csd.storage import make_private_dirs
+from lightning_smartinf.csd.storage import create_storage_path, make_private_dirs
 from lightning_smartinf.csd.torch_optim import SUPPORTED_OPTIMIZERS, rule_for_group
 from lightning_smartinf.precision import SmartInfinityPrecision
 from lightning_smartinf.zero import check_deepspeed_version, smart_update_optimizer
@@ -74,8 +74,10 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         xrt_devices: ``backend="xrt"`` only: one XRT device per storage path of this node, as device index or
             PCIe BDF (``"0000:3b:00.1"``); ``None`` maps each storage path to the SmartSSD it is mounted from.
         storage_paths: directories, one per device, shared out among the ranks of a node (rank ``r`` gets
-            ``storage_paths[r::ranks_per_node]``); each rank needs at least one of its own. ``None``: one
-            private temporary directory per rank, removed at the end.
+            ``storage_paths[r::ranks_per_node]``); each rank needs at least one of its own, and locks it while it
+            trains. A missing one is created (0700) at set-up if its parent is a writable directory. ``None``: one
+            private temporary directory per rank, kept after ``fit`` (for ``trainer.save_checkpoint``) until the
+            next run starts or the process exits.
         compression: SmartComp gradient compression: the fraction of each sub-group's gradient entries sent
             per step (e.g. ``0.01``: top-1% by magnitude, as int32 index + value pairs), a dict of
             :class:`~lightning_smartinf.csd.compression.TopKCompression` arguments (``ratio``,
@@ -352,14 +354,18 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
 
     @staticmethod
     def _validate_storage_paths(storage_paths: Any, problems: Problems) -> list[Path] | None:
-        """``storage_paths`` resolved, each an existing writable directory named once; ``None`` if not given or bad."""
+        """``storage_paths`` resolved, each named once; ``None`` if not given or bad.
+
+        Each is a writable directory, or does not exist yet and can be created: its parent is a writable directory.
+        Nothing is created here: each rank creates its own share at set-up (:meth:`_rank_device_dirs`).
+        """
         paths = problems.paths("storage_paths", storage_paths, optional=True)
         if paths is None:
             return None
         resolved: dict[Path, Any] = {}
         for original in paths:
             try:
-                path = validate_storage_path(original)
+                path = validate_storage_path(original, missing_ok=True)
             except (ValueError, OSError) as exc:  # OSError: a name the OS refuses (too long, ...)
                 text = str(exc)
                 problems.add(
@@ -516,6 +522,9 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
 
     @override
     def setup_environment(self) -> None:
+        # Known-harmless warnings of DeepSpeed, torch and Lightning stay silent until teardown (see `quiet`).
+        if self._silenced is None:
+            self._silenced = quiet.silence()
         super().setup_environment()
         if self._offload_activations and self.lightning_module is not None:
             from lightning_smartinf.activations import ActivationOffload
@@ -598,15 +607,19 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             return None
         return self.xrt_devices[self.local_rank :: max(1, self.num_processes)]
 
+    #: The known-harmless warnings silenced from set-up to teardown (:mod:`lightning_smartinf.quiet`).
+    _silenced: quiet.Silenced | None = None
     #: Removes the temporary device directories of the last run (``storage_paths=None``); see :meth:`release_backend`.
     _release_storage: weakref.finalize | None = None
 
     def _rank_device_dirs(self) -> tuple[list[Path], list[Path]]:
         """Create this rank's device directories (0700); return them and those the backend must remove at the end.
 
+        This rank's storage paths that do not exist yet are created first (0700; logged).
+
         Raises:
-            StorageError: a directory is in use by another training (nothing in it was touched), or a component below
-                a storage path is a symbolic link or not a directory.
+            StorageError: a storage path cannot be created, a directory is in use by another training (nothing in it
+                was touched), or a component below a storage path is a symbolic link or not a directory.
         """
         # A run starting ends the after-`fit` life of every finished run's temporary state in this process (a
         # strategy is not reliably garbage-collected: Lightning's logging keeps bound methods of it), so at most
@@ -625,6 +638,13 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                 f"{max(1, self.num_processes)} ranks per node, so ranks would share a storage path. Pass at least "
                 "one path per rank (directories on the same disk work, e.g. /mnt/nvme/r0 and /mnt/nvme/r1)."
             )
+        for path in mine:
+            # Checked at construction (its parent is a writable directory); created only now, by the rank using it.
+            if create_storage_path(path):
+                log.info(
+                    f"SmartUpdate rank {self.global_rank} created storage path {str(path)!r} (mode 0700): it did not "
+                    "exist"
+                )
         directories = [make_private_dirs(p, (_STATE_DIR, f"rank{self.global_rank:03d}")) for p in mine]
         # Fails before DeepSpeed's set-up; the backend's claim, taken when it is built, is what holds them.
         check_unclaimed(directories)
@@ -686,6 +706,10 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             )
         device_dirs, owned = self._rank_device_dirs()
         # ZeRO copies its swap folder into checkpoints; ours stays empty (device state is saved separately).
+        if self.is_global_zero and (
+            note := quiet.endurance_note([str(d) for d in device_dirs], self._state_bytes(optimizer) // self.world_size)
+        ):
+            rank_zero_warn(note)
         engine_swap = make_private_dirs(device_dirs[0], ("engine-swap",))
         assert isinstance(self.config, dict)
         self.config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(engine_swap)
@@ -740,6 +764,16 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         deepspeed_optimizer.smartinf_overlap = self.overlap_backward
         deepspeed_optimizer.smartinf_kept_ratio = self._kept_ratio
         return engine, deepspeed_optimizer
+
+    @staticmethod
+    def _state_bytes(optimizer: Optimizer) -> int:
+        """Bytes of fp32 master weights and optimizer states of this rank's trainable parameters (before ZeRO)."""
+        return sum(
+            getattr(p, "ds_numel", p.numel()) * rule_for_group(optimizer, group).bytes_per_element  # ZeRO-3: full size
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.requires_grad
+        )
 
     @property
     def sub_group_size(self) -> int:
@@ -1002,6 +1036,9 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             super().teardown()
         finally:
             self.release_backend()
+            if self._silenced is not None:
+                self._silenced.restore()
+                self._silenced = None
 
     @classmethod
     @override

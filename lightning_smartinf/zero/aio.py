@@ -84,11 +84,23 @@ def load_aio_op() -> Any:
             "DeepSpeed's async_io op is not available (it needs libaio: `apt-get install libaio-dev` or "
             "`yum install libaio-devel`, then a C++ compiler and ninja)."
         )
-    logging.getLogger(__name__).warning(
-        "Loading DeepSpeed's async_io op; if it was not pre-built (scripts/setup.sh does), this compiles it first "
-        "and takes minutes. Pass `io_engine='threads'` to skip it."
-    )
+    if not _is_built(builder.name):
+        logging.getLogger(__name__).warning(
+            "Building DeepSpeed's async_io op (it was not pre-built: scripts/setup.sh does that); this takes "
+            "minutes, once. Pass `io_engine='threads'` to skip it."
+        )
     return builder.load(verbose=False)
+
+
+def _is_built(name: str) -> bool:
+    """Whether op ``name`` was installed with DeepSpeed or JIT-built where torch's extension loader looks for it."""
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if installed_ops.get(name):
+        return True
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return os.path.isfile(os.path.join(root, name, f"{name}.so"))
 
 
 def _failure(operation: str, file: StateFile, offset: int, returned: int) -> OSError:

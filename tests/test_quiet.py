@@ -1,0 +1,124 @@
+"""A run is quiet enough for the loss and the figures to stand out (issue 18): the demo and `smartinf fit` print at
+most 5 warning lines, the silenced warnings are exactly the known-harmless ones, and only while SmartUpdate runs."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from models import LMModule, fit, param_groups
+
+from lightning_smartinf import SmartInfinityStrategy, quiet
+
+REPO = Path(__file__).resolve().parents[1]
+#: A line of a warning: Python's and Lightning's format (`file.py:12: ...`), DeepSpeed's (`[WARNING]`), or a
+#: `...Warning` category named anywhere.
+WARNING_LINE = re.compile(r"^\S+\.py:\d+: |\[WARNING\]|\b[A-Z]\w*Warning\b")
+
+
+def warning_lines(output: str) -> list[str]:
+    """The warning lines of ``output``, with the indented source line Python prints after a warning."""
+    lines = output.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if WARNING_LINE.search(line) or (i and line.startswith("  ") and WARNING_LINE.search(lines[i - 1])):
+            found.append(line)
+    return found
+
+
+def _run(command: list[str], cwd: Path) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+def test_the_demo_prints_at_most_5_warning_lines(tmp_path) -> None:
+    output = _run([sys.executable, "-m", "lightning_smartinf.demo", "--steps", "6"], tmp_path)
+    assert re.search(r"^step +\d+  loss \d", output, re.M) and "host link, SmartUpdate" in output
+    lines = warning_lines(output)
+    assert len(lines) <= 5, "\n".join(lines)
+    assert not any("reduce_scatter_tensor" in line or "litlogger" in line for line in output.splitlines())
+
+
+def test_smartinf_fit_with_a_cpu_recipe_prints_at_most_5_warning_lines(tmp_path) -> None:
+    (tmp_path / "recipes").symlink_to(REPO / "recipes")  # the recipe's data paths are relative to the repository
+    smartinf = Path(sys.executable).with_name("smartinf")
+    output = _run(
+        [str(smartinf), "fit", "--config", "recipes/gpt2-pretrain-cpu.yaml", "--trainer.max_steps", "3"], tmp_path
+    )
+    assert "max_steps=3` reached" in output
+    lines = warning_lines(output)
+    assert len(lines) <= 5, "\n".join(lines)
+
+
+class WarnsInTraining(LMModule):
+    def training_step(self, batch, batch_idx):
+        warnings.warn("the user's own warning", UserWarning, stacklevel=1)
+        message = "`torch.distributed.reduce_scatter_tensor` is deprecated, from the user's code"
+        warnings.warn(message, FutureWarning, stacklevel=1)
+        return super().training_step(batch, batch_idx)
+
+
+def adamw(model: torch.nn.Module):
+    return torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3), None
+
+
+def test_only_the_known_messages_are_silenced_and_only_while_the_strategy_runs(tmp_path) -> None:
+    """The user's warnings show (even one with a silenced message raised from their own module); after teardown the
+    filters are gone."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        filters_before = list(warnings.filters)
+        fit(WarnsInTraining(adamw), SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=2000), steps=1)
+        filters_after = list(warnings.filters)
+    messages = [str(w.message) for w in caught]
+    assert "the user's own warning" in messages
+    assert any("from the user's code" in m for m in messages)
+    assert not any(m.startswith("`torch.distributed.reduce_scatter_tensor` is deprecated. Please") for m in messages)
+    assert filters_after == filters_before
+
+
+def test_silence_removes_exactly_its_filters() -> None:
+    import logging
+
+    before = list(warnings.filters)
+    handle = quiet.silence(entry_point=True)
+    assert len(warnings.filters) == len(before) + len(quiet.WARNINGS)
+    logger = logging.getLogger("DeepSpeed")
+    assert logger.filters
+    handle.restore()
+    handle.restore()  # idempotent
+    assert list(warnings.filters) == before
+    assert not any(isinstance(f, logging.Filter) and type(f).__name__ == "_DropMessages" for f in logger.filters)
+
+
+def test_endurance_note_is_said_once_and_only_for_block_devices(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(quiet, "_endurance_said", False)
+    assert quiet.endurance_note(["/dev/shm"], 10**9) is None  # tmpfs: no drive wears out
+    note = quiet.endurance_note([str(tmp_path)], 12 * 10**9)
+    if quiet._on_block_device(str(tmp_path)):
+        assert note is not None and "12 GB per step (12 TB per 1000 steps)" in note and str(tmp_path) in note
+        assert quiet.endurance_note([str(tmp_path)], 12 * 10**9) is None  # once per process
+    else:
+        assert note is None
+
+
+def test_a_module_without_the_strategy_keeps_every_warning() -> None:
+    """Nothing is silenced by importing the package or building a strategy: only set-up to teardown."""
+    before = list(warnings.filters)
+    SmartInfinityStrategy()
+    L.Trainer(logger=False, enable_progress_bar=False)
+    assert list(warnings.filters) == before
+
+
+@pytest.mark.parametrize("entry", quiet.WARNINGS)
+def test_every_silenced_warning_says_why(entry) -> None:
+    assert len(entry.why) > 20 and re.compile(entry.message) and re.compile(entry.module)
