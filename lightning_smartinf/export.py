@@ -7,19 +7,25 @@ and the master part of every chunk record of the shard files, checks sizes and c
 manifest, and joins the ranks' partitions of each parameter (rank ``r`` holds elements
 ``[r * partition_numel, (r + 1) * partition_numel)`` of the flattened parameter, the last one padded).
 
-When the checkpoint's module wraps a Hugging Face model (:class:`lightning_smartinf.hf.HFCausalLM`,
-:class:`~lightning_smartinf.hf.HFSequenceClassifier`), :func:`export_pretrained` writes the consolidated weights as a
-``save_pretrained`` directory, with the config and tokenizer recorded in the checkpoint (or those of ``model_dir``).
+When the checkpoint's module holds a Hugging Face model, :func:`export_pretrained` writes that model's consolidated
+weights as a ``save_pretrained`` directory. :class:`lightning_smartinf.hf.HFCausalLM` and
+:class:`~lightning_smartinf.hf.HFSequenceClassifier` record the config, task and tokenizer in the checkpoint; for
+any other module (``self.model = AutoModelForTokenClassification.from_pretrained(path)``) they come from the model
+directory it was fine-tuned from, the attribute holding the model from the parameter names and the head from the
+weights (:func:`.hf.pretrained.find_attribute`, :func:`.hf.pretrained.find_head`).
+Nothing is unpickled: the client state is read with ``weights_only=True``, the weights from the raw shard files.
 
 Command line::
 
     python -m lightning_smartinf.export <checkpoint dir> <out.safetensors>
     python -m lightning_smartinf.export <checkpoint dir> --save-pretrained <out dir> [--hf-model-dir <model dir>]
+        [--hf-attribute <name>] [--auto-class <AutoModelFor...>]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -130,7 +136,7 @@ def save_fp32(checkpoint_path: str | os.PathLike, out_file: str | os.PathLike) -
 
 #: DeepSpeed's files holding Lightning's client state (hyper-parameters, ``smartinf_hf``, ...), ZeRO-3's first.
 CLIENT_STATE = ("zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt")
-#: Module attribute holding the Hugging Face model; its parameters are named ``model.<HF name>``.
+#: Attribute of the HF modules holding the Hugging Face model; its parameters are named ``model.<HF name>``.
 HF_ATTRIBUTE = "model"
 
 
@@ -153,16 +159,32 @@ def export_pretrained(
     out_dir: str | os.PathLike,
     *,
     model_dir: str | os.PathLike | None = None,
+    attribute: str | None = None,
+    auto_class: str | None = None,
 ) -> dict[str, Tensor]:
-    """Write the consolidated fp32 weights of an HF module's checkpoint as a ``save_pretrained`` directory.
+    """Write the consolidated fp32 weights of the checkpoint's Hugging Face model as a ``save_pretrained`` directory.
 
-    The config and the task (causal LM or sequence classification) come from the checkpoint, which
-    :class:`~lightning_smartinf.hf.HFCausalLM` / :class:`~lightning_smartinf.hf.HFSequenceClassifier` fill in; the
-    tokenizer from the directory recorded there. ``model_dir`` (a local Hugging Face directory) supplies the
-    tokenizer instead, and the config and task when the checkpoint has none. Returns the weights (HF names).
+    Args:
+        checkpoint_path: a checkpoint directory saved with ``strategy="smart_infinity"``.
+        out_dir: the output directory (created; files in it are overwritten).
+        model_dir: the local Hugging Face directory the run started from: the tokenizer, and the config when the
+            checkpoint records none (it does for :class:`~lightning_smartinf.hf.HFCausalLM` /
+            :class:`~lightning_smartinf.hf.HFSequenceClassifier`).
+        attribute: the module attribute holding the model (``"model"``, ``"net.backbone"``). ``None``: the one
+            recorded in the checkpoint, else the one whose parameter names are the config's model's
+            (:func:`~lightning_smartinf.hf.pretrained.find_attribute`).
+        auto_class: the transformers auto class to write (``"AutoModelForTokenClassification"``). ``None``: the
+            task recorded in the checkpoint, else the head whose weights the checkpoint holds
+            (:func:`~lightning_smartinf.hf.pretrained.find_head`; ``num_labels`` from the weights).
+
+    Returns:
+        The exported weights by Hugging Face name.
+
+    Raises:
+        ValueError: no config to build the model from, or the weights fit no model of it (or several).
     """
     from lightning_smartinf.hf.data import TOKENIZER_FILES, load_tokenizer
-    from lightning_smartinf.hf.pretrained import AUTO_CLASSES, save_pretrained
+    from lightning_smartinf.hf.pretrained import find_attribute, find_head, save_pretrained
 
     meta = hf_metadata(checkpoint_path)
     if meta is None and model_dir is None:
@@ -176,22 +198,35 @@ def export_pretrained(
     if meta is not None:
         fields = dict(meta["config"])
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-        task = meta["task"]
     else:
         config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-        architecture = (getattr(config, "architectures", None) or [""])[0]
-        task = "sequence-classification" if architecture.endswith("ForSequenceClassification") else "causal-lm"
     assert isinstance(config, PretrainedConfig)
     tokenizer_dir = model_dir if model_dir is not None else (meta or {}).get("tokenizer_path")
     tokenizer = None
     if tokenizer_dir is not None and any((Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = load_tokenizer(tokenizer_dir, argument="model_dir")
-    prefix = f"{(meta or {}).get('attribute', HF_ATTRIBUTE)}."
     masters = consolidate_fp32_state_dict(checkpoint_path)
-    state = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in masters.items()}
-    if task not in AUTO_CLASSES:
-        raise ValueError(f"{checkpoint_path}: unknown task {task!r}.")
-    save_pretrained(state, config, task, out_dir, tokenizer=tokenizer)
+    if attribute is None:
+        attribute = meta.get("attribute", HF_ATTRIBUTE) if meta is not None else find_attribute(masters, config)
+    prefix = f"{attribute}."
+    state = {k[len(prefix) :]: v for k, v in masters.items() if k.startswith(prefix)}
+    if not state:
+        attributes = sorted({k.split(".")[0] for k in masters})
+        raise ValueError(
+            f"`attribute={attribute!r}` (`--hf-attribute`): the checkpoint's module has no parameters under it; they "
+            f"are under {attributes[:8]}. Give the attribute holding the Hugging Face model, or leave it out."
+        )
+    if auto_class is None and meta is not None:
+        auto_class = meta["task"]
+    head, config = find_head({k: v.shape for k, v in state.items()}, config, auto_class)
+    save_pretrained(state, config, head, out_dir, tokenizer=tokenizer)
+    others = sorted(k for k in masters if not k.startswith(prefix))
+    if others:
+        print(
+            f"note: {len(others)} parameters of the module are outside `{attribute}` and not in {out_dir}: "
+            f"{others[:4]}{' ...' if len(others) > 4 else ''}",
+            file=sys.stderr,
+        )
     if tokenizer is None:
         print(
             f"warning: no tokenizer found at {tokenizer_dir}; {out_dir} has the model only. Copy the tokenizer "
@@ -212,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--save-pretrained",
         metavar="DIR",
-        help="also (or only) write a Hugging Face `save_pretrained` directory (checkpoints of HFCausalLM / "
-        "HFSequenceClassifier, or any module wrapping an HF model as `model` with --hf-model-dir)",
+        help="also (or only) write a Hugging Face `save_pretrained` directory of the module's HF model (checkpoints "
+        "of HFCausalLM / HFSequenceClassifier, or of any module holding a transformers model, with --hf-model-dir)",
     )
     parser.add_argument(
         "--hf-model-dir",
@@ -221,20 +256,43 @@ def main(argv: list[str] | None = None) -> int:
         help="local Hugging Face model directory the run started from: tokenizer (and config if the checkpoint "
         "has none) for --save-pretrained",
     )
+    parser.add_argument(
+        "--hf-attribute",
+        metavar="NAME",
+        help="module attribute holding the HF model (e.g. `model`, `net.backbone`); default: the one whose "
+        "parameter names are those of the config's model",
+    )
+    parser.add_argument(
+        "--auto-class",
+        metavar="CLASS",
+        help="transformers auto class to export as (e.g. AutoModelForTokenClassification); default: the head "
+        "whose weights the checkpoint holds (causal LM, sequence/token classification, question answering, "
+        "masked LM or the bare model)",
+    )
     args = parser.parse_args(argv)
     if args.output is None and args.save_pretrained is None:
         parser.error("give an output .safetensors file, `--save-pretrained DIR`, or both")
-    if args.hf_model_dir is not None and args.save_pretrained is None:
-        parser.error("`--hf-model-dir` goes with `--save-pretrained DIR`")
+    hf_flags = {"--hf-model-dir": args.hf_model_dir, "--hf-attribute": args.hf_attribute}
+    for flag, value in {**hf_flags, "--auto-class": args.auto_class}.items():
+        if value is not None and args.save_pretrained is None:
+            parser.error(f"`{flag}` goes with `--save-pretrained DIR`")
     try:
         if args.output is not None:
             state = save_fp32(args.checkpoint, args.output)
             total = sum(t.numel() for t in state.values())
             print(f"wrote {len(state)} tensors ({total} parameters, fp32) to {args.output}")
         if args.save_pretrained is not None:
-            state = export_pretrained(args.checkpoint, args.save_pretrained, model_dir=args.hf_model_dir)
+            state = export_pretrained(
+                args.checkpoint,
+                args.save_pretrained,
+                model_dir=args.hf_model_dir,
+                attribute=args.hf_attribute,
+                auto_class=args.auto_class,
+            )
             total = sum(t.numel() for t in state.values())
-            print(f"wrote a save_pretrained directory ({total} parameters, fp32) to {args.save_pretrained}")
+            config = json.loads((Path(args.save_pretrained) / "config.json").read_text())
+            architecture = ", ".join(config.get("architectures") or ["?"])
+            print(f"wrote {architecture} ({total} parameters, fp32) as save_pretrained to {args.save_pretrained}")
     except (OSError, ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
