@@ -24,6 +24,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
 from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn import Module
@@ -854,7 +855,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             )
         failure = self.deepspeed_engine.optimizer.smartinf_backend.failure
         if failure is not None:
-            raise StorageError(
+            refusal = StorageError(
                 f"`save_checkpoint({str(filepath)!r})` refused: a device failed earlier, so the state on the devices "
                 "may be torn, and a checkpoint of it would be worse than none. The last good checkpoint is as it was; "
                 f"resume from it once the storage is fixed. The error was: {failure}",
@@ -862,6 +863,14 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                 operation=getattr(failure, "operation", None),
                 errno=getattr(failure, "errno", None),
             )
+            module = self.lightning_module
+            interrupted = module is not None and module.trainer.state.status == TrainerStatus.INTERRUPTED
+            if interrupted and self._backend is not None:
+                # A save on the way out of the failed run, before teardown (`OnExceptionCheckpoint`): raising here
+                # would keep Lightning from tearing the run down and releasing the devices; the run's own error follows.
+                rank_zero_warn(str(refusal))
+                return
+            raise refusal
         target = Path(self.broadcast(os.path.abspath(filepath)))
         staging: str | None = None
         if self.is_global_zero:
@@ -1033,9 +1042,11 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
     @override
     def teardown(self) -> None:
         try:
-            super().teardown()
-        finally:
-            self.release_backend()
+            try:
+                super().teardown()
+            finally:
+                self.release_backend()
+        finally:  # also after a device error made the teardown itself fail
             if self._silenced is not None:
                 self._silenced.restore()
                 self._silenced = None

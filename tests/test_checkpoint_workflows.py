@@ -376,8 +376,10 @@ def test_a_device_error_fails_the_step_refuses_to_save_and_the_last_checkpoint_r
     ckpts = tmp_path / "ckpts"
     # Lightning's own OnExceptionCheckpoint would save over last.ckpt with whatever the devices hold.
     on_exception = OnExceptionCheckpoint(dirpath=ckpts, filename="last")
-    with pytest.raises(StorageError) as info:
-        train(tmp_path, checkpointing="last", callbacks=[ArmFailingWrites(), on_exception])
+    trainers: list[L.Trainer] = []
+    with pytest.warns(UserWarning, match="refused: a device failed earlier"), pytest.raises(StorageError) as info:
+        train(tmp_path, checkpointing="last", callbacks=[ArmFailingWrites(), on_exception], trainers=trainers)
+    assert trainers[0].strategy._backend is None  # torn down: buffers, threads and the storage claim released
     message = str(info.value)
     assert info.value.errno == errno.EIO and "EIO (5)" in message and "write" in message
     assert str(tmp_path / "ssd") in message

@@ -3,7 +3,6 @@ most 5 warning lines, the silenced warnings are exactly the known-harmless ones,
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -34,7 +33,9 @@ def warning_lines(output: str) -> list[str]:
 
 
 def _run(command: list[str], cwd: Path) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    from test_checkpoint import _worker_env  # without this process's rendezvous (MASTER_PORT, ranks)
+
+    env = {k: v for k, v in _worker_env().items() if k != "PYTHONWARNINGS"}
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout + done.stderr
