@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import stat
-import subprocess
 import threading
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from models import LMModule, fit, param_groups
+from unwritable import unwritable_dir
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.csd import StorageError
@@ -110,43 +110,14 @@ def test_uncreatable_paths_are_refused_by_name_at_construction(tmp_path, make, w
     assert sorted(tmp_path.rglob("*")) == before, "refusing creates nothing"
 
 
-def _read_only_mount(directory: Path) -> bool:
-    """Mount a read-only tmpfs on ``directory``; ``False`` if this process may not mount."""
-    directory.mkdir()
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(directory)], capture_output=True, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0
-
-
 def test_path_under_a_parent_that_is_not_writable_is_refused(tmp_path):
     parent = tmp_path / "parent"
-    if os.geteuid() != 0:
-        parent.mkdir(mode=0o500)
-        why = r"its parent .*parent' is not writable by this user"
-        mounted = False
-    else:
-        # Root writes through any permission bits, so the parent is a read-only filesystem instead.
-        if not _read_only_mount(parent):
-            pytest.skip(
-                "runs as root, which writes through permission bits, and may not mount a read-only tmpfs here (no "
-                "CAP_SYS_ADMIN), so no parent can be made unwritable for it"
-            )
-        why = r"its parent .*parent' is on a read-only filesystem"
-        mounted = True
-    try:
+    with unwritable_dir(parent) as read_only:
+        why = r"its parent .*parent' is " + ("on a read-only filesystem" if read_only else "not writable by this user")
         with pytest.raises(MisconfigurationException, match=why):
             SmartInfinityStrategy(storage_paths=[parent / "ssd"])
         with pytest.raises(StorageError, match=r"Cannot create storage path .*ssd'"):
             create_storage_path(parent / "ssd")  # what set-up says if the parent changed after construction
-    finally:
-        if mounted:
-            subprocess.run(["umount", str(parent)], check=True, timeout=30)
-        else:
-            os.chmod(parent, 0o700)
 
 
 def test_something_in_the_way_at_setup_is_refused(tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import stat
 
 import lightning as L
@@ -11,6 +10,7 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from models import LMModule, fit, param_groups
+from unwritable import unwritable_dir
 
 import lightning_smartinf
 from lightning_smartinf import SmartInfinityPrecision, SmartInfinityStrategy
@@ -98,10 +98,8 @@ def test_storage_path_is_a_file(tmp_path):
         SmartInfinityStrategy(storage_paths=[tmp_path / "f"])
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root bypasses directory permissions")
 def test_storage_path_not_writable(tmp_path):
-    (tmp_path / "ro").mkdir(mode=0o500)
-    with pytest.raises(MisconfigurationException, match="not writable"):
+    with unwritable_dir(tmp_path / "ro"), pytest.raises(MisconfigurationException, match="not writable"):
         SmartInfinityStrategy(storage_paths=[tmp_path / "ro"])
 
 

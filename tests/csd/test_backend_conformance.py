@@ -26,6 +26,7 @@ import torch
 from hang_guard import run_with_timeout
 from ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
 from torch.testing import assert_close
+from unwritable import unwritable_dir
 
 from lightning_smartinf.csd.backend import Backend, ShardSpec
 from lightning_smartinf.csd.checkpoint import MANIFEST, shard_file_name
@@ -612,17 +613,11 @@ def test_validate_storage_path(tmp_path) -> None:
     assert str(a_file) in str(info.value) and "storage_paths" in str(info.value)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root bypasses directory permissions")
 def test_validate_storage_path_not_writable(tmp_path) -> None:
     locked = tmp_path / "locked"
-    locked.mkdir()
-    os.chmod(locked, 0o500)
-    try:
-        with pytest.raises(ValueError, match="not writable") as info:
-            validate_storage_path(locked)
-        assert str(locked) in str(info.value)
-    finally:
-        os.chmod(locked, 0o700)
+    with unwritable_dir(locked), pytest.raises(ValueError, match="not writable") as info:
+        validate_storage_path(locked)
+    assert str(locked) in str(info.value)
 
 
 # --------------------------------------------------------------------------------------------- device failures
