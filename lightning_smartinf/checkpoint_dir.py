@@ -36,6 +36,7 @@ from lightning_smartinf.csd.checkpoint import (
     fsync_dir,
     install_directory,
     read_manifest,
+    remove_entry,
     shard_file_name,
     write_file_atomic,
 )
@@ -46,6 +47,8 @@ SEAL_FORMAT = "lightning_smartinf.checkpoint/1"
 #: DeepSpeed's tag for Lightning checkpoints: the one subdirectory ``latest`` may name.
 TAG = "checkpoint"
 STATE_DIR = PurePosixPath(TAG) / "smartinf"
+#: DeepSpeed's ZeRO-3 file holding the module and Lightning's client state, under ``TAG``.
+MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 HOST_STATE = "host_state.json"
 _STAGING = ".smartinf-tmp-"
 _RETIRED = ".smartinf-old-"
@@ -74,19 +77,7 @@ def remove_leftovers(folder: Path) -> None:
         return
     for entry in folder.iterdir():
         if entry.name.startswith(".") and (_STAGING in entry.name or _RETIRED in entry.name):
-            _remove_any(entry)
-
-
-def _remove_any(path: Path) -> None:
-    """Remove ``path`` whatever it is, never following a symlink (a link itself is unlinked)."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(mode):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+            remove_entry(entry, missing_ok=True)
 
 
 def _digest(path: Path) -> dict[str, int]:

@@ -135,7 +135,7 @@ def save_fp32(checkpoint_path: str | os.PathLike, out_file: str | os.PathLike) -
 
 
 #: DeepSpeed's files holding Lightning's client state (hyper-parameters, ``smartinf_hf``, ...), ZeRO-3's first.
-CLIENT_STATE = ("zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt")
+CLIENT_STATE = (checkpoint_dir.MODEL_STATES, "mp_rank_00_model_states.pt")
 #: Attribute of the HF modules holding the Hugging Face model; its parameters are named ``model.<HF name>``.
 HF_ATTRIBUTE = "model"
 

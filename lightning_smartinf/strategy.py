@@ -52,7 +52,6 @@ IO_ENGINES = ("auto", "aio", "threads")
 _STATE_DIR = "smartinf"
 log = logging.getLogger(__name__)
 _HOST_STATE = checkpoint_dir.HOST_STATE
-_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 _RESIDUAL = "residual.safetensors"
 #: Removers of the temporary device state of finished runs (``storage_paths=None``), see ``release_backend``.
 _lingering_temporary_state: list[weakref.finalize] = []
@@ -942,7 +941,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
                     f"{self.world_size}. Resume with the same number of ranks, or export the weights "
                     "(`smartinf export`) and start a new run from them."
                 )
-            model_states = root / checkpoint_dir.TAG / _MODEL_STATES
+            model_states = root / checkpoint_dir.TAG / checkpoint_dir.MODEL_STATES
             assert self.lightning_module is not None
             if self.lightning_module.trainer.state.fn == "fit":
                 client_state = self._load_for_fit(root, seal)

@@ -190,22 +190,23 @@ def install_directory(tmp: Path, directory: Path) -> None:
     if os.path.lexists(directory):
         if _exchange(tmp, directory):
             fsync_dir(directory.parent)
-            _remove_entry(tmp)  # now holds the previous entry
+            remove_entry(tmp)  # now holds the previous entry
             return
         aside = directory.with_name(f".{directory.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
         os.rename(directory, aside)
         os.rename(tmp, directory)
         fsync_dir(directory.parent)
-        _remove_entry(aside)
+        remove_entry(aside)
         return
     os.rename(tmp, directory)
     fsync_dir(directory.parent)
 
 
-def _remove_entry(path: Path) -> None:
+def remove_entry(path: Path, *, missing_ok: bool = False) -> None:
+    """Remove ``path`` whatever it is (a directory tree, a file, a symlink), never following a link."""
     if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    else:
+        shutil.rmtree(path, ignore_errors=missing_ok)
+    elif not missing_ok or os.path.lexists(path):
         os.unlink(path)
 
 

@@ -1035,6 +1035,7 @@ class CpuBackend(Backend):
         """
         self._refuse("save")
         self.wait()
+        claims = []
         if self._closed and not self._claims:
             if self._owned_dirs:
                 raise StorageError(
@@ -1042,12 +1043,10 @@ class CpuBackend(Backend):
                     "save before closing it."
                 )
             claims = claim_directories([device.directory for device in self.devices])
-            try:
-                save_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
-            finally:
-                release_claims(claims)
-            return
-        save_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
+        try:
+            save_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
+        finally:
+            release_claims(claims)
 
     def load(self, directory: Path) -> None:
         """Replace every shard's state with the copy under ``directory``.

@@ -16,6 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import CaptureParams, LMModule, param_groups, token_loader  # noqa: E402
@@ -92,6 +93,42 @@ def train(
         trainers.append(trainer)
     trainer.fit(LMModule(adamw_cosine), token_loader(EVERY), ckpt_path=str(ckpt_path) if ckpt_path else None)
     return capture.params
+
+
+def fit_sharded(
+    storage: Sequence[Path],
+    *,
+    rank: int,
+    world_size: int,
+    callbacks: Sequence[L.Callback],
+    ckpt_path: Path | None = None,
+    **trainer_kwargs: Any,
+) -> L.Trainer:
+    """Train (or resume) TOTAL steps as rank ``rank`` of a multi-rank run (launched by torchrun or by Lightning).
+
+    Data is sharded by global rank: each rank sees EVERY batches of 2 per epoch, so checkpoints every EVERY steps sit
+    on epoch boundaries. ``trainer_kwargs`` (``devices``, ``num_nodes``) go to the Trainer.
+    """
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy=SmartInfinityStrategy(
+            storage_paths=[str(p) for p in storage], sub_group_size=SUB_GROUP, io_engine="threads"
+        ),
+        precision="32-true",
+        max_steps=TOTAL,
+        logger=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        callbacks=list(callbacks),
+        use_distributed_sampler=False,
+        **trainer_kwargs,
+    )
+    dataset = token_loader(EVERY).dataset
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+    trainer.fit(LMModule(adamw_cosine), DataLoader(dataset, batch_size=2, sampler=sampler), ckpt_path=ckpt_path)
+    return trainer
 
 
 def checkpoint_step(path: Path) -> int:

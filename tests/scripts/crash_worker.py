@@ -111,14 +111,14 @@ class KillAt(L.Callback):
 
             checkpoint_dir.install = die_then_install
         if self.what == "install":
-            remove = ckpt_module._remove_entry
+            remove = ckpt_module.remove_entry
 
             def die_then_remove(path) -> None:
                 if self.saved_step() == self.step:
                     die()
                 remove(path)
 
-            ckpt_module._remove_entry = die_then_remove
+            ckpt_module.remove_entry = die_then_remove
         if self.what in ("manifest", "host_state"):
             write = ckpt_module.write_file_atomic
             install = ckpt_module.install_directory

@@ -17,13 +17,10 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import CaptureParams, LMModule, token_loader  # noqa: E402
-from scripts.ckpt_common import EVERY, SUB_GROUP, TOTAL, adamw_cosine  # noqa: E402
-
-from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
+from models import CaptureParams  # noqa: E402
+from scripts.ckpt_common import EVERY, fit_sharded  # noqa: E402
 
 
 def run(
@@ -37,30 +34,17 @@ def run(
                 dirpath=shared / f"ckpts_{tag}", filename="{step}", every_n_train_steps=EVERY, save_top_k=-1
             )
         )
-    strategy = SmartInfinityStrategy(
-        storage_paths=[str(p) for p in storage], sub_group_size=SUB_GROUP, io_engine="threads"
-    )
-    trainer = L.Trainer(
-        accelerator="cpu",
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    trainer = fit_sharded(
+        storage,
+        rank=rank,
+        world_size=world_size,
+        callbacks=callbacks,
+        ckpt_path=ckpt_path,
         num_nodes=nodes,
         devices=devices,
-        strategy=strategy,
-        precision="32-true",
-        max_steps=TOTAL,
-        logger=False,
-        enable_checkpointing=ckpt_path is None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        deterministic=True,
-        callbacks=callbacks,
-        use_distributed_sampler=False,
     )
-    # Data is sharded by global rank, whatever the split into nodes: each rank sees EVERY batches of 2 per epoch.
-    dataset = token_loader(EVERY).dataset
-    sampler = DistributedSampler(
-        dataset, num_replicas=int(os.environ["WORLD_SIZE"]), rank=int(os.environ["RANK"]), shuffle=False
-    )
-    trainer.fit(LMModule(adamw_cosine), DataLoader(dataset, batch_size=2, sampler=sampler), ckpt_path=ckpt_path)
+    strategy = trainer.strategy
     backend = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend
     report = {
         "global_rank": trainer.global_rank,

@@ -9,44 +9,23 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import CaptureParams, LMModule, token_loader  # noqa: E402
-from scripts.ckpt_common import EVERY, SUB_GROUP, TOTAL, adamw_cosine  # noqa: E402
-
-from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
+from models import CaptureParams  # noqa: E402
+from scripts.ckpt_common import EVERY, fit_sharded  # noqa: E402
 
 
 def run(root: Path, storage: list[Path], ckpt_path: Path | None) -> dict[str, torch.Tensor]:
     for path in storage:
         path.mkdir(parents=True, exist_ok=True)
     capture = CaptureParams()
-    callbacks = [capture]
+    callbacks: list[L.Callback] = [capture]
     if ckpt_path is None:
         callbacks.append(
             ModelCheckpoint(dirpath=root / "ckpts", filename="{step}", every_n_train_steps=EVERY, save_top_k=-1)
         )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=SmartInfinityStrategy(
-            storage_paths=[str(p) for p in storage], sub_group_size=SUB_GROUP, io_engine="threads"
-        ),
-        precision="32-true",
-        max_steps=TOTAL,
-        logger=False,
-        enable_checkpointing=ckpt_path is None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        deterministic=True,
-        callbacks=callbacks,
-        use_distributed_sampler=False,
-    )
-    # Each rank sees EVERY batches of 2 per epoch, so checkpoints sit on epoch boundaries.
-    dataset = token_loader(EVERY).dataset
-    sampler = DistributedSampler(dataset, num_replicas=2, rank=int(os.environ["RANK"]), shuffle=False)
-    trainer.fit(LMModule(adamw_cosine), DataLoader(dataset, batch_size=2, sampler=sampler), ckpt_path=ckpt_path)
+    rank = int(os.environ["RANK"])
+    fit_sharded(storage, rank=rank, world_size=2, callbacks=callbacks, ckpt_path=ckpt_path, devices=2)
     return capture.params
 
 

@@ -14,13 +14,10 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import CaptureParams, LMModule, token_loader  # noqa: E402
-from scripts.ckpt_common import EVERY, SUB_GROUP, TOTAL, adamw_cosine  # noqa: E402
-
-from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
+from models import CaptureParams  # noqa: E402
+from scripts.ckpt_common import EVERY, fit_sharded  # noqa: E402
 
 
 class CrashAt(L.Callback):
@@ -39,26 +36,9 @@ def main(root: Path, mode: str) -> None:
         callbacks.append(ModelCheckpoint(dirpath=root / "ckpts", save_last=True, every_n_train_steps=EVERY))
     if mode == "crash":
         callbacks.append(CrashAt())
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=SmartInfinityStrategy(
-            storage_paths=[str(p) for p in storage], sub_group_size=SUB_GROUP, io_engine="threads"
-        ),
-        precision="32-true",
-        max_steps=TOTAL,
-        logger=False,
-        enable_checkpointing=mode != "full",
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        deterministic=True,
-        callbacks=callbacks,
-        use_distributed_sampler=False,
-    )
-    dataset = token_loader(EVERY).dataset
-    sampler = DistributedSampler(dataset, num_replicas=2, rank=int(os.environ.get("LOCAL_RANK", 0)), shuffle=False)
     ckpt_path = root / "ckpts" / "last.ckpt" if mode == "resume" else None
-    trainer.fit(LMModule(adamw_cosine), DataLoader(dataset, batch_size=2, sampler=sampler), ckpt_path=ckpt_path)
+    rank = int(os.environ.get("LOCAL_RANK", 0))  # Lightning sets it in the rank it launches
+    trainer = fit_sharded(storage, rank=rank, world_size=2, callbacks=callbacks, ckpt_path=ckpt_path, devices=2)
     if trainer.global_rank == 0 and mode != "crash":
         torch.save(capture.params, root / f"{mode if mode == 'full' else 'resumed'}.pt")
 
