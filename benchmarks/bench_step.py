@@ -156,11 +156,11 @@ class DiskTrace:
 def device_seconds(trainer: Any) -> dict[str, float] | None:
     """Seconds ours' devices spent reading, writing and computing (summed over devices and their threads), seconds
     the host waited on them, and state bytes read between steps that updates used; ``None`` for ZeRO-Infinity."""
-    optimizer = trainer.strategy.deepspeed_engine.optimizer
-    backend = getattr(optimizer, "smartinf_backend", None)
-    if backend is None or not hasattr(backend, "devices"):
+    smart_update = getattr(trainer.strategy.deepspeed_engine.optimizer, "smart_update", None)
+    if smart_update is None or not hasattr(smart_update.backend, "devices"):
         return None
-    out = {"wait_s": optimizer.smartinf_wait_s, "read_s": 0.0, "write_s": 0.0, "compute_s": 0.0}
+    backend = smart_update.backend
+    out = {"wait_s": smart_update.wait_s, "read_s": 0.0, "write_s": 0.0, "compute_s": 0.0}
     out["prefetch_used_bytes"] = 0.0
     for device in backend.devices:
         out["read_s"] += device.stats.read_s
@@ -325,10 +325,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
         optimizer = trainer.strategy.deepspeed_engine.optimizer
-        if hasattr(optimizer, "smartinf_early_kept"):
+        if hasattr(optimizer, "smart_update"):
             # Sub-groups updated during backward and kept by the step, and those the step rolled back.
-            result["early_kept"] = optimizer.smartinf_early_kept
-            result["early_rolled_back"] = optimizer.smartinf_early_rolled_back
+            result["early_kept"] = optimizer.smart_update.early_kept
+            result["early_rolled_back"] = optimizer.smart_update.early_rolled_back
             result["sub_groups"] = len(optimizer.fp16_groups)
             result["optimizer_steps"] = args.warmup + args.steps
         if meter.dev0 is not None and meter.dev1 is not None:

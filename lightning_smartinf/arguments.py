@@ -31,21 +31,13 @@ from typing import Any
 
 import psutil
 
-__all__ = ["INT64_MAX", "MIB", "POOL_TENSORS", "Problems", "pool_bytes", "show"]
+__all__ = ["INT64_MAX", "MIB", "Problems", "show"]
 
 #: Largest count accepted where no tighter bound applies: torch indexes with int64.
 INT64_MAX = (1 << 63) - 1
 MIB = 1 << 20
-#: fp32 tensors per element in a device's buffer pool, as sized before the optimizer is known: the master weight and
-#: Adam's two states, the largest record of the supported rules without ``amsgrad``.
-POOL_TENSORS = 3
 _MISSING = object()
 _UNIT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
-
-
-def pool_bytes(devices: int, buffer_count: int, chunk_size: int) -> int:
-    """Host bytes of the buffer pools of ``devices`` devices: ``buffer_count`` chunk records of fp32 tensors each."""
-    return devices * buffer_count * chunk_size * 4 * POOL_TENSORS
 
 
 def show(value: Any) -> str:

@@ -11,30 +11,22 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_smartinf.arguments import POOL_TENSORS, Problems, pool_bytes, show
-from lightning_smartinf.csd.layout import ELEM_ALIGN
+from lightning_smartinf.arguments import Problems, show
+from lightning_smartinf.csd.layout import ELEM_ALIGN, POOL_TENSORS, pool_bytes
+from lightning_smartinf.csd.settings import check_pool_shape
+from lightning_smartinf.csd.traffic import TrafficSnapshot
 from lightning_smartinf.strategy import SmartInfinityStrategy
 
 MIB = 1 << 20
 
 
 class BufferPool(Callback):
-    """Sizes the devices' chunk-buffer pools at fit start, releases them at the end, and reports how they are used.
+    """Sizes the devices' chunk-buffer pools at fit start and releases them at the end.
 
     Without arguments the pool keeps the strategy's ``buffer_count`` and shrinks ``chunk_size`` to the
     largest sub-group partition, so small models do not pay for buffers they cannot fill. With
     ``memory_budget`` (bytes of host memory for all pools on this rank) it picks the buffer count that
-    fits. Logged each optimizer step:
-
-    - ``smartinf/wait_ms``: time the host spent blocked on devices for updated parameters;
-    - ``smartinf/pool_utilisation``: most buffers in use at once, as a fraction of the pool (max over devices);
-    - ``smartinf/device{d}_read_ms``, ``..._write_ms``, ``..._compute_ms``: time device ``d`` spent on each,
-      summed over its threads (with ``io_threads=3``, read and write can each reach 3x the step time);
-    - ``smartinf/early_kept``, ``smartinf/early_rolled_back``: sub-groups that devices updated during
-      backward (``overlap_backward``) and the step kept, or rolled back (clipping, a skipped step, a changed
-      learning rate) and redid;
-    - ``smartinf/prefetch_used_bytes``: state the devices read ahead while they had nothing to update
-      (``prefetch_state``) and this step's updates used.
+    fits. How the pools are used is logged by :class:`SmartUpdateMonitor`.
 
     Args:
         chunk_size: elements per buffer; ``None`` keeps the strategy's, capped at the largest sub-group.
@@ -51,12 +43,7 @@ class BufferPool(Callback):
     ) -> None:
         problems = Problems("BufferPool", MisconfigurationException)
         fits = [
-            problems.integer(
-                "chunk_size", chunk_size, low=ELEM_ALIGN, multiple=ELEM_ALIGN, why="elements", optional=True
-            ),
-            problems.integer(
-                "buffer_count", buffer_count, low=2, why="one buffer updating, one in I/O", example=16, optional=True
-            ),
+            *check_pool_shape(problems, chunk_size, buffer_count, optional=True),
             problems.integer("memory_budget", memory_budget, low=1, unit="bytes", example=1 << 30, optional=True),
         ]
         if buffer_count is not None and memory_budget is not None:
@@ -79,37 +66,21 @@ class BufferPool(Callback):
         self.chunk_size = chunk_size
         self.buffer_count = buffer_count
         self.memory_budget = memory_budget
-        self._last_wait_s = 0.0
-        self._last_early = (0, 0)
-        self._last_step = 0
-        self._last_stats: list[tuple[float, float, float]] = []
-        self._last_prefetched = 0
-
-    @staticmethod
-    def _strategy(trainer: pl.Trainer) -> SmartInfinityStrategy:
-        if not isinstance(trainer.strategy, SmartInfinityStrategy):
-            raise MisconfigurationException(
-                "The `BufferPool` callback works with `strategy='smart_infinity'`, not "
-                f"`{type(trainer.strategy).__name__}`."
-            )
-        return trainer.strategy
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy = self._strategy(trainer)
+        strategy = _smart_strategy(trainer, "BufferPool")
         # Sub-groups are cut from this rank's partition of each param group, so none exceeds this size.
         trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         per_rank = -(-trainable // max(1, trainer.world_size))
         largest_sub_group = min(strategy.sub_group_size, per_rank)
-        chunk = self.chunk_size or strategy.chunk_size
+        chunk = self.chunk_size or strategy.settings.chunk_size
         chunk = max(ELEM_ALIGN, min(chunk, -(-largest_sub_group // ELEM_ALIGN) * ELEM_ALIGN))
-        strategy.chunk_size = chunk
-        if self.buffer_count is not None:
-            strategy.buffer_count = self.buffer_count
-        elif self.memory_budget is not None:
+        buffer_count = self.buffer_count or strategy.settings.buffer_count
+        if self.memory_budget is not None:
             devices = strategy.devices_per_rank
             # fp32 master + up to 3 states per element, plus one fp32 gradient chunk per device.
-            per_buffer = chunk * 4 * 4
+            per_buffer = pool_bytes(1, 1, chunk, tensors_per_record=4)
             count = (self.memory_budget // devices - chunk * 4) // per_buffer
             if count < 2:
                 need = devices * (2 * per_buffer + chunk * 4)
@@ -117,48 +88,102 @@ class BufferPool(Callback):
                     f"`BufferPool(memory_budget={self.memory_budget})` is too small for {devices} device(s): two "
                     f"buffers of {chunk} elements need {need / MIB:.1f} MiB. Raise the budget or lower `chunk_size`."
                 )
-            strategy.buffer_count = int(count)
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        backend = self._strategy(trainer).backend
-        self._last_step = trainer.global_step
-        optimizer = trainer.strategy.deepspeed_engine.optimizer
-        self._last_wait_s = optimizer.smartinf_wait_s
-        self._last_early = (optimizer.smartinf_early_kept, optimizer.smartinf_early_rolled_back)
-        self._last_stats = [(d.stats.read_s, d.stats.write_s, d.stats.compute_s) for d in backend.devices]
-        self._last_prefetched = backend.prefetch_stats()[0]
-        for device in backend.devices:
-            device.pool.reset_peak()
-
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
-        if trainer.global_step == self._last_step:
-            return  # accumulating: no optimizer step on this batch
-        self._last_step = trainer.global_step
-        backend = self._strategy(trainer).backend
-        optimizer = trainer.strategy.deepspeed_engine.optimizer
-        wait_s = optimizer.smartinf_wait_s
-        metrics = {"smartinf/wait_ms": (wait_s - self._last_wait_s) * 1e3}
-        self._last_wait_s = wait_s
-        early = (optimizer.smartinf_early_kept, optimizer.smartinf_early_rolled_back)
-        metrics["smartinf/early_kept"] = float(early[0] - self._last_early[0])
-        metrics["smartinf/early_rolled_back"] = float(early[1] - self._last_early[1])
-        self._last_early = early
-        metrics["smartinf/pool_utilisation"] = max(d.pool.reset_peak() / max(1, d.pool.size) for d in backend.devices)
-        stats = [(d.stats.read_s, d.stats.write_s, d.stats.compute_s) for d in backend.devices]
-        for index, (now, before) in enumerate(zip(stats, self._last_stats)):
-            for name, a, b in zip(("read", "write", "compute"), now, before):
-                metrics[f"smartinf/device{index}_{name}_ms"] = (a - b) * 1e3
-        self._last_stats = stats
-        prefetched = backend.prefetch_stats()[0]
-        metrics["smartinf/prefetch_used_bytes"] = float(prefetched - self._last_prefetched)
-        self._last_prefetched = prefetched
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+            buffer_count = int(count)
+        strategy.resize_pools(chunk_size=chunk, buffer_count=buffer_count)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._strategy(trainer).release_backend()
+        _smart_strategy(trainer, "BufferPool").release_backend()
+
+
+class SmartUpdateMonitor(Callback):
+    """Logs what the devices did in each optimizer step; the ``smart_infinity`` strategy adds one to every run.
+
+    Logged per optimizer step (as ``ThroughputMonitor`` does, from the figures the strategy's controller keeps):
+
+    - ``smartinf/link_write_bytes``, ``..._read_bytes``, ``smartinf/storage_read_bytes``, ``..._write_bytes``: bytes
+      moved on the host link and inside the devices;
+    - ``smartinf/kept_ratio``, ``smartinf/compression_ratio`` (with ``compression``): gradient entries sent, and
+      dense gradient bytes over the gradient bytes sent (1.0 when dense, about 33 at 1% with bf16);
+    - ``smartinf/wait_ms``: time the host spent blocked on devices for updated parameters;
+    - ``smartinf/pool_utilisation``: most buffers in use at once, as a fraction of the pool (max over devices);
+    - ``smartinf/device{d}_read_ms``, ``..._write_ms``, ``..._compute_ms``: time device ``d`` spent on each,
+      summed over its threads (with ``io_threads=3``, read and write can each reach 3x the step time);
+    - ``smartinf/early_kept``, ``smartinf/early_rolled_back``: sub-groups that devices updated during
+      backward (``overlap_backward``) and the step kept, or rolled back (clipping, a skipped step, a changed
+      learning rate) and redid;
+    - ``smartinf/prefetch_used_bytes``: state the devices read ahead while they had nothing to update
+      (``prefetch_state``) and this step's updates used.
+    """
+
+    def __init__(self) -> None:
+        self._step = 0
+        self._last: dict[str, float] = {}
+        self._traffic = TrafficSnapshot()
+
+    def _totals(self, trainer: pl.Trainer) -> tuple[dict[str, float], TrafficSnapshot]:
+        """Cumulative figures of the run so far, and its traffic; pool peaks since the last call."""
+        smart_update = _smart_strategy(trainer, "SmartUpdateMonitor").smart_update
+        stats = smart_update.stats(reset_peaks=True)
+        totals = {
+            "wait_ms": smart_update.wait_s * 1e3,
+            "early_kept": float(smart_update.early_kept),
+            "early_rolled_back": float(smart_update.early_rolled_back),
+            "prefetch_used_bytes": float(stats.prefetch_used_bytes),
+        }
+        for device in stats.devices:
+            for name in ("read", "write", "compute"):
+                totals[f"device{device.index}_{name}_ms"] = getattr(device, f"{name}_s") * 1e3
+        if stats.devices:
+            totals["pool_utilisation"] = max(d.pool_peak_in_use / max(1, d.pool_size) for d in stats.devices)
+        return totals, stats.traffic
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step = trainer.global_step
+        self._last, self._traffic = self._totals(trainer)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        if trainer.global_step == self._step:
+            return  # accumulating: no optimizer step on this batch
+        self._step = trainer.global_step
+        totals, traffic = self._totals(trainer)
+        delta, self._traffic = traffic - self._traffic, traffic
+        metrics = {f"smartinf/{name}": float(value) for name, value in delta.as_dict().items()}
+        for name, value in totals.items():
+            # Pool utilisation is a peak over the step, not a running total.
+            metrics[f"smartinf/{name}"] = value if name == "pool_utilisation" else value - self._last.get(name, 0.0)
+        self._last = totals
+        strategy = _smart_strategy(trainer, "SmartUpdateMonitor")
+        if strategy.settings.compression is not None:
+            kept, total = strategy.smart_update.last_kept
+            metrics["smartinf/kept_ratio"] = kept / max(1, total)
+            dense_bytes = total * strategy.smart_update.link_dtype.itemsize
+            metrics["smartinf/compression_ratio"] = dense_bytes / max(1, delta.link_write_bytes)
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+
+
+def add_strategy_callbacks(trainer: pl.Trainer, offload_activations: bool | dict[str, Any]) -> None:
+    """Add the callbacks the strategy runs with, unless the user gave their own: a :class:`SmartUpdateMonitor`, and
+    an ``ActivationOffload`` when ``offload_activations`` asks for one (``True`` or its arguments)."""
+    if not any(isinstance(c, SmartUpdateMonitor) for c in trainer.callbacks):
+        # First, so that every other callback's `on_train_batch_end` finds this step's figures logged.
+        trainer.callbacks.insert(0, SmartUpdateMonitor())
+    if offload_activations:
+        from lightning_smartinf.activations import ActivationOffload
+
+        if not any(isinstance(c, ActivationOffload) for c in trainer.callbacks):
+            options = {} if offload_activations is True else dict(offload_activations)
+            trainer.callbacks.append(ActivationOffload(**options))
+
+
+def _smart_strategy(trainer: pl.Trainer, user: str) -> SmartInfinityStrategy:
+    if not isinstance(trainer.strategy, SmartInfinityStrategy):
+        raise MisconfigurationException(
+            f"The `{user}` callback works with `strategy='smart_infinity'`, not `{type(trainer.strategy).__name__}`."
+        )
+    return trainer.strategy
 
 
 #: Deep Gradient Compression's warm-up: kept ratios 25%, 6.25%, 1.5625%, 0.390625% (sparsity 75% ... 99.6%).
@@ -219,12 +244,12 @@ class CompressionWarmup(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
-        if not isinstance(strategy, SmartInfinityStrategy) or strategy.compression is None:
+        if not isinstance(strategy, SmartInfinityStrategy) or strategy.settings.compression is None:
             raise MisconfigurationException(
                 "`CompressionWarmup` schedules gradient compression, which is off: use "
                 "`SmartInfinityStrategy(compression=0.01)` or `strategy='smart_infinity_comp'`."
             )
-        self._target = strategy.compression.ratio
+        self._target = strategy.settings.compression.ratio
         self._stages = tuple(r for r in self.schedule if r > self._target)
         total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
         if math.isfinite(total) and self.warmup_steps() >= total:

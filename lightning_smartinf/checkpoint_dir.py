@@ -32,14 +32,17 @@ from typing import Any
 
 from lightning_smartinf.csd.checkpoint import (
     MANIFEST,
+    CheckpointError,
     file_crc32,
     fsync_dir,
     install_directory,
+    read_json,
     read_manifest,
     remove_entry,
     shard_file_name,
     write_file_atomic,
 )
+from lightning_smartinf.csd.device_state import HOST_STATE
 
 #: Where the seal lives, relative to the checkpoint directory.
 SEAL = PurePosixPath("checkpoint/smartinf/seal.json")
@@ -49,13 +52,8 @@ TAG = "checkpoint"
 STATE_DIR = PurePosixPath(TAG) / "smartinf"
 #: DeepSpeed's ZeRO-3 file holding the module and Lightning's client state, under ``TAG``.
 MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
-HOST_STATE = "host_state.json"
 _STAGING = ".smartinf-tmp-"
 _RETIRED = ".smartinf-old-"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be trusted or read; the message names the file and what is wrong with it."""
 
 
 def rank_state_dir(root: str | os.PathLike, rank: int) -> Path:
@@ -272,21 +270,6 @@ def _sealed_manifest_entries(root: Path, state_dir: str, listed: Mapping[str, Ma
                 f"{root / SEAL} disagree): the device state comes from another save. Use another checkpoint."
             )
     return list(entries)
-
-
-def read_json(path: Path, what: str, required: Iterable[str] = ()) -> dict[str, Any]:
-    """A JSON object from ``path`` with ``required`` keys; a :class:`CheckpointError` naming the file otherwise."""
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing: {what} is incomplete. Resume from another checkpoint.")
-    try:
-        content = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is corrupt: it is not valid JSON ({exc}).") from None
-    if not isinstance(content, dict):
-        raise CheckpointError(f"{path} is corrupt: it holds a {type(content).__name__}, not a JSON object.")
-    if missing := [key for key in required if key not in content]:
-        raise CheckpointError(f"{path} is corrupt: it lacks {', '.join(map(repr, missing))}.")
-    return content
 
 
 _UNSUPPORTED = re.compile(r"(Unsupported global: GLOBAL \S+|Unsupported operand \S+|[^\n]*not an allowed global[^\n]*)")

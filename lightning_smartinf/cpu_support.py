@@ -19,6 +19,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_smartinf.zero.aio import prebuilt_ops
+
 
 class DeepSpeedOnCPUMixin:
     """Mix into a ``DeepSpeedStrategy`` subclass (before it) to train on ``accelerator="cpu"`` as well as CUDA."""
@@ -47,7 +49,8 @@ class DeepSpeedOnCPUMixin:
             return
         reset_seed()
         self.set_world_ranks()
-        self._init_deepspeed_distributed()
+        with prebuilt_ops():  # `deepspeed.init_distributed` loads the CPU accelerator's shared-memory comm op
+            self._init_deepspeed_distributed()
 
     @override
     def teardown(self: Any) -> None:
@@ -75,7 +78,7 @@ class DeepSpeedOnCPUMixin:
             config.update({"zero_allow_untested_optimizer": True, "zero_optimization": zero})
         remove_module_hooks(model)
         self.model, _, _, _ = deepspeed.initialize(
-            args=self._deepspeed_args(),
+            args=self.deepspeed_args(),
             config=config,
             model=model,
             optimizer=None,
@@ -84,10 +87,13 @@ class DeepSpeedOnCPUMixin:
             dist_init_required=False,
         )
 
-    def _deepspeed_args(self: Any) -> argparse.Namespace:
+    def deepspeed_args(self: Any) -> argparse.Namespace:
         """The ``args`` for ``deepspeed.initialize``: CPU devices have no index, so the local rank stands in."""
         on_cuda = isinstance(self.accelerator, CUDAAccelerator)
         return argparse.Namespace(device_rank=self.root_device.index if on_cuda else self.local_rank)
+
+    #: Lightning's own ``_setup_model_and_optimizer`` calls this name.
+    _deepspeed_args = deepspeed_args
 
 
 class DeepSpeedCPUStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
@@ -104,7 +110,7 @@ class DeepSpeedCPUStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         import deepspeed
 
         engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
-            args=self._deepspeed_args(),
+            args=self.deepspeed_args(),
             config=self.config,
             model=model,
             model_parameters=filter(lambda p: p.requires_grad, model.parameters()),

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -35,8 +34,8 @@ import torch
 from torch import Tensor
 
 from lightning_smartinf import checkpoint_dir
-from lightning_smartinf.checkpoint_dir import HOST_STATE
 from lightning_smartinf.csd.checkpoint import read_manifest, shard_file_name, verify_state_file
+from lightning_smartinf.csd.device_state import HOST_STATE, full_parameter, param_partitions
 from lightning_smartinf.csd.layout import ChunkLayout
 
 
@@ -102,26 +101,18 @@ def consolidate_fp32_state_dict(checkpoint_path: str | os.PathLike, *, verify: b
             if verify:
                 verify_state_file(path, entry)
             layout = ChunkLayout(int(entry["numel"]), int(manifest["chunk_elems"]), len(entry["states"]))
-            masters = _read_masters(path, layout)
-            offset = 0
-            for param in params:
-                name, n = param["name"], int(param["partition_numel"])
-                slots = pieces.setdefault(name, [None] * size)
-                shapes.setdefault(name, list(param["shape"]))
-                slots[rank] = masters[offset : offset + n]
-                offset += n
-            if offset != layout.numel:
-                raise ValueError(f"{path}: its parameters cover {offset} elements, the shard holds {layout.numel}.")
+            try:
+                for param, part in param_partitions(params, _read_masters(path, layout)):
+                    pieces.setdefault(param["name"], [None] * size)[rank] = part
+                    shapes.setdefault(param["name"], list(param["shape"]))
+            except ValueError as exc:
+                raise ValueError(f"{path}: {exc}") from None
     state: dict[str, Tensor] = {}
     for name, slots in pieces.items():
         missing = [r for r, t in enumerate(slots) if t is None]
         if missing:
             raise ValueError(f"Parameter {name!r} has no partition on rank(s) {missing} of the checkpoint.")
-        numel = math.prod(shapes[name])
-        flat = torch.cat(slots)  # type: ignore[arg-type]
-        if flat.numel() < numel:
-            raise ValueError(f"Parameter {name!r}: the ranks hold {flat.numel()} elements, its shape needs {numel}.")
-        state[name] = flat[:numel].clone().view(shapes[name])
+        state[name] = full_parameter(name, slots, shapes[name])  # type: ignore[arg-type]
     return state
 
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.precision.deepspeed import _PRECISION_INPUT
 from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
 from torch import Tensor
 from typing_extensions import override
 
-_LINK_DTYPES = {
+#: The precisions SmartUpdate trains in: those of Lightning's ``DeepSpeedPrecision``, each with a link dtype below.
+PrecisionInput = Literal["32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed"]
+
+_LINK_DTYPES: dict[str, torch.dtype] = {
     "32-true": torch.float32,
     "16-true": torch.float16,
     "16-mixed": torch.float16,
@@ -34,8 +36,8 @@ class SmartInfinityPrecision(DeepSpeedPrecision):
         ValueError: if ``precision`` is not one of those.
     """
 
-    def __init__(self, precision: _PRECISION_INPUT) -> None:
-        supported = get_args(_PRECISION_INPUT)
+    def __init__(self, precision: PrecisionInput) -> None:
+        supported = get_args(PrecisionInput)
         if precision not in supported:
             raise ValueError(
                 f"`Trainer(strategy='smart_infinity', precision={precision!r})` is not supported. "

@@ -19,9 +19,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.activations import ActivationOffload
-from lightning_smartinf.arguments import INT64_MAX, MIB, POOL_TENSORS, Problems, pool_bytes
+from lightning_smartinf.arguments import INT64_MAX, MIB, Problems
 from lightning_smartinf.callbacks import BufferPool, CompressionWarmup
 from lightning_smartinf.csd.compression import TopKCompression
+from lightning_smartinf.csd.layout import POOL_TENSORS, pool_bytes
 from lightning_smartinf.monitor import TrainingMonitor
 
 HEADER = re.compile(r"^`(\w+)` got (\d+) invalid arguments?:$")
@@ -313,7 +314,7 @@ def test_memory_check_uses_what_is_available(monkeypatch):
     monkeypatch.setattr("lightning_smartinf.arguments.psutil.virtual_memory", lambda: memory(100 * MIB))
     # Defaults: 1 path x 16 buffers x 1 Mi elements x 12 B = 192 MiB.
     refused(r"`buffer_count=16` with `chunk_size=1048576` on 1 storage path\(s\) needs 192 MiB .*, 100 MiB available")
-    assert SmartInfinityStrategy(buffer_count=8).buffer_count == 8  # 96 MiB fits
+    assert SmartInfinityStrategy(buffer_count=8).settings.buffer_count == 8  # 96 MiB fits
     refused(r"`chunk_size=2097152`.*needs 192 MiB", buffer_count=8, chunk_size=2 << 20)
     refused(r"`chunk_size=1152921504606846976`.*needs \d+ MiB", chunk_size=1 << 60)
     with pytest.raises(MisconfigurationException, match=r"`memory_budget=209715200` needs 200 MiB"):
@@ -410,20 +411,20 @@ def test_valid_edge_values_are_accepted(kwargs):
     strategy = SmartInfinityStrategy(**kwargs)
     for name in ("buffer_count", "chunk_size", "io_block_size", "io_queue_depth", "io_threads"):
         if name in kwargs:
-            assert getattr(strategy, name) == kwargs[name]
+            assert getattr(strategy.settings, name) == kwargs[name]
 
 
 def test_device_timeout_s_is_stored_as_seconds():
-    assert SmartInfinityStrategy().device_timeout_s == 300.0
-    assert SmartInfinityStrategy(device_timeout_s=None).device_timeout_s is None
+    assert SmartInfinityStrategy().settings.device_timeout_s == 300.0
+    assert SmartInfinityStrategy(device_timeout_s=None).settings.device_timeout_s is None
     strategy = SmartInfinityStrategy(device_timeout_s=5)
-    assert strategy.device_timeout_s == 5.0 and isinstance(strategy.device_timeout_s, float)
+    assert strategy.settings.device_timeout_s == 5.0 and isinstance(strategy.settings.device_timeout_s, float)
 
 
 def test_storage_paths_as_one_string_or_path(tmp_path):
-    assert SmartInfinityStrategy(storage_paths=str(tmp_path))._storage_paths == [tmp_path.resolve()]
-    assert SmartInfinityStrategy(storage_paths=tmp_path)._storage_paths == [tmp_path.resolve()]
-    assert SmartInfinityStrategy(storage_paths=(tmp_path,))._storage_paths == [tmp_path.resolve()]
+    assert SmartInfinityStrategy(storage_paths=str(tmp_path)).settings.storage_paths == (tmp_path.resolve(),)
+    assert SmartInfinityStrategy(storage_paths=tmp_path).settings.storage_paths == (tmp_path.resolve(),)
+    assert SmartInfinityStrategy(storage_paths=(tmp_path,)).settings.storage_paths == (tmp_path.resolve(),)
 
 
 def test_config_file_and_presets(tmp_path):

@@ -41,7 +41,7 @@ def test_pool_sized_from_sub_groups_metrics_logged_and_released(tmp_path):
     trainer, _ = fit(LMModule(adamw), strategy, steps=3, precision="bf16-mixed", callbacks=[pool])
 
     # chunk_size shrinks from 1M to the largest sub-group (3000 elements, rounded up to 1024).
-    assert strategy.chunk_size == 3072
+    assert strategy.settings.chunk_size == 3072
     # Per device: buffer_count (16) x (master, m, v) fp32 + an fp32 gradient chunk (ZeRO accumulates bf16 gradients
     # in bf16 here, so no separate link-rounding chunk is needed).
     assert pool.buffer_bytes == 2 * (16 * 3 + 1) * 3072 * 4
@@ -73,7 +73,7 @@ def test_memory_budget_decides_the_buffer_count(tmp_path):
     strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=4096, chunk_size=4096)
     budget = 8 * (4096 * 4 * 4) + 4096 * 4  # eight worst-case (4-tensor) buffers plus the gradient chunk
     trainer, _ = fit(LMModule(adamw), strategy, steps=1, callbacks=[BufferPool(memory_budget=budget)])
-    assert strategy.buffer_count == 8
+    assert strategy.settings.buffer_count == 8
 
 
 @pytest.mark.parametrize(

@@ -438,7 +438,7 @@ class SaveBeforeStep(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if trainer.global_step == self.at_step:
-            assert trainer.strategy.deepspeed_engine.optimizer._smartinf_early, "nothing was handed off early"
+            assert trainer.strategy.smart_update.handed_off, "nothing was handed off early"
             trainer.save_checkpoint(self.path)
 
 
@@ -460,6 +460,6 @@ def test_checkpoint_between_backward_and_step_holds_the_state_before_the_step(tm
     trainer, ours = fit(LMModule(sgd), strategy(tmp_path / "ours"), steps=4, callbacks=[SaveBeforeStep(path, 2)])
 
     optimizer = trainer.strategy.deepspeed_engine.optimizer
-    assert optimizer.smartinf_early_rolled_back == 0  # the save left step 3's tentative updates alone
+    assert optimizer.smart_update.early_rolled_back == 0  # the save left step 3's tentative updates alone
     assert_identical(consolidate_fp32_state_dict(path), after_two)  # and saved the committed state
     assert_identical(ours, after_four)

@@ -23,12 +23,13 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from scripts.ckpt_common import EVERY, SUB_GROUP, TOTAL, adamw_cosine, checkpoint_step, train
 
-from lightning_smartinf import SmartInfinityStrategy, checkpoint_dir
+from lightning_smartinf import SmartInfinityStrategy, checkpoint_dir, engine
 from lightning_smartinf.checkpoint_dir import SEAL, CheckpointError
 from lightning_smartinf.csd import StorageError
 from lightning_smartinf.csd.io import ThreadedIO
 from lightning_smartinf.export import consolidate_fp32_state_dict
 from lightning_smartinf.export import main as export_main
+from lightning_smartinf.zero.engines import EngineChoice
 
 
 def assert_identical(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
@@ -371,7 +372,7 @@ def test_a_device_error_fails_the_step_refuses_to_save_and_the_last_checkpoint_r
     reference, tmp_path, monkeypatch
 ) -> None:
     _, expected = reference
-    monkeypatch.setattr(SmartInfinityStrategy, "_io_factory", lambda self, dirs: FailingWrites)
+    monkeypatch.setattr(engine, "choose_io_engine", lambda settings, dirs: EngineChoice(FailingWrites, "failing"))
     monkeypatch.setattr(FailingWrites, "trainer", None)
     ckpts = tmp_path / "ckpts"
     # Lightning's own OnExceptionCheckpoint would save over last.ckpt with whatever the devices hold.
@@ -393,7 +394,7 @@ def test_a_device_error_fails_the_step_refuses_to_save_and_the_last_checkpoint_r
 
 
 def test_save_checkpoint_after_a_device_error_is_refused(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(SmartInfinityStrategy, "_io_factory", lambda self, dirs: FailingWrites)
+    monkeypatch.setattr(engine, "choose_io_engine", lambda settings, dirs: EngineChoice(FailingWrites, "failing"))
     monkeypatch.setattr(FailingWrites, "trainer", None)
     trainers: list[L.Trainer] = []
     with pytest.raises(StorageError):

@@ -40,7 +40,7 @@ class StepMetrics(L.Callback):
         self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("smartinf/")})
         optimizer = trainer.strategy.deepspeed_engine.optimizer
         self.numels = [int(n) for n in optimizer.fp16_partitioned_groups_flat_numel]
-        self.segments = [n for group in optimizer.smartinf_segments for n in group]  # parameter partitions
+        self.segments = [n for group in optimizer.smart_update.segments for n in group]  # parameter partitions
 
     def sent(self, ratio: float) -> int:
         """Entries layer-wise top-k sends: each parameter's partition keeps its own share."""
@@ -88,7 +88,7 @@ def test_one_percent_bf16_traffic_is_exact_and_under_2_1_bytes_per_param(tmp_pat
         assert step["smartinf/compression_ratio"] == pytest.approx(total * 2 / (sent * 6))
         per_param = (step["smartinf/link_write_bytes"] + step["smartinf/link_read_bytes"]) / total
         assert per_param <= 2.1
-    residual = trainer.strategy.deepspeed_engine.optimizer.smartinf_residual
+    residual = trainer.strategy.smart_update.residual
     assert residual is not None and residual.dtype == torch.float32 and bool(residual.abs().sum() > 0)
     assert all(torch.isfinite(p).all() for p in params.values())
 
@@ -97,7 +97,7 @@ def test_error_feedback_off_keeps_no_residual_and_whole_subgroup_selection(tmp_p
     metrics = StepMetrics()
     compression = {"ratio": 0.05, "error_feedback": False, "layerwise": False}
     trainer, _ = fit(LMModule(adamw), _strategy(tmp_path, compression=compression), steps=2, callbacks=[metrics])
-    assert trainer.strategy.deepspeed_engine.optimizer.smartinf_residual is None
+    assert trainer.strategy.smart_update.residual is None
     sent = sum(kept_count(n, 0.05) for n in metrics.numels)
     assert metrics.steps[-1]["smartinf/link_write_bytes"] == sent * (4 + 4)
 
@@ -221,7 +221,7 @@ def test_bad_warmup_arguments(kwargs, message) -> None:
 
 def test_preset_and_set_kept_ratio() -> None:
     trainer = L.Trainer(strategy="smart_infinity_comp", accelerator="cpu", devices=1, logger=False)
-    assert trainer.strategy.compression.ratio == 0.01 and trainer.strategy.compression.error_feedback
+    assert trainer.strategy.settings.compression.ratio == 0.01 and trainer.strategy.settings.compression.error_feedback
     with pytest.raises(MisconfigurationException, match="0 < ratio <= 1"):
         trainer.strategy.set_kept_ratio(0.0)
     with pytest.raises(MisconfigurationException, match="compression is off"):

@@ -63,10 +63,10 @@ def test_fp32_matches_torch_optim(tmp_path, make_optimizer, accumulate, clip):
     # Every step handed sub-groups to the devices during backward; clipping (which the hand-off cannot know
     # in advance) rolled them back and redid them, so both paths ran and neither changed the result.
     optimizer = trainer.strategy.deepspeed_engine.optimizer
-    handed_off = optimizer.smartinf_early_kept + optimizer.smartinf_early_rolled_back
+    handed_off = optimizer.smart_update.early_kept + optimizer.smart_update.early_rolled_back
     assert handed_off == STEPS * len(optimizer.fp16_groups)
     if clip is None:
-        assert optimizer.smartinf_early_rolled_back == 0
+        assert optimizer.smart_update.early_rolled_back == 0
 
 
 class HalveLrBeforeStep(L.Callback):
@@ -87,8 +87,8 @@ def test_hyperparameters_changed_after_backward_reach_the_update(tmp_path, overl
     errors = max_relative_error(ours, reference)
     assert max(errors.values()) < 1e-5, errors
     optimizer = trainer.strategy.deepspeed_engine.optimizer
-    assert optimizer.smartinf_early_kept == 0
-    assert optimizer.smartinf_early_rolled_back == (6 * len(optimizer.fp16_groups) if overlap else 0)
+    assert optimizer.smart_update.early_kept == 0
+    assert optimizer.smart_update.early_rolled_back == (6 * len(optimizer.fp16_groups) if overlap else 0)
     # Without overlap there is no second copy of the state.
     assert len(list(tmp_path.rglob("*.slot1.state"))) == (len(optimizer.fp16_groups) if overlap else 0)
 

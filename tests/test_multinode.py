@@ -19,7 +19,7 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from scripts.ckpt_common import EVERY, TOTAL
 
-from lightning_smartinf import SmartInfinityStrategy, checkpoint_dir
+from lightning_smartinf import SmartInfinityStrategy, checkpoint_dir, engine
 from lightning_smartinf.csd.checkpoint import MANIFEST
 from lightning_smartinf.export import consolidate_fp32_state_dict, is_complete
 
@@ -145,7 +145,7 @@ def test_rank_of_a_later_node_takes_its_local_share_and_names_dirs_by_global_ran
         storage_paths=storage, parallel_devices=[torch.device("cpu")] * 2, cluster_environment=environment
     )
     assert (strategy.global_rank, strategy.local_rank, strategy.node_rank) == (3, 1, 1)
-    assert strategy._rank_storage_paths() == [storage[1].resolve(), storage[3].resolve()]
-    directories, owned = strategy._rank_device_dirs()
+    assert strategy.rank_storage_paths() == [storage[1].resolve(), storage[3].resolve()]
+    directories, owned = engine.rank_devices(strategy)
     assert directories == [storage[i].resolve() / "smartinf" / "rank003" for i in (1, 3)] and owned == []
     assert not storage[0].exists() and not storage[2].exists(), "local rank 0's paths are its own to create"

@@ -100,14 +100,14 @@ def test_printed_python_builds_the_strategy(planned, tmp_path):
     exec(compile(code, "<smartinf plan python>", "exec"), namespace)  # noqa: S102 (the planner's own output)
     strategy = namespace["strategy"]
     assert type(strategy) is SmartInfinityStrategy
-    assert strategy._storage_paths == [p.resolve() for p in paths]
+    assert strategy.settings.storage_paths == tuple(p.resolve() for p in paths)
     assert strategy.config["zero_optimization"]["sub_group_size"] == plan["sub_group_size"]
-    assert strategy.buffer_count == plan["buffer_count"]
+    assert strategy.settings.buffer_count == plan["buffer_count"]
     if compression is None:
-        assert strategy.compression is None and strategy.overlap_backward
+        assert strategy.settings.compression is None and strategy.settings.overlap
     else:
-        assert strategy.compression == TopKCompression(compression)
-        assert not strategy.overlap_backward
+        assert strategy.settings.compression == TopKCompression(compression)
+        assert not strategy.settings.overlap
 
 
 def test_printed_yaml_is_a_smartinf_fit_config(planned, tmp_path, capsys):
@@ -130,5 +130,5 @@ def test_printed_yaml_is_a_smartinf_fit_config(planned, tmp_path, capsys):
     assert init_args["storage_paths"] == [str(p) for p in paths]
     assert {name: strategy["init_args"][name] for name in init_args} == init_args
     built = SmartInfinityStrategy(**init_args)
-    assert built.buffer_count == plan["buffer_count"]
-    assert built.compression == (None if compression is None else TopKCompression(compression))
+    assert built.settings.buffer_count == plan["buffer_count"]
+    assert built.settings.compression == (None if compression is None else TopKCompression(compression))

@@ -32,7 +32,7 @@ def test_missing_paths_are_created_private_at_setup_and_training_runs(tmp_path, 
     strategy = SmartInfinityStrategy(storage_paths=storage, sub_group_size=2000, io_engine="threads")
     assert not any(p.exists() for p in storage), "construction only checks; it creates nothing"
 
-    caplog.set_level(logging.INFO, logger="lightning_smartinf.strategy")
+    caplog.set_level(logging.INFO, logger="lightning_smartinf.csd.placement")
     trainer, _ = fit(LMModule(adamw), strategy, steps=2)
 
     assert trainer.strategy.traffic.link_read_bytes > 0
@@ -64,8 +64,8 @@ def test_missing_path_is_accepted_only_with_missing_ok(tmp_path):
 def test_link_to_a_missing_directory_creates_its_target(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "target")
     strategy = SmartInfinityStrategy(storage_paths=[tmp_path / "link"])
-    assert strategy._storage_paths == [(tmp_path / "target").resolve()]
-    assert create_storage_path(strategy._storage_paths[0]) is True
+    assert strategy.settings.storage_paths == ((tmp_path / "target").resolve(),)
+    assert create_storage_path(strategy.settings.storage_paths[0]) is True
     assert (tmp_path / "link").is_dir() and mode_of(tmp_path / "target") == 0o700
 
 

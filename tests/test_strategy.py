@@ -36,7 +36,7 @@ def test_traffic_is_exact_per_parameter(tmp_path, precision, link_bytes):
     strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=4096, chunk_size=2048)
     trainer, _ = fit(module, strategy, steps=steps, precision=precision)
 
-    shards = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend._shards
+    shards = trainer.strategy.smart_update.backend._shards
     padded = sum(
         s.layout.num_chunks and sum(s.layout.padded_len(k) for k in range(s.layout.num_chunks)) for s in shards
     )
@@ -46,7 +46,7 @@ def test_traffic_is_exact_per_parameter(tmp_path, precision, link_bytes):
     assert traffic.link_read_bytes == steps * numel * link_bytes
     # Between steps the devices read the next step's first chunks (`prefetch_state`): those count with the step
     # that uses them; the last step's advice is never used, and its reads count when teardown drops them.
-    used, dropped = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend.prefetch_stats()
+    used, dropped = trainer.strategy.smart_update.backend.prefetch_stats()
     assert used > 0 and 0 < dropped <= padded * 12
     assert traffic.storage_read_bytes == steps * padded * 12 + dropped
     assert traffic.storage_write_bytes == padded * 12 + steps * padded * 12
@@ -63,7 +63,7 @@ def test_state_files_live_on_storage_paths_and_are_private(tmp_path):
         p.mkdir()
     strategy = SmartInfinityStrategy(storage_paths=paths, sub_group_size=2000)
     trainer, _ = fit(LMModule(adamw), strategy, steps=1)
-    shards = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend._shards
+    shards = trainer.strategy.smart_update.backend._shards
     assert len(shards) >= 4
     for shard in shards:
         device_dir = paths[shard.spec.index % 2] / "smartinf" / "rank000"
@@ -76,7 +76,7 @@ def test_default_storage_is_a_private_temporary_directory_removed_at_the_end():
     """Kept after `fit` (for `trainer.save_checkpoint`), removed when the next run starts or at exit."""
     strategy = SmartInfinityStrategy(sub_group_size=2000)
     trainer, _ = fit(LMModule(adamw), strategy, steps=2)
-    backend_dirs = [d.directory for d in trainer.strategy.deepspeed_engine.optimizer.smartinf_backend.devices]
+    backend_dirs = [d.directory for d in trainer.strategy.smart_update.backend.devices]
     assert trainer.strategy.traffic.link_read_bytes > 0
     assert all(d.is_dir() and not d.stat().st_mode & 0o077 for d in backend_dirs)
     fit(LMModule(adamw), SmartInfinityStrategy(sub_group_size=2000), steps=1)
@@ -181,7 +181,7 @@ def test_non_finite_gradients_skip_the_step_and_leave_device_state_untouched(tmp
             self.snapshots = []
 
         def on_train_batch_end(self, trainer, pl_module, *_):
-            backend = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend
+            backend = trainer.strategy.smart_update.backend
             backend.wait()
             files = b"".join(s.file.path.read_bytes() for s in backend._shards)
             params = [p.ds_tensor.clone() for p in pl_module.parameters()]
@@ -196,7 +196,7 @@ def test_non_finite_gradients_skip_the_step_and_leave_device_state_untouched(tmp
     if overlap:  # devices updated during backward, tentatively; the step rolled that back
         assert (t1 - t0).storage_write_bytes > 0
         optimizer = trainer.strategy.deepspeed_engine.optimizer
-        assert optimizer.smartinf_early_rolled_back == len(optimizer.fp16_groups)  # every sub-group, that step only
+        assert optimizer.smart_update.early_rolled_back == len(optimizer.fp16_groups)  # every sub-group, that step only
     else:
         assert (t1 - t0).link_write_bytes == 0 and (t1 - t0).storage_write_bytes == 0  # nothing reached a device
     assert f1 == f0  # every committed state file byte-identical across the skipped step
@@ -204,7 +204,7 @@ def test_non_finite_gradients_skip_the_step_and_leave_device_state_untouched(tmp
     assert (t2 - t1).storage_write_bytes > 0 and f2 != f1  # the next finite step updates again
     assert not all(torch.equal(a, b) for a, b in zip(p2, p1))
     # Three optimizer steps were taken, one skipped: the devices applied two (Adam bias correction sees t=2).
-    assert trainer.strategy.deepspeed_engine.optimizer.smartinf_group_steps == {0: 2, 1: 2}
+    assert trainer.strategy.smart_update.group_steps == {0: 2, 1: 2}
 
 
 def test_fp16_on_a_cpu_without_fp16_support_is_a_clear_error(tmp_path):
@@ -247,7 +247,7 @@ def test_prefetch_state_can_be_turned_off_and_is_validated(tmp_path):
     steps = 2
     strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=4096, prefetch_state=False)
     trainer, _ = fit(LMModule(adamw, dim=64), strategy, steps=steps)
-    backend = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend
+    backend = trainer.strategy.smart_update.backend
     assert backend.prefetch_stats() == (0, 0)
     state_bytes = sum(s.layout.file_bytes for s in backend._shards)
     assert trainer.strategy.traffic.storage_read_bytes == steps * state_bytes

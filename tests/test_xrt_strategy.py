@@ -74,7 +74,7 @@ def test_fp32_matches_torch_optim(tmp_path, model_xclbin, make_optimizer, accumu
     numel = sum(p.numel() for p in LMModule(make_optimizer).parameters())
     assert traffic.link_read_bytes == STEPS * numel * 4  # fp32 parameters out, nothing else
     # State read ahead after the last step is never used; teardown counts it when it drops it.
-    used, dropped = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend.prefetch_stats()
+    used, dropped = trainer.strategy.smart_update.backend.prefetch_stats()
     assert used > 0
     reads = traffic.storage_read_bytes - dropped
     assert traffic.storage_write_bytes - reads == reads // STEPS  # init

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_smartinf.activations.offload import ActivationOffloader, OffloadStats
 from lightning_smartinf.arguments import Problems
+from lightning_smartinf.csd.placement import rank_share
 
 
 class ActivationOffload(L.Callback):
@@ -75,15 +76,17 @@ class ActivationOffload(L.Callback):
                     [self.storage_paths] if isinstance(self.storage_paths, (str, os.PathLike)) else self.storage_paths
                 )
             ]
-        strategy_paths = getattr(trainer.strategy, "_storage_paths", None)
+        from lightning_smartinf.strategy import SmartInfinityStrategy
+
+        strategy = trainer.strategy
+        strategy_paths = strategy.settings.storage_paths if isinstance(strategy, SmartInfinityStrategy) else None
         if not strategy_paths:
             raise MisconfigurationException(
                 "`ActivationOffload(storage_paths=None)` needs `SmartInfinityStrategy(storage_paths=[...])` to take "
                 "its paths from; pass `storage_paths=` to the callback, or set them on the strategy."
             )
-        ranks = max(1, trainer.strategy.num_processes) if hasattr(trainer.strategy, "num_processes") else 1
-        mine = list(strategy_paths[trainer.local_rank :: ranks]) or list(strategy_paths)
-        return mine
+        # A rank with no path of its own shares them all: activation files are private to the rank's run directory.
+        return rank_share(strategy_paths, trainer.local_rank, strategy.num_processes) or list(strategy_paths)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" or self.offloader is not None:

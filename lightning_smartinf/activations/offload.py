@@ -40,7 +40,7 @@ import socket
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,15 +124,15 @@ class _Record:
 class _Handle:
     """What autograd stores instead of the tensor. Releases its share of the record when dropped unused."""
 
-    __slots__ = ("owner", "record", "used", "__weakref__")
+    __slots__ = ("release", "record", "used", "__weakref__")
 
-    def __init__(self, owner: ActivationOffloader, record: _Record) -> None:
-        self.owner, self.record, self.used = owner, record, False
+    def __init__(self, release: Callable[[_Record], None], record: _Record) -> None:
+        self.release, self.record, self.used = release, record, False
 
     def __del__(self) -> None:
         if not self.used:
             with contextlib.suppress(Exception):  # never raise from a finaliser (interpreter shutdown)
-                self.owner._release(self.record)
+                self.release(self.record)
 
 
 def _dense_span(t: Tensor) -> bool:
@@ -419,7 +419,7 @@ class ActivationOffloader:
             if rec is not None and rec.storage_ref() is storage and rec.state != _FREED:
                 rec.refs += 1
                 self.stats.dedup_hits += 1
-                return _Handle(self, rec)
+                return _Handle(self._release, rec)
             nbytes = t.numel() * t.element_size()
             self._seq += 1
             rec = _Record(key, t, nbytes, self._seq)
@@ -430,7 +430,7 @@ class ActivationOffloader:
                 self._start_write(rec)
             else:
                 self.stats.tensors_kept += 1
-        return _Handle(self, rec)
+        return _Handle(self._release, rec)
 
     def _should_offload(self, t: Tensor, nbytes: int) -> bool:
         if not self.enabled or self._backward or nbytes < self.threshold_bytes or not _dense_span(t):

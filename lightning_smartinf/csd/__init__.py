@@ -3,10 +3,11 @@
 Imports neither Lightning nor DeepSpeed, so it can be used and tested on its own.
 """
 
-from lightning_smartinf.csd.backend import Backend, Handle, ShardSpec
+from lightning_smartinf.csd.backend import Backend, BackendStats, DeviceStats, Handle, ShardSpec
 from lightning_smartinf.csd.cpu import CpuBackend
 from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams, UpdateRule
 from lightning_smartinf.csd.storage import StorageError, validate_storage_path
+from lightning_smartinf.csd.streaming import StreamingBackend, StreamingDevice
 from lightning_smartinf.csd.traffic import COUNTERS, Traffic, TrafficSnapshot
 
 __all__ = [
@@ -15,11 +16,15 @@ __all__ = [
     "Adagrad",
     "Adam",
     "Backend",
+    "BackendStats",
     "CpuBackend",
+    "DeviceStats",
     "Handle",
     "ShardSpec",
     "StepParams",
     "StorageError",
+    "StreamingBackend",
+    "StreamingDevice",
     "Traffic",
     "TrafficSnapshot",
     "UpdateRule",

@@ -52,6 +52,46 @@ class ShardSpec:
         return self.numel * self.rule.bytes_per_element
 
 
+@dataclass(frozen=True)
+class DeviceStats:
+    """One device's figures at one instant: cumulative seconds of work (summed over its threads) and its pool.
+
+    Attributes:
+        index: the device's position (shard ``s`` lives on device ``s mod N``).
+        read_s: seconds spent reading state from storage.
+        write_s: seconds spent writing state back.
+        compute_s: seconds spent updating chunks.
+        pool_size: chunk buffers in its pool.
+        pool_peak_in_use: most buffers in use at once since the previous ``stats(reset_peaks=True)``.
+    """
+
+    index: int
+    read_s: float
+    write_s: float
+    compute_s: float
+    pool_size: int
+    pool_peak_in_use: int
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    """A backend's telemetry at one instant (see :meth:`Backend.stats`); counters are cumulative.
+
+    Attributes:
+        traffic: bytes moved so far on the link and the storage path.
+        buffer_bytes: host (or device) bytes of the devices' buffers, fixed after ``open``.
+        devices: one entry per device, in order; empty for a backend without devices of its own.
+        prefetch_used_bytes: state bytes read ahead of their request and used by it.
+        prefetch_dropped_bytes: state bytes read ahead and dropped unused.
+    """
+
+    traffic: TrafficSnapshot
+    buffer_bytes: int = 0
+    devices: tuple[DeviceStats, ...] = ()
+    prefetch_used_bytes: int = 0
+    prefetch_dropped_bytes: int = 0
+
+
 class Backend(ABC):
     """Near-storage update backend. Methods are called from one host thread; devices work behind it."""
 
@@ -172,3 +212,11 @@ class Backend(ABC):
 
     def traffic_snapshot(self) -> TrafficSnapshot:
         return self.traffic.snapshot()
+
+    def stats(self, *, reset_peaks: bool = False) -> BackendStats:
+        """Telemetry now (default: the traffic counters only).
+
+        ``reset_peaks``: start each device's ``pool_peak_in_use`` again from the buffers in use now, so the next
+        call reports the peak since this one.
+        """
+        return BackendStats(traffic=self.traffic_snapshot())

@@ -28,10 +28,11 @@ import os
 import secrets
 import shutil
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lightning_smartinf.csd.backend import ShardSpec
 from lightning_smartinf.csd.layout import ChunkLayout
@@ -42,6 +43,25 @@ FORMAT = "lightning_smartinf.state/2"
 #: Bytes per read/write/checksum block when copying state files (CRC-32 runs at ~4 GB/s, above the disk).
 BLOCK = 8 << 20
 _TMP_MARK = ".tmp-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be trusted or read; the message names the file and what is wrong with it."""
+
+
+def read_json(path: Path, what: str, required: Iterable[str] = ()) -> dict[str, Any]:
+    """A JSON object from ``path`` with ``required`` keys; a :class:`CheckpointError` naming the file otherwise."""
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: {what} is incomplete. Resume from another checkpoint.")
+    try:
+        content = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is corrupt: it is not valid JSON ({exc}).") from None
+    if not isinstance(content, dict):
+        raise CheckpointError(f"{path} is corrupt: it holds a {type(content).__name__}, not a JSON object.")
+    if missing := [key for key in required if key not in content]:
+        raise CheckpointError(f"{path} is corrupt: it lacks {', '.join(map(repr, missing))}.")
+    return content
 
 
 def shard_file_name(index: int, slot: int = 0) -> str:

@@ -56,3 +56,18 @@ class ChunkLayout:
     def file_bytes(self) -> int:
         last = self.num_chunks - 1
         return self.record_offset(last) + self.record_bytes(last)
+
+
+#: fp32 tensors per element in a device's buffer pool when the optimizer is not known yet: the master weight and
+#: Adam's two states, the largest record of the supported rules without ``amsgrad``.
+POOL_TENSORS = 3
+
+
+def pool_bytes(devices: int, buffer_count: int, chunk_elems: int, tensors_per_record: int = POOL_TENSORS) -> int:
+    """Host bytes of the chunk-buffer pools of ``devices`` devices: ``buffer_count`` records of fp32 tensors each.
+
+    The one formula for pool memory: settings checks, the ``BufferPool`` callback's budget, the page-lock check of
+    the aio engine and the devices' own allocation all use it. A device also keeps one fp32 gradient chunk
+    (``chunk_elems * 4`` bytes) beside its pool.
+    """
+    return devices * buffer_count * chunk_elems * 4 * tensors_per_record

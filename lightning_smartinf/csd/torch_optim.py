@@ -52,3 +52,16 @@ def step_params(group: dict[str, Any], *, step: int, grad_scale: float) -> StepP
         lr_decay=float(group.get("lr_decay", 0.0)),
         maximize=bool(group.get("maximize", False)),
     )
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of fp32 master weights and optimizer states of ``optimizer``'s trainable parameters.
+
+    A ZeRO-3 parameter counts at its full size (``ds_numel``), not its partition on this rank.
+    """
+    return sum(
+        getattr(p, "ds_numel", p.numel()) * rule_for_group(optimizer, group).bytes_per_element
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.requires_grad
+    )

@@ -56,6 +56,14 @@ def check_model_dir(path: str | os.PathLike, argument: str = "model_path") -> Pa
     return directory
 
 
+def attached_trainer(module: L.LightningModule) -> L.Trainer | None:
+    """The trainer ``module`` is attached to, or ``None`` before ``fit`` (and the like) attaches it."""
+    try:
+        return module.trainer
+    except RuntimeError:  # Lightning's "is not attached to a `Trainer`"
+        return None
+
+
 def param_ndim(param: Tensor) -> int:
     """Dimensions of a parameter, also when ZeRO-3 has replaced its data by an empty partition."""
     return len(getattr(param, "ds_shape", param.shape))
@@ -189,7 +197,7 @@ class _HFModule(L.LightningModule):
             return
         self._prepare_config()
         auto = self._auto_model_class()
-        with hf_zero3(self.trainer.strategy if self._trainer is not None else None):
+        with hf_zero3(trainer.strategy if (trainer := attached_trainer(self)) is not None else None):
             if self.model_path is not None:
                 model = auto.from_pretrained(
                     self.model_path, config=self.hf_config, local_files_only=True, dtype=torch.float32
@@ -425,7 +433,7 @@ class HFSequenceClassifier(_HFModule):
         self.num_labels = num_labels
 
     def _prepare_config(self) -> None:
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        datamodule = trainer.datamodule if (trainer := attached_trainer(self)) is not None else None
         names = getattr(datamodule, "label_names", None)
         num_labels = self.num_labels or (len(names) if names else None) or self.hf_config.num_labels
         if names and len(names) != num_labels:

@@ -27,6 +27,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_smartinf.arguments import Problems
+from lightning_smartinf.csd.device_state import full_parameter, param_partitions
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -54,10 +55,10 @@ def _live_masters(strategy: Any) -> dict[str, Tensor]:
     """Full fp32 masters of every parameter the devices hold, by module parameter name (all ranks take part)."""
     import torch.distributed as dist
 
-    zero_optimizer = strategy.deepspeed_engine.optimizer
-    backend = zero_optimizer.smartinf_backend
+    smart_update = strategy.smart_update
+    backend = smart_update.backend
     backend.wait()
-    layout = zero_optimizer.smartinf_layout()
+    layout = smart_update.layout()
     buffers = []
     for index, params in enumerate(layout):
         buffer = torch.empty(sum(int(p["partition_numel"]) for p in params), dtype=torch.float32)
@@ -67,20 +68,14 @@ def _live_masters(strategy: Any) -> dict[str, Tensor]:
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     state: dict[str, Tensor] = {}
     for params, buffer in zip(layout, buffers):
-        offset = 0
-        for param in params:
-            n, shape = int(param["partition_numel"]), list(param["shape"])
-            part = buffer[offset : offset + n]
-            offset += n
+        for param, part in param_partitions(params, buffer):
+            parts = [part]
             if world > 1:  # every rank holds the same parameters in the same order, each its own slice
                 part = part.to(strategy.root_device)
                 parts = [torch.empty_like(part) for _ in range(world)]
                 dist.all_gather(parts, part)
-                part = torch.cat(parts).cpu()
-            numel = 1
-            for size in shape:
-                numel *= size
-            state[param["name"]] = part[:numel].clone().view(shape)
+                parts = [p.cpu() for p in parts]
+            state[param["name"]] = full_parameter(param["name"], parts, param["shape"])
     return state
 
 
@@ -95,7 +90,7 @@ def fp32_state_dict(module: L.LightningModule, attribute: str = "model") -> dict
     strategy = module.trainer.strategy
     prefix = f"{attribute}."
     masters: dict[str, Tensor] = {}
-    if isinstance(strategy, SmartInfinityStrategy) and strategy._backend is not None:
+    if isinstance(strategy, SmartInfinityStrategy) and strategy.has_smart_update:
         masters = {_strip(k, prefix): v for k, v in _live_masters(strategy).items()}
     named = [(_strip(n, prefix), p) for n, p in module.named_parameters() if n.startswith(prefix)]
     rest = [(n, p) for n, p in named if n not in masters]

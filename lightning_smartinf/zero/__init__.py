@@ -1,8 +1,13 @@
-"""DeepSpeed ZeRO-3 adapter: hands each sub-group's gradient shard to a near-storage backend.
+"""DeepSpeed ZeRO-3 adapter: hands each sub-group's gradient shard to the SmartUpdate controller's devices.
 
 ``lightning_smartinf.zero.optimizer`` imports DeepSpeed; import it only after the version check.
 """
 
-from lightning_smartinf.zero.install import TESTED_DEEPSPEED, check_deepspeed_version, smart_update_optimizer
+from lightning_smartinf.zero.install import (
+    TESTED_DEEPSPEED,
+    ControllerFactory,
+    check_deepspeed_version,
+    smart_update_optimizer,
+)
 
-__all__ = ["TESTED_DEEPSPEED", "check_deepspeed_version", "smart_update_optimizer"]
+__all__ = ["TESTED_DEEPSPEED", "ControllerFactory", "check_deepspeed_version", "smart_update_optimizer"]

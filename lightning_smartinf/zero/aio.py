@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import logging
 import os
 import resource
+import sys
 import threading
 import weakref
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,8 +78,43 @@ def memlock_error(nbytes: int, limit: int) -> str:
     )
 
 
+#: Where ``scripts/setup.sh`` pre-builds DeepSpeed's JIT ops (``cpu_adam``, ``async_io`` with ``pin_memory``, and the
+#: CPU accelerator's ``deepspeed_shm_comm``): inside the virtual environment, so a first run does not compile them.
+PREBUILT_OPS_DIR = Path(sys.prefix) / "torch_extensions"
+
+# Held while `TORCH_EXTENSIONS_DIR` is set by `prebuilt_ops`: the variable is process-wide, and a block of one thread
+# must not remove it while another thread's block is loading an op.
+_prebuilt_ops_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def prebuilt_ops() -> Iterator[None]:
+    """Within the block, DeepSpeed's JIT ops load from :data:`PREBUILT_OPS_DIR` when ``TORCH_EXTENSIONS_DIR`` is unset.
+
+    DeepSpeed's ``OpBuilder.load`` passes torch no build directory, and torch then takes it from the
+    ``TORCH_EXTENSIONS_DIR`` environment variable or builds under ``~/.cache/torch_extensions`` (minutes per op). So
+    the variable is set for the block and removed when it ends: importing the package leaves the environment alone,
+    and a ``TORCH_EXTENSIONS_DIR`` of the user's always wins. Wrap exactly the calls that load ops: our
+    :func:`load_aio_op`, and ``deepspeed.init_distributed`` (its ``TorchBackend`` loads the shared-memory comm op on
+    the CPU accelerator). Blocks nest; blocks of different threads run one at a time.
+    """
+    with _prebuilt_ops_lock:
+        if "TORCH_EXTENSIONS_DIR" in os.environ or not PREBUILT_OPS_DIR.is_dir():
+            yield
+            return
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(PREBUILT_OPS_DIR)
+        try:
+            yield
+        finally:
+            os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+
+
 def load_aio_op() -> Any:
-    """DeepSpeed's ``async_io`` op, built on first use; raises ``RuntimeError`` naming the fix if unavailable."""
+    """DeepSpeed's ``async_io`` op, built on first use; raises ``RuntimeError`` naming the fix if unavailable.
+
+    The op is taken from :data:`PREBUILT_OPS_DIR` unless ``TORCH_EXTENSIONS_DIR`` names another place (see
+    :func:`prebuilt_ops`).
+    """
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     builder = AsyncIOBuilder()
@@ -84,12 +123,13 @@ def load_aio_op() -> Any:
             "DeepSpeed's async_io op is not available (it needs libaio: `apt-get install libaio-dev` or "
             "`yum install libaio-devel`, then a C++ compiler and ninja)."
         )
-    if not _is_built(builder.name):
-        logging.getLogger(__name__).warning(
-            "Building DeepSpeed's async_io op (it was not pre-built: scripts/setup.sh does that); this takes "
-            "minutes, once. Pass `io_engine='threads'` to skip it."
-        )
-    return builder.load(verbose=False)
+    with prebuilt_ops():
+        if not _is_built(builder.name):
+            logging.getLogger(__name__).warning(
+                "Building DeepSpeed's async_io op (it was not pre-built: scripts/setup.sh does that); this takes "
+                "minutes, once. Pass `io_engine='threads'` to skip it."
+            )
+        return builder.load(verbose=False)
 
 
 def _is_built(name: str) -> bool:

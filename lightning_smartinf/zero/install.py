@@ -8,11 +8,15 @@ restored afterwards, so other engines in the same process are unaffected.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
+import torch
 from lightning_utilities.core.imports import RequirementCache
 
-from lightning_smartinf.csd import Backend
+from lightning_smartinf.csd.controller import Partitions, SmartUpdate, SubGroup
+
+#: Builds the controller of a ZeRO optimizer: ``(torch optimizer, its sub-groups, its partitions) -> SmartUpdate``.
+ControllerFactory = Callable[[torch.optim.Optimizer, Sequence[SubGroup], Partitions], SmartUpdate]
 
 #: DeepSpeed releases whose private ZeRO-3 methods the adapter was tested against.
 TESTED_DEEPSPEED = ">=0.19.8,<0.20"
@@ -33,8 +37,9 @@ def check_deepspeed_version() -> None:
 
 
 @contextlib.contextmanager
-def smart_update_optimizer(backend_factory: Callable[[], Backend]) -> Iterator[None]:
-    """Make ZeRO-3 engines built inside this block use ``SmartUpdateZeroOptimizer`` with ``backend_factory``."""
+def smart_update_optimizer(controller_factory: ControllerFactory) -> Iterator[None]:
+    """Make ZeRO-3 engines built inside this block use ``SmartUpdateZeroOptimizer``, with controllers built by
+    ``controller_factory`` (bound here, when the optimizer is built; nothing is pushed into it afterwards)."""
     check_deepspeed_version()
     from deepspeed.runtime.zero import stage3
 
@@ -43,7 +48,7 @@ def smart_update_optimizer(backend_factory: Callable[[], Backend]) -> Iterator[N
     bound = type(
         "SmartUpdateZeroOptimizer",
         (SmartUpdateZeroOptimizer,),
-        {"_smartinf_backend_factory": staticmethod(backend_factory)},
+        {"controller_factory": staticmethod(controller_factory)},
     )
     original = stage3.DeepSpeedZeroOptimizer_Stage3
     stage3.DeepSpeedZeroOptimizer_Stage3 = bound

@@ -626,7 +626,7 @@ def test_validate_storage_path_not_writable(tmp_path) -> None:
 def test_io_error_surfaces_and_close_is_clean(tmp_path, make_backend) -> None:
     backend = make_backend(_dirs(tmp_path, 2), buffer_count=2)
     model = Model(backend, [3 * CHUNK, CHUNK], ["adamw", "sgd_nesterov"])
-    backend._shards[0].file.close()  # the device's next pread gets EBADF
+    backend.shards[0].file.close()  # the device's next pread gets EBADF
     hp = StepParams(step=1, lr=0.1)
     backend.submit(0, torch.zeros(3 * CHUNK), hp, torch.zeros(3 * CHUNK))
     good = torch.zeros(CHUNK)
@@ -648,7 +648,7 @@ def test_io_errors_do_not_leak_buffers(tmp_path, make_backend, buffer_count) -> 
     model = Model(backend, [n] * (buffer_count + 1), ["sgd_plain"] * (buffer_count + 1))
     device = backend.devices[0]
     for i in range(buffer_count):
-        backend._shards[i].file.close()
+        backend.shards[i].file.close()
         backend.submit(i, torch.ones(n), StepParams(step=1, lr=0.1), torch.zeros(n))
     exc = run_with_timeout(backend.wait)
     assert isinstance(exc, StorageError) and exc.errno == errno.EBADF, exc

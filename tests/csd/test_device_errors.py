@@ -191,7 +191,7 @@ def test_first_io_error_names_path_operation_and_errno(tmp_path, operation, code
         else:  # write-back trails the request; `wait` reports it
             assert run_with_timeout(lambda: backend.result(handle)) is None
             exc = run_with_timeout(backend.wait)
-        _assert_names(exc, backend._shards[0].file.path, operation, code)
+        _assert_names(exc, backend.shards[0].file.path, operation, code)
         assert backend.failure is exc
     finally:
         assert run_with_timeout(backend.close) is None
@@ -245,7 +245,7 @@ def test_after_an_error_the_backend_refuses_work_and_saves_nothing(tmp_path) -> 
     finally:
         assert run_with_timeout(backend.close) is None
     device = backend.devices[0]
-    assert not device._worker.is_alive()
+    assert not device.running
     assert device.pool.in_use == 0 and device.allocated_bytes == 0
 
 
@@ -309,7 +309,7 @@ def test_no_buffer_goes_back_to_the_pool_while_a_piece_is_in_flight(tmp_path) ->
         engine.gate.release.set()
         exc = run_with_timeout(lambda: backend.result(handles[0]))
         assert engine.gate.held_while_in_flight is True, "the chunk buffer left the read while a piece was in flight"
-        _assert_names(exc, backend._shards[0].file.path, "read", errno.EIO)
+        _assert_names(exc, backend.shards[0].file.path, "read", errno.EIO)
         assert device.pool.wait_idle(GUARD_S)
     finally:
         if engine.gate is not None:
@@ -333,7 +333,7 @@ def test_a_device_that_stops_answering_raises_after_the_timeout(tmp_path, operat
         assert engine.blocked.is_set()
         assert isinstance(exc, StorageError), repr(exc)
         assert exc.errno == errno.ETIMEDOUT and exc.operation == operation
-        assert exc.path == backend._shards[0].file.path
+        assert exc.path == backend.shards[0].file.path
         message = str(exc)
         assert str(device.directory) in message and str(exc.path) in message
         assert f"{operation} of" in message and f"`device_timeout_s={SHORT_TIMEOUT_S}`" in message
@@ -344,7 +344,7 @@ def test_a_device_that_stops_answering_raises_after_the_timeout(tmp_path, operat
     finally:
         engine.release.set()
     device._worker.join(GUARD_S)
-    assert not device._worker.is_alive(), "the worker did not finish once the storage answered again"
+    assert not device.running, "the worker did not finish once the storage answered again"
     engine.close()
 
 
@@ -431,6 +431,6 @@ def test_deepspeed_aio_reports_a_vanished_path_with_its_errno(tmp_path) -> None:
         directory = backend.devices[0].directory
         directory.rename(directory.with_name("moved-away"))  # async_io opens the file by name for every transfer
         exc = run_with_timeout(lambda: backend.result(_step(backend, 0, CHUNK)))
-        _assert_names(exc, backend._shards[0].file.path, "read", errno.ENOENT)
+        _assert_names(exc, backend.shards[0].file.path, "read", errno.ENOENT)
     finally:
         assert run_with_timeout(backend.close) is None

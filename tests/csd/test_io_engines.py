@@ -156,10 +156,10 @@ _NO_MEMLOCK = """
 import resource, sys
 from pathlib import Path
 import torch
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.csd.io import StateFile, ThreadedIO, aligned_empty
 from lightning_smartinf.zero.aio import DeepSpeedAIO, load_aio_op, lockable_bytes
+from lightning_smartinf.zero.engines import choose_io_engine
 
 resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]))
 assert lockable_bytes() is not None and lockable_bytes() <= 1 << 20, lockable_bytes()
@@ -176,11 +176,11 @@ for attempt in (lambda: engine.empty(4 << 20), lambda: engine.write(file, aligne
 engine.write(file, aligned_empty(256 << 10), 0)  # a bounce buffer within the limit still works
 engine.close()
 file.close()
-auto = SmartInfinityStrategy(storage_paths=[d], io_engine="auto")._io_factory([d])()
+auto = choose_io_engine(SmartInfinityStrategy(storage_paths=[d], io_engine="auto").settings, [d]).factory()
 assert isinstance(auto, ThreadedIO), auto
 try:
-    SmartInfinityStrategy(storage_paths=[d], io_engine="aio")._io_factory([d])
-except MisconfigurationException as exc:
+    choose_io_engine(SmartInfinityStrategy(storage_paths=[d], io_engine="aio").settings, [d])
+except ValueError as exc:  # the strategy raises it as a MisconfigurationException
     assert "io_engine='aio'" in str(exc) and "ulimit -l" in str(exc), exc
 else:
     raise AssertionError("io_engine='aio' was accepted without the memory to lock its pools")
@@ -248,9 +248,9 @@ def test_handle_completes_before_trailing_writes(tmp_path):
     backend.wait()
     handle = backend.submit(0, torch.ones(n), StepParams(step=1, lr=1e-2), torch.empty(n))
     handle.result()
-    assert backend.devices[0]._trailing and not all(f.done() for f in backend.devices[0]._trailing)
+    assert backend.devices[0].trailing and not all(f.done() for f in backend.devices[0].trailing)
     backend.wait()
-    assert all(f.done() for f in backend.devices[0]._trailing) or not backend.devices[0]._trailing
+    assert all(f.done() for f in backend.devices[0].trailing) or not backend.devices[0].trailing
     backend.close()
 
 

@@ -73,11 +73,12 @@ def _settle(device: EmulatedDevice, *shards: int) -> None:
     entries: list = []
     while time.monotonic() < deadline:
         with contextlib.suppress(RuntimeError):
-            entries = list(device._prefetched)  # noqa: SLF001 - observing the device, not driving it
-            if [e[0].spec.index for e in entries] == list(shards) and all(e[4].done() for e in entries):
+            entries = list(device.prefetch_plan.held)  # observing the device, not driving it
+            if [e.shard.spec.index for e in entries] == list(shards) and all(e.pending.done() for e in entries):
                 return
         time.sleep(0.001)
-    raise AssertionError(f"prefetched chunks of shards {list(shards)} never settled: {[e[:3] for e in entries]}")
+    seen = [(e.shard.spec.index, e.slot, e.k) for e in entries]
+    raise AssertionError(f"prefetched chunks of shards {list(shards)} never settled: {seen}")
 
 
 def _record_bytes(chunks: int) -> int:
@@ -212,7 +213,7 @@ def test_close_releases_prefetched_chunks_and_counts_their_reads(tmp_path: Path)
     backend.prefetch([0])
     _settle(device, 0, 0, 0)
     backend.close()
-    assert not device._worker.is_alive()  # noqa: SLF001
+    assert not device.running
     assert device.pool.in_use == 0 and device.pool.size == 0
     assert (backend.traffic_snapshot() - before).storage_read_bytes == _record_bytes(3)
 

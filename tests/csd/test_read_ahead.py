@@ -145,7 +145,7 @@ def test_a_failed_read_fails_only_its_own_request(tmp_path: Path) -> None:
     try:
         grads = [torch.randn(2 * CHUNK) for _ in masters]
         outs = [torch.empty(2 * CHUNK) for _ in masters]
-        broken = backend._shards[1].file  # noqa: SLF001 - make shard 1's reads fail, as a vanished file would
+        broken = backend.shards[1].file  # make shard 1's reads fail, as a vanished file would
         real_read = broken.read_into
 
         def failing_read(buf: torch.Tensor, offset: int) -> None:

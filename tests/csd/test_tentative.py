@@ -82,12 +82,12 @@ def test_rollback_leaves_state_and_files_as_they_were(pair, tmp_path):
     slots.commit(range(len(SIZES)))
     _step(plain, 1, _grads(1))
     slots.wait()
-    committed = [s.file.path.read_bytes() for s in slots._shards]
+    committed = [s.file.path.read_bytes() for s in slots.shards]
     before = _masters(slots)
 
     _step(slots, 2, _grads(99), tentative=True)  # a step the host then refuses
     slots.rollback(range(len(SIZES)))
-    assert [s.file.path.read_bytes() for s in slots._shards] == committed
+    assert [s.file.path.read_bytes() for s in slots.shards] == committed
     for a, b in zip(_masters(slots), before):
         assert torch.equal(a, b)
 

@@ -68,7 +68,7 @@ class KillAt(L.Callback):
         if self.what == "backward":
             model.blocks[0].register_full_backward_hook(maybe_die)
         optimizer = trainer.strategy.deepspeed_engine.optimizer
-        backend = optimizer.smartinf_backend
+        backend = optimizer.smart_update.backend
         if self.what == "update":
             submit = backend.submit
 
@@ -139,11 +139,10 @@ class KillAt(L.Callback):
 
             ckpt_module.install_directory = install_then_maybe_die
             ckpt_module.write_file_atomic = write_then_maybe_die
-            # The strategy imported write_file_atomic by name.
-            import lightning_smartinf.strategy as strategy_module
+            # The device-state format imported write_file_atomic by name.
+            import lightning_smartinf.csd.device_state as device_state
 
-            if hasattr(strategy_module, "write_file_atomic"):
-                strategy_module.write_file_atomic = write_then_maybe_die
+            device_state.write_file_atomic = write_then_maybe_die
 
 
 def main(root: Path, spec: str) -> None:

@@ -45,14 +45,14 @@ def run(
         devices=devices,
     )
     strategy = trainer.strategy
-    backend = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend
+    backend = trainer.strategy.smart_update.backend
     report = {
         "global_rank": trainer.global_rank,
         "local_rank": trainer.local_rank,
         "node_rank": trainer.node_rank,
         "world_size": trainer.world_size,
-        "storage_paths": [str(p) for p in strategy._storage_paths],
-        "rank_storage_paths": [str(p) for p in strategy._rank_storage_paths()],
+        "storage_paths": [str(p) for p in strategy.settings.storage_paths],
+        "rank_storage_paths": [str(p) for p in strategy.rank_storage_paths()],
         "device_dirs": sorted({str(s.file.path.parent) for s in backend._shards}),
         "files": [str(s.file.path) for s in backend._shards],
     }

@@ -44,13 +44,13 @@ def main(out: Path, storage: list[str], steps: int, compression: float | None = 
     dataset = token_loader(steps * 2, batch_size=2).dataset
     sampler = DistributedSampler(dataset, num_replicas=2, rank=int(os.environ["RANK"]), shuffle=False)
     trainer.fit(LMModule(adamw), DataLoader(dataset, batch_size=2, sampler=sampler))
-    backend = trainer.strategy.deepspeed_engine.optimizer.smartinf_backend
+    backend = trainer.strategy.smart_update.backend
     rank = trainer.global_rank
     report = {
         "files": [str(s.file.path) for s in backend._shards],
         "traffic": trainer.strategy.traffic.as_dict(),
         "sub_group_numels": [int(n) for n in backend_numels(trainer)],
-        "segments": [n for group in trainer.strategy.deepspeed_engine.optimizer.smartinf_segments for n in group],
+        "segments": [n for group in trainer.strategy.smart_update.segments for n in group],
     }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     if rank == 0:

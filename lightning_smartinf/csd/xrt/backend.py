@@ -12,8 +12,8 @@ device buffers, allocated once at :meth:`XrtBackend.open`:
   synced to and from the device per chunk.
 
 The chunk pipeline (read-ahead, update, write-behind, per-chunk write ordering, the buffer pool as back-pressure)
-is the CPU backend's, :class:`~lightning_smartinf.csd.cpu.EmulatedDevice`; only the update step differs: it runs
-the kernel instead of :meth:`UpdateRule.apply`.
+is the streaming device's, :class:`~lightning_smartinf.csd.streaming.StreamingDevice`, as for the CPU backend;
+only the buffers and the update step differ: it runs the kernel instead of :meth:`UpdateRule.apply`.
 
 Kernel type: each entry point takes the gradient and writes the parameters in one type T. T is the link dtype when
 it equals the output dtype (always the case under the strategy: both are the training precision); otherwise the
@@ -32,20 +32,21 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_smartinf.csd.backend import Backend, Handle, ShardSpec
+from lightning_smartinf.csd.backend import ShardSpec
 from lightning_smartinf.csd.compression import SparseGrad
-from lightning_smartinf.csd.cpu import CpuBackend, EmulatedDevice, _Request, _Shard, check_device_timeout
 from lightning_smartinf.csd.io import ThreadedIO
-from lightning_smartinf.csd.layout import ChunkLayout
-from lightning_smartinf.csd.ownership import claim_directories, release_claims
+from lightning_smartinf.csd.layout import pool_bytes
+from lightning_smartinf.csd.pipeline import ChunkWork, Shard
 from lightning_smartinf.csd.rules import StepParams
-from lightning_smartinf.csd.storage import GIB, ensure_private_dir
+from lightning_smartinf.csd.storage import GIB
+from lightning_smartinf.csd.streaming import StreamingBackend, StreamingDevice
 from lightning_smartinf.csd.traffic import Traffic
 from lightning_smartinf.csd.xrt.abi import (
     derive_scalars,
@@ -183,8 +184,8 @@ def pair_by_pcie(storage_paths: Sequence[Path], bdfs: Sequence[str], sysfs: Path
 # ---------------------------------------------------------------------------------------------- the device
 
 
-class XrtDevice(EmulatedDevice):
-    """One SmartSSD: the CPU backend's chunk pipeline, with P2P record buffers and the update run by a kernel."""
+class XrtDevice(StreamingDevice):
+    """One SmartSSD: the streaming chunk pipeline, with P2P record buffers and the update run by a kernel."""
 
     def __init__(
         self,
@@ -198,13 +199,16 @@ class XrtDevice(EmulatedDevice):
         handle: Any,
         uuid: Any,
         kernel_names: frozenset[str],
+        xclbin_path: Path,
     ) -> None:
         super().__init__(index, directory, traffic, ThreadedIO(), chunk_elems=chunk_elems, buffer_count=buffer_count)
         self.pyxrt = pyxrt
         self.handle = handle
         self.uuid = uuid
         self.bdf = str(handle.get_info(pyxrt.xrt_info_device.bdf))
-        self._kernel_names = kernel_names
+        #: The kernels of the loaded xclbin, and its path (for messages).
+        self.kernel_names = kernel_names
+        self.xclbin_path = xclbin_path
         self._kernels: dict[str, Any] = {}
         #: data_ptr of each pool buffer -> the P2P bo it maps (the pool hands out tensors over the mappings).
         self._records: dict[int, Any] = {}
@@ -219,26 +223,30 @@ class XrtDevice(EmulatedDevice):
 
     def device_bytes(self, tensors_per_record: int) -> int:
         """Device DDR the buffers take: the P2P records plus the staging buffers."""
-        return (self._buffer_count * tensors_per_record + STAGING_BUFFERS) * self._chunk_elems * 4
+        return pool_bytes(1, self.buffer_count, self.chunk_elems, tensors_per_record) + self._staging_bytes
+
+    @property
+    def _staging_bytes(self) -> int:
+        return STAGING_BUFFERS * self.chunk_elems * 4
 
     def allocate(self, tensors_per_record: int) -> None:
         pyxrt = self.pyxrt
-        group = self.kernel(min(self._kernel_names)).group_id(0)  # every port is in the one DDR bank
-        record_bytes = self._chunk_elems * 4 * tensors_per_record
-        for _ in range(self._buffer_count):
+        group = self.kernel(min(self.kernel_names)).group_id(0)  # every port is in the one DDR bank
+        record_bytes = self.chunk_elems * 4 * tensors_per_record
+        for _ in range(self.buffer_count):
             bo = pyxrt.bo(self.handle, record_bytes, pyxrt.bo.flags.p2p, group)
             record = torch.frombuffer(bo.map(), dtype=torch.float32)
             self._records[record.data_ptr()] = bo
             self.pool.add(record)
         for name in ("grad", "idx", "param"):
-            bo = pyxrt.bo(self.handle, self._chunk_elems * 4, pyxrt.bo.flags.normal, group)
+            bo = pyxrt.bo(self.handle, self.chunk_elems * 4, pyxrt.bo.flags.normal, group)
             self._staging[name] = (bo, torch.frombuffer(bo.map(), dtype=torch.uint8))
         self.allocated_bytes = self.device_bytes(tensors_per_record)
 
     def _record_bos(self, record: Tensor, padded: int, tensors: int) -> list[Any]:
         key = record.data_ptr()
         parent = self._records[key]
-        if len(self._subs) > 64 * self._buffer_count:
+        if len(self._subs) > 64 * self.buffer_count:
             self._subs.clear()
         bos = []
         for j in range(tensors):
@@ -308,6 +316,42 @@ class XrtDevice(EmulatedDevice):
         else:
             dst.copy_(self.link_chunk(src.numel(), link_dtype).copy_(src))  # round to the link, then widen (exact)
 
+    def update_work(
+        self, shard: Shard, grad: Tensor | SparseGrad, hp: StepParams, out: Tensor, link_dtype: torch.dtype
+    ) -> ChunkWork:
+        """One kernel call per chunk (:meth:`run_update`), in the kernel type of ``link_dtype`` and ``out``.
+
+        Raises:
+            ValueError: a dtype without a kernel type, or a kernel the xclbin does not have.
+        """
+        sparse = isinstance(grad, SparseGrad)
+        kernel_type(link_dtype)
+        kernel_type(out.dtype)
+        kind = link_dtype if link_dtype == out.dtype else torch.float32
+        rule = shard.spec.rule
+        name = kernel_name(rule, kind, topk=sparse)
+        if name not in self.kernel_names:
+            raise ValueError(
+                f"Kernel `{name}` (shard {shard.spec.index}: {rule.name}, {'top-k' if sparse else 'dense'} gradient "
+                f"and parameters in {kind}) is not in `xclbin={str(self.xclbin_path)!r}`, which has: "
+                f"{', '.join(sorted(self.kernel_names))}. Rebuild it with "
+                f'`make -C hls_kernels xclbin KERNELS="{name} ..."`, or train in a precision it has.'
+            )
+        scalars, flags = derive_scalars(rule, hp)
+        args = [f32_arg(s) for s in scalars] + [u32_arg(flags)]
+        layout, num_states = shard.layout, len(rule.state_names)
+
+        def update(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
+            padded = record.numel() // layout.tensors_per_record
+            self.run_update(name, args, record, padded, num_states, grad, link_dtype, kind, out, start, n)
+
+        link_write = grad.link_bytes(kind) if sparse else grad.numel() * kind.itemsize
+        return ChunkWork(compute=update, link_write=link_write, link_read=out.numel() * kind.itemsize)
+
+    def initialize_link_bytes(self, shard: Shard, master: Tensor) -> int:
+        """The host writes each whole record (zeros, master, initial states) through the P2P mapping once."""
+        return shard.layout.file_bytes
+
     def close(self, timeout: float | None = None) -> bool:
         settled = super().close(timeout)
         if settled:  # else a hung transfer may still use a P2P mapping: keep its buffer objects alive
@@ -321,7 +365,7 @@ class XrtDevice(EmulatedDevice):
 # ---------------------------------------------------------------------------------------------- the backend
 
 
-class XrtBackend(CpuBackend):
+class XrtBackend(StreamingBackend):
     """Samsung SmartSSDs (or the software model of pyxrt), one per directory in ``device_dirs``.
 
     Args:
@@ -356,59 +400,59 @@ class XrtBackend(CpuBackend):
         prefetch_state: bool = True,
         device_timeout_s: float | None = 300.0,
     ) -> None:
-        Backend.__init__(self)
-        if not device_dirs:
-            raise ValueError("`device_dirs` must name at least one directory.")
-        if buffer_count < 2:
-            raise ValueError(f"`buffer_count={buffer_count}` must be at least 2 (one updating, one in I/O).")
-        self.device_timeout_s = check_device_timeout(device_timeout_s)
-        ChunkLayout(1, chunk_elems, 0)  # validates chunk_elems
         self.xclbin_path = check_xrt_settings(xclbin, devices, [str(d) for d in device_dirs])
-        self._chunk_elems = chunk_elems
-        self.prefetch_state = prefetch_state
-        self._owned_dirs = [Path(d) for d in owned_dirs]
-        self._shards = []
-        self._pending = []
-        self.devices: list[XrtDevice] = []
-        self._closed = False
         self.pyxrt = load_pyxrt(self.xclbin_path)
         self.is_model = isinstance(self.pyxrt, SoftwarePyxrt)
         self._xclbin = self.pyxrt.xclbin(str(self.xclbin_path))
         self.kernel_names = frozenset(k.get_name() for k in self._xclbin.get_kernels())
         #: Device DDR per SmartSSD, from the memory banks of the xclbin.
         self.ddr_bytes = sum(m.get_size_kb() * 1024 for m in self._xclbin.get_mems() if m.get_used())
-        # One owner per directory: claimed before any file in them is created or truncated, held until `close`.
-        self._claims = claim_directories([ensure_private_dir(d) for d in device_dirs])
+        self._xrt_devices = devices
+        super().__init__(
+            device_dirs,
+            chunk_elems=chunk_elems,
+            buffer_count=buffer_count,
+            owned_dirs=owned_dirs,
+            prefetch_state=prefetch_state,
+            device_timeout_s=device_timeout_s,
+        )
+
+    @cached_property
+    def device_idents(self) -> list[int | str]:
+        """The XRT device (index or BDF) of each directory: as given, or paired with its SSD.
+
+        Computed when :meth:`make_device` first needs it, once the directories are claimed.
+        """
+        return self._pair(list(self.device_dirs), self._xrt_devices)
+
+    def make_device(self, index: int, directory: Path) -> XrtDevice:
+        """Open XRT device ``index`` of :attr:`device_idents`, load the xclbin, and wrap it for ``directory``.
+
+        Raises:
+            RuntimeError: the device cannot be opened or programmed.
+        """
+        ident = self.device_idents[index]
         try:
-            idents = self._pair(list(map(Path, device_dirs)), devices)
-            for i, (directory, ident) in enumerate(zip(device_dirs, idents)):
-                try:
-                    handle = self.pyxrt.device(ident)
-                    uuid = handle.load_xclbin(self._xclbin)
-                except Exception as exc:  # noqa: BLE001 - XRT raises plain RuntimeErrors; name the device
-                    raise RuntimeError(
-                        f"Cannot open XRT device {ident!r} for storage path {str(directory)!r} and load "
-                        f"`xclbin={str(self.xclbin_path)!r}` ({exc}). Check `xbutil examine` lists it and that the "
-                        "xclbin was built for its platform."
-                    ) from None
-                self.devices.append(
-                    XrtDevice(
-                        i,
-                        Path(directory),
-                        self.traffic,
-                        chunk_elems=chunk_elems,
-                        buffer_count=buffer_count,
-                        pyxrt=self.pyxrt,
-                        handle=handle,
-                        uuid=uuid,
-                        kernel_names=self.kernel_names,
-                    )
-                )
-        except BaseException:
-            for device in self.devices:
-                device.close()
-            release_claims(self._claims, remove=self._owned_dirs)
-            raise
+            handle = self.pyxrt.device(ident)
+            uuid = handle.load_xclbin(self._xclbin)
+        except Exception as exc:  # noqa: BLE001 - XRT raises plain RuntimeErrors; name the device
+            raise RuntimeError(
+                f"Cannot open XRT device {ident!r} for storage path {str(directory)!r} and load "
+                f"`xclbin={str(self.xclbin_path)!r}` ({exc}). Check `xbutil examine` lists it and that the "
+                "xclbin was built for its platform."
+            ) from None
+        return XrtDevice(
+            index,
+            directory,
+            self.traffic,
+            chunk_elems=self.chunk_elems,
+            buffer_count=self.buffer_count,
+            pyxrt=self.pyxrt,
+            handle=handle,
+            uuid=uuid,
+            kernel_names=self.kernel_names,
+            xclbin_path=self.xclbin_path,
+        )
 
     def _pair(self, device_dirs: list[Path], devices: Sequence[int | str] | None) -> list[int | str]:
         if devices is not None:
@@ -441,56 +485,12 @@ class XrtBackend(CpuBackend):
         tensors = max((1 + len(s.rule.state_names) for s in shards), default=1)
         need = self.devices[0].device_bytes(tensors)
         if need > self.ddr_bytes:
-            fit = (self.ddr_bytes // (4 * (self.devices[0]._buffer_count * tensors + STAGING_BUFFERS))) // 1024 * 1024
+            fit = (self.ddr_bytes // (4 * (self.buffer_count * tensors + STAGING_BUFFERS))) // 1024 * 1024
             raise ValueError(
-                f"`chunk_elems={self._chunk_elems}` with `buffer_count={self.devices[0]._buffer_count}` needs "
-                f"{need / MIB:.0f} MiB of device memory per SmartSSD ({self.devices[0]._buffer_count} P2P records of "
+                f"`chunk_elems={self.chunk_elems}` with `buffer_count={self.buffer_count}` needs "
+                f"{need / MIB:.0f} MiB of device memory per SmartSSD ({self.buffer_count} P2P records of "
                 f"{tensors} fp32 tensors + {STAGING_BUFFERS} staging buffers of one chunk each), but the memory banks "
                 f"of `xclbin={str(self.xclbin_path)!r}` hold {self.ddr_bytes / GIB:.2f} GiB. Lower `chunk_size` "
                 f"(at most {fit} here) or `buffer_count`."
             )
         super().open(shards)
-
-    def _initial_link_bytes(self, shard: _Shard, master: Tensor) -> int:
-        # The host writes each whole record (zeros, master, initial states) through the P2P mapping once.
-        return shard.layout.file_bytes
-
-    def submit(
-        self,
-        shard: int,
-        grad: Tensor | SparseGrad,
-        hp: StepParams,
-        out: Tensor,
-        link_dtype: torch.dtype | None = None,
-        tentative: bool = False,
-    ) -> Handle:
-        self._refuse("submit")
-        sparse = isinstance(grad, SparseGrad)
-        entry = self._shard(shard, grad.numel if sparse else grad.numel(), "`grad`")
-        self._shard(shard, out.numel(), "`out`")
-        link_dtype = link_dtype or grad.dtype
-        kernel_type(link_dtype)
-        kernel_type(out.dtype)
-        kind = link_dtype if link_dtype == out.dtype else torch.float32
-        name = kernel_name(entry.spec.rule, kind, topk=sparse)
-        if name not in self.kernel_names:
-            raise ValueError(
-                f"Kernel `{name}` (shard {shard}: {entry.spec.rule.name}, {'top-k' if sparse else 'dense'} gradient "
-                f"and parameters in {kind}) is not in `xclbin={str(self.xclbin_path)!r}`, which has: "
-                f"{', '.join(sorted(self.kernel_names))}. Rebuild it with "
-                f'`make -C hls_kernels xclbin KERNELS="{name} ..."`, or train in a precision it has.'
-            )
-        scalars, flags = derive_scalars(entry.spec.rule, hp)
-        args = [f32_arg(s) for s in scalars] + [u32_arg(flags)]
-        device = self.device_of(shard)
-        layout, num_states = entry.layout, len(entry.spec.rule.state_names)
-
-        def update(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
-            padded = record.numel() // layout.tensors_per_record
-            device.run_update(name, args, record, padded, num_states, grad, link_dtype, kind, out, start, n)
-
-        link_write = grad.link_bytes(kind) if sparse else grad.numel() * kind.itemsize
-        request = _Request(
-            entry, read=True, write=True, compute=update, link_write=link_write, link_read=out.numel() * kind.itemsize
-        )
-        return self._enqueue(request, tentative)

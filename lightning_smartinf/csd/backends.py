@@ -1,0 +1,55 @@
+"""The backends by name: ``settings.backend`` to a built :class:`~lightning_smartinf.csd.backend.Backend`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from lightning_smartinf.csd.backend import Backend
+from lightning_smartinf.csd.io import IOEngine, ThreadedIO
+from lightning_smartinf.csd.settings import SmartUpdateSettings
+
+
+def build_backend(
+    settings: SmartUpdateSettings,
+    device_dirs: Sequence[Path],
+    *,
+    owned_dirs: Sequence[Path] = (),
+    io_factory: Callable[[], IOEngine] = ThreadedIO,
+    xrt_devices: Sequence[int | str] | None = None,
+) -> Backend:
+    """The backend ``settings`` ask for, with one device per directory of ``device_dirs`` (claimed here).
+
+    Args:
+        settings: the SmartUpdate settings (backend, chunk and pool sizes, timeouts, overlap).
+        device_dirs: this rank's device directories.
+        owned_dirs: those of ``device_dirs`` the backend removes when it releases its storage (temporary ones).
+        io_factory: the I/O engine of each emulated device (``backend='cpu'``; the xrt devices move state P2P).
+        xrt_devices: ``backend='xrt'``: the XRT device of each directory; ``None`` pairs them by PCIe topology.
+    """
+    if settings.backend == "xrt":
+        from lightning_smartinf.csd.xrt import XrtBackend
+
+        return XrtBackend(
+            device_dirs,
+            xclbin=settings.xclbin,
+            devices=xrt_devices,
+            chunk_elems=settings.chunk_size,
+            buffer_count=settings.buffer_count,
+            owned_dirs=owned_dirs,
+            prefetch_state=settings.prefetch_state,
+            device_timeout_s=settings.device_timeout_s,
+        )
+    from lightning_smartinf.csd.cpu import CpuBackend
+
+    return CpuBackend(
+        device_dirs,
+        chunk_elems=settings.chunk_size,
+        buffer_count=settings.buffer_count,
+        owned_dirs=owned_dirs,
+        io_factory=io_factory,
+        io_threads=settings.io_threads,
+        tentative_slots=settings.overlap,
+        prefetch_state=settings.prefetch_state,
+        device_timeout_s=settings.device_timeout_s,
+    )

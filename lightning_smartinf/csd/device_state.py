@@ -1,0 +1,125 @@
+"""The device-state checkpoint format of one rank: the devices' shard files, the compression residual, the host state.
+
+One directory per rank (``<checkpoint>/checkpoint/smartinf/rankNNN/``) holds:
+
+- the devices' copy of every shard's state and its manifest (:mod:`lightning_smartinf.csd.checkpoint`);
+- ``residual.safetensors``: the error-feedback residual, when there is one;
+- ``host_state.json``: what the host keeps beside the devices (optimizer steps per param group, loss scale, the
+  param groups' hyperparameters, which parameter partitions each shard holds), the global step it belongs to, and
+  the residual's size and CRC-32.
+
+Invariant: ``host_state.json`` is written last, so a directory that has it is complete; every other file is
+verified against it (the residual) or the manifest (the shards) before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_smartinf.csd.backend import Backend
+from lightning_smartinf.csd.checkpoint import CheckpointError, file_crc32, read_json, write_file_atomic
+
+HOST_STATE = "host_state.json"
+RESIDUAL = "residual.safetensors"
+#: Keys every ``host_state.json`` has.
+REQUIRED_KEYS = ("global_step", "num_shards", "group_steps", "loss_scale")
+
+
+def save_device_state(
+    directory: Path, backend: Backend, host_state: dict[str, Any], residual: Tensor | None, *, global_step: int
+) -> None:
+    """Write ``backend``'s shards, then ``residual``, then ``host_state`` (recording ``global_step``) under it.
+
+    Between a backward and its step, updates made during backward are still tentative: the backend saves the
+    committed state, the one before this step, like every other part of a checkpoint.
+    """
+    backend.save(directory)
+    host_state = {**host_state, "global_step": global_step}
+    if residual is not None:
+        from safetensors.torch import save as safetensors_bytes
+
+        path = directory / RESIDUAL
+        write_file_atomic(path, safetensors_bytes({"residual": residual.detach().cpu().contiguous()}))
+        size, crc = file_crc32(path)
+        host_state["residual"] = {"file": RESIDUAL, "bytes": size, "crc32": crc}
+    write_file_atomic(directory / HOST_STATE, json.dumps(host_state).encode())
+
+
+def read_host_state(directory: Path, *, global_step: int, sealed_by: Path) -> dict[str, Any]:
+    """``host_state.json`` of ``directory``, checked to belong to ``global_step`` (recorded by ``sealed_by``).
+
+    Raises:
+        CheckpointError: the file is missing, corrupt, or from another save.
+    """
+    state = read_json(directory / HOST_STATE, "the device state", REQUIRED_KEYS)
+    if state["global_step"] != global_step:
+        raise CheckpointError(
+            f"{directory / HOST_STATE} records global step {state['global_step']!r}, but {sealed_by} records step "
+            f"{global_step}: the device state comes from another save. Resume from another checkpoint."
+        )
+    return state
+
+
+def load_residual(directory: Path, entry: dict[str, Any] | None) -> Tensor | None:
+    """The residual saved in ``directory``, verified against ``entry`` (its size and CRC-32); ``None`` without one.
+
+    Raises:
+        CheckpointError: the residual file is missing or does not match ``entry``.
+    """
+    if entry is None:
+        return None
+    path = directory / RESIDUAL
+    if not path.is_file():
+        raise CheckpointError(
+            f"The compression residual {path} is missing: the checkpoint is incomplete. Resume from another one."
+        )
+    size, crc = file_crc32(path)
+    if (crc, size) != (entry["crc32"], entry["bytes"]):
+        raise CheckpointError(
+            f"The compression residual {path} is corrupt ({size} bytes, CRC-32 {crc:#010x}; the checkpoint "
+            f"recorded {entry['bytes']} bytes, CRC-32 {entry['crc32']:#010x}). Resume from another checkpoint."
+        )
+    from safetensors.torch import load_file
+
+    return load_file(str(path))["residual"]
+
+
+def param_partitions(
+    params: Sequence[Mapping[str, Any]], masters: Tensor
+) -> Iterator[tuple[Mapping[str, Any], Tensor]]:
+    """Each parameter of a shard (its ``host_state.json`` entry under ``shards``) with its slice of ``masters``.
+
+    A shard holds its parameters' partitions back to back, in order (see ``Partitions.layout``).
+
+    Raises:
+        ValueError: the parameters do not cover ``masters`` exactly.
+    """
+    offset = 0
+    for param in params:
+        n = int(param["partition_numel"])
+        yield param, masters[offset : offset + n]
+        offset += n
+    if offset != masters.numel():
+        raise ValueError(f"its parameters cover {offset} elements, the shard holds {masters.numel()}.")
+
+
+def full_parameter(name: str, partitions: Sequence[Tensor], shape: Sequence[int]) -> Tensor:
+    """Parameter ``name`` whole, from its partitions on every rank in rank order (the last one padded).
+
+    Rank ``r`` holds elements ``[r * partition_numel, (r + 1) * partition_numel)`` of the flattened parameter.
+
+    Raises:
+        ValueError: the partitions hold fewer elements than ``shape`` needs.
+    """
+    numel = math.prod(shape)
+    flat = torch.cat(list(partitions))
+    if flat.numel() < numel:
+        raise ValueError(f"Parameter {name!r}: the ranks hold {flat.numel()} elements, its shape needs {numel}.")
+    return flat[:numel].clone().view(list(shape))

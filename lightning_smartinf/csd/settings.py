@@ -1,0 +1,327 @@
+"""The SmartUpdate settings: one frozen, validated object that the controller, placement and backends read.
+
+:class:`SmartUpdateSettings` is built from the same raw values a user passes to the strategy (``compression=0.01``,
+``storage_paths="/mnt/nvme"``) and checks them all at once: a bad value raises one :class:`SettingsError` listing
+every problem, one line each, in the words the strategy has always used. Once built, its fields hold normalised
+values (resolved paths in a tuple, a :class:`~lightning_smartinf.csd.compression.TopKCompression`, float seconds)
+and it is the only home of the figures derived from them: whether updates overlap backward, pool memory and the
+default gradient bucket.
+
+Example::
+
+    >>> settings = SmartUpdateSettings(chunk_size=4096, buffer_count=4, compression=0.01)
+    >>> settings.kept_ratio, settings.overlap, settings.pool_bytes(devices=2)
+    (0.01, False, 393216)
+    >>> SmartUpdateSettings(io_threads=0)
+    Traceback (most recent call last):
+    ...
+    lightning_smartinf.csd.settings.SettingsError: `SmartUpdateSettings` got 1 invalid argument:
+    - `io_threads=0` is too small: it must be an int >= 1 and <= 1024. Pass `io_threads=1` or more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from lightning_smartinf.arguments import Problems
+from lightning_smartinf.csd.compression import TopKCompression
+from lightning_smartinf.csd.io import IO_ALIGN
+from lightning_smartinf.csd.layout import ELEM_ALIGN, POOL_TENSORS, pool_bytes
+from lightning_smartinf.csd.storage import validate_storage_path
+
+__all__ = ["BACKENDS", "IO_ENGINES", "SettingsError", "SmartUpdateSettings", "check_sub_group_indexable"]
+
+BACKENDS = ("cpu", "xrt")
+IO_ENGINES = ("auto", "aio", "threads")
+#: Bucket of gradients ZeRO reduces at once when nothing asks for another size (Lightning's default).
+_DEFAULT_BUCKET = 200_000_000
+
+
+class SettingsError(ValueError):
+    """Settings that cannot be used; :attr:`problems` holds one line per problem, the message lists them all."""
+
+    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        #: One line per problem: the argument and its value, what is allowed and the fix.
+        self.problems: list[str] = list(problems)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SmartUpdateSettings:
+    """How SmartUpdate runs: devices, their storage, transfers and gradient compression.
+
+    Constructing checks every field and raises one :class:`SettingsError` listing every problem. Fields take the
+    raw values users write and hold them normalised: ``storage_paths`` a path or a list of them (a tuple of
+    resolved paths, each named once), ``compression`` a ratio, a dict of
+    :class:`~lightning_smartinf.csd.compression.TopKCompression` arguments or one (a ``TopKCompression``),
+    ``xrt_devices`` a list (a tuple), ``xclbin`` a str or path (a ``Path``), ``device_timeout_s`` a number (a
+    float). Normalised values pass the checks again unchanged, so :meth:`replace` re-validates.
+    """
+
+    backend: Literal["cpu", "xrt"] = "cpu"
+    """``"cpu"`` emulates computational-storage devices on host cores; ``"xrt"`` drives Samsung SmartSSDs through
+    XRT (pyxrt) running the kernels of ``hls_kernels/``."""
+    storage_paths: tuple[Path, ...] | None = None
+    """Directories, one per device, shared out among the ranks of a node (see
+    :func:`~lightning_smartinf.csd.placement.rank_share`). A missing one must be creatable: its parent is a writable
+    directory. ``None``: one private temporary directory per rank."""
+    xclbin: Path | None = None
+    """``backend="xrt"`` only: the ``.xclbin`` built from ``hls_kernels/`` (or a model manifest)."""
+    xrt_devices: tuple[int | str, ...] | None = None
+    """``backend="xrt"`` only: one XRT device (index or PCIe BDF) per storage path; ``None`` pairs them by mount."""
+    compression: TopKCompression | None = None
+    """SmartComp top-k gradient compression; ``None`` sends dense gradients."""
+    sub_group_size: int = 40_000_000
+    """Elements per ZeRO sub-group, the unit of work of a device."""
+    chunk_size: int = 1 << 20
+    """Elements a device streams through one buffer at a time (a multiple of 1024, the 4 KiB direct-I/O unit)."""
+    buffer_count: int = 16
+    """Chunk buffers per device (at least 2: one updating, one in I/O)."""
+    io_engine: Literal["auto", "aio", "threads"] = "auto"
+    """How devices move state to and from their storage: DeepSpeed's libaio op, a thread pool, or the first that
+    works."""
+    io_block_size: int = 1 << 20
+    """Bytes per I/O request: a multiple of 4096, at most 1 GiB."""
+    io_queue_depth: int = 8
+    """I/O requests in flight per chunk transfer."""
+    io_threads: int = 3
+    """Chunk transfers each emulated device keeps in flight per direction."""
+    device_timeout_s: float | None = 300.0
+    """Seconds a device may take to answer before the run fails; ``None`` waits forever."""
+    overlap_backward: bool = True
+    """Hand each sub-group's gradient to its device as soon as backward has reduced it (see :attr:`overlap`)."""
+    prefetch_state: bool = True
+    """Let idle devices read the state of the sub-groups they update next into free buffers."""
+
+    def __post_init__(self) -> None:
+        problems = Problems(type(self).__name__, SettingsError)
+        normalised = _check(problems, {field.name: getattr(self, field.name) for field in dataclasses.fields(self)})
+        if normalised is None:
+            raise SettingsError(problems.message(), problems.lines)
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)  # frozen: normalising is part of construction
+
+    @classmethod
+    def collect(cls, problems: Problems, **kwargs: Any) -> SmartUpdateSettings | None:
+        """The settings made of ``kwargs``, or ``None`` after adding each of their problems to ``problems``.
+
+        For a caller that checks more arguments of its own and reports them all in one error; the lines name the
+        settings' own arguments (``buffer_count``), whatever ``problems`` is checking.
+        """
+        try:
+            return cls(**kwargs)
+        except SettingsError as exc:
+            for line in exc.problems:
+                problems.add(line)
+            return None
+
+    def replace(self, **changes: Any) -> SmartUpdateSettings:
+        """A copy with ``changes`` applied, checked again (raises :class:`SettingsError`)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def overlap(self) -> bool:
+        """Whether devices start updating during backward: ``overlap_backward`` where it is supported (``"cpu"``
+        backend, dense gradients)."""
+        return self.overlap_backward and self.backend == "cpu" and self.compression is None
+
+    @property
+    def kept_ratio(self) -> float | None:
+        """Fraction of gradient entries each step sends, as configured (``None``: dense)."""
+        return None if self.compression is None else self.compression.ratio
+
+    def pool_bytes(self, devices: int, tensors_per_record: int = POOL_TENSORS) -> int:
+        """Host bytes of the chunk-buffer pools of ``devices`` devices with ``tensors_per_record`` fp32 tensors per
+        element (by default the master weight and Adam's two states)."""
+        return pool_bytes(devices, self.buffer_count, self.chunk_size, tensors_per_record)
+
+    def default_reduce_bucket_size(self) -> int:
+        """Elements of gradients ZeRO should reduce at once when the user names no size.
+
+        Gradients reach the devices one bucket at a time: with :attr:`overlap` a bucket of one sub-group (within
+        1M..200M elements) lets each device start as soon as its sub-group is reduced; otherwise Lightning's 200M.
+        """
+        if self.overlap:
+            return min(_DEFAULT_BUCKET, max(self.sub_group_size, 1 << 20))
+        return _DEFAULT_BUCKET
+
+
+def check_pool_shape(problems: Problems, chunk_size: Any, buffer_count: Any, *, optional: bool = False) -> list[bool]:
+    """The one rule for a device pool's shape, wherever it is given: ``chunk_size`` elements per buffer (a positive
+    multiple of the direct-I/O unit) and ``buffer_count`` buffers (at least 2: one updating, one in I/O). Returns
+    whether each is valid; ``optional`` accepts ``None`` for either."""
+    return [
+        problems.integer(
+            "chunk_size",
+            chunk_size,
+            low=ELEM_ALIGN,
+            multiple=ELEM_ALIGN,
+            why=f"elements; {ELEM_ALIGN} fp32 elements are the {IO_ALIGN} B direct-I/O unit",
+            example=1 << 20,
+            optional=optional,
+        ),
+        problems.integer(
+            "buffer_count", buffer_count, low=2, why="one buffer updating, one in I/O", example=16, optional=optional
+        ),
+    ]
+
+
+def check_sub_group_indexable(problems: Problems, sub_group_size: float) -> bool:
+    """Compressed gradients address their entries in a sub-group of ``sub_group_size`` with int32 indices."""
+    if sub_group_size < 1 << 31:
+        return True
+    problems.add(
+        f"`compression` with a ZeRO `sub_group_size` of {sub_group_size:.0f}: compressed gradients address "
+        "their entries inside a sub-group with int32 indices, so it must be < 2**31. Lower `sub_group_size` "
+        "(e.g. 40_000_000)."
+    )
+    return False
+
+
+# ------------------------------------------------------------------------------------------------- the checks
+
+
+def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
+    """Add a line to ``problems`` for each bad value of ``raw`` (the fields as given); return the fields that
+    normalising changes, or ``None`` if a line was added."""
+    known = len(problems)
+    problems.choice("backend", raw["backend"], BACKENDS)
+    problems.choice("io_engine", raw["io_engine"], IO_ENGINES)
+    sub_group_valid, chunk_valid, buffers_valid = _check_counts(problems, raw)
+    for name in ("overlap_backward", "prefetch_state"):
+        problems.flag(name, raw[name])
+    storage_paths = _storage_paths(problems, raw["storage_paths"])
+    xclbin, xrt_devices = raw["xclbin"], raw["xrt_devices"]
+    if raw["backend"] == "xrt":
+        from lightning_smartinf.csd.xrt import check_xrt_settings  # (the xrt package imports the backends)
+
+        try:
+            xclbin = check_xrt_settings(xclbin, xrt_devices, storage_paths)
+        except (ValueError, FileNotFoundError) as exc:
+            problems.add(f"`backend='xrt'`: {exc}")
+    elif xclbin is not None or xrt_devices is not None:
+        problems.add(
+            f"`xclbin=...` and `xrt_devices=...` apply to `backend='xrt'` only, but `backend={raw['backend']!r}`. "
+            "Drop them or pass `backend='xrt'`."
+        )
+    compression = _compression(problems, raw["compression"])
+    if sub_group_valid and chunk_valid and buffers_valid and raw["backend"] == "cpu":
+        _check_pool_memory(problems, raw)
+    if sub_group_valid and compression is not None:
+        check_sub_group_indexable(problems, raw["sub_group_size"])
+    if len(problems) > known:
+        return None
+    timeout = raw["device_timeout_s"]
+    return {
+        "storage_paths": storage_paths,
+        "xclbin": None if xclbin is None else Path(xclbin),
+        "xrt_devices": None if xrt_devices is None else tuple(xrt_devices),
+        "compression": compression,
+        "device_timeout_s": None if timeout is None else float(timeout),
+    }
+
+
+def _check_counts(problems: Problems, raw: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """Check the counts, sizes and the timeout; return whether ``sub_group_size``, ``chunk_size`` and
+    ``buffer_count`` are valid."""
+    sizes = (
+        problems.integer("sub_group_size", raw["sub_group_size"], low=1, why="elements", example=40_000_000),
+        *check_pool_shape(problems, raw["chunk_size"], raw["buffer_count"]),
+    )
+    problems.integer(
+        "io_block_size",
+        raw["io_block_size"],
+        low=IO_ALIGN,
+        high=1 << 30,
+        multiple=IO_ALIGN,
+        unit="bytes",
+        why="the direct-I/O unit; one system call moves at most 2 GiB",
+        example=1 << 20,
+    )
+    problems.integer("io_queue_depth", raw["io_queue_depth"], low=1, high=1024, example=8)
+    problems.integer("io_threads", raw["io_threads"], low=1, high=1024, example=3)
+    problems.number(
+        "device_timeout_s",
+        raw["device_timeout_s"],
+        low=0,
+        above=True,
+        high=threading.TIMEOUT_MAX,
+        unit="seconds",
+        why="the longest wait Python's threading allows; None waits forever",
+        example=300.0,
+        optional=True,
+    )
+    return sizes
+
+
+def _check_pool_memory(problems: Problems, raw: dict[str, Any]) -> None:
+    """The ``"cpu"`` backend's pools (in host memory, unlike the SmartSSDs' DDR) fit in what is available now."""
+    paths = raw["storage_paths"]
+    devices = len(paths) if isinstance(paths, (list, tuple)) else 1
+    buffer_count, chunk_size = raw["buffer_count"], raw["chunk_size"]
+    problems.fits_in_memory(
+        f"`buffer_count={buffer_count}` with `chunk_size={chunk_size}` on {devices} storage path(s)",
+        pool_bytes(devices, buffer_count, chunk_size),
+        f"{devices} x {buffer_count} buffers x {chunk_size} elements x 4 B x {POOL_TENSORS} fp32 tensors: master "
+        "weight and 2 Adam states",
+        "Lower `buffer_count` (at least 2) or `chunk_size`.",
+    )
+
+
+def _storage_paths(problems: Problems, value: Any) -> tuple[Path, ...] | None:
+    """``value`` resolved, each path named once; ``None`` if not given or bad.
+
+    Each is a writable directory, or does not exist yet and can be created: its parent is a writable directory.
+    Nothing is created here: each rank creates its own share at set-up
+    (:func:`~lightning_smartinf.csd.placement.rank_device_dirs`).
+    """
+    paths = problems.paths("storage_paths", value, optional=True)
+    if paths is None:
+        return None
+    resolved: dict[Path, Any] = {}
+    for original in paths:
+        try:
+            path = validate_storage_path(original, missing_ok=True)
+        except (ValueError, OSError) as exc:  # OSError: a name the OS refuses (too long, ...)
+            text = str(exc)
+            problems.add(text if text.startswith("`storage_paths`") else f"`storage_paths` entry {original!r}: {text}")
+            continue
+        if path in resolved:
+            problems.add(
+                f"`storage_paths` names {str(resolved[path])!r} and {str(original)!r}, which are the same "
+                "directory; two devices cannot share one storage path. Remove the duplicate."
+            )
+        resolved[path] = original
+    return tuple(resolved) if len(resolved) == len(paths) else None
+
+
+def _compression(problems: Problems, value: Any) -> TopKCompression | None:
+    """``value`` as a :class:`TopKCompression` (``None``: dense, or a problem was added)."""
+    if value is None or isinstance(value, TopKCompression):
+        return value
+    if isinstance(value, dict):
+        fields = [field.name for field in dataclasses.fields(TopKCompression)]
+        inside = problems.within("compression")
+        valid = problems.keys("compression", value, fields, required=["ratio"])
+        if "ratio" in value:
+            valid = inside.ratio("ratio", value["ratio"]) and valid
+        for key in ("error_feedback", "layerwise"):
+            if key in value:
+                valid = inside.flag(key, value[key]) and valid
+        return TopKCompression(**value) if valid else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return TopKCompression(value) if problems.ratio("compression", value) else None
+    problems.instance(
+        "compression",
+        value,
+        (),
+        "the kept ratio (a number with 0 < ratio <= 1, e.g. 0.01), a dict like "
+        "{'ratio': 0.01, 'error_feedback': False}, a `TopKCompression`, or None",
+        fix="Pass e.g. `compression=0.01`." if not isinstance(value, str) else "",
+    )
+    return None

@@ -1,0 +1,1035 @@
+"""Streaming backends: shard state in files of chunk records, streamed through a fixed pool of buffers per device.
+
+A :class:`StreamingBackend` owns the shards, their state files and slots, tentative updates, the pending work, the
+device timeout and failure latch, save, load and prefetch. Its devices (:class:`StreamingDevice`) run the chunk
+pipeline: a worker thread serves requests in submission order, one reader and one writer pool move chunk records,
+reads run ahead of the update, write-back trails behind it, and a device with no request to serve reads ahead the
+shards it was told come next. Host memory of the update path is fixed by ``buffer_count`` and ``chunk_elems``,
+whatever the model size.
+
+A new kind of device implements the two hooks:
+
+- :meth:`StreamingBackend.make_device`: build device ``index`` over its directory;
+- :meth:`StreamingDevice.allocate` and :meth:`StreamingDevice.update_work`: its buffers, and what one update does
+  to each chunk (plus :meth:`StreamingDevice.initialize_link_bytes` where :meth:`~StreamingBackend.initialize`
+  moves other bytes than the masters over the link).
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import math
+import os
+import queue
+import stat
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lightning_smartinf.csd.backend import Backend, BackendStats, DeviceStats, Handle, ShardSpec
+from lightning_smartinf.csd.checkpoint import ShardState, load_state, save_state, shard_file_name
+from lightning_smartinf.csd.compression import SparseGrad
+from lightning_smartinf.csd.io import IOEngine, StateFile
+from lightning_smartinf.csd.layout import ChunkLayout
+from lightning_smartinf.csd.ownership import claim_directories, release_claims
+from lightning_smartinf.csd.pipeline import (
+    ChunkPool,
+    ChunkRead,
+    ChunkWork,
+    DropPrefetch,
+    PrefetchAdvice,
+    PrefetchedChunk,
+    PrefetchPlan,
+    PrefetchTarget,
+    ReadAheadWindow,
+    Request,
+    Shard,
+)
+from lightning_smartinf.csd.rules import StepParams
+from lightning_smartinf.csd.storage import StorageError, check_free_space, ensure_private_dir
+from lightning_smartinf.csd.traffic import Traffic
+
+#: Seconds an idle device waits for a request before it retries taking a buffer for a prefetch.
+PREFETCH_POLL_S = 0.002
+
+
+@dataclass
+class DeviceCounters:
+    """Seconds a device spent on each kind of work (summed over its threads), and bytes it prefetched."""
+
+    read_s: float = 0.0
+    write_s: float = 0.0
+    compute_s: float = 0.0
+    #: Bytes read ahead of their request by :meth:`StreamingBackend.prefetch`: used by it, or dropped unused.
+    prefetch_used_bytes: int = 0
+    prefetch_dropped_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class _Transfer:
+    """A chunk transfer in flight, for timeout messages."""
+
+    operation: str
+    path: Path
+    offset: int
+    started: float
+
+
+def check_device_timeout(device_timeout_s: object) -> float | None:
+    """``device_timeout_s`` as seconds, or ``None`` (wait forever); ``ValueError`` naming the fix otherwise."""
+    if device_timeout_s is None:
+        return None
+    if (
+        isinstance(device_timeout_s, bool)
+        or not isinstance(device_timeout_s, (int, float))
+        or not math.isfinite(device_timeout_s)
+        or device_timeout_s <= 0
+    ):
+        raise ValueError(
+            f"`device_timeout_s={device_timeout_s!r}` must be a positive, finite number of seconds (int or float), "
+            "or None to wait for a device forever. Pass e.g. `device_timeout_s=300`."
+        )
+    return float(device_timeout_s)
+
+
+class StreamingDevice(ABC):
+    """One streaming device: a directory, a chunk-buffer pool, a worker thread and reader and writer threads.
+
+    The worker serves the requests of :meth:`enqueue` in order (:meth:`_serve`); its read-ahead state is a
+    :class:`~lightning_smartinf.csd.pipeline.ReadAheadWindow` and its prefetch state a
+    :class:`~lightning_smartinf.csd.pipeline.PrefetchPlan`, both touched by the worker only.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        directory: Path,
+        traffic: Traffic,
+        io: IOEngine,
+        *,
+        chunk_elems: int,
+        buffer_count: int,
+        io_threads: int = 1,
+    ) -> None:
+        self.index = index
+        self.directory = directory
+        self.io = io
+        self.stats = DeviceCounters()
+        self.pool = ChunkPool()
+        #: Host bytes of the buffers this device allocated (see :meth:`allocate`).
+        self.allocated_bytes = 0
+        #: ``time.monotonic()`` of the last sign of life: new work, or a chunk read, written or updated.
+        self.progress_at = time.monotonic()
+        self._traffic = traffic
+        self._chunk_elems = chunk_elems
+        self._buffer_count = buffer_count
+        self._trailing: list[Future] = []
+        self._link_chunks: dict[torch.dtype, Tensor] = {}
+        self._requests: queue.SimpleQueue[Request | PrefetchAdvice | DropPrefetch | None] = queue.SimpleQueue()
+        self._transfers: dict[int, _Transfer] = {}
+        self._transfer_keys = itertools.count()
+        self.window = ReadAheadWindow()
+        # More reads than ``buffer_count - 1`` are never in flight (one buffer is always the one updating).
+        readers = max(1, min(io_threads, buffer_count - 1))
+        # Prefetched chunks leave the request being served room for ``readers`` reads and never take the pool's
+        # last two buffers (one updating, one reading), so its reads never wait on chunks no one consumes yet.
+        self.prefetch_plan = PrefetchPlan(min(buffer_count - 2, max(1, buffer_count - 1 - readers)))
+        self._reader = ThreadPoolExecutor(readers, thread_name_prefix=f"csd{index}-read")
+        self._writer = ThreadPoolExecutor(io_threads, thread_name_prefix=f"csd{index}-write")
+        self._worker = threading.Thread(target=self._serve, name=f"csd{index}-update", daemon=True)
+        self._worker.start()
+
+    @property
+    def chunk_elems(self) -> int:
+        """Elements per streamed chunk."""
+        return self._chunk_elems
+
+    @property
+    def buffer_count(self) -> int:
+        """Chunk buffers in the pool (at least 2: one updating, one reading or writing)."""
+        return self._buffer_count
+
+    @property
+    def trailing(self) -> tuple[Future, ...]:
+        """Write-backs submitted by the last requests and not yet settled by :meth:`drain`."""
+        return tuple(self._trailing)
+
+    @property
+    def running(self) -> bool:
+        """Whether the worker thread still serves requests (until :meth:`close`)."""
+        return self._worker.is_alive()
+
+    # ------------------------------------------------------------------------------------------ hooks
+
+    @abstractmethod
+    def allocate(self, tensors_per_record: int) -> None:
+        """Fill :attr:`pool` with ``buffer_count`` records of up to ``tensors_per_record`` fp32 tensors.
+
+        Set :attr:`allocated_bytes` to the bytes taken (:func:`~lightning_smartinf.csd.layout.pool_bytes` for
+        the pool, plus the device's own scratch).
+        """
+
+    @abstractmethod
+    def update_work(
+        self, shard: Shard, grad: Tensor | SparseGrad, hp: StepParams, out: Tensor, link_dtype: torch.dtype
+    ) -> ChunkWork:
+        """The work of one update of ``shard`` (see :meth:`Backend.submit`): per chunk, and its link bytes.
+
+        Called on the host thread after the sizes were checked; raise ``ValueError`` for what the device cannot
+        run. The compute runs on the worker, chunk by chunk, in order.
+        """
+
+    def initialize_link_bytes(self, shard: Shard, master: Tensor) -> int:
+        """Link bytes of :meth:`Backend.initialize`: the masters as given.
+
+        A device that writes whole records from the host counts those instead.
+        """
+        return master.numel() * master.element_size()
+
+    def link_chunk(self, n: int, dtype: torch.dtype) -> Tensor:
+        """Scratch for one gradient chunk as it crosses the link (allocated once per dtype)."""
+        chunk = self._link_chunks.get(dtype)
+        if chunk is None:
+            chunk = self._link_chunks[dtype] = torch.empty(self._chunk_elems, dtype=dtype)
+            self.allocated_bytes += chunk.numel() * chunk.element_size()
+        return chunk[:n]
+
+    # ------------------------------------------------------------------------------------------ host side
+
+    def enqueue(self, request: Request) -> Handle:
+        handle = request.future
+        handle.device = self
+        handle.what = f"the {request.kind} of shard {request.shard.spec.index}"
+        self.progress_at = time.monotonic()
+        self._requests.put(request)
+        return handle
+
+    def prefetch(self, targets: Sequence[PrefetchTarget]) -> None:
+        """Advise that the next requests read ``targets`` first, in this order."""
+        self.progress_at = time.monotonic()
+        self._requests.put(PrefetchAdvice(tuple(targets)))
+
+    def drop_prefetched(self) -> Future:
+        """Drop every chunk read ahead; the returned future resolves once no prefetch read is in flight."""
+        message = DropPrefetch()
+        self.progress_at = time.monotonic()
+        self._requests.put(message)
+        return message.done
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the threads and free the buffers; False if a transfer still had not finished after ``timeout`` s.
+
+        Then the threads a hung transfer holds are left behind and the I/O engine stays open: its buffers may
+        still be written by the transfer.
+        """
+        self._requests.put(None)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._worker.join(timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        settled = not self._worker.is_alive() and self.pool.wait_idle(left)
+        self._reader.shutdown(wait=settled, cancel_futures=True)
+        self._writer.shutdown(wait=settled, cancel_futures=True)
+        if settled:
+            self.io.close()
+        else:
+            logging.getLogger(__name__).warning(
+                "Device %d at %r: %s still pending %s s after `close`; its threads are left behind and the process "
+                "may not exit until the storage answers.",
+                self.index,
+                str(self.directory),
+                self._describe_transfers(),
+                timeout,
+            )
+        # Free the memory now, even if something still references this device object.
+        self.pool.clear()
+        self._link_chunks.clear()
+        self.allocated_bytes = 0
+        return settled
+
+    def drain(self, timeout: float | None = None) -> BaseException | None:
+        """Wait for all trailing write-back; return the first error, if any (``timeout``: see :meth:`wait_for`)."""
+        trailing, self._trailing = self._trailing, []
+        errors = (self.wait_for(f, "the state write-back", timeout) for f in trailing)
+        return next((exc for exc in errors if exc is not None), None)
+
+    def stalled_s(self) -> float:
+        """Seconds since this device last showed a sign of life (:attr:`progress_at`)."""
+        return time.monotonic() - self.progress_at
+
+    def wait_for(self, future: Future, what: str, timeout: float | None) -> BaseException | None:
+        """Block until ``future`` (work of this device, described by ``what``) is done; return its error, if any.
+
+        With a ``timeout``, raise :class:`StorageError` once the device has shown no sign of life (no new work, no
+        chunk read, written or updated) for ``timeout`` seconds while ``future`` is pending: it stopped answering.
+        A long queue of work that moves never times out.
+        """
+        if timeout is None:
+            return future.exception()
+        while True:
+            try:
+                return future.exception(timeout=max(0.0, timeout - self.stalled_s()))
+            except FutureTimeoutError:
+                if self.stalled_s() >= timeout:
+                    raise self._timeout_error(what, timeout) from None
+
+    def _timeout_error(self, what: str, timeout: float) -> StorageError:
+        transfers = sorted(list(self._transfers.values()), key=lambda t: t.started)
+        operation, path = (transfers[0].operation, transfers[0].path) if transfers else ("update", self.directory)
+        return StorageError(
+            f"Device {self.index} at {str(self.directory)!r} showed no progress for {timeout:g} s "
+            f"(`device_timeout_s={timeout!r}`) while the host waited for {what}; pending: "
+            f"{self._describe_transfers()}. Its storage stopped answering (a hung disk, an unresponsive network "
+            "mount), so the state there may be torn. Fix the storage, then resume from the last checkpoint; raise "
+            "`device_timeout_s` if the device is only slow.",
+            path=path,
+            operation=operation,
+            errno=errno.ETIMEDOUT,
+        )
+
+    def _describe_transfers(self) -> str:
+        now = time.monotonic()
+        transfers = sorted(list(self._transfers.values()), key=lambda t: t.started)
+        if not transfers:
+            return "no chunk transfer in flight (the update of a chunk has not returned)"
+        return "; ".join(
+            f"{t.operation} of {str(t.path)!r} at byte {t.offset} (for {now - t.started:.1f} s)" for t in transfers
+        )
+
+    # ------------------------------------------------------------------------------------------ worker side
+
+    def _transfer(self, operation: str, file: StateFile, record: Tensor, offset: int) -> None:
+        """Read or write one chunk record through the engine, raising a :class:`StorageError` for an OSError.
+
+        The error names the file, the operation and the errno; the engine raises only once no piece is in flight.
+        """
+        key = next(self._transfer_keys)
+        self._transfers[key] = _Transfer(operation, file.path, offset, time.monotonic())
+        try:
+            if operation == "read":
+                self.io.read(file, record, offset)
+            else:
+                self.io.write(file, record, offset)
+        except StorageError:
+            raise
+        except OSError as exc:
+            where = f" at byte {offset}"
+            raise StorageError.from_os_error(exc, path=file.path, operation=operation, where=where) from exc
+        finally:
+            del self._transfers[key]
+            self.progress_at = time.monotonic()
+
+    def _serve(self) -> None:
+        """The worker: serve the window's first request, taking the next off the queue when the window is empty."""
+        window = self.window
+        try:
+            while True:
+                if not window.requests:
+                    if window.closing:
+                        return
+                    request = self._next_queued()
+                    if request is None:
+                        return
+                    window.push(request, self._adopt_prefetched(request))
+                request = window.serving
+                try:
+                    self._stream(request)
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting host thread
+                    request.future.set_exception(exc)
+                else:
+                    self._traffic.add(link_write_bytes=request.link_write, link_read_bytes=request.link_read)
+                    request.future.set_result(None)
+                finally:
+                    window.pop_served()
+        finally:
+            self._drop_prefetched()
+
+    def _next_queued(self) -> Request | None:
+        """Block for the next request (None: close), prefetching advised chunks into free buffers meanwhile."""
+        while True:
+            self._issue_prefetch()
+            try:
+                if self.prefetch_plan.wants_buffer:
+                    item = self._requests.get(timeout=PREFETCH_POLL_S)
+                else:
+                    item = self._requests.get()
+            except queue.Empty:
+                continue  # a write-back may have freed a buffer for the next prefetch
+            if not self._control(item):
+                return item  # type: ignore[return-value]
+
+    def _control(self, item: Request | PrefetchAdvice | DropPrefetch | None) -> bool:
+        """Act on a prefetch message taken off the queue; False if ``item`` is a request or the close sentinel."""
+        if isinstance(item, PrefetchAdvice):
+            self._drop_prefetched()  # new advice replaces the old
+            self.prefetch_plan.advise(item.targets)
+            return True
+        if isinstance(item, DropPrefetch):
+            self._drop_prefetched()
+            item.done.set_result(None)
+            return True
+        return False
+
+    def _issue_prefetch(self) -> None:
+        """Start reads of advised chunks while the cap allows and a buffer is free; never blocks."""
+        plan = self.prefetch_plan
+        while (entry := plan.next_entry()) is not None:
+            if (buf := self.pool.try_acquire()) is None:
+                return  # write-back holds the pool; retried when the queue poll times out
+            k, entry.next_chunk = entry.next_chunk, entry.next_chunk + 1
+            pending = self._reader.submit(self._read, entry.shard, entry.slot, k, buf, count=False)
+            plan.held.append(PrefetchedChunk(entry.shard, entry.slot, k, buf, pending))
+
+    def _adopt_prefetched(self, request: Request) -> int:
+        """Hand ``request`` the chunks read ahead for its shard, as its first reads; drop them if they do not fit.
+
+        From now on the request reads its shard itself, so it leaves the plan. Returns the number of chunks
+        adopted (the request's next chunk to read). Their bytes count as read now, with the request that
+        uses them, so per-step traffic stays exact.
+        """
+        mine = self.prefetch_plan.take(request.shard)
+        if not mine:
+            return 0
+        fits = request.read and all(c.slot == request.read_slot and c.k == i for i, c in enumerate(mine))
+        if not fits:
+            self._drop(mine)
+            return 0
+        for chunk in mine:
+            self.window.reads.append(ChunkRead(request, chunk.k, chunk.buf, chunk.pending))
+            nbytes = chunk.shard.layout.record_bytes(chunk.k)
+            self._traffic.add(storage_read_bytes=nbytes)
+            self.stats.prefetch_used_bytes += nbytes
+        return len(mine)
+
+    def _drop_prefetched(self) -> None:
+        """Forget the advice and release every chunk read ahead (waiting for their reads)."""
+        self._drop(self.prefetch_plan.clear())
+
+    def _drop(self, chunks: list[PrefetchedChunk]) -> None:
+        for chunk in chunks:
+            if chunk.pending.exception() is None:  # a read that happened is traffic, used or not
+                nbytes = chunk.shard.layout.record_bytes(chunk.k)
+                self._traffic.add(storage_read_bytes=nbytes)
+                self.stats.prefetch_dropped_bytes += nbytes
+            self.pool.release(chunk.buf)
+
+    def _next_read(self) -> tuple[Request, int] | None:
+        """The next (request, chunk) to read, in request order, taking queued requests into the window as needed."""
+        window = self.window
+        while True:
+            target = window.next_read()
+            if target is not None:
+                return target.request, target.k
+            if not window.exhausted or window.closing:
+                return None
+            try:
+                queued = self._requests.get_nowait()
+            except queue.Empty:
+                return None
+            if self._control(queued):
+                continue
+            if queued is None:
+                window.closing = True
+                return None
+            window.push(queued, self._adopt_prefetched(queued))  # type: ignore[arg-type]
+
+    def _issue_reads(self) -> None:
+        """Keep up to ``buffer_count - 1`` chunk reads in flight, across request boundaries.
+
+        The last buffer is the one being updated; write-back returns buffers to the pool, so ``acquire``
+        blocking here is the back-pressure that keeps reads from running further ahead than the pool allows.
+        Reads for a later request only take a buffer that is free now: the current request's parameters
+        must never wait for a write-back on behalf of a request behind it.
+        """
+        window = self.window
+        # Prefetched chunks hold buffers too: with them counted (at most the plan's cap), one buffer is always
+        # free or being written back, so ``acquire`` cannot wait on reads only the worker itself would consume.
+        while (
+            len(window.reads) + len(self.prefetch_plan.held) < self._buffer_count - 1
+            and (target := self._next_read()) is not None
+        ):
+            request, k = target
+            if request is window.serving:
+                buf = self.pool.acquire()
+            elif (free := self.pool.try_acquire()) is not None:
+                buf = free
+            else:
+                window.unclaim()  # retried at the next chunk boundary
+                return
+            pending = self._reader.submit(self._read, request.shard, request.read_slot, k, buf)
+            window.reads.append(ChunkRead(request, k, buf, pending))
+
+    def _read(self, shard: Shard, slot: int, k: int, buf: Tensor, *, count: bool = True) -> Tensor:
+        """Read chunk ``k`` of ``shard``'s ``slot`` into ``buf``; a prefetch (``count=False``) is counted later."""
+        record = buf[: shard.layout.padded_len(k) * shard.layout.tensors_per_record]
+        previous_write = shard.writes.get((slot, k))
+        if previous_write is not None:
+            previous_write.result()  # the record's last update must be on disk before we read it back
+        t0 = time.perf_counter()
+        self._transfer("read", shard.files[slot], record, shard.layout.record_offset(k))
+        self.stats.read_s += time.perf_counter() - t0
+        if count:
+            self._traffic.add(storage_read_bytes=shard.layout.record_bytes(k))
+        return record
+
+    def _write(self, file: StateFile, offset: int, buf: Tensor, record: Tensor) -> None:
+        try:
+            t0 = time.perf_counter()
+            self._transfer("write", file, record, offset)
+            self.stats.write_s += time.perf_counter() - t0
+        finally:
+            self.pool.release(buf)  # the engine returns or raises only once no piece of ``record`` is in flight
+
+    def _chunk_record(self, request: Request, k: int) -> tuple[Tensor, Tensor]:
+        """The buffer and record of chunk ``k`` to update: read (waiting for its read) or zeroed."""
+        layout = request.shard.layout
+        if not request.read:
+            buf = self.pool.acquire()
+            record = buf[: layout.padded_len(k) * layout.tensors_per_record]
+            record.zero_()
+            return buf, record
+        read = self.window.reads.popleft()
+        assert read.request is request and read.k == k, "reads are issued in request and chunk order"
+        try:
+            return read.buf, read.pending.result()
+        except BaseException:
+            self.pool.release(read.buf)
+            raise
+
+    def _stream(self, request: Request) -> None:
+        """Run one request over all chunks of its shard: read ahead, update, write behind.
+
+        Reads run up to ``buffer_count - 1`` chunks ahead, into the next queued requests when this one has
+        no chunk left to read, so the disk does not idle at request boundaries. The request completes when
+        its last chunk is updated (the parameters in ``out`` are ready); write-back of the last chunks
+        trails, ordered before any later read of the same chunk.
+        """
+        shard, layout = request.shard, request.shard.layout
+        self._trailing = [f for f in self._trailing if not f.done() or f.exception() is not None]
+        try:
+            for k in range(layout.num_chunks):
+                self._issue_reads()
+                buf, record = self._chunk_record(request, k)
+                padded = layout.padded_len(k)
+                start, n = layout.chunk_range(k)
+                master = record[:n]
+                states = [record[(j + 1) * padded : (j + 1) * padded + n] for j in range(layout.num_states)]
+                t0 = time.perf_counter()
+                try:
+                    request.compute(record, master, states, start, n)
+                except BaseException:
+                    self.pool.release(buf)
+                    raise
+                self.stats.compute_s += time.perf_counter() - t0
+                self.progress_at = time.monotonic()
+                if request.write:
+                    file = shard.files[request.write_slot]
+                    write = self._writer.submit(self._write, file, layout.record_offset(k), buf, record)
+                    shard.writes[(request.write_slot, k)] = write
+                    self._trailing.append(write)
+                    self._traffic.add(storage_write_bytes=record.numel() * 4)
+                else:
+                    self.pool.release(buf)
+        finally:
+            # A failed request drops its remaining reads; reads already issued for later requests stay theirs.
+            reads = self.window.reads
+            while reads and reads[0].request is request:
+                read = reads.popleft()
+                read.pending.exception()
+                self.pool.release(read.buf)
+
+
+class StreamingBackend(Backend):
+    """Shards streamed through devices, one per directory in ``device_dirs``; subclasses say what a device is.
+
+    Args:
+        device_dirs: one private directory per device; state files are created inside.
+        chunk_elems: elements per streamed chunk (a multiple of 1024).
+        buffer_count: chunk buffers per device (at least 2: one updating, one reading or writing).
+        owned_dirs: directories the backend created and removes on :meth:`close`.
+        tentative_slots: keep a second state file per shard so that :meth:`submit` can take ``tentative=True``
+            updates, undone by :meth:`rollback` or made current by :meth:`commit`. Doubles the disk space of the
+            state (not its traffic).
+        prefetch_state: act on :meth:`prefetch` advice (``False`` ignores it: for comparisons).
+        device_timeout_s: seconds a device may show no progress (no chunk read, written or updated) while the host
+            waits for it, before :meth:`result`, :meth:`wait` and the others raise :class:`StorageError` and the
+            backend stops (see :attr:`failure`). ``None`` waits forever.
+
+    The constructor claims the directories, then builds device ``i`` with :meth:`make_device` for each, in order.
+    Device errors are final: the first one reported to the host (an I/O error, or a device that stopped answering)
+    latches the backend as failed; see :attr:`failure`.
+    """
+
+    #: Whether a second state file per shard is kept for tentative updates (set by the constructor).
+    tentative_slots = False
+    #: Whether :meth:`prefetch` advice is acted on (set by the constructor).
+    prefetch_state = True
+    #: Seconds without progress before waiting on a device fails (set by the constructor; ``None``: forever).
+    device_timeout_s: float | None = 300.0
+    _failure: StorageError | None = None
+
+    def __init__(
+        self,
+        device_dirs: Sequence[Path],
+        *,
+        chunk_elems: int,
+        buffer_count: int,
+        owned_dirs: Sequence[Path] = (),
+        tentative_slots: bool = False,
+        prefetch_state: bool = True,
+        device_timeout_s: float | None = 300.0,
+    ) -> None:
+        super().__init__()
+        if not device_dirs:
+            raise ValueError("`device_dirs` must name at least one directory.")
+        if buffer_count < 2:
+            raise ValueError(f"`buffer_count={buffer_count}` must be at least 2 (one updating, one in I/O).")
+        self.device_timeout_s = check_device_timeout(device_timeout_s)
+        ChunkLayout(1, chunk_elems, 0)  # validates chunk_elems
+        self._chunk_elems = chunk_elems
+        self._buffer_count = buffer_count
+        self.tentative_slots = tentative_slots
+        self.prefetch_state = prefetch_state
+        self._owned_dirs = [Path(d) for d in owned_dirs]
+        self._shards: list[Shard] = []
+        self._pending: list[Future] = []
+        self.devices: list[StreamingDevice] = []
+        self._closed = False
+        # One owner per directory: claimed before any file in them is created or truncated, held until `close`.
+        self._claims = claim_directories([ensure_private_dir(d) for d in device_dirs])
+        #: The device directories, in device order.
+        self.device_dirs = tuple(Path(d) for d in device_dirs)
+        try:
+            for i, directory in enumerate(self.device_dirs):
+                self.devices.append(self.make_device(i, directory))
+        except BaseException:
+            for device in self.devices:
+                device.close()
+            release_claims(self._claims, remove=self._owned_dirs)
+            raise
+
+    @abstractmethod
+    def make_device(self, index: int, directory: Path) -> StreamingDevice:
+        """Build device ``index`` over ``directory`` (claimed already), with :attr:`chunk_elems`,
+        :attr:`buffer_count` and :attr:`traffic`; the constructor calls it once per directory, in order.
+
+        On an exception the devices built so far are closed and the directories released.
+        """
+
+    @property
+    def chunk_elems(self) -> int:
+        """Elements per streamed chunk."""
+        return self._chunk_elems
+
+    @property
+    def buffer_count(self) -> int:
+        """Chunk buffers per device."""
+        return self._buffer_count
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def shards(self) -> tuple[Shard, ...]:
+        """The shards passed to :meth:`open`, in order, with their state files."""
+        return tuple(self._shards)
+
+    @property
+    def supports_tentative(self) -> bool:
+        return self.tentative_slots
+
+    @property
+    def failure(self) -> StorageError | None:
+        """The device error that stopped this backend, or ``None``.
+
+        Set by the first :class:`StorageError` reported to the host (by :meth:`result`, :meth:`wait`,
+        :meth:`check_storage`, ...). From then on the state on the devices may be torn (some chunks updated, others
+        not): :meth:`submit`, :meth:`initialize`, :meth:`read_master`, :meth:`commit`, :meth:`save` and :meth:`load`
+        raise, :meth:`prefetch` does nothing, :meth:`wait` reports only errors not reported yet, and :meth:`close`
+        still releases everything (waiting at most ``device_timeout_s`` for threads a hung transfer holds).
+        Requests queued before the error was reported still run. The process must restart and resume from the
+        last good checkpoint.
+        """
+        return self._failure
+
+    def _latch(self, exc: BaseException) -> BaseException:
+        """Remember the first storage error reported to the host; returns ``exc`` for raising."""
+        if isinstance(exc, StorageError) and self._failure is None:
+            self._failure = exc
+        return exc
+
+    def _refuse(self, method: str) -> None:
+        """Raise if a device error stopped this backend (:attr:`failure`)."""
+        failure = self._failure
+        if failure is None:
+            return
+        raise StorageError(
+            f"`{type(self).__name__}.{method}` refused: the backend stopped at an earlier device error and the state "
+            "on the devices may be torn (some chunks updated, others not), so it takes no further update and saves "
+            "nothing (a checkpoint of torn state is worse than none). Restart the process and, once the storage is "
+            f"fixed, resume from the last good checkpoint. The error was: {failure}",
+            path=failure.path,
+            operation=failure.operation,
+            errno=failure.errno,
+        ) from failure
+
+    def _settle(self, future: Future, device: StreamingDevice | None = None, what: str = "") -> BaseException | None:
+        """Wait for ``future`` of ``device`` (a request's handle names both); its error, or ``None``.
+
+        Raises (and latches) the :class:`StorageError` of a device that stopped answering.
+        """
+        device = device or getattr(future, "device", None)
+        if device is None:
+            return future.exception()
+        try:
+            return device.wait_for(future, what or getattr(future, "what", "a request"), self.device_timeout_s)
+        except StorageError as exc:
+            raise self._latch(exc)  # noqa: B904 - the timeout is the error, not a consequence of it
+
+    def result(self, handle: Handle) -> None:
+        """Wait for ``handle``; raise its error (a device error latches :attr:`failure`), or a timeout error.
+
+        Raises:
+            StorageError: the request's I/O failed, or its device showed no progress for ``device_timeout_s``.
+        """
+        exc = self._settle(handle)
+        if exc is not None:
+            self._pending = [h for h in self._pending if h is not handle]  # reported here: `wait` does not repeat it
+            raise self._latch(exc)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of all devices' buffers: pools and scratch (fixed after :meth:`open`)."""
+        return sum(device.allocated_bytes for device in self.devices)
+
+    def prefetch_stats(self) -> tuple[int, int]:
+        """Bytes prefetched so far, summed over devices: (used by their request, dropped unused)."""
+        return (
+            sum(d.stats.prefetch_used_bytes for d in self.devices),
+            sum(d.stats.prefetch_dropped_bytes for d in self.devices),
+        )
+
+    def stats(self, *, reset_peaks: bool = False) -> BackendStats:
+        """Traffic, buffer bytes, per-device seconds and pool use, and prefetched bytes (see :class:`BackendStats`)."""
+        devices = tuple(
+            DeviceStats(
+                index=d.index,
+                read_s=d.stats.read_s,
+                write_s=d.stats.write_s,
+                compute_s=d.stats.compute_s,
+                pool_size=d.pool.size,
+                pool_peak_in_use=d.pool.reset_peak() if reset_peaks else d.pool.peak_in_use,
+            )
+            for d in self.devices
+        )
+        used, dropped = self.prefetch_stats()
+        return BackendStats(
+            traffic=self.traffic_snapshot(),
+            buffer_bytes=self.buffer_bytes,
+            devices=devices,
+            prefetch_used_bytes=used,
+            prefetch_dropped_bytes=dropped,
+        )
+
+    def device_of(self, shard: int) -> StreamingDevice:
+        return self.devices[shard % self.num_devices]
+
+    def open(self, shards: Sequence[ShardSpec]) -> None:
+        if self._shards:
+            raise RuntimeError(f"`{type(self).__name__}.open` was already called.")
+        if [s.index for s in shards] != list(range(len(shards))):
+            raise ValueError(
+                f"`ShardSpec.index` values must be 0..{len(shards) - 1} in order, got {[s.index for s in shards]}."
+            )
+        layouts = [ChunkLayout(s.numel, self._chunk_elems, len(s.rule.state_names)) for s in shards]
+        slots = 2 if self.tentative_slots else 1
+        for device in self.devices:
+            self._check_space(device, shards, layouts, slots)
+        for spec, layout in zip(shards, layouts):
+            directory = self.device_of(spec.index).directory
+            files = tuple(
+                StateFile(directory / shard_file_name(spec.index, slot), layout.file_bytes, create=True)
+                for slot in range(slots)
+            )
+            self._shards.append(Shard(spec, layout, files))
+        tensors = max((lay.tensors_per_record for lay in layouts), default=1)
+        for device in self.devices:
+            device.allocate(tensors)
+
+    def _check_space(
+        self, device: StreamingDevice, shards: Sequence[ShardSpec], layouts: list[ChunkLayout], slots: int
+    ) -> None:
+        ensure_private_dir(device.directory)
+        needed = slots * sum(
+            lay.file_bytes for s, lay in zip(shards, layouts) if s.index % self.num_devices == device.index
+        )
+        reusable = [device.directory / shard_file_name(s.index, slot) for s in shards for slot in range(slots)]
+        try:
+            check_free_space(device.directory, needed, reusable=reusable)
+        except StorageError as exc:
+            if slots == 1:
+                raise
+            raise StorageError(
+                f"{exc} (Overlapping the update with backward keeps two copies of the state; "
+                "`overlap_backward=False` needs half the space.)"
+            ) from None
+
+    def _enqueue(self, request: Request, tentative: bool = False) -> Handle:
+        shard = request.shard
+        if shard.tentative:
+            raise RuntimeError(
+                f"Shard {shard.spec.index} has an uncommitted tentative update; `commit` or `rollback` it first."
+            )
+        if tentative and not self.tentative_slots:
+            raise ValueError("`tentative=True` needs a backend built with `tentative_slots=True`.")
+        request.read_slot = shard.slot
+        request.write_slot = 1 - shard.slot if tentative else shard.slot
+        shard.tentative = tentative
+        handle = self.device_of(request.shard.spec.index).enqueue(request)
+        # Keep unfinished and failed requests for `wait`; finished ones have nothing left to report.
+        self._pending = [h for h in self._pending if not h.done() or h.exception() is not None]
+        self._pending.append(handle)
+        return handle
+
+    def _shard(self, index: int, numel: int, what: str) -> Shard:
+        shard = self._shards[index]
+        if numel != shard.spec.numel:
+            raise ValueError(f"{what} of shard {index} has {numel} elements, expected {shard.spec.numel}.")
+        return shard
+
+    def initialize(self, shard: int, master: Tensor) -> Handle:
+        self._refuse("initialize")
+        entry = self._shard(shard, master.numel(), "`master`")
+        rule = entry.spec.rule
+        init_values = [rule.initial_state_value(name) for name in rule.state_names]
+
+        def fill(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
+            m.copy_(master[start : start + n])
+            for state, value in zip(states, init_values):
+                if value != 0.0:
+                    state.fill_(value)
+
+        link = self.device_of(shard).initialize_link_bytes(entry, master)
+        return self._enqueue(Request(shard=entry, read=False, write=True, compute=fill, link_write=link))
+
+    def check_storage(self) -> None:
+        """Raise :class:`StorageError` if a device's directory has disappeared (unmounted, deleted).
+
+        That latches :attr:`failure`: the state there can no longer be saved.
+        """
+        self._refuse("check_storage")
+        for device in self.devices:
+            try:
+                code = None if stat.S_ISDIR(os.stat(device.directory).st_mode) else errno.ENOTDIR
+            except OSError as exc:
+                code = exc.errno
+            if code is not None:
+                raise self._latch(
+                    StorageError(
+                        f"Storage path {str(device.directory)!r} of device {device.index} disappeared during training "
+                        f"(unmounted or deleted): `stat` found {StorageError.errno_label(code)}. Restore it and "
+                        "resume from the last checkpoint.",
+                        path=device.directory,
+                        operation="stat",
+                        errno=code,
+                    )
+                )
+
+    def submit(
+        self,
+        shard: int,
+        grad: Tensor | SparseGrad,
+        hp: StepParams,
+        out: Tensor,
+        link_dtype: torch.dtype | None = None,
+        tentative: bool = False,
+    ) -> Handle:
+        """See :meth:`Backend.submit`; the device's :meth:`~StreamingDevice.update_work` says what each chunk does."""
+        self._refuse("submit")
+        sparse = isinstance(grad, SparseGrad)
+        entry = self._shard(shard, grad.numel if sparse else grad.numel(), "`grad`")
+        self._shard(shard, out.numel(), "`out`")
+        work = self.device_of(shard).update_work(entry, grad, hp, out, link_dtype or grad.dtype)
+        request = Request(
+            shard=entry,
+            read=True,
+            write=True,
+            compute=work.compute,
+            link_write=work.link_write,
+            link_read=work.link_read,
+        )
+        return self._enqueue(request, tentative)
+
+    def prefetch(self, shards: Sequence[int]) -> None:
+        """Advice: each device's next requests are for its ``shards``, in this order.
+
+        Whenever a device has no request to serve, it reads the next chunks of the advised shards not yet
+        requested into free buffers: between steps, and while it waits for the next hand-off during backward.
+        A request adopts the chunks of its shard as its first reads if they are of the state it reads; otherwise
+        they are dropped, unused. At most ``buffer_count - 1 - io_threads`` chunks (at least 1) are held per
+        device at once, so the pool's memory stays fixed and the request being served always has room to read.
+        Shards with an uncommitted tentative update are skipped (their committed state may change). New advice
+        replaces the old; :meth:`load` and :meth:`close` drop what was read ahead. Ignored after a device error
+        (:attr:`failure`).
+        """
+        shards = list(shards)
+        if unknown := [i for i in shards if not 0 <= i < len(self._shards)]:
+            raise ValueError(
+                f"`prefetch` names shard {unknown[0]}, but the shards are 0..{len(self._shards) - 1}: advise only "
+                "shards passed to `open`."
+            )
+        if not self.prefetch_state or self._failure is not None:
+            return
+        targets: list[list[PrefetchTarget]] = [[] for _ in self.devices]
+        for index in shards:
+            shard = self._shards[index]
+            if not shard.tentative:
+                targets[index % self.num_devices].append(PrefetchTarget(shard, shard.slot))
+        for device, device_targets in zip(self.devices, targets):
+            device.prefetch(device_targets)  # every device: new advice, even empty, replaces the old
+
+    def read_master(self, shard: int, out: Tensor) -> Handle:
+        self._refuse("read_master")
+        entry = self._shard(shard, out.numel(), "`out`")
+
+        def copy_out(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
+            out[start : start + n].copy_(m)
+
+        link = out.numel() * 4
+        return self._enqueue(Request(shard=entry, read=True, write=False, compute=copy_out, link_read=link))
+
+    def commit(self, shards: Iterable[int]) -> None:
+        """Make the tentative updates of ``shards`` the current state (their handles need not be done yet)."""
+        self._refuse("commit")
+        for index in shards:
+            shard = self._shards[index]
+            if not shard.tentative:
+                raise RuntimeError(f"Shard {index} has no tentative update to commit.")
+            shard.slot, shard.tentative = 1 - shard.slot, False
+
+    def rollback(self, shards: Iterable[int]) -> None:
+        """Forget the tentative updates of ``shards``: waits for every request, then the committed state is as it was.
+
+        The ``out`` tensors of those updates hold the discarded parameters; :meth:`read_master` restores them.
+        """
+        shards = list(shards)
+        try:
+            self.wait()
+        finally:
+            for index in shards:
+                self._shards[index].tentative = False
+
+    def wait(self) -> None:
+        """Block until every request and write-back is done; raise the first error not reported yet.
+
+        Raises:
+            StorageError: a device's I/O failed, or a device showed no progress for ``device_timeout_s``; either
+                latches :attr:`failure`.
+        """
+        pending, self._pending = self._pending, []
+        errors = [exc for h in pending if (exc := self._settle(h)) is not None]
+        for device in self.devices:
+            try:
+                if (exc := device.drain(self.device_timeout_s)) is not None:
+                    errors.append(exc)
+            except StorageError as exc:
+                raise self._latch(exc)  # noqa: B904 - the timeout is the error
+        if errors:
+            raise self._latch(errors[0])
+
+    def _state_files(self) -> list[ShardState]:
+        return [ShardState(s.spec, s.layout, s.file.path) for s in self._shards]
+
+    def save(self, directory: Path) -> None:
+        """Write every shard's state under ``directory`` (waits first); refused after a device error.
+
+        Works after :meth:`close` too (the state files stay on the storage): the directories are claimed again for
+        the copy if :meth:`close` released them, so no other run can be writing them meanwhile.
+        """
+        self._refuse("save")
+        self.wait()
+        claims = []
+        if self._closed and not self._claims:
+            if self._owned_dirs:
+                raise StorageError(
+                    "The device state was in temporary directories that were removed when the backend closed; "
+                    "save before closing it."
+                )
+            claims = claim_directories([device.directory for device in self.devices])
+        try:
+            save_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
+        finally:
+            release_claims(claims)
+
+    def load(self, directory: Path) -> None:
+        """Replace every shard's state with the copy under ``directory``.
+
+        Refused after a device error (:attr:`failure`), like :meth:`save`: threads may still hang on the failed
+        storage and its files may be unusable, so the process must restart and resume there.
+        """
+        self._refuse("load")
+        self.wait()
+        # Refused before any file is closed, so the backend stays usable after the error.
+        for shard in self._shards:
+            if shard.tentative:
+                raise RuntimeError(f"Shard {shard.spec.index} has an uncommitted tentative update; roll it back first.")
+        # Chunks read ahead hold the state being replaced, and no read may be in flight while files change.
+        for device, dropped in [(device, device.drop_prefetched()) for device in self.devices]:
+            if (exc := self._settle(dropped, device, "dropping the state read ahead")) is not None:
+                raise exc
+        for shard in self._shards:
+            for file in shard.files:
+                file.close()
+        try:
+            load_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
+        finally:
+            for shard in self._shards:
+                shard.files = tuple(StateFile(f.path, shard.layout.file_bytes, create=False) for f in shard.files)
+
+    def close(self, *, keep_claims: bool = False) -> None:
+        """Finish outstanding work and release buffers, threads and temporary storage.
+
+        After a device error (:attr:`failure`) it only releases: it does not raise that error again, and waits at
+        most ``device_timeout_s`` per device for threads a hung transfer holds (then leaves them behind).
+
+        ``keep_claims``: keep owning the device directories (and the temporary ones, with the state in them) until
+        :meth:`release_storage`, so that :meth:`save` can still copy the final state. Without it they are released
+        now, and a later :meth:`save` claims them again for the copy. Closing again does nothing.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._failure is None:
+                self.wait()
+        finally:
+            try:
+                # A device whose transfer still hangs keeps its files open: a piece not yet started must not reach
+                # another file through a reused descriptor.
+                hung = {device.index for device in self.devices if not device.close(self.device_timeout_s)}
+                for shard in self._shards:
+                    if shard.spec.index % self.num_devices in hung:
+                        continue
+                    for file in shard.files:
+                        file.close()
+            finally:
+                if not keep_claims:
+                    self.release_storage()
+
+    def release_storage(self) -> None:
+        """Give up the device directories: the owned (temporary) ones are removed first, while still held.
+
+        Called by :meth:`close` unless it kept them; idempotent. Every state file is closed by then.
+        """
+        claims, self._claims = self._claims, []
+        release_claims(claims, remove=self._owned_dirs)

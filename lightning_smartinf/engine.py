@@ -1,0 +1,150 @@
+"""Building a ``SmartInfinityStrategy``'s ZeRO-3 engine: this rank's devices, its controller, ``deepspeed.initialize``.
+
+Written on the strategy's public API. Invariants: a rank's device directories are created and found unclaimed before
+DeepSpeed is touched; the backend is handed to the strategy (``on_backend``) as soon as it exists, so the strategy
+releases it even when the engine fails to build after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_smartinf import quiet
+from lightning_smartinf.csd.backend import Backend
+from lightning_smartinf.csd.backends import build_backend
+from lightning_smartinf.csd.controller import Partitions, SmartUpdate, SubGroup
+from lightning_smartinf.csd.io import IOEngine, ThreadedIO
+from lightning_smartinf.csd.ownership import check_unclaimed
+from lightning_smartinf.csd.placement import rank_device_dirs, rank_share
+from lightning_smartinf.csd.storage import StorageError, make_private_dirs
+from lightning_smartinf.csd.torch_optim import SUPPORTED_OPTIMIZERS, state_bytes
+from lightning_smartinf.zero import ControllerFactory, smart_update_optimizer
+from lightning_smartinf.zero.engines import choose_io_engine
+
+if TYPE_CHECKING:
+    from lightning_smartinf.strategy import SmartInfinityStrategy
+
+log = logging.getLogger(__name__)
+#: Removers of the temporary device state of finished runs (``storage_paths=None``); see :func:`linger`.
+_lingering_temporary_state: list[weakref.finalize] = []
+
+
+def linger(owner: object, release: Callable[[], None]) -> weakref.finalize:
+    """Keep a finished run's temporary device state until the next run starts, ``owner`` is collected, or exit."""
+    finalizer = weakref.finalize(owner, release)
+    _lingering_temporary_state.append(finalizer)
+    return finalizer
+
+
+def rank_devices(strategy: SmartInfinityStrategy) -> tuple[list[Path], list[Path]]:
+    """This rank's device directories, created (0700), and those the backend removes at the end (temporary ones).
+
+    Raises:
+        MisconfigurationException: the rank gets no storage path of its own.
+        StorageError: a directory cannot be created, or another training holds it (nothing in it was touched).
+    """
+    # A run starting ends the after-`fit` life of every finished run's temporary state in this process (a strategy is
+    # not reliably garbage-collected: Lightning's logging keeps bound methods of it), so at most one run's lingers.
+    while _lingering_temporary_state:
+        _lingering_temporary_state.pop()()
+    try:
+        directories, owned = rank_device_dirs(
+            strategy.settings,
+            global_rank=strategy.global_rank,
+            local_rank=strategy.local_rank,
+            ranks_per_node=strategy.num_processes,
+        )
+    except StorageError:
+        raise
+    except ValueError as exc:
+        raise MisconfigurationException(str(exc)) from None
+    # Fails before DeepSpeed's set-up; the backend's claim, taken when it is built, is what holds them.
+    check_unclaimed(directories)
+    return directories, owned
+
+
+def controller_factory(
+    strategy: SmartInfinityStrategy, device_dirs: list[Path], owned: list[Path], on_backend: Callable[[Backend], None]
+) -> ControllerFactory:
+    """What ZeRO calls when it builds its optimizer: this rank's backend, then the controller over it."""
+    settings = strategy.settings
+    io_factory: Callable[[], IOEngine] = ThreadedIO
+    if settings.backend == "cpu":  # the xrt devices move state SSD <-> FPGA themselves (P2P)
+        try:
+            choice = choose_io_engine(settings, device_dirs)
+        except ValueError as exc:
+            raise MisconfigurationException(str(exc)) from None
+        if choice.fallback is not None:
+            rank_zero_warn(f"SmartUpdate falls back to thread-pool pread/pwrite: {choice.fallback}.")
+        log.info(f"SmartUpdate rank {strategy.global_rank}: device I/O through {choice.description}")
+        io_factory = choice.factory
+    xrt_devices = rank_share(settings.xrt_devices or (), strategy.local_rank, strategy.num_processes) or None
+
+    def build(optimizer: Optimizer, sub_groups: Sequence[SubGroup], partitions: Partitions) -> SmartUpdate:
+        backend = build_backend(settings, device_dirs, owned_dirs=owned, io_factory=io_factory, xrt_devices=xrt_devices)
+        on_backend(backend)
+        smart_update = SmartUpdate(settings, backend, optimizer, sub_groups, partitions)
+        smart_update.kept_ratio = strategy.kept_ratio
+        return smart_update
+
+    return build
+
+
+def initialize(
+    strategy: SmartInfinityStrategy,
+    model: Module,
+    optimizer: Optimizer | None,
+    lr_scheduler: Any,
+    *,
+    deepspeed_args: Any,
+    on_backend: Callable[[Backend], None],
+) -> tuple[Any, Any]:
+    """``deepspeed.initialize`` with the SmartUpdate optimizer installed; returns the engine and its optimizer."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    precision = strategy.precision_plugin.precision
+    if precision in ("16-mixed", "16-true") and not get_accelerator().is_fp16_supported():
+        raise MisconfigurationException(
+            f"`precision={precision!r}` needs fp16 support, which DeepSpeed's `{get_accelerator().device_name()}` "
+            "accelerator lacks on this machine. Use `precision='bf16-mixed'` (or train on a GPU)."
+        )
+    if optimizer is None:
+        raise MisconfigurationException(
+            "`SmartInfinityStrategy` needs an optimizer from `LightningModule.configure_optimizers` (one of "
+            f"{', '.join(SUPPORTED_OPTIMIZERS)})."
+        )
+    device_dirs, owned = rank_devices(strategy)
+    if strategy.is_global_zero and (
+        note := quiet.endurance_note([str(d) for d in device_dirs], state_bytes(optimizer) // strategy.world_size)
+    ):
+        rank_zero_warn(note)
+    # ZeRO copies its swap folder into checkpoints; ours stays empty (device state is saved separately).
+    config = strategy.config
+    assert isinstance(config, dict)
+    config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(
+        make_private_dirs(device_dirs[0], ("engine-swap",))
+    )
+    try:
+        with smart_update_optimizer(controller_factory(strategy, device_dirs, owned, on_backend)):
+            engine, zero_optimizer, _, _ = deepspeed.initialize(
+                args=deepspeed_args,
+                config=config,
+                model=model,
+                model_parameters=filter(lambda p: p.requires_grad, model.parameters()),
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+                dist_init_required=False,
+            )
+    except StorageError as exc:
+        raise exc.with_traceback(None) from None  # no frames from inside DeepSpeed
+    return engine, zero_optimizer

@@ -1,0 +1,316 @@
+"""The architecture of issue 19, measured from the code: the layers keep to themselves, nothing reads another
+module's private names, functions stay short, and importing the package changes nothing but Lightning's
+``StrategyRegistry``.
+
+The shape checks read the source with :mod:`ast`; the import checks run real interpreters. A failing check lists
+every offending place as ``path:line``.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "lightning_smartinf"
+CORE = PACKAGE / "csd"
+
+MAX_STRATEGY_LINES = 400
+MAX_FUNCTION_LINES = 80
+#: What the core (``csd/``) must not import: the training frameworks it is driven by.
+FRAMEWORKS = ("lightning", "lightning_utilities", "pytorch_lightning", "deepspeed")
+#: The layers above the core: the Lightning layer and the ZeRO adapter. Names taken from the package itself
+#: (``from lightning_smartinf import SmartInfinityStrategy``) count too: the package's ``__init__`` is that layer's API.
+LAYERS_ABOVE_CORE = ("lightning_smartinf.strategy", "lightning_smartinf.callbacks", "lightning_smartinf.zero")
+
+#: The places allowed to use names private to another module, by path relative to the package; ``None``: any name.
+PRIVATE_NAME_EXCEPTIONS: dict[str, frozenset[str] | None] = {
+    # The ZeRO adapter subclasses DeepSpeed's ZeRO-3 optimizer and calls its private methods; this one module does.
+    "zero/optimizer.py": None,
+    # The fused Adam/AdamW kernels that torch.optim's own `fused=True` path calls: the devices run the same kernel,
+    # so their updates match torch's bit for bit.
+    "csd/rules.py": frozenset({"_fused_adam_", "_fused_adamw_"}),
+    # The Lightning adapter that runs Lightning's DeepSpeedStrategy on DeepSpeed's CPU accelerator replaces exactly
+    # the private steps that refuse CPUs; this one module calls them.
+    "cpu_support.py": frozenset({"_init_deepspeed_distributed"}),
+}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+@functools.cache
+def _source(path: Path) -> tuple[str, ast.Module]:
+    text = path.read_text()
+    return text, ast.parse(text, filename=str(path))
+
+
+def _walk(path: Path) -> list[ast.AST]:
+    """Every node of the module, in the order of the source."""
+    nodes = [node for node in ast.walk(_source(path)[1]) if hasattr(node, "lineno")]
+    return sorted(nodes, key=lambda node: (node.lineno, node.col_offset))
+
+
+def _modules(root: Path = PACKAGE) -> list[Path]:
+    return sorted(root.rglob("*.py"))
+
+
+def _where(path: Path, node: ast.AST) -> str:
+    return f"{path.relative_to(REPO)}:{getattr(node, 'lineno', 0)}"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_package_module(name: str) -> bool:
+    path = REPO.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _imported_modules(path: Path, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The absolute names of the modules ``node`` imports from: ``from a import b`` is ``a.b`` where that is a
+    module of this repository, ``a`` otherwise."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:  # relative: resolved against this module's package
+        package = _module_name(path).split(".")
+        if path.name != "__init__.py":
+            package = package[:-1]
+        package = package[: len(package) - node.level + 1]
+        base = ".".join([*package, base] if base else package)
+    return [f"{base}.{a.name}" if _is_package_module(f"{base}.{a.name}") else base for a in node.names]
+
+
+def _imports(path: Path) -> Iterator[tuple[ast.Import | ast.ImportFrom, str]]:
+    """Every import statement of the module, those inside functions included, with each module it imports from."""
+    for node in _walk(path):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for module in dict.fromkeys(_imported_modules(path, node)):
+                yield node, module
+
+
+def _within(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+# ------------------------------------------------------------------------------------------------------- shape
+
+
+def test_strategy_is_at_most_400_lines_of_lightning_hooks() -> None:
+    lines = len(_source(PACKAGE / "strategy.py")[0].splitlines())
+    assert lines <= MAX_STRATEGY_LINES, (
+        f"lightning_smartinf/strategy.py has {lines} lines (at most {MAX_STRATEGY_LINES})"
+    )
+
+
+def test_no_function_is_longer_than_80_lines() -> None:
+    long = [
+        f"{_where(path, node)} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for path in _modules()
+        for node in _walk(path)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, f"functions longer than {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+# ------------------------------------------------------------------------------------------------------ layers
+
+
+def test_the_core_imports_neither_lightning_nor_deepspeed() -> None:
+    found = [
+        f"{_where(path, node)} imports {module}"
+        for path in _modules(CORE)
+        for node, module in _imports(path)
+        if _within(module, FRAMEWORKS)
+    ]
+    assert not found, "the core (lightning_smartinf/csd/) imports a training framework:\n" + "\n".join(found)
+
+
+def test_the_core_does_not_import_the_layers_above_it() -> None:
+    found = [
+        f"{_where(path, node)} imports {module}"
+        for path in _modules(CORE)
+        for node, module in _imports(path)
+        if module == "lightning_smartinf" or _within(module, LAYERS_ABOVE_CORE)
+    ]
+    assert not found, "the core imports the Lightning layer or the ZeRO adapter:\n" + "\n".join(found)
+
+
+# ---------------------------------------------------------------------------------------------- private names
+
+
+def _defined_names(tree: ast.Module) -> set[str]:
+    """Names a module defines for itself: functions, classes, globals, class attributes, ``self.``/``cls.``
+    attributes it assigns and ``__slots__`` entries."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                names.add(node.attr)
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets
+        ):
+            names.update(
+                c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            )
+    return {name for name in names if _is_private(name)}
+
+
+def _private_uses(path: Path) -> Iterator[tuple[ast.AST, str, str]]:
+    """``(node, name, description)`` for each use of a name private to another module."""
+    own = _defined_names(_source(path)[1])
+    for node in _walk(path):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            for part in module.split("."):
+                if _is_private(part):
+                    yield node, part, f"imports from the private module {module}"
+            for alias in node.names:
+                if _is_private(alias.name):
+                    yield node, alias.name, f"from {'.' * node.level}{module} import {alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                for part in alias.name.split("."):
+                    if _is_private(part):
+                        yield node, part, f"import {alias.name}"
+        elif isinstance(node, ast.Attribute) and _is_private(node.attr) and node.attr not in own:
+            yield node, node.attr, f"{ast.unparse(node.value)}.{node.attr}"
+
+
+def test_no_module_uses_another_modules_private_names() -> None:
+    found = []
+    for path in _modules():
+        allowed = PRIVATE_NAME_EXCEPTIONS.get(path.relative_to(PACKAGE).as_posix(), frozenset())
+        if allowed is None:
+            continue
+        found += [f"{_where(path, node)} {what}" for node, name, what in _private_uses(path) if name not in allowed]
+    assert not found, "uses of names private to another module:\n" + "\n".join(found)
+
+
+# ---------------------------------------------------------------------------------------------------- imports
+
+#: Where ``scripts/setup.sh`` pre-builds DeepSpeed's ops: the environment's ``torch_extensions`` (resolved, as the
+#: kernel names mapped files).
+PREBUILT_OPS = (Path(sys.prefix) / "torch_extensions").resolve()
+
+#: Prints the JIT-built extensions mapped into the process (Linux: /proc/self/maps) after the code before it.
+PRINT_LOADED_EXTENSIONS = """
+with open("/proc/self/maps") as maps:
+    loaded = {line.split(None, 5)[-1].strip() for line in maps if line.rstrip().endswith(".so")}
+for path in sorted(loaded):
+    if "torch_extensions" in path:
+        print("EXTENSION", path)
+"""
+
+
+_NOT_INHERITED = {
+    "TORCH_EXTENSIONS_DIR",
+    *("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK"),
+}
+
+
+def _python(code: str, cache: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter with ``TORCH_EXTENSIONS_DIR`` unset, as a first run of a user is.
+
+    Its cache is ``cache``: torch builds an op it finds nowhere under ``cache/torch_extensions``, not under ``~``.
+    """
+    # Without this process's extension directory, and without the rendezvous of fits run in it (MASTER_PORT, ranks).
+    env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
+    env.update(XDG_CACHE_HOME=str(cache), PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _loaded_extensions(done: subprocess.CompletedProcess[str]) -> list[Path]:
+    return [Path(line.split(None, 1)[1]) for line in done.stdout.splitlines() if line.startswith("EXTENSION ")]
+
+
+def _assert_prebuilt(loaded: list[Path], cache: Path) -> None:
+    elsewhere = [str(p) for p in loaded if not p.is_relative_to(PREBUILT_OPS)]
+    assert not elsewhere, f"ops loaded from outside {PREBUILT_OPS}:\n" + "\n".join(elsewhere)
+    assert not (cache / "torch_extensions").exists(), f"an op was built under {cache / 'torch_extensions'}"
+
+
+def test_import_changes_no_environment_variable_and_registers_the_strategy(tmp_path: Path) -> None:
+    # Lightning's own import sets variables of its own (PYTORCH_NVML_BASED_CUDA_CHECK, TORCHINDUCTOR_CACHE_DIR);
+    # what the package's import changes is measured after it.
+    _python(
+        "import os\n"
+        "import lightning.pytorch\n"
+        "before = dict(os.environ)\n"
+        "import lightning_smartinf\n"
+        "changed = {k for k in before.keys() | os.environ.keys() if before.get(k) != os.environ.get(k)}\n"
+        "assert not changed, f'import lightning_smartinf changed {sorted(changed)}'\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert 'smart_infinity' in StrategyRegistry\n",
+        tmp_path,
+    )
+
+
+def test_the_aio_op_loads_prebuilt_without_building(tmp_path: Path) -> None:
+    prebuilt = PREBUILT_OPS / "async_io" / "async_io.so"
+    if not prebuilt.is_file():
+        pytest.skip(f"{prebuilt} is not there (scripts/setup.sh builds it where libaio is installed)")
+    built_at = prebuilt.stat().st_mtime_ns
+    done = _python(
+        "import os\n"
+        "from lightning_smartinf.zero.aio import load_aio_op\n"
+        "before = dict(os.environ)\n"
+        "load_aio_op()\n"
+        "assert dict(os.environ) == before, 'loading the op left the environment changed'\n" + PRINT_LOADED_EXTENSIONS,
+        tmp_path,
+    )
+    loaded = _loaded_extensions(done)
+    assert prebuilt in loaded, done.stdout + done.stderr
+    _assert_prebuilt(loaded, tmp_path)
+    assert prebuilt.stat().st_mtime_ns == built_at, f"{prebuilt} was built again"
+
+
+FIT = """
+import lightning as L
+from models import LMModule, token_loader
+from lightning_smartinf import SmartInfinityStrategy
+import torch
+
+strategy = SmartInfinityStrategy(storage_paths=[{storage!r}], io_engine={io_engine!r})
+trainer = L.Trainer(
+    accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+    enable_progress_bar=False, enable_model_summary=False,
+)
+trainer.fit(LMModule(lambda model: (torch.optim.AdamW(model.parameters(), lr=1e-3), None)), token_loader(2))
+"""
+
+
+def test_a_first_fit_loads_every_op_prebuilt(tmp_path: Path) -> None:
+    """DeepSpeed loads ops of its own during fit (on the CPU accelerator ``deepspeed.init_distributed`` loads the
+    shared-memory comm op); those come from the pre-built ones too."""
+    if not PREBUILT_OPS.is_dir():
+        pytest.skip(f"{PREBUILT_OPS} is not there (scripts/setup.sh builds DeepSpeed's ops there)")
+    expected = [PREBUILT_OPS / "async_io" / "async_io.so"]
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
+        expected.append(PREBUILT_OPS / "deepspeed_shm_comm" / "deepspeed_shm_comm.so")
+    expected = [op for op in expected if op.is_file()]
+    io_engine = "aio" if expected and expected[0].name == "async_io.so" else "threads"
+    (tmp_path / "storage").mkdir()
+    fit = FIT.format(storage=str(tmp_path / "storage"), io_engine=io_engine)
+    done = _python(fit + PRINT_LOADED_EXTENSIONS, tmp_path, timeout=600)
+    loaded = _loaded_extensions(done)
+    _assert_prebuilt(loaded, tmp_path)
+    assert set(expected) <= set(loaded), f"expected {expected} loaded, found {loaded}"
