@@ -8,8 +8,10 @@ environment included: DeepSpeed's pre-built ops are found where they load, see
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_smartinf.callbacks import BufferPool, CompressionWarmup
+from lightning_smartinf.callbacks import BufferPool, CompressionWarmup, SmartUpdateMonitor
 from lightning_smartinf.csd import Backend, CpuBackend, StepParams, TrafficSnapshot
+from lightning_smartinf.csd.controller import SmartUpdate
+from lightning_smartinf.csd.settings import SmartUpdateSettings
 from lightning_smartinf.monitor import TrainingMonitor
 from lightning_smartinf.precision import SmartInfinityPrecision
 from lightning_smartinf.strategy import SmartInfinityStrategy
@@ -26,6 +28,9 @@ __all__ = [
     "CpuBackend",
     "SmartInfinityPrecision",
     "SmartInfinityStrategy",
+    "SmartUpdate",
+    "SmartUpdateMonitor",
+    "SmartUpdateSettings",
     "StepParams",
     "TrafficSnapshot",
     "TrainingMonitor",

@@ -412,3 +412,21 @@ def test_a_checkpoint_moved_aside_by_an_interrupted_save_is_named(reference, tmp
     aside = _copy(root, EVERY, tmp_path / ".last.ckpt.old-123-abcd")
     with pytest.raises(CheckpointError, match=re.escape(str(aside)) + ".*Rename it back to 'last.ckpt'"):
         train(tmp_path / "resume", ckpt_path=tmp_path / "last.ckpt", every=None)
+
+
+def test_a_checkpoint_saved_before_the_restructure_resumes_bit_identically(tmp_path) -> None:
+    """`tests/fixtures/checkpoint-c000ce3` was saved at step 4 by the code of commit c000ce3 (before issue 19 moved
+    the device state into `SmartUpdate`), training `scripts.ckpt_common`'s model with `compression=0.05`, so it
+    holds a residual too. Resumed by today's code, the run ends with the parameters that commit's uninterrupted
+    8-step run ended with (`checkpoint-c000ce3-final.safetensors`). If `ckpt_common`'s model or data change, make
+    the fixture again with that commit (see the test's history)."""
+    from safetensors.torch import load_file
+
+    fixtures = Path(__file__).parent / "fixtures"
+    checkpoint = tmp_path / "step=4.ckpt"
+    shutil.copytree(fixtures / "checkpoint-c000ce3", checkpoint)
+    expected = load_file(str(fixtures / "checkpoint-c000ce3-final.safetensors"))
+    resumed = train(
+        tmp_path / "run", steps=2 * EVERY, ckpt_path=checkpoint, every=None, strategy_kwargs={"compression": 0.05}
+    )
+    assert_identical(resumed, expected)

@@ -251,3 +251,22 @@ def test_prefetch_state_can_be_turned_off_and_is_validated(tmp_path):
     assert backend.prefetch_stats() == (0, 0)
     state_bytes = sum(s.layout.file_bytes for s in backend._shards)
     assert trainer.strategy.traffic.storage_read_bytes == steps * state_bytes
+
+
+def test_the_settings_are_the_strategys_own_arguments_with_the_same_defaults(tmp_path):
+    """Every field of `SmartUpdateSettings` is a keyword argument of the strategy (LightningCLI's shape) with the same
+    default, and the strategy's `settings` hold exactly what it was given."""
+    import dataclasses
+    import inspect
+
+    from lightning_smartinf import SmartUpdateSettings
+
+    parameters = inspect.signature(SmartInfinityStrategy).parameters
+    for field in dataclasses.fields(SmartUpdateSettings):
+        assert field.name in parameters, field.name
+        assert parameters[field.name].default == field.default, field.name
+    assert SmartInfinityStrategy().settings == SmartUpdateSettings()
+    given = {"storage_paths": [tmp_path], "buffer_count": 4, "chunk_size": 2048, "compression": 0.05}
+    assert SmartInfinityStrategy(**given).settings == SmartUpdateSettings(**given)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SmartInfinityStrategy().settings.buffer_count = 3

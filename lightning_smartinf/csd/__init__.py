@@ -1,4 +1,5 @@
-"""Near-storage core: update rules, backends, on-disk state layout, traffic counters.
+"""Near-storage core: settings, the SmartUpdate controller, placement, backends and devices, update rules, on-disk
+state layout and checkpoint format, traffic counters (``docs/architecture.md``).
 
 Imports neither Lightning nor DeepSpeed, so it can be used and tested on its own.
 """

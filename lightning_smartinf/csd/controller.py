@@ -86,6 +86,12 @@ class Partitions(Protocol):
         """Block until gradients copied asynchronously into :attr:`grad_buffer` have landed."""
 
     @property
+    def placement(self) -> tuple[int, ...]:
+        """The device index of each sub-group, as the backend placed them (``i mod N`` where it does not say)."""
+        assignment = getattr(self.backend, "assignment", None)
+        return assignment or tuple(i % self.backend.num_devices for i in range(len(self.sub_groups)))
+
+    @property
     def handed_off(self) -> list[int]:
         """Sub-groups handed to their devices during the current backward, not yet kept or rolled back by a step."""
         return sorted(self._hand_offs.early)
@@ -192,6 +198,12 @@ class SmartUpdate:
         """The hyperparameters of ``sub_group``'s param group as they stand now, for its ``step``-th update."""
         group = self.optimizer.param_groups[self.sub_groups[sub_group].param_group]
         return step_params(group, step=step, grad_scale=grad_scale)
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """The device index of each sub-group, as the backend placed them (``i mod N`` where it does not say)."""
+        assignment = getattr(self.backend, "assignment", None)
+        return assignment or tuple(i % self.backend.num_devices for i in range(len(self.sub_groups)))
 
     @property
     def handed_off(self) -> list[int]:

@@ -18,6 +18,7 @@ from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.io import IOEngine, ThreadedIO
 from lightning_smartinf.csd.layout import pool_bytes
 from lightning_smartinf.csd.pipeline import ChunkWork, Shard
+from lightning_smartinf.csd.placement import Placement, RoundRobin
 from lightning_smartinf.csd.rules import StepParams
 from lightning_smartinf.csd.streaming import StreamingBackend, StreamingDevice, check_device_timeout
 
@@ -101,6 +102,7 @@ class CpuBackend(StreamingBackend):
             waits for it, before :meth:`result`, :meth:`wait` and the others raise
             :class:`~lightning_smartinf.csd.storage.StorageError` and the backend stops (see :attr:`failure`).
             ``None`` waits forever.
+        placement: which device holds each shard (default: shard ``s`` on device ``s mod N``).
 
     Device errors are final: the first one reported to the host (an I/O error, or a device that stopped answering)
     latches the backend as failed; see :attr:`failure`.
@@ -118,6 +120,7 @@ class CpuBackend(StreamingBackend):
         tentative_slots: bool = False,
         prefetch_state: bool = True,
         device_timeout_s: float | None = 300.0,
+        placement: Placement = RoundRobin(),
     ) -> None:
         if io_threads < 1:
             raise ValueError(f"`io_threads={io_threads}` must be at least 1 (chunk transfers in flight per device).")
@@ -132,6 +135,7 @@ class CpuBackend(StreamingBackend):
             tentative_slots=tentative_slots,
             prefetch_state=prefetch_state,
             device_timeout_s=device_timeout_s,
+            placement=placement,
         )
 
     def make_device(self, index: int, directory: Path) -> EmulatedDevice:

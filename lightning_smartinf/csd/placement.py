@@ -1,22 +1,29 @@
-"""Placement: which storage paths and XRT devices a rank drives, and the device directories it keeps there.
+"""Placement: which storage paths and XRT devices a rank drives, the device directories it keeps there, and which
+of its devices holds each shard.
 
 The paths (and XRT devices) given to a node are shared out among its ranks by one rule, :func:`rank_share`: local
 rank ``r`` of ``n`` takes every ``n``-th entry from ``r``. A rank's device directories are
 ``<storage path>/smartinf/rank<global rank>``, so ranks of different nodes that share a filesystem never meet.
+Within a rank, a :class:`Placement` assigns shards to devices when the backend opens them (:class:`RoundRobin` by
+default). Checkpoints do not depend on it: a shard's saved record is the same on whichever device it lived.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from lightning_smartinf.csd.ownership import check_unclaimed, make_temp_device_dir, remove_stale_temp_dirs
 from lightning_smartinf.csd.settings import SmartUpdateSettings
 from lightning_smartinf.csd.storage import create_storage_path, make_private_dirs
 
-__all__ = ["STATE_DIR", "rank_device_dirs", "rank_share"]
+if TYPE_CHECKING:
+    from lightning_smartinf.csd.backend import ShardSpec
+
+__all__ = ["STATE_DIR", "Placement", "RoundRobin", "check_assignment", "rank_device_dirs", "rank_share"]
 
 #: The folder of SmartUpdate's device state inside each storage path (one ``rank<NNN>`` folder per rank below it).
 STATE_DIR = "smartinf"
@@ -74,3 +81,34 @@ def rank_device_dirs(
     # Fails before DeepSpeed's set-up; the backend's claim, taken when it is built, is what holds them.
     check_unclaimed(directories)
     return directories, []
+
+
+class Placement(Protocol):
+    """Which device of a backend holds each of its shards; asked once, when the backend opens them."""
+
+    def assign(self, shards: Sequence[ShardSpec], num_devices: int) -> list[int]:
+        """The device index (``0 <= i < num_devices``) of each shard, in shard order."""
+
+
+@dataclass(frozen=True)
+class RoundRobin:
+    """Shard ``s`` on device ``s mod N``: equal devices get equal shares of equal sub-groups (the paper's layout)."""
+
+    def assign(self, shards: Sequence[ShardSpec], num_devices: int) -> list[int]:
+        return [shard.index % num_devices for shard in shards]
+
+
+def check_assignment(placement: Placement, shards: Sequence[ShardSpec], num_devices: int) -> tuple[int, ...]:
+    """``placement``'s assignment of ``shards``, checked: one device index in range per shard.
+
+    Raises:
+        ValueError: naming the placement and what is wrong with its answer.
+    """
+    assignment = tuple(placement.assign(shards, num_devices))
+    if len(assignment) != len(shards):
+        raise ValueError(f"{placement!r} placed {len(assignment)} shards, but there are {len(shards)}.")
+    if bad := [(i, d) for i, d in enumerate(assignment) if isinstance(d, bool) or not 0 <= d < num_devices]:
+        raise ValueError(
+            f"{placement!r} put shard {bad[0][0]} on device {bad[0][1]!r}; devices are 0..{num_devices - 1}."
+        )
+    return assignment

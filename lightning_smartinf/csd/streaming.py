@@ -55,6 +55,7 @@ from lightning_smartinf.csd.pipeline import (
     Request,
     Shard,
 )
+from lightning_smartinf.csd.placement import Placement, RoundRobin, check_assignment
 from lightning_smartinf.csd.rules import StepParams
 from lightning_smartinf.csd.storage import StorageError, check_free_space, ensure_private_dir
 from lightning_smartinf.csd.traffic import Traffic
@@ -563,6 +564,8 @@ class StreamingBackend(Backend):
         device_timeout_s: seconds a device may show no progress (no chunk read, written or updated) while the host
             waits for it, before :meth:`result`, :meth:`wait` and the others raise :class:`StorageError` and the
             backend stops (see :attr:`failure`). ``None`` waits forever.
+        placement: which device holds each shard, decided at :meth:`open` (default: shard ``s`` on device
+            ``s mod N``).
 
     The constructor claims the directories, then builds device ``i`` with :meth:`make_device` for each, in order.
     Device errors are final: the first one reported to the host (an I/O error, or a device that stopped answering)
@@ -587,6 +590,7 @@ class StreamingBackend(Backend):
         tentative_slots: bool = False,
         prefetch_state: bool = True,
         device_timeout_s: float | None = 300.0,
+        placement: Placement = RoundRobin(),
     ) -> None:
         super().__init__()
         if not device_dirs:
@@ -599,6 +603,9 @@ class StreamingBackend(Backend):
         self._buffer_count = buffer_count
         self.tentative_slots = tentative_slots
         self.prefetch_state = prefetch_state
+        self.placement = placement
+        #: The device index of each shard, fixed by :meth:`open`.
+        self.assignment: tuple[int, ...] = ()
         self._owned_dirs = [Path(d) for d in owned_dirs]
         self._shards: list[Shard] = []
         self._pending: list[Future] = []
@@ -742,7 +749,8 @@ class StreamingBackend(Backend):
         )
 
     def device_of(self, shard: int) -> StreamingDevice:
-        return self.devices[shard % self.num_devices]
+        """The device that holds ``shard`` (see :attr:`assignment`)."""
+        return self.devices[self.assignment[shard]]
 
     def open(self, shards: Sequence[ShardSpec]) -> None:
         if self._shards:
@@ -752,6 +760,7 @@ class StreamingBackend(Backend):
                 f"`ShardSpec.index` values must be 0..{len(shards) - 1} in order, got {[s.index for s in shards]}."
             )
         layouts = [ChunkLayout(s.numel, self._chunk_elems, len(s.rule.state_names)) for s in shards]
+        self.assignment = check_assignment(self.placement, shards, self.num_devices)
         slots = 2 if self.tentative_slots else 1
         for device in self.devices:
             self._check_space(device, shards, layouts, slots)
@@ -771,7 +780,7 @@ class StreamingBackend(Backend):
     ) -> None:
         ensure_private_dir(device.directory)
         needed = slots * sum(
-            lay.file_bytes for s, lay in zip(shards, layouts) if s.index % self.num_devices == device.index
+            lay.file_bytes for s, lay in zip(shards, layouts) if self.assignment[s.index] == device.index
         )
         reusable = [device.directory / shard_file_name(s.index, slot) for s in shards for slot in range(slots)]
         try:
@@ -894,7 +903,7 @@ class StreamingBackend(Backend):
         for index in shards:
             shard = self._shards[index]
             if not shard.tentative:
-                targets[index % self.num_devices].append(PrefetchTarget(shard, shard.slot))
+                targets[self.assignment[index]].append(PrefetchTarget(shard, shard.slot))
         for device, device_targets in zip(self.devices, targets):
             device.prefetch(device_targets)  # every device: new advice, even empty, replaces the old
 
@@ -1018,7 +1027,7 @@ class StreamingBackend(Backend):
                 # another file through a reused descriptor.
                 hung = {device.index for device in self.devices if not device.close(self.device_timeout_s)}
                 for shard in self._shards:
-                    if shard.spec.index % self.num_devices in hung:
+                    if self.assignment[shard.spec.index] in hung:
                         continue
                     for file in shard.files:
                         file.close()

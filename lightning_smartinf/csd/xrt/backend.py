@@ -470,7 +470,9 @@ class XrtBackend(StreamingBackend):
         return list(pair_by_pcie(device_dirs, bdfs))
 
     def device_of(self, shard: int) -> XrtDevice:
-        return self.devices[shard % self.num_devices]
+        device = super().device_of(shard)
+        assert isinstance(device, XrtDevice)
+        return device
 
     def open(self, shards: Sequence[ShardSpec]) -> None:
         rules = {rule_kernel(s.rule) for s in shards}  # ValueError for amsgrad and other rules without a kernel
