@@ -69,9 +69,17 @@ class BufferPool(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        _smart_strategy(trainer, "BufferPool")  # the pools are sized later, once the model exists: `size_pools`
+
+    def size_pools(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Size the pools for ``pl_module``'s trainable parameters; the strategy calls it before it builds the engine.
+
+        That is after ``configure_model``: a module that builds its model there (the Hugging Face modules) has no
+        parameters yet when callbacks' ``setup`` runs.
+        """
         strategy = _smart_strategy(trainer, "BufferPool")
         # Sub-groups are cut from this rank's partition of each param group, so none exceeds this size.
-        trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in pl_module.parameters() if p.requires_grad)
         per_rank = -(-trainable // max(1, trainer.world_size))
         largest_sub_group = min(strategy.sub_group_size, per_rank)
         chunk = self.chunk_size or strategy.settings.chunk_size

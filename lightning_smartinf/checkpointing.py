@@ -22,7 +22,7 @@ from lightning_smartinf import checkpoint_dir
 from lightning_smartinf.checkpoint_dir import CheckpointError
 from lightning_smartinf.csd.device_state import read_host_state
 from lightning_smartinf.csd.storage import StorageError
-from lightning_smartinf.zero.safe_load import load_deepspeed_file, safe_checkpoint_engine
+from lightning_smartinf.zero.safe_load import ensure_offload_folder, load_deepspeed_file, safe_checkpoint_engine
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -152,6 +152,7 @@ def _load_for_fit(strategy: SmartInfinityStrategy, root: Path, seal: dict[str, A
     engine = strategy.deepspeed_engine
     module = strategy.lightning_module
     assert module is not None
+    ensure_offload_folder(engine, root, checkpoint_dir.TAG)
     with safe_checkpoint_engine(engine):
         _, client_state = engine.load_checkpoint(
             str(root),

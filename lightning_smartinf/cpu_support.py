@@ -25,6 +25,9 @@ from lightning_smartinf.zero.aio import prebuilt_ops
 class DeepSpeedOnCPUMixin:
     """Mix into a ``DeepSpeedStrategy`` subclass (before it) to train on ``accelerator="cpu"`` as well as CUDA."""
 
+    #: DeepSpeed's accelerator before this run switched it to CPU, put back at teardown; ``None``: nothing switched.
+    replaced_accelerator: Any = None
+
     @override
     def setup_environment(self: Any) -> None:
         if isinstance(self.accelerator, CUDAAccelerator):
@@ -39,6 +42,9 @@ class DeepSpeedOnCPUMixin:
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
         if get_accelerator().device_name() != "cpu":
+            # DeepSpeed's accelerator is process-wide: switched for this run only, and switched back at teardown, so a
+            # later CUDA run in the same process (a notebook, a test suite) gets DeepSpeed's CUDA accelerator again.
+            self.replaced_accelerator = get_accelerator()
             set_accelerator(CPU_Accelerator())
         DDPStrategy.setup_environment(self)
 
@@ -55,11 +61,18 @@ class DeepSpeedOnCPUMixin:
     @override
     def teardown(self: Any) -> None:
         engine = self.model if hasattr(self.model, "destroy") and hasattr(self.model, "optimizer") else None
-        super().teardown()
-        if engine is not None:
-            # ZeRO-3's gradient hooks live on autograd nodes and close over the engine: a cycle through C++ that
-            # the garbage collector cannot see. Removing them lets the engine and its buffers be freed.
-            engine.destroy()
+        try:
+            super().teardown()
+            if engine is not None:
+                # ZeRO-3's gradient hooks live on autograd nodes and close over the engine: a cycle through C++ that
+                # the garbage collector cannot see. Removing them lets the engine and its buffers be freed.
+                engine.destroy()
+        finally:
+            if (replaced := self.replaced_accelerator) is not None:
+                from deepspeed.accelerator import set_accelerator
+
+                set_accelerator(replaced)
+                self.replaced_accelerator = None
 
     @override
     def _initialize_deepspeed_inference(self: Any, model: Module) -> None:

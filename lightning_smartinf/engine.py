@@ -123,6 +123,13 @@ def initialize(
             "`SmartInfinityStrategy` needs an optimizer from `LightningModule.configure_optimizers` (one of "
             f"{', '.join(SUPPORTED_OPTIMIZERS)})."
         )
+    module = strategy.lightning_module
+    if module is not None:
+        from lightning_smartinf.callbacks import BufferPool
+
+        for callback in module.trainer.callbacks:
+            if isinstance(callback, BufferPool):  # the model exists now (`configure_model` ran): size for it
+                callback.size_pools(module.trainer, module)
     device_dirs, owned = rank_devices(strategy)
     if strategy.is_global_zero and (
         note := quiet.endurance_note([str(d) for d in device_dirs], state_bytes(optimizer) // strategy.world_size)

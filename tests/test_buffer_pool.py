@@ -64,8 +64,8 @@ def test_pool_sized_from_sub_groups_metrics_logged_and_released(tmp_path):
         assert metrics[f"smartinf/device{device}_compute_ms"] > 0
         assert f"smartinf/device{device}_write_ms" in metrics
     # Released at the end: no backend, threads stopped, traffic still readable.
-    assert strategy._backend is None
-    assert all(not d._worker.is_alive() for d in pool.backend.devices)
+    assert not strategy.has_smart_update
+    assert all(not d.running for d in pool.backend.devices)
     assert strategy.traffic.link_read_bytes > 0
 
 

@@ -380,7 +380,7 @@ def test_a_device_error_fails_the_step_refuses_to_save_and_the_last_checkpoint_r
     trainers: list[L.Trainer] = []
     with pytest.warns(UserWarning, match="refused: a device failed earlier"), pytest.raises(StorageError) as info:
         train(tmp_path, checkpointing="last", callbacks=[ArmFailingWrites(), on_exception], trainers=trainers)
-    assert trainers[0].strategy._backend is None  # torn down: buffers, threads and the storage claim released
+    assert not trainers[0].strategy.has_smart_update  # torn down: buffers, threads and the storage claim released
     message = str(info.value)
     assert info.value.errno == errno.EIO and "EIO (5)" in message and "write" in message
     assert str(tmp_path / "ssd") in message
@@ -425,6 +425,9 @@ def test_a_checkpoint_saved_before_the_restructure_resumes_bit_identically(tmp_p
     fixtures = Path(__file__).parent / "fixtures"
     checkpoint = tmp_path / "step=4.ckpt"
     shutil.copytree(fixtures / "checkpoint-c000ce3", checkpoint)
+    # Git keeps no empty folder, so the fixture lacks DeepSpeed's empty `offloaded_tensors/rank00`, as a checkpoint
+    # copied with `aws s3 sync` does: loading recreates it.
+    assert not (checkpoint / "checkpoint" / "offloaded_tensors").exists()
     expected = load_file(str(fixtures / "checkpoint-c000ce3-final.safetensors"))
     resumed = train(
         tmp_path / "run", steps=2 * EVERY, ckpt_path=checkpoint, every=None, strategy_kwargs={"compression": 0.05}

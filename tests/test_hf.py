@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -309,3 +310,31 @@ def test_export_pretrained_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         export_main([str(tmp_path)])
     assert "give an output .safetensors file, `--save-pretrained DIR`, or both" in capsys.readouterr().err
+
+
+def test_model_sized_callbacks_see_the_model_configure_model_builds(tmp_path, gpt2_dir) -> None:
+    """Issue 23, item 7. The HF modules build their model in `configure_model`, which Lightning calls after the
+    callbacks' `setup`: `BufferPool` must size the pools for the real model (it saw 0 parameters and forced
+    `chunk_size` to 1024), and `ActivationOffload` must find the GPT-2 blocks (it found no layers)."""
+    from lightning_smartinf.activations import ActivationOffload
+    from lightning_smartinf.callbacks import BufferPool
+
+    module = HFCausalLM(str(gpt2_dir), lr=3e-3, warmup_steps=1)
+    data = TextDataModule(str(TRAIN_JSONL), block_size=32, batch_size=4, val_fraction=0.02)
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=20_000, chunk_size=1 << 20)
+    offload = ActivationOffload(storage_paths=[tmp_path / "act"], threshold_bytes=1024, log_stats=False)
+
+    class Layers(L.Callback):
+        names: list[str] = []
+
+        def on_train_batch_end(self, *_: object) -> None:
+            Layers.names = [type(layer).__name__ for layer in offload.offloader.layers]
+
+    fit = trainer(strategy, 1, [BufferPool(), offload, Layers()], limit_val_batches=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit.fit(module, data)
+    assert not [w for w in caught if "found no repeated layers" in str(w.message)]
+    # The largest sub-group is `sub_group_size` elements (the model is larger), rounded up to the I/O unit.
+    assert strategy.settings.chunk_size == -(-20_000 // 1024) * 1024
+    assert Layers.names == ["GPT2Block"] * 2

@@ -35,7 +35,7 @@ def test_update_path_memory_is_flat_while_state_grows_4x(tmp_path):
             LMModule(adamw, dim=dim, layers=4), strategy, steps=8, precision="bf16-mixed", callbacks=[probe]
         )
         backend = trainer.strategy.smart_update.backend
-        state_bytes = sum(s.layout.file_bytes for s in backend._shards)
+        state_bytes = sum(s.layout.file_bytes for s in backend.shards)
         growth = max(probe.samples[2:]) - probe.samples[1]  # after the first steps have warmed allocators up
         results[dim] = (state_bytes, probe.pool_bytes, growth)
 

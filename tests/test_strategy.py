@@ -36,7 +36,7 @@ def test_traffic_is_exact_per_parameter(tmp_path, precision, link_bytes):
     strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=4096, chunk_size=2048)
     trainer, _ = fit(module, strategy, steps=steps, precision=precision)
 
-    shards = trainer.strategy.smart_update.backend._shards
+    shards = trainer.strategy.smart_update.backend.shards
     padded = sum(
         s.layout.num_chunks and sum(s.layout.padded_len(k) for k in range(s.layout.num_chunks)) for s in shards
     )
@@ -63,7 +63,7 @@ def test_state_files_live_on_storage_paths_and_are_private(tmp_path):
         p.mkdir()
     strategy = SmartInfinityStrategy(storage_paths=paths, sub_group_size=2000)
     trainer, _ = fit(LMModule(adamw), strategy, steps=1)
-    shards = trainer.strategy.smart_update.backend._shards
+    shards = trainer.strategy.smart_update.backend.shards
     assert len(shards) >= 4
     for shard in shards:
         device_dir = paths[shard.spec.index % 2] / "smartinf" / "rank000"
@@ -183,7 +183,7 @@ def test_non_finite_gradients_skip_the_step_and_leave_device_state_untouched(tmp
         def on_train_batch_end(self, trainer, pl_module, *_):
             backend = trainer.strategy.smart_update.backend
             backend.wait()
-            files = b"".join(s.file.path.read_bytes() for s in backend._shards)
+            files = b"".join(s.file.path.read_bytes() for s in backend.shards)
             params = [p.ds_tensor.clone() for p in pl_module.parameters()]
             self.snapshots.append((trainer.strategy.traffic, files, params))
 
@@ -249,7 +249,7 @@ def test_prefetch_state_can_be_turned_off_and_is_validated(tmp_path):
     trainer, _ = fit(LMModule(adamw, dim=64), strategy, steps=steps)
     backend = trainer.strategy.smart_update.backend
     assert backend.prefetch_stats() == (0, 0)
-    state_bytes = sum(s.layout.file_bytes for s in backend._shards)
+    state_bytes = sum(s.layout.file_bytes for s in backend.shards)
     assert trainer.strategy.traffic.storage_read_bytes == steps * state_bytes
 
 
@@ -270,3 +270,20 @@ def test_the_settings_are_the_strategys_own_arguments_with_the_same_defaults(tmp
     assert SmartInfinityStrategy(**given).settings == SmartUpdateSettings(**given)
     with pytest.raises(dataclasses.FrozenInstanceError):
         SmartInfinityStrategy().settings.buffer_count = 3
+
+
+def test_a_cpu_run_gives_deepspeed_its_accelerator_back(tmp_path):
+    """Issue 23, item 6. DeepSpeed's accelerator is process-wide, and a CPU run switches it to CPU. A later CUDA run
+    in the same process (a notebook, a test suite) must find the accelerator it had, not DeepSpeed on CPU. The
+    accelerator here is DeepSpeed's CUDA one, which it builds without a GPU."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    before = get_accelerator()
+    cuda = CUDA_Accelerator()
+    set_accelerator(cuda)
+    try:
+        fit(LMModule(adamw), SmartInfinityStrategy(storage_paths=[tmp_path]), steps=1)
+        assert get_accelerator() is cuda
+    finally:
+        set_accelerator(before)

@@ -91,7 +91,13 @@ class ActivationOffload(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" or self.offloader is not None:
             return
-        self.offloader = ActivationOffloader(self._paths(trainer), **self.kwargs).attach(pl_module)
+        self.offloader = ActivationOffloader(self._paths(trainer), **self.kwargs)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Here, not in `setup`: a module that builds its model in `configure_model` (the Hugging Face modules) has
+        # no layers before it, and `configure_model` runs after callbacks' `setup`.
+        if self.offloader is not None:
+            self.offloader.attach(pl_module)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int

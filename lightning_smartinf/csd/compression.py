@@ -187,14 +187,23 @@ def compress_topk(
     to ``value_dtype`` lost (zero when no rounding happens). So ``sent + residual == old residual + grad``
     up to the residual's own precision, which is why it should be fp32 even when gradients are bf16.
     ``grad`` is never modified. Values are returned in ``value_dtype`` (default: the gradient's dtype).
+
+    Raises:
+        LinkOverflowError: with a residual, an accumulated entry would not be finite in a ``value_dtype`` narrower
+            than the residual's (fp16); raised before anything changes (see :func:`link_overflows`).
     """
     if grad.dim() != 1:
         raise ValueError(f"`grad` must be a flat (1-D) tensor, got shape {tuple(grad.shape)}.")
     check_ratio(ratio)
     source = grad
     if residual is not None:
-        if residual.shape != grad.shape:
-            raise ValueError(f"`residual` has shape {tuple(residual.shape)}, the gradient {tuple(grad.shape)}.")
+        narrow = value_dtype is not None and torch.finfo(value_dtype).max < torch.finfo(residual.dtype).max
+        if narrow and link_overflows(grad, residual, value_dtype):
+            raise LinkOverflowError(
+                f"Gradient plus error-feedback residual exceeds the range of {value_dtype} "
+                f"({torch.finfo(value_dtype).max:g}); nothing was compressed and the residual is unchanged. Skip the "
+                "step and lower the loss scale."
+            )
         source = residual.add_(grad)
     magnitude = source.abs()
     if segments is None:
@@ -213,6 +222,28 @@ def compress_topk(
     if residual is not None:
         residual.index_copy_(0, positions, kept - values.to(kept.dtype))
     return SparseGrad(positions.to(INDEX_DTYPE), values, source.numel())
+
+
+class LinkOverflowError(OverflowError):
+    """Gradient plus error-feedback residual does not fit the dtype values cross the link in (fp16's 65504)."""
+
+
+def link_overflows(
+    grad: Tensor, residual: Tensor, value_dtype: torch.dtype, residual_factor: float = 1.0, block: int = 1 << 20
+) -> bool:
+    """Whether ``residual * residual_factor + grad`` holds an entry that is not finite once cast to ``value_dtype``.
+
+    Error feedback sends an entry's accumulated gradient in one step; in fp16 a sum beyond 65504 would cross the link
+    as inf and leave ``-inf`` in the residual for good. Works through ``block`` elements at a time (no copy of the
+    whole residual); neither tensor is changed.
+    """
+    if residual.shape != grad.shape:
+        raise ValueError(f"`residual` has shape {tuple(residual.shape)}, the gradient {tuple(grad.shape)}.")
+    for start in range(0, grad.numel(), block):
+        accumulated = residual[start : start + block] * residual_factor + grad[start : start + block]
+        if not torch.isfinite(accumulated.to(value_dtype)).all():
+            return True
+    return False
 
 
 def check_ratio(ratio: float) -> None:

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_smartinf.csd.backend import Backend, BackendStats, Handle, ShardSpec
-from lightning_smartinf.csd.compression import compress_topk
+from lightning_smartinf.csd.compression import compress_topk, link_overflows
 from lightning_smartinf.csd.device_state import load_residual, save_device_state
 from lightning_smartinf.csd.rules import StepParams
 from lightning_smartinf.csd.settings import SmartUpdateSettings
@@ -249,6 +249,18 @@ class SmartUpdate:
                 i, self.grad(i), hp, self.partitions.params(i), link_dtype=self.link_dtype, tentative=True
             )
             self._hand_offs.handed_off(i, handle, hp)
+
+    def link_overflows(self) -> bool:
+        """Whether this step's gradient plus the error-feedback residual would not be finite on the link.
+
+        In fp16 an entry that error feedback accumulated beyond 65504 would cross as inf. The engine treats a ``True``
+        like a gradient overflow: it skips the step (:meth:`skip_step`) and lowers its loss scale, and the residual,
+        held in loss-scaled units, shrinks with it before the next step. ``False`` without a residual.
+        """
+        if self.residual is None:
+            return False
+        factor = self.partitions.loss_scale / self.residual_scale
+        return link_overflows(self.partitions.grad_buffer, self.residual, self.link_dtype, factor)
 
     def skip_step(self) -> None:
         """The step is skipped (overflow): undo this backward's hand-offs; device state stays as it was."""

@@ -202,7 +202,8 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         total_norm = None
         if not self.overflow:
             total_norm = combine_grad_norm_groups(self._get_norm_groups())
-            if is_invalid_grad_norm(total_norm):
+            # Error feedback may have accumulated beyond the link dtype (fp16): an overflow like any other.
+            if is_invalid_grad_norm(total_norm) or self.smart_update.link_overflows():
                 self.overflow = True
         if self._loss_scale_update_and_overflow_cleanup():
             # Skipped step: nothing was sent, or only tentative updates, now undone; device state is as it was.

@@ -52,3 +52,28 @@ def safe_checkpoint_engine(engine: Any) -> Iterator[None]:
         yield
     finally:
         engine.checkpoint_engine = original
+
+
+def ensure_offload_folder(engine: Any, root: Path, tag: str) -> None:
+    """Recreate ``<root>/<tag>/offloaded_tensors/rankNN`` when a copy of the checkpoint dropped it.
+
+    DeepSpeed saves the (always empty) NVMe swap folder of the SmartUpdate optimizer there, and copies it back when it
+    loads, failing if it is gone. Git, object stores (``aws s3 sync``) and some sync tools do not keep empty folders,
+    so a checkpoint copied with them lacks it. Nothing else is written; the seal lists files only.
+
+    Raises:
+        CheckpointError: the folder is missing and cannot be created (a read-only copy of the checkpoint).
+    """
+    from lightning_smartinf.csd.checkpoint import CheckpointError
+
+    rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
+    folder = root / tag / "offloaded_tensors" / f"rank{rank:0>2d}"
+    if folder.is_dir():
+        return
+    try:
+        folder.mkdir(parents=True, mode=0o700)
+    except OSError as exc:
+        raise CheckpointError(
+            f"{folder} is missing (an empty folder of the checkpoint, which some copy tools drop) and cannot be "
+            f"created ({exc.strerror}). Copy the checkpoint to a writable place, or create that empty folder."
+        ) from None

@@ -11,10 +11,12 @@ from lightning_smartinf.csd.backend import ShardSpec
 from lightning_smartinf.csd.compression import (
     INDEX_DTYPE,
     SAMPLED_SELECTION_MIN_NUMEL,
+    LinkOverflowError,
     SparseGrad,
     check_ratio,
     compress_topk,
     kept_count,
+    link_overflows,
     topk_indices,
 )
 from lightning_smartinf.csd.cpu import CpuBackend
@@ -227,3 +229,26 @@ def test_layerwise_segments_each_keep_their_share() -> None:
     assert torch.equal(grad.abs()[layered.indices[layered.indices >= 3000].long()].sort().values, expected)
     with pytest.raises(ValueError, match="sum to 3999"):
         compress_topk(grad, 0.01, segments=[3000, 999])
+
+
+def test_fp16_error_feedback_beyond_the_link_range_is_refused_before_anything_changes() -> None:
+    """Error feedback sends an entry's accumulated gradient at once: in fp16 a sum past 65504 would cross the link as
+    inf and leave -inf in the residual, selected and sent again every step (issue 23, item 1)."""
+    grad = torch.zeros(4096, dtype=torch.float16)
+    grad[7] = 30000.0
+    residual = torch.zeros(4096)
+    residual[7] = 40000.0
+    before = residual.clone()
+    assert link_overflows(grad, residual, torch.float16)
+    with pytest.raises(LinkOverflowError, match=r"range of torch.float16 \(65504\).*residual is unchanged"):
+        compress_topk(grad, 0.01, residual, value_dtype=torch.float16)
+    assert torch.equal(residual, before)
+    # Halving the loss scale halves the residual (held in loss-scaled units) and the next gradient: it fits again.
+    half = grad / 2
+    assert not link_overflows(half, residual, torch.float16, residual_factor=0.5)
+    sent = compress_topk(half, 0.01, residual.mul_(0.5), value_dtype=torch.float16)
+    assert torch.isfinite(sent.values).all() and torch.isfinite(residual).all()
+    assert float(sent.to_dense(torch.float32)[7]) == 35008.0 and float(residual[7]) == -8.0  # fp16 steps by 32 here
+    # bf16 and fp32 hold what fp32 residuals hold: only a non-finite sum counts, and none is refused here.
+    assert not link_overflows(grad.float() * 1e30, residual, torch.bfloat16)
+    assert link_overflows(torch.full((3,), math.inf), torch.zeros(3), torch.bfloat16)

@@ -53,8 +53,8 @@ def run(
         "world_size": trainer.world_size,
         "storage_paths": [str(p) for p in strategy.settings.storage_paths],
         "rank_storage_paths": [str(p) for p in strategy.rank_storage_paths()],
-        "device_dirs": sorted({str(s.file.path.parent) for s in backend._shards}),
-        "files": [str(s.file.path) for s in backend._shards],
+        "device_dirs": sorted({str(s.file.path.parent) for s in backend.shards}),
+        "files": [str(s.file.path) for s in backend.shards],
     }
     return capture.params, report
 

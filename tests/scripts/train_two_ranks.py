@@ -47,7 +47,7 @@ def main(out: Path, storage: list[str], steps: int, compression: float | None = 
     backend = trainer.strategy.smart_update.backend
     rank = trainer.global_rank
     report = {
-        "files": [str(s.file.path) for s in backend._shards],
+        "files": [str(s.file.path) for s in backend.shards],
         "traffic": trainer.strategy.traffic.as_dict(),
         "sub_group_numels": [int(n) for n in backend_numels(trainer)],
         "segments": [n for group in trainer.strategy.smart_update.segments for n in group],

@@ -1,0 +1,89 @@
+"""The ``SmartUpdate`` controller on its own: no DeepSpeed, no Lightning, a real ``CpuBackend`` on real files.
+
+``FlatPartitions`` is the smallest engine the controller can drive: one flat fp16 parameter buffer and one flat
+gradient buffer, as ZeRO-3 keeps them for one rank. It implements the ``Partitions`` protocol in plain tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_smartinf.csd.controller import SmartUpdate, SubGroup
+from lightning_smartinf.csd.cpu import CpuBackend
+from lightning_smartinf.csd.settings import SmartUpdateSettings
+
+SEGMENT = 200  # elements per parameter: top-1% keeps 2 of each
+
+
+class FlatPartitions:
+    """One rank's parameters and gradients as flat buffers, sub-group by sub-group (the ``Partitions`` protocol)."""
+
+    def __init__(self, sizes: list[int], dtype: torch.dtype, loss_scale: float) -> None:
+        self.sizes = sizes
+        self.flat_params = [torch.zeros(n, dtype=dtype) for n in sizes]
+        self.grad_buffer = torch.zeros(sum(sizes), dtype=dtype)
+        self.loss_scale = loss_scale
+
+    def params(self, sub_group: int) -> Tensor:
+        return self.flat_params[sub_group]
+
+    def params_changed(self, sub_group: int) -> None: ...
+
+    def prepare_for_update(self) -> None: ...
+
+    def finish_update(self) -> None: ...
+
+    def restore_loss_scale(self, scale: float) -> None:
+        self.loss_scale = scale
+
+    def gradients_ready(self) -> None: ...
+
+    def layout(self) -> list[list[dict[str, Any]]]:
+        return [[{"name": f"p{i}", "shape": [n], "partition_numel": n}] for i, n in enumerate(self.sizes)]
+
+    rank = 0
+    world_size = 1
+
+
+def _controller(tmp_path, sizes: list[int], **settings: Any) -> tuple[SmartUpdate, FlatPartitions]:
+    partitions = FlatPartitions(sizes, torch.float16, loss_scale=65536.0)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    backend = CpuBackend([tmp_path / "dev0"], chunk_elems=1024, buffer_count=3)
+    sub_groups = [SubGroup(numel=n, param_group=0, segments=(SEGMENT,) * (n // SEGMENT)) for n in sizes]
+    smart_update = SmartUpdate(SmartUpdateSettings(**settings), backend, optimizer, sub_groups, partitions)
+    for i, n in enumerate(sizes):
+        smart_update.initialize(i, torch.zeros(n))
+    backend.wait()
+    return smart_update, partitions
+
+
+def test_fp16_error_feedback_overflow_skips_the_step_instead_of_sending_inf(tmp_path) -> None:
+    """Issue 23, item 1. An entry never among the top 1% builds up in the fp32 residual, in loss-scaled units, past
+    fp16's 65504. Sending it would put inf on the link and -inf in the residual for good, and inf into the master
+    weights on the device. The engine must see it as an overflow, skip the step, halve the loss scale (which halves
+    the residual), and go on with finite state."""
+    smart_update, partitions = _controller(tmp_path, [SEGMENT], compression={"ratio": 0.01, "layerwise": True})
+    skipped = 0
+    for step in range(8):
+        scale = partitions.loss_scale
+        grad = torch.zeros(SEGMENT)
+        grad[7] = 20000.0 / 65536.0  # a steady entry, never the largest
+        grad[20 + 2 * step : 22 + 2 * step] = 0.9375  # two new large entries each step (61440 scaled): always sent
+        partitions.grad_buffer.copy_(grad * scale)  # what backward leaves: loss-scaled fp16 gradients
+        if smart_update.link_overflows():  # what the ZeRO adapter asks before its overflow cleanup
+            smart_update.skip_step()
+            partitions.loss_scale = scale / 2
+            skipped += 1
+            continue
+        smart_update.step(grad_scale=1.0 / scale)
+        assert torch.isfinite(smart_update.residual).all(), f"step {step}: the residual holds inf"
+    masters = torch.empty(SEGMENT)
+    smart_update.backend.read_master(0, masters)
+    smart_update.backend.wait()
+    smart_update.backend.close()
+    assert skipped == 1, "the entry's sum passes 65504 once; the halved scale keeps it in range after"
+    assert torch.isfinite(masters).all() and torch.isfinite(partitions.flat_params[0]).all()
+    assert masters[7] != 0, "the steady entry was delivered once it led (its update reached the master)"
