@@ -85,17 +85,6 @@ class Partitions(Protocol):
     def gradients_ready(self) -> None:
         """Block until gradients copied asynchronously into :attr:`grad_buffer` have landed."""
 
-    @property
-    def placement(self) -> tuple[int, ...]:
-        """The device index of each sub-group, as the backend placed them (``i mod N`` where it does not say)."""
-        assignment = getattr(self.backend, "assignment", None)
-        return assignment or tuple(i % self.backend.num_devices for i in range(len(self.sub_groups)))
-
-    @property
-    def handed_off(self) -> list[int]:
-        """Sub-groups handed to their devices during the current backward, not yet kept or rolled back by a step."""
-        return sorted(self._hand_offs.early)
-
     def layout(self) -> list[list[dict[str, Any]]]:
         """Per sub-group, its parameters' names, shapes and partition sizes (enough to rebuild full weights)."""
 

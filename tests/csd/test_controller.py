@@ -84,6 +84,7 @@ def test_fp16_error_feedback_overflow_skips_the_step_instead_of_sending_inf(tmp_
     smart_update.backend.read_master(0, masters)
     smart_update.backend.wait()
     smart_update.backend.close()
+    assert smart_update.placement == (0,)
     assert skipped == 1, "the entry's sum passes 65504 once; the halved scale keeps it in range after"
     assert torch.isfinite(masters).all() and torch.isfinite(partitions.flat_params[0]).all()
     assert masters[7] != 0, "the steady entry was delivered once it led (its update reached the master)"
