@@ -175,6 +175,8 @@ def compress_topk(
     residual: Tensor | None = None,
     value_dtype: torch.dtype | None = None,
     segments: Sequence[int] | None = None,
+    *,
+    check_range: bool = True,
 ) -> SparseGrad:
     """Keep the ``kept_count(grad.numel(), ratio)`` largest-magnitude entries of a flat gradient.
 
@@ -189,16 +191,17 @@ def compress_topk(
     ``grad`` is never modified. Values are returned in ``value_dtype`` (default: the gradient's dtype).
 
     Raises:
-        LinkOverflowError: with a residual, an accumulated entry would not be finite in a ``value_dtype`` narrower
-            than the residual's (fp16); raised before anything changes (see :func:`link_overflows`).
+        LinkOverflowError: with a residual, an accumulated entry would not be finite in a ``value_dtype`` of
+            narrower range than the residual's (fp16); raised before anything changes (see :func:`link_overflows`).
+            ``check_range=False`` skips that pass over the gradient, for a caller that checked the whole buffer.
     """
     if grad.dim() != 1:
         raise ValueError(f"`grad` must be a flat (1-D) tensor, got shape {tuple(grad.shape)}.")
     check_ratio(ratio)
     source = grad
     if residual is not None:
-        narrow = value_dtype is not None and torch.finfo(value_dtype).max < torch.finfo(residual.dtype).max
-        if narrow and link_overflows(grad, residual, value_dtype):
+        narrow = value_dtype is not None and has_narrower_range(value_dtype, residual.dtype)
+        if check_range and narrow and link_overflows(grad, residual, value_dtype):
             raise LinkOverflowError(
                 f"Gradient plus error-feedback residual exceeds the range of {value_dtype} "
                 f"({torch.finfo(value_dtype).max:g}); nothing was compressed and the residual is unchanged. Skip the "
@@ -226,6 +229,13 @@ def compress_topk(
 
 class LinkOverflowError(OverflowError):
     """Gradient plus error-feedback residual does not fit the dtype values cross the link in (fp16's 65504)."""
+
+
+def has_narrower_range(value_dtype: torch.dtype, accumulator_dtype: torch.dtype) -> bool:
+    """Whether a finite ``accumulator_dtype`` sum can be out of ``value_dtype``'s range: fewer exponent bits (fp16
+    against fp32). bf16 shares fp32's exponent range: there only sums that are not finite anyway fail, and the
+    engine's own overflow check catches those."""
+    return torch.finfo(value_dtype).max < torch.finfo(accumulator_dtype).max / 2
 
 
 def link_overflows(

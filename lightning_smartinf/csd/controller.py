@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_smartinf.csd.backend import Backend, BackendStats, Handle, ShardSpec
-from lightning_smartinf.csd.compression import compress_topk, link_overflows
+from lightning_smartinf.csd.compression import compress_topk, has_narrower_range, link_overflows
 from lightning_smartinf.csd.device_state import load_residual, save_device_state
 from lightning_smartinf.csd.rules import StepParams
 from lightning_smartinf.csd.settings import SmartUpdateSettings
@@ -244,9 +244,10 @@ class SmartUpdate:
 
         In fp16 an entry that error feedback accumulated beyond 65504 would cross as inf. The engine treats a ``True``
         like a gradient overflow: it skips the step (:meth:`skip_step`) and lowers its loss scale, and the residual,
-        held in loss-scaled units, shrinks with it before the next step. ``False`` without a residual.
+        held in loss-scaled units, shrinks with it before the next step. ``False`` without a residual, and for a link
+        dtype with fp32's exponent range (bf16, fp32), where a finite sum always fits: no pass over the buffers then.
         """
-        if self.residual is None:
+        if self.residual is None or not has_narrower_range(self.link_dtype, self.residual.dtype):
             return False
         factor = self.partitions.loss_scale / self.residual_scale
         return link_overflows(self.partitions.grad_buffer, self.residual, self.link_dtype, factor)
@@ -264,7 +265,8 @@ class SmartUpdate:
         """Update every sub-group with its gradient times ``grad_scale`` (loss scale and clipping folded in).
 
         Every sub-group is queued at once (devices take them in order); the host waits only for the parameters of
-        each in turn. Gradients cross the link in the training dtype.
+        each in turn. Gradients cross the link in the training dtype. The engine skips the step instead when
+        :meth:`link_overflows` (checked before, like its own overflow check).
         """
         early, stale = self._hand_offs.take()
         for group in {s.param_group for s in self.sub_groups}:
@@ -313,6 +315,7 @@ class SmartUpdate:
                     self._residual_slice(i),
                     value_dtype=self.link_dtype,
                     segments=self.sub_groups[i].segments if compression.layerwise else None,
+                    check_range=False,  # the engine asked `link_overflows` for the whole buffer before this step
                 )
                 grad = grad.cpu()  # only the kept pairs leave the accelerator, when the gradient is on one
                 kept += grad.k
