@@ -418,8 +418,10 @@ def test_a_checkpoint_saved_before_the_restructure_resumes_bit_identically(tmp_p
     """`tests/fixtures/checkpoint-c000ce3` was saved at step 4 by the code of commit c000ce3 (before issue 19 moved
     the device state into `SmartUpdate`), training `scripts.ckpt_common`'s model with `compression=0.05`, so it
     holds a residual too. Resumed by today's code, the run ends with the parameters that commit's uninterrupted
-    8-step run ended with (`checkpoint-c000ce3-final.safetensors`). If `ckpt_common`'s model or data change, make
-    the fixture again with that commit (see the test's history)."""
+    8-step run ended with (`checkpoint-c000ce3-final.safetensors`). DeepSpeed's recovery scripts (`zero_to_fp32.py`,
+    `zero_to_torch.py`) were taken out of the fixture and its seal, to keep third-party code out of the repository;
+    everything loading reads is as saved. If `ckpt_common`'s model or data change, make the fixture again with that
+    commit (see the test's history)."""
     from safetensors.torch import load_file
 
     fixtures = Path(__file__).parent / "fixtures"
