@@ -191,7 +191,6 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             log.info("smart_infinity: updates start after backward, not during it (not supported with %s).", why)
         self._smart_update: SmartUpdate | None = None
         self._backend: Backend | None = None
-        self._closed_traffic = TrafficSnapshot()
         super().__init__(config=config, **{name: arguments[name] for name in LIGHTNING})
 
     #: The known-harmless warnings silenced from set-up to teardown (:mod:`lightning_smartinf.quiet`).
@@ -330,7 +329,6 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         if self._backend is None:
             return
         backend, self._backend = self._backend, None
-        self._closed_traffic = backend.traffic_snapshot()
         backend.close(keep_claims=True)
         if self.settings.storage_paths is None:
             self._release_storage = engine.linger(self, backend.release_storage)
@@ -340,7 +338,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
     @property
     def traffic(self) -> TrafficSnapshot:
         """Cumulative bytes moved by this rank's devices: link (host↔device) and storage (inside the device)."""
-        return self._backend.traffic_snapshot() if self._backend is not None else self._closed_traffic
+        # The controller outlives teardown (a save after `fit`), its counters with it.
+        return self._smart_update.traffic_snapshot() if self._smart_update is not None else TrafficSnapshot()
 
     # --------------------------------------------------------------------------------------------- checkpoints
 
