@@ -95,6 +95,10 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             and reads their state into free buffers whenever it has no sub-group to update (during forward and
             between hand-offs in backward; at most ``buffer_count - 1 - io_threads`` chunks at once), so its
             storage does not idle. Never changes results or memory; ``False`` is for comparisons.
+        gradient_buffer: where the reduced gradient partitions wait for the devices: ``"accelerator"`` (GPU memory:
+            the norm, overflow check and top-k run there, and each gradient crosses PCIe once, as the device reads
+            it), ``"host"`` (pinned host memory, as ZeRO-Infinity keeps them) or ``"auto"`` (the accelerator when
+            there is one). See ``docs/gpu.md``.
         offload_parameters: keep ZeRO's low-precision parameter partitions in host memory between uses.
         offload_activations: write large saved activations to the storage paths during forward and read them
             back ahead of backward (``True``, or a dict of
@@ -111,9 +115,9 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         parallel_devices, cluster_environment, precision_plugin, process_group_backend, timeout:
             as in :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`.
 
-    The SmartUpdate arguments (``backend`` to ``prefetch_state``) become the strategy's :attr:`settings`. Every argument
-    is checked here, by type and range (see :mod:`lightning_smartinf.arguments`), and one ``MisconfigurationException``
-    lists every problem.
+    The SmartUpdate arguments (``backend`` to ``gradient_buffer``) become the strategy's :attr:`settings`. Every
+    argument is checked here, by type and range (see :mod:`lightning_smartinf.arguments`), and one
+    ``MisconfigurationException`` lists every problem.
     """
 
     strategy_name = "smart_infinity"
@@ -136,6 +140,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         device_timeout_s: float | None = 300.0,
         overlap_backward: bool = True,
         prefetch_state: bool = True,
+        gradient_buffer: Literal["auto", "accelerator", "host"] = "auto",
         offload_parameters: bool = False,
         offload_activations: bool | dict[str, Any] = False,
         config: str | os.PathLike | dict[str, Any] | None = None,

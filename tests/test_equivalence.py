@@ -114,3 +114,33 @@ def test_bf16_matches_deepspeed_stage3_cpu_offload(tmp_path):
     assert max(errors.values()) < 2e-2, errors
     mean_abs = sum(float((ours[n] - reference[n]).abs().mean()) for n in ours) / len(ours)
     assert mean_abs < 1e-3
+
+
+@pytest.mark.parametrize(
+    ("precision", "compression", "accumulate"),
+    [("32-true", None, 2), ("bf16-mixed", 0.05, 1)],
+    ids=["fp32-dense-accumulate", "bf16-topk"],
+)
+def test_gradient_buffer_on_the_accelerator_changes_nothing(tmp_path, precision, compression, accumulate):
+    """``gradient_buffer="accelerator"`` rebuilds ZeRO's per-parameter gradient views over a new buffer (on a GPU, in
+    its memory; here, host memory again): every gradient must still land where the devices read it."""
+    results = {}
+    for where in ("host", "accelerator"):
+        strategy = SmartInfinityStrategy(
+            storage_paths=[tmp_path / where],
+            sub_group_size=3000,
+            chunk_size=2048,
+            buffer_count=3,
+            compression=compression,
+            gradient_buffer=where,
+        )
+        trainer, results[where] = fit(
+            LMModule(adamw_cosine), strategy, steps=6, accumulate=accumulate, precision=precision, clip=0.5
+        )
+        optimizer = trainer.strategy.deepspeed_engine.optimizer
+        if compression is not None:
+            assert optimizer.smart_update.residual.device == optimizer.grad_partitions_flat_buffer.device
+    for name, value in results["host"].items():
+        assert torch.equal(results["accelerator"][name], value), name
+    initial = {n: p.detach().float() for n, p in LMModule(adamw_cosine).named_parameters()}
+    assert min(max_relative_error(results["host"], initial).values()) > 1e-3

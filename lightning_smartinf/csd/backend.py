@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lightning_smartinf.csd.accelerator import Fence
 from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.rules import StepParams, UpdateRule
 from lightning_smartinf.csd.traffic import Traffic, TrafficSnapshot
@@ -120,6 +121,7 @@ class Backend(ABC):
         out: Tensor,
         link_dtype: torch.dtype | None = None,
         tentative: bool = False,
+        ready: Fence | None = None,
     ) -> Handle:
         """Apply one update with the shard's gradient ``grad``, dense or top-k compressed.
 
@@ -127,7 +129,9 @@ class Backend(ABC):
         zeroed chunks) crosses the link in ``link_dtype`` (default: its own dtype): a wider host buffer is
         rounded to it on the way, exactly as a transfer in that dtype would. The updated master weights are written
         into ``out`` (the low-precision partition, any float dtype) before the handle completes; ``grad``
-        and ``out`` must stay alive and untouched until then.
+        and ``out`` must stay alive and untouched until then. ``grad`` and ``out`` may live in accelerator memory;
+        the device reads ``grad`` only after ``ready`` (a fence after the work that wrote it, see
+        :func:`~lightning_smartinf.csd.accelerator.record_fence`) has completed, waiting on its own thread.
 
         With ``tentative=True`` (only where :attr:`supports_tentative`) the committed state of the shard is
         left as it was until :meth:`commit`; :meth:`rollback` discards the update. A shard takes no other

@@ -219,7 +219,7 @@ def compress_topk(
             part = topk_indices(magnitude[offset : offset + length], kept_count(length, ratio))
             parts.append(part + offset)
             offset += length
-        positions = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+        positions = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=source.device)
     kept = source[positions]
     values = kept.to(value_dtype or grad.dtype)
     if residual is not None:

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from lightning_smartinf.csd.accelerator import Fence
 from lightning_smartinf.csd.backend import Backend, BackendStats, Handle, ShardSpec
 from lightning_smartinf.csd.compression import compress_topk, has_narrower_range, link_overflows
 from lightning_smartinf.csd.device_state import load_residual, save_device_state
@@ -82,8 +83,11 @@ class Partitions(Protocol):
     def finish_update(self) -> None:
         """The partitions were written outside a step: refresh every copy derived from them, as after a step."""
 
-    def gradients_ready(self) -> None:
-        """Block until gradients copied asynchronously into :attr:`grad_buffer` have landed."""
+    def gradient_fence(self) -> Fence | None:
+        """A fence after the work queued so far that writes :attr:`grad_buffer`; ``None`` when none is pending.
+
+        Devices wait for it on their own threads before reading a gradient, so the training thread never blocks.
+        """
 
     def layout(self) -> list[list[dict[str, Any]]]:
         """Per sub-group, its parameters' names, shapes and partition sizes (enough to rebuild full weights)."""
@@ -229,13 +233,13 @@ class SmartUpdate:
         ready = self._hand_offs.ready(expected)
         if not ready:
             return
-        self.partitions.gradients_ready()  # devices read the gradient from other threads
+        fence = self.partitions.gradient_fence()  # devices read the gradient from other threads
         grad_scale = 1.0 / self.partitions.loss_scale  # the step's own scale unless it clips or rescales
         for i in ready:
             steps = self.group_steps.get(self.sub_groups[i].param_group, 0) + 1
             hp = self.step_params(i, steps, grad_scale)
             handle = self.backend.submit(
-                i, self.grad(i), hp, self.partitions.params(i), link_dtype=self.link_dtype, tentative=True
+                i, self.grad(i), hp, self.partitions.params(i), link_dtype=self.link_dtype, tentative=True, ready=fence
             )
             self._hand_offs.handed_off(i, handle, hp)
 
@@ -296,6 +300,7 @@ class SmartUpdate:
     def _submit_all(self, hps: list[StepParams], ratio: float | None, kept_early: dict[int, Handle]) -> list[Handle]:
         """Submit every sub-group not kept from backward; counts what is sent in :attr:`last_kept`."""
         compression = self.settings.compression
+        ready = self.partitions.gradient_fence()
         handles = []
         kept = total = 0
         for i in range(len(self.sub_groups)):
@@ -319,7 +324,9 @@ class SmartUpdate:
                 )
                 grad = grad.cpu()  # only the kept pairs leave the accelerator, when the gradient is on one
                 kept += grad.k
-            handles.append(self.backend.submit(i, grad, hps[i], self.partitions.params(i), link_dtype=self.link_dtype))
+            handles.append(
+                self.backend.submit(i, grad, hps[i], self.partitions.params(i), link_dtype=self.link_dtype, ready=ready)
+            )
         self.last_kept = (kept, total)
         return handles
 

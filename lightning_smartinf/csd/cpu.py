@@ -53,10 +53,11 @@ class EmulatedDevice(StreamingDevice):
         round_on_link = link_dtype != grad.dtype
 
         def load_dense(g: Tensor, start: int, n: int) -> None:
+            chunk = self.link.to_host(grad[start : start + n])
             if round_on_link:
-                g.copy_(self.link_chunk(n, link_dtype).copy_(grad[start : start + n]))
+                g.copy_(self.link_chunk(n, link_dtype).copy_(chunk))
             else:
-                g.copy_(grad[start : start + n])
+                g.copy_(chunk)
 
         def load_sparse(g: Tensor, start: int, n: int) -> None:
             grad.scatter_chunk(g, start, via=link_dtype)  # decompression, inside the transfer pipeline
@@ -69,7 +70,7 @@ class EmulatedDevice(StreamingDevice):
             if hp.grad_scale != 1.0:
                 g.mul_(hp.grad_scale)
             rule.apply(m, g, states, hp)
-            out[start : start + n].copy_(m)
+            self.link.put(out[start : start + n], m)
 
         link_write = grad.link_bytes(link_dtype) if sparse else grad.numel() * link_dtype.itemsize
         return ChunkWork(compute=update, link_write=link_write, link_read=out.numel() * out.element_size())

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from lightning_smartinf.csd.accelerator import Fence
 from lightning_smartinf.csd.backend import ShardSpec
 from lightning_smartinf.csd.io import StateFile
 from lightning_smartinf.csd.layout import ChunkLayout
@@ -150,6 +151,9 @@ class Request:
     #: Slots read from and written to, fixed when the request is queued.
     read_slot: int = 0
     write_slot: int = 0
+    #: Completes when the request's inputs (the gradient) have landed; the worker waits for it before the first
+    #: compute (state reads start earlier).
+    ready: Fence | None = None
 
     @property
     def kind(self) -> str:

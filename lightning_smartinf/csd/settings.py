@@ -34,10 +34,18 @@ from lightning_smartinf.csd.io import IO_ALIGN
 from lightning_smartinf.csd.layout import ELEM_ALIGN, POOL_TENSORS, pool_bytes
 from lightning_smartinf.csd.storage import validate_storage_path
 
-__all__ = ["BACKENDS", "IO_ENGINES", "SettingsError", "SmartUpdateSettings", "check_sub_group_indexable"]
+__all__ = [
+    "BACKENDS",
+    "GRADIENT_BUFFERS",
+    "IO_ENGINES",
+    "SettingsError",
+    "SmartUpdateSettings",
+    "check_sub_group_indexable",
+]
 
 BACKENDS = ("cpu", "xrt")
 IO_ENGINES = ("auto", "aio", "threads")
+GRADIENT_BUFFERS = ("auto", "accelerator", "host")
 #: Bucket of gradients ZeRO reduces at once when nothing asks for another size (Lightning's default).
 _DEFAULT_BUCKET = 200_000_000
 
@@ -97,6 +105,13 @@ class SmartUpdateSettings:
     """Hand each sub-group's gradient to its device as soon as backward has reduced it (see :attr:`overlap`)."""
     prefetch_state: bool = True
     """Let idle devices read the state of the sub-groups they update next into free buffers."""
+    gradient_buffer: Literal["auto", "accelerator", "host"] = "auto"
+    """Where this rank's reduced gradient partitions (and the compression residual) wait for their devices.
+    ``"accelerator"``: in accelerator memory, so the norm, the overflow check and top-k run there and only what the
+    devices read crosses to the host, once (costs ``2`` bytes per parameter / ranks in bf16, plus ``4`` with error
+    feedback). ``"host"``: in pinned host memory, as ZeRO-Infinity keeps them (each partition crosses to the host
+    during backward and back for its norm). ``"auto"``: the accelerator when there is one. Without an accelerator
+    both are host memory."""
 
     def __post_init__(self) -> None:
         problems = Problems(type(self).__name__, SettingsError)
@@ -192,6 +207,7 @@ def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
     known = len(problems)
     problems.choice("backend", raw["backend"], BACKENDS)
     problems.choice("io_engine", raw["io_engine"], IO_ENGINES)
+    problems.choice("gradient_buffer", raw["gradient_buffer"], GRADIENT_BUFFERS)
     sub_group_valid, chunk_valid, buffers_valid = _check_counts(problems, raw)
     for name in ("overlap_backward", "prefetch_state"):
         problems.flag(name, raw[name])

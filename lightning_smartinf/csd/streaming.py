@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lightning_smartinf.csd.accelerator import Fence, HostLink
 from lightning_smartinf.csd.backend import Backend, BackendStats, DeviceStats, Handle, ShardSpec
 from lightning_smartinf.csd.checkpoint import ShardState, load_state, save_state, shard_file_name
 from lightning_smartinf.csd.compression import SparseGrad
@@ -127,6 +128,8 @@ class StreamingDevice(ABC):
         self.io = io
         self.stats = DeviceCounters()
         self.pool = ChunkPool()
+        #: The worker's copies to and from accelerator memory (gradients in, parameters out), off the training stream.
+        self.link = HostLink()
         #: Host bytes of the buffers this device allocated (see :meth:`allocate`).
         self.allocated_bytes = 0
         #: ``time.monotonic()`` of the last sign of life: new work, or a chunk read, written or updated.
@@ -242,6 +245,7 @@ class StreamingDevice(ABC):
         self._writer.shutdown(wait=settled, cancel_futures=True)
         if settled:
             self.io.close()
+            self.link.close()
         else:
             logging.getLogger(__name__).warning(
                 "Device %d at %r: %s still pending %s s after `close`; its threads are left behind and the process "
@@ -520,6 +524,8 @@ class StreamingDevice(ABC):
             for k in range(layout.num_chunks):
                 self._issue_reads()
                 buf, record = self._chunk_record(request, k)
+                if k == 0 and request.ready is not None:
+                    request.ready.synchronize()
                 padded = layout.padded_len(k)
                 start, n = layout.chunk_range(k)
                 master = record[:n]
@@ -541,6 +547,8 @@ class StreamingDevice(ABC):
                 else:
                     self.pool.release(buf)
         finally:
+            # Parameters copied to accelerator memory have landed before the request is reported done (or failed).
+            self.link.settle()
             # A failed request drops its remaining reads; reads already issued for later requests stay theirs.
             reads = self.window.reads
             while reads and reads[0].request is request:
@@ -822,8 +830,10 @@ class StreamingBackend(Backend):
         rule = entry.spec.rule
         init_values = [rule.initial_state_value(name) for name in rule.state_names]
 
+        host_link = self.device_of(shard).link
+
         def fill(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
-            m.copy_(master[start : start + n])
+            m.copy_(host_link.to_host(master[start : start + n]))
             for state, value in zip(states, init_values):
                 if value != 0.0:
                     state.fill_(value)
@@ -862,6 +872,7 @@ class StreamingBackend(Backend):
         out: Tensor,
         link_dtype: torch.dtype | None = None,
         tentative: bool = False,
+        ready: Fence | None = None,
     ) -> Handle:
         """See :meth:`Backend.submit`; the device's :meth:`~StreamingDevice.update_work` says what each chunk does."""
         self._refuse("submit")
@@ -876,6 +887,7 @@ class StreamingBackend(Backend):
             compute=work.compute,
             link_write=work.link_write,
             link_read=work.link_read,
+            ready=ready,
         )
         return self._enqueue(request, tentative)
 
@@ -910,9 +922,10 @@ class StreamingBackend(Backend):
     def read_master(self, shard: int, out: Tensor) -> Handle:
         self._refuse("read_master")
         entry = self._shard(shard, out.numel(), "`out`")
+        host_link = self.device_of(shard).link
 
         def copy_out(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
-            out[start : start + n].copy_(m)
+            host_link.put(out[start : start + n], m)
 
         link = out.numel() * 4
         return self._enqueue(Request(shard=entry, read=True, write=False, compute=copy_out, link_read=link))

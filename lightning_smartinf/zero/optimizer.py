@@ -18,6 +18,7 @@ This is the one module that uses DeepSpeed's private ZeRO-3 methods; everything 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable
 from typing import Any
 
@@ -28,8 +29,22 @@ from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_no
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from torch import Tensor
 
+from lightning_smartinf.csd.accelerator import Fence, record_fence
 from lightning_smartinf.csd.controller import SmartUpdate, SubGroup
 from lightning_smartinf.zero.install import ControllerFactory
+
+
+def gradient_buffer_device(setting: str) -> str | None:
+    """The device to keep the reduced gradient partitions on for ``gradient_buffer=setting``, or ``None`` to leave
+    them in ZeRO's pinned host buffer.
+
+    ``"auto"`` moves them only to a real accelerator. ``"accelerator"`` always moves them; on a machine without one
+    that is host memory again (unpinned), which runs the same code path as a GPU.
+    """
+    accelerator = get_accelerator()
+    if setting == "host" or (setting == "auto" and accelerator.is_synchronized_device()):
+        return None
+    return accelerator.current_device_name()
 
 
 class ZeroPartitions:
@@ -62,10 +77,15 @@ class ZeroPartitions:
         if self._optimizer.dynamic_loss_scale:
             self._optimizer.loss_scaler.cur_scale = scale
 
-    def gradients_ready(self) -> None:
-        if not get_accelerator().is_synchronized_device():
-            # The partitions were copied to host memory asynchronously; devices read them from other threads.
-            get_accelerator().current_stream().synchronize()
+    def gradient_fence(self) -> Fence | None:
+        accelerator = get_accelerator()
+        if accelerator.is_synchronized_device():
+            return None
+        # Called on the stream that reduced and copied the partitions (ZeRO's reduce stream during backward).
+        fence = record_fence(accelerator.current_device_name())
+        if fence is None:  # an accelerator without CUDA events: wait here, as ZeRO would before a host step
+            accelerator.current_stream().synchronize()
+        return fence
 
     def layout(self) -> list[list[dict[str, Any]]]:
         """Per shard, the parameters whose partitions it holds, in order: enough to rebuild full fp32 weights.
@@ -161,6 +181,29 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self.smart_update = type(self).controller_factory(self.optimizer, sub_groups, ZeroPartitions(self))
         self._expected_params: list[set[Hashable]] | None = None
         self.optimizer_swapper = DeviceSwapper(self, str(offload_optimizer_config.nvme_path))
+
+    def _setup_for_real_optimizer(self) -> None:
+        super()._setup_for_real_optimizer()
+        device = gradient_buffer_device(self.smart_update.settings.gradient_buffer)
+        if device is not None:
+            self._move_gradient_buffer(device)
+
+    def _move_gradient_buffer(self, device: str) -> None:
+        """Keep the reduced gradient partitions in ``device`` memory instead of ZeRO's pinned host buffer.
+
+        ZeRO then copies each reduced partition (and accumulates micro-batches) within the accelerator, takes the
+        norm and checks for overflow there; a device reads each gradient chunk across the link once, when it needs
+        it. The per-parameter views are rebuilt over the new buffer in ZeRO's order (``fp16_groups``, flattened).
+        """
+        old = self.grad_partitions_flat_buffer
+        buffer = torch.zeros(old.numel(), dtype=old.dtype, device=device)
+        views = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        offset = 0
+        for param in itertools.chain.from_iterable(self.fp16_groups):
+            views[param.ds_id] = buffer.narrow(0, offset, param.partition_numel())
+            offset += param.partition_numel()
+        assert offset == buffer.numel(), "every parameter's partition has a view over the whole buffer"
+        self.grad_partitions_flat_buffer = buffer
 
     def initialize_optimizer_states(self) -> None:
         # Device states were initialised with the masters (DeviceSwapper.initialize_parameters).

@@ -18,6 +18,7 @@ import errno
 import os
 import shutil
 import stat
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -683,3 +684,40 @@ def test_host_buffer_memory_uses_largest_record(tmp_path, make_backend) -> None:
     else:
         backend.open([ShardSpec(0, 10, SGD(with_momentum=False)), ShardSpec(1, 10, Adam(amsgrad=True))])
         assert backend.buffer_bytes == 2 * ((2 * (1 + 3) + 1) * CHUNK * 4)
+
+
+class _Gate:
+    """A real fence for host threads: ``synchronize`` blocks until :meth:`open`, and records that it was waited on."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self.waited = threading.Event()
+
+    def synchronize(self) -> None:
+        self.waited.set()
+        self._open.wait()
+
+    def open(self) -> None:
+        self._open.set()
+
+
+def test_device_reads_the_gradient_only_after_its_fence(tmp_path, make_backend) -> None:
+    """``submit(ready=...)``: the gradient may still be in flight at submission (an accelerator's copy); the device
+    waits for the fence on its own thread and reads what the tensor holds then."""
+    numel = 2 * CHUNK + 5
+    backend = make_backend(_dirs(tmp_path, 1), buffer_count=3)
+    backend.open([ShardSpec(index=0, numel=numel, rule=SGD())])
+    master = torch.randn(numel, generator=torch.Generator().manual_seed(6))
+    backend.initialize(0, master)
+    backend.wait()
+    grad = torch.zeros(numel)
+    out = torch.empty(numel)
+    gate = _Gate()
+    handle = backend.submit(0, grad, StepParams(step=1, lr=0.5), out, ready=gate)
+    assert gate.waited.wait(10), "the device waits for the fence"
+    assert not handle.done(), "and computes nothing before it completes"
+    final = torch.randn(numel, generator=torch.Generator().manual_seed(7))
+    grad.copy_(final)  # what the in-flight copy would deliver
+    gate.open()
+    backend.result(handle)
+    assert_close(out, master - 0.5 * final, rtol=0, atol=0)

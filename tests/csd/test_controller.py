@@ -39,7 +39,8 @@ class FlatPartitions:
     def restore_loss_scale(self, scale: float) -> None:
         self.loss_scale = scale
 
-    def gradients_ready(self) -> None: ...
+    def gradient_fence(self) -> None:
+        return None  # host tensors: nothing is in flight
 
     def layout(self) -> list[list[dict[str, Any]]]:
         return [[{"name": f"p{i}", "shape": [n], "partition_numel": n}] for i, n in enumerate(self.sizes)]

@@ -72,6 +72,7 @@ def test_defaults_are_the_strategy_defaults_and_the_object_is_frozen_and_keyword
         "device_timeout_s": 300.0,
         "overlap_backward": True,
         "prefetch_state": True,
+        "gradient_buffer": "auto",
     }
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.buffer_count = 4  # type: ignore[misc]
@@ -172,6 +173,7 @@ def test_counts_are_ints_in_range(name: str, value, what: str):
         ({"prefetch_state": None}, r"`prefetch_state=None` is not allowed: it must be True or False"),
         ({"backend": "gpu"}, r"`backend='gpu'` is not supported: it must be one of: 'cpu', 'xrt'"),
         ({"io_engine": None}, r"`io_engine=None` is not supported: .*'auto', 'aio', 'threads'"),
+        ({"gradient_buffer": "gpu"}, r"`gradient_buffer='gpu'` is not supported: .*'auto', 'accelerator', 'host'"),
         ({"xclbin": "k.xclbin"}, r"`backend='xrt'` only, but `backend='cpu'`"),
         ({"xrt_devices": 5}, r"`backend='xrt'` only, but `backend='cpu'`"),
         ({"backend": "xrt"}, r"^`backend='xrt'`: `xclbin=None`: `backend='xrt'` needs the device binary"),
