@@ -114,12 +114,14 @@ def fit(
     clip: float | None = None,
     batches: int | None = None,
     callbacks: list | None = None,
+    accelerator: str = "cpu",
+    devices: int = 1,
     **trainer_kwargs: Any,
 ) -> tuple[L.Trainer, dict[str, torch.Tensor]]:
     capture = CaptureParams()
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
+        accelerator=accelerator,
+        devices=devices,
         strategy=strategy,
         precision=precision,
         max_steps=steps,

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_smartinf.csd.accelerator import SideStreams, on_cuda, pinned_empty, record_fence
 from lightning_smartinf.csd.io import IO_ALIGN, IOEngine, StateFile, ThreadedIO, aligned_empty, round_up
 from lightning_smartinf.csd.storage import (
     StorageError,
@@ -103,6 +104,8 @@ class _Record:
         "unpacked",
         "error",
         "charged",
+        "produced",
+        "side_allocated",
     )
 
     def __init__(self, key: tuple, tensor: Tensor, nbytes: int, seq: int) -> None:
@@ -119,6 +122,10 @@ class _Record:
         self.unpacked = 0
         self.error: BaseException | None = None
         self.charged = 0  # bytes charged to the in-flight budget
+        # CUDA only: an event after the kernels of the user's stream that produced the tensor (the write waits for
+        # it on a side stream), and whether the tensor read back was allocated on a side stream.
+        self.produced: Any = None
+        self.side_allocated = False
 
 
 class _Handle:
@@ -274,7 +281,8 @@ class ActivationOffloader:
         self._file_seq = itertools.count()
         self._error: BaseException | None = None
         # Reused aligned staging buffers for writes (no page faults on the hot path), at most the budget in total.
-        self._free_bufs: dict[int, list[Tensor]] = {}
+        self._free_bufs: dict[tuple[int, bool], list[Tensor]] = {}  # (bytes, pinned) -> staging buffers
+        self._streams = SideStreams()
         self._pooled = 0
         self._staging_total = 0
 
@@ -427,6 +435,7 @@ class ActivationOffloader:
             self._records[key] = rec
             self._charge_resident(nbytes)
             if self._should_offload(t, nbytes):
+                rec.produced = record_fence(t.device)  # the user's current stream, whichever it is
                 self._start_write(rec)
             else:
                 self.stats.tensors_kept += 1
@@ -459,16 +468,21 @@ class ActivationOffloader:
             assert t is not None and rec.path is not None
             span = t.as_strided((t.numel(),), (1,))  # dense: exactly the bytes of the tensor, any permutation
             padded = rec.charged
-            buf = self._staging(padded)
+            cuda = on_cuda(t)
+            buf = self._staging(padded, pinned=cuda)
             try:
-                buf[: rec.nbytes].copy_(span.view(torch.uint8))
+                if cuda:
+                    stream = self._streams.stream(t.device, "out")
+                    self._streams.copy(buf[: rec.nbytes], span.view(torch.uint8), stream, after=rec.produced)
+                else:
+                    buf[: rec.nbytes].copy_(span.view(torch.uint8))
                 file = StateFile(rec.path, padded, create=True)
                 try:
                     self._io.write(file, buf, 0)
                 finally:
                     file.close()
             finally:
-                self._give_back(buf)
+                self._give_back(buf, pinned=cuda)
             del buf, span, t
         except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -508,20 +522,21 @@ class ActivationOffloader:
             self._cond.notify_all()
 
     # ---------------------------------------------------------------------------------------------- unpack
-    def _staging(self, nbytes: int) -> Tensor:
+    def _staging(self, nbytes: int, pinned: bool = False) -> Tensor:
+        """An aligned host buffer of ``nbytes``: page-locked for copies to and from CUDA memory."""
         with self._cond:
-            bufs = self._free_bufs.get(nbytes)
+            bufs = self._free_bufs.get((nbytes, pinned))
             if bufs:
                 self._pooled -= nbytes
                 return bufs.pop()
             self._staging_total += nbytes
             self.stats.peak_staging_bytes = max(self.stats.peak_staging_bytes, self._staging_total)
-        return aligned_empty(nbytes)
+        return pinned_empty(nbytes) if pinned else aligned_empty(nbytes)
 
-    def _give_back(self, buf: Tensor) -> None:
+    def _give_back(self, buf: Tensor, pinned: bool = False) -> None:
         with self._cond:
             if self._pooled + buf.numel() <= self.max_inflight_bytes:
-                self._free_bufs.setdefault(buf.numel(), []).append(buf)
+                self._free_bufs.setdefault((buf.numel(), pinned), []).append(buf)
                 self._pooled += buf.numel()
             else:
                 self._staging_total -= buf.numel()
@@ -561,6 +576,9 @@ class ActivationOffloader:
                 self._raise_pending_error()
                 out = rec.tensor
         assert out is not None
+        if rec.side_allocated:
+            # Allocated on a side stream, used on the caller's: its memory is not reused until the caller is done.
+            out.record_stream(torch.cuda.current_stream(out.device))
         handle.used = True
         with self._cond:
             self._release(rec)
@@ -581,7 +599,8 @@ class ActivationOffloader:
     def _read(self, rec: _Record) -> None:
         try:
             assert rec.path is not None
-            buf = aligned_empty(rec.charged)
+            cuda = rec.device.type == "cuda"
+            buf = self._staging(rec.charged, pinned=True) if cuda else aligned_empty(rec.charged)
             file = StateFile(rec.path, rec.charged, create=False)
             try:
                 self._io.read(file, buf, 0)
@@ -589,7 +608,15 @@ class ActivationOffloader:
                 file.close()
             rec.path.unlink(missing_ok=True)  # the bytes are in memory: the file is no longer needed
             out = buf[: rec.nbytes].view(rec.dtype).as_strided(rec.shape, rec.stride)
-            if rec.device.type != "cpu":
+            if cuda:
+                stream = self._streams.stream(rec.device, "in")
+                with torch.cuda.stream(stream):
+                    host, out = out, torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype, device=rec.device)
+                self._streams.copy(out, host, stream)
+                rec.side_allocated = True
+                del host
+                self._give_back(buf, pinned=True)
+            elif rec.device.type != "cpu":
                 out = out.to(rec.device, non_blocking=False)
         except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread
             with self._cond:

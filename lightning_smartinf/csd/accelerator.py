@@ -27,7 +27,7 @@ from torch import Tensor
 
 from lightning_smartinf.csd.io import IO_ALIGN
 
-__all__ = ["Fence", "HostLink", "on_cuda", "pinned_empty", "record_fence"]
+__all__ = ["Fence", "HostLink", "SideStreams", "on_cuda", "pinned_empty", "record_fence"]
 
 
 class Fence(Protocol):
@@ -61,6 +61,36 @@ def pinned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> Tensor:
     raw = torch.empty(nbytes + IO_ALIGN, dtype=torch.uint8, pin_memory=True)
     shift = (-raw.data_ptr()) % IO_ALIGN
     return raw[shift : shift + nbytes].view(dtype)
+
+
+class SideStreams:
+    """CUDA streams of one owner's threads, one per device and direction, apart from every stream of training.
+
+    :meth:`copy` blocks only the calling thread: the thread that launches training's kernels never waits on it.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+
+    def stream(self, device: torch.device, direction: str) -> torch.cuda.Stream:
+        """The stream for copies of ``direction`` (``"in"`` or ``"out"``) to or from ``device``."""
+        key = (device, direction)
+        stream = self._streams.get(key)
+        if stream is None:
+            # dict.setdefault is atomic under the GIL: two threads racing here share the stream one of them made.
+            stream = self._streams.setdefault(key, torch.cuda.Stream(device=device))
+        return stream
+
+    def copy(self, dst: Tensor, src: Tensor, stream: torch.cuda.Stream, after: Fence | None = None) -> None:
+        """``dst.copy_(src)`` on ``stream``, once ``after`` (an event of the stream that wrote ``src``) has completed;
+        returns when the copy has."""
+        with torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()
 
 
 class _Slot:
