@@ -27,7 +27,7 @@ from lightning_smartinf.csd.ownership import check_unclaimed
 from lightning_smartinf.csd.placement import rank_device_dirs, rank_share
 from lightning_smartinf.csd.storage import StorageError, make_private_dirs
 from lightning_smartinf.csd.torch_optim import SUPPORTED_OPTIMIZERS, state_bytes
-from lightning_smartinf.zero import ControllerFactory, smart_update_optimizer
+from lightning_smartinf.zero import ControllerFactory, GradientBufferError, smart_update_optimizer
 from lightning_smartinf.zero.engines import choose_io_engine
 
 if TYPE_CHECKING:
@@ -154,4 +154,6 @@ def initialize(
             )
     except StorageError as exc:
         raise exc.with_traceback(None) from None  # no frames from inside DeepSpeed
+    except GradientBufferError as exc:
+        raise MisconfigurationException(str(exc)) from None
     return engine, zero_optimizer

@@ -144,3 +144,13 @@ def test_gradient_buffer_on_the_accelerator_changes_nothing(tmp_path, precision,
         assert torch.equal(results["accelerator"][name], value), name
     initial = {n: p.detach().float() for n, p in LMModule(adamw_cosine).named_parameters()}
     assert min(max_relative_error(results["host"], initial).values()) > 1e-3
+
+
+def test_gradient_buffer_placement_without_an_accelerator():
+    from lightning_smartinf.zero.optimizer import gradient_buffer_device
+
+    # DeepSpeed's CPU accelerator: "auto" and "host" leave ZeRO's buffer alone; "accelerator" rebuilds it in host
+    # memory (the code path a GPU takes), whatever its size.
+    assert gradient_buffer_device("auto", 1 << 40) is None
+    assert gradient_buffer_device("host", 1) is None
+    assert gradient_buffer_device("accelerator", 1 << 40) == "cpu"

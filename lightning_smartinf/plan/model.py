@@ -4,8 +4,9 @@ Pure Python (no torch). Units: bytes, seconds, parameters; bandwidths in GB/s (1
 
 Per iteration, for ``P`` trainable parameters, ``N`` storage devices (``docs/planner.md`` has the derivation):
 
-* GPU:  ``T_fb = k·P·tokens / (peak·eff) + 6P / gpu_link``  (``k`` = 8 with activation recompute; 6 B/param
-  of ZeRO-3 parameter fetch and gradient offload between GPU and host).
+* GPU:  ``T_fb = k·P·tokens / (peak·eff) + x·P / gpu_link``  (``k`` = 8 with activation recompute; ``x`` the
+  GPU <-> host bytes per parameter that method's code copies, :func:`gpu_link_bytes`: ZeRO-3's parameter fetches
+  for forward and backward, then the gradient).
 * ZeRO-Infinity (RAID-0, host update), read ``16P`` (fp32 master, m, v, grad) and write ``16P`` at
   ``min(N·b_ssd, raid ceiling)``, host update at ``host_update`` param/s, serialised (DeepSpeed's default).
 * SmartUpdate (SU): the shared link carries ``t·P`` gradient down (written to each device's SSD) and ``t·P``
@@ -15,7 +16,8 @@ Per iteration, for ``P`` trainable parameters, ``N`` storage devices (``docs/pla
 * SU+O: the transfer handler overlaps the update with the storage traffic: ``max(storage, update)`` per
   device plus one sub-group of pipeline fill.
 * SU+O+C: the gradient shrinks to ``c·(t + 4)`` (value + int32 index) bytes per parameter on the link and on the SSD, at
-  the cost of the top-k selection on the GPU (the paper's code also copies the fp16 gradient back to the GPU).
+  the cost of the top-k selection on the GPU. With ``gradient_buffer="accelerator"`` only the pairs cross to the
+  host; with ``"host"`` (ZeRO's pinned buffer, and the paper's released code) the gradient crosses and comes back.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ FP32_STATE_BYTES = 12  # master + exp_avg + exp_avg_sq
 LOW_PRECISION_BYTES = 2  # fp16/bf16 gradient or parameter
 FP32_GRAD_BYTES = 4
 COMPRESSED_INDEX_BYTES = 4  # int32 position inside the sub-group
+#: ZeRO-3 with parameters offloaded to host memory fetches each 16-bit parameter to the GPU twice per step.
+PARAM_FETCH_BYTES = 2 * LOW_PRECISION_BYTES
+GRADIENT_BUFFERS = ("accelerator", "host")
 
 METHODS = ("zero_infinity", "su", "su_o", "su_o_c")
 METHOD_LABELS = {
@@ -113,6 +118,9 @@ class Profile:
     device_update_gparams_per_s: float = 0.5
     max_devices: int = 10
     device_memory_gb: float = 4.0  # per device buffer memory (FPGA DRAM / host pool budget per device)
+    #: ZeRO copies each reduced gradient partition to pinned host memory and back to the GPU for its norm (DeepSpeed
+    #: 0.19.8 does; the paper profiles are fitted without the way back).
+    gradient_round_trip: bool = True
     #: ZeRO-Infinity baseline overlaps its reads and writes (``pipeline_read/write``).
     baseline_pipelined: bool = False
     sources: dict[str, str] = field(default_factory=dict)
@@ -157,7 +165,9 @@ class Breakdown:
     update: float  # optimizer arithmetic not hidden behind I/O
     param_return: float  # updated low-precision parameters back over the shared link
     storage_io: float  # optimizer-state reads + writes not hidden (baseline: over the RAID; SU: inside devices)
-    compression: float = 0.0  # top-k selection and its copies (SU+O+C)
+    compression: float = 0.0  # top-k selection on the GPU (SU+O+C)
+    gpu_link_bytes: float = 0.0  # bytes per step between GPU and host memory (inside ``fwd_bwd``)
+    gpu_gradient_bytes: float = 0.0  # GPU memory the gradient partitions (and residual) keep across the step
     link_write_bytes: float = 0.0  # bytes per step host -> storage over the shared link
     link_read_bytes: float = 0.0  # bytes per step storage -> host over the shared link
     storage_bytes: float = 0.0  # bytes per step read+written on the SSDs in total
@@ -176,14 +186,44 @@ class Breakdown:
         return self.fwd_bwd + self.optimizer + self.compression
 
 
-def fwd_bwd_time(work: Workload, prof: Profile) -> float:
+def gpu_link_bytes(
+    method: str, *, gradient_buffer: str = "accelerator", compression: float | None = None, round_trip: bool = True
+) -> float:
+    """GPU <-> host bytes per parameter per step that ``method``'s code copies (16-bit training, parameters offloaded
+    to host memory; the updated parameters are written there, so none go back to the GPU).
+
+    - ZeRO-3's parameter fetches for forward and backward: ``4``.
+    - ZeRO-Infinity and ``gradient_buffer="host"``: ZeRO copies each reduced gradient partition into pinned host
+      memory, ``2``, and back to the GPU for its norm, ``2`` (``round_trip``: DeepSpeed 0.19.8 does; the paper
+      profiles are fitted without it). Top-k on the GPU needs the gradient back there in any case, and
+      then sends the pairs.
+    - ``gradient_buffer="accelerator"``: the gradient stays on the GPU (norm and top-k run there); a device reads it
+      across once, ``2``, or only the kept pairs, ``c·(2 + 4)``.
+    """
+    if gradient_buffer not in GRADIENT_BUFFERS:
+        raise PlanError(
+            f"`gradient_buffer={gradient_buffer!r}` is unknown; choose one of {', '.join(GRADIENT_BUFFERS)}."
+        )
+    pairs = 0.0 if compression is None else compression * (LOW_PRECISION_BYTES + COMPRESSED_INDEX_BYTES)
+    if method == "zero_infinity" or gradient_buffer == "host":
+        back = round_trip or (method != "zero_infinity" and compression is not None)
+        return (
+            PARAM_FETCH_BYTES + LOW_PRECISION_BYTES * (2 if back else 1) + (0.0 if method == "zero_infinity" else pairs)
+        )
+    if compression is None:
+        return PARAM_FETCH_BYTES + LOW_PRECISION_BYTES
+    return PARAM_FETCH_BYTES + pairs
+
+
+def fwd_bwd_time(work: Workload, prof: Profile, link_bytes_per_param: float = 3 * LOW_PRECISION_BYTES) -> float:
+    """Forward and backward, and the GPU <-> host copies of ``link_bytes_per_param`` (not overlapped: an upper
+    bound)."""
     if prof.gpu_peak_tflops is None:
         return prof.cpu_step_s_per_gparam * work.params / 1e9
     compute = (
         work.flops_per_param_token * work.params * work.tokens / (prof.gpu_peak_tflops * 1e12 * prof.gpu_efficiency)
     )
-    offload = 3 * LOW_PRECISION_BYTES * work.params / _limit(prof.gpu_link_gbps)
-    return compute + offload
+    return compute + link_bytes_per_param * work.params / _limit(prof.gpu_link_gbps)
 
 
 def zero_infinity(work: Workload, prof: Profile, devices: int) -> Breakdown:
@@ -194,6 +234,7 @@ def zero_infinity(work: Workload, prof: Profile, devices: int) -> Breakdown:
     state_in = (FP32_STATE_BYTES + FP32_GRAD_BYTES) * p / read_bw
     state_out = FP32_STATE_BYTES * p / write_bw
     update = p / (prof.host_update_gparams_per_s * 1e9)
+    pcie = gpu_link_bytes("zero_infinity", round_trip=prof.gradient_round_trip)
     # An SSD's reads and writes share its bandwidth, so pipelining hides the host update behind the I/O, not
     # reads behind writes.
     if prof.baseline_pipelined:
@@ -201,7 +242,7 @@ def zero_infinity(work: Workload, prof: Profile, devices: int) -> Breakdown:
     return Breakdown(
         "zero_infinity",
         devices,
-        fwd_bwd=fwd_bwd_time(work, prof),
+        fwd_bwd=fwd_bwd_time(work, prof, pcie),
         grad_transfer=grad_out,
         update=update,
         param_return=0.0,
@@ -209,6 +250,7 @@ def zero_infinity(work: Workload, prof: Profile, devices: int) -> Breakdown:
         link_write_bytes=16.0 * p,
         link_read_bytes=16.0 * p,
         storage_bytes=32.0 * p,
+        gpu_link_bytes=pcie * p if prof.gpu_peak_tflops is not None else 0.0,
     )
 
 
@@ -220,8 +262,10 @@ def smart_update(
     overlap: bool = False,
     compression: float | None = None,
     sub_group_size: int = 40_000_000,
+    gradient_buffer: str = "accelerator",
 ) -> Breakdown:
-    """SmartUpdate with ``devices`` CSDs; ``overlap`` = the transfer handler (SU+O); ``compression`` = kept ratio."""
+    """SmartUpdate with ``devices`` CSDs; ``overlap`` = the transfer handler (SU+O); ``compression`` = kept ratio;
+    ``gradient_buffer`` = where the gradient partitions wait (see :func:`gpu_link_bytes`)."""
     if compression is not None and not 0 < compression <= 1:
         raise PlanError(f"`compression={compression}` must be in (0, 1] (fraction of gradient elements kept).")
     p = work.params
@@ -234,8 +278,7 @@ def smart_update(
     else:
         grad_bytes = compression * (tb + COMPRESSED_INDEX_BYTES)
         method = "su_o_c"
-        topk = p / _limit(prof.gpu_topk_gelems_per_s)  # 0 when not given
-        comp_time = topk + tb * p / _limit(prof.gpu_link_gbps)
+        comp_time = p / _limit(prof.gpu_topk_gelems_per_s)  # 0 when not given
     link = _limit(prof.shared_link_gbps)
     grad_link = (
         grad_bytes * p / (min(link, devices * prof.ssd_write_gbps * GB) if prof.gradient_staged_on_ssd else link)
@@ -252,10 +295,16 @@ def smart_update(
         hidden_io, exposed_update = (storage, max(0.0, update - storage) + fill)
     else:
         hidden_io, exposed_update = storage, update
+    pcie = gpu_link_bytes(
+        method, gradient_buffer=gradient_buffer, compression=compression, round_trip=prof.gradient_round_trip
+    )
+    on_gpu = prof.gpu_peak_tflops is not None
+    # bf16 gradient partitions, plus the fp32 error-feedback residual with compression.
+    kept_on_gpu = (LOW_PRECISION_BYTES + (4 if compression is not None else 0)) * p
     return Breakdown(
         method,
         devices,
-        fwd_bwd=fwd_bwd_time(work, prof),
+        fwd_bwd=fwd_bwd_time(work, prof, pcie),
         grad_transfer=grad_link,
         update=exposed_update,
         param_return=param_return,
@@ -264,6 +313,8 @@ def smart_update(
         link_write_bytes=grad_bytes * p,
         link_read_bytes=float(tb) * p,
         storage_bytes=(2 * FP32_STATE_BYTES + 2 * staged) * p,
+        gpu_link_bytes=pcie * p if on_gpu else 0.0,
+        gpu_gradient_bytes=kept_on_gpu if on_gpu and gradient_buffer == "accelerator" else 0.0,
     )
 
 
@@ -275,17 +326,28 @@ def iteration(
     *,
     compression: float = 0.01,
     sub_group_size: int = 40_000_000,
+    gradient_buffer: str = "accelerator",
 ) -> Breakdown:
     if devices < 1:
         raise PlanError(f"`devices={devices}` must be at least 1.")
     if method == "zero_infinity":
         return zero_infinity(work, prof, devices)
     if method == "su":
-        return smart_update(work, prof, devices, sub_group_size=sub_group_size)
+        return smart_update(work, prof, devices, sub_group_size=sub_group_size, gradient_buffer=gradient_buffer)
     if method == "su_o":
-        return smart_update(work, prof, devices, overlap=True, sub_group_size=sub_group_size)
+        return smart_update(
+            work, prof, devices, overlap=True, sub_group_size=sub_group_size, gradient_buffer=gradient_buffer
+        )
     if method == "su_o_c":
-        return smart_update(work, prof, devices, overlap=True, compression=compression, sub_group_size=sub_group_size)
+        return smart_update(
+            work,
+            prof,
+            devices,
+            overlap=True,
+            compression=compression,
+            sub_group_size=sub_group_size,
+            gradient_buffer=gradient_buffer,
+        )
     raise PlanError(f"`method={method!r}` is unknown; choose one of {', '.join(METHODS)}.")
 
 

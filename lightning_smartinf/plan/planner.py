@@ -131,6 +131,15 @@ def format_plan(plan: Plan) -> str:
             f"{label:<22}{b.fwd_bwd:>9.2f}{b.grad_transfer:>10.2f}{b.update:>9.2f}{b.param_return:>10.2f}"
             f"{b.storage_io:>9.2f}{b.compression:>7.2f}{b.total:>9.2f}{base / b.total:>8.2f}x{b.link_bytes / 1e9:>9.1f}"
         )
+    if plan.baseline.gpu_link_bytes:
+        b = plan.breakdowns
+        dense, compressed = b["su_o"].gpu_gradient_bytes, b["su_o_c"].gpu_gradient_bytes
+        lines.append(
+            f"GPU<->host copies per step (in fwd/bwd): ZeRO-Infinity {b['zero_infinity'].gpu_link_bytes / 1e9:.1f} GB, "
+            f"SU {b['su'].gpu_link_bytes / 1e9:.1f} GB, SU+O+C {b['su_o_c'].gpu_link_bytes / 1e9:.1f} GB; the gradient "
+            f"partitions stay in GPU memory: {dense / 1e9:.1f} GB ({compressed / 1e9:.1f} GB with compression's "
+            "residual; `gradient_buffer='host'` keeps them in pinned host memory instead)"
+        )
     lines += [
         "SU = SmartUpdate (update on the devices), +O = transfer/update overlap, +C = top-k gradient compression.",
         "(seconds per iteration; 'storage' is SSD reads+writes: over the RAID for ZeRO-Infinity, inside the devices"

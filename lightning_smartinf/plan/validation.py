@@ -66,6 +66,7 @@ def predict(point: PaperPoint, model: str, prof: Profile | None = None) -> float
         point.devices,
         compression=PAPER_COMPRESSION,
         sub_group_size=PAPER_SUB_GROUP,
+        gradient_buffer="host",  # the paper's code keeps ZeRO's pinned host buffer and tops-k on the GPU
     )
 
 

@@ -6,8 +6,15 @@
 from lightning_smartinf.zero.install import (
     TESTED_DEEPSPEED,
     ControllerFactory,
+    GradientBufferError,
     check_deepspeed_version,
     smart_update_optimizer,
 )
 
-__all__ = ["TESTED_DEEPSPEED", "ControllerFactory", "check_deepspeed_version", "smart_update_optimizer"]
+__all__ = [
+    "TESTED_DEEPSPEED",
+    "ControllerFactory",
+    "GradientBufferError",
+    "check_deepspeed_version",
+    "smart_update_optimizer",
+]

@@ -19,6 +19,7 @@ This is the one module that uses DeepSpeed's private ZeRO-3 methods; everything 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Hashable
 from typing import Any
 
@@ -31,20 +32,56 @@ from torch import Tensor
 
 from lightning_smartinf.csd.accelerator import Fence, record_fence
 from lightning_smartinf.csd.controller import SmartUpdate, SubGroup
-from lightning_smartinf.zero.install import ControllerFactory
+from lightning_smartinf.zero.install import ControllerFactory, GradientBufferError
+
+#: ``gradient_buffer="auto"`` keeps the gradients on the accelerator only if they take at most this share of its free
+#: memory at set-up: forward and backward need the rest.
+AUTO_ACCELERATOR_SHARE = 0.25
 
 
-def gradient_buffer_device(setting: str) -> str | None:
+def gradient_buffer_device(setting: str, needed_bytes: int) -> str | None:
     """The device to keep the reduced gradient partitions on for ``gradient_buffer=setting``, or ``None`` to leave
-    them in ZeRO's pinned host buffer.
+    them in ZeRO's pinned host buffer. ``needed_bytes``: the buffer, and the residual error feedback keeps with it.
 
-    ``"auto"`` moves them only to a real accelerator. ``"accelerator"`` always moves them; on a machine without one
-    that is host memory again (unpinned), which runs the same code path as a GPU.
+    ``"auto"`` moves them to a real accelerator where they take at most :data:`AUTO_ACCELERATOR_SHARE` of its free
+    memory. ``"accelerator"`` always moves them, and refuses an accelerator without room for them; on a machine
+    without one that is host memory again (unpinned), which runs the same code path as a GPU.
+
+    Raises:
+        GradientBufferError: ``"accelerator"`` on an accelerator with less free memory than ``needed_bytes``.
     """
     accelerator = get_accelerator()
     if setting == "host" or (setting == "auto" and accelerator.is_synchronized_device()):
         return None
-    return accelerator.current_device_name()
+    device = accelerator.current_device_name()
+    if accelerator.is_synchronized_device():
+        return device
+    free = _free_memory(device)
+    if setting == "auto":
+        if needed_bytes > AUTO_ACCELERATOR_SHARE * free:
+            logging.getLogger(__name__).info(
+                "gradient_buffer='auto': the gradient partitions (%.2f GiB) would take more than %d%% of %s's free "
+                "memory (%.2f GiB); they stay in pinned host memory.",
+                needed_bytes / 2**30,
+                int(AUTO_ACCELERATOR_SHARE * 100),
+                device,
+                free / 2**30,
+            )
+            return None
+        return device
+    if needed_bytes > free:
+        raise GradientBufferError(
+            f"`gradient_buffer='accelerator'` needs {needed_bytes / 2**30:.2f} GiB of {device} memory for this rank's "
+            f"gradient partitions (and error-feedback residual), but {free / 2**30:.2f} GiB is free. Pass "
+            "`gradient_buffer='host'` (pinned host memory) or 'auto', or train on more ranks."
+        )
+    return device
+
+
+def _free_memory(device: str) -> int:
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    return int(get_accelerator().available_memory())
 
 
 class ZeroPartitions:
@@ -184,7 +221,11 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def _setup_for_real_optimizer(self) -> None:
         super()._setup_for_real_optimizer()
-        device = gradient_buffer_device(self.smart_update.settings.gradient_buffer)
+        settings = self.smart_update.settings
+        buffer = self.grad_partitions_flat_buffer
+        residual = 4 if settings.compression is not None and settings.compression.error_feedback else 0
+        needed = buffer.numel() * (buffer.element_size() + residual)
+        device = gradient_buffer_device(settings.gradient_buffer, needed)
         if device is not None:
             self._move_gradient_buffer(device)
 
