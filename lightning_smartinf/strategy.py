@@ -95,8 +95,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             and reads their state into free buffers whenever it has no sub-group to update (during forward and
             between hand-offs in backward; at most ``buffer_count - 1 - io_threads`` chunks at once), so its
             storage does not idle. Never changes results or memory; ``False`` is for comparisons.
-        gradient_buffer: ``"accelerator"``, ``"host"`` or ``"auto"``; see ``docs/gpu.md`` and
-            :attr:`~lightning_smartinf.csd.settings.SmartUpdateSettings.gradient_buffer`.
+        gradient_buffer: where gradients wait for devices: ``"accelerator"``, ``"host"`` or ``"auto"`` (docs/gpu.md).
         offload_parameters: keep ZeRO's low-precision parameter partitions in host memory between uses.
         offload_activations: write large saved activations to the storage paths during forward and read them
             back ahead of backward (``True``, or a dict of
