@@ -90,7 +90,14 @@ def controller_factory(
     xrt_devices = rank_share(settings.xrt_devices or (), strategy.local_rank, strategy.num_processes) or None
 
     def build(optimizer: Optimizer, sub_groups: Sequence[SubGroup], partitions: Partitions) -> SmartUpdate:
-        backend = build_backend(settings, device_dirs, owned_dirs=owned, io_factory=io_factory, xrt_devices=xrt_devices)
+        backend = build_backend(
+            settings,
+            device_dirs,
+            owned_dirs=owned,
+            io_factory=io_factory,
+            xrt_devices=xrt_devices,
+            label=f"rank{strategy.global_rank:03d}",
+        )
         on_backend(backend)
         smart_update = SmartUpdate(settings, backend, optimizer, sub_groups, partitions)
         smart_update.kept_ratio = strategy.kept_ratio

@@ -53,19 +53,20 @@ LIGHTNING = ("accelerator", "loss_scale", "initial_scale_power", "loss_scale_win
 class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
     """Train with DeepSpeed ZeRO-3 while fp32 master weights and optimizer states live on storage devices.
 
-    Every ZeRO sub-group partition is a shard owned by one device (shard ``s`` on device ``s mod N`` of
-    this rank's storage paths). After backward, each shard's reduced gradient goes to its device in the
-    training dtype; the device reads its master weights and states, applies the update of the optimizer
-    from ``configure_optimizers`` there, writes them back to its storage and returns the updated
-    low-precision parameters. Runs on CUDA and on CPU (DeepSpeed's CPU accelerator with gloo).
+    Every ZeRO sub-group partition is a shard owned by one device (shard ``s`` on device ``s mod N``). After
+    backward, each shard's reduced gradient goes to its device in the training dtype; the device applies the update of
+    the optimizer from ``configure_optimizers`` to the state on its storage and returns the updated low-precision
+    parameters. Runs on CUDA and on CPU (DeepSpeed's CPU accelerator with gloo).
 
     Args:
         accelerator: the accelerator; ``"cpu"`` and ``"cuda"`` are supported.
-        backend: device implementation; ``"cpu"`` emulates computational-storage devices on host cores,
-            ``"xrt"`` drives Samsung SmartSSDs through XRT (pyxrt) running the kernels of ``hls_kernels/``.
+        backend: ``"cpu"`` emulates computational-storage devices on host cores, ``"xrt"`` drives SmartSSDs through
+            XRT running ``hls_kernels/``, ``"remote"`` uses device servers on other machines (``docs/remote.md``).
         xclbin: ``backend="xrt"`` only: path of the ``.xclbin`` built from ``hls_kernels/``.
         xrt_devices: ``backend="xrt"`` only: one XRT device per storage path of this node, as device index or
             PCIe BDF (``"0000:3b:00.1"``); ``None`` maps each storage path to the SmartSSD it is mounted from.
+        remote_devices, remote_token_file: ``backend="remote"`` only: ``"host:port"`` of each ``smartinf serve``
+            server, and a file (mode 0600) with their token.
         storage_paths: directories, one per device, shared out among the ranks of a node (rank ``r`` gets
             ``storage_paths[r::ranks_per_node]``, at least one, locked while it trains); a missing one is created (0700)
             at set-up. ``None``: one private temporary directory per rank, kept after ``fit`` (for
@@ -75,9 +76,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             arguments, or ``None`` (dense). Pair it with ``CompressionWarmup`` for dense or DGC-style warm-up.
         sub_group_size: elements per ZeRO sub-group, the unit of work of a device.
         chunk_size: elements a device streams through one buffer at a time (a multiple of 1024).
-        buffer_count: chunk buffers per device: ``devices * buffer_count * chunk_size * 4 * (1 + states)`` bytes of
-            host memory (192 MiB per device for Adam by default; with ``backend="cpu"`` refused here if more than is
-            available). Keep it above ``2 * io_threads + 1`` so reads never wait for a write to free a buffer.
+        buffer_count: chunk buffers per device, ``devices * buffer_count * chunk_size * 4 * (1 + states)`` bytes
+            (192 MiB per device for Adam; refused beyond available memory). Keep it above ``2 * io_threads + 1``.
         io_engine: how devices move state to and from their storage: ``"aio"`` (DeepSpeed's libaio op,
             direct I/O), ``"threads"`` (``pread``/``pwrite`` on a thread pool) or ``"auto"`` (aio where it
             loads and the filesystem allows ``O_DIRECT``, else threads; the choice is logged).
@@ -91,10 +91,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             is tentative until the step confirms it (same hyperparameters and scale, no clipping, no skipped step),
             else rolled back and redone, so results do not change. Keeps a second copy of the state on the storage
             paths (2x the disk space, not the traffic). ``backend="cpu"`` without ``compression`` only.
-        prefetch_state: after each step, every device is told the order it will get sub-groups in next step,
-            and reads their state into free buffers whenever it has no sub-group to update (during forward and
-            between hand-offs in backward; at most ``buffer_count - 1 - io_threads`` chunks at once), so its
-            storage does not idle. Never changes results or memory; ``False`` is for comparisons.
+        prefetch_state: let each device read the state of the sub-groups it updates next into free buffers whenever
+            it would idle (at most ``buffer_count - 1 - io_threads`` chunks). Never changes results; ``False`` compares.
         gradient_buffer: where gradients wait for devices: ``"accelerator"``, ``"host"`` or ``"auto"`` (docs/gpu.md).
         offload_parameters: keep ZeRO's low-precision parameter partitions in host memory between uses.
         offload_activations: write large saved activations to the storage paths during forward and read them
@@ -122,10 +120,12 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
     def __init__(
         self,
         accelerator: pl.accelerators.Accelerator | None = None,
-        backend: Literal["cpu", "xrt"] = "cpu",
+        backend: Literal["cpu", "xrt", "remote"] = "cpu",
         storage_paths: list[str | os.PathLike] | None = None,
         xclbin: str | os.PathLike | None = None,
         xrt_devices: list[int | str] | None = None,
+        remote_devices: list[str] | None = None,
+        remote_token_file: str | os.PathLike | None = None,
         compression: float | dict[str, Any] | TopKCompression | None = None,
         sub_group_size: int = 40_000_000,
         chunk_size: int = 1 << 20,

@@ -31,7 +31,7 @@ def test_help_lists_every_command(capsys):
 def test_unknown_command_is_exit_2_with_the_choices(capsys):
     assert main(["frobnicate"]) == 2
     err = capsys.readouterr().err
-    assert "unknown command 'frobnicate'; choose one of: fit, validate, test, report, demo, plan, export" in err
+    assert "unknown command 'frobnicate'; choose one of: fit, validate, test, report, demo, plan, serve, export" in err
 
 
 def test_plan_subcommand(capsys):

@@ -17,6 +17,7 @@ def build_backend(
     owned_dirs: Sequence[Path] = (),
     io_factory: Callable[[], IOEngine] = ThreadedIO,
     xrt_devices: Sequence[int | str] | None = None,
+    label: str = "rank000",
 ) -> Backend:
     """The backend ``settings`` ask for, with one device per directory of ``device_dirs`` (claimed here).
 
@@ -26,7 +27,24 @@ def build_backend(
         owned_dirs: those of ``device_dirs`` the backend removes when it releases its storage (temporary ones).
         io_factory: the I/O engine of each emulated device (``backend='cpu'``; the xrt devices move state P2P).
         xrt_devices: ``backend='xrt'``: the XRT device of each directory; ``None`` pairs them by PCIe topology.
+        label: ``backend='remote'``: this rank's name on the servers (its checkpoints are kept under it).
     """
+    if settings.backend == "remote":
+        from lightning_smartinf.csd.remote.client import RemoteBackend
+        from lightning_smartinf.csd.remote.tokens import read_token
+
+        assert settings.remote_devices is not None and settings.remote_token_file is not None
+        return RemoteBackend(
+            settings.remote_devices,
+            read_token(settings.remote_token_file),
+            label=label,
+            chunk_elems=settings.chunk_size,
+            buffer_count=settings.buffer_count,
+            io_threads=settings.io_threads,
+            tentative_slots=settings.overlap,
+            prefetch_state=settings.prefetch_state,
+            device_timeout_s=settings.device_timeout_s,
+        )
     if settings.backend == "xrt":
         from lightning_smartinf.csd.xrt import XrtBackend
 

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ __all__ = [
     "check_sub_group_indexable",
 ]
 
-BACKENDS = ("cpu", "xrt")
+BACKENDS = ("cpu", "xrt", "remote")
 IO_ENGINES = ("auto", "aio", "threads")
 GRADIENT_BUFFERS = ("auto", "accelerator", "host")
 #: Bucket of gradients ZeRO reduces at once when nothing asks for another size (Lightning's default).
@@ -71,9 +72,10 @@ class SmartUpdateSettings:
     float). Normalised values pass the checks again unchanged, so :meth:`replace` re-validates.
     """
 
-    backend: Literal["cpu", "xrt"] = "cpu"
+    backend: Literal["cpu", "xrt", "remote"] = "cpu"
     """``"cpu"`` emulates computational-storage devices on host cores; ``"xrt"`` drives Samsung SmartSSDs through
-    XRT (pyxrt) running the kernels of ``hls_kernels/``."""
+    XRT (pyxrt) running the kernels of ``hls_kernels/``; ``"remote"`` uses device servers on other machines
+    (``smartinf serve``, see ``docs/remote.md``)."""
     storage_paths: tuple[Path, ...] | None = None
     """Directories, one per device, shared out among the ranks of a node (see
     :func:`~lightning_smartinf.csd.placement.rank_share`). A missing one must be creatable: its parent is a writable
@@ -82,6 +84,10 @@ class SmartUpdateSettings:
     """``backend="xrt"`` only: the ``.xclbin`` built from ``hls_kernels/`` (or a model manifest)."""
     xrt_devices: tuple[int | str, ...] | None = None
     """``backend="xrt"`` only: one XRT device (index or PCIe BDF) per storage path; ``None`` pairs them by mount."""
+    remote_devices: tuple[str, ...] | None = None
+    """``backend="remote"`` only: ``"host:port"`` of each device server; every rank opens a session on each."""
+    remote_token_file: Path | None = None
+    """``backend="remote"`` only: a file (mode 0600) holding the servers' bearer token."""
     compression: TopKCompression | None = None
     """SmartComp top-k gradient compression; ``None`` sends dense gradients."""
     sub_group_size: int = 40_000_000
@@ -141,9 +147,9 @@ class SmartUpdateSettings:
 
     @property
     def overlap(self) -> bool:
-        """Whether devices start updating during backward: ``overlap_backward`` where it is supported (``"cpu"``
-        backend, dense gradients)."""
-        return self.overlap_backward and self.backend == "cpu" and self.compression is None
+        """Whether devices start updating during backward: ``overlap_backward`` where it is supported (``"cpu"`` and
+        ``"remote"`` backends, dense gradients)."""
+        return self.overlap_backward and self.backend in ("cpu", "remote") and self.compression is None
 
     @property
     def kept_ratio(self) -> float | None:
@@ -225,6 +231,7 @@ def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
             f"`xclbin=...` and `xrt_devices=...` apply to `backend='xrt'` only, but `backend={raw['backend']!r}`. "
             "Drop them or pass `backend='xrt'`."
         )
+    remote_devices, token_file = _remote(problems, raw)
     compression = _compression(problems, raw["compression"])
     if sub_group_valid and chunk_valid and buffers_valid and raw["backend"] == "cpu":
         _check_pool_memory(problems, raw)
@@ -237,9 +244,49 @@ def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
         "storage_paths": storage_paths,
         "xclbin": None if xclbin is None else Path(xclbin),
         "xrt_devices": None if xrt_devices is None else tuple(xrt_devices),
+        "remote_devices": remote_devices,
+        "remote_token_file": token_file,
         "compression": compression,
         "device_timeout_s": None if timeout is None else float(timeout),
     }
+
+
+def _remote(problems: Problems, raw: dict[str, Any]) -> tuple[tuple[str, ...] | None, Path | None]:
+    """``remote_devices`` and ``remote_token_file``, checked: both with ``backend="remote"``, neither without."""
+    devices, token_file = raw["remote_devices"], raw["remote_token_file"]
+    if raw["backend"] != "remote":
+        if devices is not None or token_file is not None:
+            problems.add(
+                "`remote_devices=...` and `remote_token_file=...` apply to `backend='remote'` only, but "
+                f"`backend={raw['backend']!r}`. Drop them or pass `backend='remote'`."
+            )
+        return None, None
+    known = len(problems)
+    if isinstance(devices, str) or not isinstance(devices, (list, tuple)) or not devices:
+        problems.add(
+            f"`remote_devices={devices!r}`: `backend='remote'` needs a list of device servers as 'host:port', "
+            "e.g. `remote_devices=['storage1:50051']`."
+        )
+    else:
+        for address in devices:
+            host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                problems.add(f"`remote_devices` entry {address!r} is not 'host:port' (e.g. 'storage1:50051').")
+    if not isinstance(token_file, (str, os.PathLike)):
+        problems.add(
+            f"`remote_token_file={token_file!r}`: `backend='remote'` needs the path of a file (mode 0600) holding "
+            "the servers' token."
+        )
+    else:
+        from lightning_smartinf.csd.remote.tokens import read_token
+
+        try:
+            read_token(Path(token_file))
+        except ValueError as exc:
+            problems.add(f"`remote_token_file`: {exc}")
+    if len(problems) > known:
+        return None, None
+    return tuple(devices), Path(token_file)
 
 
 def _check_counts(problems: Problems, raw: dict[str, Any]) -> tuple[bool, bool, bool]:

@@ -1,0 +1,495 @@
+"""``RemoteBackend``: a trainer rank's devices on remote device servers (:mod:`~lightning_smartinf.csd.remote.server`).
+
+Shards are placed on servers by a :class:`~lightning_smartinf.csd.placement.Placement` (round-robin by default);
+each server holds this rank's shards in a session of its own, so several trainers share one pool of servers. A
+gradient crosses the network in the link dtype (dense, or top-k pairs) and the updated parameters come back in the
+partition's dtype: the bytes the ``cpu`` backend counts as link traffic are the bytes sent.
+
+Invariants:
+
+- Every call carries the bearer token and a deadline of ``device_timeout_s``: a stalled network or server raises
+  :class:`~lightning_smartinf.csd.storage.StorageError` naming the server, never hangs.
+- The first server error stops the backend (:attr:`failure`), like a device error of the local backends.
+- A checkpoint records each server's identity and the digest of the state it saved; loading refuses another server
+  (one restarted over another storage root) or other state, naming the server.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from torch import Tensor
+
+from lightning_smartinf.csd.accelerator import Fence, HostLink
+from lightning_smartinf.csd.backend import Backend, BackendStats, Handle, ShardSpec
+from lightning_smartinf.csd.checkpoint import CheckpointError, read_json, write_file_atomic
+from lightning_smartinf.csd.compression import SparseGrad
+from lightning_smartinf.csd.placement import Placement, RoundRobin, check_assignment
+from lightning_smartinf.csd.remote.wire import (
+    MAX_MESSAGE_BYTES,
+    SERVICE,
+    Frame,
+    TensorReader,
+    decode_header,
+    dtype_name,
+    encode_tensor,
+    header_frame,
+    hp_to_wire,
+    rule_to_wire,
+)
+from lightning_smartinf.csd.rules import StepParams
+from lightning_smartinf.csd.storage import StorageError
+
+__all__ = ["REMOTE_MANIFEST", "RemoteBackend"]
+
+#: What a remote backend writes into a checkpoint's device-state directory: where the state is, and its digests.
+REMOTE_MANIFEST = "remote.json"
+
+
+class _Server:
+    """One server: its channel, stubs, identity, session and the shards it holds for this rank."""
+
+    def __init__(self, address: str, token: str, timeout: float | None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.metadata = (("authorization", f"Bearer {token}"),)
+        self.channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        encode, decode = Frame.SerializeToString, Frame.FromString
+
+        def method(kind: str, name: str) -> Any:
+            return getattr(self.channel, kind)(
+                f"/{SERVICE}/{name}", request_serializer=encode, response_deserializer=decode
+            )
+
+        self.hello = method("unary_unary", "Hello")
+        self.open = method("unary_unary", "Open")
+        self.initialize = method("stream_unary", "Initialize")
+        self.update = method("stream_stream", "Update")
+        self.read_master = method("unary_stream", "ReadMaster")
+        self.control = method("unary_unary", "Control")
+        self.server_id = ""
+        self.session = f"s{uuid.uuid4().hex}"
+        self.shards: list[int] = []  # global shard indices, in local order
+        self.executor = ThreadPoolExecutor(2, thread_name_prefix=f"smartinf-remote-{address}")
+
+    def call(self, method: Any, request: Any, what: str, stream: bool = False) -> Any:
+        try:
+            response = method(request, timeout=self.timeout, metadata=self.metadata)
+            return list(response) if stream else response
+        except grpc.RpcError as exc:
+            raise self.error(exc, what) from None
+
+    def error(self, exc: grpc.RpcError, what: str) -> StorageError:
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        name = f"remote device server {self.address}" + (f" ({self.server_id[:12]})" if self.server_id else "")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            reason = "is unreachable: it was stopped, or the network is down"
+        elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            reason = f"did not answer within device_timeout_s={self.timeout} s (a stalled network or server)"
+        elif code == grpc.StatusCode.UNAUTHENTICATED:
+            reason = "refused the token: check `remote_token_file` against the server's `--token-file`"
+        else:
+            reason = f"failed ({code.name if code else 'error'}): {details}"
+        return StorageError(f"The {name} {reason}, during {what}.")
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.channel.close()
+
+
+class RemoteBackend(Backend):
+    """Devices on remote device servers, one session per server for this rank.
+
+    Args:
+        addresses: ``host:port`` of each server.
+        token: the servers' bearer token.
+        label: this rank's name on the servers (checkpoints are kept under it), e.g. ``rank000``.
+        chunk_elems, buffer_count, io_threads, tentative_slots, prefetch_state: the sessions' devices, as for
+            :class:`~lightning_smartinf.csd.cpu.CpuBackend`.
+        device_timeout_s: deadline of every call; ``None`` waits forever.
+        placement: which server holds each shard (default: shard ``s`` on server ``s mod N``).
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        token: str,
+        *,
+        label: str = "rank000",
+        chunk_elems: int = 1 << 20,
+        buffer_count: int = 16,
+        io_threads: int = 3,
+        tentative_slots: bool = False,
+        prefetch_state: bool = True,
+        device_timeout_s: float | None = 300.0,
+        placement: Placement = RoundRobin(),
+    ) -> None:
+        super().__init__()
+        if not addresses:
+            raise ValueError("`remote_devices=[]` is empty: give at least one server as 'host:port'.")
+        self.label = label
+        self.chunk_elems = chunk_elems
+        self.buffer_count = buffer_count
+        self.io_threads = io_threads
+        self.tentative_slots = tentative_slots
+        self.prefetch_state = prefetch_state
+        self.device_timeout_s = device_timeout_s
+        self.placement = placement
+        self.servers = [_Server(address, token, device_timeout_s) for address in addresses]
+        self._specs: list[ShardSpec] = []
+        self._where: list[tuple[_Server, int]] = []
+        self._pending: list[Handle] = []
+        self._tentative: set[int] = set()
+        self._failure: StorageError | None = None
+        self._link = HostLink()
+        self._lock = threading.Lock()
+        self._closed = False
+        for server in self.servers:
+            reply = decode_header(server.call(server.hello, header_frame(), "the first contact"), ("server_id",))
+            server.server_id = str(reply["server_id"])
+
+    # ---------------------------------------------------------------------------------------------- views
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.servers)
+
+    @property
+    def supports_tentative(self) -> bool:
+        return self.tentative_slots
+
+    @property
+    def failure(self) -> StorageError | None:
+        return self._failure
+
+    @property
+    def assignment(self) -> tuple[int, ...]:
+        """The server index of each shard."""
+        return tuple(self.servers.index(server) for server, _ in self._where)
+
+    def _refuse(self, what: str) -> None:
+        if self._failure is not None:
+            raise StorageError(f"`{what}` refused: the remote devices failed earlier: {self._failure}")
+        if self._closed:
+            raise RuntimeError(f"`{what}` on a closed RemoteBackend.")
+
+    def _latch(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, StorageError) and self._failure is None:
+            self._failure = exc
+        return exc
+
+    # ---------------------------------------------------------------------------------------------- set-up
+
+    def open(self, shards: Sequence[ShardSpec]) -> None:
+        self._refuse("open")
+        assignment = check_assignment(self.placement, shards, len(self.servers))
+        self._specs = list(shards)
+        self._where = []
+        for spec, index in zip(shards, assignment):
+            server = self.servers[index]
+            self._where.append((server, len(server.shards)))
+            server.shards.append(spec.index)
+        for server in self.servers:
+            if not server.shards:
+                continue
+            header = header_frame(
+                session=server.session,
+                label=self.label,
+                chunk_elems=self.chunk_elems,
+                buffer_count=self.buffer_count,
+                io_threads=self.io_threads,
+                tentative=self.tentative_slots,
+                prefetch=self.prefetch_state,
+                shards=[
+                    {"numel": self._specs[i].numel, "rule": rule_to_wire(self._specs[i].rule)} for i in server.shards
+                ],
+            )
+            server.call(server.open, header, f"opening {len(server.shards)} shards")
+
+    def _locate(self, shard: int, numel: int, what: str) -> tuple[_Server, int]:
+        if not 0 <= shard < len(self._specs):
+            raise ValueError(f"Shard {shard} is not open (shards are 0..{len(self._specs) - 1}).")
+        if numel != self._specs[shard].numel:
+            raise ValueError(f"{what} of shard {shard} has {numel} elements, expected {self._specs[shard].numel}.")
+        return self._where[shard]
+
+    def _start(self, server: _Server, work: Any, what: str) -> Handle:
+        def run() -> None:
+            try:
+                work()
+            except grpc.RpcError as exc:
+                raise self._latch(server.error(exc, what)) from None
+            except StorageError as exc:
+                raise self._latch(exc) from None
+
+        handle = server.executor.submit(run)
+        handle.what = what  # type: ignore[attr-defined]
+        self._pending = [h for h in self._pending if not h.done() or h.exception() is not None]
+        self._pending.append(handle)
+        return handle
+
+    def initialize(self, shard: int, master: Tensor) -> Handle:
+        self._refuse("initialize")
+        server, local = self._locate(shard, master.numel(), "`master`")
+        host = master.detach().to(torch.float32).cpu()
+
+        def frames() -> Iterator[Any]:
+            yield header_frame(session=server.session, shard=local)
+            yield from encode_tensor("master", host)
+
+        def work() -> None:
+            server.initialize(frames(), timeout=server.timeout, metadata=server.metadata)
+            self.traffic.add(link_write_bytes=host.numel() * 4)
+
+        return self._start(server, work, f"the initialisation of shard {shard}")
+
+    def submit(
+        self,
+        shard: int,
+        grad: Tensor | SparseGrad,
+        hp: StepParams,
+        out: Tensor,
+        link_dtype: torch.dtype | None = None,
+        tentative: bool = False,
+        ready: Fence | None = None,
+    ) -> Handle:
+        """See :meth:`Backend.submit`: the gradient crosses in ``link_dtype``, ``out`` comes back in its own dtype."""
+        self._refuse("submit")
+        sparse = isinstance(grad, SparseGrad)
+        server, local = self._locate(shard, grad.numel if sparse else grad.numel(), "`grad`")
+        self._locate(shard, out.numel(), "`out`")
+        if tentative and not self.tentative_slots:
+            raise ValueError("`tentative=True` needs a backend built with `tentative_slots=True`.")
+        if shard in self._tentative:
+            raise RuntimeError(f"Shard {shard} has an uncommitted tentative update; `commit` or `rollback` it first.")
+        link = link_dtype or (grad.values.dtype if sparse else grad.dtype)
+        if tentative:
+            self._tentative.add(shard)
+        header = header_frame(
+            session=server.session,
+            shard=local,
+            hp=hp_to_wire(hp),
+            link_dtype=dtype_name(link),
+            out_dtype=dtype_name(out.dtype),
+            tentative=tentative,
+            sparse=sparse,
+        )
+
+        def frames(sent: list[int]) -> Iterator[Any]:
+            yield header
+            if ready is not None:
+                ready.synchronize()
+            if sparse:
+                tensors = [("indices", grad.indices.cpu()), ("values", grad.values.to(link).cpu())]
+            else:
+                tensors = [("grad", grad.detach().to(link).cpu())]
+            for name, tensor in tensors:
+                sent[0] += tensor.numel() * tensor.element_size()
+                yield from encode_tensor(name, tensor)
+
+        def work() -> None:
+            sent = [0]
+            reader = TensorReader("out", max_numel=out.numel(), dtypes=(out.dtype,))
+            for frame in server.update(frames(sent), timeout=server.timeout, metadata=server.metadata):
+                reader.add(frame)
+            if not reader.done:
+                raise StorageError(
+                    f"The remote device server {server.address} sent an incomplete update of shard {shard}."
+                )
+            assert reader.tensor is not None
+            self._link.put(out, reader.tensor)
+            self._link.settle()
+            self.traffic.add(link_write_bytes=sent[0], link_read_bytes=out.numel() * out.element_size())
+
+        return self._start(server, work, f"the update of shard {shard}")
+
+    def read_master(self, shard: int, out: Tensor) -> Handle:
+        self._refuse("read_master")
+        server, local = self._locate(shard, out.numel(), "`out`")
+
+        def work() -> None:
+            reader = TensorReader("master", max_numel=out.numel(), dtypes=(torch.float32,))
+            request = header_frame(session=server.session, shard=local)
+            for frame in server.read_master(request, timeout=server.timeout, metadata=server.metadata):
+                reader.add(frame)
+            assert reader.done and reader.tensor is not None
+            self._link.put(out, reader.tensor)
+            self._link.settle()
+            self.traffic.add(link_read_bytes=out.numel() * 4)
+
+        return self._start(server, work, f"reading the masters of shard {shard}")
+
+    def result(self, handle: Handle) -> None:
+        try:
+            handle.result(timeout=self.device_timeout_s)
+        except FutureTimeoutError:
+            what = getattr(handle, "what", "a request")
+            raise self._latch(
+                StorageError(
+                    f"No remote device server answered {what} within device_timeout_s={self.device_timeout_s} s."
+                )
+            ) from None
+
+    # ---------------------------------------------------------------------------------------------- control
+
+    def _control(self, server: _Server, op: str, what: str, **args: Any) -> dict[str, Any]:
+        reply = server.call(server.control, header_frame(session=server.session, op=op, **args), what)
+        return decode_header(reply)
+
+    def _by_server(self, shards: Iterable[int]) -> dict[_Server, list[int]]:
+        grouped: dict[_Server, list[int]] = {}
+        for shard in shards:
+            server, local = self._where[shard]
+            grouped.setdefault(server, []).append(local)
+        return grouped
+
+    def commit(self, shards: Iterable[int]) -> None:
+        self._refuse("commit")
+        shards = list(shards)
+        for shard in shards:
+            if shard not in self._tentative:
+                raise RuntimeError(f"Shard {shard} has no tentative update to commit.")
+        self.wait()
+        for server, local in self._by_server(shards).items():
+            self._control(server, "commit", "a commit", shards=local)
+        self._tentative -= set(shards)
+
+    def rollback(self, shards: Iterable[int]) -> None:
+        shards = list(shards)
+        try:
+            self.wait()
+            for server, local in self._by_server(shards).items():
+                self._control(server, "rollback", "a rollback", shards=local)
+        finally:
+            self._tentative -= set(shards)
+
+    def prefetch(self, shards: Sequence[int]) -> None:
+        if self._failure is not None or not self.prefetch_state:
+            return
+        grouped = self._by_server(i for i in shards if i not in self._tentative)
+        for server in self.servers:
+            if server.shards:
+                self._control(server, "prefetch", "prefetch advice", shards=grouped.get(server, []))
+
+    def check_storage(self) -> None:
+        self._refuse("check_storage")
+        for server in self.servers:
+            if server.shards:
+                self._control(server, "check_storage", "a storage check")
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        errors = []
+        for handle in pending:
+            try:
+                self.result(handle)
+            except BaseException as exc:  # noqa: BLE001 - the first is raised below
+                errors.append(exc)
+        if not errors:
+            for server in self.servers:
+                if server.shards:
+                    try:
+                        self._control(server, "wait", "waiting for write-back")
+                    except StorageError as exc:
+                        errors.append(exc)
+        if errors:
+            raise self._latch(errors[0])
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+
+    def save(self, directory: Path) -> None:
+        """Each server saves its shards under a new checkpoint id; ``directory/remote.json`` records where."""
+        self._refuse("save")
+        self.wait()
+        checkpoint = f"c{uuid.uuid4().hex}"
+        entries = []
+        for server in self.servers:
+            if not server.shards:
+                continue
+            reply = self._control(server, "save", "saving a checkpoint", checkpoint=checkpoint)
+            entries.append(
+                {
+                    "address": server.address,
+                    "server_id": server.server_id,
+                    "label": self.label,
+                    "shards": server.shards,
+                    "digest": reply.get("digest"),
+                }
+            )
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        manifest = {"format": 1, "checkpoint": checkpoint, "servers": entries}
+        write_file_atomic(directory / REMOTE_MANIFEST, json.dumps(manifest, indent=1).encode())
+
+    def load(self, directory: Path) -> None:
+        """Have each server load the state this rank saved there; refuses another server or other state."""
+        self._refuse("load")
+        if self._tentative:
+            raise RuntimeError(f"Shards {sorted(self._tentative)} have uncommitted tentative updates; roll them back.")
+        self.wait()
+        manifest = read_json(Path(directory) / REMOTE_MANIFEST, "the remote device state", ("checkpoint", "servers"))
+        entries = manifest["servers"]
+        if not isinstance(entries, list):
+            raise CheckpointError(f"{REMOTE_MANIFEST} in {str(directory)!r} is not a remote device-state manifest.")
+        mine = [server for server in self.servers if server.shards]
+        if len(entries) != len(mine):
+            raise CheckpointError(
+                f"The checkpoint's device state is on {len(entries)} remote server(s); this run has {len(mine)}. "
+                "Resume with the same `remote_devices`."
+            )
+        for server, entry in zip(mine, entries):
+            if not isinstance(entry, dict) or entry.get("shards") != server.shards:
+                raise CheckpointError(
+                    f"The checkpoint placed other shards on {entry.get('address') if isinstance(entry, dict) else '?'} "
+                    f"than this run places on {server.address}. Resume with the same `remote_devices` in order."
+                )
+            if entry.get("server_id") != server.server_id:
+                raise CheckpointError(
+                    f"The remote device server at {server.address} is {server.server_id[:12]}, but the checkpoint was "
+                    f"saved on {str(entry.get('server_id'))[:12]} ({entry.get('address')}): a server restarted with "
+                    "another storage root, or another server at that address. Start the server over the storage "
+                    "root that holds the checkpoint."
+                )
+        for server, entry in zip(mine, entries):
+            self._control(
+                server,
+                "load",
+                "loading a checkpoint",
+                checkpoint=manifest.get("checkpoint"),
+                digest=entry.get("digest"),
+            )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for server in self.servers:
+            try:
+                if server.shards and self._failure is None:
+                    for handle in self._pending:
+                        handle.exception(timeout=self.device_timeout_s)
+                    self._control(server, "close", "closing the session")
+            except (StorageError, FutureTimeoutError):
+                pass
+            finally:
+                server.close()
+        self._link.close()
+
+    def stats(self, *, reset_peaks: bool = False) -> BackendStats:
+        return BackendStats(traffic=self.traffic_snapshot())
