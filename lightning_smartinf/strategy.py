@@ -332,7 +332,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             return
         backend, self._backend = self._backend, None
         backend.close(keep_claims=True)
-        if self.settings.storage_paths is None:
+        if self.settings.storage_paths is None or self.settings.backend == "remote":  # the state is in the sessions
             self._release_storage = engine.linger(self, backend.release_storage)
         else:
             backend.release_storage()

@@ -24,12 +24,14 @@ def backend_numels(trainer: L.Trainer) -> list[int]:
     return trainer.strategy.deepspeed_engine.optimizer.fp16_partitioned_groups_flat_numel
 
 
-def main(out: Path, storage: list[str], steps: int, compression: float | None = None) -> None:
+def main(out: Path, storage: list[str], steps: int, compression: float | None = None, extra: str = "{}") -> None:
     capture = CaptureParams()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=SmartInfinityStrategy(storage_paths=storage, sub_group_size=3000, compression=compression),
+        strategy=SmartInfinityStrategy(
+            storage_paths=storage, sub_group_size=3000, compression=compression, **json.loads(extra)
+        ),
         precision="32-true",
         max_steps=steps,
         gradient_clip_val=0.5,
@@ -47,7 +49,7 @@ def main(out: Path, storage: list[str], steps: int, compression: float | None = 
     backend = trainer.strategy.smart_update.backend
     rank = trainer.global_rank
     report = {
-        "files": [str(s.file.path) for s in backend.shards],
+        "files": [str(s.file.path) for s in getattr(backend, "shards", ())],  # remote: on the servers
         "traffic": trainer.strategy.traffic.as_dict(),
         "sub_group_numels": [int(n) for n in backend_numels(trainer)],
         "segments": [n for group in trainer.strategy.smart_update.segments for n in group],
@@ -58,4 +60,12 @@ def main(out: Path, storage: list[str], steps: int, compression: float | None = 
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2].split(","), int(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) > 4 else None)
+    # argv: out, storage paths (comma-separated), steps, [kept ratio or "none", [strategy kwargs as JSON]]
+    ratio = sys.argv[4] if len(sys.argv) > 4 else "none"
+    main(
+        Path(sys.argv[1]),
+        sys.argv[2].split(","),
+        int(sys.argv[3]),
+        None if ratio == "none" else float(ratio),
+        sys.argv[5] if len(sys.argv) > 5 else "{}",
+    )

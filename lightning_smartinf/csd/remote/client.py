@@ -160,6 +160,7 @@ class RemoteBackend(Backend):
         self._link = HostLink()
         self._lock = threading.Lock()
         self._closed = False
+        self._released = False
         for server in self.servers:
             reply = decode_header(server.call(server.hello, header_frame(), "the first contact"), ("server_id",))
             server.server_id = str(reply["server_id"])
@@ -186,7 +187,7 @@ class RemoteBackend(Backend):
     def _refuse(self, what: str) -> None:
         if self._failure is not None:
             raise StorageError(f"`{what}` refused: the remote devices failed earlier: {self._failure}")
-        if self._closed:
+        if self._released or (self._closed and what not in ("save", "read_master")):
             raise RuntimeError(f"`{what}` on a closed RemoteBackend.")
 
     def _latch(self, exc: BaseException) -> BaseException:
@@ -240,6 +241,7 @@ class RemoteBackend(Backend):
 
         handle = server.executor.submit(run)
         handle.what = what  # type: ignore[attr-defined]
+        handle.server = server  # type: ignore[attr-defined]
         self._pending = [h for h in self._pending if not h.done() or h.exception() is not None]
         self._pending.append(handle)
         return handle
@@ -340,9 +342,12 @@ class RemoteBackend(Backend):
             handle.result(timeout=self.device_timeout_s)
         except FutureTimeoutError:
             what = getattr(handle, "what", "a request")
+            server = getattr(handle, "server", None)
+            name = f"remote device server {server.address}" if server is not None else "remote device server"
             raise self._latch(
                 StorageError(
-                    f"No remote device server answered {what} within device_timeout_s={self.device_timeout_s} s."
+                    f"The {name} did not answer within device_timeout_s={self.device_timeout_s} s (a stalled network "
+                    f"or server), during {what}."
                 )
             ) from None
 
@@ -475,18 +480,30 @@ class RemoteBackend(Backend):
                 digest=entry.get("digest"),
             )
 
-    def close(self) -> None:
+    def close(self, *, keep_claims: bool = False) -> None:
+        """Finish outstanding work; with ``keep_claims`` the sessions (and the state in them) stay open on the servers
+        until :meth:`release_storage`, so that :meth:`save` can still copy the final state."""
         if self._closed:
             return
         self._closed = True
+        try:
+            if self._failure is None:
+                self.wait()
+        finally:
+            if not keep_claims:
+                self.release_storage()
+
+    def release_storage(self) -> None:
+        """Close the sessions (their state is removed from the servers; checkpoints stay) and the channels."""
+        if self._released:
+            return
+        self._released = True
         for server in self.servers:
             try:
                 if server.shards and self._failure is None:
-                    for handle in self._pending:
-                        handle.exception(timeout=self.device_timeout_s)
                     self._control(server, "close", "closing the session")
-            except (StorageError, FutureTimeoutError):
-                pass
+            except StorageError:
+                pass  # the server is gone: nothing left to release there
             finally:
                 server.close()
         self._link.close()

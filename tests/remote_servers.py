@@ -1,0 +1,78 @@
+"""Remote device servers as separate processes on loopback (``smartinf serve``), for the tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_token(path: Path, token: str = "s3cret-token-for-tests") -> Path:
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return path
+
+
+@dataclass
+class ServerProcess:
+    """One ``smartinf serve`` process; ``address`` is where it listens."""
+
+    storage: list[Path]
+    token_file: Path
+    process: subprocess.Popen | None = None
+    port: int = 0
+    log: Path | None = None
+    extra: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, port: int = 0, timeout: float = 60.0) -> ServerProcess:
+        self.log = self.storage[0].parent / f"server-{self.storage[0].name}.log"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        command = [
+            sys.executable,
+            "-m",
+            "lightning_smartinf",
+            "serve",
+            "--storage",
+            *map(str, self.storage),
+            "--token-file",
+            str(self.token_file),
+            "--listen",
+            f"127.0.0.1:{port}",
+            *self.extra,
+        ]
+        with open(self.log, "ab") as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+        deadline = time.monotonic() + timeout
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line.startswith("serving") or time.monotonic() > deadline:
+            self.stop()
+            raise RuntimeError(f"smartinf serve did not start: {line!r}\n{self.log.read_text()}")
+        self.port = int(line.split()[-1])
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def log_text(self) -> str:
+        return self.log.read_text() if self.log is not None and self.log.exists() else ""

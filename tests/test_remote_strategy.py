@@ -1,0 +1,144 @@
+"""``SmartInfinityStrategy(backend="remote")`` in the shapes users write: Trainer.fit, checkpoints, resume, 2 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import LMModule, fit, param_groups
+from remote_servers import ServerProcess, write_token
+
+from lightning_smartinf import SmartInfinityStrategy
+
+STEPS = 6
+
+
+def adamw(model):
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95))
+    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
+
+
+@pytest.fixture
+def servers(tmp_path):
+    token = write_token(tmp_path / "token")
+    made = [ServerProcess([tmp_path / f"srv{i}"], token).start() for i in range(2)]
+    yield made
+    for server in made:
+        server.stop()
+
+
+def _strategy(tmp_path, name: str, servers=None, **kwargs) -> SmartInfinityStrategy:
+    kwargs = {"sub_group_size": 3000, "chunk_size": 2048, "buffer_count": 3, **kwargs}
+    if servers is not None:
+        kwargs.update(
+            backend="remote",
+            remote_devices=[s.address for s in servers],
+            remote_token_file=str(servers[0].token_file),
+        )
+    return SmartInfinityStrategy(storage_paths=[tmp_path / name], **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("precision", "compression"), [("32-true", None), ("bf16-mixed", 0.05)], ids=["fp32-dense-overlap", "bf16-topk"]
+)
+def test_training_on_remote_servers_is_bitwise_the_local_run(tmp_path, servers, precision, compression):
+    _, local = fit(
+        LMModule(adamw),
+        _strategy(tmp_path, "local", compression=compression),
+        steps=STEPS,
+        precision=precision,
+        clip=1.0,
+    )
+    trainer, remote = fit(
+        LMModule(adamw),
+        _strategy(tmp_path, "remote", servers, compression=compression),
+        steps=STEPS,
+        precision=precision,
+        clip=1.0,
+    )
+    for name, value in local.items():
+        assert torch.equal(remote[name], value), name
+    smart_update = trainer.strategy.smart_update
+    assert smart_update.placement == tuple(i % 2 for i in range(len(smart_update.sub_groups)))
+    if compression is None:  # sub-groups went to the servers during backward
+        assert smart_update.early_kept + smart_update.early_rolled_back > 0
+
+
+def test_bad_remote_settings_are_named(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("x")
+    token.chmod(0o644)
+    with pytest.raises(Exception, match=r"readable by other users.*chmod 600") as error:
+        SmartInfinityStrategy(backend="remote", remote_devices=["localhost"], remote_token_file=str(token))
+    assert "'localhost' is not 'host:port'" in str(error.value)
+    with pytest.raises(Exception, match=r"apply to `backend='remote'` only"):
+        SmartInfinityStrategy(remote_devices=["h:1"])
+    with pytest.raises(Exception, match=r"`remote_devices=None`: `backend='remote'` needs a list"):
+        SmartInfinityStrategy(backend="remote", remote_token_file=str(token))
+
+
+def test_save_last_then_resume_after_the_servers_restart_is_bit_identical(tmp_path, servers):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from scripts.ckpt_common import train
+
+    def remote():
+        return {
+            "backend": "remote",
+            "remote_devices": [s.address for s in servers],
+            "remote_token_file": str(servers[0].token_file),
+        }
+
+    reference = train(tmp_path / "reference", checkpointing="last", strategy_kwargs=remote())
+    train(tmp_path / "run", checkpointing="last", steps=8, strategy_kwargs=remote())
+    state = tmp_path / "run" / "ckpts" / "last.ckpt" / "checkpoint" / "smartinf"
+    assert sorted(p.name for p in state.rglob("remote.json")), "the checkpoint records where the device state is"
+    for server in servers:
+        server.kill()
+        server.start()  # same storage roots, new ports
+    resumed = train(
+        tmp_path / "run",
+        checkpointing="last",
+        ckpt_path=tmp_path / "run" / "ckpts" / "last.ckpt",
+        strategy_kwargs=remote(),
+    )
+    for name, value in reference.items():
+        assert torch.equal(resumed[name], value), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("ratio", ["none", "0.05"], ids=["dense", "topk"])
+def test_two_ranks_share_the_servers_and_match_the_local_run(tmp_path, servers, free_port, ratio):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "train_two_ranks.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    remote = {
+        "backend": "remote",
+        "remote_devices": [s.address for s in servers],
+        "remote_token_file": str(servers[0].token_file),
+    }
+    params = {}
+    for name, extra in (("local", {}), ("remote", remote)):
+        out = tmp_path / name
+        storage = [out / "ssd0", out / "ssd1"]
+        for path in storage:
+            path.mkdir(parents=True)
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+        command += [str(script), str(out), ",".join(map(str, storage)), "4", ratio, json.dumps(extra)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        params[name] = torch.load(out / "params.pt", weights_only=True)
+        reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        params[name + "-traffic"] = [r["traffic"]["link_write_bytes"] for r in reports]
+    for name, value in params["local"].items():
+        assert torch.equal(params["remote"][name], value), name
+    assert params["remote-traffic"] == params["local-traffic"]
+    # Each rank held its own session on each server: two ranks, two sessions per server, both closed at the end.
+    for server in servers:
+        assert server.log_text().count("closed") == 2
