@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import uuid
@@ -48,6 +49,7 @@ from lightning_smartinf.csd.remote.wire import (
 )
 from lightning_smartinf.csd.rules import StepParams
 from lightning_smartinf.csd.storage import StorageError
+from lightning_smartinf.csd.traffic import TrafficSnapshot
 
 __all__ = ["REMOTE_MANIFEST", "RemoteBackend"]
 
@@ -85,6 +87,7 @@ class _Server:
         self.server_id = ""
         self.session = f"s{uuid.uuid4().hex}"
         self.shards: list[int] = []  # global shard indices, in local order
+        self.storage_bytes = (0, 0)  # storage read and write bytes of the session, as the server last counted them
         self.executor = ThreadPoolExecutor(2, thread_name_prefix=f"smartinf-remote-{address}")
 
     def call(self, method: Any, request: Any, what: str, stream: bool = False) -> Any:
@@ -507,6 +510,24 @@ class RemoteBackend(Backend):
             finally:
                 server.close()
         self._link.close()
+
+    def traffic_snapshot(self) -> TrafficSnapshot:
+        """Link bytes as this rank sent and received them; storage bytes as the servers counted them (the last
+        figures they gave once the sessions are closed or a server failed)."""
+        if not self._released and self._failure is None:
+            for server in self.servers:
+                if server.shards:
+                    try:
+                        reply = self._control(server, "traffic", "reading the traffic counters")
+                    except StorageError:
+                        continue  # reported by the next call that needs the server
+                    server.storage_bytes = (int(reply["storage_read_bytes"]), int(reply["storage_write_bytes"]))
+        link = self.traffic.snapshot()
+        return dataclasses.replace(
+            link,
+            storage_read_bytes=sum(server.storage_bytes[0] for server in self.servers),
+            storage_write_bytes=sum(server.storage_bytes[1] for server in self.servers),
+        )
 
     def stats(self, *, reset_peaks: bool = False) -> BackendStats:
         return BackendStats(traffic=self.traffic_snapshot())

@@ -352,6 +352,8 @@ class DeviceServer:
                 backend.prefetch(shards)
             elif op == "check_storage":
                 backend.check_storage()
+            elif op == "traffic":
+                return header_frame(**backend.traffic_snapshot().as_dict())
             elif op == "save":
                 return self._save(session, header)
             elif op == "load":
