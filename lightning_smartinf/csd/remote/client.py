@@ -35,6 +35,7 @@ from lightning_smartinf.csd.backend import Backend, BackendStats, Handle, ShardS
 from lightning_smartinf.csd.checkpoint import CheckpointError, read_json, write_file_atomic
 from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.placement import Placement, RoundRobin, check_assignment
+from lightning_smartinf.csd.remote.server import MAX_UPDATES_IN_FLIGHT as UPDATES_IN_FLIGHT
 from lightning_smartinf.csd.remote.wire import (
     MAX_MESSAGE_BYTES,
     SERVICE,
@@ -88,7 +89,9 @@ class _Server:
         self.session = f"s{uuid.uuid4().hex}"
         self.shards: list[int] = []  # global shard indices, in local order
         self.storage_bytes = (0, 0)  # storage read and write bytes of the session, as the server last counted them
-        self.executor = ThreadPoolExecutor(2, thread_name_prefix=f"smartinf-remote-{address}")
+        # Calls in flight per server: one shard's gradient crossing while another's update runs (the server admits
+        # as many per session).
+        self.executor = ThreadPoolExecutor(UPDATES_IN_FLIGHT, thread_name_prefix=f"smartinf-remote-{address}")
 
     def call(self, method: Any, request: Any, what: str, stream: bool = False) -> Any:
         try:

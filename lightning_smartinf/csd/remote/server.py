@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 #: Session, label and checkpoint names: one path component, no dots at the start.
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 IDENTITY_FILE = ".smartinf-server.json"
-MAX_UPDATES_IN_FLIGHT = 2
+MAX_UPDATES_IN_FLIGHT = 4
 #: Largest shard a client may open (int32 indices address it) and chunk size bounds.
 MAX_SHARD_NUMEL = (1 << 31) - 1
 PROTOCOL_VERSION = 1

@@ -25,6 +25,7 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy
 import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from torch import Tensor
@@ -182,8 +183,9 @@ class TensorReader:
             raise WireError(f"A chunk of {self.name!r} has {len(frame.data)} bytes, which does not fit the tensor.")
         n = len(frame.data) // itemsize
         if n:
-            chunk = torch.frombuffer(bytearray(frame.data), dtype=torch.uint8).view(dtype)
-            self.tensor[self.filled : self.filled + n].copy_(chunk)
+            # One copy, from the message's immutable bytes straight into the tensor.
+            target = self.tensor[self.filled : self.filled + n].view(torch.uint8).numpy()
+            target[:] = numpy.frombuffer(frame.data, dtype=numpy.uint8)
         self.filled += n
         return self.done
 
