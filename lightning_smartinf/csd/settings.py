@@ -280,13 +280,14 @@ def _remote(problems: Problems, raw: dict[str, Any]) -> tuple[tuple[str, ...] | 
     else:
         from lightning_smartinf.csd.remote.tokens import read_token
 
+        token_file = Path(token_file).expanduser()
         try:
-            read_token(Path(token_file))
+            read_token(token_file)
         except ValueError as exc:
             problems.add(f"`remote_token_file`: {exc}")
     if len(problems) > known:
         return None, None
-    return tuple(devices), Path(token_file)
+    return tuple(devices), token_file
 
 
 def _check_counts(problems: Problems, raw: dict[str, Any]) -> tuple[bool, bool, bool]:
