@@ -51,7 +51,7 @@ HAVE_STAMP="$(cat "$STAMP" 2>/dev/null || true)"
 INSTALLED_CHECK="
 import importlib.metadata as md, importlib.util as u, sys
 md.version('lightning-smartinf')
-sys.exit(0 if all(u.find_spec(m) for m in ('lightning_smartinf', 'deepspeed', 'lightning', 'torch')) else 1)
+sys.exit(0 if all(u.find_spec(m) for m in ('lightning_smartinf', 'deepspeed', 'lightning', 'torch', 'grpc')) else 1)
 "
 if [[ "${SMARTINF_FORCE_INSTALL:-0}" != "1" && "$WANT_STAMP" == "$HAVE_STAMP" ]] \
     && "$PY" -c "$INSTALLED_CHECK" >/dev/null 2>&1; then

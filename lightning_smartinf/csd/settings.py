@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import threading
 from collections.abc import Sequence
@@ -262,6 +263,10 @@ def _remote(problems: Problems, raw: dict[str, Any]) -> tuple[tuple[str, ...] | 
             )
         return None, None
     known = len(problems)
+    if importlib.util.find_spec("grpc") is None:
+        problems.add(
+            "`backend='remote'` needs gRPC, which is not installed: `pip install 'lightning-smartinf[remote]'`."
+        )
     if isinstance(devices, str) or not isinstance(devices, (list, tuple)) or not devices:
         problems.add(
             f"`remote_devices={devices!r}`: `backend='remote'` needs a list of device servers as 'host:port', "

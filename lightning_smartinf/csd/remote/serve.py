@@ -16,7 +16,6 @@ import sys
 import threading
 from pathlib import Path
 
-from lightning_smartinf.csd.remote.server import serve
 from lightning_smartinf.csd.remote.tokens import read_token
 
 
@@ -27,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen", default="127.0.0.1:50051", help="host:port (default: loopback, port 50051)")
     parser.add_argument("--device-timeout-s", type=float, default=300.0, help="seconds a device may stall")
     args = parser.parse_args(argv)
+    try:
+        from lightning_smartinf.csd.remote.server import serve
+    except ImportError as exc:
+        print(f"smartinf serve needs gRPC ({exc}): pip install 'lightning-smartinf[remote]'", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
         token = read_token(args.token_file)
