@@ -251,3 +251,50 @@ def test_calibrate_writes_a_usable_profile(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["measured"]["cpu_backend_step_s_per_gparam"] > 0
     assert "SmartInfinityStrategy(" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------ remote device servers
+
+
+def test_remote_servers_move_the_link_terms_onto_the_network():
+    from lightning_smartinf.plan.model import REMOTE_CALLS_IN_FLIGHT, Profile, smart_update
+
+    prof = load_profile("paper-a5000")
+    work = Workload(params=2_000_000_000, name="2B")
+    remote = replace(prof, network_gbps=1.25, network_latency_ms=0.0, gradient_staged_on_ssd=False)
+    local = replace(prof, gradient_staged_on_ssd=False)
+    near, far = smart_update(work, local, 4), smart_update(work, remote, 4)
+    # The same bytes, over a 1.25 GB/s network instead of the 8 GB/s shared link.
+    assert far.link_bytes == near.link_bytes
+    assert far.grad_transfer == pytest.approx(prof.transfer_bytes * work.params / 1.25e9)
+    assert far.param_return == pytest.approx(prof.transfer_bytes * work.params / 1.25e9)
+    # A round trip per sub-group and step, four calls in flight per server, servers in parallel.
+    slow = smart_update(work, replace(remote, network_latency_ms=2.0), 4, sub_group_size=50_000_000)
+    fast = smart_update(work, remote, 4, sub_group_size=50_000_000)
+    assert slow.grad_transfer - fast.grad_transfer == pytest.approx(10 * 2e-3 / REMOTE_CALLS_IN_FLIGHT)
+    with pytest.raises(PlanError, match="must not be negative"):
+        Profile.from_dict({**prof.to_dict(), "network_latency_ms": -1.0})
+
+
+def test_calibrate_remote_measures_a_real_server_and_plans_with_it(tmp_path, capsys):
+    from lightning_smartinf.csd.remote.server import serve
+
+    token = tmp_path / "token"
+    token.write_text("tok-calibrate")
+    token.chmod(0o600)
+    server, _, port = serve([tmp_path / "srv"], "tok-calibrate")
+    try:
+        out = tmp_path / "remote.json"
+        code = main(
+            ["--calibrate-remote", f"127.0.0.1:{port}", "--token-file", str(token), "-o", str(out)]
+            + ["--model", "350M", "--devices", "1"]
+        )
+    finally:
+        server.stop(0)
+    assert code == 0
+    profile = json.loads(out.read_text())
+    assert profile["network_gbps"] > 0 and profile["network_latency_ms"] > 0
+    assert "measured against 127.0.0.1" in profile["sources"]["network_gbps"]
+    assert "SU+O" in capsys.readouterr().out
+    assert main(["--calibrate-remote", f"127.0.0.1:{port}", "--token-file", str(token)]) == 2  # the server is gone
+    assert "unreachable" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from lightning_smartinf.plan.model import PlanError, load_profile, profile_names, workload_from_model
+from lightning_smartinf.plan.model import PlanError, Profile, load_profile, profile_names, workload_from_model
 from lightning_smartinf.plan.planner import format_plan, make_plan, strategy_args
 
 
@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--calibrate", metavar="PATH", help="measure storage at PATH and this CPU; write a profile")
     parser.add_argument("-o", "--output", help="where --calibrate writes the profile JSON (default: stdout)")
     parser.add_argument("--calibrate-mb", type=int, default=384, help="MiB of test data per file (default 384)")
+    parser.add_argument(
+        "--calibrate-remote",
+        metavar="HOST:PORT",
+        help="measure the network to a `smartinf serve` server; write the --profile with its network figures",
+    )
+    parser.add_argument("--token-file", help="with --calibrate-remote: the server's token file")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of text")
     return parser
 
@@ -45,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    measured: Profile | None = None
     try:
         if args.calibrate:
             from lightning_smartinf.plan.calibrate import calibrate
@@ -60,10 +67,37 @@ def main(argv: list[str] | None = None) -> int:
             if not args.model:
                 return 0
             args.profile = args.output or args.profile
+        if args.calibrate_remote:
+            if not args.token_file:
+                parser.error("--calibrate-remote needs --token-file (the server's token)")
+            from lightning_smartinf.csd.remote.client import measure_network
+            from lightning_smartinf.csd.remote.tokens import read_token
+
+            try:
+                figures = measure_network(args.calibrate_remote, read_token(Path(args.token_file)))
+            except (ValueError, OSError) as exc:  # a bad token file, or the server's StorageError
+                raise PlanError(str(exc)) from None
+            profile = {**load_profile(args.profile).to_dict(), **figures}
+            profile["sources"] = {
+                **profile.get("sources", {}),
+                **{
+                    key: f"measured against {args.calibrate_remote} (smartinf plan --calibrate-remote)"
+                    for key in figures
+                },
+            }
+            text = json.dumps(profile, indent=2) + "\n"
+            if args.output:
+                Path(args.output).write_text(text)
+                print(f"wrote profile {profile['name']!r} with {figures} to {args.output}", file=sys.stderr)
+            else:
+                sys.stdout.write(text)
+            if not args.model:
+                return 0
+            measured = Profile.from_dict(profile, origin="the measured profile")
         if not args.model:
             parser.error("--model is required (a config.json or a size like 7B), unless --calibrate is given")
         work = workload_from_model(args.model, batch=args.batch, seq=args.seq)
-        prof = load_profile(args.profile)
+        prof = measured or load_profile(args.profile)
         if args.transfer_bytes:
             prof = replace(prof, transfer_bytes=args.transfer_bytes)
         plan = make_plan(work, prof, devices=args.devices, compression=args.compression)

@@ -15,6 +15,8 @@ Per iteration, for ``P`` trainable parameters, ``N`` storage devices (``docs/pla
   ``device_update`` param/s; all devices in parallel, steps serialised.
 * SU+O: the transfer handler overlaps the update with the storage traffic: ``max(storage, update)`` per
   device plus one sub-group of pipeline fill.
+* Remote device servers (a profile with ``network_gbps``): gradients and parameters cross the network instead of
+  the shared link, not staged on an SSD, plus one round trip per sub-group and step, four calls in flight.
 * SU+O+C: the gradient shrinks to ``c·(t + 4)`` (value + int32 index) bytes per parameter on the link and on the SSD, at
   the cost of the top-k selection on the GPU. With ``gradient_buffer="accelerator"`` only the pairs cross to the
   host; with ``"host"`` (ZeRO's pinned buffer, and the paper's released code) the gradient crosses and comes back.
@@ -40,6 +42,8 @@ COMPRESSED_INDEX_BYTES = 4  # int32 position inside the sub-group
 #: ZeRO-3 with parameters offloaded to host memory fetches each 16-bit parameter to the GPU twice per step.
 PARAM_FETCH_BYTES = 2 * LOW_PRECISION_BYTES
 GRADIENT_BUFFERS = ("accelerator", "host")
+#: Calls a remote device server serves at once for one session (``MAX_UPDATES_IN_FLIGHT`` of csd/remote/server.py).
+REMOTE_CALLS_IN_FLIGHT = 4
 
 METHODS = ("zero_infinity", "su", "su_o", "su_o_c")
 METHOD_LABELS = {
@@ -123,6 +127,12 @@ class Profile:
     gradient_round_trip: bool = True
     #: ZeRO-Infinity baseline overlaps its reads and writes (``pipeline_read/write``).
     baseline_pipelined: bool = False
+    #: Remote device servers (``backend="remote"``): GB/s between a trainer and the servers, which then carries the
+    #: gradients and parameters instead of the shared link (``None``: the devices are local). Servers run the
+    #: ``cpu`` backend's devices, so nothing is staged on an SSD.
+    network_gbps: float | None = None
+    #: Round trip of one call to a server, in milliseconds (one call per sub-group and step).
+    network_latency_ms: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -137,6 +147,8 @@ class Profile:
         profile = cls(**clean)
         for f in fields(cls):
             value = getattr(profile, f.name)
+            if f.name.endswith(("_gbps", "_per_s", "_tflops", "_ms")) and value is not None and value < 0:
+                raise PlanError(f"{origin}: `{f.name}={value}` must not be negative.")
             if f.name.endswith(("_gbps", "_per_s", "_tflops")) and value is not None and value <= 0:
                 raise PlanError(f"{origin}: `{f.name}={value}` must be positive (or null for 'no limit').")
         return profile
@@ -279,15 +291,18 @@ def smart_update(
         grad_bytes = compression * (tb + COMPRESSED_INDEX_BYTES)
         method = "su_o_c"
         comp_time = p / _limit(prof.gpu_topk_gelems_per_s)  # 0 when not given
-    link = _limit(prof.shared_link_gbps)
-    grad_link = (
-        grad_bytes * p / (min(link, devices * prof.ssd_write_gbps * GB) if prof.gradient_staged_on_ssd else link)
-    )
+    remote = prof.network_gbps is not None
+    link = _limit(prof.network_gbps if remote else prof.shared_link_gbps)
+    staged_on_ssd = prof.gradient_staged_on_ssd and not remote
+    grad_link = grad_bytes * p / (min(link, devices * prof.ssd_write_gbps * GB) if staged_on_ssd else link)
     param_return = tb * p / link
+    if remote:
+        # One call per sub-group and step, devices (servers) in parallel, REMOTE_CALLS_IN_FLIGHT calls each at once.
+        grad_link += math.ceil(n / sub_group_size) * prof.network_latency_ms / 1e3 / REMOTE_CALLS_IN_FLIGHT
     ceiling = _limit(prof.device_storage_ceiling_gbps) / devices
     b_r = min(prof.ssd_read_gbps * GB, ceiling)
     b_w = min(prof.ssd_write_gbps * GB, ceiling)
-    staged = grad_bytes if prof.gradient_staged_on_ssd else 0.0
+    staged = grad_bytes if staged_on_ssd else 0.0
     storage = (FP32_STATE_BYTES + staged) * n / b_r + FP32_STATE_BYTES * n / b_w
     update = n / (prof.device_update_gparams_per_s * 1e9)
     if overlap or compression is not None:

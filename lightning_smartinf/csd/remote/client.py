@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -52,7 +54,7 @@ from lightning_smartinf.csd.rules import StepParams
 from lightning_smartinf.csd.storage import StorageError
 from lightning_smartinf.csd.traffic import TrafficSnapshot
 
-__all__ = ["REMOTE_MANIFEST", "RemoteBackend"]
+__all__ = ["REMOTE_MANIFEST", "RemoteBackend", "measure_network"]
 
 #: What a remote backend writes into a checkpoint's device-state directory: where the state is, and its digests.
 REMOTE_MANIFEST = "remote.json"
@@ -85,6 +87,7 @@ class _Server:
         self.update = method("stream_stream", "Update")
         self.read_master = method("unary_stream", "ReadMaster")
         self.control = method("unary_unary", "Control")
+        self.echo = method("stream_unary", "Echo")
         self.server_id = ""
         self.session = f"s{uuid.uuid4().hex}"
         self.shards: list[int] = []  # global shard indices, in local order
@@ -117,6 +120,32 @@ class _Server:
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.channel.close()
+
+
+def measure_network(address: str, token: str, *, megabytes: int = 64, pings: int = 20) -> dict[str, float]:
+    """Bandwidth (GB/s, trainer to server) and round trip (ms, median of ``pings`` calls) to the server at
+    ``address``; the server only counts the bytes, so no device or disk is in the figures."""
+    server = _Server(address, token, timeout=120.0)
+    try:
+        times = []
+        for _ in range(pings):
+            started = time.perf_counter()
+            server.call(server.hello, header_frame(), "a round-trip probe")
+            times.append(time.perf_counter() - started)
+        payload = torch.zeros((megabytes << 20) // 4, dtype=torch.float32)
+        started = time.perf_counter()
+        try:
+            reply = server.echo(encode_tensor("probe", payload), timeout=server.timeout, metadata=server.metadata)
+        except grpc.RpcError as exc:
+            raise server.error(exc, "a bandwidth probe") from None
+        seconds = time.perf_counter() - started
+        received = int(decode_header(reply, ("bytes",))["bytes"])
+        return {
+            "network_gbps": round(received / seconds / 1e9, 3),
+            "network_latency_ms": round(statistics.median(times) * 1e3, 3),
+        }
+    finally:
+        server.close()
 
 
 class RemoteBackend(Backend):

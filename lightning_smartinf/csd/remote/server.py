@@ -328,6 +328,12 @@ class DeviceServer:
         self._run("ReadMaster", context, body)
         yield from frames
 
+    def echo(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        """Counts the bytes of the frames it receives and drops them: the network's bandwidth, for calibration."""
+        self._guard("Echo", context)
+        received = sum(len(frame.data) for frame in requests)
+        return header_frame(bytes=received)
+
     def control(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._guard("Control", context)
         return self._run("Control", context, lambda: self._control(decode_header(request, ("session", "op"))))
@@ -421,6 +427,7 @@ class DeviceServer:
                 "Update": grpc.stream_stream_rpc_method_handler(self.update, decode, encode),
                 "ReadMaster": grpc.unary_stream_rpc_method_handler(self.read_master, decode, encode),
                 "Control": grpc.unary_unary_rpc_method_handler(self.control, decode, encode),
+                "Echo": grpc.stream_unary_rpc_method_handler(self.echo, decode, encode),
             },
         )
 
