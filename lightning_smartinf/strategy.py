@@ -65,8 +65,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         xclbin: ``backend="xrt"`` only: path of the ``.xclbin`` built from ``hls_kernels/``.
         xrt_devices: ``backend="xrt"`` only: one XRT device per storage path of this node, as device index or
             PCIe BDF (``"0000:3b:00.1"``); ``None`` maps each storage path to the SmartSSD it is mounted from.
-        remote_devices, remote_token_file: ``backend="remote"`` only: ``"host:port"`` of each ``smartinf serve``
-            server, and a file (mode 0600) with their token.
+        remote_devices, remote_token_file, remote_tls_dir: ``backend="remote"`` only: ``"host:port"`` of each
+            server, a file (mode 0600) with their token, and TLS files (``None``: not encrypted); ``docs/remote.md``.
         storage_paths: directories, one per device, shared out among the ranks of a node (rank ``r`` gets
             ``storage_paths[r::ranks_per_node]``, at least one, locked while it trains); a missing one is created (0700)
             at set-up. ``None``: one private temporary directory per rank, kept after ``fit`` (for
@@ -95,9 +95,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             it would idle (at most ``buffer_count - 1 - io_threads`` chunks). Never changes results; ``False`` compares.
         gradient_buffer: where gradients wait for devices: ``"accelerator"``, ``"host"`` or ``"auto"`` (docs/gpu.md).
         offload_parameters: keep ZeRO's low-precision parameter partitions in host memory between uses.
-        offload_activations: write large saved activations to the storage paths during forward and read them
-            back ahead of backward (``True``, or a dict of
-            :class:`~lightning_smartinf.activations.ActivationOffload` arguments).
+        offload_activations: write large saved activations to the storage paths during forward and read them back
+            ahead of backward (``True``, or a dict of :class:`~lightning_smartinf.activations.ActivationOffload` args).
         config: a DeepSpeed config dict or JSON path to start from (``None``: the file named by
             ``$PL_DEEPSPEED_CONFIG_PATH``, if set); SmartUpdate adds its own keys and rejects settings that
             contradict it (optimizer offload, a DeepSpeed ``optimizer`` block or ``gradient_accumulation_steps``,
@@ -126,6 +125,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         xrt_devices: list[int | str] | None = None,
         remote_devices: list[str] | None = None,
         remote_token_file: str | os.PathLike | None = None,
+        remote_tls_dir: str | os.PathLike | None = None,
         compression: float | dict[str, Any] | TopKCompression | None = None,
         sub_group_size: int = 40_000_000,
         chunk_size: int = 1 << 20,

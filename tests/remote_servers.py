@@ -76,3 +76,64 @@ class ServerProcess:
 
     def log_text(self) -> str:
         return self.log.read_text() if self.log is not None and self.log.exists() else ""
+
+
+def make_certificates(directory: Path) -> Path:
+    """A test CA, a server certificate for 127.0.0.1 and a client certificate, made with the openssl command.
+
+    Returns ``directory``, laid out as ``remote_tls_dir`` expects (``ca.pem``, ``client.pem``, ``client.key``) plus
+    ``server.pem``, ``server.key`` and ``ca.key``.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=smartinf-test-ca",
+    )
+    (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name in ("server", "client"):
+        openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN=smartinf-test-{name}",
+        )
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "san.cnf",
+        )
+        (directory / f"{name}.key").chmod(0o600)
+    return directory

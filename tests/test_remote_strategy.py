@@ -142,3 +142,31 @@ def test_two_ranks_share_the_servers_and_match_the_local_run(tmp_path, servers, 
     # Each rank held its own session on each server: two ranks, two sessions per server, both closed at the end.
     for server in servers:
         assert server.log_text().count("closed") == 2
+
+
+def test_mutual_tls_through_the_strategy(tmp_path):
+    import shutil
+
+    from remote_servers import make_certificates
+
+    certificates = make_certificates(tmp_path / "tls")
+    token = write_token(tmp_path / "token")
+    extra = ["--tls-cert", str(certificates / "server.pem"), "--tls-key", str(certificates / "server.key")]
+    extra += ["--tls-client-ca", str(certificates / "ca.pem")]
+    server = ServerProcess([tmp_path / "srv"], token, extra=extra).start()
+    client = tmp_path / "client"
+    client.mkdir()
+    for name in ("ca.pem", "client.pem", "client.key"):
+        shutil.copy(certificates / name, client / name)
+    try:
+        _, local = fit(LMModule(adamw), _strategy(tmp_path, "local"), steps=3)
+        strategy = _strategy(tmp_path, "remote", [server], remote_tls_dir=str(client))
+        _, remote = fit(LMModule(adamw), strategy, steps=3)
+    finally:
+        server.stop()
+    for name, value in local.items():
+        assert torch.equal(remote[name], value), name
+    with pytest.raises(Exception, match=r"`remote_tls_dir=.*has no ca.pem"):
+        SmartInfinityStrategy(
+            backend="remote", remote_devices=["h:1"], remote_token_file=str(token), remote_tls_dir=str(tmp_path)
+        )

@@ -31,7 +31,7 @@ def build_backend(
     """
     if settings.backend == "remote":
         from lightning_smartinf.csd.remote.client import RemoteBackend
-        from lightning_smartinf.csd.remote.tokens import read_token
+        from lightning_smartinf.csd.remote.tokens import read_tls_dir, read_token
 
         assert settings.remote_devices is not None and settings.remote_token_file is not None
         return RemoteBackend(
@@ -44,6 +44,7 @@ def build_backend(
             tentative_slots=settings.overlap,
             prefetch_state=settings.prefetch_state,
             device_timeout_s=settings.device_timeout_s,
+            tls=None if settings.remote_tls_dir is None else read_tls_dir(settings.remote_tls_dir),
         )
     if settings.backend == "xrt":
         from lightning_smartinf.csd.xrt import XrtBackend

@@ -89,6 +89,10 @@ class SmartUpdateSettings:
     """``backend="remote"`` only: ``"host:port"`` of each device server; every rank opens a session on each."""
     remote_token_file: Path | None = None
     """``backend="remote"`` only: a file (mode 0600) holding the servers' bearer token."""
+    remote_tls_dir: Path | None = None
+    """``backend="remote"`` only: a directory with ``ca.pem``, the certificate authority of the servers'
+    certificates (the connection is then encrypted and each server verified), and for mutual TLS ``client.pem``
+    and ``client.key`` (mode 0600). ``None``: plain, unencrypted gRPC."""
     compression: TopKCompression | None = None
     """SmartComp top-k gradient compression; ``None`` sends dense gradients."""
     sub_group_size: int = 40_000_000
@@ -232,7 +236,7 @@ def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
             f"`xclbin=...` and `xrt_devices=...` apply to `backend='xrt'` only, but `backend={raw['backend']!r}`. "
             "Drop them or pass `backend='xrt'`."
         )
-    remote_devices, token_file = _remote(problems, raw)
+    remote_devices, token_file, tls_dir = _remote(problems, raw)
     compression = _compression(problems, raw["compression"])
     if sub_group_valid and chunk_valid and buffers_valid and raw["backend"] == "cpu":
         _check_pool_memory(problems, raw)
@@ -247,21 +251,23 @@ def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
         "xrt_devices": None if xrt_devices is None else tuple(xrt_devices),
         "remote_devices": remote_devices,
         "remote_token_file": token_file,
+        "remote_tls_dir": tls_dir,
         "compression": compression,
         "device_timeout_s": None if timeout is None else float(timeout),
     }
 
 
-def _remote(problems: Problems, raw: dict[str, Any]) -> tuple[tuple[str, ...] | None, Path | None]:
-    """``remote_devices`` and ``remote_token_file``, checked: both with ``backend="remote"``, neither without."""
-    devices, token_file = raw["remote_devices"], raw["remote_token_file"]
+def _remote(problems: Problems, raw: dict[str, Any]) -> tuple[tuple[str, ...] | None, Path | None, Path | None]:
+    """``remote_devices``, ``remote_token_file`` and ``remote_tls_dir``, checked: the first two with
+    ``backend="remote"``, none without."""
+    devices, token_file, tls_dir = raw["remote_devices"], raw["remote_token_file"], raw["remote_tls_dir"]
     if raw["backend"] != "remote":
-        if devices is not None or token_file is not None:
+        if devices is not None or token_file is not None or tls_dir is not None:
             problems.add(
-                "`remote_devices=...` and `remote_token_file=...` apply to `backend='remote'` only, but "
-                f"`backend={raw['backend']!r}`. Drop them or pass `backend='remote'`."
+                "`remote_devices=...`, `remote_token_file=...` and `remote_tls_dir=...` apply to `backend='remote'` "
+                f"only, but `backend={raw['backend']!r}`. Drop them or pass `backend='remote'`."
             )
-        return None, None
+        return None, None, None
     known = len(problems)
     if importlib.util.find_spec("grpc") is None:
         problems.add(
@@ -290,9 +296,17 @@ def _remote(problems: Problems, raw: dict[str, Any]) -> tuple[tuple[str, ...] | 
             read_token(token_file)
         except ValueError as exc:
             problems.add(f"`remote_token_file`: {exc}")
+    if tls_dir is not None:
+        from lightning_smartinf.csd.remote.tokens import read_tls_dir
+
+        try:
+            tls_dir = Path(tls_dir).expanduser()
+            read_tls_dir(tls_dir)
+        except (TypeError, ValueError) as exc:
+            problems.add(f"`remote_tls_dir={raw['remote_tls_dir']!r}`: {exc}")
     if len(problems) > known:
-        return None, None
-    return tuple(devices), token_file
+        return None, None, None
+    return tuple(devices), token_file, tls_dir
 
 
 def _check_counts(problems: Problems, raw: dict[str, Any]) -> tuple[bool, bool, bool]:

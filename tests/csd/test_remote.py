@@ -240,3 +240,74 @@ def test_a_server_restarted_over_another_storage_root_is_refused(tmp_path, serve
     with pytest.raises(CheckpointError, match=rf"server at {servers[1].address} is .* restarted with another storage"):
         resumed.load(tmp_path / "ckpt")
     resumed.close()
+
+
+# ------------------------------------------------------------------------------------------------------- TLS
+
+
+@pytest.fixture
+def certificates(tmp_path) -> Path:
+    from remote_servers import make_certificates
+
+    return make_certificates(tmp_path / "tls")
+
+
+def _tls_server(tmp_path, token_file, certificates, *, mutual: bool) -> ServerProcess:
+    extra = ["--tls-cert", str(certificates / "server.pem"), "--tls-key", str(certificates / "server.key")]
+    if mutual:
+        extra += ["--tls-client-ca", str(certificates / "ca.pem")]
+    return ServerProcess([tmp_path / ("mtls" if mutual else "tls")], token_file, extra=extra).start()
+
+
+def _client_dir(certificates: Path, tmp_path: Path, *, with_certificate: bool) -> Path:
+    import shutil
+
+    client = tmp_path / ("client-mtls" if with_certificate else "client-tls")
+    client.mkdir()
+    shutil.copy(certificates / "ca.pem", client / "ca.pem")
+    if with_certificate:
+        shutil.copy(certificates / "client.pem", client / "client.pem")
+        shutil.copy(certificates / "client.key", client / "client.key")
+        (client / "client.key").chmod(0o600)
+    return client
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
+def test_tls_and_mutual_tls(tmp_path, token_file, certificates, mutual) -> None:
+    from lightning_smartinf.csd.remote.tokens import read_tls_dir
+
+    server = _tls_server(tmp_path, token_file, certificates, mutual=mutual)
+    try:
+        assert f"(port {server.port}, {'mutual TLS' if mutual else 'TLS'})" in server.log_text()
+        tls = read_tls_dir(_client_dir(certificates, tmp_path, with_certificate=mutual))
+        remote = RemoteBackend([server.address], read_token(token_file), chunk_elems=CHUNK, buffer_count=4, tls=tls)
+        local = CpuBackend([tmp_path / "local"], chunk_elems=CHUNK, buffer_count=4)
+        _initialize([remote, local])
+        for a, b in zip(_step(remote, _grads(1), 1), _step(local, _grads(1), 1)):
+            assert torch.equal(a, b)
+        remote.close()
+        local.close()
+        # A plain client cannot talk to a TLS server; without a certificate, not to a mutual-TLS one either.
+        with pytest.raises(StorageError, match=rf"{server.address} cannot be reached .*TLS settings differ"):
+            RemoteBackend([server.address], read_token(token_file), device_timeout_s=10.0)
+        if mutual:
+            anonymous = read_tls_dir(_client_dir(certificates, tmp_path, with_certificate=False))
+            with pytest.raises(StorageError, match=rf"{server.address} cannot be reached .*client certificate"):
+                RemoteBackend([server.address], read_token(token_file), device_timeout_s=10.0, tls=anonymous)
+    finally:
+        server.stop()
+
+
+def test_tls_directory_is_checked(tmp_path) -> None:
+    from lightning_smartinf.csd.remote.tokens import read_tls_dir
+
+    with pytest.raises(ValueError, match="has no ca.pem"):
+        read_tls_dir(tmp_path)
+    (tmp_path / "ca.pem").write_text("x")
+    (tmp_path / "client.pem").write_text("x")
+    with pytest.raises(ValueError, match="needs both, or neither"):
+        read_tls_dir(tmp_path)
+    (tmp_path / "client.key").write_text("x")
+    (tmp_path / "client.key").chmod(0o644)
+    with pytest.raises(ValueError, match="readable by other users.*chmod 600"):
+        read_tls_dir(tmp_path)

@@ -63,6 +63,7 @@ def test_defaults_are_the_strategy_defaults_and_the_object_is_frozen_and_keyword
         "xrt_devices": None,
         "remote_devices": None,
         "remote_token_file": None,
+        "remote_tls_dir": None,
         "compression": None,
         "sub_group_size": 40_000_000,
         "chunk_size": 1 << 20,

@@ -38,6 +38,7 @@ from lightning_smartinf.csd.checkpoint import CheckpointError, read_json, write_
 from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.placement import Placement, RoundRobin, check_assignment
 from lightning_smartinf.csd.remote.server import MAX_UPDATES_IN_FLIGHT as UPDATES_IN_FLIGHT
+from lightning_smartinf.csd.remote.tokens import TlsFiles
 from lightning_smartinf.csd.remote.wire import (
     MAX_MESSAGE_BYTES,
     SERVICE,
@@ -56,6 +57,7 @@ from lightning_smartinf.csd.traffic import TrafficSnapshot
 
 __all__ = ["REMOTE_MANIFEST", "RemoteBackend", "measure_network"]
 
+FIRST_CONTACT = "the first contact"
 #: What a remote backend writes into a checkpoint's device-state directory: where the state is, and its digests.
 REMOTE_MANIFEST = "remote.json"
 
@@ -63,17 +65,21 @@ REMOTE_MANIFEST = "remote.json"
 class _Server:
     """One server: its channel, stubs, identity, session and the shards it holds for this rank."""
 
-    def __init__(self, address: str, token: str, timeout: float | None) -> None:
+    def __init__(self, address: str, token: str, timeout: float | None, tls: TlsFiles | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.metadata = (("authorization", f"Bearer {token}"),)
-        self.channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
-        )
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        if tls is None:
+            self.channel = grpc.insecure_channel(address, options=options)
+        else:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+            )
+            self.channel = grpc.secure_channel(address, credentials, options=options)
         encode, decode = Frame.SerializeToString, Frame.FromString
 
         def method(kind: str, name: str) -> Any:
@@ -107,7 +113,15 @@ class _Server:
         code = exc.code() if hasattr(exc, "code") else None
         details = exc.details() if hasattr(exc, "details") else str(exc)
         name = f"remote device server {self.address}" + (f" ({self.server_id[:12]})" if self.server_id else "")
-        if code == grpc.StatusCode.UNAVAILABLE:
+        if code == grpc.StatusCode.UNAVAILABLE and "ssl" in str(details).lower() + str(exc).lower():
+            reason = f"refused the TLS handshake ({details}): check `remote_tls_dir` against the server's certificates"
+        elif code == grpc.StatusCode.UNAVAILABLE and what == FIRST_CONTACT:
+            reason = (
+                f"cannot be reached ({details}): it is not running, the network is down, or its TLS settings differ "
+                "from this run's `remote_tls_dir` (a TLS server needs one; a mutual-TLS server, one with a client "
+                "certificate)"
+            )
+        elif code == grpc.StatusCode.UNAVAILABLE:
             reason = "is unreachable: it was stopped, or the network is down"
         elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
             reason = f"did not answer within device_timeout_s={self.timeout} s (a stalled network or server)"
@@ -122,10 +136,12 @@ class _Server:
         self.channel.close()
 
 
-def measure_network(address: str, token: str, *, megabytes: int = 64, pings: int = 20) -> dict[str, float]:
+def measure_network(
+    address: str, token: str, *, megabytes: int = 64, pings: int = 20, tls: TlsFiles | None = None
+) -> dict[str, float]:
     """Bandwidth (GB/s, trainer to server) and round trip (ms, median of ``pings`` calls) to the server at
     ``address``; the server only counts the bytes, so no device or disk is in the figures."""
-    server = _Server(address, token, timeout=120.0)
+    server = _Server(address, token, timeout=120.0, tls=tls)
     try:
         times = []
         for _ in range(pings):
@@ -159,6 +175,8 @@ class RemoteBackend(Backend):
             :class:`~lightning_smartinf.csd.cpu.CpuBackend`.
         device_timeout_s: deadline of every call; ``None`` waits forever.
         placement: which server holds each shard (default: shard ``s`` on server ``s mod N``).
+        tls: verify the servers with ``tls.ca`` over TLS, presenting ``tls.cert`` for mutual TLS; ``None``: plain
+            gRPC (not encrypted).
     """
 
     def __init__(
@@ -174,6 +192,7 @@ class RemoteBackend(Backend):
         prefetch_state: bool = True,
         device_timeout_s: float | None = 300.0,
         placement: Placement = RoundRobin(),
+        tls: TlsFiles | None = None,
     ) -> None:
         super().__init__()
         if not addresses:
@@ -186,7 +205,7 @@ class RemoteBackend(Backend):
         self.prefetch_state = prefetch_state
         self.device_timeout_s = device_timeout_s
         self.placement = placement
-        self.servers = [_Server(address, token, device_timeout_s) for address in addresses]
+        self.servers = [_Server(address, token, device_timeout_s, tls) for address in addresses]
         self._specs: list[ShardSpec] = []
         self._where: list[tuple[_Server, int]] = []
         self._pending: list[Handle] = []
@@ -197,7 +216,7 @@ class RemoteBackend(Backend):
         self._closed = False
         self._released = False
         for server in self.servers:
-            reply = decode_header(server.call(server.hello, header_frame(), "the first contact"), ("server_id",))
+            reply = decode_header(server.call(server.hello, header_frame(), FIRST_CONTACT), ("server_id",))
             server.server_id = str(reply["server_id"])
 
     # ---------------------------------------------------------------------------------------------- views

@@ -42,6 +42,7 @@ from lightning_smartinf.csd.backend import ShardSpec
 from lightning_smartinf.csd.checkpoint import MANIFEST
 from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.cpu import CpuBackend
+from lightning_smartinf.csd.remote.tokens import TlsFiles
 from lightning_smartinf.csd.remote.wire import (
     DTYPES,
     MAX_MESSAGE_BYTES,
@@ -459,8 +460,13 @@ def serve(
     *,
     device_timeout_s: float | None = 300.0,
     workers: int = 16,
+    tls: TlsFiles | None = None,
 ) -> tuple[grpc.Server, DeviceServer, int]:
-    """Start a server on ``listen`` (loopback by default); returns it, its servicer and the bound port."""
+    """Start a server on ``listen`` (loopback by default); returns it, its servicer and the bound port.
+
+    With ``tls`` the port speaks TLS with ``tls.cert`` and ``tls.key``; a non-empty ``tls.ca`` also requires every
+    client to present a certificate it signed (mutual TLS).
+    """
     servicer = DeviceServer(storage_roots, token, device_timeout_s=device_timeout_s)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="smartinf-serve"),
@@ -470,15 +476,23 @@ def serve(
         ],
     )
     server.add_generic_rpc_handlers((servicer.handler(),))
-    port = server.add_insecure_port(listen)
+    if tls is None:
+        port = server.add_insecure_port(listen)
+    else:
+        assert tls.cert is not None and tls.key is not None
+        credentials = grpc.ssl_server_credentials(
+            [(tls.key, tls.cert)], root_certificates=tls.ca or None, require_client_auth=bool(tls.ca)
+        )
+        port = server.add_secure_port(listen, credentials)
     if port == 0:
         raise OSError(f"Cannot listen on {listen!r} (in use, or not an address of this machine).")
     server.start()
     log.info(
-        "serving device server %s on %s (port %d): %d device(s) under %s",
+        "serving device server %s on %s (port %d, %s): %d device(s) under %s",
         servicer.server_id,
         listen,
         port,
+        "plain gRPC, not encrypted" if tls is None else "mutual TLS" if tls.ca else "TLS",
         len(servicer.roots),
         ", ".join(map(str, servicer.roots)),
     )
