@@ -8,6 +8,8 @@ mixin replaces exactly those steps and leaves the CUDA path untouched.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 from typing import Any
 
 from lightning.fabric.utilities.seed import reset_seed
@@ -55,7 +57,8 @@ class DeepSpeedOnCPUMixin:
             return
         reset_seed()
         self.set_world_ranks()
-        with prebuilt_ops():  # `deepspeed.init_distributed` loads the CPU accelerator's shared-memory comm op
+        # `deepspeed.init_distributed` loads the CPU accelerator's shared-memory comm op, and prints that it did.
+        with prebuilt_ops(), contextlib.redirect_stdout(io.StringIO()):
             self._init_deepspeed_distributed()
 
     @override

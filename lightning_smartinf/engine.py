@@ -138,8 +138,11 @@ def initialize(
             if isinstance(callback, BufferPool):  # the model exists now (`configure_model` ran): size for it
                 callback.size_pools(module.trainer, module)
     device_dirs, owned = rank_devices(strategy)
-    if strategy.is_global_zero and (
-        note := quiet.endurance_note([str(d) for d in device_dirs], state_bytes(optimizer) // strategy.world_size)
+    # The state of backend="remote" is on the servers' disks, not in `device_dirs`.
+    if (
+        strategy.is_global_zero
+        and strategy.settings.backend != "remote"
+        and (note := quiet.endurance_note([str(d) for d in device_dirs], state_bytes(optimizer) // strategy.world_size))
     ):
         rank_zero_warn(note)
     # ZeRO copies its swap folder into checkpoints; ours stays empty (device state is saved separately).
