@@ -311,3 +311,15 @@ def test_tls_directory_is_checked(tmp_path) -> None:
     (tmp_path / "client.key").chmod(0o644)
     with pytest.raises(ValueError, match="readable by other users.*chmod 600"):
         read_tls_dir(tmp_path)
+
+
+def test_resume_with_a_server_missing_names_the_servers(tmp_path, servers, token_file) -> None:
+    remote = _remote(servers, token_file)
+    _initialize([remote])
+    remote.save(tmp_path / "ckpt")
+    remote.close()
+    fewer = _remote(servers[:1], token_file)
+    fewer.open(_specs())
+    with pytest.raises(CheckpointError, match=rf"on 2 remote server\(s\): .*{servers[1].address}.*this run has 1"):
+        fewer.load(tmp_path / "ckpt")
+    fewer.close()

@@ -508,9 +508,15 @@ class RemoteBackend(Backend):
             raise CheckpointError(f"{REMOTE_MANIFEST} in {str(directory)!r} is not a remote device-state manifest.")
         mine = [server for server in self.servers if server.shards]
         if len(entries) != len(mine):
+            saved = ", ".join(
+                f"{entry.get('address')} ({str(entry.get('server_id'))[:12]})"
+                for entry in entries
+                if isinstance(entry, dict)
+            )
+            current = ", ".join(f"{server.address} ({server.server_id[:12]})" for server in mine)
             raise CheckpointError(
-                f"The checkpoint's device state is on {len(entries)} remote server(s); this run has {len(mine)}. "
-                "Resume with the same `remote_devices`."
+                f"The checkpoint's device state is on {len(entries)} remote server(s): {saved}; this run has "
+                f"{len(mine)}: {current}. Resume with the same `remote_devices`, in the same order."
             )
         for server, entry in zip(mine, entries):
             if not isinstance(entry, dict) or entry.get("shards") != server.shards:
