@@ -194,3 +194,15 @@ def test_bad_recipe_is_exit_2_naming_the_key(tmp_path, capsys, edit, message):
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
+
+
+def test_serve_refuses_bad_secrets_before_listening(tmp_path, capsys):
+    token = tmp_path / "token"
+    token.write_text("secret")
+    token.chmod(0o644)
+    assert main(["serve", "--storage", str(tmp_path / "s"), "--token-file", str(token)]) == 2
+    assert "readable by other users" in capsys.readouterr().err
+    token.chmod(0o600)
+    assert main(["serve", "--storage", str(tmp_path / "s"), "--token-file", str(token), "--tls-cert", "x.pem"]) == 2
+    assert "needs both --tls-cert and --tls-key" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists(), "nothing was created"
