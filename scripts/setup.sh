@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent developer/CI setup for lightning_smartinf; run from any directory.
-#   - system: libaio-dev (DeepSpeed async I/O) when root + apt-get are available
+#   - system: libaio-dev (DeepSpeed async I/O) and openssl (TLS test certificates) when root + apt-get are available
 #   - .venv with torch (CPU wheel on machines without nvidia-smi), the package in editable mode, test extras
 #   - pre-built DeepSpeed ops (cpu_adam, async_io, shm comm on CPU) under .venv/torch_extensions so tests skip the JIT compile
 # Env knobs: SMARTINF_VENV (venv path, default <repo>/.venv), SMARTINF_TORCH_CPU_VERSION (default 2.13.0),
@@ -34,6 +34,13 @@ elif [[ "$(id -u)" == "0" ]] && command -v apt-get >/dev/null 2>&1; then
 else
     log "NOTE: libaio headers missing and cannot apt-get install (not root or no apt-get);" \
         "DeepSpeed async I/O (NVMe offload) will be unavailable"
+fi
+
+# The tests of remote device servers make TLS certificates with the openssl command.
+if ! command -v openssl >/dev/null 2>&1 && [[ "$(id -u)" == "0" ]] && command -v apt-get >/dev/null 2>&1; then
+    log "installing openssl (apt-get)"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl >/dev/null; } \
+        || log "NOTE: apt-get install openssl failed; the TLS tests will fail"
 fi
 
 # --- 2. virtual environment ---------------------------------------------------------------------------
