@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_smartinf import checkpoint_dir
 from lightning_smartinf.checkpoint_dir import CheckpointError
+from lightning_smartinf.csd.backends import remote_checkpoint_masters
 from lightning_smartinf.csd.device_state import read_host_state
 from lightning_smartinf.csd.storage import StorageError
 from lightning_smartinf.zero.safe_load import ensure_offload_folder, load_deepspeed_file, safe_checkpoint_engine
@@ -27,6 +28,7 @@ from lightning_smartinf.zero.safe_load import ensure_offload_folder, load_deepsp
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_smartinf.export import RemoteMasters
     from lightning_smartinf.strategy import SmartInfinityStrategy
 
 
@@ -132,7 +134,7 @@ def load(strategy: SmartInfinityStrategy, checkpoint_path: str | os.PathLike) ->
             client_state = _load_for_fit(strategy, root, seal)
         else:
             client_state = load_deepspeed_file(model_states)
-            load_trained_weights(module, root)
+            load_trained_weights(module, root, remote=remote_checkpoint_masters(strategy.settings))
         if client_state.get("global_step") != seal["global_step"]:
             raise CheckpointError(
                 f"{model_states} holds global step {client_state.get('global_step')!r}, but "
@@ -167,15 +169,16 @@ def _load_for_fit(strategy: SmartInfinityStrategy, root: Path, seal: dict[str, A
     return client_state
 
 
-def load_trained_weights(module: pl.LightningModule, root: Path) -> None:
+def load_trained_weights(module: pl.LightningModule, root: Path, remote: RemoteMasters | None = None) -> None:
     """Put the checkpoint's fp32 masters (cast to each parameter's dtype) into ``module``, whose parameters are
     ZeRO-3 partitioned (the evaluation engine's). Parameters the devices never held (frozen ones) keep their values.
+    ``remote`` reads masters the checkpoint keeps on remote device servers.
     """
     import deepspeed
 
     from lightning_smartinf.export import consolidate_fp32_state_dict
 
-    weights = consolidate_fp32_state_dict(root)
+    weights = consolidate_fp32_state_dict(root, remote=remote)
     params = dict(module.named_parameters())
     if unknown := sorted(set(weights) - set(params)):
         raise CheckpointError(

@@ -28,15 +28,15 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 from lightning_smartinf import checkpoint_dir
-from lightning_smartinf.csd.checkpoint import read_manifest, shard_file_name, verify_state_file
+from lightning_smartinf.csd.checkpoint import read_manifest, saved_shard_masters, shard_file_name
 from lightning_smartinf.csd.device_state import HOST_STATE, full_parameter, param_partitions
-from lightning_smartinf.csd.layout import ChunkLayout
+from lightning_smartinf.csd.remote.manifest import REMOTE_MANIFEST
 
 
 def rank_state_dir(checkpoint_path: str | os.PathLike, rank: int) -> Path:
@@ -59,24 +59,17 @@ def is_complete(checkpoint_path: str | os.PathLike) -> bool:
     return checkpoint_dir.is_sealed(checkpoint_path)
 
 
-def _read_masters(path: Path, layout: ChunkLayout) -> Tensor:
-    """The fp32 master weights of one shard file: the first tensor of every chunk record."""
-    out = torch.empty(layout.numel, dtype=torch.float32)
-    view = memoryview(out.numpy()).cast("B")
-    with open(path, "rb", buffering=0) as f:
-        for k in range(layout.num_chunks):
-            start, n = layout.chunk_range(k)
-            f.seek(layout.record_offset(k))
-            got = f.readinto(view[start * 4 : (start + n) * 4])
-            if got != n * 4:
-                raise ValueError(f"State file {path} ended early in chunk {k}.")
-    return out
+#: Reads the fp32 masters of every shard of one rank's device state kept on remote servers (by shard index).
+RemoteMasters = Callable[[Path], list[Tensor]]
 
 
-def consolidate_fp32_state_dict(checkpoint_path: str | os.PathLike, *, verify: bool = True) -> dict[str, Tensor]:
+def consolidate_fp32_state_dict(
+    checkpoint_path: str | os.PathLike, *, verify: bool = True, remote: RemoteMasters | None = None
+) -> dict[str, Tensor]:
     """Full fp32 master weights of every trainable parameter, by name, from a SmartUpdate checkpoint directory.
 
     ``verify``: check every shard file's size and CRC-32 against its manifest first (reads each file twice).
+    ``remote``: reads the masters of a rank whose device state is on remote device servers (``remote.json``).
     """
     checkpoint_dir.verify(checkpoint_path, checksum_shards=False)  # shard files: CRC-checked below when `verify`
     size = world_size(checkpoint_path)
@@ -85,28 +78,18 @@ def consolidate_fp32_state_dict(checkpoint_path: str | os.PathLike, *, verify: b
     for rank in range(size):
         directory = rank_state_dir(checkpoint_path, rank)
         host = _host_state(directory)
-        manifest = read_manifest(directory)
-        entries = {int(e["index"]): e for e in manifest["shards"]}
         if host.get("world_size") != size or host.get("rank") != rank:
             raise ValueError(
                 f"{directory / HOST_STATE} belongs to rank {host.get('rank')} of {host.get('world_size')}."
             )
-        if len(host["shards"]) != len(entries):
-            raise ValueError(
-                f"{directory}: host state lists {len(host['shards'])} shards, the manifest {len(entries)}."
-            )
+        masters = _rank_masters(directory, len(host["shards"]), verify=verify, remote=remote)
         for index, params in enumerate(host["shards"]):
-            entry = entries[index]
-            path = directory / shard_file_name(index)
-            if verify:
-                verify_state_file(path, entry)
-            layout = ChunkLayout(int(entry["numel"]), int(manifest["chunk_elems"]), len(entry["states"]))
             try:
-                for param, part in param_partitions(params, _read_masters(path, layout)):
+                for param, part in param_partitions(params, masters[index]):
                     pieces.setdefault(param["name"], [None] * size)[rank] = part
                     shapes.setdefault(param["name"], list(param["shape"]))
             except ValueError as exc:
-                raise ValueError(f"{path}: {exc}") from None
+                raise ValueError(f"{directory / shard_file_name(index)}: {exc}") from None
     state: dict[str, Tensor] = {}
     for name, slots in pieces.items():
         missing = [r for r, t in enumerate(slots) if t is None]
@@ -116,11 +99,34 @@ def consolidate_fp32_state_dict(checkpoint_path: str | os.PathLike, *, verify: b
     return state
 
 
-def save_fp32(checkpoint_path: str | os.PathLike, out_file: str | os.PathLike) -> dict[str, Tensor]:
-    """Write the consolidated fp32 weights of ``checkpoint_path`` to ``out_file`` (safetensors); return them."""
+def _rank_masters(directory: Path, shards: int, *, verify: bool, remote: RemoteMasters | None) -> list[Tensor]:
+    """The fp32 masters of each of one rank's ``shards``: from its shard files, or from the remote servers."""
+    if (directory / REMOTE_MANIFEST).is_file():
+        if remote is None:
+            raise ValueError(
+                f"{directory}: the device state is on remote device servers ({REMOTE_MANIFEST}); read it through "
+                "them: evaluate with the strategy's `backend='remote'` settings, or `smartinf export "
+                "--remote-devices HOST:PORT ... --remote-token-file FILE`."
+            )
+        masters = remote(directory)
+    else:
+        manifest = read_manifest(directory)
+        if len(manifest["shards"]) != shards:
+            raise ValueError(f"{directory}: host state lists {shards} shards, the manifest {len(manifest['shards'])}.")
+        masters = [saved_shard_masters(directory, index, verify=verify) for index in range(shards)]
+    if len(masters) != shards:
+        raise ValueError(f"{directory}: host state lists {shards} shards, the servers hold {len(masters)}.")
+    return masters
+
+
+def save_fp32(
+    checkpoint_path: str | os.PathLike, out_file: str | os.PathLike, *, remote: RemoteMasters | None = None
+) -> dict[str, Tensor]:
+    """Write the consolidated fp32 weights of ``checkpoint_path`` to ``out_file`` (safetensors); return them.
+    ``remote`` reads device state kept on remote servers (see :func:`consolidate_fp32_state_dict`)."""
     from safetensors.torch import save_file
 
-    state = consolidate_fp32_state_dict(checkpoint_path)
+    state = consolidate_fp32_state_dict(checkpoint_path, remote=remote)
     save_file(state, str(out_file), metadata={"format": "pt", "source": str(checkpoint_path)})
     return state
 
@@ -152,6 +158,7 @@ def export_pretrained(
     model_dir: str | os.PathLike | None = None,
     attribute: str | None = None,
     auto_class: str | None = None,
+    remote: RemoteMasters | None = None,
 ) -> dict[str, Tensor]:
     """Write the consolidated fp32 weights of the checkpoint's Hugging Face model as a ``save_pretrained`` directory.
 
@@ -196,7 +203,7 @@ def export_pretrained(
     tokenizer = None
     if tokenizer_dir is not None and any((Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = load_tokenizer(tokenizer_dir, argument="model_dir")
-    masters = consolidate_fp32_state_dict(checkpoint_path)
+    masters = consolidate_fp32_state_dict(checkpoint_path, remote=remote)
     if attribute is None:
         attribute = meta.get("attribute", HF_ATTRIBUTE) if meta is not None else find_attribute(masters, config)
     prefix = f"{attribute}."
@@ -260,6 +267,14 @@ def main(argv: list[str] | None = None) -> int:
         "whose weights the checkpoint holds (causal LM, sequence/token classification, question answering, "
         "masked LM or the bare model)",
     )
+    parser.add_argument(
+        "--remote-devices",
+        nargs="+",
+        metavar="HOST:PORT",
+        help="the `smartinf serve` servers holding the checkpoint's device state (backend='remote')",
+    )
+    parser.add_argument("--remote-token-file", metavar="FILE", help="with --remote-devices: the servers' token file")
+    parser.add_argument("--remote-tls-dir", metavar="DIR", help="with --remote-devices: ca.pem (+ client.pem/.key)")
     args = parser.parse_args(argv)
     if args.output is None and args.save_pretrained is None:
         parser.error("give an output .safetensors file, `--save-pretrained DIR`, or both")
@@ -267,9 +282,26 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value in {**hf_flags, "--auto-class": args.auto_class}.items():
         if value is not None and args.save_pretrained is None:
             parser.error(f"`{flag}` goes with `--save-pretrained DIR`")
+    if (args.remote_token_file or args.remote_tls_dir) and not args.remote_devices:
+        parser.error("`--remote-token-file` and `--remote-tls-dir` go with `--remote-devices HOST:PORT ...`")
     try:
+        remote = None
+        if args.remote_devices:
+            from lightning_smartinf.csd.backends import remote_checkpoint_masters
+            from lightning_smartinf.csd.settings import SettingsError, SmartUpdateSettings
+
+            try:
+                settings = SmartUpdateSettings(
+                    backend="remote",
+                    remote_devices=args.remote_devices,
+                    remote_token_file=args.remote_token_file,
+                    remote_tls_dir=args.remote_tls_dir,
+                )
+            except SettingsError as exc:
+                raise ValueError(str(exc)) from None
+            remote = remote_checkpoint_masters(settings)
         if args.output is not None:
-            state = save_fp32(args.checkpoint, args.output)
+            state = save_fp32(args.checkpoint, args.output, remote=remote)
             total = sum(t.numel() for t in state.values())
             print(f"wrote {len(state)} tensors ({total} parameters, fp32) to {args.output}")
         if args.save_pretrained is not None:
@@ -279,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 model_dir=args.hf_model_dir,
                 attribute=args.hf_attribute,
                 auto_class=args.auto_class,
+                remote=remote,
             )
             total = sum(t.numel() for t in state.values())
             config = json.loads((Path(args.save_pretrained) / "config.json").read_text())

@@ -170,3 +170,49 @@ def test_mutual_tls_through_the_strategy(tmp_path):
         SmartInfinityStrategy(
             backend="remote", remote_devices=["h:1"], remote_token_file=str(token), remote_tls_dir=str(tmp_path)
         )
+
+
+class LMWithValidation(LMModule):
+    def validation_step(self, batch, batch_idx):
+        tokens, targets = batch
+        loss = torch.nn.functional.cross_entropy(self.model(tokens).float().flatten(0, 1), targets.flatten())
+        self.log("val_loss", loss)
+
+
+def test_evaluate_and_export_a_checkpoint_kept_on_the_servers(tmp_path, servers, capsys):
+    import lightning as L
+    from models import CaptureParams, token_loader
+    from safetensors.torch import load_file
+
+    from lightning_smartinf.export import main as export_main
+
+    def trainer(name: str, callbacks=()) -> L.Trainer:
+        return L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=_strategy(tmp_path, name, servers),
+            max_steps=4,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=list(callbacks),
+        )
+
+    capture = CaptureParams()
+    first = trainer("fit", [capture])
+    first.fit(LMWithValidation(adamw), token_loader(4))
+    first.save_checkpoint(tmp_path / "remote.ckpt")  # after fit: the sessions still hold the state
+    expected = first.validate(LMWithValidation(adamw), token_loader(2), ckpt_path=tmp_path / "remote.ckpt")
+    # A new trainer (new sessions) evaluates the checkpoint: its masters come from the servers' copy.
+    got = trainer("eval").validate(LMWithValidation(adamw), token_loader(2), ckpt_path=tmp_path / "remote.ckpt")
+    assert got == expected
+    out = tmp_path / "weights.safetensors"
+    assert export_main([str(tmp_path / "remote.ckpt"), str(out)]) == 1
+    assert "on remote device servers" in capsys.readouterr().err
+    flags = ["--remote-devices", *[s.address for s in servers], "--remote-token-file", str(servers[0].token_file)]
+    assert export_main([str(tmp_path / "remote.ckpt"), str(out), *flags]) == 0
+    weights = load_file(str(out))
+    assert weights.keys() == capture.params.keys()
+    for name, value in capture.params.items():  # fp32 training: the masters are the parameters
+        assert torch.equal(weights[name], value), name

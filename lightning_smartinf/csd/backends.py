@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from torch import Tensor
+
 from lightning_smartinf.csd.backend import Backend
 from lightning_smartinf.csd.io import IOEngine, ThreadedIO
 from lightning_smartinf.csd.settings import SmartUpdateSettings
@@ -71,4 +73,18 @@ def build_backend(
         tentative_slots=settings.overlap,
         prefetch_state=settings.prefetch_state,
         device_timeout_s=settings.device_timeout_s,
+    )
+
+
+def remote_checkpoint_masters(settings: SmartUpdateSettings) -> Callable[[Path], list[Tensor]] | None:
+    """For ``backend='remote'``: a reader of the masters a checkpoint keeps on the servers of ``settings``."""
+    if settings.backend != "remote":
+        return None
+    from lightning_smartinf.csd.remote.client import checkpoint_masters
+    from lightning_smartinf.csd.remote.tokens import read_tls_dir, read_token
+
+    assert settings.remote_devices is not None and settings.remote_token_file is not None
+    tls = None if settings.remote_tls_dir is None else read_tls_dir(settings.remote_tls_dir)
+    return checkpoint_masters(
+        settings.remote_devices, read_token(settings.remote_token_file), tls=tls, timeout=settings.device_timeout_s
     )

@@ -34,6 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from lightning_smartinf.csd.backend import ShardSpec
 from lightning_smartinf.csd.layout import ChunkLayout
 from lightning_smartinf.csd.storage import GIB, StorageError, ensure_private_dir
@@ -377,3 +380,32 @@ def load_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
             )
 
     _per_device(shards, copy_back)
+
+
+def read_shard_masters(path: Path, layout: ChunkLayout) -> Tensor:
+    """The fp32 master weights of one saved shard file: the first tensor of every chunk record."""
+    out = torch.empty(layout.numel, dtype=torch.float32)
+    view = memoryview(out.numpy()).cast("B")
+    with open(path, "rb", buffering=0) as f:
+        for k in range(layout.num_chunks):
+            start, n = layout.chunk_range(k)
+            f.seek(layout.record_offset(k))
+            got = f.readinto(view[start * 4 : (start + n) * 4])
+            if got != n * 4:
+                raise ValueError(f"State file {path} ended early in chunk {k}.")
+    return out
+
+
+def saved_shard_masters(directory: Path, index: int, *, verify: bool = True) -> Tensor:
+    """The fp32 masters of shard ``index`` of the state :func:`save_state` wrote under ``directory``, CRC-checked
+    first with ``verify``."""
+    manifest = read_manifest(directory)
+    entries = {int(e["index"]): e for e in manifest["shards"]}
+    if index not in entries:
+        raise ValueError(f"{directory / MANIFEST} has no shard {index}.")
+    entry = entries[index]
+    path = Path(directory) / shard_file_name(index)
+    if verify:
+        verify_state_file(path, entry)
+    layout = ChunkLayout(int(entry["numel"]), int(manifest["chunk_elems"]), len(entry["states"]))
+    return read_shard_masters(path, layout)

@@ -22,7 +22,7 @@ import statistics
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from pathlib import Path
@@ -37,6 +37,7 @@ from lightning_smartinf.csd.backend import Backend, BackendStats, Handle, ShardS
 from lightning_smartinf.csd.checkpoint import CheckpointError, read_json, write_file_atomic
 from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.placement import Placement, RoundRobin, check_assignment
+from lightning_smartinf.csd.remote.manifest import REMOTE_MANIFEST
 from lightning_smartinf.csd.remote.server import MAX_UPDATES_IN_FLIGHT as UPDATES_IN_FLIGHT
 from lightning_smartinf.csd.remote.tokens import TlsFiles
 from lightning_smartinf.csd.remote.wire import (
@@ -55,11 +56,9 @@ from lightning_smartinf.csd.rules import StepParams
 from lightning_smartinf.csd.storage import StorageError
 from lightning_smartinf.csd.traffic import TrafficSnapshot
 
-__all__ = ["REMOTE_MANIFEST", "RemoteBackend", "measure_network"]
+__all__ = ["REMOTE_MANIFEST", "RemoteBackend", "checkpoint_masters", "measure_network"]
 
 FIRST_CONTACT = "the first contact"
-#: What a remote backend writes into a checkpoint's device-state directory: where the state is, and its digests.
-REMOTE_MANIFEST = "remote.json"
 
 
 class _Server:
@@ -94,6 +93,7 @@ class _Server:
         self.read_master = method("unary_stream", "ReadMaster")
         self.control = method("unary_unary", "Control")
         self.echo = method("stream_unary", "Echo")
+        self.read_checkpoint = method("unary_stream", "ReadCheckpoint")
         self.server_id = ""
         self.session = f"s{uuid.uuid4().hex}"
         self.shards: list[int] = []  # global shard indices, in local order
@@ -162,6 +162,54 @@ def measure_network(
         }
     finally:
         server.close()
+
+
+def checkpoint_masters(
+    addresses: Sequence[str], token: str, *, tls: TlsFiles | None = None, timeout: float | None = 300.0
+) -> Callable[[Path], list[Tensor]]:
+    """A reader of the fp32 masters of one rank's device state that a checkpoint keeps on remote servers.
+
+    The servers are found among ``addresses`` by identity, so they may have moved to other ports; each checks the
+    digest it recorded and the shard files' CRC-32 before sending anything.
+    """
+
+    def read(directory: Path) -> list[Tensor]:
+        manifest = read_json(Path(directory) / REMOTE_MANIFEST, "the remote device state", ("checkpoint", "servers"))
+        servers = [_Server(address, token, timeout, tls) for address in addresses]
+        try:
+            by_id = {}
+            for server in servers:
+                reply = decode_header(server.call(server.hello, header_frame(), FIRST_CONTACT), ("server_id",))
+                server.server_id = str(reply["server_id"])
+                by_id[server.server_id] = server
+            entries = manifest["servers"]
+            masters: dict[int, Tensor] = {}
+            for entry in entries if isinstance(entries, list) else []:
+                server = by_id.get(str(entry.get("server_id")))
+                if server is None:
+                    raise CheckpointError(
+                        f"{directory / REMOTE_MANIFEST}: the state of shards {entry.get('shards')} is on server "
+                        f"{str(entry.get('server_id'))[:12]} (last at {entry.get('address')}), which is not among "
+                        f"{', '.join(f'{s.address} ({s.server_id[:12]})' for s in servers)}."
+                    )
+                for local, shard in enumerate(entry["shards"]):
+                    request = header_frame(
+                        checkpoint=manifest["checkpoint"], label=entry["label"], shard=local, digest=entry["digest"]
+                    )
+                    reader = TensorReader("master", max_numel=1 << 31, dtypes=(torch.float32,))
+                    for frame in server.call(server.read_checkpoint, request, f"reading shard {shard}", stream=True):
+                        reader.add(frame)
+                    if not reader.done or reader.tensor is None:
+                        raise CheckpointError(f"Server {server.address} sent an incomplete shard {shard}.")
+                    masters[int(shard)] = reader.tensor
+            if sorted(masters) != list(range(len(masters))):
+                raise CheckpointError(f"{directory / REMOTE_MANIFEST} does not list every shard of the rank.")
+            return [masters[i] for i in range(len(masters))]
+        finally:
+            for server in servers:
+                server.close()
+
+    return read
 
 
 class RemoteBackend(Backend):

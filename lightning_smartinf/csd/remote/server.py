@@ -39,7 +39,7 @@ import grpc
 import torch
 
 from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.checkpoint import MANIFEST
+from lightning_smartinf.csd.checkpoint import MANIFEST, saved_shard_masters
 from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.cpu import CpuBackend
 from lightning_smartinf.csd.remote.tokens import TlsFiles
@@ -329,6 +329,35 @@ class DeviceServer:
         self._run("ReadMaster", context, body)
         yield from frames
 
+    def read_checkpoint(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        """The fp32 masters of one shard of a saved checkpoint, after its digest and CRC-32 are checked (for
+        evaluation and export; no session needed)."""
+        self._guard("ReadCheckpoint", context)
+        frames: list[Any] = []
+
+        def body() -> None:
+            header = decode_header(request, ("checkpoint", "label", "shard", "digest"))
+            checkpoint = self._checked_name(header["checkpoint"], "checkpoint")
+            label = self._checked_name(header["label"], "label")
+            directory = self.roots[0] / "checkpoints" / checkpoint / label
+            if not (directory / MANIFEST).is_file():
+                raise CallError(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"Server {self.server_id} has no checkpoint {checkpoint!r} for {label!r}.",
+                )
+            if _digest(directory) != header["digest"]:
+                raise CallError(
+                    grpc.StatusCode.DATA_LOSS,
+                    f"Checkpoint {checkpoint!r} on server {self.server_id} differs from the one the trainer recorded.",
+                )
+            shard = header["shard"]
+            if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0:
+                raise WireError(f"`shard={shard!r}` is not a shard index.")
+            frames.extend(encode_tensor("master", saved_shard_masters(directory, shard)))
+
+        self._run("ReadCheckpoint", context, body)
+        yield from frames
+
     def echo(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         """Counts the bytes of the frames it receives and drops them: the network's bandwidth, for calibration."""
         self._guard("Echo", context)
@@ -429,6 +458,7 @@ class DeviceServer:
                 "ReadMaster": grpc.unary_stream_rpc_method_handler(self.read_master, decode, encode),
                 "Control": grpc.unary_unary_rpc_method_handler(self.control, decode, encode),
                 "Echo": grpc.stream_unary_rpc_method_handler(self.echo, decode, encode),
+                "ReadCheckpoint": grpc.unary_stream_rpc_method_handler(self.read_checkpoint, decode, encode),
             },
         )
 
