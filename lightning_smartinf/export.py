@@ -30,6 +30,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor
 
@@ -191,14 +192,7 @@ def export_pretrained(
             "`HFSequenceClassifier`). Give `model_dir` (`--hf-model-dir`): the local model directory it was "
             "fine-tuned from, for its config and tokenizer."
         )
-    from transformers import AutoConfig, PretrainedConfig
-
-    if meta is not None:
-        fields = dict(meta["config"])
-        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    else:
-        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    assert isinstance(config, PretrainedConfig)
+    config = _hf_config(meta, model_dir)
     tokenizer_dir = model_dir if model_dir is not None else (meta or {}).get("tokenizer_path")
     tokenizer = None
     if tokenizer_dir is not None and any((Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES):
@@ -234,7 +228,36 @@ def export_pretrained(
     return state
 
 
-def main(argv: list[str] | None = None) -> int:
+def _hf_config(meta: dict | None, model_dir: str | os.PathLike | None) -> Any:
+    """The model config the checkpoint records, else the one in ``model_dir``."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if meta is not None:
+        fields = dict(meta["config"])
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    else:
+        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    assert isinstance(config, PretrainedConfig)
+    return config
+
+
+def _remote_masters(devices: list[str] | None, token_file: str | None, tls_dir: str | None) -> RemoteMasters | None:
+    """``--remote-devices``' reader of device state kept on servers (``None`` without it)."""
+    if not devices:
+        return None
+    from lightning_smartinf.csd.backends import remote_checkpoint_masters
+    from lightning_smartinf.csd.settings import SettingsError, SmartUpdateSettings
+
+    try:
+        settings = SmartUpdateSettings(
+            backend="remote", remote_devices=devices, remote_token_file=token_file, remote_tls_dir=tls_dir
+        )
+    except SettingsError as exc:
+        raise ValueError(str(exc)) from None
+    return remote_checkpoint_masters(settings)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_smartinf.export",
         description="Consolidate the fp32 master weights of a SmartUpdate checkpoint into one safetensors file "
@@ -275,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--remote-token-file", metavar="FILE", help="with --remote-devices: the servers' token file")
     parser.add_argument("--remote-tls-dir", metavar="DIR", help="with --remote-devices: ca.pem (+ client.pem/.key)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.output is None and args.save_pretrained is None:
         parser.error("give an output .safetensors file, `--save-pretrained DIR`, or both")
@@ -285,21 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     if (args.remote_token_file or args.remote_tls_dir) and not args.remote_devices:
         parser.error("`--remote-token-file` and `--remote-tls-dir` go with `--remote-devices HOST:PORT ...`")
     try:
-        remote = None
-        if args.remote_devices:
-            from lightning_smartinf.csd.backends import remote_checkpoint_masters
-            from lightning_smartinf.csd.settings import SettingsError, SmartUpdateSettings
-
-            try:
-                settings = SmartUpdateSettings(
-                    backend="remote",
-                    remote_devices=args.remote_devices,
-                    remote_token_file=args.remote_token_file,
-                    remote_tls_dir=args.remote_tls_dir,
-                )
-            except SettingsError as exc:
-                raise ValueError(str(exc)) from None
-            remote = remote_checkpoint_masters(settings)
+        remote = _remote_masters(args.remote_devices, args.remote_token_file, args.remote_tls_dir)
         if args.output is not None:
             state = save_fp32(args.checkpoint, args.output, remote=remote)
             total = sum(t.numel() for t in state.values())
