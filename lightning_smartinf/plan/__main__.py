@@ -48,6 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _write_profile(profile: dict, output: str | None) -> None:
+    """``profile`` as JSON into ``output``, or to stdout without one."""
+    text = json.dumps(profile, indent=2) + "\n"
+    if output:
+        Path(output).write_text(text)
+        print(f"wrote profile {profile['name']!r} to {output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -58,12 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
             name = Path(args.output).stem if args.output else None
             profile = calibrate(args.calibrate, megabytes=args.calibrate_mb, name=name)
-            text = json.dumps(profile, indent=2) + "\n"
-            if args.output:
-                Path(args.output).write_text(text)
-                print(f"wrote profile {profile['name']!r} to {args.output}", file=sys.stderr)
-            else:
-                sys.stdout.write(text)
+            _write_profile(profile, args.output)
             if not args.model:
                 return 0
             args.profile = args.output or args.profile
@@ -85,12 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                     for key in figures
                 },
             }
-            text = json.dumps(profile, indent=2) + "\n"
-            if args.output:
-                Path(args.output).write_text(text)
-                print(f"wrote profile {profile['name']!r} with {figures} to {args.output}", file=sys.stderr)
-            else:
-                sys.stdout.write(text)
+            _write_profile(profile, args.output)
             if not args.model:
                 return 0
             measured = Profile.from_dict(profile, origin="the measured profile")
