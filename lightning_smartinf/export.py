@@ -114,7 +114,7 @@ def _rank_masters(directory: Path, shards: int, *, verify: bool, remote: RemoteM
         manifest = read_manifest(directory)
         if len(manifest["shards"]) != shards:
             raise ValueError(f"{directory}: host state lists {shards} shards, the manifest {len(manifest['shards'])}.")
-        masters = [saved_shard_masters(directory, index, verify=verify) for index in range(shards)]
+        masters = [saved_shard_masters(directory, i, verify=verify, manifest=manifest) for i in range(shards)]
     if len(masters) != shards:
         raise ValueError(f"{directory}: host state lists {shards} shards, the servers hold {len(masters)}.")
     return masters

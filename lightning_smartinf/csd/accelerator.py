@@ -7,7 +7,7 @@ moves those chunks on a stream of its own through pinned staging buffers instead
 
 Invariants:
 
-- A CUDA copy never runs on the training stream: each :class:`HostLink` has its own stream, created on first use.
+- A CUDA copy never runs on the training stream: each :class:`HostLink` has its own streams, created on first use.
 - A gradient chunk is read only after the fence the host handed with it (:func:`record_fence`, recorded on the
   stream that produced the gradient) has completed: the worker waits for it, the training thread never does.
 - A parameter chunk written to accelerator memory has landed when :meth:`HostLink.settle` returns; a device settles
@@ -112,7 +112,7 @@ class _Slot:
 
 
 class HostLink:
-    """One worker thread's copies between accelerator memory and the host, on a stream of their own.
+    """One worker thread's copies between accelerator memory and the host, on streams of their own (one each way).
 
     Args:
         slots: pinned staging buffers for parameter chunks; up to ``slots`` copies to the accelerator are in flight
@@ -125,12 +125,7 @@ class HostLink:
         self._slots = [_Slot() for _ in range(slots)]
         self._fetch_slot = _Slot()
         self._next = 0
-        self._stream: torch.cuda.Stream | None = None
-
-    def _stream_for(self, device: torch.device) -> torch.cuda.Stream:
-        if self._stream is None or self._stream.device != device:
-            self._stream = torch.cuda.Stream(device=device)
-        return self._stream
+        self._streams = SideStreams()
 
     def to_host(self, src: Tensor) -> Tensor:
         """``src`` readable on the host: ``src`` itself, or for CUDA memory its bytes in pinned staging.
@@ -141,10 +136,7 @@ class HostLink:
         if not on_cuda(src):
             return src
         staging = self._fetch_slot.take(src.numel(), src.dtype)
-        stream = self._stream_for(src.device)
-        with torch.cuda.stream(stream):
-            staging.copy_(src, non_blocking=True)
-        stream.synchronize()
+        self._streams.copy(staging, src, self._streams.stream(src.device, "in"))
         return staging
 
     def put(self, dst: Tensor, src: Tensor) -> None:
@@ -160,7 +152,7 @@ class HostLink:
         self._next = (self._next + 1) % len(self._slots)
         staging = slot.take(src.numel(), dst.dtype)
         staging.copy_(src)
-        stream = self._stream_for(dst.device)
+        stream = self._streams.stream(dst.device, "out")
         with torch.cuda.stream(stream):
             dst.copy_(staging, non_blocking=True)
             slot.event = torch.cuda.Event()
@@ -178,4 +170,4 @@ class HostLink:
         self.settle()
         for slot in (*self._slots, self._fetch_slot):
             slot.buffer = None
-        self._stream = None
+        self._streams = SideStreams()

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from lightning_smartinf.csd.backend import Backend
 from lightning_smartinf.csd.io import IOEngine, ThreadedIO
 from lightning_smartinf.csd.settings import SmartUpdateSettings
+
+if TYPE_CHECKING:
+    from lightning_smartinf.csd.remote.tokens import TlsFiles
 
 
 def build_backend(
@@ -33,12 +37,11 @@ def build_backend(
     """
     if settings.backend == "remote":
         from lightning_smartinf.csd.remote.client import RemoteBackend
-        from lightning_smartinf.csd.remote.tokens import read_tls_dir, read_token
 
-        assert settings.remote_devices is not None and settings.remote_token_file is not None
+        addresses, token, tls = _remote_access(settings)
         return RemoteBackend(
-            settings.remote_devices,
-            read_token(settings.remote_token_file),
+            addresses,
+            token,
             label=label,
             chunk_elems=settings.chunk_size,
             buffer_count=settings.buffer_count,
@@ -46,7 +49,7 @@ def build_backend(
             tentative_slots=settings.overlap,
             prefetch_state=settings.prefetch_state,
             device_timeout_s=settings.device_timeout_s,
-            tls=None if settings.remote_tls_dir is None else read_tls_dir(settings.remote_tls_dir),
+            tls=tls,
         )
     if settings.backend == "xrt":
         from lightning_smartinf.csd.xrt import XrtBackend
@@ -81,10 +84,15 @@ def remote_checkpoint_masters(settings: SmartUpdateSettings) -> Callable[[Path],
     if settings.backend != "remote":
         return None
     from lightning_smartinf.csd.remote.client import checkpoint_masters
+
+    addresses, token, tls = _remote_access(settings)
+    return checkpoint_masters(addresses, token, tls=tls, timeout=settings.device_timeout_s)
+
+
+def _remote_access(settings: SmartUpdateSettings) -> tuple[tuple[str, ...], str, TlsFiles | None]:
+    """The servers of ``backend='remote'``, the token, and the TLS files (``None``: plain gRPC)."""
     from lightning_smartinf.csd.remote.tokens import read_tls_dir, read_token
 
     assert settings.remote_devices is not None and settings.remote_token_file is not None
     tls = None if settings.remote_tls_dir is None else read_tls_dir(settings.remote_tls_dir)
-    return checkpoint_masters(
-        settings.remote_devices, read_token(settings.remote_token_file), tls=tls, timeout=settings.device_timeout_s
-    )
+    return settings.remote_devices, read_token(settings.remote_token_file), tls

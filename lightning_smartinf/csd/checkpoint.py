@@ -396,10 +396,12 @@ def read_shard_masters(path: Path, layout: ChunkLayout) -> Tensor:
     return out
 
 
-def saved_shard_masters(directory: Path, index: int, *, verify: bool = True) -> Tensor:
+def saved_shard_masters(
+    directory: Path, index: int, *, verify: bool = True, manifest: dict[str, Any] | None = None
+) -> Tensor:
     """The fp32 masters of shard ``index`` of the state :func:`save_state` wrote under ``directory``, CRC-checked
-    first with ``verify``."""
-    manifest = read_manifest(directory)
+    first with ``verify``. ``manifest``: the directory's manifest, when the caller has read it already."""
+    manifest = read_manifest(directory) if manifest is None else manifest
     entries = {int(e["index"]): e for e in manifest["shards"]}
     if index not in entries:
         raise ValueError(f"{directory / MANIFEST} has no shard {index}.")

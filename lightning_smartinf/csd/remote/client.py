@@ -136,6 +136,16 @@ class _Server:
         self.channel.close()
 
 
+def _receive(name: str, frames: Iterable[Any], *, numel: int, dtype: torch.dtype, server: _Server, what: str) -> Tensor:
+    """The tensor ``name`` of ``numel`` ``dtype`` elements that ``frames`` carry; a server that sends less fails."""
+    reader = TensorReader(name, max_numel=numel, dtypes=(dtype,))
+    for frame in frames:
+        reader.add(frame)
+    if not reader.done or reader.tensor is None or reader.tensor.numel() != numel:
+        raise StorageError(f"The remote device server {server.address} sent an incomplete {name} during {what}.")
+    return reader.tensor
+
+
 def measure_network(
     address: str, token: str, *, megabytes: int = 64, pings: int = 20, tls: TlsFiles | None = None
 ) -> dict[str, float]:
@@ -196,12 +206,12 @@ def checkpoint_masters(
                     request = header_frame(
                         checkpoint=manifest["checkpoint"], label=entry["label"], shard=local, digest=entry["digest"]
                     )
-                    reader = TensorReader("master", max_numel=1 << 31, dtypes=(torch.float32,))
-                    for frame in server.call(server.read_checkpoint, request, f"reading shard {shard}", stream=True):
-                        reader.add(frame)
-                    if not reader.done or reader.tensor is None:
-                        raise CheckpointError(f"Server {server.address} sent an incomplete shard {shard}.")
-                    masters[int(shard)] = reader.tensor
+                    what = f"reading shard {shard} of a checkpoint"
+                    frames = server.call(server.read_checkpoint, request, what, stream=True)
+                    numel = frames[0].numel if frames else 0
+                    masters[int(shard)] = _receive(
+                        "master", frames, numel=numel, dtype=torch.float32, server=server, what=what
+                    )
             if sorted(masters) != list(range(len(masters))):
                 raise CheckpointError(f"{directory / REMOTE_MANIFEST} does not list every shard of the rank.")
             return [masters[i] for i in range(len(masters))]
@@ -259,8 +269,9 @@ class RemoteBackend(Backend):
         self._pending: list[Handle] = []
         self._tentative: set[int] = set()
         self._failure: StorageError | None = None
-        self._link = HostLink()
-        self._lock = threading.Lock()
+        # One HostLink per calling thread: a link's staging slots belong to one worker.
+        self._links = threading.local()
+        self._all_links: list[HostLink] = []
         self._closed = False
         self._released = False
         for server in self.servers:
@@ -407,37 +418,41 @@ class RemoteBackend(Backend):
                 sent[0] += tensor.numel() * tensor.element_size()
                 yield from encode_tensor(name, tensor)
 
+        what = f"the update of shard {shard}"
+
         def work() -> None:
             sent = [0]
-            reader = TensorReader("out", max_numel=out.numel(), dtypes=(out.dtype,))
-            for frame in server.update(frames(sent), timeout=server.timeout, metadata=server.metadata):
-                reader.add(frame)
-            if not reader.done:
-                raise StorageError(
-                    f"The remote device server {server.address} sent an incomplete update of shard {shard}."
-                )
-            assert reader.tensor is not None
-            self._link.put(out, reader.tensor)
-            self._link.settle()
+            replies = server.update(frames(sent), timeout=server.timeout, metadata=server.metadata)
+            self._deliver(out, _receive("out", replies, numel=out.numel(), dtype=out.dtype, server=server, what=what))
             self.traffic.add(link_write_bytes=sent[0], link_read_bytes=out.numel() * out.element_size())
 
-        return self._start(server, work, f"the update of shard {shard}")
+        return self._start(server, work, what)
 
     def read_master(self, shard: int, out: Tensor) -> Handle:
         self._refuse("read_master")
         server, local = self._locate(shard, out.numel(), "`out`")
 
+        what = f"reading the masters of shard {shard}"
+
         def work() -> None:
-            reader = TensorReader("master", max_numel=out.numel(), dtypes=(torch.float32,))
             request = header_frame(session=server.session, shard=local)
-            for frame in server.read_master(request, timeout=server.timeout, metadata=server.metadata):
-                reader.add(frame)
-            assert reader.done and reader.tensor is not None
-            self._link.put(out, reader.tensor)
-            self._link.settle()
+            replies = server.read_master(request, timeout=server.timeout, metadata=server.metadata)
+            self._deliver(
+                out, _receive("master", replies, numel=out.numel(), dtype=torch.float32, server=server, what=what)
+            )
             self.traffic.add(link_read_bytes=out.numel() * 4)
 
-        return self._start(server, work, f"reading the masters of shard {shard}")
+        return self._start(server, work, what)
+
+    def _deliver(self, out: Tensor, received: Tensor) -> None:
+        """``received`` into ``out`` (through this worker thread's own :class:`HostLink`, off the training stream
+        when ``out`` is in accelerator memory); returns once it has landed."""
+        link = getattr(self._links, "link", None)
+        if link is None:
+            link = self._links.link = HostLink()
+            self._all_links.append(link)  # list.append is atomic: closed with the backend
+        link.put(out, received)
+        link.settle()
 
     def result(self, handle: Handle) -> None:
         try:
@@ -614,7 +629,8 @@ class RemoteBackend(Backend):
                 pass  # the server is gone: nothing left to release there
             finally:
                 server.close()
-        self._link.close()
+        for link in self._all_links:
+            link.close()
 
     def traffic_snapshot(self) -> TrafficSnapshot:
         """Link bytes as this rank sent and received them; storage bytes as the servers counted them (the last
