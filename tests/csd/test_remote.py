@@ -323,3 +323,14 @@ def test_resume_with_a_server_missing_names_the_servers(tmp_path, servers, token
     with pytest.raises(CheckpointError, match=rf"on 2 remote server\(s\): .*{servers[1].address}.*this run has 1"):
         fewer.load(tmp_path / "ckpt")
     fewer.close()
+
+
+def test_a_second_server_on_the_same_root_or_port_is_refused(tmp_path, servers, token_file) -> None:
+    with pytest.raises(RuntimeError, match=r"did not start") as same_root:
+        ServerProcess(servers[0].storage, token_file).start()
+    assert "is in use by pid" in str(same_root.value)
+    with pytest.raises(RuntimeError, match=r"did not start") as same_port:
+        ServerProcess([tmp_path / "other"], token_file).start(port=servers[0].port)
+    assert "Cannot listen on" in str(same_port.value)
+    # The refused server gave its root back: a server starts on it now.
+    ServerProcess([tmp_path / "other"], token_file).start().stop()

@@ -42,6 +42,7 @@ from lightning_smartinf.csd.backend import ShardSpec
 from lightning_smartinf.csd.checkpoint import MANIFEST, saved_shard_masters
 from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.cpu import CpuBackend
+from lightning_smartinf.csd.ownership import claim_directories, release_claims
 from lightning_smartinf.csd.remote.tokens import TlsFiles
 from lightning_smartinf.csd.remote.wire import (
     DTYPES,
@@ -132,6 +133,8 @@ class DeviceServer:
             raise ValueError("Give the server at least one storage root (`--storage PATH`).")
         for root in self.roots:
             ensure_private_dir(root)
+        # One server per storage root at a time, like one training per storage path.
+        self._claims = claim_directories(self.roots)
         self.server_id = server_identity(self.roots[0])
         self._token = token.encode()
         self.device_timeout_s = device_timeout_s
@@ -439,11 +442,14 @@ class DeviceServer:
         return header_frame(ok=True)
 
     def close(self) -> None:
-        """Close every session (their state directories are removed; checkpoints stay)."""
+        """Close every session (their state directories are removed; checkpoints stay), then give up the roots."""
         with self._lock:
             sessions = list(self._sessions.values())
-        for session in sessions:
-            self._close(session)
+        try:
+            for session in sessions:
+                self._close(session)
+        finally:
+            release_claims(self._claims)
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The gRPC handler of the ``smartinf.remote.Device`` service."""
@@ -503,18 +509,24 @@ def serve(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # gRPC shares a port among servers by default: trainers would reach either, with other state.
+            ("grpc.so_reuseport", 0),
         ],
     )
     server.add_generic_rpc_handlers((servicer.handler(),))
-    if tls is None:
-        port = server.add_insecure_port(listen)
-    else:
-        assert tls.cert is not None and tls.key is not None
-        credentials = grpc.ssl_server_credentials(
-            [(tls.key, tls.cert)], root_certificates=tls.ca or None, require_client_auth=bool(tls.ca)
-        )
-        port = server.add_secure_port(listen, credentials)
+    try:
+        if tls is None:
+            port = server.add_insecure_port(listen)
+        else:
+            assert tls.cert is not None and tls.key is not None
+            credentials = grpc.ssl_server_credentials(
+                [(tls.key, tls.cert)], root_certificates=tls.ca or None, require_client_auth=bool(tls.ca)
+            )
+            port = server.add_secure_port(listen, credentials)
+    except RuntimeError:  # grpcio reports a failed bind so
+        port = 0
     if port == 0:
+        servicer.close()
         raise OSError(f"Cannot listen on {listen!r} (in use, or not an address of this machine).")
     server.start()
     log.info(
