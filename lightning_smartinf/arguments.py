@@ -12,7 +12,8 @@ The same conventions hold for every argument of the strategy and of the callback
   so are ``16.0`` and ``"16"``. Without a tighter bound a count must fit in int64, the index type of torch.
 * A byte count is an ``int`` number of bytes. Strings with units (``"1MiB"``, ``"4KiB"``, ``"1GB"``) are refused,
   and the message gives the int to write instead: one plain type in signatures, YAML recipes and LightningCLI, and
-  no doubt whether ``"1MB"`` means 10**6 or 2**20 bytes.
+  no doubt whether ``"1MB"`` means 10**6 or 2**20 bytes. Memory budgets are the exception (:meth:`Problems.size`):
+  they take an int or a string with an explicit unit, ``"8GiB"`` (2**30) or ``"8GB"`` (10**9), as users write them.
 * A number (a ratio, seconds, a loss scale) is an ``int`` or ``float``, finite, not a ``bool`` and not a string.
 * A flag is ``True`` or ``False``; ``1`` and ``"yes"`` are refused.
 * A dict argument has its keys checked (unknown ones are listed with the allowed ones) and each value checked as an
@@ -64,15 +65,25 @@ def _wrong_type(value: Any) -> str:
     return f"is {'an' if name[0] in 'aeiouAEIOU' else 'a'} {name}"
 
 
-def _bytes_in(text: str) -> int | None:
-    """The bytes ``"1MiB"``, ``"4 KiB"``, ``"1GB"`` or ``"4096"`` stand for (only to say which int to write)."""
+def _scaled(text: str) -> float | None:
+    """The bytes ``"1MiB"``, ``"4 KiB"``, ``"1GB"`` or ``"4096"`` stand for, as a float; ``None`` if not a size."""
     match = _UNIT.match(text)
     if not match:
         return None
     number, prefix, binary = match.groups()
-    scale = (1024 if binary else 1000) ** " kmgt".index(prefix.lower() or " ")
-    value = float(number) * scale
-    return int(value) if value.is_integer() else None
+    return float(number) * (1024 if binary else 1000) ** " kmgt".index(prefix.lower() or " ")
+
+
+def _bytes_in(text: str) -> int | None:
+    """The bytes ``text`` stands for when they are whole (only to say which int to write)."""
+    value = _scaled(text)
+    return int(value) if value is not None and value.is_integer() else None
+
+
+def _size_in(text: str) -> int | None:
+    """The bytes of a memory size (``"1.5GiB"``, ``"2 GB"``, ``"4096"``), rounded down; ``None`` if not a size."""
+    value = _scaled(text)
+    return int(value) if value is not None and value <= INT64_MAX else None
 
 
 class Problems:
@@ -194,6 +205,24 @@ class Problems:
             wrong = _wrong_type(value)
         self.add(f"`{name}={show(value)}` {wrong}: it must be {allowed}. {fix}")
         return False
+
+    def size(self, key: str | int, value: Any, *, example: str = "8GiB") -> int | None:
+        """A memory size: an int number of bytes >= 0, or a string with a unit (``"8GiB"``, ``"512MiB"``, ``"2GB"``,
+        ``"4096"``); returns the bytes, or ``None`` (``value`` is ``None``, or a line was added)."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            parsed = _size_in(value)
+            if parsed is not None:
+                return parsed
+            self.add(
+                f"`{self.name(key)}={show(value)}` is not a size: it must be an int number of bytes >= 0 or a string "
+                f"like '8GiB' (2**30 B), '512MiB' or '2GB' (10**9 B). Pass e.g. `{self.name(key)}={example!r}`."
+            )
+            return None
+        if self.integer(key, value, unit="bytes", example=example, optional=True):
+            return value
+        return None
 
     @staticmethod
     def _fits(value: float, low: int, high: int, multiple: int) -> bool:

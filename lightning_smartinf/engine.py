@@ -21,12 +21,14 @@ from torch.optim import Optimizer
 from lightning_smartinf import quiet
 from lightning_smartinf.csd.backend import Backend
 from lightning_smartinf.csd.backends import build_backend
+from lightning_smartinf.csd.compression import check_sparse_supported
 from lightning_smartinf.csd.controller import Partitions, SmartUpdate, SubGroup
 from lightning_smartinf.csd.io import IOEngine, ThreadedIO
 from lightning_smartinf.csd.ownership import check_unclaimed
 from lightning_smartinf.csd.placement import rank_device_dirs, rank_share
+from lightning_smartinf.csd.settings import SmartUpdateSettings
 from lightning_smartinf.csd.storage import StorageError, make_private_dirs
-from lightning_smartinf.csd.torch_optim import SUPPORTED_OPTIMIZERS, state_bytes
+from lightning_smartinf.csd.torch_optim import SUPPORTED_OPTIMIZERS, rule_for_group, state_bytes
 from lightning_smartinf.zero import ControllerFactory, GradientBufferError, smart_update_optimizer
 from lightning_smartinf.zero.engines import choose_io_engine
 
@@ -36,6 +38,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 #: Removers of the temporary device state of finished runs (``storage_paths=None``); see :func:`linger`.
 _lingering_temporary_state: list[weakref.finalize] = []
+
+
+def check_optimizer(settings: SmartUpdateSettings, optimizer: Optimizer) -> None:
+    """Every param group of ``optimizer`` has an update rule the devices run (and a sparse one with compression)."""
+    try:
+        for group in optimizer.param_groups:
+            rule = rule_for_group(optimizer, group)
+            if settings.compression is not None:
+                check_sparse_supported(rule)
+    except ValueError as exc:
+        raise MisconfigurationException(str(exc)) from None
 
 
 def linger(owner: object, release: Callable[[], None]) -> weakref.finalize:
@@ -88,6 +101,7 @@ def controller_factory(
         log.info(f"SmartUpdate rank {strategy.global_rank}: device I/O through {choice.description}")
         io_factory = choice.factory
     xrt_devices = rank_share(settings.xrt_devices or (), strategy.local_rank, strategy.num_processes) or None
+    weights = rank_share(settings.device_weights or (), strategy.local_rank, strategy.num_processes) or None
 
     def build(optimizer: Optimizer, sub_groups: Sequence[SubGroup], partitions: Partitions) -> SmartUpdate:
         backend = build_backend(
@@ -97,6 +111,7 @@ def controller_factory(
             io_factory=io_factory,
             xrt_devices=xrt_devices,
             label=f"rank{strategy.global_rank:03d}",
+            device_weights=weights,
         )
         on_backend(backend)
         smart_update = SmartUpdate(settings, backend, optimizer, sub_groups, partitions)

@@ -30,11 +30,10 @@ from lightning_smartinf import checkpoint_dir, checkpointing, engine, quiet
 from lightning_smartinf.arguments import Problems
 from lightning_smartinf.cpu_support import DeepSpeedOnCPUMixin
 from lightning_smartinf.csd import Backend, TrafficSnapshot
-from lightning_smartinf.csd.compression import TopKCompression, check_ratio, check_sparse_supported
+from lightning_smartinf.csd.compression import TopKCompression, check_ratio
 from lightning_smartinf.csd.controller import SmartUpdate
 from lightning_smartinf.csd.placement import rank_share
 from lightning_smartinf.csd.settings import SettingsError, SmartUpdateSettings
-from lightning_smartinf.csd.torch_optim import rule_for_group
 from lightning_smartinf.precision import SmartInfinityPrecision
 from lightning_smartinf.zero import check_deepspeed_version
 from lightning_smartinf.zero.config import ENGINE, deepspeed_config
@@ -53,7 +52,7 @@ LIGHTNING = ("accelerator", "loss_scale", "initial_scale_power", "loss_scale_win
 class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
     """Train with DeepSpeed ZeRO-3 while fp32 master weights and optimizer states live on storage devices.
 
-    Every ZeRO sub-group partition is a shard owned by one device (shard ``s`` on device ``s mod N``). After
+    Every ZeRO sub-group partition is a shard owned by one device (round-robin unless tiers or weights say). After
     backward, each shard's reduced gradient goes to its device in the training dtype; the device applies the update of
     the optimizer from ``configure_optimizers`` to the state on its storage and returns the updated low-precision
     parameters. Runs on CUDA and on CPU (DeepSpeed's CPU accelerator with gloo).
@@ -94,6 +93,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         prefetch_state: let each device read the state of the sub-groups it updates next into free buffers whenever
             it would idle (at most ``buffer_count - 1 - io_threads`` chunks). Never changes results; ``False`` compares.
         gradient_buffer: where gradients wait for devices: ``"accelerator"``, ``"host"`` or ``"auto"`` (docs/gpu.md).
+        state_memory_budget, device_weights: RAM per rank for state (``"8GiB"``), storage path speeds; docs/tiers.md.
         offload_parameters: keep ZeRO's low-precision parameter partitions in host memory between uses.
         offload_activations: write large saved activations to the storage paths during forward and read them back
             ahead of backward (``True``, or a dict of :class:`~lightning_smartinf.activations.ActivationOffload` args).
@@ -109,7 +109,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         parallel_devices, cluster_environment, precision_plugin, process_group_backend, timeout:
             as in :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`.
 
-    The SmartUpdate arguments (``backend`` to ``gradient_buffer``) become the strategy's :attr:`settings`. Every
+    The SmartUpdate arguments (``backend`` to ``device_weights``) become the strategy's :attr:`settings`. Every
     argument is checked here, by type and range (see :mod:`lightning_smartinf.arguments`), and one
     ``MisconfigurationException`` lists every problem.
     """
@@ -138,6 +138,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         overlap_backward: bool = True,
         prefetch_state: bool = True,
         gradient_buffer: Literal["auto", "accelerator", "host"] = "auto",
+        state_memory_budget: int | str | None = None,
+        device_weights: list[float] | None = None,
         offload_parameters: bool = False,
         offload_activations: bool | dict[str, Any] = False,
         config: str | os.PathLike | dict[str, Any] | None = None,
@@ -279,13 +281,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
     @override
     def _init_optimizers(self) -> tuple[Optimizer, Any]:
         optimizer, scheduler = super()._init_optimizers()
-        try:
-            for group in optimizer.param_groups:
-                rule = rule_for_group(optimizer, group)
-                if self.settings.compression is not None:
-                    check_sparse_supported(rule)
-        except ValueError as exc:
-            raise MisconfigurationException(str(exc)) from None
+        engine.check_optimizer(self.settings, optimizer)
         return optimizer, scheduler
 
     @override
@@ -324,7 +320,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
     def release_backend(self) -> None:
         """Finish outstanding device work, then free buffer pools and threads, and give up the storage. Idempotent.
 
-        With ``storage_paths=None`` the temporary device directories (and the state in them) outlive this call, still
+        With ``storage_paths=None`` (or ``state_memory_budget``) the device state outlives this call, still
         owned by this process, so that ``trainer.save_checkpoint`` after ``fit`` can copy the final state; they are
         removed when the next run in this process starts, when the strategy is garbage-collected, or at exit.
         """
@@ -332,7 +328,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             return
         backend, self._backend = self._backend, None
         backend.close(keep_claims=True)
-        if self.settings.storage_paths is None or self.settings.backend == "remote":  # the state is in the sessions
+        if self.settings.state_needs_owner:  # temporary directories, host memory or remote sessions
             self._release_storage = engine.linger(self, backend.release_storage)
         else:
             backend.release_storage()

@@ -143,6 +143,10 @@ class Backend(ABC):
         """Whether :meth:`submit` takes ``tentative=True`` (the backend keeps a second copy of the state)."""
         return False
 
+    def hands_off_early(self, shard: int) -> bool:
+        """Whether the controller should hand ``shard``'s update over during backward, as a tentative one."""
+        return self.supports_tentative
+
     def commit(self, shards: Iterable[int]) -> None:
         """Make the tentative updates of ``shards`` the current state.
 

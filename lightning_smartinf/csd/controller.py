@@ -230,7 +230,7 @@ class SmartUpdate:
 
         ``expected()`` lists, per sub-group, the parameters with gradient elements on this rank.
         """
-        ready = self._hand_offs.ready(expected)
+        ready = [i for i in self._hand_offs.ready(expected) if self.backend.hands_off_early(i)]
         if not ready:
             return
         fence = self.partitions.gradient_fence()  # devices read the gradient from other threads

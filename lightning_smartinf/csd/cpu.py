@@ -18,7 +18,7 @@ from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.io import IOEngine, ThreadedIO
 from lightning_smartinf.csd.layout import pool_bytes
 from lightning_smartinf.csd.pipeline import ChunkWork, Shard
-from lightning_smartinf.csd.placement import Placement, RoundRobin
+from lightning_smartinf.csd.placement import Placement
 from lightning_smartinf.csd.rules import StepParams
 from lightning_smartinf.csd.streaming import StreamingBackend, StreamingDevice, check_device_timeout
 
@@ -103,7 +103,9 @@ class CpuBackend(StreamingBackend):
             waits for it, before :meth:`result`, :meth:`wait` and the others raise
             :class:`~lightning_smartinf.csd.storage.StorageError` and the backend stops (see :attr:`failure`).
             ``None`` waits forever.
-        placement: which device holds each shard (default: shard ``s`` on device ``s mod N``).
+        placement: which device holds each shard (``None``: see :class:`StreamingBackend`).
+        memory_bytes: bytes of shard state kept in host memory, updated by a host core (the memory tier).
+        device_weights: relative speed of each device directory (``None``: equal, or measured across filesystems).
 
     Device errors are final: the first one reported to the host (an I/O error, or a device that stopped answering)
     latches the backend as failed; see :attr:`failure`.
@@ -121,7 +123,9 @@ class CpuBackend(StreamingBackend):
         tentative_slots: bool = False,
         prefetch_state: bool = True,
         device_timeout_s: float | None = 300.0,
-        placement: Placement = RoundRobin(),
+        placement: Placement | None = None,
+        memory_bytes: int = 0,
+        device_weights: Sequence[float] | None = None,
     ) -> None:
         if io_threads < 1:
             raise ValueError(f"`io_threads={io_threads}` must be at least 1 (chunk transfers in flight per device).")
@@ -137,6 +141,8 @@ class CpuBackend(StreamingBackend):
             prefetch_state=prefetch_state,
             device_timeout_s=device_timeout_s,
             placement=placement,
+            memory_bytes=memory_bytes,
+            device_weights=device_weights,
         )
 
     def make_device(self, index: int, directory: Path) -> EmulatedDevice:
@@ -150,3 +156,10 @@ class CpuBackend(StreamingBackend):
             buffer_count=self.buffer_count,
             io_threads=self.io_threads,
         )
+
+    def make_memory_device(self, index: int) -> StreamingDevice:
+        """The memory tier: state in host RAM, updated on a host core like the emulated devices."""
+        from lightning_smartinf.csd.memory import MemoryDevice  # (memory builds on this module's device)
+
+        # Memory copies need no deep pool: one buffer updating, one read ahead, one written back.
+        return MemoryDevice(index, self.traffic, chunk_elems=self.chunk_elems, buffer_count=min(self.buffer_count, 4))

@@ -47,6 +47,9 @@ def supports_direct_io(directory: Path) -> bool:
 class StateFile:
     """One file of device state, opened for direct positional I/O when the filesystem supports it."""
 
+    #: Whether the state is in host memory rather than on storage (see :mod:`lightning_smartinf.csd.memory`).
+    in_memory = False
+
     def __init__(self, path: Path, size: int, *, create: bool) -> None:
         self.path = path
         flags = os.O_RDWR | (os.O_CREAT if create else 0)

@@ -5,17 +5,23 @@ The paths (and XRT devices) given to a node are shared out among its ranks by on
 rank ``r`` of ``n`` takes every ``n``-th entry from ``r``. A rank's device directories are
 ``<storage path>/smartinf/rank<global rank>``, so ranks of different nodes that share a filesystem never meet.
 Within a rank, a :class:`Placement` assigns shards to devices when the backend opens them (:class:`RoundRobin` by
-default). Checkpoints do not depend on it: a shard's saved record is the same on whichever device it lived.
+default). :class:`Tiered` puts shards in host memory up to a budget and spreads the rest over storage devices in
+proportion to their speed (given, or measured by :func:`measure_write_read`). Checkpoints do not depend on
+placement: a shard's saved record is the same on whichever device it lived.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from lightning_smartinf.csd.io import IOEngine, StateFile
+from lightning_smartinf.csd.layout import ChunkLayout
 from lightning_smartinf.csd.ownership import check_unclaimed, make_temp_device_dir, remove_stale_temp_dirs
 from lightning_smartinf.csd.settings import SmartUpdateSettings
 from lightning_smartinf.csd.storage import create_storage_path, make_private_dirs
@@ -23,7 +29,16 @@ from lightning_smartinf.csd.storage import create_storage_path, make_private_dir
 if TYPE_CHECKING:
     from lightning_smartinf.csd.backend import ShardSpec
 
-__all__ = ["STATE_DIR", "Placement", "RoundRobin", "check_assignment", "rank_device_dirs", "rank_share"]
+__all__ = [
+    "STATE_DIR",
+    "Placement",
+    "RoundRobin",
+    "Tiered",
+    "check_assignment",
+    "measure_write_read",
+    "rank_device_dirs",
+    "rank_share",
+]
 
 #: The folder of SmartUpdate's device state inside each storage path (one ``rank<NNN>`` folder per rank below it).
 STATE_DIR = "smartinf"
@@ -112,3 +127,83 @@ def check_assignment(placement: Placement, shards: Sequence[ShardSpec], num_devi
             f"{placement!r} put shard {bad[0][0]} on device {bad[0][1]!r}; devices are 0..{num_devices - 1}."
         )
     return assignment
+
+
+@dataclass(frozen=True)
+class Tiered:
+    """Shards in host memory up to ``memory_bytes`` of state, the others over the storage devices by ``weights``.
+
+    The devices are the storage devices (``len(weights)`` of them, in order), then the memory device when
+    ``memory_bytes > 0``. Memory takes shards in index order, skipping any that no longer fit: the first sub-groups
+    are the last whose gradients backward reduces, so the storage devices get those that can start during backward.
+    Each other shard goes to the storage device that would finish its load soonest, its bytes over its weight
+    (ties to the lowest index): equal weights and equal shards give round-robin.
+
+    Args:
+        weights: relative update throughput of each storage device (positive, finite).
+        memory_bytes: bytes of shard state the memory tier may hold (``0``: no memory tier).
+        chunk_elems: the backend's chunk size, which fixes each shard's record bytes.
+    """
+
+    weights: tuple[float, ...]
+    memory_bytes: int = 0
+    chunk_elems: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not self.weights or not all(isinstance(w, (int, float)) and 0 < w < math.inf for w in self.weights):
+            raise ValueError(f"`weights={self.weights!r}` must be positive, finite numbers, one per storage device.")
+        if self.memory_bytes < 0:
+            raise ValueError(f"`memory_bytes={self.memory_bytes}` must be >= 0.")
+
+    def state_bytes(self, shard: ShardSpec) -> int:
+        """Bytes ``shard``'s state takes on any device: its record file."""
+        return ChunkLayout(shard.numel, self.chunk_elems, len(shard.rule.state_names)).file_bytes
+
+    def assign(self, shards: Sequence[ShardSpec], num_devices: int) -> list[int]:
+        storage = len(self.weights)
+        if num_devices != storage + (self.memory_bytes > 0):
+            raise ValueError(
+                f"{self!r} places over {storage} storage device(s)"
+                f"{' and host memory' if self.memory_bytes else ''}, but the backend has {num_devices} devices."
+            )
+        assignment = [-1] * len(shards)
+        room = self.memory_bytes
+        for shard in shards:
+            if room and (size := self.state_bytes(shard)) <= room:
+                assignment[shard.index] = storage
+                room -= size
+        load = [0] * storage
+        for shard in shards:
+            if assignment[shard.index] < 0:
+                size = self.state_bytes(shard)
+                best = min(range(storage), key=lambda d: ((load[d] + size) / self.weights[d], d))
+                assignment[shard.index] = best
+                load[best] += size
+        return assignment
+
+
+def measure_write_read(directory: Path, io: IOEngine, nbytes: int = 16 << 20) -> float:
+    """Bytes per second ``io`` writes then reads back ``nbytes`` in ``directory`` (a probe file, removed after).
+
+    A device's update streams every record in and out once, so this one figure ranks devices by update throughput.
+    A path that cannot take the probe (full) counts as 1 B/s: it gets the fewest shards, and its own free-space check
+    explains itself when the shards are placed.
+    """
+    path = directory / ".smartinf-speed-probe"
+    buf = io.empty(nbytes)
+    buf.fill_(1)
+    try:
+        file = StateFile(path, nbytes, create=True)
+    except OSError as exc:
+        log.warning(f"SmartUpdate could not measure storage path {str(directory)!r} ({exc}); it gets the fewest shards")
+        return 1.0
+    try:
+        started = time.perf_counter()
+        io.write(file, buf, 0)
+        file.sync()
+        io.read(file, buf, 0)
+        seconds = time.perf_counter() - started
+    finally:
+        file.close()
+        path.unlink(missing_ok=True)
+    return 2 * nbytes / max(seconds, 1e-9)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning_smartinf.arguments import Problems
+from lightning_smartinf.arguments import Problems, show
 from lightning_smartinf.csd.compression import TopKCompression
 from lightning_smartinf.csd.io import IO_ALIGN
 from lightning_smartinf.csd.layout import ELEM_ALIGN, POOL_TENSORS, pool_bytes
@@ -123,6 +123,14 @@ class SmartUpdateSettings:
     feedback). ``"host"``: in pinned host memory, as ZeRO-Infinity keeps them (each partition crosses to the host
     during backward and back for its norm). ``"auto"``: the accelerator when there is one. Without an accelerator
     both are host memory."""
+    state_memory_budget: int | None = None
+    """Bytes of host memory (an int, or a string like ``"8GiB"``) this rank may use to keep sub-groups' fp32 master
+    and optimizer state in RAM, updated by a host core with no storage I/O (the memory tier); the others stay on the
+    storage devices. ``backend="cpu"`` only. ``None`` or ``0``: all state on the devices."""
+    device_weights: tuple[float, ...] | None = None
+    """Relative speed of each storage path (one positive number per path of ``storage_paths``): sub-groups are
+    shared out in proportion. ``None``: paths on one filesystem are equal; paths on different filesystems are
+    measured when training starts."""
 
     def __post_init__(self) -> None:
         problems = Problems(type(self).__name__, SettingsError)
@@ -155,6 +163,12 @@ class SmartUpdateSettings:
         """Whether devices start updating during backward: ``overlap_backward`` where it is supported (``"cpu"`` and
         ``"remote"`` backends, dense gradients)."""
         return self.overlap_backward and self.backend in ("cpu", "remote") and self.compression is None
+
+    @property
+    def state_needs_owner(self) -> bool:
+        """Whether some device state lasts only while this process holds it: in temporary directories
+        (``storage_paths=None``), in host memory (``state_memory_budget``) or in remote sessions."""
+        return self.storage_paths is None or self.backend == "remote" or bool(self.state_memory_budget)
 
     @property
     def kept_ratio(self) -> float | None:
@@ -238,6 +252,8 @@ def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
         )
     remote_devices, token_file, tls_dir = _remote(problems, raw)
     compression = _compression(problems, raw["compression"])
+    budget = _memory_budget(problems, raw)
+    weights = _device_weights(problems, raw["device_weights"], storage_paths, raw["storage_paths"])
     if sub_group_valid and chunk_valid and buffers_valid and raw["backend"] == "cpu":
         _check_pool_memory(problems, raw)
     if sub_group_valid and compression is not None:
@@ -253,6 +269,8 @@ def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
         "remote_token_file": token_file,
         "remote_tls_dir": tls_dir,
         "compression": compression,
+        "state_memory_budget": budget,
+        "device_weights": weights,
         "device_timeout_s": None if timeout is None else float(timeout),
     }
 
@@ -340,6 +358,57 @@ def _check_counts(problems: Problems, raw: dict[str, Any]) -> tuple[bool, bool, 
         optional=True,
     )
     return sizes
+
+
+def _memory_budget(problems: Problems, raw: dict[str, Any]) -> int | None:
+    """``state_memory_budget`` in bytes (``None`` for none or 0): at most the memory available now, ``"cpu"`` only."""
+    budget = problems.size("state_memory_budget", raw["state_memory_budget"])
+    if not budget:
+        return None
+    if raw["backend"] != "cpu":
+        problems.add(
+            f"`state_memory_budget={raw['state_memory_budget']!r}` applies to `backend='cpu'` only, but "
+            f"`backend={raw['backend']!r}`. Drop it."
+        )
+        return None
+    problems.fits_in_memory(
+        f"`state_memory_budget={raw['state_memory_budget']!r}`",
+        budget,
+        "fp32 master and optimizer state kept in RAM",
+        "Lower the budget; the state that does not fit stays on the storage devices.",
+    )
+    return budget
+
+
+def _device_weights(
+    problems: Problems, value: Any, paths: tuple[Path, ...] | None, raw_paths: Any
+) -> tuple[float, ...] | None:
+    """``device_weights`` as floats: one positive, finite number per storage path."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
+        problems.add(
+            f"`device_weights={show(value)}` must be a list of positive numbers, one per storage path (e.g. "
+            "`device_weights=[2.0, 1.0]` gives the first path twice the sub-groups of the second), or None."
+        )
+        return None
+    valid = all(
+        [problems.number(f"device_weights[{i}]", w, low=0, above=True, example=1.0) for i, w in enumerate(value)]
+    )
+    count = len(paths) if paths is not None else len(raw_paths) if isinstance(raw_paths, (list, tuple)) else None
+    if raw_paths is None:
+        problems.add(
+            f"`device_weights={show(value)}` weighs storage paths, but `storage_paths=None`. Pass `storage_paths` "
+            "(one weight per path) or drop `device_weights`."
+        )
+        return None
+    if count is not None and count != len(value):
+        problems.add(
+            f"`device_weights` has {len(value)} weight(s) for {count} storage path(s): give one weight per path of "
+            "`storage_paths`, in order."
+        )
+        return None
+    return tuple(float(w) for w in value) if valid else None
 
 
 def _check_pool_memory(problems: Problems, raw: dict[str, Any]) -> None:

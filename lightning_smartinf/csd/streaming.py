@@ -56,11 +56,12 @@ from lightning_smartinf.csd.pipeline import (
     Request,
     Shard,
 )
-from lightning_smartinf.csd.placement import Placement, RoundRobin, check_assignment
+from lightning_smartinf.csd.placement import Placement, RoundRobin, Tiered, check_assignment, measure_write_read
 from lightning_smartinf.csd.rules import StepParams
 from lightning_smartinf.csd.storage import StorageError, check_free_space, ensure_private_dir
 from lightning_smartinf.csd.traffic import Traffic
 
+log = logging.getLogger(__name__)
 #: Seconds an idle device waits for a request before it retries taking a buffer for a prefetch.
 PREFETCH_POLL_S = 0.002
 
@@ -111,6 +112,12 @@ class StreamingDevice(ABC):
     :class:`~lightning_smartinf.csd.pipeline.ReadAheadWindow` and its prefetch state a
     :class:`~lightning_smartinf.csd.pipeline.PrefetchPlan`, both touched by the worker only.
     """
+
+    #: Whether the state lives in host memory (the memory tier), not in files on a storage path.
+    in_memory = False
+    #: The traffic counters of this device's state reads and writes (its tier's).
+    read_counter = "storage_read_bytes"
+    write_counter = "storage_write_bytes"
 
     def __init__(
         self,
@@ -200,6 +207,10 @@ class StreamingDevice(ABC):
         """
         return master.numel() * master.element_size()
 
+    def create_file(self, name: str, size: int) -> StateFile:
+        """A new state file ``name`` of ``size`` bytes for a shard this device holds (in :attr:`directory`)."""
+        return StateFile(self.directory / name, size, create=True)
+
     def link_chunk(self, n: int, dtype: torch.dtype) -> Tensor:
         """Scratch for one gradient chunk as it crosses the link (allocated once per dtype)."""
         chunk = self._link_chunks.get(dtype)
@@ -247,7 +258,7 @@ class StreamingDevice(ABC):
             self.io.close()
             self.link.close()
         else:
-            logging.getLogger(__name__).warning(
+            log.warning(
                 "Device %d at %r: %s still pending %s s after `close`; its threads are left behind and the process "
                 "may not exit until the storage answers.",
                 self.index,
@@ -411,7 +422,7 @@ class StreamingDevice(ABC):
         for chunk in mine:
             self.window.reads.append(ChunkRead(request, chunk.k, chunk.buf, chunk.pending))
             nbytes = chunk.shard.layout.record_bytes(chunk.k)
-            self._traffic.add(storage_read_bytes=nbytes)
+            self._traffic.add(**{self.read_counter: nbytes})
             self.stats.prefetch_used_bytes += nbytes
         return len(mine)
 
@@ -423,7 +434,7 @@ class StreamingDevice(ABC):
         for chunk in chunks:
             if chunk.pending.exception() is None:  # a read that happened is traffic, used or not
                 nbytes = chunk.shard.layout.record_bytes(chunk.k)
-                self._traffic.add(storage_read_bytes=nbytes)
+                self._traffic.add(**{self.read_counter: nbytes})
                 self.stats.prefetch_dropped_bytes += nbytes
             self.pool.release(chunk.buf)
 
@@ -483,7 +494,7 @@ class StreamingDevice(ABC):
         self._transfer("read", shard.files[slot], record, shard.layout.record_offset(k))
         self.stats.read_s += time.perf_counter() - t0
         if count:
-            self._traffic.add(storage_read_bytes=shard.layout.record_bytes(k))
+            self._traffic.add(**{self.read_counter: shard.layout.record_bytes(k)})
         return record
 
     def _write(self, file: StateFile, offset: int, buf: Tensor, record: Tensor) -> None:
@@ -543,7 +554,7 @@ class StreamingDevice(ABC):
                     write = self._writer.submit(self._write, file, layout.record_offset(k), buf, record)
                     shard.writes[(request.write_slot, k)] = write
                     self._trailing.append(write)
-                    self._traffic.add(storage_write_bytes=record.numel() * 4)
+                    self._traffic.add(**{self.write_counter: record.numel() * 4})
                 else:
                     self.pool.release(buf)
         finally:
@@ -572,8 +583,12 @@ class StreamingBackend(Backend):
         device_timeout_s: seconds a device may show no progress (no chunk read, written or updated) while the host
             waits for it, before :meth:`result`, :meth:`wait` and the others raise :class:`StorageError` and the
             backend stops (see :attr:`failure`). ``None`` waits forever.
-        placement: which device holds each shard, decided at :meth:`open` (default: shard ``s`` on device
-            ``s mod N``).
+        placement: which device holds each shard, decided at :meth:`open`. ``None``: :class:`Tiered` over the
+            storage devices (weighted by ``device_weights``, or by speeds measured at :meth:`open` when the paths
+            are on different filesystems) and the memory tier; with neither, shard ``s`` on device ``s mod N``.
+        memory_bytes: bytes of shard state the memory tier may hold in host RAM (``0``: none). Its device comes
+            after the storage devices (:meth:`make_memory_device`); its shards never take tentative updates.
+        device_weights: relative speed of each storage device (``None``: equal, or measured, see ``placement``).
 
     The constructor claims the directories, then builds device ``i`` with :meth:`make_device` for each, in order.
     Device errors are final: the first one reported to the host (an I/O error, or a device that stopped answering)
@@ -598,7 +613,9 @@ class StreamingBackend(Backend):
         tentative_slots: bool = False,
         prefetch_state: bool = True,
         device_timeout_s: float | None = 300.0,
-        placement: Placement = RoundRobin(),
+        placement: Placement | None = None,
+        memory_bytes: int = 0,
+        device_weights: Sequence[float] | None = None,
     ) -> None:
         super().__init__()
         if not device_dirs:
@@ -612,6 +629,14 @@ class StreamingBackend(Backend):
         self.tentative_slots = tentative_slots
         self.prefetch_state = prefetch_state
         self.placement = placement
+        #: Bytes of shard state the memory tier may hold (``0``: no memory tier).
+        self.memory_bytes = memory_bytes
+        if device_weights is not None and len(device_weights) != len(device_dirs):
+            raise ValueError(
+                f"`device_weights` has {len(device_weights)} weight(s) for {len(device_dirs)} storage device(s); give "
+                "one weight per storage path."
+            )
+        self.device_weights = None if device_weights is None else tuple(device_weights)
         #: The device index of each shard, fixed by :meth:`open`.
         self.assignment: tuple[int, ...] = ()
         self._owned_dirs = [Path(d) for d in owned_dirs]
@@ -626,6 +651,8 @@ class StreamingBackend(Backend):
         try:
             for i, directory in enumerate(self.device_dirs):
                 self.devices.append(self.make_device(i, directory))
+            if memory_bytes > 0:
+                self.devices.append(self.make_memory_device(len(self.devices)))
         except BaseException:
             for device in self.devices:
                 device.close()
@@ -639,6 +666,10 @@ class StreamingBackend(Backend):
 
         On an exception the devices built so far are closed and the directories released.
         """
+
+    def make_memory_device(self, index: int) -> StreamingDevice:
+        """The memory tier's device (see :mod:`lightning_smartinf.csd.memory`); built when ``memory_bytes > 0``."""
+        raise ValueError(f"`{type(self).__name__}` keeps no shard state in host memory: pass `memory_bytes=0`.")
 
     @property
     def chunk_elems(self) -> int:
@@ -768,20 +799,63 @@ class StreamingBackend(Backend):
                 f"`ShardSpec.index` values must be 0..{len(shards) - 1} in order, got {[s.index for s in shards]}."
             )
         layouts = [ChunkLayout(s.numel, self._chunk_elems, len(s.rule.state_names)) for s in shards]
-        self.assignment = check_assignment(self.placement, shards, self.num_devices)
+        placement = self.placement or self._default_placement()
+        self.assignment = check_assignment(placement, shards, self.num_devices)
         slots = 2 if self.tentative_slots else 1
-        for device in self.devices:
-            self._check_space(device, shards, layouts, slots)
-        for spec, layout in zip(shards, layouts):
-            directory = self.device_of(spec.index).directory
-            files = tuple(
-                StateFile(directory / shard_file_name(spec.index, slot), layout.file_bytes, create=True)
-                for slot in range(slots)
+        in_memory = sum(lay.file_bytes for s, lay in zip(shards, layouts) if self.device_of(s.index).in_memory)
+        if in_memory > self.memory_bytes:
+            raise ValueError(
+                f"{placement!r} put {in_memory} B of state in host memory, over `memory_bytes={self.memory_bytes}`."
             )
-            self._shards.append(Shard(spec, layout, files))
+        for device in self.devices:
+            if not device.in_memory:
+                self._check_space(device, shards, layouts, slots)
+        try:
+            for spec, layout in zip(shards, layouts):
+                device = self.device_of(spec.index)
+                files = tuple(
+                    device.create_file(shard_file_name(spec.index, slot), layout.file_bytes)
+                    for slot in range(1 if device.in_memory else slots)
+                )
+                self._shards.append(Shard(spec, layout, files))
+        except BaseException:
+            self._free_memory()
+            raise
+        if len(self.devices) > 1:
+            self._log_shares(layouts)
         tensors = max((lay.tensors_per_record for lay in layouts), default=1)
         for device in self.devices:
             device.allocate(tensors)
+
+    def _default_placement(self) -> Placement:
+        storage = [d for d in self.devices if not d.in_memory]
+        weights = self.device_weights
+        if weights is None and len({os.stat(d.directory).st_dev for d in storage}) > 1:
+            # Paths on one filesystem share its disk: equal by definition. Others are measured, each once.
+            weights = tuple(measure_write_read(d.directory, d.io) for d in storage)
+            log.info("SmartUpdate measured its storage paths: %s", ", ".join(f"{w / 1e9:.2f} GB/s" for w in weights))
+        if weights is None and not self.memory_bytes:
+            return RoundRobin()
+        return Tiered(weights or (1.0,) * len(storage), self.memory_bytes, self._chunk_elems)
+
+    def _log_shares(self, layouts: list[ChunkLayout]) -> None:
+        total = sum(lay.file_bytes for lay in layouts) or 1
+        for device in self.devices:
+            held = [i for i, d in enumerate(self.assignment) if d == device.index]
+            nbytes = sum(layouts[i].file_bytes for i in held)
+            log.info(
+                "SmartUpdate device %d (%s): %d shard(s), %.1f MiB of state (%.0f%%)",
+                device.index,
+                "host memory" if device.in_memory else str(device.directory),
+                len(held),
+                nbytes / 2**20,
+                100 * nbytes / total,
+            )
+
+    def hands_off_early(self, shard: int) -> bool:
+        """Whether ``shard`` takes tentative updates during backward: not in the memory tier, which updates fast
+        enough after backward and so keeps one copy of its state."""
+        return self.tentative_slots and not self.device_of(shard).in_memory
 
     def _check_space(
         self, device: StreamingDevice, shards: Sequence[ShardSpec], layouts: list[ChunkLayout], slots: int
@@ -809,6 +883,8 @@ class StreamingBackend(Backend):
             )
         if tentative and not self.tentative_slots:
             raise ValueError("`tentative=True` needs a backend built with `tentative_slots=True`.")
+        if tentative and len(shard.files) < 2:
+            raise ValueError(f"Shard {shard.spec.index} is in host memory, which takes no tentative update.")
         request.read_slot = shard.slot
         request.write_slot = 1 - shard.slot if tentative else shard.slot
         shard.tentative = tentative
@@ -848,6 +924,8 @@ class StreamingBackend(Backend):
         """
         self._refuse("check_storage")
         for device in self.devices:
+            if device.in_memory:
+                continue
             try:
                 code = None if stat.S_ISDIR(os.stat(device.directory).st_mode) else errno.ENOTDIR
             except OSError as exc:
@@ -982,12 +1060,12 @@ class StreamingBackend(Backend):
         self.wait()
         claims = []
         if self._closed and not self._claims:
-            if self._owned_dirs:
+            if self._owned_dirs or self.memory_bytes:
                 raise StorageError(
-                    "The device state was in temporary directories that were removed when the backend closed; "
-                    "save before closing it."
+                    "The device state was in temporary directories or host memory, freed when the backend "
+                    "closed; save before closing it (or close with `keep_claims=True`)."
                 )
-            claims = claim_directories([device.directory for device in self.devices])
+            claims = claim_directories([device.directory for device in self.devices if not device.in_memory])
         try:
             save_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
         finally:
@@ -1009,13 +1087,14 @@ class StreamingBackend(Backend):
         for device, dropped in [(device, device.drop_prefetched()) for device in self.devices]:
             if (exc := self._settle(dropped, device, "dropping the state read ahead")) is not None:
                 raise exc
-        for shard in self._shards:
+        on_disk = [shard for shard in self._shards if not shard.file.in_memory]
+        for shard in on_disk:
             for file in shard.files:
                 file.close()
         try:
             load_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
         finally:
-            for shard in self._shards:
+            for shard in on_disk:
                 shard.files = tuple(StateFile(f.path, shard.layout.file_bytes, create=False) for f in shard.files)
 
     def close(self, *, keep_claims: bool = False) -> None:
@@ -1054,4 +1133,11 @@ class StreamingBackend(Backend):
         Called by :meth:`close` unless it kept them; idempotent. Every state file is closed by then.
         """
         claims, self._claims = self._claims, []
+        self._free_memory()
         release_claims(claims, remove=self._owned_dirs)
+
+    def _free_memory(self) -> None:
+        for shard in self._shards:
+            for file in shard.files:
+                if file.in_memory:
+                    file.free()

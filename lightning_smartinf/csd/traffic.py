@@ -6,7 +6,14 @@ import threading
 from dataclasses import dataclass, fields
 
 #: Counter names, also the suffixes of the logged metrics ``smartinf/<name>``.
-COUNTERS = ("link_write_bytes", "link_read_bytes", "storage_read_bytes", "storage_write_bytes")
+COUNTERS = (
+    "link_write_bytes",
+    "link_read_bytes",
+    "storage_read_bytes",
+    "storage_write_bytes",
+    "memory_read_bytes",
+    "memory_write_bytes",
+)
 
 
 @dataclass(frozen=True)
@@ -18,12 +25,16 @@ class TrafficSnapshot:
         link_read_bytes: device → host over the shared link (updated low-precision parameters).
         storage_read_bytes: storage → device compute, inside the device (master weights, states).
         storage_write_bytes: device compute → storage, inside the device.
+        memory_read_bytes: host memory → update, for shards of the memory tier (no storage I/O).
+        memory_write_bytes: update → host memory, for shards of the memory tier.
     """
 
     link_write_bytes: int = 0
     link_read_bytes: int = 0
     storage_read_bytes: int = 0
     storage_write_bytes: int = 0
+    memory_read_bytes: int = 0
+    memory_write_bytes: int = 0
 
     def __sub__(self, other: TrafficSnapshot) -> TrafficSnapshot:
         return TrafficSnapshot(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))

@@ -323,6 +323,8 @@ def _expected_traffic(
         "link_read_bytes": steps * numel * out_elem,
         "storage_read_bytes": steps * fb,
         "storage_write_bytes": (steps + 1) * fb,
+        "memory_read_bytes": 0,
+        "memory_write_bytes": 0,
     }
 
 
@@ -356,6 +358,8 @@ def test_traffic_exact_aligned_sizes(tmp_path, make_backend, num_devices) -> Non
         "link_read_bytes": 2 * numel,
         "storage_read_bytes": model.file_bytes(),
         "storage_write_bytes": model.file_bytes(),
+        "memory_read_bytes": 0,
+        "memory_write_bytes": 0,
     }
 
 

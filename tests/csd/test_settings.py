@@ -76,6 +76,8 @@ def test_defaults_are_the_strategy_defaults_and_the_object_is_frozen_and_keyword
         "overlap_backward": True,
         "prefetch_state": True,
         "gradient_buffer": "auto",
+        "state_memory_budget": None,
+        "device_weights": None,
     }
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.buffer_count = 4  # type: ignore[misc]

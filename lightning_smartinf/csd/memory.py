@@ -1,0 +1,119 @@
+"""The memory tier: shard state kept in host RAM and updated by host cores with the same rule code as a device.
+
+A :class:`MemoryDevice` is an emulated device whose state files are anonymous memory (``memfd``), mapped into the
+process: the same chunk pipeline, buffer pool, rules, checkpoints and counters as a storage device, with copies in
+RAM in place of disk transfers. Each file also has a path (``/proc/<pid>/fd/<n>``), so a checkpoint copies it like
+any state file, and a saved record is the same wherever the shard lived.
+
+Invariants:
+
+- A memory file holds exactly its shard's record bytes; its pages count in the process's RSS once written.
+- A memory shard has one slot: it never takes a tentative update (the controller submits it after backward, when
+  the step is known to stand), so the memory tier uses the state's bytes once, never twice.
+- Memory is freed only by :meth:`MemoryStateFile.free` (the backend's release), so a state closed for I/O can still
+  be saved.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lightning_smartinf.csd.cpu import EmulatedDevice
+from lightning_smartinf.csd.io import IOEngine, StateFile
+from lightning_smartinf.csd.traffic import Traffic
+
+__all__ = ["MEMORY_LABEL", "MemoryDevice", "MemoryIO", "MemoryStateFile"]
+
+#: How the memory device is named where a storage device shows its directory.
+MEMORY_LABEL = Path("<host memory>")
+
+
+class MemoryStateFile(StateFile):
+    """One shard's state in host memory: a ``memfd`` of ``size`` bytes mapped shared into the process.
+
+    Reads and writes are memory copies (torch's, which release the GIL). :attr:`path` names the same memory for code
+    that opens files by path (checkpoint save and load); it is valid in this process only.
+    """
+
+    in_memory = True
+
+    def __init__(self, name: str, size: int) -> None:  # noqa: D107 - the class says it
+        self.direct = False
+        self._fd = os.memfd_create(f"smartinf-{name}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, size)
+            self._map: mmap.mmap | None = mmap.mmap(self._fd, size) if size else None
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.path = Path(f"/proc/{os.getpid()}/fd/{self._fd}")
+        self.size = size
+        self._bytes: Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8) if self._map else None
+
+    def _span(self, offset: int, nbytes: int) -> Tensor:
+        if self._bytes is None and nbytes:
+            raise OSError(f"the memory of {self.path} was freed")
+        if offset < 0 or offset + nbytes > self.size:
+            raise OSError(f"bytes {offset}..{offset + nbytes} lie outside {self.path} ({self.size} B)")
+        return self._bytes[offset : offset + nbytes] if self._bytes is not None else torch.empty(0, dtype=torch.uint8)
+
+    def read_into(self, buf: Tensor, offset: int) -> None:
+        flat = buf.view(torch.uint8)
+        flat.copy_(self._span(offset, flat.numel()))
+
+    def write_from(self, buf: Tensor, offset: int) -> None:
+        flat = buf.view(torch.uint8)
+        self._span(offset, flat.numel()).copy_(flat)
+
+    def sync(self) -> None:
+        """Nothing to flush: the state is in memory."""
+
+    def close(self) -> None:
+        """Keep the memory (see :meth:`free`): a closed state can still be saved."""
+
+    def free(self) -> None:
+        """Give the memory back; idempotent. Reads and writes fail afterwards."""
+        self._bytes = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class MemoryIO(IOEngine):
+    """Moves records between memory files and buffers with one copy each, on the calling thread."""
+
+    name = "host memory"
+
+    def read(self, file: StateFile, buf: Tensor, offset: int) -> None:
+        file.read_into(buf, offset)
+
+    def write(self, file: StateFile, buf: Tensor, offset: int) -> None:
+        file.write_from(buf, offset)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class MemoryDevice(EmulatedDevice):
+    """The memory tier as a device: state in host RAM, updated by a host core (the rule's own code)."""
+
+    in_memory = True
+    read_counter = "memory_read_bytes"
+    write_counter = "memory_write_bytes"
+
+    def __init__(self, index: int, traffic: Traffic, *, chunk_elems: int, buffer_count: int) -> None:
+        # Copies are synchronous memcpy: one transfer in flight per direction keeps a core busy enough.
+        super().__init__(
+            index, MEMORY_LABEL, traffic, MemoryIO(), chunk_elems=chunk_elems, buffer_count=buffer_count, io_threads=1
+        )
+
+    def create_file(self, name: str, size: int) -> StateFile:
+        return MemoryStateFile(name, size)

@@ -1,0 +1,161 @@
+"""The memory tier and weighted placement in the core: real backends, real files and real memory.
+
+A shard in host memory is updated by the same rule code through the same pipeline, so results are bitwise those of
+all-on-device; its traffic counts under ``memory_*``; its saved record is the one a storage device saves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_smartinf.csd.backend import ShardSpec
+from lightning_smartinf.csd.checkpoint import shard_file_name
+from lightning_smartinf.csd.cpu import CpuBackend
+from lightning_smartinf.csd.layout import ChunkLayout
+from lightning_smartinf.csd.memory import MemoryStateFile
+from lightning_smartinf.csd.placement import RoundRobin, Tiered
+from lightning_smartinf.csd.rules import Adam, StepParams
+from lightning_smartinf.csd.storage import StorageError
+
+CHUNK = 4096
+SIZES = (2 * CHUNK + 100, CHUNK, 3 * CHUNK, 100, 5 * CHUNK)
+
+
+def _bytes(n: int) -> int:
+    return ChunkLayout(n, CHUNK, 2).file_bytes
+
+
+def _specs(sizes=SIZES) -> list[ShardSpec]:
+    return [ShardSpec(i, n, Adam(decoupled_weight_decay=True)) for i, n in enumerate(sizes)]
+
+
+def _train(root: Path, steps: int = 3, **kwargs) -> tuple[CpuBackend, list[torch.Tensor]]:
+    """Steps as the controller takes them: tentative hand-offs where the backend takes them, then commits."""
+    backend = CpuBackend([root / "d0", root / "d1"], chunk_elems=CHUNK, buffer_count=3, tentative_slots=True, **kwargs)
+    backend.open(_specs())
+    generator = torch.Generator().manual_seed(0)
+    for i, n in enumerate(SIZES):
+        backend.initialize(i, torch.randn(n, generator=generator))
+    outs = [torch.empty(n) for n in SIZES]
+    for t in range(1, steps + 1):
+        hp = StepParams(step=t, lr=1e-2, weight_decay=0.1)
+        early = [i for i in range(len(SIZES)) if backend.hands_off_early(i)]
+        grads = [torch.randn(n, generator=generator) for n in SIZES]
+        handles = [backend.submit(i, grads[i], hp, outs[i], tentative=i in early) for i in range(len(SIZES))]
+        for handle in handles:
+            backend.result(handle)
+        backend.commit(early)
+    backend.wait()
+    return backend, outs
+
+
+def _masters(backend: CpuBackend) -> list[torch.Tensor]:
+    out = [torch.empty(n) for n in SIZES]
+    for i, tensor in enumerate(out):
+        backend.read_master(i, tensor)
+    backend.wait()
+    return out
+
+
+def test_tiered_placement_fills_memory_in_index_order_then_weighs_the_disks() -> None:
+    specs = _specs()
+    # Room for shards 0 and 1 (shard 2 no longer fits, 3 does): backward reduces the first sub-groups last.
+    room = _bytes(SIZES[0]) + _bytes(SIZES[1]) + _bytes(SIZES[3])
+    assert Tiered((1.0, 1.0), room, CHUNK).assign(specs, 3) == [2, 2, 0, 2, 1]
+    # Equal weights and equal shards: round-robin.
+    equal = _specs((CHUNK,) * 6)
+    assert Tiered((1.0, 1.0), 0, CHUNK).assign(equal, 2) == RoundRobin().assign(equal, 2)
+    # A 3x faster device takes 3 of every 4 equal shards.
+    assert Tiered((3.0, 1.0), 0, CHUNK).assign(_specs((CHUNK,) * 8), 2).count(0) == 6
+    with pytest.raises(ValueError, match="2 storage device\\(s\\) and host memory, but the backend has 2 devices"):
+        Tiered((1.0, 1.0), 1, CHUNK).assign(specs, 2)
+    for weights in [(), (0.0,), (float("inf"),), (-1.0, 1.0)]:
+        with pytest.raises(ValueError, match="positive, finite"):
+            Tiered(weights)
+
+
+def test_memory_tier_updates_bitwise_like_the_devices_and_counts_its_own_traffic(tmp_path) -> None:
+    reference, expected = _train(tmp_path / "disk")
+    budget = _bytes(SIZES[0]) + _bytes(SIZES[1])
+    tiered, got = _train(tmp_path / "tier", memory_bytes=budget)
+    try:
+        assert tiered.num_devices == 3 and tiered.assignment.count(2) == 2
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), "the memory tier changed the update"
+        assert all(torch.equal(a, b) for a, b in zip(_masters(tiered), _masters(reference)))
+        disk, mem = reference.traffic_snapshot(), tiered.traffic_snapshot()
+        assert (mem.link_write_bytes, mem.link_read_bytes) == (disk.link_write_bytes, disk.link_read_bytes)
+        assert mem.memory_read_bytes + mem.storage_read_bytes == disk.storage_read_bytes
+        assert mem.memory_write_bytes + mem.storage_write_bytes == disk.storage_write_bytes
+        assert mem.memory_read_bytes > 0 and disk.memory_read_bytes == 0
+        # Memory shards leave no file on the storage paths and keep one copy (no tentative slot).
+        for i in (0, 1):
+            assert not list(tmp_path.joinpath("tier").rglob(shard_file_name(i) + "*"))
+            assert not list(tmp_path.joinpath("tier").rglob(shard_file_name(i, 1)))
+            assert not tiered.hands_off_early(i)
+        with pytest.raises(ValueError, match="in host memory, which takes no tentative update"):
+            tiered.submit(0, torch.zeros(SIZES[0]), StepParams(step=4, lr=1e-2), torch.empty(SIZES[0]), tentative=True)
+    finally:
+        reference.close()
+        tiered.close()
+
+
+def test_checkpoints_do_not_depend_on_the_tier(tmp_path) -> None:
+    reference, _ = _train(tmp_path / "disk")
+    tiered, _ = _train(tmp_path / "tier", steps=1, memory_bytes=10 * _bytes(SIZES[-1]))
+    try:
+        assert set(tiered.assignment) == {2}  # everything in memory
+        reference.save(tmp_path / "from-disk")
+        tiered.load(tmp_path / "from-disk")  # into memory
+        assert all(torch.equal(a, b) for a, b in zip(_masters(tiered), _masters(reference)))
+        tiered.save(tmp_path / "from-memory")  # out of memory: byte-identical files
+        for i in range(len(SIZES)):
+            name = shard_file_name(i)
+            assert (tmp_path / "from-memory" / name).read_bytes() == (tmp_path / "from-disk" / name).read_bytes()
+    finally:
+        reference.close()
+        tiered.close()
+
+
+def test_memory_is_freed_with_the_storage_and_a_save_after_that_is_refused(tmp_path) -> None:
+    backend, _ = _train(tmp_path, steps=1, memory_bytes=10 * _bytes(SIZES[-1]))
+    files = [f for shard in backend.shards for f in shard.files if isinstance(f, MemoryStateFile)]
+    assert len(files) == len(SIZES) and all(f.path.exists() for f in files)
+    backend.close(keep_claims=True)
+    backend.save(tmp_path / "after-close")  # the state outlives close until the storage is released
+    backend.release_storage()
+    assert not any(f.path.exists() for f in files), "memory files stay open after release"
+    with pytest.raises(StorageError, match="host memory, freed when the backend closed"):
+        backend.save(tmp_path / "too-late")
+    assert not (tmp_path / "too-late").exists()
+
+
+def test_device_weights_share_the_disks_and_are_checked(tmp_path) -> None:
+    backend = CpuBackend(
+        [tmp_path / "fast", tmp_path / "slow"], chunk_elems=CHUNK, buffer_count=2, device_weights=[3.0, 1.0]
+    )
+    try:
+        backend.open(_specs((CHUNK,) * 8))
+        assert backend.assignment.count(0) == 6
+        assert len(list((tmp_path / "fast").glob("*.state"))) == 6
+    finally:
+        backend.close()
+    with pytest.raises(ValueError, match="`device_weights` has 1 weight\\(s\\) for 2 storage device"):
+        CpuBackend([tmp_path / "a", tmp_path / "b"], chunk_elems=CHUNK, buffer_count=2, device_weights=[1.0])
+
+
+def test_paths_on_different_filesystems_are_measured(tmp_path, caplog) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        backend = CpuBackend([tmp_path / "disk", Path(shm) / "ram"], chunk_elems=CHUNK, buffer_count=2)
+        try:
+            with caplog.at_level("INFO", logger="lightning_smartinf.csd.streaming"):
+                backend.open(_specs((CHUNK,) * 4))
+            assert "measured its storage paths" in caplog.text
+            assert "shard(s)" in caplog.text  # each device's share is logged
+            assert not list(Path(shm).rglob(".smartinf-speed-probe")) and not list(tmp_path.rglob(".smartinf-*probe"))
+        finally:
+            backend.close()

@@ -1,0 +1,172 @@
+"""State tiers through the strategy, in the shapes users write: ``state_memory_budget`` keeps part of the optimizer
+state in host RAM, and nothing else changes — parameters bitwise those of all-on-device, checkpoints that resume under
+another budget or another set of storage paths, ``trainer.save_checkpoint`` after ``fit``, memory within the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from models import LMModule, fit
+from scripts.ckpt_common import EVERY, TOTAL, checkpoint_step, train
+from test_checkpoint import _worker_env
+from test_checkpoint_workflows import Crash, CrashAt, assert_identical
+from test_equivalence import adamw_cosine
+
+from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.export import consolidate_fp32_state_dict
+
+
+def _state_bytes(root: Path) -> int:
+    trainers = []
+    train(root, steps=1, every=None, trainers=trainers)
+    return sum(s.layout.file_bytes for s in trainers[0].strategy.smart_update.backend.shards)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[dict[str, torch.Tensor], int]:
+    """All state on the device: the uninterrupted run, and the bytes of its state."""
+    root = tmp_path_factory.mktemp("reference")
+    return train(root), _state_bytes(root / "size")
+
+
+def test_half_the_state_in_memory_trains_bitwise_like_all_on_device(reference, tmp_path) -> None:
+    expected, state = reference
+    trainers = []
+    ours = train(tmp_path, every=None, trainers=trainers, strategy_kwargs={"state_memory_budget": state // 2})
+    assert_identical(ours, expected)
+    backend = trainers[0].strategy.smart_update.backend
+    in_memory = [s for s in backend.shards if s.file.in_memory]
+    assert in_memory and len(in_memory) < len(backend.shards)
+    assert sum(s.layout.file_bytes for s in in_memory) <= state // 2
+    # Storage shards were still handed off during backward; memory shards were updated after it.
+    optimizer = trainers[0].strategy.deepspeed_engine.optimizer
+    assert optimizer.smart_update.early_kept == TOTAL * (len(backend.shards) - len(in_memory))
+    traffic = trainers[0].strategy.traffic
+    assert traffic.memory_read_bytes > 0 and traffic.storage_read_bytes > 0
+
+
+def test_checkpoints_resume_under_another_budget_and_other_storage_paths(reference, tmp_path) -> None:
+    """Saved with half the state in memory and one path; resumed with all of it on two paths, then with all of it in
+    memory: `last.ckpt` with its defaults, a crash, and `fit(ckpt_path=...)` into the same directory."""
+    expected, state = reference
+    first = tmp_path / "run"
+    with pytest.raises(Crash):
+        train(
+            first,
+            checkpointing="last",
+            callbacks=[CrashAt(EVERY + 1)],
+            strategy_kwargs={"state_memory_budget": state // 2},
+        )
+    last = first / "ckpts" / "last.ckpt"
+    assert checkpoint_step(last) == EVERY
+    with pytest.raises(Crash):
+        train(
+            first,
+            storage=[tmp_path / "a", tmp_path / "b"],
+            ckpt_path=last,
+            checkpointing="last",
+            callbacks=[CrashAt(2 * EVERY + 1)],
+        )
+    assert checkpoint_step(last) == 2 * EVERY
+    resumed = train(first, ckpt_path=last, checkpointing="last", strategy_kwargs={"state_memory_budget": 2 * state})
+    assert_identical(resumed, expected)
+    assert_identical(consolidate_fp32_state_dict(last), expected)
+
+
+def test_save_checkpoint_after_fit_with_state_in_memory(reference, tmp_path) -> None:
+    expected, state = reference
+    trainers = []
+    train(tmp_path, every=None, trainers=trainers, strategy_kwargs={"state_memory_budget": f"{state}B"})
+    trainer = trainers[0]
+    assert all(s.file.in_memory for s in trainer.strategy.smart_update.backend.shards)
+    trainer.save_checkpoint(tmp_path / "final.ckpt")  # the memory state outlived teardown for this
+    assert_identical(consolidate_fp32_state_dict(tmp_path / "final.ckpt"), expected)
+
+
+def test_bf16_compression_with_a_memory_tier_changes_nothing(tmp_path) -> None:
+    results = {}
+    for budget in (None, "1MiB"):
+        strategy = SmartInfinityStrategy(
+            storage_paths=[tmp_path / str(budget)],
+            sub_group_size=3000,
+            chunk_size=2048,
+            buffer_count=3,
+            compression=0.05,
+            state_memory_budget=budget,
+        )
+        _, results[budget] = fit(LMModule(adamw_cosine), strategy, steps=6, precision="bf16-mixed", clip=0.5)
+    for name, value in results[None].items():
+        assert torch.equal(results["1MiB"][name], value), name
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"state_memory_budget": "lots"}, r"`state_memory_budget='lots'` is not a size"),
+        ({"state_memory_budget": -1}, r"`state_memory_budget=-1` is too small"),
+        ({"state_memory_budget": 1.5}, r"`state_memory_budget=1.5` is a float"),
+        ({"state_memory_budget": "100TiB"}, r"needs 104857600 MiB of host memory .*MiB available"),
+        ({"device_weights": [1.0]}, r"weighs storage paths, but `storage_paths=None`"),
+        ({"storage_paths": ["/tmp/a", "/tmp/b"], "device_weights": [1.0]}, r"1 weight\(s\) for 2 storage path"),
+        ({"storage_paths": ["/tmp/a"], "device_weights": [float("nan")]}, r"`device_weights\[0\]=nan` is not finite"),
+        ({"storage_paths": ["/tmp/a"], "device_weights": "fast"}, r"must be a list of positive numbers"),
+        ({"backend": "remote", "state_memory_budget": "1GiB"}, r"applies to `backend='cpu'` only"),
+    ],
+)
+def test_bad_budgets_and_weights_are_refused_before_anything_is_allocated(tmp_path, kwargs, message) -> None:
+    with pytest.raises(MisconfigurationException, match=message):
+        SmartInfinityStrategy(**kwargs)
+
+
+RSS_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from models import LMModule, fit
+from test_equivalence import adamw_cosine
+from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.csd.layout import pool_bytes
+budget = int(sys.argv[3]) or None
+strategy = SmartInfinityStrategy(storage_paths=[sys.argv[2]], sub_group_size=1 << 18, chunk_size=1 << 14,
+                                 buffer_count=3, state_memory_budget=budget, io_engine="threads")
+trainer, _ = fit(LMModule(adamw_cosine, dim=512, layers=8), strategy, steps=3, precision="bf16-mixed")
+backend = trainer.strategy.smart_update.backend
+print(json.dumps({
+    # VmHWM: this address space's peak (ru_maxrss would keep the parent's peak across exec).
+    "peak_rss": next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")),
+    "state": sum(s.layout.file_bytes for s in backend.shards),
+    "in_memory": sum(s.layout.file_bytes for s in backend.shards if s.file.in_memory),
+    "memory_pool": pool_bytes(1, 3, 1 << 14) + (1 << 14) * 4,  # the memory device's buffers and gradient chunk
+}))
+"""
+
+
+def _peak(tmp_path: Path, budget: int) -> dict[str, int]:
+    tests = Path(__file__).parent
+    run = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, str(tests), str(tmp_path / str(budget)), str(budget)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_worker_env(),
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_host_memory_grows_by_at_most_the_budget(tmp_path) -> None:
+    """Peak RSS with half the state in memory exceeds all-on-device by the state kept there (it is really held), and
+    by no more than the budget plus the memory tier's pool plus 10%."""
+    device = _peak(tmp_path, 0)
+    budget = device["state"] // 2
+    tiered = _peak(tmp_path, budget)
+    growth = tiered["peak_rss"] - device["peak_rss"]
+    assert tiered["in_memory"] > budget * 0.6, tiered
+    assert growth <= 1.1 * (budget + tiered["memory_pool"]), (growth, tiered, device)
+    assert growth >= 0.5 * tiered["in_memory"], (growth, tiered, device)
