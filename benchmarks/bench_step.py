@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -23,6 +22,16 @@ from pathlib import Path
 from typing import Any
 
 RUNS = ("zero_infinity", "zero_infinity_pipelined", "smart_infinity", "smart_infinity_no_overlap")
+#: State tiers (issue 24): ours with a share of the state in host memory, and ZeRO-Offload (all of it in RAM, updated
+#: by DeepSpeedCPUAdam) as the ceiling. Run them with ``--only``.
+TIER_RUNS = (
+    "smart_infinity_mem25",
+    "smart_infinity_mem50",
+    "smart_infinity_mem75",
+    "smart_infinity_mem100",
+    "zero_offload",
+)
+ALL_RUNS = RUNS + TIER_RUNS
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
@@ -76,7 +85,7 @@ def build_module(args: argparse.Namespace, run: str) -> Any:
             return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
         def configure_optimizers(self) -> Any:
-            if run.startswith("zero_infinity"):
+            if run.startswith("zero_"):
                 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
                 return DeepSpeedCPUAdam(self.parameters(), lr=1e-4, adamw_mode=True, weight_decay=0.01)
@@ -244,7 +253,15 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(os.cpu_count() or 1)
     storage = Path(tempfile.mkdtemp(prefix=f"bench_{args.run}_", dir=args.storage))
     try:
-        if args.run.startswith("zero_infinity"):
+        module = build_module(args, args.run)
+        if args.run == "zero_offload":
+            from lightning_smartinf.cpu_support import DeepSpeedCPUStrategy
+
+            # Lightning's `deepspeed_stage_3_offload`: optimizer state and parameters in host memory.
+            strategy = DeepSpeedCPUStrategy(
+                stage=3, offload_optimizer=True, offload_parameters=True, sub_group_size=args.sub_group_size
+            )
+        elif args.run.startswith("zero_infinity"):
             from lightning_smartinf.cpu_support import DeepSpeedCPUStrategy
 
             # The pipelined swapper overlaps reads and writes; it needs buffer_count >= 16 with several sub-groups.
@@ -278,7 +295,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         else:
             from lightning_smartinf import SmartInfinityStrategy
 
+            share = int(args.run.rpartition("_mem")[2]) / 100 if "_mem" in args.run else 0
+            # fp32 master + two Adam states, plus each sub-group's last-chunk padding (at most 3 x 4 KiB).
+            state = 12 * module.num_params + 12 * 4096 * (module.num_params // args.sub_group_size + 1)
             strategy = SmartInfinityStrategy(
+                state_memory_budget=int(share * state) or None,
                 storage_paths=[storage],
                 sub_group_size=args.sub_group_size,
                 offload_parameters=True,
@@ -286,7 +307,6 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                 overlap_backward=args.run != "smart_infinity_no_overlap",
                 **dict(args.smartinf),
             )
-        module = build_module(args, args.run)
         n = args.batch * (args.warmup + args.steps)
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, args.vocab, (n, args.seq + 1), generator=g)
@@ -322,7 +342,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             "disk_write_bytes_per_param_step": (meter.io1["write_bytes"] - meter.io0["write_bytes"]) / p / args.steps,
             "disk_read_bytes_per_param_in_step": meter.step_io.get("read_bytes", 0) / p / args.steps,
             "disk_write_bytes_per_param_in_step": meter.step_io.get("write_bytes", 0) / p / args.steps,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mib": peak_rss_mib(),
         }
         optimizer = trainer.strategy.deepspeed_engine.optimizer
         if hasattr(optimizer, "smart_update"):
@@ -344,6 +364,65 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ driver
+
+
+def peak_rss_mib() -> float:
+    """This process's peak RSS (``VmHWM``): ``ru_maxrss`` would keep the launching process's peak across exec."""
+    with open("/proc/self/status") as status:
+        kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    return kib / 1024
+
+
+def tiers_table(results: dict[str, dict[str, Any]]) -> str:
+    """Markdown: ours with 0-100% of the state in host memory beside ZeRO-Infinity's best and ZeRO-Offload."""
+    zis = [
+        results[k] for k in ("zero_infinity", "zero_infinity_pipelined") if "opt_step_median_s" in results.get(k, {})
+    ]
+    best = min(zis, key=lambda r: r["train_step_mean_s"]) if zis else {}
+    columns = [
+        ("all on device", results.get("smart_infinity", {})),
+        *[(f"{share}% in memory", results.get(f"smart_infinity_mem{share}", {})) for share in (25, 50, 75, 100)],
+        ("ZeRO-Infinity best", best),
+        ("ZeRO-Offload", results.get("zero_offload", {})),
+    ]
+    columns = [(name, r) for name, r in columns if "train_step_mean_s" in r]
+    device = results.get("smart_infinity", {})
+
+    def traffic(r: dict[str, Any], key: str) -> float | None:
+        t = r.get("traffic_bytes_per_param_step")
+        return None if not t else t.get(key, 0.0)
+
+    rows: list[tuple[str, Any]] = [
+        ("optimizer step, median (s)", lambda r: r.get("opt_step_median_s")),
+        ("train step, mean (s)", lambda r: r.get("train_step_mean_s")),
+        ("train step: all on device / this", lambda r: device.get("train_step_mean_s", 0) / r["train_step_mean_s"]),
+        ("train step: ZeRO-Infinity best / this", lambda r: best.get("train_step_mean_s", 0) / r["train_step_mean_s"]),
+        (
+            "train step: this / ZeRO-Offload",
+            lambda r: r["train_step_mean_s"] / results.get("zero_offload", {}).get("train_step_mean_s", float("nan")),
+        ),
+        ("peak RSS (MiB)", lambda r: r.get("peak_rss_mib")),
+        (
+            "storage read + write (B/param/step)",
+            lambda r: (
+                None
+                if traffic(r, "storage_read_bytes") is None
+                else traffic(r, "storage_read_bytes") + traffic(r, "storage_write_bytes")
+            ),
+        ),
+        (
+            "memory read + write (B/param/step)",
+            lambda r: (
+                None
+                if traffic(r, "memory_read_bytes") is None
+                else traffic(r, "memory_read_bytes") + traffic(r, "memory_write_bytes")
+            ),
+        ),
+    ]
+    lines = ["| metric | " + " | ".join(name for name, _ in columns) + " |", "|---|" + "---:|" * len(columns)]
+    for name, get in rows:
+        lines.append(f"| {name} | " + " | ".join(fmt(get(r), 2) for _, r in columns) + " |")
+    return "\n".join(lines)
 
 
 def raw_bandwidth(directory: Path, gib: float) -> dict[str, float]:
@@ -544,7 +623,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--sub-group-size", type=int, default=8_000_000)
     parser.add_argument("--storage", default=None, help="directory for both runs' storage (default: /tmp)")
-    parser.add_argument("--only", choices=RUNS, action="append", help="run only these configurations")
+    parser.add_argument(
+        "--only",
+        choices=ALL_RUNS,
+        action="append",
+        help=f"run only these configurations (tiers: {', '.join(TIER_RUNS)})",
+    )
     parser.add_argument(
         "--io-engine",
         default="threads",
@@ -573,7 +657,7 @@ def main() -> None:
         action="store_true",
         help="sample the storage's block device every 5 ms and report, per training phase, how busy it was",
     )
-    parser.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)
+    parser.add_argument("--run", choices=ALL_RUNS, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.run:
@@ -605,6 +689,8 @@ def main() -> None:
     results = {name: merge_rounds(runs) for name, runs in rounds.items()}
 
     md = table(results)
+    if any(name in results for name in TIER_RUNS):
+        md += "\n\n" + tiers_table(results)
     ours = results.get("smart_infinity", {})
     if "disk_read_bytes_per_param_in_step" in ours and ours.get("opt_step_median_s"):
         # Only what the devices still had to move when the step began counts: with overlap_backward the rest

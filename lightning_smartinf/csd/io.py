@@ -85,6 +85,10 @@ class StateFile:
         while done < len(view):
             done += os.pwritev(self._fd, [view[done:]], offset + done)
 
+    def view(self, offset: int, nbytes: int) -> Tensor | None:
+        """The bytes at ``offset`` in place, where the state is in memory; ``None`` for a file on storage."""
+        return None
+
     def sync(self) -> None:
         os.fsync(self._fd)
 

@@ -1,15 +1,16 @@
 """The memory tier: shard state kept in host RAM and updated by host cores with the same rule code as a device.
 
 A :class:`MemoryDevice` is an emulated device whose state files are anonymous memory (``memfd``), mapped into the
-process: the same chunk pipeline, buffer pool, rules, checkpoints and counters as a storage device, with copies in
-RAM in place of disk transfers. Each file also has a path (``/proc/<pid>/fd/<n>``), so a checkpoint copies it like
-any state file, and a saved record is the same wherever the shard lived.
+process: the same chunk pipeline, rules, checkpoints and counters as a storage device, but each chunk record is
+updated where it lies (:meth:`MemoryStateFile.view`): no disk transfer and no copy through a pool buffer. Each file
+also has a path (``/proc/<pid>/fd/<n>``), so a checkpoint copies it like any state file, and a saved record is the
+same wherever the shard lived.
 
 Invariants:
 
 - A memory file holds exactly its shard's record bytes; its pages count in the process's RSS once written.
-- A memory shard has one slot: it never takes a tentative update (the controller submits it after backward, when
-  the step is known to stand), so the memory tier uses the state's bytes once, never twice.
+- A memory shard has one slot, so updating a record in place is exact: it never takes a tentative update (the
+  controller submits it after backward, when the step is known to stand), and the tier holds the state once.
 - Memory is freed only by :meth:`MemoryStateFile.free` (the backend's release), so a state closed for I/O can still
   be saved.
 """
@@ -62,13 +63,18 @@ class MemoryStateFile(StateFile):
             raise OSError(f"bytes {offset}..{offset + nbytes} lie outside {self.path} ({self.size} B)")
         return self._bytes[offset : offset + nbytes] if self._bytes is not None else torch.empty(0, dtype=torch.uint8)
 
+    def view(self, offset: int, nbytes: int) -> Tensor:
+        return self._span(offset, nbytes)
+
     def read_into(self, buf: Tensor, offset: int) -> None:
         flat = buf.view(torch.uint8)
         flat.copy_(self._span(offset, flat.numel()))
 
     def write_from(self, buf: Tensor, offset: int) -> None:
         flat = buf.view(torch.uint8)
-        self._span(offset, flat.numel()).copy_(flat)
+        target = self._span(offset, flat.numel())
+        if target.data_ptr() != flat.data_ptr():  # a record updated in place (:meth:`view`) is already there
+            target.copy_(flat)
 
     def sync(self) -> None:
         """Nothing to flush: the state is in memory."""

@@ -491,7 +491,12 @@ class StreamingDevice(ABC):
         if previous_write is not None:
             previous_write.result()  # the record's last update must be on disk before we read it back
         t0 = time.perf_counter()
-        self._transfer("read", shard.files[slot], record, shard.layout.record_offset(k))
+        offset = shard.layout.record_offset(k)
+        in_place = shard.files[slot].view(offset, record.numel() * 4)
+        if in_place is None:
+            self._transfer("read", shard.files[slot], record, offset)
+        else:
+            record = in_place.view(torch.float32)  # updated where it lies; its write-back is then no copy
         self.stats.read_s += time.perf_counter() - t0
         if count:
             self._traffic.add(**{self.read_counter: shard.layout.record_bytes(k)})
@@ -992,7 +997,7 @@ class StreamingBackend(Backend):
         targets: list[list[PrefetchTarget]] = [[] for _ in self.devices]
         for index in shards:
             shard = self._shards[index]
-            if not shard.tentative:
+            if not shard.tentative and not shard.file.in_memory:  # memory is read where it lies
                 targets[self.assignment[index]].append(PrefetchTarget(shard, shard.slot))
         for device, device_targets in zip(self.devices, targets):
             device.prefetch(device_targets)  # every device: new advice, even empty, replaces the old
