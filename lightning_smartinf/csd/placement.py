@@ -15,10 +15,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from torch import Tensor
 
 from lightning_smartinf.csd.io import IOEngine, StateFile
 from lightning_smartinf.csd.layout import ChunkLayout
@@ -182,28 +185,40 @@ class Tiered:
         return assignment
 
 
-def measure_write_read(directory: Path, io: IOEngine, nbytes: int = 16 << 20) -> float:
-    """Bytes per second ``io`` writes then reads back ``nbytes`` in ``directory`` (a probe file, removed after).
+def measure_write_read(directory: Path, io: IOEngine, nbytes: int = 64 << 20, *, in_flight: int = 3) -> float:
+    """Bytes per second ``io`` writes then reads back ``nbytes`` in ``directory`` as a device streams: 4 MiB records,
+    ``in_flight`` at a time (a probe file, removed after).
 
     A device's update streams every record in and out once, so this one figure ranks devices by update throughput.
     A path that cannot take the probe (full) counts as 1 B/s: it gets the fewest shards, and its own free-space check
     explains itself when the shards are placed.
     """
+    record = 4 << 20
+    offsets = range(0, max(record, nbytes // record * record), record)
     path = directory / ".smartinf-speed-probe"
-    buf = io.empty(nbytes)
-    buf.fill_(1)
+    buffers = [io.empty(record) for _ in range(in_flight)]
+    for buf in buffers:
+        buf.fill_(1)
     try:
-        file = StateFile(path, nbytes, create=True)
+        file = StateFile(path, len(offsets) * record, create=True)
     except OSError as exc:
         log.warning(f"SmartUpdate could not measure storage path {str(directory)!r} ({exc}); it gets the fewest shards")
         return 1.0
     try:
-        started = time.perf_counter()
-        io.write(file, buf, 0)
-        file.sync()
-        io.read(file, buf, 0)
-        seconds = time.perf_counter() - started
+        with ThreadPoolExecutor(in_flight, thread_name_prefix="csd-probe") as pool:
+            started = time.perf_counter()
+            for transfer in (io.write, io.read):
+                # Each thread moves its own records through its own buffer.
+                work = [pool.submit(_each, transfer, file, buffers[t], offsets[t::in_flight]) for t in range(in_flight)]
+                for future in work:
+                    future.result()
+            seconds = time.perf_counter() - started
     finally:
         file.close()
         path.unlink(missing_ok=True)
-    return 2 * nbytes / max(seconds, 1e-9)
+    return 2 * len(offsets) * record / max(seconds, 1e-9)
+
+
+def _each(transfer: Callable[[StateFile, Tensor, int], None], file: StateFile, buf: Tensor, offsets: range) -> None:
+    for offset in offsets:
+        transfer(file, buf, offset)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from lightning_smartinf.plan.model import PlanError, Profile, load_profile, profile_names, workload_from_model
 from lightning_smartinf.plan.planner import format_plan, make_plan, strategy_args
+from lightning_smartinf.plan.tiers import place_state
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure the network to a `smartinf serve` server; write the --profile with its network figures",
     )
     parser.add_argument("--token-file", help="with --calibrate-remote: the server's token file")
+    parser.add_argument(
+        "--memory-budget",
+        help="host memory per rank for optimizer state (state_memory_budget), e.g. 8GiB: show the placement",
+    )
+    parser.add_argument(
+        "--device-weights", type=float, nargs="+", help="with --memory-budget: relative speed of each device"
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of text")
     return parser
 
@@ -101,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.transfer_bytes:
             prof = replace(prof, transfer_bytes=args.transfer_bytes)
         plan = make_plan(work, prof, devices=args.devices, compression=args.compression)
+        tiers = None
+        if args.memory_budget is not None:
+            budget = _budget(args.memory_budget)
+            tiers = place_state(work, prof, plan.devices, budget, args.device_weights)
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -117,10 +129,25 @@ def main(argv: list[str] | None = None) -> int:
             "compression": plan.compression if plan.recommend_compression else None,
             "strategy": strategy_args(plan),
         }
+        if tiers is not None:
+            out["placement"] = {**tiers.__dict__, "memory_budget": args.memory_budget}
+            out["strategy"]["state_memory_budget"] = args.memory_budget
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan))
+        if tiers is not None:
+            print(f"\n{tiers.describe(args.memory_budget)}")
     return 0
+
+
+def _budget(text: str) -> int:
+    """``--memory-budget`` in bytes (``"8GiB"``, ``"500MB"``, ``"1073741824"``)."""
+    from lightning_smartinf.arguments import Problems
+
+    problems = Problems("smartinf plan", PlanError)
+    budget = problems.size("--memory-budget", text)
+    problems.raise_if_any()
+    return budget or 0
 
 
 if __name__ == "__main__":

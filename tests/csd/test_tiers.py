@@ -159,3 +159,47 @@ def test_paths_on_different_filesystems_are_measured(tmp_path, caplog) -> None:
             assert not list(Path(shm).rglob(".smartinf-speed-probe")) and not list(tmp_path.rglob(".smartinf-*probe"))
         finally:
             backend.close()
+
+
+def test_an_overflow_skip_leaves_both_tiers_untouched_and_the_next_step_updates_both(tmp_path) -> None:
+    """The controller with fp16 partitions: backward hands off only the storage shards (memory shards wait for the
+    step), an overflow skip rolls those back, and neither tier's state changes; the next step updates all of them."""
+    from csd.test_controller import FlatPartitions
+
+    from lightning_smartinf.csd.controller import SmartUpdate, SubGroup
+    from lightning_smartinf.csd.settings import SmartUpdateSettings
+
+    sizes = [2048] * 4
+    partitions = FlatPartitions(sizes, torch.float16, loss_scale=1024.0)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
+    memory = 2 * ChunkLayout(2048, 1024, 2).file_bytes
+    backend = CpuBackend([tmp_path / "d0"], chunk_elems=1024, buffer_count=3, tentative_slots=True, memory_bytes=memory)
+    sub_groups = [SubGroup(numel=n, param_group=0, segments=(n,)) for n in sizes]
+    smart_update = SmartUpdate(SmartUpdateSettings(), backend, optimizer, sub_groups, partitions)
+    initial = torch.randn(sizes[0], generator=torch.Generator().manual_seed(0))
+    for i in range(len(sizes)):
+        smart_update.initialize(i, initial)  # the same masters and gradients everywhere: every tier must agree
+
+    def masters() -> list[torch.Tensor]:
+        out = [torch.empty(n) for n in sizes]
+        for i, tensor in enumerate(out):
+            backend.read_master(i, tensor)
+        backend.wait()
+        return out
+
+    try:
+        assert smart_update.placement == (1, 1, 0, 0)
+        before = masters()
+        partitions.grad_buffer.fill_(512.0)  # loss-scaled gradients of a backward
+        for i in range(len(sizes)):
+            smart_update.note_reduced(i, f"p{i}")
+        smart_update.hand_off_ready(lambda: [{f"p{i}"} for i in range(len(sizes))])
+        assert smart_update.handed_off == [2, 3], "memory shards are updated after backward, never tentatively"
+        smart_update.skip_step()
+        assert all(torch.equal(a, b) for a, b in zip(masters(), before)), "a skipped step changed a tier's state"
+        smart_update.step(grad_scale=1.0 / partitions.loss_scale)
+        after = masters()
+        assert all(not torch.equal(a, b) for a, b in zip(after, before)), "the step left a tier's state unchanged"
+        assert torch.equal(after[0], after[2]), "the same update in memory and on the device"
+    finally:
+        backend.close()

@@ -1,0 +1,87 @@
+"""Where the planner puts the optimizer state: host memory up to a budget, the rest over the devices by speed.
+
+The same rules as the strategy's placement (:class:`~lightning_smartinf.csd.placement.Tiered`), in the planner's
+units. Emulated devices (the ``cpu`` backend: the update runs on the host cores, plus storage I/O) are never faster
+than the memory tier, so it fills its budget. Devices with compute of their own (SmartSSDs, remote servers) run in
+parallel with the host, so memory takes only the share that finishes with them (:func:`memory_share`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_smartinf.plan.model import FP32_STATE_BYTES, GB, PlanError, Profile, Workload
+
+__all__ = ["TierPlacement", "memory_share", "place_state"]
+
+
+def memory_share(budget: float, state: float, memory_rate: float, storage_rate: float) -> float:
+    """Bytes of ``state`` the memory tier holds when devices compute beside it: at most ``budget``, and no more than
+    lets it finish with them. Memory holding ``x`` finishes in ``x / memory_rate``, the devices the rest in
+    ``(state - x) / storage_rate`` (state bytes per second), together at ``x = state * m / (m + s)``.
+
+    Example::
+
+        >>> memory_share(budget=6, state=10, memory_rate=9.0, storage_rate=1.0)  # memory is fast: fill the budget
+        6
+        >>> memory_share(budget=10, state=10, memory_rate=1.0, storage_rate=3.0)  # fast devices: memory takes 1/4
+        2.5
+    """
+    if budget <= 0 or state <= 0:
+        return 0
+    return min(budget, state * memory_rate / (memory_rate + storage_rate))
+
+
+@dataclass(frozen=True)
+class TierPlacement:
+    """The state's placement and the update phase it predicts (seconds per step, the slowest tier's)."""
+
+    state_bytes: float
+    memory_bytes: float
+    device_bytes: tuple[float, ...]
+    update_s: float
+    all_on_device_s: float
+
+    def describe(self, budget_text: str) -> str:
+        """One paragraph for ``smartinf plan``."""
+        shares = ", ".join(f"{b / GB:.1f}" for b in self.device_bytes)
+        return (
+            f"placement with state_memory_budget={budget_text}: {self.memory_bytes / GB:.1f} of "
+            f"{self.state_bytes / GB:.1f} GB of optimizer state in host memory "
+            f"({self.memory_bytes / max(self.state_bytes, 1):.0%}), devices hold {shares} GB; optimizer update "
+            f"{self.update_s:.2f} s per step against {self.all_on_device_s:.2f} s with all of it on the devices "
+            f"({self.all_on_device_s / max(self.update_s, 1e-12):.2f}x)"
+        )
+
+
+def place_state(
+    work: Workload, prof: Profile, devices: int, memory_budget: float, weights: Sequence[float] | None = None
+) -> TierPlacement:
+    """Place ``work``'s fp32 state (12 B/param) in a ``memory_budget`` of host memory and over ``devices``.
+
+    A device's time is its share of the state read and written at its SSD's speeds (the update hides behind that
+    I/O, as in the SU+O model), or its update if slower; the memory tier's is its share updated at the host's rate.
+    ``weights``: the devices' relative speeds (``None``: equal, as identical devices are).
+    """
+    if memory_budget < 0:
+        raise PlanError(f"`--memory-budget` must be >= 0 bytes, got {memory_budget:g}.")
+    weights = tuple(weights) if weights is not None else (1.0,) * devices
+    if len(weights) != devices or any(w <= 0 for w in weights):
+        raise PlanError(f"`--device-weights` needs {devices} positive numbers (one per device), got {list(weights)}.")
+    state = FP32_STATE_BYTES * work.params
+    ceiling = math.inf if prof.device_storage_ceiling_gbps is None else prof.device_storage_ceiling_gbps * GB / devices
+    read, write = min(prof.ssd_read_gbps * GB, ceiling), min(prof.ssd_write_gbps * GB, ceiling)
+    update = prof.device_update_gparams_per_s * 1e9 * FP32_STATE_BYTES
+    # State bytes per second each device updates: its I/O at its weight's share of the nominal speed.
+    unit = 1 / max(1 / read + 1 / write, 1 / update)
+    rates = [unit * w / max(weights) for w in weights]
+    memory_rate = prof.host_update_gparams_per_s * 1e9 * FP32_STATE_BYTES
+    emulated = not prof.gradient_staged_on_ssd and prof.network_gbps is None
+    memory = min(memory_budget, state) if emulated else memory_share(memory_budget, state, memory_rate, sum(rates))
+    rest = state - memory
+    device_bytes = tuple(rest * r / sum(rates) for r in rates)
+    device_s = max(b / r for b, r in zip(device_bytes, rates))
+    # The tiers run at once; the step waits for the slower.
+    return TierPlacement(state, memory, device_bytes, max(device_s, memory / memory_rate), state / sum(rates))

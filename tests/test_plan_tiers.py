@@ -1,0 +1,58 @@
+"""The planner's placement of optimizer state over host memory and devices (``smartinf plan --memory-budget``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from lightning_smartinf.plan import PlanError, load_profile, workload_from_model
+from lightning_smartinf.plan.__main__ import main
+from lightning_smartinf.plan.tiers import memory_share, place_state
+
+
+def test_emulated_devices_fill_the_budget_and_halve_the_update_at_half_the_state() -> None:
+    work, prof = workload_from_model("336M"), load_profile("devvm-2cpu")
+    state = 12 * work.params
+    half = place_state(work, prof, 1, state / 2)
+    assert half.memory_bytes == state / 2 and half.device_bytes == (state / 2,)
+    assert half.all_on_device_s / half.update_s == pytest.approx(2.0, rel=0.05)
+    none = place_state(work, prof, 1, 0)
+    assert none.memory_bytes == 0 and none.update_s == none.all_on_device_s
+    assert place_state(work, prof, 1, 10 * state).memory_bytes == state  # a budget beyond the state holds all of it
+
+
+def test_devices_with_compute_of_their_own_get_the_share_that_finishes_with_memory() -> None:
+    work, prof = workload_from_model("7B"), load_profile("paper-a5000")  # SmartSSDs: gradients staged on their SSD
+    placed = place_state(work, prof, 9, 1e15)
+    memory_rate = prof.host_update_gparams_per_s * 1e9 * 12
+    # Memory and the devices finish together: neither holds more than its share.
+    device_rate = placed.state_bytes / placed.all_on_device_s / 9
+    assert placed.memory_bytes / memory_rate == pytest.approx(placed.update_s, rel=1e-6)
+    assert placed.device_bytes[0] / device_rate == pytest.approx(placed.update_s, rel=1e-6)
+    assert 0 < placed.memory_bytes < placed.state_bytes
+    assert placed.update_s < placed.all_on_device_s
+    assert memory_share(6, 10, 9.0, 1.0) == 6 and memory_share(10, 10, 1.0, 3.0) == 2.5
+
+
+def test_weights_share_the_devices_in_proportion() -> None:
+    work, prof = workload_from_model("336M"), load_profile("devvm-2cpu")
+    placed = place_state(work, replace(prof, device_storage_ceiling_gbps=None), 2, 0, weights=[3, 1])
+    assert placed.device_bytes[0] == pytest.approx(3 * placed.device_bytes[1])
+    with pytest.raises(PlanError, match="needs 2 positive numbers"):
+        place_state(work, prof, 2, 0, weights=[1])
+    with pytest.raises(PlanError, match="must be >= 0"):
+        place_state(work, prof, 2, -1)
+
+
+def test_cli_shows_the_placement_and_puts_the_budget_in_the_strategy(capsys) -> None:
+    argv = ["--model", "336M", "--profile", "devvm-2cpu", "--devices", "1", "--memory-budget", "2GB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "placement with state_memory_budget=2GB: 2.0 of 4.0 GB of optimizer state in host memory (50%)" in out
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["strategy"]["state_memory_budget"] == "2GB" and plan["placement"]["memory_bytes"] == 2e9
+    assert main([*argv[:-1], "lots"]) == 2
+    assert "`--memory-budget='lots'` is not a size" in capsys.readouterr().err
