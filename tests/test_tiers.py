@@ -170,3 +170,23 @@ def test_host_memory_grows_by_at_most_the_budget(tmp_path) -> None:
     assert tiered["in_memory"] > budget * 0.6, tiered
     assert growth <= 1.1 * (budget + tiered["memory_pool"]), (growth, tiered, device)
     assert growth >= 0.5 * tiered["in_memory"], (growth, tiered, device)
+
+
+def test_two_ranks_launched_by_lightning_resume_under_another_budget(tmp_path, free_port) -> None:
+    """`Trainer(devices=2)` (Lightning starts rank 1), `save_last=True`: a run with part of each rank's state in
+    memory crashes, resumes with all of it on the storage paths of another budget, and ends where a run without any
+    memory tier ends."""
+    script = Path(__file__).parent / "scripts" / "train_two_ranks_save_last.py"
+    for mode, budget in (("full", None), ("crash", 40_000), ("resume", 10_000_000)):
+        env = {**_worker_env(), "MASTER_PORT": str(free_port())}
+        done = subprocess.run(
+            [sys.executable, str(script), str(tmp_path), mode, json.dumps({"state_memory_budget": budget})],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == (3 if mode == "crash" else 0), done.stdout[-2000:] + done.stderr[-4000:]
+    assert checkpoint_step(tmp_path / "ckpts" / "last.ckpt") == TOTAL
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert_identical(torch.load(tmp_path / "resumed.pt", weights_only=True), full)

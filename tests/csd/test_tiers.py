@@ -165,7 +165,6 @@ def test_an_overflow_skip_leaves_both_tiers_untouched_and_the_next_step_updates_
     """The controller with fp16 partitions: backward hands off only the storage shards (memory shards wait for the
     step), an overflow skip rolls those back, and neither tier's state changes; the next step updates all of them."""
     from csd.test_controller import FlatPartitions
-
     from lightning_smartinf.csd.controller import SmartUpdate, SubGroup
     from lightning_smartinf.csd.settings import SmartUpdateSettings
 

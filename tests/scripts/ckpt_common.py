@@ -102,6 +102,7 @@ def fit_sharded(
     world_size: int,
     callbacks: Sequence[L.Callback],
     ckpt_path: Path | None = None,
+    strategy_kwargs: dict[str, Any] | None = None,
     **trainer_kwargs: Any,
 ) -> L.Trainer:
     """Train (or resume) TOTAL steps as rank ``rank`` of a multi-rank run (launched by torchrun or by Lightning).
@@ -112,7 +113,10 @@ def fit_sharded(
     trainer = L.Trainer(
         accelerator="cpu",
         strategy=SmartInfinityStrategy(
-            storage_paths=[str(p) for p in storage], sub_group_size=SUB_GROUP, io_engine="threads"
+            storage_paths=[str(p) for p in storage],
+            sub_group_size=SUB_GROUP,
+            io_engine="threads",
+            **(strategy_kwargs or {}),
         ),
         precision="32-true",
         max_steps=TOTAL,

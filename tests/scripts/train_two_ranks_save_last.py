@@ -4,9 +4,11 @@ rank (``Trainer(devices=2)`` on CPU re-runs this script), and checkpoints go whe
 
 Modes: ``full`` trains TOTAL steps and rank 0 saves the parameters to ``full.pt``; ``crash`` trains into
 ``ROOT/ckpts`` and raises as step ``2 * EVERY + 1`` starts (after ``last.ckpt`` was saved over once); ``resume``
-resumes from ``ROOT/ckpts/last.ckpt`` to TOTAL and rank 0 saves ``resumed.pt``.
+resumes from ``ROOT/ckpts/last.ckpt`` to TOTAL and rank 0 saves ``resumed.pt``. A third argument, JSON, holds more
+``SmartInfinityStrategy`` arguments (``'{"state_memory_budget": 100000}'``).
 """
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -26,7 +28,7 @@ class CrashAt(L.Callback):
             raise SystemExit(3)  # every rank at the same step, as a crash of the job would
 
 
-def main(root: Path, mode: str) -> None:
+def main(root: Path, mode: str, strategy_kwargs: dict) -> None:
     storage = [root / f"ssd_{mode}{i}" for i in range(2)]
     for path in storage:
         path.mkdir(parents=True, exist_ok=True)
@@ -38,10 +40,21 @@ def main(root: Path, mode: str) -> None:
         callbacks.append(CrashAt())
     ckpt_path = root / "ckpts" / "last.ckpt" if mode == "resume" else None
     rank = int(os.environ.get("LOCAL_RANK", 0))  # Lightning sets it in the rank it launches
-    trainer = fit_sharded(storage, rank=rank, world_size=2, callbacks=callbacks, ckpt_path=ckpt_path, devices=2)
+    trainer = fit_sharded(
+        storage,
+        rank=rank,
+        world_size=2,
+        callbacks=callbacks,
+        ckpt_path=ckpt_path,
+        strategy_kwargs=strategy_kwargs,
+        devices=2,
+    )
+    if strategy_kwargs.get("state_memory_budget"):
+        shards = trainer.strategy.smart_update.backend.shards
+        assert any(s.file.in_memory for s in shards), f"rank {trainer.global_rank} kept no state in memory"
     if trainer.global_rank == 0 and mode != "crash":
         torch.save(capture.params, root / f"{mode if mode == 'full' else 'resumed'}.pt")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {})
