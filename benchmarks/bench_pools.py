@@ -19,7 +19,6 @@ import argparse
 import json
 import shutil
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,46 +27,20 @@ import torch
 
 from lightning_smartinf.csd.backend import ShardSpec
 from lightning_smartinf.csd.cpu import CpuBackend
-from lightning_smartinf.csd.io import IOEngine, StateFile, ThreadedIO
+from lightning_smartinf.csd.io import RateLimitedIO, ThreadedIO
 from lightning_smartinf.csd.placement import RoundRobin, measure_write_read
 from lightning_smartinf.csd.rules import Adam, StepParams
 
 OUT = Path(__file__).resolve().parent / "out" / "bench_pools.json"
 
 
-class ThrottledIO(IOEngine):
-    """:class:`ThreadedIO` that moves at most ``bytes_per_s`` (reads and writes together), like a slower disk."""
-
-    def __init__(self, bytes_per_s: float) -> None:
-        super().__init__()
-        self.name = f"threads throttled to {bytes_per_s / 1e6:.0f} MB/s"
-        self._inner = ThreadedIO()
-        self._rate = bytes_per_s
-        self._lock = threading.Lock()
-        self._free_at = time.monotonic()
-
-    def _slot(self, nbytes: int) -> float:
-        """Reserve the device's channel for ``nbytes``; when the transfer may complete."""
-        with self._lock:  # one device, one channel: transfers queue behind each other's time slots
-            self._free_at = max(self._free_at, time.monotonic()) + nbytes / self._rate
-            return self._free_at
-
-    def read(self, file: StateFile, buf: torch.Tensor, offset: int) -> None:
-        done_at = self._slot(buf.numel() * buf.element_size())
-        self._inner.read(file, buf, offset)
-        time.sleep(max(0.0, done_at - time.monotonic()))
-
-    def write(self, file: StateFile, buf: torch.Tensor, offset: int) -> None:
-        done_at = self._slot(buf.numel() * buf.element_size())
-        self._inner.write(file, buf, offset)
-        time.sleep(max(0.0, done_at - time.monotonic()))
-
-    def close(self) -> None:
-        self._inner.close()
+def throttled(bytes_per_s: float) -> RateLimitedIO:
+    """The devices' engine at most ``bytes_per_s``, reads and writes together: a slower disk."""
+    return RateLimitedIO(ThreadedIO(), bytes_per_s)
 
 
 def run(root: Path, rates: list[float], shards: int, numel: int, steps: int, weights: Any) -> dict[str, Any]:
-    engines = iter([ThrottledIO(r) for r in rates])
+    engines = iter([throttled(r) for r in rates])
     backend = CpuBackend(
         [root / f"dev{i}" for i in range(len(rates))],
         chunk_elems=1 << 20,
@@ -114,7 +87,7 @@ def main() -> None:
     measured_dirs = [root / f"probe{i}" for i in range(len(rates))]
     for d in measured_dirs:
         d.mkdir(exist_ok=True)
-    weights = [measure_write_read(d, ThrottledIO(r)) for d, r in zip(measured_dirs, rates)]
+    weights = [measure_write_read(d, throttled(r)) for d, r in zip(measured_dirs, rates)]
     for d in measured_dirs:
         shutil.rmtree(d)
     state = 12 * numel * args.shards

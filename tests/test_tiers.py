@@ -190,3 +190,18 @@ def test_two_ranks_launched_by_lightning_resume_under_another_budget(tmp_path, f
     assert checkpoint_step(tmp_path / "ckpts" / "last.ckpt") == TOTAL
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     assert_identical(torch.load(tmp_path / "resumed.pt", weights_only=True), full)
+
+
+def test_paths_of_different_speeds_are_measured_and_replanned_without_changing_results(reference, tmp_path) -> None:
+    """A disk path and a RAM-backed one (/dev/shm): different filesystems, so the strategy measures them, weighs the
+    placement by speed, and checks it against the rates of the updates every few steps (moving shards if they
+    drifted). Whatever moved, the parameters are bitwise those of one path."""
+    import tempfile
+
+    expected, _ = reference
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        trainers = []
+        ours = train(tmp_path, storage=[tmp_path / "disk", Path(shm) / "ram"], every=None, trainers=trainers)
+        backend = trainers[0].strategy.smart_update.backend
+        assert len(set(backend.assignment)) == 2, backend.assignment
+    assert_identical(ours, expected)

@@ -143,6 +143,10 @@ class Backend(ABC):
         """Whether :meth:`submit` takes ``tentative=True`` (the backend keeps a second copy of the state)."""
         return False
 
+    def replan(self) -> list[int]:
+        """Between steps: move shards if the devices' measured rates call for another placement; the shards moved."""
+        return []
+
     def hands_off_early(self, shard: int) -> bool:
         """Whether the controller should hand ``shard``'s update over during backward, as a tentative one."""
         return self.supports_tentative

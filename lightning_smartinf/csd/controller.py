@@ -101,6 +101,10 @@ class Partitions(Protocol):
         """Ranks in the data-parallel group."""
 
 
+#: Steps between two checks of the devices' measured rates against their placement (:meth:`Backend.replan`).
+REPLAN_EVERY = 10
+
+
 def _group_hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     """A param group's JSON-serialisable settings (everything but the parameters; tensors as floats)."""
     out: dict[str, Any] = {}
@@ -292,6 +296,8 @@ class SmartUpdate:
             self.partitions.params_changed(i)
         if kept_early:
             self.backend.commit(kept_early)
+        if max(self.group_steps.values()) % REPLAN_EVERY == 0:
+            self.backend.replan()
         # No backend.wait(): state write-back trails into the next forward; the devices order it before re-reads.
         # The next backward hands sub-groups off in this backward's order: devices read their state whenever they
         # would otherwise wait for one.

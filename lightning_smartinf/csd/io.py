@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+import time
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
@@ -176,3 +178,41 @@ class ThreadedIO(IOEngine):
 
     def close(self) -> None:
         self._pool.shutdown()
+
+
+class RateLimitedIO(IOEngine):
+    """Another engine's transfers, at most ``bytes_per_s`` of reads and writes together: to leave a disk's bandwidth
+    to other work, or to run a device as a slower disk would (``benchmarks/bench_pools.py``).
+
+    Each transfer reserves the next slot of the device's one channel, runs, and returns when its slot ends.
+    :attr:`bytes_per_s` may change at any time; later transfers take the new rate.
+    """
+
+    def __init__(self, inner: IOEngine, bytes_per_s: float) -> None:
+        super().__init__(inner.block_size, inner.queue_depth)
+        if not bytes_per_s > 0:
+            raise ValueError(f"`bytes_per_s={bytes_per_s!r}` must be positive.")
+        self.name = f"{inner.name}, at most {bytes_per_s / 1e6:.0f} MB/s"
+        self.bytes_per_s = bytes_per_s
+        self._inner = inner
+        self._lock = threading.Lock()
+        self._free_at = time.monotonic()
+
+    def empty(self, nbytes: int) -> Tensor:
+        return self._inner.empty(nbytes)
+
+    def _run(self, transfer, file: StateFile, buf: Tensor, offset: int) -> None:  # noqa: ANN001 - the inner method
+        with self._lock:
+            self._free_at = max(self._free_at, time.monotonic()) + buf.numel() * buf.element_size() / self.bytes_per_s
+            done_at = self._free_at
+        transfer(file, buf, offset)
+        time.sleep(max(0.0, done_at - time.monotonic()))
+
+    def read(self, file: StateFile, buf: Tensor, offset: int) -> None:
+        self._run(self._inner.read, file, buf, offset)
+
+    def write(self, file: StateFile, buf: Tensor, offset: int) -> None:
+        self._run(self._inner.write, file, buf, offset)
+
+    def close(self) -> None:
+        self._inner.close()

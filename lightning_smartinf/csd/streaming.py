@@ -40,7 +40,7 @@ from lightning_smartinf.csd.accelerator import Fence, HostLink
 from lightning_smartinf.csd.backend import Backend, BackendStats, DeviceStats, Handle, ShardSpec
 from lightning_smartinf.csd.checkpoint import ShardState, load_state, save_state, shard_file_name
 from lightning_smartinf.csd.compression import SparseGrad
-from lightning_smartinf.csd.io import IOEngine, StateFile
+from lightning_smartinf.csd.io import IOEngine, StateFile, aligned_empty
 from lightning_smartinf.csd.layout import ChunkLayout
 from lightning_smartinf.csd.ownership import claim_directories, release_claims
 from lightning_smartinf.csd.pipeline import (
@@ -62,6 +62,11 @@ from lightning_smartinf.csd.storage import StorageError, check_free_space, ensur
 from lightning_smartinf.csd.traffic import Traffic
 
 log = logging.getLogger(__name__)
+#: Change in a storage device's share of the measured update rate (in share points: 0.1 is from 50% to below 40% or
+#: above 60%) that makes :meth:`StreamingBackend.replan` move shards.
+REPLAN_DRIFT = 0.1
+#: Bytes copied at a time when a shard moves between devices.
+MOVE_BLOCK = 4 << 20
 #: Seconds an idle device waits for a request before it retries taking a buffer for a prefetch.
 PREFETCH_POLL_S = 0.002
 
@@ -76,6 +81,9 @@ class DeviceCounters:
     #: Bytes read ahead of their request by :meth:`StreamingBackend.prefetch`: used by it, or dropped unused.
     prefetch_used_bytes: int = 0
     prefetch_dropped_bytes: int = 0
+    #: Wall seconds the worker spent serving updates, and the state bytes they read and wrote: the device's rate.
+    update_s: float = 0.0
+    update_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -357,11 +365,15 @@ class StreamingDevice(ABC):
                         return
                     window.push(request, self._adopt_prefetched(request))
                 request = window.serving
+                started = time.perf_counter()
                 try:
                     self._stream(request)
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting host thread
                     request.future.set_exception(exc)
                 else:
+                    if request.read and request.write:
+                        self.stats.update_s += time.perf_counter() - started
+                        self.stats.update_bytes += 2 * request.shard.layout.file_bytes
                     self._traffic.add(link_write_bytes=request.link_write, link_read_bytes=request.link_read)
                     request.future.set_result(None)
                 finally:
@@ -642,7 +654,10 @@ class StreamingBackend(Backend):
                 "one weight per storage path."
             )
         self.device_weights = None if device_weights is None else tuple(device_weights)
-        #: The device index of each shard, fixed by :meth:`open`.
+        # Weights this backend measured for its placement (re-planned by `replan`), and its rate counters then.
+        self._measured_weights: tuple[float, ...] | None = None
+        self._rate_marks: list[tuple[float, int]] = []
+        #: The device index of each shard, fixed by :meth:`open` (changed by :meth:`relocate`).
         self.assignment: tuple[int, ...] = ()
         self._owned_dirs = [Path(d) for d in owned_dirs]
         self._shards: list[Shard] = []
@@ -843,7 +858,7 @@ class StreamingBackend(Backend):
         storage = [d for d in self.devices if not d.in_memory]
         weights = self.device_weights
         if weights is None and len({os.stat(d.directory).st_dev for d in storage}) > 1:
-            weights = tuple(measure_write_read(d.directory, d.io) for d in storage)
+            weights = self._measured_weights = tuple(measure_write_read(d.directory, d.io) for d in storage)
             log.info("SmartUpdate measured its storage paths: %s", ", ".join(f"{w / 1e9:.2f} GB/s" for w in weights))
         if weights is None and not self.memory_bytes:
             return RoundRobin()
@@ -862,6 +877,95 @@ class StreamingBackend(Backend):
                 nbytes / 2**20,
                 100 * nbytes / total,
             )
+
+    def replan(self) -> list[int]:
+        """Re-place the shards when the storage devices' update rates, measured since the last call, drifted from the
+        weights of the current placement by more than :data:`REPLAN_DRIFT` share points; returns the
+        shards moved (see :meth:`relocate`: between steps only).
+
+        Only placements this backend chose from speeds it measured (paths on different filesystems) are re-decided:
+        given weights stay, and paths on one filesystem share its disk. A device that updated nothing gives no rate,
+        so there is nothing to compare yet.
+        """
+        storage = [d for d in self.devices if not d.in_memory]
+        if self._measured_weights is None or self._failure is not None or not self._shards:
+            return []
+        window = [(d.stats.update_s, d.stats.update_bytes) for d in storage]
+        since = self._rate_marks or [(0.0, 0)] * len(storage)
+        self._rate_marks = window
+        spans = [(s1 - s0, b1 - b0) for (s1, b1), (s0, b0) in zip(window, since)]
+        if any(seconds <= 0 or nbytes <= 0 for seconds, nbytes in spans):
+            return []
+        rates = [nbytes / seconds for seconds, nbytes in spans]
+        old, new = (_shares(w) for w in (self._measured_weights, rates))
+        if max(abs(n - o) for n, o in zip(new, old)) <= REPLAN_DRIFT:
+            return []
+        self._measured_weights = tuple(rates)
+        placement = Tiered(tuple(rates), self.memory_bytes, self._chunk_elems)
+        moved = self.relocate(check_assignment(placement, [s.spec for s in self._shards], self.num_devices))
+        log.info(
+            "SmartUpdate re-placed %d shard(s): the storage paths now update at %s (shares were %s)",
+            len(moved),
+            ", ".join(f"{r / 1e9:.2f} GB/s" for r in rates),
+            ", ".join(f"{o:.0%}" for o in old),
+        )
+        return moved
+
+    def relocate(self, assignment: Sequence[int]) -> list[int]:
+        """Move shards between devices so that shard ``i`` lives on device ``assignment[i]``; returns those moved.
+
+        Between steps: waits for all work, and is refused while a shard holds a tentative update. Exact: a moved
+        shard's committed record is copied byte for byte to its new device, then its old files are removed (or its
+        memory freed); on an error the shard being moved stays where it was. Moved bytes count as state traffic of
+        the tiers they leave and enter.
+
+        Raises:
+            ValueError: ``assignment`` names a missing device, or puts more state in memory than ``memory_bytes``.
+            StorageError: a device lacks the space, or a copy fails.
+        """
+        self._refuse("relocate")
+        self.wait()
+        if tentative := [s.spec.index for s in self._shards if s.tentative]:
+            raise RuntimeError(f"Shards {tentative} hold tentative updates; commit or roll them back first.")
+        fixed = check_assignment(_Fixed(tuple(assignment)), [s.spec for s in self._shards], self.num_devices)
+        in_memory = sum(s.layout.file_bytes for s, d in zip(self._shards, fixed) if self.devices[d].in_memory)
+        if in_memory > self.memory_bytes:
+            raise ValueError(f"`relocate` puts {in_memory} B of state in host memory, over `memory_bytes`.")
+        moves = [(s, self.devices[d]) for s, d in zip(self._shards, fixed) if d != self.assignment[s.spec.index]]
+        slots = 2 if self.tentative_slots else 1
+        for device in {id(d): d for _, d in moves if not d.in_memory}.values():
+            check_free_space(device.directory, slots * sum(s.layout.file_bytes for s, d in moves if d is device))
+        for device, dropped in [(device, device.drop_prefetched()) for device in self.devices]:
+            if (exc := self._settle(dropped, device, "dropping the state read ahead")) is not None:
+                raise exc
+        for shard, device in moves:
+            self._move(shard, self.device_of(shard.spec.index), device)
+            self.assignment = tuple(device.index if i == shard.spec.index else d for i, d in enumerate(self.assignment))
+        return [shard.spec.index for shard, _ in moves]
+
+    def _move(self, shard: Shard, source: StreamingDevice, target: StreamingDevice) -> None:
+        size = shard.layout.file_bytes
+        slots = 1 if target.in_memory else (2 if self.tentative_slots else 1)
+        files = [target.create_file(shard_file_name(shard.spec.index, slot), size) for slot in range(slots)]
+        try:
+            buf = aligned_empty(min(size, MOVE_BLOCK))
+            for offset in range(0, size, MOVE_BLOCK):
+                piece = buf[: min(MOVE_BLOCK, size - offset)]
+                shard.file.read_into(piece, offset)
+                files[0].write_from(piece, offset)
+        except BaseException:
+            for file in files:
+                _discard(file)
+            raise
+        self._traffic_of_move(source, target, size)
+        for file in shard.files:
+            _discard(file)
+        shard.files, shard.slot = tuple(files), 0
+        shard.writes.clear()
+
+    def _traffic_of_move(self, source: StreamingDevice, target: StreamingDevice, nbytes: int) -> None:
+        self.traffic.add(**{source.read_counter: nbytes})
+        self.traffic.add(**{target.write_counter: nbytes})
 
     def hands_off_early(self, shard: int) -> bool:
         """Whether ``shard`` takes tentative updates during backward: not in the memory tier, which updates fast
@@ -1152,3 +1256,27 @@ class StreamingBackend(Backend):
             for file in shard.files:
                 if file.in_memory:
                     file.free()
+
+
+@dataclass(frozen=True)
+class _Fixed:
+    """A placement given as its answer (what :meth:`StreamingBackend.relocate` was asked for)."""
+
+    assignment: tuple[int, ...]
+
+    def assign(self, shards: Sequence[ShardSpec], num_devices: int) -> list[int]:
+        return list(self.assignment)
+
+
+def _shares(values: Sequence[float]) -> list[float]:
+    total = sum(values)
+    return [v / total for v in values]
+
+
+def _discard(file: StateFile) -> None:
+    """Close ``file`` and give its storage back: remove it from disk, or free its memory."""
+    file.close()
+    if file.in_memory:
+        file.free()
+    else:
+        file.path.unlink(missing_ok=True)

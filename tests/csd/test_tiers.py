@@ -52,8 +52,8 @@ def _train(root: Path, steps: int = 3, **kwargs) -> tuple[CpuBackend, list[torch
     return backend, outs
 
 
-def _masters(backend: CpuBackend) -> list[torch.Tensor]:
-    out = [torch.empty(n) for n in SIZES]
+def _masters(backend: CpuBackend, sizes=SIZES) -> list[torch.Tensor]:
+    out = [torch.empty(n) for n in sizes]
     for i, tensor in enumerate(out):
         backend.read_master(i, tensor)
     backend.wait()
@@ -202,3 +202,109 @@ def test_an_overflow_skip_leaves_both_tiers_untouched_and_the_next_step_updates_
         assert torch.equal(after[0], after[2]), "the same update in memory and on the device"
     finally:
         backend.close()
+
+
+def test_relocating_shards_between_steps_is_exact(tmp_path) -> None:
+    """Moved between memory and either disk after step 2, the shards end step 4 bitwise where unmoved ones do; the
+    old files are gone, the new ones where the devices keep them, and the copies count as the tiers' traffic."""
+    reference, expected = _train(tmp_path / "still", steps=4)
+    budget = _bytes(SIZES[0]) + _bytes(SIZES[1])
+    moving, _ = _train(tmp_path / "moving", steps=2, memory_bytes=budget)
+    try:
+        assert moving.assignment == (2, 2, 0, 1, 1)
+        before = moving.traffic_snapshot()
+        moved = moving.relocate([1, 0, 2, 2, 1])  # memory -> disks, disks -> memory, one shard stays
+        assert moved == [0, 1, 2, 3] and moving.assignment == (1, 0, 2, 2, 1)
+        delta = moving.traffic_snapshot() - before
+        out_of_memory, into_memory = _bytes(SIZES[0]) + _bytes(SIZES[1]), _bytes(SIZES[2]) + _bytes(SIZES[3])
+        assert (delta.memory_read_bytes, delta.storage_write_bytes) == (out_of_memory, out_of_memory)
+        assert (delta.storage_read_bytes, delta.memory_write_bytes) == (into_memory, into_memory)
+        root = tmp_path / "moving"
+        names = {i: {shard_file_name(i), shard_file_name(i, 1)} for i in range(len(SIZES))}
+        assert {p.name for p in (root / "d0").glob("*.state")} == names[1]
+        assert {p.name for p in (root / "d1").glob("*.state")} == names[0] | names[4]
+        generator = torch.Generator().manual_seed(0)  # replay the reference's random stream to step 3
+        for n in SIZES:
+            torch.randn(n, generator=generator)
+        for _ in range(2):
+            for n in SIZES:
+                torch.randn(n, generator=generator)
+        outs = [torch.empty(n) for n in SIZES]
+        for t in (3, 4):
+            hp = StepParams(step=t, lr=1e-2, weight_decay=0.1)
+            early = [i for i in range(len(SIZES)) if moving.hands_off_early(i)]
+            grads = [torch.randn(n, generator=generator) for n in SIZES]
+            for i in range(len(SIZES)):
+                moving.result(moving.submit(i, grads[i], hp, outs[i], tentative=i in early))
+            moving.commit(early)
+        assert all(torch.equal(a, b) for a, b in zip(outs, expected)), "a move changed the state"
+        assert all(torch.equal(a, b) for a, b in zip(_masters(moving), _masters(reference)))
+    finally:
+        reference.close()
+        moving.close()
+
+
+def test_relocate_is_refused_before_anything_moves(tmp_path) -> None:
+    backend, _ = _train(tmp_path, steps=1, memory_bytes=_bytes(SIZES[0]))
+    try:
+        placed = backend.assignment
+        with pytest.raises(ValueError, match="over `memory_bytes`"):
+            backend.relocate([2] * len(SIZES))
+        with pytest.raises(ValueError, match="devices are 0..2"):
+            backend.relocate([3] * len(SIZES))
+        backend.submit(4, torch.zeros(SIZES[4]), StepParams(step=2, lr=1e-2), torch.empty(SIZES[4]), tentative=True)
+        with pytest.raises(RuntimeError, match=r"Shards \[4\] hold tentative updates"):
+            backend.relocate([0] * len(SIZES))
+        backend.rollback([4])
+        assert backend.assignment == placed
+    finally:
+        backend.close()
+
+
+def test_replan_moves_shards_off_a_path_that_slowed_down(tmp_path) -> None:
+    """Two paths on different filesystems (the disk and /dev/shm), measured equal at start; one then drops to a
+    quarter of its speed. The next re-plan measures it from the updates and moves most of its shards away;
+    results stay bitwise those of an unmoved run."""
+    import tempfile
+
+    from lightning_smartinf.csd.io import RateLimitedIO, ThreadedIO
+
+    sizes = (CHUNK * 4,) * 8
+    engines: list[RateLimitedIO] = []
+
+    def engine() -> RateLimitedIO:
+        engines.append(RateLimitedIO(ThreadedIO(), 100e6))
+        return engines[-1]
+
+    def steps(backend: CpuBackend, outs: list[torch.Tensor], first: int, last: int) -> None:
+        for t in range(first, last + 1):
+            grad = torch.full((sizes[0],), 1e-3 * t)
+            for i in range(len(sizes)):
+                backend.result(backend.submit(i, grad, StepParams(step=t, lr=1e-2), outs[i]))
+        backend.wait()
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        backend = CpuBackend(
+            [tmp_path / "disk", Path(shm) / "ram"], chunk_elems=CHUNK, buffer_count=3, io_factory=engine
+        )
+        reference = CpuBackend([tmp_path / "ref"], chunk_elems=CHUNK, buffer_count=3)
+        try:
+            for b in (backend, reference):
+                b.open(_specs(sizes))
+                for i in range(len(sizes)):
+                    b.initialize(i, torch.linspace(-1, 1, sizes[i]))
+            assert backend.assignment.count(0) == 4, backend.assignment  # measured equal
+            outs, expected = [torch.empty(n) for n in sizes], [torch.empty(n) for n in sizes]
+            steps(backend, outs, 1, 2)
+            assert backend.replan() == [], "rates as measured: nothing to move"
+            engines[1].bytes_per_s = 25e6
+            steps(backend, outs, 3, 4)
+            moved = backend.replan()
+            assert moved and backend.assignment.count(1) <= 2, backend.assignment
+            steps(backend, outs, 5, 6)
+            steps(reference, expected, 1, 6)
+            assert all(torch.equal(a, b) for a, b in zip(outs, expected))
+            assert all(torch.equal(a, b) for a, b in zip(_masters(backend, sizes), _masters(reference, sizes)))
+        finally:
+            backend.close()
+            reference.close()
