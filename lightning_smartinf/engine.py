@@ -153,11 +153,13 @@ def initialize(
             if isinstance(callback, BufferPool):  # the model exists now (`configure_model` ran): size for it
                 callback.size_pools(module.trainer, module)
     device_dirs, owned = rank_devices(strategy)
-    # The state of backend="remote" is on the servers' disks, not in `device_dirs`.
+    # The state of backend="remote" is on the servers' disks, not in `device_dirs`; the memory tier's is in RAM.
+    on_storage = state_bytes(optimizer) // strategy.world_size - (strategy.settings.state_memory_budget or 0)
     if (
         strategy.is_global_zero
         and strategy.settings.backend != "remote"
-        and (note := quiet.endurance_note([str(d) for d in device_dirs], state_bytes(optimizer) // strategy.world_size))
+        and on_storage > 0
+        and (note := quiet.endurance_note([str(d) for d in device_dirs], on_storage))
     ):
         rank_zero_warn(note)
     # ZeRO copies its swap folder into checkpoints; ours stays empty (device state is saved separately).
