@@ -19,6 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_smartinf import quiet
+from lightning_smartinf.arguments import Problems
 from lightning_smartinf.csd.backend import Backend
 from lightning_smartinf.csd.backends import build_backend
 from lightning_smartinf.csd.compression import check_sparse_supported
@@ -82,7 +83,24 @@ def rank_devices(strategy: SmartInfinityStrategy) -> tuple[list[Path], list[Path
         raise MisconfigurationException(str(exc)) from None
     # Fails before DeepSpeed's set-up; the backend's claim, taken when it is built, is what holds them.
     check_unclaimed(directories)
+    check_node_memory_budget(strategy)
     return directories, owned
+
+
+def check_node_memory_budget(strategy: SmartInfinityStrategy) -> None:
+    """Every rank of this node keeps up to ``state_memory_budget`` in RAM: together, they must fit (the settings
+    checked one budget, before the ranks were known). Runs after the previous run's lingering state was freed."""
+    budget, ranks = strategy.settings.state_memory_budget, max(1, strategy.num_processes)
+    if not budget or ranks == 1:
+        return
+    problems = Problems("SmartInfinityStrategy", MisconfigurationException)
+    problems.fits_in_memory(
+        f"`state_memory_budget={budget}` on each of the {ranks} ranks of this node",
+        budget * ranks,
+        f"{ranks} x {budget / 2**20:.0f} MiB of optimizer state in RAM",
+        "Lower the budget: it is per rank.",
+    )
+    problems.raise_if_any()
 
 
 def controller_factory(

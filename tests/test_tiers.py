@@ -230,3 +230,15 @@ def test_paths_of_different_speeds_are_measured_and_replanned_without_changing_r
         backend = trainers[0].strategy.smart_update.backend
         assert len(set(backend.assignment)) == 2, backend.assignment
     assert_identical(ours, expected)
+
+
+def test_a_budget_per_rank_is_refused_when_the_ranks_of_a_node_together_do_not_fit() -> None:
+    import psutil
+
+    from lightning_smartinf import engine
+
+    budget = int(psutil.virtual_memory().available * 0.6)  # fits once, not twice
+    strategy = SmartInfinityStrategy(state_memory_budget=budget, parallel_devices=[torch.device("cpu")] * 2)
+    with pytest.raises(MisconfigurationException, match=r"on each of the 2 ranks of this node needs .* MiB available"):
+        engine.check_node_memory_budget(strategy)
+    engine.check_node_memory_budget(SmartInfinityStrategy(state_memory_budget=budget))  # one rank: fits
