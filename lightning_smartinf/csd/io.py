@@ -99,6 +99,11 @@ class StateFile:
             os.close(self._fd)
             self._fd = -1
 
+    def discard(self) -> None:
+        """Close the file and give its storage back (the state in it is gone)."""
+        self.close()
+        self.path.unlink(missing_ok=True)
+
 
 class IOEngine(ABC):
     """Moves whole aligned buffers between a :class:`StateFile` and memory; blocking, thread-safe.

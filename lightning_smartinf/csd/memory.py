@@ -11,8 +11,8 @@ Invariants:
 - A memory file holds exactly its shard's record bytes; its pages count in the process's RSS once written.
 - A memory shard has one slot, so updating a record in place is exact: it never takes a tentative update (the
   controller submits it after backward, when the step is known to stand), and the tier holds the state once.
-- Memory is freed only by :meth:`MemoryStateFile.free` (the backend's release), so a state closed for I/O can still
-  be saved.
+- Memory is freed only by :meth:`MemoryStateFile.discard` (the backend's release, or a move to another device), so
+  a state closed for I/O can still be saved.
 """
 
 from __future__ import annotations
@@ -48,20 +48,20 @@ class MemoryStateFile(StateFile):
         self._fd = os.memfd_create(f"smartinf-{name}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self._fd, size)
-            self._map: mmap.mmap | None = mmap.mmap(self._fd, size) if size else None
+            self._map: mmap.mmap | None = mmap.mmap(self._fd, size)  # size > 0: a record is at least 4 KiB
         except BaseException:
             os.close(self._fd)
             raise
         self.path = Path(f"/proc/{os.getpid()}/fd/{self._fd}")
         self.size = size
-        self._bytes: Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8) if self._map else None
+        self._bytes: Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def _span(self, offset: int, nbytes: int) -> Tensor:
-        if self._bytes is None and nbytes:
+        if self._bytes is None:
             raise OSError(f"the memory of {self.path} was freed")
         if offset < 0 or offset + nbytes > self.size:
             raise OSError(f"bytes {offset}..{offset + nbytes} lie outside {self.path} ({self.size} B)")
-        return self._bytes[offset : offset + nbytes] if self._bytes is not None else torch.empty(0, dtype=torch.uint8)
+        return self._bytes[offset : offset + nbytes]
 
     def view(self, offset: int, nbytes: int) -> Tensor:
         return self._span(offset, nbytes)
@@ -80,9 +80,9 @@ class MemoryStateFile(StateFile):
         """Nothing to flush: the state is in memory."""
 
     def close(self) -> None:
-        """Keep the memory (see :meth:`free`): a closed state can still be saved."""
+        """Keep the memory (see :meth:`discard`): a closed state can still be saved."""
 
-    def free(self) -> None:
+    def discard(self) -> None:
         """Give the memory back; idempotent. Reads and writes fail afterwards."""
         self._bytes = None
         if self._map is not None:

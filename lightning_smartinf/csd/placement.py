@@ -169,18 +169,18 @@ class Tiered:
                 f"{self!r} places over {storage} storage device(s)"
                 f"{' and host memory' if self.memory_bytes else ''}, but the backend has {num_devices} devices."
             )
+        sizes = [self.state_bytes(shard) for shard in shards]
         assignment = [-1] * len(shards)
         room = self.memory_bytes
-        for shard in shards:
-            if room and (size := self.state_bytes(shard)) <= room:
-                assignment[shard.index] = storage
+        for i, size in enumerate(sizes):
+            if size <= room:
+                assignment[i] = storage
                 room -= size
         load = [0] * storage
-        for shard in shards:
-            if assignment[shard.index] < 0:
-                size = self.state_bytes(shard)
+        for i, size in enumerate(sizes):
+            if assignment[i] < 0:
                 best = min(range(storage), key=lambda d: ((load[d] + size) / self.weights[d], d))
-                assignment[shard.index] = best
+                assignment[i] = best
                 load[best] += size
         return assignment
 

@@ -821,21 +821,16 @@ class StreamingBackend(Backend):
         layouts = [ChunkLayout(s.numel, self._chunk_elems, len(s.rule.state_names)) for s in shards]
         placement = self.placement or self._default_placement()
         self.assignment = check_assignment(placement, shards, self.num_devices)
-        slots = 2 if self.tentative_slots else 1
-        in_memory = sum(lay.file_bytes for s, lay in zip(shards, layouts) if self.device_of(s.index).in_memory)
-        if in_memory > self.memory_bytes:
-            raise ValueError(
-                f"{placement!r} put {in_memory} B of state in host memory, over `memory_bytes={self.memory_bytes}`."
-            )
+        self._check_memory(repr(placement), layouts, self.assignment)
         for device in self.devices:
             if not device.in_memory:
-                self._check_space(device, shards, layouts, slots)
+                self._check_space(device, shards, layouts, self._slots(device))
         try:
             for spec, layout in zip(shards, layouts):
                 device = self.device_of(spec.index)
                 files = tuple(
                     device.create_file(shard_file_name(spec.index, slot), layout.file_bytes)
-                    for slot in range(1 if device.in_memory else slots)
+                    for slot in range(self._slots(device))
                 )
                 self._shards.append(Shard(spec, layout, files))
         except BaseException:
@@ -846,6 +841,23 @@ class StreamingBackend(Backend):
         tensors = max((lay.tensors_per_record for lay in layouts), default=1)
         for device in self.devices:
             device.allocate(tensors)
+
+    def _slots(self, device: StreamingDevice) -> int:
+        """State files a shard keeps on ``device``: two for tentative updates, except in memory (never tentative)."""
+        return 2 if self.tentative_slots and not device.in_memory else 1
+
+    def _check_memory(self, what: str, layouts: Sequence[ChunkLayout], assignment: Sequence[int]) -> None:
+        in_memory = sum(lay.file_bytes for lay, d in zip(layouts, assignment) if self.devices[d].in_memory)
+        if in_memory > self.memory_bytes:
+            raise ValueError(
+                f"{what} puts {in_memory} B of state in host memory, over `memory_bytes` ({self.memory_bytes} B)."
+            )
+
+    def _drop_all_prefetched(self) -> None:
+        """Drop what every device read ahead, once no prefetch read is in flight (before state files change)."""
+        for device, dropped in [(device, device.drop_prefetched()) for device in self.devices]:
+            if (exc := self._settle(dropped, device, "dropping the state read ahead")) is not None:
+                raise exc
 
     def _default_placement(self) -> Placement:
         """:class:`Tiered` over the storage devices by their weights (given, or measured when the paths are on different
@@ -928,25 +940,24 @@ class StreamingBackend(Backend):
         if tentative := [s.spec.index for s in self._shards if s.tentative]:
             raise RuntimeError(f"Shards {tentative} hold tentative updates; commit or roll them back first.")
         fixed = check_assignment(_Fixed(tuple(assignment)), [s.spec for s in self._shards], self.num_devices)
-        in_memory = sum(s.layout.file_bytes for s, d in zip(self._shards, fixed) if self.devices[d].in_memory)
-        if in_memory > self.memory_bytes:
-            raise ValueError(f"`relocate` puts {in_memory} B of state in host memory, over `memory_bytes`.")
+        self._check_memory("`relocate`", [s.layout for s in self._shards], fixed)
         moves = [(s, self.devices[d]) for s, d in zip(self._shards, fixed) if d != self.assignment[s.spec.index]]
-        slots = 2 if self.tentative_slots else 1
         for device in {id(d): d for _, d in moves if not d.in_memory}.values():
-            check_free_space(device.directory, slots * sum(s.layout.file_bytes for s, d in moves if d is device))
-        for device, dropped in [(device, device.drop_prefetched()) for device in self.devices]:
-            if (exc := self._settle(dropped, device, "dropping the state read ahead")) is not None:
-                raise exc
+            needed = sum(s.layout.file_bytes for s, d in moves if d is device)
+            check_free_space(device.directory, self._slots(device) * needed)
+        self._drop_all_prefetched()
+        placed = list(self.assignment)
         for shard, device in moves:
             self._move(shard, self.device_of(shard.spec.index), device)
-            self.assignment = tuple(device.index if i == shard.spec.index else d for i, d in enumerate(self.assignment))
+            placed[shard.spec.index] = device.index
+            self.assignment = tuple(placed)
         return [shard.spec.index for shard, _ in moves]
 
     def _move(self, shard: Shard, source: StreamingDevice, target: StreamingDevice) -> None:
         size = shard.layout.file_bytes
-        slots = 1 if target.in_memory else (2 if self.tentative_slots else 1)
-        files = [target.create_file(shard_file_name(shard.spec.index, slot), size) for slot in range(slots)]
+        files = [
+            target.create_file(shard_file_name(shard.spec.index, slot), size) for slot in range(self._slots(target))
+        ]
         try:
             buf = aligned_empty(min(size, MOVE_BLOCK))
             for offset in range(0, size, MOVE_BLOCK):
@@ -955,17 +966,13 @@ class StreamingBackend(Backend):
                 files[0].write_from(piece, offset)
         except BaseException:
             for file in files:
-                _discard(file)
+                file.discard()
             raise
-        self._traffic_of_move(source, target, size)
+        self.traffic.add(**{source.read_counter: size, target.write_counter: size})
         for file in shard.files:
-            _discard(file)
+            file.discard()
         shard.files, shard.slot = tuple(files), 0
         shard.writes.clear()
-
-    def _traffic_of_move(self, source: StreamingDevice, target: StreamingDevice, nbytes: int) -> None:
-        self.traffic.add(**{source.read_counter: nbytes})
-        self.traffic.add(**{target.write_counter: nbytes})
 
     def hands_off_early(self, shard: int) -> bool:
         """Whether ``shard`` takes tentative updates during backward: not in the memory tier, which updates fast
@@ -1199,9 +1206,7 @@ class StreamingBackend(Backend):
             if shard.tentative:
                 raise RuntimeError(f"Shard {shard.spec.index} has an uncommitted tentative update; roll it back first.")
         # Chunks read ahead hold the state being replaced, and no read may be in flight while files change.
-        for device, dropped in [(device, device.drop_prefetched()) for device in self.devices]:
-            if (exc := self._settle(dropped, device, "dropping the state read ahead")) is not None:
-                raise exc
+        self._drop_all_prefetched()
         on_disk = [shard for shard in self._shards if not shard.file.in_memory]
         for shard in on_disk:
             for file in shard.files:
@@ -1252,10 +1257,11 @@ class StreamingBackend(Backend):
         release_claims(claims, remove=self._owned_dirs)
 
     def _free_memory(self) -> None:
+        # State on storage outlives the backend (its files are the state); state in memory ends with it.
         for shard in self._shards:
             for file in shard.files:
                 if file.in_memory:
-                    file.free()
+                    file.discard()
 
 
 @dataclass(frozen=True)
@@ -1271,12 +1277,3 @@ class _Fixed:
 def _shares(values: Sequence[float]) -> list[float]:
     total = sum(values)
     return [v / total for v in values]
-
-
-def _discard(file: StateFile) -> None:
-    """Close ``file`` and give its storage back: remove it from disk, or free its memory."""
-    file.close()
-    if file.in_memory:
-        file.free()
-    else:
-        file.path.unlink(missing_ok=True)
