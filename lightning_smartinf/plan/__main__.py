@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="host memory per rank for optimizer state (state_memory_budget), e.g. 8GiB: show the placement",
     )
     parser.add_argument(
-        "--device-weights", type=float, nargs="+", help="with --memory-budget: relative speed of each device"
+        "--device-weights", type=float, nargs="+", help="relative speed of each device: show the placement by speed"
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of text")
     return parser
@@ -110,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
             prof = replace(prof, transfer_bytes=args.transfer_bytes)
         plan = make_plan(work, prof, devices=args.devices, compression=args.compression)
         tiers = None
-        if args.memory_budget is not None:
-            budget = _budget(args.memory_budget)
-            tiers = place_state(work, prof, plan.devices, budget, args.device_weights)
+        if args.memory_budget is not None or args.device_weights:
+            args.memory_budget = args.memory_budget or "0"
+            tiers = place_state(work, prof, plan.devices, _budget(args.memory_budget), args.device_weights)
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
