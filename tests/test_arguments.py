@@ -490,7 +490,7 @@ def test_callbacks_list_every_problem():
         BufferPool(chunk_size=1000, buffer_count=1)
     assert len(problems_of(info)) == 2
     with pytest.raises(ValueError) as info:
-        ActivationOffload(threshold_bytes=-1, keep_last=None, max_inflight_bytes="64MiB", io_threads=0, log_stats=1)
+        ActivationOffload(threshold_bytes=-1, keep_last="auto", max_inflight_bytes="64MiB", io_threads=0, log_stats=1)
     assert len(problems_of(info)) == 5
 
 

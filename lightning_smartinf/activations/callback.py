@@ -26,7 +26,8 @@ class ActivationOffload(L.Callback):
     Args:
         storage_paths: where to write. ``None``: this rank's share of ``SmartInfinityStrategy(storage_paths=...)``.
         threshold_bytes, keep_last, max_inflight_bytes, io_threads: see :class:`ActivationOffloader`; ints (byte
-            counts in bytes: ``"1MiB"`` is refused, write ``1 << 20``).
+            counts in bytes: ``"1MiB"`` is refused, write ``1 << 20``). ``None`` (the default) chooses the first
+            three from the model and from the second micro-batch's measurements (logged at INFO).
         log_stats: log ``smartinf/activation_{peak_bytes,write_bytes,read_bytes}`` per batch.
 
     With DeepSpeed activation checkpointing on, only the checkpoint inputs are saved in forward (those are what
@@ -37,9 +38,9 @@ class ActivationOffload(L.Callback):
     def __init__(
         self,
         storage_paths: Sequence[str | os.PathLike] | None = None,
-        threshold_bytes: int = 1 << 20,
-        keep_last: int = 1,
-        max_inflight_bytes: int = 64 << 20,
+        threshold_bytes: int | None = None,
+        keep_last: int | None = None,
+        max_inflight_bytes: int | None = None,
         io_threads: int = 4,
         log_stats: bool = True,
     ) -> None:
@@ -150,9 +151,9 @@ def _check_arguments(problems: Problems, arguments: dict[str, Any]) -> None:
         problems.paths("storage_paths", arguments["storage_paths"], optional=True)
     for name, low, example in (("threshold_bytes", 0, 1 << 20), ("max_inflight_bytes", 1, 64 << 20)):
         if name in arguments:
-            problems.integer(name, arguments[name], low=low, unit="bytes", example=example)
+            problems.integer(name, arguments[name], low=low, unit="bytes", example=example, optional=True)
     if "keep_last" in arguments:
-        problems.integer("keep_last", arguments["keep_last"], why="layers", example=1)
+        problems.integer("keep_last", arguments["keep_last"], why="layers", example=1, optional=True)
     if "io_threads" in arguments:
         problems.integer("io_threads", arguments["io_threads"], low=1, high=1024, example=4)
     if "log_stats" in arguments:

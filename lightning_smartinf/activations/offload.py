@@ -32,15 +32,19 @@ Details that matter:
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import dataclasses
 import errno
 import itertools
+import logging
 import os
 import shutil
 import socket
 import threading
+import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,19 +53,30 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_smartinf.activations.spill import SpillFiles
+from lightning_smartinf.activations.tuning import DEFAULTS, MEASURE_AT, MEASURE_COUNT, LayerMeter, Tuning, tune
 from lightning_smartinf.csd.accelerator import SideStreams, on_cuda, pinned_empty, record_fence
-from lightning_smartinf.csd.io import IO_ALIGN, IOEngine, StateFile, ThreadedIO, aligned_empty, round_up
+from lightning_smartinf.csd.io import IO_ALIGN, IOEngine, ThreadedIO, aligned_empty, round_up
 from lightning_smartinf.csd.storage import (
     StorageError,
     create_storage_path,
     ensure_private_dir,
     validate_storage_path,
 )
+from lightning_smartinf.plan.activations import IOCosts
 
 __all__ = ["ActivationOffloader", "OffloadStats", "find_layers", "cleanup_stale_dirs", "ROOT_DIR_NAME"]
 
 ROOT_DIR_NAME = "smartinf-activations"
 _run_counter = itertools.count()
+log = logging.getLogger(__name__)
+#: The bandwidth assumed for a direction the measured micro-batch did not use.
+FALLBACK_BYTES_PER_S = 1e9
+
+
+def _rate(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds if nbytes > 0 and seconds > 0 else FALLBACK_BYTES_PER_S
+
 
 # Record states
 _KEPT, _WRITING, _ON_DISK, _READING, _RESIDENT, _FREED = "kept", "writing", "on_disk", "reading", "resident", "freed"
@@ -77,13 +92,22 @@ class OffloadStats:
     tensors_kept: int = 0
     dedup_hits: int = 0
     forwarded: int = 0  # unpacked while its write was still pending: served from memory, no read
+    writes_skipped: int = 0  # backward began before the write did: kept in memory, never written
     sync_reads: int = 0  # unpacked before its prefetch was issued: backward waited for the whole read
     waited_reads: int = 0  # unpacked while its prefetch was still in flight: backward waited for part of it
     resident_bytes: int = 0  # now: bytes of saved activations held in memory by the hooks
     peak_resident_bytes: int = 0  # since the last reset_peak()
     peak_staging_bytes: int = 0  # aligned write buffers allocated (in use + pooled for reuse), at most the budget
-    files_created: int = 0
-    files_removed: int = 0
+    # Where the time goes (seconds). The first two are the training thread blocked; the rest is I/O-thread time,
+    # summed over threads, so it may exceed the step's wall time.
+    forward_wait_s: float = 0.0  # pack hook waiting for room in the in-flight budget
+    backward_wait_s: float = 0.0  # unpack waiting for a read
+    copy_s: float = 0.0  # copying tensors into write buffers
+    write_s: float = 0.0  # writing files
+    read_s: float = 0.0  # reading files (allocation of the buffer included)
+    write_busy_s: float = 0.0  # wall seconds with at least one write in flight
+    read_busy_s: float = 0.0  # wall seconds with at least one read in flight
+    io_cpu_s: float = 0.0  # CPU seconds of the I/O threads in their transfers (mostly the kernel's block I/O)
 
 
 class _Record:
@@ -99,13 +123,14 @@ class _Record:
         "tensor",
         "refs",
         "seq",
-        "path",
+        "slot",
         "future",
         "unpacked",
         "error",
         "charged",
         "produced",
         "side_allocated",
+        "head",
     )
 
     def __init__(self, key: tuple, tensor: Tensor, nbytes: int, seq: int) -> None:
@@ -117,7 +142,7 @@ class _Record:
         self.tensor: Tensor | None = tensor
         self.refs = 0
         self.seq = seq
-        self.path: Path | None = None
+        self.slot: tuple[int, int] | None = None  # (spill file, offset) while the bytes are in a spill file
         self.future: Future | None = None
         self.unpacked = 0
         self.error: BaseException | None = None
@@ -126,6 +151,7 @@ class _Record:
         # it on a side stream), and whether the tensor read back was allocated on a side stream.
         self.produced: Any = None
         self.side_allocated = False
+        self.head = 0  # where the tensor's bytes start in its file
 
 
 class _Handle:
@@ -140,6 +166,13 @@ class _Handle:
         if not self.used:
             with contextlib.suppress(Exception):  # never raise from a finaliser (interpreter shutdown)
                 self.release(self.record)
+
+
+def _pages(t: Tensor, head: int, nbytes: int) -> Tensor:
+    """The ``nbytes`` of memory from ``head`` bytes before ``t``'s first byte, as a ``uint8`` tensor over the same
+    memory (no copy). The caller keeps ``t`` alive while it is used; the bytes outside ``t`` are only read, and are
+    in the same pages as ``t``'s own, so they are mapped."""
+    return torch.frombuffer((ctypes.c_ubyte * nbytes).from_address(t.data_ptr() - head), dtype=torch.uint8)
 
 
 def _dense_span(t: Tensor) -> bool:
@@ -200,15 +233,21 @@ def cleanup_stale_dirs(storage_path: Path) -> list[Path]:
 
 #: Smallest allowed value of each integer setting.
 _MINIMUM = {"threshold_bytes": 0, "keep_last": 0, "max_inflight_bytes": 1, "io_threads": 1}
+#: The settings ``None`` leaves to :func:`~lightning_smartinf.activations.tuning.tune`.
+_AUTOMATIC = ("threshold_bytes", "keep_last", "max_inflight_bytes")
 
 
-def check_settings(owner: str, **settings: int) -> None:
-    """Raise ``ValueError`` naming the first setting that is not an integer at or above its minimum."""
+def check_settings(owner: str, **settings: int | None) -> None:
+    """Raise ``ValueError`` naming the first setting that is not an integer at or above its minimum (``None``, where
+    allowed, chooses it automatically)."""
     for name, value in settings.items():
         low = _MINIMUM[name]
+        if value is None and name in _AUTOMATIC:
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             where = f"{owner}({name}={value!r})" if owner else f"{name}={value!r}"
-            raise ValueError(f"`{where}` must be an integer >= {low}.")
+            automatic = " or None (chosen from the model and measurements)" if name in _AUTOMATIC else ""
+            raise ValueError(f"`{where}` must be an integer >= {low}{automatic}.")
 
 
 class ActivationOffloader:
@@ -223,20 +262,27 @@ class ActivationOffloader:
         off.close()
 
     Args:
-        storage_paths: directories to stripe files over (round-robin per tensor).
+        storage_paths: directories to stripe records over (round-robin per tensor), one spill file in each.
         threshold_bytes: tensors of fewer bytes stay in memory.
         keep_last: activations of the last ``keep_last`` layers (and of everything after them) stay in memory.
         max_inflight_bytes: bound on memory held by pending writes, reads in flight and prefetched buffers.
         io_threads: concurrent file transfers (each may be split further by the I/O engine).
+        io: the I/O engine (default: positional direct I/O, one request per tensor up to 64 MiB).
         enabled: ``False`` keeps every saved tensor in memory but still counts bytes (a baseline to compare with).
+
+    ``None`` for ``threshold_bytes``, ``keep_last`` or ``max_inflight_bytes`` (the default) chooses it from the model
+    and from measurements: the first micro-batches run with ``1 MiB``, ``1`` and ``64 MiB``; the micro-batch
+    :data:`~lightning_smartinf.activations.tuning.MEASURE_AT` is measured (each layer's forward time and saved
+    bytes, the I/O's bandwidth and CPU time), and :func:`~lightning_smartinf.activations.tuning.tune` sets the
+    values from then on (:attr:`tuning` holds them and the predicted overhead; they are logged at INFO).
     """
 
     def __init__(
         self,
         storage_paths: Sequence[str | os.PathLike],
-        threshold_bytes: int = 1 << 20,
-        keep_last: int = 1,
-        max_inflight_bytes: int = 64 << 20,
+        threshold_bytes: int | None = None,
+        keep_last: int | None = None,
+        max_inflight_bytes: int | None = None,
         io_threads: int = 4,
         io: IOEngine | None = None,
         enabled: bool = True,
@@ -252,9 +298,24 @@ class ActivationOffloader:
             max_inflight_bytes=max_inflight_bytes,
             io_threads=io_threads,
         )
-        self.threshold_bytes = threshold_bytes
-        self.keep_last = keep_last
-        self.max_inflight_bytes = max_inflight_bytes
+        self._requested = {
+            "threshold_bytes": threshold_bytes,
+            "keep_last": keep_last,
+            "max_inflight_bytes": max_inflight_bytes,
+        }
+        self.threshold_bytes: int = DEFAULTS["threshold_bytes"] if threshold_bytes is None else threshold_bytes
+        self.keep_last: int = DEFAULTS["keep_last"] if keep_last is None else keep_last
+        self.max_inflight_bytes: int = (
+            DEFAULTS["max_inflight_bytes"] if max_inflight_bytes is None else max_inflight_bytes
+        )
+        #: The settings chosen after measuring (``None`` before, or when every setting was given).
+        self.tuning: Tuning | None = None
+        self._meter: LayerMeter | None = None
+        self._micro_batches = 0
+        self._measured_from: OffloadStats | None = None
+        self._compute_device = "cpu"
+        self._io_active = {"write": 0, "read": 0}
+        self._io_since = {"write": 0.0, "read": 0.0}
         self.enabled = enabled
         self.stats = OffloadStats()
 
@@ -270,7 +331,8 @@ class ActivationOffloader:
             self._dirs.append(run_dir)
 
         self._own_io = io is None
-        self._io = io or ThreadedIO(block_size=1 << 20, queue_depth=max(2, io_threads))
+        # One request per tensor (up to 64 MiB): each extra request is a thread hand-off that preempts compute.
+        self._io = io or ThreadedIO(block_size=64 << 20, queue_depth=max(2, io_threads))
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="smartinf-act")
         self._cond = threading.Condition(threading.RLock())
         self._records: dict[tuple, _Record] = {}
@@ -278,12 +340,14 @@ class ActivationOffloader:
         self._cursor = -1  # next index of _order to prefetch (descending)
         self._inflight = 0
         self._seq = 0
-        self._file_seq = itertools.count()
+        self._spill = SpillFiles(self._dirs)
         self._error: BaseException | None = None
         # Reused aligned staging buffers for writes (no page faults on the hot path), at most the budget in total.
         self._free_bufs: dict[tuple[int, bool], list[Tensor]] = {}  # (bytes, pinned) -> staging buffers
         self._streams = SideStreams()
         self._pooled = 0
+        self._read_pool: dict[int, list[Tensor]] = {}  # bytes -> read buffers no tensor uses any more
+        self._read_pooled = 0
         self._staging_total = 0
 
         self._layers: list[nn.Module] = []
@@ -307,15 +371,34 @@ class ActivationOffloader:
                 UserWarning,
                 stacklevel=2,
             )
+        wanted = any(v is None for v in self._requested.values())
+        self._meter = LayerMeter(len(self._layers)) if wanted and self._layers and self.enabled else None
         for i, layer in enumerate(self._layers):
             self._hook_handles.append(layer.register_forward_pre_hook(self._make_pre_hook(i)))
+            if self._meter is not None:
+                self._hook_handles.append(layer.register_forward_hook(self._make_post_hook(i)))
         return self
 
     def _make_pre_hook(self, index: int):  # noqa: ANN202
         def hook(module: nn.Module, args: Any) -> None:
             self._cur_layer = index
+            if self._metering:
+                self._meter.enter(index)
 
         return hook
+
+    def _make_post_hook(self, index: int):  # noqa: ANN202
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._metering:
+                self._meter.leave(index)
+
+        return hook
+
+    @property
+    def _metering(self) -> bool:
+        """Whether this micro-batch is the one measured for the automatic settings."""
+        index = self._micro_batches + 1
+        return self._meter is not None and self.tuning is None and MEASURE_AT <= index < MEASURE_AT + MEASURE_COUNT
 
     def detach(self) -> None:
         for h in self._hook_handles:
@@ -346,9 +429,15 @@ class ActivationOffloader:
             return
         self._cur_layer = -1
         self._backward = False
+        if self._metering:
+            self._meter.start()
+            if self._measured_from is None:
+                self._measured_from = dataclasses.replace(self.stats)
         with self._cond:
             self._order = [r for r in self._order if r.state != _FREED]
             self._cursor = len(self._order) - 1
+            if all(r.slot is None for r in self._order):
+                self._spill.rewind()  # nothing of earlier micro-batches is in the files: start again at offset 0
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._ctx.__enter__()
 
@@ -368,6 +457,26 @@ class ActivationOffloader:
             with contextlib.suppress(BaseException):  # a write error is recorded in `_error`, raised below
                 future.result()
         self._raise_pending_error()
+        self._micro_batches += 1
+        if self._meter is not None and self.tuning is None and self._micro_batches == MEASURE_AT + MEASURE_COUNT - 1:
+            self._tune()
+
+    def _tune(self) -> None:
+        """Choose the settings left to ``None`` from the micro-batch just measured."""
+        s, before = self.stats, self._measured_from
+        assert self._meter is not None and before is not None
+        written, read = s.bytes_written - before.bytes_written, s.bytes_read - before.bytes_read
+        io = IOCosts(
+            write_bytes_per_s=_rate(written, s.write_busy_s - before.write_busy_s),
+            read_bytes_per_s=_rate(read, s.read_busy_s - before.read_busy_s),
+            cpu_s_per_byte=(s.io_cpu_s - before.io_cpu_s) / max(1, written + read),
+            compute_on_host=self._compute_device == "cpu",
+        )
+        self.tuning = tune(self._meter, io, **self._requested)
+        self.threshold_bytes = self.tuning.threshold_bytes
+        self.keep_last = self.tuning.keep_last
+        self.max_inflight_bytes = self.tuning.max_inflight_bytes
+        log.info("Activation offload: %s.", self.tuning.describe(len(self._layers)))
 
     def close(self) -> None:
         """Remove the hooks, every file and the run directories; stop the I/O threads."""
@@ -377,6 +486,7 @@ class ActivationOffloader:
         self.detach()
         self._pool.shutdown(wait=True)
         self._free_bufs.clear()
+        self._read_pool.clear()
         if self._own_io:
             self._io.close()
         for d in self._dirs:
@@ -397,9 +507,7 @@ class ActivationOffloader:
             self._order.clear()
             self._cursor = -1
             self._error = None
-        for d in self._dirs:
-            for f in d.glob("*"):
-                f.unlink(missing_ok=True)
+        self._spill.discard()
 
     def reset_peak(self) -> None:
         self.stats.peak_resident_bytes = self.stats.resident_bytes
@@ -442,52 +550,74 @@ class ActivationOffloader:
         return _Handle(self._release, rec)
 
     def _should_offload(self, t: Tensor, nbytes: int) -> bool:
-        if not self.enabled or self._backward or nbytes < self.threshold_bytes or not _dense_span(t):
+        if not self.enabled or self._backward or not _dense_span(t):
+            return False
+        if self._metering:
+            self._meter.saved(self._cur_layer, nbytes)
+            self._compute_device = t.device.type
+        if nbytes < self.threshold_bytes:
             return False
         return not (self._layers and self._cur_layer >= len(self._layers) - self.keep_last)
 
     def _start_write(self, rec: _Record) -> None:
+        t = rec.tensor
+        assert t is not None
+        # A CPU tensor is written from where it lies: the file holds the whole pages its bytes span, so the direct
+        # transfer is aligned in memory and on disk; the tensor starts `head` bytes into the file.
+        rec.head = t.data_ptr() % IO_ALIGN if t.device.type == "cpu" else 0
+        padded = round_up(rec.head + rec.nbytes, IO_ALIGN)
         # Back-pressure: wait until the budget has room (a tensor bigger than the budget goes alone).
-        padded = round_up(rec.nbytes, IO_ALIGN)
-        while self._inflight > 0 and self._inflight + padded > self.max_inflight_bytes:
-            self._cond.wait()
-            self._raise_pending_error()
+        if self._inflight > 0 and self._inflight + padded > self.max_inflight_bytes:
+            start = time.perf_counter()
+            while self._inflight > 0 and self._inflight + padded > self.max_inflight_bytes:
+                self._cond.wait()
+                self._raise_pending_error()
+            self.stats.forward_wait_s += time.perf_counter() - start
         self._inflight += padded
         rec.charged = padded
         rec.state = _WRITING
-        n = next(self._file_seq)
-        rec.path = self._dirs[n % len(self._dirs)] / f"{n}.act"
+        rec.slot = self._spill.allocate(padded)
         self._order.append(rec)
         self._cursor = len(self._order) - 1
         self.stats.tensors_offloaded += 1
         rec.future = self._pool.submit(self._write, rec)
 
     def _write(self, rec: _Record) -> None:
+        with self._cond:
+            if self._backward and rec.state == _WRITING:
+                # Backward started before this write did: the tensor stays in memory for it, no I/O at all.
+                self._settle_write(rec, keep=True)
+                self.stats.writes_skipped += 1
+                return
         try:
             t = rec.tensor
-            assert t is not None and rec.path is not None
-            span = t.as_strided((t.numel(),), (1,))  # dense: exactly the bytes of the tensor, any permutation
-            padded = rec.charged
-            cuda = on_cuda(t)
-            buf = self._staging(padded, pinned=cuda)
-            try:
-                if cuda:
-                    stream = self._streams.stream(t.device, "out")
-                    self._streams.copy(buf[: rec.nbytes], span.view(torch.uint8), stream, after=rec.produced)
-                else:
-                    buf[: rec.nbytes].copy_(span.view(torch.uint8))
-                file = StateFile(rec.path, padded, create=True)
+            assert t is not None and rec.slot is not None
+            start = time.perf_counter()
+            if t.device.type == "cpu":
+                buf, copied = _pages(t, rec.head, rec.charged), start
+                self._write_file(rec, buf)
+            else:
+                cuda = on_cuda(t)
+                span = t.as_strided((t.numel(),), (1,))  # dense: exactly the bytes of the tensor, any permutation
+                buf = self._staging(rec.charged, pinned=cuda)
                 try:
-                    self._io.write(file, buf, 0)
+                    if cuda:
+                        stream = self._streams.stream(t.device, "out")
+                        self._streams.copy(buf[: rec.nbytes], span.view(torch.uint8), stream, after=rec.produced)
+                    else:
+                        buf[: rec.nbytes].copy_(span.view(torch.uint8))
+                    copied = time.perf_counter()
+                    self._write_file(rec, buf)
                 finally:
-                    file.close()
-            finally:
-                self._give_back(buf, pinned=cuda)
-            del buf, span, t
+                    self._give_back(buf, pinned=cuda)
+                del span
+            written = time.perf_counter()
+            del buf, t
         except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                where = self._dirs[rec.slot[0]].parent.parent
                 exc = StorageError(
-                    f"Storage path {str(rec.path.parent.parent.parent)!r} is full: cannot write an activation of "
+                    f"Storage path {str(where)!r} is full: cannot write an activation of "
                     f"{rec.nbytes} bytes. Free space, add storage paths, or raise `threshold_bytes`/`keep_last`. "
                     "The step was aborted before the optimizer ran, so the training state is untouched."
                 )
@@ -497,29 +627,58 @@ class ActivationOffloader:
                 rec.state = _KEPT  # the tensor is still held: nothing is lost
                 self._inflight -= rec.charged
                 rec.charged = 0
-                if rec.path is not None:
-                    rec.path.unlink(missing_ok=True)
-                    rec.path = None
+                rec.slot = None
                 self._cond.notify_all()
             return
         with self._cond:
+            self.stats.copy_s += copied - start
+            self.stats.write_s += written - copied
             self.stats.bytes_written += rec.nbytes
-            self.stats.files_created += 1
-            self._inflight -= rec.charged
-            rec.charged = 0
-            if rec.state == _WRITING and self._backward:
-                # Backward has started and may need it soon: keep the tensor (already counted), drop the file.
-                rec.state = _RESIDENT
-                rec.path.unlink(missing_ok=True)
-                self.stats.files_removed += 1
-                rec.path = None
-            elif rec.state == _WRITING:
-                rec.state = _ON_DISK
-                rec.tensor = None
-                self._charge_resident(-rec.nbytes)
-            if rec.refs <= 0:  # consumed (forwarded) or dropped while the write was pending
-                self._free(rec)
-            self._cond.notify_all()
+            # Backward has started and may need it soon: keep the tensor (already counted), not the bytes on disk.
+            self._settle_write(rec, keep=self._backward)
+
+    def _write_file(self, rec: _Record, buf: Tensor) -> None:
+        index, offset = rec.slot
+        file = self._spill.reserve(index, offset + rec.charged)
+        with self._io_clock("write"):
+            self._io.write(file, buf, offset)
+
+    @contextlib.contextmanager
+    def _io_clock(self, kind: str) -> Iterator[None]:
+        """Count the transfer's CPU time, and the wall time during which at least one ``kind`` transfer runs."""
+        cpu = time.thread_time()
+        with self._cond:
+            if not self._io_active[kind]:
+                self._io_since[kind] = time.perf_counter()
+            self._io_active[kind] += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._io_active[kind] -= 1
+                if not self._io_active[kind]:
+                    busy = time.perf_counter() - self._io_since[kind]
+                    if kind == "write":
+                        self.stats.write_busy_s += busy
+                    else:
+                        self.stats.read_busy_s += busy
+                self.stats.io_cpu_s += time.thread_time() - cpu
+
+    def _settle_write(self, rec: _Record, keep: bool) -> None:
+        """After the write of ``rec`` (or instead of it): its budget charge ends; the tensor stays in memory if
+        ``keep``, else the file holds it (caller holds the lock)."""
+        self._inflight -= rec.charged
+        rec.charged = 0
+        if rec.state == _WRITING and keep:
+            rec.state = _RESIDENT
+            rec.slot = None
+        elif rec.state == _WRITING:
+            rec.state = _ON_DISK
+            rec.tensor = None
+            self._charge_resident(-rec.nbytes)
+        if rec.refs <= 0:  # consumed (forwarded) or dropped while the write was pending
+            self._free(rec)
+        self._cond.notify_all()
 
     # ---------------------------------------------------------------------------------------------- unpack
     def _staging(self, nbytes: int, pinned: bool = False) -> Tensor:
@@ -532,6 +691,29 @@ class ActivationOffloader:
             self._staging_total += nbytes
             self.stats.peak_staging_bytes = max(self.stats.peak_staging_bytes, self._staging_total)
         return pinned_empty(nbytes) if pinned else aligned_empty(nbytes)
+
+    def _lease(self, nbytes: int) -> Tensor:
+        """An aligned buffer of ``nbytes`` for a read, whose memory returns to a pool when the last tensor using it is
+        freed: memory already faulted in, so the read does not pay the kernel for fresh pages. The pool holds at most
+        the in-flight budget."""
+        with self._cond:
+            free = self._read_pool.get(nbytes)
+            if free:
+                self._read_pooled -= nbytes
+                buf = free.pop()
+            else:
+                buf = None
+        if buf is None:
+            buf = aligned_empty(nbytes)
+        array = buf.numpy()  # a new array object: autograd's tensors keep it alive, its end returns `buf`
+        weakref.finalize(array, self._return_lease, buf)
+        return torch.from_numpy(array)
+
+    def _return_lease(self, buf: Tensor) -> None:
+        with self._cond:
+            if not self._closed and self._read_pooled + buf.numel() <= self.max_inflight_bytes:
+                self._read_pool.setdefault(buf.numel(), []).append(buf)
+                self._read_pooled += buf.numel()
 
     def _give_back(self, buf: Tensor, pinned: bool = False) -> None:
         with self._cond:
@@ -552,6 +734,8 @@ class ActivationOffloader:
                 "this model or run backward once per forward."
             )
         with self._cond:
+            if not self._backward and self._metering:
+                self._meter.backward_started()
             self._backward = True
             self._raise_pending_error()
             fut = None
@@ -571,7 +755,9 @@ class ActivationOffloader:
                 fut = rec.future
             self._prefetch()
         if fut is not None:
+            start = time.perf_counter()
             fut.result()
+            self.stats.backward_wait_s += time.perf_counter() - start
             with self._cond:
                 self._raise_pending_error()
                 out = rec.tensor
@@ -586,7 +772,7 @@ class ActivationOffloader:
         return out
 
     def _start_read(self, rec: _Record, force: bool = False) -> bool:
-        padded = round_up(rec.nbytes, IO_ALIGN)
+        padded = round_up(rec.head + rec.nbytes, IO_ALIGN)
         if not force and self._inflight > 0 and self._inflight + padded > self.max_inflight_bytes:
             return False
         self._inflight += padded
@@ -597,17 +783,15 @@ class ActivationOffloader:
         return True
 
     def _read(self, rec: _Record) -> None:
+        start = time.perf_counter()
         try:
-            assert rec.path is not None
+            assert rec.slot is not None
+            index, offset = rec.slot
             cuda = rec.device.type == "cuda"
-            buf = self._staging(rec.charged, pinned=True) if cuda else aligned_empty(rec.charged)
-            file = StateFile(rec.path, rec.charged, create=False)
-            try:
-                self._io.read(file, buf, 0)
-            finally:
-                file.close()
-            rec.path.unlink(missing_ok=True)  # the bytes are in memory: the file is no longer needed
-            out = buf[: rec.nbytes].view(rec.dtype).as_strided(rec.shape, rec.stride)
+            buf = self._staging(rec.charged, pinned=True) if cuda else self._lease(rec.charged)
+            with self._io_clock("read"):
+                self._io.read(self._spill.file(index), buf, offset)
+            out = buf[rec.head : rec.head + rec.nbytes].view(rec.dtype).as_strided(rec.shape, rec.stride)
             if cuda:
                 stream = self._streams.stream(rec.device, "in")
                 with torch.cuda.stream(stream):
@@ -624,9 +808,9 @@ class ActivationOffloader:
                 self._cond.notify_all()
             raise
         with self._cond:
-            rec.path = None
+            rec.slot = None  # the bytes are in memory: their space in the spill file is no longer needed
+            self.stats.read_s += time.perf_counter() - start
             self.stats.bytes_read += rec.nbytes
-            self.stats.files_removed += 1
             rec.tensor = out
             if rec.state == _READING:
                 rec.state = _RESIDENT
@@ -663,19 +847,14 @@ class ActivationOffloader:
             self._inflight -= rec.charged
             rec.charged = 0
             self._cond.notify_all()
-        if rec.path is not None:
-            try:
-                rec.path.unlink()
-                self.stats.files_removed += 1
-            except FileNotFoundError:
-                pass
-            rec.path = None
+        rec.slot = None
         rec.state = _FREED
         if self._records.get(rec.key) is rec:
             del self._records[rec.key]
 
     def files(self) -> list[Path]:
-        """Activation files on disk now (for tests and diagnostics)."""
+        """Files in the run directories now: the spill files, kept from one micro-batch to the next (for tests and
+        diagnostics)."""
         return [f for d in self._dirs if d.exists() for f in d.iterdir()]
 
     def __del__(self) -> None:

@@ -91,6 +91,15 @@ class StateFile:
         """The bytes at ``offset`` in place, where the state is in memory; ``None`` for a file on storage."""
         return None
 
+    def reserve(self, size: int) -> None:
+        """Grow the file to at least ``size`` bytes, reserving the blocks: a full disk fails here, not in a write."""
+        current = os.fstat(self._fd).st_size
+        if size > current:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(self._fd, current, size - current)  # also extends the file
+            else:
+                os.ftruncate(self._fd, size)
+
     def sync(self) -> None:
         os.fsync(self._fd)
 

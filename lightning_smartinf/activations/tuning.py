@@ -1,0 +1,145 @@
+"""Settings of activation offload chosen from the model and from measurements (after SSDTrain's adaptive keep).
+
+:class:`LayerMeter` times each repeated layer's forward and records the sizes of the tensors it saves; after a
+measured micro-batch, :func:`tune` turns that and the offloader's I/O clocks into the settings the user left to
+``None``, using the cost model of :mod:`lightning_smartinf.plan.activations`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from lightning_smartinf.plan.activations import AUTO_OVERHEAD, IOCosts, Overhead, offload_overhead
+
+__all__ = ["LayerMeter", "Tuning", "tune", "MEASURE_AT", "MEASURE_COUNT", "DEFAULTS", "MIN_THRESHOLD", "MIN_BUDGET"]
+
+#: The micro-batches whose measurements choose the automatic settings: from the second (the first pays for warm-up),
+#: this many, averaged.
+MEASURE_AT = 2
+MEASURE_COUNT = 3
+#: Candidate in-flight budgets, in multiples of the largest layer's offloaded bytes.
+BUDGET_LAYERS = (1.0, 1.5, 2.0)
+#: The settings used until then: ``threshold_bytes``, ``keep_last``, ``max_inflight_bytes``.
+DEFAULTS = {"threshold_bytes": 1 << 20, "keep_last": 1, "max_inflight_bytes": 64 << 20}
+#: No tensor under this is offloaded: its per-request cost would outweigh the memory it frees.
+MIN_THRESHOLD = 64 << 10
+#: The smallest automatic in-flight budget.
+MIN_BUDGET = 8 << 20
+
+
+class LayerMeter:
+    """Over the measured micro-batches: each layer's forward seconds and the tail's (the forward after the last layer,
+    up to the first unpack of backward), averaged; the sizes of the dense tensors each layer saved in the first."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self.micro_batches = 0
+        self._forward_s = [0.0] * layers
+        self._tail_s = 0.0
+        self.sizes: list[list[int]] = [[] for _ in range(layers)]
+        self._began: float | None = None
+        self._ended: float | None = None
+        self._tail_done = True
+
+    def start(self) -> None:
+        """A measured micro-batch begins."""
+        self.micro_batches += 1
+        self._began = self._ended = None
+        self._tail_done = False
+
+    @property
+    def forward_s(self) -> list[float]:
+        return [f / max(1, self.micro_batches) for f in self._forward_s]
+
+    @property
+    def tail_s(self) -> float:
+        return self._tail_s / max(1, self.micro_batches)
+
+    def enter(self, layer: int) -> None:
+        self._began = time.perf_counter()
+
+    def leave(self, layer: int) -> None:
+        now = time.perf_counter()
+        if self._began is not None:
+            self._forward_s[layer] += now - self._began
+        self._began, self._ended = None, now
+
+    def saved(self, layer: int, nbytes: int) -> None:
+        """A dense tensor of ``nbytes`` saved in forward by ``layer`` (-1: before the first, counted with it)."""
+        if nbytes >= MIN_THRESHOLD and layer < self.layers and self.micro_batches == 1:
+            self.sizes[max(layer, 0)].append(nbytes)
+
+    def backward_started(self) -> None:
+        if self._ended is not None and not self._tail_done:
+            self._tail_s += time.perf_counter() - self._ended
+            self._tail_done = True
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The settings in force after measuring, and what the model predicts for them."""
+
+    threshold_bytes: int
+    keep_last: int
+    max_inflight_bytes: int
+    predicted: Overhead
+    io: IOCosts
+
+    def describe(self, layers: int) -> str:
+        p = self.predicted
+        return (
+            f"keep_last={self.keep_last} of {layers} layers, threshold_bytes={self.threshold_bytes}, "
+            f"max_inflight_bytes={self.max_inflight_bytes}: {p.offloaded_bytes / 1e6:.1f} MB per micro-batch leave "
+            f"memory at a predicted {p.share:.1%} of a {p.step_s:.3f} s step (writes "
+            f"{self.io.write_bytes_per_s / 1e9:.2f} GB/s, reads {self.io.read_bytes_per_s / 1e9:.2f} GB/s, "
+            f"{self.io.cpu_s_per_byte * 1e12:.0f} ms of CPU per GB"
+            + (", on the cores compute uses)" if self.io.compute_on_host else ")")
+        )
+
+
+def tune(
+    meter: LayerMeter,
+    io: IOCosts,
+    threshold_bytes: int | None,
+    keep_last: int | None,
+    max_inflight_bytes: int | None,
+    target: float = AUTO_OVERHEAD,
+) -> Tuning:
+    """The user's settings where given; the others from ``meter``'s micro-batches and ``io``.
+
+    * ``threshold_bytes``: a sixteenth of the largest tensor a layer saves (at least :data:`MIN_THRESHOLD`), so a
+      layer's activations leave memory and its small statistics (norm means, softmax sums) stay.
+    * ``keep_last`` and ``max_inflight_bytes``: of the kept layers (at most half of them) and the budgets of
+      :data:`BUDGET_LAYERS` (at least :data:`MIN_BUDGET`), the pair that leaves the least in memory (the kept
+      layers' bytes plus the budget) among those the model predicts to cost at most ``target`` of the step; the
+      cheapest pair when none does.
+    """
+    largest = max((s for sizes in meter.sizes for s in sizes), default=0)
+    threshold = threshold_bytes if threshold_bytes is not None else max(MIN_THRESHOLD, largest // 16)
+    nbytes = [sum(s for s in sizes if s >= threshold) for sizes in meter.sizes]
+    layer = max(nbytes, default=0)
+    budgets = (
+        [max_inflight_bytes]
+        if max_inflight_bytes is not None
+        else sorted({max(MIN_BUDGET, int(k * layer)) for k in BUDGET_LAYERS})
+    )
+    keeps = [keep_last] if keep_last is not None else range((len(nbytes) + 1) // 2 + 1)
+    forward_s, tail_s = meter.forward_s, meter.tail_s
+    options = []
+    for budget in budgets:
+        for keep in keeps:
+            predicted = offload_overhead(forward_s, nbytes, keep, io, budget, tail_s)
+            held = sum(nbytes[len(nbytes) - keep :]) + budget
+            options.append(
+                (
+                    predicted.share > target,
+                    held if predicted.share <= target else predicted.share,
+                    predicted.share,
+                    keep,
+                    budget,
+                    predicted,
+                )
+            )
+    *_, keep, budget, predicted = min(options, key=lambda o: o[:3])
+    return Tuning(threshold, keep, budget, predicted, io)
