@@ -35,8 +35,10 @@ import torch
 from torch import nn
 
 from lightning_smartinf.activations import ActivationOffloader
-from lightning_smartinf.activations.tuning import MEASURE_AT, MEASURE_COUNT
+from lightning_smartinf.activations.tuning import MEASURE_AT, MEASURE_COUNT, tune
 from lightning_smartinf.csd.io import supports_direct_io
+from lightning_smartinf.plan.activations import offload_overhead
+from lightning_smartinf.plan.model import load_profile
 
 #: Model and batch of each configuration; ``long`` is the one where activations dominate (4x the tokens).
 PRESETS = {
@@ -110,7 +112,16 @@ def _sample(disk: DiskCounters) -> dict[str, float]:
     }
 
 
-_CLOCKS = ("forward_wait_s", "backward_wait_s", "copy_s", "write_s", "read_s", "write_busy_s", "read_busy_s", "io_cpu_s")
+_CLOCKS = (
+    "forward_wait_s",
+    "backward_wait_s",
+    "copy_s",
+    "write_s",
+    "read_s",
+    "write_busy_s",
+    "read_busy_s",
+    "io_cpu_s",
+)
 
 
 def run_step(model: nn.Module, off: ActivationOffloader | None, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -152,6 +163,40 @@ def summarize(rows: list[dict[str, float]], cores: int) -> dict[str, float]:
     return out
 
 
+def gpu_prediction(shape: dict[str, int], off: ActivationOffloader, profile_name: str) -> dict[str, Any]:
+    """What the cost model predicts for this model on a GPU: layer times from its FLOPs at the profile's sustained
+    rate, the layers' saved bytes and the disk rates measured here, and no CPU cost (compute is not on the host)."""
+    profile = load_profile(profile_name)
+    tuned = off.tuning
+    if tuned is None or off._meter is None:
+        return {"error": "the offloader chose no settings (all were given)"}
+    d, tokens = shape["dim"], shape["batch"] * shape["seq"]
+    layer_params = 12 * d * d + 13 * d
+    # Forward FLOPs of a block: its matrix products, and causal attention's two (half of each computed).
+    flops = 2 * tokens * layer_params + 2 * shape["batch"] * shape["seq"] ** 2 * d
+    layer_s = flops / (profile.gpu_peak_tflops * 1e12 * profile.gpu_efficiency)
+    head_s = 2 * tokens * d * shape["vocab"] / (profile.gpu_peak_tflops * 1e12 * profile.gpu_efficiency)
+    io = dataclasses.replace(tuned.io, compute_on_host=False)
+    sizes = off._meter.sizes
+    chosen = tune([layer_s] * shape["layers"], head_s, sizes, io, None, None, None)
+    everything = offload_overhead(
+        [layer_s] * shape["layers"], [sum(x) for x in sizes], 0, io, chosen.max_inflight_bytes
+    )
+    return {
+        "profile": profile.name,
+        "gpu": profile.gpu,
+        "sustained_tflops": profile.gpu_peak_tflops * profile.gpu_efficiency,
+        "layer_forward_ms": round(layer_s * 1e3, 3),
+        "step_s": round(chosen.predicted.step_s, 5),
+        "chosen": chosen.describe(shape["layers"]),
+        "overhead_chosen": round(chosen.predicted.share, 3),
+        "overhead_offloading_every_layer": round(everything.share, 3),
+        # What the disk would have to do for every layer's bytes to leave during forward and return during backward.
+        "write_gbps_to_hide_every_layer": round(sum(map(sum, sizes)) / (layer_s * shape["layers"]) / 1e9, 1),
+        "read_gbps_to_hide_every_layer": round(sum(map(sum, sizes)) / (2 * layer_s * shape["layers"]) / 1e9, 1),
+    }
+
+
 def main() -> None:  # noqa: PLR0915 - one linear script
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", type=Path, default=None, help="storage directory (default: a temp dir)")
@@ -165,6 +210,7 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     parser.add_argument("--threshold", type=int, default=None, help="bytes; default: the offloader's default")
     parser.add_argument("--budget-mib", type=int, default=None, help="default: the offloader's default")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
+    parser.add_argument("--gpu-profile", default="paper-a100", help="planner profile of the GPU prediction")
     args = parser.parse_args()
     shape = PRESETS[args.preset] | {k: getattr(args, k) for k in PRESETS["default"] if getattr(args, k) is not None}
 
@@ -252,9 +298,12 @@ def main() -> None:  # noqa: PLR0915 - one linear script
         "offload_stats": dataclasses.asdict(off_stats),
         "grads_bitwise_equal_last_step": grads_equal,
     }
+    if device.type == "cpu":
+        result["gpu_prediction"] = gpu_prediction(shape, offloader, args.gpu_profile)
     for _, o in runs.values():
         if o is not None:
             o.close()
+    result["files_left"] = [str(f) for f in path.rglob("*") if f.is_file()]
     text = json.dumps(result, indent=2)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@ bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -275,4 +276,214 @@ def test_with_activation_checkpointing(tmp_path, reentrant):
     assert all(torch.equal(ours[n], reference[n]) for n in reference)
     assert off.stats.tensors_offloaded > 0
     _assert_clean(off)
+    off.close()
+
+
+# --------------------------------------------------------------------------------------------------- issue 22
+
+
+def test_spill_file_reused_every_micro_batch_and_bounded(tmp_path):
+    """Records of every micro-batch go to one spill file per path, from offset 0 again: its size stops growing."""
+    off = ActivationOffloader([tmp_path], threshold_bytes=4096, keep_last=0, max_inflight_bytes=1 << 16)
+    torch.manual_seed(0)
+    model = TinyGPT(dim=64, layers=4)
+    off.attach(model)
+    sizes = []
+    for i in range(3):
+        with off:
+            _loss(model, _batch(seed=i)).backward()
+        (spill,) = off.files()
+        assert spill.name == SPILL_FILE_NAME and oct(spill.stat().st_mode & 0o777) == "0o600"
+        sizes.append(spill.stat().st_size)
+        _assert_clean(off)
+    assert sizes[0] == sizes[1] == sizes[2] >= off.stats.bytes_written // 3
+    off.close()
+    assert not off.run_dirs[0].exists()
+
+
+def test_graph_kept_across_micro_batches_is_not_overwritten(tmp_path):
+    """A forward whose backward runs after a later micro-batch: its records stay in the spill file, and the later
+    micro-batch's records go after them, not over them."""
+
+    def losses(off):
+        torch.manual_seed(0)
+        model = TinyGPT(dim=64, layers=4)
+        if off is not None:
+            off.attach(model)
+        ctx = off if off is not None else contextlib.nullcontext()
+        with ctx:
+            first = _loss(model, _batch(seed=1))  # its backward comes last
+        with ctx:
+            _loss(model, _batch(seed=2)).backward()
+        with ctx:
+            first.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    reference = losses(None)
+    off = ActivationOffloader([tmp_path], threshold_bytes=4096, keep_last=0, max_inflight_bytes=1 << 16)
+    ours = losses(off)
+    assert all(torch.equal(ours[n], reference[n]) for n in reference)
+    assert off.stats.bytes_read > 0
+    _assert_clean(off)
+    off.close()
+
+
+class _Keep(torch.autograd.Function):
+    """Saves its input as it is (any layout) and checks in backward that it comes back bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, expected):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x)
+        ctx.expected = expected
+        return x.sum()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        (x,) = ctx.saved_tensors
+        assert x.shape == ctx.expected.shape and x.stride() == ctx.expected.stride()
+        assert torch.equal(x, ctx.expected)
+        return grad.expand_as(x).clone(), None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_unaligned_and_permuted_tensors_come_back_exactly(tmp_path, dtype):
+    """Tensors are written from where they lie, with the bytes around them in their first and last pages: a tensor
+    starting mid-page, one ending mid-page and a permuted one all come back bit for bit."""
+    base = torch.randn(3 * 4096 + 7).to(dtype)
+    cube = torch.randn(8, 16, 33).to(dtype)
+    cases = [(base, base[5:]), (base, base[: 4096 + 3]), (cube, cube.permute(2, 0, 1))]
+    off = ActivationOffloader([tmp_path], threshold_bytes=0, keep_last=0)
+    heads = set()
+    for whole, part in cases:
+        leaf = whole.clone().requires_grad_()
+        with off:
+            full = leaf * 1  # not a leaf: its views are saved activations
+            view = full.as_strided(part.shape, part.stride(), part.storage_offset())
+            heads.add(view.data_ptr() % 4096)
+            y = _Keep.apply(view, part)
+            [r.future.result() for r in off._order]  # on disk before backward: it is read back, not forwarded
+            y.backward()
+        assert leaf.grad is not None
+    assert heads != {0}
+    assert off.stats.tensors_offloaded >= 3 and off.stats.bytes_read == off.stats.bytes_written
+    _assert_clean(off)
+    off.close()
+
+
+def test_write_overtaken_by_backward_is_skipped(tmp_path):
+    """A write that has not started when backward begins is never done: the tensor stays in memory for backward."""
+    off = ActivationOffloader([tmp_path], threshold_bytes=4096, keep_last=0, io_threads=1)
+    gate = threading.Event()
+    real_write = off._io.write
+
+    def held_write(file, buf, offset):  # the first write waits until backward has started
+        gate.wait(10)
+        real_write(file, buf, offset)
+
+    off._io.write = held_write
+    torch.manual_seed(0)
+    model = TinyGPT(dim=64, layers=4)
+    reference = _grads(None, micro_batches=1, dim=64, layers=4)
+    off.attach(model)
+    with off:
+        loss = _loss(model, _batch(seed=0))
+        threading.Timer(0.2, gate.set).start()
+        loss.backward()
+    s = off.stats
+    assert s.writes_skipped > 0 and s.bytes_written < s.tensors_offloaded * 4096 * 64
+    assert all(torch.equal(p.grad, reference[n]) for n, p in model.named_parameters())
+    _assert_clean(off)
+    off.close()
+
+
+def test_read_buffers_come_back_to_the_pool(tmp_path):
+    off = ActivationOffloader([tmp_path], threshold_bytes=4096, keep_last=0, max_inflight_bytes=1 << 20)
+    _grads(off, micro_batches=3, dim=64, layers=4)
+    s = off.stats
+    assert s.pooled_reads > 0
+    assert 0 < s.peak_pooled_bytes <= off.max_inflight_bytes
+    off.close()
+
+
+def test_settings_left_to_none_are_chosen_from_measurements(tmp_path, caplog):
+    """threshold_bytes, keep_last and max_inflight_bytes chosen after the measured micro-batches, logged, and the
+    gradients stay bitwise equal through the switch."""
+    from lightning_smartinf.activations import tuning
+
+    batches = tuning.MEASURE_AT + tuning.MEASURE_COUNT
+    kwargs = dict(dim=256, layers=4)
+
+    def run(off):
+        torch.manual_seed(0)
+        model = TinyGPT(**kwargs)
+        if off is not None:
+            off.attach(model)
+        grads = []
+        for i in range(batches):
+            model.zero_grad()
+            tokens = _batch(seed=i, batch=64)
+            if off is None:
+                _loss(model, tokens).backward()
+            else:
+                with off:
+                    _loss(model, tokens).backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        return grads
+
+    reference = run(None)
+    off = ActivationOffloader([tmp_path])
+    with caplog.at_level("INFO", logger="lightning_smartinf.activations.offload"):
+        ours = run(off)
+    for mine, theirs in zip(ours, reference):
+        assert all(torch.equal(mine[n], theirs[n]) for n in theirs)
+    chosen = off.tuning
+    assert chosen is not None
+    assert (off.keep_last, off.threshold_bytes, off.max_inflight_bytes) == (
+        chosen.keep_last,
+        chosen.threshold_bytes,
+        chosen.max_inflight_bytes,
+    )
+    assert 0 <= chosen.keep_last <= 2  # at most half the layers stay
+    assert chosen.threshold_bytes >= tuning.MIN_THRESHOLD and chosen.max_inflight_bytes >= tuning.MIN_BUDGET
+    assert chosen.io.compute_on_host and chosen.io.write_bytes_per_s > 0 and chosen.io.cpu_s_per_byte > 0
+    assert chosen.predicted.offloaded_bytes > 0
+    assert any("keep_last=" in r.getMessage() and "predicted" in r.getMessage() for r in caplog.records)
+    assert off.stats.tensors_offloaded > 0
+    _assert_clean(off)
+    off.close()
+
+    # A setting the user gives is kept; the others are still chosen.
+    off = ActivationOffloader([tmp_path], keep_last=3)
+    run(off)
+    assert off.tuning is not None and off.keep_last == 3 and off.tuning.keep_last == 3
+    off.close()
+    # All given: nothing is measured.
+    off = ActivationOffloader([tmp_path], threshold_bytes=1 << 20, keep_last=1, max_inflight_bytes=1 << 26)
+    run(off)
+    assert off.tuning is None and (off.threshold_bytes, off.keep_last) == (1 << 20, 1)
+    off.close()
+
+
+@pytest.mark.parametrize(
+    ("arg", "value", "match"),
+    [
+        ("keep_last", "auto", r"keep_last='auto'.*or None"),
+        ("threshold_bytes", 1.5, r"threshold_bytes=1.5.*or None"),
+        ("max_inflight_bytes", True, r"max_inflight_bytes=True"),
+        ("io_threads", None, r"io_threads=None"),
+    ],
+)
+def test_automatic_settings_bad_input(tmp_path, arg, value, match):
+    with pytest.raises(ValueError, match=match):
+        ActivationOffloader([tmp_path], **{arg: value})
+    with pytest.raises(ValueError, match=arg):
+        ActivationOffload(storage_paths=[tmp_path], **{arg: value})
+
+
+def test_huge_settings_keep_everything_in_memory(tmp_path):
+    off = ActivationOffloader([tmp_path], threshold_bytes=2**62, keep_last=2**40, max_inflight_bytes=2**62)
+    reference = _grads(None, micro_batches=1, dim=64, layers=4)
+    ours = _grads(off, micro_batches=1, dim=64, layers=4)
+    assert all(torch.equal(ours[n], reference[n]) for n in reference)
+    assert off.stats.tensors_offloaded == 0 and off.files() == []
     off.close()

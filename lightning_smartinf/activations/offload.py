@@ -98,6 +98,8 @@ class OffloadStats:
     resident_bytes: int = 0  # now: bytes of saved activations held in memory by the hooks
     peak_resident_bytes: int = 0  # since the last reset_peak()
     peak_staging_bytes: int = 0  # aligned write buffers allocated (in use + pooled for reuse), at most the budget
+    peak_pooled_bytes: int = 0  # read buffers no tensor uses, kept for the next reads; at most the budget
+    pooled_reads: int = 0  # reads into a pooled buffer (no fresh memory)
     # Where the time goes (seconds). The first two are the training thread blocked; the rest is I/O-thread time,
     # summed over threads, so it may exceed the step's wall time.
     forward_wait_s: float = 0.0  # pack hook waiting for room in the in-flight budget
@@ -472,7 +474,8 @@ class ActivationOffloader:
             cpu_s_per_byte=(s.io_cpu_s - before.io_cpu_s) / max(1, written + read),
             compute_on_host=self._compute_device == "cpu",
         )
-        self.tuning = tune(self._meter, io, **self._requested)
+        meter = self._meter
+        self.tuning = tune(meter.forward_s, meter.tail_s, meter.sizes, io, **self._requested)
         self.threshold_bytes = self.tuning.threshold_bytes
         self.keep_last = self.tuning.keep_last
         self.max_inflight_bytes = self.tuning.max_inflight_bytes
@@ -700,6 +703,7 @@ class ActivationOffloader:
             free = self._read_pool.get(nbytes)
             if free:
                 self._read_pooled -= nbytes
+                self.stats.pooled_reads += 1
                 buf = free.pop()
             else:
                 buf = None
@@ -714,6 +718,7 @@ class ActivationOffloader:
             if not self._closed and self._read_pooled + buf.numel() <= self.max_inflight_bytes:
                 self._read_pool.setdefault(buf.numel(), []).append(buf)
                 self._read_pooled += buf.numel()
+                self.stats.peak_pooled_bytes = max(self.stats.peak_pooled_bytes, self._read_pooled)
 
     def _give_back(self, buf: Tensor, pinned: bool = False) -> None:
         with self._cond:

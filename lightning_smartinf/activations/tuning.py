@@ -99,14 +99,17 @@ class Tuning:
 
 
 def tune(
-    meter: LayerMeter,
+    forward_s: list[float],
+    tail_s: float,
+    sizes: list[list[int]],
     io: IOCosts,
     threshold_bytes: int | None,
     keep_last: int | None,
     max_inflight_bytes: int | None,
     target: float = AUTO_OVERHEAD,
 ) -> Tuning:
-    """The user's settings where given; the others from ``meter``'s micro-batches and ``io``.
+    """The user's settings where given; the others from the layers' forward seconds ``forward_s``, the forward after
+    them ``tail_s``, the sizes of the tensors each layer saves ``sizes`` (a :class:`LayerMeter`'s), and ``io``.
 
     * ``threshold_bytes``: a sixteenth of the largest tensor a layer saves (at least :data:`MIN_THRESHOLD`), so a
       layer's activations leave memory and its small statistics (norm means, softmax sums) stay.
@@ -115,9 +118,9 @@ def tune(
       layers' bytes plus the budget) among those the model predicts to cost at most ``target`` of the step; the
       cheapest pair when none does.
     """
-    largest = max((s for sizes in meter.sizes for s in sizes), default=0)
+    largest = max((n for layer in sizes for n in layer), default=0)
     threshold = threshold_bytes if threshold_bytes is not None else max(MIN_THRESHOLD, largest // 16)
-    nbytes = [sum(s for s in sizes if s >= threshold) for sizes in meter.sizes]
+    nbytes = [sum(n for n in layer if n >= threshold) for layer in sizes]
     layer = max(nbytes, default=0)
     budgets = (
         [max_inflight_bytes]
@@ -125,7 +128,6 @@ def tune(
         else sorted({max(MIN_BUDGET, int(k * layer)) for k in BUDGET_LAYERS})
     )
     keeps = [keep_last] if keep_last is not None else range((len(nbytes) + 1) // 2 + 1)
-    forward_s, tail_s = meter.forward_s, meter.tail_s
     options = []
     for budget in budgets:
         for keep in keeps:

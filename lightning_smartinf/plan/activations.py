@@ -151,7 +151,7 @@ def offload_overhead(
     moved = sum(piece_bytes) + sum(read_bytes)
     cpu = HOST_CPU_FACTOR * io.cpu_s_per_byte * moved if io.compute_on_host else 0.0
     return Overhead(
-        forward_stall_s=fwd - compute,
+        forward_stall_s=max(0.0, fwd - sum(piece_s)),
         backward_stall_s=stall,
         cpu_s=cpu,
         offloaded_bytes=sum(piece_bytes),
