@@ -487,3 +487,18 @@ def test_huge_settings_keep_everything_in_memory(tmp_path):
     assert all(torch.equal(ours[n], reference[n]) for n in reference)
     assert off.stats.tensors_offloaded == 0 and off.files() == []
     off.close()
+
+
+def test_callback_with_temporary_strategy_storage(tmp_path):
+    """`SmartInfinityStrategy()` keeps its state in temporary directories; activation offload then writes to the
+    temporary directory too, and leaves nothing there."""
+    import tempfile
+
+    from lightning_smartinf import SmartInfinityStrategy
+
+    callback = ActivationOffload(threshold_bytes=4096, keep_last=0)
+    fit(LMModule(_adamw, dim=64), SmartInfinityStrategy(), steps=2, callbacks=[callback])
+    assert callback.stats.bytes_written > 0 and callback.stats.resident_bytes == 0
+    root = os.path.join(tempfile.gettempdir(), offload_mod.ROOT_DIR_NAME)
+    mine = [d for d in os.listdir(root) if d.split("-")[-2] == str(os.getpid())]
+    assert mine == []

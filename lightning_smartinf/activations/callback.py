@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ class ActivationOffload(L.Callback):
     else (validation runs without grad). On any exception every activation file is removed.
 
     Args:
-        storage_paths: where to write. ``None``: this rank's share of ``SmartInfinityStrategy(storage_paths=...)``.
+        storage_paths: where to write. ``None``: this rank's share of ``SmartInfinityStrategy(storage_paths=...)``,
+            or the system's temporary directory where the strategy's are temporary (``storage_paths=None``).
         threshold_bytes, keep_last, max_inflight_bytes, io_threads: see :class:`ActivationOffloader`; ints (byte
             counts in bytes: ``"1MiB"`` is refused, write ``1 << 20``). ``None`` (the default) chooses the first
             three from the model and from the second micro-batch's measurements (logged at INFO).
@@ -80,6 +82,9 @@ class ActivationOffload(L.Callback):
         from lightning_smartinf.strategy import SmartInfinityStrategy
 
         strategy = trainer.strategy
+        if isinstance(strategy, SmartInfinityStrategy) and strategy.settings.storage_paths is None:
+            # The strategy keeps its state in temporary directories: activations go to the temporary directory too.
+            return [Path(tempfile.gettempdir())]
         strategy_paths = strategy.settings.storage_paths if isinstance(strategy, SmartInfinityStrategy) else None
         if not strategy_paths:
             raise MisconfigurationException(
