@@ -443,7 +443,7 @@ def test_settings_left_to_none_are_chosen_from_measurements(tmp_path, caplog):
         chosen.threshold_bytes,
         chosen.max_inflight_bytes,
     )
-    assert 0 <= chosen.keep_last <= 2  # at most half the layers stay
+    assert 0 <= chosen.keep_last <= 1  # at most a quarter of the layers stay
     assert chosen.threshold_bytes >= tuning.MIN_THRESHOLD and chosen.max_inflight_bytes >= tuning.MIN_BUDGET
     assert chosen.io.compute_on_host and chosen.io.write_bytes_per_s > 0 and chosen.io.cpu_s_per_byte > 0
     assert chosen.predicted.offloaded_bytes > 0

@@ -40,6 +40,7 @@ import logging
 import os
 import shutil
 import socket
+import statistics
 import threading
 import time
 import warnings
@@ -314,7 +315,8 @@ class ActivationOffloader:
         self.tuning: Tuning | None = None
         self._meter: LayerMeter | None = None
         self._micro_batches = 0
-        self._measured_from: OffloadStats | None = None
+        self._measured_from: OffloadStats | None = None  # the counters when the micro-batch being measured began
+        self._io_samples: list[IOCosts] = []  # one per measured micro-batch
         self._compute_device = "cpu"
         self._io_active = {"write": 0, "read": 0}
         self._io_since = {"write": 0.0, "read": 0.0}
@@ -384,14 +386,14 @@ class ActivationOffloader:
     def _make_pre_hook(self, index: int):  # noqa: ANN202
         def hook(module: nn.Module, args: Any) -> None:
             self._cur_layer = index
-            if self._metering:
+            if self._metering and not self._backward:  # not a recomputation (activation checkpointing)
                 self._meter.enter(index)
 
         return hook
 
     def _make_post_hook(self, index: int):  # noqa: ANN202
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self._metering:
+            if self._metering and not self._backward:
                 self._meter.leave(index)
 
         return hook
@@ -433,8 +435,7 @@ class ActivationOffloader:
         self._backward = False
         if self._metering:
             self._meter.start()
-            if self._measured_from is None:
-                self._measured_from = dataclasses.replace(self.stats)
+            self._measured_from = dataclasses.replace(self.stats)
         with self._cond:
             self._order = [r for r in self._order if r.state != _FREED]
             self._cursor = len(self._order) - 1
@@ -459,22 +460,36 @@ class ActivationOffloader:
             with contextlib.suppress(BaseException):  # a write error is recorded in `_error`, raised below
                 future.result()
         self._raise_pending_error()
+        if self._metering:
+            self._io_samples.append(self._io_costs())
         self._micro_batches += 1
         if self._meter is not None and self.tuning is None and self._micro_batches == MEASURE_AT + MEASURE_COUNT - 1:
             self._tune()
 
-    def _tune(self) -> None:
-        """Choose the settings left to ``None`` from the micro-batch just measured."""
+    def _io_costs(self) -> IOCosts:
+        """The I/O's bandwidths and CPU time per byte in the micro-batch that just ended."""
         s, before = self.stats, self._measured_from
-        assert self._meter is not None and before is not None
+        assert before is not None
         written, read = s.bytes_written - before.bytes_written, s.bytes_read - before.bytes_read
-        io = IOCosts(
+        return IOCosts(
             write_bytes_per_s=_rate(written, s.write_busy_s - before.write_busy_s),
             read_bytes_per_s=_rate(read, s.read_busy_s - before.read_busy_s),
             cpu_s_per_byte=(s.io_cpu_s - before.io_cpu_s) / max(1, written + read),
             compute_on_host=self._compute_device == "cpu",
         )
+
+    def _tune(self) -> None:
+        """Choose the settings left to ``None`` from the measured micro-batches (the median of each I/O cost: one
+        micro-batch the machine was busy elsewhere does not decide)."""
+        samples = self._io_samples
+        io = IOCosts(
+            write_bytes_per_s=statistics.median(c.write_bytes_per_s for c in samples),
+            read_bytes_per_s=statistics.median(c.read_bytes_per_s for c in samples),
+            cpu_s_per_byte=statistics.median(c.cpu_s_per_byte for c in samples),
+            compute_on_host=samples[-1].compute_on_host,
+        )
         meter = self._meter
+        assert meter is not None
         self.tuning = tune(meter.forward_s, meter.tail_s, meter.sizes, io, **self._requested)
         self.threshold_bytes = self.tuning.threshold_bytes
         self.keep_last = self.tuning.keep_last

@@ -12,12 +12,24 @@ from dataclasses import dataclass
 
 from lightning_smartinf.plan.activations import AUTO_OVERHEAD, IOCosts, Overhead, offload_overhead
 
-__all__ = ["LayerMeter", "Tuning", "tune", "MEASURE_AT", "MEASURE_COUNT", "DEFAULTS", "MIN_THRESHOLD", "MIN_BUDGET"]
+__all__ = [
+    "LayerMeter",
+    "Tuning",
+    "tune",
+    "MEASURE_AT",
+    "MEASURE_COUNT",
+    "MOST_KEPT",
+    "DEFAULTS",
+    "MIN_THRESHOLD",
+    "MIN_BUDGET",
+]
 
-#: The micro-batches whose measurements choose the automatic settings: from the second (the first pays for warm-up),
-#: this many, averaged.
-MEASURE_AT = 2
-MEASURE_COUNT = 3
+#: The micro-batches whose measurements choose the automatic settings: from the third (the first two pay for
+#: warm-up: files grow, the read-buffer pool fills), this many; layer times averaged, I/O costs their median.
+MEASURE_AT = 3
+MEASURE_COUNT = 4
+#: The largest share of the layers the automatic ``keep_last`` keeps in memory.
+MOST_KEPT = 0.25
 #: Candidate in-flight budgets, in multiples of the largest layer's offloaded bytes.
 BUDGET_LAYERS = (1.0, 1.5, 2.0)
 #: The settings used until then: ``threshold_bytes``, ``keep_last``, ``max_inflight_bytes``.
@@ -113,7 +125,8 @@ def tune(
 
     * ``threshold_bytes``: a sixteenth of the largest tensor a layer saves (at least :data:`MIN_THRESHOLD`), so a
       layer's activations leave memory and its small statistics (norm means, softmax sums) stay.
-    * ``keep_last`` and ``max_inflight_bytes``: of the kept layers (at most half of them) and the budgets of
+    * ``keep_last`` and ``max_inflight_bytes``: of the kept layers (at most a quarter of them, :data:`MOST_KEPT`:
+      offload is on because memory is short, and the last layers and the head already stay) and the budgets of
       :data:`BUDGET_LAYERS` (at least :data:`MIN_BUDGET`), the pair that leaves the least in memory (the kept
       layers' bytes plus the budget) among those the model predicts to cost at most ``target`` of the step; the
       cheapest pair when none does.
@@ -127,7 +140,7 @@ def tune(
         if max_inflight_bytes is not None
         else sorted({max(MIN_BUDGET, int(k * layer)) for k in BUDGET_LAYERS})
     )
-    keeps = [keep_last] if keep_last is not None else range((len(nbytes) + 1) // 2 + 1)
+    keeps = [keep_last] if keep_last is not None else range(int(len(nbytes) * MOST_KEPT) + 1)
     options = []
     for budget in budgets:
         for keep in keeps:

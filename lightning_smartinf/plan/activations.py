@@ -11,9 +11,9 @@ layer's backward taking ``backward_factor`` times its forward. Offloading the fi
   ahead of backward; a layer's backward starts once its bytes are back. Bytes still being written when backward
   starts stay in memory and are never read.
 * **CPU**: where compute runs on the host's cores (CPU training), the I/O takes CPU from compute, and compute waits
-  for its slowest thread, so that time adds to the step in full. The I/O threads' own CPU time is measured; the
-  kernel's completion work (interrupts, charged to whichever thread they interrupt) and the wake-ups cost
-  :data:`HOST_CPU_FACTOR` times as much in all (``docs/benchmarks.md``). On a GPU the I/O runs on otherwise idle
+  for its slowest thread, so that time adds to the step. The I/O threads' own CPU time is measured; with the
+  kernel's completion work (interrupts, charged to whichever thread they interrupt) and the wake-ups, the step grows
+  by :data:`HOST_CPU_FACTOR` times that (``docs/benchmarks.md``). On a GPU the I/O runs on otherwise idle
   host cores and costs the step nothing.
 
 :func:`lightning_smartinf.activations.tuning.tune` chooses the offloader's settings with it.
@@ -26,14 +26,15 @@ from dataclasses import dataclass
 
 __all__ = ["IOCosts", "Overhead", "offload_overhead", "AUTO_OVERHEAD", "BACKWARD_FACTOR", "HOST_CPU_FACTOR"]
 
-#: The share of the step that automatic offload settings may cost.
-AUTO_OVERHEAD = 0.10
+#: The share of the step that automatic offload settings may be predicted to cost: 8%, so that with the model's
+#: error (measured on the 2-core VM: the step's overhead 0.8 to 1.2 times the prediction) it stays within 10%.
+AUTO_OVERHEAD = 0.08
 #: Backward over forward time of a layer (two matrix products per forward one).
 BACKWARD_FACTOR = 2.0
-#: The step time I/O costs compute on shared cores, over the I/O threads' own CPU time. Measured on the 2-core VM
-#: (``benchmarks/bench_activations.py``: the process's extra CPU time per step over the I/O threads', four settings:
-#: 2.8 to 3.8).
-HOST_CPU_FACTOR = 3.0
+#: Step seconds the I/O adds per CPU second of the I/O threads, where compute shares the cores. Measured on the
+#: 2-core VM (``benchmarks/bench_activations.py``, three settings: 1.3 to 2.2): besides the threads' own time, the
+#: kernel's completion work is charged to whichever thread it interrupts, and compute waits for its slowest thread.
+HOST_CPU_FACTOR = 2.0
 #: Pieces per layer in the model: a layer's saved tensors are produced, and used again, through its compute.
 PIECES = 4
 
