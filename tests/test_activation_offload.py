@@ -402,6 +402,7 @@ def test_read_buffers_come_back_to_the_pool(tmp_path):
     s = off.stats
     assert s.pooled_reads > 0
     assert 0 < s.peak_pooled_bytes <= off.max_inflight_bytes
+    assert off._read_pooled == 0  # emptied when each micro-batch ends: forward runs without idle buffers
     off.close()
 
 

@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 #: The micro-batches whose measurements choose the automatic settings: from the third (the first two pay for
-#: warm-up: files grow, the read-buffer pool fills), this many; layer times averaged, I/O costs their median.
+#: warm-up: the spill files grow, the allocator settles), this many; layer times averaged, I/O costs their median.
 MEASURE_AT = 3
 MEASURE_COUNT = 4
 #: The largest share of the layers the automatic ``keep_last`` keeps in memory.
