@@ -24,6 +24,7 @@ from models import LMModule, fit, max_relative_error, param_groups  # noqa: E402
 
 from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
 from lightning_smartinf.activations import ActivationOffloader  # noqa: E402
+from lightning_smartinf.activations.spill import SPILL_FILE_NAME  # noqa: E402
 
 STEPS = 8
 #: fp32 on a GPU: cuBLAS may pick other reduction orders inside ZeRO's gathered layers than in a plain module.
@@ -159,11 +160,14 @@ def activations(device: str, out: Path) -> dict:
     ours = grads(offloader)
     stats = offloader.stats
     files = offloader.files()
+    run_dirs = offloader.run_dirs
     offloader.close()
     for name, value in reference.items():
         assert torch.equal(ours[name], value), name
-    assert stats.tensors_offloaded > 0 and stats.bytes_read > 0, stats
-    assert not files, files
+    assert stats.tensors_offloaded > 0 and stats.bytes_read > 0 and stats.resident_bytes == 0, stats
+    # Between micro-batches only the spill files remain (no record holds bytes); after close, nothing.
+    assert {f.name for f in files} <= {SPILL_FILE_NAME}, files
+    assert not any(d.exists() for d in run_dirs), run_dirs
     return {"offloaded": stats.tensors_offloaded, "bytes_written": stats.bytes_written}
 
 
