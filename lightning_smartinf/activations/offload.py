@@ -1,12 +1,16 @@
 """Activation offload to storage (after SSDTrain): the Lightning-free core.
 
 :class:`ActivationOffloader` installs ``torch.autograd.graph.saved_tensors_hooks``. During forward, the pack
-hook hands every saved activation above ``threshold_bytes`` to a writer thread, which copies it into an aligned
-buffer and writes it to its own file on one of the storage paths (striped round-robin). The hook returns a
-small handle; the tensor is dropped as soon as its write completes, so the memory is released while forward
-goes on. During backward, each unpack triggers reads of the next records in reverse pack order (the order the
-backward pass needs them), bounded by ``max_inflight_bytes``, so disk reads overlap backward compute. Each file
-is unlinked the moment its bytes are back in memory, and every file of the run is removed on any exception.
+hook hands every saved activation above ``threshold_bytes`` to a writer thread, which writes it into the spill file
+of one of the storage paths (striped round-robin; :mod:`~lightning_smartinf.activations.spill`). A CPU tensor is
+written from where it lies, with ``O_DIRECT`` over the whole pages it spans (no copy); a GPU tensor goes through a
+pinned staging buffer. The hook returns a small handle; the tensor is dropped as soon as its write completes, so the
+memory is released while forward goes on. During backward, each unpack triggers reads of the next records in
+reverse pack order (the order the backward pass needs them), bounded by ``max_inflight_bytes``, so disk reads
+overlap backward compute; read buffers are recycled within backward. A record's space in the spill file is free
+once its bytes are back in memory, and the spill files are removed on any exception and at :meth:`close`.
+
+The settings left to ``None`` are chosen after measured micro-batches (:mod:`~lightning_smartinf.activations.tuning`).
 
 Details that matter:
 
@@ -15,7 +19,7 @@ Details that matter:
   nodes saving the same tensor (or different Python views of it) share one record, written once, and a freed
   address that the allocator reuses is never mistaken for the old tensor.
 * Forwarding: a record whose write is still pending when backward needs it is served from the tensor the
-  writer still holds; no read is issued.
+  writer still holds; no read is issued. A write that has not started when backward begins is not done at all.
 * Keep-last: the activations of the last ``keep_last`` layers (and everything after them: head, loss) stay in
   memory, since backward needs them first. Layers are found from the model (the longest ``ModuleList`` /
   ``Sequential`` of same-type modules with parameters) and tracked with forward hooks. A model without such
@@ -25,7 +29,7 @@ Details that matter:
 * Back-pressure: bytes held by pending writes + reads in flight + prefetched buffers not yet consumed never
   exceed ``max_inflight_bytes`` (a single tensor larger than the budget is let through alone); the pack hook
   waits for writes to finish before going over.
-* Files live in ``<path>/smartinf-activations/<host>-<pid>-<n>/`` (0700). Directories left by a process of this
+* Spill files live in ``<path>/smartinf-activations/<host>-<pid>-<n>/`` (0700). Directories left by a process of this
   host that is no longer alive are removed when an offloader starts.
 """
 
