@@ -63,6 +63,34 @@ inline AdamScalars adam_scalars(uint32_t step, double lr, double beta1, double b
     return s;
 }
 
+struct EfAdamScalars {
+    float grad_scale;       // (float)grad_scale
+    float decay_mul;        // (float)(1 - lr*wd) for AdamW, else 1
+    float l2_wd;            // (float)wd for Adam (L2), else 0
+    float beta2;            // (float)beta2
+    float one_minus_beta2;  // (float)(1 - beta2)
+    float bc2_sqrt;         // (float)sqrt(1 - beta2^step)
+    float eps;              // (float)eps
+    float neg_lr;           // (float)(-lr): no first moment, so no first bias correction
+    uint32_t flags;         // kFlagMaximize | kFlagWeightDecay | kFlagDecoupledDecay
+};
+
+inline EfAdamScalars efadam_scalars(uint32_t step, double lr, double beta2, double eps, double weight_decay,
+                                    bool decoupled, bool maximize, double grad_scale) {
+    const AdamScalars a = adam_scalars(step, lr, 0.0, beta2, eps, weight_decay, decoupled, maximize, grad_scale);
+    EfAdamScalars s;
+    s.grad_scale = a.grad_scale;
+    s.decay_mul = a.decay_mul;
+    s.l2_wd = a.l2_wd;
+    s.beta2 = a.beta2;
+    s.one_minus_beta2 = a.one_minus_beta2;
+    s.bc2_sqrt = a.bc2_sqrt;
+    s.eps = a.eps;
+    s.neg_lr = a.neg_step_size;  // -lr / (1 - 0^step) = -lr
+    s.flags = a.flags;
+    return s;
+}
+
 struct SgdScalars {
     float grad_scale;           // (float)grad_scale
     float l2_wd;                // (float)wd

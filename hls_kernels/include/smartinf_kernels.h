@@ -24,6 +24,9 @@ extern "C" {
 #define SMARTINF_SGD_SCALARS_DECL \
     float grad_scale, float l2_wd, float momentum, float one_minus_dampening, float neg_lr, uint32_t flags
 #define SMARTINF_ADAGRAD_SCALARS_DECL float grad_scale, float l2_wd, float eps, float neg_clr, uint32_t flags
+#define SMARTINF_EFADAM_SCALARS_DECL                                                                \
+    float grad_scale, float decay_mul, float l2_wd, float beta2, float one_minus_beta2, float bc2_sqrt, \
+        float eps, float neg_lr, uint32_t flags
 
 #define SMARTINF_DECLARE(SUFFIX, T)                                                                      \
     void smartinf_adam_##SUFFIX(float* master, float* exp_avg, float* exp_avg_sq, const T* grad,          \
@@ -40,7 +43,12 @@ extern "C" {
                                    uint32_t n, SMARTINF_ADAGRAD_SCALARS_DECL);                          \
     void smartinf_adagrad_topk_##SUFFIX(float* master, float* state_sum, const uint32_t* grad_idx,        \
                                         const T* grad_val, T* param_out, uint32_t n, uint32_t k,          \
-                                        SMARTINF_ADAGRAD_SCALARS_DECL);
+                                        SMARTINF_ADAGRAD_SCALARS_DECL);                                 \
+    void smartinf_efadam_##SUFFIX(float* master, float* exp_avg_sq, const T* grad, T* param_out,          \
+                                  uint32_t n, SMARTINF_EFADAM_SCALARS_DECL);                            \
+    void smartinf_efadam_topk_##SUFFIX(float* master, float* exp_avg_sq, const uint32_t* grad_idx,        \
+                                       const T* grad_val, T* param_out, uint32_t n, uint32_t k,           \
+                                       SMARTINF_EFADAM_SCALARS_DECL);
 
 SMARTINF_DECLARE(bf16, uint16_t)
 SMARTINF_DECLARE(fp16, uint16_t)

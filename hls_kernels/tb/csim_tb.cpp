@@ -24,11 +24,14 @@
 
 namespace {
 
-enum class Rule { kAdam, kSgd, kAdagrad };
+enum class Rule { kAdam, kSgd, kAdagrad, kEfAdam };
 enum class DType { kBf16, kFp16, kFp32 };
 enum class Data { kRandom, kZero, kHuge, kTiny, kWide };
 
-const char* name(Rule r) { return r == Rule::kAdam ? "adam" : r == Rule::kSgd ? "sgd" : "adagrad"; }
+const char* name(Rule r) {
+    const char* names[] = {"adam", "sgd", "adagrad", "efadam"};
+    return names[static_cast<int>(r)];
+}
 const char* name(DType d) { return d == DType::kBf16 ? "bf16" : d == DType::kFp16 ? "fp16" : "fp32"; }
 const char* name(Data d) {
     const char* names[] = {"random", "zero", "huge", "tiny", "wide"};
@@ -189,6 +192,16 @@ void ref_step(Rule rule, const Hyper& h, int step, float& p, float& s0, float& s
         const double bc2_sqrt = std::sqrt(1.0 - std::pow(h.beta2, step));
         const float denom = std::sqrt(s1) / static_cast<float>(bc2_sqrt) + static_cast<float>(h.eps);
         p = p + (static_cast<float>(-h.lr / bc1) * s0) / denom;
+    } else if (rule == Rule::kEfAdam) {  // Adam with beta1 = 0 and no first moment; s0 is exp_avg_sq
+        if (h.wd != 0.0) {
+            if (h.decoupled) p = p * static_cast<float>(1.0 - h.lr * h.wd);
+            else g = fused(p, static_cast<float>(h.wd), g);
+        }
+        s0 = s0 * static_cast<float>(h.beta2);
+        s0 = fused(static_cast<float>(1.0 - h.beta2) * g, g, s0);
+        const double bc2_sqrt = std::sqrt(1.0 - std::pow(h.beta2, step));
+        const float denom = std::sqrt(s0) / static_cast<float>(bc2_sqrt) + static_cast<float>(h.eps);
+        p = p + (static_cast<float>(-h.lr) * g) / denom;
     } else if (rule == Rule::kSgd) {
         if (h.wd != 0.0) g = fused(p, static_cast<float>(h.wd), g);
         float update = g;
@@ -241,6 +254,18 @@ struct Call {
             smartinf_sgd_##SUFFIX(F(c.master), buf, (const T*)c.grad->p, (T*)c.param->p, c.n,             \
                                   s.grad_scale, s.l2_wd, s.momentum, s.one_minus_dampening, s.neg_lr,     \
                                   s.flags);                                                               \
+    } else if (c.rule == Rule::kEfAdam) {                                                                 \
+        const smartinf::EfAdamScalars s = smartinf::efadam_scalars(step, h.lr, h.beta2, h.eps, h.wd,      \
+                                                                   h.decoupled, h.maximize, h.grad_scale); \
+        if (c.topk)                                                                                       \
+            smartinf_efadam_topk_##SUFFIX(F(c.master), F(c.s0), U(c.idx), (const T*)c.val->p,              \
+                                          (T*)c.param->p, c.n, c.k, s.grad_scale, s.decay_mul, s.l2_wd,   \
+                                          s.beta2, s.one_minus_beta2, s.bc2_sqrt, s.eps, s.neg_lr,        \
+                                          s.flags);                                                       \
+        else                                                                                              \
+            smartinf_efadam_##SUFFIX(F(c.master), F(c.s0), (const T*)c.grad->p, (T*)c.param->p, c.n,      \
+                                     s.grad_scale, s.decay_mul, s.l2_wd, s.beta2, s.one_minus_beta2,      \
+                                     s.bc2_sqrt, s.eps, s.neg_lr, s.flags);                               \
     } else {                                                                                              \
         const smartinf::AdagradScalars s = smartinf::adagrad_scalars(step, h.lr, h.lr_decay, h.eps, h.wd, \
                                                                      h.maximize, h.grad_scale);           \
@@ -303,7 +328,7 @@ void run_case(Rule rule, DType dt, bool topk, uint32_t n, int k_mode, Data kind,
     for (size_t i = 0; i < master.count; ++i) {
         const bool live = i < n;
         master.setf(i, live ? draw(rng, kind == Data::kZero ? Data::kRandom : kind, dt, false) : kSentinel);
-        s0.setf(i, live ? (rule == Rule::kAdagrad ? std::fabs(draw(rng, Data::kRandom, dt, false)) : 0.1f * draw(rng, Data::kRandom, dt, false)) : kSentinel);
+        s0.setf(i, live ? (rule == Rule::kAdagrad || rule == Rule::kEfAdam ? std::fabs(draw(rng, Data::kRandom, dt, false)) : 0.1f * draw(rng, Data::kRandom, dt, false)) : kSentinel);
         s1.setf(i, live ? 0.01f * std::fabs(draw(rng, Data::kRandom, dt, false)) : kSentinel);
         if (live) {
             rp[i] = master.getf(i);
@@ -388,6 +413,23 @@ std::vector<Hyper> configs(Rule rule) {
         h.wd = 0.1;
         h.decoupled = true;
         h.beta1 = 0.3;  // lerp weight 0.7 takes torch's other lerp branch
+        h.beta2 = 0.95;
+        h.lr = 3e-2;
+        h.eps = 1e-6;
+        out.push_back(h);
+    } else if (rule == Rule::kEfAdam) {
+        h.label = "efadam";
+        out.push_back(h);
+        h.label = "efadam-l2-maximize";
+        h.wd = 0.01;
+        h.maximize = true;
+        h.grad_scale = 1.0 / 3.0;
+        out.push_back(h);
+        h = Hyper();
+        h.label = "efadamw-beta1-ignored";
+        h.wd = 0.1;
+        h.decoupled = true;
+        h.beta1 = 0.3;
         h.beta2 = 0.95;
         h.lr = 3e-2;
         h.eps = 1e-6;
@@ -498,7 +540,7 @@ int main() {
     self_check();
     conversion_check();
     const uint32_t lengths[] = {0, 1, 15, 16, 17, 31, 33, 1000, 4099, 20000};  // 20000: two tiles
-    const Rule rules[] = {Rule::kAdam, Rule::kSgd, Rule::kAdagrad};
+    const Rule rules[] = {Rule::kAdam, Rule::kSgd, Rule::kAdagrad, Rule::kEfAdam};
     const DType dtypes[] = {DType::kBf16, DType::kFp16, DType::kFp32};
     const Data kinds[] = {Data::kRandom, Data::kZero, Data::kHuge, Data::kTiny, Data::kWide};
     uint32_t seed = 1;

@@ -1,6 +1,6 @@
 """The HLS update kernels (hls_kernels/, built with g++ as a C simulation) against ``lightning_smartinf.csd.rules``.
 
-Every entry point (Adam/AdamW, SGD, Adagrad; dense and top-k gradients; bf16, fp16 and fp32 gradient and
+Every entry point (Adam/AdamW, SGD, Adagrad, EF-Adam; dense and top-k gradients; bf16, fp16 and fp32 gradient and
 parameter types) runs three steps on random data and on edge cases, next to the Python rule applied the
 way the CPU backend applies it (``g = grad.float(); g.mul_(grad_scale); rule.apply(...)``).
 
@@ -33,8 +33,8 @@ import pytest
 import torch
 from ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
 
-from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams, UpdateRule
-from lightning_smartinf.csd.xrt.abi import BEAT_BYTES, adagrad_scalars, adam_scalars, load_csim_library, sgd_scalars
+from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, EFAdam, StepParams, UpdateRule
+from lightning_smartinf.csd.xrt.abi import BEAT_BYTES, derive_scalars, load_csim_library, sgd_scalars
 from lightning_smartinf.csd.xrt.model import build_csim_library
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -146,7 +146,7 @@ class Config:
     """One rule with one set of hyper-parameters (the ``step`` field is replaced per step)."""
 
     id: str
-    kernel: str  # adam | sgd | adagrad
+    kernel: str  # adam | sgd | adagrad | efadam
     rule: UpdateRule
     hp: StepParams
 
@@ -182,6 +182,19 @@ CONFIGS = [
         Adagrad(),
         StepParams(step=1, lr=0.1, weight_decay=0.1, maximize=True, grad_scale=2.5),
     ),
+    Config("efadam", "efadam", EFAdam(), StepParams(step=1, lr=1e-3)),
+    Config(
+        "efadam-l2-maximize-scaled",
+        "efadam",
+        EFAdam(),
+        StepParams(step=1, lr=1e-3, weight_decay=1e-2, maximize=True, grad_scale=1.0 / 3.0),
+    ),
+    Config(
+        "efadamw-beta1-ignored",
+        "efadam",
+        EFAdam(decoupled_weight_decay=True),
+        StepParams(step=1, lr=3e-2, weight_decay=0.1, betas=(0.3, 0.95), eps=1e-6),
+    ),
 ]
 
 
@@ -213,12 +226,7 @@ def run_kernel(
     param: np.ndarray,
     n: int,
 ) -> None:
-    if cfg.kernel == "adam":
-        scalars, flags = adam_scalars(hp, cfg.rule.decoupled_weight_decay)
-    elif cfg.kernel == "sgd":
-        scalars, flags = sgd_scalars(hp, cfg.rule.with_momentum)
-    else:
-        scalars, flags = adagrad_scalars(hp)
+    scalars, flags = derive_scalars(cfg.rule, hp)
     state_ptrs = [s.ctypes.data for s in states] if states else [None]  # SGD without momentum: no buffer
     if grad[0] == "dense":
         fn = getattr(lib, f"smartinf_{cfg.kernel}_{suffix}")
@@ -250,6 +258,8 @@ def check_case(lib: ctypes.CDLL, cfg: Config, suffix: str, n: int, kind: str, k_
     init_states = [torch.randn(n, generator=gen) * 0.1 for _ in range(n_states)]
     if cfg.kernel == "adam":
         init_states[1] = init_states[1].abs() * 0.1  # exp_avg_sq >= 0
+    if cfg.kernel == "efadam":
+        init_states[0] = init_states[0].abs() * 0.1  # exp_avg_sq >= 0
     if cfg.kernel == "adagrad":
         init_states[0] = init_states[0].abs()  # sum >= 0
 

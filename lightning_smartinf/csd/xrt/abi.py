@@ -13,12 +13,13 @@ from __future__ import annotations
 import ctypes
 import math
 import struct
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams, UpdateRule
+from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, EFAdam, StepParams, UpdateRule
 
 # ---- `flags` bits (smartinf_abi.h) -----------------------------------------------------------------------------
 FLAG_MAXIMIZE = 1 << 0
@@ -35,11 +36,11 @@ TOPK_TILE_ELEMS = 16384
 
 #: Kernel element type per torch dtype (gradient *and* parameter-output type of one entry point).
 KERNEL_TYPES: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-RULE_KERNELS = ("adam", "sgd", "adagrad")
+RULE_KERNELS = ("adam", "sgd", "adagrad", "efadam")
 #: Scalar arguments (before ``flags``) of each rule's kernels.
-SCALAR_COUNT = {"adam": 9, "sgd": 5, "adagrad": 4}
+SCALAR_COUNT = {"adam": 9, "sgd": 5, "adagrad": 4, "efadam": 8}
 #: fp32 state ports after ``master`` of each rule's kernels.
-STATE_PORTS = {"adam": 2, "sgd": 1, "adagrad": 1}
+STATE_PORTS = {"adam": 2, "sgd": 1, "adagrad": 1, "efadam": 1}
 
 ArgKind = Literal["ptr", "u32", "f32"]
 
@@ -51,7 +52,7 @@ def padded_elems(n: int, itemsize: int) -> int:
 
 
 def all_kernel_names() -> list[str]:
-    """The eighteen entry points ``smartinf_<rule>[_topk]_<T>``."""
+    """The twenty-four entry points ``smartinf_<rule>[_topk]_<T>``."""
     return [
         f"smartinf_{rule}{'_topk' if topk else ''}_{suffix}"
         for rule in RULE_KERNELS
@@ -61,7 +62,7 @@ def all_kernel_names() -> list[str]:
 
 
 def rule_kernel(rule: UpdateRule) -> str:
-    """``"adam"``, ``"sgd"`` or ``"adagrad"``; ``ValueError`` for what the kernels cannot run."""
+    """``"adam"``, ``"sgd"``, ``"adagrad"`` or ``"efadam"``; ``ValueError`` for what the kernels cannot run."""
     if isinstance(rule, Adam):
         if rule.amsgrad:
             raise ValueError(
@@ -73,6 +74,8 @@ def rule_kernel(rule: UpdateRule) -> str:
         return "sgd"
     if isinstance(rule, Adagrad):
         return "adagrad"
+    if isinstance(rule, EFAdam):
+        return "efadam"
     raise ValueError(
         f"Update rule {type(rule).__name__!r} has no kernel in hls_kernels/; `backend='xrt'` runs Adam, AdamW, SGD "
         "and Adagrad. Use one of them, or `backend='cpu'`."
@@ -133,6 +136,13 @@ def adam_scalars(hp: StepParams, decoupled: bool) -> tuple[list[float], int]:
     return scalars, flags
 
 
+def efadam_scalars(hp: StepParams, decoupled: bool) -> tuple[list[float], int]:
+    """Adam's scalars with ``beta1 = 0``, less the lerp weight: ``-lr / (1 - 0^t)`` is ``-lr``."""
+    scalars, flags = adam_scalars(replace(hp, betas=(0.0, hp.betas[1])), decoupled)
+    del scalars[3]  # lerp_w: no first moment
+    return scalars, flags
+
+
 def sgd_scalars(hp: StepParams, with_momentum: bool) -> tuple[list[float], int]:
     use_momentum = with_momentum and hp.momentum != 0.0
     scalars = [hp.grad_scale, hp.weight_decay, hp.momentum, 1.0 - hp.dampening, -hp.lr]
@@ -158,6 +168,9 @@ def derive_scalars(rule: UpdateRule, hp: StepParams) -> tuple[list[float], int]:
     if kind == "sgd":
         assert isinstance(rule, SGD)
         return sgd_scalars(hp, rule.with_momentum)
+    if kind == "efadam":
+        assert isinstance(rule, EFAdam)
+        return efadam_scalars(hp, rule.decoupled_weight_decay)
     return adagrad_scalars(hp)
 
 
