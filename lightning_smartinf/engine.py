@@ -45,7 +45,7 @@ def check_optimizer(settings: SmartUpdateSettings, optimizer: Optimizer) -> None
     """Every param group of ``optimizer`` has an update rule the devices run (and a sparse one with compression)."""
     try:
         for group in optimizer.param_groups:
-            rule = rule_for_group(optimizer, group)
+            rule = rule_for_group(optimizer, group, settings.compression)
             if settings.compression is not None:
                 check_sparse_supported(rule)
     except ValueError as exc:
@@ -172,7 +172,9 @@ def initialize(
                 callback.size_pools(module.trainer, module)
     device_dirs, owned = rank_devices(strategy)
     # The state of backend="remote" is on the servers' disks, not in `device_dirs`; the memory tier's is in RAM.
-    on_storage = state_bytes(optimizer) // strategy.world_size - (strategy.settings.state_memory_budget or 0)
+    on_storage = state_bytes(optimizer, strategy.settings.compression) // strategy.world_size - (
+        strategy.settings.state_memory_budget or 0
+    )
     if (
         strategy.is_global_zero
         and strategy.settings.backend != "remote"

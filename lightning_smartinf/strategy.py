@@ -72,7 +72,9 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             ``trainer.save_checkpoint``) until the next run starts or the process exits.
         compression: SmartComp gradient compression: the fraction of each sub-group's gradient entries sent per step
             (e.g. ``0.01``: top-1% by magnitude, as int32 index + value pairs), a dict of ``TopKCompression``
-            arguments, or ``None`` (dense). Pair it with ``CompressionWarmup`` for dense or DGC-style warm-up.
+            arguments (``{"ratio": 0.01, "rule": "auto"}``: Adam and AdamW run EF-Adam, whose first moment is the
+            error-feedback residual; ``"optimizer"`` runs their own rule), or ``None`` (dense). Pair it with
+            ``CompressionWarmup`` for dense or DGC-style warm-up.
         sub_group_size: elements per ZeRO sub-group, the unit of work of a device.
         chunk_size: elements a device streams through one buffer at a time (a multiple of 1024).
         buffer_count: chunk buffers per device, ``devices * buffer_count * chunk_size * 4 * (1 + states)`` bytes

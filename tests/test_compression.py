@@ -53,12 +53,16 @@ def _strategy(tmp_path: Path, **kwargs) -> SmartInfinityStrategy:
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_ratio_one_is_the_uncompressed_path(tmp_path, precision) -> None:
-    """Compression on but keeping everything (error feedback on) trains to bit-identical parameters."""
+    """Compression on but keeping everything (error feedback on) trains to bit-identical parameters with the
+    optimizer's own rule (EF-Adam, the default for AdamW, is compared with its dense twin in test_ef_adam.py)."""
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     kwargs = dict(steps=STEPS, accumulate=2, clip=0.5, precision=precision)
     _, dense = fit(LMModule(adamw), _strategy(tmp_path / "a"), **kwargs)
     metrics = StepMetrics()
-    trainer, ours = fit(LMModule(adamw), _strategy(tmp_path / "b", compression=1.0), callbacks=[metrics], **kwargs)
+    compression = {"ratio": 1.0, "rule": "optimizer"}
+    trainer, ours = fit(
+        LMModule(adamw), _strategy(tmp_path / "b", compression=compression), callbacks=[metrics], **kwargs
+    )
     assert trainer.global_step == STEPS
     assert dense.keys() == ours.keys()
     assert all(torch.equal(ours[n], dense[n]) for n in dense), "ratio 1.0 must reproduce the dense update exactly"

@@ -16,6 +16,10 @@ Load checks the manifest against this run, then the size and CRC-32 of every fil
 live state files, and names the missing, truncated or corrupt file in a :class:`ValueError`. Files are named
 by shard index, never by anything read from the manifest, so loading cannot reach outside the directory.
 Shards are flat files, so a state saved with N storage paths loads onto any other number of paths.
+
+A state saved by ``adam`` loads into ``ef_adam`` and back (turning compression on or off, or changing its rule,
+between runs): the records are rewritten chunk by chunk, states of the same name carried over, a state the saved
+rule lacks starting at its initial value (:data:`CONVERTIBLE_RULES`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import ctypes
 import ctypes.util
 import errno
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -46,6 +51,10 @@ FORMAT = "lightning_smartinf.state/2"
 #: Bytes per read/write/checksum block when copying state files (CRC-32 runs at ~4 GB/s, above the disk).
 BLOCK = 8 << 20
 _TMP_MARK = ".tmp-"
+#: Pairs of rules whose saved states load into each other (states matched by name; see the module docstring).
+CONVERTIBLE_RULES = (frozenset({"adam", "ef_adam"}),)
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -360,7 +369,7 @@ def load_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
     expected = [_describe(s) for s in shards]
     found = manifest.get("shards", [])
     found_plain = [{k: v for k, v in e.items() if k != "crc32"} for e in found if isinstance(e, dict)]
-    if manifest.get("chunk_elems") != chunk_elems or found_plain != expected:
+    if manifest.get("chunk_elems") != chunk_elems or not _loadable(found_plain, expected):
         raise ValueError(
             f"Device state in {directory} does not match this model and optimizer: it holds {found_plain} "
             f"(chunk_elems={manifest.get('chunk_elems')}), this run needs {expected} "
@@ -370,9 +379,23 @@ def load_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
     # Files are looked up by index (never by a name from the manifest): the checkpoint cannot point elsewhere.
     _per_device(shards, lambda s: verify_state_file(directory / shard_file_name(s.spec.index), entries[s.spec.index]))
 
+    if converted := sorted({(e["rule"], w["rule"]) for e, w in zip(found_plain, expected) if e != w}):
+        log.warning(
+            "Device state in %s was saved by update rule %s; converting it to %s (states of the same name carried "
+            "over, the others starting fresh).",
+            directory,
+            ", ".join(sorted({a for a, _ in converted})),
+            ", ".join(sorted({b for _, b in converted})),
+        )
+
     def copy_back(shard: ShardState) -> None:
         src = directory / shard_file_name(shard.spec.index)
-        crc = copy_with_crc(src, shard.path, expected_bytes=shard.layout.file_bytes, fsync=False, exclusive=False)
+        saved = entries[shard.spec.index]
+        if saved["states"] != list(shard.spec.rule.state_names):
+            layout = ChunkLayout(shard.spec.numel, chunk_elems, len(saved["states"]))
+            crc = convert_state_file(src, layout, saved["states"], shard)
+        else:
+            crc = copy_with_crc(src, shard.path, expected_bytes=shard.layout.file_bytes, fsync=False, exclusive=False)
         if crc != entries[shard.spec.index]["crc32"]:
             raise ValueError(
                 f"State file {src} changed while it was loaded (CRC-32 {crc:#010x}, expected "
@@ -380,6 +403,49 @@ def load_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
             )
 
     _per_device(shards, copy_back)
+
+
+def _loadable(found: list[dict], expected: list[dict]) -> bool:
+    """Whether saved shards ``found`` load into this run's ``expected`` ones: equal, or equal but for convertible
+    rules (and so their states and sizes)."""
+    if len(found) != len(expected):
+        return False
+    for saved, wanted in zip(found, expected):
+        if saved == wanted:
+            continue
+        same_shard = all(saved.get(k) == wanted[k] for k in ("index", "numel"))
+        if not same_shard or frozenset({saved.get("rule"), wanted["rule"]}) not in CONVERTIBLE_RULES:
+            return False
+    return True
+
+
+def convert_state_file(src: Path, saved: ChunkLayout, saved_states: Sequence[str], shard: ShardState) -> int:
+    """Rewrite ``src`` (records of ``saved_states``) as ``shard``'s live file; return the CRC-32 of ``src``.
+
+    Record by record: the master and every state ``shard``'s rule shares by name are copied, the others are set to
+    the rule's initial value (padding stays zero).
+    """
+    rule, layout = shard.spec.rule, shard.layout
+    crc = 0
+    with open(src, "rb", buffering=0) as fin, open(shard.path, "r+b", buffering=0) as fout:
+        fout.truncate(layout.file_bytes)
+        for k in range(saved.num_chunks):
+            raw = bytearray(saved.record_bytes(k))
+            if fin.readinto(raw) != len(raw):
+                raise ValueError(f"State file {src} ended early in chunk {k}.")
+            crc = zlib.crc32(raw, crc)
+            old = torch.frombuffer(raw, dtype=torch.float32).view(saved.tensors_per_record, saved.padded_len(k))
+            new = torch.zeros(layout.tensors_per_record, layout.padded_len(k), dtype=torch.float32)
+            n = layout.chunk_range(k)[1]
+            new[0] = old[0]
+            for i, name in enumerate(rule.state_names, start=1):
+                if name in saved_states:
+                    new[i] = old[1 + list(saved_states).index(name)]
+                else:
+                    new[i, :n] = rule.initial_state_value(name)
+            fout.seek(layout.record_offset(k))
+            fout.write(new.numpy().tobytes())
+    return crc
 
 
 def read_shard_masters(path: Path, layout: ChunkLayout) -> Tensor:

@@ -165,7 +165,11 @@ class SmartUpdate:
         self._offsets = offsets
         backend.open(
             [
-                ShardSpec(index=i, numel=s.numel, rule=rule_for_group(optimizer, optimizer.param_groups[s.param_group]))
+                ShardSpec(
+                    index=i,
+                    numel=s.numel,
+                    rule=rule_for_group(optimizer, optimizer.param_groups[s.param_group], settings.compression),
+                )
                 for i, s in enumerate(self.sub_groups)
             ]
         )

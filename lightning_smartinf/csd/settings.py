@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightning_smartinf.arguments import Problems, show
-from lightning_smartinf.csd.compression import TopKCompression
+from lightning_smartinf.csd.compression import RULE_CHOICES, TopKCompression
 from lightning_smartinf.csd.io import IO_ALIGN
 from lightning_smartinf.csd.layout import ELEM_ALIGN, POOL_TENSORS, pool_bytes
 from lightning_smartinf.csd.storage import validate_storage_path
@@ -465,6 +465,14 @@ def _compression(problems: Problems, value: Any) -> TopKCompression | None:
         for key in ("error_feedback", "layerwise"):
             if key in value:
                 valid = inside.flag(key, value[key]) and valid
+        if "rule" in value:
+            valid = inside.choice("rule", value["rule"], RULE_CHOICES) and valid
+        if valid and value.get("rule") == "ef_adam" and value.get("error_feedback") is False:
+            problems.add(
+                "`compression` rule 'ef_adam' needs `error_feedback=True`: the residual is its first moment. Turn "
+                "error feedback on, or use `rule='optimizer'`."
+            )
+            valid = False
         return TopKCompression(**value) if valid else None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return TopKCompression(value) if problems.ratio("compression", value) else None
@@ -473,7 +481,7 @@ def _compression(problems: Problems, value: Any) -> TopKCompression | None:
         value,
         (),
         "the kept ratio (a number with 0 < ratio <= 1, e.g. 0.01), a dict like "
-        "{'ratio': 0.01, 'error_feedback': False}, a `TopKCompression`, or None",
+        "{'ratio': 0.01, 'rule': 'ef_adam'}, a `TopKCompression`, or None",
         fix="Pass e.g. `compression=0.01`." if not isinstance(value, str) else "",
     )
     return None

@@ -6,18 +6,29 @@ from typing import Any
 
 import torch
 
+from lightning_smartinf.csd.compression import TopKCompression, compressed_rule
 from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams, UpdateRule
 
 #: Optimizers whose update the devices run, as users write them in ``configure_optimizers``.
 SUPPORTED_OPTIMIZERS = ("torch.optim.Adam", "torch.optim.AdamW", "torch.optim.SGD", "torch.optim.Adagrad")
 
 
-def rule_for_group(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> UpdateRule:
-    """The update rule that reproduces ``optimizer``'s step on the params of ``group``.
+def rule_for_group(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], compression: TopKCompression | None = None
+) -> UpdateRule:
+    """The update rule the devices run for ``optimizer``'s step on the params of ``group``.
+
+    Without ``compression`` (or with ``rule='optimizer'``) it reproduces the optimizer's step; with it, Adam and AdamW
+    may become :class:`~lightning_smartinf.csd.rules.EFAdam` (:func:`~lightning_smartinf.csd.compression.
+    compressed_rule`).
 
     Raises:
         ValueError: the optimizer (or one of its options) has no device implementation.
     """
+    return compressed_rule(_optimizer_rule(optimizer, group), compression)
+
+
+def _optimizer_rule(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> UpdateRule:
     if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         # AdamW subclasses Adam in recent torch and sets `decoupled_weight_decay` itself; older torch did not.
         decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
@@ -54,13 +65,13 @@ def step_params(group: dict[str, Any], *, step: int, grad_scale: float) -> StepP
     )
 
 
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+def state_bytes(optimizer: torch.optim.Optimizer, compression: TopKCompression | None = None) -> int:
     """Bytes of fp32 master weights and optimizer states of ``optimizer``'s trainable parameters.
 
     A ZeRO-3 parameter counts at its full size (``ds_numel``), not its partition on this rank.
     """
     return sum(
-        getattr(p, "ds_numel", p.numel()) * rule_for_group(optimizer, group).bytes_per_element
+        getattr(p, "ds_numel", p.numel()) * rule_for_group(optimizer, group, compression).bytes_per_element
         for group in optimizer.param_groups
         for p in group["params"]
         if p.requires_grad

@@ -34,7 +34,7 @@ from lightning_smartinf.csd.checkpoint import MANIFEST, shard_file_name
 from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.cpu import CpuBackend
 from lightning_smartinf.csd.layout import ChunkLayout
-from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams, UpdateRule
+from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, EFAdam, StepParams, UpdateRule
 from lightning_smartinf.csd.storage import StorageError, check_free_space, validate_storage_path
 from lightning_smartinf.csd.xrt import XrtBackend, forget_platform, write_model_xclbin
 
@@ -69,6 +69,19 @@ OPTIMIZERS: dict[str, tuple[UpdateRule, type, dict, dict]] = {
         {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
         {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
     ),
+    # EF-Adam is torch's Adam/AdamW with beta1 = 0; the step's own beta1 (0.9 here) must be ignored.
+    "ef_adamw": (
+        EFAdam(decoupled_weight_decay=True),
+        torch.optim.AdamW,
+        {"betas": (0.0, 0.99), "eps": 1e-6, "weight_decay": 0.1},
+        {"betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.1},
+    ),
+    "ef_adam_l2_maximize": (
+        EFAdam(),
+        torch.optim.Adam,
+        {"betas": (0.0, 0.999), "weight_decay": 0.01, "maximize": True},
+        {"weight_decay": 0.01, "maximize": True},
+    ),
     "sgd_plain": (SGD(with_momentum=False), torch.optim.SGD, {}, {}),
     "adagrad": (
         Adagrad(initial_accumulator_value=0.1),
@@ -82,7 +95,7 @@ SUBSTITUTES = {"xrt": {"adam_amsgrad": "adam_l2_maximize"}}
 
 #: Odd sizes: one element, just under and over the 1024-element alignment, exactly one chunk, several chunks.
 ODD_SIZES = [1, 1023, 1025, CHUNK, 3 * CHUNK + 5]
-ODD_OPTS = ["adamw", "sgd_nesterov", "adagrad", "adam_amsgrad", "sgd_plain"]
+ODD_OPTS = ["adamw", "sgd_nesterov", "adagrad", "adam_amsgrad", "sgd_plain", "ef_adamw"]
 
 
 def _lr(t: int) -> float:
@@ -267,14 +280,15 @@ def test_every_optimizer_on_a_multi_chunk_shard(tmp_path, make_backend) -> None:
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_sparse_grads_match_torch_optim_on_the_dense_scatter(tmp_path, make_backend, grad_dtype) -> None:
     """Top-k gradients (xrt: the ``*_topk_*`` kernels, pairs rebased per chunk) update as their dense scatter."""
-    names = ["adamw", "sgd_nesterov", "adagrad", "adam_l2_maximize", "sgd_plain"]
+    names = ["adamw", "sgd_nesterov", "adagrad", "adam_l2_maximize", "sgd_plain", "ef_adamw", "ef_adam_l2_maximize"]
+    sizes = [*ODD_SIZES, 1025, 3 * CHUNK + 5]
     backend = make_backend(_dirs(tmp_path, 2), buffer_count=2)
-    model = Model(backend, ODD_SIZES, names, seed=9)
+    model = Model(backend, sizes, names, seed=9)
     before = backend.traffic_snapshot()
     for ratio in (0.3, 0.0, 1.0, 0.01):
         model.step(grad_dtype=grad_dtype, out_dtype=grad_dtype, sparse_ratio=ratio, grad_scale=0.5)
     model.check_masters()
-    pairs = sum(int(n * r) for n in ODD_SIZES for r in (0.3, 0.0, 1.0, 0.01))
+    pairs = sum(int(n * r) for n in sizes for r in (0.3, 0.0, 1.0, 0.01))
     link = (backend.traffic_snapshot() - before).link_write_bytes
     assert link == pairs * (4 + grad_dtype.itemsize)
 
@@ -473,6 +487,36 @@ def test_load_rejects_other_rule(tmp_path, make_backend) -> None:
     with pytest.raises(ValueError, match="does not match") as info:
         other.load(ckpt)
     assert "adagrad" in str(info.value) and "sgd" in str(info.value)
+
+
+@pytest.mark.parametrize(("before", "after"), [("adamw", "ef_adamw"), ("ef_adamw", "adamw")])
+def test_load_converts_between_adam_and_ef_adam(tmp_path, make_backend, before, after, caplog) -> None:
+    """Turning compression's EF-Adam on or off between runs: masters and the second moment carry over, Adam's first
+    moment starts at zero (and EF-Adam drops it), so training continues as torch.optim with beta1 switched."""
+    sizes = [1025, 3 * CHUNK + 5]
+    model = Model(make_backend(_dirs(tmp_path / "run1", 2), buffer_count=2), sizes, [before] * 2, seed=12)
+    for _ in range(3):
+        model.step()
+    ckpt = tmp_path / "ckpt"
+    model.backend.save(ckpt)
+    second = make_backend(_dirs(tmp_path / "run2", 1), buffer_count=3)
+    model.opts = [OPTIMIZERS[after]] * 2
+    model.specs = [ShardSpec(i, n, OPTIMIZERS[after][0]) for i, n in enumerate(sizes)]
+    second.open(model.specs)
+    with caplog.at_level("WARNING", logger="lightning_smartinf.csd.checkpoint"):
+        second.load(ckpt)
+    assert f"saved by update rule {OPTIMIZERS[before][0].name}; converting it to {OPTIMIZERS[after][0].name}" in (
+        caplog.text
+    )
+    model.backend = second
+    model.check_masters()
+    for opt in model.torch_opts:
+        opt.param_groups[0]["betas"] = OPTIMIZERS[after][2]["betas"]
+        for state in opt.state.values():
+            state["exp_avg"].zero_()  # EF-Adam has none; Adam's starts fresh (EF-Adam overwrites it with g anyway)
+    for _ in range(3):
+        model.step()
+    model.check_masters()
 
 
 def test_load_rejects_other_state_set(tmp_path, make_backend, backend_kind) -> None:
