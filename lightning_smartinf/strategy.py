@@ -393,6 +393,6 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         strategy_registry.register(
             "smart_infinity_comp",
             cls,
-            description="smart_infinity with top-1% gradient compression and error feedback (SmartComp)",
+            description="smart_infinity with top-1% gradient compression, error feedback and EF-Adam (SmartComp)",
             compression=0.01,
         )

@@ -255,9 +255,21 @@ def test_one_percent_with_sgd_momentum_converges_within_5_percent_of_dense(tmp_p
 
 
 @pytest.mark.slow
-def test_one_percent_adamw_fine_tuning_stays_within_5_percent_of_dense(tmp_path) -> None:
-    """docs/compression.md's fine-tuning record, re-run: AdamW on Python source after dense English pre-training."""
+def test_one_percent_adamw_fine_tuning_stays_within_3_percent_of_dense(tmp_path) -> None:
+    """docs/compression.md's fine-tuning record, re-run: AdamW (EF-Adam on the devices) on Python source after dense
+    English pre-training. Recorded: +2.0%; the margin absorbs other CPUs' rounding."""
     result = _convergence_record(tmp_path, "finetune", ["--finetune", "--steps", "200"])
-    assert result["optimizer"] == "adamw" and result["pretrain_steps"] == 400
-    assert result["relative_difference"] < 0.05, result
+    assert result["optimizer"] == "adamw" and result["pretrain_steps"] == 400 and result["rule"] == "auto"
+    assert result["relative_difference"] < 0.03, result
+    assert result["link_bytes_per_param_per_step_compressed"] <= 2.1
+    assert result["storage_bytes_per_param_per_step_compressed"] < 16.1  # EF-Adam: master + exp_avg_sq, read + write
+
+
+@pytest.mark.slow
+def test_one_percent_adamw_from_scratch_stays_within_3_percent_of_dense(tmp_path) -> None:
+    """docs/compression.md's AdamW pre-training record with EF-Adam, re-run (recorded: +0.3%; the optimizer's own
+    rule lost 8.8% here)."""
+    result = _convergence_record(tmp_path, "adamw", ["--steps", "400"])
+    assert result["optimizer"] == "adamw" and result["rule"] == "auto"
+    assert result["relative_difference"] < 0.03, result
     assert result["link_bytes_per_param_per_step_compressed"] <= 2.1

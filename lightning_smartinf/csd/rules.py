@@ -83,6 +83,18 @@ class UpdateRule(ABC):
         return 4 * (1 + len(self.state_names))
 
 
+def _adam_sign_and_decay(master: Tensor, grad: Tensor, hp: StepParams, decoupled: bool) -> None:
+    """torch's Adam/AdamW before the moments: negate for ``maximize``, then decoupled decay of ``master`` (AdamW) or
+    L2 decay into ``grad`` (Adam)."""
+    if hp.maximize:
+        grad.neg_()
+    if hp.weight_decay != 0.0:
+        if decoupled:
+            master.mul_(1.0 - hp.lr * hp.weight_decay)
+        else:
+            grad.add_(master, alpha=hp.weight_decay)
+
+
 @dataclass(frozen=True)
 class Adam(UpdateRule):
     """``torch.optim.Adam`` (``decoupled_weight_decay=False``) and ``torch.optim.AdamW`` (``True``).
@@ -124,13 +136,7 @@ class Adam(UpdateRule):
                 maximize=hp.maximize,
             )
             return
-        if hp.maximize:
-            grad.neg_()
-        if hp.weight_decay != 0.0:
-            if self.decoupled_weight_decay:
-                master.mul_(1.0 - hp.lr * hp.weight_decay)
-            else:
-                grad.add_(master, alpha=hp.weight_decay)
+        _adam_sign_and_decay(master, grad, hp, self.decoupled_weight_decay)
         exp_avg.lerp_(grad, 1.0 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         bias_correction1 = 1.0 - beta1**hp.step
@@ -171,13 +177,7 @@ class EFAdam(UpdateRule):
     def apply(self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams) -> None:
         exp_avg_sq = states[0]
         beta2 = hp.betas[1]
-        if hp.maximize:
-            grad.neg_()
-        if hp.weight_decay != 0.0:
-            if self.decoupled_weight_decay:
-                master.mul_(1.0 - hp.lr * hp.weight_decay)
-            else:
-                grad.add_(master, alpha=hp.weight_decay)
+        _adam_sign_and_decay(master, grad, hp, self.decoupled_weight_decay)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         bias_correction2_sqrt = math.sqrt(1.0 - beta2**hp.step)
         denom = exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(hp.eps)
