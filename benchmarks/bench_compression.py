@@ -12,6 +12,15 @@ Lightning), then fine-tuned from those weights on Python source (the standard li
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_compression.py --steps 400 --out docs/compression
     PYTHONPATH=. .venv/bin/python benchmarks/bench_compression.py --finetune --steps 200 --out docs/compression-ft
+
+With ``--task gpt2``, the second, larger task: the GPT-2 pre-training recipe's model (``HFCausalLM``, the recipe's
+byte-level BPE tokenizer trained on ``recipes/data/python_docs.txt``) widened to ``--gpt2-dim`` and ``--gpt2-layers``
+(12.3M parameters by default), pre-trained from scratch on Python source (the first ``--gpt2-text-mb`` MB of the
+standard library's modules, 95% / 5% held out: enough text that 2,000 steps do not repeat it much), batch 8 x 128
+tokens, AdamW (peak LR 1e-3, 10 warm-up steps, cosine to 10%), gradient clipping at 1.0, ``bf16-mixed``.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_compression.py --task gpt2 --steps 2000 --val-every 250 \
+        --out docs/compression-gpt2
 """
 
 from __future__ import annotations
@@ -68,6 +77,7 @@ class Record(L.Callback):
         self.val: list[tuple[int, float]] = []
         self.train: list[tuple[int, float]] = []
         self.link_per_step: list[float] = []
+        self.storage_per_step: list[float] = []
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
@@ -75,8 +85,9 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
         m = trainer.callback_metrics
-        self.train.append((trainer.global_step, float(m["loss"])))
+        self.train.append((trainer.global_step, float(m["loss"] if "loss" in m else m["train_loss"])))
         self.link_per_step.append(float(m["smartinf/link_write_bytes"]) + float(m["smartinf/link_read_bytes"]))
+        self.storage_per_step.append(float(m["smartinf/storage_read_bytes"]) + float(m["smartinf/storage_write_bytes"]))
 
 
 def python_source() -> str:
@@ -111,6 +122,50 @@ def pretrain(vocab: list[str], steps: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def gpt2_task(root: Path, dim: int, layers: int, text_mb: float) -> tuple[Any, Any]:
+    """The GPT-2 recipe's module and data module, on Python source (see the module docstring)."""
+    from lightning_smartinf.hf import HFCausalLM, TextDataModule
+
+    text = root / "python_source.txt"
+    files = sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/**/*.py", recursive=True))
+    chunks, size = [], 0
+    for f in files:
+        if size >= text_mb * 1e6:
+            break
+        part = Path(f).read_text(encoding="utf-8", errors="replace")
+        chunks.append(part)
+        size += len(part)
+    text.write_text("".join(chunks))
+    repo = Path(__file__).resolve().parents[1]
+    tokenizer = root / "tokenizer"
+    module = HFCausalLM(
+        config={
+            "model_type": "gpt2",
+            "n_positions": 256,
+            "n_embd": dim,
+            "n_layer": layers,
+            "n_head": max(1, dim // 64),
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
+        tokenizer_path=str(tokenizer),
+        tokenizer_train_files=[str(repo / "recipes" / "data" / "python_docs.txt")],
+        tokenizer_vocab_size=4096,
+        optimizer="adamw",
+        lr=1e-3,
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+        warmup_steps=10,
+        scheduler="cosine",
+        min_lr_ratio=0.1,
+    )
+    data = TextDataModule(
+        train_file=str(text), block_size=128, batch_size=8, val_fraction=0.05, tokenizer_path=str(tokenizer)
+    )
+    return module, data
+
+
 def train(
     name: str,
     *,
@@ -119,16 +174,21 @@ def train(
     warmup: CompressionWarmup | None,
     val_every: int,
     root: Path,
-    data: tuple[Subset, Subset],
+    data: tuple[Subset, Subset] | None,
     vocab: list[str],
     optimizer: str = "adamw",
     error_feedback: bool = True,
+    rule: str = "auto",
     max_lr: float = 3e-3,
     init: dict[str, torch.Tensor] | None = None,
+    gpt2: tuple[int, int, float] | None = None,
 ) -> tuple[Record, int]:
     L.seed_everything(0, verbose=False)
-    train_set, val_set = data
-    model = ValidatedCharGPT(len(vocab), seq=SEQ, optimizer=optimizer, max_lr=max_lr)
+    if gpt2 is not None:
+        model, datamodule = gpt2_task(root, *gpt2)
+        model.configure_model()
+    else:
+        model = ValidatedCharGPT(len(vocab), seq=SEQ, optimizer=optimizer, max_lr=max_lr)
     if init is not None:
         model.load_state_dict(init)
     params = sum(p.numel() for p in model.parameters())
@@ -143,13 +203,14 @@ def train(
             storage_paths=storage,
             sub_group_size=100_000,
             chunk_size=1 << 16,
-            compression=None if ratio is None else {"ratio": ratio, "error_feedback": error_feedback},
+            compression=None if ratio is None else {"ratio": ratio, "error_feedback": error_feedback, "rule": rule},
         ),
         precision="bf16-mixed",
         max_steps=steps,
         val_check_interval=val_every,
         check_val_every_n_epoch=None,
-        limit_val_batches=16,
+        limit_val_batches=16 if gpt2 is None else 32,
+        gradient_clip_val=None if gpt2 is None else 1.0,
         num_sanity_val_steps=0,
         logger=False,
         enable_checkpointing=False,
@@ -157,6 +218,10 @@ def train(
         enable_model_summary=False,
         callbacks=[record, *([warmup] if warmup else [])],
     )
+    if gpt2 is not None:
+        trainer.fit(model, datamodule=datamodule)
+        return record, params
+    train_set, val_set = data
     generator = torch.Generator().manual_seed(0)
     trainer.fit(
         model,
@@ -164,6 +229,18 @@ def train(
         DataLoader(val_set, batch_size=32),
     )
     return record, params
+
+
+def reference_record(path: Path) -> tuple[Record, int]:
+    """The dense run of an earlier record (``--dense-from``): validation losses, link and storage bytes per step."""
+    saved = json.loads(path.read_text())
+    record = Record()
+    record.val = [tuple(v) for v in saved["val_dense"]]
+    record.train = [tuple(v) for v in saved.get("train_dense", [])]
+    steps = saved["steps"]
+    record.link_per_step = [saved["link_bytes_per_param_per_step_dense"] * saved["params"]] * steps
+    record.storage_per_step = [saved["storage_bytes_per_param_per_step_dense"] * saved["params"]] * steps
+    return record, saved["params"]
 
 
 def plot(dense: Record, comp: Record, ratio: float, warmup_steps: int, out: Path) -> None:
@@ -174,8 +251,9 @@ def plot(dense: Record, comp: Record, ratio: float, warmup_steps: int, out: Path
 
     fig, (ax_loss, ax_link) = plt.subplots(1, 2, figsize=(11, 4))
     for record, label, colour in ((dense, "dense", "tab:blue"), (comp, f"top-{ratio:.0%} + error feedback", "tab:red")):
-        steps, losses = zip(*record.train)
-        ax_loss.plot(steps, losses, color=colour, alpha=0.25, linewidth=0.8)
+        if record.train:  # a dense run taken from an older record may lack its training losses
+            steps, losses = zip(*record.train)
+            ax_loss.plot(steps, losses, color=colour, alpha=0.25, linewidth=0.8)
         steps, losses = zip(*record.val)
         ax_loss.plot(steps, losses, color=colour, marker="o", markersize=3, label=f"{label} (validation)")
     ax_loss.axvline(warmup_steps, color="grey", linestyle=":", label="end of compression warm-up")
@@ -205,19 +283,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-every", type=int, default=25)
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--no-error-feedback", action="store_true")
+    parser.add_argument(
+        "--rule", choices=["auto", "optimizer", "ef_adam"], default="auto", help="the compressed run's device rule"
+    )
     parser.add_argument("--finetune", action="store_true", help="pre-train on English, fine-tune on Python source")
     parser.add_argument("--pretrain-steps", type=int, default=400, help="dense pre-training steps (--finetune)")
     parser.add_argument("--finetune-lr", type=float, default=1e-3, help="AdamW peak LR of fine-tuning (--finetune)")
+    parser.add_argument(
+        "--task", choices=["char", "gpt2"], default="char", help="char GPT, or the GPT-2 recipe's model"
+    )
+    parser.add_argument("--gpt2-dim", type=int, default=384)
+    parser.add_argument("--gpt2-layers", type=int, default=6)
+    parser.add_argument("--gpt2-text-mb", type=float, default=4.0, help="MB of Python source to train on (--task gpt2)")
+    parser.add_argument(
+        "--dense-from",
+        type=Path,
+        default=None,
+        help="take the dense run from an earlier record (its .json) of the same task and steps instead of running it",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write <out>.png and <out>.json")
     args = parser.parse_args(argv)
 
     warmup = CompressionWarmup(dense_steps=args.dense_steps, schedule="dgc", steps_per_stage=args.steps_per_stage)
-    english = english_text()
+    gpt2 = (args.gpt2_dim, args.gpt2_layers, args.gpt2_text_mb) if args.task == "gpt2" else None
+    english = english_text() if gpt2 is None else ""
     code = python_source() if args.finetune else ""
     vocab = sorted(set(english) | set(code))
     init = pretrain(vocab, args.pretrain_steps) if args.finetune else None
-    data = split(code if args.finetune else english, vocab)
-    max_lr = args.finetune_lr if args.finetune else 3e-3
+    data = split(code if args.finetune else english, vocab) if gpt2 is None else None
+    max_lr = args.finetune_lr if args.finetune else 1e-3 if args.task == "gpt2" else 3e-3
+    dense_run = {"ratio": None, "warmup": None}
     with tempfile.TemporaryDirectory(prefix="smartinf-comp-") as root:
         common = dict(
             steps=args.steps,
@@ -228,9 +323,12 @@ def main(argv: list[str] | None = None) -> int:
             vocab=vocab,
             max_lr=max_lr,
             init=init,
+            gpt2=gpt2,
         )
-        dense, params = train("dense", ratio=None, warmup=None, **common)
-        comp, _ = train("comp", ratio=args.ratio, warmup=warmup, error_feedback=not args.no_error_feedback, **common)
+        dense, params = reference_record(args.dense_from) if args.dense_from else train("dense", **dense_run, **common)
+        comp, _ = train(
+            "comp", ratio=args.ratio, warmup=warmup, error_feedback=not args.no_error_feedback, rule=args.rule, **common
+        )
     dense.params = comp.params = params
     warm = warmup.warmup_steps()
     final_dense, final_comp = dense.val[-1][1], comp.val[-1][1]
@@ -241,7 +339,14 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": args.ratio,
         "optimizer": args.optimizer,
         "error_feedback": not args.no_error_feedback,
-        "task": "fine-tune on Python source after dense pre-training on English" if args.finetune else "pre-train",
+        "rule": args.rule,
+        "task": (
+            "fine-tune on Python source after dense pre-training on English"
+            if args.finetune
+            else "GPT-2 recipe model, pre-train on Python source"
+            if gpt2
+            else "pre-train"
+        ),
         "pretrain_steps": args.pretrain_steps if args.finetune else 0,
         "max_lr": max_lr if args.optimizer == "adamw" else 0.3,
         "warmup_steps": warm,
@@ -250,7 +355,14 @@ def main(argv: list[str] | None = None) -> int:
         "relative_difference": (final_comp - final_dense) / final_dense,
         "link_bytes_per_param_per_step_dense": dense.link_per_step[-1] / params,
         "link_bytes_per_param_per_step_compressed": max(after) / params,
+        "link_bytes_per_param_per_step_compressed_whole_run": sum(comp.link_per_step)
+        / len(comp.link_per_step)
+        / params,
+        "storage_bytes_per_param_per_step_dense": dense.storage_per_step[-1] / params,
+        "storage_bytes_per_param_per_step_compressed": comp.storage_per_step[-1] / params,
+        "dense_from": str(args.dense_from) if args.dense_from else None,
         "val_dense": dense.val,
+        "train_dense": dense.train,
         "val_compressed": comp.val,
     }
     print(json.dumps({k: v for k, v in result.items() if not k.startswith("val_")}, indent=2))

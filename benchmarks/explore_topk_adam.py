@@ -4,19 +4,25 @@ This is **not** the product path (no DeepSpeed, no devices, fp32, no bf16 roundi
 layer-wise top-k + error feedback are written out here so that variants of the device rule can be tried in
 seconds. `bench_compression.py` measures the real path; on the baseline variants the two agree within ~0.5%.
 
-Variants (comma-separated ``--variants``):
+A variant is a base and ``+``-separated modifiers (comma-separated ``--variants``):
 
-- ``dense``: AdamW, every gradient sent.
-- ``ef``: 1% top-k per parameter with error feedback, the device runs ordinary AdamW (what we ship).
-- ``frozen``: as ``ef``, but the device stops updating Adam's variance once the warm-up ends (1-bit Adam).
-- ``age``: as ``ef``, but an entry sent after ``a`` steps adds ``G**2 / a`` to the variance, not ``G**2``.
-- ``vsel``: as ``ef``, but entries are selected by ``|residual| / sqrt(v)`` (v tracked on the host).
-- ``sgd_dense`` / ``sgd_ef``: SGD with Nesterov momentum, dense and 1% top-k with error feedback.
+- bases: ``dense`` (AdamW, every gradient sent); ``ef`` (1% top-k per parameter with error feedback, the device runs
+  ordinary AdamW: what shipped before EF-Adam); ``micro`` (MicroAdam's statistics: the update is Adam's ratio over a
+  window of the last 10 sent gradients); ``sgd_dense`` / ``sgd_ef`` (SGD with Nesterov momentum).
+- modifiers: ``b1=X`` (the device's beta1; ``ef+b1=0`` is EF-Adam, also spelled ``ef_adam``); ``hybrid`` (beta1
+  only while the warm-up is dense); ``frozen`` (the variance stops updating once the warm-up ends, as 1-bit Adam);
+  ``age`` (an entry sent after ``a`` steps adds ``G**2 / a`` to the variance, not ``G**2``); ``vsel`` (entries
+  selected by ``|residual| / sqrt(v)``, v tracked on the host); ``factored`` (the device's variance takes the
+  row and column sums of the dense gradient's squares, Adafactor's rank-1 estimate, which the host would send
+  beside the pairs); ``fsel`` (with ``factored``: select by ``|residual| / sqrt(v)``); ``dense_small=N``
+  (parameters of fewer than N elements, biases and norms, sent whole).
+- the names of earlier versions still work: ``frozen``, ``age``, ``vsel`` mean ``ef+frozen`` and so on.
 
 ``--finetune N`` first trains dense for ``--steps`` steps on English, then fine-tunes for N steps on Python
 source (the paper's accuracy claims are for fine-tuning) and compares the variants there.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/explore_topk_adam.py --steps 400 --variants dense,ef,frozen
+    PYTHONPATH=. .venv/bin/python benchmarks/explore_topk_adam.py --steps 400 --variants dense,ef,ef_adam,micro
+    PYTHONPATH=. .venv/bin/python benchmarks/explore_topk_adam.py --finetune 200 --variants dense,ef,ef_adam
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from lightning_smartinf.demo import CharDataset, CharGPT, english_text
 
 SEQ = 64
+WINDOW = 10  # MicroAdam's window of sent gradients
+ALIASES = {"ef_adam": "ef+b1=0", "frozen": "ef+frozen", "age": "ef+age", "vsel": "ef+vsel"}
 DENSE_STEPS, STAGE_STEPS, DGC = 20, 10, (0.25, 0.0625, 0.015625)  # bench_compression.py's warm-up
 
 
@@ -54,8 +62,21 @@ def batches(dataset: Dataset, seed: int) -> Iterator[tuple[torch.Tensor, torch.T
         yield from loader
 
 
+def factored_square(grad: torch.Tensor) -> torch.Tensor:
+    """Adafactor's rank-1 estimate of ``grad ** 2`` from its row and column sums (exact for 1-D tensors)."""
+    g2 = grad.float().square()
+    if grad.ndim < 2:
+        return g2
+    rows = g2.reshape(g2.shape[0], -1)
+    r, c = rows.sum(1, keepdim=True), rows.sum(0, keepdim=True)
+    return (r * c / r.sum().clamp_min(1e-30)).view_as(grad)
+
+
 def train(model: nn.Module, dataset: Dataset, steps: int, variant: str, max_lr: float, ratio: float) -> None:
-    sgd = variant.startswith("sgd")
+    first, *rest = variant.split("+")
+    base, *mods = ALIASES.get(first, first).split("+") + rest
+    options = dict(m.split("=") if "=" in m else (m, "") for m in mods)
+    sgd = base.startswith("sgd")
     params = list(model.parameters())
     decay = {id(p): (0.0 if sgd or p.ndim < 2 else 0.1) for p in params}
     # Only for the learning-rate (and beta1 / momentum) schedule; the updates are written out below.
@@ -64,6 +85,7 @@ def train(model: nn.Module, dataset: Dataset, steps: int, variant: str, max_lr: 
     )
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=steps)
     state = {id(p): {k: torch.zeros_like(p) for k in ("m", "v", "residual", "age", "v_host")} for p in params}
+    window: dict[int, list[torch.Tensor]] = {id(p): [] for p in params}
     frozen_at: int | None = None
     data = batches(dataset, seed=0)
     for step in range(1, steps + 1):
@@ -74,23 +96,31 @@ def train(model: nn.Module, dataset: Dataset, steps: int, variant: str, max_lr: 
         group = opt.param_groups[0]
         lr = group["lr"]
         beta1, beta2 = group.get("betas", (0.9, 0.999))
-        keep = None if variant.endswith("dense") else kept_ratio(step - 1, ratio)
-        if variant == "frozen" and frozen_at is None and step - 1 >= DENSE_STEPS + STAGE_STEPS * 3:
+        if "b1" in options:
+            beta1 = float(options["b1"])
+        keep = None if base.endswith("dense") else kept_ratio(step - 1, ratio)
+        if "hybrid" in options and keep is None:
+            beta1 = group["betas"][0]
+        if "frozen" in options and frozen_at is None and step - 1 >= DENSE_STEPS + STAGE_STEPS * 3:
             frozen_at = step - 1
         with torch.no_grad():
             for p in params:
                 s, grad = state[id(p)], p.grad
                 v_weight: torch.Tensor | None = None
-                if variant == "vsel":
+                square = factored_square(grad) if "factored" in options else None
+                if "vsel" in options:
                     s["v_host"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                if keep is None:
+                small = "dense_small" in options and p.numel() < int(options["dense_small"])
+                if keep is None or small:
                     grad = grad + s["residual"]
                     s["residual"].zero_()
                     s["age"].zero_()
                 else:
                     flat = s["residual"].view(-1)
                     flat.add_(grad.view(-1))
-                    score = flat.abs() / (s["v_host"].view(-1).sqrt() + 1e-12) if variant == "vsel" else flat.abs()
+                    score = flat.abs()
+                    if "vsel" in options or "fsel" in options:
+                        score = score / (s["v_host" if "vsel" in options else "v"].view(-1).sqrt() + 1e-12)
                     idx = score.topk(max(1, math.ceil(keep * flat.numel()))).indices
                     sent = torch.zeros_like(flat)
                     sent[idx] = flat[idx]
@@ -98,7 +128,7 @@ def train(model: nn.Module, dataset: Dataset, steps: int, variant: str, max_lr: 
                     grad = sent.view_as(p)
                     age = s["age"].view(-1)
                     age.add_(1)
-                    if variant == "age":
+                    if "age" in options:
                         weight = torch.zeros_like(flat)
                         weight[idx] = 1.0 / age[idx]
                         v_weight = weight.view_as(p)
@@ -109,8 +139,23 @@ def train(model: nn.Module, dataset: Dataset, steps: int, variant: str, max_lr: 
                     p.add_(grad + group["momentum"] * buf, alpha=-lr)
                     continue
                 p.mul_(1 - lr * decay[id(p)])
+                if base == "micro":
+                    sent_window = window[id(p)]
+                    sent_window.append(grad.clone())
+                    del sent_window[:-WINDOW]
+                    m_hat, v_hat = torch.zeros_like(p), torch.zeros_like(p)
+                    for a, g in enumerate(reversed(sent_window)):
+                        m_hat.add_(g, alpha=beta1**a)
+                        v_hat.addcmul_(g, g, value=beta2**a)
+                    n = len(sent_window)
+                    m_hat.mul_((1 - beta1) / (1 - beta1**n))
+                    v_hat.mul_((1 - beta2) / (1 - beta2**n))
+                    p.addcdiv_(m_hat, v_hat.sqrt().add_(1e-8), value=-lr)
+                    continue
                 s["m"].lerp_(grad, 1 - beta1)
-                if frozen_at is None:
+                if square is not None:
+                    s["v"].mul_(beta2).add_(square, alpha=1 - beta2)
+                elif frozen_at is None:
                     s["v"].mul_(beta2).addcmul_(grad, grad if v_weight is None else grad * v_weight, value=1 - beta2)
                 v_step = frozen_at if frozen_at is not None else step
                 denom = s["v"].sqrt().div_(math.sqrt(1 - beta2**v_step)).add_(1e-8)
