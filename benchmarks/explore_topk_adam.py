@@ -163,6 +163,49 @@ def train(model: nn.Module, dataset: Dataset, steps: int, variant: str, max_lr: 
         sched.step()
 
 
+class TokenWindows(Dataset):
+    """Consecutive ``seq``-token windows of ``ids`` and their next-token targets."""
+
+    def __init__(self, ids: torch.Tensor, seq: int) -> None:
+        self.ids, self.seq = ids, seq
+
+    def __len__(self) -> int:
+        return (self.ids.numel() - 1) // self.seq
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.ids[i * self.seq : (i + 1) * self.seq + 1]
+        return window[:-1], window[1:]
+
+
+class GPT2Logits(nn.Module):
+    """bench_compression's ``--task gpt2`` model (the GPT-2 recipe's, 6 x 384: 12.3M parameters), returning logits."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=vocab, n_positions=256, n_embd=384, n_layer=6, n_head=6)
+        config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+        self.model = GPT2LMHeadModel(config)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens).logits
+
+
+def python_tokens(root: Path, megabytes: float) -> tuple[torch.Tensor, int]:
+    """The standard library's Python source (its first ``megabytes`` MB) in the GPT-2 recipe's 4,096-token BPE."""
+    from lightning_smartinf.hf.data import train_bpe_tokenizer
+
+    repo = Path(__file__).resolve().parents[1]
+    tokenizer = train_bpe_tokenizer([repo / "recipes" / "data" / "python_docs.txt"], root / "tok", vocab_size=4096)
+    text, files = "", sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/**/*.py", recursive=True))
+    for f in files:
+        if len(text) >= megabytes * 1e6:
+            break
+        text += Path(f).read_text(encoding="utf-8", errors="replace")
+    return torch.tensor(tokenizer(text)["input_ids"]), len(tokenizer)
+
+
 def validation_loss(model: nn.Module, dataset: Dataset) -> float:
     model.eval()
     losses = []
@@ -183,8 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--finetune", type=int, default=0, help="fine-tuning steps on Python source (0: off)")
     parser.add_argument("--finetune-lr", type=float, default=1e-3)
+    parser.add_argument("--task", choices=["char", "gpt2"], default="char", help="gpt2: 12.3M GPT-2 on Python source")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
+    if args.task == "gpt2":
+        return explore_gpt2(args)
     english = english_text()
     code = ""
     if args.finetune:
@@ -218,6 +264,28 @@ def main(argv: list[str] | None = None) -> int:
         ref = results.get("sgd_dense" if variant.startswith("sgd") else "dense")
         if ref is not None and variant not in ("dense", "sgd_dense"):
             print(f"{variant:10s} {100 * (loss - ref) / ref:+.1f}% vs dense")
+    return 0
+
+
+def explore_gpt2(args: argparse.Namespace) -> int:
+    """The variants on bench_compression's GPT-2 task (peak LR 1e-3, batch 16 x 64 tokens, 90% / 10% held out)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        ids, vocab = python_tokens(Path(root), 2.0)
+    dataset = TokenWindows(ids, 64)
+    split = int(len(dataset) * 0.9)
+    train_set, val_set = Subset(dataset, range(split)), Subset(dataset, range(split, len(dataset)))
+    start, results = time.perf_counter(), {}
+    for variant in args.variants.split(","):
+        torch.manual_seed(0)
+        model = GPT2Logits(vocab)
+        train(model, train_set, args.steps, variant, 1e-3, args.ratio)
+        results[variant] = validation_loss(model, val_set)
+        print(f"{variant:10s} val loss {results[variant]:.4f}  ({time.perf_counter() - start:.0f} s)", flush=True)
+    for variant, loss in results.items():
+        if variant != "dense" and "dense" in results:
+            print(f"{variant:10s} {100 * (loss - results['dense']) / results['dense']:+.1f}% vs dense")
     return 0
 
 
