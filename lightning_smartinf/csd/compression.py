@@ -28,6 +28,11 @@ from lightning_smartinf.csd.rules import Adam, EFAdam, UpdateRule
 INDEX_DTYPE = torch.int32
 #: Values of :attr:`TopKCompression.rule`.
 RULE_CHOICES = ("auto", "optimizer", "ef_adam")
+#: Why ``rule='ef_adam'`` is refused without error feedback (the strategy's argument check says the same).
+EF_ADAM_NEEDS_FEEDBACK = (
+    "`compression` rule 'ef_adam' needs `error_feedback=True`: the residual is its first moment. Turn error feedback "
+    "on, or use `rule='optimizer'`."
+)
 
 
 @dataclass(frozen=True)
@@ -61,10 +66,7 @@ class TopKCompression:
                 raise ValueError(f"`{name}={getattr(self, name)!r}` must be True or False.")
         check_rule_choice(self.rule)
         if self.rule == "ef_adam" and not self.error_feedback:
-            raise ValueError(
-                "`compression` rule 'ef_adam' needs `error_feedback=True`: the residual is its first moment. "
-                "Turn error feedback on, or use `rule='optimizer'`."
-            )
+            raise ValueError(EF_ADAM_NEEDS_FEEDBACK)
 
 
 def check_rule_choice(rule: object) -> None:
@@ -84,19 +86,20 @@ def compressed_rule(rule: UpdateRule, compression: TopKCompression | None) -> Up
     """
     if compression is None or compression.rule == "optimizer":
         return rule
-    adam = isinstance(rule, Adam)
-    if compression.rule == "ef_adam" and not adam:
-        raise ValueError(
-            f"`compression` rule 'ef_adam' is for torch.optim.Adam and AdamW; this optimizer runs {rule.name!r}. "
-            "Use `rule='auto'` or `rule='optimizer'` for it."
-        )
-    if compression.rule == "ef_adam" and isinstance(rule, Adam) and rule.amsgrad:
-        raise ValueError(
-            "`compression` rule 'ef_adam' has no `amsgrad`: it keeps one second moment. Use `amsgrad=False`."
-        )
-    if isinstance(rule, Adam) and not rule.amsgrad and compression.error_feedback:
-        return EFAdam(decoupled_weight_decay=rule.decoupled_weight_decay)
-    return rule
+    if not isinstance(rule, Adam):
+        if compression.rule == "ef_adam":
+            raise ValueError(
+                f"`compression` rule 'ef_adam' is for torch.optim.Adam and AdamW; this optimizer runs {rule.name!r}. "
+                "Use `rule='auto'` or `rule='optimizer'` for it."
+            )
+        return rule
+    if rule.amsgrad:
+        if compression.rule == "ef_adam":
+            raise ValueError(
+                "`compression` rule 'ef_adam' has no `amsgrad`: it keeps one second moment. Use `amsgrad=False`."
+            )
+        return rule
+    return EFAdam(decoupled_weight_decay=rule.decoupled_weight_decay) if compression.error_feedback else rule
 
 
 def check_sparse_supported(rule: UpdateRule) -> None:
