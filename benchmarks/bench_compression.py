@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, Subset
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.callbacks import CompressionWarmup
+from lightning_smartinf.csd.compression import RULE_CHOICES
 from lightning_smartinf.demo import CharDataset, CharGPT, english_text
 
 SEQ = 64
@@ -283,9 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-every", type=int, default=25)
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--no-error-feedback", action="store_true")
-    parser.add_argument(
-        "--rule", choices=["auto", "optimizer", "ef_adam"], default="auto", help="the compressed run's device rule"
-    )
+    parser.add_argument("--rule", choices=list(RULE_CHOICES), default="auto", help="the compressed run's device rule")
     parser.add_argument("--finetune", action="store_true", help="pre-train on English, fine-tune on Python source")
     parser.add_argument("--pretrain-steps", type=int, default=400, help="dense pre-training steps (--finetune)")
     parser.add_argument("--finetune-lr", type=float, default=1e-3, help="AdamW peak LR of fine-tuning (--finetune)")

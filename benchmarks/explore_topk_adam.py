@@ -14,8 +14,11 @@ A variant is a base and ``+``-separated modifiers (comma-separated ``--variants`
   ``age`` (an entry sent after ``a`` steps adds ``G**2 / a`` to the variance, not ``G**2``); ``vsel`` (entries
   selected by ``|residual| / sqrt(v)``, v tracked on the host); ``factored`` (the device's variance takes the
   row and column sums of the dense gradient's squares, Adafactor's rank-1 estimate, which the host would send
-  beside the pairs); ``fsel`` (with ``factored``: select by ``|residual| / sqrt(v)``); ``dense_small=N``
-  (parameters of fewer than N elements, biases and norms, sent whole).
+  beside the pairs); ``adafactor`` (Adafactor itself, what rule ``ef_adafactor`` runs: the host keeps averages of
+  those row and column sums and divides what it sends by their rank-1 product); ``block=B`` (the device's variance
+  takes the mean of the dense gradient's squares over each block of B consecutive elements); ``fsel`` (with
+  ``factored``: select by ``|residual| / sqrt(v)``); ``dense_small=N`` (parameters of fewer than N elements, biases
+  and norms, sent whole).
 - the names of earlier versions still work: ``frozen``, ``age``, ``vsel`` mean ``ef+frozen`` and so on.
 
 ``--finetune N`` first trains dense for ``--steps`` steps on English, then fine-tunes for N steps on Python
@@ -72,6 +75,17 @@ def factored_square(grad: torch.Tensor) -> torch.Tensor:
     return (r * c / r.sum().clamp_min(1e-30)).view_as(grad)
 
 
+def block_square(grad: torch.Tensor, block: int) -> torch.Tensor:
+    """Each element's ``grad ** 2`` replaced by the mean over its block of ``block`` consecutive elements."""
+    g2 = grad.float().square().view(-1)
+    padded = torch.nn.functional.pad(g2, (0, -g2.numel() % block))
+    means = padded.view(-1, block).mean(1).repeat_interleave(block)[: g2.numel()]
+    if g2.numel() % block:  # the last, partial block averages only its own elements
+        tail = g2.numel() // block * block
+        means[tail:] = g2[tail:].mean()
+    return means.view_as(grad)
+
+
 def train(model: nn.Module, dataset: Dataset, steps: int, variant: str, max_lr: float, ratio: float) -> None:
     first, *rest = variant.split("+")
     base, *mods = ALIASES.get(first, first).split("+") + rest
@@ -108,6 +122,8 @@ def train(model: nn.Module, dataset: Dataset, steps: int, variant: str, max_lr: 
                 s, grad = state[id(p)], p.grad
                 v_weight: torch.Tensor | None = None
                 square = factored_square(grad) if "factored" in options else None
+                if "block" in options:
+                    square = block_square(grad, int(options["block"]))
                 if "vsel" in options:
                     s["v_host"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 small = "dense_small" in options and p.numel() < int(options["dense_small"])
@@ -153,6 +169,22 @@ def train(model: nn.Module, dataset: Dataset, steps: int, variant: str, max_lr: 
                     p.addcdiv_(m_hat, v_hat.sqrt().add_(1e-8), value=-lr)
                     continue
                 s["m"].lerp_(grad, 1 - beta1)
+                if "adafactor" in options:  # Adafactor's factored moments: EMAs of the row and column sums
+                    g2 = p.grad.float().square()
+                    if g2.ndim < 2:
+                        s["v"].mul_(beta2).add_(g2, alpha=1 - beta2)
+                        v_hat = s["v"]
+                    else:
+                        rows = g2.reshape(g2.shape[0], -1)
+                        if "r" not in s:
+                            s["r"], s["c"] = torch.zeros(rows.shape[0], 1), torch.zeros(1, rows.shape[1])
+                        r, c = s["r"], s["c"]
+                        r.mul_(beta2).add_(rows.sum(1, keepdim=True), alpha=1 - beta2)
+                        c.mul_(beta2).add_(rows.sum(0, keepdim=True), alpha=1 - beta2)
+                        v_hat = (r * c / r.sum().clamp_min(1e-30)).view_as(p)
+                    denom = v_hat.sqrt().div_(math.sqrt(1 - beta2**step)).add_(1e-8)
+                    p.addcdiv_(s["m"], denom, value=-lr / (1 - beta1**step))
+                    continue
                 if square is not None:
                     s["v"].mul_(beta2).add_(square, alpha=1 - beta2)
                 elif frozen_at is None:

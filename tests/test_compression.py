@@ -146,14 +146,17 @@ def test_resume_with_residual_is_bit_identical(tmp_path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_two_ranks_each_compress_their_own_partition(tmp_path, free_port) -> None:
+@pytest.mark.parametrize("rule", ["auto", "ef_adafactor"])
+def test_two_ranks_each_compress_their_own_partition(tmp_path, free_port, rule) -> None:
+    """Launched by Lightning itself (`devices=2`); with `ef_adafactor` each rank also factors its own partition."""
     storage = [tmp_path / "ssd0", tmp_path / "ssd1"]
     for path in storage:
         path.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     script = Path(__file__).parent / "scripts" / "train_two_ranks.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
-    command += [str(script), str(tmp_path), ",".join(map(str, storage)), "4", "0.05"]
+    extra = json.dumps({"compression": {"ratio": 0.05, "rule": rule}})
+    command += [str(script), str(tmp_path), ",".join(map(str, storage)), "4", "none", extra]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     for rank in range(2):
@@ -162,6 +165,7 @@ def test_two_ranks_each_compress_their_own_partition(tmp_path, free_port) -> Non
         sent = sum(kept_count(n, 0.05) for n in report["segments"])
         # Each rank sent the top 5% of its own partition, 4 steps of fp32 pairs, after the initial masters.
         assert report["traffic"]["link_write_bytes"] == sum(numels) * 4 + 4 * sent * 8
+        assert report["moment_updates"] == (4 if rule == "ef_adafactor" else None)
     params = torch.load(tmp_path / "params.pt", weights_only=True)
     assert all(torch.isfinite(p).all() for p in params.values())
 

@@ -92,9 +92,13 @@ def test_bad_xrt_settings_fail_at_construction(tmp_path, model_xclbin):
         )
 
 
+@pytest.mark.parametrize(("rule", "runs_as"), [("auto", "EFAdam"), ("ef_adafactor", "EFAdafactor")])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_compressed_adamw_runs_the_ef_adam_kernels_as_the_cpu_backend_runs_the_rule(tmp_path, model_xclbin, precision):
-    """1% top-k: both backends run EF-Adam (xrt: the `smartinf_efadam_topk_*` kernels), to the same parameters."""
+def test_compressed_adamw_runs_the_ef_kernels_as_the_cpu_backend_runs_the_rule(
+    tmp_path, model_xclbin, precision, rule, runs_as
+):
+    """1% top-k: both backends run the EF rule (xrt: the `smartinf_efadam_topk_*` kernels for EF-Adam, the
+    `smartinf_sgd_topk_*` ones for EF-Adafactor's device half), to the same parameters."""
     runs = {}
     for backend in ("cpu", "xrt"):
         paths = [tmp_path / backend / "ssd0", tmp_path / backend / "ssd1"]
@@ -102,11 +106,16 @@ def test_compressed_adamw_runs_the_ef_adam_kernels_as_the_cpu_backend_runs_the_r
             path.mkdir(parents=True)
         extra = {"xclbin": model_xclbin} if backend == "xrt" else {}
         strategy = SmartInfinityStrategy(
-            backend=backend, storage_paths=paths, sub_group_size=3000, chunk_size=2048, compression=0.01, **extra
+            backend=backend,
+            storage_paths=paths,
+            sub_group_size=3000,
+            chunk_size=2048,
+            compression={"ratio": 0.01, "rule": rule},
+            **extra,
         )
         trainer, runs[backend] = fit(LMModule(adamw_cosine), strategy, steps=STEPS, precision=precision)
         rules = {type(s.spec.rule).__name__ for s in trainer.strategy.smart_update.backend.shards}
-        assert rules == {"EFAdam"}
+        assert rules == {runs_as}
     errors = max_relative_error(runs["xrt"], runs["cpu"])
     assert max(errors.values()) < 1e-5, errors
     initial = {n: p.detach().clone() for n, p in LMModule(adamw_cosine).named_parameters()}

@@ -6,7 +6,7 @@ Imports neither Lightning nor DeepSpeed, so it can be used and tested on its own
 
 from lightning_smartinf.csd.backend import Backend, BackendStats, DeviceStats, Handle, ShardSpec
 from lightning_smartinf.csd.cpu import CpuBackend
-from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, EFAdam, StepParams, UpdateRule
+from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, EFAdafactor, EFAdam, StepParams, UpdateRule
 from lightning_smartinf.csd.storage import StorageError, validate_storage_path
 from lightning_smartinf.csd.streaming import StreamingBackend, StreamingDevice
 from lightning_smartinf.csd.traffic import COUNTERS, Traffic, TrafficSnapshot
@@ -20,6 +20,7 @@ __all__ = [
     "BackendStats",
     "CpuBackend",
     "DeviceStats",
+    "EFAdafactor",
     "EFAdam",
     "Handle",
     "ShardSpec",

@@ -17,9 +17,11 @@ live state files, and names the missing, truncated or corrupt file in a :class:`
 by shard index, never by anything read from the manifest, so loading cannot reach outside the directory.
 Shards are flat files, so a state saved with N storage paths loads onto any other number of paths.
 
-A state saved by ``adam`` loads into ``ef_adam`` and back (turning compression on or off, or changing its rule,
-between runs): the records are rewritten chunk by chunk, states of the same name carried over, a state the saved
-rule lacks starting at its initial value (:data:`CONVERTIBLE_RULES`).
+A state saved by ``adam`` loads into ``ef_adam`` and back, and either loads into ``ef_adafactor`` (turning
+compression on or off, or changing its rule, between runs): the records are rewritten chunk by chunk, states of the
+same name carried over, a state the saved rule lacks starting at its initial value (:data:`CONVERSIONS`). A state
+saved by ``ef_adafactor`` holds no second moment (the host kept it), so it does not load into ``adam`` or ``ef_adam``:
+their second moment would start at zero mid-run, and their first steps would be ``lr / eps`` large.
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ FORMAT = "lightning_smartinf.state/2"
 #: Bytes per read/write/checksum block when copying state files (CRC-32 runs at ~4 GB/s, above the disk).
 BLOCK = 8 << 20
 _TMP_MARK = ".tmp-"
-#: Pairs of rules whose saved states load into each other (states matched by name; see the module docstring).
-CONVERTIBLE_RULES = (frozenset({"adam", "ef_adam"}),)
+#: (saved rule, this run's rule) pairs whose states convert (states matched by name; see the module docstring).
+CONVERSIONS = frozenset(
+    {("adam", "ef_adam"), ("ef_adam", "adam"), ("adam", "ef_adafactor"), ("ef_adam", "ef_adafactor")}
+)
 
 log = logging.getLogger(__name__)
 
@@ -369,6 +373,13 @@ def load_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
     expected = [_describe(s) for s in shards]
     found = manifest.get("shards", [])
     found_plain = [{k: v for k, v in e.items() if k != "crc32"} for e in found if isinstance(e, dict)]
+    saved_rules = {e.get("rule") for e in found_plain}
+    if "ef_adafactor" in saved_rules and {e["rule"] for e in expected} & {"adam", "ef_adam"}:
+        raise ValueError(
+            f"Device state in {directory} was saved by compression rule 'ef_adafactor', whose second moment the host "
+            "kept; this run's rule would start its own from zero mid-training. Resume with "
+            "`compression={'ratio': ..., 'rule': 'ef_adafactor'}`."
+        )
     if manifest.get("chunk_elems") != chunk_elems or not _loadable(found_plain, expected):
         raise ValueError(
             f"Device state in {directory} does not match this model and optimizer: it holds {found_plain} "
@@ -414,7 +425,7 @@ def _loadable(found: list[dict], expected: list[dict]) -> bool:
         if saved == wanted:
             continue
         same_shard = all(saved.get(k) == wanted[k] for k in ("index", "numel"))
-        if not same_shard or frozenset({saved.get("rule"), wanted["rule"]}) not in CONVERTIBLE_RULES:
+        if not same_shard or (saved.get("rule"), wanted["rule"]) not in CONVERSIONS:
             return False
     return True
 

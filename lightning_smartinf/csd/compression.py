@@ -22,17 +22,22 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_smartinf.csd.rules import Adam, EFAdam, UpdateRule
+from lightning_smartinf.csd.rules import Adam, EFAdafactor, EFAdam, UpdateRule
 
 #: Index dtype on the link and in the kernels (the kernels read the same bits as uint32).
 INDEX_DTYPE = torch.int32
 #: Values of :attr:`TopKCompression.rule`.
-RULE_CHOICES = ("auto", "optimizer", "ef_adam")
-#: Why ``rule='ef_adam'`` is refused without error feedback (the strategy's argument check says the same).
-EF_ADAM_NEEDS_FEEDBACK = (
-    "`compression` rule 'ef_adam' needs `error_feedback=True`: the residual is its first moment. Turn error feedback "
-    "on, or use `rule='optimizer'`."
-)
+RULE_CHOICES = ("auto", "optimizer", "ef_adam", "ef_adafactor")
+#: The choices that are for Adam and AdamW only, and take the error-feedback residual as their first moment.
+EF_RULES = ("ef_adam", "ef_adafactor")
+
+
+def ef_rule_needs_feedback(rule: str) -> str:
+    """Why ``rule`` (one of :data:`EF_RULES`) is refused without error feedback (the strategy's check says the same)."""
+    return (
+        f"`compression` rule {rule!r} needs `error_feedback=True`: the residual is its first moment. Turn error "
+        "feedback on, or use `rule='optimizer'`."
+    )
 
 
 @dataclass(frozen=True)
@@ -50,14 +55,17 @@ class TopKCompression:
         rule: what the devices run on the decompressed gradients. ``"ef_adam"``: for ``torch.optim.Adam`` and
             ``AdamW``, :class:`~lightning_smartinf.csd.rules.EFAdam`, which lets the error-feedback residual carry
             the first moment (within 1% of dense AdamW at 1% where the optimizer's own rule loses 9%,
-            ``docs/compression.md``). ``"optimizer"``: the optimizer's own rule. ``"auto"`` (default):
-            ``"ef_adam"`` for Adam and AdamW with error feedback, ``"optimizer"`` otherwise.
+            ``docs/compression.md``). ``"ef_adafactor"``: for AdamW (and Adam without weight decay),
+            :class:`~lightning_smartinf.csd.rules.EFAdafactor`: the host keeps Adafactor's factored second moment of
+            the dense gradient and sends normalised values, and the devices keep only the master weights.
+            ``"optimizer"``: the optimizer's own rule. ``"auto"`` (default): ``"ef_adam"`` for Adam and AdamW with
+            error feedback, ``"optimizer"`` otherwise.
     """
 
     ratio: float
     error_feedback: bool = True
     layerwise: bool = True
-    rule: Literal["auto", "optimizer", "ef_adam"] = "auto"
+    rule: Literal["auto", "optimizer", "ef_adam", "ef_adafactor"] = "auto"
 
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
@@ -65,8 +73,8 @@ class TopKCompression:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}={getattr(self, name)!r}` must be True or False.")
         check_rule_choice(self.rule)
-        if self.rule == "ef_adam" and not self.error_feedback:
-            raise ValueError(EF_ADAM_NEEDS_FEEDBACK)
+        if self.rule in EF_RULES and not self.error_feedback:
+            raise ValueError(ef_rule_needs_feedback(self.rule))
 
 
 def check_rule_choice(rule: object) -> None:
@@ -78,28 +86,42 @@ def check_rule_choice(rule: object) -> None:
         )
 
 
-def compressed_rule(rule: UpdateRule, compression: TopKCompression | None) -> UpdateRule:
+def compressed_rule(rule: UpdateRule, compression: TopKCompression | None, weight_decay: float = 0.0) -> UpdateRule:
     """The rule the devices run for an optimizer whose own rule is ``rule`` under ``compression``.
 
+    ``weight_decay`` is the param group's: ``'ef_adafactor'`` decays the weights after the host's normalisation,
+    which is AdamW's decoupled decay but not Adam's L2 decay.
+
     Raises:
-        ValueError: ``rule='ef_adam'`` was asked for an optimizer other than Adam/AdamW, or with ``amsgrad``.
+        ValueError: an EF rule was asked for an optimizer other than Adam/AdamW, with ``amsgrad``, or
+            ``'ef_adafactor'`` for Adam with L2 weight decay.
     """
     if compression is None or compression.rule == "optimizer":
         return rule
+    chosen = compression.rule
     if not isinstance(rule, Adam):
-        if compression.rule == "ef_adam":
+        if chosen in EF_RULES:
             raise ValueError(
-                f"`compression` rule 'ef_adam' is for torch.optim.Adam and AdamW; this optimizer runs {rule.name!r}. "
+                f"`compression` rule {chosen!r} is for torch.optim.Adam and AdamW; this optimizer runs {rule.name!r}. "
                 "Use `rule='auto'` or `rule='optimizer'` for it."
             )
         return rule
     if rule.amsgrad:
-        if compression.rule == "ef_adam":
+        if chosen in EF_RULES:
             raise ValueError(
-                "`compression` rule 'ef_adam' has no `amsgrad`: it keeps one second moment. Use `amsgrad=False`."
+                f"`compression` rule {chosen!r} has no `amsgrad`: it keeps one second moment. Use `amsgrad=False`."
             )
         return rule
-    return EFAdam(decoupled_weight_decay=rule.decoupled_weight_decay) if compression.error_feedback else rule
+    if not compression.error_feedback:
+        return rule
+    if chosen == "ef_adafactor":
+        if not rule.decoupled_weight_decay and weight_decay != 0.0:
+            raise ValueError(
+                f"`compression` rule 'ef_adafactor' decays the weights as AdamW does, not with Adam's L2 "
+                f"`weight_decay={weight_decay!r}`. Use torch.optim.AdamW, `weight_decay=0`, or `rule='ef_adam'`."
+            )
+        return EFAdafactor()
+    return EFAdam(decoupled_weight_decay=rule.decoupled_weight_decay)
 
 
 def check_sparse_supported(rule: UpdateRule) -> None:

@@ -35,8 +35,9 @@ from torch import Tensor
 from lightning_smartinf.csd.accelerator import Fence
 from lightning_smartinf.csd.backend import Backend, BackendStats, Handle, ShardSpec
 from lightning_smartinf.csd.compression import compress_topk, has_narrower_range, link_overflows
-from lightning_smartinf.csd.device_state import load_residual, save_device_state
-from lightning_smartinf.csd.rules import StepParams
+from lightning_smartinf.csd.device_state import load_host_tensors, save_device_state
+from lightning_smartinf.csd.factored import FactoredMoments, device_step_params
+from lightning_smartinf.csd.rules import EFAdafactor, StepParams
 from lightning_smartinf.csd.settings import SmartUpdateSettings
 from lightning_smartinf.csd.torch_optim import rule_for_group, step_params
 from lightning_smartinf.csd.traffic import TrafficSnapshot
@@ -163,16 +164,19 @@ class SmartUpdate:
         for sub_group in self.sub_groups:
             offsets.append(offsets[-1] + sub_group.numel)
         self._offsets = offsets
-        backend.open(
-            [
-                ShardSpec(
-                    index=i,
-                    numel=s.numel,
-                    rule=rule_for_group(optimizer, optimizer.param_groups[s.param_group], settings.compression),
-                )
-                for i, s in enumerate(self.sub_groups)
-            ]
-        )
+        specs = [
+            ShardSpec(
+                index=i,
+                numel=s.numel,
+                rule=rule_for_group(optimizer, optimizer.param_groups[s.param_group], settings.compression),
+            )
+            for i, s in enumerate(self.sub_groups)
+        ]
+        #: Shards whose updates the host normalises by Adafactor's second moment (rule ``ef_adafactor``).
+        self._normalised = {spec.index for spec in specs if isinstance(spec.rule, EFAdafactor)}
+        #: That second moment, on the host; ``None`` when no shard runs ``ef_adafactor``.
+        self.moments = FactoredMoments(partitions.layout(), partitions.rank) if self._normalised else None
+        backend.open(specs)
 
     # ------------------------------------------------------------------------------------------------- views
 
@@ -238,7 +242,10 @@ class SmartUpdate:
 
         ``expected()`` lists, per sub-group, the parameters with gradient elements on this rank.
         """
-        ready = [i for i in self._hand_offs.ready(expected) if self.backend.hands_off_early(i)]
+        # A normalised update needs the step's whole gradient for its second moment: those shards wait for the step.
+        ready = [
+            i for i in self._hand_offs.ready(expected) if self.backend.hands_off_early(i) and i not in self._normalised
+        ]
         if not ready:
             return
         fence = self.partitions.gradient_fence()  # devices read the gradient from other threads
@@ -313,6 +320,8 @@ class SmartUpdate:
         ready = self.partitions.gradient_fence()
         handles = []
         kept = total = 0
+        if self.moments is not None:
+            self.moments.begin_step()
         for i in range(len(self.sub_groups)):
             grad: Any = self.grad(i)
             total += grad.numel()
@@ -320,6 +329,11 @@ class SmartUpdate:
                 handles.append(kept_early[i])
                 kept += grad.numel()
                 continue
+            normalised = i in self._normalised
+            hp = hps[i]
+            if normalised:
+                assert self.moments is not None
+                self.moments.update(i, grad, hp.grad_scale, hp.betas[1])
             if ratio is None:
                 kept += grad.numel()
             else:
@@ -328,14 +342,19 @@ class SmartUpdate:
                     grad,
                     ratio,
                     self._residual_slice(i),
-                    value_dtype=self.link_dtype,
+                    # Normalised values are rounded to the link once, after the normalisation.
+                    value_dtype=torch.float32 if normalised else self.link_dtype,
                     segments=self.sub_groups[i].segments if compression.layerwise else None,
                     check_range=False,  # the engine asked `link_overflows` for the whole buffer before this step
                 )
                 grad = grad.cpu()  # only the kept pairs leave the accelerator, when the gradient is on one
                 kept += grad.k
+            if normalised:
+                assert self.moments is not None
+                grad = self.moments.normalise(i, grad, hp, self.link_dtype)
+                hp = device_step_params(hp)
             handles.append(
-                self.backend.submit(i, grad, hps[i], self.partitions.params(i), link_dtype=self.link_dtype, ready=ready)
+                self.backend.submit(i, grad, hp, self.partitions.params(i), link_dtype=self.link_dtype, ready=ready)
             )
         self.last_kept = (kept, total)
         return handles
@@ -400,6 +419,7 @@ class SmartUpdate:
             # (lr as moved by a scheduler, betas, weight decay, ...) travel here; chainable schedulers need them.
             "param_groups": [_group_hyperparameters(g) for g in self.optimizer.param_groups],
             "residual_loss_scale": self.residual_scale if self.residual is not None else None,
+            "moment_updates": self.moments.updates if self.moments is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -437,7 +457,9 @@ class SmartUpdate:
 
     def save(self, directory: Path, *, global_step: int) -> None:
         """Write this rank's device state under ``directory`` (see :mod:`~lightning_smartinf.csd.device_state`)."""
-        save_device_state(directory, self.backend, self.state_dict(), self.residual, global_step=global_step)
+        moments = self.moments.moments if self.moments is not None else None
+        tensors = {"residual": self.residual, "moments": moments}
+        save_device_state(directory, self.backend, self.state_dict(), tensors, global_step=global_step)
 
     def restore(self, directory: Path, state: dict[str, Any]) -> None:
         """Load the device state saved under ``directory``, whose ``host_state.json`` is ``state``.
@@ -445,7 +467,8 @@ class SmartUpdate:
         Hand-offs of a backward no step followed are rolled back first; then the devices' state, the host state and
         the residual are replaced, and the parameter partitions are refreshed from the loaded masters.
         """
-        residual = load_residual(directory, state.get("residual"))
+        tensors = load_host_tensors(directory, state.get("residual"))
+        residual = tensors.get("residual")
         compression = self.settings.compression
         if residual is not None and (compression is None or not compression.error_feedback):
             warnings.warn(
@@ -458,6 +481,9 @@ class SmartUpdate:
         self.backend.load(directory)
         self.load_state_dict(state)
         self.load_residual(residual, state.get("residual_loss_scale"))
+        if self.moments is not None:
+            # Saved under another rule: the moments start again, bias-corrected from their first update.
+            self.moments.load(tensors.get("moments"), state.get("moment_updates") or 0)
         self.refresh_params()
 
 

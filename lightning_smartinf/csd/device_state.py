@@ -3,7 +3,8 @@
 One directory per rank (``<checkpoint>/checkpoint/smartinf/rankNNN/``) holds:
 
 - the devices' copy of every shard's state and its manifest (:mod:`lightning_smartinf.csd.checkpoint`);
-- ``residual.safetensors``: the error-feedback residual, when there is one;
+- ``residual.safetensors``: the host's tensors, when there are any: the error-feedback residual (``residual``) and
+  the factored second moments of rule ``ef_adafactor`` (``moments``);
 - ``host_state.json``: what the host keeps beside the devices (optimizer steps per param group, loss scale, the
   param groups' hyperparameters, which parameter partitions each shard holds), the global step it belongs to, and
   the residual's size and CRC-32.
@@ -33,20 +34,27 @@ REQUIRED_KEYS = ("global_step", "num_shards", "group_steps", "loss_scale")
 
 
 def save_device_state(
-    directory: Path, backend: Backend, host_state: dict[str, Any], residual: Tensor | None, *, global_step: int
+    directory: Path,
+    backend: Backend,
+    host_state: dict[str, Any],
+    tensors: Mapping[str, Tensor | None],
+    *,
+    global_step: int,
 ) -> None:
-    """Write ``backend``'s shards, then ``residual``, then ``host_state`` (recording ``global_step``) under it.
+    """Write ``backend``'s shards, then the host's ``tensors`` (those not ``None``), then ``host_state`` (recording
+    ``global_step``) under it.
 
     Between a backward and its step, updates made during backward are still tentative: the backend saves the
     committed state, the one before this step, like every other part of a checkpoint.
     """
     backend.save(directory)
     host_state = {**host_state, "global_step": global_step}
-    if residual is not None:
+    kept = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items() if tensor is not None}
+    if kept:
         from safetensors.torch import save as safetensors_bytes
 
         path = directory / RESIDUAL
-        write_file_atomic(path, safetensors_bytes({"residual": residual.detach().cpu().contiguous()}))
+        write_file_atomic(path, safetensors_bytes(kept))
         size, crc = file_crc32(path)
         host_state["residual"] = {"file": RESIDUAL, "bytes": size, "crc32": crc}
     write_file_atomic(directory / HOST_STATE, json.dumps(host_state).encode())
@@ -67,14 +75,15 @@ def read_host_state(directory: Path, *, global_step: int, sealed_by: Path) -> di
     return state
 
 
-def load_residual(directory: Path, entry: dict[str, Any] | None) -> Tensor | None:
-    """The residual saved in ``directory``, verified against ``entry`` (its size and CRC-32); ``None`` without one.
+def load_host_tensors(directory: Path, entry: dict[str, Any] | None) -> dict[str, Tensor]:
+    """The host's tensors saved in ``directory``, verified against ``entry`` (their file's size and CRC-32); none
+    without one.
 
     Raises:
         CheckpointError: the residual file is missing or does not match ``entry``.
     """
     if entry is None:
-        return None
+        return {}
     path = directory / RESIDUAL
     if not path.is_file():
         raise CheckpointError(
@@ -88,7 +97,7 @@ def load_residual(directory: Path, entry: dict[str, Any] | None) -> Tensor | Non
         )
     from safetensors.torch import load_file
 
-    return load_file(str(path))["residual"]
+    return load_file(str(path))
 
 
 def param_partitions(

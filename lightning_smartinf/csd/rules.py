@@ -216,6 +216,31 @@ class SGD(UpdateRule):
 
 
 @dataclass(frozen=True)
+class EFAdafactor(SGD):
+    """The device half of EF-Adafactor, AdamW for error-feedback top-k gradients with Adafactor's second moment.
+
+    The host keeps the second moment, factored, from every step's dense gradient, and sends each kept entry already
+    divided by it (:class:`~lightning_smartinf.csd.factored.FactoredMoments`): ``u = g / (sqrt(v_hat) + eps)``, with
+    the gradient scale and the sign of ``maximize`` applied. What remains for the device is AdamW's decoupled decay
+    and the step,
+
+        p = p - lr * (u + wd * p)        (= p * (1 - lr * wd) - lr * u)
+
+    which is ``torch.optim.SGD`` without momentum, rounding for rounding, so the devices run their SGD kernels. No
+    state besides the fp32 master: 4 B/param on the device, and 8 B/param/step of device traffic.
+    """
+
+    with_momentum: bool = False
+    name: ClassVar[str] = "ef_adafactor"
+
+    def __post_init__(self) -> None:
+        if self.with_momentum:
+            raise ValueError(
+                "`EFAdafactor` keeps no momentum on the device: the error-feedback residual is its first moment."
+            )
+
+
+@dataclass(frozen=True)
 class Adagrad(UpdateRule):
     """``torch.optim.Adagrad`` with learning-rate decay, weight decay and an initial accumulator value."""
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightning_smartinf.arguments import Problems, show
-from lightning_smartinf.csd.compression import EF_ADAM_NEEDS_FEEDBACK, RULE_CHOICES, TopKCompression
+from lightning_smartinf.csd.compression import EF_RULES, RULE_CHOICES, TopKCompression, ef_rule_needs_feedback
 from lightning_smartinf.csd.io import IO_ALIGN
 from lightning_smartinf.csd.layout import ELEM_ALIGN, POOL_TENSORS, pool_bytes
 from lightning_smartinf.csd.storage import validate_storage_path
@@ -467,8 +467,8 @@ def _compression(problems: Problems, value: Any) -> TopKCompression | None:
                 valid = inside.flag(key, value[key]) and valid
         if "rule" in value:
             valid = inside.choice("rule", value["rule"], RULE_CHOICES) and valid
-        if valid and value.get("rule") == "ef_adam" and value.get("error_feedback") is False:
-            problems.add(EF_ADAM_NEEDS_FEEDBACK)
+        if valid and value.get("rule") in EF_RULES and value.get("error_feedback") is False:
+            problems.add(ef_rule_needs_feedback(value["rule"]))
             valid = False
         return TopKCompression(**value) if valid else None
     if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -19,13 +19,13 @@ def rule_for_group(
     """The update rule the devices run for ``optimizer``'s step on the params of ``group``.
 
     Without ``compression`` (or with ``rule='optimizer'``) it reproduces the optimizer's step; with it, Adam and AdamW
-    may become :class:`~lightning_smartinf.csd.rules.EFAdam` (:func:`~lightning_smartinf.csd.compression.
-    compressed_rule`).
+    may become :class:`~lightning_smartinf.csd.rules.EFAdam` or :class:`~lightning_smartinf.csd.rules.EFAdafactor`
+    (:func:`~lightning_smartinf.csd.compression.compressed_rule`).
 
     Raises:
         ValueError: the optimizer (or one of its options) has no device implementation.
     """
-    return compressed_rule(_optimizer_rule(optimizer, group), compression)
+    return compressed_rule(_optimizer_rule(optimizer, group), compression, float(group.get("weight_decay", 0.0)))
 
 
 def _optimizer_rule(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> UpdateRule:

@@ -34,7 +34,7 @@ from lightning_smartinf.csd.checkpoint import MANIFEST, shard_file_name
 from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.cpu import CpuBackend
 from lightning_smartinf.csd.layout import ChunkLayout
-from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, EFAdam, StepParams, UpdateRule
+from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, EFAdafactor, EFAdam, StepParams, UpdateRule
 from lightning_smartinf.csd.storage import StorageError, check_free_space, validate_storage_path
 from lightning_smartinf.csd.xrt import XrtBackend, forget_platform, write_model_xclbin
 
@@ -83,6 +83,8 @@ OPTIMIZERS: dict[str, tuple[UpdateRule, type, dict, dict]] = {
         {"weight_decay": 0.01, "maximize": True},
     ),
     "sgd_plain": (SGD(with_momentum=False), torch.optim.SGD, {}, {}),
+    # EF-Adafactor's device half: the host sent normalised values, the device runs torch's SGD (AdamW's decay).
+    "ef_adafactor": (EFAdafactor(), torch.optim.SGD, {"weight_decay": 0.1}, {"weight_decay": 0.1}),
     "adagrad": (
         Adagrad(initial_accumulator_value=0.1),
         torch.optim.Adagrad,
@@ -95,7 +97,7 @@ SUBSTITUTES = {"xrt": {"adam_amsgrad": "adam_l2_maximize"}}
 
 #: Odd sizes: one element, just under and over the 1024-element alignment, exactly one chunk, several chunks.
 ODD_SIZES = [1, 1023, 1025, CHUNK, 3 * CHUNK + 5]
-ODD_OPTS = ["adamw", "sgd_nesterov", "adagrad", "adam_amsgrad", "sgd_plain", "ef_adamw"]
+ODD_OPTS = ["adamw", "sgd_nesterov", "adagrad", "adam_amsgrad", "sgd_plain", "ef_adamw", "ef_adafactor"]
 
 
 def _lr(t: int) -> float:
@@ -280,8 +282,17 @@ def test_every_optimizer_on_a_multi_chunk_shard(tmp_path, make_backend) -> None:
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_sparse_grads_match_torch_optim_on_the_dense_scatter(tmp_path, make_backend, grad_dtype) -> None:
     """Top-k gradients (xrt: the ``*_topk_*`` kernels, pairs rebased per chunk) update as their dense scatter."""
-    names = ["adamw", "sgd_nesterov", "adagrad", "adam_l2_maximize", "sgd_plain", "ef_adamw", "ef_adam_l2_maximize"]
-    sizes = [*ODD_SIZES, 1025, 3 * CHUNK + 5]
+    names = [
+        "adamw",
+        "sgd_nesterov",
+        "adagrad",
+        "adam_l2_maximize",
+        "sgd_plain",
+        "ef_adamw",
+        "ef_adam_l2_maximize",
+        "ef_adafactor",
+    ]
+    sizes = [*ODD_SIZES, 1025, 3 * CHUNK + 5, 2 * CHUNK + 7]
     backend = make_backend(_dirs(tmp_path, 2), buffer_count=2)
     model = Model(backend, sizes, names, seed=9)
     before = backend.traffic_snapshot()

@@ -30,7 +30,7 @@ def main(out: Path, storage: list[str], steps: int, compression: float | None = 
         accelerator="cpu",
         devices=2,
         strategy=SmartInfinityStrategy(
-            storage_paths=storage, sub_group_size=3000, compression=compression, **json.loads(extra)
+            storage_paths=storage, sub_group_size=3000, **{"compression": compression, **json.loads(extra)}
         ),
         precision="32-true",
         max_steps=steps,
@@ -53,6 +53,7 @@ def main(out: Path, storage: list[str], steps: int, compression: float | None = 
         "traffic": trainer.strategy.traffic.as_dict(),
         "sub_group_numels": [int(n) for n in backend_numels(trainer)],
         "segments": [n for group in trainer.strategy.smart_update.segments for n in group],
+        "moment_updates": getattr(trainer.strategy.smart_update.moments, "updates", None),
     }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     if rank == 0:

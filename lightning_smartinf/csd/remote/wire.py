@@ -30,7 +30,7 @@ import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from torch import Tensor
 
-from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, EFAdam, StepParams, UpdateRule
+from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, EFAdafactor, EFAdam, StepParams, UpdateRule
 
 __all__ = [
     "CHUNK_BYTES",
@@ -196,7 +196,13 @@ class TensorReader:
 
 # ---------------------------------------------------------------------------------------------- rules and steps
 
-_RULES: dict[str, type[UpdateRule]] = {"adam": Adam, "sgd": SGD, "adagrad": Adagrad, "ef_adam": EFAdam}
+_RULES: dict[str, type[UpdateRule]] = {
+    "adam": Adam,
+    "sgd": SGD,
+    "adagrad": Adagrad,
+    "ef_adam": EFAdam,
+    "ef_adafactor": EFAdafactor,
+}
 
 
 def rule_to_wire(rule: UpdateRule) -> dict[str, Any]:
