@@ -158,13 +158,20 @@ def _optimizers() -> dict[str, torch.optim.Optimizer]:
 
 
 @pytest.mark.parametrize(
-    ("name", "expected"),
-    [("adamw", EFAdafactor()), ("adam", EFAdafactor())],
+    ("name", "rule", "expected"),
+    [
+        ("adamw", "ef_adafactor", EFAdafactor()),
+        ("adam", "ef_adafactor", EFAdafactor()),
+        ("adamw", "auto", EFAdafactor()),  # the default for AdamW, and Adam without weight decay
+        ("adam", "auto", EFAdafactor()),
+        ("adam_l2", "auto", EFAdam()),  # its L2 decay comes before the normalisation: the device must run it
+    ],
 )
-def test_rule_choice(name, expected) -> None:
+def test_rule_choice(name, rule, expected) -> None:
     optimizer = _optimizers()[name]
-    assert rule_for_group(optimizer, optimizer.param_groups[0], TopKCompression(0.01, rule="ef_adafactor")) == expected
-    assert state_bytes(optimizer, TopKCompression(0.01, rule="ef_adafactor")) == 4 * 4
+    compression = TopKCompression(0.01, rule=rule)
+    assert rule_for_group(optimizer, optimizer.param_groups[0], compression) == expected
+    assert state_bytes(optimizer, compression) == 4 * expected.bytes_per_element
 
 
 @pytest.mark.parametrize(
@@ -283,10 +290,12 @@ def test_resume_is_bit_identical(tmp_path) -> None:
     assert all(torch.equal(resumed[n], expected[n]) for n in expected)
 
 
-def test_resume_from_ef_adam_converts_and_the_way_back_is_refused(tmp_path, caplog) -> None:
-    """EF-Adam's state loads (its second moment dropped, the host's starting fresh); EF-Adafactor's state does not
-    load into a rule that keeps its second moment on the device, which would start it at zero mid-run."""
-    train(tmp_path / "ef", steps=EVERY, strategy_kwargs={"compression": 0.05})
+def test_resume_from_ef_adam_converts_and_so_does_the_way_back(tmp_path, caplog) -> None:
+    """EF-Adam's state loads into EF-Adafactor (its second moment dropped, the host's starting fresh). EF-Adafactor's
+    loads into dense AdamW, whose moments start from zero on the devices: their bias correction restarts with them
+    (else the first steps would be up to 1 / sqrt(1 - beta2) times too large)."""
+    ef_adam = {"compression": {"ratio": 0.05, "rule": "ef_adam"}}
+    train(tmp_path / "ef", steps=EVERY, strategy_kwargs=ef_adam)
     with caplog.at_level("WARNING", logger="lightning_smartinf.csd.checkpoint"):
         resumed = train(
             tmp_path / "af",
@@ -296,13 +305,18 @@ def test_resume_from_ef_adam_converts_and_the_way_back_is_refused(tmp_path, capl
         )
     assert caplog.text.count("converting it to ef_adafactor") == 1
     assert all(torch.isfinite(p).all() for p in resumed.values())
-    with pytest.raises(ValueError, match="saved by compression rule 'ef_adafactor'.*Resume with"):
-        train(
-            tmp_path / "back",
+    trainers: list = []
+    with pytest.warns(UserWarning, match="bias-corrected from step 1"):
+        dense = train(
+            tmp_path / "dense",
             steps=3 * EVERY,
             ckpt_path=tmp_path / "af" / "ckpts" / f"step={2 * EVERY}.ckpt",
-            strategy_kwargs={"compression": 0.05},
+            strategy_kwargs={"compression": None},
+            trainers=trainers,
         )
+    # Adam's bias correction counts the steps since the resume, not since the start.
+    assert set(trainers[-1].strategy.smart_update.group_steps.values()) == {EVERY}
+    assert all(torch.isfinite(p).all() for p in dense.values())
 
 
 # ---------------------------------------------------------------------------------------------------- bad input

@@ -1,5 +1,6 @@
-"""EF-Adam, the default device rule for Adam and AdamW under compression: the rule, its choice, equivalence with
-plain PyTorch through the strategy, exact traffic, checkpoints across rules and bad input."""
+"""EF-Adam, the device rule for Adam with L2 weight decay under compression (and for Adam and AdamW with
+`rule='ef_adam'`): the rule, its choice, equivalence with plain PyTorch through the strategy, exact traffic,
+checkpoints across rules and bad input."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from scripts.ckpt_common import EVERY, train
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.csd.compression import TopKCompression, kept_count
-from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, EFAdam, StepParams
+from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, EFAdafactor, EFAdam, StepParams
 from lightning_smartinf.csd.torch_optim import rule_for_group, state_bytes
 
 STEPS = 8
 BETAS = (0.9, 0.95)
+EF_ADAM = {"ratio": 0.01, "rule": "ef_adam"}
 
 
 def adamw(model: torch.nn.Module):
@@ -74,8 +76,9 @@ def _optimizers() -> dict[str, torch.optim.Optimizer]:
     ("name", "compression", "expected"),
     [
         ("adamw", None, Adam(decoupled_weight_decay=True)),
-        ("adamw", TopKCompression(0.01), EFAdam(decoupled_weight_decay=True)),
-        ("adam", TopKCompression(0.01), EFAdam()),
+        ("adamw", TopKCompression(0.01, rule="ef_adam"), EFAdam(decoupled_weight_decay=True)),
+        ("adam", TopKCompression(0.01, rule="ef_adam"), EFAdam()),
+        ("adamw", TopKCompression(0.01), EFAdafactor()),  # the default since EF-Adafactor
         ("adamw", TopKCompression(0.01, rule="optimizer"), Adam(decoupled_weight_decay=True)),
         ("adamw", TopKCompression(0.01, error_feedback=False), Adam(decoupled_weight_decay=True)),
         ("adamw", TopKCompression(1.0, rule="ef_adam"), EFAdam(decoupled_weight_decay=True)),
@@ -92,7 +95,7 @@ def test_rule_choice(name, compression, expected) -> None:
 def test_state_bytes_follow_the_rule() -> None:
     optimizer = _optimizers()["adamw"]
     assert state_bytes(optimizer) == 4 * 12
-    assert state_bytes(optimizer, TopKCompression(0.01)) == 4 * 8
+    assert state_bytes(optimizer, TopKCompression(0.01, rule="ef_adam")) == 4 * 8
 
 
 # ---------------------------------------------------------------------------------------- through the strategy
@@ -105,7 +108,7 @@ def test_ratio_one_is_adamw_without_first_moment_bitwise(tmp_path, precision) ->
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     kwargs = dict(steps=STEPS, accumulate=2, clip=0.5, precision=precision)
     _, dense = fit(LMModule(adamw_no_first_moment), _strategy(tmp_path / "a"), **kwargs)
-    trainer, ours = fit(LMModule(adamw), _strategy(tmp_path / "b", compression=1.0), **kwargs)
+    trainer, ours = fit(LMModule(adamw), _strategy(tmp_path / "b", compression=EF_ADAM | {"ratio": 1.0}), **kwargs)
     shards = trainer.strategy.smart_update.backend.shards
     assert {type(s.spec.rule) for s in shards} == {EFAdam}
     assert all(torch.equal(ours[n], dense[n]) for n in dense)
@@ -138,7 +141,7 @@ def _plain_reference(steps: int, ratio: float) -> dict[str, torch.Tensor]:
 
 def test_one_percent_matches_plain_pytorch_top_k_and_adamw_without_first_moment(tmp_path) -> None:
     reference = _plain_reference(STEPS, 0.01)
-    trainer, ours = fit(LMModule(adamw), _strategy(tmp_path, compression=0.01), steps=STEPS)
+    trainer, ours = fit(LMModule(adamw), _strategy(tmp_path, compression=EF_ADAM), steps=STEPS)
     assert trainer.strategy.smart_update.residual is not None
     errors = max_relative_error(ours, reference)
     assert max(errors.values()) < 1e-5, errors
@@ -150,7 +153,7 @@ def test_one_percent_matches_plain_pytorch_top_k_and_adamw_without_first_moment(
 def test_device_state_and_traffic_are_two_thirds_of_adams(tmp_path) -> None:
     """One fp32 state instead of two: exact storage bytes per step, and the link bytes unchanged."""
     runs = {}
-    for rule in ("optimizer", "auto"):
+    for rule in ("optimizer", "ef_adam"):
         (tmp_path / rule).mkdir()
         compression = {"ratio": 0.01, "rule": rule}
         trainer, _ = fit(LMModule(adamw, dim=64), _strategy(tmp_path / rule, compression=compression), steps=3)
@@ -159,7 +162,7 @@ def test_device_state_and_traffic_are_two_thirds_of_adams(tmp_path) -> None:
         metrics = trainer.callback_metrics
         tensors = {type(s.spec.rule): s.layout.tensors_per_record for s in shards}
         runs[rule] = (padded, tensors, {k: float(v) for k, v in metrics.items() if k.startswith("smartinf/")})
-    (padded, adam_tensors, adam), (padded_ef, ef_tensors, ef) = runs["optimizer"], runs["auto"]
+    (padded, adam_tensors, adam), (padded_ef, ef_tensors, ef) = runs["optimizer"], runs["ef_adam"]
     assert adam_tensors == {Adam: 3} and ef_tensors == {EFAdam: 2} and padded == padded_ef
     assert adam["smartinf/storage_read_bytes"] == padded * 12
     assert ef["smartinf/storage_read_bytes"] == ef["smartinf/storage_write_bytes"] == padded * 8
@@ -171,7 +174,7 @@ def test_device_state_and_traffic_are_two_thirds_of_adams(tmp_path) -> None:
 
 
 def test_resume_is_bit_identical(tmp_path) -> None:
-    comp = {"strategy_kwargs": {"compression": 0.05}}
+    comp = {"strategy_kwargs": {"compression": EF_ADAM | {"ratio": 0.05}}}
     expected = train(tmp_path / "ref", steps=2 * EVERY, **comp)
     checkpoint = tmp_path / "ref" / "ckpts" / f"step={EVERY}.ckpt"
     (manifest,) = checkpoint.rglob("manifest.json")
@@ -180,7 +183,7 @@ def test_resume_is_bit_identical(tmp_path) -> None:
     assert all(torch.equal(resumed[n], expected[n]) for n in expected)
 
 
-@pytest.mark.parametrize(("before", "after"), [("optimizer", "auto"), ("auto", "optimizer")])
+@pytest.mark.parametrize(("before", "after"), [("optimizer", "ef_adam"), ("ef_adam", "optimizer")])
 def test_resume_across_rules_converts_the_device_state(tmp_path, caplog, before, after) -> None:
     """A run saved under one rule resumes under the other (compression's rule changed, e.g. a checkpoint from before
     EF-Adam was the default): the state is converted, with one warning, and training goes on."""

@@ -17,11 +17,11 @@ live state files, and names the missing, truncated or corrupt file in a :class:`
 by shard index, never by anything read from the manifest, so loading cannot reach outside the directory.
 Shards are flat files, so a state saved with N storage paths loads onto any other number of paths.
 
-A state saved by ``adam`` loads into ``ef_adam`` and back, and either loads into ``ef_adafactor`` (turning
-compression on or off, or changing its rule, between runs): the records are rewritten chunk by chunk, states of the
-same name carried over, a state the saved rule lacks starting at its initial value (:data:`CONVERSIONS`). A state
-saved by ``ef_adafactor`` holds no second moment (the host kept it), so it does not load into ``adam`` or ``ef_adam``:
-their second moment would start at zero mid-run, and their first steps would be ``lr / eps`` large.
+A state saved by any of ``adam``, ``ef_adam`` and ``ef_adafactor`` loads into the others (turning compression on or
+off, or changing its rule, between runs): the records are rewritten chunk by chunk, states of the same name carried
+over, a state the saved rule lacks starting at its initial value (:data:`CONVERSIONS`). ``ef_adafactor`` keeps its
+second moment on the host, so a rule that keeps one on the device starts it from zero; the controller then restarts
+the bias correction of those param groups (``SmartUpdate.restore``).
 """
 
 from __future__ import annotations
@@ -55,7 +55,10 @@ BLOCK = 8 << 20
 _TMP_MARK = ".tmp-"
 #: (saved rule, this run's rule) pairs whose states convert (states matched by name; see the module docstring).
 CONVERSIONS = frozenset(
-    {("adam", "ef_adam"), ("ef_adam", "adam"), ("adam", "ef_adafactor"), ("ef_adam", "ef_adafactor")}
+    (saved, wanted)
+    for saved in ("adam", "ef_adam", "ef_adafactor")
+    for wanted in ("adam", "ef_adam", "ef_adafactor")
+    if saved != wanted
 )
 
 log = logging.getLogger(__name__)
@@ -373,13 +376,6 @@ def load_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
     expected = [_describe(s) for s in shards]
     found = manifest.get("shards", [])
     found_plain = [{k: v for k, v in e.items() if k != "crc32"} for e in found if isinstance(e, dict)]
-    saved_rules = {e.get("rule") for e in found_plain}
-    if "ef_adafactor" in saved_rules and {e["rule"] for e in expected} & {"adam", "ef_adam"}:
-        raise ValueError(
-            f"Device state in {directory} was saved by compression rule 'ef_adafactor', whose second moment the host "
-            "kept; this run's rule would start its own from zero mid-training. Resume with "
-            "`compression={'ratio': ..., 'rule': 'ef_adafactor'}`."
-        )
     if manifest.get("chunk_elems") != chunk_elems or not _loadable(found_plain, expected):
         raise ValueError(
             f"Device state in {directory} does not match this model and optimizer: it holds {found_plain} "

@@ -484,7 +484,22 @@ class SmartUpdate:
         if self.moments is not None:
             # Saved under another rule: the moments start again, bias-corrected from their first update.
             self.moments.load(tensors.get("moments"), state.get("moment_updates") or 0)
+        elif state.get("moment_updates") is not None:
+            self._restart_second_moments()
         self.refresh_params()
+
+    def _restart_second_moments(self) -> None:
+        """After a resume from ``ef_adafactor``, whose second moment stayed on the host: this run's Adam moments start
+        at zero on the devices, so their bias correction starts again too (else the first steps would be up to
+        ``1 / sqrt(1 - beta2)`` times too large: 30x at 0.999)."""
+        warnings.warn(
+            "The checkpoint was trained with compression rule 'ef_adafactor', which kept its second moment on the "
+            "host; this run keeps Adam's moments on the devices, so they start again from zero, bias-corrected from "
+            "step 1.",
+            stacklevel=3,
+        )
+        for sub_group in self.sub_groups:
+            self.group_steps[sub_group.param_group] = 0
 
 
 class _HandOffs:
