@@ -445,12 +445,12 @@ def test_a_checkpoint_saved_before_the_restructure_resumes_bit_identically(tmp_p
 
 def test_a_checkpoint_saved_before_ef_adam_resumes_under_it(tmp_path, caplog) -> None:
     """The same old checkpoint, resumed as users will resume it, with `compression=0.05` and today's default rule:
-    its Adam state is converted to EF-Adafactor's (the master alone) with one warning, and training goes on."""
+    its Adam state is converted to EF-Adam's with one warning, and training goes on."""
     checkpoint = tmp_path / "step=4.ckpt"
     shutil.copytree(Path(__file__).parent / "fixtures" / "checkpoint-c000ce3", checkpoint)
     with caplog.at_level("WARNING", logger="lightning_smartinf.csd.checkpoint"):
         resumed = train(
             tmp_path / "run", steps=2 * EVERY, ckpt_path=checkpoint, every=None, strategy_kwargs={"compression": 0.05}
         )
-    assert "saved by update rule adam; converting it to ef_adafactor" in caplog.text
+    assert "saved by update rule adam; converting it to ef_adam" in caplog.text
     assert all(torch.isfinite(p).all() for p in resumed.values())

@@ -146,10 +146,9 @@ def test_resume_with_residual_is_bit_identical(tmp_path) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("rule", ["ef_adam", "auto"])
+@pytest.mark.parametrize("rule", ["auto", "ef_adafactor"])
 def test_two_ranks_each_compress_their_own_partition(tmp_path, free_port, rule) -> None:
-    """Launched by Lightning itself (`devices=2`); with `auto` (EF-Adafactor) each rank also factors its own
-    partition."""
+    """Launched by Lightning itself (`devices=2`); with `ef_adafactor` each rank also factors its own partition."""
     storage = [tmp_path / "ssd0", tmp_path / "ssd1"]
     for path in storage:
         path.mkdir()
@@ -166,7 +165,7 @@ def test_two_ranks_each_compress_their_own_partition(tmp_path, free_port, rule) 
         sent = sum(kept_count(n, 0.05) for n in report["segments"])
         # Each rank sent the top 5% of its own partition, 4 steps of fp32 pairs, after the initial masters.
         assert report["traffic"]["link_write_bytes"] == sum(numels) * 4 + 4 * sent * 8
-        assert report["moment_updates"] == (4 if rule == "auto" else None)
+        assert report["moment_updates"] == (4 if rule == "ef_adafactor" else None)
     params = torch.load(tmp_path / "params.pt", weights_only=True)
     assert all(torch.isfinite(p).all() for p in params.values())
 
@@ -260,20 +259,20 @@ def test_one_percent_with_sgd_momentum_converges_within_5_percent_of_dense(tmp_p
 
 
 @pytest.mark.slow
-def test_one_percent_adamw_fine_tuning_stays_within_2_percent_of_dense(tmp_path) -> None:
-    """docs/compression.md's fine-tuning record, re-run: AdamW (EF-Adafactor: the host's factored second moment, the
-    devices' master alone) on Python source after dense English pre-training. Recorded: +0.8% (EF-Adam: +2.0%)."""
+def test_one_percent_adamw_fine_tuning_stays_within_3_percent_of_dense(tmp_path) -> None:
+    """docs/compression.md's fine-tuning record, re-run: AdamW (EF-Adam on the devices) on Python source after dense
+    English pre-training. Recorded: +2.0%; the margin absorbs other CPUs' rounding."""
     result = _convergence_record(tmp_path, "finetune", ["--finetune", "--steps", "200"])
     assert result["optimizer"] == "adamw" and result["pretrain_steps"] == 400 and result["rule"] == "auto"
-    assert result["relative_difference"] < 0.02, result
+    assert result["relative_difference"] < 0.03, result
     assert result["link_bytes_per_param_per_step_compressed"] <= 2.1
-    assert result["storage_bytes_per_param_per_step_compressed"] < 8.1  # the fp32 master, read + written
+    assert result["storage_bytes_per_param_per_step_compressed"] < 16.1  # EF-Adam: master + exp_avg_sq, read + write
 
 
 @pytest.mark.slow
 def test_one_percent_adamw_from_scratch_stays_within_3_percent_of_dense(tmp_path) -> None:
-    """docs/compression.md's AdamW pre-training record with EF-Adafactor, re-run (recorded: -1.8%; EF-Adam +0.3%, the
-    optimizer's own rule +8.8%)."""
+    """docs/compression.md's AdamW pre-training record with EF-Adam, re-run (recorded: +0.3%; the optimizer's own
+    rule lost 8.8% here)."""
     result = _convergence_record(tmp_path, "adamw", ["--steps", "400"])
     assert result["optimizer"] == "adamw" and result["rule"] == "auto"
     assert result["relative_difference"] < 0.03, result

@@ -162,9 +162,7 @@ def _optimizers() -> dict[str, torch.optim.Optimizer]:
     [
         ("adamw", "ef_adafactor", EFAdafactor()),
         ("adam", "ef_adafactor", EFAdafactor()),
-        ("adamw", "auto", EFAdafactor()),  # the default for AdamW, and Adam without weight decay
-        ("adam", "auto", EFAdafactor()),
-        ("adam_l2", "auto", EFAdam()),  # its L2 decay comes before the normalisation: the device must run it
+        ("adamw", "auto", EFAdam(decoupled_weight_decay=True)),  # opt-in: `auto` keeps EF-Adam
     ],
 )
 def test_rule_choice(name, rule, expected) -> None:

@@ -1,6 +1,5 @@
-"""EF-Adam, the device rule for Adam with L2 weight decay under compression (and for Adam and AdamW with
-`rule='ef_adam'`): the rule, its choice, equivalence with plain PyTorch through the strategy, exact traffic,
-checkpoints across rules and bad input."""
+"""EF-Adam, the default device rule for Adam and AdamW under compression: the rule, its choice, equivalence with
+plain PyTorch through the strategy, exact traffic, checkpoints across rules and bad input."""
 
 from __future__ import annotations
 
@@ -78,7 +77,8 @@ def _optimizers() -> dict[str, torch.optim.Optimizer]:
         ("adamw", None, Adam(decoupled_weight_decay=True)),
         ("adamw", TopKCompression(0.01, rule="ef_adam"), EFAdam(decoupled_weight_decay=True)),
         ("adam", TopKCompression(0.01, rule="ef_adam"), EFAdam()),
-        ("adamw", TopKCompression(0.01), EFAdafactor()),  # the default since EF-Adafactor
+        ("adamw", TopKCompression(0.01), EFAdam(decoupled_weight_decay=True)),  # the default
+        ("adamw", TopKCompression(0.01, rule="ef_adafactor"), EFAdafactor()),
         ("adamw", TopKCompression(0.01, rule="optimizer"), Adam(decoupled_weight_decay=True)),
         ("adamw", TopKCompression(0.01, error_feedback=False), Adam(decoupled_weight_decay=True)),
         ("adamw", TopKCompression(1.0, rule="ef_adam"), EFAdam(decoupled_weight_decay=True)),

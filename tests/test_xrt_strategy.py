@@ -92,7 +92,7 @@ def test_bad_xrt_settings_fail_at_construction(tmp_path, model_xclbin):
         )
 
 
-@pytest.mark.parametrize(("rule", "runs_as"), [("ef_adam", "EFAdam"), ("auto", "EFAdafactor")])
+@pytest.mark.parametrize(("rule", "runs_as"), [("auto", "EFAdam"), ("ef_adafactor", "EFAdafactor")])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_compressed_adamw_runs_the_ef_kernels_as_the_cpu_backend_runs_the_rule(
     tmp_path, model_xclbin, precision, rule, runs_as
