@@ -148,7 +148,8 @@ def test_resume_with_residual_is_bit_identical(tmp_path) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("rule", ["auto", "ef_adafactor"])
 def test_two_ranks_each_compress_their_own_partition(tmp_path, free_port, rule) -> None:
-    """Launched by Lightning itself (`devices=2`); with `ef_adafactor` each rank also factors its own partition."""
+    """`Trainer(devices=2)` under `torch.distributed.run`; with `ef_adafactor` each rank also factors its own
+    partition."""
     storage = [tmp_path / "ssd0", tmp_path / "ssd1"]
     for path in storage:
         path.mkdir()
