@@ -7,7 +7,7 @@ One directory per rank (``<checkpoint>/checkpoint/smartinf/rankNNN/``) holds:
   the factored second moments of rule ``ef_adafactor`` (``moments``);
 - ``host_state.json``: what the host keeps beside the devices (optimizer steps per param group, loss scale, the
   param groups' hyperparameters, which parameter partitions each shard holds), the global step it belongs to, and
-  the residual's size and CRC-32.
+  the size and CRC-32 of ``residual.safetensors``.
 
 Invariant: ``host_state.json`` is written last, so a directory that has it is complete; every other file is
 verified against it (the residual) or the manifest (the shards) before anything is loaded.
@@ -80,7 +80,7 @@ def load_host_tensors(directory: Path, entry: dict[str, Any] | None) -> dict[str
     without one.
 
     Raises:
-        CheckpointError: the residual file is missing or does not match ``entry``.
+        CheckpointError: ``residual.safetensors`` is missing or does not match ``entry``.
     """
     if entry is None:
         return {}
