@@ -32,6 +32,7 @@ from lightning_smartinf.csd.storage import StorageError, make_private_dirs
 from lightning_smartinf.csd.torch_optim import SUPPORTED_OPTIMIZERS, rule_for_group, state_bytes
 from lightning_smartinf.zero import ControllerFactory, GradientBufferError, smart_update_optimizer
 from lightning_smartinf.zero.engines import choose_io_engine
+from lightning_smartinf.zero.param_storage import check_param_space, stored_param_bytes, swap_buffer_settings
 
 if TYPE_CHECKING:
     from lightning_smartinf.strategy import SmartInfinityStrategy
@@ -139,6 +140,55 @@ def controller_factory(
     return build
 
 
+def place_parameters(
+    strategy: SmartInfinityStrategy,
+    model: Module,
+    offload_param: dict[str, Any],
+    device_dirs: Sequence[Path],
+    state_on_storage: int,
+    *,
+    aio: dict[str, Any],
+) -> None:
+    """Complete ``offload_param`` for ``offload_parameters="storage"``: this rank's private parameter directory on its
+    first storage path and swap buffers sized for ``model``; refuse, before anything is written, a disk without room
+    for the parameters and the state, or a working set larger than the memory available."""
+    from deepspeed.accelerator import get_accelerator
+
+    problems = Problems("SmartInfinityStrategy", MisconfigurationException)
+    precision = strategy.precision_plugin.precision
+    element_size = 4 if precision in ("32-true", "32", 32) else 2
+    if element_size == 4 and not get_accelerator().is_fp16_supported():
+        # deepspeed 0.19's `zero.Init._set_dtype` gives the parameter swapper bf16 for an fp32 model unless the
+        # accelerator supports fp16: forward would then meet bf16 weights.
+        raise MisconfigurationException(
+            f"`offload_parameters='storage'` with `precision={precision!r}`: DeepSpeed stores the parameters in "
+            f"16 bits on this accelerator ({get_accelerator().device_name()}), which breaks an fp32 model. Train in "
+            "`precision='bf16-true'` or 'bf16-mixed', or keep the parameters in memory (`offload_parameters=True`)."
+        )
+    buffers = swap_buffer_settings(
+        model.modules(),
+        world_size=strategy.world_size,
+        element_size=element_size,
+        block_size=int(aio.get("block_size", 1 << 20)),
+    )
+    largest_sub_group = min(strategy.settings.sub_group_size, sum(p.numel() for p in model.parameters()))
+    # Staging for two sub-groups per device (`ZeroPartitions.staged_limit`), and the swapper's own write buffer.
+    staging = 2 * len(device_dirs) * largest_sub_group * element_size + largest_sub_group * element_size
+    problems.fits_in_memory(
+        "`offload_parameters='storage'`",
+        buffers["buffer_count"] * buffers["buffer_size"] * element_size + staging,
+        f"{buffers['buffer_count']} swap buffers of {buffers['buffer_size']:,} elements for the largest parameter "
+        "partition, and staging for the updated sub-groups",
+        "Lower `sub_group_size`, train on more ranks, or split the largest parameters.",
+    )
+    problems.raise_if_any()
+    directory = make_private_dirs(device_dirs[0], ("params",))
+    params_bytes = stored_param_bytes(model.parameters(), world_size=strategy.world_size, element_size=element_size)
+    same_disk = [d for d in device_dirs if d.stat().st_dev == directory.stat().st_dev]
+    check_param_space(directory, params_bytes, max(0, state_on_storage) * len(same_disk) // len(device_dirs))
+    offload_param.update(buffers, nvme_path=str(directory))
+
+
 def initialize(
     strategy: SmartInfinityStrategy,
     model: Module,
@@ -188,6 +238,9 @@ def initialize(
     config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(
         make_private_dirs(device_dirs[0], ("engine-swap",))
     )
+    offload_param = config["zero_optimization"].get("offload_param") or {}
+    if offload_param.get("device") == "nvme":
+        place_parameters(strategy, model, offload_param, device_dirs, on_storage, aio=config.get("aio") or {})
     try:
         with smart_update_optimizer(controller_factory(strategy, device_dirs, owned, on_backend)):
             engine, zero_optimizer, _, _ = deepspeed.initialize(

@@ -96,7 +96,9 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             it would idle (at most ``buffer_count - 1 - io_threads`` chunks). Never changes results; ``False`` compares.
         gradient_buffer: where gradients wait for devices: ``"accelerator"``, ``"host"`` or ``"auto"`` (docs/gpu.md).
         state_memory_budget, device_weights: RAM per rank for state (``"8GiB"``), storage path speeds; docs/tiers.md.
-        offload_parameters: keep ZeRO's low-precision parameter partitions in host memory between uses.
+        offload_parameters: where ZeRO's low-precision parameter partitions live between uses: ``False`` on the
+            accelerator, ``True`` in host memory, ``"storage"`` in files on the first storage path, read in for
+            forward and backward through swap buffers sized for the model (docs/parameters.md).
         offload_activations: write large saved activations to the storage paths during forward and read them back
             ahead of backward (``True``, or a dict of :class:`~lightning_smartinf.activations.ActivationOffload` args).
         config: a DeepSpeed config dict or JSON path to start from (``None``: the file named by
@@ -142,7 +144,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         gradient_buffer: Literal["auto", "accelerator", "host"] = "auto",
         state_memory_budget: int | str | None = None,
         device_weights: list[float] | None = None,
-        offload_parameters: bool = False,
+        offload_parameters: bool | Literal["storage"] = False,
         offload_activations: bool | dict[str, Any] = False,
         config: str | os.PathLike | dict[str, Any] | None = None,
         reduce_bucket_size: int | None = None,

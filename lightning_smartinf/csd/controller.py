@@ -22,10 +22,12 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import time
 import warnings
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -66,10 +68,26 @@ class Partitions(Protocol):
         """This rank's reduced gradients of every sub-group, flat, in sub-group order."""
 
     def params(self, sub_group: int) -> Tensor:
-        """The flat low-precision parameter partition of ``sub_group``, which updates are written into."""
+        """The flat low-precision parameter partition of ``sub_group``, which updates are written into.
+
+        Where the parameters live on storage (:attr:`staged_limit` is not ``None``) this is a staging buffer, held
+        from the first call until :meth:`params_changed`; its contents before a device writes it are undefined.
+        """
 
     def params_changed(self, sub_group: int) -> None:
-        """``params(sub_group)`` holds new values: make the module's parameters see them."""
+        """``params(sub_group)`` holds new values: make the module's parameters see them (or store them)."""
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The training precision of the parameter partitions."""
+
+    @property
+    def staged_limit(self) -> int | None:
+        """``None`` where every partition lives in memory; else how many sub-groups' parameters the controller may
+        hold in staging buffers at once (:meth:`params`), for parameters that live on storage."""
+
+    def param_bytes(self) -> tuple[int, int]:
+        """Bytes of parameters read from and written to storage so far (``(0, 0)`` when they live in memory)."""
 
     @property
     def loss_scale(self) -> float:
@@ -188,7 +206,7 @@ class SmartUpdate:
     @property
     def link_dtype(self) -> torch.dtype:
         """The dtype gradients and parameters cross the link in: the training precision of the partitions."""
-        return self.partitions.params(0).dtype
+        return self.partitions.param_dtype
 
     def grad(self, sub_group: int) -> Tensor:
         """This step's gradient of ``sub_group``: its slice of the flat gradient buffer."""
@@ -220,8 +238,9 @@ class SmartUpdate:
         return self.partitions.layout()
 
     def traffic_snapshot(self) -> TrafficSnapshot:
-        """Cumulative bytes moved by this rank's devices."""
-        return self.backend.traffic_snapshot()
+        """Cumulative bytes moved by this rank's devices, and of its parameters to and from storage."""
+        read, written = self.partitions.param_bytes()
+        return replace(self.backend.traffic_snapshot(), param_read_bytes=read, param_write_bytes=written)
 
     def stats(self, *, reset_peaks: bool = False) -> BackendStats:
         """The backend's figures (traffic, per-device times and pool use); see :meth:`Backend.stats`."""
@@ -246,6 +265,9 @@ class SmartUpdate:
         ready = [
             i for i in self._hand_offs.ready(expected) if self.backend.hands_off_early(i) and i not in self._normalised
         ]
+        staged = self.partitions.staged_limit
+        if staged is not None:  # each hand-off holds a staging buffer until the step
+            ready = ready[: max(0, staged - len(self._hand_offs.early))]
         if not ready:
             return
         fence = self.partitions.gradient_fence()  # devices read the gradient from other threads
@@ -299,12 +321,16 @@ class SmartUpdate:
         }
         self._roll_back(sorted(set(early) - set(kept_early)), restore_params=False)
         self.early_kept += len(kept_early)
-        handles = self._submit_all(hps, ratio, kept_early)
-        for i, handle in enumerate(handles):
-            started = time.perf_counter()
-            self.backend.result(handle)  # the device timeout applies; a device error stops the backend
-            self.wait_s += time.perf_counter() - started
-            self.partitions.params_changed(i)
+        staged = self.partitions.staged_limit
+        if staged is not None:  # kept hand-offs hold staging buffers that the other sub-groups need
+            for i in sorted(kept_early):
+                self._finish(i, kept_early[i])
+        submissions = self._submit_all(hps, ratio, kept_early, include_kept=staged is None)
+        # Without staging every sub-group is queued at once; with it, at most `staged` are in flight.
+        pending = deque(itertools.islice(submissions, staged or len(self.sub_groups)))
+        while pending:
+            self._finish(*pending.popleft())
+            pending.extend(itertools.islice(submissions, 1))
         if kept_early:
             self.backend.commit(kept_early)
         if max(self.group_steps.values()) % REPLAN_EVERY == 0:
@@ -314,11 +340,20 @@ class SmartUpdate:
         # would otherwise wait for one.
         self.backend.prefetch(list(early) + [i for i in range(len(self.sub_groups)) if i not in early])
 
-    def _submit_all(self, hps: list[StepParams], ratio: float | None, kept_early: dict[int, Handle]) -> list[Handle]:
-        """Submit every sub-group not kept from backward; counts what is sent in :attr:`last_kept`."""
+    def _finish(self, sub_group: int, handle: Handle) -> None:
+        """Wait for ``sub_group``'s update and hand its parameters to the engine."""
+        started = time.perf_counter()
+        self.backend.result(handle)  # the device timeout applies; a device error stops the backend
+        self.wait_s += time.perf_counter() - started
+        self.partitions.params_changed(sub_group)
+
+    def _submit_all(
+        self, hps: list[StepParams], ratio: float | None, kept_early: dict[int, Handle], *, include_kept: bool
+    ) -> Iterator[tuple[int, Handle]]:
+        """Submit every sub-group not kept from backward, in order, as the caller draws them; yields each with its
+        handle (the kept ones too where ``include_kept``). Counts what is sent in :attr:`last_kept`."""
         compression = self.settings.compression
         ready = self.partitions.gradient_fence()
-        handles = []
         kept = total = 0
         if self.moments is not None:
             self.moments.begin_step()
@@ -326,8 +361,9 @@ class SmartUpdate:
             grad: Any = self.grad(i)
             total += grad.numel()
             if i in kept_early:
-                handles.append(kept_early[i])
                 kept += grad.numel()
+                if include_kept:
+                    yield i, kept_early[i]
                 continue
             normalised = i in self._normalised
             hp = hps[i]
@@ -353,11 +389,11 @@ class SmartUpdate:
                 assert self.moments is not None
                 grad = self.moments.normalise(i, grad, hp, self.link_dtype)
                 hp = device_step_params(hp)
-            handles.append(
-                self.backend.submit(i, grad, hp, self.partitions.params(i), link_dtype=self.link_dtype, ready=ready)
+            yield (
+                i,
+                self.backend.submit(i, grad, hp, self.partitions.params(i), link_dtype=self.link_dtype, ready=ready),
             )
         self.last_kept = (kept, total)
-        return handles
 
     def _step_ratio(self) -> float | None:
         """The kept ratio for this step (``None``: dense); prepares the residual for it."""
@@ -397,11 +433,15 @@ class SmartUpdate:
     def refresh_params(self) -> None:
         """Copy every shard's fp32 master weights into the low-precision partitions (after a load)."""
         self.partitions.prepare_for_update()
-        for i in range(len(self.sub_groups)):
-            self.backend.read_master(i, self.partitions.params(i))
-        self.backend.wait()
-        for i in range(len(self.sub_groups)):
-            self.partitions.params_changed(i)
+        count = len(self.sub_groups)
+        batch = self.partitions.staged_limit or count
+        for start in range(0, count, batch):
+            shards = range(start, min(count, start + batch))
+            for i in shards:
+                self.backend.read_master(i, self.partitions.params(i))
+            self.backend.wait()
+            for i in shards:
+                self.partitions.params_changed(i)
         self.partitions.finish_update()
 
     # ------------------------------------------------------------------------------------------ checkpoints

@@ -13,6 +13,8 @@ COUNTERS = (
     "storage_write_bytes",
     "memory_read_bytes",
     "memory_write_bytes",
+    "param_read_bytes",
+    "param_write_bytes",
 )
 
 
@@ -27,6 +29,9 @@ class TrafficSnapshot:
         storage_write_bytes: device compute → storage, inside the device.
         memory_read_bytes: host memory → update, for shards of the memory tier (no storage I/O).
         memory_write_bytes: update → host memory, for shards of the memory tier.
+        param_read_bytes: storage → host, low-precision parameters fetched for forward and backward
+            (``offload_parameters="storage"``; 0 otherwise).
+        param_write_bytes: host → storage, updated low-precision parameters stored after each step.
     """
 
     link_write_bytes: int = 0
@@ -35,6 +40,8 @@ class TrafficSnapshot:
     storage_write_bytes: int = 0
     memory_read_bytes: int = 0
     memory_write_bytes: int = 0
+    param_read_bytes: int = 0
+    param_write_bytes: int = 0
 
     def __sub__(self, other: TrafficSnapshot) -> TrafficSnapshot:
         return TrafficSnapshot(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))

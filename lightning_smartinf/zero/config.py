@@ -79,7 +79,7 @@ def smart_update_config(
     problems: Problems,
     settings: SmartUpdateSettings | None,
     *,
-    offload_parameters: bool,
+    offload_parameters: bool | str,
     reduce_bucket_size: int | None,
     allgather_bucket_size: int,
     contiguous_gradients: bool,
@@ -113,6 +113,11 @@ def smart_update_config(
     zero["offload_optimizer"] = {"device": "nvme", "nvme_path": tempfile.gettempdir()}
     if offload_parameters is True:
         zero["offload_param"] = {"device": "cpu"}
+    elif offload_parameters == "storage":
+        # The path and the buffers are set per rank at set-up, from the model (`param_storage.swap_buffer_settings`).
+        zero["offload_param"] = {"device": "nvme", "nvme_path": tempfile.gettempdir(), "max_in_cpu": 0}
+        # A parameter kept gathered for reuse would hold its swap buffer: release each module's when it is done.
+        zero.setdefault("stage3_max_reuse_distance", 0)
     config["zero_allow_untested_optimizer"] = True
     config["zero_force_ds_cpu_optimizer"] = False
     return config
@@ -141,8 +146,9 @@ def _check_zero(inside: Problems, zero: dict[str, Any]) -> None:
     offload_param = zero.get("offload_param") or {}
     if offload_param.get("device") == "nvme":
         inside.add(
-            f"`{inside.name('offload_param')}['device']='nvme'` is not supported with SmartUpdate; use 'cpu' "
-            "(`offload_parameters=True`)."
+            f"`{inside.name('offload_param')}['device']='nvme'`: pass `offload_parameters='storage'` instead, which "
+            "keeps the parameters on the storage paths with swap buffers sized for the model; remove the "
+            "`offload_param` block."
         )
     elif offload_param.get("device", "none") not in ("none", "cpu", None):
         inside.within("offload_param").choice("device", offload_param["device"], ("none", "cpu"))
@@ -223,7 +229,13 @@ def deepspeed_config(
 
 def check_engine_arguments(problems: Problems, **engine: Any) -> None:
     """Check the :data:`ENGINE` arguments by type and range (the loss-scale ones as DeepSpeed reads them)."""
-    for name in ("offload_parameters", "contiguous_gradients", "overlap_comm"):
+    offload = engine["offload_parameters"]
+    if not (isinstance(offload, bool) or offload == "storage"):
+        problems.add(
+            f"`offload_parameters={show(offload)}`: pass False (parameters stay on the accelerator), True (in host "
+            "memory between uses) or 'storage' (in files on the storage paths, streamed in for forward and backward)."
+        )
+    for name in ("contiguous_gradients", "overlap_comm"):
         problems.flag(name, engine[name])
     problems.integer(
         "reduce_bucket_size",

@@ -26,13 +26,16 @@ from typing import Any
 import torch
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from torch import Tensor
 
 from lightning_smartinf.csd.accelerator import Fence, record_fence
 from lightning_smartinf.csd.controller import SmartUpdate, SubGroup
 from lightning_smartinf.zero.install import ControllerFactory, GradientBufferError
+from lightning_smartinf.zero.param_storage import ParamTraffic, prepare_swapper
 
 #: ``gradient_buffer="auto"`` keeps the gradients on the accelerator only if they take at most this share of its free
 #: memory at set-up: forward and backward need the rest.
@@ -85,20 +88,52 @@ def _free_memory(device: str) -> int:
 
 
 class ZeroPartitions:
-    """ZeRO-3's partitions as the controller sees them (:class:`~lightning_smartinf.csd.controller.Partitions`)."""
+    """ZeRO-3's partitions as the controller sees them (:class:`~lightning_smartinf.csd.controller.Partitions`).
 
-    def __init__(self, optimizer: SmartUpdateZeroOptimizer) -> None:
+    Sub-groups whose parameters live on storage (``offload_parameters="storage"``: ZeRO keeps no flat buffer for
+    them) are updated through staging buffers: one per sub-group between :meth:`params` and :meth:`params_changed`,
+    which stores it and frees it. At most :attr:`staged_limit` are asked for at once.
+    """
+
+    def __init__(self, optimizer: SmartUpdateZeroOptimizer, param_traffic: ParamTraffic | None = None) -> None:
         self._optimizer = optimizer
+        self._param_traffic = param_traffic
+        self._staged: dict[int, Tensor] = {}
 
     @property
     def grad_buffer(self) -> Tensor:
         return self._optimizer.grad_partitions_flat_buffer
 
     def params(self, sub_group: int) -> Tensor:
-        return self._optimizer.fp16_partitioned_groups_flat[sub_group]
+        flat = self._optimizer.fp16_partitioned_groups_flat[sub_group]
+        if flat is not None:
+            return flat
+        staged = self._staged.get(sub_group)
+        if staged is None:
+            numel = self._optimizer.fp16_partitioned_groups_flat_numel[sub_group]
+            staged = self._staged[sub_group] = torch.empty(numel, dtype=self.param_dtype)
+        return staged
 
     def params_changed(self, sub_group: int) -> None:
-        self._optimizer._unflatten_partitioned_parameters(sub_group)
+        staged = self._staged.pop(sub_group, None)
+        if staged is None:
+            self._optimizer._unflatten_partitioned_parameters(sub_group)
+        else:
+            self._optimizer.store_params(sub_group, staged)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self._optimizer.dtype
+
+    @property
+    def staged_limit(self) -> int | None:
+        if self._param_traffic is None:
+            return None
+        # Two per device keeps every device busy while the host stores the parameters of the one before.
+        return 2 * self._optimizer.smart_update.backend.num_devices
+
+    def param_bytes(self) -> tuple[int, int]:
+        return (0, 0) if self._param_traffic is None else self._param_traffic.snapshot()
 
     def prepare_for_update(self) -> None:
         self._optimizer._partition_all_parameters()
@@ -205,8 +240,8 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     smart_update: SmartUpdate
 
     def _configure_tensor_swapping(self, offload_optimizer_config: Any, aio_config: Any) -> None:
-        if self.params_in_nvme_and_cpu:
-            raise ValueError("SmartUpdate does not support `offload_param` to NVMe; offload parameters to `cpu`.")
+        # Only the parameters' own swapper moves them to and from storage from here on.
+        param_traffic = prepare_swapper(self.fp16_groups[0][0].nvme_swapper) if self.params_in_nvme_and_cpu else None
         sub_groups = [
             SubGroup(
                 numel=int(numel),
@@ -215,7 +250,9 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             )
             for i, numel in enumerate(self.fp16_partitioned_groups_flat_numel)
         ]
-        self.smart_update = type(self).controller_factory(self.optimizer, sub_groups, ZeroPartitions(self))
+        self.smart_update = type(self).controller_factory(
+            self.optimizer, sub_groups, ZeroPartitions(self, param_traffic)
+        )
         self._expected_params: list[set[Hashable]] | None = None
         self.optimizer_swapper = DeviceSwapper(self, str(offload_optimizer_config.nvme_path))
 
@@ -245,6 +282,31 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             offset += param.partition_numel()
         assert offset == buffer.numel(), "every parameter's partition has a view over the whole buffer"
         self.grad_partitions_flat_buffer = buffer
+
+    def store_params(self, sub_group: int, values: Tensor) -> None:
+        """Write ``values``, the flat low-precision partition of ``sub_group``, where its parameters live.
+
+        Partitions kept in memory (too small for the swapper) are copied into; the others are written to their files
+        through the parameters' swapper, bit for bit, and the write is complete on return: the next gather reads them.
+        """
+        stored, sources = [], []
+        offset = 0
+        for param, partition in zip(self.fp16_groups[sub_group], self.fp16_partitioned_groups[sub_group]):
+            source = values.narrow(0, offset, partition.ds_numel)
+            offset += partition.ds_numel
+            if partition.final_location != OffloadDeviceEnum.nvme:
+                partition.data.copy_(source)
+            else:
+                stored.append(param)
+                sources.append(source)
+        if stored:
+            swapper = stored[0].nvme_swapper
+            # DeepSpeed may have read some of them ahead for the next forward: those copies are stale now.
+            if any(p.ds_tensor.status != PartitionedParamStatus.NOT_AVAILABLE for p in stored):
+                swapper.synchronize_reads()
+                swapper.remove_partition_and_release_buffers(stored)
+            swapper.swap_out_partitioned_params(dst_fp16_params=stored, src_fp32_params=sources)
+            swapper.synchronize_writes()
 
     def initialize_optimizer_states(self) -> None:
         # Device states were initialised with the masters (DeviceSwapper.initialize_parameters).

@@ -103,6 +103,8 @@ def fit_sharded(
     callbacks: Sequence[L.Callback],
     ckpt_path: Path | None = None,
     strategy_kwargs: dict[str, Any] | None = None,
+    model_kwargs: dict[str, Any] | None = None,
+    precision: str = "32-true",
     **trainer_kwargs: Any,
 ) -> L.Trainer:
     """Train (or resume) TOTAL steps as rank ``rank`` of a multi-rank run (launched by torchrun or by Lightning).
@@ -118,7 +120,7 @@ def fit_sharded(
             io_engine="threads",
             **(strategy_kwargs or {}),
         ),
-        precision="32-true",
+        precision=precision,
         max_steps=TOTAL,
         logger=False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
@@ -131,7 +133,8 @@ def fit_sharded(
     )
     dataset = token_loader(EVERY).dataset
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
-    trainer.fit(LMModule(adamw_cosine), DataLoader(dataset, batch_size=2, sampler=sampler), ckpt_path=ckpt_path)
+    module = LMModule(adamw_cosine, **(model_kwargs or {}))
+    trainer.fit(module, DataLoader(dataset, batch_size=2, sampler=sampler), ckpt_path=ckpt_path)
     return trainer
 
 

@@ -5,7 +5,8 @@ rank (``Trainer(devices=2)`` on CPU re-runs this script), and checkpoints go whe
 Modes: ``full`` trains TOTAL steps and rank 0 saves the parameters to ``full.pt``; ``crash`` trains into
 ``ROOT/ckpts`` and raises as step ``2 * EVERY + 1`` starts (after ``last.ckpt`` was saved over once); ``resume``
 resumes from ``ROOT/ckpts/last.ckpt`` to TOTAL and rank 0 saves ``resumed.pt``. A third argument, JSON, holds more
-``SmartInfinityStrategy`` arguments (``'{"state_memory_budget": 100000}'``).
+``SmartInfinityStrategy`` arguments (``'{"state_memory_budget": 100000}'``), and under ``"model"`` the model's
+(``'{"model": {"dim": 512}}'``), and under ``"precision"`` the Trainer's.
 """
 
 import json
@@ -29,6 +30,8 @@ class CrashAt(L.Callback):
 
 
 def main(root: Path, mode: str, strategy_kwargs: dict) -> None:
+    model_kwargs = strategy_kwargs.pop("model", {})
+    precision = strategy_kwargs.pop("precision", "32-true")
     storage = [root / f"ssd_{mode}{i}" for i in range(2)]
     for path in storage:
         path.mkdir(parents=True, exist_ok=True)
@@ -47,6 +50,8 @@ def main(root: Path, mode: str, strategy_kwargs: dict) -> None:
         callbacks=callbacks,
         ckpt_path=ckpt_path,
         strategy_kwargs=strategy_kwargs,
+        model_kwargs=model_kwargs,
+        precision=precision,
         devices=2,
     )
     if strategy_kwargs.get("state_memory_budget"):

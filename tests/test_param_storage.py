@@ -1,0 +1,254 @@
+"""``offload_parameters="storage"``: ZeRO-3's 16-bit parameter partitions live in files on the storage paths.
+
+The reference is the same run with ``offload_parameters=True`` (partitions in host memory): results must be bit for bit
+the same. At ``DIM = 512`` the MLP weights' partitions (512 x 1024) are 1 MiB in bf16 and go to storage, the attention
+weights (512 KiB) and the small tensors stay in memory, so sub-groups mix both kinds.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from models import LMModule, fit, param_groups, token_loader
+
+from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.csd import StorageError
+from lightning_smartinf.zero.param_storage import swap_buffer_settings
+
+DIM = 512
+SWAPPED = 1 << 20  # DeepSpeed keeps partitions below 1 MiB in memory
+
+
+def adamw(model: torch.nn.Module):
+    return torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3), None
+
+
+def strategy(path: Path, offload: bool | str, **kwargs) -> SmartInfinityStrategy:
+    return SmartInfinityStrategy(
+        storage_paths=[path], offload_parameters=offload, sub_group_size=400_000, io_engine="threads", **kwargs
+    )
+
+
+def stored_bytes(module: L.LightningModule, element_size: int, world_size: int = 1) -> int:
+    """Bytes of one rank's partitions that live on storage (each file padded to 1 KiB)."""
+    sizes = [math.ceil(getattr(p, "ds_numel", p.numel()) / world_size) * element_size for p in module.parameters()]
+    return sum(math.ceil(n / 1024) * 1024 for n in sizes if n >= SWAPPED)
+
+
+def param_files(root: Path) -> list[Path]:
+    return sorted(root.glob("smartinf/rank*/params/**/*.swp"))
+
+
+def assert_identical(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    assert ours.keys() == reference.keys()
+    for name in reference:
+        assert torch.equal(ours[name], reference[name]), f"{name} differs"
+
+
+@pytest.mark.parametrize(
+    ("precision", "extra"),
+    [
+        ("bf16-true", {}),
+        ("bf16-true", {"compression": 0.05}),
+        ("bf16-true", {"offload_activations": True, "overlap_backward": False}),
+    ],
+    ids=["bf16", "compressed", "activations"],
+)
+def test_parameters_on_storage_train_bit_for_bit_like_parameters_in_memory(tmp_path, precision, extra) -> None:
+    """Accumulation, clipping and the hand-offs during backward included; the parameters' traffic is counted."""
+    steps, accumulate = 3, 2
+    module = LMModule(adamw, dim=DIM)
+    memory_trainer, reference = fit(
+        LMModule(adamw, dim=DIM),
+        strategy(tmp_path / "memory", True, **extra),
+        steps=steps,
+        accumulate=accumulate,
+        precision=precision,
+        clip=0.5,
+    )
+    trainer, ours = fit(
+        module,
+        strategy(tmp_path / "disk", "storage", **extra),
+        steps=steps,
+        accumulate=accumulate,
+        precision=precision,
+        clip=0.5,
+    )
+    assert_identical(ours, reference)
+    stored = stored_bytes(module, element_size=2)
+    assert stored > 0 and param_files(tmp_path / "disk"), "some partitions live on storage"
+    assert not param_files(tmp_path / "memory")
+    traffic = trainer.strategy.traffic
+    assert traffic.param_write_bytes == steps * stored, "every stored partition is written once per step"
+    # Each micro-batch reads every stored partition for forward and again for backward (the last layer's once);
+    # the end-of-training capture gathers them once more.
+    passes = steps * accumulate
+    assert passes * stored < traffic.param_read_bytes <= (2 * passes + 1) * stored
+    memory = memory_trainer.strategy.traffic
+    assert (memory.param_read_bytes, memory.param_write_bytes) == (0, 0)
+
+
+class Evaluated(LMModule):
+    def validation_step(self, batch, batch_idx):
+        tokens, targets = batch
+        loss = torch.nn.functional.cross_entropy(self.model(tokens).float().flatten(0, 1), targets.flatten())
+        self.log("val_loss", loss)
+        return loss
+
+    test_step = validation_step
+
+    def predict_step(self, batch, batch_idx):
+        return self.model(batch[0]).float().argmax(-1)
+
+
+def _trainer(path: Path, offload: bool | str, steps: int, callbacks=(), **kwargs) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy(path, offload),
+        precision="bf16-true",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=bool(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        callbacks=list(callbacks),
+        **kwargs,
+    )
+
+
+def test_save_last_resume_and_evaluation_with_parameters_on_storage(tmp_path) -> None:
+    """Stock ``ModelCheckpoint(save_last=True)`` saves over ``last.ckpt``; ``fit(ckpt_path=...)`` resumes bit for bit,
+    with the parameters on storage or in memory; validate, test and predict run on the stored parameters."""
+    loader = token_loader(2)  # epochs of 2 batches: checkpoints every 2 steps sit on epoch boundaries
+
+    def run(name: str, offload: bool | str, steps: int, ckpt_path: Path | None = None) -> tuple[L.Trainer, Evaluated]:
+        module = Evaluated(adamw, dim=DIM)
+        saves = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True, every_n_train_steps=2)
+        trainer = _trainer(tmp_path / name, offload, steps, callbacks=[saves] if ckpt_path is None else [])
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
+        return trainer, module
+
+    full_trainer, full_module = run("full", "storage", 6)
+    expected = full_trainer.validate(full_module, loader, verbose=False)[0]["val_loss"]
+    run("first", "storage", 4)
+    last = tmp_path / "ckpts" / "last.ckpt"
+    for name, offload in (("resumed", "storage"), ("resumed_in_memory", True)):
+        trainer, module = run(name, offload, 6, ckpt_path=last)
+        assert trainer.validate(module, loader, verbose=False)[0]["val_loss"] == expected, name
+    assert trainer.test(module, loader, verbose=False)[0]["val_loss"] == expected
+    predictions = full_trainer.predict(full_module, loader)
+    assert len(predictions) == 2 and predictions[0].shape == (4, 12)
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_launched_by_lightning_with_parameters_on_storage(tmp_path, free_port) -> None:
+    """``Trainer(devices=2)``: each rank stores its own partitions; ``save_last``, a crash and a resume."""
+    from test_checkpoint import _worker_env
+
+    script = Path(__file__).parent / "scripts" / "train_two_ranks_save_last.py"
+    options = (
+        '{"offload_parameters": "storage", "model": {"dim": 1024}, "precision": "bf16-true"}'  # 1-2 MiB partitions
+    )
+    for mode in ("full", "crash", "resume"):
+        env = {**_worker_env(), "MASTER_PORT": str(free_port())}
+        done = subprocess.run(
+            [sys.executable, str(script), str(tmp_path), mode, options],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == (3 if mode == "crash" else 0), done.stdout[-2000:] + done.stderr[-4000:]
+    for rank in (0, 1):
+        assert list(tmp_path.glob(f"ssd_full{rank}/smartinf/rank00{rank}/params/**/*.swp")), f"rank {rank} stored none"
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert_identical(torch.load(tmp_path / "resumed.pt", weights_only=True), full)
+
+
+# ------------------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("value", ["nvme", "Storage", 2, None, 1.0])
+def test_offload_parameters_takes_false_true_or_storage(value) -> None:
+    with pytest.raises(MisconfigurationException, match=r"offload_parameters=.*False.*True.*'storage'"):
+        SmartInfinityStrategy(offload_parameters=value)
+
+
+def test_a_deepspeed_offload_param_block_to_nvme_points_to_storage() -> None:
+    config = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}
+    with pytest.raises(MisconfigurationException, match=r"offload_parameters='storage'"):
+        SmartInfinityStrategy(config=config)
+
+
+def test_fp32_on_an_accelerator_without_fp16_is_refused(tmp_path) -> None:
+    """DeepSpeed 0.19 gives the swapper bf16 for an fp32 model where the accelerator lacks fp16 (this CPU)."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().is_fp16_supported():
+        pytest.skip("the accelerator supports fp16: DeepSpeed keeps fp32 parameters in fp32")
+    with pytest.raises(MisconfigurationException, match=r"precision='32-true'.*bf16-true"):
+        fit(LMModule(adamw, dim=DIM), strategy(tmp_path, "storage"), steps=1, precision="32-true")
+    assert not param_files(tmp_path)
+
+
+def test_a_disk_without_room_for_parameters_and_state_is_refused_before_anything_is_written(tmp_path) -> None:
+    """A real 4 MiB tmpfs; the model's bf16 parameters alone take 13 MB."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr  # set-up and CI run as root
+    try:
+        with pytest.raises(
+            StorageError,
+            match=r"GiB free but `offload_parameters='storage'` needs .* GiB there: .*"
+            r"16-bit parameters and .* optimizer state",
+        ):
+            fit(LMModule(adamw, dim=DIM), strategy(mount_point, "storage"), steps=1, precision="bf16-true")
+        assert not list(mount_point.rglob("*.swp")) and not list(mount_point.rglob("*.state"))
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
+
+
+def test_swap_buffers_are_sized_from_the_model() -> None:
+    """The largest stored partition sets the buffer size; the module gathering the most stored partitions sets the
+    count. Meta tensors: only sizes are read."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.LSTM(1024, 1024))
+    settings = swap_buffer_settings(model.modules(), world_size=2, element_size=2, block_size=1 << 20)
+    assert settings["buffer_size"] == 4096 * 4096 // 2
+    assert settings["buffer_count"] == 3 * 2 + 2  # the LSTM's two weight matrices, three modules in flight, 2 spare
+    small = swap_buffer_settings(torch.nn.Linear(8, 8).modules(), world_size=1, element_size=2, block_size=1 << 20)
+    assert small["buffer_size"] == (1 << 20) // 2  # nothing is stored: the swapper's minimum
+
+
+def test_a_working_set_larger_than_memory_is_refused_with_the_mib_needed_and_available(tmp_path) -> None:
+    class Huge(LMModule):
+        def __init__(self) -> None:
+            super().__init__(adamw, dim=DIM)
+            self.table = torch.nn.Parameter(torch.empty(0))
+
+        def setup(self, stage: str) -> None:
+            # Only its size is read before the engine is built: ten trillion elements.
+            self.table = torch.nn.Parameter(torch.empty(10**13, device="meta"))
+
+    class Shrink(L.Callback):
+        def on_exception(self, trainer, pl_module, exception) -> None:
+            pl_module.table = torch.nn.Parameter(torch.empty(0))  # Lightning's teardown moves the module to the CPU
+
+    with pytest.raises(
+        MisconfigurationException, match=r"needs \d+ MiB of host memory .*swap buffers.*\d+ MiB available"
+    ):
+        fit(Huge(), strategy(tmp_path, "storage"), steps=1, precision="bf16-true", callbacks=[Shrink()])
+    assert not param_files(tmp_path)
