@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,18 @@ from lightning_smartinf.csd.storage import StorageError, make_private_dirs
 from lightning_smartinf.csd.torch_optim import SUPPORTED_OPTIMIZERS, rule_for_group, state_bytes
 from lightning_smartinf.zero import ControllerFactory, GradientBufferError, smart_update_optimizer
 from lightning_smartinf.zero.engines import choose_io_engine
-from lightning_smartinf.zero.param_storage import check_param_space, stored_param_bytes, swap_buffer_settings
+from lightning_smartinf.zero.param_storage import (
+    GATHERS_IN_FLIGHT,
+    MIN_SWAPPED_BYTES,
+    SPARE_BUFFERS,
+    check_param_space,
+    construction_swapper,
+    full_numel,
+    map_large_allocations,
+    resize_pool,
+    stored_param_bytes,
+    swap_buffer_settings,
+)
 
 if TYPE_CHECKING:
     from lightning_smartinf.strategy import SmartInfinityStrategy
@@ -140,6 +152,31 @@ def controller_factory(
     return build
 
 
+@contextmanager
+def model_init_context(strategy: SmartInfinityStrategy) -> Iterator[None]:
+    """Where ``LightningModule.configure_model`` builds the model: ZeRO-3's ``zero.Init``, as Lightning's own. With
+    ``offload_parameters="storage"`` each partition is written to this rank's parameter files as its module is built,
+    so the whole model is never in memory; the swapper's pool is sized for the model once it exists
+    (:func:`place_parameters`)."""
+    import deepspeed
+
+    config = strategy.config
+    assert isinstance(config, dict)
+    offload_param = config["zero_optimization"].get("offload_param") or {}
+    if offload_param.get("device") != "nvme":
+        with deepspeed.zero.Init(remote_device=strategy.remote_device, config_dict_or_path=config):
+            yield
+        return
+    map_large_allocations()
+    device_dirs, _ = rank_devices(strategy)
+    offload_param["nvme_path"] = str(make_private_dirs(device_dirs[0], ("params",)))
+    # Until the model exists: a small pool; larger partitions are written from buffers of their own.
+    offload_param.update(buffer_count=GATHERS_IN_FLIGHT + SPARE_BUFFERS, buffer_size=MIN_SWAPPED_BYTES // 2)
+    swapper = construction_swapper(config)
+    with deepspeed.zero.Init(remote_device="nvme", config_dict_or_path=config, param_swapper=swapper):
+        yield
+
+
 def place_parameters(
     strategy: SmartInfinityStrategy,
     model: Module,
@@ -171,7 +208,7 @@ def place_parameters(
         element_size=element_size,
         block_size=int(aio.get("block_size", 1 << 20)),
     )
-    largest_sub_group = min(strategy.settings.sub_group_size, sum(p.numel() for p in model.parameters()))
+    largest_sub_group = min(strategy.settings.sub_group_size, sum(full_numel(p) for p in model.parameters()))
     # Staging for two sub-groups per device (`ZeroPartitions.staged_limit`), and the swapper's own write buffer.
     staging = 2 * len(device_dirs) * largest_sub_group * element_size + largest_sub_group * element_size
     problems.fits_in_memory(
@@ -182,6 +219,11 @@ def place_parameters(
         "Lower `sub_group_size`, train on more ranks, or split the largest parameters.",
     )
     problems.raise_if_any()
+    map_large_allocations()
+    built_there = next((p.nvme_swapper for p in model.parameters() if getattr(p, "nvme_swapper", None)), None)
+    if built_there is not None:  # by `model_init_context`: its files exist; the pool is sized for the model now
+        resize_pool(built_there, buffer_count=buffers["buffer_count"], buffer_size=buffers["buffer_size"])
+        return
     directory = make_private_dirs(device_dirs[0], ("params",))
     params_bytes = stored_param_bytes(model.parameters(), world_size=strategy.world_size, element_size=element_size)
     same_disk = [d for d in device_dirs if d.stat().st_dev == directory.stat().st_dev]

@@ -10,6 +10,8 @@ import dataclasses
 import logging
 import os
 import weakref
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -282,6 +284,13 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
 
             add_strategy_callbacks(self.lightning_module.trainer, self._offload_activations)
 
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        self._init_config_if_needed()
+        with engine.model_init_context(self):  # with parameters on storage, straight to this rank's files
+            yield
+
     @override
     def _init_optimizers(self) -> tuple[Optimizer, Any]:
         optimizer, scheduler = super()._init_optimizers()
@@ -308,10 +317,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
 
     @property
     def smart_update(self) -> SmartUpdate:
-        """This rank's SmartUpdate controller (backend, counters, device state), from engine set-up on.
-
-        After teardown its backend is closed; it can still save the final state (``trainer.save_checkpoint``).
-        """
+        """This rank's SmartUpdate controller, from engine set-up on; after teardown it can still save the final state
+        (``trainer.save_checkpoint``) though its backend is closed."""
         if self._smart_update is None:
             raise RuntimeError("The SmartUpdate controller exists only once `Trainer.fit` has set the engine up.")
         return self._smart_update
@@ -322,12 +329,9 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         return self.smart_update.backend
 
     def release_backend(self) -> None:
-        """Finish outstanding device work, then free buffer pools and threads, and give up the storage. Idempotent.
-
-        With ``storage_paths=None`` (or ``state_memory_budget``) the device state outlives this call, still
-        owned by this process, so that ``trainer.save_checkpoint`` after ``fit`` can copy the final state; they are
-        removed when the next run in this process starts, when the strategy is garbage-collected, or at exit.
-        """
+        """Finish device work, free pools and threads, give up the storage. Idempotent. Temporary state (and memory
+        tiers) outlives it, owned by this process, for ``trainer.save_checkpoint`` after ``fit``; it goes when the
+        next run in this process starts, when the strategy is garbage-collected, or at exit."""
         if self._backend is None:
             return
         backend, self._backend = self._backend, None
@@ -339,8 +343,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
 
     @property
     def traffic(self) -> TrafficSnapshot:
-        """Cumulative bytes moved by this rank's devices: link (host↔device) and storage (inside the device)."""
-        # The controller outlives teardown (a save after `fit`), its counters with it.
+        """Cumulative bytes of this rank: link, storage (inside the devices), parameters; kept after teardown."""
         return self._smart_update.traffic_snapshot() if self._smart_update is not None else TrafficSnapshot()
 
     # --------------------------------------------------------------------------------------------- checkpoints
@@ -365,11 +368,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
-        """Verify the checkpoint against its seal, then load it without unpickling code (``weights_only=True``).
-
-        ``fit`` restores DeepSpeed's and Lightning's state and every rank's device state; ``validate``, ``test``
-        and ``predict`` load the trained weights (see :func:`lightning_smartinf.checkpointing.load`).
-        """
+        """Verify the checkpoint against its seal, then load it without unpickling code (``weights_only=True``):
+        all state for ``fit``, the trained weights for evaluation (:func:`lightning_smartinf.checkpointing.load`)."""
         return checkpointing.load(self, checkpoint_path)
 
     @override

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Hashable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from torch import Tensor
 from lightning_smartinf.csd.accelerator import Fence, record_fence
 from lightning_smartinf.csd.controller import SmartUpdate, SubGroup
 from lightning_smartinf.zero.install import ControllerFactory, GradientBufferError
-from lightning_smartinf.zero.param_storage import ParamTraffic, prepare_swapper
+from lightning_smartinf.zero.param_storage import GradientFile, ParamTraffic, prepare_swapper
 
 #: ``gradient_buffer="auto"`` keeps the gradients on the accelerator only if they take at most this share of its free
 #: memory at set-up: forward and backward need the rest.
@@ -115,6 +116,11 @@ class ZeroPartitions:
         return staged
 
     def params_changed(self, sub_group: int) -> None:
+        # Every caller is done with the sub-group's gradient by now (its update finished, or was discarded).
+        if self._optimizer.gradient_file is not None:
+            start = sum(self._optimizer.fp16_partitioned_groups_flat_numel[:sub_group])
+            end = start + self._optimizer.fp16_partitioned_groups_flat_numel[sub_group]
+            self._optimizer.gradient_file.discard(start, end)
         staged = self._staged.pop(sub_group, None)
         if staged is None:
             self._optimizer._unflatten_partitioned_parameters(sub_group)
@@ -238,6 +244,9 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     controller_factory: ControllerFactory
     #: The controller that runs this optimizer's steps on the devices (built with the optimizer).
     smart_update: SmartUpdate
+    #: With parameters on storage and gradients in host memory: their buffer, in a file on the storage path.
+    gradient_file: GradientFile | None = None
+    _gradients_in_file = False
 
     def _configure_tensor_swapping(self, offload_optimizer_config: Any, aio_config: Any) -> None:
         # Only the parameters' own swapper moves them to and from storage from here on.
@@ -257,24 +266,29 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self.optimizer_swapper = DeviceSwapper(self, str(offload_optimizer_config.nvme_path))
 
     def _setup_for_real_optimizer(self) -> None:
-        super()._setup_for_real_optimizer()
         settings = self.smart_update.settings
-        buffer = self.grad_partitions_flat_buffer
+        numel = sum(int(p.partition_numel()) for p in itertools.chain.from_iterable(self.fp16_groups))
         residual = 4 if settings.compression is not None and settings.compression.error_feedback else 0
-        needed = buffer.numel() * (buffer.element_size() + residual)
-        device = gradient_buffer_device(settings.gradient_buffer, needed)
+        element_size = torch.empty(0, dtype=self.gradient_accumulation_dtype).element_size()
+        device = gradient_buffer_device(settings.gradient_buffer, numel * (element_size + residual))
+        in_file = self._gradients_in_file = device is None and self.params_in_nvme_and_cpu
+        host = self.device
+        try:
+            super()._setup_for_real_optimizer()
+        finally:
+            self.device = host
         if device is not None:
-            self._move_gradient_buffer(device)
+            # ZeRO then copies each reduced partition (and accumulates micro-batches) within the accelerator, takes
+            # the norm and checks for overflow there; a device reads each gradient chunk across the link once.
+            self._replace_gradient_buffer(torch.zeros(numel, dtype=self.gradient_accumulation_dtype, device=device))
+        elif in_file:
+            directory = Path(self.fp16_groups[0][0].nvme_swapper.swap_folder)
+            self.gradient_file = GradientFile(directory, numel, self.gradient_accumulation_dtype)
+            self._replace_gradient_buffer(self.gradient_file.tensor)
 
-    def _move_gradient_buffer(self, device: str) -> None:
-        """Keep the reduced gradient partitions in ``device`` memory instead of ZeRO's pinned host buffer.
-
-        ZeRO then copies each reduced partition (and accumulates micro-batches) within the accelerator, takes the
-        norm and checks for overflow there; a device reads each gradient chunk across the link once, when it needs
-        it. The per-parameter views are rebuilt over the new buffer in ZeRO's order (``fp16_groups``, flattened).
-        """
-        old = self.grad_partitions_flat_buffer
-        buffer = torch.zeros(old.numel(), dtype=old.dtype, device=device)
+    def _replace_gradient_buffer(self, buffer: Tensor) -> None:
+        """Keep the reduced gradient partitions in ``buffer`` instead of ZeRO's pinned host buffer: the per-parameter
+        views are rebuilt over it in ZeRO's order (``fp16_groups``, flattened)."""
         views = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
         offset = 0
         for param in itertools.chain.from_iterable(self.fp16_groups):
@@ -310,7 +324,10 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def initialize_optimizer_states(self) -> None:
         # Device states were initialised with the masters (DeviceSwapper.initialize_parameters).
-        return None
+        if self._gradients_in_file:
+            # ZeRO allocates (and zeroes) a whole-model host gradient buffer next, on `self.device`; on "meta" it takes
+            # no memory. `_setup_for_real_optimizer` puts the device back and the buffer in a file.
+            self.device = "meta"
 
     def _offload_grad_partition_at_boundary(
         self, param: Tensor, grad_buffer: Tensor, offload_fp32_gradients: dict, offload_fp32_offsets: dict
@@ -324,6 +341,8 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def _swap_out_offload_fp32_gradients(self, offload_fp32_gradients: dict, offload_fp32_offsets: dict) -> None:
         # Called after each bucket of gradient partitions: hand off the sub-groups it completed.
         self.smart_update.hand_off_ready(self._expected)
+        if self.gradient_file is not None:
+            self.gradient_file.unmap()
 
     def _expected(self) -> list[set[Hashable]]:
         """Per sub-group, the parameters that have gradient elements on this rank (the others send nothing)."""
