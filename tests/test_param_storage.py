@@ -7,6 +7,7 @@ weights (512 KiB) and the small tensors stay in memory, so sub-groups mix both k
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -252,3 +253,32 @@ def test_a_working_set_larger_than_memory_is_refused_with_the_mib_needed_and_ava
     ):
         fit(Huge(), strategy(tmp_path, "storage"), steps=1, precision="bf16-true", callbacks=[Shrink()])
     assert not param_files(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------ host memory
+
+
+def _peak_rss(root: Path, layers: int, offload: str) -> dict:
+    script = Path(__file__).parent / "scripts" / "param_storage_rss.py"
+    root.mkdir()
+    done = subprocess.run(
+        [sys.executable, str(script), str(root), "2048", str(layers), offload],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.multiprocess
+def test_peak_rss_stays_flat_while_the_model_grows_four_times(tmp_path) -> None:
+    """Width 2048, 8 then 32 layers (34M, then 134M parameters), each run in a fresh process built in
+    ``configure_model``: the peak RSS moves by at most 10%. With the parameters in host memory the larger model's peak
+    is far higher, so the measure can tell."""
+    small = _peak_rss(tmp_path / "small", 8, "storage")
+    large = _peak_rss(tmp_path / "large", 32, "storage")
+    in_memory = _peak_rss(tmp_path / "in_memory", 32, "memory")
+    assert large["params"] == 4 * small["params"]
+    assert abs(large["peak_rss"] / small["peak_rss"] - 1) <= 0.10, (small, large)
+    assert in_memory["peak_rss"] > 1.5 * large["peak_rss"], (in_memory, large)

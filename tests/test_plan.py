@@ -27,6 +27,7 @@ from lightning_smartinf.plan import (
     zero_infinity,
 )
 from lightning_smartinf.plan.__main__ import main
+from lightning_smartinf.plan.planner import strategy_args
 from lightning_smartinf.plan.validation import (
     PAPER_MODELS,
     PAPER_POINTS,
@@ -207,6 +208,20 @@ def test_plan_recommendation():
     assert plan.recommend_compression
 
 
+def test_parameters_on_storage_add_their_reads_and_writes_to_both_methods():
+    """4 B per parameter read (forward and backward), 2 written after the step, for ZeRO-Infinity with
+    ``offload_param: nvme`` and for ours; never faster than parameters in host memory."""
+    work, prof = Workload(8_400_000_000), load_profile("paper-a5000")
+    for method in ("zero_infinity", "su_o"):
+        in_memory = iteration(method, work, prof, 4)
+        stored = iteration(method, work, prof, 4, params_on_storage=True)
+        assert (stored.param_read_bytes, stored.param_write_bytes) == (4 * work.params, 2 * work.params)
+        assert (in_memory.param_read_bytes, in_memory.param_write_bytes) == (0, 0)
+        assert stored.fwd_bwd >= in_memory.fwd_bwd and stored.param_return > in_memory.param_return
+    plan = make_plan(work, prof, devices=4, params_on_storage=True)
+    assert strategy_args(plan)["offload_parameters"] == "storage"
+
+
 # --- CLI -------------------------------------------------------------------------------------------------------
 
 
@@ -217,6 +232,13 @@ def test_cli_prints_breakdown_and_snippet(capsys):
         assert text in out
     # The asked-for compression is in both snippets (tests/test_plan_snippets.py runs them).
     assert "    compression=0.01," in out and "      compression: 0.01" in out and "not yet" not in out
+
+
+def test_cli_params_on_storage(capsys):
+    assert main(["--model", "7B", "--params-on-storage"]) == 0
+    out = capsys.readouterr().out
+    assert "16-bit parameters on storage (both methods): 28.0 GB read per step" in out
+    assert 'offload_parameters="storage"' in out and "offload_parameters: storage" in out
 
 
 def test_cli_hf_config_and_json(tmp_path, capsys):

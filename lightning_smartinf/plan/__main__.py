@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--device-weights", type=float, nargs="+", help="relative speed of each device: show the placement by speed"
     )
+    parser.add_argument(
+        "--params-on-storage",
+        action="store_true",
+        help="the 16-bit parameters live on storage (offload_parameters='storage'; ZeRO-Infinity's offload_param nvme)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of text")
     return parser
 
@@ -108,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         prof = measured or load_profile(args.profile)
         if args.transfer_bytes:
             prof = replace(prof, transfer_bytes=args.transfer_bytes)
-        plan = make_plan(work, prof, devices=args.devices, compression=args.compression)
+        plan = make_plan(
+            work, prof, devices=args.devices, compression=args.compression, params_on_storage=args.params_on_storage
+        )
         tiers = None
         if args.memory_budget is not None or args.device_weights:
             args.memory_budget = args.memory_budget or "0"

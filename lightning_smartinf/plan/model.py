@@ -183,6 +183,8 @@ class Breakdown:
     link_write_bytes: float = 0.0  # bytes per step host -> storage over the shared link
     link_read_bytes: float = 0.0  # bytes per step storage -> host over the shared link
     storage_bytes: float = 0.0  # bytes per step read+written on the SSDs in total
+    param_read_bytes: float = 0.0  # 16-bit parameters read from storage for forward and backward (params on storage)
+    param_write_bytes: float = 0.0  # updated 16-bit parameters written to storage after the step
 
     @property
     def link_bytes(self) -> float:
@@ -227,6 +229,18 @@ def gpu_link_bytes(
     return PARAM_FETCH_BYTES + pairs
 
 
+def parameter_io(work: Workload, prof: Profile, compute: float) -> tuple[float, float, float]:
+    """With the 16-bit parameters on storage (``offload_parameters="storage"``; ZeRO-Infinity's ``offload_param:
+    nvme``): forward and backward time once the reads are counted, the seconds of the writes after the step, and
+    the bytes of each. One storage path holds them, and the reads cross the shared link; DeepSpeed reads a layer
+    ahead, so reads hide behind compute up to their own time."""
+    p = work.params
+    reads, writes = PARAM_FETCH_BYTES * p, LOW_PRECISION_BYTES * p
+    read_s = reads / min(_limit(prof.shared_link_gbps), prof.ssd_read_gbps * GB)
+    write_s = writes / min(_limit(prof.shared_link_gbps), prof.ssd_write_gbps * GB)
+    return max(compute, read_s), write_s, reads
+
+
 def fwd_bwd_time(work: Workload, prof: Profile, link_bytes_per_param: float = 3 * LOW_PRECISION_BYTES) -> float:
     """Forward and backward, and the GPU <-> host copies of ``link_bytes_per_param`` (not overlapped: an upper
     bound)."""
@@ -238,7 +252,7 @@ def fwd_bwd_time(work: Workload, prof: Profile, link_bytes_per_param: float = 3 
     return compute + link_bytes_per_param * work.params / _limit(prof.gpu_link_gbps)
 
 
-def zero_infinity(work: Workload, prof: Profile, devices: int) -> Breakdown:
+def zero_infinity(work: Workload, prof: Profile, devices: int, *, params_on_storage: bool = False) -> Breakdown:
     p = work.params
     read_bw = min(devices * prof.ssd_read_gbps * GB, _limit(prof.raid_read_ceiling_gbps))
     write_bw = min(devices * prof.ssd_write_gbps * GB, _limit(prof.raid_write_ceiling_gbps))
@@ -251,18 +265,23 @@ def zero_infinity(work: Workload, prof: Profile, devices: int) -> Breakdown:
     # reads behind writes.
     if prof.baseline_pipelined:
         update = max(0.0, update - (state_in + state_out))
+    fwd_bwd, param_write, param_reads = fwd_bwd_time(work, prof, pcie), 0.0, 0.0
+    if params_on_storage:
+        fwd_bwd, param_write, param_reads = parameter_io(work, prof, fwd_bwd)
     return Breakdown(
         "zero_infinity",
         devices,
-        fwd_bwd=fwd_bwd_time(work, prof, pcie),
+        fwd_bwd=fwd_bwd,
         grad_transfer=grad_out,
         update=update,
-        param_return=0.0,
+        param_return=param_write,
         storage_io=state_in + state_out,
         link_write_bytes=16.0 * p,
         link_read_bytes=16.0 * p,
         storage_bytes=32.0 * p,
         gpu_link_bytes=pcie * p if prof.gpu_peak_tflops is not None else 0.0,
+        param_read_bytes=param_reads,
+        param_write_bytes=LOW_PRECISION_BYTES * p if params_on_storage else 0.0,
     )
 
 
@@ -275,9 +294,11 @@ def smart_update(
     compression: float | None = None,
     sub_group_size: int = 40_000_000,
     gradient_buffer: str = "accelerator",
+    params_on_storage: bool = False,
 ) -> Breakdown:
     """SmartUpdate with ``devices`` CSDs; ``overlap`` = the transfer handler (SU+O); ``compression`` = kept ratio;
-    ``gradient_buffer`` = where the gradient partitions wait (see :func:`gpu_link_bytes`)."""
+    ``gradient_buffer`` = where the gradient partitions wait (see :func:`gpu_link_bytes`); ``params_on_storage`` =
+    ``offload_parameters="storage"`` (:func:`parameter_io`)."""
     if compression is not None and not 0 < compression <= 1:
         raise PlanError(f"`compression={compression}` must be in (0, 1] (fraction of gradient elements kept).")
     p = work.params
@@ -316,13 +337,16 @@ def smart_update(
     on_gpu = prof.gpu_peak_tflops is not None
     # bf16 gradient partitions, plus the fp32 error-feedback residual with compression.
     kept_on_gpu = (LOW_PRECISION_BYTES + (4 if compression is not None else 0)) * p
+    fwd_bwd, param_write, param_reads = fwd_bwd_time(work, prof, pcie), 0.0, 0.0
+    if params_on_storage:
+        fwd_bwd, param_write, param_reads = parameter_io(work, prof, fwd_bwd)
     return Breakdown(
         method,
         devices,
-        fwd_bwd=fwd_bwd_time(work, prof, pcie),
+        fwd_bwd=fwd_bwd,
         grad_transfer=grad_link,
         update=exposed_update,
-        param_return=param_return,
+        param_return=param_return + param_write,
         storage_io=hidden_io,
         compression=comp_time,
         link_write_bytes=grad_bytes * p,
@@ -330,6 +354,8 @@ def smart_update(
         storage_bytes=(2 * FP32_STATE_BYTES + 2 * staged) * p,
         gpu_link_bytes=pcie * p if on_gpu else 0.0,
         gpu_gradient_bytes=kept_on_gpu if on_gpu and gradient_buffer == "accelerator" else 0.0,
+        param_read_bytes=param_reads,
+        param_write_bytes=LOW_PRECISION_BYTES * p if params_on_storage else 0.0,
     )
 
 
@@ -342,27 +368,23 @@ def iteration(
     compression: float = 0.01,
     sub_group_size: int = 40_000_000,
     gradient_buffer: str = "accelerator",
+    params_on_storage: bool = False,
 ) -> Breakdown:
     if devices < 1:
         raise PlanError(f"`devices={devices}` must be at least 1.")
     if method == "zero_infinity":
-        return zero_infinity(work, prof, devices)
+        return zero_infinity(work, prof, devices, params_on_storage=params_on_storage)
+    shared = {
+        "sub_group_size": sub_group_size,
+        "gradient_buffer": gradient_buffer,
+        "params_on_storage": params_on_storage,
+    }
     if method == "su":
-        return smart_update(work, prof, devices, sub_group_size=sub_group_size, gradient_buffer=gradient_buffer)
+        return smart_update(work, prof, devices, **shared)
     if method == "su_o":
-        return smart_update(
-            work, prof, devices, overlap=True, sub_group_size=sub_group_size, gradient_buffer=gradient_buffer
-        )
+        return smart_update(work, prof, devices, overlap=True, **shared)
     if method == "su_o_c":
-        return smart_update(
-            work,
-            prof,
-            devices,
-            overlap=True,
-            compression=compression,
-            sub_group_size=sub_group_size,
-            gradient_buffer=gradient_buffer,
-        )
+        return smart_update(work, prof, devices, overlap=True, compression=compression, **shared)
     raise PlanError(f"`method={method!r}` is unknown; choose one of {', '.join(METHODS)}.")
 
 

@@ -45,6 +45,7 @@ class Plan:
     buffer_count: int
     recommend_compression: bool
     compression_gain: float
+    params_on_storage: bool = False
 
     @property
     def baseline(self) -> Breakdown:
@@ -73,7 +74,14 @@ def choose_sub_group(work: Workload, prof: Profile, devices: int) -> int:
     return max(1 << 20, min(min(SUB_GROUP_CANDIDATES), int(-(-per_device // 8 // (1 << 20)) * (1 << 20))))
 
 
-def make_plan(work: Workload, prof: Profile, *, devices: int | None = None, compression: float | None = None) -> Plan:
+def make_plan(
+    work: Workload,
+    prof: Profile,
+    *,
+    devices: int | None = None,
+    compression: float | None = None,
+    params_on_storage: bool = False,
+) -> Plan:
     if devices is not None and devices < 1:
         raise PlanError(f"`--devices {devices}` must be at least 1.")
     ratio = 0.01 if compression is None else compression
@@ -88,7 +96,7 @@ def make_plan(work: Workload, prof: Profile, *, devices: int | None = None, comp
     n = devices or recommended
     sub_group = choose_sub_group(work, prof, n)
     breakdowns = {
-        m: iteration(m, work, prof, n, compression=ratio, sub_group_size=sub_group)
+        m: iteration(m, work, prof, n, compression=ratio, sub_group_size=sub_group, params_on_storage=params_on_storage)
         for m in ("zero_infinity", "su", "su_o", "su_o_c")
     }
     gain = breakdowns["su_o"].total / breakdowns["su_o_c"].total
@@ -104,6 +112,7 @@ def make_plan(work: Workload, prof: Profile, *, devices: int | None = None, comp
         buffer_count=16,
         recommend_compression=compression is not None or gain >= COMPRESSION_WORTH,
         compression_gain=gain,
+        params_on_storage=params_on_storage,
     )
 
 
@@ -139,6 +148,13 @@ def format_plan(plan: Plan) -> str:
             f"SU {b['su'].gpu_link_bytes / 1e9:.1f} GB, SU+O+C {b['su_o_c'].gpu_link_bytes / 1e9:.1f} GB; the gradient "
             f"partitions stay in GPU memory: {dense / 1e9:.1f} GB ({compressed / 1e9:.1f} GB with compression's "
             "residual; `gradient_buffer='host'` keeps them in pinned host memory instead)"
+        )
+    if plan.params_on_storage:
+        b = plan.baseline
+        lines.append(
+            f"16-bit parameters on storage (both methods): {b.param_read_bytes / 1e9:.1f} GB read per step for forward"
+            f" and backward (hidden behind compute up to the read time, in fwd/bwd), {b.param_write_bytes / 1e9:.1f}"
+            " GB written after it (in param ret)"
         )
     lines += [
         "SU = SmartUpdate (update on the devices), +O = transfer/update overlap, +C = top-k gradient compression.",
@@ -182,6 +198,8 @@ def strategy_args(plan: Plan) -> dict[str, Any]:
         "sub_group_size": plan.sub_group_size,
         "buffer_count": plan.buffer_count,
     }
+    if plan.params_on_storage:
+        args["offload_parameters"] = "storage"
     if plan.recommend_compression:
         args["compression"] = plan.compression
         # The strategy starts updates during backward only for dense gradients; say so instead of ignoring it.
@@ -197,6 +215,7 @@ def _comments(plan: Plan) -> dict[str, str]:
         "buffer_count": "chunk buffers per device",
         "compression": f"SmartComp: send the largest {plan.compression * 100:g}% of each sub-group's gradient entries",
         "overlap_backward": "compressed gradients reach the devices after backward, not during it",
+        "offload_parameters": "16-bit parameters in files on the first storage path, read a layer ahead",
     }
 
 

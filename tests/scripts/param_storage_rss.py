@@ -1,0 +1,69 @@
+"""Run as ``python param_storage_rss.py ROOT WIDTH LAYERS OFFLOAD``: train a stack of ``LAYERS`` bias-free
+``WIDTH``-wide linear layers, built in ``configure_model``, for 2 bf16 steps with ``offload_parameters=OFFLOAD``
+(``storage`` or ``memory``), and print one JSON line: the parameter count and this process's peak RSS in bytes."""
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from lightning_smartinf import SmartInfinityStrategy
+
+
+class Stack(L.LightningModule):
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.width, self.layers = width, layers
+        self.net: torch.nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = torch.nn.Sequential(
+                *(torch.nn.Linear(self.width, self.width, bias=False) for _ in range(self.layers))
+            )
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).float().pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def main(root: Path, width: int, layers: int, offload: str) -> None:
+    data = torch.utils.data.TensorDataset(torch.randn(8, width, generator=torch.Generator().manual_seed(1)))
+    strategy = SmartInfinityStrategy(
+        storage_paths=[root],
+        offload_parameters="storage" if offload == "storage" else True,
+        io_engine="threads",
+        sub_group_size=8_000_000,  # the working set: a few sub-groups and one reduce bucket, whatever the depth
+        reduce_bucket_size=8_000_000,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        precision="bf16-true",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Stack(width, layers), torch.utils.data.DataLoader(data, batch_size=4))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(
+        json.dumps(
+            {
+                "params": width * width * layers,
+                "peak_rss": peak,
+                "param_write_bytes": strategy.traffic.param_write_bytes,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
