@@ -227,7 +227,10 @@ def place_parameters(
     directory = make_private_dirs(device_dirs[0], ("params",))
     params_bytes = stored_param_bytes(model.parameters(), world_size=strategy.world_size, element_size=element_size)
     same_disk = [d for d in device_dirs if d.stat().st_dev == directory.stat().st_dev]
-    check_param_space(directory, params_bytes, max(0, state_on_storage) * len(same_disk) // len(device_dirs))
+    gradient_bytes = params_bytes  # one per parameter, in the training dtype
+    check_param_space(
+        directory, params_bytes, gradient_bytes, max(0, state_on_storage) * len(same_disk) // len(device_dirs)
+    )
     offload_param.update(buffers, nvme_path=str(directory))
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import LMModule, fit, param_groups, token_loader
+from models import LMModule, TinyGPT, fit, param_groups, token_loader
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.csd import StorageError
@@ -95,6 +95,35 @@ def test_parameters_on_storage_train_bit_for_bit_like_parameters_in_memory(tmp_p
     assert passes * stored < traffic.param_read_bytes <= (2 * passes + 1) * stored
     memory = memory_trainer.strategy.traffic
     assert (memory.param_read_bytes, memory.param_write_bytes) == (0, 0)
+
+
+class BuiltInConfigureModel(LMModule):
+    """The model is built in ``configure_model``, under ZeRO's ``Init``, as a model larger than memory must be."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.make_optimizer = adamw
+        self.model: TinyGPT | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            torch.manual_seed(0)
+            self.model = TinyGPT(dim=DIM)
+
+
+def test_a_model_built_in_configure_model_goes_straight_to_storage_and_trains_bit_for_bit(tmp_path) -> None:
+    _, reference = fit(
+        BuiltInConfigureModel(), strategy(tmp_path / "memory", True), steps=3, accumulate=2, precision="bf16-true"
+    )
+    trainer, ours = fit(
+        BuiltInConfigureModel(), strategy(tmp_path / "disk", "storage"), steps=3, accumulate=2, precision="bf16-true"
+    )
+    assert_identical(ours, reference)
+    files = param_files(tmp_path / "disk")
+    assert files and all(f.is_relative_to(tmp_path / "disk" / "smartinf" / "rank000" / "params") for f in files)
+    # Building the model wrote every stored partition once; each step writes them again.
+    stored = stored_bytes(trainer.lightning_module, element_size=2)
+    assert trainer.strategy.traffic.param_write_bytes == (1 + 3) * stored
 
 
 class Evaluated(LMModule):
@@ -214,7 +243,7 @@ def test_a_disk_without_room_for_parameters_and_state_is_refused_before_anything
         with pytest.raises(
             StorageError,
             match=r"GiB free but `offload_parameters='storage'` needs .* GiB there: .*"
-            r"16-bit parameters and .* optimizer state",
+            r"16-bit parameters, .* for their gradients and .* optimizer state",
         ):
             fit(LMModule(adamw, dim=DIM), strategy(mount_point, "storage"), steps=1, precision="bf16-true")
         assert not list(mount_point.rglob("*.swp")) and not list(mount_point.rglob("*.state"))

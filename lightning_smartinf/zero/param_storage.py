@@ -92,18 +92,20 @@ def stored_param_bytes(parameters: Iterable[torch.nn.Parameter], *, world_size: 
     return total
 
 
-def check_param_space(directory: Path, params_bytes: int, state_bytes: int) -> None:
-    """Raise :class:`StorageError` unless ``directory``'s filesystem holds the parameters and the state placed there.
+def check_param_space(directory: Path, params_bytes: int, gradient_bytes: int, state_bytes: int) -> None:
+    """Raise :class:`StorageError` unless ``directory``'s filesystem holds the parameters, the gradients' file (the
+    kernel writes it only under memory pressure, but then it needs the room) and the state placed there.
 
     Checked before the engine writes anything: the parameters are written first, at set-up.
     """
     free = shutil.disk_usage(directory).free
-    if free < params_bytes + state_bytes:
+    needed = params_bytes + gradient_bytes + state_bytes
+    if free < needed:
         raise StorageError(
             f"Storage path {str(directory.parent)!r} has {free / GIB:.2f} GiB free but `offload_parameters='storage'` "
-            f"needs {(params_bytes + state_bytes) / GIB:.2f} GiB there: {params_bytes / GIB:.2f} GiB of 16-bit "
-            f"parameters and {state_bytes / GIB:.2f} GiB of optimizer state. Free space, add `storage_paths`, or "
-            "choose a larger disk."
+            f"needs {needed / GIB:.2f} GiB there: {params_bytes / GIB:.2f} GiB of 16-bit parameters, "
+            f"{gradient_bytes / GIB:.2f} GiB for their gradients and {state_bytes / GIB:.2f} GiB of optimizer state. "
+            "Free space, add `storage_paths`, or choose a larger disk."
         )
 
 
