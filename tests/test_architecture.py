@@ -40,6 +40,9 @@ PRIVATE_NAME_EXCEPTIONS: dict[str, frozenset[str] | None] = {
     # The Lightning adapter that runs Lightning's DeepSpeedStrategy on DeepSpeed's CPU accelerator replaces exactly
     # the private steps that refuse CPUs; this one module calls them.
     "cpu_support.py": frozenset({"_init_deepspeed_distributed"}),
+    # `model_sharded_context` replaces Lightning's, which formats the DeepSpeed config (the batch size from the
+    # dataloader) before `zero.Init` reads it; it must do the same.
+    "strategy.py": frozenset({"_init_config_if_needed"}),
 }
 
 

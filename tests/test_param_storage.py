@@ -287,11 +287,14 @@ def test_a_working_set_larger_than_memory_is_refused_with_the_mib_needed_and_ava
 # ------------------------------------------------------------------------------------------------ host memory
 
 
-def _peak_rss(root: Path, layers: int, offload: str) -> dict:
+def _peak_rss(root: Path, layers: int, offload: str, port: int) -> dict:
+    from test_checkpoint import _worker_env
+
     script = Path(__file__).parent / "scripts" / "param_storage_rss.py"
     root.mkdir()
     done = subprocess.run(
         [sys.executable, str(script), str(root), "2048", str(layers), offload],
+        env={**_worker_env(), "MASTER_PORT": str(port)},
         capture_output=True,
         text=True,
         timeout=600,
@@ -301,13 +304,13 @@ def _peak_rss(root: Path, layers: int, offload: str) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_peak_rss_stays_flat_while_the_model_grows_four_times(tmp_path) -> None:
+def test_peak_rss_stays_flat_while_the_model_grows_four_times(tmp_path, free_port) -> None:
     """Width 2048, 8 then 32 layers (34M, then 134M parameters), each run in a fresh process built in
     ``configure_model``: the peak RSS moves by at most 10%. With the parameters in host memory the larger model's peak
     is far higher, so the measure can tell."""
-    small = _peak_rss(tmp_path / "small", 8, "storage")
-    large = _peak_rss(tmp_path / "large", 32, "storage")
-    in_memory = _peak_rss(tmp_path / "in_memory", 32, "memory")
+    small = _peak_rss(tmp_path / "small", 8, "storage", free_port())
+    large = _peak_rss(tmp_path / "large", 32, "storage", free_port())
+    in_memory = _peak_rss(tmp_path / "in_memory", 32, "memory", free_port())
     assert large["params"] == 4 * small["params"]
     assert abs(large["peak_rss"] / small["peak_rss"] - 1) <= 0.10, (small, large)
     assert in_memory["peak_rss"] > 1.5 * large["peak_rss"], (in_memory, large)

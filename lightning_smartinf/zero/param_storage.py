@@ -207,7 +207,7 @@ def resize_pool(swapper: Any, *, buffer_count: int, buffer_size: int) -> None:
     with (for a model built before its sizes were known). Nothing may hold a pooled buffer: call it between steps."""
     if swapper.param_id_to_buffer_id or swapper.inflight_params or swapper.reserved_buffer_ids:
         raise RuntimeError("The parameter swapper's pool is in use; it can only be resized when no partition is read.")
-    aligned = swapper._io_aligned_numel(buffer_size)
+    aligned = _aligned(swapper, buffer_size)
     old = swapper.buffers
     swapper.buffers = swapper.aio_read_handle.new_cpu_locked_tensor(
         aligned * buffer_count, torch.empty(0, dtype=swapper.dtype)
@@ -237,12 +237,17 @@ def construction_swapper(config: dict[str, Any]) -> Any:
     return swapper
 
 
+def _aligned(swapper: Any, numel: int) -> int:
+    """``numel`` rounded up to the swapper's I/O alignment (what its files and buffers hold per partition)."""
+    return -(-numel // swapper.numel_alignment) * swapper.numel_alignment
+
+
 def own_buffer(swapper: Any, param: Any, numel: int | None = None) -> torch.Tensor:
     """A buffer of ``param``'s own, outside the pool (a whole model under ``GatheredParameters``, as export and users'
     saving code do, or a partition larger than the pool's buffers); it is freed when the swapper releases it."""
     numel = int(param.ds_tensor.ds_numel) if numel is None else numel
     swapper.param_id_to_numel[param.ds_id] = numel
-    return torch.empty(swapper._io_aligned_numel(numel), dtype=swapper.dtype)
+    return torch.empty(_aligned(swapper, numel), dtype=swapper.dtype)
 
 
 #: glibc's ``mallopt`` parameter for the size from which allocations get mappings of their own.

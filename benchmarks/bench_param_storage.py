@@ -1,0 +1,217 @@
+"""Parameters on storage: peak RSS and step time against ZeRO-Infinity, model by model, each run in its own process.
+
+The model is what issue 25 measured: a stack of ``--width``-wide bias-free linear layers, built in ``configure_model``
+(under ZeRO's ``Init``, as a model larger than memory must be), trained in bf16 with AdamW for ``--steps`` steps.
+
+Configurations (``--runs``):
+
+- ``ours_storage``: ``SmartInfinityStrategy(offload_parameters="storage")``;
+- ``ours_memory``: ``offload_parameters=True`` (16-bit parameters in host memory);
+- ``zi_cpu``: ZeRO-Infinity, optimizer state on NVMe, parameters in host memory;
+- ``zi_nvme``: ZeRO-Infinity with ``offload_param: nvme`` too, its buffers sized for the model (``buffer_size`` = the
+  largest parameter, ``buffer_count`` = 8, ``max_in_cpu`` = 0), the best setting that does not fail with
+  "Not enough buffers" here.
+
+A run that fails (out of memory, out of disk, a DeepSpeed error) is recorded with its exit status and the last line it
+printed. Results go to ``--out`` (JSON) and a markdown table is printed.
+
+    PYTHONPATH=. TORCH_EXTENSIONS_DIR=.venv/torch_extensions .venv/bin/python benchmarks/bench_param_storage.py \\
+        --layers 23 --storage /var/tmp/bench --out docs/param-storage-1.5b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+RUNS = ("ours_storage", "ours_memory", "zi_cpu", "zi_nvme")
+
+
+def strategy_for(run: str, args: argparse.Namespace, storage: Path) -> Any:
+    if run.startswith("ours"):
+        from lightning_smartinf import SmartInfinityStrategy
+
+        return SmartInfinityStrategy(
+            storage_paths=[storage],
+            offload_parameters="storage" if run == "ours_storage" else True,
+            sub_group_size=args.sub_group_size,
+            reduce_bucket_size=args.sub_group_size,
+        )
+    from lightning_smartinf.cpu_support import DeepSpeedCPUStrategy
+
+    offload_param: dict[str, Any] = {"device": "cpu"}
+    if run == "zi_nvme":
+        offload_param = {
+            "device": "nvme",
+            "nvme_path": str(storage),
+            "buffer_count": 8,
+            "buffer_size": args.width * args.width,
+            "max_in_cpu": 0,
+        }
+    return DeepSpeedCPUStrategy(
+        config={
+            "train_micro_batch_size_per_gpu": args.batch,
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": {
+                "stage": 3,
+                "sub_group_size": args.sub_group_size,
+                "reduce_bucket_size": args.sub_group_size,
+                "stage3_max_reuse_distance": 0,
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(storage)},
+                "offload_param": offload_param,
+            },
+            "aio": {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False},
+        }
+    )
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Stack(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net: torch.nn.Module | None = None
+
+        def configure_model(self) -> None:
+            if self.net is None:
+                layers = (torch.nn.Linear(args.width, args.width, bias=False) for _ in range(args.layers))
+                self.net = torch.nn.Sequential(*layers)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.net(batch[0]).float().pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    class Timer(L.Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, *_: Any) -> None:
+            self.starts.append(time.perf_counter())
+
+        def on_train_end(self, *_: Any) -> None:
+            self.starts.append(time.perf_counter())
+
+    storage = Path(tempfile.mkdtemp(prefix=f"params_{args.run}_", dir=args.storage))
+    try:
+        data = TensorDataset(torch.randn(args.batch * args.steps, args.width))
+        timer = Timer()
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=strategy_for(args.run, args, storage),
+            precision="bf16-true",
+            max_steps=args.steps,
+            callbacks=[timer],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(storage),
+        )
+        started = time.perf_counter()
+        trainer.fit(Stack(), DataLoader(data, batch_size=args.batch))
+        steps = [b - a for a, b in zip(timer.starts, timer.starts[1:])]
+        result = {
+            "run": args.run,
+            "params": args.width * args.width * args.layers,
+            "ok": True,
+            "step_s": steps,
+            "step_median_s": statistics.median(steps[1:] or steps),
+            "setup_s": timer.starts[0] - started,
+            "peak_rss_gb": peak_rss_gb(),
+        }
+        traffic = getattr(trainer.strategy, "traffic", None)
+        if traffic is not None:
+            result["param_read_bytes"], result["param_write_bytes"] = (
+                traffic.param_read_bytes,
+                traffic.param_write_bytes,
+            )
+        return result
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+def peak_rss_gb() -> float:
+    """This process's peak RSS (``VmHWM``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 / 1e9
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def launch(args: argparse.Namespace, run: str, layers: int) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--run", run, "--layers", str(layers)]
+    for name in ("width", "steps", "batch", "sub_group_size", "storage"):
+        command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    subprocess.run(["sync"], check=False)
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "."})
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    tail = (done.stderr.strip().splitlines() or [""])[-1]
+    return {
+        "run": run,
+        "params": args.width * args.width * layers,
+        "ok": False,
+        "returncode": done.returncode,
+        "error": tail,
+    }
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = ["| run | params | peak RSS (GB) | step (s, median) | note |", "|---|---|---|---|---|"]
+    for r in results:
+        if r["ok"]:
+            rows.append(
+                f"| {r['run']} | {r['params'] / 1e9:.2f}B | {r['peak_rss_gb']:.1f} | {r['step_median_s']:.1f} | |"
+            )
+        else:
+            rows.append(
+                f"| {r['run']} | {r['params'] / 1e9:.2f}B | – | – | failed ({r['returncode']}): {r['error'][:80]} |"
+            )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
+    parser.add_argument("--layers", type=int, nargs="+", default=[23], help="model sizes to run, in layers")
+    parser.add_argument("--width", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--sub-group-size", type=int, default=100_000_000)
+    parser.add_argument("--storage", default=None, help="directory for every run's files (default: the temp dir)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON file for the results")
+    parser.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:
+        args.layers = args.layers[0]
+        print(json.dumps(run_one(args)))
+        return
+    results = []
+    for layers in args.layers:
+        for run in args.runs:
+            result = launch(args, run, layers)
+            print(json.dumps(result), flush=True)
+            results.append(result)
+    print(table(results))
+    if args.out:
+        args.out.write_text(json.dumps({"width": args.width, "steps": args.steps, "results": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
