@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -314,3 +316,38 @@ def test_peak_rss_stays_flat_while_the_model_grows_four_times(tmp_path, free_por
     assert large["params"] == 4 * small["params"]
     assert abs(large["peak_rss"] / small["peak_rss"] - 1) <= 0.10, (small, large)
     assert in_memory["peak_rss"] > 1.5 * large["peak_rss"], (in_memory, large)
+
+
+def test_the_gradients_file_keeps_its_contents_out_of_the_process_and_its_blocks_after_a_punch(tmp_path) -> None:
+    from lightning_smartinf.zero.param_storage import GradientFile
+
+    numel = 3 << 20
+    gradients = GradientFile(tmp_path, numel, torch.bfloat16)
+    assert not list(tmp_path.iterdir()), "the file is unlinked at once"
+    reserved = os.fstat(gradients._fd).st_blocks * 512
+    assert reserved >= 2 * numel
+    gradients.tensor.fill_(1.5)
+    gradients.unmap()  # out of the process, still in the file
+    assert torch.equal(gradients.tensor, torch.full((numel,), 1.5, dtype=torch.bfloat16))
+    gradients.discard(1000, numel - 1000)  # the whole pages inside are dropped and read as zeros
+    page = mmap.PAGESIZE // 2
+    inside = gradients.tensor[page : numel - page]
+    assert not inside.any() and gradients.tensor[:1000].eq(1.5).all() and gradients.tensor[-1000:].eq(1.5).all()
+    assert os.fstat(gradients._fd).st_blocks * 512 == reserved, "punched blocks are reserved again"
+
+
+def test_a_gradients_file_that_does_not_fit_is_a_storage_error(tmp_path) -> None:
+    from lightning_smartinf.zero.param_storage import GradientFile
+
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    try:
+        with pytest.raises(StorageError, match=r"Cannot reserve 0.01 GiB for the gradients' file .*Free space"):
+            GradientFile(mount_point, 4 << 20, torch.bfloat16)
+        assert not list(mount_point.iterdir())
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)

@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -277,8 +278,12 @@ class GradientFile:
     them to the file and evict them when memory runs short, and :meth:`discard` punches out a range whose gradients
     the devices have consumed, so they are never written back. The process itself holds only the pages in use.
 
-    A punched range reads as zeros: a parameter that gets no gradient in a step has a zero gradient (ZeRO's own
-    buffer would keep the step before's).
+    Invariants:
+
+    - The file's blocks are reserved (``posix_fallocate``) when it is made and again after each punch: a write-back
+      never finds the disk full, which a shared mapping could only report as ``SIGBUS``.
+    - A punched range reads as zeros: a parameter that gets no gradient in a step has a zero gradient (ZeRO's own
+      buffer would keep the step before's).
     """
 
     def __init__(self, directory: Path, numel: int, dtype: torch.dtype) -> None:
@@ -287,10 +292,16 @@ class GradientFile:
         fd, name = tempfile.mkstemp(prefix="gradients-", suffix=".bin", dir=directory)
         try:
             os.unlink(name)
-            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)
             self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except OSError as exc:
             os.close(fd)
+            raise StorageError(
+                f"Cannot reserve {nbytes / GIB:.2f} GiB for the gradients' file in {str(directory)!r} ({exc}). "
+                "Free space on the storage path, or keep the parameters in memory (`offload_parameters=True`)."
+            ) from None
+        self._fd = fd  # kept open to reserve punched ranges again; the blocks go with the last of it and the map
+        weakref.finalize(self, os.close, fd)
         #: The buffer, ``numel`` elements of ``dtype`` over the mapping.
         self.tensor = torch.frombuffer(self._map, dtype=dtype, count=numel)
 
@@ -299,7 +310,8 @@ class GradientFile:
         self._map.madvise(mmap.MADV_DONTNEED)
 
     def discard(self, start: int, end: int) -> None:
-        """Elements ``[start, end)`` are no longer needed: free the whole pages among them, in memory and in the file.
+        """Elements ``[start, end)`` are no longer needed: drop the whole pages among them, in memory and in the file,
+        without writing them back.
 
         Where the filesystem cannot punch holes, the pages only leave this process.
         """
@@ -311,3 +323,5 @@ class GradientFile:
             self._map.madvise(mmap.MADV_REMOVE, first, last - first)
         except OSError:
             self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+            return
+        os.posix_fallocate(self._fd, first, last - first)
