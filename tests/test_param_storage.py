@@ -100,7 +100,8 @@ def test_parameters_on_storage_train_bit_for_bit_like_parameters_in_memory(tmp_p
 
 
 class BuiltInConfigureModel(LMModule):
-    """The model is built in ``configure_model``, under ZeRO's ``Init``, as a model larger than memory must be."""
+    """The model is built in ``configure_model``, under ZeRO's ``Init``, as a model larger than memory must be. At
+    width 768 its MLP weights (1.2M elements) are larger than the swapper's buffers while the model is built."""
 
     def __init__(self) -> None:
         L.LightningModule.__init__(self)
@@ -110,7 +111,14 @@ class BuiltInConfigureModel(LMModule):
     def configure_model(self) -> None:
         if self.model is None:
             torch.manual_seed(0)
-            self.model = TinyGPT(dim=DIM)
+            self.model = TinyGPT(dim=768)
+            # As Hugging Face's `_init_weights` does under ZeRO's Init: change partitions already on storage.
+            import deepspeed
+
+            weights = [block.fc1.weight for block in self.model.blocks]
+            with deepspeed.zero.GatheredParameters(weights, modifier_rank=0), torch.no_grad():
+                for weight in weights:
+                    weight.mul_(0.5)
 
 
 def test_a_model_built_in_configure_model_goes_straight_to_storage_and_trains_bit_for_bit(tmp_path) -> None:
@@ -123,9 +131,11 @@ def test_a_model_built_in_configure_model_goes_straight_to_storage_and_trains_bi
     assert_identical(ours, reference)
     files = param_files(tmp_path / "disk")
     assert files and all(f.is_relative_to(tmp_path / "disk" / "smartinf" / "rank000" / "params") for f in files)
-    # Building the model wrote every stored partition once; each step writes them again.
+    # Building the model wrote every stored partition once, and the changed MLP weights again; each step writes them
+    # all again.
     stored = stored_bytes(trainer.lightning_module, element_size=2)
-    assert trainer.strategy.traffic.param_write_bytes == (1 + 3) * stored
+    changed = 2 * 768 * 1536 * 2
+    assert trainer.strategy.traffic.param_write_bytes == (1 + 3) * stored + changed
 
 
 class Evaluated(LMModule):

@@ -180,15 +180,20 @@ def prepare_swapper(swapper: Any) -> ParamTraffic:
         if pooled:
             swap_in(pooled, async_op=async_op)
         if extra:
-            swap_in(extra, async_op=async_op, swap_in_buffers=[own_buffer(swapper, p) for p in extra])
+            buffers = [take_own(p, int(p.ds_tensor.ds_numel)) for p in extra]
+            swap_in(extra, async_op=async_op, swap_in_buffers=buffers)
+
+    def take_own(param: Any, numel: int) -> torch.Tensor:
+        own.add(param.ds_id)
+        buffer = own_buffer(swapper, param, numel)
+        # Where `_swap_out` finds what to write when the partition changed (`GatheredParameters(modifier_rank=0)`).
+        swapper.param_id_to_swap_buffer[param.ds_id] = buffer
+        return buffer
 
     def get_buffer_or_own(param: Any, numel: int) -> torch.Tensor:
         if numel <= swapper.elements_per_buffer and swapper.available_swap_in_buffers() > 0:
             return get_buffer(param, numel)
-        own.add(param.ds_id)
-        buffer = own_buffer(swapper, param, numel)
-        swapper.param_id_to_swap_buffer[param.ds_id] = buffer  # where `_swap_out` finds what to write
-        return buffer.narrow(0, 0, numel)
+        return take_own(param, numel).narrow(0, 0, numel)
 
     def release_own_too(params: list[Any]) -> None:
         for param in params:
