@@ -1,7 +1,8 @@
 """Parameters on storage: peak RSS and step time against ZeRO-Infinity, model by model, each run in its own process.
 
-The model is what issue 25 measured: a stack of ``--width``-wide bias-free linear layers, built in ``configure_model``
-(under ZeRO's ``Init``, as a model larger than memory must be), trained in bf16 with AdamW for ``--steps`` steps.
+The model is what issue 25 measured: a stack of ``--width``-wide bias-free linear layers, or with ``--model gpt`` a
+GPT-style decoder (12 width² per block plus embeddings and head), built in ``configure_model`` (under ZeRO's
+``Init``, as a model larger than memory must be), trained in bf16 with AdamW for ``--steps`` steps.
 
 Configurations (``--runs``):
 
@@ -56,7 +57,7 @@ def strategy_for(run: str, args: argparse.Namespace, storage: Path) -> Any:
             "device": "nvme",
             "nvme_path": str(storage),
             "buffer_count": 8,
-            "buffer_size": args.width * args.width,
+            "buffer_size": largest_param(args),
             "max_in_cpu": 0,
         }
     return DeepSpeedCPUStrategy(
@@ -88,10 +89,17 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
         def configure_model(self) -> None:
             if self.net is None:
-                layers = (torch.nn.Linear(args.width, args.width, bias=False) for _ in range(args.layers))
-                self.net = torch.nn.Sequential(*layers)
+                if args.model == "gpt":
+                    self.net = gpt(args.width, args.layers, args.vocab)
+                else:
+                    layers = (torch.nn.Linear(args.width, args.width, bias=False) for _ in range(args.layers))
+                    self.net = torch.nn.Sequential(*layers)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if args.model == "gpt":
+                tokens, targets = batch
+                logits = self.net(tokens)
+                return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             return self.net(batch[0]).float().pow(2).mean()
 
         def configure_optimizers(self) -> Any:
@@ -113,7 +121,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
     storage = Path(tempfile.mkdtemp(prefix=f"params_{args.run}_", dir=args.storage))
     try:
-        data = TensorDataset(torch.randn(args.batch * args.steps, args.width))
+        if args.model == "gpt":
+            tokens = torch.randint(0, args.vocab, (args.batch * args.steps, args.seq + 1))
+            data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        else:
+            data = TensorDataset(torch.randn(args.batch * args.steps, args.width))
         timer = Timer()
         trainer = L.Trainer(
             accelerator="cpu",
@@ -133,7 +145,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         steps = [b - a for a, b in zip(timer.starts, timer.starts[1:])]
         result = {
             "run": args.run,
-            "params": args.width * args.width * args.layers,
+            "params": model_params(args),
             "ok": True,
             "step_s": steps,
             "step_median_s": statistics.median(steps[1:] or steps),
@@ -151,6 +163,51 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(storage, ignore_errors=True)
 
 
+def gpt(width: int, layers: int, vocab: int) -> Any:
+    """A GPT-style decoder: embeddings, pre-norm attention and 4x MLP blocks, a head; 12 width² per block."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads = max(1, width // 128)
+            self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+            self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+            self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+            return x + self.fc2(nn.functional.gelu(self.fc1(self.norm2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, width)
+            self.blocks = nn.Sequential(*(Block() for _ in range(layers)))
+            self.norm = nn.LayerNorm(width)
+            self.head = nn.Linear(width, vocab, bias=False)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.head(self.norm(self.blocks(self.embed(tokens))))
+
+    return GPT()
+
+
+def model_params(args: argparse.Namespace) -> int:
+    if args.model == "gpt":
+        block = 12 * args.width**2 + 13 * args.width  # weights, biases and two norms
+        return args.layers * block + 2 * args.vocab * args.width + 2 * args.width
+    return args.width * args.width * args.layers
+
+
+def largest_param(args: argparse.Namespace) -> int:
+    return max(4 * args.width**2, args.vocab * args.width) if args.model == "gpt" else args.width**2
+
+
 def peak_rss_gb() -> float:
     """This process's peak RSS (``VmHWM``)."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -161,7 +218,7 @@ def peak_rss_gb() -> float:
 
 def launch(args: argparse.Namespace, run: str, layers: int) -> dict[str, Any]:
     command = [sys.executable, __file__, "--run", run, "--layers", str(layers)]
-    for name in ("width", "steps", "batch", "sub_group_size", "storage"):
+    for name in ("model", "width", "vocab", "seq", "steps", "batch", "sub_group_size", "storage"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     command += ["--one-copy"] if args.one_copy else []
     subprocess.run(["sync"], check=False)
@@ -172,7 +229,7 @@ def launch(args: argparse.Namespace, run: str, layers: int) -> dict[str, Any]:
     tail = (done.stderr.strip().splitlines() or [""])[-1]
     return {
         "run": run,
-        "params": args.width * args.width * layers,
+        "params": model_params(argparse.Namespace(**{**vars(args), "layers": layers})),
         "ok": False,
         "returncode": done.returncode,
         "error": tail,
@@ -197,7 +254,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
     parser.add_argument("--layers", type=int, nargs="+", default=[23], help="model sizes to run, in layers")
+    parser.add_argument("--model", choices=("stack", "gpt"), default="stack", help="linear stack or GPT-style")
     parser.add_argument("--width", type=int, default=8192)
+    parser.add_argument("--vocab", type=int, default=8192, help="--model gpt: vocabulary")
+    parser.add_argument("--seq", type=int, default=64, help="--model gpt: tokens per sample")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--sub-group-size", type=int, default=100_000_000)

@@ -3,7 +3,6 @@
 (``storage`` or ``memory``), and print one JSON line: the parameter count and this process's peak RSS in bytes."""
 
 import json
-import resource
 import sys
 from pathlib import Path
 
@@ -53,7 +52,9 @@ def main(root: Path, width: int, layers: int, offload: str) -> None:
         enable_model_summary=False,
     )
     trainer.fit(Stack(width, layers), torch.utils.data.DataLoader(data, batch_size=4))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM, this process's own: `ru_maxrss` starts from the launching process's peak (it survives fork and exec).
+    status = Path("/proc/self/status").read_text().splitlines()
+    peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
     print(
         json.dumps(
             {
