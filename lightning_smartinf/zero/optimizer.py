@@ -35,8 +35,9 @@ from torch import Tensor
 
 from lightning_smartinf.csd.accelerator import Fence, record_fence
 from lightning_smartinf.csd.controller import SmartUpdate, SubGroup
+from lightning_smartinf.csd.traffic import Traffic
 from lightning_smartinf.zero.install import ControllerFactory, GradientBufferError
-from lightning_smartinf.zero.param_storage import GradientFile, ParamTraffic, prepare_swapper
+from lightning_smartinf.zero.param_storage import GradientFile, prepare_swapper
 
 #: ``gradient_buffer="auto"`` keeps the gradients on the accelerator only if they take at most this share of its free
 #: memory at set-up: forward and backward need the rest.
@@ -96,7 +97,7 @@ class ZeroPartitions:
     which stores it and frees it. At most :attr:`staged_limit` are asked for at once.
     """
 
-    def __init__(self, optimizer: SmartUpdateZeroOptimizer, param_traffic: ParamTraffic | None = None) -> None:
+    def __init__(self, optimizer: SmartUpdateZeroOptimizer, param_traffic: Traffic | None = None) -> None:
         self._optimizer = optimizer
         self._param_traffic = param_traffic
         self._staged: dict[int, Tensor] = {}
@@ -118,9 +119,8 @@ class ZeroPartitions:
     def params_changed(self, sub_group: int) -> None:
         # Every caller is done with the sub-group's gradient by now (its update finished, or was discarded).
         if self._optimizer.gradient_file is not None:
-            start = sum(self._optimizer.fp16_partitioned_groups_flat_numel[:sub_group])
-            end = start + self._optimizer.fp16_partitioned_groups_flat_numel[sub_group]
-            self._optimizer.gradient_file.discard(start, end)
+            ends = list(itertools.accumulate(self._optimizer.fp16_partitioned_groups_flat_numel, initial=0))
+            self._optimizer.gradient_file.discard(ends[sub_group], ends[sub_group + 1])
         staged = self._staged.pop(sub_group, None)
         if staged is None:
             self._optimizer._unflatten_partitioned_parameters(sub_group)
@@ -139,7 +139,10 @@ class ZeroPartitions:
         return 2 * self._optimizer.smart_update.backend.num_devices
 
     def param_bytes(self) -> tuple[int, int]:
-        return (0, 0) if self._param_traffic is None else self._param_traffic.snapshot()
+        if self._param_traffic is None:
+            return (0, 0)
+        snapshot = self._param_traffic.snapshot()
+        return snapshot.param_read_bytes, snapshot.param_write_bytes
 
     def prepare_for_update(self) -> None:
         self._optimizer._partition_all_parameters()

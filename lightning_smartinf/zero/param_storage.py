@@ -26,7 +26,6 @@ import mmap
 import os
 import shutil
 import tempfile
-import threading
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 from deepspeed.runtime.swap_tensor.utils import AIO_ALIGNED_BYTES, MIN_AIO_BYTES
 
 from lightning_smartinf.csd.storage import GIB, StorageError
+from lightning_smartinf.csd.traffic import Traffic
 
 #: DeepSpeed keeps partitions smaller than this in host memory even with ``offload_param: nvme``.
 MIN_SWAPPED_BYTES = MIN_AIO_BYTES
@@ -111,44 +111,26 @@ def check_param_space(directory: Path, params_bytes: int, gradient_bytes: int, s
 
 
 class CountingHandle:
-    """An aio handle that counts the bytes each ``async_pread``/``async_pwrite`` moves; the rest passes through."""
+    """An aio handle that counts the bytes each ``async_pread``/``async_pwrite`` moves as parameter traffic; the rest
+    passes through."""
 
-    def __init__(self, handle: Any, counts: ParamTraffic, *, read: bool) -> None:
+    def __init__(self, handle: Any, traffic: Traffic) -> None:
         self._handle = handle
-        self._counts = counts
-        self._read = read
+        self._traffic = traffic
 
     def async_pread(self, buffer: torch.Tensor, path: str, offset: int = 0) -> int:
-        self._counts.add(read=buffer.numel() * buffer.element_size())
+        self._traffic.add(param_read_bytes=buffer.numel() * buffer.element_size())
         return self._handle.async_pread(buffer, path, offset)
 
     def async_pwrite(self, buffer: torch.Tensor, path: str, offset: int = 0) -> int:
-        self._counts.add(written=buffer.numel() * buffer.element_size())
+        self._traffic.add(param_write_bytes=buffer.numel() * buffer.element_size())
         return self._handle.async_pwrite(buffer, path, offset)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._handle, name)
 
 
-class ParamTraffic:
-    """Bytes of parameters read from and written to storage (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.read = 0
-        self.written = 0
-
-    def add(self, *, read: int = 0, written: int = 0) -> None:
-        with self._lock:
-            self.read += read
-            self.written += written
-
-    def snapshot(self) -> tuple[int, int]:
-        with self._lock:
-            return self.read, self.written
-
-
-def prepare_swapper(swapper: Any) -> ParamTraffic:
+def prepare_swapper(swapper: Any) -> Traffic:
     """Make DeepSpeed's ``AsyncPartitionedParameterSwapper`` dependable here (once); return the counters of what it
     moves.
 
@@ -160,12 +142,12 @@ def prepare_swapper(swapper: Any) -> ParamTraffic:
       buffers (while a model is built, before the pool is sized for it), uses a buffer of its own
       (:func:`own_buffer`), freed on release, instead of failing with "Not enough buffers".
     """
-    counts = getattr(swapper, "smartinf_traffic", None)
-    if counts is not None:
-        return counts
-    counts = swapper.smartinf_traffic = ParamTraffic()
-    swapper.aio_read_handle = CountingHandle(swapper.aio_read_handle, counts, read=True)
-    swapper.aio_write_handle = CountingHandle(swapper.aio_write_handle, counts, read=False)
+    traffic = getattr(swapper, "smartinf_traffic", None)
+    if traffic is not None:
+        return traffic
+    traffic = swapper.smartinf_traffic = Traffic()
+    swapper.aio_read_handle = CountingHandle(swapper.aio_read_handle, traffic)
+    swapper.aio_write_handle = CountingHandle(swapper.aio_write_handle, traffic)
     swap_in, get_buffer, release = swapper.swap_in, swapper.get_buffer, swapper.remove_partition_and_release_buffers
     own: set[int] = set()  # ids of the parameters that hold a buffer of their own
 
@@ -176,7 +158,8 @@ def prepare_swapper(swapper: Any) -> ParamTraffic:
         params = list({id(p): p for p in params}.values())
         fits = [p for p in params if p.ds_tensor.ds_numel <= swapper.elements_per_buffer]
         pooled = fits[: swapper.available_swap_in_buffers()]
-        extra = [p for p in params if not any(p is q for q in pooled)]
+        pooled_ids = {id(p) for p in pooled}
+        extra = [p for p in params if id(p) not in pooled_ids]
         if pooled:
             swap_in(pooled, async_op=async_op)
         if extra:
@@ -205,7 +188,7 @@ def prepare_swapper(swapper: Any) -> ParamTraffic:
     swapper.swap_in = swap_in_once
     swapper.get_buffer = get_buffer_or_own
     swapper.remove_partition_and_release_buffers = release_own_too
-    return counts
+    return traffic
 
 
 def resize_pool(swapper: Any, *, buffer_count: int, buffer_size: int) -> None:
@@ -248,10 +231,10 @@ def _aligned(swapper: Any, numel: int) -> int:
     return -(-numel // swapper.numel_alignment) * swapper.numel_alignment
 
 
-def own_buffer(swapper: Any, param: Any, numel: int | None = None) -> torch.Tensor:
-    """A buffer of ``param``'s own, outside the pool (a whole model under ``GatheredParameters``, as export and users'
-    saving code do, or a partition larger than the pool's buffers); it is freed when the swapper releases it."""
-    numel = int(param.ds_tensor.ds_numel) if numel is None else numel
+def own_buffer(swapper: Any, param: Any, numel: int) -> torch.Tensor:
+    """A buffer of ``param``'s own for ``numel`` elements, outside the pool (a whole model under
+    ``GatheredParameters``, as export and users' saving code do, or a partition larger than the pool's buffers); it
+    is freed when the swapper releases it."""
     swapper.param_id_to_numel[param.ds_id] = numel
     return torch.empty(_aligned(swapper, numel), dtype=swapper.dtype)
 
