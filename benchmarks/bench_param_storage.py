@@ -14,8 +14,12 @@ Configurations (``--runs``):
   "Not enough buffers" here.
 
 A run that fails (out of memory, out of disk, a DeepSpeed error) is recorded with its exit status and the last line it
-printed. Results go to ``--out`` (JSON; the runs of other configurations and sizes already there are kept) and a
-markdown table is printed. ZeRO-Infinity runs DeepSpeedCPUAdam (AdamW mode), ours torch's AdamW.
+printed. ZeRO-Infinity checks no free space and fails only when its disk is full, so a ZeRO-Infinity run whose files
+would not fit (``zi_cpu``: 16 B/param: fp32 master, two moments and the fp32 gradient swap; ``zi_nvme``: 2 B more for
+the parameters) is recorded as not run instead of filling the machine's disk; ours checks for itself. Each run's
+storage directory is made and removed by this script, so a run killed for memory leaves nothing behind; the peak disk
+use is sampled while it runs. Results go to ``--out`` (JSON; the runs of other configurations and sizes already there
+are kept) and a markdown table is printed. ZeRO-Infinity runs DeepSpeedCPUAdam (AdamW mode), ours torch's AdamW.
 
     PYTHONPATH=. TORCH_EXTENSIONS_DIR=.venv/torch_extensions .venv/bin/python benchmarks/bench_param_storage.py \\
         --layers 23 --storage /var/tmp/bench --out docs/param-storage-1.5b.json
@@ -31,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +53,7 @@ def strategy_for(run: str, args: argparse.Namespace, storage: Path) -> Any:
             sub_group_size=args.sub_group_size,
             reduce_bucket_size=args.sub_group_size,
             overlap_backward=not args.one_copy,
+            compression={"ratio": args.ratio, "rule": args.compression} if args.compression else None,
         )
     from lightning_smartinf.cpu_support import DeepSpeedCPUStrategy
 
@@ -119,48 +125,46 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         def on_train_end(self, *_: Any) -> None:
             self.starts.append(time.perf_counter())
 
-    storage = Path(tempfile.mkdtemp(prefix=f"params_{args.run}_", dir=args.storage))
-    try:
-        if args.model == "gpt":
-            tokens = torch.randint(0, args.vocab, (args.batch * args.steps, args.seq + 1))
-            data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
-        else:
-            data = TensorDataset(torch.randn(args.batch * args.steps, args.width))
-        timer = Timer()
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=1,
-            strategy=strategy_for(args.run, args, storage),
-            precision="bf16-true",
-            max_steps=args.steps,
-            callbacks=[timer],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=str(storage),
+    storage = Path(args.storage)
+    Path("/proc/self/oom_score_adj").write_text("1000")  # the kernel's out-of-memory choice is this run, not a shell
+    if args.model == "gpt":
+        tokens = torch.randint(0, args.vocab, (args.batch * args.steps, args.seq + 1))
+        data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    else:
+        data = TensorDataset(torch.randn(args.batch * args.steps, args.width))
+    timer = Timer()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy_for(args.run, args, storage),
+        precision="bf16-true",
+        max_steps=args.steps,
+        callbacks=[timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(storage),
+    )
+    started = time.perf_counter()
+    trainer.fit(Stack(), DataLoader(data, batch_size=args.batch))
+    steps = [b - a for a, b in zip(timer.starts, timer.starts[1:])]
+    result = {
+        "run": args.run + (f"_{args.compression}" if args.compression else ""),
+        "params": model_params(args),
+        "ok": True,
+        "step_s": steps,
+        "step_median_s": statistics.median(steps[1:] or steps),
+        "setup_s": timer.starts[0] - started,
+        "peak_rss_gb": peak_rss_gb(),
+    }
+    traffic = getattr(trainer.strategy, "traffic", None)
+    if traffic is not None:
+        result["param_read_bytes"], result["param_write_bytes"] = (
+            traffic.param_read_bytes,
+            traffic.param_write_bytes,
         )
-        started = time.perf_counter()
-        trainer.fit(Stack(), DataLoader(data, batch_size=args.batch))
-        steps = [b - a for a, b in zip(timer.starts, timer.starts[1:])]
-        result = {
-            "run": args.run,
-            "params": model_params(args),
-            "ok": True,
-            "step_s": steps,
-            "step_median_s": statistics.median(steps[1:] or steps),
-            "setup_s": timer.starts[0] - started,
-            "peak_rss_gb": peak_rss_gb(),
-        }
-        traffic = getattr(trainer.strategy, "traffic", None)
-        if traffic is not None:
-            result["param_read_bytes"], result["param_write_bytes"] = (
-                traffic.param_read_bytes,
-                traffic.param_write_bytes,
-            )
-        return result
-    finally:
-        shutil.rmtree(storage, ignore_errors=True)
+    return result
 
 
 def gpt(width: int, layers: int, vocab: int) -> Any:
@@ -216,37 +220,68 @@ def peak_rss_gb() -> float:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
+ZI_DISK_BYTES_PER_PARAM = {"zi_cpu": 16, "zi_nvme": 18}
+
+
 def launch(args: argparse.Namespace, run: str, layers: int) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--run", run, "--layers", str(layers)]
-    for name in ("model", "width", "vocab", "seq", "steps", "batch", "sub_group_size", "storage"):
-        command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    command += ["--one-copy"] if args.one_copy else []
-    subprocess.run(["sync"], check=False)
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "."})
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    tail = (done.stderr.strip().splitlines() or [""])[-1]
-    return {
-        "run": run,
-        "params": model_params(argparse.Namespace(**{**vars(args), "layers": layers})),
-        "ok": False,
-        "returncode": done.returncode,
-        "error": tail,
-    }
+    params = model_params(argparse.Namespace(**{**vars(args), "layers": layers}))
+    failed = {"run": run, "params": params, "ok": False}
+    storage = Path(tempfile.mkdtemp(prefix=f"params_{run}_", dir=args.storage))
+    try:
+        free = shutil.disk_usage(storage).free
+        need = ZI_DISK_BYTES_PER_PARAM.get(run, 0) * params
+        if need > 0.95 * free:
+            note = f"not run: needs {need / 1e9:.0f} GB of disk, {free / 1e9:.0f} GB free"
+            return {**failed, "returncode": None, "error": note}
+        command = [sys.executable, __file__, "--run", run, "--layers", str(layers), "--storage", str(storage)]
+        for name in ("model", "width", "vocab", "seq", "steps", "batch", "sub_group_size"):
+            command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+        command += ["--one-copy"] if args.one_copy else []
+        command += ["--compression", args.compression, "--ratio", str(args.ratio)] if args.compression else []
+        subprocess.run(["sync"], check=False)
+        with DiskSampler(storage) as disk:
+            done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "."})
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode == 0 and lines:
+            return {**json.loads(lines[-1]), "peak_disk_gb": disk.peak / 1e9}
+        tail = (done.stderr.strip().splitlines() or [""])[-1]
+        return {**failed, "returncode": done.returncode, "error": tail, "peak_disk_gb": disk.peak / 1e9}
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+class DiskSampler:
+    """The most a run's filesystem filled beyond where it started, sampled every half second."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.peak = path, 0
+        self.start = shutil.disk_usage(path).used
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+
+    def sample(self) -> None:
+        while not self.done.wait(0.5):
+            self.peak = max(self.peak, shutil.disk_usage(self.path).used - self.start)
+
+    def __enter__(self) -> DiskSampler:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.done.set()
+        self.thread.join()
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    rows = ["| run | params | peak RSS (GB) | step (s, median) | note |", "|---|---|---|---|---|"]
+    rows = ["| run | params | peak RSS (GB) | step (s, median) | peak disk (GB) | note |", "|---|---|---|---|---|---|"]
     for r in results:
+        disk = f"{r['peak_disk_gb']:.1f}" if "peak_disk_gb" in r else "–"
         if r["ok"]:
-            rows.append(
-                f"| {r['run']} | {r['params'] / 1e9:.2f}B | {r['peak_rss_gb']:.1f} | {r['step_median_s']:.1f} | |"
-            )
+            rss, step = f"{r['peak_rss_gb']:.1f}", f"{r['step_median_s']:.1f}"
+            rows.append(f"| {r['run']} | {r['params'] / 1e9:.2f}B | {rss} | {step} | {disk} | |")
         else:
-            rows.append(
-                f"| {r['run']} | {r['params'] / 1e9:.2f}B | – | – | failed ({r['returncode']}): {r['error'][:80]} |"
-            )
+            note = f"failed ({r['returncode']}): {r['error'][:80]}" if r["returncode"] is not None else r["error"]
+            rows.append(f"| {r['run']} | {r['params'] / 1e9:.2f}B | – | – | {disk} | {note} |")
     return "\n".join(rows)
 
 
@@ -267,6 +302,12 @@ def main() -> None:
         action="store_true",
         help="ours with overlap_backward=False: one copy of the state on disk (12 B/param with Adam, not 24)",
     )
+    parser.add_argument(
+        "--compression",
+        choices=("ef_adam", "ef_adafactor", "optimizer"),
+        help="ours with top-k compression under this rule (the device state is then 8 or 4 B/param, not 12)",
+    )
+    parser.add_argument("--ratio", type=float, default=0.01, help="--compression: the kept ratio")
     parser.add_argument("--out", type=Path, default=None, help="JSON file for the results")
     parser.add_argument("--run", choices=RUNS, help=argparse.SUPPRESS)
     args = parser.parse_args()
