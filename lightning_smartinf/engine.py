@@ -228,9 +228,10 @@ def place_parameters(
     params_bytes = stored_param_bytes(model.parameters(), world_size=strategy.world_size, element_size=element_size)
     same_disk = [d for d in device_dirs if d.stat().st_dev == directory.stat().st_dev]
     gradient_bytes = params_bytes  # one per parameter, in the training dtype
-    check_param_space(
-        directory, params_bytes, gradient_bytes, max(0, state_on_storage) * len(same_disk) // len(device_dirs)
-    )
+    compression = strategy.settings.compression
+    residual_bytes = params_bytes // element_size * 4 if compression is not None and compression.error_feedback else 0
+    state_bytes = max(0, state_on_storage) * len(same_disk) // len(device_dirs)
+    check_param_space(directory, params_bytes, gradient_bytes, state_bytes, residual_bytes)
     offload_param.update(buffers, nvme_path=str(directory))
 
 
