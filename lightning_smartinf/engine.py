@@ -267,10 +267,10 @@ def initialize(
             if isinstance(callback, BufferPool):  # the model exists now (`configure_model` ran): size for it
                 callback.size_pools(module.trainer, module)
     device_dirs, owned = rank_devices(strategy)
-    # The state of backend="remote" is on the servers' disks, not in `device_dirs`; the memory tier's is in RAM.
-    on_storage = state_bytes(optimizer, strategy.settings.compression) // strategy.world_size - (
-        strategy.settings.state_memory_budget or 0
-    )
+    # The state of backend="remote" is on the servers' disks, not in `device_dirs`; the memory tiers' is in memory.
+    settings = strategy.settings
+    in_memory = (settings.state_memory_budget or 0) + (settings.state_accelerator_budget or 0)
+    on_storage = state_bytes(optimizer, settings.compression) // strategy.world_size - in_memory
     if (
         strategy.is_global_zero
         and strategy.settings.backend != "remote"
