@@ -221,9 +221,6 @@ def place_parameters(
     problems.raise_if_any()
     map_large_allocations()
     built_there = next((p.nvme_swapper for p in model.parameters() if getattr(p, "nvme_swapper", None)), None)
-    if built_there is not None:  # by `model_init_context`: its files exist; the pool is sized for the model now
-        resize_pool(built_there, buffer_count=buffers["buffer_count"], buffer_size=buffers["buffer_size"])
-        return
     directory = make_private_dirs(device_dirs[0], ("params",))
     params_bytes = stored_param_bytes(model.parameters(), world_size=strategy.world_size, element_size=element_size)
     same_disk = [d for d in device_dirs if d.stat().st_dev == directory.stat().st_dev]
@@ -231,7 +228,12 @@ def place_parameters(
     compression = strategy.settings.compression
     residual_bytes = params_bytes // element_size * 4 if compression is not None and compression.error_feedback else 0
     state_bytes = max(0, state_on_storage) * len(same_disk) // len(device_dirs)
-    check_param_space(directory, params_bytes, gradient_bytes, state_bytes, residual_bytes)
+    # A model built in `configure_model` (by `model_init_context`) is written already: the rest must still fit.
+    written = built_there is not None
+    check_param_space(directory, 0 if written else params_bytes, gradient_bytes, state_bytes, residual_bytes)
+    if written:  # its files exist; the pool is sized for the model now
+        resize_pool(built_there, buffer_count=buffers["buffer_count"], buffer_size=buffers["buffer_size"])
+        return
     offload_param.update(buffers, nvme_path=str(directory))
 
 

@@ -263,6 +263,30 @@ def test_a_disk_without_room_for_parameters_and_state_is_refused_before_anything
         subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
 
 
+def test_a_model_built_in_configure_model_is_refused_before_its_state_is_written(tmp_path) -> None:
+    """Built in ``configure_model``, the parameters are written as the model is built, before its size is known;
+    then the gradients and the state must still fit, and are refused before anything more is written. Found at
+    5.7B parameters on this machine: the state filled the disk, then the gradients' file could not be reserved."""
+    numel = sum(p.numel() for p in TinyGPT(dim=768).parameters())
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    size_mib = (2 * numel >> 20) + 8  # the parameters and some room; not the gradients (2 B) and state (12 B)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0700", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    try:
+        refused = r"needs .* GiB there: the \(already written\) 16-bit parameters, .* gradients"
+        with pytest.raises(StorageError, match=refused):
+            fit(BuiltInConfigureModel(), strategy(mount_point, "storage"), steps=1, precision="bf16-true")
+        assert param_files(mount_point), "the parameters were written as the model was built"
+        assert not list(mount_point.rglob("*.state"))
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
+
+
 def test_swap_buffers_are_sized_from_the_model() -> None:
     """The largest stored partition sets the buffer size; the module gathering the most stored partitions sets the
     count. Meta tensors: only sizes are read."""

@@ -100,15 +100,17 @@ def check_param_space(
     kernel writes it only under memory pressure, but then it needs the room), the error-feedback residual's file and
     the state placed there.
 
-    Checked before the engine writes anything: the parameters are written first, at set-up.
+    Checked before the engine writes anything: the parameters are written first, at set-up. A model built in
+    ``configure_model`` has written its parameters already (``params_bytes=0``); the rest is checked before it is.
     """
     free = shutil.disk_usage(directory).free
     needed = params_bytes + gradient_bytes + state_bytes + residual_bytes
     if free < needed:
         residual = f", {residual_bytes / GIB:.2f} GiB of error-feedback residual" if residual_bytes else ""
+        params = f"{params_bytes / GIB:.2f} GiB of" if params_bytes else "the (already written)"
         raise StorageError(
             f"Storage path {str(directory.parent)!r} has {free / GIB:.2f} GiB free but `offload_parameters='storage'` "
-            f"needs {needed / GIB:.2f} GiB there: {params_bytes / GIB:.2f} GiB of 16-bit parameters, "
+            f"needs {needed / GIB:.2f} GiB there: {params} 16-bit parameters, "
             f"{gradient_bytes / GIB:.2f} GiB for their gradients{residual} and {state_bytes / GIB:.2f} GiB of "
             "optimizer state. Free space, add `storage_paths`, or choose a larger disk."
         )
