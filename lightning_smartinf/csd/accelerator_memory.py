@@ -125,7 +125,10 @@ class AcceleratorDevice(EmulatedDevice):
     def __init__(
         self, index: int, traffic: Traffic, *, chunk_elems: int, buffer_count: int, device: torch.device | str
     ) -> None:
-        self.torch_device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # this rank's GPU, fixed now: worker threads have their own
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.torch_device = device
         # Copies within one memory: one transfer in flight per direction keeps the device busy enough.
         super().__init__(
             index,
