@@ -221,16 +221,19 @@ def place_parameters(
     problems.raise_if_any()
     map_large_allocations()
     built_there = next((p.nvme_swapper for p in model.parameters() if getattr(p, "nvme_swapper", None)), None)
-    if built_there is not None:  # by `model_init_context`: its files exist; the pool is sized for the model now
-        resize_pool(built_there, buffer_count=buffers["buffer_count"], buffer_size=buffers["buffer_size"])
-        return
     directory = make_private_dirs(device_dirs[0], ("params",))
     params_bytes = stored_param_bytes(model.parameters(), world_size=strategy.world_size, element_size=element_size)
     same_disk = [d for d in device_dirs if d.stat().st_dev == directory.stat().st_dev]
     gradient_bytes = params_bytes  # one per parameter, in the training dtype
-    check_param_space(
-        directory, params_bytes, gradient_bytes, max(0, state_on_storage) * len(same_disk) // len(device_dirs)
-    )
+    compression = strategy.settings.compression
+    residual_bytes = params_bytes // element_size * 4 if compression is not None and compression.error_feedback else 0
+    state_bytes = max(0, state_on_storage) * len(same_disk) // len(device_dirs)
+    # A model built in `configure_model` (by `model_init_context`) is written already: the rest must still fit.
+    written = built_there is not None
+    check_param_space(directory, 0 if written else params_bytes, gradient_bytes, state_bytes, residual_bytes)
+    if written:  # its files exist; the pool is sized for the model now
+        resize_pool(built_there, buffer_count=buffers["buffer_count"], buffer_size=buffers["buffer_size"])
+        return
     offload_param.update(buffers, nvme_path=str(directory))
 
 
@@ -266,10 +269,10 @@ def initialize(
             if isinstance(callback, BufferPool):  # the model exists now (`configure_model` ran): size for it
                 callback.size_pools(module.trainer, module)
     device_dirs, owned = rank_devices(strategy)
-    # The state of backend="remote" is on the servers' disks, not in `device_dirs`; the memory tier's is in RAM.
-    on_storage = state_bytes(optimizer, strategy.settings.compression) // strategy.world_size - (
-        strategy.settings.state_memory_budget or 0
-    )
+    # The state of backend="remote" is on the servers' disks, not in `device_dirs`; the memory tiers' is in memory.
+    settings = strategy.settings
+    in_memory = (settings.state_memory_budget or 0) + (settings.state_accelerator_budget or 0)
+    on_storage = state_bytes(optimizer, settings.compression) // strategy.world_size - in_memory
     if (
         strategy.is_global_zero
         and strategy.settings.backend != "remote"

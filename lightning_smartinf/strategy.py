@@ -86,8 +86,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             loads and the filesystem allows ``O_DIRECT``, else threads; the choice is logged).
         io_block_size: bytes per I/O request: an int, a multiple of 4096, at most 1 GiB (``1 << 30``).
         io_queue_depth: I/O requests in flight per chunk transfer.
-        io_threads: chunk transfers each emulated device (``backend="cpu"``) keeps in flight per direction;
-            reads are also capped at ``buffer_count - 1``.
+        io_threads: chunk transfers each emulated device keeps in flight per direction (reads: ``buffer_count - 1``).
         device_timeout_s: seconds a device may take to answer before the run fails with a
             :class:`~lightning_smartinf.csd.StorageError` (a positive finite number); ``None`` waits forever.
         overlap_backward: hand each sub-group's gradient to its device as soon as backward has reduced it. The update
@@ -97,7 +96,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         prefetch_state: let each device read the state of the sub-groups it updates next into free buffers whenever
             it would idle (at most ``buffer_count - 1 - io_threads`` chunks). Never changes results; ``False`` compares.
         gradient_buffer: where gradients wait for devices: ``"accelerator"``, ``"host"`` or ``"auto"`` (docs/gpu.md).
-        state_memory_budget, device_weights: RAM per rank for state (``"8GiB"``), storage path speeds; docs/tiers.md.
+        state_memory_budget, state_accelerator_budget, device_weights: state in RAM, on the GPU; path speeds (tiers.md).
         offload_parameters: where ZeRO's low-precision parameter partitions live between uses: ``False`` on the
             accelerator, ``True`` in host memory, ``"storage"`` in files on the first storage path, read in for
             forward and backward through swap buffers sized for the model (docs/parameters.md).
@@ -115,8 +114,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         parallel_devices, cluster_environment, precision_plugin, process_group_backend, timeout:
             as in :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`.
 
-    The SmartUpdate arguments (``backend`` to ``device_weights``) become the strategy's :attr:`settings`. Every
-    argument is checked here, by type and range (see :mod:`lightning_smartinf.arguments`), and one
+    The SmartUpdate arguments (``backend`` to ``state_accelerator_budget``) become the strategy's :attr:`settings`.
+    Every argument is checked here, by type and range (see :mod:`lightning_smartinf.arguments`), and one
     ``MisconfigurationException`` lists every problem.
     """
 
@@ -146,6 +145,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         gradient_buffer: Literal["auto", "accelerator", "host"] = "auto",
         state_memory_budget: int | str | None = None,
         device_weights: list[float] | None = None,
+        state_accelerator_budget: int | str | None = None,
         offload_parameters: bool | Literal["storage"] = False,
         offload_activations: bool | dict[str, Any] = False,
         config: str | os.PathLike | dict[str, Any] | None = None,

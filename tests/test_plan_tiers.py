@@ -56,3 +56,25 @@ def test_cli_shows_the_placement_and_puts_the_budget_in_the_strategy(capsys) -> 
     assert plan["strategy"]["state_memory_budget"] == "2GB" and plan["placement"]["memory_bytes"] == 2e9
     assert main([*argv[:-1], "lots"]) == 2
     assert "`--memory-budget='lots'` is not a size" in capsys.readouterr().err
+
+
+def test_the_accelerator_tier_fills_first_and_is_bound_by_the_gpu_link(capsys) -> None:
+    work, prof = workload_from_model("7B"), load_profile("paper-a100")
+    state = 12 * work.params
+    placed = place_state(work, prof, 1, state / 4, accelerator_budget=state / 2)
+    assert placed.accelerator_bytes == state / 2 and placed.memory_bytes == state / 4
+    assert sum(placed.device_bytes) == pytest.approx(state / 4)
+    # Its update carries 2 + 2 B over the GPU link per 12 B of state.
+    gpu_s = (state / 2) / (prof.gpu_link_gbps * 1e9 * 12 / 4)
+    assert placed.update_s >= gpu_s and placed.update_s < placed.all_on_device_s
+    assert place_state(work, prof, 1, 0, accelerator_budget=10 * state).accelerator_bytes == state
+    with pytest.raises(PlanError, match="profile 'devvm-2cpu' has no GPU"):
+        place_state(work, load_profile("devvm-2cpu"), 1, 0, accelerator_budget=1e9)
+    with pytest.raises(PlanError, match="`--accelerator-budget` must be >= 0"):
+        place_state(work, prof, 1, 0, accelerator_budget=-1)
+    argv = ["--model", "7B", "--profile", "paper-a100", "--devices", "1", "--accelerator-budget", "21GB"]
+    assert main(argv) == 0
+    assert "state_accelerator_budget=21GB: 21.0 GB in GPU memory (25%)" in capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["strategy"]["state_accelerator_budget"] == "21GB" and plan["placement"]["accelerator_bytes"] == 21e9

@@ -52,6 +52,29 @@ def test_half_the_state_in_memory_trains_bitwise_like_all_on_device(reference, t
     assert traffic.memory_read_bytes > 0 and traffic.storage_read_bytes > 0
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_state_in_gpu_memory_trains_like_all_on_device_on_a_gpu(tmp_path) -> None:
+    """Half the state in GPU memory, the rest on a disk, against all of it on the disk: the same run on the GPU, equal
+    within rounding (the GPU may fuse multiply-adds the host rounds twice); the GPU shards' traffic counted apart."""
+    results, trainers = {}, {}
+    for budget in (0, 1 << 20):
+        strategy = SmartInfinityStrategy(
+            storage_paths=[tmp_path / str(budget)],
+            sub_group_size=1 << 18,
+            chunk_size=1 << 14,
+            buffer_count=3,
+            state_accelerator_budget=budget or None,
+        )
+        trainers[budget], results[budget] = fit(
+            LMModule(adamw_cosine), strategy, steps=6, precision="bf16-mixed", accelerator="cuda"
+        )
+    for name, value in results[0].items():
+        torch.testing.assert_close(results[1 << 20][name], value, rtol=1e-3, atol=1e-3)
+    traffic = trainers[1 << 20].strategy.traffic
+    assert traffic.accelerator_read_bytes > 0 and traffic.storage_read_bytes > 0
+
+
 def test_checkpoints_resume_under_another_budget_and_other_storage_paths(reference, tmp_path) -> None:
     """Saved with half the state in memory and one path; resumed with all of it on two paths, then with all of it in
     memory: `last.ckpt` with its defaults, a crash, and `fit(ckpt_path=...)` into the same directory."""
@@ -118,6 +141,20 @@ def test_bf16_compression_with_a_memory_tier_changes_nothing(tmp_path) -> None:
         ({"storage_paths": ["/tmp/a"], "device_weights": [float("nan")]}, r"`device_weights\[0\]=nan` is not finite"),
         ({"storage_paths": ["/tmp/a"], "device_weights": "fast"}, r"must be a list of positive numbers"),
         ({"backend": "remote", "state_memory_budget": "1GiB"}, r"applies to `backend='cpu'` only"),
+        ({"state_accelerator_budget": "lots"}, r"`state_accelerator_budget='lots'` is not a size"),
+        ({"state_accelerator_budget": -5}, r"`state_accelerator_budget=-5` is too small"),
+        ({"state_accelerator_budget": True}, r"`state_accelerator_budget=True`"),
+        ({"backend": "remote", "state_accelerator_budget": "1GiB"}, r"`state_accelerator_budget='1GiB'` applies to"),
+        pytest.param(
+            {"state_accelerator_budget": "1GiB"},
+            r"keeps optimizer state in GPU memory, but CUDA is not available here .*`state_memory_budget`",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here"),
+        ),
+        pytest.param(
+            {"state_accelerator_budget": "100TiB"},
+            r"`state_accelerator_budget='100TiB'` is more than the \d+ MiB of GPU memory free now",
+            marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
     ],
 )
 def test_bad_budgets_and_weights_are_refused_before_anything_is_allocated(tmp_path, kwargs, message) -> None:

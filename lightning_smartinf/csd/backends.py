@@ -81,6 +81,7 @@ def build_backend(
         device_timeout_s=settings.device_timeout_s,
         memory_bytes=settings.state_memory_budget or 0,
         device_weights=device_weights,
+        accelerator_bytes=settings.state_accelerator_budget or 0,
     )
 
 

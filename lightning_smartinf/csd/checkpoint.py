@@ -165,16 +165,18 @@ def file_crc32(path: Path) -> tuple[int, int]:
     return total, crc
 
 
-def write_file_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a fsynced temporary sibling and a rename: readers see old or new, whole."""
+def write_file_atomic(path: Path, data: bytes | Iterable[bytes | memoryview]) -> None:
+    """Write ``data`` (bytes, or blocks of them in order) to ``path`` through a fsynced temporary sibling and a rename:
+    readers see old or new, whole."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        view = memoryview(data)
-        done = 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
+        for block in [data] if isinstance(data, bytes) else data:
+            view = memoryview(block).cast("B")
+            done = 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
         os.fsync(fd)
     except BaseException:
         os.close(fd)

@@ -37,8 +37,9 @@ from torch import Tensor
 from lightning_smartinf.csd.accelerator import Fence
 from lightning_smartinf.csd.backend import Backend, BackendStats, Handle, ShardSpec
 from lightning_smartinf.csd.compression import compress_topk, has_narrower_range, link_overflows
-from lightning_smartinf.csd.device_state import load_host_tensors, save_device_state
+from lightning_smartinf.csd.device_state import SavedTensor, load_host_tensors, save_device_state
 from lightning_smartinf.csd.factored import FactoredMoments, device_step_params
+from lightning_smartinf.csd.host_buffer import HostBuffer
 from lightning_smartinf.csd.rules import EFAdafactor, StepParams
 from lightning_smartinf.csd.settings import SmartUpdateSettings
 from lightning_smartinf.csd.torch_optim import rule_for_group, step_params
@@ -89,6 +90,10 @@ class Partitions(Protocol):
     def param_bytes(self) -> tuple[int, int]:
         """Bytes of parameters read from and written to storage so far (``(0, 0)`` when they live in memory)."""
 
+    def host_buffer(self, numel: int) -> HostBuffer:
+        """A zeroed fp32 buffer of ``numel`` elements on :attr:`grad_buffer`'s device: in memory, or in a file on
+        storage where the gradients are (so host memory does not grow with the model)."""
+
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without one)."""
@@ -119,6 +124,9 @@ class Partitions(Protocol):
     def world_size(self) -> int:
         """Ranks in the data-parallel group."""
 
+
+#: Elements of the residual copied at a time when it is loaded (64 MiB of fp32).
+COPY_BLOCK = 16 << 20
 
 #: Steps between two checks of the devices' measured rates against their placement (:meth:`Backend.replan`).
 REPLAN_EVERY = 10
@@ -173,6 +181,7 @@ class SmartUpdate:
         self.last_kept: tuple[int, int] = (0, 0)
         #: Error-feedback residual: gradient not yet sent, fp32, in the units of :attr:`residual_scale`.
         self.residual: Tensor | None = None
+        self._residual_buffer: HostBuffer | None = None
         self.residual_scale = 1.0
         #: Sub-groups handed off during backward and kept by the step, and those rolled back (cumulative).
         self.early_kept = 0
@@ -216,6 +225,19 @@ class SmartUpdate:
         if self.residual is None:
             return None
         return self.residual[self._offsets[sub_group] : self._offsets[sub_group + 1]]
+
+    def _new_residual(self) -> Tensor:
+        self._residual_buffer = self.partitions.host_buffer(self.partitions.grad_buffer.numel())
+        self.residual = self._residual_buffer.tensor
+        return self.residual
+
+    def _release_residual(self, sub_group: int | None = None) -> None:
+        """The residual of ``sub_group`` (default: all of it) is done with until the next step."""
+        if self._residual_buffer is not None:
+            if sub_group is None:
+                self._residual_buffer.release()
+            else:
+                self._residual_buffer.release(self._offsets[sub_group], self._offsets[sub_group + 1])
 
     def step_params(self, sub_group: int, step: int, grad_scale: float) -> StepParams:
         """The hyperparameters of ``sub_group``'s param group as they stand now, for its ``step``-th update."""
@@ -291,7 +313,10 @@ class SmartUpdate:
         if self.residual is None or not has_narrower_range(self.link_dtype, self.residual.dtype):
             return False
         factor = self.partitions.loss_scale / self.residual_scale
-        return link_overflows(self.partitions.grad_buffer, self.residual, self.link_dtype, factor)
+        try:
+            return link_overflows(self.partitions.grad_buffer, self.residual, self.link_dtype, factor)
+        finally:
+            self._release_residual()
 
     def skip_step(self) -> None:
         """The step is skipped (overflow): undo this backward's hand-offs; device state stays as it was."""
@@ -383,6 +408,7 @@ class SmartUpdate:
                     segments=self.sub_groups[i].segments if compression.layerwise else None,
                     check_range=False,  # the engine asked `link_overflows` for the whole buffer before this step
                 )
+                self._release_residual(i)
                 grad = grad.cpu()  # only the kept pairs leave the accelerator, when the gradient is on one
                 kept += grad.k
             if normalised:
@@ -408,11 +434,12 @@ class SmartUpdate:
             if ratio is None:
                 return None
             # fp32 even for bf16 gradients: it sums up to ~1/ratio steps of small gradients, which bf16 would lose.
-            self.residual = torch.zeros_like(self.partitions.grad_buffer, dtype=torch.float32)
+            self._new_residual()
             self.residual_scale = loss_scale
         elif loss_scale != self.residual_scale:
             # The residual holds loss-scaled gradients; keep it in the units of this step's gradients.
             self.residual.mul_(loss_scale / self.residual_scale)
+            self._release_residual()
             self.residual_scale = loss_scale
         # A dense step with a residual left over sends everything, so the residual is flushed, not lost.
         return 1.0 if ratio is None else ratio
@@ -481,24 +508,31 @@ class SmartUpdate:
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
         self.partitions.restore_loss_scale(state["loss_scale"])
 
-    def load_residual(self, residual: Tensor | None, loss_scale: float | None) -> None:
-        """Restore (or, with ``None``, clear) the compression residual saved with a checkpoint."""
+    def load_residual(self, residual: SavedTensor | None, loss_scale: float | None) -> None:
+        """Restore (or, with ``None``, clear) the compression residual saved with a checkpoint, a block at a time."""
         if residual is None:
-            self.residual = None
+            self.residual = self._residual_buffer = None
             return
         buffer = self.partitions.grad_buffer
-        if residual.shape != buffer.shape:
+        if residual.shape != tuple(buffer.shape):
             raise ValueError(
                 f"The checkpoint's compression residual has {residual.numel()} elements but this rank's gradient "
                 f"partition has {buffer.numel()}. Resume with the same model and ranks."
             )
-        self.residual = residual.to(dtype=torch.float32, device=buffer.device)
+        if self._residual_buffer is None:
+            self._new_residual()
+        assert self._residual_buffer is not None
+        target = self._residual_buffer.tensor
+        for start in range(0, residual.numel(), COPY_BLOCK):  # block by block: host memory holds one at a time
+            end = min(start + COPY_BLOCK, residual.numel())
+            target[start:end].copy_(residual.read(start, end))
+            self._residual_buffer.release(start, end)
         self.residual_scale = float(loss_scale) if loss_scale is not None else self.partitions.loss_scale
 
     def save(self, directory: Path, *, global_step: int) -> None:
         """Write this rank's device state under ``directory`` (see :mod:`~lightning_smartinf.csd.device_state`)."""
         moments = self.moments.moments if self.moments is not None else None
-        tensors = {"residual": self.residual, "moments": moments}
+        tensors = {"residual": self._residual_buffer, "moments": moments}  # the residual is written block by block
         save_device_state(directory, self.backend, self.state_dict(), tensors, global_step=global_step)
 
     def restore(self, directory: Path, state: dict[str, Any]) -> None:
@@ -523,7 +557,8 @@ class SmartUpdate:
         self.load_residual(residual, state.get("residual_loss_scale"))
         if self.moments is not None:
             # Saved under another rule: the moments start again, bias-corrected from their first update.
-            self.moments.load(tensors.get("moments"), state.get("moment_updates") or 0)
+            saved = tensors.get("moments")
+            self.moments.load(None if saved is None else saved.load(), state.get("moment_updates") or 0)
         elif state.get("moment_updates") is not None:
             self._restart_second_moments()
         self.refresh_params()

@@ -22,7 +22,12 @@ from lightning_smartinf.csd.placement import Placement
 from lightning_smartinf.csd.rules import StepParams
 from lightning_smartinf.csd.streaming import StreamingBackend, StreamingDevice, check_device_timeout
 
-__all__ = ["CpuBackend", "EmulatedDevice", "check_device_timeout"]
+__all__ = ["CpuBackend", "EmulatedDevice", "check_device_timeout", "link_bytes"]
+
+
+def link_bytes(grad: Tensor | SparseGrad, link_dtype: torch.dtype) -> int:
+    """Bytes ``grad`` takes on the link: its pairs for a top-k gradient, every element in ``link_dtype`` else."""
+    return grad.link_bytes(link_dtype) if isinstance(grad, SparseGrad) else grad.numel() * link_dtype.itemsize
 
 
 class EmulatedDevice(StreamingDevice):
@@ -48,32 +53,32 @@ class EmulatedDevice(StreamingDevice):
         self, shard: Shard, grad: Tensor | SparseGrad, hp: StepParams, out: Tensor, link_dtype: torch.dtype
     ) -> ChunkWork:
         """Load the chunk's gradient as it crosses the link (scattering a top-k one), apply the rule, copy out."""
-        sparse = isinstance(grad, SparseGrad)
         rule = shard.spec.rule
-        round_on_link = link_dtype != grad.dtype
-
-        def load_dense(g: Tensor, start: int, n: int) -> None:
-            chunk = self.link.to_host(grad[start : start + n])
-            if round_on_link:
-                g.copy_(self.link_chunk(n, link_dtype).copy_(chunk))
-            else:
-                g.copy_(chunk)
-
-        def load_sparse(g: Tensor, start: int, n: int) -> None:
-            grad.scatter_chunk(g, start, via=link_dtype)  # decompression, inside the transfer pipeline
-
-        load = load_sparse if sparse else load_dense
 
         def update(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
             g = self.grad_chunk(n)
-            load(g, start, n)
+            self.load_gradient(g, grad, start, link_dtype)
             if hp.grad_scale != 1.0:
                 g.mul_(hp.grad_scale)
             rule.apply(m, g, states, hp)
             self.link.put(out[start : start + n], m)
 
-        link_write = grad.link_bytes(link_dtype) if sparse else grad.numel() * link_dtype.itemsize
-        return ChunkWork(compute=update, link_write=link_write, link_read=out.numel() * out.element_size())
+        return ChunkWork(
+            compute=update, link_write=link_bytes(grad, link_dtype), link_read=out.numel() * out.element_size()
+        )
+
+    def load_gradient(self, g: Tensor, grad: Tensor | SparseGrad, start: int, link_dtype: torch.dtype) -> None:
+        """Fill ``g`` (fp32, on the host) with elements ``[start, start + len(g))`` of ``grad`` as they cross the link:
+        rounded to ``link_dtype``, and scattered (decompressed) for a top-k gradient."""
+        n = g.numel()
+        if isinstance(grad, SparseGrad):
+            grad.scatter_chunk(g, start, via=link_dtype)  # decompression, inside the transfer pipeline
+            return
+        chunk = self.link.to_host(grad[start : start + n])
+        if link_dtype != grad.dtype:
+            g.copy_(self.link_chunk(n, link_dtype).copy_(chunk))
+        else:
+            g.copy_(chunk)
 
     def close(self, timeout: float | None = None) -> bool:
         settled = super().close(timeout)
@@ -106,6 +111,9 @@ class CpuBackend(StreamingBackend):
         placement: which device holds each shard (``None``: see :class:`StreamingBackend`).
         memory_bytes: bytes of shard state kept in host memory, updated by a host core (the memory tier).
         device_weights: relative speed of each device directory (``None``: equal, or measured across filesystems).
+        accelerator_bytes: bytes of shard state kept in ``accelerator_device``'s memory and updated there (the
+            accelerator tier, :mod:`lightning_smartinf.csd.accelerator_memory`).
+        accelerator_device: the torch device of the accelerator tier (``"cuda"``: the current GPU).
 
     Device errors are final: the first one reported to the host (an I/O error, or a device that stopped answering)
     latches the backend as failed; see :attr:`failure`.
@@ -126,12 +134,15 @@ class CpuBackend(StreamingBackend):
         placement: Placement | None = None,
         memory_bytes: int = 0,
         device_weights: Sequence[float] | None = None,
+        accelerator_bytes: int = 0,
+        accelerator_device: torch.device | str = "cuda",
     ) -> None:
         if io_threads < 1:
             raise ValueError(f"`io_threads={io_threads}` must be at least 1 (chunk transfers in flight per device).")
         #: Chunk transfers each device keeps in flight per direction.
         self.io_threads = io_threads
         self._io_factory = io_factory
+        self._accelerator_device = torch.device(accelerator_device)
         super().__init__(
             device_dirs,
             chunk_elems=chunk_elems,
@@ -143,6 +154,7 @@ class CpuBackend(StreamingBackend):
             placement=placement,
             memory_bytes=memory_bytes,
             device_weights=device_weights,
+            accelerator_bytes=accelerator_bytes,
         )
 
     def make_device(self, index: int, directory: Path) -> EmulatedDevice:
@@ -163,3 +175,15 @@ class CpuBackend(StreamingBackend):
 
         # Memory copies need no deep pool: one buffer updating, one read ahead, one written back.
         return MemoryDevice(index, self.traffic, chunk_elems=self.chunk_elems, buffer_count=min(self.buffer_count, 4))
+
+    def make_accelerator_device(self, index: int) -> StreamingDevice:
+        """The accelerator tier: state in accelerator memory, updated there with the rule's own torch code."""
+        from lightning_smartinf.csd.accelerator_memory import AcceleratorDevice  # (builds on this module's device)
+
+        return AcceleratorDevice(
+            index,
+            self.traffic,
+            chunk_elems=self.chunk_elems,
+            buffer_count=min(self.buffer_count, 4),
+            device=self._accelerator_device,
+        )

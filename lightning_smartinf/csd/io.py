@@ -49,8 +49,10 @@ def supports_direct_io(directory: Path) -> bool:
 class StateFile:
     """One file of device state, opened for direct positional I/O when the filesystem supports it."""
 
-    #: Whether the state is in host memory rather than on storage (see :mod:`lightning_smartinf.csd.memory`).
+    #: Whether the state is in memory rather than on storage (see :mod:`lightning_smartinf.csd.memory`).
     in_memory = False
+    #: Whether code that opens the state by :attr:`path` (checkpoints) needs a host copy staged first.
+    needs_host_copy = False
 
     def __init__(self, path: Path, size: int, *, create: bool) -> None:
         self.path = path
@@ -112,6 +114,12 @@ class StateFile:
         """Close the file and give its storage back (the state in it is gone)."""
         self.close()
         self.path.unlink(missing_ok=True)
+
+    def stage(self, *, copy: bool) -> None:
+        """Make :attr:`path` name a host copy of the state (``copy=False``: of its size only); a file is its own."""
+
+    def unstage(self, *, copy_back: bool = False) -> None:
+        """Free the copy :meth:`stage` made (``copy_back``: its bytes become the state first); a file has none."""
 
 
 class IOEngine(ABC):

@@ -112,6 +112,7 @@ class MemoryDevice(EmulatedDevice):
     """The memory tier as a device: state in host RAM, updated by a host core (the rule's own code)."""
 
     in_memory = True
+    tier = "memory"
     read_counter = "memory_read_bytes"
     write_counter = "memory_write_bytes"
 

@@ -134,29 +134,34 @@ def check_assignment(placement: Placement, shards: Sequence[ShardSpec], num_devi
 
 @dataclass(frozen=True)
 class Tiered:
-    """Shards in host memory up to ``memory_bytes`` of state, the others over the storage devices by ``weights``.
+    """Shards in accelerator memory up to ``accelerator_bytes`` of state, then in host memory up to ``memory_bytes``,
+    the others over the storage devices by ``weights``.
 
     The devices are the storage devices (``len(weights)`` of them, in order), then the memory device when
-    ``memory_bytes > 0``. Memory takes shards in index order, skipping any that no longer fit: the first sub-groups
-    are the last whose gradients backward reduces, so the storage devices get those that can start during backward.
-    Each other shard goes to the storage device that would finish its load soonest, its bytes over its weight
-    (ties to the lowest index): equal weights and equal shards give round-robin.
+    ``memory_bytes > 0``, then the accelerator device when ``accelerator_bytes > 0``. The accelerator takes shards in
+    index order, skipping any that no longer fit, then memory does the same with the rest: the first sub-groups are
+    the last whose gradients backward reduces, so the storage devices get those that can start during backward.
+    Each other shard goes to the storage device that would finish its load soonest, its bytes over its weight (ties
+    to the lowest index): equal weights and equal shards give round-robin.
 
     Args:
         weights: relative update throughput of each storage device (positive, finite).
         memory_bytes: bytes of shard state the memory tier may hold (``0``: no memory tier).
         chunk_elems: the backend's chunk size, which fixes each shard's record bytes.
+        accelerator_bytes: bytes of shard state the accelerator tier may hold (``0``: no accelerator tier).
     """
 
     weights: tuple[float, ...]
     memory_bytes: int = 0
     chunk_elems: int = 1 << 20
+    accelerator_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.weights or not all(isinstance(w, (int, float)) and 0 < w < math.inf for w in self.weights):
             raise ValueError(f"`weights={self.weights!r}` must be positive, finite numbers, one per storage device.")
-        if self.memory_bytes < 0:
-            raise ValueError(f"`memory_bytes={self.memory_bytes}` must be >= 0.")
+        for name in ("memory_bytes", "accelerator_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"`{name}={getattr(self, name)}` must be >= 0.")
 
     def state_bytes(self, shard: ShardSpec) -> int:
         """Bytes ``shard``'s state takes on any device: its record file."""
@@ -164,18 +169,22 @@ class Tiered:
 
     def assign(self, shards: Sequence[ShardSpec], num_devices: int) -> list[int]:
         storage = len(self.weights)
-        if num_devices != storage + (self.memory_bytes > 0):
+        memory, accelerator = self.memory_bytes > 0, self.accelerator_bytes > 0
+        if num_devices != storage + memory + accelerator:
+            named = "".join((" and host memory" if memory else "", " and accelerator memory" if accelerator else ""))
             raise ValueError(
-                f"{self!r} places over {storage} storage device(s)"
-                f"{' and host memory' if self.memory_bytes else ''}, but the backend has {num_devices} devices."
+                f"{self!r} places over {storage} storage device(s){named}, but the backend has {num_devices} devices."
             )
         sizes = [self.state_bytes(shard) for shard in shards]
         assignment = [-1] * len(shards)
-        room = self.memory_bytes
-        for i, size in enumerate(sizes):
-            if size <= room:
-                assignment[i] = storage
-                room -= size
+        # The fastest tier first: each takes what fits of what is left, in index order.
+        tiers = [(storage + memory, self.accelerator_bytes)] if accelerator else []
+        tiers += [(storage, self.memory_bytes)] if memory else []
+        for device, room in tiers:
+            for i, size in enumerate(sizes):
+                if assignment[i] < 0 and size <= room:
+                    assignment[i] = device
+                    room -= size
         load = [0] * storage
         for i, size in enumerate(sizes):
             if assignment[i] < 0:

@@ -126,7 +126,8 @@ class Adam(UpdateRule):
                 [exp_avg],
                 [exp_avg_sq],
                 [states[2]] if self.amsgrad else [],
-                [torch.tensor(float(hp.step))],  # the kernel reads the step; torch.optim increments it before
+                # The kernel reads the step (on the master's device); torch.optim increments it before.
+                [torch.tensor(float(hp.step), device=master.device)],
                 lr=hp.lr,
                 beta1=beta1,
                 beta2=beta2,

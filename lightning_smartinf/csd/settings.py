@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from lightning_smartinf.arguments import Problems, show
 from lightning_smartinf.csd.compression import EF_RULES, RULE_CHOICES, TopKCompression, ef_rule_needs_feedback
 from lightning_smartinf.csd.io import IO_ALIGN
@@ -131,6 +133,11 @@ class SmartUpdateSettings:
     """Relative speed of each storage path (one positive number per path of ``storage_paths``): sub-groups are
     shared out in proportion. ``None``: paths on one filesystem are equal; paths on different filesystems are
     measured when training starts."""
+    state_accelerator_budget: int | None = None
+    """Bytes of GPU memory (an int, or a string like ``"8GiB"``) this rank may use to keep sub-groups' fp32 master and
+    optimizer state on the GPU, updated there while ZeRO's optimizer step leaves it idle (the accelerator tier). It
+    fills first, then ``state_memory_budget``, then the storage devices. ``backend="cpu"`` with CUDA only. ``None``
+    or ``0``: none."""
 
     def __post_init__(self) -> None:
         problems = Problems(type(self).__name__, SettingsError)
@@ -167,8 +174,10 @@ class SmartUpdateSettings:
     @property
     def state_needs_owner(self) -> bool:
         """Whether some device state lasts only while this process holds it: in temporary directories
-        (``storage_paths=None``), in host memory (``state_memory_budget``) or in remote sessions."""
-        return self.storage_paths is None or self.backend == "remote" or bool(self.state_memory_budget)
+        (``storage_paths=None``), in memory (``state_memory_budget``, ``state_accelerator_budget``) or in remote
+        sessions."""
+        in_memory = bool(self.state_memory_budget) or bool(self.state_accelerator_budget)
+        return self.storage_paths is None or self.backend == "remote" or in_memory
 
     @property
     def kept_ratio(self) -> float | None:
@@ -253,6 +262,7 @@ def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
     remote_devices, token_file, tls_dir = _remote(problems, raw)
     compression = _compression(problems, raw["compression"])
     budget = _memory_budget(problems, raw)
+    accelerator_budget = _accelerator_budget(problems, raw)
     weights = _device_weights(problems, raw["device_weights"], storage_paths, raw["storage_paths"])
     if sub_group_valid and chunk_valid and buffers_valid and raw["backend"] == "cpu":
         _check_pool_memory(problems, raw)
@@ -271,6 +281,7 @@ def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
         "compression": compression,
         "state_memory_budget": budget,
         "device_weights": weights,
+        "state_accelerator_budget": accelerator_budget,
         "device_timeout_s": None if timeout is None else float(timeout),
     }
 
@@ -377,6 +388,32 @@ def _memory_budget(problems: Problems, raw: dict[str, Any]) -> int | None:
         "fp32 master and optimizer state kept in RAM",
         "Lower the budget; the state that does not fit stays on the storage devices.",
     )
+    return budget
+
+
+def _accelerator_budget(problems: Problems, raw: dict[str, Any]) -> int | None:
+    """``state_accelerator_budget`` in bytes (``None`` for none or 0): ``"cpu"`` only, with CUDA, at most the GPU
+    memory free now."""
+    shown = f"`state_accelerator_budget={show(raw['state_accelerator_budget'])}`"
+    budget = problems.size("state_accelerator_budget", raw["state_accelerator_budget"])
+    if not budget:
+        return None
+    if raw["backend"] != "cpu":
+        problems.add(f"{shown} applies to `backend='cpu'` only, but `backend={raw['backend']!r}`. Drop it.")
+        return None
+    if not torch.cuda.is_available():
+        problems.add(
+            f"{shown} keeps optimizer state in GPU memory, but CUDA is not available here (torch {torch.__version__}). "
+            "Drop it, or keep state in host memory with `state_memory_budget`."
+        )
+        return None
+    free = torch.cuda.mem_get_info()[0]
+    if budget > free:
+        problems.add(
+            f"{shown} is more than the {free / 2**20:.0f} MiB of GPU memory free now. Lower it; the state that does "
+            "not fit stays in host memory or on the storage devices."
+        )
+        return None
     return budget
 
 

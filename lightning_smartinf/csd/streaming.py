@@ -27,7 +27,7 @@ import stat
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
@@ -121,8 +121,10 @@ class StreamingDevice(ABC):
     :class:`~lightning_smartinf.csd.pipeline.PrefetchPlan`, both touched by the worker only.
     """
 
-    #: Whether the state lives in host memory (the memory tier), not in files on a storage path.
+    #: Whether the state lives in memory (the memory or accelerator tier), not in files on a storage path.
     in_memory = False
+    #: The tier this device's state is in: ``"storage"``, ``"memory"`` or ``"accelerator"``.
+    tier = "storage"
     #: The traffic counters of this device's state reads and writes (its tier's).
     read_counter = "storage_read_bytes"
     write_counter = "storage_write_bytes"
@@ -214,6 +216,18 @@ class StreamingDevice(ABC):
         A device that writes whole records from the host counts those instead.
         """
         return master.numel() * master.element_size()
+
+    def run_compute(
+        self,
+        compute: Callable[[Tensor, Tensor, list[Tensor], int, int], None],
+        record: Tensor,
+        master: Tensor,
+        states: list[Tensor],
+        start: int,
+        n: int,
+    ) -> None:
+        """Run one chunk's ``compute`` (an update, a fill, a read of the master) on this device's worker thread."""
+        compute(record, master, states, start, n)
 
     def create_file(self, name: str, size: int) -> StateFile:
         """A new state file ``name`` of ``size`` bytes for a shard this device holds (in :attr:`directory`)."""
@@ -560,7 +574,7 @@ class StreamingDevice(ABC):
                 states = [record[(j + 1) * padded : (j + 1) * padded + n] for j in range(layout.num_states)]
                 t0 = time.perf_counter()
                 try:
-                    request.compute(record, master, states, start, n)
+                    self.run_compute(request.compute, record, master, states, start, n)
                 except BaseException:
                     self.pool.release(buf)
                     raise
@@ -605,6 +619,8 @@ class StreamingBackend(Backend):
             are on different filesystems) and the memory tier; with neither, shard ``s`` on device ``s mod N``.
         memory_bytes: bytes of shard state the memory tier may hold in host RAM (``0``: none). Its device comes
             after the storage devices (:meth:`make_memory_device`); its shards never take tentative updates.
+        accelerator_bytes: bytes of shard state the accelerator tier may hold in accelerator memory (``0``: none).
+            Its device comes last (:meth:`make_accelerator_device`); like memory, it takes no tentative updates.
         device_weights: relative speed of each storage device (``None``: equal, or measured, see ``placement``).
 
     The constructor claims the directories, then builds device ``i`` with :meth:`make_device` for each, in order.
@@ -633,6 +649,7 @@ class StreamingBackend(Backend):
         placement: Placement | None = None,
         memory_bytes: int = 0,
         device_weights: Sequence[float] | None = None,
+        accelerator_bytes: int = 0,
     ) -> None:
         super().__init__()
         if not device_dirs:
@@ -648,6 +665,8 @@ class StreamingBackend(Backend):
         self.placement = placement
         #: Bytes of shard state the memory tier may hold (``0``: no memory tier).
         self.memory_bytes = memory_bytes
+        #: Bytes of shard state the accelerator tier may hold (``0``: no accelerator tier).
+        self.accelerator_bytes = accelerator_bytes
         if device_weights is not None and len(device_weights) != len(device_dirs):
             raise ValueError(
                 f"`device_weights` has {len(device_weights)} weight(s) for {len(device_dirs)} storage device(s); give "
@@ -673,6 +692,8 @@ class StreamingBackend(Backend):
                 self.devices.append(self.make_device(i, directory))
             if memory_bytes > 0:
                 self.devices.append(self.make_memory_device(len(self.devices)))
+            if accelerator_bytes > 0:
+                self.devices.append(self.make_accelerator_device(len(self.devices)))
         except BaseException:
             for device in self.devices:
                 device.close()
@@ -690,6 +711,13 @@ class StreamingBackend(Backend):
     def make_memory_device(self, index: int) -> StreamingDevice:
         """The memory tier's device (see :mod:`lightning_smartinf.csd.memory`); built when ``memory_bytes > 0``."""
         raise ValueError(f"`{type(self).__name__}` keeps no shard state in host memory: pass `memory_bytes=0`.")
+
+    def make_accelerator_device(self, index: int) -> StreamingDevice:
+        """The accelerator tier's device (:mod:`lightning_smartinf.csd.accelerator_memory`); built when
+        ``accelerator_bytes > 0``."""
+        raise ValueError(
+            f"`{type(self).__name__}` keeps no shard state in accelerator memory: pass `accelerator_bytes=0`."
+        )
 
     @property
     def chunk_elems(self) -> int:
@@ -847,11 +875,13 @@ class StreamingBackend(Backend):
         return 2 if self.tentative_slots and not device.in_memory else 1
 
     def _check_memory(self, what: str, layouts: Sequence[ChunkLayout], assignment: Sequence[int]) -> None:
-        in_memory = sum(lay.file_bytes for lay, d in zip(layouts, assignment) if self.devices[d].in_memory)
-        if in_memory > self.memory_bytes:
-            raise ValueError(
-                f"{what} puts {in_memory} B of state in host memory, over `memory_bytes` ({self.memory_bytes} B)."
-            )
+        for tier, budget, where in (
+            ("memory", self.memory_bytes, "host memory"),
+            ("accelerator", self.accelerator_bytes, "accelerator memory"),
+        ):
+            held = sum(lay.file_bytes for lay, d in zip(layouts, assignment) if self.devices[d].tier == tier)
+            if held > budget:
+                raise ValueError(f"{what} puts {held} B of state in {where}, over `{tier}_bytes` ({budget} B).")
 
     def _drop_all_prefetched(self) -> None:
         """Drop what every device read ahead, once no prefetch read is in flight (before state files change)."""
@@ -872,9 +902,9 @@ class StreamingBackend(Backend):
         if weights is None and len({os.stat(d.directory).st_dev for d in storage}) > 1:
             weights = self._measured_weights = tuple(measure_write_read(d.directory, d.io) for d in storage)
             log.info("SmartUpdate measured its storage paths: %s", ", ".join(f"{w / 1e9:.2f} GB/s" for w in weights))
-        if weights is None and not self.memory_bytes:
+        if weights is None and not self.memory_bytes and not self.accelerator_bytes:
             return RoundRobin()
-        return Tiered(weights or (1.0,) * len(storage), self.memory_bytes, self._chunk_elems)
+        return Tiered(weights or (1.0,) * len(storage), self.memory_bytes, self._chunk_elems, self.accelerator_bytes)
 
     def _log_shares(self, layouts: list[ChunkLayout]) -> None:
         total = sum(lay.file_bytes for lay in layouts) or 1
@@ -884,7 +914,7 @@ class StreamingBackend(Backend):
             log.info(
                 "SmartUpdate device %d (%s): %d shard(s), %.1f MiB of state (%.0f%%)",
                 device.index,
-                "host memory" if device.in_memory else str(device.directory),
+                str(device.directory).strip("<>"),  # a path, or "host memory", "cuda memory"
                 len(held),
                 nbytes / 2**20,
                 100 * nbytes / total,
@@ -913,7 +943,7 @@ class StreamingBackend(Backend):
         if max(abs(n - o) for n, o in zip(new, old)) <= REPLAN_DRIFT:
             return []
         self._measured_weights = tuple(rates)
-        placement = Tiered(tuple(rates), self.memory_bytes, self._chunk_elems)
+        placement = Tiered(tuple(rates), self.memory_bytes, self._chunk_elems, self.accelerator_bytes)
         moved = self.relocate(check_assignment(placement, [s.spec for s in self._shards], self.num_devices))
         log.info(
             "SmartUpdate re-placed %d shard(s): the storage paths now update at %s (shares were %s)",
@@ -932,7 +962,8 @@ class StreamingBackend(Backend):
         the tiers they leave and enter.
 
         Raises:
-            ValueError: ``assignment`` names a missing device, or puts more state in memory than ``memory_bytes``.
+            ValueError: ``assignment`` names a missing device, or puts more state in memory than ``memory_bytes``
+                (or in accelerator memory than ``accelerator_bytes``).
             StorageError: a device lacks the space, or a copy fails.
         """
         self._refuse("relocate")
@@ -1006,7 +1037,9 @@ class StreamingBackend(Backend):
         if tentative and not self.tentative_slots:
             raise ValueError("`tentative=True` needs a backend built with `tentative_slots=True`.")
         if tentative and len(shard.files) < 2:
-            raise ValueError(f"Shard {shard.spec.index} is in host memory, which takes no tentative update.")
+            tier = self.device_of(shard.spec.index).tier
+            where = "host memory" if tier == "memory" else f"{tier} memory"
+            raise ValueError(f"Shard {shard.spec.index} is in {where}, which takes no tentative update.")
         request.read_slot = shard.slot
         request.write_slot = 1 - shard.slot if tentative else shard.slot
         shard.tentative = tentative
@@ -1172,6 +1205,10 @@ class StreamingBackend(Backend):
     def _state_files(self) -> list[ShardState]:
         return [ShardState(s.spec, s.layout, s.file.path) for s in self._shards]
 
+    def _staged_files(self) -> list[StateFile]:
+        """The state files a checkpoint reads and writes through a host copy (the accelerator tier's)."""
+        return [file for shard in self._shards for file in shard.files if file.needs_host_copy]
+
     def save(self, directory: Path) -> None:
         """Write every shard's state under ``directory`` (waits first); refused after a device error.
 
@@ -1182,15 +1219,20 @@ class StreamingBackend(Backend):
         self.wait()
         claims = []
         if self._closed and not self._claims:
-            if self._owned_dirs or self.memory_bytes:
+            if self._owned_dirs or self.memory_bytes or self.accelerator_bytes:
                 raise StorageError(
-                    "The device state was in temporary directories or host memory, freed when the backend "
+                    "The device state was in temporary directories or memory, freed when the backend "
                     "closed; save before closing it (or close with `keep_claims=True`)."
                 )
             claims = claim_directories([device.directory for device in self.devices if not device.in_memory])
+        staged = self._staged_files()
         try:
+            for file in staged:
+                file.stage(copy=True)
             save_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
         finally:
+            for file in staged:
+                file.unstage()
             release_claims(claims)
 
     def load(self, directory: Path) -> None:
@@ -1211,9 +1253,16 @@ class StreamingBackend(Backend):
         for shard in on_disk:
             for file in shard.files:
                 file.close()
+        staged = self._staged_files()
+        loaded = False
         try:
+            for file in staged:
+                file.stage(copy=False)
             load_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
+            loaded = True
         finally:
+            for file in staged:
+                file.unstage(copy_back=loaded)
             for shard in on_disk:
                 shard.files = tuple(StateFile(f.path, shard.layout.file_bytes, create=False) for f in shard.files)
 

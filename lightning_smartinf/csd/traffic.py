@@ -13,6 +13,8 @@ COUNTERS = (
     "storage_write_bytes",
     "memory_read_bytes",
     "memory_write_bytes",
+    "accelerator_read_bytes",
+    "accelerator_write_bytes",
     "param_read_bytes",
     "param_write_bytes",
 )
@@ -29,6 +31,8 @@ class TrafficSnapshot:
         storage_write_bytes: device compute → storage, inside the device.
         memory_read_bytes: host memory → update, for shards of the memory tier (no storage I/O).
         memory_write_bytes: update → host memory, for shards of the memory tier.
+        accelerator_read_bytes: accelerator memory → update, for shards of the accelerator tier.
+        accelerator_write_bytes: update → accelerator memory, for shards of the accelerator tier.
         param_read_bytes: storage → host, low-precision parameters fetched for forward and backward
             (``offload_parameters="storage"``; 0 otherwise).
         param_write_bytes: host → storage, updated low-precision parameters stored after each step.
@@ -42,6 +46,8 @@ class TrafficSnapshot:
     memory_write_bytes: int = 0
     param_read_bytes: int = 0
     param_write_bytes: int = 0
+    accelerator_read_bytes: int = 0
+    accelerator_write_bytes: int = 0
 
     def __sub__(self, other: TrafficSnapshot) -> TrafficSnapshot:
         return TrafficSnapshot(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))

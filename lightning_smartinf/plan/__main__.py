@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="host memory per rank for optimizer state (state_memory_budget), e.g. 8GiB: show the placement",
     )
     parser.add_argument(
+        "--accelerator-budget",
+        help="GPU memory per rank for optimizer state (state_accelerator_budget), e.g. 8GiB: show the placement",
+    )
+    parser.add_argument(
         "--device-weights", type=float, nargs="+", help="relative speed of each device: show the placement by speed"
     )
     parser.add_argument(
@@ -117,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             work, prof, devices=args.devices, compression=args.compression, params_on_storage=args.params_on_storage
         )
         tiers = None
-        if args.memory_budget is not None or args.device_weights:
+        if args.memory_budget is not None or args.device_weights or args.accelerator_budget is not None:
             args.memory_budget = args.memory_budget or "0"
-            tiers = place_state(work, prof, plan.devices, _budget(args.memory_budget), args.device_weights)
+            gpu = 0 if args.accelerator_budget is None else _budget(args.accelerator_budget, "--accelerator-budget")
+            tiers = place_state(work, prof, plan.devices, _budget(args.memory_budget), args.device_weights, gpu)
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -139,20 +144,23 @@ def main(argv: list[str] | None = None) -> int:
         if tiers is not None:
             out["placement"] = {**tiers.__dict__, "memory_budget": args.memory_budget}
             out["strategy"]["state_memory_budget"] = args.memory_budget
+            if args.accelerator_budget is not None:
+                out["placement"]["accelerator_budget"] = args.accelerator_budget
+                out["strategy"]["state_accelerator_budget"] = args.accelerator_budget
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan))
         if tiers is not None:
-            print(f"\n{tiers.describe(args.memory_budget)}")
+            print(f"\n{tiers.describe(args.memory_budget, args.accelerator_budget)}")
     return 0
 
 
-def _budget(text: str) -> int:
-    """``--memory-budget`` in bytes (``"8GiB"``, ``"500MB"``, ``"1073741824"``)."""
+def _budget(text: str, flag: str = "--memory-budget") -> int:
+    """``flag``'s value in bytes (``"8GiB"``, ``"500MB"``, ``"1073741824"``)."""
     from lightning_smartinf.arguments import Problems
 
     problems = Problems("smartinf plan", PlanError)
-    budget = problems.size("--memory-budget", text)
+    budget = problems.size(flag, text)
     problems.raise_if_any()
     return budget or 0
 

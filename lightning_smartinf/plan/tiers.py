@@ -1,9 +1,12 @@
-"""Where the planner puts the optimizer state: host memory up to a budget, the rest over the devices by speed.
+"""Where the planner puts the optimizer state: GPU memory and host memory up to their budgets, the rest over the
+devices by speed.
 
 The same rules as the strategy's placement (:class:`~lightning_smartinf.csd.placement.Tiered`), in the planner's
-units. Emulated devices (the ``cpu`` backend: the update runs on the host cores, plus storage I/O) are never faster
-than the memory tier, so it fills its budget. Devices with compute of their own (SmartSSDs, remote servers) run in
-parallel with the host, so memory takes only the share that finishes with them (:func:`memory_share`).
+units. The accelerator tier fills its budget first: its update is bound by the GPU link, which carries only the 16-bit
+gradient in and the 16-bit parameter out (4 B per 12 B of state). Emulated devices (the ``cpu`` backend: the update
+runs on the host cores, plus storage I/O) are never faster than the memory tier, so it fills its budget. Devices with
+compute of their own (SmartSSDs, remote servers) run in parallel with the host, so memory takes only the share that
+finishes with them (:func:`memory_share`).
 """
 
 from __future__ import annotations
@@ -43,12 +46,19 @@ class TierPlacement:
     device_bytes: tuple[float, ...]
     update_s: float
     all_on_device_s: float
+    accelerator_bytes: float = 0.0
 
-    def describe(self, budget_text: str) -> str:
+    def describe(self, budget_text: str, accelerator_text: str | None = None) -> str:
         """One paragraph for ``smartinf plan``."""
         shares = ", ".join(f"{b / GB:.1f}" for b in self.device_bytes)
+        gpu = ""
+        if accelerator_text is not None:
+            gpu = (
+                f" and state_accelerator_budget={accelerator_text}: {self.accelerator_bytes / GB:.1f} GB in GPU memory "
+                f"({self.accelerator_bytes / max(self.state_bytes, 1):.0%}),"
+            )
         return (
-            f"placement with state_memory_budget={budget_text}: {self.memory_bytes / GB:.1f} of "
+            f"placement with state_memory_budget={budget_text}{gpu} {self.memory_bytes / GB:.1f} of "
             f"{self.state_bytes / GB:.1f} GB of optimizer state in host memory "
             f"({self.memory_bytes / max(self.state_bytes, 1):.0%}), devices hold {shares} GB; optimizer update "
             f"{self.update_s:.2f} s per step against {self.all_on_device_s:.2f} s with all of it on the devices "
@@ -57,9 +67,15 @@ class TierPlacement:
 
 
 def place_state(
-    work: Workload, prof: Profile, devices: int, memory_budget: float, weights: Sequence[float] | None = None
+    work: Workload,
+    prof: Profile,
+    devices: int,
+    memory_budget: float,
+    weights: Sequence[float] | None = None,
+    accelerator_budget: float = 0,
 ) -> TierPlacement:
-    """Place ``work``'s fp32 state (12 B/param) in a ``memory_budget`` of host memory and over ``devices``.
+    """Place ``work``'s fp32 state (12 B/param) in an ``accelerator_budget`` of GPU memory, a ``memory_budget`` of
+    host memory and over ``devices``.
 
     A device's time is its share of the state read and written at its SSD's speeds (the update hides behind that
     I/O, as in the SU+O model), or its update if slower; the memory tier's is its share updated at the host's rate.
@@ -67,10 +83,21 @@ def place_state(
     """
     if memory_budget < 0:
         raise PlanError(f"`--memory-budget` must be >= 0 bytes, got {memory_budget:g}.")
+    if accelerator_budget < 0:
+        raise PlanError(f"`--accelerator-budget` must be >= 0 bytes, got {accelerator_budget:g}.")
+    if accelerator_budget and prof.gpu_link_gbps is None:
+        raise PlanError(
+            f"`--accelerator-budget` keeps state in GPU memory, but profile {prof.name!r} has no GPU "
+            "(`gpu_link_gbps`). Choose a profile with one, or drop the budget."
+        )
     weights = tuple(weights) if weights is not None else (1.0,) * devices
     if len(weights) != devices or any(w <= 0 for w in weights):
         raise PlanError(f"`--device-weights` needs {devices} positive numbers (one per device), got {list(weights)}.")
-    state = FP32_STATE_BYTES * work.params
+    total = FP32_STATE_BYTES * work.params
+    accelerator = min(accelerator_budget, total)
+    # The GPU link carries the 16-bit gradient in and parameter out: 2 * transfer_bytes per 12 B of state.
+    accelerator_rate = (prof.gpu_link_gbps or 0) * GB * FP32_STATE_BYTES / (2 * prof.transfer_bytes)
+    state = total - accelerator
     ceiling = math.inf if prof.device_storage_ceiling_gbps is None else prof.device_storage_ceiling_gbps * GB / devices
     read, write = min(prof.ssd_read_gbps * GB, ceiling), min(prof.ssd_write_gbps * GB, ceiling)
     update = prof.device_update_gparams_per_s * 1e9 * FP32_STATE_BYTES
@@ -83,5 +110,7 @@ def place_state(
     rest = state - memory
     device_bytes = tuple(rest * r / sum(rates) for r in rates)
     device_s = max(b / r for b, r in zip(device_bytes, rates))
-    # The tiers run at once; the step waits for the slower.
-    return TierPlacement(state, memory, device_bytes, max(device_s, memory / memory_rate), state / sum(rates))
+    # The tiers run at once; the step waits for the slowest.
+    accelerator_s = accelerator / accelerator_rate if accelerator else 0.0
+    update_s = max(device_s, memory / memory_rate, accelerator_s)
+    return TierPlacement(total, memory, device_bytes, update_s, total / sum(rates), accelerator)

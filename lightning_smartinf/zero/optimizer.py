@@ -35,9 +35,10 @@ from torch import Tensor
 
 from lightning_smartinf.csd.accelerator import Fence, record_fence
 from lightning_smartinf.csd.controller import SmartUpdate, SubGroup
+from lightning_smartinf.csd.host_buffer import HostBuffer, InMemoryBuffer
 from lightning_smartinf.csd.traffic import Traffic
 from lightning_smartinf.zero.install import ControllerFactory, GradientBufferError
-from lightning_smartinf.zero.param_storage import GradientFile, prepare_swapper
+from lightning_smartinf.zero.param_storage import FileBuffer, prepare_swapper
 
 #: ``gradient_buffer="auto"`` keeps the gradients on the accelerator only if they take at most this share of its free
 #: memory at set-up: forward and backward need the rest.
@@ -144,6 +145,12 @@ class ZeroPartitions:
         snapshot = self._param_traffic.snapshot()
         return snapshot.param_read_bytes, snapshot.param_write_bytes
 
+    def host_buffer(self, numel: int) -> HostBuffer:
+        gradients = self._optimizer.gradient_file
+        if gradients is not None:  # the gradients live in a file: so does what is kept beside them
+            return FileBuffer(gradients.directory, numel, torch.float32, what="the error-feedback residual")
+        return InMemoryBuffer(torch.zeros(numel, dtype=torch.float32, device=self.grad_buffer.device))
+
     def prepare_for_update(self) -> None:
         self._optimizer._partition_all_parameters()
 
@@ -248,7 +255,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     #: The controller that runs this optimizer's steps on the devices (built with the optimizer).
     smart_update: SmartUpdate
     #: With parameters on storage and gradients in host memory: their buffer, in a file on the storage path.
-    gradient_file: GradientFile | None = None
+    gradient_file: FileBuffer | None = None
     _gradients_in_file = False
 
     def _configure_tensor_swapping(self, offload_optimizer_config: Any, aio_config: Any) -> None:
@@ -286,7 +293,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self._replace_gradient_buffer(torch.zeros(numel, dtype=self.gradient_accumulation_dtype, device=device))
         elif in_file:
             directory = Path(self.fp16_groups[0][0].nvme_swapper.swap_folder)
-            self.gradient_file = GradientFile(directory, numel, self.gradient_accumulation_dtype)
+            self.gradient_file = FileBuffer(directory, numel, self.gradient_accumulation_dtype)
             self._replace_gradient_buffer(self.gradient_file.tensor)
 
     def _replace_gradient_buffer(self, buffer: Tensor) -> None:
@@ -345,7 +352,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         # Called after each bucket of gradient partitions: hand off the sub-groups it completed.
         self.smart_update.hand_off_ready(self._expected)
         if self.gradient_file is not None:
-            self.gradient_file.unmap()
+            self.gradient_file.release()
 
     def _expected(self) -> list[set[Hashable]]:
         """Per sub-group, the parameters that have gradient elements on this rank (the others send nothing)."""

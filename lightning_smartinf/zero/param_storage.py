@@ -93,20 +93,26 @@ def stored_param_bytes(parameters: Iterable[torch.nn.Parameter], *, world_size: 
     return total
 
 
-def check_param_space(directory: Path, params_bytes: int, gradient_bytes: int, state_bytes: int) -> None:
+def check_param_space(
+    directory: Path, params_bytes: int, gradient_bytes: int, state_bytes: int, residual_bytes: int = 0
+) -> None:
     """Raise :class:`StorageError` unless ``directory``'s filesystem holds the parameters, the gradients' file (the
-    kernel writes it only under memory pressure, but then it needs the room) and the state placed there.
+    kernel writes it only under memory pressure, but then it needs the room), the error-feedback residual's file and
+    the state placed there.
 
-    Checked before the engine writes anything: the parameters are written first, at set-up.
+    Checked before the engine writes anything: the parameters are written first, at set-up. A model built in
+    ``configure_model`` has written its parameters already (``params_bytes=0``); the rest is checked before it is.
     """
     free = shutil.disk_usage(directory).free
-    needed = params_bytes + gradient_bytes + state_bytes
+    needed = params_bytes + gradient_bytes + state_bytes + residual_bytes
     if free < needed:
+        residual = f", {residual_bytes / GIB:.2f} GiB of error-feedback residual" if residual_bytes else ""
+        params = f"{params_bytes / GIB:.2f} GiB of" if params_bytes else "the (already written)"
         raise StorageError(
             f"Storage path {str(directory.parent)!r} has {free / GIB:.2f} GiB free but `offload_parameters='storage'` "
-            f"needs {needed / GIB:.2f} GiB there: {params_bytes / GIB:.2f} GiB of 16-bit parameters, "
-            f"{gradient_bytes / GIB:.2f} GiB for their gradients and {state_bytes / GIB:.2f} GiB of optimizer state. "
-            "Free space, add `storage_paths`, or choose a larger disk."
+            f"needs {needed / GIB:.2f} GiB there: {params} 16-bit parameters, "
+            f"{gradient_bytes / GIB:.2f} GiB for their gradients{residual} and {state_bytes / GIB:.2f} GiB of "
+            "optimizer state. Free space, add `storage_paths`, or choose a larger disk."
         )
 
 
@@ -258,26 +264,31 @@ def map_large_allocations(threshold: int = 1 << 20) -> None:
         return
 
 
-class GradientFile:
-    """A flat buffer for this rank's reduced gradients whose pages belong to a file on a storage path.
+class FileBuffer:
+    """A flat buffer whose pages belong to a file on a storage path: this rank's reduced gradients, or the
+    error-feedback residual, where the parameters live on storage.
 
-    The file is shared-mapped and unlinked at once (nothing is left behind). Backward writes gradients into the page
-    cache; :meth:`unmap` takes the written pages out of this process after each reduce bucket, so the kernel may write
-    them to the file and evict them when memory runs short, and :meth:`discard` punches out a range whose gradients
-    the devices have consumed, so they are never written back. The process itself holds only the pages in use.
+    The file is shared-mapped and unlinked at once (nothing is left behind). Writes land in the page cache;
+    :meth:`release` takes a range's pages out of this process once it is used (after each reduce bucket, after each
+    sub-group's compression), so the kernel may write them to the file and evict them when memory runs short, and
+    :meth:`discard` punches out a range whose contents are no longer needed, so they are never written back. The
+    process itself holds only the pages in use.
 
     Invariants:
 
     - The file's blocks are reserved (``posix_fallocate``) when it is made and again after each punch: a write-back
       never finds the disk full, which a shared mapping could only report as ``SIGBUS``.
-    - A punched range reads as zeros: a parameter that gets no gradient in a step has a zero gradient (ZeRO's own
-      buffer would keep the step before's).
+    - A new buffer, and a punched range, read as zeros: a parameter that gets no gradient in a step has a zero
+      gradient (ZeRO's own buffer would keep the step before's).
+    - :meth:`release` never changes a value: a released page is read back from the page cache or the file.
     """
 
-    def __init__(self, directory: Path, numel: int, dtype: torch.dtype) -> None:
+    def __init__(self, directory: Path, numel: int, dtype: torch.dtype, *, what: str = "the gradients") -> None:
         self.element_size = torch.empty(0, dtype=dtype).element_size()
+        #: The directory the file was made in.
+        self.directory = Path(directory)
         nbytes = max(1, numel) * self.element_size
-        fd, name = tempfile.mkstemp(prefix="gradients-", suffix=".bin", dir=directory)
+        fd, name = tempfile.mkstemp(prefix="buffer-", suffix=".bin", dir=directory)
         try:
             os.unlink(name)
             os.posix_fallocate(fd, 0, nbytes)
@@ -285,17 +296,21 @@ class GradientFile:
         except OSError as exc:
             os.close(fd)
             raise StorageError(
-                f"Cannot reserve {nbytes / GIB:.2f} GiB for the gradients' file in {str(directory)!r} ({exc}). "
-                "Free space on the storage path, or keep the parameters in memory (`offload_parameters=True`)."
+                f"Cannot reserve {nbytes / GIB:.2f} GiB for {what} in {str(directory)!r} ({exc}). Free space on the "
+                "storage path, or keep the parameters in memory (`offload_parameters=True`)."
             ) from None
         self._fd = fd  # kept open to reserve punched ranges again; the blocks go with the last of it and the map
         weakref.finalize(self, os.close, fd)
         #: The buffer, ``numel`` elements of ``dtype`` over the mapping.
         self.tensor = torch.frombuffer(self._map, dtype=dtype, count=numel)
 
-    def unmap(self) -> None:
-        """Take every page out of this process; their contents stay in the file (the page cache)."""
-        self._map.madvise(mmap.MADV_DONTNEED)
+    def release(self, start: int = 0, end: int | None = None) -> None:
+        """Take the pages holding elements ``[start, end)`` (default: all) out of this process; their contents stay
+        in the file (the page cache)."""
+        first = start * self.element_size // mmap.PAGESIZE * mmap.PAGESIZE
+        last = len(self._map) if end is None else min(len(self._map), end * self.element_size)
+        if last > first:
+            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def discard(self, start: int, end: int) -> None:
         """Elements ``[start, end)`` are no longer needed: drop the whole pages among them, in memory and in the file,

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from lightning_smartinf.csd.controller import SmartUpdate, SubGroup
 from lightning_smartinf.csd.cpu import CpuBackend
+from lightning_smartinf.csd.host_buffer import InMemoryBuffer
 from lightning_smartinf.csd.settings import SmartUpdateSettings
 
 SEGMENT = 200  # elements per parameter: top-1% keeps 2 of each
@@ -40,6 +41,9 @@ class FlatPartitions:
 
     def param_bytes(self) -> tuple[int, int]:
         return (0, 0)
+
+    def host_buffer(self, numel: int) -> InMemoryBuffer:
+        return InMemoryBuffer(torch.zeros(numel, dtype=torch.float32))
 
     def prepare_for_update(self) -> None: ...
 

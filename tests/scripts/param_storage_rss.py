@@ -1,6 +1,8 @@
-"""Run as ``python param_storage_rss.py ROOT WIDTH LAYERS OFFLOAD``: train a stack of ``LAYERS`` bias-free
-``WIDTH``-wide linear layers, built in ``configure_model``, for 2 bf16 steps with ``offload_parameters=OFFLOAD``
-(``storage`` or ``memory``), and print one JSON line: the parameter count and this process's peak RSS in bytes."""
+"""Run as ``python param_storage_rss.py ROOT WIDTH LAYERS OFFLOAD [compressed]``: train a stack of ``LAYERS``
+bias-free ``WIDTH``-wide linear layers, built in ``configure_model``, for 2 bf16 steps with
+``offload_parameters=OFFLOAD`` (``storage`` or ``memory``), and print one JSON line: the parameter count and this
+process's peak RSS in bytes. ``compressed``: top-1% with error feedback, and a checkpoint saved at the last step
+(which writes the residual) by a stock ``ModelCheckpoint``."""
 
 import json
 import sys
@@ -31,7 +33,7 @@ class Stack(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def main(root: Path, width: int, layers: int, offload: str) -> None:
+def main(root: Path, width: int, layers: int, offload: str, compressed: bool) -> None:
     data = torch.utils.data.TensorDataset(torch.randn(8, width, generator=torch.Generator().manual_seed(1)))
     strategy = SmartInfinityStrategy(
         storage_paths=[root],
@@ -39,7 +41,9 @@ def main(root: Path, width: int, layers: int, offload: str) -> None:
         io_engine="threads",
         sub_group_size=8_000_000,  # the working set: a few sub-groups and one reduce bucket, whatever the depth
         reduce_bucket_size=8_000_000,
+        compression={"ratio": 0.01} if compressed else None,
     )
+    saving = [L.pytorch.callbacks.ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=2)]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -47,7 +51,8 @@ def main(root: Path, width: int, layers: int, offload: str) -> None:
         precision="bf16-true",
         max_steps=2,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=compressed,
+        callbacks=saving if compressed else None,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
@@ -61,10 +66,11 @@ def main(root: Path, width: int, layers: int, offload: str) -> None:
                 "params": width * width * layers,
                 "peak_rss": peak,
                 "param_write_bytes": strategy.traffic.param_write_bytes,
+                "checkpoints": sorted(p.name for p in (root / "checkpoints").glob("*")) if compressed else [],
             }
         )
     )
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:] == ["compressed"])
