@@ -166,8 +166,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        # The flat keyword arguments (LightningCLI's and the YAML recipes' shape) by name: those named like the fields
-        # of `SmartUpdateSettings` are the settings, the DeepSpeed ones make the engine's config.
+        # The flat keyword arguments by name: `SmartUpdateSettings`' fields are the settings, DeepSpeed's the config.
         arguments = dict(locals())
         check_deepspeed_version()
         problems = Problems("SmartInfinityStrategy", MisconfigurationException)

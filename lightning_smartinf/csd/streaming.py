@@ -1221,8 +1221,8 @@ class StreamingBackend(Backend):
         if self._closed and not self._claims:
             if self._owned_dirs or self.memory_bytes or self.accelerator_bytes:
                 raise StorageError(
-                    "The device state was in temporary directories or memory, freed when the backend "
-                    "closed; save before closing it (or close with `keep_claims=True`)."
+                    "The device state was in temporary directories or in memory (host or accelerator), freed when the "
+                    "backend closed; save before closing it (or close with `keep_claims=True`)."
                 )
             claims = claim_directories([device.directory for device in self.devices if not device.in_memory])
         staged = self._staged_files()

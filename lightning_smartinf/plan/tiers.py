@@ -51,7 +51,7 @@ class TierPlacement:
     def describe(self, budget_text: str, accelerator_text: str | None = None) -> str:
         """One paragraph for ``smartinf plan``."""
         shares = ", ".join(f"{b / GB:.1f}" for b in self.device_bytes)
-        gpu = ""
+        gpu = ":"
         if accelerator_text is not None:
             gpu = (
                 f" and state_accelerator_budget={accelerator_text}: {self.accelerator_bytes / GB:.1f} GB in GPU memory "
