@@ -225,7 +225,8 @@ ZI_DISK_BYTES_PER_PARAM = {"zi_cpu": 16, "zi_nvme": 18}
 
 def launch(args: argparse.Namespace, run: str, layers: int) -> dict[str, Any]:
     params = model_params(argparse.Namespace(**{**vars(args), "layers": layers}))
-    failed = {"run": run, "params": params, "ok": False}
+    name = run + (f"_{args.compression}" if args.compression and run.startswith("ours") else "")
+    failed = {"run": name, "params": params, "ok": False}
     storage = Path(tempfile.mkdtemp(prefix=f"params_{run}_", dir=args.storage))
     try:
         free = shutil.disk_usage(storage).free
