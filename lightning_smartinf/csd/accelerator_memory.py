@@ -30,7 +30,7 @@ from torch import Tensor
 from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.cpu import EmulatedDevice, link_bytes
 from lightning_smartinf.csd.io import StateFile
-from lightning_smartinf.csd.memory import MemoryIO, MemoryStateFile
+from lightning_smartinf.csd.memory import MemoryIO, MemoryStateFile, TensorStateFile
 from lightning_smartinf.csd.pipeline import ChunkWork, Shard
 from lightning_smartinf.csd.rules import StepParams
 from lightning_smartinf.csd.traffic import Traffic
@@ -38,20 +38,19 @@ from lightning_smartinf.csd.traffic import Traffic
 __all__ = ["AcceleratorDevice", "AcceleratorStateFile"]
 
 
-class AcceleratorStateFile(StateFile):
+class AcceleratorStateFile(TensorStateFile):
     """One shard's state in accelerator memory: ``size`` bytes on ``device``.
 
     :attr:`path` names a host copy while one is staged (:meth:`stage`), for code that opens files by path
     (checkpoint save and load); otherwise it only labels the state in messages.
     """
 
-    in_memory = True
     needs_host_copy = True
 
     def __init__(self, name: str, size: int, device: torch.device) -> None:  # noqa: D107 - the class says it
         self.direct = False
         self.name, self.size, self.device = name, size, device
-        self._bytes: Tensor | None = torch.zeros(size, dtype=torch.uint8, device=device)
+        self._bytes = torch.zeros(size, dtype=torch.uint8, device=device)
         self._host: MemoryStateFile | None = None
 
     @property
@@ -60,32 +59,12 @@ class AcceleratorStateFile(StateFile):
             return self._host.path
         return Path(f"<{self.device} memory>") / self.name
 
-    def _span(self, offset: int, nbytes: int) -> Tensor:
-        if self._bytes is None:
-            raise OSError(f"the accelerator memory of {self.path} was freed")
-        if offset < 0 or offset + nbytes > self.size:
-            raise OSError(f"bytes {offset}..{offset + nbytes} lie outside {self.path} ({self.size} B)")
-        return self._bytes[offset : offset + nbytes]
-
-    def view(self, offset: int, nbytes: int) -> Tensor:
-        return self._span(offset, nbytes)
-
-    def read_into(self, buf: Tensor, offset: int) -> None:
-        flat = buf.view(torch.uint8)
-        flat.copy_(self._span(offset, flat.numel()))
-
-    def write_from(self, buf: Tensor, offset: int) -> None:
-        flat = buf.view(torch.uint8)
-        target = self._span(offset, flat.numel())
-        if target.data_ptr() != flat.data_ptr():  # a record updated in place (:meth:`view`) is already there
-            target.copy_(flat)
-
     def stage(self, *, copy: bool) -> None:
         """Give :attr:`path` a host copy of the state (``copy=False``: of its size only, for a load to fill)."""
         if self._host is None:
             self._host = MemoryStateFile(self.name, self.size)
         if copy:
-            self._host.view(0, self.size).copy_(self._span(0, self.size))
+            self._host.view(0, self.size).copy_(self.view(0, self.size))
 
     def unstage(self, *, copy_back: bool = False) -> None:
         """Free the host copy; ``copy_back``: make its bytes the state first (after a load). Idempotent."""
@@ -94,15 +73,9 @@ class AcceleratorStateFile(StateFile):
             return
         try:
             if copy_back:
-                self._span(0, self.size).copy_(host.view(0, self.size))
+                self.view(0, self.size).copy_(host.view(0, self.size))
         finally:
             host.discard()
-
-    def sync(self) -> None:
-        """Nothing to flush: the state is in memory."""
-
-    def close(self) -> None:
-        """Keep the memory (see :meth:`discard`): a closed state can still be saved."""
 
     def discard(self) -> None:
         """Give the memory back; idempotent. Reads and writes fail afterwards."""
@@ -182,16 +155,8 @@ class AcceleratorDevice(EmulatedDevice):
             compute=update, link_write=link_bytes(grad, link_dtype), link_read=out.numel() * out.element_size()
         )
 
-    def run_compute(
-        self,
-        compute: Callable[[Tensor, Tensor, list[Tensor], int, int], None],
-        record: Tensor,
-        master: Tensor,
-        states: list[Tensor],
-        start: int,
-        n: int,
-    ) -> None:
-        compute(record, master, states, start, n)
+    def run_compute(self, work: Callable[[], None]) -> None:
+        work()
         if self.torch_device.type == "cuda":
             # Done before the chunk is: its write-back, a later read and the parameters copied out see it whole.
             torch.cuda.current_stream(self.torch_device).synchronize()

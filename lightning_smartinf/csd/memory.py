@@ -28,33 +28,19 @@ from lightning_smartinf.csd.cpu import EmulatedDevice
 from lightning_smartinf.csd.io import IOEngine, StateFile
 from lightning_smartinf.csd.traffic import Traffic
 
-__all__ = ["MEMORY_LABEL", "MemoryDevice", "MemoryIO", "MemoryStateFile"]
+__all__ = ["MEMORY_LABEL", "MemoryDevice", "MemoryIO", "MemoryStateFile", "TensorStateFile"]
 
 #: How the memory device is named where a storage device shows its directory.
 MEMORY_LABEL = Path("<host memory>")
 
 
-class MemoryStateFile(StateFile):
-    """One shard's state in host memory: a ``memfd`` of ``size`` bytes mapped shared into the process.
-
-    Reads and writes are memory copies (torch's, which release the GIL). :attr:`path` names the same memory for code
-    that opens files by path (checkpoint save and load); it is valid in this process only.
-    """
+class TensorStateFile(StateFile):
+    """One shard's state in memory: a byte tensor of :attr:`size` bytes, read, written and updated in place with
+    torch's copies (which release the GIL). Subclasses say where the tensor lives and what :attr:`path` names."""
 
     in_memory = True
-
-    def __init__(self, name: str, size: int) -> None:  # noqa: D107 - the class says it
-        self.direct = False
-        self._fd = os.memfd_create(f"smartinf-{name}", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self._fd, size)
-            self._map: mmap.mmap | None = mmap.mmap(self._fd, size)  # size > 0: a record is at least 4 KiB
-        except BaseException:
-            os.close(self._fd)
-            raise
-        self.path = Path(f"/proc/{os.getpid()}/fd/{self._fd}")
-        self.size = size
-        self._bytes: Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
+    size = 0
+    _bytes: Tensor | None = None
 
     def _span(self, offset: int, nbytes: int) -> Tensor:
         if self._bytes is None:
@@ -81,6 +67,27 @@ class MemoryStateFile(StateFile):
 
     def close(self) -> None:
         """Keep the memory (see :meth:`discard`): a closed state can still be saved."""
+
+
+class MemoryStateFile(TensorStateFile):
+    """One shard's state in host memory: a ``memfd`` of ``size`` bytes mapped shared into the process.
+
+    :attr:`path` names the same memory for code that opens files by path (checkpoint save and load); it is valid in
+    this process only.
+    """
+
+    def __init__(self, name: str, size: int) -> None:  # noqa: D107 - the class says it
+        self.direct = False
+        self._fd = os.memfd_create(f"smartinf-{name}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, size)
+            self._map: mmap.mmap | None = mmap.mmap(self._fd, size)  # size > 0: a record is at least 4 KiB
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.path = Path(f"/proc/{os.getpid()}/fd/{self._fd}")
+        self.size = size
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def discard(self) -> None:
         """Give the memory back; idempotent. Reads and writes fail afterwards."""

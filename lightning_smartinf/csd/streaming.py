@@ -18,6 +18,7 @@ A new kind of device implements the two hooks:
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
 import math
@@ -217,17 +218,9 @@ class StreamingDevice(ABC):
         """
         return master.numel() * master.element_size()
 
-    def run_compute(
-        self,
-        compute: Callable[[Tensor, Tensor, list[Tensor], int, int], None],
-        record: Tensor,
-        master: Tensor,
-        states: list[Tensor],
-        start: int,
-        n: int,
-    ) -> None:
-        """Run one chunk's ``compute`` (an update, a fill, a read of the master) on this device's worker thread."""
-        compute(record, master, states, start, n)
+    def run_compute(self, work: Callable[[], None]) -> None:
+        """Run one chunk's ``work`` (an update, a fill, a read of the master) on this device's worker thread."""
+        work()
 
     def create_file(self, name: str, size: int) -> StateFile:
         """A new state file ``name`` of ``size`` bytes for a shard this device holds (in :attr:`directory`)."""
@@ -574,7 +567,7 @@ class StreamingDevice(ABC):
                 states = [record[(j + 1) * padded : (j + 1) * padded + n] for j in range(layout.num_states)]
                 t0 = time.perf_counter()
                 try:
-                    self.run_compute(request.compute, record, master, states, start, n)
+                    self.run_compute(functools.partial(request.compute, record, master, states, start, n))
                 except BaseException:
                     self.pool.release(buf)
                     raise
