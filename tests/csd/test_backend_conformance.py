@@ -350,6 +350,8 @@ def _expected_traffic(
         "storage_write_bytes": (steps + 1) * fb,
         "memory_read_bytes": 0,
         "memory_write_bytes": 0,
+        "accelerator_read_bytes": 0,
+        "accelerator_write_bytes": 0,
         "param_read_bytes": 0,
         "param_write_bytes": 0,
     }
@@ -387,6 +389,8 @@ def test_traffic_exact_aligned_sizes(tmp_path, make_backend, num_devices) -> Non
         "storage_write_bytes": model.file_bytes(),
         "memory_read_bytes": 0,
         "memory_write_bytes": 0,
+        "accelerator_read_bytes": 0,
+        "accelerator_write_bytes": 0,
         "param_read_bytes": 0,
         "param_write_bytes": 0,
     }
