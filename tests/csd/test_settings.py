@@ -78,6 +78,7 @@ def test_defaults_are_the_strategy_defaults_and_the_object_is_frozen_and_keyword
         "gradient_buffer": "auto",
         "state_memory_budget": None,
         "device_weights": None,
+        "state_accelerator_budget": None,
     }
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.buffer_count = 4  # type: ignore[misc]
