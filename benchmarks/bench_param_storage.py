@@ -170,28 +170,14 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 def gpt(width: int, layers: int, vocab: int) -> Any:
     """A GPT-style decoder: embeddings, pre-norm attention and 4x MLP blocks, a head; 12 width² per block."""
     import torch
+    from bench_activations import Block  # this script's directory is on the path: it is run as a script
     from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.heads = max(1, width // 128)
-            self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-            self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-            self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, t, d = x.shape
-            q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-            att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-            return x + self.fc2(nn.functional.gelu(self.fc1(self.norm2(x))))
 
     class GPT(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.embed = nn.Embedding(vocab, width)
-            self.blocks = nn.Sequential(*(Block() for _ in range(layers)))
+            self.blocks = nn.Sequential(*(Block(width, max(1, width // 128)) for _ in range(layers)))
             self.norm = nn.LayerNorm(width)
             self.head = nn.Linear(width, vocab, bias=False)
 
