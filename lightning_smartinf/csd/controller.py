@@ -179,8 +179,6 @@ class SmartUpdate:
         self.kept_ratio: float | None = settings.kept_ratio
         #: Gradient entries sent and in total in the last step (equal when it was dense).
         self.last_kept: tuple[int, int] = (0, 0)
-        #: Error-feedback residual: gradient not yet sent, fp32, in the units of :attr:`residual_scale`.
-        self.residual: Tensor | None = None
         self._residual_buffer: HostBuffer | None = None
         self.residual_scale = 1.0
         #: Sub-groups handed off during backward and kept by the step, and those rolled back (cumulative).
@@ -226,10 +224,14 @@ class SmartUpdate:
             return None
         return self.residual[self._offsets[sub_group] : self._offsets[sub_group + 1]]
 
-    def _new_residual(self) -> Tensor:
+    @property
+    def residual(self) -> Tensor | None:
+        """Error-feedback residual: gradient not yet sent, fp32, in the units of :attr:`residual_scale`."""
+        return None if self._residual_buffer is None else self._residual_buffer.tensor
+
+    def _new_residual(self) -> HostBuffer:
         self._residual_buffer = self.partitions.host_buffer(self.partitions.grad_buffer.numel())
-        self.residual = self._residual_buffer.tensor
-        return self.residual
+        return self._residual_buffer
 
     def _release_residual(self, sub_group: int | None = None) -> None:
         """The residual of ``sub_group`` (default: all of it) is done with until the next step."""
@@ -511,7 +513,7 @@ class SmartUpdate:
     def load_residual(self, residual: SavedTensor | None, loss_scale: float | None) -> None:
         """Restore (or, with ``None``, clear) the compression residual saved with a checkpoint, a block at a time."""
         if residual is None:
-            self.residual = self._residual_buffer = None
+            self._residual_buffer = None
             return
         buffer = self.partitions.grad_buffer
         if residual.shape != tuple(buffer.shape):
@@ -519,14 +521,11 @@ class SmartUpdate:
                 f"The checkpoint's compression residual has {residual.numel()} elements but this rank's gradient "
                 f"partition has {buffer.numel()}. Resume with the same model and ranks."
             )
-        if self._residual_buffer is None:
-            self._new_residual()
-        assert self._residual_buffer is not None
-        target = self._residual_buffer.tensor
+        target = self._residual_buffer or self._new_residual()
         for start in range(0, residual.numel(), COPY_BLOCK):  # block by block: host memory holds one at a time
             end = min(start + COPY_BLOCK, residual.numel())
-            target[start:end].copy_(residual.read(start, end))
-            self._residual_buffer.release(start, end)
+            target.tensor[start:end].copy_(residual.read(start, end))
+            target.release(start, end)
         self.residual_scale = float(loss_scale) if loss_scale is not None else self.partitions.loss_scale
 
     def save(self, directory: Path, *, global_step: int) -> None:
