@@ -42,19 +42,27 @@ def sgd_momentum(model: torch.nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("make_optimizer", "accumulate", "clip"),
+    ("make_optimizer", "accumulate", "clip", "budget"),
     [
-        pytest.param(adamw_cosine, 2, 0.5, id="adamw-cosine-clip-accumulate"),
-        pytest.param(sgd_momentum, 1, None, id="sgd-momentum-steplr"),
+        pytest.param(adamw_cosine, 2, 0.5, None, id="adamw-cosine-clip-accumulate"),
+        pytest.param(sgd_momentum, 1, None, None, id="sgd-momentum-steplr"),
+        # Host cores update a share of the state in RAM beside the SmartSSDs (the memory tier).
+        pytest.param(adamw_cosine, 2, 0.5, "1MiB", id="adamw-memory-tier"),
     ],
 )
-def test_fp32_matches_torch_optim(tmp_path, model_xclbin, make_optimizer, accumulate, clip):
+def test_fp32_matches_torch_optim(tmp_path, model_xclbin, make_optimizer, accumulate, clip, budget):
     _, reference = fit(LMModule(make_optimizer), "auto", steps=STEPS, accumulate=accumulate, clip=clip)
     paths = [tmp_path / "ssd0", tmp_path / "ssd1"]
     for path in paths:
         path.mkdir()
     strategy = SmartInfinityStrategy(
-        backend="xrt", xclbin=model_xclbin, storage_paths=paths, sub_group_size=3000, chunk_size=2048, buffer_count=3
+        backend="xrt",
+        xclbin=model_xclbin,
+        storage_paths=paths,
+        sub_group_size=3000,
+        chunk_size=2048,
+        buffer_count=3,
+        state_memory_budget=budget,
     )
     platform = platform_for(model_xclbin)
     before = [platform.counters(i) for i in range(2)]
@@ -71,6 +79,7 @@ def test_fp32_matches_torch_optim(tmp_path, model_xclbin, make_optimizer, accumu
     assert all(a.kernel_runs > b.kernel_runs for a, b in zip(after, before))
     assert all(a.p2p_host_sync_bytes == 0 for a in after)
     traffic = strategy.traffic
+    assert (traffic.memory_write_bytes > 0) == (budget is not None)
     numel = sum(p.numel() for p in LMModule(make_optimizer).parameters())
     assert traffic.link_read_bytes == STEPS * numel * 4  # fp32 parameters out, nothing else
     # State read ahead after the last step is never used; teardown counts it when it drops it.

@@ -35,8 +35,8 @@ def build_backend(
         io_factory: the I/O engine of each emulated device (``backend='cpu'``; the xrt devices move state P2P).
         xrt_devices: ``backend='xrt'``: the XRT device of each directory; ``None`` pairs them by PCIe topology.
         label: ``backend='remote'``: this rank's name on the servers (its checkpoints are kept under it).
-        device_weights: ``backend='cpu'``: the relative speed of each of ``device_dirs`` (this rank's share of
-            ``settings.device_weights``).
+        device_weights: ``backend='cpu'`` or ``'xrt'``: the relative speed of each of ``device_dirs`` (this rank's
+            share of ``settings.device_weights``).
     """
     if settings.backend == "remote":
         from lightning_smartinf.csd.remote.client import RemoteBackend
@@ -66,6 +66,9 @@ def build_backend(
             owned_dirs=owned_dirs,
             prefetch_state=settings.prefetch_state,
             device_timeout_s=settings.device_timeout_s,
+            memory_bytes=settings.state_memory_budget or 0,
+            device_weights=device_weights,
+            accelerator_bytes=settings.state_accelerator_budget or 0,
         )
     from lightning_smartinf.csd.cpu import CpuBackend
 

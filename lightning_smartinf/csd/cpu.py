@@ -142,7 +142,6 @@ class CpuBackend(StreamingBackend):
         #: Chunk transfers each device keeps in flight per direction.
         self.io_threads = io_threads
         self._io_factory = io_factory
-        self._accelerator_device = torch.device(accelerator_device)
         super().__init__(
             device_dirs,
             chunk_elems=chunk_elems,
@@ -155,6 +154,7 @@ class CpuBackend(StreamingBackend):
             memory_bytes=memory_bytes,
             device_weights=device_weights,
             accelerator_bytes=accelerator_bytes,
+            accelerator_device=accelerator_device,
         )
 
     def make_device(self, index: int, directory: Path) -> EmulatedDevice:
@@ -167,23 +167,4 @@ class CpuBackend(StreamingBackend):
             chunk_elems=self.chunk_elems,
             buffer_count=self.buffer_count,
             io_threads=self.io_threads,
-        )
-
-    def make_memory_device(self, index: int) -> StreamingDevice:
-        """The memory tier: state in host RAM, updated on a host core like the emulated devices."""
-        from lightning_smartinf.csd.memory import MemoryDevice  # (memory builds on this module's device)
-
-        # Memory copies need no deep pool: one buffer updating, one read ahead, one written back.
-        return MemoryDevice(index, self.traffic, chunk_elems=self.chunk_elems, buffer_count=min(self.buffer_count, 4))
-
-    def make_accelerator_device(self, index: int) -> StreamingDevice:
-        """The accelerator tier: state in accelerator memory, updated there with the rule's own torch code."""
-        from lightning_smartinf.csd.accelerator_memory import AcceleratorDevice  # (builds on this module's device)
-
-        return AcceleratorDevice(
-            index,
-            self.traffic,
-            chunk_elems=self.chunk_elems,
-            buffer_count=min(self.buffer_count, 4),
-            device=self._accelerator_device,
         )

@@ -39,6 +39,7 @@ __all__ = [
     "Tiered",
     "check_assignment",
     "measure_write_read",
+    "memory_share",
     "rank_device_dirs",
     "rank_share",
 ]
@@ -149,12 +150,15 @@ class Tiered:
         memory_bytes: bytes of shard state the memory tier may hold (``0``: no memory tier).
         chunk_elems: the backend's chunk size, which fixes each shard's record bytes.
         accelerator_bytes: bytes of shard state the accelerator tier may hold (``0``: no accelerator tier).
+        keep: each shard's device now, when re-placing (``()``: none): a storage shard stays where it is when that
+            device ties for the soonest finish, so a re-plan moves no more shards than its new shares need.
     """
 
     weights: tuple[float, ...]
     memory_bytes: int = 0
     chunk_elems: int = 1 << 20
     accelerator_bytes: int = 0
+    keep: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.weights or not all(isinstance(w, (int, float)) and 0 < w < math.inf for w in self.weights):
@@ -186,12 +190,30 @@ class Tiered:
                     assignment[i] = device
                     room -= size
         load = [0] * storage
+        keep = self.keep or (-1,) * len(shards)
         for i, size in enumerate(sizes):
             if assignment[i] < 0:
-                best = min(range(storage), key=lambda d: ((load[d] + size) / self.weights[d], d))
+                best = min(range(storage), key=lambda d: ((load[d] + size) / self.weights[d], d != keep[i], d))
                 assignment[i] = best
                 load[best] += size
         return assignment
+
+
+def memory_share(budget: float, state: float, memory_rate: float, storage_rate: float) -> float:
+    """Bytes of ``state`` the memory tier holds when devices compute beside it: at most ``budget``, and no more than
+    lets it finish with them. Memory holding ``x`` finishes in ``x / memory_rate``, the devices the rest in
+    ``(state - x) / storage_rate`` (state bytes per second), together at ``x = state * m / (m + s)``.
+
+    Example::
+
+        >>> memory_share(budget=6, state=10, memory_rate=9.0, storage_rate=1.0)  # memory is fast: fill the budget
+        6
+        >>> memory_share(budget=10, state=10, memory_rate=1.0, storage_rate=3.0)  # fast devices: memory takes 1/4
+        2.5
+    """
+    if budget <= 0 or state <= 0:
+        return 0
+    return min(budget, state * memory_rate / (memory_rate + storage_rate))
 
 
 def measure_write_read(directory: Path, io: IOEngine, nbytes: int = 64 << 20, *, in_flight: int = 3) -> float:

@@ -128,7 +128,7 @@ class SmartUpdateSettings:
     state_memory_budget: int | None = None
     """Bytes of host memory (an int, or a string like ``"8GiB"``) this rank may use to keep sub-groups' fp32 master
     and optimizer state in RAM, updated by a host core with no storage I/O (the memory tier); the others stay on the
-    storage devices. ``backend="cpu"`` only. ``None`` or ``0``: all state on the devices."""
+    storage devices. ``backend="cpu"`` or ``"xrt"``. ``None`` or ``0``: all state on the devices."""
     device_weights: tuple[float, ...] | None = None
     """Relative speed of each storage path (one positive number per path of ``storage_paths``): sub-groups are
     shared out in proportion. ``None``: paths on one filesystem are equal; paths on different filesystems are
@@ -136,8 +136,8 @@ class SmartUpdateSettings:
     state_accelerator_budget: int | None = None
     """Bytes of GPU memory (an int, or a string like ``"8GiB"``) this rank may use to keep sub-groups' fp32 master and
     optimizer state on the GPU, updated there while ZeRO's optimizer step leaves it idle (the accelerator tier). It
-    fills first, then ``state_memory_budget``, then the storage devices. ``backend="cpu"`` with CUDA only. ``None``
-    or ``0``: none."""
+    fills first, then ``state_memory_budget``, then the storage devices. ``backend="cpu"`` or ``"xrt"``, with CUDA
+    only. ``None`` or ``0``: none."""
 
     def __post_init__(self) -> None:
         problems = Problems(type(self).__name__, SettingsError)
@@ -371,15 +371,20 @@ def _check_counts(problems: Problems, raw: dict[str, Any]) -> tuple[bool, bool, 
     return sizes
 
 
+#: The backends whose state can also live in host or accelerator memory (local devices; remote servers keep all of it).
+TIER_BACKENDS = ("cpu", "xrt")
+
+
 def _memory_budget(problems: Problems, raw: dict[str, Any]) -> int | None:
-    """``state_memory_budget`` in bytes (``None`` for none or 0): at most the memory available now, ``"cpu"`` only."""
+    """``state_memory_budget`` in bytes (``None`` for none or 0): at most the memory available now, beside local
+    devices only (``"cpu"`` or ``"xrt"``)."""
     budget = problems.size("state_memory_budget", raw["state_memory_budget"])
     if not budget:
         return None
-    if raw["backend"] != "cpu":
+    if raw["backend"] not in TIER_BACKENDS:
         problems.add(
-            f"`state_memory_budget={raw['state_memory_budget']!r}` applies to `backend='cpu'` only, but "
-            f"`backend={raw['backend']!r}`. Drop it."
+            f"`state_memory_budget={raw['state_memory_budget']!r}` applies to `backend='cpu'` or `'xrt'`, but "
+            f"`backend={raw['backend']!r}`: the remote servers keep all the state. Drop it."
         )
         return None
     problems.fits_in_memory(
@@ -392,14 +397,17 @@ def _memory_budget(problems: Problems, raw: dict[str, Any]) -> int | None:
 
 
 def _accelerator_budget(problems: Problems, raw: dict[str, Any]) -> int | None:
-    """``state_accelerator_budget`` in bytes (``None`` for none or 0): ``"cpu"`` only, with CUDA, at most the GPU
-    memory free now."""
+    """``state_accelerator_budget`` in bytes (``None`` for none or 0): beside local devices only (``"cpu"`` or
+    ``"xrt"``), with CUDA, at most the GPU memory free now."""
     shown = f"`state_accelerator_budget={show(raw['state_accelerator_budget'])}`"
     budget = problems.size("state_accelerator_budget", raw["state_accelerator_budget"])
     if not budget:
         return None
-    if raw["backend"] != "cpu":
-        problems.add(f"{shown} applies to `backend='cpu'` only, but `backend={raw['backend']!r}`. Drop it.")
+    if raw["backend"] not in TIER_BACKENDS:
+        problems.add(
+            f"{shown} applies to `backend='cpu'` or `'xrt'`, but `backend={raw['backend']!r}`: the remote servers "
+            "keep all the state. Drop it."
+        )
         return None
     if not torch.cuda.is_available():
         problems.add(

@@ -57,7 +57,14 @@ from lightning_smartinf.csd.pipeline import (
     Request,
     Shard,
 )
-from lightning_smartinf.csd.placement import Placement, RoundRobin, Tiered, check_assignment, measure_write_read
+from lightning_smartinf.csd.placement import (
+    Placement,
+    RoundRobin,
+    Tiered,
+    check_assignment,
+    measure_write_read,
+    memory_share,
+)
 from lightning_smartinf.csd.rules import StepParams
 from lightning_smartinf.csd.storage import StorageError, check_free_space, ensure_private_dir
 from lightning_smartinf.csd.traffic import Traffic
@@ -615,6 +622,7 @@ class StreamingBackend(Backend):
         accelerator_bytes: bytes of shard state the accelerator tier may hold in accelerator memory (``0``: none).
             Its device comes last (:meth:`make_accelerator_device`); like memory, it takes no tentative updates.
         device_weights: relative speed of each storage device (``None``: equal, or measured, see ``placement``).
+        accelerator_device: the torch device of the accelerator tier (``"cuda"``: the current GPU).
 
     The constructor claims the directories, then builds device ``i`` with :meth:`make_device` for each, in order.
     Device errors are final: the first one reported to the host (an I/O error, or a device that stopped answering)
@@ -627,6 +635,10 @@ class StreamingBackend(Backend):
     prefetch_state = True
     #: Seconds without progress before waiting on a device fails (set by the constructor; ``None``: forever).
     device_timeout_s: float | None = 300.0
+    #: Whether the storage devices update with compute of their own (SmartSSD FPGAs), beside the host cores that
+    #: update the memory tier. Then memory takes the share that finishes with them (re-planned from their measured
+    #: rates), not its whole budget: emulated devices run on those same host cores, so for them memory never loses.
+    storage_computes = False
     _failure: StorageError | None = None
 
     def __init__(
@@ -643,6 +655,7 @@ class StreamingBackend(Backend):
         memory_bytes: int = 0,
         device_weights: Sequence[float] | None = None,
         accelerator_bytes: int = 0,
+        accelerator_device: torch.device | str = "cuda",
     ) -> None:
         super().__init__()
         if not device_dirs:
@@ -660,6 +673,7 @@ class StreamingBackend(Backend):
         self.memory_bytes = memory_bytes
         #: Bytes of shard state the accelerator tier may hold (``0``: no accelerator tier).
         self.accelerator_bytes = accelerator_bytes
+        self._accelerator_device = torch.device(accelerator_device)
         if device_weights is not None and len(device_weights) != len(device_dirs):
             raise ValueError(
                 f"`device_weights` has {len(device_weights)} weight(s) for {len(device_dirs)} storage device(s); give "
@@ -668,7 +682,10 @@ class StreamingBackend(Backend):
         self.device_weights = None if device_weights is None else tuple(device_weights)
         # Weights this backend measured for its placement (re-planned by `replan`), and its rate counters then.
         self._measured_weights: tuple[float, ...] | None = None
-        self._rate_marks: list[tuple[float, int]] = []
+        self._rate_marks: dict[int, tuple[float, int]] = {}
+        # Each device's last measured update rate (state bytes per second), and the memory tier's share now.
+        self._rates: dict[int, float] = {}
+        self._memory_share = memory_bytes
         #: The device index of each shard, fixed by :meth:`open` (changed by :meth:`relocate`).
         self.assignment: tuple[int, ...] = ()
         self._owned_dirs = [Path(d) for d in owned_dirs]
@@ -702,14 +719,24 @@ class StreamingBackend(Backend):
         """
 
     def make_memory_device(self, index: int) -> StreamingDevice:
-        """The memory tier's device (see :mod:`lightning_smartinf.csd.memory`); built when ``memory_bytes > 0``."""
-        raise ValueError(f"`{type(self).__name__}` keeps no shard state in host memory: pass `memory_bytes=0`.")
+        """The memory tier's device (:mod:`lightning_smartinf.csd.memory`), built when ``memory_bytes > 0``: state in
+        host RAM, updated on a host core with the rule's own code, whatever the storage devices are."""
+        from lightning_smartinf.csd.memory import MemoryDevice  # (memory builds on the emulated device)
+
+        # Memory copies need no deep pool: one buffer updating, one read ahead, one written back.
+        return MemoryDevice(index, self.traffic, chunk_elems=self.chunk_elems, buffer_count=min(self.buffer_count, 4))
 
     def make_accelerator_device(self, index: int) -> StreamingDevice:
-        """The accelerator tier's device (:mod:`lightning_smartinf.csd.accelerator_memory`); built when
-        ``accelerator_bytes > 0``."""
-        raise ValueError(
-            f"`{type(self).__name__}` keeps no shard state in accelerator memory: pass `accelerator_bytes=0`."
+        """The accelerator tier's device (:mod:`lightning_smartinf.csd.accelerator_memory`), built when
+        ``accelerator_bytes > 0``: state in accelerator memory, updated there with the rule's own torch code."""
+        from lightning_smartinf.csd.accelerator_memory import AcceleratorDevice  # (builds on the emulated device)
+
+        return AcceleratorDevice(
+            index,
+            self.traffic,
+            chunk_elems=self.chunk_elems,
+            buffer_count=min(self.buffer_count, 4),
+            device=self._accelerator_device,
         )
 
     @property
@@ -840,7 +867,7 @@ class StreamingBackend(Backend):
                 f"`ShardSpec.index` values must be 0..{len(shards) - 1} in order, got {[s.index for s in shards]}."
             )
         layouts = [ChunkLayout(s.numel, self._chunk_elems, len(s.rule.state_names)) for s in shards]
-        placement = self.placement or self._default_placement()
+        placement = self.placement or self._default_placement(layouts)
         self.assignment = check_assignment(placement, shards, self.num_devices)
         self._check_memory(repr(placement), layouts, self.assignment)
         for device in self.devices:
@@ -882,13 +909,14 @@ class StreamingBackend(Backend):
             if (exc := self._settle(dropped, device, "dropping the state read ahead")) is not None:
                 raise exc
 
-    def _default_placement(self) -> Placement:
+    def _default_placement(self, layouts: Sequence[ChunkLayout]) -> Placement:
         """:class:`Tiered` over the storage devices by their weights (given, or measured when the paths are on different
         filesystems: paths on one filesystem share its disk, so they are equal), with the memory tier filled up to its
         budget; round-robin when there is nothing to weigh.
 
         Filling the budget is the fastest split for emulated devices: they run the same update on the same host
-        cores plus their storage I/O, so the memory tier is never the slower one.
+        cores plus their storage I/O, so the memory tier is never the slower one. Storage devices that compute
+        (:attr:`storage_computes`) start with memory counted as one more of them, until :meth:`replan` measures it.
         """
         storage = [d for d in self.devices if not d.in_memory]
         weights = self.device_weights
@@ -897,7 +925,16 @@ class StreamingBackend(Backend):
             log.info("SmartUpdate measured its storage paths: %s", ", ".join(f"{w / 1e9:.2f} GB/s" for w in weights))
         if weights is None and not self.memory_bytes and not self.accelerator_bytes:
             return RoundRobin()
-        return Tiered(weights or (1.0,) * len(storage), self.memory_bytes, self._chunk_elems, self.accelerator_bytes)
+        if self.memory_bytes and self.storage_computes:
+            state = max(0, sum(lay.file_bytes for lay in layouts) - self.accelerator_bytes)  # (it fills first)
+            self._memory_share = int(memory_share(self.memory_bytes, state, 1.0, len(storage)))
+        return self._tiered(weights or (1.0,) * len(storage))
+
+    def _tiered(self, weights: tuple[float, ...]) -> Tiered:
+        """:class:`Tiered` by ``weights``, with the memory tier's share now (at least 1 B while the tier exists:
+        its device stays in the placement, holding what fits), keeping shards where they are on ties."""
+        memory = max(1, self._memory_share) if self.memory_bytes else 0
+        return Tiered(weights, memory, self._chunk_elems, self.accelerator_bytes, keep=self.assignment)
 
     def _log_shares(self, layouts: list[ChunkLayout]) -> None:
         total = sum(lay.file_bytes for lay in layouts) or 1
@@ -914,37 +951,74 @@ class StreamingBackend(Backend):
             )
 
     def replan(self) -> list[int]:
-        """Re-place the shards when the storage devices' update rates, measured since the last call, drifted from the
-        weights of the current placement by more than :data:`REPLAN_DRIFT` share points; returns the
-        shards moved (see :meth:`relocate`: between steps only).
+        """Re-place the shards from the update rates the devices showed since the last call; returns the shards moved
+        (see :meth:`relocate`: between steps only).
 
-        Only placements this backend chose from speeds it measured (paths on different filesystems) are re-decided:
-        given weights stay, and paths on one filesystem share its disk. A device that updated nothing gives no rate,
-        so there is nothing to compare yet.
+        Two shares are re-decided, each only when it drifted by more than :data:`REPLAN_DRIFT` share points:
+
+        - the storage paths' weights, when this backend chose them from speeds it measured (paths on different
+          filesystems): given weights stay, and paths on one filesystem share its disk;
+        - the memory tier's share, when the storage devices compute (:attr:`storage_computes`): the part of the
+          state that memory updates in the time the devices take for the rest, at most its budget.
+
+        A device that has never updated gives no rate, so there is nothing to compare yet.
         """
+        if self._failure is not None or not self._shards:
+            return []
         storage = [d for d in self.devices if not d.in_memory]
-        if self._measured_weights is None or self._failure is not None or not self._shards:
+        # The memory tier's device, when its share is re-decided.
+        memory = [d for d in self.devices if d.tier == "memory" and self.storage_computes]
+        if self._measured_weights is None and not memory:
             return []
-        window = [(d.stats.update_s, d.stats.update_bytes) for d in storage]
-        since = self._rate_marks or [(0.0, 0)] * len(storage)
-        self._rate_marks = window
-        spans = [(s1 - s0, b1 - b0) for (s1, b1), (s0, b0) in zip(window, since)]
-        if any(seconds <= 0 or nbytes <= 0 for seconds, nbytes in spans):
+        rates = self._measure_rates()
+        if any(d.index not in rates for d in storage + memory):
             return []
-        rates = [nbytes / seconds for seconds, nbytes in spans]
-        old, new = (_shares(w) for w in (self._measured_weights, rates))
-        if max(abs(n - o) for n, o in zip(new, old)) <= REPLAN_DRIFT:
+        weights = self._measured_weights or self.device_weights or (1.0,) * len(storage)
+        measured = tuple(rates[d.index] for d in storage) if self._measured_weights is not None else weights
+        old, new = _shares(weights), _shares(measured)
+        moves_storage = max(abs(n - o) for n, o in zip(new, old)) > REPLAN_DRIFT
+        share, state = self._memory_share, self._state_beside_accelerator()
+        if memory:
+            storage_rate = sum(rates[d.index] for d in storage)
+            share = int(memory_share(self.memory_bytes, state, rates[memory[0].index], storage_rate))
+        moves_memory = abs(share - self._memory_share) > REPLAN_DRIFT * max(state, 1)
+        if not (moves_storage or moves_memory):
             return []
-        self._measured_weights = tuple(rates)
-        placement = Tiered(tuple(rates), self.memory_bytes, self._chunk_elems, self.accelerator_bytes)
-        moved = self.relocate(check_assignment(placement, [s.spec for s in self._shards], self.num_devices))
+        if self._measured_weights is not None:
+            self._measured_weights = measured
+        self._memory_share = share
+        specs = [s.spec for s in self._shards]
+        moved = self.relocate(check_assignment(self._tiered(measured), specs, self.num_devices))
+        shown = [f"{rates[d.index] / 1e9:.2f} GB/s ({d.tier} {d.index})" for d in self.devices if d.index in rates]
         log.info(
-            "SmartUpdate re-placed %d shard(s): the storage paths now update at %s (shares were %s)",
+            "SmartUpdate re-placed %d shard(s): the devices now update at %s (storage shares were %s)",
             len(moved),
-            ", ".join(f"{r / 1e9:.2f} GB/s" for r in rates),
+            ", ".join(shown),
             ", ".join(f"{o:.0%}" for o in old),
         )
+        self._log_shares([s.layout for s in self._shards])
         return moved
+
+    @property
+    def update_rates(self) -> dict[int, float]:
+        """Each device's update rate as :meth:`replan` last measured it: state bytes read and written per second of its
+        worker's update time, by device index (empty before the first measure)."""
+        return dict(self._rates)
+
+    def _measure_rates(self) -> dict[int, float]:
+        """Each device's update rate since the last call (state bytes read and written per second of its worker's
+        update time); a device that updated nothing since keeps the rate it last showed."""
+        for device in self.devices:
+            mark = (device.stats.update_s, device.stats.update_bytes)
+            seconds, nbytes = (now - then for now, then in zip(mark, self._rate_marks.get(device.index, (0.0, 0))))
+            self._rate_marks[device.index] = mark
+            if seconds > 0 and nbytes > 0:
+                self._rates[device.index] = nbytes / seconds
+        return self._rates
+
+    def _state_beside_accelerator(self) -> int:
+        """Bytes of shard state outside the accelerator tier (which fills first): what memory and storage share."""
+        return sum(s.layout.file_bytes for s in self._shards if self.device_of(s.spec.index).tier != "accelerator")
 
     def relocate(self, assignment: Sequence[int]) -> list[int]:
         """Move shards between devices so that shard ``i`` lives on device ``assignment[i]``; returns those moved.

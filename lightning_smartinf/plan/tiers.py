@@ -15,26 +15,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_smartinf.csd.placement import memory_share
 from lightning_smartinf.plan.model import FP32_STATE_BYTES, GB, PlanError, Profile, Workload
 
 __all__ = ["TierPlacement", "memory_share", "place_state"]
-
-
-def memory_share(budget: float, state: float, memory_rate: float, storage_rate: float) -> float:
-    """Bytes of ``state`` the memory tier holds when devices compute beside it: at most ``budget``, and no more than
-    lets it finish with them. Memory holding ``x`` finishes in ``x / memory_rate``, the devices the rest in
-    ``(state - x) / storage_rate`` (state bytes per second), together at ``x = state * m / (m + s)``.
-
-    Example::
-
-        >>> memory_share(budget=6, state=10, memory_rate=9.0, storage_rate=1.0)  # memory is fast: fill the budget
-        6
-        >>> memory_share(budget=10, state=10, memory_rate=1.0, storage_rate=3.0)  # fast devices: memory takes 1/4
-        2.5
-    """
-    if budget <= 0 or state <= 0:
-        return 0
-    return min(budget, state * memory_rate / (memory_rate + storage_rate))
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,9 @@ def test_tiered_placement_fills_memory_in_index_order_then_weighs_the_disks() ->
     # Equal weights and equal shards: round-robin.
     equal = _specs((CHUNK,) * 6)
     assert Tiered((1.0, 1.0), 0, CHUNK).assign(equal, 2) == RoundRobin().assign(equal, 2)
+    # Re-placing: shards stay where they are on ties, and move only where the shares need it.
+    assert Tiered((1.0, 1.0), 0, CHUNK, keep=(1, 0, 1, 0, 1, 0)).assign(equal, 2) == [1, 0, 1, 0, 1, 0]
+    assert Tiered((1.0, 1.0), 0, CHUNK, keep=(0,) * 6).assign(equal, 2) == [0, 1, 0, 1, 0, 1]
     # A 3x faster device takes 3 of every 4 equal shards.
     assert Tiered((3.0, 1.0), 0, CHUNK).assign(_specs((CHUNK,) * 8), 2).count(0) == 6
     with pytest.raises(ValueError, match="2 storage device\\(s\\) and host memory, but the backend has 2 devices"):

@@ -367,7 +367,8 @@ class XrtDevice(StreamingDevice):
 
 
 class XrtBackend(StreamingBackend):
-    """Samsung SmartSSDs (or the software model of pyxrt), one per directory in ``device_dirs``.
+    """Samsung SmartSSDs (or the software model of pyxrt), one per directory in ``device_dirs``, optionally beside
+    the memory and accelerator tiers.
 
     Args:
         device_dirs: one directory per SmartSSD, on that SmartSSD's SSD; state files are created inside.
@@ -382,12 +383,20 @@ class XrtBackend(StreamingBackend):
         device_timeout_s: seconds a SmartSSD may show no progress while the host waits for it before a
             :class:`~lightning_smartinf.csd.storage.StorageError` stops the backend; ``None`` waits forever (see
             :class:`~lightning_smartinf.csd.cpu.CpuBackend`).
+        memory_bytes: bytes of shard state host cores may update in RAM beside the SmartSSDs (the memory tier). It
+            takes the share that finishes with them: counted as one more SmartSSD at first, then re-planned from the
+            rates measured (:meth:`~StreamingBackend.replan`).
+        device_weights: relative update throughput of each SmartSSD (``None``: equal).
+        accelerator_bytes: bytes of shard state updated in ``accelerator_device``'s memory (the accelerator tier).
+        accelerator_device: the torch device of the accelerator tier (``"cuda"``: the current GPU).
 
     Raises:
         ValueError: bad arguments (see :func:`check_xrt_settings`), or more directories than XRT devices.
         FileNotFoundError: ``xclbin`` does not exist.
         RuntimeError: ``pyxrt`` is missing, or a device cannot be opened or programmed.
     """
+
+    storage_computes = True  # the FPGAs update beside the host cores of the memory tier
 
     def __init__(
         self,
@@ -400,6 +409,10 @@ class XrtBackend(StreamingBackend):
         owned_dirs: Sequence[Path] = (),
         prefetch_state: bool = True,
         device_timeout_s: float | None = 300.0,
+        memory_bytes: int = 0,
+        device_weights: Sequence[float] | None = None,
+        accelerator_bytes: int = 0,
+        accelerator_device: torch.device | str = "cuda",
     ) -> None:
         self.xclbin_path = check_xrt_settings(xclbin, devices, [str(d) for d in device_dirs])
         self.pyxrt = load_pyxrt(self.xclbin_path)
@@ -416,6 +429,10 @@ class XrtBackend(StreamingBackend):
             owned_dirs=owned_dirs,
             prefetch_state=prefetch_state,
             device_timeout_s=device_timeout_s,
+            memory_bytes=memory_bytes,
+            device_weights=device_weights,
+            accelerator_bytes=accelerator_bytes,
+            accelerator_device=accelerator_device,
         )
 
     @cached_property
@@ -469,11 +486,6 @@ class XrtBackend(StreamingBackend):
             return list(range(len(device_dirs)))  # the model has no PCIe topology: pair in order
         bdfs = [str(self.pyxrt.device(i).get_info(self.pyxrt.xrt_info_device.bdf)) for i in range(available)]
         return list(pair_by_pcie(device_dirs, bdfs))
-
-    def device_of(self, shard: int) -> XrtDevice:
-        device = super().device_of(shard)
-        assert isinstance(device, XrtDevice)
-        return device
 
     def open(self, shards: Sequence[ShardSpec]) -> None:
         rules = {rule_kernel(s.rule) for s in shards}  # ValueError for amsgrad and other rules without a kernel
