@@ -961,17 +961,19 @@ class StreamingBackend(Backend):
         - the memory tier's share, when the storage devices compute (:attr:`storage_computes`): the part of the
           state that memory updates in the time the devices take for the rest, at most its budget.
 
-        A device that has never updated gives no rate, so there is nothing to compare yet.
+        A storage device that has never updated gives no rate, so there is nothing to compare yet; a memory tier that
+        has never updated (its share held no whole shard) keeps its share.
         """
         if self._failure is not None or not self._shards:
             return []
         storage = [d for d in self.devices if not d.in_memory]
-        # The memory tier's device, when its share is re-decided.
+        # The memory tier's device, when its share is re-decided (once it has a rate: it may hold nothing yet).
         memory = [d for d in self.devices if d.tier == "memory" and self.storage_computes]
         if self._measured_weights is None and not memory:
             return []
         rates = self._measure_rates()
-        if any(d.index not in rates for d in storage + memory):
+        memory = [d for d in memory if d.index in rates]
+        if any(d.index not in rates for d in storage) or (self._measured_weights is None and not memory):
             return []
         weights = self._measured_weights or self.device_weights or (1.0,) * len(storage)
         measured = tuple(rates[d.index] for d in storage) if self._measured_weights is not None else weights
