@@ -59,8 +59,8 @@ def kept_ratio(step: int, target: float) -> float | None:
     return stages[stage] if stage < len(stages) else target
 
 
-def batches(dataset: Dataset, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    loader = DataLoader(dataset, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(seed))
+def batches(dataset: Dataset, seed: int, batch_size: int = 16) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed))
     while True:
         yield from loader
 
@@ -86,7 +86,20 @@ def block_square(grad: torch.Tensor, block: int) -> torch.Tensor:
     return means.view_as(grad)
 
 
-def train(model: nn.Module, dataset: Dataset, steps: int, variant: str, max_lr: float, ratio: float) -> None:
+def train(
+    model: nn.Module,
+    dataset: Dataset,
+    steps: int,
+    variant: str,
+    max_lr: float,
+    ratio: float,
+    *,
+    schedule: str = "onecycle",
+    clip: float | None = None,
+    batch_size: int = 16,
+    every: int = 0,
+    evaluate=None,
+) -> None:
     first, *rest = variant.split("+")
     base, *mods = ALIASES.get(first, first).split("+") + rest
     options = dict(m.split("=") if "=" in m else (m, "") for m in mods)
@@ -97,16 +110,25 @@ def train(model: nn.Module, dataset: Dataset, steps: int, variant: str, max_lr: 
     opt = (
         torch.optim.SGD(params, lr=max_lr, momentum=0.9, nesterov=True) if sgd else torch.optim.AdamW(params, lr=max_lr)
     )
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=steps)
+    if schedule == "cosine":  # bench_compression's GPT-2 task: 10 warm-up steps, cosine to 10%
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda t: (t + 1) / 10 if t < 10 else 0.1 + 0.45 * (1 + math.cos(math.pi * (t - 10) / (steps - 10)))
+        )
+    else:
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=steps)
     state = {id(p): {k: torch.zeros_like(p) for k in ("m", "v", "residual", "age", "v_host")} for p in params}
     window: dict[int, list[torch.Tensor]] = {id(p): [] for p in params}
     frozen_at: int | None = None
-    data = batches(dataset, seed=0)
+    data = batches(dataset, seed=0, batch_size=batch_size)
     for step in range(1, steps + 1):
+        if every and evaluate is not None and step > 1 and (step - 1) % every == 0:
+            print(f"  {variant} step {step - 1}: val loss {evaluate(model):.4f}", flush=True)
         tokens, targets = next(data)
         loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
         model.zero_grad(set_to_none=True)
         loss.backward()
+        if clip is not None:
+            nn.utils.clip_grad_norm_(params, clip)
         group = opt.param_groups[0]
         lr = group["lr"]
         beta1, beta2 = group.get("betas", (0.9, 0.999))
@@ -133,6 +155,8 @@ def train(model: nn.Module, dataset: Dataset, steps: int, variant: str, max_lr: 
                     s["age"].zero_()
                 else:
                     flat = s["residual"].view(-1)
+                    if "decay" in options:  # the residual forgets what waits: stale gradient mass fades
+                        flat.mul_(float(options["decay"]))
                     flat.add_(grad.view(-1))
                     score = flat.abs()
                     if "vsel" in options or "fsel" in options:
@@ -238,12 +262,12 @@ def python_tokens(root: Path, megabytes: float) -> tuple[torch.Tensor, int]:
     return torch.tensor(tokenizer(text)["input_ids"]), len(tokenizer)
 
 
-def validation_loss(model: nn.Module, dataset: Dataset) -> float:
+def validation_loss(model: nn.Module, dataset: Dataset, batches: int = 16) -> float:
     model.eval()
     losses = []
     with torch.no_grad():
         for i, (tokens, targets) in enumerate(DataLoader(dataset, batch_size=32)):
-            if i == 16:
+            if i == batches:
                 break
             losses.append(nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).item())
     model.train()
@@ -259,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--finetune", type=int, default=0, help="fine-tuning steps on Python source (0: off)")
     parser.add_argument("--finetune-lr", type=float, default=1e-3)
     parser.add_argument("--task", choices=["char", "gpt2"], default="char", help="gpt2: 12.3M GPT-2 on Python source")
+    parser.add_argument("--real", action="store_true", help="gpt2: bench_compression's data, schedule and clipping")
+    parser.add_argument("--val-every", type=int, default=0, help="print the validation loss every N steps (gpt2)")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     if args.task == "gpt2":
@@ -300,20 +326,35 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def explore_gpt2(args: argparse.Namespace) -> int:
-    """The variants on bench_compression's GPT-2 task (peak LR 1e-3, batch 16 x 64 tokens, 90% / 10% held out)."""
+    """The variants on bench_compression's GPT-2 task (peak LR 1e-3, batch 16 x 64 tokens, 90% / 10% held out;
+    with ``--real``: as bench_compression runs it, batch 8 x 128 tokens of 4 MB, 5% held out, 10 warm-up steps and
+    cosine to 10%, clipping at 1.0, validation on 32 batches)."""
     import tempfile
 
+    real = args.real
     with tempfile.TemporaryDirectory() as root:
-        ids, vocab = python_tokens(Path(root), 2.0)
-    dataset = TokenWindows(ids, 64)
-    split = int(len(dataset) * 0.9)
+        ids, vocab = python_tokens(Path(root), 4.0 if real else 2.0)
+    dataset = TokenWindows(ids, 128 if real else 64)
+    split = int(len(dataset) * (0.95 if real else 0.9))
     train_set, val_set = Subset(dataset, range(split)), Subset(dataset, range(split, len(dataset)))
     start, results = time.perf_counter(), {}
     for variant in args.variants.split(","):
         torch.manual_seed(0)
         model = GPT2Logits(vocab)
-        train(model, train_set, args.steps, variant, 1e-3, args.ratio)
-        results[variant] = validation_loss(model, val_set)
+        train(
+            model,
+            train_set,
+            args.steps,
+            variant,
+            1e-3,
+            args.ratio,
+            schedule="cosine" if real else "onecycle",
+            clip=1.0 if real else None,
+            batch_size=8 if real else 16,
+            every=args.val_every,
+            evaluate=lambda m: validation_loss(m, val_set, 32 if real else 16),
+        )
+        results[variant] = validation_loss(model, val_set, 32 if real else 16)
         print(f"{variant:10s} val loss {results[variant]:.4f}  ({time.perf_counter() - start:.0f} s)", flush=True)
     for variant, loss in results.items():
         if variant != "dense" and "dense" in results:
