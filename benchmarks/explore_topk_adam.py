@@ -99,6 +99,7 @@ def train(
     batch_size: int = 16,
     every: int = 0,
     evaluate=None,
+    stop: int | None = None,
 ) -> None:
     first, *rest = variant.split("+")
     base, *mods = ALIASES.get(first, first).split("+") + rest
@@ -120,15 +121,20 @@ def train(
     window: dict[int, list[torch.Tensor]] = {id(p): [] for p in params}
     frozen_at: int | None = None
     data = batches(dataset, seed=0, batch_size=batch_size)
-    for step in range(1, steps + 1):
+    for step in range(1, (stop or steps) + 1):
         if every and evaluate is not None and step > 1 and (step - 1) % every == 0:
             print(f"  {variant} step {step - 1}: val loss {evaluate(model):.4f}", flush=True)
         tokens, targets = next(data)
         loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
         model.zero_grad(set_to_none=True)
         loss.backward()
+        coef = 1.0  # `lateclip`: the step's clip factor, applied to what is delivered (as the product did)
         if clip is not None:
-            nn.utils.clip_grad_norm_(params, clip)
+            if "lateclip" in options:
+                norm = torch.linalg.vector_norm(torch.stack([q.grad.norm() for q in params]))
+                coef = min(1.0, clip / (float(norm) + 1e-6))
+            else:
+                nn.utils.clip_grad_norm_(params, clip)
         group = opt.param_groups[0]
         lr = group["lr"]
         beta1, beta2 = group.get("betas", (0.9, 0.999))
@@ -150,9 +156,18 @@ def train(
                     s["v_host"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 small = "dense_small" in options and p.numel() < int(options["dense_small"])
                 if keep is None or small:
-                    grad = grad + s["residual"]
+                    grad = (grad + s["residual"]) * coef
                     s["residual"].zero_()
                     s["age"].zero_()
+                elif "rank" in options and p.ndim == 2:  # PowerSGD: a rank-R approximation, warm-started
+                    residual = s["residual"].add_(grad)
+                    if "q" not in s:
+                        seed = torch.Generator().manual_seed(0)
+                        s["q"] = torch.randn(p.shape[1], int(options["rank"]), generator=seed)
+                    left = torch.linalg.qr(residual @ s["q"]).Q
+                    s["q"] = residual.T @ left
+                    grad = left @ s["q"].T
+                    residual.sub_(grad)
                 else:
                     flat = s["residual"].view(-1)
                     if "decay" in options:  # the residual forgets what waits: stale gradient mass fades
@@ -165,7 +180,7 @@ def train(
                     sent = torch.zeros_like(flat)
                     sent[idx] = flat[idx]
                     flat[idx] = 0
-                    grad = sent.view_as(p)
+                    grad = sent.view_as(p) * coef
                     age = s["age"].view(-1)
                     age.add_(1)
                     if "age" in options:
@@ -194,7 +209,7 @@ def train(
                     continue
                 s["m"].lerp_(grad, 1 - beta1)
                 if "adafactor" in options:  # Adafactor's factored moments: EMAs of the row and column sums
-                    g2 = p.grad.float().square()
+                    g2 = (p.grad.float() * coef).square()
                     if g2.ndim < 2:
                         s["v"].mul_(beta2).add_(g2, alpha=1 - beta2)
                         v_hat = s["v"]
@@ -285,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task", choices=["char", "gpt2"], default="char", help="gpt2: 12.3M GPT-2 on Python source")
     parser.add_argument("--real", action="store_true", help="gpt2: bench_compression's data, schedule and clipping")
     parser.add_argument("--val-every", type=int, default=0, help="print the validation loss every N steps (gpt2)")
+    parser.add_argument("--stop", type=int, default=None, help="gpt2: stop after N of the schedule's --steps")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     if args.task == "gpt2":
@@ -353,6 +369,7 @@ def explore_gpt2(args: argparse.Namespace) -> int:
             batch_size=8 if real else 16,
             every=args.val_every,
             evaluate=lambda m: validation_loss(m, val_set, 32 if real else 16),
+            stop=args.stop,
         )
         results[variant] = validation_loss(model, val_set, 32 if real else 16)
         print(f"{variant:10s} val loss {results[variant]:.4f}  ({time.perf_counter() - start:.0f} s)", flush=True)

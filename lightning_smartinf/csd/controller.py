@@ -304,8 +304,9 @@ class SmartUpdate:
             )
             self._hand_offs.handed_off(i, handle, hp)
 
-    def link_overflows(self) -> bool:
-        """Whether this step's gradient plus the error-feedback residual would not be finite on the link.
+    def link_overflows(self, clip_factor: float = 1.0) -> bool:
+        """Whether this step's gradient (times its ``clip_factor``) plus the error-feedback residual would not be
+        finite on the link.
 
         In fp16 an entry that error feedback accumulated beyond 65504 would cross as inf. The engine treats a ``True``
         like a gradient overflow: it skips the step (:meth:`skip_step`) and lowers its loss scale, and the residual,
@@ -316,7 +317,9 @@ class SmartUpdate:
             return False
         factor = self.partitions.loss_scale / self.residual_scale
         try:
-            return link_overflows(self.partitions.grad_buffer, self.residual, self.link_dtype, factor)
+            return link_overflows(
+                self.partitions.grad_buffer, self.residual, self.link_dtype, factor, grad_factor=clip_factor
+            )
         finally:
             self._release_residual()
 
@@ -329,8 +332,12 @@ class SmartUpdate:
         """Roll back hand-offs of a backward that no step followed (the parameters go back as they were)."""
         self.skip_step()
 
-    def step(self, grad_scale: float) -> None:
+    def step(self, grad_scale: float, clip_factor: float = 1.0) -> None:
         """Update every sub-group with its gradient times ``grad_scale`` (loss scale and clipping folded in).
+
+        ``clip_factor`` is the clipping part of ``grad_scale``. With error feedback it scales the gradient as it
+        joins the residual, so each step's gradient is clipped by its own norm, as dense clipping does: entries
+        held back for later steps are not scaled again by those steps' factors.
 
         Every sub-group is queued at once (devices take them in order); the host waits only for the parameters of
         each in turn. Gradients cross the link in the training dtype. The engine skips the step instead when
@@ -352,7 +359,7 @@ class SmartUpdate:
         if staged is not None:  # kept hand-offs hold staging buffers that the other sub-groups need
             for i in sorted(kept_early):
                 self._finish(i, kept_early[i])
-        submissions = self._submit_all(hps, ratio, kept_early, include_kept=staged is None)
+        submissions = self._submit_all(hps, ratio, kept_early, include_kept=staged is None, clip_factor=clip_factor)
         # Without staging every sub-group is queued at once; with it, at most `staged` are in flight.
         pending = deque(itertools.islice(submissions, staged or len(self.sub_groups)))
         while pending:
@@ -375,10 +382,17 @@ class SmartUpdate:
         self.partitions.params_changed(sub_group)
 
     def _submit_all(
-        self, hps: list[StepParams], ratio: float | None, kept_early: dict[int, Handle], *, include_kept: bool
+        self,
+        hps: list[StepParams],
+        ratio: float | None,
+        kept_early: dict[int, Handle],
+        *,
+        include_kept: bool,
+        clip_factor: float = 1.0,
     ) -> Iterator[tuple[int, Handle]]:
         """Submit every sub-group not kept from backward, in order, as the caller draws them; yields each with its
-        handle (the kept ones too where ``include_kept``). Counts what is sent in :attr:`last_kept`."""
+        handle (the kept ones too where ``include_kept``). Counts what is sent in :attr:`last_kept`. With a residual,
+        ``clip_factor`` scales the gradient as it joins it, and what is sent leaves with the loss scale alone."""
         compression = self.settings.compression
         ready = self.partitions.gradient_fence()
         kept = total = 0
@@ -401,15 +415,19 @@ class SmartUpdate:
                 kept += grad.numel()
             else:
                 assert compression is not None
+                residual = self._residual_slice(i)
                 grad = compress_topk(
                     grad,
                     ratio,
-                    self._residual_slice(i),
+                    residual,
                     # Normalised values are rounded to the link once, after the normalisation.
                     value_dtype=torch.float32 if normalised else self.link_dtype,
                     segments=self.sub_groups[i].segments if compression.layerwise else None,
                     check_range=False,  # the engine asked `link_overflows` for the whole buffer before this step
+                    grad_factor=clip_factor if residual is not None else 1.0,
                 )
+                if residual is not None:  # the residual is clipped already, step by step
+                    hp = replace(hp, grad_scale=hp.grad_scale / clip_factor)
                 self._release_residual(i)
                 grad = grad.cpu()  # only the kept pairs leave the accelerator, when the gradient is on one
                 kept += grad.k

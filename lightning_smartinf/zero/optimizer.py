@@ -369,6 +369,12 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             combined *= max(clip, 1.0)
         return combined
 
+    def _clip_factor(self, total_norm: Tensor) -> float:
+        """The clipping factor alone (1 without clipping): what scales this step's gradient and no other step's."""
+        if self.clip_grad <= 0.0:
+            return 1.0
+        return 1.0 / max(((float(total_norm) / self.loss_scale) + 1e-6) / self.clip_grad, 1.0)
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         self._pre_step()
@@ -378,14 +384,16 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if not self.overflow:
             total_norm = combine_grad_norm_groups(self._get_norm_groups())
             # Error feedback may have accumulated beyond the link dtype (fp16): an overflow like any other.
-            if is_invalid_grad_norm(total_norm) or self.smart_update.link_overflows():
+            if is_invalid_grad_norm(total_norm) or self.smart_update.link_overflows(self._clip_factor(total_norm)):
                 self.overflow = True
         if self._loss_scale_update_and_overflow_cleanup():
             # Skipped step: nothing was sent, or only tentative updates, now undone; device state is as it was.
             self.smart_update.skip_step()
             return
         self._global_grad_norm = total_norm / self.loss_scale
-        self.smart_update.step(grad_scale=1.0 / self._combined_scale(total_norm))
+        self.smart_update.step(
+            grad_scale=1.0 / self._combined_scale(total_norm), clip_factor=self._clip_factor(total_norm)
+        )
         # torch's LR schedulers warn unless the wrapped optimizer's own step ran; the devices ran it.
         self.optimizer._opt_called = True
         self._post_step(set())

@@ -189,3 +189,13 @@ def test_three_tiers_beside_smartssds_update_bitwise_like_them(tmp_path, xclbin,
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert all(torch.equal(a, b) for a, b in zip(_masters(tiered), _masters(reference)))
     assert tiered.traffic_snapshot().accelerator_write_bytes == (1 + 3) * 2 * _bytes(SIZES[0])
+
+
+def test_device_weights_share_out_the_smartssds(tmp_path, xclbin, backends) -> None:
+    """``device_weights`` reaches the SmartSSDs too (it was accepted and ignored before): 3:1 of 8 equal shards."""
+    backend = XrtBackend(
+        [tmp_path / "fast", tmp_path / "slow"], xclbin=xclbin, chunk_elems=CHUNK, buffer_count=2, device_weights=[3, 1]
+    )
+    backends.append(backend)
+    backend.open([ShardSpec(i, CHUNK, Adam()) for i in range(8)])
+    assert backend.assignment.count(0) == 6 and backend.assignment.count(1) == 2, backend.assignment
