@@ -116,9 +116,13 @@ def test_ratio_one_is_adamw_without_first_moment_bitwise(tmp_path, precision) ->
     assert min(max_relative_error(dense, initial).values()) > 1e-3  # training moved every parameter
 
 
-def _plain_reference(steps: int, ratio: float) -> dict[str, torch.Tensor]:
+def _plain_reference(
+    steps: int, ratio: float, clip: float | None = None, clip_when_sent: bool = False
+) -> dict[str, torch.Tensor]:
     """1% top-k per parameter with an fp32 error-feedback residual, then AdamW(betas=(0, beta2)): the codec and the
-    rule written out in plain PyTorch, on the data `fit` uses."""
+    rule written out in plain PyTorch, on the data `fit` uses. With ``clip``, each step's gradient is clipped by its
+    own global norm before it joins the residual (``clip_when_sent``: the earlier behaviour, where what is sent was
+    scaled by the clipping of the step that sent it)."""
     module = LMModule(adamw_no_first_moment)
     model: TinyGPT = module.model
     optimizer, scheduler = adamw_no_first_moment(model)
@@ -126,13 +130,17 @@ def _plain_reference(steps: int, ratio: float) -> dict[str, torch.Tensor]:
     for tokens, targets in token_loader(steps):
         loss = torch.nn.functional.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
         loss.backward()
+        factor = 1.0
+        if clip is not None:
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+            factor = min(1.0, clip / (float(norm) + 1e-6))
         for p in model.parameters():
-            acc = residual[p].view(-1).add_(p.grad.view(-1))
+            acc = residual[p].view(-1).add_(p.grad.view(-1) * (1.0 if clip_when_sent else factor))
             keep = torch.topk(acc.abs(), kept_count(acc.numel(), ratio)).indices
             sent = torch.zeros_like(acc)
             sent[keep] = acc[keep]
             acc[keep] = 0.0
-            p.grad = sent.view_as(p)
+            p.grad = (sent * (factor if clip_when_sent else 1.0)).view_as(p)
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
@@ -148,6 +156,19 @@ def test_one_percent_matches_plain_pytorch_top_k_and_adamw_without_first_moment(
     initial = {f"model.{n}": p.detach().clone() for n, p in LMModule(adamw).model.named_parameters()}
     moved = max_relative_error(reference, initial)
     assert min(moved.values()) > 1e-4, moved  # every parameter trained, far beyond the tolerance
+
+
+def test_with_clipping_each_step_is_clipped_by_its_own_norm(tmp_path) -> None:
+    """Clipping with error feedback matches plain PyTorch that clips each step's gradient before it joins the
+    residual, as dense clipping does; not what was sent before, an entry held back for many steps scaled by the
+    clipping of the step that sent it. At 0.05 every step clips, each by a different factor."""
+    reference = _plain_reference(STEPS, 0.01, clip=0.05)
+    trainer, ours = fit(LMModule(adamw), _strategy(tmp_path, compression=EF_ADAM), steps=STEPS, clip=0.05)
+    assert trainer.strategy.smart_update.residual is not None
+    errors = max_relative_error(ours, reference)
+    assert max(errors.values()) < 1e-5, errors
+    when_sent = max_relative_error(ours, _plain_reference(STEPS, 0.01, clip=0.05, clip_when_sent=True))
+    assert max(when_sent.values()) > 1e-3, when_sent  # the two differ far beyond the tolerance
 
 
 def test_device_state_and_traffic_are_two_thirds_of_adams(tmp_path) -> None:

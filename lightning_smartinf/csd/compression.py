@@ -250,7 +250,7 @@ def compress_topk(
     segments: Sequence[int] | None = None,
     *,
     check_range: bool = True,
-    grad_factor: float = 1.0,
+    residual_factor: float = 1.0,
 ) -> SparseGrad:
     """Keep the ``kept_count(grad.numel(), ratio)`` largest-magnitude entries of a flat gradient.
 
@@ -258,12 +258,13 @@ def compress_topk(
     segment keeps its own ``kept_count(length, ratio)`` entries, so a layer with small gradients is not starved
     by one with large ones (layer-wise selection, as in Deep Gradient Compression).
 
-    With ``residual`` (error feedback), ``residual += grad * grad_factor`` is compressed instead and afterwards
-    holds exactly what was not delivered: the dropped entries, and at the kept positions what rounding the values
-    to ``value_dtype`` lost (zero when no rounding happens). So ``sent + residual == old residual + grad *
-    grad_factor`` up to the residual's own precision, which is why it should be fp32 even when gradients are bf16.
-    ``grad_factor`` is the step's own scale that must not reach later steps' gradients (its clipping factor).
-    ``grad`` is never modified. Values are returned in ``value_dtype`` (default: the gradient's dtype).
+    With ``residual`` (error feedback), ``residual = residual * residual_factor + grad`` is compressed instead and
+    afterwards holds exactly what was not delivered: the dropped entries, and at the kept positions what rounding the
+    values to ``value_dtype`` lost (zero when no rounding happens). So ``sent + residual == old residual *
+    residual_factor + grad`` up to the residual's own precision, which is why it should be fp32 even when gradients
+    are bf16. ``residual_factor`` brings the residual into the units of this step's gradient (its loss scale and
+    clipping changed). ``grad`` is never modified. Values are returned in ``value_dtype`` (default: the gradient's
+    dtype).
 
     Raises:
         LinkOverflowError: with a residual, an accumulated entry would not be finite in a ``value_dtype`` of
@@ -276,13 +277,16 @@ def compress_topk(
     source = grad
     if residual is not None:
         narrow = value_dtype is not None and has_narrower_range(value_dtype, residual.dtype)
-        if check_range and narrow and link_overflows(grad, residual, value_dtype, grad_factor=grad_factor):
+        if check_range and narrow and link_overflows(grad, residual, value_dtype, residual_factor):
             raise LinkOverflowError(
                 f"Gradient plus error-feedback residual exceeds the range of {value_dtype} "
                 f"({torch.finfo(value_dtype).max:g}); nothing was compressed and the residual is unchanged. Skip the "
                 "step and lower the loss scale."
             )
-        source = residual.add_(grad, alpha=grad_factor)
+        if residual_factor == 1.0:
+            source = residual.add_(grad)
+        else:
+            source = torch.add(grad, residual, alpha=residual_factor, out=residual)
     magnitude = source.abs()
     if segments is None:
         positions = topk_indices(magnitude, kept_count(source.numel(), ratio))
@@ -314,16 +318,9 @@ def has_narrower_range(value_dtype: torch.dtype, accumulator_dtype: torch.dtype)
 
 
 def link_overflows(
-    grad: Tensor,
-    residual: Tensor,
-    value_dtype: torch.dtype,
-    residual_factor: float = 1.0,
-    block: int = 1 << 20,
-    *,
-    grad_factor: float = 1.0,
+    grad: Tensor, residual: Tensor, value_dtype: torch.dtype, residual_factor: float = 1.0, block: int = 1 << 20
 ) -> bool:
-    """Whether ``residual * residual_factor + grad * grad_factor`` holds an entry that is not finite once cast to
-    ``value_dtype``.
+    """Whether ``residual * residual_factor + grad`` holds an entry that is not finite once cast to ``value_dtype``.
 
     Error feedback sends an entry's accumulated gradient in one step; in fp16 a sum beyond 65504 would cross the link
     as inf and leave ``-inf`` in the residual for good. Works through ``block`` elements at a time (no copy of the
@@ -332,7 +329,7 @@ def link_overflows(
     if residual.shape != grad.shape:
         raise ValueError(f"`residual` has shape {tuple(residual.shape)}, the gradient {tuple(grad.shape)}.")
     for start in range(0, grad.numel(), block):
-        accumulated = residual[start : start + block] * residual_factor + grad[start : start + block] * grad_factor
+        accumulated = residual[start : start + block] * residual_factor + grad[start : start + block]
         if not torch.isfinite(accumulated.to(value_dtype)).all():
             return True
     return False

@@ -180,6 +180,7 @@ class SmartUpdate:
         #: Gradient entries sent and in total in the last step (equal when it was dense).
         self.last_kept: tuple[int, int] = (0, 0)
         self._residual_buffer: HostBuffer | None = None
+        #: The units of the residual: the scale (loss scale times clipping) of the step that last added to it.
         self.residual_scale = 1.0
         #: Sub-groups handed off during backward and kept by the step, and those rolled back (cumulative).
         self.early_kept = 0
@@ -305,8 +306,8 @@ class SmartUpdate:
             self._hand_offs.handed_off(i, handle, hp)
 
     def link_overflows(self, clip_factor: float = 1.0) -> bool:
-        """Whether this step's gradient (times its ``clip_factor``) plus the error-feedback residual would not be
-        finite on the link.
+        """Whether this step's gradient plus the error-feedback residual, in the units of this step (its loss scale,
+        and ``clip_factor``, the clipping it will have), would not be finite on the link.
 
         In fp16 an entry that error feedback accumulated beyond 65504 would cross as inf. The engine treats a ``True``
         like a gradient overflow: it skips the step (:meth:`skip_step`) and lowers its loss scale, and the residual,
@@ -315,11 +316,9 @@ class SmartUpdate:
         """
         if self.residual is None or not has_narrower_range(self.link_dtype, self.residual.dtype):
             return False
-        factor = self.partitions.loss_scale / self.residual_scale
+        factor = self.partitions.loss_scale / clip_factor / self.residual_scale
         try:
-            return link_overflows(
-                self.partitions.grad_buffer, self.residual, self.link_dtype, factor, grad_factor=clip_factor
-            )
+            return link_overflows(self.partitions.grad_buffer, self.residual, self.link_dtype, factor)
         finally:
             self._release_residual()
 
@@ -332,12 +331,12 @@ class SmartUpdate:
         """Roll back hand-offs of a backward that no step followed (the parameters go back as they were)."""
         self.skip_step()
 
-    def step(self, grad_scale: float, clip_factor: float = 1.0) -> None:
+    def step(self, grad_scale: float) -> None:
         """Update every sub-group with its gradient times ``grad_scale`` (loss scale and clipping folded in).
 
-        ``clip_factor`` is the clipping part of ``grad_scale``. With error feedback it scales the gradient as it
-        joins the residual, so each step's gradient is clipped by its own norm, as dense clipping does: entries
-        held back for later steps are not scaled again by those steps' factors.
+        With error feedback the residual is held in the units of the step's gradient (:attr:`residual_scale`, one
+        over ``grad_scale``), so each step's gradient is clipped by its own norm, as dense clipping does: what a
+        step holds back is not scaled again by the clipping of the step that sends it.
 
         Every sub-group is queued at once (devices take them in order); the host waits only for the parameters of
         each in turn. Gradients cross the link in the training dtype. The engine skips the step instead when
@@ -347,7 +346,7 @@ class SmartUpdate:
         for group in {s.param_group for s in self.sub_groups}:
             self.group_steps[group] = self.group_steps.get(group, 0) + 1
         self.backend.check_storage()
-        ratio = self._step_ratio()
+        ratio, residual_factor = self._step_ratio(grad_scale)
         hps = [self.step_params(i, self.group_steps[s.param_group], grad_scale) for i, s in enumerate(self.sub_groups)]
         # A tentative update stands only if it is exactly the update this step would submit.
         kept_early = {
@@ -359,7 +358,9 @@ class SmartUpdate:
         if staged is not None:  # kept hand-offs hold staging buffers that the other sub-groups need
             for i in sorted(kept_early):
                 self._finish(i, kept_early[i])
-        submissions = self._submit_all(hps, ratio, kept_early, include_kept=staged is None, clip_factor=clip_factor)
+        submissions = self._submit_all(
+            hps, ratio, kept_early, include_kept=staged is None, residual_factor=residual_factor
+        )
         # Without staging every sub-group is queued at once; with it, at most `staged` are in flight.
         pending = deque(itertools.islice(submissions, staged or len(self.sub_groups)))
         while pending:
@@ -388,11 +389,11 @@ class SmartUpdate:
         kept_early: dict[int, Handle],
         *,
         include_kept: bool,
-        clip_factor: float = 1.0,
+        residual_factor: float = 1.0,
     ) -> Iterator[tuple[int, Handle]]:
         """Submit every sub-group not kept from backward, in order, as the caller draws them; yields each with its
-        handle (the kept ones too where ``include_kept``). Counts what is sent in :attr:`last_kept`. With a residual,
-        ``clip_factor`` scales the gradient as it joins it, and what is sent leaves with the loss scale alone."""
+        handle (the kept ones too where ``include_kept``). Counts what is sent in :attr:`last_kept`. The residual
+        is brought into this step's units by ``residual_factor`` as each sub-group's gradient joins it."""
         compression = self.settings.compression
         ready = self.partitions.gradient_fence()
         kept = total = 0
@@ -415,19 +416,16 @@ class SmartUpdate:
                 kept += grad.numel()
             else:
                 assert compression is not None
-                residual = self._residual_slice(i)
                 grad = compress_topk(
                     grad,
                     ratio,
-                    residual,
+                    self._residual_slice(i),
                     # Normalised values are rounded to the link once, after the normalisation.
                     value_dtype=torch.float32 if normalised else self.link_dtype,
                     segments=self.sub_groups[i].segments if compression.layerwise else None,
                     check_range=False,  # the engine asked `link_overflows` for the whole buffer before this step
-                    grad_factor=clip_factor if residual is not None else 1.0,
+                    residual_factor=residual_factor,
                 )
-                if residual is not None:  # the residual is clipped already, step by step
-                    hp = replace(hp, grad_scale=hp.grad_scale / clip_factor)
                 self._release_residual(i)
                 grad = grad.cpu()  # only the kept pairs leave the accelerator, when the gradient is on one
                 kept += grad.k
@@ -441,28 +439,27 @@ class SmartUpdate:
             )
         self.last_kept = (kept, total)
 
-    def _step_ratio(self) -> float | None:
-        """The kept ratio for this step (``None``: dense); prepares the residual for it."""
+    def _step_ratio(self, grad_scale: float) -> tuple[float | None, float]:
+        """The kept ratio for this step (``None``: dense), and the factor that brings the residual into the units of
+        this step's gradient (one over ``grad_scale``: loss scale times clipping), applied as each sub-group's
+        gradient joins it. Every sub-group is compressed while there is a residual, so none is left behind."""
         compression = self.settings.compression
         if compression is None:
-            return None
+            return None, 1.0
         ratio = self.kept_ratio
         if not compression.error_feedback:
-            return ratio
-        loss_scale = self.partitions.loss_scale
+            return ratio, 1.0
+        scale = 1.0 / grad_scale
         if self.residual is None:
             if ratio is None:
-                return None
+                return None, 1.0
             # fp32 even for bf16 gradients: it sums up to ~1/ratio steps of small gradients, which bf16 would lose.
             self._new_residual()
-            self.residual_scale = loss_scale
-        elif loss_scale != self.residual_scale:
-            # The residual holds loss-scaled gradients; keep it in the units of this step's gradients.
-            self.residual.mul_(loss_scale / self.residual_scale)
-            self._release_residual()
-            self.residual_scale = loss_scale
+            self.residual_scale = scale
+            return ratio, 1.0
+        factor, self.residual_scale = scale / self.residual_scale, scale
         # A dense step with a residual left over sends everything, so the residual is flushed, not lost.
-        return 1.0 if ratio is None else ratio
+        return (1.0 if ratio is None else ratio), factor
 
     def _roll_back(self, shards: list[int], *, restore_params: bool) -> None:
         """Discard tentative updates; ``restore_params`` puts the committed parameters back in the partitions."""

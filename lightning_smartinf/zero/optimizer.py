@@ -391,9 +391,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self.smart_update.skip_step()
             return
         self._global_grad_norm = total_norm / self.loss_scale
-        self.smart_update.step(
-            grad_scale=1.0 / self._combined_scale(total_norm), clip_factor=self._clip_factor(total_norm)
-        )
+        self.smart_update.step(grad_scale=1.0 / self._combined_scale(total_norm))
         # torch's LR schedulers warn unless the wrapped optimizer's own step ran; the devices ran it.
         self.optimizer._opt_called = True
         self._post_step(set())
