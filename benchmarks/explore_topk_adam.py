@@ -18,8 +18,15 @@ A variant is a base and ``+``-separated modifiers (comma-separated ``--variants`
   those row and column sums and divides what it sends by their rank-1 product); ``block=B`` (the device's variance
   takes the mean of the dense gradient's squares over each block of B consecutive elements); ``fsel`` (with
   ``factored``: select by ``|residual| / sqrt(v)``); ``dense_small=N`` (parameters of fewer than N elements, biases
-  and norms, sent whole).
+  and norms, sent whole); ``decay=G`` (the residual is multiplied by G each step); ``rank=R`` (PowerSGD: each
+  matrix sends a warm-started rank-R approximation of its residual instead of its top-k); ``lateclip`` (with
+  ``--real``: what is sent is scaled by the clipping of the step that sends it, as the product did before it
+  clipped each step by its own norm).
 - the names of earlier versions still work: ``frozen``, ``age``, ``vsel`` mean ``ef+frozen`` and so on.
+
+``--task gpt2 --real`` runs bench_compression's GPT-2 task as it does (data, 10 warm-up steps and cosine to 10%,
+clipping at 1.0); ``--stop N`` ends after N of the schedule's ``--steps``, ``--val-every N`` prints the validation
+loss along the way.
 
 ``--finetune N`` first trains dense for ``--steps`` steps on English, then fine-tunes for N steps on Python
 source (the paper's accuracy claims are for fine-tuning) and compares the variants there.
