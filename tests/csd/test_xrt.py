@@ -49,14 +49,6 @@ def model_xclbin(tmp_path, csim_library) -> Iterator:
         forget_platform(path)
 
 
-@pytest.fixture
-def backends() -> Iterator[list[XrtBackend]]:
-    made: list[XrtBackend] = []
-    yield made
-    for backend in made:
-        backend.close()
-
-
 def _backend(backends: list[XrtBackend], dirs: list[Path], xclbin: Path, **kwargs) -> XrtBackend:
     kwargs.setdefault("chunk_elems", CHUNK)
     kwargs.setdefault("buffer_count", 2)

@@ -44,14 +44,6 @@ def xclbin(tmp_path, csim_library) -> Iterator[Path]:
     forget_platform(path)
 
 
-@pytest.fixture
-def backends() -> Iterator[list[XrtBackend]]:
-    made: list[XrtBackend] = []
-    yield made
-    for backend in made:
-        backend.close()
-
-
 def _open(backends: list, root: Path, xclbin: Path, cls: type = XrtBackend, **kwargs) -> XrtBackend:
     backend = cls([root / "ssd0", root / "ssd1"], xclbin=xclbin, chunk_elems=CHUNK, buffer_count=2, **kwargs)
     backends.append(backend)
