@@ -132,7 +132,9 @@ def controller_factory(
         log.info(f"SmartUpdate rank {strategy.global_rank}: device I/O through {choice.description}")
         io_factory = choice.factory
     xrt_devices = rank_share(settings.xrt_devices or (), strategy.local_rank, strategy.num_processes) or None
-    weights = rank_share(settings.device_weights or (), strategy.local_rank, strategy.num_processes) or None
+    weights = settings.device_weights  # every rank opens a session on every server
+    if settings.backend != "remote":  # a node's storage paths are shared out among its ranks, with their weights
+        weights = rank_share(settings.device_weights or (), strategy.local_rank, strategy.num_processes) or None
 
     def build(optimizer: Optimizer, sub_groups: Sequence[SubGroup], partitions: Partitions) -> SmartUpdate:
         backend = build_backend(

@@ -218,3 +218,50 @@ def test_evaluate_and_export_a_checkpoint_kept_on_the_servers(tmp_path, servers,
     assert weights.keys() == capture.params.keys()
     for name, value in capture.params.items():  # fp32 training: the masters are the parameters
         assert torch.equal(weights[name], value), name
+
+
+def test_a_memory_tier_beside_the_servers_trains_saves_and_resumes_bit_identically(tmp_path, servers, capsys):
+    """What a user with servers and spare RAM writes: `state_memory_budget` beside `backend="remote"`, stock
+    `ModelCheckpoint(save_last=True)`, `fit(ckpt_path=...)`, then export; a resume under another budget is refused."""
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from lightning_smartinf.csd.checkpoint import CheckpointError
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from scripts.ckpt_common import train
+
+    from lightning_smartinf.export import main as export_main
+
+    def remote(budget):
+        return {
+            "backend": "remote",
+            "remote_devices": [s.address for s in servers],
+            "remote_token_file": str(servers[0].token_file),
+            "state_memory_budget": budget,
+        }
+
+    reference = train(tmp_path / "reference", checkpointing="last")  # all state on the local emulated device
+    trainers = []
+    train(tmp_path / "run", checkpointing="last", steps=8, strategy_kwargs=remote("64MiB"), trainers=trainers)
+    backend = trainers[0].strategy.smart_update.backend
+    assert backend.local_shards, "some sub-groups were kept in host memory"
+    assert backend.beside.num_devices == 2 and len(backend.local_shards) < len(backend.assignment)
+    last = tmp_path / "run" / "ckpts" / "last.ckpt"
+    assert list(last.rglob("local_tiers.json"))
+    with pytest.raises(
+        CheckpointError, match=r"kept sub-groups \[.*\] of this rank in host .* Resume with the `state_m"
+    ):
+        train(tmp_path / "run", checkpointing="last", ckpt_path=last, strategy_kwargs=remote(None))
+    resumed = train(tmp_path / "run", checkpointing="last", ckpt_path=last, strategy_kwargs=remote("64MiB"))
+    for name, value in reference.items():
+        assert torch.equal(resumed[name], value), name
+    out = tmp_path / "weights.safetensors"
+    flags = ["--remote-devices", *[s.address for s in servers], "--remote-token-file", str(servers[0].token_file)]
+    assert export_main([str(last), str(out), *flags]) == 0, capsys.readouterr().err
+    weights = load_file(str(out))
+    assert weights.keys() == resumed.keys()
+    for name, value in resumed.items():  # fp32 training: the masters are the parameters
+        assert torch.equal(weights[name], value), name

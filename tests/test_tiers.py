@@ -140,11 +140,13 @@ def test_bf16_compression_with_a_memory_tier_changes_nothing(tmp_path) -> None:
         ({"storage_paths": ["/tmp/a", "/tmp/b"], "device_weights": [1.0]}, r"1 weight\(s\) for 2 storage path"),
         ({"storage_paths": ["/tmp/a"], "device_weights": [float("nan")]}, r"`device_weights\[0\]=nan` is not finite"),
         ({"storage_paths": ["/tmp/a"], "device_weights": "fast"}, r"must be a list of positive numbers"),
-        ({"backend": "remote", "state_memory_budget": "1GiB"}, r"applies to `backend='cpu'` or `'xrt'`"),
+        (
+            {"backend": "remote", "remote_devices": ["h:1", "h:2"], "device_weights": [1.0]},
+            r"1 weight\(s\) for 2 server\(s\) of `remote_devices`: give one weight per server",
+        ),
         ({"state_accelerator_budget": "lots"}, r"`state_accelerator_budget='lots'` is not a size"),
         ({"state_accelerator_budget": -5}, r"`state_accelerator_budget=-5` is too small"),
         ({"state_accelerator_budget": True}, r"`state_accelerator_budget=True`"),
-        ({"backend": "remote", "state_accelerator_budget": "1GiB"}, r"`state_accelerator_budget='1GiB'` applies to"),
         pytest.param(
             {"state_accelerator_budget": "1GiB"},
             r"keeps optimizer state in GPU memory, but CUDA is not available here .*`state_memory_budget`",

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from lightning_smartinf.csd.backend import Backend
 from lightning_smartinf.csd.io import IOEngine, ThreadedIO
+from lightning_smartinf.csd.placement import RoundRobin, Tiered
 from lightning_smartinf.csd.settings import SmartUpdateSettings
 
 if TYPE_CHECKING:
@@ -35,25 +36,11 @@ def build_backend(
         io_factory: the I/O engine of each emulated device (``backend='cpu'``; the xrt devices move state P2P).
         xrt_devices: ``backend='xrt'``: the XRT device of each directory; ``None`` pairs them by PCIe topology.
         label: ``backend='remote'``: this rank's name on the servers (its checkpoints are kept under it).
-        device_weights: ``backend='cpu'`` or ``'xrt'``: the relative speed of each of ``device_dirs`` (this rank's
-            share of ``settings.device_weights``).
+        device_weights: the relative speed of each of ``device_dirs`` (this rank's share of
+            ``settings.device_weights``), or with ``backend='remote'`` of each server.
     """
     if settings.backend == "remote":
-        from lightning_smartinf.csd.remote.client import RemoteBackend
-
-        addresses, token, tls = _remote_access(settings)
-        return RemoteBackend(
-            addresses,
-            token,
-            label=label,
-            chunk_elems=settings.chunk_size,
-            buffer_count=settings.buffer_count,
-            io_threads=settings.io_threads,
-            tentative_slots=settings.overlap,
-            prefetch_state=settings.prefetch_state,
-            device_timeout_s=settings.device_timeout_s,
-            tls=tls,
-        )
+        return _remote_backend(settings, label, device_weights)
     if settings.backend == "xrt":
         from lightning_smartinf.csd.xrt import XrtBackend
 
@@ -88,14 +75,45 @@ def build_backend(
     )
 
 
+def _remote_backend(settings: SmartUpdateSettings, label: str, device_weights: Sequence[float] | None) -> Backend:
+    """``backend='remote'``: sessions on the servers, with this host's memory tiers beside them."""
+    from lightning_smartinf.csd.local_tiers import LocalTiers
+    from lightning_smartinf.csd.remote.client import RemoteBackend
+
+    addresses, token, tls = _remote_access(settings)
+    servers = RemoteBackend(
+        addresses,
+        token,
+        label=label,
+        chunk_elems=settings.chunk_size,
+        buffer_count=settings.buffer_count,
+        io_threads=settings.io_threads,
+        tentative_slots=settings.overlap,
+        prefetch_state=settings.prefetch_state,
+        device_timeout_s=settings.device_timeout_s,
+        placement=RoundRobin() if device_weights is None else Tiered(tuple(device_weights), 0, settings.chunk_size),
+        tls=tls,
+    )
+    # Always wrapped, so that a checkpoint's split between this host and the servers is checked on resume.
+    return LocalTiers(
+        servers,
+        memory_bytes=settings.state_memory_budget or 0,
+        accelerator_bytes=settings.state_accelerator_budget or 0,
+        chunk_elems=settings.chunk_size,
+        buffer_count=settings.buffer_count,
+        device_timeout_s=settings.device_timeout_s,
+    )
+
+
 def remote_checkpoint_masters(settings: SmartUpdateSettings) -> Callable[[Path], list[Tensor]] | None:
     """For ``backend='remote'``: a reader of the masters a checkpoint keeps on the servers of ``settings``."""
     if settings.backend != "remote":
         return None
+    from lightning_smartinf.csd.local_tiers import masters_beside
     from lightning_smartinf.csd.remote.client import checkpoint_masters
 
     addresses, token, tls = _remote_access(settings)
-    return checkpoint_masters(addresses, token, tls=tls, timeout=settings.device_timeout_s)
+    return masters_beside(checkpoint_masters(addresses, token, tls=tls, timeout=settings.device_timeout_s))
 
 
 def _remote_access(settings: SmartUpdateSettings) -> tuple[tuple[str, ...], str, TlsFiles | None]:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STATE_DIR",
+    "Fixed",
     "Placement",
     "RoundRobin",
     "Tiered",
@@ -115,6 +116,16 @@ class RoundRobin:
 
     def assign(self, shards: Sequence[ShardSpec], num_devices: int) -> list[int]:
         return [shard.index % num_devices for shard in shards]
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A placement given as its answer: shard ``i`` on device ``assignment[i]`` (a re-plan's, or a split's)."""
+
+    assignment: tuple[int, ...]
+
+    def assign(self, shards: Sequence[ShardSpec], num_devices: int) -> list[int]:
+        return list(self.assignment)
 
 
 def check_assignment(placement: Placement, shards: Sequence[ShardSpec], num_devices: int) -> tuple[int, ...]:

@@ -128,16 +128,18 @@ class SmartUpdateSettings:
     state_memory_budget: int | None = None
     """Bytes of host memory (an int, or a string like ``"8GiB"``) this rank may use to keep sub-groups' fp32 master
     and optimizer state in RAM, updated by a host core with no storage I/O (the memory tier); the others stay on the
-    storage devices. ``backend="cpu"`` or ``"xrt"``. ``None`` or ``0``: all state on the devices."""
+    storage devices (beside remote servers, host memory takes the share one more server would). ``None`` or ``0``: all
+    state on the devices."""
     device_weights: tuple[float, ...] | None = None
-    """Relative speed of each storage path (one positive number per path of ``storage_paths``): sub-groups are
-    shared out in proportion. ``None``: paths on one filesystem are equal; paths on different filesystems are
-    measured when training starts."""
+    """Relative speed of each storage path (one positive number per path of ``storage_paths``), or with
+    ``backend="remote"`` of each server of ``remote_devices``: sub-groups are shared out in proportion. ``None``:
+    paths on one filesystem are equal; paths on different filesystems are measured when training starts; servers are
+    equal."""
     state_accelerator_budget: int | None = None
     """Bytes of GPU memory (an int, or a string like ``"8GiB"``) this rank may use to keep sub-groups' fp32 master and
     optimizer state on the GPU, updated there while ZeRO's optimizer step leaves it idle (the accelerator tier). It
-    fills first, then ``state_memory_budget``, then the storage devices. ``backend="cpu"`` or ``"xrt"``, with CUDA
-    only. ``None`` or ``0``: none."""
+    fills first, then ``state_memory_budget``, then the storage devices (or remote servers). CUDA only. ``None`` or
+    ``0``: none."""
 
     def __post_init__(self) -> None:
         problems = Problems(type(self).__name__, SettingsError)
@@ -263,7 +265,7 @@ def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
     compression = _compression(problems, raw["compression"])
     budget = _memory_budget(problems, raw)
     accelerator_budget = _accelerator_budget(problems, raw)
-    weights = _device_weights(problems, raw["device_weights"], storage_paths, raw["storage_paths"])
+    weights = _device_weights(problems, raw, storage_paths)
     if sub_group_valid and chunk_valid and buffers_valid and raw["backend"] == "cpu":
         _check_pool_memory(problems, raw)
     if sub_group_valid and compression is not None:
@@ -371,21 +373,10 @@ def _check_counts(problems: Problems, raw: dict[str, Any]) -> tuple[bool, bool, 
     return sizes
 
 
-#: The backends whose state can also live in host or accelerator memory (local devices; remote servers keep all of it).
-TIER_BACKENDS = ("cpu", "xrt")
-
-
 def _memory_budget(problems: Problems, raw: dict[str, Any]) -> int | None:
-    """``state_memory_budget`` in bytes (``None`` for none or 0): at most the memory available now, beside local
-    devices only (``"cpu"`` or ``"xrt"``)."""
+    """``state_memory_budget`` in bytes (``None`` for none or 0): at most the memory available now."""
     budget = problems.size("state_memory_budget", raw["state_memory_budget"])
     if not budget:
-        return None
-    if raw["backend"] not in TIER_BACKENDS:
-        problems.add(
-            f"`state_memory_budget={raw['state_memory_budget']!r}` applies to `backend='cpu'` or `'xrt'`, but "
-            f"`backend={raw['backend']!r}`: the remote servers keep all the state. Drop it."
-        )
         return None
     problems.fits_in_memory(
         f"`state_memory_budget={raw['state_memory_budget']!r}`",
@@ -397,17 +388,10 @@ def _memory_budget(problems: Problems, raw: dict[str, Any]) -> int | None:
 
 
 def _accelerator_budget(problems: Problems, raw: dict[str, Any]) -> int | None:
-    """``state_accelerator_budget`` in bytes (``None`` for none or 0): beside local devices only (``"cpu"`` or
-    ``"xrt"``), with CUDA, at most the GPU memory free now."""
+    """``state_accelerator_budget`` in bytes (``None`` for none or 0): with CUDA, at most the GPU memory free now."""
     shown = f"`state_accelerator_budget={show(raw['state_accelerator_budget'])}`"
     budget = problems.size("state_accelerator_budget", raw["state_accelerator_budget"])
     if not budget:
-        return None
-    if raw["backend"] not in TIER_BACKENDS:
-        problems.add(
-            f"{shown} applies to `backend='cpu'` or `'xrt'`, but `backend={raw['backend']!r}`: the remote servers "
-            "keep all the state. Drop it."
-        )
         return None
     if not torch.cuda.is_available():
         problems.add(
@@ -426,20 +410,31 @@ def _accelerator_budget(problems: Problems, raw: dict[str, Any]) -> int | None:
 
 
 def _device_weights(
-    problems: Problems, value: Any, paths: tuple[Path, ...] | None, raw_paths: Any
+    problems: Problems, raw: dict[str, Any], paths: tuple[Path, ...] | None
 ) -> tuple[float, ...] | None:
-    """``device_weights`` as floats: one positive, finite number per storage path."""
+    """``device_weights`` as floats: one positive, finite number per storage path, or per remote server."""
+    value, raw_paths = raw["device_weights"], raw["storage_paths"]
     if value is None:
         return None
+    what = "remote server" if raw["backend"] == "remote" else "storage path"
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
         problems.add(
-            f"`device_weights={show(value)}` must be a list of positive numbers, one per storage path (e.g. "
-            "`device_weights=[2.0, 1.0]` gives the first path twice the sub-groups of the second), or None."
+            f"`device_weights={show(value)}` must be a list of positive numbers, one per {what} (e.g. "
+            f"`device_weights=[2.0, 1.0]` gives the first {what} twice the sub-groups of the second), or None."
         )
         return None
     valid = all(
         [problems.number(f"device_weights[{i}]", w, low=0, above=True, example=1.0) for i, w in enumerate(value)]
     )
+    if raw["backend"] == "remote":
+        servers = raw["remote_devices"]
+        if isinstance(servers, (list, tuple)) and len(servers) != len(value):
+            problems.add(
+                f"`device_weights` has {len(value)} weight(s) for {len(servers)} server(s) of `remote_devices`: give "
+                "one weight per server, in order."
+            )
+            return None
+        return tuple(float(w) for w in value) if valid else None
     count = len(paths) if paths is not None else len(raw_paths) if isinstance(raw_paths, (list, tuple)) else None
     if raw_paths is None:
         problems.add(

@@ -58,6 +58,7 @@ from lightning_smartinf.csd.pipeline import (
     Shard,
 )
 from lightning_smartinf.csd.placement import (
+    Fixed,
     Placement,
     RoundRobin,
     Tiered,
@@ -603,7 +604,8 @@ class StreamingBackend(Backend):
     """Shards streamed through devices, one per directory in ``device_dirs``; subclasses say what a device is.
 
     Args:
-        device_dirs: one private directory per device; state files are created inside.
+        device_dirs: one private directory per device; state files are created inside. May be empty when a memory or
+            accelerator tier holds all the state (beside remote servers, :mod:`~lightning_smartinf.csd.local_tiers`).
         chunk_elems: elements per streamed chunk (a multiple of 1024).
         buffer_count: chunk buffers per device (at least 2: one updating, one reading or writing).
         owned_dirs: directories the backend created and removes on :meth:`close`.
@@ -640,6 +642,8 @@ class StreamingBackend(Backend):
     #: rates), not its whole budget: emulated devices run on those same host cores, so for them memory never loses.
     storage_computes = False
     _failure: StorageError | None = None
+    # Set by `release_storage`: the directories are no longer this backend's, and state in memory is freed.
+    _released = False
 
     def __init__(
         self,
@@ -658,8 +662,8 @@ class StreamingBackend(Backend):
         accelerator_device: torch.device | str = "cuda",
     ) -> None:
         super().__init__()
-        if not device_dirs:
-            raise ValueError("`device_dirs` must name at least one directory.")
+        if not device_dirs and not (memory_bytes > 0 or accelerator_bytes > 0):
+            raise ValueError("`device_dirs` must name at least one directory (or give the state a memory tier).")
         if buffer_count < 2:
             raise ValueError(f"`buffer_count={buffer_count}` must be at least 2 (one updating, one in I/O).")
         self.device_timeout_s = check_device_timeout(device_timeout_s)
@@ -1039,7 +1043,7 @@ class StreamingBackend(Backend):
         self.wait()
         if tentative := [s.spec.index for s in self._shards if s.tentative]:
             raise RuntimeError(f"Shards {tentative} hold tentative updates; commit or roll them back first.")
-        fixed = check_assignment(_Fixed(tuple(assignment)), [s.spec for s in self._shards], self.num_devices)
+        fixed = check_assignment(Fixed(tuple(assignment)), [s.spec for s in self._shards], self.num_devices)
         self._check_memory("`relocate`", [s.layout for s in self._shards], fixed)
         moves = [(s, self.devices[d]) for s, d in zip(self._shards, fixed) if d != self.assignment[s.spec.index]]
         for device in {id(d): d for _, d in moves if not d.in_memory}.values():
@@ -1287,7 +1291,7 @@ class StreamingBackend(Backend):
         self._refuse("save")
         self.wait()
         claims = []
-        if self._closed and not self._claims:
+        if self._released:
             if self._owned_dirs or self.memory_bytes or self.accelerator_bytes:
                 raise StorageError(
                     "The device state was in temporary directories or in memory (host or accelerator), freed when the "
@@ -1371,6 +1375,7 @@ class StreamingBackend(Backend):
         Called by :meth:`close` unless it kept them; idempotent. Every state file is closed by then.
         """
         claims, self._claims = self._claims, []
+        self._released = True
         self._free_memory()
         release_claims(claims, remove=self._owned_dirs)
 
@@ -1380,16 +1385,6 @@ class StreamingBackend(Backend):
             for file in shard.files:
                 if file.in_memory:
                     file.discard()
-
-
-@dataclass(frozen=True)
-class _Fixed:
-    """A placement given as its answer (what :meth:`StreamingBackend.relocate` was asked for)."""
-
-    assignment: tuple[int, ...]
-
-    def assign(self, shards: Sequence[ShardSpec], num_devices: int) -> list[int]:
-        return list(self.assignment)
 
 
 def _shares(values: Sequence[float]) -> list[float]:

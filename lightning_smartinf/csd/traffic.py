@@ -49,6 +49,9 @@ class TrafficSnapshot:
     accelerator_read_bytes: int = 0
     accelerator_write_bytes: int = 0
 
+    def __add__(self, other: TrafficSnapshot) -> TrafficSnapshot:
+        return TrafficSnapshot(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
     def __sub__(self, other: TrafficSnapshot) -> TrafficSnapshot:
         return TrafficSnapshot(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
 
