@@ -36,6 +36,16 @@ def test_devices_with_compute_of_their_own_get_the_share_that_finishes_with_memo
     assert memory_share(6, 10, 9.0, 1.0) == 6 and memory_share(10, 10, 1.0, 3.0) == 2.5
 
 
+def test_beside_remote_servers_memory_takes_one_more_servers_share() -> None:
+    work, prof = workload_from_model("1.3B"), replace(load_profile("devvm-2cpu"), network_gbps=1.25)
+    state = 12 * work.params
+    placed = place_state(work, prof, 2, 1e15)  # as the strategy splits: what a third server would hold
+    assert placed.memory_bytes == pytest.approx(state / 3)
+    assert place_state(work, prof, 2, state / 10).memory_bytes == pytest.approx(state / 10)  # at most the budget
+    memory_rate = prof.host_update_gparams_per_s * 1e9 * 12
+    assert placed.update_s >= placed.memory_bytes / memory_rate
+
+
 def test_weights_share_the_devices_in_proportion() -> None:
     work, prof = workload_from_model("336M"), load_profile("devvm-2cpu")
     placed = place_state(work, replace(prof, device_storage_ceiling_gbps=None), 2, 0, weights=[3, 1])

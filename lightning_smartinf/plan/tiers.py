@@ -4,9 +4,10 @@ devices by speed.
 The same rules as the strategy's placement (:class:`~lightning_smartinf.csd.placement.Tiered`), in the planner's
 units. The accelerator tier fills its budget first: its update is bound by the GPU link, which carries only the 16-bit
 gradient in and the 16-bit parameter out (4 B per 12 B of state). Emulated devices (the ``cpu`` backend: the update
-runs on the host cores, plus storage I/O) are never faster than the memory tier, so it fills its budget. Devices with
-compute of their own (SmartSSDs, remote servers) run in parallel with the host, so memory takes only the share that
-finishes with them (:func:`memory_share`).
+runs on the host cores, plus storage I/O) are never faster than the memory tier, so it fills its budget. SmartSSDs
+compute on their own, in parallel with the host, so memory takes only the share that finishes with them
+(:func:`memory_share`). Beside remote servers (a profile with ``network_gbps``) the strategy's split is fixed when it
+starts, at the share one more server would hold (:mod:`~lightning_smartinf.csd.local_tiers`), and so is the plan's.
 """
 
 from __future__ import annotations
@@ -90,7 +91,12 @@ def place_state(
     rates = [unit * w / max(weights) for w in weights]
     memory_rate = prof.host_update_gparams_per_s * 1e9 * FP32_STATE_BYTES
     emulated = not prof.gradient_staged_on_ssd and prof.network_gbps is None
-    memory = min(memory_budget, state) if emulated else memory_share(memory_budget, state, memory_rate, sum(rates))
+    if emulated:
+        memory = min(memory_budget, state)
+    elif prof.network_gbps is not None:  # beside remote servers the strategy keeps one more server's share
+        memory = memory_share(memory_budget, state, sum(rates) / len(rates), sum(rates))
+    else:
+        memory = memory_share(memory_budget, state, memory_rate, sum(rates))
     rest = state - memory
     device_bytes = tuple(rest * r / sum(rates) for r in rates)
     device_s = max(b / r for b, r in zip(device_bytes, rates))
