@@ -145,6 +145,7 @@ def controller_factory(
             xrt_devices=xrt_devices,
             label=f"rank{strategy.global_rank:03d}",
             device_weights=weights,
+            accelerator_training=strategy.root_device.type != "cpu",
         )
         on_backend(backend)
         smart_update = SmartUpdate(settings, backend, optimizer, sub_groups, partitions)

@@ -96,7 +96,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         prefetch_state: let each device read the state of the sub-groups it updates next into free buffers whenever
             it would idle (at most ``buffer_count - 1 - io_threads`` chunks). Never changes results; ``False`` compares.
         gradient_buffer: where gradients wait for devices: ``"accelerator"``, ``"host"`` or ``"auto"`` (docs/gpu.md).
-        state_memory_budget, state_accelerator_budget, device_weights: state in RAM, on the GPU; path speeds (tiers.md).
+        state_memory_budget, state_accelerator_budget, device_weights, state_memory_share: tiers (docs/tiers.md).
         offload_parameters: where ZeRO's low-precision parameter partitions live between uses: ``False`` on the
             accelerator, ``True`` in host memory, ``"storage"`` in files on the first storage path, read in for
             forward and backward through swap buffers sized for the model (docs/parameters.md).
@@ -114,7 +114,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         parallel_devices, cluster_environment, precision_plugin, process_group_backend, timeout:
             as in :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`.
 
-    The SmartUpdate arguments (``backend`` to ``state_accelerator_budget``) become the strategy's :attr:`settings`.
+    The SmartUpdate arguments (``backend`` to ``state_memory_share``) become the strategy's :attr:`settings`.
     Every argument is checked here, by type and range (see :mod:`lightning_smartinf.arguments`), and one
     ``MisconfigurationException`` lists every problem.
     """
@@ -146,6 +146,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         state_memory_budget: int | str | None = None,
         device_weights: list[float] | None = None,
         state_accelerator_budget: int | str | None = None,
+        state_memory_share: Literal["auto", "fill", "measured"] = "auto",
         offload_parameters: bool | Literal["storage"] = False,
         offload_activations: bool | dict[str, Any] = False,
         config: str | os.PathLike | dict[str, Any] | None = None,
@@ -198,10 +199,10 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         if overlap_backward and not settings.overlap:
             why = "`compression`" if settings.compression is not None else f"`backend={backend!r}`"
             log.info("smart_infinity: updates start after backward, not during it (not supported with %s).", why)
-        self._smart_update: SmartUpdate | None = None
-        self._backend: Backend | None = None
         super().__init__(config=config, **{name: arguments[name] for name in LIGHTNING})
 
+    _smart_update: SmartUpdate | None = None  # the run's controller and backend (None before set-up)
+    _backend: Backend | None = None
     #: The known-harmless warnings silenced from set-up to teardown (:mod:`lightning_smartinf.quiet`).
     _silenced: quiet.Silenced | None = None
     #: Removes the temporary device directories of the last run (``storage_paths=None``); see :meth:`release_backend`.

@@ -52,6 +52,27 @@ def test_half_the_state_in_memory_trains_bitwise_like_all_on_device(reference, t
     assert traffic.memory_read_bytes > 0 and traffic.storage_read_bytes > 0
 
 
+def test_a_measured_memory_share_trains_bitwise_like_all_on_device(reference, tmp_path) -> None:
+    """`state_memory_share="measured"` with room for all the state: at step 10 the re-plan weighs memory against the
+    storage path by the rates measured and by when this run's backward completed each gradient (recorded by the
+    controller), may move shards, and nothing else changes."""
+    expected, state = reference
+    trainers = []
+    # Buckets of one sub-group, so that backward completes gradients one after another (a bucket holds all of this
+    # small model by default).
+    kwargs = {"state_memory_budget": state, "state_memory_share": "measured", "reduce_bucket_size": 3000}
+    ours = train(tmp_path, every=None, trainers=trainers, strategy_kwargs=kwargs)
+    assert_identical(ours, expected)
+    backend = trainers[0].strategy.smart_update.backend
+    plan = backend.last_replan
+    assert plan is not None, "no re-plan at step 10"
+    # Backward completes the last sub-groups first: every gradient was timed, the last well before the first.
+    assert set(plan.ready) == set(range(len(backend.shards))), plan.ready
+    assert plan.ready[len(backend.shards) - 1] > plan.ready[0] >= 0, plan.ready
+    held = sum(s.layout.file_bytes for s in backend.shards if s.file.in_memory)
+    assert held <= plan.memory_share <= state
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_state_in_gpu_memory_trains_like_all_on_device_on_a_gpu(tmp_path) -> None:
@@ -143,6 +164,12 @@ def test_bf16_compression_with_a_memory_tier_changes_nothing(tmp_path) -> None:
         (
             {"backend": "remote", "remote_devices": ["h:1", "h:2"], "device_weights": [1.0]},
             r"1 weight\(s\) for 2 server\(s\) of `remote_devices`: give one weight per server",
+        ),
+        ({"state_memory_share": "half"}, r"`state_memory_share='half'` is not supported: it must be one of: 'auto'"),
+        ({"state_memory_share": None}, r"`state_memory_share=None` is not supported"),
+        (
+            {"backend": "remote", "remote_devices": ["h:1"], "state_memory_share": "measured"},
+            r"`state_memory_share='measured'` with `backend='remote'`: the split .* is fixed",
         ),
         ({"state_accelerator_budget": "lots"}, r"`state_accelerator_budget='lots'` is not a size"),
         ({"state_accelerator_budget": -5}, r"`state_accelerator_budget=-5` is too small"),

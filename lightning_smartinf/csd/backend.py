@@ -15,7 +15,7 @@ the last good checkpoint.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +146,12 @@ class Backend(ABC):
     def replan(self) -> list[int]:
         """Between steps: move shards if the devices' measured rates call for another placement; the shards moved."""
         return []
+
+    def note_backward(self, ready: Mapping[int, float]) -> None:
+        """At a step's start: how many seconds before it backward completed each shard's gradient (shards missing were
+        complete only at the step, or nothing was handed off: without ``overlap_backward``, or when the step undid its
+        hand-offs). For :meth:`replan`'s model of how much of the update hides behind backward (default: ignored)."""
+        return None
 
     def hands_off_early(self, shard: int) -> bool:
         """Whether the controller should hand ``shard``'s update over during backward, as a tentative one."""

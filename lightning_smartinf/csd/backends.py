@@ -26,6 +26,7 @@ def build_backend(
     xrt_devices: Sequence[int | str] | None = None,
     label: str = "rank000",
     device_weights: Sequence[float] | None = None,
+    accelerator_training: bool = False,
 ) -> Backend:
     """The backend ``settings`` ask for, with one device per directory of ``device_dirs`` (claimed here).
 
@@ -38,9 +39,12 @@ def build_backend(
         label: ``backend='remote'``: this rank's name on the servers (its checkpoints are kept under it).
         device_weights: the relative speed of each of ``device_dirs`` (this rank's share of
             ``settings.device_weights``), or with ``backend='remote'`` of each server.
+        accelerator_training: forward and backward run on an accelerator, leaving the host cores to the devices
+            (``settings.state_memory_share="auto"`` measures the memory tier's share then).
     """
     if settings.backend == "remote":
         return _remote_backend(settings, label, device_weights)
+    measured = {"fill": False, "measured": True}.get(settings.state_memory_share, accelerator_training or None)
     if settings.backend == "xrt":
         from lightning_smartinf.csd.xrt import XrtBackend
 
@@ -56,6 +60,7 @@ def build_backend(
             memory_bytes=settings.state_memory_budget or 0,
             device_weights=device_weights,
             accelerator_bytes=settings.state_accelerator_budget or 0,
+            measure_memory_share=measured,
         )
     from lightning_smartinf.csd.cpu import CpuBackend
 
@@ -72,6 +77,7 @@ def build_backend(
         memory_bytes=settings.state_memory_budget or 0,
         device_weights=device_weights,
         accelerator_bytes=settings.state_accelerator_budget or 0,
+        measure_memory_share=measured,
     )
 
 

@@ -342,6 +342,8 @@ class SmartUpdate:
         each in turn. Gradients cross the link in the training dtype. The engine skips the step instead when
         :meth:`link_overflows` (checked before, like its own overflow check).
         """
+        started = time.perf_counter()
+        ready = {i: started - at for i, at in self._hand_offs.ready_at.items()}
         early, stale = self._hand_offs.take()
         for group in {s.param_group for s in self.sub_groups}:
             self.group_steps[group] = self.group_steps.get(group, 0) + 1
@@ -354,6 +356,8 @@ class SmartUpdate:
         }
         self._roll_back(sorted(set(early) - set(kept_early)), restore_params=False)
         self.early_kept += len(kept_early)
+        # Hand-offs the step undid hid nothing behind backward: the update ran after it.
+        self.backend.note_backward(ready if len(kept_early) == len(early) else {})
         staged = self.partitions.staged_limit
         if staged is not None:  # kept hand-offs hold staging buffers that the other sub-groups need
             for i in sorted(kept_early):
@@ -603,6 +607,8 @@ class _HandOffs:
         # Sub-groups with a gradient partition reduced since the last bucket ended.
         self.touched: set[int] = set()
         self.expected: list[set[Hashable]] | None = None
+        # `time.perf_counter()` when each sub-group's gradient was first found complete in this backward.
+        self.ready_at: dict[int, float] = {}
 
     def reduced(self, sub_group: int, param: Hashable) -> None:
         if sub_group in self.early:
@@ -617,7 +623,11 @@ class _HandOffs:
             return []
         if self.expected is None:
             self.expected = expected()
-        return sorted(i for i in touched if i not in self.early and self.reduced_params[i] >= self.expected[i])
+        complete = sorted(i for i in touched if i not in self.early and self.reduced_params[i] >= self.expected[i])
+        now = time.perf_counter()
+        for i in complete:
+            self.ready_at.setdefault(i, now)
+        return complete
 
     def handed_off(self, sub_group: int, handle: Handle, hp: StepParams) -> None:
         self.early[sub_group] = (handle, hp)
@@ -626,6 +636,7 @@ class _HandOffs:
         """This backward's tentative updates and the stale ones among them; resets the bookkeeping."""
         early, self.early = self.early, {}
         stale, self.stale = self.stale, set()
+        self.ready_at.clear()
         for reduced in self.reduced_params:
             reduced.clear()
         self.touched.clear()

@@ -114,6 +114,8 @@ class CpuBackend(StreamingBackend):
         accelerator_bytes: bytes of shard state kept in ``accelerator_device``'s memory and updated there (the
             accelerator tier, :mod:`lightning_smartinf.csd.accelerator_memory`).
         accelerator_device: the torch device of the accelerator tier (``"cuda"``: the current GPU).
+        measure_memory_share: choose the memory tier's share of ``memory_bytes`` from measured rates (see
+            :meth:`~lightning_smartinf.csd.streaming.StreamingBackend.replan`); ``None`` or ``False``: fill it.
 
     Device errors are final: the first one reported to the host (an I/O error, or a device that stopped answering)
     latches the backend as failed; see :attr:`failure`.
@@ -136,6 +138,7 @@ class CpuBackend(StreamingBackend):
         device_weights: Sequence[float] | None = None,
         accelerator_bytes: int = 0,
         accelerator_device: torch.device | str = "cuda",
+        measure_memory_share: bool | None = None,
     ) -> None:
         if io_threads < 1:
             raise ValueError(f"`io_threads={io_threads}` must be at least 1 (chunk transfers in flight per device).")
@@ -155,6 +158,7 @@ class CpuBackend(StreamingBackend):
             device_weights=device_weights,
             accelerator_bytes=accelerator_bytes,
             accelerator_device=accelerator_device,
+            measure_memory_share=measure_memory_share,
         )
 
     def make_device(self, index: int, directory: Path) -> EmulatedDevice:

@@ -42,6 +42,7 @@ __all__ = [
     "BACKENDS",
     "GRADIENT_BUFFERS",
     "IO_ENGINES",
+    "MEMORY_SHARES",
     "SettingsError",
     "SmartUpdateSettings",
     "check_sub_group_indexable",
@@ -50,6 +51,7 @@ __all__ = [
 BACKENDS = ("cpu", "xrt", "remote")
 IO_ENGINES = ("auto", "aio", "threads")
 GRADIENT_BUFFERS = ("auto", "accelerator", "host")
+MEMORY_SHARES = ("auto", "fill", "measured")
 #: Bucket of gradients ZeRO reduces at once when nothing asks for another size (Lightning's default).
 _DEFAULT_BUCKET = 200_000_000
 
@@ -140,6 +142,13 @@ class SmartUpdateSettings:
     optimizer state on the GPU, updated there while ZeRO's optimizer step leaves it idle (the accelerator tier). It
     fills first, then ``state_memory_budget``, then the storage devices (or remote servers). CUDA only. ``None`` or
     ``0``: none."""
+    state_memory_share: Literal["auto", "fill", "measured"] = "auto"
+    """How much of ``state_memory_budget`` the memory tier takes beside storage devices. ``"fill"``: all of it.
+    ``"measured"``: the share whose update phase is predicted shortest from the rates the tiers show and from how
+    much of the devices' update hides behind backward, re-planned every 10 steps (``docs/tiers.md``). ``"auto"``:
+    ``"measured"`` where the devices' update runs beside the host's own (SmartSSDs, or a model trained on a GPU,
+    which leaves the host cores to the devices during backward); ``"fill"`` for emulated devices training on the CPU,
+    whose update takes the same cores as forward and backward. Beside remote servers the split is fixed."""
 
     def __post_init__(self) -> None:
         problems = Problems(type(self).__name__, SettingsError)
@@ -244,6 +253,13 @@ def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
     problems.choice("backend", raw["backend"], BACKENDS)
     problems.choice("io_engine", raw["io_engine"], IO_ENGINES)
     problems.choice("gradient_buffer", raw["gradient_buffer"], GRADIENT_BUFFERS)
+    problems.choice("state_memory_share", raw["state_memory_share"], MEMORY_SHARES)
+    if raw["state_memory_share"] == "measured" and raw["backend"] == "remote":
+        problems.add(
+            "`state_memory_share='measured'` with `backend='remote'`: the split between this host and the servers "
+            "is fixed when training starts (moving a sub-group would carry its whole state over the network). "
+            "Drop it; `state_memory_budget` alone keeps the share one more server would hold."
+        )
     sub_group_valid, chunk_valid, buffers_valid = _check_counts(problems, raw)
     for name in ("overlap_backward", "prefetch_state"):
         problems.flag(name, raw[name])

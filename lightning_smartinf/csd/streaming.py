@@ -25,10 +25,11 @@ import math
 import os
 import queue
 import stat
+import statistics
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
@@ -69,11 +70,14 @@ from lightning_smartinf.csd.placement import (
 from lightning_smartinf.csd.rules import StepParams
 from lightning_smartinf.csd.storage import StorageError, check_free_space, ensure_private_dir
 from lightning_smartinf.csd.traffic import Traffic
+from lightning_smartinf.csd.update_model import best_share, memory_candidates, update_tail
 
 log = logging.getLogger(__name__)
 #: Change in a storage device's share of the measured update rate (in share points: 0.1 is from 50% to below 40% or
 #: above 60%) that makes :meth:`StreamingBackend.replan` move shards.
 REPLAN_DRIFT = 0.1
+#: Steps of backward timings (:meth:`StreamingBackend.note_backward`) kept for the next re-plan.
+BACKWARD_SAMPLES = 20
 #: Bytes copied at a time when a shard moves between devices.
 MOVE_BLOCK = 4 << 20
 #: Seconds an idle device waits for a request before it retries taking a buffer for a prefetch.
@@ -93,6 +97,24 @@ class DeviceCounters:
     #: Wall seconds the worker spent serving updates, and the state bytes they read and wrote: the device's rate.
     update_s: float = 0.0
     update_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Replan:
+    """What :meth:`StreamingBackend.replan` decided for the memory tier, and from what."""
+
+    #: Bytes of state the memory tier may hold from now on (its share of its budget).
+    memory_share: int
+    #: The update phase predicted for that share, and for the placement the re-plan found (seconds after the step
+    #: began: :func:`~lightning_smartinf.csd.update_model.update_tail`).
+    predicted_s: float
+    current_s: float
+    #: The rate of each device the prediction used (state bytes per second; measured, or estimated before a device
+    #: updated), by device index.
+    rates: dict[int, float]
+    #: Seconds before the step began that backward completed each shard's gradient (medians over the steps since
+    #: the last re-plan; missing: at the step).
+    ready: dict[int, float]
 
 
 @dataclass(frozen=True)
@@ -625,6 +647,9 @@ class StreamingBackend(Backend):
             Its device comes last (:meth:`make_accelerator_device`); like memory, it takes no tentative updates.
         device_weights: relative speed of each storage device (``None``: equal, or measured, see ``placement``).
         accelerator_device: the torch device of the accelerator tier (``"cuda"``: the current GPU).
+        measure_memory_share: let :meth:`replan` choose the memory tier's share of its budget from measured rates and
+            from how much of the storage devices' update hides behind backward (``False``: fill the budget). ``None``:
+            when the storage devices compute (:attr:`storage_computes`).
 
     The constructor claims the directories, then builds device ``i`` with :meth:`make_device` for each, in order.
     Device errors are final: the first one reported to the host (an I/O error, or a device that stopped answering)
@@ -638,9 +663,10 @@ class StreamingBackend(Backend):
     #: Seconds without progress before waiting on a device fails (set by the constructor; ``None``: forever).
     device_timeout_s: float | None = 300.0
     #: Whether the storage devices update with compute of their own (SmartSSD FPGAs), beside the host cores that
-    #: update the memory tier. Then memory takes the share that finishes with them (re-planned from their measured
-    #: rates), not its whole budget: emulated devices run on those same host cores, so for them memory never loses.
+    #: update the memory tier: memory then starts as one more of them, and its share is measured by default.
     storage_computes = False
+    #: What the last :meth:`replan` decided for the memory tier (``None``: nothing yet, or nothing to decide).
+    last_replan: Replan | None = None
     _failure: StorageError | None = None
     # Set by `release_storage`: the directories are no longer this backend's, and state in memory is freed.
     _released = False
@@ -660,6 +686,7 @@ class StreamingBackend(Backend):
         device_weights: Sequence[float] | None = None,
         accelerator_bytes: int = 0,
         accelerator_device: torch.device | str = "cuda",
+        measure_memory_share: bool | None = None,
     ) -> None:
         super().__init__()
         if not device_dirs and not (memory_bytes > 0 or accelerator_bytes > 0):
@@ -690,6 +717,11 @@ class StreamingBackend(Backend):
         # Each device's last measured update rate (state bytes per second), and the memory tier's share now.
         self._rates: dict[int, float] = {}
         self._memory_share = memory_bytes
+        #: Whether :meth:`replan` decides the memory tier's share from measurements (else it fills its budget).
+        self.measures_memory_share = self.storage_computes if measure_memory_share is None else measure_memory_share
+        self._backward: list[dict[int, float]] = []
+        # Emulated storage devices' probed speeds (state bytes per second), for a device that has not updated yet.
+        self._probed: dict[int, float] = {}
         #: The device index of each shard, fixed by :meth:`open` (changed by :meth:`relocate`).
         self.assignment: tuple[int, ...] = ()
         self._owned_dirs = [Path(d) for d in owned_dirs]
@@ -918,9 +950,10 @@ class StreamingBackend(Backend):
         filesystems: paths on one filesystem share its disk, so they are equal), with the memory tier filled up to its
         budget; round-robin when there is nothing to weigh.
 
-        Filling the budget is the fastest split for emulated devices: they run the same update on the same host
-        cores plus their storage I/O, so the memory tier is never the slower one. Storage devices that compute
-        (:attr:`storage_computes`) start with memory counted as one more of them, until :meth:`replan` measures it.
+        Filling the budget is the best guess before anything is measured for emulated devices: they run the same
+        update on the same host cores plus their storage I/O. Where :attr:`measures_memory_share`, :meth:`replan`
+        then decides from measurements, and beside storage devices that compute (:attr:`storage_computes`) memory
+        starts as one more of them.
         """
         storage = [d for d in self.devices if not d.in_memory]
         weights = self.device_weights
@@ -929,16 +962,17 @@ class StreamingBackend(Backend):
             log.info("SmartUpdate measured its storage paths: %s", ", ".join(f"{w / 1e9:.2f} GB/s" for w in weights))
         if weights is None and not self.memory_bytes and not self.accelerator_bytes:
             return RoundRobin()
-        if self.memory_bytes and self.storage_computes:
+        if self.memory_bytes and self.storage_computes and self.measures_memory_share and storage:
             state = max(0, sum(lay.file_bytes for lay in layouts) - self.accelerator_bytes)  # (it fills first)
             self._memory_share = int(memory_share(self.memory_bytes, state, 1.0, len(storage)))
         return self._tiered(weights or (1.0,) * len(storage))
 
-    def _tiered(self, weights: tuple[float, ...]) -> Tiered:
-        """:class:`Tiered` by ``weights``, with the memory tier's share now (at least 1 B while the tier exists:
-        its device stays in the placement, holding what fits), keeping shards where they are on ties."""
-        memory = max(1, self._memory_share) if self.memory_bytes else 0
-        return Tiered(weights, memory, self._chunk_elems, self.accelerator_bytes, keep=self.assignment)
+    def _tiered(self, weights: tuple[float, ...], memory: int | None = None) -> Tiered:
+        """:class:`Tiered` by ``weights``, with the memory tier's share now (or ``memory``; at least 1 B while the tier
+        exists: its device stays in the placement, holding what fits), keeping shards where they are on ties."""
+        share = self._memory_share if memory is None else memory
+        held = max(1, share) if self.memory_bytes else 0
+        return Tiered(weights, held, self._chunk_elems, self.accelerator_bytes, keep=self.assignment)
 
     def _log_shares(self, layouts: list[ChunkLayout]) -> None:
         total = sum(lay.file_bytes for lay in layouts) or 1
@@ -954,56 +988,112 @@ class StreamingBackend(Backend):
                 100 * nbytes / total,
             )
 
+    def note_backward(self, ready: Mapping[int, float]) -> None:
+        """Seconds before this step began that backward completed each sub-group's gradient (see
+        :meth:`Backend.note_backward`); :meth:`replan` takes each shard's median over the steps since it last ran."""
+        self._backward.append(dict(ready))
+        del self._backward[:-BACKWARD_SAMPLES]
+
     def replan(self) -> list[int]:
         """Re-place the shards from the update rates the devices showed since the last call; returns the shards moved
         (see :meth:`relocate`: between steps only).
 
-        Two shares are re-decided, each only when it drifted by more than :data:`REPLAN_DRIFT` share points:
+        Two shares are re-decided:
 
         - the storage paths' weights, when this backend chose them from speeds it measured (paths on different
-          filesystems): given weights stay, and paths on one filesystem share its disk;
-        - the memory tier's share, when the storage devices compute (:attr:`storage_computes`): the part of the
-          state that memory updates in the time the devices take for the rest, at most its budget.
+          filesystems) and a path's share drifted by more than :data:`REPLAN_DRIFT` share points: given weights stay,
+          and paths on one filesystem share its disk;
+        - the memory tier's share, where :attr:`measures_memory_share`: of the shares its budget allows, the one
+          whose update phase :func:`~lightning_smartinf.csd.update_model.update_tail` predicts shortest from the
+          measured rates and from when backward completed each gradient (:meth:`note_backward`), when that phase is
+          more than :data:`REPLAN_DRIFT` shorter than the current placement's.
 
-        A storage device that has never updated gives no rate, so there is nothing to compare yet; a memory tier that
-        has never updated (its share held no whole shard) keeps its share.
+        A storage device that has never updated gives no rate, so there is nothing to compare yet (an emulated one is
+        measured by a write and read probe when only the memory share is to be decided); a memory tier that has never
+        updated keeps its share. :attr:`last_replan` records what was decided.
         """
         if self._failure is not None or not self._shards:
             return []
         storage = [d for d in self.devices if not d.in_memory]
-        # The memory tier's device, when its share is re-decided (once it has a rate: it may hold nothing yet).
-        memory = [d for d in self.devices if d.tier == "memory" and self.storage_computes]
+        memory = [d for d in self.devices if d.tier == "memory" and self.measures_memory_share and storage]
         if self._measured_weights is None and not memory:
             return []
         rates = self._measure_rates()
-        memory = [d for d in memory if d.index in rates]
-        if any(d.index not in rates for d in storage) or (self._measured_weights is None and not memory):
-            return []
+        ready, self._backward = _median_ready(self._backward), []
         weights = self._measured_weights or self.device_weights or (1.0,) * len(storage)
-        measured = tuple(rates[d.index] for d in storage) if self._measured_weights is not None else weights
-        old, new = _shares(weights), _shares(measured)
-        moves_storage = max(abs(n - o) for n, o in zip(new, old)) > REPLAN_DRIFT
-        share, state = self._memory_share, self._state_beside_accelerator()
-        if memory:
-            storage_rate = sum(rates[d.index] for d in storage)
-            share = int(memory_share(self.memory_bytes, state, rates[memory[0].index], storage_rate))
-        moves_memory = abs(share - self._memory_share) > REPLAN_DRIFT * max(state, 1)
-        if not (moves_storage or moves_memory):
+        new = weights
+        if self._measured_weights is not None and all(d.index in rates for d in storage):
+            measured = tuple(rates[d.index] for d in storage)
+            if max(abs(n - o) for n, o in zip(_shares(measured), _shares(weights))) > REPLAN_DRIFT:
+                new = measured
+        share = self._memory_share
+        plan = self._memory_plan(memory[0], new, rates, ready) if memory and memory[0].index in rates else None
+        if plan is not None and plan.predicted_s < plan.current_s * (1 - REPLAN_DRIFT):
+            share = plan.memory_share
+        self.last_replan = plan
+        if new == weights and share == self._memory_share:
             return []
         if self._measured_weights is not None:
-            self._measured_weights = measured
+            self._measured_weights = new
         self._memory_share = share
         specs = [s.spec for s in self._shards]
-        moved = self.relocate(check_assignment(self._tiered(measured), specs, self.num_devices))
+        moved = self.relocate(check_assignment(self._tiered(new), specs, self.num_devices))
         shown = [f"{rates[d.index] / 1e9:.2f} GB/s ({d.tier} {d.index})" for d in self.devices if d.index in rates]
+        predicted = ""
+        if plan is not None:
+            predicted = f"; the update phase is predicted {plan.predicted_s:.2f} s, was {plan.current_s:.2f} s"
         log.info(
-            "SmartUpdate re-placed %d shard(s): the devices now update at %s (storage shares were %s)",
+            "SmartUpdate re-placed %d shard(s): the devices now update at %s (storage shares were %s)%s",
             len(moved),
             ", ".join(shown),
-            ", ".join(f"{o:.0%}" for o in old),
+            ", ".join(f"{o:.0%}" for o in _shares(weights)),
+            predicted,
         )
         self._log_shares([s.layout for s in self._shards])
         return moved
+
+    def _memory_plan(
+        self, memory: StreamingDevice, weights: tuple[float, ...], rates: dict[int, float], ready: dict[int, float]
+    ) -> Replan | None:
+        """The memory share whose update phase is predicted shortest, beside the current placement's; ``None`` while a
+        storage device has no rate and none can be estimated."""
+        device_rates = [rates.get(d.index) or self._estimated_rate(d, rates[memory.index]) for d in self.devices]
+        if any(r is None for r in device_rates):
+            return None
+        early = [self.tentative_slots and not d.in_memory for d in self.devices]
+        sizes = [s.layout.file_bytes for s in self._shards]
+        specs = [s.spec for s in self._shards]
+
+        def tail(assignment: Sequence[int]) -> float:
+            return update_tail(assignment, sizes, device_rates, early, ready)
+
+        def placed(share: int) -> tuple[int, ...]:
+            return check_assignment(self._tiered(weights, share), specs, self.num_devices)
+
+        # The accelerator fills first: memory chooses among the rest, in index order.
+        beside = [sizes[i] for i, d in enumerate(placed(0)) if self.devices[d].tier != "accelerator"]
+        candidates = memory_candidates(beside, self.memory_bytes)
+        share, predicted = best_share(candidates, lambda share: tail(placed(share)), self._memory_share)
+        return Replan(
+            memory_share=share,
+            predicted_s=predicted,
+            current_s=tail(self.assignment),
+            rates={d.index: r for d, r in zip(self.devices, device_rates)},
+            ready=ready,
+        )
+
+    def _estimated_rate(self, device: StreamingDevice, memory_rate: float) -> float | None:
+        """An emulated storage device that has not updated yet: the slower of its storage (a write and read probe,
+        shared by the devices on its filesystem; measured once) and the memory tier's rate (the same update code on
+        the same host cores). ``None`` for a device that computes: its rate is its own."""
+        if self.storage_computes or device.in_memory:
+            return None
+        if device.index not in self._probed:
+            sharing = sum(
+                os.stat(d.directory).st_dev == os.stat(device.directory).st_dev for d in self.devices if not d.in_memory
+            )
+            self._probed[device.index] = measure_write_read(device.directory, device.io) / sharing
+        return min(self._probed[device.index], memory_rate)
 
     @property
     def update_rates(self) -> dict[int, float]:
@@ -1021,10 +1111,6 @@ class StreamingBackend(Backend):
             if seconds > 0 and nbytes > 0:
                 self._rates[device.index] = nbytes / seconds
         return self._rates
-
-    def _state_beside_accelerator(self) -> int:
-        """Bytes of shard state outside the accelerator tier (which fills first): what memory and storage share."""
-        return sum(s.layout.file_bytes for s in self._shards if self.device_of(s.spec.index).tier != "accelerator")
 
     def relocate(self, assignment: Sequence[int]) -> list[int]:
         """Move shards between devices so that shard ``i`` lives on device ``assignment[i]``; returns those moved.
@@ -1390,3 +1476,9 @@ class StreamingBackend(Backend):
 def _shares(values: Sequence[float]) -> list[float]:
     total = sum(values)
     return [v / total for v in values]
+
+
+def _median_ready(samples: Sequence[Mapping[int, float]]) -> dict[int, float]:
+    """Each shard's median of ``samples`` (a shard missing from a sample was ready only at that step: 0 s)."""
+    shards = {shard for sample in samples for shard in sample}
+    return {shard: statistics.median(sample.get(shard, 0.0) for sample in samples) for shard in shards}

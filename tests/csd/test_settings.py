@@ -79,6 +79,7 @@ def test_defaults_are_the_strategy_defaults_and_the_object_is_frozen_and_keyword
         "state_memory_budget": None,
         "device_weights": None,
         "state_accelerator_budget": None,
+        "state_memory_share": "auto",
     }
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.buffer_count = 4  # type: ignore[misc]

@@ -389,6 +389,8 @@ class XrtBackend(StreamingBackend):
         device_weights: relative update throughput of each SmartSSD (``None``: equal).
         accelerator_bytes: bytes of shard state updated in ``accelerator_device``'s memory (the accelerator tier).
         accelerator_device: the torch device of the accelerator tier (``"cuda"``: the current GPU).
+        measure_memory_share: ``False`` fills the memory tier's budget instead of measuring its share (``None``:
+            measure, since the SmartSSDs compute).
 
     Raises:
         ValueError: bad arguments (see :func:`check_xrt_settings`), or more directories than XRT devices.
@@ -413,6 +415,7 @@ class XrtBackend(StreamingBackend):
         device_weights: Sequence[float] | None = None,
         accelerator_bytes: int = 0,
         accelerator_device: torch.device | str = "cuda",
+        measure_memory_share: bool | None = None,
     ) -> None:
         self.xclbin_path = check_xrt_settings(xclbin, devices, [str(d) for d in device_dirs])
         self.pyxrt = load_pyxrt(self.xclbin_path)
@@ -433,6 +436,7 @@ class XrtBackend(StreamingBackend):
             device_weights=device_weights,
             accelerator_bytes=accelerator_bytes,
             accelerator_device=accelerator_device,
+            measure_memory_share=measure_memory_share,
         )
 
     @cached_property
