@@ -88,3 +88,27 @@ def test_the_accelerator_tier_fills_first_and_is_bound_by_the_gpu_link(capsys) -
     assert main([*argv, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["strategy"]["state_accelerator_budget"] == "21GB" and plan["placement"]["accelerator_bytes"] == 21e9
+
+
+def test_beside_a_gpu_emulated_devices_hide_part_of_their_update_behind_backward(capsys) -> None:
+    """An NVMe server with a GPU (``backend="cpu"``): the devices update on host cores the GPU leaves free during
+    backward, so memory takes only what finishes with the rest of their update, and none when all of it hides."""
+    prof = replace(load_profile("paper-a100"), name="nvme-a100", gradient_staged_on_ssd=False)
+    work = workload_from_model("7B")
+    state = 12 * work.params
+    placed = place_state(work, prof, 2, state)
+    assert placed.backward_s > 0
+    device_rate = state / (placed.all_on_device_s + placed.backward_s)  # both devices, state bytes per second
+    memory_rate = prof.host_update_gparams_per_s * 1e9 * 12
+    hidden = placed.backward_s * device_rate
+    assert placed.memory_bytes == pytest.approx(memory_share(state, state - hidden, memory_rate, device_rate))
+    assert 0 < placed.memory_bytes < state
+    # Memory and what is left of the devices' update after backward finish together.
+    assert placed.update_s == pytest.approx(placed.memory_bytes / memory_rate, rel=1e-6)
+    assert placed.update_s == pytest.approx((state - placed.memory_bytes - hidden) / device_rate, rel=1e-6)
+    # Filling the budget would leave memory the whole update after backward.
+    assert placed.update_s < state / memory_rate
+    # A backward long enough to hide all of it: the devices take everything.
+    long = place_state(replace(work, batch=256), prof, 2, state)
+    assert long.memory_bytes == 0 and long.update_s == 0.0 == long.all_on_device_s
+    assert "overlaps its" in long.describe("84GB")

@@ -3,11 +3,21 @@ devices by speed.
 
 The same rules as the strategy's placement (:class:`~lightning_smartinf.csd.placement.Tiered`), in the planner's
 units. The accelerator tier fills its budget first: its update is bound by the GPU link, which carries only the 16-bit
-gradient in and the 16-bit parameter out (4 B per 12 B of state). Emulated devices (the ``cpu`` backend: the update
-runs on the host cores, plus storage I/O) are never faster than the memory tier, so it fills its budget. SmartSSDs
-compute on their own, in parallel with the host, so memory takes only the share that finishes with them
-(:func:`memory_share`). Beside remote servers (a profile with ``network_gbps``) the strategy's split is fixed when it
-starts, at the share one more server would hold (:mod:`~lightning_smartinf.csd.local_tiers`), and so is the plan's.
+gradient in and the 16-bit parameter out (4 B per 12 B of state). Then, as ``state_memory_share="auto"`` decides:
+
+- Emulated devices (the ``cpu`` backend: the update runs on the host cores, plus storage I/O) training on the CPU share
+  the host cores with forward and backward, so the memory tier fills its budget.
+- Emulated devices beside a GPU start each sub-group's update as backward completes its gradient
+  (``overlap_backward``) on host cores the GPU leaves free, so ``backward_s * rate`` bytes of their update hide behind
+  backward. Memory takes the share that finishes with what is left of theirs after backward:
+  ``memory_share(budget, state - hidden, ...)``, none when all of it hides.
+- SmartSSDs compute on their own, in parallel with the host (after backward: they take no hand-offs), so memory takes
+  the share that finishes with them (:func:`memory_share`).
+- Beside remote servers (a profile with ``network_gbps``) the strategy's split is fixed when it starts, at the share
+  one more server would hold (:mod:`~lightning_smartinf.csd.local_tiers`), and so is the plan's.
+
+The strategy decides the same from measured rates and from when each gradient was complete
+(:mod:`~lightning_smartinf.csd.update_model`); the plan assumes backward completes the state at an even pace.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_smartinf.csd.placement import memory_share
-from lightning_smartinf.plan.model import FP32_STATE_BYTES, GB, PlanError, Profile, Workload
+from lightning_smartinf.plan.model import FP32_STATE_BYTES, GB, PlanError, Profile, Workload, fwd_bwd_time
 
 __all__ = ["TierPlacement", "memory_share", "place_state"]
 
@@ -32,6 +42,8 @@ class TierPlacement:
     update_s: float
     all_on_device_s: float
     accelerator_bytes: float = 0.0
+    #: Seconds of backward the devices' update overlaps (0: it starts after backward).
+    backward_s: float = 0.0
 
     def describe(self, budget_text: str, accelerator_text: str | None = None) -> str:
         """One paragraph for ``smartinf plan``."""
@@ -42,12 +54,13 @@ class TierPlacement:
                 f" and state_accelerator_budget={accelerator_text}: {self.accelerator_bytes / GB:.1f} GB in GPU memory "
                 f"({self.accelerator_bytes / max(self.state_bytes, 1):.0%}),"
             )
+        after = f" after backward (the devices' update overlaps its {self.backward_s:.2f} s)" if self.backward_s else ""
+        ratio = f" ({self.all_on_device_s / self.update_s:.2f}x)" if self.update_s > 0 else ""
         return (
             f"placement with state_memory_budget={budget_text}{gpu} {self.memory_bytes / GB:.1f} of "
             f"{self.state_bytes / GB:.1f} GB of optimizer state in host memory "
-            f"({self.memory_bytes / max(self.state_bytes, 1):.0%}), devices hold {shares} GB; optimizer update "
-            f"{self.update_s:.2f} s per step against {self.all_on_device_s:.2f} s with all of it on the devices "
-            f"({self.all_on_device_s / max(self.update_s, 1e-12):.2f}x)"
+            f"({self.memory_bytes / max(self.state_bytes, 1):.0%}), devices hold {shares} GB; optimizer update{after} "
+            f"{self.update_s:.2f} s per step against {self.all_on_device_s:.2f} s with all of it on the devices{ratio}"
         )
 
 
@@ -91,16 +104,19 @@ def place_state(
     rates = [unit * w / max(weights) for w in weights]
     memory_rate = prof.host_update_gparams_per_s * 1e9 * FP32_STATE_BYTES
     emulated = not prof.gradient_staged_on_ssd and prof.network_gbps is None
-    if emulated:
+    # Emulated devices beside a GPU update during backward (the backward of forward + backward: 2 of 3 parts).
+    backward_s = 2 / 3 * fwd_bwd_time(work, prof) if emulated and prof.gpu_peak_tflops is not None else 0.0
+    if emulated and not backward_s:  # on the CPU, devices and memory share the host cores: fill the budget
         memory = min(memory_budget, state)
     elif prof.network_gbps is not None:  # beside remote servers the strategy keeps one more server's share
         memory = memory_share(memory_budget, state, sum(rates) / len(rates), sum(rates))
     else:
-        memory = memory_share(memory_budget, state, memory_rate, sum(rates))
+        memory = memory_share(memory_budget, max(0.0, state - backward_s * sum(rates)), memory_rate, sum(rates))
     rest = state - memory
     device_bytes = tuple(rest * r / sum(rates) for r in rates)
-    device_s = max(b / r for b, r in zip(device_bytes, rates))
+    device_s = max(max(0.0, b / r - backward_s) for b, r in zip(device_bytes, rates))
     # The tiers run at once; the step waits for the slowest.
     accelerator_s = accelerator / accelerator_rate if accelerator else 0.0
     update_s = max(device_s, memory / memory_rate, accelerator_s)
-    return TierPlacement(total, memory, device_bytes, update_s, total / sum(rates), accelerator)
+    all_on_device_s = max(0.0, total / sum(rates) - backward_s)
+    return TierPlacement(total, memory, device_bytes, update_s, all_on_device_s, accelerator, backward_s)
