@@ -23,12 +23,16 @@ from typing import Any
 
 RUNS = ("zero_infinity", "zero_infinity_pipelined", "smart_infinity", "smart_infinity_no_overlap")
 #: State tiers (issue 24): ours with a share of the state in host memory, and ZeRO-Offload (all of it in RAM, updated
-#: by DeepSpeedCPUAdam) as the ceiling. Run them with ``--only``.
+#: by DeepSpeedCPUAdam) as the ceiling. ``_measured``: the memory tier's share of its budget re-planned from measured
+#: rates (``state_memory_share="measured"``; give ``--warmup 10`` or more so that the timed steps follow the re-plan at
+#: step 10). Run them with ``--only``.
 TIER_RUNS = (
     "smart_infinity_mem25",
     "smart_infinity_mem50",
     "smart_infinity_mem75",
     "smart_infinity_mem100",
+    "smart_infinity_mem50_measured",
+    "smart_infinity_mem100_measured",
     "zero_offload",
 )
 ALL_RUNS = RUNS + TIER_RUNS
@@ -295,7 +299,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         else:
             from lightning_smartinf import SmartInfinityStrategy
 
-            share = int(args.run.rpartition("_mem")[2]) / 100 if "_mem" in args.run else 0
+            share = int(args.run.partition("_mem")[2].partition("_")[0] or 0) / 100
             # fp32 master + two Adam states, plus each sub-group's last-chunk padding (at most 3 x 4 KiB).
             state = 12 * module.num_params + 12 * 4096 * (module.num_params // args.sub_group_size + 1)
             strategy = SmartInfinityStrategy(
@@ -305,6 +309,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                 offload_parameters=True,
                 io_engine=args.io_engine,
                 overlap_backward=args.run != "smart_infinity_no_overlap",
+                state_memory_share="measured" if args.run.endswith("_measured") else "auto",
                 **dict(args.smartinf),
             )
         n = args.batch * (args.warmup + args.steps)
@@ -351,6 +356,20 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             result["early_rolled_back"] = optimizer.smart_update.early_rolled_back
             result["sub_groups"] = len(optimizer.fp16_groups)
             result["optimizer_steps"] = args.warmup + args.steps
+            backend = optimizer.smart_update.backend
+            shards = getattr(backend, "shards", ())
+            if shards:
+                held = sum(s.layout.file_bytes for s in shards if s.file.in_memory)
+                result["memory_share_final"] = held / sum(s.layout.file_bytes for s in shards)
+            plan = getattr(backend, "last_replan", None)
+            if plan is not None:
+                result["replan"] = {
+                    "memory_share_bytes": plan.memory_share,
+                    "predicted_s": plan.predicted_s,
+                    "current_s": plan.current_s,
+                    "rates_gbps": {str(d): r / 1e9 for d, r in plan.rates.items()},
+                    "ready_s": {str(i): t for i, t in sorted(plan.ready.items())},
+                }
         if meter.dev0 is not None and meter.dev1 is not None:
             result["device_s_per_step"] = {k: (meter.dev1[k] - meter.dev0[k]) / args.steps for k in meter.dev0}
         if meter.trace is not None:
@@ -382,6 +401,10 @@ def tiers_table(results: dict[str, dict[str, Any]]) -> str:
     columns = [
         ("all on device", results.get("smart_infinity", {})),
         *[(f"{share}% in memory", results.get(f"smart_infinity_mem{share}", {})) for share in (25, 50, 75, 100)],
+        *[
+            (f"{share}% budget, measured", results.get(f"smart_infinity_mem{share}_measured", {}))
+            for share in (50, 100)
+        ],
         ("ZeRO-Infinity best", best),
         ("ZeRO-Offload", results.get("zero_offload", {})),
     ]
@@ -395,13 +418,20 @@ def tiers_table(results: dict[str, dict[str, Any]]) -> str:
     rows: list[tuple[str, Any]] = [
         ("optimizer step, median (s)", lambda r: r.get("opt_step_median_s")),
         ("train step, mean (s)", lambda r: r.get("train_step_mean_s")),
-        ("train step: all on device / this", lambda r: device.get("train_step_mean_s", 0) / r["train_step_mean_s"]),
-        ("train step: ZeRO-Infinity best / this", lambda r: best.get("train_step_mean_s", 0) / r["train_step_mean_s"]),
+        ("train step: all on device / this", lambda r: _ratio(device.get("train_step_mean_s"), r["train_step_mean_s"])),
+        (
+            "train step: ZeRO-Infinity best / this",
+            lambda r: _ratio(best.get("train_step_mean_s"), r["train_step_mean_s"]),
+        ),
         (
             "train step: this / ZeRO-Offload",
-            lambda r: r["train_step_mean_s"] / results.get("zero_offload", {}).get("train_step_mean_s", float("nan")),
+            lambda r: _ratio(r["train_step_mean_s"], results.get("zero_offload", {}).get("train_step_mean_s")),
         ),
         ("peak RSS (MiB)", lambda r: r.get("peak_rss_mib")),
+        (
+            "state in memory at the end (%)",
+            lambda r: 100 * r["memory_share_final"] if "memory_share_final" in r else None,
+        ),
         (
             "storage read + write (B/param/step)",
             lambda r: (
@@ -423,6 +453,11 @@ def tiers_table(results: dict[str, dict[str, Any]]) -> str:
     for name, get in rows:
         lines.append(f"| {name} | " + " | ".join(fmt(get(r), 2) for _, r in columns) + " |")
     return "\n".join(lines)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, or ``None`` (shown as a dash) when either was not run."""
+    return None if a is None or not b else a / b
 
 
 def raw_bandwidth(directory: Path, gib: float) -> dict[str, float]:
@@ -566,6 +601,8 @@ def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     merged["round_opt_step_medians_s"] = [r["opt_step_median_s"] for r in good]
     merged["round_train_step_means_s"] = [r["train_step_mean_s"] for r in good]
     merged["peak_rss_mib"] = max(r["peak_rss_mib"] for r in good)
+    if all("memory_share_final" in r for r in good):
+        merged["round_memory_share_final"] = [r["memory_share_final"] for r in good]
     for key in ("disk_read_bytes_per_param_in_step", "disk_write_bytes_per_param_in_step"):
         if all(key in r for r in good):
             merged[key] = statistics.fmean(r[key] for r in good)

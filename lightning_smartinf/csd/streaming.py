@@ -1083,9 +1083,12 @@ class StreamingBackend(Backend):
         )
 
     def _estimated_rate(self, device: StreamingDevice, memory_rate: float) -> float | None:
-        """An emulated storage device that has not updated yet: the slower of its storage (a write and read probe,
-        shared by the devices on its filesystem; measured once) and the memory tier's rate (the same update code on
-        the same host cores). ``None`` for a device that computes: its rate is its own."""
+        """A device that has not updated yet. An emulated storage device: the slower of its storage (a write and read
+        probe, shared by the devices on its filesystem; measured once) and the memory tier's rate (the same update
+        code on the same host cores). An accelerator tier that holds nothing: no time (memory's share cannot change
+        that). ``None`` for any other: a device that computes has a rate of its own."""
+        if device.tier == "accelerator" and device.index not in self.assignment:
+            return math.inf
         if self.storage_computes or device.in_memory:
             return None
         if device.index not in self._probed:

@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 __all__ = ["best_share", "memory_candidates", "update_tail"]
 
+#: At most this many shares are predicted per re-plan (about one more than this many): beyond it, every k-th prefix.
+MAX_CANDIDATES = 256
 #: Predicted update phases within this fraction of the shortest count as equal: the one nearest the current
 #: share is chosen, so a re-plan does not move state for a gain the measurements cannot tell from noise.
 TIE = 0.03
@@ -59,15 +61,18 @@ def update_tail(
     return tail
 
 
-def memory_candidates(sizes: Sequence[int], budget: int) -> list[int]:
+def memory_candidates(sizes: Sequence[int], budget: int, limit: int = MAX_CANDIDATES) -> list[int]:
     """The memory shares that give different placements when memory fills in index order: none, each prefix of
-    ``sizes`` (the shards it may hold, in index order) within ``budget``, and ``budget`` itself."""
-    shares, held = [0], 0
+    ``sizes`` (the shards it may hold, in index order) within ``budget``, and ``budget`` itself; every k-th prefix
+    when there are more than ``limit``."""
+    prefixes, held = [], 0
     for size in sizes:
         held += size
         if held > budget:
             break
-        shares.append(held)
+        prefixes.append(held)
+    step = max(1, math.ceil(len(prefixes) / limit))
+    shares = [0, *prefixes[step - 1 :: step]]
     if shares[-1] != budget:
         shares.append(budget)
     return shares

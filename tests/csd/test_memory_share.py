@@ -52,6 +52,9 @@ def test_candidates_are_the_prefixes_within_the_budget() -> None:
     assert memory_candidates([3, 3, 3], 7) == [0, 3, 6, 7]
     assert memory_candidates([3, 3, 3], 9) == [0, 3, 6, 9]
     assert memory_candidates([3, 3, 3], 0) == [0]
+    # Thousands of sub-groups: every k-th prefix, so that a re-plan predicts a bounded number of shares.
+    assert memory_candidates([1] * 1000, 1000, limit=10) == list(range(0, 1001, 100))
+    assert memory_candidates([1] * 1000, 995, limit=10) == [*range(0, 901, 100), 995]
 
 
 def test_best_share_prefers_the_current_share_among_equals() -> None:
