@@ -8,16 +8,16 @@ which this machine does not have, and the moves they make are checked bitwise ag
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from csd.test_tiers import _masters
+from csd.test_xrt_tiers import SlowMemoryDevice
 from lightning_smartinf.csd.backend import ShardSpec
 from lightning_smartinf.csd.cpu import CpuBackend
 from lightning_smartinf.csd.layout import ChunkLayout
-from lightning_smartinf.csd.memory import MemoryDevice
 from lightning_smartinf.csd.rules import Adam, StepParams
 from lightning_smartinf.csd.streaming import StreamingDevice
 from lightning_smartinf.csd.update_model import best_share, memory_candidates, update_tail
@@ -93,14 +93,6 @@ def _steps(backend: CpuBackend, outs: list[torch.Tensor], first: int, last: int,
     backend.wait()
 
 
-def _masters(backend: CpuBackend) -> list[torch.Tensor]:
-    out = [torch.empty(n) for n in SIZES]
-    for i, tensor in enumerate(out):
-        backend.read_master(i, tensor)
-    backend.wait()
-    return out
-
-
 @pytest.fixture
 def backends():
     opened: list[CpuBackend] = []
@@ -135,15 +127,7 @@ def test_devices_that_hide_behind_backward_take_the_state_from_memory(tmp_path, 
     assert backend.traffic_snapshot().storage_read_bytes > 0
     _steps(reference, expected, 1, 5, ready)
     assert all(torch.equal(a, b) for a, b in zip(outs, expected))
-    assert all(torch.equal(a, b) for a, b in zip(_masters(backend), _masters(reference)))
-
-
-class SlowMemoryDevice(MemoryDevice):
-    """The memory tier on a host with no core to spare: each chunk's update takes 20 ms longer."""
-
-    def run_compute(self, work) -> None:
-        time.sleep(0.02)
-        super().run_compute(work)
+    assert all(torch.equal(a, b) for a, b in zip(_masters(backend, SIZES), _masters(reference, SIZES)))
 
 
 class SlowMemoryCpu(CpuBackend):
@@ -173,7 +157,7 @@ def test_without_overlap_a_slow_memory_tier_gives_up_what_the_device_finishes_so
     _steps(backend, outs, 3, 4, {})
     _steps(reference, expected, 1, 4, {})
     assert all(torch.equal(a, b) for a, b in zip(outs, expected))
-    assert all(torch.equal(a, b) for a, b in zip(_masters(backend), _masters(reference)))
+    assert all(torch.equal(a, b) for a, b in zip(_masters(backend, SIZES), _masters(reference, SIZES)))
 
 
 def test_emulated_devices_fill_the_budget_unless_asked_to_measure(tmp_path, backends) -> None:
