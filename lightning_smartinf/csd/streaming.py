@@ -991,8 +991,9 @@ class StreamingBackend(Backend):
     def note_backward(self, ready: Mapping[int, float]) -> None:
         """Seconds before this step began that backward completed each sub-group's gradient (see
         :meth:`Backend.note_backward`); :meth:`replan` takes each shard's median over the steps since it last ran."""
-        self._backward.append(dict(ready))
-        del self._backward[:-BACKWARD_SAMPLES]
+        if self.measures_memory_share:  # (only the memory share's model reads them)
+            self._backward.append(dict(ready))
+            del self._backward[:-BACKWARD_SAMPLES]
 
     def replan(self) -> list[int]:
         """Re-place the shards from the update rates the devices showed since the last call; returns the shards moved
@@ -1038,17 +1039,14 @@ class StreamingBackend(Backend):
         self._memory_share = share
         specs = [s.spec for s in self._shards]
         moved = self.relocate(check_assignment(self._tiered(new), specs, self.num_devices))
-        shown = [f"{rates[d.index] / 1e9:.2f} GB/s ({d.tier} {d.index})" for d in self.devices if d.index in rates]
-        predicted = ""
-        if plan is not None:
-            predicted = f"; the update phase is predicted {plan.predicted_s:.2f} s, was {plan.current_s:.2f} s"
-        log.info(
-            "SmartUpdate re-placed %d shard(s): the devices now update at %s (storage shares were %s)%s",
-            len(moved),
-            ", ".join(shown),
-            ", ".join(f"{o:.0%}" for o in _shares(weights)),
-            predicted,
-        )
+        shown = plan.rates if plan is not None else rates  # (with the estimates of devices that never updated)
+        speeds = [f"{shown[d.index] / 1e9:.2f} GB/s ({d.tier} {d.index})" for d in self.devices if d.index in shown]
+        why = [f"the devices update at {', '.join(speeds)}"]
+        if new != weights:
+            why.append(f"storage shares were {', '.join(f'{o:.0%}' for o in _shares(weights))}")
+        if plan is not None and share == plan.memory_share:
+            why.append(f"the update phase is predicted {plan.predicted_s:.3g} s, was {plan.current_s:.3g} s")
+        log.info("SmartUpdate re-placed %d shard(s): %s", len(moved), "; ".join(why))
         self._log_shares([s.layout for s in self._shards])
         return moved
 
