@@ -33,7 +33,7 @@ from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from torch import Tensor
 
-from lightning_smartinf.csd.accelerator import Fence, record_fence
+from lightning_smartinf.csd.accelerator import Fence, PinnedRing, record_fence
 from lightning_smartinf.csd.controller import SmartUpdate, SubGroup
 from lightning_smartinf.csd.host_buffer import HostBuffer, InMemoryBuffer
 from lightning_smartinf.csd.traffic import Traffic
@@ -166,6 +166,9 @@ class ZeroPartitions:
             self._optimizer.loss_scaler.cur_scale = scale
 
     def gradient_fence(self) -> Fence | None:
+        ring = self._optimizer.gradient_ring
+        if ring is not None:  # the partitions queued so far are in the file once the ring has moved them there
+            return ring.fence()
         accelerator = get_accelerator()
         if accelerator.is_synchronized_device():
             return None
@@ -256,6 +259,8 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     smart_update: SmartUpdate
     #: With parameters on storage and gradients in host memory: their buffer, in a file on the storage path.
     gradient_file: FileBuffer | None = None
+    #: With that file beside an accelerator: how the reduced partitions reach it (:meth:`partition_grads`).
+    gradient_ring: PinnedRing | None = None
     _gradients_in_file = False
 
     def _configure_tensor_swapping(self, offload_optimizer_config: Any, aio_config: Any) -> None:
@@ -282,6 +287,11 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         element_size = torch.empty(0, dtype=self.gradient_accumulation_dtype).element_size()
         device = gradient_buffer_device(settings.gradient_buffer, numel * (element_size + residual))
         in_file = self._gradients_in_file = device is None and self.params_in_nvme_and_cpu
+        if device is not None or in_file:
+            # ZeRO pins the gradient buffer it makes (`offload_optimizer.pin_memory`, true by default) and we replace
+            # it below: pinning would fail on CUDA for the "meta" buffer of `in_file`, and otherwise leave a whole
+            # model's page-locked buffer (2-4 B/param) cached in CUDA's host allocator for nothing.
+            self.offload_optimizer_pin_memory = False
         host = self.device
         try:
             super()._setup_for_real_optimizer()
@@ -295,6 +305,11 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             directory = Path(self.fp16_groups[0][0].nvme_swapper.swap_folder)
             self.gradient_file = FileBuffer(directory, numel, self.gradient_accumulation_dtype)
             self._replace_gradient_buffer(self.gradient_file.tensor)
+            accelerator = get_accelerator()
+            if not accelerator.is_synchronized_device():
+                # Backward's partitions reach the file through pinned staging and a thread of its own: a copy into
+                # the file's pageable pages would block the thread that launches backward, once per partition.
+                self.gradient_ring = PinnedRing(device=torch.device(accelerator.current_device_name()))
 
     def _replace_gradient_buffer(self, buffer: Tensor) -> None:
         """Keep the reduced gradient partitions in ``buffer`` instead of ZeRO's pinned host buffer: the per-parameter
@@ -339,6 +354,42 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             # no memory. `_setup_for_real_optimizer` puts the device back and the buffer in a file.
             self.device = "meta"
 
+    def partition_grads(self, params_to_release: list[Tensor], grad_partitions: list[Tensor]) -> list[Tensor]:
+        """ZeRO's copy of each reduced gradient partition into the gradient buffer, through :attr:`gradient_ring`
+        where the buffer is a file beside an accelerator.
+
+        The first micro-batch's partitions are queued on the ring (the launching thread does not wait), and their
+        norm is taken on the accelerator from the partition itself. Later micro-batches of an accumulation add to
+        what the file holds: the ring is flushed, then ZeRO adds as it always does (on the accelerator, copying
+        synchronously). Mirrors ``DeepSpeedZeroOptimizer_Stage3.partition_grads`` of DeepSpeed 0.19.8 otherwise.
+        """
+        ring = self.gradient_ring
+        if ring is None or self.micro_step_id != 0:
+            if ring is not None:
+                ring.flush()
+            return super().partition_grads(params_to_release, grad_partitions)
+        views = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        offload_fp32_gradients: dict = {}
+        offload_fp32_offsets: dict = {}
+        buffers = []
+        for param, grad_partition in zip(params_to_release, grad_partitions):
+            if param.partition_numel() * self._get_param_partition_rank(param) >= param.ds_numel:
+                param.grad = None  # this rank's partition of it is padding only
+                continue
+            self._offload_boundary_param_ids.add(param.ds_id)
+            grad_buffer = views[param.ds_id].narrow(0, 0, grad_partition.numel())
+            buffers.append(grad_buffer)
+            # In the buffer's dtype on the accelerator (what ZeRO's copy would round it to), queued on this stream.
+            on_device = grad_partition.to(self.gradient_accumulation_dtype).view(grad_buffer.shape)
+            ring.copy(grad_buffer, on_device)
+            if self.is_gradient_accumulation_boundary():
+                self._offload_grad_partition_at_boundary(param, on_device, offload_fp32_gradients, offload_fp32_offsets)
+            if param.grad is not None:
+                param.grad.record_stream(get_accelerator().current_stream())
+            param.grad = None
+        self._swap_out_offload_fp32_gradients(offload_fp32_gradients, offload_fp32_offsets)
+        return buffers
+
     def _offload_grad_partition_at_boundary(
         self, param: Tensor, grad_buffer: Tensor, offload_fp32_gradients: dict, offload_fp32_offsets: dict
     ) -> None:
@@ -375,8 +426,25 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             return 1.0
         return 1.0 / max(((float(total_norm) / self.loss_scale) + 1e-6) / self.clip_grad, 1.0)
 
+    def _link_overflows(self, clip_factor: float) -> bool:
+        """Whether this step's gradient plus the error-feedback residual overflows the link on any rank.
+
+        Each rank checks only its own partition and residual; the ranks must agree, as they do on ZeRO's own overflow
+        check, because a rank that steps while another skips enters collectives the other never joins. So the flag
+        is reduced (MAX) over the data-parallel group whenever error feedback is configured (the same on every rank,
+        whatever the data); it is read on the host once per step.
+        """
+        flag = self.smart_update.link_overflows(clip_factor)
+        compression = self.smart_update.settings.compression
+        if compression is not None and compression.error_feedback and self.partition_count > 1:
+            flag = flag.to(device=get_accelerator().current_device_name(), dtype=torch.uint8).reshape(1)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_process_group)
+        return bool(flag)
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
+        if self.gradient_ring is not None:
+            self.gradient_ring.flush()  # ZeRO's overflow check and the compression read the buffer on the host
         self._pre_step()
         self._partition_all_parameters()
         self._overflow_check_and_loss_scale_update(update_scale=False)
@@ -384,7 +452,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if not self.overflow:
             total_norm = combine_grad_norm_groups(self._get_norm_groups())
             # Error feedback may have accumulated beyond the link dtype (fp16): an overflow like any other.
-            if is_invalid_grad_norm(total_norm) or self.smart_update.link_overflows(self._clip_factor(total_norm)):
+            if is_invalid_grad_norm(total_norm) or self._link_overflows(self._clip_factor(total_norm)):
                 self.overflow = True
         if self._loss_scale_update_and_overflow_cleanup():
             # Skipped step: nothing was sent, or only tentative updates, now undone; device state is as it was.
@@ -403,6 +471,8 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def destroy(self) -> None:
         try:
+            if self.gradient_ring is not None:
+                self.gradient_ring.close()
             super().destroy()
         finally:
             # The storage stays claimed: whoever built the backend decides when to give it up (`release_storage`).
