@@ -60,7 +60,7 @@ from torch import Tensor, nn
 
 from lightning_smartinf.activations.spill import SpillFiles
 from lightning_smartinf.activations.tuning import DEFAULTS, MEASURE_AT, MEASURE_COUNT, LayerMeter, Tuning, tune
-from lightning_smartinf.csd.accelerator import SideStreams, on_cuda, pinned_empty, record_fence
+from lightning_smartinf.csd.accelerator import SideStreams, bind_thread, on_cuda, pinned_empty, record_fence
 from lightning_smartinf.csd.io import IO_ALIGN, IOEngine, ThreadedIO, aligned_empty, round_up
 from lightning_smartinf.csd.storage import (
     StorageError,
@@ -471,6 +471,16 @@ class ActivationOffloader:
         if self._meter is not None and self.tuning is None and self._micro_batches == MEASURE_AT + MEASURE_COUNT - 1:
             self._tune()
 
+    def settle_writes(self) -> None:
+        """Block until every write started so far has finished: the activations it offloaded are then in their files
+        and out of memory, and backward reads each of them back (raises a write's error, if any)."""
+        with self._cond:
+            pending = [r.future for r in self._records.values() if r.state == _WRITING and r.future is not None]
+        for future in pending:
+            with contextlib.suppress(BaseException):  # a write error is recorded in `_error`, raised below
+                future.result()
+        self._raise_pending_error()
+
     def _io_costs(self) -> IOCosts:
         """The I/O's bandwidths and CPU time per byte in the micro-batch that just ended."""
         s, before = self.stats, self._measured_from
@@ -550,6 +560,13 @@ class ActivationOffloader:
     def _pack(self, t: Tensor) -> Any:
         if (t.requires_grad and t.is_leaf) or t.is_sparse or t.layout != torch.strided or t.numel() == 0:
             return t  # parameters and exotic tensors: autograd keeps them as usual
+        if on_cuda(t) and torch.cuda.is_current_stream_capturing():
+            # A captured graph replays its kernels without this hook: writes and reads would not happen on replay.
+            raise RuntimeError(
+                "Activation offload cannot run while a CUDA graph is captured (`torch.compile(mode='reduce-overhead')` "
+                "or `torch.cuda.graph`): the graph would replay without the offload's copies. Compile with another "
+                "mode (e.g. `mode='default'` or 'max-autotune-no-cudagraphs'), or turn activation offload off."
+            )
         self._raise_pending_error()
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
@@ -615,6 +632,7 @@ class ActivationOffloader:
         try:
             t = rec.tensor
             assert t is not None and rec.slot is not None
+            bind_thread(t.device)  # this pool serves every device's tensors: CUDA calls go to the tensor's own
             start = time.perf_counter()
             if t.device.type == "cpu":
                 buf, copied = _pages(t, rec.head, rec.charged), start
@@ -817,6 +835,7 @@ class ActivationOffloader:
         start = time.perf_counter()
         try:
             assert rec.slot is not None
+            bind_thread(rec.device)  # this pool serves every device's tensors: CUDA calls go to the tensor's own
             index, offset = rec.slot
             cuda = rec.device.type == "cuda"
             buf = self._staging(rec.charged, pinned=True) if cuda else self._lease(rec.charged)

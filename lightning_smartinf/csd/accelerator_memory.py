@@ -13,8 +13,9 @@ Invariants:
 - A file holds exactly its shard's record bytes on the device, zeroed when made.
 - As in the memory tier, a shard has one slot and is never updated tentatively (the controller submits it after
   backward), so updating a record in place is exact.
-- Every chunk's work runs on the worker thread's current stream and has completed when the chunk is done: a
-  write-back, a read or a checkpoint never sees a record mid-update, and the training thread never waits for it.
+- Every chunk's work runs on the device threads' own side stream (never the default stream, where it would queue
+  behind training's kernels) and has completed when the chunk is done: a write-back, a read or a checkpoint never
+  sees a record mid-update, and the training thread never waits for it.
 - A checkpoint reads and writes a file through a host copy (:meth:`AcceleratorStateFile.stage`) made for the save or
   load and freed after it: host memory must hold the tier's state while a checkpoint is written or read.
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lightning_smartinf.csd.accelerator import cuda_event
 from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.cpu import EmulatedDevice, link_bytes
 from lightning_smartinf.csd.io import StateFile
@@ -158,8 +160,11 @@ class AcceleratorDevice(EmulatedDevice):
     def run_compute(self, work: Callable[[], None]) -> None:
         work()
         if self.torch_device.type == "cuda":
-            # Done before the chunk is: its write-back, a later read and the parameters copied out see it whole.
-            torch.cuda.current_stream(self.torch_device).synchronize()
+            # Done before the chunk is: its write-back, a later read and the parameters copied out see it whole. The
+            # worker sleeps on the event rather than spinning a core the host's devices update with.
+            done = cuda_event()
+            done.record(torch.cuda.current_stream(self.torch_device))
+            done.synchronize()
 
     def close(self, timeout: float | None = None) -> bool:
         settled = super().close(timeout)

@@ -26,11 +26,10 @@ import os
 import queue
 import stat
 import statistics
-import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lightning_smartinf.csd.accelerator import Fence, HostLink
+from lightning_smartinf.csd.accelerator import (
+    Fence,
+    HostLink,
+    current_accelerator,
+    on_cuda,
+    record_fence,
+    side_stream,
+    start_thread,
+    thread_pool,
+)
 from lightning_smartinf.csd.backend import Backend, BackendStats, DeviceStats, Handle, ShardSpec
 from lightning_smartinf.csd.checkpoint import ShardState, load_state, save_state, shard_file_name
 from lightning_smartinf.csd.compression import SparseGrad
@@ -196,10 +204,13 @@ class StreamingDevice(ABC):
         # Prefetched chunks leave the request being served room for ``readers`` reads and never take the pool's
         # last two buffers (one updating, one reading), so its reads never wait on chunks no one consumes yet.
         self.prefetch_plan = PrefetchPlan(min(buffer_count - 2, max(1, buffer_count - 1 - readers)))
-        self._reader = ThreadPoolExecutor(readers, thread_name_prefix=f"csd{index}-read")
-        self._writer = ThreadPoolExecutor(io_threads, thread_name_prefix=f"csd{index}-write")
-        self._worker = threading.Thread(target=self._serve, name=f"csd{index}-update", daemon=True)
-        self._worker.start()
+        # The threads run on the accelerator of the thread that built the device (this rank's GPU), and on CUDA on a
+        # side stream of their own: whatever CUDA work they do (the accelerator tier's updates) stays off the default.
+        accelerator = current_accelerator()
+        stream = side_stream(accelerator) if accelerator is not None and accelerator.type == "cuda" else None
+        self._reader = thread_pool(readers, f"csd{index}-read", accelerator, stream)
+        self._writer = thread_pool(io_threads, f"csd{index}-write", accelerator, stream)
+        self._worker = start_thread(self._serve, f"csd{index}-update", accelerator, stream)
 
     @property
     def chunk_elems(self) -> int:
@@ -1222,9 +1233,10 @@ class StreamingBackend(Backend):
         init_values = [rule.initial_state_value(name) for name in rule.state_names]
 
         host_link = self.device_of(shard).link
+        written = record_fence(master.device) if on_cuda(master) else None  # by the caller's stream, maybe not yet
 
         def fill(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
-            m.copy_(host_link.to_host(master[start : start + n]))
+            m.copy_(host_link.to_host(master[start : start + n], after=written))
             for state, value in zip(states, init_values):
                 if value != 0.0:
                     state.fill_(value)

@@ -23,7 +23,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ import grpc
 import torch
 from torch import Tensor
 
-from lightning_smartinf.csd.accelerator import Fence, HostLink
+from lightning_smartinf.csd.accelerator import Fence, HostLink, current_accelerator, thread_pool
 from lightning_smartinf.csd.backend import Backend, BackendStats, Handle, ShardSpec
 from lightning_smartinf.csd.checkpoint import CheckpointError, read_json, write_file_atomic
 from lightning_smartinf.csd.compression import SparseGrad
@@ -100,7 +99,8 @@ class _Server:
         self.storage_bytes = (0, 0)  # storage read and write bytes of the session, as the server last counted them
         # Calls in flight per server: one shard's gradient crossing while another's update runs (the server admits
         # as many per session).
-        self.executor = ThreadPoolExecutor(UPDATES_IN_FLIGHT, thread_name_prefix=f"smartinf-remote-{address}")
+        # Its threads run on this rank's accelerator: they copy gradients and parameters to and from its memory.
+        self.executor = thread_pool(UPDATES_IN_FLIGHT, f"smartinf-remote-{address}", current_accelerator())
 
     def call(self, method: Any, request: Any, what: str, stream: bool = False) -> Any:
         try:
@@ -406,14 +406,9 @@ class RemoteBackend(Backend):
             sparse=sparse,
         )
 
-        def frames(sent: list[int]) -> Iterator[Any]:
+        def frames(tensors: list[tuple[str, Tensor]], sent: list[int]) -> Iterator[Any]:
+            # gRPC draws these on a thread of its own: only host tensors are touched here.
             yield header
-            if ready is not None:
-                ready.synchronize()
-            if sparse:
-                tensors = [("indices", grad.indices.cpu()), ("values", grad.values.to(link).cpu())]
-            else:
-                tensors = [("grad", grad.detach().to(link).cpu())]
             for name, tensor in tensors:
                 sent[0] += tensor.numel() * tensor.element_size()
                 yield from encode_tensor(name, tensor)
@@ -421,8 +416,14 @@ class RemoteBackend(Backend):
         what = f"the update of shard {shard}"
 
         def work() -> None:
+            if ready is not None:
+                ready.synchronize()
+            if sparse:  # the controller brought the pairs to the host already
+                tensors = [("indices", grad.indices.cpu()), ("values", grad.values.cpu().to(link))]
+            else:
+                tensors = [("grad", self._host_link().to_host(grad.detach()).to(link))]
             sent = [0]
-            replies = server.update(frames(sent), timeout=server.timeout, metadata=server.metadata)
+            replies = server.update(frames(tensors, sent), timeout=server.timeout, metadata=server.metadata)
             self._deliver(out, _receive("out", replies, numel=out.numel(), dtype=out.dtype, server=server, what=what))
             self.traffic.add(link_write_bytes=sent[0], link_read_bytes=out.numel() * out.element_size())
 
@@ -444,13 +445,19 @@ class RemoteBackend(Backend):
 
         return self._start(server, work, what)
 
-    def _deliver(self, out: Tensor, received: Tensor) -> None:
-        """``received`` into ``out`` (through this worker thread's own :class:`HostLink`, off the training stream
-        when ``out`` is in accelerator memory); returns once it has landed."""
+    def _host_link(self) -> HostLink:
+        """This worker thread's own :class:`HostLink`: copies to and from accelerator memory through pinned staging,
+        on streams of its own, off the training stream."""
         link = getattr(self._links, "link", None)
         if link is None:
             link = self._links.link = HostLink()
             self._all_links.append(link)  # list.append is atomic: closed with the backend
+        return link
+
+    def _deliver(self, out: Tensor, received: Tensor) -> None:
+        """``received`` into ``out`` (through this worker thread's :meth:`_host_link` when ``out`` is in accelerator
+        memory); returns once it has landed."""
+        link = self._host_link()
         link.put(out, received)
         link.settle()
 
