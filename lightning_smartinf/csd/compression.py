@@ -191,11 +191,21 @@ class SparseGrad:
             out.index_copy_(0, (self.indices[lo:hi] - start).long(), values.to(out.dtype))
         return out
 
-    def cpu(self) -> SparseGrad:
-        """This gradient in host memory (itself if it is there already)."""
+    def cpu(self, non_blocking: bool = False) -> SparseGrad:
+        """This gradient in host memory (itself if it is there already).
+
+        ``non_blocking``: from an accelerator, the pairs are copied into page-locked memory on the current stream and
+        the host does not wait; they have landed once a fence recorded after this call has completed.
+        """
         if self.indices.device.type == "cpu" and self.values.device.type == "cpu":
             return self
-        return SparseGrad(self.indices.cpu(), self.values.cpu(), self.numel)
+        if not non_blocking:
+            return SparseGrad(self.indices.cpu(), self.values.cpu(), self.numel)
+        indices = torch.empty(self.indices.shape, dtype=self.indices.dtype, pin_memory=True)
+        values = torch.empty(self.values.shape, dtype=self.values.dtype, pin_memory=True)
+        indices.copy_(self.indices, non_blocking=True)
+        values.copy_(self.values, non_blocking=True)
+        return SparseGrad(indices, values, self.numel)
 
     def to_dense(self, dtype: torch.dtype | None = None) -> Tensor:
         dense = torch.zeros(self.numel, dtype=dtype or self.values.dtype, device=self.values.device)
@@ -220,7 +230,7 @@ _OVERSELECT = 1.3
 def topk_indices(magnitude: Tensor, k: int) -> Tensor:
     """Ascending int64 positions of the ``k`` largest entries of ``magnitude`` (non-finite entries first).
 
-    Large inputs are not fully ranked: a threshold estimated from a strided sample keeps a candidate set
+    Large inputs in host memory are not fully ranked: a threshold estimated from a strided sample keeps a candidate set
     somewhat larger than ``k``, and ``torch.topk`` ranks only those. If the estimate keeps fewer than ``k``
     candidates, the whole input is ranked. Either way the result is exactly ``k`` positions of largest
     magnitude (ties broken arbitrarily), then sorted, which the device kernels require.
@@ -230,7 +240,9 @@ def topk_indices(magnitude: Tensor, k: int) -> Tensor:
         return torch.arange(n, device=magnitude.device)
     if k == 0:
         return torch.empty(0, dtype=torch.long, device=magnitude.device)
-    if n >= SAMPLED_SELECTION_MIN_NUMEL and k * _OVERSELECT < n / 4:
+    # On an accelerator the input is ranked whole: the sample's candidate count is data-dependent, and reading it
+    # would make the host wait for the accelerator once per segment.
+    if magnitude.device.type == "cpu" and n >= SAMPLED_SELECTION_MIN_NUMEL and k * _OVERSELECT < n / 4:
         stride = max(1, n // _SAMPLE_SIZE)
         sample = magnitude[::stride].float()
         keep = min(sample.numel(), max(1, math.ceil(sample.numel() * k * _OVERSELECT / n)))
@@ -319,20 +331,23 @@ def has_narrower_range(value_dtype: torch.dtype, accumulator_dtype: torch.dtype)
 
 def link_overflows(
     grad: Tensor, residual: Tensor, value_dtype: torch.dtype, residual_factor: float = 1.0, block: int = 1 << 20
-) -> bool:
+) -> Tensor:
     """Whether ``residual * residual_factor + grad`` holds an entry that is not finite once cast to ``value_dtype``.
 
     Error feedback sends an entry's accumulated gradient in one step; in fp16 a sum beyond 65504 would cross the link
     as inf and leave ``-inf`` in the residual for good. Works through ``block`` elements at a time (no copy of the
     whole residual); neither tensor is changed.
+
+    Returns:
+        A 0-dim bool tensor on ``grad``'s device: no block waits for the host; the caller reads it once (``bool()``).
     """
     if residual.shape != grad.shape:
         raise ValueError(f"`residual` has shape {tuple(residual.shape)}, the gradient {tuple(grad.shape)}.")
+    found = torch.zeros((), dtype=torch.bool, device=grad.device)
     for start in range(0, grad.numel(), block):
         accumulated = residual[start : start + block] * residual_factor + grad[start : start + block]
-        if not torch.isfinite(accumulated.to(value_dtype)).all():
-            return True
-    return False
+        found |= ~torch.isfinite(accumulated.to(value_dtype)).all()
+    return found
 
 
 def check_ratio(ratio: float) -> None:

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from lightning_smartinf.csd.accelerator import Fence
 from lightning_smartinf.csd.backend import Backend, BackendStats, Handle, ShardSpec
-from lightning_smartinf.csd.compression import compress_topk, has_narrower_range, link_overflows
+from lightning_smartinf.csd.compression import SparseGrad, compress_topk, has_narrower_range, link_overflows
 from lightning_smartinf.csd.device_state import SavedTensor, load_host_tensors, save_device_state
 from lightning_smartinf.csd.factored import FactoredMoments, device_step_params
 from lightning_smartinf.csd.host_buffer import HostBuffer
@@ -305,7 +305,7 @@ class SmartUpdate:
             )
             self._hand_offs.handed_off(i, handle, hp)
 
-    def link_overflows(self, clip_factor: float = 1.0) -> bool:
+    def link_overflows(self, clip_factor: float = 1.0) -> Tensor:
         """Whether this step's gradient plus the error-feedback residual, in the units of this step (its loss scale,
         and ``clip_factor``, the clipping it will have), would not be finite on the link.
 
@@ -313,9 +313,13 @@ class SmartUpdate:
         like a gradient overflow: it skips the step (:meth:`skip_step`) and lowers its loss scale, and the residual,
         held in loss-scaled units, shrinks with it before the next step. ``False`` without a residual, and for a link
         dtype with fp32's exponent range (bf16, fp32), where a finite sum always fits: no pass over the buffers then.
+
+        Returns:
+            A 0-dim bool tensor, on the gradients' device when a pass ran: reading it is the step's one host
+            synchronisation for this check. It answers for this rank only; with several ranks the engine reduces it.
         """
         if self.residual is None or not has_narrower_range(self.link_dtype, self.residual.dtype):
-            return False
+            return torch.zeros((), dtype=torch.bool)
         factor = self.partitions.loss_scale / clip_factor / self.residual_scale
         try:
             return link_overflows(self.partitions.grad_buffer, self.residual, self.link_dtype, factor)
@@ -431,15 +435,20 @@ class SmartUpdate:
                     residual_factor=residual_factor,
                 )
                 self._release_residual(i)
-                grad = grad.cpu()  # only the kept pairs leave the accelerator, when the gradient is on one
                 kept += grad.k
             if normalised:
                 assert self.moments is not None
                 grad = self.moments.normalise(i, grad, hp, self.link_dtype)
                 hp = device_step_params(hp)
+            fence = ready
+            if ratio is not None or normalised:
+                if isinstance(grad, SparseGrad):  # only the kept pairs leave an accelerator, without waiting there
+                    grad = grad.cpu(non_blocking=True)
+                # What was just computed for this sub-group is queued after `ready`: its devices wait for it instead.
+                fence = self.partitions.gradient_fence()
             yield (
                 i,
-                self.backend.submit(i, grad, hp, self.partitions.params(i), link_dtype=self.link_dtype, ready=ready),
+                self.backend.submit(i, grad, hp, self.partitions.params(i), link_dtype=self.link_dtype, ready=fence),
             )
         self.last_kept = (kept, total)
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_smartinf.csd.compression import INDEX_DTYPE, SparseGrad
+from lightning_smartinf.csd.compression import SparseGrad
 from lightning_smartinf.csd.rules import StepParams
 
 
@@ -67,8 +67,28 @@ def _segments(params: Sequence[Mapping[str, Any]], rank: int, first_moment: int)
     return segments
 
 
+class _Table:
+    """One shard's segments as tensors on the gradients' device, so that :meth:`FactoredMoments.normalise` finds each
+    element's segment there (``searchsorted``) instead of cutting the shard into segments on the host."""
+
+    def __init__(self, segments: Sequence[_Segment], device: torch.device) -> None:
+        def column(values: list[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        self.start = column([seg.offset for seg in segments])
+        self.valid = column([seg.valid for seg in segments])
+        self.lead = column([seg.lead for seg in segments])
+        self.rows = column([seg.rows for seg in segments])
+        self.cols = column([max(1, seg.cols) for seg in segments])
+        self.moment = column([seg.moment for seg in segments])
+        self.factored = self.rows > 0
+
+
 class FactoredMoments:
     """Adafactor's second moments of every shard this rank holds, and the normalisation of what is sent.
+
+    The moments live where the gradients are (they follow the first gradient folded in): folding a gradient in and
+    normalising what is sent run there, without waiting for the host.
 
     Args:
         layout: per shard, its parameters' ``shape`` and ``partition_numel`` in order (``Partitions.layout``).
@@ -86,6 +106,7 @@ class FactoredMoments:
         self.moments = torch.zeros(total)
         #: Updates the moments have taken (their bias correction).
         self.updates = 0
+        self._tables: dict[int, _Table] = {}
 
     def load(self, moments: Tensor | None, updates: int) -> None:
         """Restore saved moments (``None``: start again from zero, as after a resume from another rule)."""
@@ -106,61 +127,76 @@ class FactoredMoments:
         self.updates += 1
 
     def update(self, shard: int, grad: Tensor, grad_scale: float, beta2: float) -> None:
-        """Fold this step's dense gradient of ``shard`` (times ``grad_scale``) into its moments."""
+        """Fold this step's dense gradient of ``shard`` (times ``grad_scale``) into its moments (which move to the
+        gradient's device the first time)."""
+        if self.moments.device != grad.device:
+            self.moments = self.moments.to(grad.device)
         for seg in self._shards[shard]:
             if not seg.valid:
                 continue
             square = grad[seg.offset : seg.offset + seg.valid].to(torch.float32, copy=True).mul_(grad_scale).square_()
             moment = self.moments[seg.moment : seg.moment + seg.moment_size]
             if not seg.rows:
-                moment.mul_(beta2).add_(square.cpu(), alpha=1.0 - beta2)
+                moment.mul_(beta2).add_(square, alpha=1.0 - beta2)
                 continue
             if seg.lead or seg.valid != seg.rows * seg.cols:
                 full = square.new_zeros(seg.rows * seg.cols)
                 full[seg.lead : seg.lead + seg.valid] = square
                 square = full
             matrix = square.view(seg.rows, seg.cols)
-            # Summed where the gradient is (an accelerator's sums cross to the host, not its gradient).
-            moment[: seg.rows].mul_(beta2).add_(matrix.sum(1).cpu(), alpha=1.0 - beta2)
-            moment[seg.rows :].mul_(beta2).add_(matrix.sum(0).cpu(), alpha=1.0 - beta2)
+            moment[: seg.rows].mul_(beta2).add_(matrix.sum(1), alpha=1.0 - beta2)
+            moment[seg.rows :].mul_(beta2).add_(matrix.sum(0), alpha=1.0 - beta2)
 
     def normalise(
         self, shard: int, grad: Tensor | SparseGrad, hp: StepParams, link_dtype: torch.dtype
     ) -> Tensor | SparseGrad:
         """What the host sends for ``grad`` (raw, fp32 values): ``g * grad_scale / (sqrt(v_hat / bc2) + eps)``.
 
-        Negated for ``maximize``, rounded once to ``link_dtype``. A dense gradient stays dense, a top-k one keeps its
-        indices.
+        Negated for ``maximize``, rounded once to ``link_dtype``, on the device ``grad`` is on. A dense gradient stays
+        dense, a top-k one keeps its indices.
         """
         sparse = isinstance(grad, SparseGrad)
         values = grad.values if sparse else grad
-        out = values.to("cpu", torch.float32, copy=True).mul_(-hp.grad_scale if hp.maximize else hp.grad_scale)
-        bc2 = 1.0 - hp.betas[1] ** self.updates
+        out = values.to(torch.float32, copy=True).mul_(-hp.grad_scale if hp.maximize else hp.grad_scale)
         segments = self._shards[shard]
-        spans = [(seg.offset, seg.offset + seg.valid) for seg in segments]
-        if sparse:  # the pairs of each segment (indices ascend)
-            bounds = torch.tensor([b for span in spans for b in span], dtype=INDEX_DTYPE)
-            cut = torch.searchsorted(grad.indices, bounds).tolist()
-            spans = list(zip(cut[0::2], cut[1::2]))
-        for seg, (lo, hi) in zip(segments, spans):
-            if hi <= lo:
-                continue
-            if sparse:
-                positions = grad.indices[lo:hi].long() - seg.offset
-            else:
-                positions = torch.arange(hi - lo)
-            out[lo:hi].div_(self._v_hat(seg, positions).div_(bc2).sqrt_().add_(hp.eps))
+        if out.numel() and any(seg.valid for seg in segments):
+            positions = grad.indices.long() if sparse else torch.arange(out.numel(), device=out.device)
+            table = self._table(shard, out.device)
+            at = torch.searchsorted(table.start, positions, right=True) - 1  # each element's segment
+            local = positions - table.start[at]
+            v_hat = self._v_hat(shard, table, at, local)
+            bc2 = 1.0 - hp.betas[1] ** self.updates
+            normalised = out / v_hat.div_(bc2).sqrt_().add_(hp.eps)
+            out = torch.where(local < table.valid[at], normalised, out)  # padding stays as sent
         if sparse:
             return SparseGrad(grad.indices, out.to(link_dtype), grad.numel)
         return out.to(link_dtype)
 
-    def _v_hat(self, seg: _Segment, positions: Tensor) -> Tensor:
-        moment = self.moments[seg.moment : seg.moment + seg.moment_size]
-        if not seg.rows:
-            return moment[positions]
-        rows, cols = moment[: seg.rows], moment[seg.rows :]
-        at = positions + seg.lead
-        return rows[at // seg.cols].mul(cols[at % seg.cols]).div_(rows.sum().clamp_min(torch.finfo(torch.float32).tiny))
+    def _table(self, shard: int, device: torch.device) -> _Table:
+        table = self._tables.get(shard)
+        if table is None or table.start.device != device:
+            table = self._tables[shard] = _Table(self._shards[shard], device)
+        return table
+
+    def _v_hat(self, shard: int, table: _Table, at: Tensor, local: Tensor) -> Tensor:
+        """``v_hat`` of each element: ``R[i] * C[j] / sum(R)`` in a matrix's segment, the element's own average in a
+        vector's. Positions that fall elsewhere (padding) get a value that is never used."""
+        moments = self.moments
+        last = max(0, moments.numel() - 1)
+        base = table.moment[at]
+        flat = local + table.lead[at]
+        cols = table.cols[at]
+        row = moments[(base + flat // cols).clamp_(0, last)]
+        col = moments[(base + table.rows[at] + flat % cols).clamp_(0, last)]
+        # sum(R) per segment, each summed on its own as a matrix's rows are (no cumulative-sum rounding).
+        sums = [
+            moments[seg.moment : seg.moment + seg.rows].sum() if seg.rows else moments.new_ones(())
+            for seg in self._shards[shard]
+        ]
+        total = torch.stack(sums).clamp_min_(torch.finfo(torch.float32).tiny)[at]
+        factored = row.mul_(col).div_(total)
+        own = moments[(base + local).clamp_(0, last)]
+        return torch.where(table.factored[at], factored, own)
 
 
 def device_step_params(hp: StepParams) -> StepParams:
