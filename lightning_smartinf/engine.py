@@ -28,7 +28,7 @@ from lightning_smartinf.csd.controller import Partitions, SmartUpdate, SubGroup
 from lightning_smartinf.csd.io import IOEngine, ThreadedIO
 from lightning_smartinf.csd.ownership import check_unclaimed
 from lightning_smartinf.csd.placement import rank_device_dirs, rank_share
-from lightning_smartinf.csd.settings import SmartUpdateSettings
+from lightning_smartinf.csd.settings import SmartUpdateSettings, check_accelerator_budget
 from lightning_smartinf.csd.storage import StorageError, make_private_dirs
 from lightning_smartinf.csd.torch_optim import SUPPORTED_OPTIMIZERS, rule_for_group, state_bytes
 from lightning_smartinf.zero import ControllerFactory, GradientBufferError, smart_update_optimizer
@@ -97,6 +97,10 @@ def rank_devices(strategy: SmartInfinityStrategy) -> tuple[list[Path], list[Path
     # Fails before DeepSpeed's set-up; the backend's claim, taken when it is built, is what holds them.
     check_unclaimed(directories)
     check_node_memory_budget(strategy)
+    try:  # on this rank's own GPU, now that Lightning chose it
+        check_accelerator_budget(strategy.settings.state_accelerator_budget, strategy.root_device)
+    except ValueError as exc:
+        raise MisconfigurationException(str(exc)) from None
     return directories, owned
 
 

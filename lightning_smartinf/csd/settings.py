@@ -404,7 +404,9 @@ def _memory_budget(problems: Problems, raw: dict[str, Any]) -> int | None:
 
 
 def _accelerator_budget(problems: Problems, raw: dict[str, Any]) -> int | None:
-    """``state_accelerator_budget`` in bytes (``None`` for none or 0): with CUDA, at most the GPU memory free now."""
+    """``state_accelerator_budget`` in bytes (``None`` for none or 0), where CUDA exists. The GPU's free memory is
+    checked at set-up, on the rank's own device (:func:`check_accelerator_budget`): settings are made before Lightning
+    chooses it, and asking then would measure (and create a context on) GPU 0 from every rank."""
     shown = f"`state_accelerator_budget={show(raw['state_accelerator_budget'])}`"
     budget = problems.size("state_accelerator_budget", raw["state_accelerator_budget"])
     if not budget:
@@ -415,14 +417,27 @@ def _accelerator_budget(problems: Problems, raw: dict[str, Any]) -> int | None:
             "Drop it, or keep state in host memory with `state_memory_budget`."
         )
         return None
-    free = torch.cuda.mem_get_info()[0]
-    if budget > free:
-        problems.add(
-            f"{shown} is more than the {free / 2**20:.0f} MiB of GPU memory free now. Lower it; the state that does "
-            "not fit stays in host memory or on the storage devices."
-        )
-        return None
     return budget
+
+
+def check_accelerator_budget(budget: int | None, device: torch.device) -> None:
+    """Raise ``ValueError`` unless ``device`` (this rank's GPU) has ``budget`` bytes free for the accelerator tier.
+
+    Called at set-up, once the rank's device is chosen; nothing to check without a budget.
+    """
+    if not budget:
+        return
+    if device.type != "cuda":
+        raise ValueError(
+            f"`state_accelerator_budget={budget}` keeps optimizer state in GPU memory, but this rank trains on "
+            f"{device}. Drop it, or train with `accelerator='gpu'`."
+        )
+    free = torch.cuda.mem_get_info(device)[0]
+    if budget > free:
+        raise ValueError(
+            f"`state_accelerator_budget={budget}` is more than the {free / 2**20:.0f} MiB of memory free on {device} "
+            "now. Lower it; the state that does not fit stays in host memory or on the storage devices."
+        )
 
 
 def _device_weights(
