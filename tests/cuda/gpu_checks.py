@@ -1,19 +1,31 @@
-"""The GPU checks of issue 23, one per sub-command, each in a fresh process (DeepSpeed picks its accelerator once).
+"""The GPU suite: one check per sub-command, each in a fresh process (DeepSpeed picks its accelerator once).
 
-``python tests/cuda/gpu_checks.py CHECK --device cuda --out DIR`` runs one check and exits non-zero on failure; the
-figures it measured go to ``DIR/CHECK.json``. ``tests/cuda/test_gpu.py`` runs them where CUDA exists. The checks
-``equivalence``, ``overlap_backward`` and ``activations`` also run with ``--device cpu``, which proves the checks
-themselves on a machine without a GPU: the same Lightning and DeepSpeed code paths with host tensors. (DeepSpeed's
-CPU accelerator has no fp16, and one CPU is not two GPUs.)
+``python tests/cuda/gpu_checks.py CHECK --device cuda --out DIR`` runs one check and exits non-zero on failure; what
+it measured goes to ``DIR/CHECK.json`` (and ``DIR/CHECK.rank1.json`` for a second rank).
+
+``python tests/cuda/gpu_checks.py all --out DIR`` runs every check a machine can run, each in its own process, and
+prints a table (check, result, seconds, peak GPU memory per rank) followed by what to paste into a bug report. It is
+what a user with a GPU runs; ``pytest -m cuda tests/cuda`` runs the same checks one test each.
+
+Most checks also run with ``--device cpu``: the same Lightning and DeepSpeed code paths with host tensors, which
+proves the checks themselves on a machine without a GPU (``tests/cuda/test_gpu.py``). DeepSpeed's CPU accelerator
+has no fp16, and the accelerator tier needs CUDA: those checks are CUDA-only.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+import platform
+import subprocess
 import sys
+import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -25,10 +37,14 @@ from models import LMModule, fit, max_relative_error, param_groups  # noqa: E402
 from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
 from lightning_smartinf.activations import ActivationOffloader  # noqa: E402
 from lightning_smartinf.activations.spill import SPILL_FILE_NAME  # noqa: E402
+from lightning_smartinf.csd.accelerator import HostLink, on_cuda  # noqa: E402
+from lightning_smartinf.csd.controller import SmartUpdate  # noqa: E402
 
 STEPS = 8
 #: fp32 on a GPU: cuBLAS may pick other reduction orders inside ZeRO's gathered layers than in a plain module.
 CUDA_TOLERANCE = 1e-4
+#: GPU cycles each parameter copy of a device worker waits before it starts in `overlap_backward` (about 50 ms).
+DELAY_CYCLES = 50_000_000
 
 
 def adamw(model: nn.Module):
@@ -36,13 +52,25 @@ def adamw(model: nn.Module):
     return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
 
 
-def strategy(out: Path, name: str, **kwargs) -> SmartInfinityStrategy:
+def strategy(out: Path, name: str, ranks: int = 1, **kwargs: Any) -> SmartInfinityStrategy:
+    """The checks' strategy, with one storage path per rank under ``out/name`` (ranks never share one)."""
     kwargs = {"sub_group_size": 3000, "chunk_size": 2048, "buffer_count": 4, **kwargs}
-    return SmartInfinityStrategy(storage_paths=[out / name], **kwargs)
+    paths = [out / name] if ranks == 1 else [out / name / f"r{rank}" for rank in range(ranks)]
+    (out / name).mkdir(parents=True, exist_ok=True)
+    return SmartInfinityStrategy(storage_paths=paths, **kwargs)
 
 
 def tolerance(device: str) -> float:
     return CUDA_TOLERANCE if device == "cuda" else 1e-5
+
+
+def identical(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    assert ours.keys() == reference.keys()
+    for name, value in reference.items():
+        assert torch.equal(ours[name], value), f"{name} differs"
+
+
+# ------------------------------------------------------------------------------------------------ one GPU
 
 
 def equivalence(device: str, out: Path) -> dict:
@@ -81,41 +109,64 @@ def fp16_compression(device: str, out: Path) -> dict:
     return {"final_loss_scale": scale, "min_relative_change": moved, "kept": list(optimizer.smart_update.last_kept)}
 
 
+class DelayedLinks:
+    """Every parameter copy of a device worker into GPU memory starts ``DELAY_CYCLES`` late on the link's stream.
+
+    If the host returned from a step before those copies landed, a read right after the step would see the old
+    parameters: the delay makes that certain instead of a matter of luck.
+    """
+
+    def __enter__(self) -> DelayedLinks:
+        self._put = put = HostLink.put
+
+        def delayed(link: HostLink, dst: torch.Tensor, src: torch.Tensor) -> None:
+            if on_cuda(dst):
+                with torch.cuda.stream(link._streams.stream(dst.device, "out")):
+                    torch.cuda._sleep(DELAY_CYCLES)
+            put(link, dst, src)
+
+        HostLink.put = delayed  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        HostLink.put = self._put  # type: ignore[method-assign]
+
+
 class CheckParametersLanded(L.Callback):
-    """Before every forward, the parameter partitions the model reads hold exactly the devices' masters: the copies
-    from the device workers (on their own stream) finished before training read them."""
+    """Right after every step, the parameter partitions the model reads hold exactly the devices' masters: the
+    copies from the device workers (on their own, delayed stream) finished before the step returned."""
 
     def __init__(self) -> None:
         self.checked = 0
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx == 0:
-            return
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         smart_update = trainer.strategy.smart_update
         for i in range(len(smart_update.sub_groups)):
             params = smart_update.partitions.params(i)
+            seen = params.cpu()  # on the training stream, which nothing made wait for the link's
             master = torch.empty(params.numel(), dtype=torch.float32)
             smart_update.backend.read_master(i, master)
             smart_update.backend.wait()
-            assert torch.equal(params.cpu(), master.to(params.dtype)), f"sub-group {i} before step {batch_idx}"
+            assert torch.equal(seen, master.to(params.dtype)), f"sub-group {i} after step {batch_idx}"
             self.checked += 1
 
 
 def overlap_backward(device: str, out: Path) -> dict:
-    """Parameters in accelerator memory, sub-groups handed off during backward: each update's parameters land before
-    the next forward reads them, and the result is the plain one."""
+    """Parameters in accelerator memory, sub-groups handed off during backward: each update's parameters have
+    landed when the step returns (checked right after it, with the copies delayed), and the result is the plain one."""
     _, reference = fit(LMModule(adamw), "auto", steps=STEPS, accelerator=device)
     check = CheckParametersLanded()
-    trainer, ours = fit(
-        LMModule(adamw),
-        strategy(out, "overlap", overlap_backward=True, offload_parameters=False),
-        steps=STEPS,
-        callbacks=[check],
-        accelerator=device,
-    )
+    with DelayedLinks() if device == "cuda" else nullcontext():
+        trainer, ours = fit(
+            LMModule(adamw),
+            strategy(out, "overlap", overlap_backward=True, offload_parameters=False),
+            steps=STEPS,
+            callbacks=[check],
+            accelerator=device,
+        )
     smart_update = trainer.strategy.smart_update
     assert smart_update.early_kept > 0, "sub-groups were handed off during backward and kept"
-    assert check.checked > 0
+    assert check.checked == STEPS * len(smart_update.sub_groups), check.checked
     error = max(max_relative_error(ours, reference).values())
     assert error < tolerance(device), error
     return {"early_kept": smart_update.early_kept, "checked": check.checked, "max_relative_error": error}
@@ -135,21 +186,26 @@ class Stack(nn.Module):
 
 
 def activations(device: str, out: Path) -> dict:
-    """Forward and backward on the user's own stream: offloaded activations come back bitwise, and no file stays."""
+    """Forward and backward on the user's own stream, every offloaded activation written before backward starts:
+    each is read back from its file onto a side stream and handed to backward (``record_stream``), and the gradients
+    are bitwise those without offload; no file stays."""
     torch.manual_seed(0)
     model = Stack().to(device)
     x = torch.randn(64, 256, device=device)
     user_stream = torch.cuda.Stream() if device == "cuda" else None
+    if user_stream is not None:
+        user_stream.wait_stream(torch.cuda.current_stream())  # the model and inputs were made on the default stream
 
     def grads(offloader: ActivationOffloader | None) -> dict[str, torch.Tensor]:
         model.zero_grad(set_to_none=True)
-        context = torch.cuda.stream(user_stream) if user_stream is not None else _nothing()
-        with context:
+        with torch.cuda.stream(user_stream) if user_stream is not None else nullcontext():
             if offloader is None:
                 model(x).square().mean().backward()
             else:
                 with offloader:
-                    model(x).square().mean().backward()
+                    loss = model(x).square().mean()
+                    offloader.settle_writes()  # every offloaded activation is in its file, none in memory
+                    loss.backward()
         if user_stream is not None:
             user_stream.synchronize()
         return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -157,24 +213,118 @@ def activations(device: str, out: Path) -> dict:
     reference = grads(None)
     (out / "act").mkdir(parents=True, exist_ok=True)
     offloader = ActivationOffloader([out / "act"], threshold_bytes=4096, keep_last=1).attach(model)
+    grads(offloader)  # warm-up: staging buffers and side streams exist from here on
+    before = dataclasses.replace(offloader.stats)
     ours = grads(offloader)
     stats = offloader.stats
     files = offloader.files()
     run_dirs = offloader.run_dirs
     offloader.close()
-    for name, value in reference.items():
-        assert torch.equal(ours[name], value), name
-    assert stats.tensors_offloaded > 0 and stats.bytes_read > 0 and stats.resident_bytes == 0, stats
+    identical(ours, reference)
+    offloaded = stats.tensors_offloaded - before.tensors_offloaded
+    assert offloaded > 0 and stats.resident_bytes == 0, stats
+    assert stats.forwarded == before.forwarded, "a write was still pending when backward used its tensor"
+    assert stats.bytes_read - before.bytes_read == stats.bytes_written - before.bytes_written > 0, stats
     # Between micro-batches only the spill files remain (no record holds bytes); after close, nothing.
     assert {f.name for f in files} <= {SPILL_FILE_NAME}, files
     assert not any(d.exists() for d in run_dirs), run_dirs
-    return {"offloaded": stats.tensors_offloaded, "bytes_written": stats.bytes_written}
+    return {"offloaded": offloaded, "bytes_read": stats.bytes_read - before.bytes_read}
 
 
-class _nothing:
-    def __enter__(self) -> None: ...
+PARAMS_DIM = 512  # the MLP weights' partitions (512 x 1024 in bf16) reach DeepSpeed's 1 MiB and go to storage
 
-    def __exit__(self, *exc: object) -> None: ...
+
+def adamw_plain(model: nn.Module):
+    return torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3), None
+
+
+def params_on_storage(device: str, out: Path) -> dict:
+    """``offload_parameters="storage"`` with the gradients in host memory (a file beside the parameters): set-up,
+    accumulation and clipping train bit for bit like the parameters in pinned host memory."""
+    common = {"steps": 3, "accumulate": 2, "precision": "bf16-true", "clip": 0.5, "accelerator": device}
+    _, reference = fit(
+        LMModule(adamw_plain, dim=PARAMS_DIM), strategy(out, "in-memory", offload_parameters=True), **common
+    )
+    trainer, ours = fit(
+        LMModule(adamw_plain, dim=PARAMS_DIM),
+        strategy(out, "on-storage", offload_parameters="storage", gradient_buffer="host"),
+        **common,
+    )
+    identical(ours, reference)
+    traffic = trainer.strategy.traffic
+    assert traffic.param_read_bytes > 0 and traffic.param_write_bytes > 0, traffic
+    optimizer = trainer.strategy.deepspeed_engine.optimizer
+    assert optimizer.gradient_file is not None, "the gradients live in a file on the storage path"
+    report: dict[str, Any] = {"param_read_bytes": traffic.param_read_bytes}
+    if device == "cuda":
+        assert optimizer.gradient_ring is not None, "backward's partitions reach the file through pinned staging"
+        report["host_memory_stats"] = {
+            k: v for k, v in torch.cuda.host_memory_stats().items() if k.startswith(("allocated_bytes", "reserved"))
+        }
+    return report
+
+
+def compression_host_buffer(device: str, out: Path) -> dict:
+    """Top-k with error feedback where the gradients wait in host memory, against the same in accelerator memory:
+    the same selection's traffic, and the same parameters within the device's rounding."""
+    runs = {}
+    for where in ("accelerator", "host"):
+        trainer, params = fit(
+            LMModule(adamw),
+            strategy(out, f"topk-{where}", gradient_buffer=where, compression={"ratio": 0.1, "error_feedback": True}),
+            steps=STEPS,
+            precision="bf16-mixed",
+            accelerator=device,
+        )
+        runs[where] = (trainer.strategy.traffic.link_write_bytes, params, trainer.strategy.smart_update.last_kept)
+    assert runs["host"][0] == runs["accelerator"][0], (runs["host"][0], runs["accelerator"][0])
+    assert runs["host"][2] == runs["accelerator"][2]
+    error = max(max_relative_error(runs["host"][1], runs["accelerator"][1]).values())
+    assert error < (1e-2 if device == "cuda" else 1e-6), error
+    return {"link_write_bytes": runs["host"][0], "max_relative_error": error}
+
+
+def accelerator_tier(device: str, out: Path) -> dict:
+    """Half the state in GPU memory against all of it on the storage path: the same training within rounding, the
+    GPU shards' traffic counted apart; a budget beyond the GPU's free memory is refused at set-up, on its own GPU."""
+    results, trainers = {}, {}
+    for budget in (0, 1 << 20):
+        trainers[budget], results[budget] = fit(
+            LMModule(adamw),
+            strategy(out, f"budget{budget}", state_accelerator_budget=budget or None),
+            steps=6,
+            precision="bf16-mixed",
+            accelerator=device,
+        )
+    for name, value in results[0].items():
+        torch.testing.assert_close(results[1 << 20][name], value, rtol=1e-3, atol=1e-3)
+    traffic = trainers[1 << 20].strategy.traffic
+    assert traffic.accelerator_read_bytes > 0 and traffic.storage_read_bytes > 0, traffic
+    try:
+        fit(LMModule(adamw), strategy(out, "too-much", state_accelerator_budget="100TiB"), steps=1, accelerator=device)
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        assert "MiB of memory free on cuda:" in str(exc), exc
+    else:
+        raise AssertionError("a 100 TiB accelerator budget was accepted")
+    return {"accelerator_read_bytes": traffic.accelerator_read_bytes}
+
+
+def activations_zero3(device: str, out: Path) -> dict:
+    """``offload_activations=True`` under ZeRO-3, launched by Lightning: bit for bit the run without it."""
+    runs = {}
+    for offload in (False, True):
+        _, runs[offload] = fit(
+            LMModule(adamw, dim=128),
+            strategy(out, f"act{offload}", offload_activations=offload, overlap_backward=False),
+            steps=4,
+            precision="bf16-mixed",
+            accelerator=device,
+        )
+    identical(runs[True], runs[False])
+    return {}
+
+
+# ------------------------------------------------------------------------------------------------ two GPUs
 
 
 def one_gpu(device: str, out: Path) -> dict:
@@ -186,37 +336,244 @@ def one_gpu(device: str, out: Path) -> dict:
 
 def two_gpus(device: str, out: Path) -> dict:
     """Two GPUs with NCCL, launched by Lightning itself, both ranks on the same batches: the same parameters as one
-    GPU (:func:`one_gpu`), with each rank holding half of every sub-group."""
-    trainer, ours = fit(LMModule(adamw), strategy(out, "two"), steps=STEPS, accelerator=device, devices=2)
-    if trainer.global_rank != 0:
-        return {}
-    reference = torch.load(out / "one_gpu.pt", weights_only=True)
-    error = max(max_relative_error(ours, reference).values())
-    assert error < tolerance(device), error
-    return {"max_relative_error": error, "process_group_backend": trainer.strategy.process_group_backend}
+    GPU (:func:`one_gpu`), each rank on a storage path of its own and holding half of every sub-group."""
+    trainer, ours = fit(LMModule(adamw), strategy(out, "two", ranks=2), steps=STEPS, accelerator=device, devices=2)
+    report = {"process_group_backend": trainer.strategy.process_group_backend}
+    if trainer.global_rank == 0:
+        reference = torch.load(out / "one_gpu.pt", weights_only=True)
+        report["max_relative_error"] = max(max_relative_error(ours, reference).values())
+        assert report["max_relative_error"] < tolerance(device), report
+    return report
 
 
-CHECKS: dict[str, Callable[[str, Path], dict]] = {
-    "equivalence": equivalence,
-    "fp16_compression": fp16_compression,
-    "overlap_backward": overlap_backward,
-    "activations": activations,
-    "one_gpu": one_gpu,
-    "two_gpus": two_gpus,
+class OverflowOnRankZero(L.Callback):
+    """From the third step on, rank 0 alone finds that its link would overflow once (an injected fault: each rank sees
+    only its own partition). Every rank's loss scale, step count and parameters after each step are recorded."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+        self.steps: list[int] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        smart_update: SmartUpdate = trainer.strategy.smart_update
+        check, state = smart_update.link_overflows, {"armed": trainer.global_rank == 0}
+
+        def overflows_once(clip_factor: float = 1.0) -> torch.Tensor:
+            flag = check(clip_factor)
+            if state["armed"] and trainer.global_step >= 2:
+                state["armed"] = False
+                return torch.ones((), dtype=torch.bool)
+            return flag
+
+        smart_update.link_overflows = overflows_once  # type: ignore[method-assign]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        optimizer = trainer.strategy.deepspeed_engine.optimizer
+        self.scales.append(float(optimizer.loss_scale))
+        self.steps.append(max(optimizer.smart_update.group_steps.values(), default=0))
+
+
+def overflow_on_one_rank(device: str, out: Path) -> dict:
+    """Error feedback on two ranks, where one rank alone finds its link would overflow: both skip that step (no
+    hang, no diverging ranks), with the same loss scale and step count, then train on together."""
+    callback = OverflowOnRankZero()
+    precision = "16-mixed" if device == "cuda" else "32-true"
+    trainer, params = fit(
+        LMModule(adamw),
+        strategy(out, "overflow", ranks=2, compression={"ratio": 0.1, "error_feedback": True}),
+        steps=6,
+        precision=precision,
+        accelerator=device,
+        devices=2,
+        callbacks=[callback],
+    )
+    steps = [0, *callback.steps]
+    skipped = [i for i in range(len(callback.steps)) if steps[i + 1] == steps[i]]
+    assert 2 in skipped, (callback.steps, "the injected overflow skipped the third step")
+    assert all(torch.isfinite(p).all() for p in params.values())
+    return {"scales": callback.scales, "steps": callback.steps, "skipped": skipped}
+
+
+def same_on_every_rank(out: Path) -> None:
+    """Every rank skipped the same steps with the same loss scales (:func:`overflow_on_one_rank`)."""
+    reports = [json.loads(path.read_text()) for path in sorted(out.glob("overflow_on_one_rank*.json"))]
+    assert len(reports) == 2, f"{len(reports)} rank reports in {out}"
+    for key in ("skipped", "scales", "steps"):
+        assert reports[0][key] == reports[1][key], (key, reports[0][key], reports[1][key])
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    run: Callable[[str, Path], dict]
+    #: GPUs it needs (Lightning launches a rank per GPU).
+    gpus: int = 1
+    #: Whether it also runs on the CPU (DeepSpeed's CPU accelerator, gloo).
+    on_cpu: bool = True
+    #: A check run first, in a process of its own, into the same directory (a reference).
+    after: str | None = None
+    #: What the parent checks in the directory once every rank has exited.
+    verify: Callable[[Path], None] | None = None
+
+
+CHECKS: dict[str, Check] = {
+    "equivalence": Check(equivalence),
+    "fp16_compression": Check(fp16_compression, on_cpu=False),
+    "overlap_backward": Check(overlap_backward),
+    "activations": Check(activations),
+    "params_on_storage": Check(params_on_storage),
+    "compression_host_buffer": Check(compression_host_buffer),
+    "accelerator_tier": Check(accelerator_tier, on_cpu=False),
+    "activations_zero3": Check(activations_zero3),
+    "one_gpu": Check(one_gpu),
+    "two_gpus": Check(two_gpus, gpus=2, after="one_gpu"),
+    "overflow_on_one_rank": Check(overflow_on_one_rank, gpus=2, verify=same_on_every_rank),
 }
 
 
+def run_check(name: str, device: str, out: Path, timeout: float) -> tuple[bool, str]:
+    """Run check ``name`` (after its reference) in processes of their own; whether it passed, and its output."""
+    check = CHECKS[name]
+    env = {**os.environ, "DS_ACCELERATOR": device}
+    output = ""
+    for step in [check.after, name] if check.after else [name]:
+        command = [sys.executable, __file__, step, "--device", device, "--out", str(out)]
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            return False, f"{step} timed out after {timeout:.0f} s\n{str(exc.stdout or '')[-2000:]}"
+        output += done.stdout + done.stderr
+        if done.returncode != 0:
+            return False, output[-6000:]
+    if check.verify is not None:
+        try:
+            check.verify(out)
+        except AssertionError as exc:
+            return False, f"{output[-3000:]}\nverify: {exc!r}"
+    return True, output[-6000:]
+
+
+def gpu_contexts() -> dict[str, Any]:
+    """The GPUs this process holds a CUDA context on, by PCI bus id (from ``nvidia-smi``; empty where it cannot
+    tell, e.g. inside a PID namespace)."""
+    try:
+        listing = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    mine = sorted({bus.strip().lower() for pid, _, bus in (line.partition(",") for line in listing.splitlines())
+                   if pid.strip() == str(os.getpid())})  # fmt: skip
+    return {"contexts_on": mine} if mine else {}
+
+
+def bus_id(index: int) -> str:
+    props = torch.cuda.get_device_properties(index)
+    return f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+
+
+def rank_figures(device: str) -> dict[str, Any]:
+    """This process's peak GPU memory and the GPUs it touched (one, its own: no stray context on GPU 0)."""
+    if device != "cuda":
+        return {}
+    index = torch.cuda.current_device()
+    figures = {"gpu": index, "peak_memory_bytes": int(torch.cuda.max_memory_allocated(index)), **gpu_contexts()}
+    held = figures.get("contexts_on")
+    if held:
+        assert held == [bus_id(index)], f"this rank (GPU {index}) holds CUDA contexts on {held}"
+    return figures
+
+
+def run_one(name: str, device: str, out: Path) -> None:
+    report = CHECKS[name].run(device, out)
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    report = {**report, **rank_figures(device)}
+    suffix = "" if rank == 0 else f".rank{rank}"
+    (out / f"{name}{suffix}.json").write_text(json.dumps(report, indent=1, default=str))
+    if rank == 0:
+        print(json.dumps(report, default=str))
+
+
+def environment() -> list[str]:
+    """What a bug report needs to know of this machine."""
+    import deepspeed
+    import lightning
+
+    import lightning_smartinf
+
+    lines = [
+        f"python {platform.python_version()} on {platform.platform()}",
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}), deepspeed {deepspeed.__version__}, "
+        f"lightning {lightning.__version__}, lightning_smartinf {lightning_smartinf.__version__}",
+    ]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            lines.append(f"GPU {i}: {torch.cuda.get_device_name(i)}")
+        try:
+            driver = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.split()
+            lines.append(f"driver {driver[0] if driver else 'unknown'}")
+        except (OSError, subprocess.TimeoutExpired):
+            lines.append("driver unknown (no nvidia-smi)")
+    return lines
+
+
+def run_all(device: str, out: Path, timeout: float) -> int:
+    """Every check this machine can run, each in a process of its own; prints the table and the bug-report block."""
+    gpus = torch.cuda.device_count() if device == "cuda" else 2
+    rows, failures = [], []
+    for name, check in CHECKS.items():
+        if any(other.after == name for other in CHECKS.values()):
+            continue  # a reference: run with the check that needs it
+        if device == "cpu" and not check.on_cpu:
+            rows.append((name, "n/a on CPU", "", ""))
+            continue
+        if check.gpus > gpus:
+            rows.append((name, f"skipped: needs {check.gpus} GPUs", "", ""))
+            continue
+        started = time.monotonic()
+        passed, tail = run_check(name, device, out / name, timeout)
+        seconds = time.monotonic() - started
+        peaks = []
+        for report in sorted((out / name).glob(f"{name}*.json")):
+            figures = json.loads(report.read_text())
+            if "peak_memory_bytes" in figures:
+                peaks.append(f"GPU{figures['gpu']} {figures['peak_memory_bytes'] / 2**20:.0f} MiB")
+        rows.append((name, "passed" if passed else "FAILED", f"{seconds:.0f}", ", ".join(peaks)))
+        if not passed:
+            failures.append((name, tail))
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{'check':<{width}}  {'result':<22}  {'s':>5}  peak GPU memory per rank")
+    for name, result, seconds, peak in rows:
+        print(f"{name:<{width}}  {result:<22}  {seconds:>5}  {peak}")
+    print("\n--- paste into a bug report ---")
+    print("\n".join(environment()))
+    for name, tail in failures:
+        print(f"\n[{name}] last output:\n{tail}")
+    print("--- end ---")
+    return 1 if failures else 0
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("check", choices=sorted(CHECKS))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("check", choices=["all", *CHECKS])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds each check may take (with `all`)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    report = CHECKS[args.check](args.device, args.out)
-    if report:
-        (args.out / f"{args.check}.json").write_text(json.dumps(report, indent=1, default=str))
-        print(json.dumps(report, default=str))
+    if args.check == "all":
+        sys.exit(run_all(args.device, args.out, args.timeout))
+    run_one(args.check, args.device, args.out)
 
 
 if __name__ == "__main__":
