@@ -383,18 +383,3 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             if self._silenced is not None:
                 self._silenced.restore()
                 self._silenced = None
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "smart_infinity",
-            cls,
-            description="ZeRO-3 with optimizer state and update on near-storage devices (emulated on CPU by default)",
-        )
-        strategy_registry.register(
-            "smart_infinity_comp",
-            cls,
-            description="smart_infinity with top-1% gradient compression, error feedback and EF-Adam (SmartComp)",
-            compression=0.01,
-        )

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
+from machine import lacking
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "lightning_smartinf"
@@ -267,10 +267,27 @@ def test_import_changes_no_environment_variable_and_registers_the_strategy(tmp_p
     )
 
 
+def test_the_strategy_is_registered_when_lightning_is_imported_after_the_package(tmp_path: Path) -> None:
+    """`import lightning_smartinf` first imports neither Lightning nor DeepSpeed (the server and the planner need
+    neither); `Trainer(strategy="smart_infinity")` works once Lightning is imported after it."""
+    _python(
+        "import sys\n"
+        "import lightning_smartinf\n"
+        "from lightning_smartinf.csd.remote import server\n"
+        "from lightning_smartinf.plan import planner\n"
+        "heavy = sorted(m for m in ('lightning', 'deepspeed') if m in sys.modules)\n"
+        "assert not heavy, f'imported {heavy}'\n"
+        "import lightning as L\n"
+        "trainer = L.Trainer(strategy='smart_infinity', accelerator='cpu', devices=1, logger=False)\n"
+        "assert type(trainer.strategy).__name__ == 'SmartInfinityStrategy', trainer.strategy\n",
+        tmp_path,
+    )
+
+
 def test_the_aio_op_loads_prebuilt_without_building(tmp_path: Path) -> None:
     prebuilt = PREBUILT_OPS / "async_io" / "async_io.so"
     if not prebuilt.is_file():
-        pytest.skip(f"{prebuilt} is not there (scripts/setup.sh builds it where libaio is installed)")
+        lacking(f"{prebuilt} is not there (scripts/setup.sh installs libaio and builds it)")
     built_at = prebuilt.stat().st_mtime_ns
     done = _python(
         "import os\n"
@@ -305,7 +322,7 @@ def test_a_first_fit_loads_every_op_prebuilt(tmp_path: Path) -> None:
     """DeepSpeed loads ops of its own during fit (on the CPU accelerator ``deepspeed.init_distributed`` loads the
     shared-memory comm op); those come from the pre-built ones too."""
     if not PREBUILT_OPS.is_dir():
-        pytest.skip(f"{PREBUILT_OPS} is not there (scripts/setup.sh builds DeepSpeed's ops there)")
+        lacking(f"{PREBUILT_OPS} is not there (scripts/setup.sh builds DeepSpeed's ops there)")
     expected = [PREBUILT_OPS / "async_io" / "async_io.so"]
     if os.environ.get("DS_ACCELERATOR") == "cpu":
         expected.append(PREBUILT_OPS / "deepspeed_shm_comm" / "deepspeed_shm_comm.so")

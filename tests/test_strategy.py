@@ -2,28 +2,32 @@
 
 from __future__ import annotations
 
+import os
+import re
 import stat
+import sys
 
 import lightning as L
 import pytest
 import torch
+from launch import run, worker_env
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import LMModule, fit, param_groups
+from models import LMModule, adamw_factory, fit, max_relative_error
 from unwritable import unwritable_dir
 
 import lightning_smartinf
 from lightning_smartinf import SmartInfinityPrecision, SmartInfinityStrategy
 
-
-def adamw(model):
-    return torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3), None
+adamw = adamw_factory(lr=1e-3)
 
 
 def test_import_registers_strategy_and_exports():
-    assert "smart_infinity" in StrategyRegistry
-    assert StrategyRegistry["smart_infinity"]["strategy"] is SmartInfinityStrategy
+    assert {"smart_infinity", "smart_infinity_comp"} <= set(StrategyRegistry)
+    assert isinstance(StrategyRegistry.get("smart_infinity"), SmartInfinityStrategy)
+    assert StrategyRegistry.get("smart_infinity_comp").settings.compression.ratio == 0.01
     assert {"SmartInfinityStrategy", "SmartInfinityPrecision"} <= set(lightning_smartinf.__all__)
+    assert all(getattr(lightning_smartinf, name) is not None for name in lightning_smartinf.__all__)
 
 
 @pytest.mark.parametrize(("precision", "link_bytes"), [("bf16-mixed", 2), ("32-true", 4)])
@@ -154,12 +158,24 @@ def test_not_enough_free_space_is_reported_before_training(tmp_path, monkeypatch
     assert not list((tmp_path / "smartinf" / "rank000").glob("*.state"))
 
 
-def test_unsupported_deepspeed_version(monkeypatch):
-    import deepspeed
-
-    monkeypatch.setattr("lightning_smartinf.zero.install.RequirementCache", lambda req: False)
-    with pytest.raises(RuntimeError, match=rf"deepspeed {deepspeed.__version__} is installed.*pip install"):
-        SmartInfinityStrategy()
+def test_unsupported_deepspeed_version(tmp_path):
+    """An environment whose first `deepspeed` on the path is another release (a package with its metadata): building
+    the strategy is refused, naming the version found and the install command."""
+    site = tmp_path / "site"
+    (site / "deepspeed").mkdir(parents=True)
+    (site / "deepspeed" / "__init__.py").write_text('__version__ = "0.18.0"\n')
+    (site / "deepspeed-0.18.0.dist-info").mkdir()
+    (site / "deepspeed-0.18.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.18.0\n"
+    )
+    env = worker_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
+    code = "from lightning_smartinf.zero import check_deepspeed_version\ncheck_deepspeed_version()\n"
+    done = run([sys.executable, "-c", code], env=env, check=False)
+    assert done.returncode == 1
+    assert re.search(
+        r"tested with deepspeed>=0.19.8,<0.20, but deepspeed 0.18.0 is installed.*pip install", done.stderr
+    )
 
 
 class NonFiniteAtStep(LMModule):
@@ -207,13 +223,23 @@ def test_non_finite_gradients_skip_the_step_and_leave_device_state_untouched(tmp
     assert trainer.strategy.smart_update.group_steps == {0: 2, 1: 2}
 
 
-def test_fp16_on_a_cpu_without_fp16_support_is_a_clear_error(tmp_path):
+@pytest.mark.parametrize("precision", ["16-mixed", "16-true"])
+def test_fp16_trains_where_the_accelerator_has_it_and_is_refused_clearly_where_not(tmp_path, precision):
+    """Either way something is asserted: an accelerator with fp16 trains in it (finite, moved parameters), one without
+    refuses before anything is built, naming bf16."""
     from deepspeed.accelerator import get_accelerator
 
-    if get_accelerator().is_fp16_supported():
-        pytest.skip("this accelerator supports fp16")
-    with pytest.raises(MisconfigurationException, match=r"precision='16-mixed'.*bf16-mixed"):
-        fit(LMModule(adamw), SmartInfinityStrategy(storage_paths=[tmp_path]), steps=1, precision="16-mixed")
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000)
+    if not get_accelerator().is_fp16_supported():
+        with pytest.raises(MisconfigurationException, match=rf"precision='{precision}'.*bf16-mixed"):
+            fit(LMModule(adamw), strategy, steps=1, precision=precision)
+        assert not list(tmp_path.rglob("*.state"))
+        return
+    initial = {n: p.detach().float().clone() for n, p in LMModule(adamw).named_parameters()}
+    trainer, ours = fit(LMModule(adamw), strategy, steps=3, precision=precision)
+    assert trainer.strategy.smart_update.link_dtype == torch.float16
+    assert all(torch.isfinite(p).all() for p in ours.values())
+    assert min(max_relative_error(ours, initial).values()) > 0
 
 
 def test_offload_activations_argument_installs_the_callback(tmp_path):
