@@ -5,7 +5,8 @@ A checkpoint saved with ``strategy="smart_infinity"`` keeps the fp32 masters on 
 ``<ckpt>/checkpoint/smartinf/rankNNN/host_state.json`` (which parameter partitions each shard holds, in order)
 and the master part of every chunk record of the shard files, checks sizes and checksums against the
 manifest, and joins the ranks' partitions of each parameter (rank ``r`` holds elements
-``[r * partition_numel, (r + 1) * partition_numel)`` of the flattened parameter, the last one padded).
+``[r * partition_numel, (r + 1) * partition_numel)`` of the flattened parameter, the last one padded). Frozen
+parameters (no optimizer state, so nothing on the devices) come from the partitions DeepSpeed saved of them.
 
 When the checkpoint's module holds a Hugging Face model, :func:`export_pretrained` writes that model's consolidated
 weights as a ``save_pretrained`` directory. :class:`lightning_smartinf.hf.HFCausalLM` and
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_smartinf import checkpoint_dir
@@ -97,7 +100,41 @@ def consolidate_fp32_state_dict(
         if missing:
             raise ValueError(f"Parameter {name!r} has no partition on rank(s) {missing} of the checkpoint.")
         state[name] = full_parameter(name, slots, shapes[name])  # type: ignore[arg-type]
+    for name, value in frozen_parameters(checkpoint_path, size).items():
+        state.setdefault(name, value)
     return state
+
+
+def frozen_parameters(checkpoint_path: str | os.PathLike, size: int) -> dict[str, Tensor]:
+    """Parameters the devices never held (``requires_grad=False``: no optimizer state), by name, in fp32.
+
+    DeepSpeed saves each rank's partition of them in its model-state file (``frozen_param_fragments``, in the training
+    dtype); they are joined as the masters are. Read with ``weights_only=True``, never code.
+    """
+    from lightning_smartinf.zero.safe_load import load_deepspeed_file
+
+    fragments: dict[str, list[Tensor]] = {}
+    shapes: dict[str, Any] = {}
+    for rank in range(size):
+        path = Path(checkpoint_path) / checkpoint_dir.TAG / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+        if not path.is_file():
+            if rank == 0:
+                return {}  # not ZeRO-3's layout of model states: nothing to add
+            raise ValueError(f"{path} is missing: the checkpoint holds the model states of {rank} of {size} ranks.")
+        states = load_deepspeed_file(path)
+        shapes.update(states.get("frozen_param_shapes") or {})
+        for name, fragment in (states.get("frozen_param_fragments") or {}).items():
+            fragments.setdefault(name, []).append(fragment.reshape(-1))
+    out = {}
+    for name, shape in shapes.items():
+        parts = fragments.get(name, [])
+        if len(parts) != size:
+            raise ValueError(
+                f"Frozen parameter {name!r} has {len(parts)} of {size} ranks' partitions in the checkpoint."
+            )
+        numel = math.prod(shape)
+        out[name] = torch.cat(parts)[:numel].reshape(tuple(shape)).float()
+    return out
 
 
 def _rank_masters(directory: Path, shards: int, *, verify: bool, remote: RemoteMasters | None) -> list[Tensor]:

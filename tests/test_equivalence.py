@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from models import LMModule, fit, max_relative_error, param_groups
+from models import LMModule, adamw_factory, fit, max_relative_error, param_groups, token_loader
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.cpu_support import DeepSpeedCPUStrategy
@@ -13,14 +13,11 @@ from lightning_smartinf.cpu_support import DeepSpeedCPUStrategy
 STEPS = 20
 
 
-def adamw_cosine(model: torch.nn.Module):
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
-    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS, eta_min=3e-4)
+adamw_cosine = adamw_factory(betas=(0.9, 0.95), cosine_steps=STEPS, eta_min=3e-4)
 
 
-def adamw_fused(model: torch.nn.Module):
-    # The devices run torch's fused CPU kernel for a fused optimizer: the reference is fused too.
-    return torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95), fused=True), None
+# The devices run torch's fused CPU kernel for a fused optimizer: the reference is fused too.
+adamw_fused = adamw_factory(betas=(0.9, 0.95), fused=True)
 
 
 def sgd_momentum(model: torch.nn.Module):
@@ -32,6 +29,16 @@ def sgd_momentum(model: torch.nn.Module):
 
 def sgd_nesterov(model: torch.nn.Module):
     return torch.optim.SGD(param_groups(model, 1e-3), lr=5e-2, momentum=0.9, nesterov=True), None
+
+
+def adam_amsgrad(model: torch.nn.Module):
+    # L2 weight decay (Adam's own) with AMSGrad's running maximum of the second moment: a third state on the devices.
+    return torch.optim.Adam(param_groups(model, 1e-2), lr=3e-3, betas=(0.9, 0.95), amsgrad=True), None
+
+
+def adamw_maximize(model: torch.nn.Module):
+    # Gradient ascent on the loss's negative: the devices step against the gradient's sign.
+    return torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, maximize=True), None
 
 
 def adagrad(model: torch.nn.Module):
@@ -47,6 +54,8 @@ def adagrad(model: torch.nn.Module):
         pytest.param(sgd_momentum, 1, None, id="sgd-momentum-steplr"),
         pytest.param(sgd_nesterov, 2, 1.0, id="sgd-nesterov-clip-accumulate"),
         pytest.param(adagrad, 1, 0.5, id="adagrad-clip"),
+        pytest.param(adam_amsgrad, 2, 0.5, id="adam-amsgrad-clip-accumulate"),
+        pytest.param(adamw_maximize, 1, None, id="adamw-maximize"),
     ],
 )
 def test_fp32_matches_torch_optim(tmp_path, make_optimizer, accumulate, clip):
@@ -154,3 +163,61 @@ def test_gradient_buffer_placement_without_an_accelerator():
     assert gradient_buffer_device("auto", 1 << 40) is None
     assert gradient_buffer_device("host", 1) is None
     assert gradient_buffer_device("accelerator", 1 << 40) == "cpu"
+
+
+class FrozenEmbedding(LMModule):
+    """The token embedding frozen (``requires_grad=False``), as fine-tuning often does; its optimizer takes the
+    trainable parameters only. Validation reports the loss."""
+
+    def __init__(self) -> None:
+        super().__init__(adamw_cosine)
+        self.model.embed.weight.requires_grad_(False)
+
+    def configure_optimizers(self):
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=3e-3, betas=(0.9, 0.95))
+        return optimizer
+
+    def validation_step(self, batch, batch_idx):
+        tokens, targets = batch
+        loss = torch.nn.functional.cross_entropy(self.model(tokens).float().flatten(0, 1), targets.flatten())
+        self.log("val_loss", loss)
+
+
+def test_frozen_parameters_train_evaluate_and_export(tmp_path):
+    """Frozen parameters have no state on the devices: training matches torch.optim with them unchanged, a
+    checkpoint evaluates to the plain module's validation loss, and the export holds them too (from the partitions
+    DeepSpeed saves of them)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_smartinf.export import consolidate_fp32_state_dict
+
+    steps = 6
+    _, reference = fit(FrozenEmbedding(), "auto", steps=steps)
+    saves = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path / "ssd"], sub_group_size=3000, chunk_size=2048)
+    trainer, ours = fit(FrozenEmbedding(), strategy, steps=steps, callbacks=[saves])
+    errors = max_relative_error(ours, reference)
+    assert max(errors.values()) < 1e-5, errors
+    initial = FrozenEmbedding().model.embed.weight.detach()
+    assert torch.equal(ours["model.embed.weight"], initial)
+    assert trainer.strategy.smart_update.traffic_snapshot().link_write_bytes > 0
+
+    exported = consolidate_fp32_state_dict(tmp_path / "ckpts" / "last.ckpt")
+    assert exported.keys() == ours.keys()
+    assert torch.equal(exported["model.embed.weight"], initial)
+    errors = max_relative_error(exported, ours)
+    assert max(errors.values()) == 0.0, errors
+
+    module = FrozenEmbedding()
+    (validated,) = L.Trainer(
+        accelerator="cpu", strategy=SmartInfinityStrategy(storage_paths=[tmp_path / "eval"]), logger=False
+    ).validate(module, token_loader(2), ckpt_path=tmp_path / "ckpts" / "last.ckpt", verbose=False)
+    plain = LMModule(adamw_cosine)
+    plain.load_state_dict({k: v for k, v in exported.items()}, strict=True)
+    with torch.no_grad():
+        losses = [
+            torch.nn.functional.cross_entropy(plain.model(t).float().flatten(0, 1), y.flatten())
+            for t, y in token_loader(2)
+        ]
+    assert validated["val_loss"] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-5)

@@ -223,8 +223,7 @@ def find_head(shapes: Shapes, config: PretrainedConfig, head: str | None = None)
         raise ValueError(
             f"The weights ({len(shapes)} tensors) fit no {' or '.join(tried)} of this `{config.model_type}` config:"
             f"{reasons}\nGive the auto class the module built (`--auto-class`), the attribute holding the model "
-            "(`--hf-attribute`), or the model directory it was fine-tuned from (`--hf-model-dir`). (Frozen "
-            "parameters have no state on the devices: a model with some cannot be exported from a checkpoint.)"
+            "(`--hf-attribute`), or the model directory it was fine-tuned from (`--hf-model-dir`)."
         )
     if len(matches) > 1:
         raise ValueError(
