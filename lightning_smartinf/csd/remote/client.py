@@ -334,7 +334,11 @@ class RemoteBackend(Backend):
                     {"numel": self._specs[i].numel, "rule": rule_to_wire(self._specs[i].rule)} for i in server.shards
                 ],
             )
-            server.call(server.open, header, f"opening {len(server.shards)} shards")
+            try:
+                server.call(server.open, header, f"opening {len(server.shards)} shards")
+            except StorageError:
+                server.shards = []  # no session there: `close` has nothing to wait for or close on it
+                raise
 
     def _locate(self, shard: int, numel: int, what: str) -> tuple[_Server, int]:
         if not 0 <= shard < len(self._specs):

@@ -64,7 +64,8 @@ __all__ = ["NAME", "DeviceServer", "serve"]
 log = logging.getLogger(__name__)
 
 #: Session, label and checkpoint names: one path component, no dots at the start.
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
+#: Matched whole (``fullmatch``): ``$`` alone would let a trailing newline through.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 IDENTITY_FILE = ".smartinf-server.json"
 MAX_UPDATES_IN_FLIGHT = 4
 #: Largest shard a client may open (int32 indices address it) and chunk size bounds.
@@ -171,7 +172,7 @@ class DeviceServer:
         return session
 
     def _checked_name(self, value: Any, what: str) -> str:
-        if not isinstance(value, str) or not NAME.match(value):
+        if not isinstance(value, str) or not NAME.fullmatch(value):
             raise CallError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"`{what}={value!r}` is not a valid name ({NAME.pattern})."
             )
@@ -497,13 +498,14 @@ def serve(
     device_timeout_s: float | None = 300.0,
     workers: int = 16,
     tls: TlsFiles | None = None,
+    max_sessions: int = 64,
 ) -> tuple[grpc.Server, DeviceServer, int]:
     """Start a server on ``listen`` (loopback by default); returns it, its servicer and the bound port.
 
     With ``tls`` the port speaks TLS with ``tls.cert`` and ``tls.key``; a non-empty ``tls.ca`` also requires every
-    client to present a certificate it signed (mutual TLS).
+    client to present a certificate it signed (mutual TLS). ``max_sessions``: sessions open at once.
     """
-    servicer = DeviceServer(storage_roots, token, device_timeout_s=device_timeout_s)
+    servicer = DeviceServer(storage_roots, token, device_timeout_s=device_timeout_s, max_sessions=max_sessions)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="smartinf-serve"),
         options=[
