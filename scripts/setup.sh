@@ -3,6 +3,7 @@
 #   - system: libaio-dev (DeepSpeed async I/O) and openssl (TLS test certificates) when root + apt-get are available
 #   - .venv with torch (CPU wheel on machines without nvidia-smi), the package in editable mode, test extras
 #   - pre-built DeepSpeed ops (cpu_adam, async_io, shm comm on CPU) under .venv/torch_extensions so tests skip the JIT compile
+#   - the HLS kernels' C simulation (hls_kernels/build), which the xrt backend's software model runs
 # Env knobs: SMARTINF_VENV (venv path, default <repo>/.venv), SMARTINF_TORCH_CPU_VERSION (default 2.13.0),
 #            SMARTINF_FORCE_INSTALL=1 (ignore the stamp and reinstall the python packages),
 #            SMARTINF_BUILD_AIO=0 (do not pre-build DeepSpeed's async_io op, the slowest one).
@@ -154,6 +155,13 @@ PYEOF
         tail -n 25 "$BUILD_LOG" >&2
         exit 1
     fi
+fi
+
+# --- 5. the HLS kernels' C simulation ------------------------------------------------------------------------
+# The xrt backend's software model runs it; built here once, so that parallel test workers never build it together.
+if command -v make >/dev/null 2>&1 && command -v g++ >/dev/null 2>&1; then
+    "$PY" -c "from lightning_smartinf.csd.xrt import build_csim_library; print('[setup] HLS C simulation:', build_csim_library())" \
+        || log "NOTE: the HLS C simulation did not build; the xrt backend's tests will fail"
 fi
 
 log "done in $((SECONDS - t0)) s"

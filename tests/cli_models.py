@@ -42,9 +42,13 @@ class RandomTokens(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return DataLoader(TokenDicts(2 * self.batch_size, seed=2), batch_size=self.batch_size)
 
+    def test_dataloader(self) -> DataLoader:
+        """The validation batches: the same model scores the same on both loops."""
+        return self.val_dataloader()
+
 
 class TinyLM(L.LightningModule):
-    """:class:`models.TinyGPT` trained with AdamW; logs ``train_loss`` and ``val_loss``.
+    """:class:`models.TinyGPT` trained with AdamW; logs ``train_loss``, ``val_loss`` and ``test_loss``.
 
     Args:
         dim: model width.
@@ -69,6 +73,9 @@ class TinyLM(L.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.log("val_loss", self._loss(batch))
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(param_groups(self.model, 0.1), lr=self.hparams.lr)

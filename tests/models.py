@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -58,6 +59,39 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 OptimizerFactory = Callable[[nn.Module], tuple[torch.optim.Optimizer, Any]]
+
+
+def adamw_factory(
+    lr: float = 3e-3,
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.1,
+    cosine_steps: int | None = None,
+    eta_min: float = 0.0,
+    fused: bool = False,
+) -> OptimizerFactory:
+    """What ``LMModule`` calls in ``configure_optimizers``: AdamW over GPT-style param groups (:func:`param_groups`),
+    with a cosine schedule over ``cosine_steps`` steps when given (stepped every step)."""
+
+    def make(model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+        options: dict[str, Any] = {"lr": lr, "betas": betas, "eps": eps}
+        if fused:  # the devices then run torch's fused CPU kernel too
+            options["fused"] = True
+        optimizer = torch.optim.AdamW(param_groups(model, weight_decay), **options)
+        if cosine_steps is None:
+            return optimizer, None
+        return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cosine_steps, eta_min=eta_min)
+
+    return make
+
+
+def small_strategy(path: Any, **kwargs: Any) -> Any:
+    """``SmartInfinityStrategy`` on one storage path with small sub-groups and chunks, so that a tiny model has many
+    shards of several chunks each; ``kwargs`` override or add settings."""
+    from lightning_smartinf import SmartInfinityStrategy
+
+    return SmartInfinityStrategy(**{"storage_paths": [path], "sub_group_size": 3000, "chunk_size": 2048, **kwargs})
 
 
 class LMModule(L.LightningModule):
@@ -128,7 +162,7 @@ def fit(
         accumulate_grad_batches=accumulate,
         gradient_clip_val=clip,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks or ()),
         enable_progress_bar=False,
         enable_model_summary=False,
         deterministic=True,
@@ -144,3 +178,25 @@ def max_relative_error(ours: dict[str, torch.Tensor], reference: dict[str, torch
     """Per parameter: max |ours - reference| / max |reference|."""
     assert ours.keys() == reference.keys()
     return {n: float((ours[n] - reference[n]).abs().max() / reference[n].abs().max().clamp_min(1e-12)) for n in ours}
+
+
+def assert_identical(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    """Every parameter bit for bit the reference's (the names of those that differ in the message)."""
+    assert ours.keys() == reference.keys()
+    differ = [n for n in reference if not torch.equal(ours[n], reference[n])]
+    assert not differ, f"parameters differ from the reference: {differ}"
+
+
+class Crash(Exception):
+    """What :class:`CrashAt` raises."""
+
+
+class CrashAt(L.Callback):
+    """Ends the run with an exception as step ``step`` starts; its checkpoints so far stay where they are."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, index: int) -> None:
+        if trainer.global_step == self.step:
+            raise Crash(f"crash at step {self.step}")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import os
+import selectors
 import signal
 import subprocess
 import sys
-import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from launch import worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +38,7 @@ class ServerProcess:
 
     def start(self, port: int = 0, timeout: float = 60.0) -> ServerProcess:
         self.log = self.storage[0].parent / f"server-{self.storage[0].name}.log"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        env = worker_env()
         command = [
             sys.executable,
             "-m",
@@ -52,14 +54,26 @@ class ServerProcess:
         ]
         with open(self.log, "ab") as log:  # the child keeps its own descriptor
             self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-        deadline = time.monotonic() + timeout
         assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        if not line.startswith("serving") or time.monotonic() > deadline:
+        ready = selectors.DefaultSelector()
+        ready.register(self.process.stdout, selectors.EVENT_READ)
+        # The server prints its ready line whole, or exits: either makes the pipe readable within the timeout.
+        line = self.process.stdout.readline() if ready.select(timeout) else ""
+        ready.close()
+        if not line.startswith("serving"):
             self.stop()
-            raise RuntimeError(f"smartinf serve did not start: {line!r}\n{self.log.read_text()}")
+            said = f"{line!r}" if line else f"nothing within {timeout:g} s"
+            raise RuntimeError(f"smartinf serve did not start: {said}\n{self.log.read_text()}")
         self.port = int(line.split()[-1])
         return self
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_mark(self) -> int:
+        """Where the log ends now: :meth:`log_text` from here shows only what comes after."""
+        return self.log.stat().st_size if self.log is not None and self.log.exists() else 0
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -74,8 +88,35 @@ class ServerProcess:
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
 
-    def log_text(self) -> str:
-        return self.log.read_text() if self.log is not None and self.log.exists() else ""
+    def log_text(self, since: int = 0) -> str:
+        """The server's log (from ``since``, a :meth:`log_mark`)."""
+        if self.log is None or not self.log.exists():
+            return ""
+        with open(self.log, "rb") as log:
+            log.seek(since)
+            return log.read().decode(errors="replace")
+
+
+def server_pool(root: Path, token_file: Path, layouts: Sequence[Sequence[str]]) -> Iterator[list[ServerProcess]]:
+    """Servers for a test module, one per layout (the names of its storage roots under ``root``), stopped at the end.
+
+    Modules share them between tests (each test opens sessions of its own); :func:`running` gives a test back every
+    server an earlier test killed or stopped.
+    """
+    made = [ServerProcess([root / name for name in layout], token_file) for layout in layouts]
+    try:
+        yield running(made)
+    finally:
+        for server in made:
+            server.stop()
+
+
+def running(servers: list[ServerProcess]) -> list[ServerProcess]:
+    """``servers``, each started again (on a new port) if it is not running."""
+    for server in servers:
+        if not server.running:
+            server.start()
+    return servers
 
 
 def make_certificates(directory: Path) -> Path:

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from models import SEQ, VOCAB, LMModule, TinyGPT, fit, param_groups
+from models import SEQ, VOCAB, LMModule, TinyGPT, adamw_factory, fit
 from torch import nn
 
 from lightning_smartinf.activations import ActivationOffload, ActivationOffloader, find_layers
@@ -225,8 +225,7 @@ def test_storage_full_is_a_clear_error_and_leaves_nothing(tmp_path, monkeypatch)
     off.close()
 
 
-def _adamw(model):
-    return torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3), None
+_adamw = adamw_factory(lr=1e-3)
 
 
 def test_callback_in_trainer_with_smart_infinity_strategy(tmp_path):

@@ -544,8 +544,7 @@ def test_valid_callback_arguments(tmp_path):
 
 
 def test_save_pretrained_arguments(tmp_path):
-    pytest.importorskip("transformers")
-    from lightning_smartinf.hf import SavePretrained
+    from lightning_smartinf.hf import SavePretrained  # transformers: installed with the test extras
 
     (tmp_path / "file").write_text("x")
     with pytest.raises(MisconfigurationException, match=r"`dirpath='.*file'` is a file, not a directory"):

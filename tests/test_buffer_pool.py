@@ -5,16 +5,14 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import LMModule, fit, param_groups
+from machine import aio_op
+from models import LMModule, adamw_factory, fit
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.callbacks import BufferPool
 
-
-def adamw(model):
-    return torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3), None
+adamw = adamw_factory(lr=1e-3)
 
 
 class KeepBackend(BufferPool):
@@ -103,12 +101,7 @@ def test_needs_the_smart_infinity_strategy():
 @pytest.mark.parametrize("engine", ["threads", "aio"])
 def test_io_engines_train_to_the_same_parameters(tmp_path, engine):
     if engine == "aio":
-        from lightning_smartinf.zero.aio import load_aio_op
-
-        try:
-            load_aio_op()
-        except RuntimeError as exc:
-            pytest.skip(str(exc))
+        aio_op()  # set-up installs libaio and builds the op
     _, reference = fit(LMModule(adamw), "auto", steps=4)
     strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000, io_engine=engine)
     _, ours = fit(LMModule(adamw), strategy, steps=4)

@@ -21,6 +21,8 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from launch import SCRIPTS, torchrun, worker_env
+from models import assert_identical
 from scripts.ckpt_common import EVERY, TOTAL, checkpoint_step, newest_complete, train
 
 import lightning_smartinf.csd.checkpoint as ckpt_module
@@ -35,20 +37,10 @@ WORKER = Path(__file__).parent / "scripts" / "crash_worker.py"
 CHUNK = 1024
 
 
-def assert_identical(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
-    assert ours.keys() == reference.keys()
-    differ = {
-        n: float((ours[n] - reference[n]).abs().max()) for n in reference if not torch.equal(ours[n], reference[n])
-    }
-    assert not differ, f"parameters differ from the uninterrupted run (max abs diff): {differ}"
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
-    """An uninterrupted run of TOTAL steps that also saves step=4, 8, 12 checkpoints."""
-    root = tmp_path_factory.mktemp("reference")
-    params = train(root)
-    return root, params
+@pytest.fixture
+def reference(checkpoint_reference) -> tuple[Path, dict[str, torch.Tensor]]:
+    """An uninterrupted run of TOTAL steps that also saves step=4, 8, 12 checkpoints (made once per test run)."""
+    return checkpoint_reference
 
 
 def ckpt(root: Path, step: int) -> Path:
@@ -90,18 +82,7 @@ def test_resume_after_reshard_to_fewer_paths(tmp_path, reference) -> None:
 @pytest.mark.multiprocess
 def test_two_ranks_resume_is_bit_identical_and_exports(tmp_path, free_port) -> None:
     """2 gloo ranks: train 12 steps saving every 4; resume from step 4 onto 4 other paths (2 per rank)."""
-    env = {**_worker_env(), "MASTER_PORT": str(free_port())}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={env['MASTER_PORT']}",
-        str(Path(__file__).parent / "scripts" / "train_two_ranks_ckpt.py"),
-        str(tmp_path),
-    ]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    torchrun(SCRIPTS / "train_two_ranks_ckpt.py", tmp_path, port=free_port())
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     assert_identical(torch.load(tmp_path / "resumed.pt", weights_only=True), full)
     final = ckpt(tmp_path, TOTAL)
@@ -203,27 +184,8 @@ def test_corrupt_checkpoint_fails_resume_with_the_file_name(reference, tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------------- disk full
-# Method: a real size-limited tmpfs (`mount -t tmpfs -o size=...`) as the checkpoint target; skipped (with the
-# reason) where mounting is not permitted. No ENOSPC is injected.
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-
-    def mount(size: str) -> Path:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mount_point)],
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a size-limited tmpfs here ({done.stderr.strip() or done.returncode})")
-        return mount_point
-
-    yield mount
-    subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
+# Method: a real size-limited tmpfs (`mount -t tmpfs -o size=...`, the `small_fs` fixture) as the checkpoint target.
+# No ENOSPC is injected.
 
 
 def test_enospc_during_save_is_a_clear_error_and_keeps_the_previous_state(tmp_path, small_fs, monkeypatch) -> None:
@@ -297,21 +259,13 @@ def test_storage_path_removed_mid_run_names_it(tmp_path) -> None:
 # ------------------------------------------------------------------------------------------- crash consistency
 
 
-def _worker_env() -> dict[str, str]:
-    repo = str(Path(__file__).resolve().parents[1])
-    # Lightning put this process's rendezvous (MASTER_PORT, ranks) into os.environ; the worker needs its own.
-    dist_vars = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK"}
-    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
-    return {**env, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-
-
 def _run_killed(root: Path, spec: str) -> None:
     """Run the worker until it is SIGKILLed at ``spec`` (``timer:SECONDS`` kills from here after training starts)."""
     root.mkdir(parents=True, exist_ok=True)
     worker_spec = "none" if spec.startswith("timer:") else spec
     with open(root / "worker.out", "w") as out, open(root / "worker.err", "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, str(WORKER), str(root), worker_spec], env=_worker_env(), stdout=out, stderr=err
+            [sys.executable, str(WORKER), str(root), worker_spec], env=worker_env(), stdout=out, stderr=err
         )
         if spec.startswith("timer:"):
             deadline = time.monotonic() + 120

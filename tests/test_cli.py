@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import csv
-import os
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 import matplotlib.image
@@ -13,6 +11,7 @@ import pytest
 import yaml
 from cli_models import TinyLM
 from conftest import REPO_ROOT
+from launch import python
 from models import param_groups
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -40,19 +39,25 @@ def test_plan_subcommand(capsys):
     assert "ZeRO-Infinity" in out and "SmartInfinityStrategy(" in out
 
 
-def test_demo_trains_and_reports_traffic(capsys):
-    assert main(["demo", "--steps", "3"]) == 0
-    out = capsys.readouterr().out
-    assert "step    3  loss" in out
-    assert "less over the shared link" in out
+def test_demo_trains_and_reports_traffic(demo_run):
+    assert "step    6  loss" in demo_run
+    assert "less over the shared link" in demo_run
 
 
-@pytest.mark.parametrize("argv", [["plan", "--model", "seven"], ["demo", "--steps", "x"]])
-def test_bad_arguments_exit_non_zero(argv):
-    with pytest.raises(SystemExit) as exc:
-        if main(argv) != 0:
-            raise SystemExit(2)
-    assert exc.value.code != 0
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--model", "seven"], r"--model.*'seven'"),
+        (["demo", "--steps", "x"], r"argument --steps: invalid int value: 'x'"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_argument(argv, message, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code
+    assert code == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
 # ------------------------------------------------------------------------------------------ LightningCLI recipes
@@ -148,17 +153,20 @@ def test_validate_subcommand_runs_the_validation_loop(tmp_path, strategy):
     assert len(csv_metrics(tmp_path / "logs" / "run" / "version_0")["val_loss"]) == 1
 
 
+def test_test_subcommand_runs_the_test_loop(tmp_path):
+    """`smartinf test` with the strategy: the test loop runs once over the data module's test batches, which are its
+    validation batches, so it reports the validation loss of the same model."""
+    config = recipe(tmp_path, strategy="smart_infinity", precision="32-true")
+    assert main(["validate", "--config", write(tmp_path, config)]) == 0
+    assert main(["test", "--config", write(tmp_path, config)]) == 0
+    logs = sorted((tmp_path / "logs" / "run").iterdir())
+    (val_loss,) = csv_metrics(logs[0])["val_loss"]
+    (test_loss,) = csv_metrics(logs[1])["test_loss"]
+    assert test_loss == pytest.approx(val_loss, rel=1e-6)
+
+
 def test_python_dash_m_fit_help_lists_recipe_keys():
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_smartinf", "fit", "--help"],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
+    result = python("-m", "lightning_smartinf", "fit", "--help", cwd=REPO_ROOT, timeout=300)
     assert "usage: smartinf [options] fit" in result.stdout
     assert "--trainer.strategy" in result.stdout and "smart_infinity" in result.stdout
     assert "--monitor.token_key" in result.stdout and "--data CONFIG" in result.stdout

@@ -7,8 +7,9 @@ import math
 
 import pytest
 import torch
+from checkpoints import assert_converted
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import LMModule, TinyGPT, fit, max_relative_error, param_groups, token_loader
+from models import LMModule, TinyGPT, adamw_factory, fit, max_relative_error, param_groups, small_strategy, token_loader
 from scripts.ckpt_common import EVERY, train
 
 from lightning_smartinf import SmartInfinityStrategy
@@ -23,13 +24,7 @@ EPS = 1e-8
 AF = {"ratio": 0.01, "rule": "ef_adafactor"}
 
 
-def adamw(model: torch.nn.Module):
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=BETAS, eps=EPS)
-    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
-
-
-def _strategy(tmp_path, **kwargs) -> SmartInfinityStrategy:
-    return SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000, chunk_size=2048, **kwargs)
+adamw = adamw_factory(betas=BETAS, eps=EPS, cosine_steps=STEPS)
 
 
 def _factored(square: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,7 +222,7 @@ def _plain_reference(steps: int, ratio: float) -> dict[str, torch.Tensor]:
 
 def test_one_percent_matches_plain_pytorch_top_k_adafactor_moments_and_sgd(tmp_path) -> None:
     reference = _plain_reference(STEPS, 0.01)
-    trainer, ours = fit(LMModule(adamw), _strategy(tmp_path, compression=AF), steps=STEPS)
+    trainer, ours = fit(LMModule(adamw), small_strategy(tmp_path, compression=AF), steps=STEPS)
     smart_update = trainer.strategy.smart_update
     assert {type(s.spec.rule) for s in smart_update.backend.shards} == {EFAdafactor}
     assert smart_update.moments is not None and smart_update.moments.updates == STEPS
@@ -244,7 +239,7 @@ def test_device_keeps_only_the_master_and_the_link_carries_what_ef_adam_sends(tm
     for rule in ("ef_adam", "ef_adafactor"):
         (tmp_path / rule).mkdir()
         compression = {"ratio": 0.01, "rule": rule}
-        trainer, _ = fit(LMModule(adamw, dim=64), _strategy(tmp_path / rule, compression=compression), steps=3)
+        trainer, _ = fit(LMModule(adamw, dim=64), small_strategy(tmp_path / rule, compression=compression), steps=3)
         shards = trainer.strategy.smart_update.backend.shards
         padded = sum(sum(s.layout.padded_len(k) for k in range(s.layout.num_chunks)) for s in shards)
         tensors = {type(s.spec.rule): s.layout.tensors_per_record for s in shards}
@@ -263,7 +258,7 @@ def test_bf16_with_clipping_overlap_and_warm_up_trains(tmp_path) -> None:
     are never handed off during backward (their moments need the step's whole gradient)."""
     from lightning_smartinf.callbacks import CompressionWarmup
 
-    strategy = _strategy(tmp_path, compression=AF, overlap_backward=True)
+    strategy = small_strategy(tmp_path, compression=AF, overlap_backward=True)
     trainer, params = fit(
         LMModule(adamw), strategy, steps=STEPS, precision="bf16-mixed", clip=0.5, callbacks=[CompressionWarmup(3)]
     )
@@ -293,28 +288,37 @@ def test_resume_from_ef_adam_converts_and_so_does_the_way_back(tmp_path, caplog)
     loads into dense AdamW, whose moments start from zero on the devices: their bias correction restarts with them
     (else the first steps would be up to 1 / sqrt(1 - beta2) times too large)."""
     ef_adam = {"compression": {"ratio": 0.05, "rule": "ef_adam"}}
+    ef_adafactor = {"compression": {"ratio": 0.05, "rule": "ef_adafactor"}}
     train(tmp_path / "ef", steps=EVERY, strategy_kwargs=ef_adam)
+    saved = tmp_path / "ef" / "ckpts" / f"step={EVERY}.ckpt"
     with caplog.at_level("WARNING", logger="lightning_smartinf.csd.checkpoint"):
-        resumed = train(
-            tmp_path / "af",
-            steps=2 * EVERY,
-            ckpt_path=tmp_path / "ef" / "ckpts" / f"step={EVERY}.ckpt",
-            strategy_kwargs={"compression": {"ratio": 0.05, "rule": "ef_adafactor"}},
-        )
+        resumed = train(tmp_path / "af", steps=2 * EVERY, ckpt_path=saved, strategy_kwargs=ef_adafactor)
     assert caplog.text.count("converting it to ef_adafactor") == 1
     assert all(torch.isfinite(p).all() for p in resumed.values())
+    loaded: list = []  # the state that resume made, saved before any step: the masters as saved, nothing else
+    train(tmp_path / "loaded", steps=EVERY, ckpt_path=saved, every=None, trainers=loaded, strategy_kwargs=ef_adafactor)
+    loaded[0].save_checkpoint(tmp_path / "converted.ckpt")
+    assert_converted(saved, tmp_path / "converted.ckpt")
+    assert loaded[0].strategy.smart_update.moments.updates == 0  # the host's moments start fresh
+
     trainers: list = []
+    back = tmp_path / "af" / "ckpts" / f"step={2 * EVERY}.ckpt"
     with pytest.warns(UserWarning, match="bias-corrected from step 1"):
         dense = train(
             tmp_path / "dense",
             steps=3 * EVERY,
-            ckpt_path=tmp_path / "af" / "ckpts" / f"step={2 * EVERY}.ckpt",
+            ckpt_path=back,
             strategy_kwargs={"compression": None},
             trainers=trainers,
         )
     # Adam's bias correction counts the steps since the resume, not since the start.
     assert set(trainers[-1].strategy.smart_update.group_steps.values()) == {EVERY}
     assert all(torch.isfinite(p).all() for p in dense.values())
+    loaded = []  # both Adam moments start at zero on the devices
+    with pytest.warns(UserWarning, match="bias-corrected from step 1"):
+        train(tmp_path / "back", steps=2 * EVERY, ckpt_path=back, every=None, trainers=loaded)
+    loaded[0].save_checkpoint(tmp_path / "dense.ckpt")
+    assert_converted(back, tmp_path / "dense.ckpt")
 
 
 # ---------------------------------------------------------------------------------------------------- bad input
@@ -332,7 +336,7 @@ def test_adam_with_l2_decay_is_refused_before_training(tmp_path) -> None:
         return torch.optim.Adam(model.parameters(), weight_decay=0.01), None
 
     with pytest.raises(MisconfigurationException, match="Adam's L2 `weight_decay=0.01`") as info:
-        fit(LMModule(adam_l2), _strategy(tmp_path, compression=AF), steps=1)
+        fit(LMModule(adam_l2), small_strategy(tmp_path, compression=AF), steps=1)
     assert "rule='ef_adam'" in str(info.value)
     assert not list(tmp_path.rglob("*.state"))  # refused before any device state was written
 
@@ -342,6 +346,6 @@ def test_sgd_gets_its_own_rule_refused(tmp_path) -> None:
         return torch.optim.SGD(model.parameters(), lr=0.1), None
 
     with pytest.raises(MisconfigurationException, match="is for torch.optim.Adam and AdamW"):
-        fit(LMModule(sgd), _strategy(tmp_path, compression=AF), steps=1)
+        fit(LMModule(sgd), small_strategy(tmp_path, compression=AF), steps=1)
     assert not list(tmp_path.rglob("*.state"))
     assert SGD() != EFAdafactor() and Adam() != EFAdafactor()

@@ -7,12 +7,14 @@ import math
 
 import pytest
 import torch
+from checkpoints import assert_converted
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import LMModule, TinyGPT, fit, max_relative_error, param_groups, token_loader
+from models import LMModule, adamw_factory, fit, max_relative_error, small_strategy
+from references import topk_adamw
 from scripts.ckpt_common import EVERY, train
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.csd.compression import TopKCompression, kept_count
+from lightning_smartinf.csd.compression import TopKCompression
 from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, EFAdafactor, EFAdam, StepParams
 from lightning_smartinf.csd.torch_optim import rule_for_group, state_bytes
 
@@ -21,19 +23,11 @@ BETAS = (0.9, 0.95)
 EF_ADAM = {"ratio": 0.01, "rule": "ef_adam"}
 
 
-def adamw(model: torch.nn.Module):
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=BETAS)
-    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
+adamw = adamw_factory(betas=BETAS, cosine_steps=STEPS)
 
 
-def adamw_no_first_moment(model: torch.nn.Module):
-    """What EF-Adam computes, as users could write it: AdamW with beta1 = 0."""
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=(0.0, BETAS[1]))
-    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
-
-
-def _strategy(tmp_path, **kwargs) -> SmartInfinityStrategy:
-    return SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000, chunk_size=2048, **kwargs)
+#: What EF-Adam computes, as users could write it: AdamW with beta1 = 0.
+adamw_no_first_moment = adamw_factory(betas=(0.0, BETAS[1]), cosine_steps=STEPS)
 
 
 # ------------------------------------------------------------------------------------------------------ the rule
@@ -107,8 +101,8 @@ def test_ratio_one_is_adamw_without_first_moment_bitwise(tmp_path, precision) ->
     with accumulation and clipping."""
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     kwargs = dict(steps=STEPS, accumulate=2, clip=0.5, precision=precision)
-    _, dense = fit(LMModule(adamw_no_first_moment), _strategy(tmp_path / "a"), **kwargs)
-    trainer, ours = fit(LMModule(adamw), _strategy(tmp_path / "b", compression=EF_ADAM | {"ratio": 1.0}), **kwargs)
+    _, dense = fit(LMModule(adamw_no_first_moment), small_strategy(tmp_path / "a"), **kwargs)
+    trainer, ours = fit(LMModule(adamw), small_strategy(tmp_path / "b", compression=EF_ADAM | {"ratio": 1.0}), **kwargs)
     shards = trainer.strategy.smart_update.backend.shards
     assert {type(s.spec.rule) for s in shards} == {EFAdam}
     assert all(torch.equal(ours[n], dense[n]) for n in dense)
@@ -116,40 +110,9 @@ def test_ratio_one_is_adamw_without_first_moment_bitwise(tmp_path, precision) ->
     assert min(max_relative_error(dense, initial).values()) > 1e-3  # training moved every parameter
 
 
-def _plain_reference(
-    steps: int, ratio: float, clip: float | None = None, clip_when_sent: bool = False
-) -> dict[str, torch.Tensor]:
-    """1% top-k per parameter with an fp32 error-feedback residual, then AdamW(betas=(0, beta2)): the codec and the
-    rule written out in plain PyTorch, on the data `fit` uses. With ``clip``, each step's gradient is clipped by its
-    own global norm before it joins the residual (``clip_when_sent``: the earlier behaviour, where what is sent was
-    scaled by the clipping of the step that sent it)."""
-    module = LMModule(adamw_no_first_moment)
-    model: TinyGPT = module.model
-    optimizer, scheduler = adamw_no_first_moment(model)
-    residual = {p: torch.zeros_like(p) for p in model.parameters()}
-    for tokens, targets in token_loader(steps):
-        loss = torch.nn.functional.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
-        loss.backward()
-        factor = 1.0
-        if clip is not None:
-            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
-            factor = min(1.0, clip / (float(norm) + 1e-6))
-        for p in model.parameters():
-            acc = residual[p].view(-1).add_(p.grad.view(-1) * (1.0 if clip_when_sent else factor))
-            keep = torch.topk(acc.abs(), kept_count(acc.numel(), ratio)).indices
-            sent = torch.zeros_like(acc)
-            sent[keep] = acc[keep]
-            acc[keep] = 0.0
-            p.grad = (sent * (factor if clip_when_sent else 1.0)).view_as(p)
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
-    return {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
-
-
 def test_one_percent_matches_plain_pytorch_top_k_and_adamw_without_first_moment(tmp_path) -> None:
-    reference = _plain_reference(STEPS, 0.01)
-    trainer, ours = fit(LMModule(adamw), _strategy(tmp_path, compression=EF_ADAM), steps=STEPS)
+    reference = topk_adamw(adamw_no_first_moment, STEPS, 0.01)
+    trainer, ours = fit(LMModule(adamw), small_strategy(tmp_path, compression=EF_ADAM), steps=STEPS)
     assert trainer.strategy.smart_update.residual is not None
     errors = max_relative_error(ours, reference)
     assert max(errors.values()) < 1e-5, errors
@@ -162,12 +125,12 @@ def test_with_clipping_each_step_is_clipped_by_its_own_norm(tmp_path) -> None:
     """Clipping with error feedback matches plain PyTorch that clips each step's gradient before it joins the
     residual, as dense clipping does; not what was sent before, an entry held back for many steps scaled by the
     clipping of the step that sent it. At 0.05 every step clips, each by a different factor."""
-    reference = _plain_reference(STEPS, 0.01, clip=0.05)
-    trainer, ours = fit(LMModule(adamw), _strategy(tmp_path, compression=EF_ADAM), steps=STEPS, clip=0.05)
+    reference = topk_adamw(adamw_no_first_moment, STEPS, 0.01, clip=0.05)
+    trainer, ours = fit(LMModule(adamw), small_strategy(tmp_path, compression=EF_ADAM), steps=STEPS, clip=0.05)
     assert trainer.strategy.smart_update.residual is not None
     errors = max_relative_error(ours, reference)
     assert max(errors.values()) < 1e-5, errors
-    when_sent = max_relative_error(ours, _plain_reference(STEPS, 0.01, clip=0.05, clip_when_sent=True))
+    when_sent = max_relative_error(ours, topk_adamw(adamw_no_first_moment, STEPS, 0.01, clip=0.05, clip_when_sent=True))
     assert max(when_sent.values()) > 1e-3, when_sent  # the two differ far beyond the tolerance
 
 
@@ -177,7 +140,7 @@ def test_device_state_and_traffic_are_two_thirds_of_adams(tmp_path) -> None:
     for rule in ("optimizer", "ef_adam"):
         (tmp_path / rule).mkdir()
         compression = {"ratio": 0.01, "rule": rule}
-        trainer, _ = fit(LMModule(adamw, dim=64), _strategy(tmp_path / rule, compression=compression), steps=3)
+        trainer, _ = fit(LMModule(adamw, dim=64), small_strategy(tmp_path / rule, compression=compression), steps=3)
         shards = trainer.strategy.smart_update.backend.shards
         padded = sum(sum(s.layout.padded_len(k) for k in range(s.layout.num_chunks)) for s in shards)
         metrics = trainer.callback_metrics
@@ -216,6 +179,12 @@ def test_resume_across_rules_converts_the_device_state(tmp_path, caplog, before,
         resumed = train(tmp_path / "resumed", steps=2 * EVERY, ckpt_path=checkpoint, every=None, **second)
     assert caplog.text.count("converting it to") == 1
     assert all(torch.isfinite(p).all() for p in resumed.values())
+    # What the resume converted the state to, saved before any step: the masters and the shared second moment as
+    # saved, the first moment (if the new rule has one) starting at zero.
+    trainers: list = []
+    train(tmp_path / "loaded", steps=EVERY, ckpt_path=checkpoint, every=None, trainers=trainers, **second)
+    trainers[0].save_checkpoint(tmp_path / "converted.ckpt")
+    assert_converted(checkpoint, tmp_path / "converted.ckpt")
 
 
 # ---------------------------------------------------------------------------------------------------- bad input
@@ -252,7 +221,7 @@ def test_top_k_compression_checks_its_rule() -> None:
     ids=["sgd", "adagrad", "amsgrad"],
 )
 def test_ef_adam_for_another_optimizer_is_refused_before_training(tmp_path, make_optimizer, message) -> None:
-    strategy = _strategy(tmp_path, compression={"ratio": 0.01, "rule": "ef_adam"})
+    strategy = small_strategy(tmp_path, compression={"ratio": 0.01, "rule": "ef_adam"})
     with pytest.raises(MisconfigurationException, match=message) as info:
         fit(LMModule(make_optimizer), strategy, steps=1)
     assert "rule='auto'" in str(info.value) or "amsgrad=False" in str(info.value)
@@ -263,6 +232,6 @@ def test_sgd_with_auto_keeps_its_own_rule(tmp_path) -> None:
     def sgd(model):
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), None
 
-    trainer, params = fit(LMModule(sgd), _strategy(tmp_path, compression=0.01), steps=2)
+    trainer, params = fit(LMModule(sgd), small_strategy(tmp_path, compression=0.01), steps=2)
     assert {type(s.spec.rule) for s in trainer.strategy.smart_update.backend.shards} == {SGD}
     assert all(math.isfinite(float(p.abs().max())) for p in params.values())

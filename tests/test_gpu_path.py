@@ -14,7 +14,7 @@ import pytest
 import torch
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import LMModule, fit, param_groups
+from models import LMModule, adamw_factory, fit
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.activations import ActivationOffloader
@@ -28,8 +28,7 @@ from lightning_smartinf.csd.settings import check_accelerator_budget
 DIM = 512  # the MLP weights' partitions reach DeepSpeed's 1 MiB and go to storage
 
 
-def adamw(model: torch.nn.Module):
-    return torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3), None
+adamw = adamw_factory()
 
 
 @pytest.mark.parametrize(

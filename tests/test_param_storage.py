@@ -18,9 +18,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from launch import SCRIPTS, python, worker_env
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import LMModule, TinyGPT, fit, param_groups, token_loader
+from machine import tmpfs
+from models import LMModule, TinyGPT, adamw_factory, assert_identical, fit, token_loader
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.csd import StorageError
@@ -30,8 +32,7 @@ DIM = 512
 SWAPPED = 1 << 20  # DeepSpeed keeps partitions below 1 MiB in memory
 
 
-def adamw(model: torch.nn.Module):
-    return torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3), None
+adamw = adamw_factory()
 
 
 def strategy(path: Path, offload: bool | str, **kwargs) -> SmartInfinityStrategy:
@@ -48,12 +49,6 @@ def stored_bytes(module: L.LightningModule, element_size: int, world_size: int =
 
 def param_files(root: Path) -> list[Path]:
     return sorted(root.glob("smartinf/rank*/params/**/*.swp"))
-
-
-def assert_identical(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
-    assert ours.keys() == reference.keys()
-    for name in reference:
-        assert torch.equal(ours[name], reference[name]), f"{name} differs"
 
 
 @pytest.mark.parametrize(
@@ -193,23 +188,16 @@ def test_save_last_resume_and_evaluation_with_parameters_on_storage(tmp_path) ->
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_ranks_launched_by_lightning_with_parameters_on_storage(tmp_path, free_port) -> None:
     """``Trainer(devices=2)``: each rank stores its own partitions; ``save_last``, a crash and a resume."""
-    from test_checkpoint import _worker_env
 
-    script = Path(__file__).parent / "scripts" / "train_two_ranks_save_last.py"
+    script = SCRIPTS / "train_two_ranks_save_last.py"
     options = (
         '{"offload_parameters": "storage", "model": {"dim": 1024}, "precision": "bf16-true"}'  # 1-2 MiB partitions
     )
     for mode in ("full", "crash", "resume"):
-        env = {**_worker_env(), "MASTER_PORT": str(free_port())}
-        done = subprocess.run(
-            [sys.executable, str(script), str(tmp_path), mode, options],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        done = python(script, tmp_path, mode, options, env=worker_env(MASTER_PORT=str(free_port())), check=False)
         assert done.returncode == (3 if mode == "crash" else 0), done.stdout[-2000:] + done.stderr[-4000:]
     for rank in (0, 1):
         assert list(tmp_path.glob(f"ssd_full{rank}/smartinf/rank00{rank}/params/**/*.swp")), f"rank {rank} stored none"
@@ -232,26 +220,26 @@ def test_a_deepspeed_offload_param_block_to_nvme_points_to_storage() -> None:
         SmartInfinityStrategy(config=config)
 
 
-def test_fp32_on_an_accelerator_without_fp16_is_refused(tmp_path) -> None:
-    """DeepSpeed 0.19 gives the swapper bf16 for an fp32 model where the accelerator lacks fp16 (this CPU)."""
+def test_fp32_with_parameters_on_storage_trains_in_fp32_or_is_refused_where_deepspeed_would_store_bf16(
+    tmp_path,
+) -> None:
+    """DeepSpeed 0.19 gives the swapper bf16 for an fp32 model where the accelerator lacks fp16 (this CPU): that is
+    refused, before anything is written. Where the accelerator has fp16, the parameters stay fp32 and train."""
     from deepspeed.accelerator import get_accelerator
 
-    if get_accelerator().is_fp16_supported():
-        pytest.skip("the accelerator supports fp16: DeepSpeed keeps fp32 parameters in fp32")
-    with pytest.raises(MisconfigurationException, match=r"precision='32-true'.*bf16-true"):
-        fit(LMModule(adamw, dim=DIM), strategy(tmp_path, "storage"), steps=1, precision="32-true")
-    assert not param_files(tmp_path)
+    if not get_accelerator().is_fp16_supported():
+        with pytest.raises(MisconfigurationException, match=r"precision='32-true'.*bf16-true"):
+            fit(LMModule(adamw, dim=DIM), strategy(tmp_path, "storage"), steps=1, precision="32-true")
+        assert not param_files(tmp_path)
+        return
+    trainer, ours = fit(LMModule(adamw, dim=DIM), strategy(tmp_path, "storage"), steps=2, precision="32-true")
+    assert param_files(tmp_path) and trainer.strategy.smart_update.link_dtype == torch.float32
+    assert all(torch.isfinite(p).all() for p in ours.values())
 
 
 def test_a_disk_without_room_for_parameters_and_state_is_refused_before_anything_is_written(tmp_path) -> None:
     """A real 4 MiB tmpfs; the model's bf16 parameters alone take 13 MB."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mount_point)], capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr  # set-up and CI run as root
-    try:
+    with tmpfs(tmp_path / "small", "4m") as mount_point:
         with pytest.raises(
             StorageError,
             match=r"GiB free but `offload_parameters='storage'` needs .* GiB there: .*"
@@ -259,8 +247,6 @@ def test_a_disk_without_room_for_parameters_and_state_is_refused_before_anything
         ):
             fit(LMModule(adamw, dim=DIM), strategy(mount_point, "storage"), steps=1, precision="bf16-true")
         assert not list(mount_point.rglob("*.swp")) and not list(mount_point.rglob("*.state"))
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
 
 
 def test_a_model_built_in_configure_model_is_refused_before_its_state_is_written(tmp_path) -> None:
@@ -268,23 +254,13 @@ def test_a_model_built_in_configure_model_is_refused_before_its_state_is_written
     then the gradients and the state must still fit, and are refused before anything more is written. Found at
     5.7B parameters on this machine: the state filled the disk, then the gradients' file could not be reserved."""
     numel = sum(p.numel() for p in TinyGPT(dim=768).parameters())
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
     size_mib = (2 * numel >> 20) + 8  # the parameters and some room; not the gradients (2 B) and state (12 B)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0700", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr
-    try:
+    with tmpfs(tmp_path / "small", f"{size_mib}m") as mount_point:
         refused = r"needs .* GiB there: the \(already written\) 16-bit parameters, .* gradients"
         with pytest.raises(StorageError, match=refused):
             fit(BuiltInConfigureModel(), strategy(mount_point, "storage"), steps=1, precision="bf16-true")
         assert param_files(mount_point), "the parameters were written as the model was built"
         assert not list(mount_point.rglob("*.state"))
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
 
 
 def test_swap_buffers_are_sized_from_the_model() -> None:
@@ -324,13 +300,12 @@ def test_a_working_set_larger_than_memory_is_refused_with_the_mib_needed_and_ava
 
 
 def _peak_rss(root: Path, layers: int, offload: str, port: int, *extra: str) -> dict:
-    from test_checkpoint import _worker_env
 
     script = Path(__file__).parent / "scripts" / "param_storage_rss.py"
     root.mkdir()
     done = subprocess.run(
         [sys.executable, str(script), str(root), "2048", str(layers), offload, *extra],
-        env={**_worker_env(), "MASTER_PORT": str(port)},
+        env={**worker_env(), "MASTER_PORT": str(port)},
         capture_output=True,
         text=True,
         timeout=600,
@@ -340,6 +315,7 @@ def _peak_rss(root: Path, layers: int, offload: str, port: int, *extra: str) -> 
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_peak_rss_stays_flat_while_the_model_grows_four_times(tmp_path, free_port) -> None:
     """Width 2048, 8 then 32 layers (34M, then 134M parameters), each run in a fresh process built in
     ``configure_model``: the peak RSS moves by at most 10%. With the parameters in host memory the larger model's peak
@@ -353,6 +329,7 @@ def test_peak_rss_stays_flat_while_the_model_grows_four_times(tmp_path, free_por
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_peak_rss_stays_flat_with_compression_and_a_checkpoint(tmp_path, free_port) -> None:
     """Top-1% with error feedback keeps a fp32 residual as large as the gradients (4 B/param: 0.54 GB at 32 layers),
     and a stock ``ModelCheckpoint`` saves it at the last step: with the parameters on storage the residual lives in a
@@ -385,15 +362,7 @@ def test_the_gradients_file_keeps_its_contents_out_of_the_process_and_its_blocks
 def test_a_gradients_file_that_does_not_fit_is_a_storage_error(tmp_path) -> None:
     from lightning_smartinf.zero.param_storage import FileBuffer
 
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount_point)], capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    try:
+    with tmpfs(tmp_path / "small", "1m") as mount_point:
         with pytest.raises(StorageError, match=r"Cannot reserve 0.01 GiB for the gradients in .*Free space"):
             FileBuffer(mount_point, 4 << 20, torch.bfloat16)
         assert not list(mount_point.iterdir())
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)

@@ -4,15 +4,13 @@ most 5 warning lines, the silenced warnings are exactly the known-harmless ones,
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import lightning as L
 import pytest
-import torch
-from models import LMModule, fit, param_groups
+from machine import lacking
+from models import LMModule, adamw_factory, fit
 
 from lightning_smartinf import SmartInfinityStrategy, quiet
 
@@ -32,29 +30,15 @@ def warning_lines(output: str) -> list[str]:
     return found
 
 
-def _run(command: list[str], cwd: Path) -> str:
-    from test_checkpoint import _worker_env  # without this process's rendezvous (MASTER_PORT, ranks)
-
-    env = {k: v for k, v in _worker_env().items() if k != "PYTHONWARNINGS"}
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout + done.stderr
-
-
-def test_the_demo_prints_at_most_5_warning_lines(tmp_path) -> None:
-    output = _run([sys.executable, "-m", "lightning_smartinf.demo", "--steps", "6"], tmp_path)
-    assert re.search(r"^step +\d+  loss \d", output, re.M) and "host link, SmartUpdate" in output
-    lines = warning_lines(output)
+def test_the_demo_prints_at_most_5_warning_lines(demo_run) -> None:
+    assert re.search(r"^step +\d+  loss \d", demo_run, re.M) and "host link, SmartUpdate" in demo_run
+    lines = warning_lines(demo_run)
     assert len(lines) <= 5, "\n".join(lines)
-    assert not any("reduce_scatter_tensor" in line or "litlogger" in line for line in output.splitlines())
+    assert not any("reduce_scatter_tensor" in line or "litlogger" in line for line in demo_run.splitlines())
 
 
-def test_smartinf_fit_with_a_cpu_recipe_prints_at_most_5_warning_lines(tmp_path) -> None:
-    (tmp_path / "recipes").symlink_to(REPO / "recipes")  # the recipe's data paths are relative to the repository
-    smartinf = Path(sys.executable).with_name("smartinf")
-    output = _run(
-        [str(smartinf), "fit", "--config", "recipes/gpt2-pretrain-cpu.yaml", "--trainer.max_steps", "3"], tmp_path
-    )
+def test_smartinf_fit_with_a_cpu_recipe_prints_at_most_5_warning_lines(gpt2_recipe_run) -> None:
+    _, output = gpt2_recipe_run
     assert "max_steps=3` reached" in output
     lines = warning_lines(output)
     assert len(lines) <= 5, "\n".join(lines)
@@ -68,8 +52,7 @@ class WarnsInTraining(LMModule):
         return super().training_step(batch, batch_idx)
 
 
-def adamw(model: torch.nn.Module):
-    return torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3), None
+adamw = adamw_factory(lr=1e-3)
 
 
 def test_only_the_known_messages_are_silenced_and_only_while_the_strategy_runs(tmp_path) -> None:
@@ -101,15 +84,22 @@ def test_silence_removes_exactly_its_filters() -> None:
     assert not any(isinstance(f, logging.Filter) and type(f).__name__ == "_DropMessages" for f in logger.filters)
 
 
-def test_endurance_note_is_said_once_and_only_for_block_devices(tmp_path, monkeypatch) -> None:
+def _a_block_device_mount() -> str:
+    """A mount point of this machine on a block device (the root filesystem, on any machine that boots a disk)."""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        mount_point = line.split()[1].replace("\\040", " ")
+        if mount_point.startswith("/") and quiet._on_block_device(mount_point):
+            return mount_point
+    lacking("no filesystem of this machine is on a block device (/proc/self/mounts, /sys/dev/block)")
+
+
+def test_endurance_note_is_said_once_and_only_for_block_devices(monkeypatch) -> None:
     monkeypatch.setattr(quiet, "_endurance_said", False)
     assert quiet.endurance_note(["/dev/shm"], 10**9) is None  # tmpfs: no drive wears out
-    note = quiet.endurance_note([str(tmp_path)], 12 * 10**9)
-    if quiet._on_block_device(str(tmp_path)):
-        assert note is not None and "12 GB per step (12 TB per 1000 steps)" in note and str(tmp_path) in note
-        assert quiet.endurance_note([str(tmp_path)], 12 * 10**9) is None  # once per process
-    else:
-        assert note is None
+    disk = _a_block_device_mount()
+    note = quiet.endurance_note(["/dev/shm", disk], 12 * 10**9)
+    assert note is not None and "12 GB per step (12 TB per 1000 steps)" in note and disk in note
+    assert quiet.endurance_note([disk], 12 * 10**9) is None  # once per process
 
 
 def test_a_module_without_the_strategy_keeps_every_warning() -> None:

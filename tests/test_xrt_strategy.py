@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import LMModule, fit, max_relative_error, param_groups
+from models import LMModule, adamw_factory, fit, max_relative_error, param_groups
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.csd.xrt import forget_platform, platform_for, write_model_xclbin
@@ -29,9 +29,7 @@ def model_xclbin(tmp_path_factory, csim_library) -> Path:
     forget_platform(path)
 
 
-def adamw_cosine(model: torch.nn.Module):
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
-    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS, eta_min=3e-4)
+adamw_cosine = adamw_factory(betas=(0.9, 0.95), cosine_steps=STEPS, eta_min=3e-4)
 
 
 def sgd_momentum(model: torch.nn.Module):

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from hang_guard import GUARD_S, run_with_timeout
+from machine import aio_op
 
 from lightning_smartinf.csd.backend import ShardSpec
 from lightning_smartinf.csd.cpu import CpuBackend, check_device_timeout
@@ -421,11 +422,7 @@ def test_a_vanished_device_directory_stops_the_backend(tmp_path, how) -> None:
 
 
 def test_deepspeed_aio_reports_a_vanished_path_with_its_errno(tmp_path) -> None:
-    aio = pytest.importorskip("lightning_smartinf.zero.aio")
-    try:
-        op = aio.load_aio_op()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
+    aio, op = aio_op()
     backend, _ = _backend(tmp_path, [aio.DeepSpeedAIO(1 << 16, 4, op=op)], sizes=(CHUNK,))
     try:
         directory = backend.devices[0].directory

@@ -8,10 +8,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
 
 import pytest
 import torch
+from machine import aio_op, lacking
 from torch.testing import assert_close
 
 from lightning_smartinf.csd import Adam, CpuBackend, ShardSpec, StepParams
@@ -36,17 +36,8 @@ def test_threaded_io_round_trip(tmp_path, block, depth):
     _round_trip(ThreadedIO(block, depth), tmp_path)
 
 
-def _aio_or_skip() -> tuple[Any, Any]:
-    """The aio module and DeepSpeed's loaded async_io op; skips the test where libaio or a compiler is missing."""
-    aio = pytest.importorskip("lightning_smartinf.zero.aio")
-    try:
-        return aio, aio.load_aio_op()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-
-
 def test_deepspeed_aio_round_trip(tmp_path):
-    aio, op = _aio_or_skip()
+    aio, op = aio_op()
     _round_trip(aio.DeepSpeedAIO(1 << 16, 4, op=op), tmp_path)
 
 
@@ -83,7 +74,7 @@ def test_deepspeed_aio_first_writes_from_many_threads_and_exit_cleanly(tmp_path,
     and the process exits with the engine still open. Handles destroyed while the interpreter finalised aborted
     7 exits in 40 here, so the slow variant repeats it.
     """
-    _aio_or_skip()
+    aio_op()
     for run in range(runs):
         done = subprocess.run(
             [sys.executable, "-c", _FIRST_WRITES, str(tmp_path)], capture_output=True, text=True, timeout=90
@@ -102,10 +93,9 @@ def _os_threads_settle_at(count: int, timeout: float = 10.0) -> bool:
     return True
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts OS threads through /proc")
 def test_deepspeed_aio_close_joins_every_handles_io_thread(tmp_path):
     """Each calling thread's handle owns an OS thread; ``close`` must destroy all of them, not just forget them."""
-    aio, op = _aio_or_skip()
+    aio, op = aio_op()
     engine = aio.DeepSpeedAIO(1 << 16, 4, op=op)
     file = StateFile(tmp_path / "f", 1 << 16, create=True)
     engine.write(file, aligned_empty(1 << 16), 0)  # warm-up: whatever torch starts once is started now
@@ -130,12 +120,11 @@ def _locked_kib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmLck:"))
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmLck from /proc")
 def test_deepspeed_aio_pool_buffers_are_page_locked_and_freed_on_close(tmp_path):
     """Locked once, DeepSpeed transfers straight into them: no locked bounce buffer and copy per transfer."""
-    aio, op = _aio_or_skip()
+    aio, op = aio_op()
     if aio.lockable_bytes() is not None and aio.lockable_bytes() < 8 << 20:
-        pytest.skip("this process may not lock 8 MiB")
+        lacking("this process may not lock 8 MiB (`ulimit -l`; CI runs as root)")
     engine = aio.DeepSpeedAIO(1 << 20, 4, op=op)
     before = _locked_kib()
     bufs = [engine.empty(3 << 20) for _ in range(2)]
@@ -192,11 +181,11 @@ def test_deepspeed_aio_without_lockable_memory_is_refused_not_aborted(tmp_path):
     """A user without ``CAP_IPC_LOCK`` and with an 8 MiB ``ulimit -l`` (a common default) had DeepSpeed abort the
     process on the first 12 MiB transfer (a failed ``mlock`` asserted in C++). Now: a clear error, and ``auto``
     picks threads. Run in a process without the capability and with a 1 MiB limit."""
-    _aio_or_skip()
+    aio_op()
     command = [sys.executable, "-c", _NO_MEMLOCK, str(tmp_path)]
     if os.geteuid() == 0:
         if shutil.which("setpriv") is None:
-            pytest.skip("root keeps CAP_IPC_LOCK without setpriv to drop it")
+            lacking("root keeps CAP_IPC_LOCK without setpriv (util-linux) to drop it")
         command = ["setpriv", "--bounding-set", "-ipc_lock", *command]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -16,7 +16,7 @@ import torch
 
 from lightning_smartinf.csd.backend import ShardSpec
 from lightning_smartinf.csd.cpu import CpuBackend, EmulatedDevice
-from tests.csd.test_read_ahead import CHUNK, HP, RULE, TIMEOUT_S, GatedIO
+from tests.csd.gated_io import CHUNK, HP, RULE, TIMEOUT_S, GatedIO
 
 
 class Reference:

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from remote_servers import ServerProcess, write_token
+from remote_servers import ServerProcess, running, server_pool, write_token
 from torch.testing import assert_close
 
 from lightning_smartinf.csd.backend import ShardSpec
@@ -31,21 +31,21 @@ SIZES = [3 * CHUNK + 5, CHUNK, 2 * CHUNK - 1, 777]
 RULES = [Adam(decoupled_weight_decay=True), SGD(with_momentum=True), Adagrad(initial_accumulator_value=0.1), Adam()]
 
 
-@pytest.fixture
-def token_file(tmp_path) -> Path:
-    return write_token(tmp_path / "token")
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory) -> Path:
+    return write_token(tmp_path_factory.mktemp("token") / "token")
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory, token_file):
+    """Two servers for the module: one with one storage root, one with two (two devices)."""
+    yield from server_pool(tmp_path_factory.mktemp("servers"), token_file, [["s0"], ["s1a", "s1b"]])
 
 
 @pytest.fixture
-def servers(tmp_path, token_file):
-    """Two servers: one with one storage root, one with two (two devices)."""
-    made = [
-        ServerProcess([tmp_path / "s0"], token_file).start(),
-        ServerProcess([tmp_path / "s1a", tmp_path / "s1b"], token_file).start(),
-    ]
-    yield made
-    for server in made:
-        server.stop()
+def servers(pool):
+    """The module's servers, each running (a test before may have killed one)."""
+    return running(pool)
 
 
 def _specs() -> list[ShardSpec]:
@@ -133,10 +133,12 @@ def test_tentative_updates_commit_and_roll_back(servers, token_file) -> None:
 
 
 def test_wrong_token_is_refused_and_logged(servers, token_file) -> None:
+    mark = servers[0].log_mark()
     with pytest.raises(StorageError, match=r"refused the token.*remote_token_file"):
         RemoteBackend([servers[0].address], "not-the-token", device_timeout_s=10.0)
     time.sleep(0.2)
-    assert "refused Hello" in servers[0].log_text() and "wrong token" in servers[0].log_text()
+    logged = servers[0].log_text(since=mark)
+    assert "refused Hello" in logged and "wrong token" in logged
 
 
 def test_malformed_and_oversized_frames_are_dropped_and_the_server_keeps_serving(servers, token_file) -> None:
@@ -233,13 +235,17 @@ def test_a_server_restarted_over_another_storage_root_is_refused(tmp_path, serve
     remote.save(tmp_path / "ckpt")
     remote.close()
     servers[1].kill()
-    servers[1].storage = [tmp_path / "elsewhere"]
+    storage, servers[1].storage = servers[1].storage, [tmp_path / "elsewhere"]
     servers[1].start()
-    resumed = _remote(servers, token_file)
-    resumed.open(_specs())
-    with pytest.raises(CheckpointError, match=rf"server at {servers[1].address} is .* restarted with another storage"):
-        resumed.load(tmp_path / "ckpt")
-    resumed.close()
+    try:
+        resumed = _remote(servers, token_file)
+        resumed.open(_specs())
+        with pytest.raises(CheckpointError, match=rf"server at {servers[1].address} is .* restarted with another"):
+            resumed.load(tmp_path / "ckpt")
+        resumed.close()
+    finally:  # the next test gets it back on its own roots (`running`)
+        servers[1].kill()
+        servers[1].storage = storage
 
 
 # ------------------------------------------------------------------------------------------------------- TLS

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from remote_servers import ServerProcess, write_token
+from remote_servers import server_pool, write_token
 from torch.testing import assert_close
 
 from lightning_smartinf.csd.backend import ShardSpec
@@ -32,17 +32,15 @@ RULES = [Adam(decoupled_weight_decay=True), SGD(with_momentum=True), Adagrad(ini
 RULES = [RULES[i % len(RULES)] for i in range(len(SIZES))]
 
 
-@pytest.fixture
-def token_file(tmp_path) -> Path:
-    return write_token(tmp_path / "token")
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory) -> Path:
+    return write_token(tmp_path_factory.mktemp("token") / "token")
 
 
-@pytest.fixture
-def servers(tmp_path, token_file):
-    made = [ServerProcess([tmp_path / f"s{i}"], token_file).start() for i in range(2)]
-    yield made
-    for server in made:
-        server.stop()
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, token_file):
+    """Two servers shared by the module's tests (none kills one)."""
+    yield from server_pool(tmp_path_factory.mktemp("servers"), token_file, [["s0"], ["s1"]])
 
 
 def _specs() -> list[ShardSpec]:

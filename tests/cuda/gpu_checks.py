@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import LMModule, fit, max_relative_error, param_groups  # noqa: E402
+from models import LMModule, adamw_factory, fit, max_relative_error  # noqa: E402
 
 from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
 from lightning_smartinf.activations import ActivationOffloader  # noqa: E402
@@ -47,9 +47,7 @@ CUDA_TOLERANCE = 1e-4
 DELAY_CYCLES = 50_000_000
 
 
-def adamw(model: nn.Module):
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95))
-    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
+adamw = adamw_factory(betas=(0.9, 0.95), cosine_steps=STEPS)
 
 
 def strategy(out: Path, name: str, ranks: int = 1, **kwargs: Any) -> SmartInfinityStrategy:
@@ -234,8 +232,7 @@ def activations(device: str, out: Path) -> dict:
 PARAMS_DIM = 512  # the MLP weights' partitions (512 x 1024 in bf16) reach DeepSpeed's 1 MiB and go to storage
 
 
-def adamw_plain(model: nn.Module):
-    return torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3), None
+adamw_plain = adamw_factory()
 
 
 def params_on_storage(device: str, out: Path) -> dict:

@@ -6,7 +6,6 @@ Without CUDA the GPU tests skip with "needs CUDA"; the checks that can also run 
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_checks import CHECKS, run_check  # noqa: E402
+from launch import RENDEZVOUS, worker_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Checks that are another's reference only (run with it).
@@ -26,7 +26,11 @@ CPU_TIMEOUT_S = 300
 
 @pytest.fixture(autouse=True)
 def _repository_on_path(monkeypatch) -> None:
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    """The checks' processes: this one's environment without its rendezvous, the repository on the path."""
+    for name, value in worker_env().items():
+        monkeypatch.setenv(name, value)
+    for name in RENDEZVOUS:
+        monkeypatch.delenv(name, raising=False)
 
 
 def _checks(gpus: int, cpu: bool = False) -> list[str]:
@@ -51,11 +55,26 @@ def test_on_two_gpus(tmp_path, check) -> None:
     assert passed, output
 
 
+#: Checks whose path the main suite already covers on the CPU (test_equivalence, test_param_storage, ...): here they
+#: prove only the check itself, so they run with the slow suite.
+COVERED_ON_CPU = {
+    "equivalence",
+    "overlap_backward",
+    "params_on_storage",
+    "compression_host_buffer",
+    "activations_zero3",
+    "two_gpus",  # test_multirank trains two gloo ranks against one
+}
+
+
 @pytest.mark.parametrize(
     "check",
     [
-        *_checks(1, cpu=True),
-        *(pytest.param(name, marks=pytest.mark.multiprocess) for name in _checks(2, cpu=True)),
+        *(pytest.param(name, marks=[pytest.mark.slow] * (name in COVERED_ON_CPU)) for name in _checks(1, cpu=True)),
+        *(
+            pytest.param(name, marks=[pytest.mark.multiprocess, *[pytest.mark.slow] * (name in COVERED_ON_CPU)])
+            for name in _checks(2, cpu=True)
+        ),
     ],
 )
 def test_check_runs_on_cpu(tmp_path, check) -> None:

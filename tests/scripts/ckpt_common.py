@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import CaptureParams, LMModule, param_groups, token_loader  # noqa: E402
+from models import CaptureParams, LMModule, adamw_factory, token_loader  # noqa: E402
 
 from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
 from lightning_smartinf.export import is_complete  # noqa: E402
@@ -29,9 +29,7 @@ EVERY = 4
 SUB_GROUP = 3000
 
 
-def adamw_cosine(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
-    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=TOTAL)
+adamw_cosine = adamw_factory(cosine_steps=TOTAL)
 
 
 def train(

@@ -10,14 +10,11 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import CaptureParams, LMModule, param_groups, token_loader  # noqa: E402
+from models import CaptureParams, LMModule, adamw_factory, token_loader  # noqa: E402
 
 from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
 
-
-def adamw(model):
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
-    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=8)
+adamw = adamw_factory(cosine_steps=8)
 
 
 def backend_numels(trainer: L.Trainer) -> list[int]:

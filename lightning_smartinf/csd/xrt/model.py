@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from filelock import FileLock
 
 from lightning_smartinf.csd.xrt.abi import (
     KERNEL_TYPES,
@@ -138,9 +139,12 @@ def build_csim_library(hls_dir: Path = HLS_DIR) -> Path:
         raise RuntimeError(f"Building the HLS C simulation needs {' and '.join(missing)} on PATH.")
     library = csim_library_path(hls_dir)
     args = [] if library.parent.name == "build" else ["CSIM_DIR=build/nofma", "CSIM_DEFINES=-DSMARTINF_TORCH_FMA=0"]
-    proc = subprocess.run(
-        ["make", "-C", str(hls_dir), "csim", *args], capture_output=True, text=True, timeout=600, check=False
-    )
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # One build at a time into a directory (processes of a parallel test run build the same one).
+    with FileLock(str(library.parent / ".build.lock"), thread_local=False):
+        proc = subprocess.run(
+            ["make", "-C", str(hls_dir), "csim", *args], capture_output=True, text=True, timeout=600, check=False
+        )
     if proc.returncode != 0:
         raise RuntimeError(f"`make -C {hls_dir} csim` failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return library

@@ -1,0 +1,61 @@
+"""What a test needs of the machine, in one place: a size-limited filesystem of its own, and what to do when the
+machine cannot give what a test needs.
+
+Set-up (``scripts/setup.sh``) installs everything the suite uses, and CI runs as root, so on CI nothing is lacking:
+``.ci/run`` sets ``SMARTINF_STRICT_MACHINE=1``, which turns every "the machine lacks" into a failure. Elsewhere (a
+developer's laptop without root) such a test is skipped with the reason. Hardware nobody can lend here (CUDA) is
+not this: those tests carry the ``cuda`` marker and skip everywhere without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NoReturn
+
+import pytest
+
+#: Set by ``.ci/run``: a lacking machine fails the test instead of skipping it.
+STRICT = os.environ.get("SMARTINF_STRICT_MACHINE") == "1"
+
+
+def lacking(reason: str) -> NoReturn:
+    """This machine lacks what the test needs (``reason`` says what, and how to get it)."""
+    if STRICT:
+        pytest.fail(f"the machine lacks what this test needs, which set-up and CI provide: {reason}")
+    pytest.skip(reason)
+
+
+@contextlib.contextmanager
+def tmpfs(directory: Path, size: str, *, readonly: bool = False) -> Iterator[Path]:
+    """A tmpfs of ``size`` (e.g. ``"4m"``) mounted on ``directory`` (created, mode 0700), unmounted afterwards.
+
+    Mounting needs root (CI runs as root).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    options = f"{'ro,' if readonly else ''}size={size},mode=0700"
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        lacking(f"mounting a {size} tmpfs needs the mount command and root ({exc})")
+    if done.returncode != 0:
+        lacking(f"mounting a {size} tmpfs needs root ({done.stderr.strip() or done.returncode})")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], capture_output=True, timeout=30)
+
+
+def aio_op() -> tuple[object, object]:
+    """``lightning_smartinf.zero.aio`` and DeepSpeed's async_io op, loaded (set-up installs libaio and builds it)."""
+    from lightning_smartinf.zero import aio
+
+    try:
+        return aio, aio.load_aio_op()
+    except RuntimeError as exc:
+        lacking(f"DeepSpeed's async_io op needs libaio (scripts/setup.sh installs it and builds the op): {exc}")
