@@ -240,7 +240,8 @@ def reference_record(path: Path) -> tuple[Record, int]:
     record.train = [tuple(v) for v in saved.get("train_dense", [])]
     steps = saved["steps"]
     record.link_per_step = [saved["link_bytes_per_param_per_step_dense"] * saved["params"]] * steps
-    record.storage_per_step = [saved["storage_bytes_per_param_per_step_dense"] * saved["params"]] * steps
+    storage = saved.get("storage_bytes_per_param_per_step_dense")  # records older than storage counting lack it
+    record.storage_per_step = [] if storage is None else [storage * saved["params"]] * steps
     return record, saved["params"]
 
 
@@ -357,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         "link_bytes_per_param_per_step_compressed_whole_run": sum(comp.link_per_step)
         / len(comp.link_per_step)
         / params,
-        "storage_bytes_per_param_per_step_dense": dense.storage_per_step[-1] / params,
+        "storage_bytes_per_param_per_step_dense": (
+            dense.storage_per_step[-1] / params if dense.storage_per_step else None
+        ),
         "storage_bytes_per_param_per_step_compressed": comp.storage_per_step[-1] / params,
         "dense_from": str(args.dense_from) if args.dense_from else None,
         "val_dense": dense.val,
