@@ -3,7 +3,9 @@ most 5 warning lines, the silenced warnings are exactly the known-harmless ones,
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import warnings
 from pathlib import Path
 
@@ -85,10 +87,16 @@ def test_silence_removes_exactly_its_filters() -> None:
 
 
 def _a_block_device_mount() -> str:
-    """A mount point of this machine on a block device (the root filesystem, on any machine that boots a disk)."""
+    """A mount point of this machine on a block device (the root filesystem, on any machine that boots a disk): one
+    whose source is a block-device node, found without the code under test."""
     for line in Path("/proc/self/mounts").read_text().splitlines():
-        mount_point = line.split()[1].replace("\\040", " ")
-        if mount_point.startswith("/") and quiet._on_block_device(mount_point):
+        source, mount_point = line.split()[:2]
+        mount_point = mount_point.replace("\\040", " ")
+        try:
+            is_block = stat.S_ISBLK(os.stat(source).st_mode) and os.path.isdir(mount_point)
+        except OSError:
+            continue
+        if is_block:
             return mount_point
     lacking("no filesystem of this machine is on a block device (/proc/self/mounts, /sys/dev/block)")
 
