@@ -1,6 +1,6 @@
 """What only the ``xrt`` backend has: byte counters per path, P2P buffers, device pairing and its bad-input messages.
 
-Everything runs on the software model of pyxrt (``lightning_smartinf.csd.xrt.model``), which executes the C
+Everything runs on the software model of pyxrt (``lightning_smartinf.devices.xrt.model``), which executes the C
 simulation of ``hls_kernels/``; the conformance suite (``test_backend_conformance.py``) covers the update results.
 """
 
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.checkpoint import shard_file_name
-from lightning_smartinf.csd.compression import SparseGrad
-from lightning_smartinf.csd.layout import ChunkLayout
-from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams
-from lightning_smartinf.csd.xrt import (
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.compression import SparseGrad
+from lightning_smartinf.core.format.layout import ChunkLayout
+from lightning_smartinf.core.format.state_files import shard_file_name
+from lightning_smartinf.core.rules import SGD, Adagrad, Adam, StepParams
+from lightning_smartinf.devices.xrt import (
     SMARTSSD_DDR_BYTES,
     XrtBackend,
     check_xrt_settings,
@@ -28,7 +28,7 @@ from lightning_smartinf.csd.xrt import (
     platform_for,
     write_model_xclbin,
 )
-from lightning_smartinf.csd.xrt.abi import padded_elems
+from lightning_smartinf.devices.xrt.abi import padded_elems
 
 CHUNK = 4096
 
@@ -289,7 +289,7 @@ def test_pairing_fails_clearly_for_a_plain_nvme_disk(tmp_path) -> None:
 
 def test_checkpoints_move_between_cpu_and_xrt(tmp_path, model_xclbin, backends) -> None:
     """Both backends save the same state format: a cpu checkpoint resumes on xrt and back, state for state."""
-    from lightning_smartinf.csd.cpu import CpuBackend
+    from lightning_smartinf.devices.cpu import CpuBackend
 
     specs = [ShardSpec(0, CHUNK + 5, Adam(decoupled_weight_decay=True)), ShardSpec(1, 1000, SGD())]
     gen = torch.Generator().manual_seed(3)

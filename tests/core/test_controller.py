@@ -11,55 +11,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_smartinf.csd.controller import SmartUpdate, SubGroup
-from lightning_smartinf.csd.cpu import CpuBackend
-from lightning_smartinf.csd.host_buffer import InMemoryBuffer
-from lightning_smartinf.csd.settings import SmartUpdateSettings
+from lightning_smartinf.core.controller import SmartUpdate, SubGroup
+from lightning_smartinf.core.settings import SmartUpdateSettings
+from lightning_smartinf.devices.cpu import CpuBackend
+from tests.core.backends import FlatPartitions
 
 SEGMENT = 200  # elements per parameter: top-1% keeps 2 of each
-
-
-class FlatPartitions:
-    """One rank's parameters and gradients as flat buffers, sub-group by sub-group (the ``Partitions`` protocol)."""
-
-    def __init__(self, sizes: list[int], dtype: torch.dtype, loss_scale: float) -> None:
-        self.sizes = sizes
-        self.flat_params = [torch.zeros(n, dtype=dtype) for n in sizes]
-        self.grad_buffer = torch.zeros(sum(sizes), dtype=dtype)
-        self.loss_scale = loss_scale
-
-    def params(self, sub_group: int) -> Tensor:
-        return self.flat_params[sub_group]
-
-    def params_changed(self, sub_group: int) -> None: ...
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        return self.grad_buffer.dtype
-
-    staged_limit: int | None = None
-
-    def param_bytes(self) -> tuple[int, int]:
-        return (0, 0)
-
-    def host_buffer(self, numel: int) -> InMemoryBuffer:
-        return InMemoryBuffer(torch.zeros(numel, dtype=torch.float32))
-
-    def prepare_for_update(self) -> None: ...
-
-    def finish_update(self) -> None: ...
-
-    def restore_loss_scale(self, scale: float) -> None:
-        self.loss_scale = scale
-
-    def gradient_fence(self) -> None:
-        return None  # host tensors: nothing is in flight
-
-    def layout(self) -> list[list[dict[str, Any]]]:
-        return [[{"name": f"p{i}", "shape": [n], "partition_numel": n}] for i, n in enumerate(self.sizes)]
-
-    rank = 0
-    world_size = 1
 
 
 def _controller(tmp_path, sizes: list[int], **settings: Any) -> tuple[SmartUpdate, FlatPartitions]:

@@ -6,8 +6,8 @@ import threading
 
 import torch
 
-from lightning_smartinf.csd.io import StateFile, ThreadedIO
-from lightning_smartinf.csd.rules import Adam, StepParams
+from lightning_smartinf.core.io.direct import StateFile, ThreadedIO
+from lightning_smartinf.core.rules import Adam, StepParams
 
 CHUNK = 1024
 RULE = Adam(decoupled_weight_decay=True)

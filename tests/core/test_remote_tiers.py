@@ -1,4 +1,4 @@
-"""Host and accelerator memory tiers beside remote device servers (``LocalTiers``), against two ``smartinf serve``
+"""Host and accelerator memory tiers beside remote device servers (``TieredBackend``), against two ``smartinf serve``
 processes on loopback.
 
 The servers run the ``cpu`` backend's devices and the local tiers the same rule code, so every comparison with the
@@ -15,16 +15,16 @@ import torch
 from remote_servers import server_pool, write_token
 from torch.testing import assert_close
 
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.checkpoint import CheckpointError
-from lightning_smartinf.csd.compression import compress_topk
-from lightning_smartinf.csd.cpu import CpuBackend
-from lightning_smartinf.csd.layout import ChunkLayout
-from lightning_smartinf.csd.local_tiers import LOCAL_TIERS_MANIFEST, LocalTiers, masters_beside
-from lightning_smartinf.csd.placement import Tiered
-from lightning_smartinf.csd.remote.client import RemoteBackend, checkpoint_masters
-from lightning_smartinf.csd.remote.tokens import read_token
-from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.compression import compress_topk
+from lightning_smartinf.core.format.layout import ChunkLayout
+from lightning_smartinf.core.format.state_files import CheckpointError
+from lightning_smartinf.core.placement import Tiered
+from lightning_smartinf.core.rules import SGD, Adagrad, Adam, StepParams
+from lightning_smartinf.core.tiers.tiered import LOCAL_TIERS_MANIFEST, TieredBackend, masters_beside
+from lightning_smartinf.devices.cpu import CpuBackend
+from lightning_smartinf.devices.remote.client import RemoteBackend, checkpoint_masters
+from lightning_smartinf.devices.remote.tokens import read_token
 
 CHUNK = 4096
 SIZES = [CHUNK + 5, CHUNK, 2 * CHUNK - 1, 777, 3 * CHUNK, CHUNK // 2]
@@ -54,7 +54,7 @@ def _record_bytes(i: int) -> int:
 STATE = sum(_record_bytes(i) for i in range(len(SIZES)))
 
 
-def _tiers(servers, token_file, *, memory: int = STATE, accelerator: int = 0, weights=None, **kwargs) -> LocalTiers:
+def _tiers(servers, token_file, *, memory: int = STATE, accelerator: int = 0, weights=None, **kwargs) -> TieredBackend:
     placement = Tiered(tuple(weights), 0, CHUNK) if weights else None
     remote = RemoteBackend(
         [s.address for s in servers],
@@ -65,7 +65,7 @@ def _tiers(servers, token_file, *, memory: int = STATE, accelerator: int = 0, we
         **({"placement": placement} if placement else {}),
         **kwargs,
     )
-    return LocalTiers(
+    return TieredBackend(
         remote,
         memory_bytes=memory,
         accelerator_bytes=accelerator,

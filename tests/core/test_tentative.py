@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.checkpoint import shard_file_name
-from lightning_smartinf.csd.cpu import CpuBackend
-from lightning_smartinf.csd.rules import Adam, StepParams
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.format.state_files import shard_file_name
+from lightning_smartinf.core.rules import Adam, StepParams
+from lightning_smartinf.devices.cpu import CpuBackend
 
 CHUNK = 4096
 SIZES = (3 * CHUNK + 100, CHUNK)  # a multi-chunk shard with a short last chunk, and a one-chunk shard
@@ -150,7 +150,7 @@ def test_misuse_is_refused(pair):
 def test_refused_open_names_the_doubled_space(tmp_path, monkeypatch):
     import shutil
 
-    from lightning_smartinf.csd.storage import StorageError
+    from lightning_smartinf.core.io.storage import StorageError
 
     usage = shutil.disk_usage(tmp_path)
     need_one_copy = sum(n * 12 for n in SIZES)

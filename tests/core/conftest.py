@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from lightning_smartinf.csd.xrt import XrtBackend
+from lightning_smartinf.devices.xrt import XrtBackend
 
 
 @pytest.fixture

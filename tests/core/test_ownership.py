@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_smartinf.csd import CpuBackend, StorageError
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.io import ThreadedIO
-from lightning_smartinf.csd.ownership import (
+from lightning_smartinf.core import StorageError
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.io.direct import ThreadedIO
+from lightning_smartinf.core.io.ownership import (
     LOCK_FILE,
     OWNER_FILE,
     UNCLAIMED_GRACE_S,
@@ -36,8 +36,9 @@ from lightning_smartinf.csd.ownership import (
     read_owner,
     remove_stale_temp_dirs,
 )
-from lightning_smartinf.csd.rules import Adam, StepParams
-from lightning_smartinf.csd.storage import ensure_private_dir, make_private_dirs
+from lightning_smartinf.core.io.storage import ensure_private_dir, make_private_dirs
+from lightning_smartinf.core.rules import Adam, StepParams
+from lightning_smartinf.devices.cpu import CpuBackend
 
 CHUNK = 1024
 NUMEL = 3 * CHUNK + 10
@@ -49,10 +50,10 @@ HOLD = textwrap.dedent(
     import sys
     from pathlib import Path
     import torch
-    from lightning_smartinf.csd import CpuBackend
-    from lightning_smartinf.csd.backend import ShardSpec
-    from lightning_smartinf.csd.ownership import make_temp_device_dir
-    from lightning_smartinf.csd.rules import Adam
+    from lightning_smartinf.devices.cpu import CpuBackend
+    from lightning_smartinf.core.backend import ShardSpec
+    from lightning_smartinf.core.io.ownership import make_temp_device_dir
+    from lightning_smartinf.core.rules import Adam
     temp = sys.argv[1] == "TEMP"
     directory = make_temp_device_dir(0) if temp else Path(sys.argv[1])
     backend = CpuBackend([directory], chunk_elems={CHUNK}, buffer_count=2, owned_dirs=[directory] if temp else [])
@@ -69,7 +70,8 @@ HOLD = textwrap.dedent(
 TRY = textwrap.dedent(
     f"""
     import sys
-    from lightning_smartinf.csd import CpuBackend, StorageError
+    from lightning_smartinf.core import StorageError
+    from lightning_smartinf.devices.cpu import CpuBackend
     try:
         backend = CpuBackend([sys.argv[1]], chunk_elems={CHUNK}, buffer_count=2)
     except StorageError as exc:

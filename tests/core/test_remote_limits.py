@@ -16,12 +16,12 @@ import pytest
 import torch
 from remote_servers import ServerProcess, write_token
 
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.remote.client import RemoteBackend
-from lightning_smartinf.csd.remote.server import MAX_UPDATES_IN_FLIGHT, serve
-from lightning_smartinf.csd.remote.wire import SERVICE, Frame, encode_tensor, header_frame
-from lightning_smartinf.csd.rules import Adam, StepParams
-from lightning_smartinf.csd.storage import StorageError
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.io.storage import StorageError
+from lightning_smartinf.core.rules import Adam, StepParams
+from lightning_smartinf.devices.remote.client import RemoteBackend
+from lightning_smartinf.devices.remote.server import MAX_UPDATES_IN_FLIGHT, serve
+from lightning_smartinf.devices.remote.wire import SERVICE, Frame, encode_tensor, header_frame
 
 TOKEN = "a-token-of-the-limits-tests"
 CHUNK = 4096

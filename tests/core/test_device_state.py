@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lightning_smartinf.csd.checkpoint import CheckpointError, write_file_atomic
-from lightning_smartinf.csd.device_state import BLOCK_BYTES, read_safetensors_header, safetensors_blocks
-from lightning_smartinf.csd.host_buffer import InMemoryBuffer
+from lightning_smartinf.core.format.rank_state import BLOCK_BYTES, read_safetensors_header, safetensors_blocks
+from lightning_smartinf.core.format.state_files import CheckpointError, write_file_atomic
+from lightning_smartinf.core.host_buffer import InMemoryBuffer
 
 TENSORS = {
     "residual": torch.randn(BLOCK_BYTES // 4 * 2 + 123, generator=torch.Generator().manual_seed(0)),

@@ -1,7 +1,7 @@
 """The memory tier's share from measurements (``measure_memory_share``): the update-phase model, and real backends
 that move state between memory and storage when the model says the other split finishes sooner.
 
-The model (:mod:`lightning_smartinf.csd.update_model`) is checked on cases worked by hand. The backends are real
+The model (:mod:`lightning_smartinf.core.tiers.update_model`) is checked on cases worked by hand. The backends are real
 (:class:`CpuBackend` with files and host memory); the backward timings they are given stand for a backward on a GPU,
 which this machine does not have, and the moves they make are checked bitwise against a run that never moved.
 """
@@ -13,14 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from csd.test_tiers import _masters
-from csd.test_xrt_tiers import SlowMemoryDevice
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.cpu import CpuBackend
-from lightning_smartinf.csd.layout import ChunkLayout
-from lightning_smartinf.csd.rules import Adam, StepParams
-from lightning_smartinf.csd.streaming import StreamingDevice
-from lightning_smartinf.csd.update_model import best_share, memory_candidates, update_tail
+from lightning_smartinf.core.backend import Backend, ShardSpec
+from lightning_smartinf.core.format.layout import ChunkLayout
+from lightning_smartinf.core.rules import Adam, StepParams
+from lightning_smartinf.core.tiers.tiered import TieredBackend
+from lightning_smartinf.core.tiers.update_model import best_share, memory_candidates, update_tail
+from lightning_smartinf.devices.cpu import CpuBackend
+from tests.core.backends import SlowMemoryTiers, read_masters, split_tier_arguments, with_tiers
 
 CHUNK = 4096
 SIZES = (4 * CHUNK,) * 8
@@ -72,14 +71,14 @@ def _specs() -> list[ShardSpec]:
     return [ShardSpec(i, n, Adam(decoupled_weight_decay=True)) for i, n in enumerate(SIZES)]
 
 
-def _open(backend: CpuBackend) -> CpuBackend:
+def _open(backend: Backend) -> Backend:
     backend.open(_specs())
     for i, n in enumerate(SIZES):
         backend.initialize(i, torch.linspace(-1, 1, n) * (i + 1))
     return backend
 
 
-def _steps(backend: CpuBackend, outs: list[torch.Tensor], first: int, last: int, ready: dict[int, float]) -> None:
+def _steps(backend: Backend, outs: list[torch.Tensor], first: int, last: int, ready: dict[int, float]) -> None:
     """Steps as the controller takes them: the backward's timing, hand-offs where the backend takes them, commits."""
     for t in range(first, last + 1):
         hp = StepParams(step=t, lr=1e-2, weight_decay=0.1)
@@ -95,14 +94,17 @@ def _steps(backend: CpuBackend, outs: list[torch.Tensor], first: int, last: int,
 
 @pytest.fixture
 def backends():
-    opened: list[CpuBackend] = []
+    opened: list[Backend] = []
     yield opened
     for backend in opened:
         backend.close()
 
 
-def _backend(backends: list[CpuBackend], root: Path, cls: type[CpuBackend] = CpuBackend, **kwargs) -> CpuBackend:
-    backend = cls([root], chunk_elems=CHUNK, buffer_count=3, tentative_slots=True, **kwargs)
+def _backend(backends: list[Backend], root: Path, tiers: type[TieredBackend] = TieredBackend, **kwargs) -> Backend:
+    own, arguments = split_tier_arguments(kwargs)
+    backend = with_tiers(
+        CpuBackend([root], chunk_elems=CHUNK, buffer_count=3, tentative_slots=True, **own), tiers, **arguments
+    )
     backends.append(backend)
     return _open(backend)
 
@@ -127,12 +129,7 @@ def test_devices_that_hide_behind_backward_take_the_state_from_memory(tmp_path, 
     assert backend.traffic_snapshot().storage_read_bytes > 0
     _steps(reference, expected, 1, 5, ready)
     assert all(torch.equal(a, b) for a, b in zip(outs, expected))
-    assert all(torch.equal(a, b) for a, b in zip(_masters(backend, SIZES), _masters(reference, SIZES)))
-
-
-class SlowMemoryCpu(CpuBackend):
-    def make_memory_device(self, index: int) -> StreamingDevice:
-        return SlowMemoryDevice(index, self.traffic, chunk_elems=self.chunk_elems, buffer_count=2)
+    assert all(torch.equal(a, b) for a, b in zip(read_masters(backend, SIZES), read_masters(reference, SIZES)))
 
 
 def test_without_overlap_a_slow_memory_tier_gives_up_what_the_device_finishes_sooner(tmp_path, backends) -> None:
@@ -140,7 +137,7 @@ def test_without_overlap_a_slow_memory_tier_gives_up_what_the_device_finishes_so
     the device. The re-plan keeps in memory only what finishes with the device, by the model and the rates it
     measured, and the moves are exact."""
     budget = STATE // 2
-    backend = _backend(backends, tmp_path / "tier", SlowMemoryCpu, memory_bytes=budget, measure_memory_share=True)
+    backend = _backend(backends, tmp_path / "tier", SlowMemoryTiers, memory_bytes=budget, measure_memory_share=True)
     reference = _backend(backends, tmp_path / "ref")
     assert backend.assignment.count(1) == len(SIZES) // 2
     outs, expected = [torch.empty(n) for n in SIZES], [torch.empty(n) for n in SIZES]
@@ -157,7 +154,7 @@ def test_without_overlap_a_slow_memory_tier_gives_up_what_the_device_finishes_so
     _steps(backend, outs, 3, 4, {})
     _steps(reference, expected, 1, 4, {})
     assert all(torch.equal(a, b) for a, b in zip(outs, expected))
-    assert all(torch.equal(a, b) for a, b in zip(_masters(backend, SIZES), _masters(reference, SIZES)))
+    assert all(torch.equal(a, b) for a, b in zip(read_masters(backend, SIZES), read_masters(reference, SIZES)))
 
 
 def test_emulated_devices_fill_the_budget_unless_asked_to_measure(tmp_path, backends) -> None:

@@ -17,14 +17,15 @@ import pytest
 import torch
 from ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
 
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.compression import compress_topk
-from lightning_smartinf.csd.layout import ChunkLayout
-from lightning_smartinf.csd.memory import MemoryDevice
-from lightning_smartinf.csd.placement import memory_share
-from lightning_smartinf.csd.rules import Adam, StepParams
-from lightning_smartinf.csd.streaming import StreamingDevice
-from lightning_smartinf.csd.xrt import XrtBackend, forget_platform, write_model_xclbin
+from lightning_smartinf.core.backend import Backend, ShardSpec
+from lightning_smartinf.core.compression import compress_topk
+from lightning_smartinf.core.format.layout import ChunkLayout
+from lightning_smartinf.core.placement import memory_share
+from lightning_smartinf.core.rules import Adam, StepParams
+from lightning_smartinf.core.tiers.memory import MemoryDevice
+from lightning_smartinf.core.tiers.tiered import TieredBackend
+from lightning_smartinf.devices.xrt import XrtBackend, forget_platform, write_model_xclbin
+from tests.core.backends import SlowMemoryTiers, split_tier_arguments, with_tiers
 
 CHUNK = 4096
 SIZES = (CHUNK * 2,) * 9  # 9 equal shards: memory's share moves in ninths
@@ -44,8 +45,10 @@ def xclbin(tmp_path, csim_library) -> Iterator[Path]:
     forget_platform(path)
 
 
-def _open(backends: list, root: Path, xclbin: Path, cls: type = XrtBackend, **kwargs) -> XrtBackend:
-    backend = cls([root / "ssd0", root / "ssd1"], xclbin=xclbin, chunk_elems=CHUNK, buffer_count=2, **kwargs)
+def _open(backends: list, root: Path, xclbin: Path, tiers: type = TieredBackend, **kwargs) -> Backend:
+    own, arguments = split_tier_arguments(kwargs)
+    devices = XrtBackend([root / "ssd0", root / "ssd1"], xclbin=xclbin, chunk_elems=CHUNK, buffer_count=2, **own)
+    backend = with_tiers(devices, tiers, **arguments)
     backends.append(backend)
     backend.open([ShardSpec(i, n, Adam(decoupled_weight_decay=True)) for i, n in enumerate(SIZES)])
     for i, n in enumerate(SIZES):
@@ -85,7 +88,7 @@ def test_memory_beside_smartssds_updates_bitwise_like_them_and_checkpoints_move_
     tiered = _open(backends, tmp_path / "tier", xclbin, memory_bytes=STATE)
     # Memory counts as a third SmartSSD until it is measured: a third of the state, the first shards.
     assert tiered.num_devices == 3 and tiered.assignment[:3] == (2, 2, 2) and 2 not in tiered.assignment[3:]
-    assert isinstance(tiered.devices[2], MemoryDevice)
+    assert isinstance(tiered.inner.devices[2], MemoryDevice)
     expected, got = (
         [torch.empty(n, dtype=torch.bfloat16) for n in SIZES],
         [torch.empty(n, dtype=torch.bfloat16) for n in SIZES],
@@ -112,22 +115,7 @@ def test_memory_beside_smartssds_updates_bitwise_like_them_and_checkpoints_move_
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-class SlowMemoryDevice(MemoryDevice):
-    """The memory tier on a host with too few cores to spare: each chunk's update takes 20 ms longer."""
-
-    def run_compute(self, work) -> None:
-        import time
-
-        time.sleep(0.02)
-        super().run_compute(work)
-
-
-class SlowMemoryXrt(XrtBackend):
-    def make_memory_device(self, index: int) -> StreamingDevice:
-        return SlowMemoryDevice(index, self.traffic, chunk_elems=self.chunk_elems, buffer_count=2)
-
-
-@pytest.mark.parametrize("cls", [XrtBackend, SlowMemoryXrt], ids=["measured", "slow-memory"])
+@pytest.mark.parametrize("cls", [TieredBackend, SlowMemoryTiers], ids=["measured", "slow-memory"])
 def test_replan_gives_memory_the_share_that_finishes_with_the_smartssds(tmp_path, xclbin, backends, cls) -> None:
     """Memory's new share is :func:`memory_share` of the rates measured (to the nearest shard), capped by the budget;
     every shard that moves moves exactly."""
@@ -152,7 +140,7 @@ def test_replan_gives_memory_the_share_that_finishes_with_the_smartssds(tmp_path
     if plan.predicted_s < 0.9 * plan.current_s:
         assert moved, (rates, backend.assignment)
     # The measured and the slowed memory tier go opposite ways.
-    if cls is SlowMemoryXrt:
+    if cls is SlowMemoryTiers:
         assert backend.assignment.count(2) < before, rates
     _steps(backend, outs, 4, 6)
     _steps(reference, expected, 1, 6)
@@ -172,7 +160,7 @@ def test_three_tiers_beside_smartssds_update_bitwise_like_them(tmp_path, xclbin,
         accelerator_bytes=2 * _bytes(SIZES[0]),
         accelerator_device="cpu",
     )
-    assert [d.tier for d in tiered.devices] == ["storage", "storage", "memory", "accelerator"]
+    assert [d.tier for d in tiered.inner.devices] == ["storage", "storage", "memory", "accelerator"]
     # Memory: a third of the 7 shards the accelerator leaves.
     assert tiered.assignment[:2] == (3, 3) and tiered.assignment.count(2) == 2, tiered.assignment
     expected, got = (

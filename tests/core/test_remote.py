@@ -16,15 +16,15 @@ import torch
 from remote_servers import ServerProcess, running, server_pool, write_token
 from torch.testing import assert_close
 
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.checkpoint import CheckpointError
-from lightning_smartinf.csd.compression import compress_topk
-from lightning_smartinf.csd.cpu import CpuBackend
-from lightning_smartinf.csd.remote.client import RemoteBackend
-from lightning_smartinf.csd.remote.tokens import read_token
-from lightning_smartinf.csd.remote.wire import SERVICE, Frame, header_frame
-from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams
-from lightning_smartinf.csd.storage import StorageError
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.compression import compress_topk
+from lightning_smartinf.core.format.state_files import CheckpointError
+from lightning_smartinf.core.io.storage import StorageError
+from lightning_smartinf.core.rules import SGD, Adagrad, Adam, StepParams
+from lightning_smartinf.devices.cpu import CpuBackend
+from lightning_smartinf.devices.remote.client import RemoteBackend
+from lightning_smartinf.devices.remote.tokens import read_token
+from lightning_smartinf.devices.remote.wire import SERVICE, Frame, header_frame
 
 CHUNK = 4096
 SIZES = [3 * CHUNK + 5, CHUNK, 2 * CHUNK - 1, 777]
@@ -280,7 +280,7 @@ def _client_dir(certificates: Path, tmp_path: Path, *, with_certificate: bool) -
 
 @pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
 def test_tls_and_mutual_tls(tmp_path, token_file, certificates, mutual) -> None:
-    from lightning_smartinf.csd.remote.tokens import read_tls_dir
+    from lightning_smartinf.devices.remote.tokens import read_tls_dir
 
     server = _tls_server(tmp_path, token_file, certificates, mutual=mutual)
     try:
@@ -305,7 +305,7 @@ def test_tls_and_mutual_tls(tmp_path, token_file, certificates, mutual) -> None:
 
 
 def test_tls_directory_is_checked(tmp_path) -> None:
-    from lightning_smartinf.csd.remote.tokens import read_tls_dir
+    from lightning_smartinf.devices.remote.tokens import read_tls_dir
 
     with pytest.raises(ValueError, match="has no ca.pem"):
         read_tls_dir(tmp_path)

@@ -1,4 +1,4 @@
-"""The host side of :mod:`lightning_smartinf.csd.accelerator`: what a machine without CUDA runs (``tests/cuda``
+"""The host side of :mod:`lightning_smartinf.core.accelerator`: what a machine without CUDA runs (``tests/cuda``
 covers the CUDA copies)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_smartinf.csd.accelerator import HostLink, on_cuda, record_fence
+from lightning_smartinf.core.accelerator import HostLink, on_cuda, record_fence
 
 
 def test_host_tensors_cross_directly() -> None:

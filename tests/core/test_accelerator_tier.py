@@ -1,7 +1,7 @@
 """The accelerator tier in the core: state in a torch device's memory, updated there by the rule's own code.
 
 No GPU is lent to this project's CI, so these tests put the tier on the host's torch device: every line of
-``csd/accelerator_memory.py`` runs (placement, in-place updates, the gradient crossing, checkpoint staging, moves),
+``core/tiers/accelerator.py`` runs (placement, in-place updates, the gradient crossing, checkpoint staging, moves),
 with CPU tensors where a GPU would hold CUDA ones. ``test_on_cuda`` runs the same training on a GPU where there is one.
 """
 
@@ -12,15 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_smartinf.csd.accelerator_memory import AcceleratorStateFile
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.checkpoint import shard_file_name
-from lightning_smartinf.csd.compression import compress_topk
-from lightning_smartinf.csd.cpu import CpuBackend
-from lightning_smartinf.csd.layout import ChunkLayout
-from lightning_smartinf.csd.memory import MemoryStateFile
-from lightning_smartinf.csd.placement import Tiered
-from lightning_smartinf.csd.rules import Adam, StepParams
+from lightning_smartinf.core.backend import Backend, ShardSpec
+from lightning_smartinf.core.compression import compress_topk
+from lightning_smartinf.core.format.layout import ChunkLayout
+from lightning_smartinf.core.format.state_files import shard_file_name
+from lightning_smartinf.core.placement import Tiered
+from lightning_smartinf.core.rules import Adam, StepParams
+from lightning_smartinf.core.tiers.accelerator import AcceleratorStateFile
+from lightning_smartinf.core.tiers.memory import MemoryStateFile
+from lightning_smartinf.devices.cpu import CpuBackend
+from tests.core.backends import split_tier_arguments, with_tiers
 
 CHUNK = 4096
 SIZES = (2 * CHUNK + 100, CHUNK, 3 * CHUNK, 100, 5 * CHUNK)
@@ -36,11 +37,13 @@ def _specs(sizes=SIZES, fused: bool = False) -> list[ShardSpec]:
 
 def _train(
     root: Path, steps: int = 3, *, sparse: bool = False, fused: bool = False, **kwargs
-) -> tuple[CpuBackend, list[torch.Tensor]]:
+) -> tuple[Backend, list[torch.Tensor]]:
     """Steps as the controller takes them: tentative hand-offs where the backend takes them, then commits; bf16
     parameters out, gradients in bf16 (dense) or as top-10% pairs (``sparse``)."""
     kwargs.setdefault("accelerator_device", "cpu")
-    backend = CpuBackend([root / "d0", root / "d1"], chunk_elems=CHUNK, buffer_count=3, tentative_slots=True, **kwargs)
+    own, tiers = split_tier_arguments(kwargs)
+    devices = CpuBackend([root / "d0", root / "d1"], chunk_elems=CHUNK, buffer_count=3, tentative_slots=True, **own)
+    backend = with_tiers(devices, **tiers)
     backend.open(_specs(fused=fused))
     generator = torch.Generator().manual_seed(0)
     for i, n in enumerate(SIZES):
@@ -96,7 +99,7 @@ def test_three_tiers_update_bitwise_like_the_devices_and_count_their_own_traffic
     )
     try:
         assert tiered.num_devices == 4 and tiered.assignment == (3, 2, 0, 3, 1)
-        assert [d.tier for d in tiered.devices] == ["storage", "storage", "memory", "accelerator"]
+        assert [d.tier for d in tiered.inner.devices] == ["storage", "storage", "memory", "accelerator"]
         assert all(torch.equal(a, b) for a, b in zip(got, expected)), "a tier changed the update"
         assert all(torch.equal(a, b) for a, b in zip(_masters(tiered), _masters(reference)))
         disk, tiers = reference.traffic_snapshot(), tiered.traffic_snapshot()
@@ -109,10 +112,14 @@ def test_three_tiers_update_bitwise_like_the_devices_and_count_their_own_traffic
         per_step = _bytes(SIZES[0]) + _bytes(SIZES[3])
         assert (tiers.accelerator_read_bytes, tiers.accelerator_write_bytes) == (4 * per_step, 4 * per_step)
         for i in (0, 3):
-            assert isinstance(tiered.shards[i].file, AcceleratorStateFile) and len(tiered.shards[i].files) == 1
+            assert (
+                isinstance(tiered.inner.shards[i].file, AcceleratorStateFile) and len(tiered.inner.shards[i].files) == 1
+            )
             assert not list(tmp_path.joinpath("tiers").rglob(shard_file_name(i) + "*"))
             assert not tiered.hands_off_early(i)
-        with pytest.raises(ValueError, match="Shard 0 is in accelerator memory, which takes no tentative update"):
+        with pytest.raises(
+            ValueError, match=r"Shard 0 is in accelerator memory \(cpu\), which takes no tentative update"
+        ):
             tiered.submit(0, torch.zeros(SIZES[0]), StepParams(step=4, lr=1e-2), torch.empty(SIZES[0]), tentative=True)
     finally:
         reference.close()
@@ -124,7 +131,7 @@ def test_checkpoints_go_through_a_host_copy_and_do_not_depend_on_the_tier(tmp_pa
     tiered, _ = _train(tmp_path / "tier", steps=1, accelerator_bytes=10 * _bytes(SIZES[-1]))
     try:
         assert set(tiered.assignment) == {2}  # everything on the accelerator
-        files = [shard.file for shard in tiered.shards]
+        files = [shard.file for shard in tiered.inner.shards]
         reference.save(tmp_path / "from-disk")
         tiered.load(tmp_path / "from-disk")  # into accelerator memory, through host copies
         assert all(torch.equal(a, b) for a, b in zip(_masters(tiered), _masters(reference)))
@@ -147,7 +154,7 @@ def test_a_failed_load_leaves_the_accelerator_state_and_frees_the_host_copies(tm
         with pytest.raises(Exception, match=shard_file_name(2)):
             tiered.load(tmp_path / "saved")
         assert all(torch.equal(a, b) for a, b in zip(_masters(tiered), before)), "a failed load changed the state"
-        assert all(str(shard.file.path).startswith("<cpu memory>") for shard in tiered.shards)
+        assert all(str(shard.file.path).startswith("<cpu memory>") for shard in tiered.inner.shards)
     finally:
         tiered.close()
 
@@ -164,7 +171,7 @@ def test_relocating_between_the_accelerator_memory_and_the_disks_is_exact(tmp_pa
         assert delta.accelerator_read_bytes == budget and delta.accelerator_write_bytes == _bytes(SIZES[2]) + _bytes(
             SIZES[3]
         )
-        with pytest.raises(ValueError, match=r"in accelerator memory, over `accelerator_bytes`"):
+        with pytest.raises(ValueError, match=r"in accelerator memory \(cpu\) \(device 3\), over its budget"):
             moving.relocate([3] * len(SIZES))
         generator = torch.Generator().manual_seed(0)  # replay the reference's random stream to step 2
         for n in SIZES:
@@ -186,7 +193,7 @@ def test_relocating_between_the_accelerator_memory_and_the_disks_is_exact(tmp_pa
 
 def test_accelerator_memory_is_freed_with_the_storage(tmp_path) -> None:
     backend, _ = _train(tmp_path, steps=1, accelerator_bytes=_bytes(SIZES[0]), memory_bytes=10 * _bytes(SIZES[-1]))
-    files = [shard.file for shard in backend.shards]
+    files = [shard.file for shard in backend.inner.shards]
     assert [type(f) for f in files] == [AcceleratorStateFile] + [MemoryStateFile] * (len(SIZES) - 1)
     backend.close(keep_claims=True)
     backend.save(tmp_path / "after-close")  # the state outlives close until the storage is released
@@ -206,7 +213,7 @@ def test_on_cuda(tmp_path) -> None:
         tmp_path / "gpu", fused=True, accelerator_bytes=10 * _bytes(SIZES[-1]), accelerator_device="cuda"
     )
     try:
-        assert all(shard.file.view(0, 4).is_cuda for shard in tiered.shards)
+        assert all(shard.file.view(0, 4).is_cuda for shard in tiered.inner.shards)
         for a, b in zip(_masters(tiered), _masters(reference)):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         for a, b in zip(got, expected):

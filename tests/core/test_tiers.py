@@ -11,14 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.checkpoint import shard_file_name
-from lightning_smartinf.csd.cpu import CpuBackend
-from lightning_smartinf.csd.layout import ChunkLayout
-from lightning_smartinf.csd.memory import MemoryStateFile
-from lightning_smartinf.csd.placement import RoundRobin, Tiered
-from lightning_smartinf.csd.rules import Adam, StepParams
-from lightning_smartinf.csd.storage import StorageError
+from lightning_smartinf.core.backend import Backend, ShardSpec
+from lightning_smartinf.core.format.layout import ChunkLayout
+from lightning_smartinf.core.format.state_files import shard_file_name
+from lightning_smartinf.core.io.storage import StorageError
+from lightning_smartinf.core.placement import RoundRobin, Tiered
+from lightning_smartinf.core.rules import Adam, StepParams
+from lightning_smartinf.core.tiers.memory import MemoryStateFile
+from lightning_smartinf.core.tiers.tiered import TieredBackend
+from lightning_smartinf.devices.cpu import CpuBackend
+from tests.core.backends import FlatPartitions, read_masters, split_tier_arguments, with_tiers
 
 CHUNK = 4096
 SIZES = (2 * CHUNK + 100, CHUNK, 3 * CHUNK, 100, 5 * CHUNK)
@@ -32,9 +34,11 @@ def _specs(sizes=SIZES) -> list[ShardSpec]:
     return [ShardSpec(i, n, Adam(decoupled_weight_decay=True)) for i, n in enumerate(sizes)]
 
 
-def _train(root: Path, steps: int = 3, **kwargs) -> tuple[CpuBackend, list[torch.Tensor]]:
+def _train(root: Path, steps: int = 3, **kwargs) -> tuple[Backend, list[torch.Tensor]]:
     """Steps as the controller takes them: tentative hand-offs where the backend takes them, then commits."""
-    backend = CpuBackend([root / "d0", root / "d1"], chunk_elems=CHUNK, buffer_count=3, tentative_slots=True, **kwargs)
+    own, tiers = split_tier_arguments(kwargs)
+    devices = CpuBackend([root / "d0", root / "d1"], chunk_elems=CHUNK, buffer_count=3, tentative_slots=True, **own)
+    backend = with_tiers(devices, **tiers)
     backend.open(_specs())
     generator = torch.Generator().manual_seed(0)
     for i, n in enumerate(SIZES):
@@ -50,14 +54,6 @@ def _train(root: Path, steps: int = 3, **kwargs) -> tuple[CpuBackend, list[torch
         backend.commit(early)
     backend.wait()
     return backend, outs
-
-
-def _masters(backend: CpuBackend, sizes=SIZES) -> list[torch.Tensor]:
-    out = [torch.empty(n) for n in sizes]
-    for i, tensor in enumerate(out):
-        backend.read_master(i, tensor)
-    backend.wait()
-    return out
 
 
 def test_tiered_placement_fills_memory_in_index_order_then_weighs_the_disks() -> None:
@@ -87,7 +83,7 @@ def test_memory_tier_updates_bitwise_like_the_devices_and_counts_its_own_traffic
     try:
         assert tiered.num_devices == 3 and tiered.assignment.count(2) == 2
         assert all(torch.equal(a, b) for a, b in zip(got, expected)), "the memory tier changed the update"
-        assert all(torch.equal(a, b) for a, b in zip(_masters(tiered), _masters(reference)))
+        assert all(torch.equal(a, b) for a, b in zip(read_masters(tiered, SIZES), read_masters(reference, SIZES)))
         disk, mem = reference.traffic_snapshot(), tiered.traffic_snapshot()
         assert (mem.link_write_bytes, mem.link_read_bytes) == (disk.link_write_bytes, disk.link_read_bytes)
         assert mem.memory_read_bytes + mem.storage_read_bytes == disk.storage_read_bytes
@@ -112,7 +108,7 @@ def test_checkpoints_do_not_depend_on_the_tier(tmp_path) -> None:
         assert set(tiered.assignment) == {2}  # everything in memory
         reference.save(tmp_path / "from-disk")
         tiered.load(tmp_path / "from-disk")  # into memory
-        assert all(torch.equal(a, b) for a, b in zip(_masters(tiered), _masters(reference)))
+        assert all(torch.equal(a, b) for a, b in zip(read_masters(tiered, SIZES), read_masters(reference, SIZES)))
         tiered.save(tmp_path / "from-memory")  # out of memory: byte-identical files
         for i in range(len(SIZES)):
             name = shard_file_name(i)
@@ -124,7 +120,8 @@ def test_checkpoints_do_not_depend_on_the_tier(tmp_path) -> None:
 
 def test_memory_is_freed_with_the_storage_and_a_save_after_that_is_refused(tmp_path) -> None:
     backend, _ = _train(tmp_path, steps=1, memory_bytes=10 * _bytes(SIZES[-1]))
-    files = [f for shard in backend.shards for f in shard.files if isinstance(f, MemoryStateFile)]
+    assert isinstance(backend, TieredBackend)
+    files = [f for shard in backend.inner.shards for f in shard.files if isinstance(f, MemoryStateFile)]
     assert len(files) == len(SIZES) and all(f.path.exists() for f in files)
     backend.close(keep_claims=True)
     backend.save(tmp_path / "after-close")  # the state outlives close until the storage is released
@@ -155,7 +152,7 @@ def test_paths_on_different_filesystems_are_measured(tmp_path, caplog) -> None:
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
         backend = CpuBackend([tmp_path / "disk", Path(shm) / "ram"], chunk_elems=CHUNK, buffer_count=2)
         try:
-            with caplog.at_level("INFO", logger="lightning_smartinf.csd.streaming"):
+            with caplog.at_level("INFO", logger="lightning_smartinf.core.streaming.backend"):
                 backend.open(_specs((CHUNK,) * 4))
             assert "measured its storage paths" in caplog.text
             assert "shard(s)" in caplog.text  # each device's share is logged
@@ -167,15 +164,16 @@ def test_paths_on_different_filesystems_are_measured(tmp_path, caplog) -> None:
 def test_an_overflow_skip_leaves_both_tiers_untouched_and_the_next_step_updates_both(tmp_path) -> None:
     """The controller with fp16 partitions: backward hands off only the storage shards (memory shards wait for the
     step), an overflow skip rolls those back, and neither tier's state changes; the next step updates all of them."""
-    from csd.test_controller import FlatPartitions
-    from lightning_smartinf.csd.controller import SmartUpdate, SubGroup
-    from lightning_smartinf.csd.settings import SmartUpdateSettings
+
+    from lightning_smartinf.core.controller import SmartUpdate, SubGroup
+    from lightning_smartinf.core.settings import SmartUpdateSettings
 
     sizes = [2048] * 4
     partitions = FlatPartitions(sizes, torch.float16, loss_scale=1024.0)
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
     memory = 2 * ChunkLayout(2048, 1024, 2).file_bytes
-    backend = CpuBackend([tmp_path / "d0"], chunk_elems=1024, buffer_count=3, tentative_slots=True, memory_bytes=memory)
+    devices = CpuBackend([tmp_path / "d0"], chunk_elems=1024, buffer_count=3, tentative_slots=True)
+    backend = TieredBackend(devices, memory_bytes=memory)
     sub_groups = [SubGroup(numel=n, param_group=0, segments=(n,)) for n in sizes]
     smart_update = SmartUpdate(SmartUpdateSettings(), backend, optimizer, sub_groups, partitions)
     initial = torch.randn(sizes[0], generator=torch.Generator().manual_seed(0))
@@ -241,7 +239,7 @@ def test_relocating_shards_between_steps_is_exact(tmp_path) -> None:
                 moving.result(moving.submit(i, grads[i], hp, outs[i], tentative=i in early))
             moving.commit(early)
         assert all(torch.equal(a, b) for a, b in zip(outs, expected)), "a move changed the state"
-        assert all(torch.equal(a, b) for a, b in zip(_masters(moving), _masters(reference)))
+        assert all(torch.equal(a, b) for a, b in zip(read_masters(moving, SIZES), read_masters(reference, SIZES)))
     finally:
         reference.close()
         moving.close()
@@ -251,7 +249,7 @@ def test_relocate_is_refused_before_anything_moves(tmp_path) -> None:
     backend, _ = _train(tmp_path, steps=1, memory_bytes=_bytes(SIZES[0]))
     try:
         placed = backend.assignment
-        with pytest.raises(ValueError, match="over `memory_bytes`"):
+        with pytest.raises(ValueError, match=r"in host memory \(device 2\), over its budget"):
             backend.relocate([2] * len(SIZES))
         with pytest.raises(ValueError, match="devices are 0..2"):
             backend.relocate([3] * len(SIZES))
@@ -270,7 +268,7 @@ def test_replan_moves_shards_off_a_path_that_slowed_down(tmp_path) -> None:
     results stay bitwise those of an unmoved run."""
     import tempfile
 
-    from lightning_smartinf.csd.io import RateLimitedIO, ThreadedIO
+    from lightning_smartinf.core.io.direct import RateLimitedIO, ThreadedIO
 
     sizes = (CHUNK * 4,) * 8
     engines: list[RateLimitedIO] = []
@@ -307,7 +305,7 @@ def test_replan_moves_shards_off_a_path_that_slowed_down(tmp_path) -> None:
             steps(backend, outs, 5, 6)
             steps(reference, expected, 1, 6)
             assert all(torch.equal(a, b) for a, b in zip(outs, expected))
-            assert all(torch.equal(a, b) for a, b in zip(_masters(backend, sizes), _masters(reference, sizes)))
+            assert all(torch.equal(a, b) for a, b in zip(read_masters(backend, sizes), read_masters(reference, sizes)))
         finally:
             backend.close()
             reference.close()

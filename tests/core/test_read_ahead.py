@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.cpu import CpuBackend
-from tests.csd.gated_io import CHUNK, HP, RULE, TIMEOUT_S, GatedIO
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.devices.cpu import CpuBackend
+from tests.core.gated_io import CHUNK, HP, RULE, TIMEOUT_S, GatedIO
 
 
 def _backend(tmp_path: Path, engine: GatedIO, sizes: tuple[int, ...]) -> tuple[CpuBackend, list[torch.Tensor]]:

@@ -29,14 +29,14 @@ from ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
 from torch.testing import assert_close
 from unwritable import unwritable_dir
 
-from lightning_smartinf.csd.backend import Backend, ShardSpec
-from lightning_smartinf.csd.checkpoint import MANIFEST, shard_file_name
-from lightning_smartinf.csd.compression import SparseGrad
-from lightning_smartinf.csd.cpu import CpuBackend
-from lightning_smartinf.csd.layout import ChunkLayout
-from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, EFAdafactor, EFAdam, StepParams, UpdateRule
-from lightning_smartinf.csd.storage import StorageError, check_free_space, validate_storage_path
-from lightning_smartinf.csd.xrt import XrtBackend, forget_platform, write_model_xclbin
+from lightning_smartinf.core.backend import Backend, ShardSpec
+from lightning_smartinf.core.compression import SparseGrad
+from lightning_smartinf.core.format.layout import ChunkLayout
+from lightning_smartinf.core.format.state_files import MANIFEST, shard_file_name
+from lightning_smartinf.core.io.storage import StorageError, check_free_space, validate_storage_path
+from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdafactor, EFAdam, StepParams, UpdateRule
+from lightning_smartinf.devices.cpu import CpuBackend
+from lightning_smartinf.devices.xrt import XrtBackend, forget_platform, write_model_xclbin
 
 CHUNK = 4096
 BACKENDS = ("cpu", "xrt")
@@ -522,7 +522,7 @@ def test_load_converts_between_adam_and_ef_adam(tmp_path, make_backend, before, 
     model.opts = [OPTIMIZERS[after]] * 2
     model.specs = [ShardSpec(i, n, OPTIMIZERS[after][0]) for i, n in enumerate(sizes)]
     second.open(model.specs)
-    with caplog.at_level("WARNING", logger="lightning_smartinf.csd.checkpoint"):
+    with caplog.at_level("WARNING", logger="lightning_smartinf.core.format.state_files"):
         second.load(ckpt)
     assert f"saved by update rule {OPTIMIZERS[before][0].name}; converting it to {OPTIMIZERS[after][0].name}" in (
         caplog.text

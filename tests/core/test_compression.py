@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.compression import (
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.compression import (
     INDEX_DTYPE,
     SAMPLED_SELECTION_MIN_NUMEL,
     LinkOverflowError,
@@ -19,8 +19,8 @@ from lightning_smartinf.csd.compression import (
     link_overflows,
     topk_indices,
 )
-from lightning_smartinf.csd.cpu import CpuBackend
-from lightning_smartinf.csd.rules import SGD, Adam, StepParams
+from lightning_smartinf.core.rules import SGD, Adam, StepParams
+from lightning_smartinf.devices.cpu import CpuBackend
 
 CHUNK = 4096
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_smartinf.csd.remote.wire import (
+from lightning_smartinf.core.rules import SGD, Adagrad, Adam, StepParams
+from lightning_smartinf.devices.remote.wire import (
     MAX_HEADER_BYTES,
     Frame,
     TensorReader,
@@ -18,7 +19,6 @@ from lightning_smartinf.csd.remote.wire import (
     rule_from_wire,
     rule_to_wire,
 )
-from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int32])

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, StepParams, UpdateRule
-from lightning_smartinf.csd.torch_optim import rule_for_group
+from lightning_smartinf.core.rules import SGD, Adagrad, Adam, StepParams, UpdateRule
+from lightning_smartinf.core.torch_optim import rule_for_group
 
 NUMEL = 3001
 STEPS = 6

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_smartinf.csd import io as csd_io
-from lightning_smartinf.csd.io import IO_ALIGN, StateFile, aligned_empty, round_up
-from lightning_smartinf.csd.layout import ELEM_ALIGN, ChunkLayout
+from lightning_smartinf.core.format.layout import ELEM_ALIGN, ChunkLayout
+from lightning_smartinf.core.io import direct as csd_io
+from lightning_smartinf.core.io.direct import IO_ALIGN, StateFile, aligned_empty, round_up
 
 
 def test_constants() -> None:

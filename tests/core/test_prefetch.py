@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.cpu import CpuBackend, EmulatedDevice
-from tests.csd.gated_io import CHUNK, HP, RULE, TIMEOUT_S, GatedIO
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.streaming.device import EmulatedDevice
+from lightning_smartinf.devices.cpu import CpuBackend
+from tests.core.gated_io import CHUNK, HP, RULE, TIMEOUT_S, GatedIO
 
 
 class Reference:

@@ -24,11 +24,12 @@ import torch
 from hang_guard import GUARD_S, run_with_timeout
 from machine import aio_op
 
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.cpu import CpuBackend, check_device_timeout
-from lightning_smartinf.csd.io import IO_ALIGN, StateFile, ThreadedIO, aligned_empty
-from lightning_smartinf.csd.rules import Adam, StepParams
-from lightning_smartinf.csd.storage import StorageError
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.io.direct import IO_ALIGN, StateFile, ThreadedIO, aligned_empty
+from lightning_smartinf.core.io.storage import StorageError
+from lightning_smartinf.core.rules import Adam, StepParams
+from lightning_smartinf.core.streaming.backend import check_device_timeout
+from lightning_smartinf.devices.cpu import CpuBackend
 
 CHUNK = 1024
 RULE = Adam(decoupled_weight_decay=True)

@@ -15,11 +15,11 @@ import numpy as np
 import psutil
 import pytest
 
-from lightning_smartinf.arguments import INT64_MAX, MIB, Problems
-from lightning_smartinf.csd.compression import TopKCompression
-from lightning_smartinf.csd.layout import POOL_TENSORS
-from lightning_smartinf.csd.placement import STATE_DIR, rank_device_dirs, rank_share
-from lightning_smartinf.csd.settings import SettingsError, SmartUpdateSettings
+from lightning_smartinf.core.arguments import INT64_MAX, MIB, Problems
+from lightning_smartinf.core.compression import TopKCompression
+from lightning_smartinf.core.format.layout import POOL_TENSORS
+from lightning_smartinf.core.placement import STATE_DIR, rank_device_dirs, rank_share
+from lightning_smartinf.core.settings import SettingsError, SmartUpdateSettings
 
 HEADER = re.compile(r"^`SmartUpdateSettings` got (\d+) invalid arguments?:$")
 
@@ -58,12 +58,8 @@ def test_defaults_are_the_strategy_defaults_and_the_object_is_frozen_and_keyword
     settings = SmartUpdateSettings()
     assert dataclasses.asdict(settings) == {
         "backend": "cpu",
+        "device": {},
         "storage_paths": None,
-        "xclbin": None,
-        "xrt_devices": None,
-        "remote_devices": None,
-        "remote_token_file": None,
-        "remote_tls_dir": None,
         "compression": None,
         "sub_group_size": 40_000_000,
         "chunk_size": 1 << 20,
@@ -91,7 +87,7 @@ def test_defaults_are_the_strategy_defaults_and_the_object_is_frozen_and_keyword
 
 
 def test_every_field_has_an_attribute_docstring():
-    source = Path(__import__("lightning_smartinf.csd.settings", fromlist=["x"]).__file__).read_text()
+    source = Path(__import__("lightning_smartinf.core.settings", fromlist=["x"]).__file__).read_text()
     (cls,) = [n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "SmartUpdateSettings"]
     documented = {
         a.target.id
@@ -103,7 +99,7 @@ def test_every_field_has_an_attribute_docstring():
 
 def test_core_modules_import_neither_lightning_nor_deepspeed():
     for module in ("settings", "placement"):
-        path = Path(__file__).resolve().parents[2] / "lightning_smartinf" / "csd" / f"{module}.py"
+        path = Path(__file__).resolve().parents[2] / "lightning_smartinf" / "core" / f"{module}.py"
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
@@ -134,10 +130,12 @@ def test_raw_values_are_normalised(tmp_path: Path):
 def test_xrt_settings_are_normalised(tmp_path: Path, xclbin: Path):
     (tmp_path / "a").mkdir()
     settings = SmartUpdateSettings(
-        backend="xrt", xclbin=str(xclbin), xrt_devices=[0, "0000:3b:00.1"], storage_paths=[tmp_path, tmp_path / "a"]
+        backend="xrt",
+        device={"xclbin": str(xclbin), "xrt_devices": [0, "0000:3b:00.1"]},
+        storage_paths=[tmp_path, tmp_path / "a"],
     )
-    assert settings.xclbin == xclbin and isinstance(settings.xclbin, Path)
-    assert settings.xrt_devices == (0, "0000:3b:00.1")
+    assert settings.option("xclbin") == xclbin and isinstance(settings.option("xclbin"), Path)
+    assert settings.option("xrt_devices") == (0, "0000:3b:00.1")
     assert settings.replace() == settings, "normalised values pass the checks again unchanged"
 
 
@@ -178,11 +176,13 @@ def test_counts_are_ints_in_range(name: str, value, what: str):
         ({"device_timeout_s": "300"}, r"`device_timeout_s='300'` is a str.*`device_timeout_s=300.0`, without quotes"),
         ({"overlap_backward": 1}, r"`overlap_backward=1` is an int: it must be True or False"),
         ({"prefetch_state": None}, r"`prefetch_state=None` is not allowed: it must be True or False"),
-        ({"backend": "gpu"}, r"`backend='gpu'` is not supported: it must be one of: 'cpu', 'xrt'"),
+        ({"backend": "gpu"}, r"`backend='gpu'` is not supported: it must be one of: 'cpu', 'remote', 'xrt'"),
         ({"io_engine": None}, r"`io_engine=None` is not supported: .*'auto', 'aio', 'threads'"),
         ({"gradient_buffer": "gpu"}, r"`gradient_buffer='gpu'` is not supported: .*'auto', 'accelerator', 'host'"),
-        ({"xclbin": "k.xclbin"}, r"`backend='xrt'` only, but `backend='cpu'`"),
-        ({"xrt_devices": 5}, r"`backend='xrt'` only, but `backend='cpu'`"),
+        ({"device": {"xclbin": "k.xclbin"}}, r"`xclbin=...` applies to `backend='xrt'` only, but `backend='cpu'`"),
+        ({"device": {"xrt_devices": 5}}, r"`backend='xrt'` only, but `backend='cpu'`"),
+        ({"device": {"bogus": 1}}, r"`bogus=...`: no device kind takes it"),
+        ({"device": "xrt"}, r"`device='xrt'` must be a mapping of the device kind's settings"),
         ({"backend": "xrt"}, r"^`backend='xrt'`: `xclbin=None`: `backend='xrt'` needs the device binary"),
         ({"compression": 0}, r"`compression=0` is out of range"),
         ({"compression": True}, r"`compression=True` is a bool"),
@@ -211,10 +211,15 @@ def test_xrt_devices_pair_with_storage_paths(tmp_path: Path, xclbin: Path):
     (tmp_path / "a").mkdir()
     two = [tmp_path, tmp_path / "a"]
     refused_once(
-        r"names 1 device\(s\) for 2 storage path\(s\)", backend="xrt", xclbin=xclbin, xrt_devices=[0], storage_paths=two
+        r"names 1 device\(s\) for 2 storage path\(s\)",
+        backend="xrt",
+        device={"xclbin": xclbin, "xrt_devices": [0]},
+        storage_paths=two,
     )
-    refused_once(r"names a device twice", backend="xrt", xclbin=xclbin, xrt_devices=[1, 1], storage_paths=two)
-    refused_once(r"missing.xclbin.*does not exist", backend="xrt", xclbin=tmp_path / "missing.xclbin")
+    refused_once(
+        r"names a device twice", backend="xrt", device={"xclbin": xclbin, "xrt_devices": [1, 1]}, storage_paths=two
+    )
+    refused_once(r"missing.xclbin.*does not exist", backend="xrt", device={"xclbin": tmp_path / "missing.xclbin"})
 
 
 def test_every_problem_is_listed_in_one_error(tmp_path: Path):
@@ -231,7 +236,7 @@ def test_every_problem_is_listed_in_one_error(tmp_path: Path):
         device_timeout_s=-1,
         overlap_backward="yes",
         prefetch_state=0,
-        xclbin="k.xclbin",
+        device={"xclbin": "k.xclbin"},
     )
     starts = [
         "`backend='fpga'`",
@@ -245,7 +250,7 @@ def test_every_problem_is_listed_in_one_error(tmp_path: Path):
         "`overlap_backward='yes'`",
         "`prefetch_state=0`",
         "`storage_paths[1]=None`",
-        "`xclbin=...` and `xrt_devices=...`",
+        "`xclbin=...` applies",
         "`compression` has unknown key 'bogus'",
         "`compression['ratio']='0.01'`",
     ]
@@ -294,7 +299,7 @@ def test_pools_larger_than_available_memory_are_refused_with_the_numbers(tmp_pat
     line = refused_once(r"on 2 storage path\(s\)", buffer_count=count, storage_paths=[tmp_path, tmp_path / "b"])
     assert f"needs {2 * count * per_buffer / MIB:.0f} MiB" in line
     # The xrt backend's buffers are in the SmartSSDs' DDR, not here.
-    assert SmartUpdateSettings(backend="xrt", xclbin=xclbin, buffer_count=count).buffer_count == count
+    assert SmartUpdateSettings(backend="xrt", device={"xclbin": xclbin}, buffer_count=count).buffer_count == count
     # A huge count that is itself wrong is reported once, as a count.
     refused_once(r"`buffer_count=1000.*` is too large", buffer_count=10**30)
 
@@ -313,7 +318,7 @@ def test_overlap_and_the_default_bucket(xclbin: Path):
     assert SmartUpdateSettings().overlap
     assert not SmartUpdateSettings(overlap_backward=False).overlap
     assert not SmartUpdateSettings(compression=0.01).overlap, "compressed gradients are sent after backward"
-    assert not SmartUpdateSettings(backend="xrt", xclbin=xclbin).overlap
+    assert not SmartUpdateSettings(backend="xrt", device={"xclbin": xclbin}).overlap
     # With overlap, one sub-group per bucket, within 1M..200M elements; otherwise Lightning's 200M.
     for sub_group, bucket in ((1, 1 << 20), (3000, 1 << 20), (40_000_000, 40_000_000), (INT64_MAX, 200_000_000)):
         assert SmartUpdateSettings(sub_group_size=sub_group).default_reduce_bucket_size() == bucket

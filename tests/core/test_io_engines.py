@@ -14,8 +14,9 @@ import torch
 from machine import aio_op, lacking
 from torch.testing import assert_close
 
-from lightning_smartinf.csd import Adam, CpuBackend, ShardSpec, StepParams
-from lightning_smartinf.csd.io import IOEngine, StateFile, ThreadedIO, aligned_empty
+from lightning_smartinf.core import Adam, ShardSpec, StepParams
+from lightning_smartinf.core.io.direct import IOEngine, StateFile, ThreadedIO, aligned_empty
+from lightning_smartinf.devices.cpu import CpuBackend
 
 
 def _round_trip(engine: IOEngine, tmp_path) -> None:
@@ -44,7 +45,7 @@ def test_deepspeed_aio_round_trip(tmp_path):
 _FIRST_WRITES = """
 import sys, threading
 from pathlib import Path
-from lightning_smartinf.csd.io import StateFile, aligned_empty
+from lightning_smartinf.core.io.direct import StateFile, aligned_empty
 from lightning_smartinf.zero.aio import DeepSpeedAIO, load_aio_op
 
 engine = DeepSpeedAIO(1 << 16, 4, op=load_aio_op())
@@ -146,9 +147,9 @@ import resource, sys
 from pathlib import Path
 import torch
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.csd.io import StateFile, ThreadedIO, aligned_empty
+from lightning_smartinf.core.io.direct import StateFile, ThreadedIO, aligned_empty
 from lightning_smartinf.zero.aio import DeepSpeedAIO, load_aio_op, lockable_bytes
-from lightning_smartinf.zero.engines import choose_io_engine
+from lightning_smartinf.zero.io_choice import choose_io_engine
 
 resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]))
 assert lockable_bytes() is not None and lockable_bytes() <= 1 << 20, lockable_bytes()

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.checkpoint import shard_file_name
-from lightning_smartinf.csd.cpu import CpuBackend
-from lightning_smartinf.csd.placement import Placement, RoundRobin
-from lightning_smartinf.csd.rules import Adam, StepParams
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.format.state_files import shard_file_name
+from lightning_smartinf.core.placement import Placement, RoundRobin
+from lightning_smartinf.core.rules import Adam, StepParams
+from lightning_smartinf.devices.cpu import CpuBackend
 
 CHUNK = 4096
 SIZES = (2 * CHUNK + 100, CHUNK, 3 * CHUNK, 100)
