@@ -36,7 +36,7 @@ from torch import nn
 
 from lightning_smartinf.activations import ActivationOffloader
 from lightning_smartinf.activations.tuning import MEASURE_AT, MEASURE_COUNT, tune
-from lightning_smartinf.csd.io import supports_direct_io
+from lightning_smartinf.core.io.direct import supports_direct_io
 from lightning_smartinf.plan.activations import offload_overhead
 from lightning_smartinf.plan.model import load_profile
 

@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, Subset
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.callbacks import CompressionWarmup
-from lightning_smartinf.csd.compression import RULE_CHOICES
+from lightning_smartinf.core.compression import RULE_CHOICES
 from lightning_smartinf.demo import CharDataset, CharGPT, english_text
 
 SEQ = 64

@@ -6,7 +6,7 @@ drives it) streams AdamW over ``--mib`` MiB of fp32 state in equal shards; a ste
 the last write-back (``wait()``), so it counts all 12 B/param read and 12 B/param written.
 
 - **round-robin**: shard ``s`` on device ``s mod 2`` (the default before issue 24);
-- **measured**: the speeds :func:`~lightning_smartinf.csd.placement.measure_write_read` measures through the same
+- **measured**: the speeds :func:`~lightning_smartinf.core.placement.measure_write_read` measures through the same
   engines (what the strategy does for paths on different filesystems), as ``device_weights``;
 - **optimum**: every byte moved at the two devices' summed rate, the bound no placement beats.
 
@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.cpu import CpuBackend
-from lightning_smartinf.csd.io import RateLimitedIO, ThreadedIO
-from lightning_smartinf.csd.placement import RoundRobin, measure_write_read
-from lightning_smartinf.csd.rules import Adam, StepParams
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.io.direct import RateLimitedIO, ThreadedIO
+from lightning_smartinf.core.placement import RoundRobin, measure_write_read
+from lightning_smartinf.core.rules import Adam, StepParams
+from lightning_smartinf.devices.cpu import CpuBackend
 
 OUT = Path(__file__).resolve().parent / "out" / "bench_pools.json"
 

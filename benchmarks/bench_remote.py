@@ -33,12 +33,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from remote_servers import ServerProcess, write_token  # noqa: E402
 
-from lightning_smartinf.csd.backend import Backend, ShardSpec  # noqa: E402
-from lightning_smartinf.csd.compression import compress_topk  # noqa: E402
-from lightning_smartinf.csd.cpu import CpuBackend  # noqa: E402
-from lightning_smartinf.csd.remote.client import RemoteBackend  # noqa: E402
-from lightning_smartinf.csd.remote.tokens import read_token  # noqa: E402
-from lightning_smartinf.csd.rules import Adam, StepParams  # noqa: E402
+from lightning_smartinf.core.backend import Backend, ShardSpec  # noqa: E402
+from lightning_smartinf.core.compression import compress_topk  # noqa: E402
+from lightning_smartinf.core.rules import Adam, StepParams  # noqa: E402
+from lightning_smartinf.devices.cpu import CpuBackend  # noqa: E402
+from lightning_smartinf.devices.remote.client import RemoteBackend  # noqa: E402
+from lightning_smartinf.devices.remote.tokens import read_token  # noqa: E402
 
 
 def shards(params: int, sub_group: int) -> list[ShardSpec]:

@@ -468,7 +468,7 @@ def raw_bandwidth(directory: Path, gib: float) -> dict[str, float]:
     """
     import threading
 
-    from lightning_smartinf.csd.io import StateFile, ThreadedIO, aligned_empty
+    from lightning_smartinf.core.io.direct import StateFile, ThreadedIO, aligned_empty
 
     req = 12 << 20
     size = int(gib * 2**30) // req * req

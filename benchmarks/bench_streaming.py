@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.cpu import CpuBackend
-from lightning_smartinf.csd.io import IOEngine, StateFile, ThreadedIO, aligned_empty, supports_direct_io
-from lightning_smartinf.csd.rules import Adam, StepParams
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.io.direct import IOEngine, StateFile, ThreadedIO, aligned_empty, supports_direct_io
+from lightning_smartinf.core.rules import Adam, StepParams
+from lightning_smartinf.devices.cpu import CpuBackend
 
 GIB = 2**30
 

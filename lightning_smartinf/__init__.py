@@ -7,7 +7,8 @@ environment included: DeepSpeed's pre-built ops are found where they load, see
 
 The package root imports neither Lightning nor DeepSpeed itself: its public names load on first use, and the
 strategies are registered as soon as Lightning's registry exists (at once where Lightning is imported already, else
-when it is). So ``smartinf serve`` and ``smartinf plan``, which need neither, start in about a second.
+when it is). So ``smartinf serve`` and ``smartinf plan``, which need neither, start without them. It registers the
+built-in device kinds (:mod:`lightning_smartinf.devices`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from lightning_smartinf.activation_offload import ActivationOffload
     from lightning_smartinf.callbacks import BufferPool, CompressionWarmup, SmartUpdateMonitor
-    from lightning_smartinf.csd import Backend, CpuBackend, StepParams, TrafficSnapshot
-    from lightning_smartinf.csd.controller import SmartUpdate
-    from lightning_smartinf.csd.settings import SmartUpdateSettings
+    from lightning_smartinf.core import Backend, StepParams, TrafficSnapshot
+    from lightning_smartinf.core.controller import SmartUpdate
+    from lightning_smartinf.core.settings import SmartUpdateSettings
+    from lightning_smartinf.devices.cpu import CpuBackend
     from lightning_smartinf.monitor import TrainingMonitor
     from lightning_smartinf.precision import SmartInfinityPrecision
     from lightning_smartinf.strategy import SmartInfinityStrategy
@@ -32,21 +35,23 @@ __version__ = "0.1.0"
 
 #: Public name -> the module that defines it (loaded on first use).
 _PUBLIC = {
-    "Backend": "lightning_smartinf.csd",
+    "ActivationOffload": "lightning_smartinf.activation_offload",
+    "Backend": "lightning_smartinf.core",
     "BufferPool": "lightning_smartinf.callbacks",
     "CompressionWarmup": "lightning_smartinf.callbacks",
-    "CpuBackend": "lightning_smartinf.csd",
+    "CpuBackend": "lightning_smartinf.devices.cpu",
     "SmartInfinityPrecision": "lightning_smartinf.precision",
     "SmartInfinityStrategy": "lightning_smartinf.strategy",
-    "SmartUpdate": "lightning_smartinf.csd.controller",
+    "SmartUpdate": "lightning_smartinf.core.controller",
     "SmartUpdateMonitor": "lightning_smartinf.callbacks",
-    "SmartUpdateSettings": "lightning_smartinf.csd.settings",
-    "StepParams": "lightning_smartinf.csd",
-    "TrafficSnapshot": "lightning_smartinf.csd",
+    "SmartUpdateSettings": "lightning_smartinf.core.settings",
+    "StepParams": "lightning_smartinf.core",
+    "TrafficSnapshot": "lightning_smartinf.core",
     "TrainingMonitor": "lightning_smartinf.monitor",
 }
 
 __all__ = [
+    "ActivationOffload",
     "Backend",
     "BufferPool",
     "CompressionWarmup",
@@ -72,7 +77,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module), name)
         globals()[name] = value
         return value
-    try:  # a subpackage not imported yet (`lightning_smartinf.csd`)
+    try:  # a subpackage not imported yet (`lightning_smartinf.core`)
         return importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
@@ -128,6 +133,9 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
         spec.loader.exec_module = exec_and_register  # type: ignore[method-assign]
         return spec
 
+
+# The built-in device kinds (cpu, xrt, remote) register themselves; their modules import nothing heavy.
+importlib.import_module("lightning_smartinf.devices")
 
 if _REGISTRY_MODULE in sys.modules:
     _register(sys.modules[_REGISTRY_MODULE].StrategyRegistry)

@@ -11,10 +11,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_smartinf.arguments import Problems, show
-from lightning_smartinf.csd.layout import ELEM_ALIGN, POOL_TENSORS, pool_bytes
-from lightning_smartinf.csd.settings import check_pool_shape
-from lightning_smartinf.csd.traffic import TrafficSnapshot
+from lightning_smartinf.core.arguments import Problems, show
+from lightning_smartinf.core.format.layout import ELEM_ALIGN, POOL_TENSORS, pool_bytes
+from lightning_smartinf.core.settings import check_pool_shape
+from lightning_smartinf.core.traffic import TrafficSnapshot
 from lightning_smartinf.strategy import SmartInfinityStrategy
 
 MIB = 1 << 20
@@ -69,7 +69,8 @@ class BufferPool(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        _smart_strategy(trainer, "BufferPool")  # the pools are sized later, once the model exists: `size_pools`
+        # The pools are sized later, once the model exists (`configure_model` ran): the strategy calls `size_pools`.
+        _smart_strategy(trainer, "BufferPool").before_engine(self.size_pools)
 
     def size_pools(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Size the pools for ``pl_module``'s trainable parameters; the strategy calls it before it builds the engine.
@@ -179,7 +180,7 @@ def add_strategy_callbacks(trainer: pl.Trainer, offload_activations: bool | dict
         # First, so that every other callback's `on_train_batch_end` finds this step's figures logged.
         trainer.callbacks.insert(0, SmartUpdateMonitor())
     if offload_activations:
-        from lightning_smartinf.activations import ActivationOffload
+        from lightning_smartinf.activation_offload import ActivationOffload
 
         if not any(isinstance(c, ActivationOffload) for c in trainer.callbacks):
             options = {} if offload_activations is True else dict(offload_activations)

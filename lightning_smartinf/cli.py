@@ -18,7 +18,10 @@ COMMANDS = {
     "report": ("lightning_smartinf.report", "plot loss, tokens/s and link traffic from a CSV or TensorBoard log dir"),
     "demo": ("lightning_smartinf.demo", "train a small GPT on 2 emulated CSDs and print the traffic summary"),
     "plan": ("lightning_smartinf.plan.__main__", "predict iteration time and recommend a configuration"),
-    "serve": ("lightning_smartinf.csd.remote.serve", "run a remote device server next to the storage (docs/remote.md)"),
+    "serve": (
+        "lightning_smartinf.devices.remote.serve",
+        "run a remote device server next to the storage (docs/remote.md)",
+    ),
     "export": (
         "lightning_smartinf.export",
         "rebuild full fp32 weights from a checkpoint's device state (safetensors, or a HF save_pretrained directory)",

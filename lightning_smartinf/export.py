@@ -30,29 +30,22 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_smartinf import checkpoint_dir
-from lightning_smartinf.csd.checkpoint import read_manifest, saved_shard_masters, shard_file_name
-from lightning_smartinf.csd.device_state import HOST_STATE, full_parameter, param_partitions
-from lightning_smartinf.csd.remote.manifest import REMOTE_MANIFEST
+from lightning_smartinf import checkpoint_folder
+from lightning_smartinf.core.format.masters import MastersReader, consolidate_masters, host_state
 
 
 def rank_state_dir(checkpoint_path: str | os.PathLike, rank: int) -> Path:
-    return checkpoint_dir.rank_state_dir(checkpoint_path, rank)
-
-
-def _host_state(directory: Path) -> dict:
-    return checkpoint_dir.read_json(directory / HOST_STATE, "the device state", ("rank", "world_size", "shards"))
+    return checkpoint_folder.rank_state_dir(checkpoint_path, rank)
 
 
 def world_size(checkpoint_path: str | os.PathLike) -> int:
-    return int(_host_state(rank_state_dir(checkpoint_path, 0))["world_size"])
+    return int(host_state(rank_state_dir(checkpoint_path, 0))["world_size"])
 
 
 def is_complete(checkpoint_path: str | os.PathLike) -> bool:
@@ -60,46 +53,26 @@ def is_complete(checkpoint_path: str | os.PathLike) -> bool:
 
     It tells a checkpoint interrupted by a crash from a finished one. Loading and export verify every file.
     """
-    return checkpoint_dir.is_sealed(checkpoint_path)
+    return checkpoint_folder.is_sealed(checkpoint_path)
 
 
 #: Reads the fp32 masters of every shard of one rank's device state kept on remote servers (by shard index).
-RemoteMasters = Callable[[Path], list[Tensor]]
+RemoteMasters = MastersReader
 
 
 def consolidate_fp32_state_dict(
     checkpoint_path: str | os.PathLike, *, verify: bool = True, remote: RemoteMasters | None = None
 ) -> dict[str, Tensor]:
-    """Full fp32 master weights of every trainable parameter, by name, from a SmartUpdate checkpoint directory.
+    """Full fp32 weights of every parameter, by name, from a SmartUpdate checkpoint directory: the masters the devices
+    held (:func:`~lightning_smartinf.core.format.masters.consolidate_masters`) and the frozen parameters.
 
     ``verify``: check every shard file's size and CRC-32 against its manifest first (reads each file twice).
     ``remote``: reads the masters of a rank whose device state is on remote device servers (``remote.json``).
     """
-    checkpoint_dir.verify(checkpoint_path, checksum_shards=False)  # shard files: CRC-checked below when `verify`
+    checkpoint_folder.verify(checkpoint_path, checksum_shards=False)  # shard files: CRC-checked below when `verify`
     size = world_size(checkpoint_path)
-    pieces: dict[str, list[Tensor | None]] = {}
-    shapes: dict[str, list[int]] = {}
-    for rank in range(size):
-        directory = rank_state_dir(checkpoint_path, rank)
-        host = _host_state(directory)
-        if host.get("world_size") != size or host.get("rank") != rank:
-            raise ValueError(
-                f"{directory / HOST_STATE} belongs to rank {host.get('rank')} of {host.get('world_size')}."
-            )
-        masters = _rank_masters(directory, len(host["shards"]), verify=verify, remote=remote)
-        for index, params in enumerate(host["shards"]):
-            try:
-                for param, part in param_partitions(params, masters[index]):
-                    pieces.setdefault(param["name"], [None] * size)[rank] = part
-                    shapes.setdefault(param["name"], list(param["shape"]))
-            except ValueError as exc:
-                raise ValueError(f"{directory / shard_file_name(index)}: {exc}") from None
-    state: dict[str, Tensor] = {}
-    for name, slots in pieces.items():
-        missing = [r for r, t in enumerate(slots) if t is None]
-        if missing:
-            raise ValueError(f"Parameter {name!r} has no partition on rank(s) {missing} of the checkpoint.")
-        state[name] = full_parameter(name, slots, shapes[name])  # type: ignore[arg-type]
+    directories = [rank_state_dir(checkpoint_path, rank) for rank in range(size)]
+    state = consolidate_masters(directories, verify=verify, elsewhere=remote)
     for name, value in frozen_parameters(checkpoint_path, size).items():
         state.setdefault(name, value)
     return state
@@ -116,7 +89,7 @@ def frozen_parameters(checkpoint_path: str | os.PathLike, size: int) -> dict[str
     fragments: dict[str, list[Tensor]] = {}
     shapes: dict[str, Any] = {}
     for rank in range(size):
-        path = Path(checkpoint_path) / checkpoint_dir.TAG / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+        path = Path(checkpoint_path) / checkpoint_folder.TAG / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
         if not path.is_file():
             if rank == 0:
                 return {}  # not ZeRO-3's layout of model states: nothing to add
@@ -137,26 +110,6 @@ def frozen_parameters(checkpoint_path: str | os.PathLike, size: int) -> dict[str
     return out
 
 
-def _rank_masters(directory: Path, shards: int, *, verify: bool, remote: RemoteMasters | None) -> list[Tensor]:
-    """The fp32 masters of each of one rank's ``shards``: from its shard files, or from the remote servers."""
-    if (directory / REMOTE_MANIFEST).is_file():
-        if remote is None:
-            raise ValueError(
-                f"{directory}: the device state is on remote device servers ({REMOTE_MANIFEST}); read it through "
-                "them: evaluate with the strategy's `backend='remote'` settings, or `smartinf export "
-                "--remote-devices HOST:PORT ... --remote-token-file FILE`."
-            )
-        masters = remote(directory)
-    else:
-        manifest = read_manifest(directory)
-        if len(manifest["shards"]) != shards:
-            raise ValueError(f"{directory}: host state lists {shards} shards, the manifest {len(manifest['shards'])}.")
-        masters = [saved_shard_masters(directory, i, verify=verify, manifest=manifest) for i in range(shards)]
-    if len(masters) != shards:
-        raise ValueError(f"{directory}: host state lists {shards} shards, the servers hold {len(masters)}.")
-    return masters
-
-
 def save_fp32(
     checkpoint_path: str | os.PathLike, out_file: str | os.PathLike, *, remote: RemoteMasters | None = None
 ) -> dict[str, Tensor]:
@@ -170,7 +123,7 @@ def save_fp32(
 
 
 #: DeepSpeed's files holding Lightning's client state (hyper-parameters, ``smartinf_hf``, ...), ZeRO-3's first.
-CLIENT_STATE = (checkpoint_dir.MODEL_STATES, "mp_rank_00_model_states.pt")
+CLIENT_STATE = (checkpoint_folder.MODEL_STATES, "mp_rank_00_model_states.pt")
 #: Attribute of the HF modules holding the Hugging Face model; its parameters are named ``model.<HF name>``.
 HF_ATTRIBUTE = "model"
 
@@ -181,7 +134,7 @@ def hf_metadata(checkpoint_path: str | os.PathLike) -> dict | None:
     path = next((p for p in paths if p.is_file()), None)
     if path is None:
         raise FileNotFoundError(f"{paths[0]} is missing: {checkpoint_path} is not a DeepSpeed checkpoint directory.")
-    checkpoint_dir.verify(checkpoint_path)
+    checkpoint_folder.verify(checkpoint_path)
     # Lightning's client state, read as `Trainer.fit(ckpt_path=...)` reads it: weights only, never code.
     from lightning_smartinf.zero.safe_load import load_deepspeed_file
 
@@ -282,16 +235,14 @@ def _remote_masters(devices: list[str] | None, token_file: str | None, tls_dir: 
     """``--remote-devices``' reader of device state kept on servers (``None`` without it)."""
     if not devices:
         return None
-    from lightning_smartinf.csd.backends import remote_checkpoint_masters
-    from lightning_smartinf.csd.settings import SettingsError, SmartUpdateSettings
+    from lightning_smartinf.core.settings import SettingsError, SmartUpdateSettings
 
+    options = {"remote_devices": devices, "remote_token_file": token_file, "remote_tls_dir": tls_dir}
     try:
-        settings = SmartUpdateSettings(
-            backend="remote", remote_devices=devices, remote_token_file=token_file, remote_tls_dir=tls_dir
-        )
+        settings = SmartUpdateSettings(backend="remote", device=options)
     except SettingsError as exc:
         raise ValueError(str(exc)) from None
-    return remote_checkpoint_masters(settings)
+    return settings.kind.checkpoint_masters(settings)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -12,8 +12,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_smartinf.arguments import Problems, show
-from lightning_smartinf.csd import TrafficSnapshot
+from lightning_smartinf.core import TrafficSnapshot
+from lightning_smartinf.core.arguments import Problems, show
 from lightning_smartinf.plan.model import FP32_GRAD_BYTES, FP32_STATE_BYTES
 from lightning_smartinf.strategy import SmartInfinityStrategy
 

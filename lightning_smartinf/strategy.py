@@ -1,7 +1,7 @@
 """``SmartInfinityStrategy``: DeepSpeed ZeRO-3 with the optimizer update run next to the storage.
 
 The Lightning layer only: its hooks turn Lightning's calls into calls on the core (the settings, the
-:class:`~lightning_smartinf.csd.controller.SmartUpdate` controller) and on the ZeRO adapter; docs/architecture.md.
+:class:`~lightning_smartinf.core.controller.SmartUpdate` controller) and on the ZeRO adapter; docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import os
 import weakref
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -28,27 +28,39 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_smartinf import checkpoint_dir, checkpointing, engine, quiet
-from lightning_smartinf.arguments import Problems
+from lightning_smartinf import checkpoint_folder, engine_setup, quiet, strategy_checkpoints
+from lightning_smartinf.core import Backend, TrafficSnapshot, registry
+from lightning_smartinf.core.arguments import Problems
+from lightning_smartinf.core.compression import TopKCompression, check_ratio
+from lightning_smartinf.core.controller import SmartUpdate
+from lightning_smartinf.core.placement import rank_share
+from lightning_smartinf.core.settings import SettingsError, SmartUpdateSettings
 from lightning_smartinf.cpu_support import DeepSpeedOnCPUMixin
-from lightning_smartinf.csd import Backend, TrafficSnapshot
-from lightning_smartinf.csd.compression import TopKCompression, check_ratio
-from lightning_smartinf.csd.controller import SmartUpdate
-from lightning_smartinf.csd.placement import rank_share
-from lightning_smartinf.csd.settings import SettingsError, SmartUpdateSettings
 from lightning_smartinf.precision import SmartInfinityPrecision
 from lightning_smartinf.zero import check_deepspeed_version
 from lightning_smartinf.zero.config import ENGINE, deepspeed_config
 
 log = logging.getLogger(__name__)
-#: The strategy's arguments that are the fields of its `SmartUpdateSettings`, by name.
-SETTINGS = tuple(field.name for field in dataclasses.fields(SmartUpdateSettings))
+#: The strategy's arguments that are the fields of its `SmartUpdateSettings`, by name (the device kinds' own
+#: arguments go to the settings' `device`).
+SETTINGS = tuple(field.name for field in dataclasses.fields(SmartUpdateSettings) if field.name != "device")
+#: The strategy's arguments that belong to one device kind (`DeviceKind.arguments` of the registered kinds).
+DEVICE = tuple(argument for name in registry.kinds() for argument in registry.kind(name).arguments)
 #: The arguments handed on to Lightning's `DeepSpeedStrategy` as they are.
-# fmt: off
-LIGHTNING = ("accelerator", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
-             "logging_level", "parallel_devices", "cluster_environment", "precision_plugin", "process_group_backend",
-             "timeout")
-# fmt: on
+LIGHTNING = (
+    "accelerator",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "min_loss_scale",
+    "logging_level",
+    "parallel_devices",
+    "cluster_environment",
+    "precision_plugin",
+    "process_group_backend",
+    "timeout",
+)
 
 
 class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
@@ -88,7 +100,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         io_queue_depth: I/O requests in flight per chunk transfer.
         io_threads: chunk transfers each emulated device keeps in flight per direction (reads: ``buffer_count - 1``).
         device_timeout_s: seconds a device may take to answer before the run fails with a
-            :class:`~lightning_smartinf.csd.StorageError` (a positive finite number); ``None`` waits forever.
+            :class:`~lightning_smartinf.core.StorageError` (a positive finite number); ``None`` waits forever.
         overlap_backward: hand each sub-group's gradient to its device as soon as backward has reduced it. The update
             is tentative until the step confirms it (same hyperparameters and scale, no clipping, no skipped step),
             else rolled back and redone, so results do not change. Keeps a second copy of the state on the storage
@@ -115,7 +127,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             as in :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`.
 
     The SmartUpdate arguments (``backend`` to ``state_memory_share``) become the strategy's :attr:`settings`.
-    Every argument is checked here, by type and range (see :mod:`lightning_smartinf.arguments`), and one
+    Every argument is checked here, by type and range (see :mod:`lightning_smartinf.core.arguments`), and one
     ``MisconfigurationException`` lists every problem.
     """
 
@@ -171,7 +183,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         arguments = dict(locals())
         check_deepspeed_version()
         problems = Problems("SmartInfinityStrategy", MisconfigurationException)
-        settings = SmartUpdateSettings.collect(problems, **{name: arguments[name] for name in SETTINGS})
+        device = {name: arguments[name] for name in DEVICE if arguments[name] is not None}
+        settings = SmartUpdateSettings.collect(problems, device=device, **{name: arguments[name] for name in SETTINGS})
         config = deepspeed_config(
             problems, settings, config, env_var=self.DEEPSPEED_ENV_VAR, **{name: arguments[name] for name in ENGINE}
         )
@@ -186,7 +199,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             if value is not None:
                 problems.instance(name, value, kind, allowed)
         if not isinstance(offload_activations, bool):
-            from lightning_smartinf.activations.callback import check_offload_options
+            from lightning_smartinf.activation_offload import check_offload_options
 
             check_offload_options(problems, "offload_activations", offload_activations)
         problems.raise_if_any()
@@ -199,6 +212,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         if overlap_backward and not settings.overlap:
             why = "`compression`" if settings.compression is not None else f"`backend={backend!r}`"
             log.info("smart_infinity: updates start after backward, not during it (not supported with %s).", why)
+        self._before_engine: list[Callable[[pl.Trainer, pl.LightningModule], None]] = []
         super().__init__(config=config, **{name: arguments[name] for name in LIGHTNING})
 
     _smart_update: SmartUpdate | None = None  # the run's controller and backend (None before set-up)
@@ -209,6 +223,17 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
     _release_storage: weakref.finalize | None = None
 
     # ----------------------------------------------------------------------------------------- configuration
+
+    def before_engine(self, hook: Callable[[pl.Trainer, pl.LightningModule], None]) -> None:
+        """Call ``hook(trainer, module)`` once the model exists, before the engine is built (a callback that sizes
+        something for the model registers here, e.g. ``BufferPool``). Registering a hook twice calls it once."""
+        if hook not in self._before_engine:
+            self._before_engine.append(hook)
+
+    def run_before_engine(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """Call what :meth:`before_engine` registered, in order (the engine's set-up calls it)."""
+        for hook in self._before_engine:
+            hook(trainer, module)
 
     def resize_pools(self, *, chunk_size: int, buffer_count: int) -> None:
         """Use ``buffer_count`` buffers of ``chunk_size`` elements per device (before set-up; ``BufferPool``)."""
@@ -288,13 +313,13 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         self._init_config_if_needed()
-        with engine.model_init_context(self):  # with parameters on storage, straight to this rank's files
+        with engine_setup.model_init_context(self):  # with parameters on storage, straight to this rank's files
             yield
 
     @override
     def _init_optimizers(self) -> tuple[Optimizer, Any]:
         optimizer, scheduler = super()._init_optimizers()
-        engine.check_optimizer(self.settings, optimizer)
+        engine_setup.check_optimizer(self.settings, optimizer)
         return optimizer, scheduler
 
     @override
@@ -304,7 +329,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         def adopt(backend: Backend) -> None:
             self._backend = backend  # released at teardown, even if the engine then fails to build
 
-        deepspeed_engine, zero_optimizer = engine.initialize(
+        deepspeed_engine, zero_optimizer = engine_setup.initialize(
             self, model, optimizer, lr_scheduler, deepspeed_args=self.deepspeed_args(), on_backend=adopt
         )
         self._smart_update = zero_optimizer.smart_update
@@ -337,7 +362,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         backend, self._backend = self._backend, None
         backend.close(keep_claims=True)
         if self.settings.state_needs_owner:  # temporary directories, host memory or remote sessions
-            self._release_storage = engine.linger(self, backend.release_storage)
+            self._release_storage = engine_setup.linger(self, backend.release_storage)
         else:
             backend.release_storage()
 
@@ -353,8 +378,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
     ) -> None:
         """Save a checkpoint directory at ``filepath``, replacing any there whole and atomically (a kill at any
-        instant leaves the previous checkpoint or the new one); see :func:`lightning_smartinf.checkpointing.save`."""
-        checkpointing.save(self, checkpoint, filepath, storage_options)
+        instant leaves the previous checkpoint or the new one); see :func:`.strategy_checkpoints.save`."""
+        strategy_checkpoints.save(self, checkpoint, filepath, storage_options)
 
     def save_engine_checkpoint(self, checkpoint: dict[str, Any], directory: Path) -> None:
         """DeepSpeed's part of a checkpoint (module, engine, Lightning's client state), written into ``directory``."""
@@ -364,13 +389,13 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
         """Delete a checkpoint (``ModelCheckpoint``'s ``save_top_k`` rotation) so that no kill leaves part of it."""
         if self.is_global_zero:
-            checkpoint_dir.retire(Path(filepath))
+            checkpoint_folder.retire(Path(filepath))
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify the checkpoint against its seal, then load it without unpickling code (``weights_only=True``):
-        all state for ``fit``, the trained weights for evaluation (:func:`lightning_smartinf.checkpointing.load`)."""
-        return checkpointing.load(self, checkpoint_path)
+        all state for ``fit``, the trained weights for evaluation (:func:`.strategy_checkpoints.load`)."""
+        return strategy_checkpoints.load(self, checkpoint_path)
 
     @override
     def teardown(self) -> None:

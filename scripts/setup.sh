@@ -160,7 +160,7 @@ fi
 # --- 5. the HLS kernels' C simulation ------------------------------------------------------------------------
 # The xrt backend's software model runs it; built here once, so that parallel test workers never build it together.
 if command -v make >/dev/null 2>&1 && command -v g++ >/dev/null 2>&1; then
-    "$PY" -c "from lightning_smartinf.csd.xrt import build_csim_library; print('[setup] HLS C simulation:', build_csim_library())" \
+    "$PY" -c "from lightning_smartinf.devices.xrt import build_csim_library; print('[setup] HLS C simulation:', build_csim_library())" \
         || log "NOTE: the HLS C simulation did not build; the xrt backend's tests will fail"
 fi
 

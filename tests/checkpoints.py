@@ -6,14 +6,14 @@ from pathlib import Path
 
 import torch
 
-from lightning_smartinf import checkpoint_dir
-from lightning_smartinf.csd.checkpoint import read_manifest, shard_file_name
-from lightning_smartinf.csd.layout import ChunkLayout
+from lightning_smartinf import checkpoint_folder
+from lightning_smartinf.core.format.layout import ChunkLayout
+from lightning_smartinf.core.format.state_files import read_manifest, shard_file_name
 
 
 def device_states(checkpoint: Path, rank: int = 0) -> dict[int, dict[str, torch.Tensor]]:
     """Per shard of ``rank``, its saved fp32 tensors by name: ``"master"``, then each state of its rule."""
-    directory = checkpoint_dir.rank_state_dir(checkpoint, rank)
+    directory = checkpoint_folder.rank_state_dir(checkpoint, rank)
     manifest = read_manifest(directory)
     shards: dict[int, dict[str, torch.Tensor]] = {}
     for entry in manifest["shards"]:

@@ -44,7 +44,7 @@ def free_port() -> Callable[[], int]:
 @pytest.fixture(scope="session")
 def csim_library() -> Path:
     """The C simulation of hls_kernels/ that the xrt backend's pyxrt model runs (built once if missing or stale)."""
-    from lightning_smartinf.csd.xrt import build_csim_library
+    from lightning_smartinf.devices.xrt import build_csim_library
 
     try:
         return build_csim_library()

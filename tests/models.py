@@ -11,6 +11,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_smartinf.core.streaming.backend import StreamingBackend
+from lightning_smartinf.core.tiers.tiered import TieredBackend
+
 VOCAB, SEQ, DIM = 61, 12, 32
 
 
@@ -200,3 +203,12 @@ class CrashAt(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, index: int) -> None:
         if trainer.global_step == self.step:
             raise Crash(f"crash at step {self.step}")
+
+
+def streaming_backend(trainer: L.Trainer) -> StreamingBackend:
+    """The strategy's streaming backend (``cpu``, ``xrt``): the backend itself, or the one its tiers wrap."""
+    backend = trainer.strategy.smart_update.backend
+    if isinstance(backend, TieredBackend):
+        backend = backend.inner
+    assert isinstance(backend, StreamingBackend), type(backend)
+    return backend

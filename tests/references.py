@@ -8,7 +8,7 @@ import math
 import torch
 from models import LMModule, OptimizerFactory, token_loader
 
-from lightning_smartinf.csd.compression import kept_count
+from lightning_smartinf.core.compression import kept_count
 
 
 def topk_adamw(

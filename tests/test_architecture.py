@@ -1,6 +1,6 @@
-"""The architecture of issue 19, measured from the code: the layers keep to themselves, nothing reads another
-module's private names, functions stay short, and importing the package changes nothing but Lightning's
-``StrategyRegistry``.
+"""The architecture, measured from the code: each layer imports only downward (the real import graph, function-level
+imports included, against a table of allowed edges), nothing reads another module's private names, and importing the
+package changes nothing but Lightning's ``StrategyRegistry``.
 
 The shape checks read the source with :mod:`ast`; the import checks run real interpreters. A failing check lists
 every offending place as ``path:line``.
@@ -20,15 +20,49 @@ from machine import lacking
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "lightning_smartinf"
-CORE = PACKAGE / "csd"
+CORE = PACKAGE / "core"
 
-MAX_STRATEGY_LINES = 400
-MAX_FUNCTION_LINES = 80
-#: What the core (``csd/``) must not import: the training frameworks it is driven by.
+#: What no module below the Lightning layer may import: the training frameworks it is driven by.
 FRAMEWORKS = ("lightning", "lightning_utilities", "pytorch_lightning", "deepspeed")
-#: The layers above the core: the Lightning layer and the ZeRO adapter. Names taken from the package itself
-#: (``from lightning_smartinf import SmartInfinityStrategy``) count too: the package's ``__init__`` is that layer's API.
-LAYERS_ABOVE_CORE = ("lightning_smartinf.strategy", "lightning_smartinf.callbacks", "lightning_smartinf.zero")
+
+#: Each module's part of the package, by the longest prefix of its name that is listed (docs/architecture.md).
+PARTS = {
+    "lightning_smartinf.core": "core",
+    "lightning_smartinf.devices": "devices",
+    "lightning_smartinf.devices.cpu": "devices.cpu",
+    "lightning_smartinf.devices.xrt": "devices.xrt",
+    "lightning_smartinf.devices.remote": "devices.remote",
+    "lightning_smartinf.zero": "zero",
+    "lightning_smartinf.plan": "plan",
+    "lightning_smartinf.activations": "activations",
+    "lightning_smartinf.activation_offload": "lightning",
+    "lightning_smartinf.hf": "lightning",
+    "lightning_smartinf": "lightning",
+    "lightning_smartinf.__init__": "entry",
+    "lightning_smartinf.__main__": "entry",
+    "lightning_smartinf.cli": "entry",
+    "lightning_smartinf.fit": "entry",
+    "lightning_smartinf.demo": "entry",
+    "lightning_smartinf.export": "entry",
+    "lightning_smartinf.report": "entry",
+}
+
+#: The parts each part may import (besides itself), function-level imports included: each layer imports only
+#: downward, and a device kind only the core (the remote server hosts the ``cpu`` kind's devices).
+ALLOWED = {
+    "core": set(),
+    "devices.cpu": {"core"},
+    "devices.xrt": {"core"},
+    "devices.remote": {"core", "devices.cpu"},
+    "devices": {"devices.cpu", "devices.xrt", "devices.remote"},
+    "zero": {"core"},
+    "plan": {"core", "devices.cpu", "devices.remote"},
+    "activations": {"core", "plan"},
+    "lightning": {"core", "devices", "zero", "plan", "activations"},
+    "entry": {"core", "devices", "devices.cpu", "devices.remote", "zero", "plan", "activations", "lightning"},
+}
+#: The parts that must not import a training framework.
+FRAMEWORK_FREE = ("core", "devices", "devices.cpu", "devices.xrt", "devices.remote", "plan", "activations")
 
 #: The places allowed to use names private to another module, by path relative to the package; ``None``: any name.
 PRIVATE_NAME_EXCEPTIONS: dict[str, frozenset[str] | None] = {
@@ -36,7 +70,7 @@ PRIVATE_NAME_EXCEPTIONS: dict[str, frozenset[str] | None] = {
     "zero/optimizer.py": None,
     # The fused Adam/AdamW kernels that torch.optim's own `fused=True` path calls: the devices run the same kernel,
     # so their updates match torch's bit for bit.
-    "csd/rules.py": frozenset({"_fused_adam_", "_fused_adamw_"}),
+    "core/rules.py": frozenset({"_fused_adam_", "_fused_adamw_"}),
     # The Lightning adapter that runs Lightning's DeepSpeedStrategy on DeepSpeed's CPU accelerator replaces exactly
     # the private steps that refuse CPUs; this one module calls them.
     "cpu_support.py": frozenset({"_init_deepspeed_distributed"}),
@@ -107,48 +141,100 @@ def _within(module: str, packages: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
 
-# ------------------------------------------------------------------------------------------------------- shape
-
-
-def test_strategy_is_at_most_400_lines_of_lightning_hooks() -> None:
-    lines = len(_source(PACKAGE / "strategy.py")[0].splitlines())
-    assert lines <= MAX_STRATEGY_LINES, (
-        f"lightning_smartinf/strategy.py has {lines} lines (at most {MAX_STRATEGY_LINES})"
-    )
-
-
-def test_no_function_is_longer_than_80_lines() -> None:
-    long = [
-        f"{_where(path, node)} {node.name}: {node.end_lineno - node.lineno + 1} lines"
-        for path in _modules()
-        for node in _walk(path)
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
-    ]
-    assert not long, f"functions longer than {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
-
-
 # ------------------------------------------------------------------------------------------------------ layers
 
 
-def test_the_core_imports_neither_lightning_nor_deepspeed() -> None:
+def part_of(module: str) -> str | None:
+    """The part of the package ``module`` belongs to (``None``: not this package's)."""
+    if module == "lightning_smartinf":
+        return PARTS["lightning_smartinf.__init__"]
+    matches = [p for p in PARTS if module == p or module.startswith(p + ".")]
+    return PARTS[max(matches, key=len)] if matches else None
+
+
+def _edges() -> Iterator[tuple[Path, ast.AST, str, str, str]]:
+    """``(path, node, module imported, importing part, imported part)`` for every import of a module of this
+    package, at any depth of the source."""
+    for path in _modules():
+        name = _module_name(path)
+        source = part_of("lightning_smartinf.__init__" if name == "lightning_smartinf" else name)
+        for node, module in _imports(path):
+            target = part_of(module)
+            if source is not None and target is not None:
+                yield path, node, module, source, target
+
+
+def test_every_module_belongs_to_a_listed_part() -> None:
+    assert all(part_of(_module_name(path)) in ALLOWED for path in _modules())
+
+
+def test_each_part_imports_only_the_parts_below_it() -> None:
+    found = [
+        f"{_where(path, node)} ({source}) imports {module} ({target})"
+        for path, node, module, source, target in _edges()
+        if target != source and target not in ALLOWED[source]
+    ]
+    assert not found, "imports against the table of allowed edges (docs/architecture.md):\n" + "\n".join(found)
+
+
+def test_only_the_lightning_layer_and_the_zero_adapter_import_the_training_frameworks() -> None:
     found = [
         f"{_where(path, node)} imports {module}"
-        for path in _modules(CORE)
+        for path in _modules()
+        if part_of(_module_name(path)) in FRAMEWORK_FREE
         for node, module in _imports(path)
         if _within(module, FRAMEWORKS)
     ]
-    assert not found, "the core (lightning_smartinf/csd/) imports a training framework:\n" + "\n".join(found)
+    assert not found, "a framework-free part imports a training framework:\n" + "\n".join(found)
 
 
-def test_the_core_does_not_import_the_layers_above_it() -> None:
+def test_no_core_module_names_a_device_kind() -> None:
+    """The core asks a device kind what it can do; it never compares ``backend`` with a kind's name."""
+    kinds = ("'cpu'", "'xrt'", "'remote'", '"cpu"', '"xrt"', '"remote"')
     found = [
-        f"{_where(path, node)} imports {module}"
+        f"{_where(path, node)} {ast.unparse(node)}"
         for path in _modules(CORE)
-        for node, module in _imports(path)
-        if module == "lightning_smartinf" or _within(module, LAYERS_ABOVE_CORE)
+        for node in _walk(path)
+        if isinstance(node, ast.Compare)
+        and "backend" in ast.unparse(node)
+        and any(k in ast.unparse(node) for k in kinds)
     ]
-    assert not found, "the core imports the Lightning layer or the ZeRO adapter:\n" + "\n".join(found)
+    assert not found, "the core branches on a device kind's name:\n" + "\n".join(found)
+
+
+#: Inside the core, what each of its packages may import from the others (modules directly in ``core/`` are the
+#: shared base: the ``Backend`` contract, rules, compression, settings, placement, the controller). The top is
+#: ``build.py``, the one place that wraps a backend in tiers, and the core's ``__init__``, which re-exports.
+CORE_ALLOWED = {
+    "io": set(),
+    "format": {"io", "base"},
+    "base": {"io", "format"},
+    "streaming": {"io", "format", "base"},
+    "tiers": {"io", "format", "base", "streaming"},
+    "top": {"io", "format", "base", "streaming", "tiers"},
+}
+
+
+def core_part_of(module: str) -> str:
+    """``io``, ``format``, ``base``, ``streaming``, ``tiers`` or ``top``: the part of the core ``module`` is in."""
+    name = module.removeprefix("lightning_smartinf.core").lstrip(".").split(".")[0]
+    if name in ("", "build"):
+        return "top"
+    return name if name in CORE_ALLOWED else "base"
+
+
+def test_inside_the_core_each_package_imports_only_downward() -> None:
+    """The streaming base never knows the tiers that wrap it, and the on-disk format and I/O know no backend kind."""
+    found = []
+    for path in _modules(CORE):
+        source = core_part_of(_module_name(path))
+        for node, module in _imports(path):
+            if not _within(module, ("lightning_smartinf.core",)) or module == "lightning_smartinf.core":
+                continue
+            target = core_part_of(module)
+            if target != source and target not in CORE_ALLOWED[source]:
+                found.append(f"{_where(path, node)} (core.{source}) imports {module} (core.{target})")
+    assert not found, "imports against the core's table (docs/architecture.md):\n" + "\n".join(found)
 
 
 # ---------------------------------------------------------------------------------------------- private names
@@ -273,7 +359,7 @@ def test_the_strategy_is_registered_when_lightning_is_imported_after_the_package
     _python(
         "import sys\n"
         "import lightning_smartinf\n"
-        "from lightning_smartinf.csd.remote import server\n"
+        "from lightning_smartinf.devices.remote import server\n"
         "from lightning_smartinf.plan import planner\n"
         "heavy = sorted(m for m in ('lightning', 'deepspeed') if m in sys.modules)\n"
         "assert not heavy, f'imported {heavy}'\n"

@@ -18,11 +18,11 @@ import pytest
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.activations import ActivationOffload
-from lightning_smartinf.arguments import INT64_MAX, MIB, Problems
+from lightning_smartinf.activation_offload import ActivationOffload
 from lightning_smartinf.callbacks import BufferPool, CompressionWarmup
-from lightning_smartinf.csd.compression import TopKCompression
-from lightning_smartinf.csd.layout import POOL_TENSORS, pool_bytes
+from lightning_smartinf.core.arguments import INT64_MAX, MIB, Problems
+from lightning_smartinf.core.compression import TopKCompression
+from lightning_smartinf.core.format.layout import POOL_TENSORS, pool_bytes
 from lightning_smartinf.monitor import TrainingMonitor
 
 HEADER = re.compile(r"^`(\w+)` got (\d+) invalid arguments?:$")
@@ -155,7 +155,7 @@ def test_flags_are_true_or_false(name, value):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"backend": "gpu"}, r"`backend='gpu'` is not supported: it must be one of: 'cpu', 'xrt'"),
+        ({"backend": "gpu"}, r"`backend='gpu'` is not supported: it must be one of: 'cpu', 'remote', 'xrt'"),
         ({"backend": None}, r"`backend=None` is not supported"),
         ({"io_engine": "spdk"}, r"`io_engine='spdk'` is not supported: .*'auto', 'aio', 'threads'"),
         ({"io_engine": ["aio"]}, r"`io_engine=\['aio'\]` is not supported"),
@@ -312,7 +312,7 @@ def test_pools_larger_than_available_memory_are_refused_with_the_numbers(tmp_pat
 
 def test_memory_check_uses_what_is_available(monkeypatch):
     memory = namedtuple("memory", "available")
-    monkeypatch.setattr("lightning_smartinf.arguments.psutil.virtual_memory", lambda: memory(100 * MIB))
+    monkeypatch.setattr("lightning_smartinf.core.arguments.psutil.virtual_memory", lambda: memory(100 * MIB))
     # Defaults: 1 path x 16 buffers x 1 Mi elements x 12 B = 192 MiB.
     refused(r"`buffer_count=16` with `chunk_size=1048576` on 1 storage path\(s\) needs 192 MiB .*, 100 MiB available")
     assert SmartInfinityStrategy(buffer_count=8).settings.buffer_count == 8  # 96 MiB fits
@@ -579,7 +579,7 @@ def test_argument_module_is_lightning_free():
     import sys
 
     # Importing the package loads Lightning; the module on its own must not need it (nor torch).
-    spec = Path(__file__).resolve().parents[1] / "lightning_smartinf" / "arguments.py"
+    spec = Path(__file__).resolve().parents[1] / "lightning_smartinf" / "core" / "arguments.py"
     code = (
         "import importlib.util, sys; "
         f"s = importlib.util.spec_from_file_location('arguments', {str(spec)!r}); "

@@ -25,11 +25,11 @@ from launch import SCRIPTS, torchrun, worker_env
 from models import assert_identical
 from scripts.ckpt_common import EVERY, TOTAL, checkpoint_step, newest_complete, train
 
-import lightning_smartinf.csd.checkpoint as ckpt_module
-from lightning_smartinf import checkpoint_dir
-from lightning_smartinf.csd import SGD, Adam, ShardSpec, StorageError
-from lightning_smartinf.csd.checkpoint import MANIFEST, ShardState, load_state, save_state, shard_file_name
-from lightning_smartinf.csd.layout import ChunkLayout
+import lightning_smartinf.core.format.state_files as ckpt_module
+from lightning_smartinf import checkpoint_folder
+from lightning_smartinf.core import SGD, Adam, ShardSpec, StorageError
+from lightning_smartinf.core.format.layout import ChunkLayout
+from lightning_smartinf.core.format.state_files import MANIFEST, ShardState, load_state, save_state, shard_file_name
 from lightning_smartinf.export import consolidate_fp32_state_dict, is_complete, save_fp32
 from lightning_smartinf.export import main as export_main
 
@@ -289,7 +289,7 @@ def _crash_and_resume(tmp_path: Path, spec: str, expected: dict[str, torch.Tenso
     # Never a mix: every checkpoint at a visible name is whole and sealed, the overwritten `last.ckpt` included.
     for path in sorted(ckpts.iterdir()) if ckpts.is_dir() else []:
         if not path.name.startswith("."):
-            checkpoint_dir.verify(path, checksum_shards=True)
+            checkpoint_folder.verify(path, checksum_shards=True)
     latest = newest_complete(ckpts)
     step = checkpoint_step(latest) if latest else 0  # read now: resuming saves over `last.ckpt`
     if step > EVERY:  # a whole save round (top-k checkpoint, then last.ckpt) completed before the newest one

@@ -24,13 +24,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from models import Crash, CrashAt, assert_identical
 from scripts.ckpt_common import EVERY, SUB_GROUP, TOTAL, adamw_cosine, checkpoint_step, train
 
-from lightning_smartinf import SmartInfinityStrategy, checkpoint_dir, engine
-from lightning_smartinf.checkpoint_dir import SEAL, CheckpointError
-from lightning_smartinf.csd import StorageError
-from lightning_smartinf.csd.io import ThreadedIO
+from lightning_smartinf import SmartInfinityStrategy, checkpoint_folder, engine_setup
+from lightning_smartinf.checkpoint_folder import SEAL, CheckpointError
+from lightning_smartinf.core import StorageError
+from lightning_smartinf.core.io.direct import ThreadedIO
 from lightning_smartinf.export import consolidate_fp32_state_dict
 from lightning_smartinf.export import main as export_main
-from lightning_smartinf.zero.engines import EngineChoice
+from lightning_smartinf.zero.io_choice import EngineChoice
 
 
 @pytest.fixture
@@ -63,8 +63,8 @@ def test_save_last_overwrites_last_and_resumes_bit_identically(reference, tmp_pa
     assert visible(ckpts) == ["epoch=1-step=8.ckpt", "last.ckpt"]  # default save_top_k=1 deleted step 4's
     assert checkpoint_step(ckpts / "last.ckpt") == 2 * EVERY
     for name in visible(ckpts):
-        checkpoint_dir.verify(ckpts / name, checksum_shards=True)
-        assert checkpoint_dir.is_private(ckpts / name)
+        checkpoint_folder.verify(ckpts / name, checksum_shards=True)
+        assert checkpoint_folder.is_private(ckpts / name)
     # A re-run into the same directory resumes from last.ckpt and goes on overwriting it.
     resumed = train(first, ckpt_path=ckpts / "last.ckpt", checkpointing="last")
     assert_identical(resumed, expected)
@@ -108,7 +108,7 @@ def test_save_top_k_with_monitor_deletes_rotated_checkpoints_whole(reference, tm
     kept = [name for name in visible(ckpts) if name != "last.ckpt"]
     assert len(kept) == 2 and not hidden(ckpts)  # 6 saves, 4 deleted without a trace
     for name in [*kept, "last.ckpt"]:
-        checkpoint_dir.verify(ckpts / name, checksum_shards=True)
+        checkpoint_folder.verify(ckpts / name, checksum_shards=True)
     assert sorted(Path(p).name for p in callback.best_k_models) == kept
 
 
@@ -141,7 +141,7 @@ def test_trainer_save_checkpoint_after_fit_twice_to_one_path(tmp_path, storage) 
     trainers[0].save_checkpoint(path)
     assert visible(tmp_path) == sorted(["after-fit.ckpt", "ssd"]), "a staging directory was left behind"
     assert checkpoint_step(path) == EVERY + 2
-    checkpoint_dir.verify(path, checksum_shards=True)
+    checkpoint_folder.verify(path, checksum_shards=True)
     assert_identical(consolidate_fp32_state_dict(path), trained)
     train(tmp_path / "resume", ckpt_path=path, every=None)  # and it resumes
 
@@ -158,7 +158,7 @@ def test_two_ranks_launched_by_lightning_save_last_and_resume_under_another_budg
         assert done.returncode == (3 if mode == "crash" else 0), done.stdout[-2000:] + done.stderr[-4000:]
         if mode == "crash":
             last = tmp_path / "ckpts" / "last.ckpt"
-            seal = checkpoint_dir.verify(last, checksum_shards=True)
+            seal = checkpoint_folder.verify(last, checksum_shards=True)
             assert (seal["global_step"], seal["world_size"]) == (2 * EVERY, 2)
             assert sorted(p.name for p in (last / "checkpoint" / "smartinf").iterdir()) == [
                 "rank000",
@@ -245,7 +245,7 @@ def _copy(root: Path, step: int, dest: Path) -> Path:
 def _reseal(path: Path) -> None:
     """Seal again after tampering, as anyone who writes a hostile checkpoint can: the seal is no signature."""
     seal = json.loads((path / SEAL).read_text())
-    checkpoint_dir.seal(path, global_step=seal["global_step"], world_size=seal["world_size"])
+    checkpoint_folder.seal(path, global_step=seal["global_step"], world_size=seal["world_size"])
 
 
 def test_hostile_pickle_is_refused_and_never_runs(reference, tmp_path) -> None:
@@ -270,7 +270,7 @@ def test_symlinks_and_escaping_names_are_refused(reference, tmp_path) -> None:
     linked = _copy(root, EVERY, tmp_path / "linked.ckpt")
     os.symlink(outside, linked / "checkpoint" / "extra.json")
     with pytest.raises(CheckpointError, match="extra.json is a symlink"):
-        checkpoint_dir.verify(linked)
+        checkpoint_folder.verify(linked)
 
     latest = _copy(root, EVERY, tmp_path / "latest.ckpt")
     (latest / "latest").write_text("../../elsewhere")
@@ -283,15 +283,15 @@ def test_symlinks_and_escaping_names_are_refused(reference, tmp_path) -> None:
     seal["files"]["../../outside.json"] = {"bytes": 2, "crc32": 0}
     (escaping / SEAL).write_text(json.dumps(seal))
     with pytest.raises(CheckpointError, match=re.escape("'../../outside.json'") + ".*not a file inside"):
-        checkpoint_dir.verify(escaping)
+        checkpoint_folder.verify(escaping)
 
 
 def test_parts_of_different_saves_are_refused(reference, tmp_path) -> None:
     root, _ = reference
     mixed = _copy(root, 2 * EVERY, tmp_path / "mixed.ckpt")
-    rank_dir = checkpoint_dir.rank_state_dir(mixed, 0)
+    rank_dir = checkpoint_folder.rank_state_dir(mixed, 0)
     shutil.rmtree(rank_dir)
-    shutil.copytree(checkpoint_dir.rank_state_dir(ckpt(root, EVERY), 0), rank_dir)  # device state of step 4
+    shutil.copytree(checkpoint_folder.rank_state_dir(ckpt(root, EVERY), 0), rank_dir)  # device state of step 4
     with pytest.raises(CheckpointError, match=re.escape(str(rank_dir)) + ".*(another save|seal records)"):
         train(tmp_path / "a", ckpt_path=mixed, every=None)
     _reseal(mixed)  # even sealed again, the steps recorded in its parts disagree
@@ -304,9 +304,9 @@ def test_damaged_json_names_the_file(reference, tmp_path, victim) -> None:
     root, _ = reference
     copy = _copy(root, EVERY, tmp_path / "damaged.ckpt")
     path = {
-        "host_state": checkpoint_dir.rank_state_dir(copy, 0) / "host_state.json",
+        "host_state": checkpoint_folder.rank_state_dir(copy, 0) / "host_state.json",
         "seal": copy / SEAL,
-        "manifest": checkpoint_dir.rank_state_dir(copy, 0) / "manifest.json",
+        "manifest": checkpoint_folder.rank_state_dir(copy, 0) / "manifest.json",
     }[victim]
     path.write_text(path.read_text()[:-30])
     if victim == "host_state":
@@ -348,7 +348,7 @@ def test_a_device_error_fails_the_step_refuses_to_save_and_the_last_checkpoint_r
     reference, tmp_path, monkeypatch
 ) -> None:
     _, expected = reference
-    monkeypatch.setattr(engine, "choose_io_engine", lambda settings, dirs: EngineChoice(FailingWrites, "failing"))
+    monkeypatch.setattr(engine_setup, "choose_io_engine", lambda settings, dirs: EngineChoice(FailingWrites, "failing"))
     monkeypatch.setattr(FailingWrites, "trainer", None)
     ckpts = tmp_path / "ckpts"
     # Lightning's own OnExceptionCheckpoint would save over last.ckpt with whatever the devices hold.
@@ -364,13 +364,13 @@ def test_a_device_error_fails_the_step_refuses_to_save_and_the_last_checkpoint_r
     # The error reached the step that failed; the checkpoint of step 4 is the last good one and untouched.
     assert visible(ckpts) == ["epoch=0-step=4.ckpt", "last.ckpt"] and not hidden(ckpts)
     assert checkpoint_step(ckpts / "last.ckpt") == EVERY
-    checkpoint_dir.verify(ckpts / "last.ckpt", checksum_shards=True)
+    checkpoint_folder.verify(ckpts / "last.ckpt", checksum_shards=True)
     resumed = train(tmp_path / "resume", ckpt_path=ckpts / "last.ckpt", every=None)
     assert_identical(resumed, expected)
 
 
 def test_save_checkpoint_after_a_device_error_is_refused(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(engine, "choose_io_engine", lambda settings, dirs: EngineChoice(FailingWrites, "failing"))
+    monkeypatch.setattr(engine_setup, "choose_io_engine", lambda settings, dirs: EngineChoice(FailingWrites, "failing"))
     monkeypatch.setattr(FailingWrites, "trainer", None)
     trainers: list[L.Trainer] = []
     with pytest.raises(StorageError):
@@ -452,7 +452,7 @@ def test_a_checkpoint_saved_before_ef_adam_resumes_under_it(tmp_path, caplog) ->
     its Adam state is converted to EF-Adam's with one warning, and training goes on."""
     checkpoint = tmp_path / "step=4.ckpt"
     shutil.copytree(Path(__file__).parent / "fixtures" / "checkpoint-c000ce3", checkpoint)
-    with caplog.at_level("WARNING", logger="lightning_smartinf.csd.checkpoint"):
+    with caplog.at_level("WARNING", logger="lightning_smartinf.core.format.state_files"):
         resumed = train(
             tmp_path / "run", steps=2 * EVERY, ckpt_path=checkpoint, every=None, strategy_kwargs={"compression": 0.05}
         )

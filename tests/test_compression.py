@@ -17,8 +17,8 @@ from scripts.ckpt_common import EVERY, train
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.callbacks import CompressionWarmup
-from lightning_smartinf.checkpoint_dir import CheckpointError
-from lightning_smartinf.csd.compression import kept_count
+from lightning_smartinf.checkpoint_folder import CheckpointError
+from lightning_smartinf.core.compression import kept_count
 
 STEPS = 8
 

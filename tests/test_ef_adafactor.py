@@ -13,10 +13,10 @@ from models import LMModule, TinyGPT, adamw_factory, fit, max_relative_error, pa
 from scripts.ckpt_common import EVERY, train
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.csd.compression import TopKCompression, compress_topk, kept_count
-from lightning_smartinf.csd.factored import FactoredMoments, device_step_params
-from lightning_smartinf.csd.rules import SGD, Adam, EFAdafactor, EFAdam, StepParams
-from lightning_smartinf.csd.torch_optim import rule_for_group, state_bytes
+from lightning_smartinf.core.compression import TopKCompression, compress_topk, kept_count
+from lightning_smartinf.core.factored import FactoredMoments, device_step_params
+from lightning_smartinf.core.rules import SGD, Adam, EFAdafactor, EFAdam, StepParams
+from lightning_smartinf.core.torch_optim import rule_for_group, state_bytes
 
 STEPS = 8
 BETAS = (0.9, 0.95)
@@ -291,7 +291,7 @@ def test_resume_from_ef_adam_converts_and_so_does_the_way_back(tmp_path, caplog)
     ef_adafactor = {"compression": {"ratio": 0.05, "rule": "ef_adafactor"}}
     train(tmp_path / "ef", steps=EVERY, strategy_kwargs=ef_adam)
     saved = tmp_path / "ef" / "ckpts" / f"step={EVERY}.ckpt"
-    with caplog.at_level("WARNING", logger="lightning_smartinf.csd.checkpoint"):
+    with caplog.at_level("WARNING", logger="lightning_smartinf.core.format.state_files"):
         resumed = train(tmp_path / "af", steps=2 * EVERY, ckpt_path=saved, strategy_kwargs=ef_adafactor)
     assert caplog.text.count("converting it to ef_adafactor") == 1
     assert all(torch.isfinite(p).all() for p in resumed.values())

@@ -14,9 +14,9 @@ from references import topk_adamw
 from scripts.ckpt_common import EVERY, train
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.csd.compression import TopKCompression
-from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, EFAdafactor, EFAdam, StepParams
-from lightning_smartinf.csd.torch_optim import rule_for_group, state_bytes
+from lightning_smartinf.core.compression import TopKCompression
+from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdafactor, EFAdam, StepParams
+from lightning_smartinf.core.torch_optim import rule_for_group, state_bytes
 
 STEPS = 8
 BETAS = (0.9, 0.95)
@@ -175,7 +175,7 @@ def test_resume_across_rules_converts_the_device_state(tmp_path, caplog, before,
     train(tmp_path / "ref", steps=EVERY, **first)
     checkpoint = tmp_path / "ref" / "ckpts" / f"step={EVERY}.ckpt"
     second = {"strategy_kwargs": {"compression": {"ratio": 0.05, "rule": after}}}
-    with caplog.at_level("WARNING", logger="lightning_smartinf.csd.checkpoint"):
+    with caplog.at_level("WARNING", logger="lightning_smartinf.core.format.state_files"):
         resumed = train(tmp_path / "resumed", steps=2 * EVERY, ckpt_path=checkpoint, every=None, **second)
     assert caplog.text.count("converting it to") == 1
     assert all(torch.isfinite(p).all() for p in resumed.values())

@@ -18,12 +18,12 @@ from models import LMModule, adamw_factory, fit
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.activations import ActivationOffloader
-from lightning_smartinf.csd.accelerator import PinnedRing, bind_thread, thread_device
-from lightning_smartinf.csd.backend import ShardSpec
-from lightning_smartinf.csd.cpu import CpuBackend
-from lightning_smartinf.csd.io import StateFile, ThreadedIO
-from lightning_smartinf.csd.rules import Adam, StepParams
-from lightning_smartinf.csd.settings import check_accelerator_budget
+from lightning_smartinf.core.accelerator import PinnedRing, bind_thread, thread_device
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.io.direct import StateFile, ThreadedIO
+from lightning_smartinf.core.rules import Adam, StepParams
+from lightning_smartinf.core.settings import check_accelerator_budget
+from lightning_smartinf.devices.cpu import CpuBackend
 
 DIM = 512  # the MLP weights' partitions reach DeepSpeed's 1 MiB and go to storage
 

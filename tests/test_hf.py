@@ -298,7 +298,7 @@ def test_model_sized_callbacks_see_the_model_configure_model_builds(tmp_path, gp
     """Issue 23, item 7. The HF modules build their model in `configure_model`, which Lightning calls after the
     callbacks' `setup`: `BufferPool` must size the pools for the real model (it saw 0 parameters and forced
     `chunk_size` to 1024), and `ActivationOffload` must find the GPT-2 blocks (it found no layers)."""
-    from lightning_smartinf.activations import ActivationOffload
+    from lightning_smartinf.activation_offload import ActivationOffload
     from lightning_smartinf.callbacks import BufferPool
 
     module = HFCausalLM(str(gpt2_dir), lr=3e-3, warmup_steps=1)

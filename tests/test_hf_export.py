@@ -26,7 +26,7 @@ from transformers import (
     AutoTokenizer,
 )
 
-from lightning_smartinf import SmartInfinityStrategy, checkpoint_dir
+from lightning_smartinf import SmartInfinityStrategy, checkpoint_folder
 from lightning_smartinf.export import main as export_main
 from lightning_smartinf.hf import load_tokenizer
 from lightning_smartinf.hf.pretrained import build_model, find_attribute, find_head
@@ -210,8 +210,8 @@ def test_export_never_unpickles(tmp_path, minilm_dir, sequence_checkpoint, capsy
     state = torch.load(victim, weights_only=True)
     state["hyper_parameters"] = {"evil": Hostile(tmp_path / "pwned")}
     torch.save(state, victim)
-    seal = json.loads((copy / checkpoint_dir.SEAL).read_text())
-    checkpoint_dir.seal(copy, global_step=seal["global_step"], world_size=seal["world_size"])  # no signature
+    seal = json.loads((copy / checkpoint_folder.SEAL).read_text())
+    checkpoint_folder.seal(copy, global_step=seal["global_step"], world_size=seal["world_size"])  # no signature
     args = [str(copy), "--save-pretrained", str(tmp_path / "hf"), "--hf-model-dir", str(minilm_dir)]
     assert export_main(args) == 1
     assert re.search(re.escape(str(victim)) + ".*refused", capsys.readouterr().err)

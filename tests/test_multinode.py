@@ -20,8 +20,9 @@ from launch import worker_env
 from lightning.fabric.plugins.environments import LightningEnvironment
 from scripts.ckpt_common import EVERY, TOTAL
 
-from lightning_smartinf import SmartInfinityStrategy, checkpoint_dir, engine
-from lightning_smartinf.csd.checkpoint import MANIFEST
+from lightning_smartinf import SmartInfinityStrategy, checkpoint_folder
+from lightning_smartinf import engine_setup as engine
+from lightning_smartinf.core.format.state_files import MANIFEST
 from lightning_smartinf.export import consolidate_fp32_state_dict, is_complete
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_nodes.py"
@@ -114,7 +115,7 @@ def test_two_nodes_train_checkpoint_resume_and_match_one_node(tmp_path, free_por
     # Both nodes' parts are in each checkpoint of the shared folder, sealed by global rank 0.
     final = shared / "ckpts_two_nodes" / f"step={TOTAL}.ckpt"
     assert is_complete(final)
-    assert checkpoint_dir.verify(final, checksum_shards=True)["world_size"] == 2
+    assert checkpoint_folder.verify(final, checksum_shards=True)["world_size"] == 2
     for rank in range(2):
         assert (final / "checkpoint" / "smartinf" / f"rank{rank:03d}" / MANIFEST).is_file()
 

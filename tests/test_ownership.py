@@ -1,6 +1,6 @@
 """One owner per storage path, end to end: two ``Trainer``s on one path, and temporary storage of killed runs.
 
-The per-backend behaviour (claims, killed holders, private directories) is tested in tests/csd/test_ownership.py.
+The per-backend behaviour (claims, killed holders, private directories) is tested in tests/core/test_ownership.py.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from launch import run, worker_env
 from models import LMModule, adamw_factory, fit
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.csd import StorageError
-from lightning_smartinf.csd.ownership import read_owner
+from lightning_smartinf.core import StorageError
+from lightning_smartinf.core.io.ownership import read_owner
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -78,8 +78,8 @@ FIT_THEN_EXIT = textwrap.dedent(
 HOLD_TEMP = textwrap.dedent(
     """
     import sys
-    from lightning_smartinf.csd import CpuBackend
-    from lightning_smartinf.csd.ownership import make_temp_device_dir
+    from lightning_smartinf.devices.cpu import CpuBackend
+    from lightning_smartinf.core.io.ownership import make_temp_device_dir
     directory = make_temp_device_dir(0)
     backend = CpuBackend([directory], chunk_elems=1024, buffer_count=2, owned_dirs=[directory])
     print("READY", directory, flush=True)

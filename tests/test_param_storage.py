@@ -25,7 +25,7 @@ from machine import tmpfs
 from models import LMModule, TinyGPT, adamw_factory, assert_identical, fit, token_loader
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.csd import StorageError
+from lightning_smartinf.core import StorageError
 from lightning_smartinf.zero.param_storage import swap_buffer_settings
 
 DIM = 512

@@ -299,7 +299,7 @@ def test_remote_servers_move_the_link_terms_onto_the_network():
 
 
 def test_calibrate_remote_measures_a_real_server_and_plans_with_it(tmp_path, capsys):
-    from lightning_smartinf.csd.remote.server import serve
+    from lightning_smartinf.devices.remote.server import serve
 
     token = tmp_path / "token"
     token.write_text("tok-calibrate")

@@ -18,7 +18,7 @@ from conftest import REPO_ROOT
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.cli import main as smartinf
-from lightning_smartinf.csd.compression import TopKCompression
+from lightning_smartinf.core.compression import TopKCompression
 from lightning_smartinf.plan.planner import PYTHON_HEADER, STORAGE_PLACEHOLDER, YAML_HEADER
 
 PLACEHOLDER = re.compile(re.escape(STORAGE_PLACEHOLDER).replace(r"\{\}", r"(\d+)"))

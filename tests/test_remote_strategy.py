@@ -76,7 +76,7 @@ def test_bad_remote_settings_are_named(tmp_path):
     with pytest.raises(Exception, match=r"readable by other users.*chmod 600") as error:
         SmartInfinityStrategy(backend="remote", remote_devices=["localhost"], remote_token_file=str(token))
     assert "'localhost' is not 'host:port'" in str(error.value)
-    with pytest.raises(Exception, match=r"apply to `backend='remote'` only"):
+    with pytest.raises(Exception, match=r"applies to `backend='remote'` only"):
         SmartInfinityStrategy(remote_devices=["h:1"])
     with pytest.raises(Exception, match=r"`remote_devices=None`: `backend='remote'` needs a list"):
         SmartInfinityStrategy(backend="remote", remote_token_file=str(token))
@@ -219,7 +219,7 @@ def test_evaluate_and_export_a_checkpoint_kept_on_the_servers(tmp_path, servers,
     assert got == expected
     out = tmp_path / "weights.safetensors"
     assert export_main([str(tmp_path / "remote.ckpt"), str(out)]) == 1
-    assert "on remote device servers" in capsys.readouterr().err
+    assert "remote device servers" in capsys.readouterr().err
     flags = ["--remote-devices", *[s.address for s in servers], "--remote-token-file", str(servers[0].token_file)]
     assert export_main([str(tmp_path / "remote.ckpt"), str(out), *flags]) == 0
     weights = load_file(str(out))
@@ -236,7 +236,7 @@ def test_a_memory_tier_beside_the_servers_trains_saves_and_resumes_bit_identical
 
     from safetensors.torch import load_file
 
-    from lightning_smartinf.csd.checkpoint import CheckpointError
+    from lightning_smartinf.core.format.state_files import CheckpointError
 
     sys.path.insert(0, str(Path(__file__).parent))
     from scripts.ckpt_common import train
@@ -256,7 +256,7 @@ def test_a_memory_tier_beside_the_servers_trains_saves_and_resumes_bit_identical
     train(tmp_path / "run", checkpointing="last", steps=8, strategy_kwargs=remote("64MiB"), trainers=trainers)
     backend = trainers[0].strategy.smart_update.backend
     assert backend.local_shards, "some sub-groups were kept in host memory"
-    assert backend.beside.num_devices == 2 and len(backend.local_shards) < len(backend.assignment)
+    assert backend.inner.num_devices == 2 and len(backend.local_shards) < len(backend.assignment)
     last = tmp_path / "run" / "ckpts" / "last.ckpt"
     assert list(last.rglob("local_tiers.json"))
     with pytest.raises(

@@ -14,8 +14,8 @@ from models import LMModule, adamw_factory, fit
 from unwritable import unwritable_dir
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.csd import StorageError
-from lightning_smartinf.csd.storage import create_storage_path, validate_storage_path
+from lightning_smartinf.core import StorageError
+from lightning_smartinf.core.io.storage import create_storage_path, validate_storage_path
 
 adamw = adamw_factory(lr=1e-3)
 
@@ -29,7 +29,7 @@ def test_missing_paths_are_created_private_at_setup_and_training_runs(tmp_path, 
     strategy = SmartInfinityStrategy(storage_paths=storage, sub_group_size=2000, io_engine="threads")
     assert not any(p.exists() for p in storage), "construction only checks; it creates nothing"
 
-    caplog.set_level(logging.INFO, logger="lightning_smartinf.csd.placement")
+    caplog.set_level(logging.INFO, logger="lightning_smartinf.core.placement")
     trainer, _ = fit(LMModule(adamw), strategy, steps=2)
 
     assert trainer.strategy.traffic.link_read_bytes > 0

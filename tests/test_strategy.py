@@ -152,8 +152,8 @@ def test_not_enough_free_space_is_reported_before_training(tmp_path, monkeypatch
     import shutil as shutil_module
 
     real = shutil_module.disk_usage
-    monkeypatch.setattr("lightning_smartinf.csd.storage.shutil.disk_usage", lambda p: real(p)._replace(free=1024))
-    with pytest.raises(lightning_smartinf.csd.StorageError, match=r"GiB free.*needs.*GiB"):
+    monkeypatch.setattr("lightning_smartinf.core.io.storage.shutil.disk_usage", lambda p: real(p)._replace(free=1024))
+    with pytest.raises(lightning_smartinf.core.StorageError, match=r"GiB free.*needs.*GiB"):
         fit(LMModule(adamw), SmartInfinityStrategy(storage_paths=[tmp_path]), steps=1)
     assert not list((tmp_path / "smartinf" / "rank000").glob("*.state"))
 
@@ -243,7 +243,7 @@ def test_fp16_trains_where_the_accelerator_has_it_and_is_refused_clearly_where_n
 
 
 def test_offload_activations_argument_installs_the_callback(tmp_path):
-    from lightning_smartinf.activations import ActivationOffload
+    from lightning_smartinf.activation_offload import ActivationOffload
 
     strategy = SmartInfinityStrategy(storage_paths=[tmp_path], offload_activations={"threshold_bytes": 1024})
     trainer, _ = fit(LMModule(adamw), strategy, steps=2)
@@ -286,9 +286,14 @@ def test_the_settings_are_the_strategys_own_arguments_with_the_same_defaults(tmp
     import inspect
 
     from lightning_smartinf import SmartUpdateSettings
+    from lightning_smartinf.core import registry
 
     parameters = inspect.signature(SmartInfinityStrategy).parameters
     for field in dataclasses.fields(SmartUpdateSettings):
+        if field.name == "device":  # the kind's own settings: each of its arguments is the strategy's, default None
+            kind_arguments = [a for name in registry.kinds() for a in registry.kind(name).arguments]
+            assert kind_arguments and all(parameters[a].default is None for a in kind_arguments), kind_arguments
+            continue
         assert field.name in parameters, field.name
         assert parameters[field.name].default == field.default, field.name
     assert SmartInfinityStrategy().settings == SmartUpdateSettings()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from launch import worker_env
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import Crash, CrashAt, LMModule, adamw_factory, assert_identical, fit
+from models import Crash, CrashAt, LMModule, adamw_factory, assert_identical, fit, streaming_backend
 from scripts.ckpt_common import EVERY, TOTAL, checkpoint_step, train
 
 from lightning_smartinf import SmartInfinityStrategy
@@ -28,7 +28,7 @@ ADAMW_COSINE = adamw_factory(betas=(0.9, 0.95), cosine_steps=20, eta_min=3e-4)
 def _state_bytes(root: Path) -> int:
     trainers = []
     train(root, steps=1, every=None, trainers=trainers)
-    return sum(s.layout.file_bytes for s in trainers[0].strategy.smart_update.backend.shards)
+    return sum(s.layout.file_bytes for s in streaming_backend(trainers[0]).shards)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_half_the_state_in_memory_trains_bitwise_like_all_on_device(reference, t
     trainers = []
     ours = train(tmp_path, every=None, trainers=trainers, strategy_kwargs={"state_memory_budget": state // 2})
     assert_identical(ours, expected)
-    backend = trainers[0].strategy.smart_update.backend
+    backend = streaming_backend(trainers[0])
     in_memory = [s for s in backend.shards if s.file.in_memory]
     assert in_memory and len(in_memory) < len(backend.shards)
     assert sum(s.layout.file_bytes for s in in_memory) <= state // 2
@@ -64,8 +64,8 @@ def test_a_measured_memory_share_trains_bitwise_like_all_on_device(reference, tm
     kwargs = {"state_memory_budget": state, "state_memory_share": "measured", "reduce_bucket_size": 3000}
     ours = train(tmp_path, every=None, trainers=trainers, strategy_kwargs=kwargs)
     assert_identical(ours, expected)
-    backend = trainers[0].strategy.smart_update.backend
-    plan = backend.last_replan
+    backend = streaming_backend(trainers[0])
+    plan = trainers[0].strategy.smart_update.backend.last_replan  # the tiers' decision
     assert plan is not None, "no re-plan at step 10"
     # Backward completes the last sub-groups first: every gradient was timed, the last well before the first.
     assert set(plan.ready) == set(range(len(backend.shards))), plan.ready
@@ -130,7 +130,7 @@ def test_save_checkpoint_after_fit_with_state_in_memory(reference, tmp_path) -> 
     trainers = []
     train(tmp_path, every=None, trainers=trainers, strategy_kwargs={"state_memory_budget": f"{state}B"})
     trainer = trainers[0]
-    assert all(s.file.in_memory for s in trainer.strategy.smart_update.backend.shards)
+    assert all(s.file.in_memory for s in streaming_backend(trainer).shards)
     trainer.save_checkpoint(tmp_path / "final.ckpt")  # the memory state outlived teardown for this
     assert_identical(consolidate_fp32_state_dict(tmp_path / "final.ckpt"), expected)
 
@@ -164,7 +164,7 @@ def test_bf16_compression_with_a_memory_tier_changes_nothing(tmp_path) -> None:
         ({"storage_paths": ["/tmp/a"], "device_weights": "fast"}, r"must be a list of positive numbers"),
         (
             {"backend": "remote", "remote_devices": ["h:1", "h:2"], "device_weights": [1.0]},
-            r"1 weight\(s\) for 2 server\(s\) of `remote_devices`: give one weight per server",
+            r"1 weight\(s\) for 2 remote server\(s\): give one weight per remote server",
         ),
         ({"state_memory_share": "half"}, r"`state_memory_share='half'` is not supported: it must be one of: 'auto'"),
         ({"state_memory_share": None}, r"`state_memory_share=None` is not supported"),
@@ -191,9 +191,9 @@ RSS_SCRIPT = r"""
 import json, sys
 import lightning as L
 sys.path.insert(0, sys.argv[1])
-from models import LMModule, adamw_factory, fit
+from models import LMModule, adamw_factory, fit, streaming_backend
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.csd.layout import pool_bytes
+from lightning_smartinf.core.format.layout import pool_bytes
 
 
 def status(*keys):
@@ -218,7 +218,7 @@ strategy = SmartInfinityStrategy(storage_paths=[sys.argv[2]], sub_group_size=1 <
 held = Held()
 module = LMModule(adamw_factory(betas=(0.9, 0.95), cosine_steps=20, eta_min=3e-4), dim=768, layers=8)
 trainer, _ = fit(module, strategy, steps=4, precision="bf16-mixed", callbacks=[held])
-backend = trainer.strategy.smart_update.backend
+backend = streaming_backend(trainer)
 print(json.dumps({
     "used": held.used,
     "shmem": held.shmem,
@@ -271,7 +271,7 @@ def test_paths_of_different_speeds_are_measured_and_replanned_without_changing_r
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm, caplog.at_level("INFO", "lightning_smartinf"):
         trainers = []
         ours = train(tmp_path, storage=[tmp_path / "disk", Path(shm) / "ram"], every=None, trainers=trainers)
-        backend = trainers[0].strategy.smart_update.backend
+        backend = streaming_backend(trainers[0])
     assert_identical(ours, expected)
     measured = re.search(r"measured its storage paths: ([\d.]+) GB/s, ([\d.]+) GB/s", caplog.text)
     assert measured, "the two paths were measured"
@@ -285,7 +285,7 @@ def test_paths_of_different_speeds_are_measured_and_replanned_without_changing_r
 def test_a_budget_per_rank_is_refused_when_the_ranks_of_a_node_together_do_not_fit() -> None:
     import psutil
 
-    from lightning_smartinf import engine
+    from lightning_smartinf import engine_setup as engine
 
     budget = int(psutil.virtual_memory().available * 0.6)  # fits once, not twice
     strategy = SmartInfinityStrategy(state_memory_budget=budget, parallel_devices=[torch.device("cpu")] * 2)

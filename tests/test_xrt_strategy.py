@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import LMModule, adamw_factory, fit, max_relative_error, param_groups
+from models import LMModule, adamw_factory, fit, max_relative_error, param_groups, streaming_backend
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.csd.xrt import forget_platform, platform_for, write_model_xclbin
+from lightning_smartinf.devices.xrt import forget_platform, platform_for, write_model_xclbin
 
 STEPS = 8
 
@@ -81,7 +81,7 @@ def test_fp32_matches_torch_optim(tmp_path, model_xclbin, make_optimizer, accumu
     numel = sum(p.numel() for p in LMModule(make_optimizer).parameters())
     assert traffic.link_read_bytes == STEPS * numel * 4  # fp32 parameters out, nothing else
     # State read ahead after the last step is never used; teardown counts it when it drops it.
-    used, dropped = trainer.strategy.smart_update.backend.prefetch_stats()
+    used, dropped = streaming_backend(trainer).prefetch_stats()
     assert used > 0
     reads = traffic.storage_read_bytes - dropped
     assert traffic.storage_write_bytes - reads == reads // STEPS  # init
@@ -121,7 +121,7 @@ def test_compressed_adamw_runs_the_ef_kernels_as_the_cpu_backend_runs_the_rule(
             **extra,
         )
         trainer, runs[backend] = fit(LMModule(adamw_cosine), strategy, steps=STEPS, precision=precision)
-        rules = {type(s.spec.rule).__name__ for s in trainer.strategy.smart_update.backend.shards}
+        rules = {type(s.spec.rule).__name__ for s in streaming_backend(trainer).shards}
         assert rules == {runs_as}
     errors = max_relative_error(runs["xrt"], runs["cpu"])
     assert max(errors.values()) < 1e-5, errors

@@ -7,7 +7,7 @@
  *   no first moment: the delivered gradient takes its place. One call updates n elements of a shard in place;
  *   the fp32 master weights and the second moment live in device DRAM and never cross PCIe, the gradient
  *   comes in as T (bf16, fp16 or fp32) and the updated parameters leave as T. The arithmetic is
- *   torch.optim.Adam/AdamW's with betas = (0, beta2), rounding for rounding (lightning_smartinf.csd.rules.EFAdam):
+ *   torch.optim.Adam/AdamW's with betas = (0, beta2), rounding for rounding (lightning_smartinf.core.rules.EFAdam):
  *
  *     g  = g_raw * grad_scale;  if maximize: g = -g
  *     AdamW: p = p * (1 - lr*wd)          Adam (L2): g = g + wd*p

@@ -60,9 +60,9 @@ from torch import Tensor, nn
 
 from lightning_smartinf.activations.spill import SpillFiles
 from lightning_smartinf.activations.tuning import DEFAULTS, MEASURE_AT, MEASURE_COUNT, LayerMeter, Tuning, tune
-from lightning_smartinf.csd.accelerator import SideStreams, bind_thread, on_cuda, pinned_empty, record_fence
-from lightning_smartinf.csd.io import IO_ALIGN, IOEngine, ThreadedIO, aligned_empty, round_up
-from lightning_smartinf.csd.storage import (
+from lightning_smartinf.core.accelerator import SideStreams, bind_thread, on_cuda, pinned_empty, record_fence
+from lightning_smartinf.core.io.direct import IO_ALIGN, IOEngine, ThreadedIO, aligned_empty, round_up
+from lightning_smartinf.core.io.storage import (
     StorageError,
     create_storage_path,
     ensure_private_dir,

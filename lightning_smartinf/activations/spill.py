@@ -11,7 +11,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_smartinf.csd.io import IO_ALIGN, StateFile, round_up
+from lightning_smartinf.core.io.direct import IO_ALIGN, StateFile, round_up
 
 __all__ = ["SpillFiles", "SPILL_FILE_NAME"]
 
@@ -21,7 +21,7 @@ GROW_BYTES = 16 << 20
 
 
 class SpillFiles:
-    """One :class:`~lightning_smartinf.csd.io.StateFile` per directory; space is taken by bumping a per-file top.
+    """One :class:`~lightning_smartinf.core.io.direct.StateFile` per directory; space is taken by raising its top.
 
     Invariants:
 

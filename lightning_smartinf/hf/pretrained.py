@@ -26,8 +26,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_smartinf.arguments import Problems
-from lightning_smartinf.csd.device_state import full_parameter, param_partitions
+from lightning_smartinf.core.arguments import Problems
+from lightning_smartinf.core.format.rank_state import full_parameter, param_partitions
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel

@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.calibrate_remote:
             if not args.token_file:
                 parser.error("--calibrate-remote needs --token-file (the server's token)")
-            from lightning_smartinf.csd.remote.client import measure_network
-            from lightning_smartinf.csd.remote.tokens import read_token
+            from lightning_smartinf.devices.remote.client import measure_network
+            from lightning_smartinf.devices.remote.tokens import read_token
 
             try:
                 figures = measure_network(args.calibrate_remote, read_token(Path(args.token_file)))
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _budget(text: str, flag: str = "--memory-budget") -> int:
     """``flag``'s value in bytes (``"8GiB"``, ``"500MB"``, ``"1073741824"``)."""
-    from lightning_smartinf.arguments import Problems
+    from lightning_smartinf.core.arguments import Problems
 
     problems = Problems("smartinf plan", PlanError)
     budget = problems.size(flag, text)

@@ -1,8 +1,8 @@
 """Measure this machine and write a planner profile: direct-I/O bandwidth of a path and update throughput.
 
 Imports torch (the model does not). Everything measured here uses the project's own I/O path
-(:class:`~lightning_smartinf.csd.io.StateFile` + :class:`~lightning_smartinf.csd.io.ThreadedIO` on
-``aligned_empty`` buffers) and the ``cpu`` backend (:class:`~lightning_smartinf.csd.CpuBackend`).
+(:class:`~lightning_smartinf.core.io.direct.StateFile` + :class:`~lightning_smartinf.core.io.direct.ThreadedIO` on
+``aligned_empty`` buffers) and the ``cpu`` backend (:class:`~lightning_smartinf.core.CpuBackend`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ MiB = 1 << 20
 def _bandwidth(path: Path, nbytes: int, block: int = 4 * MiB) -> dict[str, Any]:
     import torch
 
-    from lightning_smartinf.csd.io import StateFile, ThreadedIO, aligned_empty
+    from lightning_smartinf.core.io.direct import StateFile, ThreadedIO, aligned_empty
 
     io = ThreadedIO(block_size=1 * MiB, queue_depth=8)
     buf = aligned_empty(block)
@@ -75,7 +75,7 @@ def _update_rate(numel: int, chunk: int = 1 << 20, repeats: int = 3) -> float:
     """Elements per second of the ``cpu`` backend's Adam(W) update, in its 1M-element chunks, without I/O."""
     import torch
 
-    from lightning_smartinf.csd import Adam, StepParams
+    from lightning_smartinf.core import Adam, StepParams
 
     rule = Adam(decoupled_weight_decay=True)
     master, m, v, g = (torch.randn(numel) for _ in range(4))
@@ -127,7 +127,8 @@ def _backend_step(path: Path, numel: int, devices: int = 1) -> float:
     """Seconds per 1e9 parameters of one ``CpuBackend`` optimizer step (state on ``path``, O_DIRECT)."""
     import torch
 
-    from lightning_smartinf.csd import Adam, CpuBackend, ShardSpec, StepParams
+    from lightning_smartinf.core import Adam, ShardSpec, StepParams
+    from lightning_smartinf.devices.cpu import CpuBackend
 
     dirs = [path / f"dev{i}" for i in range(devices)]
     shards_n = 4

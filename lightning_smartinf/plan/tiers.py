@@ -1,7 +1,7 @@
 """Where the planner puts the optimizer state: GPU memory and host memory up to their budgets, the rest over the
 devices by speed.
 
-The same rules as the strategy's placement (:class:`~lightning_smartinf.csd.placement.Tiered`), in the planner's
+The same rules as the strategy's placement (:class:`~lightning_smartinf.core.placement.Tiered`), in the planner's
 units. The accelerator tier fills its budget first: its update is bound by the GPU link, which carries only the 16-bit
 gradient in and the 16-bit parameter out (4 B per 12 B of state). Then, as ``state_memory_share="auto"`` decides:
 
@@ -14,10 +14,10 @@ gradient in and the 16-bit parameter out (4 B per 12 B of state). Then, as ``sta
 - SmartSSDs compute on their own, in parallel with the host (after backward: they take no hand-offs), so memory takes
   the share that finishes with them (:func:`memory_share`).
 - Beside remote servers (a profile with ``network_gbps``) the strategy's split is fixed when it starts, at the share
-  one more server would hold (:mod:`~lightning_smartinf.csd.local_tiers`), and so is the plan's.
+  one more server would hold (:mod:`~lightning_smartinf.core.tiers.tiered`), and so is the plan's.
 
 The strategy decides the same from measured rates and from when each gradient was complete
-(:mod:`~lightning_smartinf.csd.update_model`); the plan assumes backward completes the state at an even pace.
+(:mod:`~lightning_smartinf.core.tiers.update_model`); the plan assumes backward completes the state at an even pace.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_smartinf.csd.placement import memory_share
+from lightning_smartinf.core.placement import memory_share
 from lightning_smartinf.plan.model import FP32_STATE_BYTES, GB, PlanError, Profile, Workload, fwd_bwd_time
 
 __all__ = ["TierPlacement", "memory_share", "place_state"]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_smartinf.csd.io import IOEngine, StateFile
+from lightning_smartinf.core.io.direct import IOEngine, StateFile
 
 # DeepSpeed's `sync_pwrite` logs a one-time warning through Python from inside a C++ `std::call_once` while
 # holding the GIL. Two threads making their first write at once deadlock: the second waits in `call_once`

@@ -3,7 +3,7 @@
 :func:`load_config` reads what the user gave (a dict, a JSON file, or the file named by an environment variable);
 :func:`smart_update_config` checks it against what SmartUpdate needs (ZeRO stage 3, no optimizer offload, no
 DeepSpeed ``optimizer`` block) and adds the keys that make ZeRO hand the optimizer state to the devices. Every
-problem goes to a :class:`~lightning_smartinf.arguments.Problems`, so that one error lists them with the rest of the
+problem goes to a :class:`~.core.arguments.Problems`, so that one error lists them with the rest of the
 strategy's arguments. Nothing here imports Lightning or DeepSpeed.
 """
 
@@ -16,9 +16,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from lightning_smartinf.arguments import Problems, show
-from lightning_smartinf.csd.settings import SmartUpdateSettings, check_sub_group_indexable
-from lightning_smartinf.csd.torch_optim import SUPPORTED_OPTIMIZERS
+from lightning_smartinf.core.arguments import Problems, show
+from lightning_smartinf.core.settings import SmartUpdateSettings, check_sub_group_indexable
+from lightning_smartinf.core.torch_optim import SUPPORTED_OPTIMIZERS
 
 __all__ = ["ENGINE", "check_engine_arguments", "deepspeed_config", "load_config", "smart_update_config"]
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from lightning_utilities.core.imports import RequirementCache
 
-from lightning_smartinf.csd.controller import Partitions, SmartUpdate, SubGroup
+from lightning_smartinf.core.controller import Partitions, SmartUpdate, SubGroup
 
 #: Builds the controller of a ZeRO optimizer: ``(torch optimizer, its sub-groups, its partitions) -> SmartUpdate``.
 ControllerFactory = Callable[[torch.optim.Optimizer, Sequence[SubGroup], Partitions], SmartUpdate]

@@ -2,7 +2,7 @@
 
 Stock ZeRO-3 with ``offload_optimizer: nvme`` keeps an empty fp32 placeholder per sub-group and swaps master
 weights, moments and gradients between host and disk around a host-side update. This subclass keeps the
-placeholders but never swaps: the :class:`~lightning_smartinf.csd.controller.SmartUpdate` controller's devices own
+placeholders but never swaps: the :class:`~lightning_smartinf.core.controller.SmartUpdate` controller's devices own
 master weights and states, receive each sub-group's reduced gradient in the training dtype, and write the updated
 low-precision partition straight into ZeRO's flat parameter buffer.
 
@@ -33,10 +33,10 @@ from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from torch import Tensor
 
-from lightning_smartinf.csd.accelerator import Fence, PinnedRing, record_fence
-from lightning_smartinf.csd.controller import SmartUpdate, SubGroup
-from lightning_smartinf.csd.host_buffer import HostBuffer, InMemoryBuffer
-from lightning_smartinf.csd.traffic import Traffic
+from lightning_smartinf.core.accelerator import Fence, PinnedRing, record_fence
+from lightning_smartinf.core.controller import SmartUpdate, SubGroup
+from lightning_smartinf.core.host_buffer import HostBuffer, InMemoryBuffer
+from lightning_smartinf.core.traffic import Traffic
 from lightning_smartinf.zero.install import ControllerFactory, GradientBufferError
 from lightning_smartinf.zero.param_storage import FileBuffer, prepare_swapper
 
@@ -91,7 +91,7 @@ def _free_memory(device: str) -> int:
 
 
 class ZeroPartitions:
-    """ZeRO-3's partitions as the controller sees them (:class:`~lightning_smartinf.csd.controller.Partitions`).
+    """ZeRO-3's partitions as the controller sees them (:class:`~lightning_smartinf.core.controller.Partitions`).
 
     Sub-groups whose parameters live on storage (``offload_parameters="storage"``: ZeRO keeps no flat buffer for
     them) are updated through staging buffers: one per sub-group between :meth:`params` and :meth:`params_changed`,

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from deepspeed.runtime.swap_tensor.utils import AIO_ALIGNED_BYTES, MIN_AIO_BYTES
 
-from lightning_smartinf.csd.storage import GIB, StorageError
-from lightning_smartinf.csd.traffic import Traffic
+from lightning_smartinf.core.io.storage import GIB, StorageError
+from lightning_smartinf.core.traffic import Traffic
 
 #: DeepSpeed keeps partitions smaller than this in host memory even with ``offload_param: nvme``.
 MIN_SWAPPED_BYTES = MIN_AIO_BYTES

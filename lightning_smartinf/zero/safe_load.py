@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lightning_smartinf.checkpoint_dir import safe_torch_load
+from lightning_smartinf.core.format.torch_files import safe_torch_load
 
 
 def deepspeed_globals() -> list[type]:
@@ -64,7 +64,7 @@ def ensure_offload_folder(engine: Any, root: Path, tag: str) -> None:
     Raises:
         CheckpointError: the folder is missing and cannot be created (a read-only copy of the checkpoint).
     """
-    from lightning_smartinf.csd.checkpoint import CheckpointError
+    from lightning_smartinf.core.format.state_files import CheckpointError
 
     rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
     folder = root / tag / "offloaded_tensors" / f"rank{rank:0>2d}"

@@ -37,8 +37,8 @@ from models import LMModule, adamw_factory, fit, max_relative_error  # noqa: E40
 from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
 from lightning_smartinf.activations import ActivationOffloader  # noqa: E402
 from lightning_smartinf.activations.spill import SPILL_FILE_NAME  # noqa: E402
-from lightning_smartinf.csd.accelerator import HostLink, on_cuda  # noqa: E402
-from lightning_smartinf.csd.controller import SmartUpdate  # noqa: E402
+from lightning_smartinf.core.accelerator import HostLink, on_cuda  # noqa: E402
+from lightning_smartinf.core.controller import SmartUpdate  # noqa: E402
 
 STEPS = 8
 #: fp32 on a GPU: cuBLAS may pick other reduction orders inside ZeRO's gathered layers than in a plain module.

@@ -1,4 +1,4 @@
-"""The HLS update kernels (hls_kernels/, built with g++ as a C simulation) against ``lightning_smartinf.csd.rules``.
+"""The HLS update kernels (hls_kernels/, built with g++ as a C simulation) against ``lightning_smartinf.core.rules``.
 
 Every entry point (Adam/AdamW, SGD, Adagrad, EF-Adam; dense and top-k gradients; bf16, fp16 and fp32 gradient and
 parameter types) runs three steps on random data and on edge cases, next to the Python rule applied the
@@ -34,9 +34,9 @@ import torch
 from ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
 from machine import lacking
 
-from lightning_smartinf.csd.rules import SGD, Adagrad, Adam, EFAdam, StepParams, UpdateRule
-from lightning_smartinf.csd.xrt.abi import BEAT_BYTES, derive_scalars, load_csim_library, sgd_scalars
-from lightning_smartinf.csd.xrt.model import build_csim_library
+from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdam, StepParams, UpdateRule
+from lightning_smartinf.devices.xrt.abi import BEAT_BYTES, derive_scalars, load_csim_library, sgd_scalars
+from lightning_smartinf.devices.xrt.model import build_csim_library
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HLS_DIR = REPO_ROOT / "hls_kernels"
@@ -81,7 +81,7 @@ def lib() -> ctypes.CDLL:
     except RuntimeError as exc:
         pytest.fail(str(exc))
     # Argument types of every entry point, and the scalar derivation below, come from the package's ABI module
-    # (lightning_smartinf/csd/xrt/abi.py): the XRT backend calls the kernels with exactly what is tested here.
+    # (lightning_smartinf/devices/xrt/abi.py): the XRT backend calls the kernels with exactly what is tested here.
     return load_csim_library(path)
 
 

@@ -30,8 +30,8 @@ import lightning as L
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ckpt_common  # noqa: E402
 
-import lightning_smartinf.csd.checkpoint as ckpt_module  # noqa: E402
-from lightning_smartinf import checkpoint_dir  # noqa: E402
+import lightning_smartinf.core.format.state_files as ckpt_module  # noqa: E402
+from lightning_smartinf import checkpoint_folder  # noqa: E402
 
 
 def die() -> None:
@@ -102,14 +102,14 @@ class KillAt(L.Callback):
 
             ckpt_module.copy_with_crc = copy_then_die
         if self.what == "seal":
-            install = checkpoint_dir.install
+            install = checkpoint_folder.install
 
             def die_then_install(staging, target) -> None:
                 if self.saved_step() == self.step:
                     die()
                 install(staging, target)
 
-            checkpoint_dir.install = die_then_install
+            checkpoint_folder.install = die_then_install
         if self.what == "install":
             remove = ckpt_module.remove_entry
 
@@ -140,7 +140,7 @@ class KillAt(L.Callback):
             ckpt_module.install_directory = install_then_maybe_die
             ckpt_module.write_file_atomic = write_then_maybe_die
             # The device-state format imported write_file_atomic by name.
-            import lightning_smartinf.csd.device_state as device_state
+            import lightning_smartinf.core.format.rank_state as device_state
 
             device_state.write_file_atomic = write_then_maybe_die
 

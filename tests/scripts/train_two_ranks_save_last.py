@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import CaptureParams  # noqa: E402
+from models import CaptureParams, streaming_backend  # noqa: E402
 from scripts.ckpt_common import EVERY, fit_sharded  # noqa: E402
 
 
@@ -55,7 +55,7 @@ def main(root: Path, mode: str, strategy_kwargs: dict) -> None:
         devices=2,
     )
     if strategy_kwargs.get("state_memory_budget"):
-        shards = trainer.strategy.smart_update.backend.shards
+        shards = streaming_backend(trainer).shards
         assert any(s.file.in_memory for s in shards), f"rank {trainer.global_rank} kept no state in memory"
     if trainer.global_rank == 0 and mode != "crash":
         torch.save(capture.params, root / f"{mode if mode == 'full' else 'resumed'}.pt")

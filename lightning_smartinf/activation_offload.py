@@ -1,0 +1,178 @@
+"""``ActivationOffload``: the Lightning callback around :class:`~lightning_smartinf.activations.ActivationOffloader`."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_smartinf.activations.offload import ActivationOffloader, OffloadStats
+from lightning_smartinf.core.arguments import Problems
+from lightning_smartinf.core.placement import rank_share
+
+
+class ActivationOffload(L.Callback):
+    """Offload large saved activations to the storage paths during forward; prefetch them back during backward.
+
+    The saved-tensor hooks are installed in ``on_train_batch_start`` and removed in ``on_after_backward``, so they
+    span ``training_step`` and its backward for every micro-batch (gradient accumulation included) and nothing
+    else (validation runs without grad). On any exception every activation file is removed.
+
+    Args:
+        storage_paths: where to write. ``None``: this rank's share of ``SmartInfinityStrategy(storage_paths=...)``,
+            or the system's temporary directory where the strategy's are temporary (``storage_paths=None``).
+        threshold_bytes, keep_last, max_inflight_bytes, io_threads: see :class:`ActivationOffloader`; ints (byte
+            counts in bytes: ``"1MiB"`` is refused, write ``1 << 20``). ``None`` (the default) chooses the first
+            three from the model and from the second micro-batch's measurements (logged at INFO).
+        log_stats: log ``smartinf/activation_{peak_bytes,write_bytes,read_bytes}`` per batch.
+
+    With DeepSpeed activation checkpointing on, only the checkpoint inputs are saved in forward (those are what
+    gets offloaded); the recomputation during backward is kept in memory. With it off, every activation above the
+    threshold outside the last ``keep_last`` layers is offloaded.
+    """
+
+    def __init__(
+        self,
+        storage_paths: Sequence[str | os.PathLike] | None = None,
+        threshold_bytes: int | None = None,
+        keep_last: int | None = None,
+        max_inflight_bytes: int | None = None,
+        io_threads: int = 4,
+        log_stats: bool = True,
+    ) -> None:
+        problems = Problems("ActivationOffload", ValueError)
+        _check_arguments(
+            problems,
+            {
+                "storage_paths": storage_paths,
+                "threshold_bytes": threshold_bytes,
+                "keep_last": keep_last,
+                "max_inflight_bytes": max_inflight_bytes,
+                "io_threads": io_threads,
+                "log_stats": log_stats,
+            },
+        )
+        problems.raise_if_any()
+        self.storage_paths = storage_paths
+        self.kwargs = dict(
+            threshold_bytes=threshold_bytes,
+            keep_last=keep_last,
+            max_inflight_bytes=max_inflight_bytes,
+            io_threads=io_threads,
+        )
+        self.log_stats = log_stats
+        self.offloader: ActivationOffloader | None = None
+        self.stats: OffloadStats | None = None  # the last run's counters, kept after teardown
+        self._last = (0, 0)
+
+    def _paths(self, trainer: L.Trainer) -> list[Path]:
+        if self.storage_paths is not None:
+            return [
+                Path(p)
+                for p in (
+                    [self.storage_paths] if isinstance(self.storage_paths, (str, os.PathLike)) else self.storage_paths
+                )
+            ]
+        from lightning_smartinf.strategy import SmartInfinityStrategy
+
+        strategy = trainer.strategy
+        if isinstance(strategy, SmartInfinityStrategy) and strategy.settings.storage_paths is None:
+            # The strategy keeps its state in temporary directories: activations go to the temporary directory too.
+            return [Path(tempfile.gettempdir())]
+        strategy_paths = strategy.settings.storage_paths if isinstance(strategy, SmartInfinityStrategy) else None
+        if not strategy_paths:
+            raise MisconfigurationException(
+                "`ActivationOffload(storage_paths=None)` needs `SmartInfinityStrategy(storage_paths=[...])` to take "
+                "its paths from; pass `storage_paths=` to the callback, or set them on the strategy."
+            )
+        # A rank with no path of its own shares them all: activation files are private to the rank's run directory.
+        return rank_share(strategy_paths, trainer.local_rank, strategy.num_processes) or list(strategy_paths)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.offloader is not None:
+            return
+        self.offloader = ActivationOffloader(self._paths(trainer), **self.kwargs)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Here, not in `setup`: a module that builds its model in `configure_model` (the Hugging Face modules) has
+        # no layers before it, and `configure_model` runs after callbacks' `setup`.
+        if self.offloader is not None:
+            self.offloader.attach(pl_module)
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.offloader is not None:
+            self.offloader.reset_peak()
+            self.offloader.begin()
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.offloader is not None:
+            self.offloader.end()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        off = self.offloader
+        if off is None:
+            return
+        off.end()
+        if self.log_stats:
+            s = off.stats
+            written, read = s.bytes_written - self._last[0], s.bytes_read - self._last[1]
+            self._last = (s.bytes_written, s.bytes_read)
+            pl_module.log_dict(
+                {
+                    "smartinf/activation_peak_bytes": float(s.peak_resident_bytes),
+                    "smartinf/activation_write_bytes": float(written),
+                    "smartinf/activation_read_bytes": float(read),
+                },
+                on_step=True,
+                on_epoch=False,
+            )
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if self.offloader is not None:  # the run is over: remove every file and the run directories now
+            self.stats = self.offloader.stats
+            self.offloader.close()
+            self.offloader = None
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.offloader is not None:
+            self.stats = self.offloader.stats
+            self.offloader.close()
+            self.offloader = None
+
+
+def _check_arguments(problems: Problems, arguments: dict[str, Any]) -> None:
+    """Check those of the :class:`ActivationOffload` arguments that ``arguments`` holds."""
+    if "storage_paths" in arguments:
+        problems.paths("storage_paths", arguments["storage_paths"], optional=True)
+    for name, low, example in (("threshold_bytes", 0, 1 << 20), ("max_inflight_bytes", 1, 64 << 20)):
+        if name in arguments:
+            problems.integer(name, arguments[name], low=low, unit="bytes", example=example, optional=True)
+    if "keep_last" in arguments:
+        problems.integer("keep_last", arguments["keep_last"], why="layers", example=1, optional=True)
+    if "io_threads" in arguments:
+        problems.integer("io_threads", arguments["io_threads"], low=1, high=1024, example=4)
+    if "log_stats" in arguments:
+        problems.flag("log_stats", arguments["log_stats"])
+
+
+def check_offload_options(problems: Problems, argument: str, options: Any) -> None:
+    """Check ``argument`` (``SmartInfinityStrategy(offload_activations=...)``): a bool, or a dict of
+    :class:`ActivationOffload` arguments whose keys and values are checked as the callback would."""
+    if isinstance(options, bool):
+        return
+    if not isinstance(options, dict):
+        problems.instance(argument, options, dict, "True, False, or a dict of `ActivationOffload` arguments")
+        return
+    allowed = list(inspect.signature(ActivationOffload).parameters)
+    problems.keys(argument, options, allowed)
+    _check_arguments(problems.within(argument), {k: v for k, v in options.items() if k in allowed})

@@ -1,0 +1,38 @@
+"""One rank's backend from its settings: the device kind's backend (one registry lookup), wrapped in the host-memory
+and accelerator tiers when the settings give them a budget.
+
+The state of a kind whose state cannot move (remote servers) is always wrapped, so that a checkpoint records the
+split between this host and the devices and a resume under another split is refused by name.
+"""
+
+from __future__ import annotations
+
+from lightning_smartinf.core.backend import Backend
+from lightning_smartinf.core.registry import BuildContext
+from lightning_smartinf.core.settings import SmartUpdateSettings
+from lightning_smartinf.core.tiers.tiered import TieredBackend
+
+__all__ = ["build_backend"]
+
+#: ``state_memory_share`` as :class:`TieredBackend`'s ``measure_memory_share``.
+MEASURE = {"fill": False, "measured": True}
+
+
+def build_backend(settings: SmartUpdateSettings, context: BuildContext) -> Backend:
+    """This rank's backend: ``settings.kind``'s, in tiers where ``state_memory_budget`` or
+    ``state_accelerator_budget`` is set. ``state_memory_share="auto"`` measures memory's share where the kind's
+    devices compute, or where training runs on an accelerator (leaving the host cores to the tiers)."""
+    kind = settings.kind
+    backend = kind.build(settings, context)
+    memory, accelerator = settings.state_memory_budget or 0, settings.state_accelerator_budget or 0
+    if not (memory or accelerator or not kind.state_movable):
+        return backend
+    return TieredBackend(
+        backend,
+        memory_bytes=int(memory),
+        accelerator_bytes=int(accelerator),
+        measure_memory_share=MEASURE.get(settings.state_memory_share, context.accelerator_training or None),
+        chunk_elems=settings.chunk_size,
+        buffer_count=settings.buffer_count,
+        device_timeout_s=settings.device_timeout_s,
+    )

@@ -1,0 +1,252 @@
+"""The device-state checkpoint format of one rank: the devices' shard files, the compression residual, the host state.
+
+One directory per rank (``<checkpoint>/checkpoint/smartinf/rankNNN/``) holds:
+
+- the devices' copy of every shard's state and its manifest (:mod:`lightning_smartinf.core.format.state_files`);
+- ``residual.safetensors``: the host's tensors, when there are any: the error-feedback residual (``residual``) and
+  the factored second moments of rule ``ef_adafactor`` (``moments``);
+- ``host_state.json``: what the host keeps beside the devices (optimizer steps per param group, loss scale, the
+  param groups' hyperparameters, which parameter partitions each shard holds), the global step it belongs to, and
+  the size and CRC-32 of ``residual.safetensors``.
+
+Invariant: ``host_state.json`` is written last, so a directory that has it is complete; every other file is
+verified against it (the residual) or the manifest (the shards) before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_smartinf.core.backend import Backend
+from lightning_smartinf.core.format.state_files import CheckpointError, file_crc32, read_json, write_file_atomic
+from lightning_smartinf.core.host_buffer import HostBuffer
+
+HOST_STATE = "host_state.json"
+RESIDUAL = "residual.safetensors"
+#: Keys every ``host_state.json`` has.
+REQUIRED_KEYS = ("global_step", "num_shards", "group_steps", "loss_scale")
+
+
+def save_device_state(
+    directory: Path,
+    backend: Backend,
+    host_state: dict[str, Any],
+    tensors: Mapping[str, Tensor | HostBuffer | None],
+    *,
+    global_step: int,
+) -> None:
+    """Write ``backend``'s shards, then the host's ``tensors`` (those not ``None``; a :class:`HostBuffer` is written a
+    block at a time and released after each), then ``host_state`` (recording ``global_step``) under it.
+
+    Between a backward and its step, updates made during backward are still tentative: the backend saves the
+    committed state, the one before this step, like every other part of a checkpoint.
+    """
+    backend.save(directory)
+    host_state = {**host_state, "global_step": global_step}
+    kept = {name: tensor for name, tensor in tensors.items() if tensor is not None}
+    if kept:
+        path = directory / RESIDUAL
+        write_file_atomic(path, safetensors_blocks(kept))
+        size, crc = file_crc32(path)
+        host_state["residual"] = {"file": RESIDUAL, "bytes": size, "crc32": crc}
+    write_file_atomic(directory / HOST_STATE, json.dumps(host_state).encode())
+
+
+def read_host_state(directory: Path, *, global_step: int, sealed_by: Path) -> dict[str, Any]:
+    """``host_state.json`` of ``directory``, checked to belong to ``global_step`` (recorded by ``sealed_by``).
+
+    Raises:
+        CheckpointError: the file is missing, corrupt, or from another save.
+    """
+    state = read_json(directory / HOST_STATE, "the device state", REQUIRED_KEYS)
+    if state["global_step"] != global_step:
+        raise CheckpointError(
+            f"{directory / HOST_STATE} records global step {state['global_step']!r}, but {sealed_by} records step "
+            f"{global_step}: the device state comes from another save. Resume from another checkpoint."
+        )
+    return state
+
+
+def load_host_tensors(directory: Path, entry: dict[str, Any] | None) -> dict[str, SavedTensor]:
+    """The host's tensors saved in ``directory``, verified against ``entry`` (their file's size and CRC-32); none
+    without one. Each is read when asked (:meth:`SavedTensor.read`), so a large one need not fit in memory at once.
+
+    Raises:
+        CheckpointError: ``residual.safetensors`` is missing, does not match ``entry``, or is not a safetensors file
+            of the dtypes the host saves.
+    """
+    if entry is None:
+        return {}
+    path = directory / RESIDUAL
+    if not path.is_file():
+        raise CheckpointError(
+            f"The compression residual {path} is missing: the checkpoint is incomplete. Resume from another one."
+        )
+    size, crc = file_crc32(path)
+    if (crc, size) != (entry["crc32"], entry["bytes"]):
+        raise CheckpointError(
+            f"The compression residual {path} is corrupt ({size} bytes, CRC-32 {crc:#010x}; the checkpoint "
+            f"recorded {entry['bytes']} bytes, CRC-32 {entry['crc32']:#010x}). Resume from another checkpoint."
+        )
+    return read_safetensors_header(path)
+
+
+#: safetensors' names of the dtypes the host saves.
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+}
+#: Bytes of a tensor written or read at a time.
+BLOCK_BYTES = 64 << 20
+
+
+def safetensors_blocks(tensors: Mapping[str, Tensor | HostBuffer]) -> Iterator[bytes | memoryview]:
+    """``tensors`` in the safetensors format, a block at a time: the header, then each tensor's bytes in order.
+
+    Written by hand because ``safetensors.torch.save`` copies every tensor into one ``bytes`` object first, which for
+    a residual as large as the model's gradients would need that much memory again. A :class:`HostBuffer`'s blocks
+    are released once written (see ``host_buffer.py``).
+    """
+    flats: dict[str, Tensor] = {}
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, value in tensors.items():
+        tensor = (value if isinstance(value, Tensor) else value.tensor).detach().cpu().contiguous()
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise TypeError(f"Cannot save {name!r} of dtype {tensor.dtype}: the host saves {list(SAFETENSORS_DTYPES)}.")
+        flats[name] = tensor.reshape(-1).view(torch.uint8)
+        nbytes = flats[name].numel()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    yield struct.pack("<Q", len(encoded)) + encoded
+    for name, value in tensors.items():
+        flat = flats[name]
+        for start in range(0, flat.numel(), BLOCK_BYTES):
+            end = min(start + BLOCK_BYTES, flat.numel())
+            yield flat[start:end].numpy().data
+            if not isinstance(value, Tensor):
+                size = value.tensor.element_size()
+                value.release(start // size, -(-end // size))
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor of a safetensors file, read from the file when asked."""
+
+    path: Path
+    #: Where its bytes start in the file.
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def numel(self) -> int:
+        """Its number of elements."""
+        return math.prod(self.shape)
+
+    def read(self, start: int = 0, end: int | None = None) -> Tensor:
+        """Elements ``[start, end)`` (default: all) of the flattened tensor, read from the file into a new tensor."""
+        end = self.numel() if end is None else end
+        out = torch.empty(max(0, end - start), dtype=self.dtype)
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        with open(self.path, "rb", buffering=0) as file:
+            file.seek(self.offset + start * out.element_size())
+            done = 0
+            while done < len(view):
+                got = file.readinto(view[done:])
+                if not got:
+                    raise CheckpointError(f"{self.path} ended before the tensor it describes. Resume from another one.")
+                done += got
+        return out
+
+    def load(self) -> Tensor:
+        """The whole tensor."""
+        return self.read().view(self.shape)
+
+
+def read_safetensors_header(path: Path) -> dict[str, SavedTensor]:
+    """The tensors of the safetensors file at ``path``, by name, each read when asked.
+
+    Raises:
+        CheckpointError: the header is not a safetensors header of the dtypes the host saves, or its tensors do not
+            tile the file.
+    """
+    names = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            if length > size - 8:
+                raise ValueError(f"a header of {length} bytes in a file of {size}")
+            header = json.loads(file.read(length))
+        tensors: dict[str, SavedTensor] = {}
+        end = 0
+        for name, info in sorted(
+            ((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0]
+        ):
+            start, stop = (int(x) for x in info["data_offsets"])
+            shape = tuple(int(n) for n in info["shape"])
+            dtype = names[info["dtype"]]
+            if start != end or stop - start != math.prod(shape) * dtype.itemsize:
+                raise ValueError(f"{name!r} at bytes {start}..{stop} does not follow byte {end} or fit its shape")
+            tensors[name] = SavedTensor(path, 8 + length + start, dtype, shape)
+            end = stop
+        if 8 + length + end != size:
+            raise ValueError(f"the tensors end at byte {8 + length + end} of {size}")
+    except (ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
+        raise CheckpointError(
+            f"{path} is not a safetensors file of the host's tensors ({exc}). Resume from another checkpoint."
+        ) from None
+    return tensors
+
+
+def param_partitions(
+    params: Sequence[Mapping[str, Any]], masters: Tensor
+) -> Iterator[tuple[Mapping[str, Any], Tensor]]:
+    """Each parameter of a shard (its ``host_state.json`` entry under ``shards``) with its slice of ``masters``.
+
+    A shard holds its parameters' partitions back to back, in order (see ``Partitions.layout``).
+
+    Raises:
+        ValueError: the parameters do not cover ``masters`` exactly.
+    """
+    offset = 0
+    for param in params:
+        n = int(param["partition_numel"])
+        yield param, masters[offset : offset + n]
+        offset += n
+    if offset != masters.numel():
+        raise ValueError(f"its parameters cover {offset} elements, the shard holds {masters.numel()}.")
+
+
+def full_parameter(name: str, partitions: Sequence[Tensor], shape: Sequence[int]) -> Tensor:
+    """Parameter ``name`` whole, from its partitions on every rank in rank order (the last one padded).
+
+    Rank ``r`` holds elements ``[r * partition_numel, (r + 1) * partition_numel)`` of the flattened parameter.
+
+    Raises:
+        ValueError: the partitions hold fewer elements than ``shape`` needs.
+    """
+    numel = math.prod(shape)
+    flat = torch.cat(list(partitions))
+    if flat.numel() < numel:
+        raise ValueError(f"Parameter {name!r}: the ranks hold {flat.numel()} elements, its shape needs {numel}.")
+    return flat[:numel].clone().view(list(shape))

@@ -1,0 +1,488 @@
+"""Saving and loading the device state of a backend: one file per shard plus a manifest, crash-consistent.
+
+Layout of a saved state directory (one per rank)::
+
+    <directory>/shard00000.state   chunk records [master | state_1 | ... ] fp32, see ``layout.py``
+    <directory>/shard00001.state   ...
+    <directory>/manifest.json      format, chunk_elems, per shard: index, numel, rule, states, bytes, crc32
+
+Save is atomic: the files are written into a temporary sibling directory, each file and the directory are
+fsynced, the manifest is written (and fsynced) last, and only then is the directory renamed into place
+(an existing one is swapped out atomically with ``renameat2(RENAME_EXCHANGE)`` and removed afterwards).
+A process killed at any moment leaves either the previous complete directory or the new complete one,
+plus at most a temporary ``.<name>.tmp-*`` sibling, which the next save removes.
+
+Load checks the manifest against this run, then the size and CRC-32 of every file *before* it touches the
+live state files, and names the missing, truncated or corrupt file in a :class:`ValueError`. Files are named
+by shard index, never by anything read from the manifest, so loading cannot reach outside the directory.
+Shards are flat files, so a state saved with N storage paths loads onto any other number of paths.
+
+A state saved by any of ``adam``, ``ef_adam`` and ``ef_adafactor`` loads into the others (turning compression on or
+off, or changing its rule, between runs): the records are rewritten chunk by chunk, states of the same name carried
+over, a state the saved rule lacks starting at its initial value (:data:`CONVERSIONS`). ``ef_adafactor`` keeps its
+second moment on the host, so a rule that keeps one on the device starts it from zero; the controller then restarts
+the bias correction of those param groups (``SmartUpdate.restore``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import json
+import logging
+import os
+import secrets
+import shutil
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.format.layout import ChunkLayout
+from lightning_smartinf.core.io.storage import GIB, StorageError, ensure_private_dir
+
+MANIFEST = "manifest.json"
+FORMAT = "lightning_smartinf.state/2"
+#: Bytes per read/write/checksum block when copying state files (CRC-32 runs at ~4 GB/s, above the disk).
+BLOCK = 8 << 20
+_TMP_MARK = ".tmp-"
+#: (saved rule, this run's rule) pairs whose states convert (states matched by name; see the module docstring).
+CONVERSIONS = frozenset(
+    (saved, wanted)
+    for saved in ("adam", "ef_adam", "ef_adafactor")
+    for wanted in ("adam", "ef_adam", "ef_adafactor")
+    if saved != wanted
+)
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be trusted or read; the message names the file and what is wrong with it."""
+
+
+def read_json(path: Path, what: str, required: Iterable[str] = ()) -> dict[str, Any]:
+    """A JSON object from ``path`` with ``required`` keys; a :class:`CheckpointError` naming the file otherwise."""
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: {what} is incomplete. Resume from another checkpoint.")
+    try:
+        content = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is corrupt: it is not valid JSON ({exc}).") from None
+    if not isinstance(content, dict):
+        raise CheckpointError(f"{path} is corrupt: it holds a {type(content).__name__}, not a JSON object.")
+    if missing := [key for key in required if key not in content]:
+        raise CheckpointError(f"{path} is corrupt: it lacks {', '.join(map(repr, missing))}.")
+    return content
+
+
+def shard_file_name(index: int, slot: int = 0) -> str:
+    """Name of shard ``index``'s state file; ``slot`` 1 is the second copy kept for tentative updates."""
+    return f"shard{index:05d}.state" if slot == 0 else f"shard{index:05d}.slot{slot}.state"
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """Where one shard's live state file is, and what it holds."""
+
+    spec: ShardSpec
+    layout: ChunkLayout
+    path: Path
+
+
+def _describe(shard: ShardState) -> dict:
+    return {
+        "index": shard.spec.index,
+        "numel": shard.spec.numel,
+        "rule": shard.spec.rule.name,
+        "states": list(shard.spec.rule.state_names),
+        "bytes": shard.layout.file_bytes,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ file helpers
+
+
+def fsync_dir(directory: Path) -> None:
+    """Force a directory's entries (creations, renames) to disk."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def copy_with_crc(
+    src: Path, dst: Path, *, expected_bytes: int | None = None, fsync: bool = True, exclusive: bool = True
+) -> int:
+    """Copy ``src`` to ``dst`` (mode 0600) in ``BLOCK``-sized pieces; return the CRC-32 of the bytes copied.
+
+    ``exclusive``: ``dst`` must not exist yet (a fresh checkpoint file); otherwise it is overwritten in place
+    and truncated to the copied length. Raises ``ValueError`` if ``src`` does not hold ``expected_bytes``.
+    """
+    buf = bytearray(BLOCK)
+    view = memoryview(buf)
+    crc = 0
+    total = 0
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else 0)
+    with open(src, "rb", buffering=0) as fin:
+        out = os.open(dst, flags, 0o600)
+        try:
+            while n := fin.readinto(buf):
+                crc = zlib.crc32(view[:n], crc)
+                done = 0
+                while done < n:
+                    done += os.write(out, view[done:n])
+                total += n
+            if expected_bytes is not None and total != expected_bytes:
+                raise ValueError(f"State file {src} holds {total} B, expected {expected_bytes} B (truncated?).")
+            if not exclusive:
+                os.ftruncate(out, total)
+            if fsync:
+                os.fsync(out)
+        finally:
+            os.close(out)
+    return crc
+
+
+def file_crc32(path: Path) -> tuple[int, int]:
+    """``(size, crc32)`` of a file, read in ``BLOCK``-sized pieces."""
+    buf = bytearray(BLOCK)
+    view = memoryview(buf)
+    crc = 0
+    total = 0
+    with open(path, "rb", buffering=0) as fin:
+        while n := fin.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+            total += n
+    return total, crc
+
+
+def write_file_atomic(path: Path, data: bytes | Iterable[bytes | memoryview]) -> None:
+    """Write ``data`` (bytes, or blocks of them in order) to ``path`` through a fsynced temporary sibling and a rename:
+    readers see old or new, whole."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        for block in [data] if isinstance(data, bytes) else data:
+            view = memoryview(block).cast("B")
+            done = 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_renameat2: Callable[..., int] | None = None
+_NO_RENAMEAT2 = False
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
+    global _renameat2, _NO_RENAMEAT2
+    if _NO_RENAMEAT2:
+        return False
+    if _renameat2 is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            fn = libc.renameat2
+        except (OSError, AttributeError):  # no renameat2 in this libc (glibc < 2.28, musl, macOS)
+            _NO_RENAMEAT2 = True
+            return False
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        _renameat2 = fn
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (0, errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"renameat2({a}, {b}, RENAME_EXCHANGE) failed: {os.strerror(err)}")
+
+
+def install_directory(tmp: Path, directory: Path) -> None:
+    """Move the complete ``tmp`` directory to ``directory``, atomically replacing whatever is at that name.
+
+    An existing entry (directory, file or symlink, never followed) is exchanged with ``tmp`` in one
+    ``renameat2(RENAME_EXCHANGE)`` and then removed. Without that call (not Linux, or a filesystem that refuses it)
+    the old entry is renamed aside first: a kill in between leaves no entry at the name, and the old one survives
+    as ``.<name>.old-*``.
+    """
+    if os.path.lexists(directory):
+        if _exchange(tmp, directory):
+            fsync_dir(directory.parent)
+            remove_entry(tmp)  # now holds the previous entry
+            return
+        aside = directory.with_name(f".{directory.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+        os.rename(directory, aside)
+        os.rename(tmp, directory)
+        fsync_dir(directory.parent)
+        remove_entry(aside)
+        return
+    os.rename(tmp, directory)
+    fsync_dir(directory.parent)
+
+
+def remove_entry(path: Path, *, missing_ok: bool = False) -> None:
+    """Remove ``path`` whatever it is (a directory tree, a file, a symlink), never following a link."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=missing_ok)
+    elif not missing_ok or os.path.lexists(path):
+        os.unlink(path)
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _by_device(shards: Sequence[ShardState]) -> list[list[ShardState]]:
+    """Shards grouped by the directory (device) of their live file, so each device's files move in parallel."""
+    groups: dict[Path, list[ShardState]] = {}
+    for shard in shards:
+        groups.setdefault(shard.path.parent, []).append(shard)
+    return list(groups.values())
+
+
+def _per_device(shards: Sequence[ShardState], work: Callable[[ShardState], object]) -> dict[int, object]:
+    """Run ``work`` for every shard, the shards of each device one after another, devices in parallel."""
+    groups = _by_device(shards)
+
+    def run(group: list[ShardState]) -> list[tuple[int, object]]:
+        return [(shard.spec.index, work(shard)) for shard in group]
+
+    if len(groups) <= 1:
+        return dict(run(groups[0])) if groups else {}
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="csd-ckpt") as pool:
+        futures = [pool.submit(run, g) for g in groups]
+        results: dict[int, object] = {}
+        errors = []
+        for f in futures:
+            try:
+                results.update(f.result())
+            except BaseException as exc:  # noqa: BLE001 - re-raised below after all devices stopped
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return results
+
+
+# ------------------------------------------------------------------------------------------------ save / load
+
+
+def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: int) -> None:
+    """Copy every shard's state file into ``directory`` (0700) atomically, with a checksummed manifest.
+
+    Raises :class:`StorageError` if the filesystem of ``directory`` is (or becomes) full; the previous
+    contents of ``directory``, if any, are then left untouched and no temporary files remain.
+    """
+    directory = Path(directory)
+    parent = directory.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    for stale in parent.glob(f".{directory.name}{_TMP_MARK}*"):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a save that was killed
+    needed = sum(s.layout.file_bytes for s in shards) + 4096 * (len(shards) + 2)
+
+    def full(detail: str) -> StorageError:
+        return StorageError(
+            f"No space left to save the device state in {str(directory)!r}: {detail}; it needs "
+            f"{needed / GIB:.3f} GiB. The previous checkpoint there, if any, is untouched. Free space on that "
+            "filesystem or save the checkpoint elsewhere."
+        )
+
+    free = shutil.disk_usage(parent).free
+    if free < needed:
+        raise full(f"its filesystem has {free / GIB:.3f} GiB free")
+    tmp = parent / f".{directory.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        ensure_private_dir(tmp)
+
+        def copy(shard: ShardState) -> int:
+            return copy_with_crc(
+                shard.path, tmp / shard_file_name(shard.spec.index), expected_bytes=shard.layout.file_bytes
+            )
+
+        crcs = _per_device(shards, copy)
+        described = [{**_describe(s), "crc32": crcs[s.spec.index]} for s in shards]
+        manifest = {"format": FORMAT, "chunk_elems": chunk_elems, "shards": described}
+        write_file_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        install_directory(tmp, directory)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _is_disk_full(exc):
+            raise full(f"the filesystem filled up while writing ({exc})") from exc
+        raise
+
+
+def read_manifest(directory: Path) -> dict:
+    """The parsed manifest of a saved state directory (``FileNotFoundError`` / ``ValueError`` if absent or bad)."""
+    manifest_path = Path(directory) / MANIFEST
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"No device-state manifest at {manifest_path}; was the checkpoint saved by us?")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"Device-state manifest {manifest_path} is corrupt ({exc}).") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise ValueError(
+            f"Device-state manifest {manifest_path} has format {found!r}; this version reads {FORMAT!r}. "
+            "Resume with the lightning_smartinf version that saved it."
+        )
+    return manifest
+
+
+def verify_state_file(path: Path, entry: dict) -> None:
+    """Raise ``ValueError`` naming ``path`` unless it has the size and CRC-32 the manifest ``entry`` records."""
+    if not path.is_file():
+        raise ValueError(f"State file {path} is missing from the checkpoint.")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise ValueError(
+            f"State file {path} is truncated or has the wrong size: {size} B, expected {entry['bytes']} B."
+        )
+    _, crc = file_crc32(path)
+    if crc != entry["crc32"]:
+        raise ValueError(
+            f"State file {path} is corrupt: CRC-32 {crc:#010x}, the manifest records {entry['crc32']:#010x}."
+        )
+
+
+def load_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: int) -> None:
+    """Replace every shard's live state file with the saved copy, after checking the whole copy first.
+
+    Nothing live is touched unless the manifest matches this run and every file has the recorded size
+    and checksum.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    expected = [_describe(s) for s in shards]
+    found = manifest.get("shards", [])
+    found_plain = [{k: v for k, v in e.items() if k != "crc32"} for e in found if isinstance(e, dict)]
+    if manifest.get("chunk_elems") != chunk_elems or not _loadable(found_plain, expected):
+        raise ValueError(
+            f"Device state in {directory} does not match this model and optimizer: it holds {found_plain} "
+            f"(chunk_elems={manifest.get('chunk_elems')}), this run needs {expected} "
+            f"(chunk_elems={chunk_elems}). Resume with the same model, optimizer and `chunk_size`."
+        )
+    entries = {e["index"]: e for e in found}
+    # Files are looked up by index (never by a name from the manifest): the checkpoint cannot point elsewhere.
+    _per_device(shards, lambda s: verify_state_file(directory / shard_file_name(s.spec.index), entries[s.spec.index]))
+
+    if converted := sorted({(e["rule"], w["rule"]) for e, w in zip(found_plain, expected) if e != w}):
+        log.warning(
+            "Device state in %s was saved by update rule %s; converting it to %s (states of the same name carried "
+            "over, the others starting fresh).",
+            directory,
+            ", ".join(sorted({a for a, _ in converted})),
+            ", ".join(sorted({b for _, b in converted})),
+        )
+
+    def copy_back(shard: ShardState) -> None:
+        src = directory / shard_file_name(shard.spec.index)
+        saved = entries[shard.spec.index]
+        if saved["states"] != list(shard.spec.rule.state_names):
+            layout = ChunkLayout(shard.spec.numel, chunk_elems, len(saved["states"]))
+            crc = convert_state_file(src, layout, saved["states"], shard)
+        else:
+            crc = copy_with_crc(src, shard.path, expected_bytes=shard.layout.file_bytes, fsync=False, exclusive=False)
+        if crc != entries[shard.spec.index]["crc32"]:
+            raise ValueError(
+                f"State file {src} changed while it was loaded (CRC-32 {crc:#010x}, expected "
+                f"{entries[shard.spec.index]['crc32']:#010x}); the live state is now invalid. Load again."
+            )
+
+    _per_device(shards, copy_back)
+
+
+def _loadable(found: list[dict], expected: list[dict]) -> bool:
+    """Whether saved shards ``found`` load into this run's ``expected`` ones: equal, or equal but for convertible
+    rules (and so their states and sizes)."""
+    if len(found) != len(expected):
+        return False
+    for saved, wanted in zip(found, expected):
+        if saved == wanted:
+            continue
+        same_shard = all(saved.get(k) == wanted[k] for k in ("index", "numel"))
+        if not same_shard or (saved.get("rule"), wanted["rule"]) not in CONVERSIONS:
+            return False
+    return True
+
+
+def convert_state_file(src: Path, saved: ChunkLayout, saved_states: Sequence[str], shard: ShardState) -> int:
+    """Rewrite ``src`` (records of ``saved_states``) as ``shard``'s live file; return the CRC-32 of ``src``.
+
+    Record by record: the master and every state ``shard``'s rule shares by name are copied, the others are set to
+    the rule's initial value (padding stays zero).
+    """
+    rule, layout = shard.spec.rule, shard.layout
+    crc = 0
+    with open(src, "rb", buffering=0) as fin, open(shard.path, "r+b", buffering=0) as fout:
+        fout.truncate(layout.file_bytes)
+        for k in range(saved.num_chunks):
+            raw = bytearray(saved.record_bytes(k))
+            if fin.readinto(raw) != len(raw):
+                raise ValueError(f"State file {src} ended early in chunk {k}.")
+            crc = zlib.crc32(raw, crc)
+            old = torch.frombuffer(raw, dtype=torch.float32).view(saved.tensors_per_record, saved.padded_len(k))
+            new = torch.zeros(layout.tensors_per_record, layout.padded_len(k), dtype=torch.float32)
+            n = layout.chunk_range(k)[1]
+            new[0] = old[0]
+            for i, name in enumerate(rule.state_names, start=1):
+                if name in saved_states:
+                    new[i] = old[1 + list(saved_states).index(name)]
+                else:
+                    new[i, :n] = rule.initial_state_value(name)
+            fout.seek(layout.record_offset(k))
+            fout.write(new.numpy().tobytes())
+    return crc
+
+
+def read_shard_masters(path: Path, layout: ChunkLayout) -> Tensor:
+    """The fp32 master weights of one saved shard file: the first tensor of every chunk record."""
+    out = torch.empty(layout.numel, dtype=torch.float32)
+    view = memoryview(out.numpy()).cast("B")
+    with open(path, "rb", buffering=0) as f:
+        for k in range(layout.num_chunks):
+            start, n = layout.chunk_range(k)
+            f.seek(layout.record_offset(k))
+            got = f.readinto(view[start * 4 : (start + n) * 4])
+            if got != n * 4:
+                raise ValueError(f"State file {path} ended early in chunk {k}.")
+    return out
+
+
+def saved_shard_masters(
+    directory: Path, index: int, *, verify: bool = True, manifest: dict[str, Any] | None = None
+) -> Tensor:
+    """The fp32 masters of shard ``index`` of the state :func:`save_state` wrote under ``directory``, CRC-checked
+    first with ``verify``. ``manifest``: the directory's manifest, when the caller has read it already."""
+    manifest = read_manifest(directory) if manifest is None else manifest
+    entries = {int(e["index"]): e for e in manifest["shards"]}
+    if index not in entries:
+        raise ValueError(f"{directory / MANIFEST} has no shard {index}.")
+    entry = entries[index]
+    path = Path(directory) / shard_file_name(index)
+    if verify:
+        verify_state_file(path, entry)
+    layout = ChunkLayout(int(entry["numel"]), int(manifest["chunk_elems"]), len(entry["states"]))
+    return read_shard_masters(path, layout)

@@ -1,0 +1,1 @@
+"""Storage: direct I/O of state files, storage directories and their checks, one owner per directory."""

@@ -1,0 +1,318 @@
+"""One owner per device directory: an exclusive lock for the life of a backend, and a record of who holds it.
+
+A backend claims each of its device directories (:class:`DirectoryClaim`) before it creates or truncates any file in
+them and keeps the claim until it closes, so a second training pointed at a directory in use stops before touching
+it, with a :class:`~lightning_smartinf.core.io.storage.StorageError` naming the process that holds it.
+
+The claim is an ``flock`` (through ``filelock``) on ``<directory>/.smartinf.lock``. The kernel drops it when the
+holder exits, however it exits, so a killed run never blocks the next one. After taking the lock the holder writes
+``<directory>/.smartinf-owner.json`` (host, pid, process start, command). That record only describes a lock found
+held: a stale one left by a dead process changes no decision.
+
+Temporary device directories (``storage_paths=None``) are ``smartinf-rank<r>-<random>`` in the system temporary
+directory (:func:`make_temp_device_dir`); :func:`remove_stale_temp_dirs` removes those that killed runs left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import stat
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+from filelock import Timeout, UnixFileLock
+
+from lightning_smartinf.core.io.storage import StorageError
+
+#: The lock file in each claimed directory. It stays after release: unlinking a lock file that another process may
+#: be opening would let the two lock different inodes.
+LOCK_FILE = ".smartinf.lock"
+#: The holder's record in each claimed directory, written after the lock is taken and removed before it is released.
+OWNER_FILE = ".smartinf-owner.json"
+#: Name prefix of temporary device directories; the full name is ``smartinf-rank<r>-<mkdtemp suffix>``.
+TEMP_PREFIX = "smartinf-rank"
+_TEMP_NAME = re.compile(re.escape(TEMP_PREFIX) + r"\d+-[A-Za-z0-9_]+")
+#: Seconds a temporary directory without an owner record is left alone: its creator may be between ``mkdtemp`` and
+#: its claim (which takes well under this even for large models).
+UNCLAIMED_GRACE_S = 3600.0
+_OWNER_MAX_BYTES = 1 << 16
+_COMMAND_MAX_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The process that holds a claim, as it recorded itself."""
+
+    host: str
+    pid: int
+    #: Unix time the process started (with ``pid`` it tells a process from a later one given the same pid).
+    started: float
+    command: str
+
+    @classmethod
+    def current(cls) -> Owner:
+        """This process."""
+        command = " ".join(" ".join([os.path.basename(sys.executable), *sys.argv]).split())  # one line
+        if len(command) > _COMMAND_MAX_CHARS:
+            command = command[: _COMMAND_MAX_CHARS - 3] + "..."
+        return cls(socket.gethostname(), os.getpid(), psutil.Process().create_time(), command)
+
+    def describe(self) -> str:
+        """``pid N on host 'h' (`command`, started YYYY-mm-dd HH:MM:SS)``."""
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        return f"pid {self.pid} on host {self.host!r} (`{self.command}`, started {started})"
+
+    def is_this_process(self) -> bool:
+        """Whether the record names this process."""
+        return self.host == socket.gethostname() and self.pid == os.getpid()
+
+
+class DirectoryClaim:
+    """Exclusive ownership of ``directory`` by this object until :meth:`release` (or until the process ends).
+
+    Exclusive across processes and hosts sharing the filesystem (where it supports ``flock``) and within a process:
+    a second claim on the same directory fails even from the same thread.
+
+    Args:
+        directory: an existing directory; the lock file and the owner record are created in it.
+
+    Raises:
+        StorageError: the directory is held by another claim (message: the directory, the holder's host and pid, and
+            what to do), its filesystem has no ``flock``, or the lock or record cannot be written.
+    """
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        self._lock: UnixFileLock | None = _try_lock(self.directory)
+        if self._lock is None:
+            raise StorageError(_in_use_message(self.directory), path=self.directory, operation="claim")
+        try:
+            self.owner = Owner.current()
+            _write_owner(self.directory, self.owner)
+        except OSError as exc:
+            self.release()
+            raise StorageError(
+                f"Cannot record the owner of {str(self.directory)!r} ({exc}). Check the filesystem has space and is "
+                "writable.",
+                path=self.directory,
+                operation="claim",
+                errno=exc.errno,
+            ) from None
+        except BaseException:
+            self.release()
+            raise
+
+    @property
+    def held(self) -> bool:
+        """Whether this object still holds the directory."""
+        return self._lock is not None
+
+    def release(self) -> None:
+        """Give the directory up: remove the owner record, then drop the lock. Idempotent."""
+        lock, self._lock = self._lock, None
+        if lock is None:
+            return
+        try:
+            os.unlink(self.directory / OWNER_FILE)
+        except OSError:
+            pass  # already removed with the directory (a temporary one), or never written
+        finally:
+            lock.release(force=True)
+
+    def __enter__(self) -> DirectoryClaim:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"DirectoryClaim({str(self.directory)!r}, held={self.held})"
+
+
+def claim_directories(directories: Sequence[str | os.PathLike]) -> list[DirectoryClaim]:
+    """Claim every directory, or none: on failure the claims already taken are released before the error propagates.
+
+    Raises:
+        StorageError: see :class:`DirectoryClaim`.
+    """
+    claims: list[DirectoryClaim] = []
+    try:
+        for directory in directories:
+            claims.append(DirectoryClaim(directory))
+    except BaseException:
+        release_claims(claims)
+        raise
+    return claims
+
+
+def release_claims(claims: Sequence[DirectoryClaim], *, remove: Sequence[str | os.PathLike] = ()) -> None:
+    """Remove the directories in ``remove`` (best effort), then release ``claims`` in reverse order. Idempotent.
+
+    Removing before releasing means no other process can claim a directory while it is half removed.
+    """
+    try:
+        for directory in remove:
+            shutil.rmtree(directory, ignore_errors=True)
+    finally:
+        for claim in reversed(claims):
+            claim.release()
+
+
+def check_unclaimed(directories: Sequence[str | os.PathLike]) -> None:
+    """Raise :class:`StorageError` if a directory is claimed right now; hold nothing afterwards.
+
+    For failing fast before expensive set-up; only a :class:`DirectoryClaim` guarantees the directory stays free.
+    """
+    for directory in directories:
+        lock = _try_lock(Path(directory))
+        if lock is None:
+            raise StorageError(_in_use_message(Path(directory)), path=directory, operation="claim")
+        lock.release(force=True)
+
+
+def read_owner(directory: str | os.PathLike) -> Owner | None:
+    """The owner record in ``directory`` (``None`` if absent or unreadable). Describes a holder only while locked."""
+    try:
+        fd = os.open(Path(directory) / OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            data = json.loads(f.read(_OWNER_MAX_BYTES))
+        return Owner(str(data["host"]), int(data["pid"]), float(data["started"]), str(data["command"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# ------------------------------------------------------------------------------------------ temporary directories
+
+
+def make_temp_device_dir(rank: int) -> Path:
+    """A new private (0700) temporary device directory for ``rank``; :func:`remove_stale_temp_dirs` knows its name."""
+    return Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{rank}-"))
+
+
+def remove_stale_temp_dirs(root: str | os.PathLike | None = None, *, grace_s: float = UNCLAIMED_GRACE_S) -> list[Path]:
+    """Remove the temporary device directories in ``root`` whose owner is gone; return those removed.
+
+    A directory is removed only if all hold: its name is ``smartinf-rank<r>-<suffix>``; it is a directory (not a
+    symbolic link) of this user; it carries an owner record from this host, or none and is older than ``grace_s``
+    (its creator may not have claimed it yet); and its lock can be taken, which holds it while it is removed.
+
+    Args:
+        root: where to look (default: the system temporary directory, where :func:`make_temp_device_dir` creates).
+        grace_s: age in seconds below which a directory without an owner record is kept.
+    """
+    root = Path(tempfile.gettempdir() if root is None else root)
+    removed = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    host, uid, now = socket.gethostname(), os.geteuid(), time.time()
+    for entry in entries:
+        if not _TEMP_NAME.fullmatch(entry.name):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+            continue
+        path = Path(entry.path)
+        owner = read_owner(path)
+        if (owner is None and now - st.st_mtime < grace_s) or (owner is not None and owner.host != host):
+            continue
+        try:
+            lock = _try_lock(path)
+        except StorageError:
+            continue
+        if lock is None:
+            continue  # a live run's
+        try:
+            shutil.rmtree(path)  # removes links inside, never what they point to (shutil.rmtree.avoids_symlink_attacks)
+        except OSError:
+            continue  # e.g. another process removing it at the same time
+        finally:
+            lock.release(force=True)
+        removed.append(path)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------------- internals
+
+
+def _try_lock(directory: Path) -> UnixFileLock | None:
+    """The directory's lock, held; ``None`` if another holder has it. Raises :class:`StorageError` on other errors."""
+    lock = UnixFileLock(directory / LOCK_FILE, timeout=0, thread_local=False, mode=0o600)
+    try:
+        lock.acquire()
+    except Timeout:
+        return None
+    except OSError as exc:
+        raise StorageError(
+            f"Cannot lock {str(directory)!r} to claim it for this training ({exc}). Check the directory exists and is "
+            "writable by this user.",
+            path=directory,
+            operation="claim",
+            errno=exc.errno,
+        ) from None
+    if not isinstance(lock, UnixFileLock):
+        # filelock fell back to an existence lock (no flock on this filesystem), which a killed run would leave held.
+        lock.release(force=True)
+        raise StorageError(
+            f"The filesystem of {str(directory)!r} does not support `flock`, which SmartUpdate uses to keep two "
+            "trainings off one storage path. Choose a storage path on a local filesystem.",
+            path=directory,
+            operation="claim",
+        )
+    return lock
+
+
+def _write_owner(directory: Path, owner: Owner) -> None:
+    """Write the record atomically (readers see the old record or the new one, never a partial one)."""
+    tmp = directory / f"{OWNER_FILE}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(owner), f)
+        os.replace(tmp, directory / OWNER_FILE)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _in_use_message(directory: Path) -> str:
+    owner = read_owner(directory)
+    fix = "Wait for that training to finish, stop it, or choose another storage path."
+    if owner is not None and owner.is_this_process():
+        holder = f"this process (pid {owner.pid} on host {owner.host!r}): a backend on it is still open"
+        fix = "Close that backend first, or give this one another directory."
+    elif owner is not None and (owner.host != socket.gethostname() or _alive(owner)):
+        holder = owner.describe()
+    else:  # the record is missing or a dead process's: the holder took the lock but has not recorded itself yet
+        holder = "another process, which has not recorded itself yet"
+    return (
+        f"Storage directory {str(directory)!r} is in use by {holder}. Two trainings on one directory would overwrite "
+        f"each other's optimizer state, so this one stops before touching it. {fix}"
+    )
+
+
+def _alive(owner: Owner) -> bool:
+    try:
+        return abs(psutil.Process(owner.pid).create_time() - owner.started) < 1.0
+    except psutil.Error:
+        return False

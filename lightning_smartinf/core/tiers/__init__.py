@@ -1,0 +1,1 @@
+"""State tiers: shard state in host memory and accelerator memory, beside the storage devices."""

@@ -1,0 +1,178 @@
+"""The accelerator tier: shard state kept in accelerator (GPU) memory and updated there by the rule's own torch code.
+
+An :class:`AcceleratorDevice` is the memory tier's design on another torch device. Its state files are byte tensors
+in accelerator memory (:class:`AcceleratorStateFile`), each chunk record is updated where it lies (``view``), and the
+gradient chunk crosses to the accelerator once. ZeRO leaves the accelerator idle while the optimizer steps, so the
+tier uses what the user budgets of its memory then (``state_accelerator_budget``).
+
+The torch device is a parameter: ``"cuda"`` in training, and any torch device in tests, which run every line of this
+module on the host where no GPU is lent.
+
+Invariants:
+
+- A file holds exactly its shard's record bytes on the device, zeroed when made.
+- As in the memory tier, a shard has one slot and is never updated tentatively (the controller submits it after
+  backward), so updating a record in place is exact.
+- Every chunk's work runs on the device threads' own side stream (never the default stream, where it would queue
+  behind training's kernels) and has completed when the chunk is done: a write-back, a read or a checkpoint never
+  sees a record mid-update, and the training thread never waits for it.
+- A checkpoint reads and writes a file through a host copy (:meth:`AcceleratorStateFile.stage`) made for the save or
+  load and freed after it: host memory must hold the tier's state while a checkpoint is written or read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lightning_smartinf.core.accelerator import cuda_event
+from lightning_smartinf.core.compression import SparseGrad
+from lightning_smartinf.core.io.direct import StateFile
+from lightning_smartinf.core.rules import StepParams
+from lightning_smartinf.core.streaming.device import EmulatedDevice, link_bytes
+from lightning_smartinf.core.streaming.pipeline import ChunkWork, Shard
+from lightning_smartinf.core.tiers.memory import MemoryIO, MemoryStateFile, TensorStateFile
+from lightning_smartinf.core.traffic import Traffic
+
+__all__ = ["AcceleratorDevice", "AcceleratorStateFile"]
+
+
+class AcceleratorStateFile(TensorStateFile):
+    """One shard's state in accelerator memory: ``size`` bytes on ``device``.
+
+    :attr:`path` names a host copy while one is staged (:meth:`stage`), for code that opens files by path
+    (checkpoint save and load); otherwise it only labels the state in messages.
+    """
+
+    needs_host_copy = True
+
+    def __init__(self, name: str, size: int, device: torch.device) -> None:  # noqa: D107 - the class says it
+        self.direct = False
+        self.name, self.size, self.device = name, size, device
+        self._bytes = torch.zeros(size, dtype=torch.uint8, device=device)
+        self._host: MemoryStateFile | None = None
+
+    @property
+    def path(self) -> Path:  # type: ignore[override]
+        if self._host is not None:
+            return self._host.path
+        return Path(f"<{self.device} memory>") / self.name
+
+    def stage(self, *, copy: bool) -> None:
+        """Give :attr:`path` a host copy of the state (``copy=False``: of its size only, for a load to fill)."""
+        if self._host is None:
+            self._host = MemoryStateFile(self.name, self.size)
+        if copy:
+            self._host.view(0, self.size).copy_(self.view(0, self.size))
+
+    def unstage(self, *, copy_back: bool = False) -> None:
+        """Free the host copy; ``copy_back``: make its bytes the state first (after a load). Idempotent."""
+        host, self._host = self._host, None
+        if host is None:
+            return
+        try:
+            if copy_back:
+                self.view(0, self.size).copy_(host.view(0, self.size))
+        finally:
+            host.discard()
+
+    def discard(self) -> None:
+        """Give the memory back; idempotent. Reads and writes fail afterwards."""
+        self._bytes = None
+        self.unstage()
+
+
+class AcceleratorDevice(EmulatedDevice):
+    """The accelerator tier as a device: state in ``device`` memory, updated there.
+
+    Its chunk buffers and gradient chunk are in accelerator memory too; host memory holds one fp32 gradient chunk,
+    where a gradient is rounded and decompressed as it crosses the link.
+    """
+
+    in_memory = True
+    tier = "accelerator"
+    read_counter = "accelerator_read_bytes"
+    write_counter = "accelerator_write_bytes"
+
+    def __init__(
+        self,
+        index: int,
+        traffic: Traffic,
+        *,
+        chunk_elems: int,
+        buffer_count: int,
+        device: torch.device | str,
+        capacity: int | None = None,
+    ) -> None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # this rank's GPU, fixed now: worker threads have their own
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.torch_device = device
+        # Copies within one memory: one transfer in flight per direction keeps the device busy enough.
+        super().__init__(
+            index, None, traffic, MemoryIO(), chunk_elems=chunk_elems, buffer_count=buffer_count, io_threads=1
+        )
+        self.capacity = capacity
+        self._host_grad: Tensor | None = None
+
+    @property
+    def label(self) -> str:
+        return f"accelerator memory ({self.torch_device})"
+
+    def create_file(self, name: str, size: int) -> StateFile:
+        return AcceleratorStateFile(name, size, self.torch_device)
+
+    def allocate(self, tensors_per_record: int) -> None:
+        """Chunk buffers and a gradient chunk on the accelerator; one fp32 gradient chunk on the host."""
+        record_elems = self.chunk_elems * tensors_per_record
+        for _ in range(self.buffer_count):
+            self.pool.add(torch.empty(record_elems, dtype=torch.float32, device=self.torch_device))
+        self._grad_chunk = torch.empty(self.chunk_elems, dtype=torch.float32, device=self.torch_device)
+        self._host_grad = torch.empty(self.chunk_elems, dtype=torch.float32)
+        self.allocated_bytes = self.chunk_elems * 4  # host bytes only: the pool lives in the accelerator's memory
+
+    def update_work(
+        self, shard: Shard, grad: Tensor | SparseGrad, hp: StepParams, out: Tensor, link_dtype: torch.dtype
+    ) -> ChunkWork:
+        """Bring the chunk's gradient to the accelerator as it crossed the link, apply the rule there, copy out."""
+        rule = shard.spec.rule
+        direct = isinstance(grad, Tensor) and grad.device == self.torch_device
+
+        def update(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
+            g = self.grad_chunk(n)
+            if direct:  # a gradient already in this memory crosses no link: only its rounding to the link dtype
+                g.copy_(grad[start : start + n].to(link_dtype))
+            else:
+                assert self._host_grad is not None
+                host = self._host_grad[:n]
+                self.load_gradient(host, grad, start, link_dtype)
+                g.copy_(host)
+            if hp.grad_scale != 1.0:
+                g.mul_(hp.grad_scale)
+            rule.apply(m, g, states, hp)
+            target = out[start : start + n]
+            if target.device == m.device:
+                target.copy_(m)
+            else:
+                self.link.put(target, m)
+
+        return ChunkWork(
+            compute=update, link_write=link_bytes(grad, link_dtype), link_read=out.numel() * out.element_size()
+        )
+
+    def run_compute(self, work: Callable[[], None]) -> None:
+        work()
+        if self.torch_device.type == "cuda":
+            # Done before the chunk is: its write-back, a later read and the parameters copied out see it whole. The
+            # worker sleeps on the event rather than spinning a core the host's devices update with.
+            done = cuda_event()
+            done.record(torch.cuda.current_stream(self.torch_device))
+            done.synchronize()
+
+    def close(self, timeout: float | None = None) -> bool:
+        settled = super().close(timeout)
+        self._host_grad = None
+        return settled

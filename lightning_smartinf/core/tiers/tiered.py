@@ -1,0 +1,610 @@
+"""State tiers over any backend: host memory and accelerator memory beside the devices of ``cpu``, ``xrt`` or
+``remote``.
+
+:class:`TieredBackend` wraps a backend. It owns the split of a rank's shards between the accelerator tier, the
+memory tier and the wrapped backend, the policy that decides it, and the moves between tiers. A shard in a tier is
+updated on this host (by its cores, or on the GPU) with the rule's own code; its gradient never crosses to a device.
+
+The tiers' devices are streaming devices over in-memory files (:mod:`~.memory`, :mod:`~.accelerator`). Where the
+wrapped backend streams its state through this host (a :class:`StreamingBackend`: ``cpu``, ``xrt``) they are attached
+to it, after its storage devices: a move between tiers is then a byte copy between two devices of one shard table,
+and its checkpoint stays one record of every shard whatever the split. Beside a backend whose state is elsewhere
+(``remote``) they form a backend of their own (:class:`~.memory.MemoryTiers`) and requests are routed by shard.
+
+Invariants:
+
+- The split: the accelerator takes shards in index order while they fit its budget, then memory its share of its
+  budget the same way (:class:`~lightning_smartinf.core.placement.Tiered`), the wrapped backend the rest. The first
+  sub-groups are the last whose gradients backward reduces, so the devices get those that can start during backward.
+- Memory's share: its whole budget, unless the share is measured (``measure_memory_share``, by default where the
+  wrapped backend's devices compute): then it starts as one more of those devices (``1 / (N + 1)`` of the state beside
+  ``N``), and :meth:`TieredBackend.replan` moves it to the share whose update phase
+  :func:`~.update_model.update_tail` predicts shortest from measured rates, when that is more than
+  :data:`REPLAN_DRIFT` shorter. State that cannot move (``remote``) is never re-planned.
+- Shards in a tier never take tentative updates: they are updated right after backward, once the step is known to
+  stand, and keep one copy of their state.
+- Device indices (:attr:`TieredBackend.assignment`) are the wrapped backend's, then memory, then the accelerator.
+- Checkpoints: attached, the wrapped backend's record of every shard, which does not depend on the split (a run may
+  resume with other budgets). Beside, the wrapped backend's record of its shards, the tiers' state under
+  :data:`LOCAL_DIR` and the split (:data:`LOCAL_TIERS_MANIFEST`); loading under another split is refused, naming what
+  to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import statistics
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lightning_smartinf.core.accelerator import Fence
+from lightning_smartinf.core.backend import Backend, BackendStats, DeviceStats, Handle, ShardSpec
+from lightning_smartinf.core.compression import SparseGrad
+from lightning_smartinf.core.format.state_files import (
+    CheckpointError,
+    read_json,
+    read_manifest,
+    saved_shard_masters,
+    write_file_atomic,
+)
+from lightning_smartinf.core.placement import Fixed, Tiered, check_assignment, memory_share
+from lightning_smartinf.core.rules import StepParams
+from lightning_smartinf.core.streaming.backend import REPLAN_DRIFT, StreamingBackend
+from lightning_smartinf.core.streaming.device import StreamingDevice
+from lightning_smartinf.core.tiers.accelerator import AcceleratorDevice
+from lightning_smartinf.core.tiers.memory import MemoryDevice, MemoryTiers
+from lightning_smartinf.core.tiers.update_model import best_share, memory_candidates, update_tail
+from lightning_smartinf.core.traffic import TrafficSnapshot
+
+__all__ = ["LOCAL_DIR", "LOCAL_TIERS_MANIFEST", "Replan", "TieredBackend", "masters_beside"]
+
+log = logging.getLogger(__name__)
+
+#: The checkpoint file that records which shards the tiers held beside a backend whose state is elsewhere.
+LOCAL_TIERS_MANIFEST = "local_tiers.json"
+#: The checkpoint folder of those tiers' state (the streaming backends' format).
+LOCAL_DIR = "local"
+#: Steps of backward timings (:meth:`TieredBackend.note_backward`) kept for the next re-plan.
+BACKWARD_SAMPLES = 20
+#: Chunk buffers of a tier's device: memory copies need no deep pool (one updating, one read ahead, one written).
+TIER_BUFFERS = 4
+
+
+@dataclass(frozen=True)
+class Replan:
+    """What :meth:`TieredBackend.replan` decided for the memory tier, and from what."""
+
+    #: Bytes of state the memory tier may hold from now on (its share of its budget).
+    memory_share: int
+    #: The update phase predicted for that share, and for the placement the re-plan found (seconds after the step
+    #: began: :func:`~lightning_smartinf.core.tiers.update_model.update_tail`).
+    predicted_s: float
+    current_s: float
+    #: The rate of each device the prediction used (state bytes per second; measured, or estimated before a device
+    #: updated), by device index.
+    rates: dict[int, float]
+    #: Seconds before the step began that backward completed each shard's gradient (medians over the steps since
+    #: the last re-plan; missing: at the step).
+    ready: dict[int, float]
+
+
+class TieredBackend(Backend):
+    """Host memory and accelerator memory tiers over ``inner``.
+
+    Args:
+        inner: the backend of the shards the tiers do not hold (``cpu``, ``xrt``, ``remote``).
+        memory_bytes: bytes of shard state host memory may hold (``0``: no memory tier).
+        accelerator_bytes: bytes of shard state accelerator memory may hold (``0``: no accelerator tier).
+        accelerator_device: the torch device of the accelerator tier (``"cuda"``: the current GPU).
+        measure_memory_share: choose the memory tier's share of ``memory_bytes`` from measured rates (see
+            :meth:`replan`); ``False``: fill the budget; ``None``: measure where ``inner``'s devices compute.
+        chunk_elems, buffer_count, device_timeout_s: the tiers' devices beside a backend that is not a
+            :class:`StreamingBackend` (attached, they are ``inner``'s).
+
+    The tiers' devices are built now; beside a backend that is not streaming, when :meth:`open` puts a shard in them.
+    On an error here ``inner`` is closed.
+    """
+
+    #: What the last :meth:`replan` decided for the memory tier (``None``: nothing yet, or nothing to decide).
+    last_replan: Replan | None = None
+
+    def __init__(
+        self,
+        inner: Backend,
+        *,
+        memory_bytes: int = 0,
+        accelerator_bytes: int = 0,
+        accelerator_device: torch.device | str = "cuda",
+        measure_memory_share: bool | None = None,
+        chunk_elems: int = 1 << 20,
+        buffer_count: int = 16,
+        device_timeout_s: float | None = 300.0,
+    ) -> None:
+        super().__init__()
+        self.inner = inner
+        try:
+            for name, value in (("memory_bytes", memory_bytes), ("accelerator_bytes", accelerator_bytes)):
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"`{name}={value!r}` must be an int: bytes of state (0: no such tier).")
+                if value < 0:
+                    raise ValueError(f"`{name}={value}` must be >= 0: bytes of state (0: no such tier).")
+            self.memory_bytes = memory_bytes
+            self.accelerator_bytes = accelerator_bytes
+            self._accelerator_device = accelerator_device
+            #: Whether :meth:`replan` decides the memory tier's share from measurements (else it fills its budget).
+            self.measures_memory_share = inner.devices_compute if measure_memory_share is None else measure_memory_share
+            self.devices_compute = inner.devices_compute
+            self._backward: list[dict[int, float]] = []
+            self._memory_share = memory_bytes
+            #: Whether the tiers' devices are ``inner``'s (it streams its state through this host).
+            self.attached = isinstance(inner, StreamingBackend)
+            #: The backend of the tiers' shards: ``inner`` when :attr:`attached`, else built by :meth:`open` when some
+            #: shard lives in a tier (``None`` until then).
+            self.local: StreamingBackend | None = None
+            if isinstance(inner, StreamingBackend):
+                self._tier_options = (inner.chunk_elems, inner.buffer_count)
+                self.local = inner
+                self._attach_tiers(inner)
+            else:
+                self._tier_options = (chunk_elems, buffer_count)
+                self._device_timeout_s = device_timeout_s
+        except BaseException:
+            inner.close()
+            raise
+        # Each shard's backend and its index there, and the shards each side holds (global indices, in order).
+        self._where: list[tuple[Backend, int]] = []
+        self._local_shards: list[int] = []
+        self._inner_shards: list[int] = []
+        # Which backend issued each outstanding handle (their `result` differ: device timeouts, server deadlines).
+        self._issuer: weakref.WeakKeyDictionary[Handle, Backend] = weakref.WeakKeyDictionary()
+
+    def _attach_tiers(self, backend: StreamingBackend) -> None:
+        """Build the tiers' devices as ``backend``'s next devices: memory, then the accelerator."""
+        if self.memory_bytes:
+            backend.attach(self.make_memory_device(backend.num_devices, backend))
+        if self.accelerator_bytes:
+            backend.attach(self.make_accelerator_device(backend.num_devices, backend))
+
+    def make_memory_device(self, index: int, backend: StreamingBackend) -> StreamingDevice:
+        """The memory tier's device, device ``index`` of ``backend``: state in host RAM, updated on a host core."""
+        chunk_elems, buffer_count = self._tier_options
+        return MemoryDevice(
+            index,
+            backend.traffic,
+            chunk_elems=chunk_elems,
+            buffer_count=min(buffer_count, TIER_BUFFERS),
+            capacity=self.memory_bytes,
+        )
+
+    def make_accelerator_device(self, index: int, backend: StreamingBackend) -> StreamingDevice:
+        """The accelerator tier's device, device ``index`` of ``backend``: state in accelerator memory, updated there
+        with the rule's own torch code."""
+        chunk_elems, buffer_count = self._tier_options
+        return AcceleratorDevice(
+            index,
+            backend.traffic,
+            chunk_elems=chunk_elems,
+            buffer_count=min(buffer_count, TIER_BUFFERS),
+            device=self._accelerator_device,
+            capacity=self.accelerator_bytes,
+        )
+
+    # ---------------------------------------------------------------------------------------------- views
+
+    @property
+    def chunk_elems(self) -> int:
+        """Elements per streamed chunk of the tiers' devices."""
+        return self._tier_options[0]
+
+    @property
+    def num_devices(self) -> int:
+        if self.attached:
+            return self.inner.num_devices
+        return self.inner.num_devices + (self.local.num_devices if self.local is not None else 0)
+
+    @property
+    def supports_tentative(self) -> bool:
+        return self.inner.supports_tentative
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self.inner.failure or (self.local.failure if self.local is not None else None)
+
+    @property
+    def local_shards(self) -> tuple[int, ...]:
+        """The shards whose state lives in a tier on this host (memory or accelerator), in order."""
+        if isinstance(self.inner, StreamingBackend):
+            return tuple(i for i, d in enumerate(self.inner.assignment) if self.inner.devices[d].in_memory)
+        return tuple(self._local_shards)
+
+    @property
+    def assignment(self) -> tuple[int, ...]:
+        """The device of each shard: ``inner``'s devices first, then the memory and accelerator tiers."""
+        if self.attached:
+            return self.inner.assignment
+        inner = self.inner.assignment
+        offset = self.inner.num_devices
+        local = self.local.assignment if self.local is not None else ()
+        return tuple(inner[j] if backend is self.inner else offset + local[j] for backend, j in self._where)
+
+    @property
+    def update_rates(self) -> dict[int, float]:
+        """Each device's update rate as :meth:`replan` last measured it (state bytes per second, by device index)."""
+        return self.inner.update_rates if isinstance(self.inner, StreamingBackend) else {}
+
+    def hands_off_early(self, shard: int) -> bool:
+        backend, index = self._where[shard]
+        return backend is self.inner and self.inner.hands_off_early(index)
+
+    # ---------------------------------------------------------------------------------------------- the split
+
+    def _storage_count(self) -> int:
+        """The devices of ``inner`` the split spreads its other shards over (one, the backend, when beside)."""
+        return len(self.inner.storage_devices) if isinstance(self.inner, StreamingBackend) else 1
+
+    def _weights(self) -> tuple[float, ...]:
+        weights = self.inner.storage_weights() if isinstance(self.inner, StreamingBackend) else None
+        return weights or (1.0,) * self._storage_count()
+
+    def _split(self, shards: Sequence[ShardSpec], share: int, keep: tuple[int, ...] = ()) -> tuple[int, ...]:
+        """Each shard's device under memory share ``share``: ``inner``'s (by its weights), memory, the accelerator."""
+        held = max(1, share) if self.memory_bytes else 0  # (the tier exists, holding what fits)
+        tiered = Tiered(self._weights(), held, self.chunk_elems, self.accelerator_bytes, keep=keep)
+        devices = self._storage_count() + (self.memory_bytes > 0) + (self.accelerator_bytes > 0)
+        return check_assignment(tiered, shards, devices)
+
+    def _initial_share(self, shards: Sequence[ShardSpec]) -> int:
+        """Memory's share before anything is measured: beside devices that compute and a share that is measured, what
+        one more of them would hold; otherwise the whole budget."""
+        storage = self._storage_count() if self.attached else self.inner.num_devices
+        if not (self.memory_bytes and self.measures_memory_share and self.devices_compute and storage):
+            return self.memory_bytes
+        sizing = Tiered((1.0,), 0, self.chunk_elems)
+        state = sum(sizing.state_bytes(spec) for spec in shards)
+        return int(memory_share(self.memory_bytes, max(0, state - self.accelerator_bytes), 1.0, storage))
+
+    def open(self, shards: Sequence[ShardSpec]) -> None:
+        if self._where:
+            raise RuntimeError("`TieredBackend.open` was already called.")
+        self._memory_share = self._initial_share(shards)
+        split = self._split(shards, self._memory_share)
+        if isinstance(self.inner, StreamingBackend):
+            self.inner.placement = Fixed(split)
+            self.inner.open(shards)
+            self._where = [(self.inner, spec.index) for spec in shards]
+            return
+        self._local_shards = [spec.index for spec, d in zip(shards, split) if d > 0]
+        self._inner_shards = [spec.index for spec, d in zip(shards, split) if d == 0]
+        if self._local_shards:
+            chunk_elems, buffer_count = self._tier_options
+            self.local = MemoryTiers(
+                chunk_elems=chunk_elems,
+                buffer_count=buffer_count,
+                device_timeout_s=self._device_timeout_s,
+                placement=Fixed(tuple(split[i] - 1 for i in self._local_shards)),
+            )
+            self._attach_tiers(self.local)
+            self.local.open([_renumbered(shards[i], j) for j, i in enumerate(self._local_shards)])
+        self.inner.open([_renumbered(shards[i], j) for j, i in enumerate(self._inner_shards)])
+        place = {i: (self.inner, j) for j, i in enumerate(self._inner_shards)}
+        if self.local is not None:
+            place.update({i: (self.local, j) for j, i in enumerate(self._local_shards)})
+        self._where = [place[spec.index] for spec in shards]
+        if self._local_shards:
+            sizing = Tiered((1.0,), 0, self.chunk_elems)
+            state = sum(sizing.state_bytes(spec) for spec in shards)
+            here = sum(sizing.state_bytes(shards[i]) for i in self._local_shards)
+            log.info(
+                "SmartUpdate keeps %d sub-group(s), %.1f MiB of state (%.0f%%), on this host beside %d server(s)",
+                len(self._local_shards),
+                here / 2**20,
+                100 * here / max(state, 1),
+                self.inner.num_devices,
+            )
+
+    # ---------------------------------------------------------------------------------------------- re-planning
+
+    def note_backward(self, ready: Mapping[int, float]) -> None:
+        """Seconds before this step began that backward completed each sub-group's gradient (see
+        :meth:`Backend.note_backward`); :meth:`replan` takes each shard's median over the steps since it last ran."""
+        if self.measures_memory_share:  # (only the memory share's model reads them)
+            self._backward.append(dict(ready))
+            del self._backward[:-BACKWARD_SAMPLES]
+
+    def _memory_index(self) -> int | None:
+        return self._storage_count() if self.attached and self.memory_bytes else None
+
+    def _accelerator_index(self) -> int | None:
+        return self._storage_count() + (self.memory_bytes > 0) if self.attached and self.accelerator_bytes else None
+
+    def replan(self) -> list[int]:
+        """Between steps: re-place the shards from the rates the devices showed since the last call; the shards moved.
+
+        ``inner`` re-plans its own devices first (a streaming backend re-weighs storage paths it measured). Then,
+        where :attr:`measures_memory_share` and the state can move (:attr:`attached`), the memory tier's share: of
+        the shares its budget allows, the one whose update phase
+        :func:`~lightning_smartinf.core.tiers.update_model.update_tail` predicts shortest from the measured rates and
+        from when backward completed each gradient (:meth:`note_backward`), when that phase is more than
+        :data:`REPLAN_DRIFT` shorter than the current placement's. A storage device that has never updated gives no
+        rate (an emulated one is measured by a write and read probe); a memory tier that has never updated keeps its
+        share. :attr:`last_replan` records what was decided.
+        """
+        moved = self.inner.replan()
+        inner, memory = self.inner, self._memory_index()
+        if not isinstance(inner, StreamingBackend) or memory is None or not self.measures_memory_share:
+            return moved
+        if inner.failure is not None or not inner.shards or not self._storage_count():
+            return moved
+        rates = inner.update_rates
+        ready, self._backward = _median_ready(self._backward), []
+        plan = self._memory_plan(inner, rates, ready) if memory in rates else None
+        self.last_replan = plan
+        if plan is None or plan.memory_share == self._memory_share:
+            return moved
+        if not plan.predicted_s < plan.current_s * (1 - REPLAN_DRIFT):
+            return moved
+        self._memory_share = plan.memory_share
+        specs = [s.spec for s in inner.shards]
+        more = inner.relocate(self._split(specs, plan.memory_share, keep=inner.assignment))
+        speeds = ", ".join(f"{plan.rates[d.index] / 1e9:.2f} GB/s ({d.tier} {d.index})" for d in inner.devices)
+        log.info(
+            "SmartUpdate re-placed %d shard(s): the devices update at %s; the update phase is predicted %.3g s, was "
+            "%.3g s",
+            len(more),
+            speeds,
+            plan.predicted_s,
+            plan.current_s,
+        )
+        inner.log_shares()
+        return sorted({*moved, *more})
+
+    def _memory_plan(self, inner: StreamingBackend, rates: dict[int, float], ready: dict[int, float]) -> Replan | None:
+        """The memory share whose update phase is predicted shortest, beside the current placement's; ``None`` while a
+        storage device has no rate and none can be estimated."""
+        memory_rate = rates[self._storage_count()]
+        device_rates = [rates.get(d.index) or self._estimated_rate(inner, d, memory_rate) for d in inner.devices]
+        if any(r is None for r in device_rates):
+            return None
+        early = [inner.tentative_slots and not d.in_memory for d in inner.devices]
+        sizes = [s.layout.file_bytes for s in inner.shards]
+        specs = [s.spec for s in inner.shards]
+
+        def tail(assignment: Sequence[int]) -> float:
+            return update_tail(assignment, sizes, device_rates, early, ready)
+
+        def placed(share: int) -> tuple[int, ...]:
+            return self._split(specs, share, keep=inner.assignment)
+
+        # The accelerator fills first: memory chooses among the rest, in index order.
+        beside = [sizes[i] for i, d in enumerate(placed(0)) if d != self._accelerator_index()]
+        candidates = memory_candidates(beside, self.memory_bytes)
+        share, predicted = best_share(candidates, lambda share: tail(placed(share)), self._memory_share)
+        return Replan(
+            memory_share=share,
+            predicted_s=predicted,
+            current_s=tail(inner.assignment),
+            rates={d.index: r for d, r in zip(inner.devices, device_rates)},
+            ready=ready,
+        )
+
+    def _estimated_rate(self, inner: StreamingBackend, device: StreamingDevice, memory_rate: float) -> float | None:
+        """A device that has not updated yet. An emulated storage device: the slower of its storage (a probe) and the
+        memory tier's rate (the same update code on the same host cores). An accelerator tier that holds nothing: no
+        time (memory's share cannot change that). ``None`` for any other: a device that computes has a rate of its
+        own."""
+        if device.index == self._accelerator_index() and device.index not in inner.assignment:
+            return math.inf
+        if self.devices_compute or device.in_memory:
+            return None
+        return min(inner.probe_rate(device), memory_rate)
+
+    def relocate(self, assignment: Sequence[int]) -> list[int]:
+        """Move shards between tiers and devices so that shard ``i`` lives on device ``assignment[i]`` (see
+        :meth:`StreamingBackend.relocate`); only where the state can move (:attr:`attached`)."""
+        if not isinstance(self.inner, StreamingBackend):
+            raise RuntimeError(
+                f"The state of {type(self.inner).__name__} cannot move between its devices and this host's tiers."
+            )
+        return self.inner.relocate(assignment)
+
+    # ---------------------------------------------------------------------------------------------- requests
+
+    def _issued(self, backend: Backend, handle: Handle) -> Handle:
+        self._issuer[handle] = backend
+        return handle
+
+    def initialize(self, shard: int, master: Tensor) -> Handle:
+        backend, index = self._where[shard]
+        return self._issued(backend, backend.initialize(index, master))
+
+    def submit(
+        self,
+        shard: int,
+        grad: Tensor | SparseGrad,
+        hp: StepParams,
+        out: Tensor,
+        link_dtype: torch.dtype | None = None,
+        tentative: bool = False,
+        ready: Fence | None = None,
+    ) -> Handle:
+        backend, index = self._where[shard]
+        if tentative and backend is not self.inner:
+            raise ValueError(f"Shard {shard} is in a memory tier, which takes no tentative update.")
+        handle = backend.submit(index, grad, hp, out, link_dtype=link_dtype, tentative=tentative, ready=ready)
+        return self._issued(backend, handle)
+
+    def read_master(self, shard: int, out: Tensor) -> Handle:
+        backend, index = self._where[shard]
+        return self._issued(backend, backend.read_master(index, out))
+
+    def result(self, handle: Handle) -> None:
+        self._issuer.get(handle, self.inner).result(handle)
+
+    def _grouped(self, shards: Iterable[int]) -> list[tuple[Backend, list[int]]]:
+        """``shards`` grouped by backend, in each backend's numbering, in order."""
+        grouped: dict[int, tuple[Backend, list[int]]] = {}
+        for shard in shards:
+            backend, index = self._where[shard]
+            grouped.setdefault(id(backend), (backend, []))[1].append(index)
+        return list(grouped.values())
+
+    def commit(self, shards: Iterable[int]) -> None:
+        for backend, indices in self._grouped(shards):
+            backend.commit(indices)
+
+    def rollback(self, shards: Iterable[int]) -> None:
+        shards = list(shards)
+        self.wait()
+        for backend, indices in self._grouped(shards):
+            backend.rollback(indices)
+
+    def prefetch(self, shards: Sequence[int]) -> None:
+        by_backend = {id(backend): indices for backend, indices in self._grouped(shards)}
+        for backend in self._backends():
+            backend.prefetch(by_backend.get(id(backend), []))
+
+    def _backends(self) -> list[Backend]:
+        return [self.inner] + ([self.local] if self.local is not None and not self.attached else [])
+
+    def check_storage(self) -> None:
+        for backend in self._backends():
+            backend.check_storage()
+
+    def wait(self) -> None:
+        errors = []
+        for backend in self._backends():
+            try:
+                backend.wait()
+            except BaseException as exc:  # noqa: BLE001 - the first is raised below, once both are waited for
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+
+    def save(self, directory: Path) -> None:
+        """Attached: ``inner``'s record of every shard. Beside: ``inner``'s record of its shards, the tiers' state
+        under ``local/``, and the split."""
+        if self.attached:
+            self.inner.save(directory)
+            return
+        directory = Path(directory)
+        self.wait()
+        self.inner.save(directory)
+        if self.local is not None:
+            self.local.save(directory / LOCAL_DIR)
+        split = {"format": 1, "local": self._local_shards, "beside": self._inner_shards}
+        write_file_atomic(directory / LOCAL_TIERS_MANIFEST, json.dumps(split).encode())
+
+    def load(self, directory: Path) -> None:
+        """Beside, refuses a checkpoint whose split differs from this run's before anything is replaced."""
+        if self.attached:
+            self.inner.load(directory)
+            return
+        directory = Path(directory)
+        saved = saved_local_shards(directory)
+        if saved != self._local_shards:
+            raise CheckpointError(
+                f"The checkpoint in {str(directory)!r} kept sub-groups {saved or 'none'} of this rank in host or "
+                f"accelerator memory beside the remote servers; this run keeps {self._local_shards or 'none'} there. "
+                "Resume with the `state_memory_budget`, `state_accelerator_budget` and `remote_devices` it was saved "
+                "with."
+            )
+        self.inner.load(directory)
+        if self.local is not None:
+            self.local.load(directory / LOCAL_DIR)
+
+    # ---------------------------------------------------------------------------------------------- release
+
+    def close(self, *, keep_claims: bool = False) -> None:
+        """Close both sides (see the backends' own ``close``); the first error is raised once both are closed."""
+        errors = []
+        for backend in self._backends():
+            try:
+                backend.close(keep_claims=keep_claims)
+            except BaseException as exc:  # noqa: BLE001 - raised below
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def release_storage(self) -> None:
+        for backend in self._backends():
+            backend.release_storage()
+
+    # ---------------------------------------------------------------------------------------------- telemetry
+
+    def traffic_snapshot(self) -> TrafficSnapshot:
+        """Both sides' counters, summed: the tiers count ``memory_*`` and ``accelerator_*`` bytes."""
+        total = self.inner.traffic_snapshot()
+        return total + self.local.traffic_snapshot() if self.local is not None and not self.attached else total
+
+    def stats(self, *, reset_peaks: bool = False) -> BackendStats:
+        inner = self.inner.stats(reset_peaks=reset_peaks)
+        if self.local is None or self.attached:
+            return inner
+        local = self.local.stats(reset_peaks=reset_peaks)
+        offset = self.inner.num_devices
+        return BackendStats(
+            traffic=inner.traffic + local.traffic,
+            buffer_bytes=inner.buffer_bytes + local.buffer_bytes,
+            devices=inner.devices + tuple(_shifted(d, offset) for d in local.devices),
+            prefetch_used_bytes=inner.prefetch_used_bytes + local.prefetch_used_bytes,
+            prefetch_dropped_bytes=inner.prefetch_dropped_bytes + local.prefetch_dropped_bytes,
+        )
+
+
+def saved_local_shards(directory: Path) -> list[int]:
+    """The shards a checkpoint's tiers held beside its backend (none when it has no :data:`LOCAL_TIERS_MANIFEST`)."""
+    path = Path(directory) / LOCAL_TIERS_MANIFEST
+    if not path.is_file():
+        return []
+    local = read_json(path, "the local tiers' split", ("local", "beside"))["local"]
+    if not isinstance(local, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in local):
+        raise CheckpointError(f"{path} does not list the local tiers' shards as integers.")
+    return local
+
+
+def masters_beside(read_beside: Callable[[Path], list[Tensor]]) -> Callable[[Path], list[Tensor]]:
+    """A reader of one rank's fp32 masters whose state a :class:`TieredBackend` saved beside a backend whose state is
+    elsewhere: ``read_beside`` gives that backend's (by its own numbering), the tiers' come from ``local/``,
+    CRC-checked."""
+
+    def read(directory: Path) -> list[Tensor]:
+        directory = Path(directory)
+        local = saved_local_shards(directory)
+        beside = read_beside(directory)
+        if not local:
+            return beside
+        manifest = read_manifest(directory / LOCAL_DIR)
+        here = [saved_shard_masters(directory / LOCAL_DIR, j, manifest=manifest) for j in range(len(local))]
+        masters: list[Tensor | None] = [None] * (len(local) + len(beside))
+        for index, master in zip(local, here):
+            if not 0 <= index < len(masters):
+                raise CheckpointError(f"{directory / LOCAL_TIERS_MANIFEST} names shard {index}, out of range.")
+            masters[index] = master
+        others = iter(beside)
+        return [master if master is not None else next(others) for master in masters]
+
+    return read
+
+
+def _renumbered(spec: ShardSpec, index: int) -> ShardSpec:
+    return ShardSpec(index=index, numel=spec.numel, rule=spec.rule)
+
+
+def _shifted(device: DeviceStats, offset: int) -> DeviceStats:
+    return dataclasses.replace(device, index=device.index + offset)
+
+
+def _median_ready(samples: Sequence[Mapping[int, float]]) -> dict[int, float]:
+    """Each shard's median of ``samples`` (a shard missing from a sample was ready only at that step: 0 s)."""
+    shards = {shard for sample in samples for shard in sample}
+    return {shard: statistics.median(sample.get(shard, 0.0) for sample in samples) for shard in shards}

@@ -1,6 +1,0 @@
-"""Remote device servers: the device workers of the ``cpu`` backend on another machine, reached over gRPC.
-
-:mod:`~lightning_smartinf.csd.remote.server` runs next to the storage (``smartinf serve``);
-:class:`~lightning_smartinf.csd.remote.client.RemoteBackend` is the trainer's side. What crosses the network is
-defined in :mod:`~lightning_smartinf.csd.remote.wire`.
-"""

@@ -1,0 +1,89 @@
+"""The ``cpu`` backend: computational-storage devices emulated on host cores, one per storage path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from lightning_smartinf.core.io.direct import IOEngine, ThreadedIO
+from lightning_smartinf.core.placement import Placement
+from lightning_smartinf.core.streaming.backend import StreamingBackend
+from lightning_smartinf.core.streaming.device import EmulatedDevice
+
+__all__ = ["CpuBackend"]
+
+
+class CpuBackend(StreamingBackend):
+    """Emulated computational-storage devices, one per directory in ``device_dirs``.
+
+    Args:
+        device_dirs: one private directory per device; state files are created inside.
+        chunk_elems: elements per streamed chunk (a multiple of 1024).
+        buffer_count: chunk buffers per device (at least 2: one updating, one reading or writing). Below
+            ``2 * io_threads + 2`` a write in flight holds a buffer a read is waiting for: on the reference VM disk
+            4 gave ~2.5x the optimizer step of 12 and more (``benchmarks/bench_step.py``, ``docs/benchmarks.md``).
+        owned_dirs: directories the backend created and removes on :meth:`close`.
+        io_factory: builds one I/O engine per device (default: :class:`ThreadedIO` with 1 MiB blocks, depth 8).
+        io_threads: chunk transfers each device keeps in flight per direction (reads also at most
+            ``buffer_count - 1``). Disks reward concurrency: on the reference VM disk 3 gave ~1.6x the state
+            bandwidth of 1 (``benchmarks/bench_streaming.py``).
+        tentative_slots: keep a second state file per shard so that :meth:`submit` can take ``tentative=True``
+            updates, undone by :meth:`rollback` or made current by :meth:`commit`. Doubles the disk space of the
+            state (not its traffic).
+        prefetch_state: act on :meth:`prefetch` advice (``False`` ignores it: for comparisons).
+        device_timeout_s: seconds a device may show no progress (no chunk read, written or updated) while the host
+            waits for it, before :meth:`result`, :meth:`wait` and the others raise
+            :class:`~lightning_smartinf.core.io.storage.StorageError` and the backend stops (see :attr:`failure`).
+            ``None`` waits forever.
+        placement: which device holds each shard (``None``: see :class:`StreamingBackend`).
+        device_weights: relative speed of each device directory (``None``: equal, or measured across filesystems).
+
+    Host-memory and accelerator tiers wrap it: :class:`~lightning_smartinf.core.tiers.tiered.TieredBackend`.
+
+    Device errors are final: the first one reported to the host (an I/O error, or a device that stopped answering)
+    latches the backend as failed; see :attr:`failure`.
+    """
+
+    def __init__(
+        self,
+        device_dirs: Sequence[Path],
+        *,
+        chunk_elems: int = 1 << 20,
+        buffer_count: int = 16,
+        owned_dirs: Sequence[Path] = (),
+        io_factory: Callable[[], IOEngine] = ThreadedIO,
+        io_threads: int = 3,
+        tentative_slots: bool = False,
+        prefetch_state: bool = True,
+        device_timeout_s: float | None = 300.0,
+        placement: Placement | None = None,
+        device_weights: Sequence[float] | None = None,
+    ) -> None:
+        if io_threads < 1:
+            raise ValueError(f"`io_threads={io_threads}` must be at least 1 (chunk transfers in flight per device).")
+        #: Chunk transfers each device keeps in flight per direction.
+        self.io_threads = io_threads
+        self._io_factory = io_factory
+        super().__init__(
+            device_dirs,
+            chunk_elems=chunk_elems,
+            buffer_count=buffer_count,
+            owned_dirs=owned_dirs,
+            tentative_slots=tentative_slots,
+            prefetch_state=prefetch_state,
+            device_timeout_s=device_timeout_s,
+            placement=placement,
+            device_weights=device_weights,
+        )
+
+    def make_device(self, index: int, directory: Path) -> EmulatedDevice:
+        """An emulated device over ``directory`` with its own I/O engine from ``io_factory``."""
+        return EmulatedDevice(
+            index,
+            directory,
+            self.traffic,
+            self._io_factory(),
+            chunk_elems=self.chunk_elems,
+            buffer_count=self.buffer_count,
+            io_threads=self.io_threads,
+        )

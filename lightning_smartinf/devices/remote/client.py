@@ -1,0 +1,661 @@
+"""``RemoteBackend``: a trainer rank's devices on remote device servers (:mod:`.server`).
+
+Shards are placed on servers by a :class:`~lightning_smartinf.core.placement.Placement` (round-robin by default);
+each server holds this rank's shards in a session of its own, so several trainers share one pool of servers. A
+gradient crosses the network in the link dtype (dense, or top-k pairs) and the updated parameters come back in the
+partition's dtype: the bytes the ``cpu`` backend counts as link traffic are the bytes sent.
+
+Invariants:
+
+- Every call carries the bearer token and a deadline of ``device_timeout_s``: a stalled network or server raises
+  :class:`~lightning_smartinf.core.io.storage.StorageError` naming the server, never hangs.
+- The first server error stops the backend (:attr:`failure`), like a device error of the local backends.
+- A checkpoint records each server's identity and the digest of the state it saved; loading refuses another server
+  (one restarted over another storage root) or other state, naming the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from torch import Tensor
+
+from lightning_smartinf.core.accelerator import Fence, HostLink, current_accelerator, thread_pool
+from lightning_smartinf.core.backend import (
+    Backend,
+    BackendStats,
+    FailureLatch,
+    Handle,
+    PendingWork,
+    ShardSpec,
+    TentativeUpdates,
+)
+from lightning_smartinf.core.compression import SparseGrad
+from lightning_smartinf.core.format.state_files import CheckpointError, read_json, write_file_atomic
+from lightning_smartinf.core.io.storage import StorageError
+from lightning_smartinf.core.placement import Placement, RoundRobin, check_assignment
+from lightning_smartinf.core.rules import StepParams
+from lightning_smartinf.core.traffic import TrafficSnapshot
+from lightning_smartinf.devices.remote.manifest import REMOTE_MANIFEST
+from lightning_smartinf.devices.remote.server import MAX_UPDATES_IN_FLIGHT as UPDATES_IN_FLIGHT
+from lightning_smartinf.devices.remote.tokens import TlsFiles
+from lightning_smartinf.devices.remote.wire import (
+    MAX_MESSAGE_BYTES,
+    SERVICE,
+    Frame,
+    TensorReader,
+    decode_header,
+    dtype_name,
+    encode_tensor,
+    header_frame,
+    hp_to_wire,
+    rule_to_wire,
+)
+
+__all__ = ["REMOTE_MANIFEST", "RemoteBackend", "checkpoint_masters", "measure_network"]
+
+FIRST_CONTACT = "the first contact"
+
+
+class _Server:
+    """One server: its channel, stubs, identity, session and the shards it holds for this rank."""
+
+    def __init__(self, address: str, token: str, timeout: float | None, tls: TlsFiles | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.metadata = (("authorization", f"Bearer {token}"),)
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        if tls is None:
+            self.channel = grpc.insecure_channel(address, options=options)
+        else:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+            )
+            self.channel = grpc.secure_channel(address, credentials, options=options)
+        encode, decode = Frame.SerializeToString, Frame.FromString
+
+        def method(kind: str, name: str) -> Any:
+            return getattr(self.channel, kind)(
+                f"/{SERVICE}/{name}", request_serializer=encode, response_deserializer=decode
+            )
+
+        self.hello = method("unary_unary", "Hello")
+        self.open = method("unary_unary", "Open")
+        self.initialize = method("stream_unary", "Initialize")
+        self.update = method("stream_stream", "Update")
+        self.read_master = method("unary_stream", "ReadMaster")
+        self.control = method("unary_unary", "Control")
+        self.echo = method("stream_unary", "Echo")
+        self.read_checkpoint = method("unary_stream", "ReadCheckpoint")
+        self.server_id = ""
+        self.session = f"s{uuid.uuid4().hex}"
+        self.shards: list[int] = []  # global shard indices, in local order
+        self.storage_bytes = (0, 0)  # storage read and write bytes of the session, as the server last counted them
+        # Calls in flight per server: one shard's gradient crossing while another's update runs (the server admits
+        # as many per session).
+        # Its threads run on this rank's accelerator: they copy gradients and parameters to and from its memory.
+        self.executor = thread_pool(UPDATES_IN_FLIGHT, f"smartinf-remote-{address}", current_accelerator())
+
+    def call(self, method: Any, request: Any, what: str, stream: bool = False) -> Any:
+        try:
+            response = method(request, timeout=self.timeout, metadata=self.metadata)
+            return list(response) if stream else response
+        except grpc.RpcError as exc:
+            raise self.error(exc, what) from None
+
+    def error(self, exc: grpc.RpcError, what: str) -> StorageError:
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        name = f"remote device server {self.address}" + (f" ({self.server_id[:12]})" if self.server_id else "")
+        if code == grpc.StatusCode.UNAVAILABLE and "ssl" in str(details).lower() + str(exc).lower():
+            reason = f"refused the TLS handshake ({details}): check `remote_tls_dir` against the server's certificates"
+        elif code == grpc.StatusCode.UNAVAILABLE and what == FIRST_CONTACT:
+            reason = (
+                f"cannot be reached ({details}): it is not running, the network is down, or its TLS settings differ "
+                "from this run's `remote_tls_dir` (a TLS server needs one; a mutual-TLS server, one with a client "
+                "certificate)"
+            )
+        elif code == grpc.StatusCode.UNAVAILABLE:
+            reason = "is unreachable: it was stopped, or the network is down"
+        elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            reason = f"did not answer within device_timeout_s={self.timeout} s (a stalled network or server)"
+        elif code == grpc.StatusCode.UNAUTHENTICATED:
+            reason = "refused the token: check `remote_token_file` against the server's `--token-file`"
+        else:
+            reason = f"failed ({code.name if code else 'error'}): {details}"
+        return StorageError(f"The {name} {reason}, during {what}.")
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.channel.close()
+
+
+def _receive(name: str, frames: Iterable[Any], *, numel: int, dtype: torch.dtype, server: _Server, what: str) -> Tensor:
+    """The tensor ``name`` of ``numel`` ``dtype`` elements that ``frames`` carry; a server that sends less fails."""
+    reader = TensorReader(name, max_numel=numel, dtypes=(dtype,))
+    for frame in frames:
+        reader.add(frame)
+    if not reader.done or reader.tensor is None or reader.tensor.numel() != numel:
+        raise StorageError(f"The remote device server {server.address} sent an incomplete {name} during {what}.")
+    return reader.tensor
+
+
+def measure_network(
+    address: str, token: str, *, megabytes: int = 64, pings: int = 20, tls: TlsFiles | None = None
+) -> dict[str, float]:
+    """Bandwidth (GB/s, trainer to server) and round trip (ms, median of ``pings`` calls) to the server at
+    ``address``; the server only counts the bytes, so no device or disk is in the figures."""
+    server = _Server(address, token, timeout=120.0, tls=tls)
+    try:
+        times = []
+        for _ in range(pings):
+            started = time.perf_counter()
+            server.call(server.hello, header_frame(), "a round-trip probe")
+            times.append(time.perf_counter() - started)
+        payload = torch.zeros((megabytes << 20) // 4, dtype=torch.float32)
+        started = time.perf_counter()
+        try:
+            reply = server.echo(encode_tensor("probe", payload), timeout=server.timeout, metadata=server.metadata)
+        except grpc.RpcError as exc:
+            raise server.error(exc, "a bandwidth probe") from None
+        seconds = time.perf_counter() - started
+        received = int(decode_header(reply, ("bytes",))["bytes"])
+        return {
+            "network_gbps": round(received / seconds / 1e9, 3),
+            "network_latency_ms": round(statistics.median(times) * 1e3, 3),
+        }
+    finally:
+        server.close()
+
+
+def checkpoint_masters(
+    addresses: Sequence[str], token: str, *, tls: TlsFiles | None = None, timeout: float | None = 300.0
+) -> Callable[[Path], list[Tensor]]:
+    """A reader of the fp32 masters of one rank's device state that a checkpoint keeps on remote servers.
+
+    The servers are found among ``addresses`` by identity, so they may have moved to other ports; each checks the
+    digest it recorded and the shard files' CRC-32 before sending anything.
+    """
+
+    def read(directory: Path) -> list[Tensor]:
+        manifest = read_json(Path(directory) / REMOTE_MANIFEST, "the remote device state", ("checkpoint", "servers"))
+        servers = [_Server(address, token, timeout, tls) for address in addresses]
+        try:
+            by_id = {}
+            for server in servers:
+                reply = decode_header(server.call(server.hello, header_frame(), FIRST_CONTACT), ("server_id",))
+                server.server_id = str(reply["server_id"])
+                by_id[server.server_id] = server
+            entries = manifest["servers"]
+            masters: dict[int, Tensor] = {}
+            for entry in entries if isinstance(entries, list) else []:
+                server = by_id.get(str(entry.get("server_id")))
+                if server is None:
+                    raise CheckpointError(
+                        f"{directory / REMOTE_MANIFEST}: the state of shards {entry.get('shards')} is on server "
+                        f"{str(entry.get('server_id'))[:12]} (last at {entry.get('address')}), which is not among "
+                        f"{', '.join(f'{s.address} ({s.server_id[:12]})' for s in servers)}."
+                    )
+                for local, shard in enumerate(entry["shards"]):
+                    request = header_frame(
+                        checkpoint=manifest["checkpoint"], label=entry["label"], shard=local, digest=entry["digest"]
+                    )
+                    what = f"reading shard {shard} of a checkpoint"
+                    frames = server.call(server.read_checkpoint, request, what, stream=True)
+                    numel = frames[0].numel if frames else 0
+                    masters[int(shard)] = _receive(
+                        "master", frames, numel=numel, dtype=torch.float32, server=server, what=what
+                    )
+            if sorted(masters) != list(range(len(masters))):
+                raise CheckpointError(f"{directory / REMOTE_MANIFEST} does not list every shard of the rank.")
+            return [masters[i] for i in range(len(masters))]
+        finally:
+            for server in servers:
+                server.close()
+
+    return read
+
+
+class RemoteBackend(Backend):
+    """Devices on remote device servers, one session per server for this rank.
+
+    Args:
+        addresses: ``host:port`` of each server.
+        token: the servers' bearer token.
+        label: this rank's name on the servers (checkpoints are kept under it), e.g. ``rank000``.
+        chunk_elems, buffer_count, io_threads, tentative_slots, prefetch_state: the sessions' devices, as for
+            :class:`~lightning_smartinf.devices.cpu.CpuBackend`.
+        device_timeout_s: deadline of every call; ``None`` waits forever.
+        placement: which server holds each shard (default: shard ``s`` on server ``s mod N``).
+        tls: verify the servers with ``tls.ca`` over TLS, presenting ``tls.cert`` for mutual TLS; ``None``: plain
+            gRPC (not encrypted).
+    """
+
+    devices_compute = True  # the servers update with cores of their own
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        token: str,
+        *,
+        label: str = "rank000",
+        chunk_elems: int = 1 << 20,
+        buffer_count: int = 16,
+        io_threads: int = 3,
+        tentative_slots: bool = False,
+        prefetch_state: bool = True,
+        device_timeout_s: float | None = 300.0,
+        placement: Placement = RoundRobin(),
+        tls: TlsFiles | None = None,
+    ) -> None:
+        super().__init__()
+        if not addresses:
+            raise ValueError("`remote_devices=[]` is empty: give at least one server as 'host:port'.")
+        self.label = label
+        self.chunk_elems = chunk_elems
+        self.buffer_count = buffer_count
+        self.io_threads = io_threads
+        self.tentative_slots = tentative_slots
+        self.prefetch_state = prefetch_state
+        self.device_timeout_s = device_timeout_s
+        self.placement = placement
+        self.servers = [_Server(address, token, device_timeout_s, tls) for address in addresses]
+        self._specs: list[ShardSpec] = []
+        self._where: list[tuple[_Server, int]] = []
+        self._pending = PendingWork()
+        self._tentative = TentativeUpdates(tentative_slots)
+        self._latched = FailureLatch()
+        # One HostLink per calling thread: a link's staging slots belong to one worker.
+        self._links = threading.local()
+        self._all_links: list[HostLink] = []
+        self._closed = False
+        self._released = False
+        for server in self.servers:
+            reply = decode_header(server.call(server.hello, header_frame(), FIRST_CONTACT), ("server_id",))
+            server.server_id = str(reply["server_id"])
+
+    # ---------------------------------------------------------------------------------------------- views
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.servers)
+
+    @property
+    def supports_tentative(self) -> bool:
+        return self.tentative_slots
+
+    @property
+    def failure(self) -> StorageError | None:
+        return self._latched.error
+
+    @property
+    def assignment(self) -> tuple[int, ...]:
+        """The server index of each shard."""
+        return tuple(self.servers.index(server) for server, _ in self._where)
+
+    def _refuse(self, what: str) -> None:
+        self._latched.refuse(f"RemoteBackend.{what}")
+        if self._released or (self._closed and what not in ("save", "read_master")):
+            raise RuntimeError(f"`{what}` on a closed RemoteBackend.")
+
+    def _latch(self, exc: BaseException) -> BaseException:
+        return self._latched.latch(exc)
+
+    # ---------------------------------------------------------------------------------------------- set-up
+
+    def open(self, shards: Sequence[ShardSpec]) -> None:
+        self._refuse("open")
+        assignment = check_assignment(self.placement, shards, len(self.servers))
+        self._specs = list(shards)
+        self._where = []
+        for spec, index in zip(shards, assignment):
+            server = self.servers[index]
+            self._where.append((server, len(server.shards)))
+            server.shards.append(spec.index)
+        for server in self.servers:
+            if not server.shards:
+                continue
+            header = header_frame(
+                session=server.session,
+                label=self.label,
+                chunk_elems=self.chunk_elems,
+                buffer_count=self.buffer_count,
+                io_threads=self.io_threads,
+                tentative=self.tentative_slots,
+                prefetch=self.prefetch_state,
+                shards=[
+                    {"numel": self._specs[i].numel, "rule": rule_to_wire(self._specs[i].rule)} for i in server.shards
+                ],
+            )
+            try:
+                server.call(server.open, header, f"opening {len(server.shards)} shards")
+            except StorageError:
+                server.shards = []  # no session there: `close` has nothing to wait for or close on it
+                raise
+
+    def _locate(self, shard: int, numel: int, what: str) -> tuple[_Server, int]:
+        if not 0 <= shard < len(self._specs):
+            raise ValueError(f"Shard {shard} is not open (shards are 0..{len(self._specs) - 1}).")
+        if numel != self._specs[shard].numel:
+            raise ValueError(f"{what} of shard {shard} has {numel} elements, expected {self._specs[shard].numel}.")
+        return self._where[shard]
+
+    def _start(self, server: _Server, work: Any, what: str) -> Handle:
+        def run() -> None:
+            try:
+                work()
+            except grpc.RpcError as exc:
+                raise self._latch(server.error(exc, what)) from None
+            except StorageError as exc:
+                raise self._latch(exc) from None
+
+        handle = server.executor.submit(run)
+        handle.what = what  # type: ignore[attr-defined]
+        handle.server = server  # type: ignore[attr-defined]
+        return self._pending.add(handle)
+
+    def initialize(self, shard: int, master: Tensor) -> Handle:
+        self._refuse("initialize")
+        server, local = self._locate(shard, master.numel(), "`master`")
+        host = master.detach().to(torch.float32).cpu()
+
+        def frames() -> Iterator[Any]:
+            yield header_frame(session=server.session, shard=local)
+            yield from encode_tensor("master", host)
+
+        def work() -> None:
+            server.initialize(frames(), timeout=server.timeout, metadata=server.metadata)
+            self.traffic.add(link_write_bytes=host.numel() * 4)
+
+        return self._start(server, work, f"the initialisation of shard {shard}")
+
+    def submit(
+        self,
+        shard: int,
+        grad: Tensor | SparseGrad,
+        hp: StepParams,
+        out: Tensor,
+        link_dtype: torch.dtype | None = None,
+        tentative: bool = False,
+        ready: Fence | None = None,
+    ) -> Handle:
+        """See :meth:`Backend.submit`: the gradient crosses in ``link_dtype``, ``out`` comes back in its own dtype."""
+        self._refuse("submit")
+        sparse = isinstance(grad, SparseGrad)
+        server, local = self._locate(shard, grad.numel if sparse else grad.numel(), "`grad`")
+        self._locate(shard, out.numel(), "`out`")
+        self._tentative.start(shard, tentative)
+        link = link_dtype or (grad.values.dtype if sparse else grad.dtype)
+        header = header_frame(
+            session=server.session,
+            shard=local,
+            hp=hp_to_wire(hp),
+            link_dtype=dtype_name(link),
+            out_dtype=dtype_name(out.dtype),
+            tentative=tentative,
+            sparse=sparse,
+        )
+
+        def frames(tensors: list[tuple[str, Tensor]], sent: list[int]) -> Iterator[Any]:
+            # gRPC draws these on a thread of its own: only host tensors are touched here.
+            yield header
+            for name, tensor in tensors:
+                sent[0] += tensor.numel() * tensor.element_size()
+                yield from encode_tensor(name, tensor)
+
+        what = f"the update of shard {shard}"
+
+        def work() -> None:
+            if ready is not None:
+                ready.synchronize()
+            if sparse:  # the controller brought the pairs to the host already
+                tensors = [("indices", grad.indices.cpu()), ("values", grad.values.cpu().to(link))]
+            else:
+                tensors = [("grad", self._host_link().to_host(grad.detach()).to(link))]
+            sent = [0]
+            replies = server.update(frames(tensors, sent), timeout=server.timeout, metadata=server.metadata)
+            self._deliver(out, _receive("out", replies, numel=out.numel(), dtype=out.dtype, server=server, what=what))
+            self.traffic.add(link_write_bytes=sent[0], link_read_bytes=out.numel() * out.element_size())
+
+        return self._start(server, work, what)
+
+    def read_master(self, shard: int, out: Tensor) -> Handle:
+        self._refuse("read_master")
+        server, local = self._locate(shard, out.numel(), "`out`")
+
+        what = f"reading the masters of shard {shard}"
+
+        def work() -> None:
+            request = header_frame(session=server.session, shard=local)
+            replies = server.read_master(request, timeout=server.timeout, metadata=server.metadata)
+            self._deliver(
+                out, _receive("master", replies, numel=out.numel(), dtype=torch.float32, server=server, what=what)
+            )
+            self.traffic.add(link_read_bytes=out.numel() * 4)
+
+        return self._start(server, work, what)
+
+    def _host_link(self) -> HostLink:
+        """This worker thread's own :class:`HostLink`: copies to and from accelerator memory through pinned staging,
+        on streams of its own, off the training stream."""
+        link = getattr(self._links, "link", None)
+        if link is None:
+            link = self._links.link = HostLink()
+            self._all_links.append(link)  # list.append is atomic: closed with the backend
+        return link
+
+    def _deliver(self, out: Tensor, received: Tensor) -> None:
+        """``received`` into ``out`` (through this worker thread's :meth:`_host_link` when ``out`` is in accelerator
+        memory); returns once it has landed."""
+        link = self._host_link()
+        link.put(out, received)
+        link.settle()
+
+    def result(self, handle: Handle) -> None:
+        try:
+            handle.result(timeout=self.device_timeout_s)
+        except FutureTimeoutError:
+            what = getattr(handle, "what", "a request")
+            server = getattr(handle, "server", None)
+            name = f"remote device server {server.address}" if server is not None else "remote device server"
+            raise self._latch(
+                StorageError(
+                    f"The {name} did not answer within device_timeout_s={self.device_timeout_s} s (a stalled network "
+                    f"or server), during {what}."
+                )
+            ) from None
+
+    # ---------------------------------------------------------------------------------------------- control
+
+    def _control(self, server: _Server, op: str, what: str, **args: Any) -> dict[str, Any]:
+        reply = server.call(server.control, header_frame(session=server.session, op=op, **args), what)
+        return decode_header(reply)
+
+    def _by_server(self, shards: Iterable[int]) -> dict[_Server, list[int]]:
+        grouped: dict[_Server, list[int]] = {}
+        for shard in shards:
+            server, local = self._where[shard]
+            grouped.setdefault(server, []).append(local)
+        return grouped
+
+    def commit(self, shards: Iterable[int]) -> None:
+        self._refuse("commit")
+        shards = self._tentative.check_commit(shards)
+        self.wait()
+        for server, local in self._by_server(shards).items():
+            self._control(server, "commit", "a commit", shards=local)
+        self._tentative.end(shards)
+
+    def rollback(self, shards: Iterable[int]) -> None:
+        shards = list(shards)
+        try:
+            self.wait()
+            for server, local in self._by_server(shards).items():
+                self._control(server, "rollback", "a rollback", shards=local)
+        finally:
+            self._tentative.end(shards)
+
+    def prefetch(self, shards: Sequence[int]) -> None:
+        if self.failure is not None or not self.prefetch_state:
+            return
+        grouped = self._by_server(i for i in shards if i not in self._tentative)
+        for server in self.servers:
+            if server.shards:
+                self._control(server, "prefetch", "prefetch advice", shards=grouped.get(server, []))
+
+    def check_storage(self) -> None:
+        self._refuse("check_storage")
+        for server in self.servers:
+            if server.shards:
+                self._control(server, "check_storage", "a storage check")
+
+    def wait(self) -> None:
+        pending = self._pending.take()
+        errors = []
+        for handle in pending:
+            try:
+                self.result(handle)
+            except BaseException as exc:  # noqa: BLE001 - the first is raised below
+                errors.append(exc)
+        if not errors:
+            for server in self.servers:
+                if server.shards:
+                    try:
+                        self._control(server, "wait", "waiting for write-back")
+                    except StorageError as exc:
+                        errors.append(exc)
+        if errors:
+            raise self._latch(errors[0])
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+
+    def save(self, directory: Path) -> None:
+        """Each server saves its shards under a new checkpoint id; ``directory/remote.json`` records where."""
+        self._refuse("save")
+        self.wait()
+        checkpoint = f"c{uuid.uuid4().hex}"
+        entries = []
+        for server in self.servers:
+            if not server.shards:
+                continue
+            reply = self._control(server, "save", "saving a checkpoint", checkpoint=checkpoint)
+            entries.append(
+                {
+                    "address": server.address,
+                    "server_id": server.server_id,
+                    "label": self.label,
+                    "shards": server.shards,
+                    "digest": reply.get("digest"),
+                }
+            )
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        manifest = {"format": 1, "checkpoint": checkpoint, "servers": entries}
+        write_file_atomic(directory / REMOTE_MANIFEST, json.dumps(manifest, indent=1).encode())
+
+    def load(self, directory: Path) -> None:
+        """Have each server load the state this rank saved there; refuses another server or other state."""
+        self._refuse("load")
+        self._tentative.refuse_held("loading a checkpoint")
+        self.wait()
+        manifest = read_json(Path(directory) / REMOTE_MANIFEST, "the remote device state", ("checkpoint", "servers"))
+        entries = manifest["servers"]
+        if not isinstance(entries, list):
+            raise CheckpointError(f"{REMOTE_MANIFEST} in {str(directory)!r} is not a remote device-state manifest.")
+        mine = [server for server in self.servers if server.shards]
+        if len(entries) != len(mine):
+            saved = ", ".join(
+                f"{entry.get('address')} ({str(entry.get('server_id'))[:12]})"
+                for entry in entries
+                if isinstance(entry, dict)
+            )
+            current = ", ".join(f"{server.address} ({server.server_id[:12]})" for server in mine)
+            raise CheckpointError(
+                f"The checkpoint's device state is on {len(entries)} remote server(s): {saved}; this run has "
+                f"{len(mine)}: {current}. Resume with the same `remote_devices`, in the same order."
+            )
+        for server, entry in zip(mine, entries):
+            if not isinstance(entry, dict) or entry.get("shards") != server.shards:
+                raise CheckpointError(
+                    f"The checkpoint placed other shards on {entry.get('address') if isinstance(entry, dict) else '?'} "
+                    f"than this run places on {server.address}. Resume with the same `remote_devices` in order."
+                )
+            if entry.get("server_id") != server.server_id:
+                raise CheckpointError(
+                    f"The remote device server at {server.address} is {server.server_id[:12]}, but the checkpoint was "
+                    f"saved on {str(entry.get('server_id'))[:12]} ({entry.get('address')}): a server restarted with "
+                    "another storage root, or another server at that address. Start the server over the storage "
+                    "root that holds the checkpoint."
+                )
+        for server, entry in zip(mine, entries):
+            self._control(
+                server,
+                "load",
+                "loading a checkpoint",
+                checkpoint=manifest.get("checkpoint"),
+                digest=entry.get("digest"),
+            )
+
+    def close(self, *, keep_claims: bool = False) -> None:
+        """Finish outstanding work; with ``keep_claims`` the sessions (and the state in them) stay open on the servers
+        until :meth:`release_storage`, so that :meth:`save` can still copy the final state."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.failure is None:
+                self.wait()
+        finally:
+            if not keep_claims:
+                self.release_storage()
+
+    def release_storage(self) -> None:
+        """Close the sessions (their state is removed from the servers; checkpoints stay) and the channels."""
+        if self._released:
+            return
+        self._released = True
+        for server in self.servers:
+            try:
+                if server.shards and self.failure is None:
+                    self._control(server, "close", "closing the session")
+            except StorageError:
+                pass  # the server is gone: nothing left to release there
+            finally:
+                server.close()
+        for link in self._all_links:
+            link.close()
+
+    def traffic_snapshot(self) -> TrafficSnapshot:
+        """Link bytes as this rank sent and received them; storage bytes as the servers counted them (the last
+        figures they gave once the sessions are closed or a server failed)."""
+        if not self._released and self.failure is None:
+            for server in self.servers:
+                if server.shards:
+                    try:
+                        reply = self._control(server, "traffic", "reading the traffic counters")
+                    except StorageError:
+                        continue  # reported by the next call that needs the server
+                    server.storage_bytes = (int(reply["storage_read_bytes"]), int(reply["storage_write_bytes"]))
+        link = self.traffic.snapshot()
+        return dataclasses.replace(
+            link,
+            storage_read_bytes=sum(server.storage_bytes[0] for server in self.servers),
+            storage_write_bytes=sum(server.storage_bytes[1] for server in self.servers),
+        )
+
+    def stats(self, *, reset_peaks: bool = False) -> BackendStats:
+        return BackendStats(traffic=self.traffic_snapshot())

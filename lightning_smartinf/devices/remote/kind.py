@@ -1,0 +1,119 @@
+"""The ``remote`` kind: device servers on other machines (``smartinf serve``), with this host's memory tiers beside."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_smartinf.core.arguments import Problems
+from lightning_smartinf.core.registry import BuildContext, DeviceKind, register
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from lightning_smartinf.core.backend import Backend
+    from lightning_smartinf.core.settings import SmartUpdateSettings
+    from lightning_smartinf.devices.remote.tokens import TlsFiles
+
+
+class RemoteKind(DeviceKind):
+    """Device servers: every rank opens a session on each; their state lives on the servers' disks, in sessions that
+    last while the rank holds them, and cannot move between a server and this host."""
+
+    name = "remote"
+    arguments = ("remote_devices", "remote_token_file", "remote_tls_dir")
+    takes_hand_offs = True
+    devices_compute = True
+    state_held_by_process = True
+    state_in_storage_paths = False
+    state_movable = False
+    weighs = "remote server"
+
+    def check(self, problems: Problems, options: Mapping[str, Any], storage_paths: Sequence[Path] | None) -> Any:
+        devices = options.get("remote_devices")
+        token_file, tls_dir = options.get("remote_token_file"), options.get("remote_tls_dir")
+        known = len(problems)
+        if importlib.util.find_spec("grpc") is None:
+            problems.add(
+                "`backend='remote'` needs gRPC, which is not installed: `pip install 'lightning-smartinf[remote]'`."
+            )
+        if isinstance(devices, str) or not isinstance(devices, (list, tuple)) or not devices:
+            problems.add(
+                f"`remote_devices={devices!r}`: `backend='remote'` needs a list of device servers as 'host:port', "
+                "e.g. `remote_devices=['storage1:50051']`."
+            )
+        else:
+            for address in devices:
+                host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+                if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                    problems.add(f"`remote_devices` entry {address!r} is not 'host:port' (e.g. 'storage1:50051').")
+        if not isinstance(token_file, (str, os.PathLike)):
+            problems.add(
+                f"`remote_token_file={token_file!r}`: `backend='remote'` needs the path of a file (mode 0600) holding "
+                "the servers' token."
+            )
+        else:
+            from lightning_smartinf.devices.remote.tokens import read_token
+
+            token_file = Path(token_file).expanduser()
+            try:
+                read_token(token_file)
+            except ValueError as exc:
+                problems.add(f"`remote_token_file`: {exc}")
+        if tls_dir is not None:
+            from lightning_smartinf.devices.remote.tokens import read_tls_dir
+
+            try:
+                tls_dir = Path(tls_dir).expanduser()
+                read_tls_dir(tls_dir)
+            except (TypeError, ValueError) as exc:
+                problems.add(f"`remote_tls_dir={options.get('remote_tls_dir')!r}`: {exc}")
+        if len(problems) > known:
+            return {}
+        return {"remote_devices": tuple(devices), "remote_token_file": token_file, "remote_tls_dir": tls_dir}
+
+    def weight_count(self, options: Any, storage_paths: Sequence[Path] | None) -> int | None:
+        devices = (options or {}).get("remote_devices")
+        return len(devices) if isinstance(devices, (list, tuple)) else None
+
+    def build(self, settings: SmartUpdateSettings, context: BuildContext) -> Backend:
+        from lightning_smartinf.core.placement import RoundRobin, Tiered
+        from lightning_smartinf.devices.remote.client import RemoteBackend
+
+        addresses, token, tls = _access(settings)
+        weights = settings.device_weights  # every rank opens a session on every server
+        return RemoteBackend(
+            addresses,
+            token,
+            label=context.label,
+            chunk_elems=settings.chunk_size,
+            buffer_count=settings.buffer_count,
+            io_threads=settings.io_threads,
+            tentative_slots=settings.overlap,
+            prefetch_state=settings.prefetch_state,
+            device_timeout_s=settings.device_timeout_s,
+            placement=RoundRobin() if weights is None else Tiered(tuple(weights), 0, settings.chunk_size),
+            tls=tls,
+        )
+
+    def checkpoint_masters(self, settings: SmartUpdateSettings) -> Callable[[Path], list[Tensor]] | None:
+        from lightning_smartinf.core.tiers.tiered import masters_beside
+        from lightning_smartinf.devices.remote.client import checkpoint_masters
+
+        addresses, token, tls = _access(settings)
+        return masters_beside(checkpoint_masters(addresses, token, tls=tls, timeout=settings.device_timeout_s))
+
+
+def _access(settings: SmartUpdateSettings) -> tuple[tuple[str, ...], str, TlsFiles | None]:
+    """The servers, the token, and the TLS files (``None``: plain gRPC)."""
+    from lightning_smartinf.devices.remote.tokens import read_tls_dir, read_token
+
+    tls_dir = settings.option("remote_tls_dir")
+    tls = None if tls_dir is None else read_tls_dir(tls_dir)
+    return settings.option("remote_devices"), read_token(settings.option("remote_token_file")), tls
+
+
+register(RemoteKind())

@@ -1,0 +1,257 @@
+"""What crosses the network between a trainer and a remote device server: one protobuf message, ``Frame``.
+
+gRPC carries the frames (HTTP/2 framing, flow control, deadlines, metadata for the bearer token). A frame holds a
+small JSON ``header`` (the call's arguments, at most :data:`MAX_HEADER_BYTES`) and/or one chunk of one tensor as raw
+bytes with its dtype, the shape of the whole tensor and the element offset of the chunk. Tensors travel in chunks
+of at most :data:`CHUNK_BYTES`, so no message exceeds :data:`MAX_MESSAGE_BYTES`, and gRPC's flow control makes a
+slow server push back on its clients.
+
+The message type is built from a descriptor at import (``FRAME_PROTO`` is its ``.proto`` text), so there is no
+generated code to keep in step with the protobuf runtime.
+
+Invariants:
+
+- A decoded tensor has exactly the dtype and size its frames declared, or :class:`WireError` is raised; chunks
+  must arrive in order, without gaps or overlap.
+- Decoding never evaluates anything: headers are JSON, and rules and hyperparameters are rebuilt from known
+  classes and fields only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy
+import torch
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from torch import Tensor
+
+from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdafactor, EFAdam, StepParams, UpdateRule
+
+__all__ = [
+    "CHUNK_BYTES",
+    "FRAME_PROTO",
+    "MAX_HEADER_BYTES",
+    "MAX_MESSAGE_BYTES",
+    "SERVICE",
+    "Frame",
+    "TensorReader",
+    "WireError",
+    "decode_header",
+    "encode_tensor",
+    "header_frame",
+    "hp_from_wire",
+    "hp_to_wire",
+    "rule_from_wire",
+    "rule_to_wire",
+]
+
+SERVICE = "smartinf.remote.Device"
+#: Bytes of tensor data per frame.
+CHUNK_BYTES = 4 << 20
+MAX_HEADER_BYTES = 256 << 10
+#: The largest message either side accepts (gRPC's ``max_receive_message_length``).
+MAX_MESSAGE_BYTES = CHUNK_BYTES + MAX_HEADER_BYTES + 4096
+
+FRAME_PROTO = """syntax = "proto3";
+package smartinf.remote;
+message Frame {
+  string header = 1;         // JSON object: the call's arguments or reply
+  string tensor = 2;         // which tensor the chunk belongs to ("grad", "indices", "out", ...)
+  string dtype = 3;          // torch dtype name, e.g. "bfloat16"
+  int64 numel = 4;           // elements of the whole tensor
+  int64 offset = 5;          // element offset of this chunk
+  bytes data = 6;            // the chunk, raw little-endian bytes
+}"""
+
+
+def _frame_class() -> type:
+    file = descriptor_pb2.FileDescriptorProto(name="smartinf_remote.proto", package="smartinf.remote", syntax="proto3")
+    message = file.message_type.add(name="Frame")
+    field = descriptor_pb2.FieldDescriptorProto
+    for number, (name, kind) in enumerate(
+        [
+            ("header", field.TYPE_STRING),
+            ("tensor", field.TYPE_STRING),
+            ("dtype", field.TYPE_STRING),
+            ("numel", field.TYPE_INT64),
+            ("offset", field.TYPE_INT64),
+            ("data", field.TYPE_BYTES),
+        ],
+        start=1,
+    ):
+        message.field.add(name=name, number=number, type=kind, label=field.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("smartinf.remote.Frame"))
+
+
+#: The one message type of the protocol (see :data:`FRAME_PROTO`).
+Frame = _frame_class()
+
+#: Dtypes that may cross the wire, by name.
+DTYPES = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64)
+}
+
+
+class WireError(ValueError):
+    """A frame that does not follow the protocol (malformed, oversized, out of order, of an unknown kind)."""
+
+
+def header_frame(**header: Any) -> Any:
+    """A frame carrying only ``header`` (JSON-serialisable)."""
+    text = json.dumps(header, separators=(",", ":"))
+    if len(text) > MAX_HEADER_BYTES:
+        raise WireError(f"A header of {len(text)} bytes exceeds the limit of {MAX_HEADER_BYTES}.")
+    return Frame(header=text)
+
+
+def decode_header(frame: Any, required: Iterable[str] = ()) -> dict[str, Any]:
+    """The JSON object of ``frame.header``, with every key of ``required`` present."""
+    if len(frame.header) > MAX_HEADER_BYTES:
+        raise WireError(f"A header of {len(frame.header)} bytes exceeds the limit of {MAX_HEADER_BYTES}.")
+    try:
+        header = json.loads(frame.header) if frame.header else {}
+    except json.JSONDecodeError as exc:
+        raise WireError(f"The frame's header is not JSON: {exc}.") from None
+    if not isinstance(header, dict):
+        raise WireError(f"The frame's header must be a JSON object, got {type(header).__name__}.")
+    if missing := [key for key in required if key not in header]:
+        raise WireError(f"The frame's header lacks {', '.join(map(repr, missing))}.")
+    return header
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise WireError(f"dtype {dtype} cannot cross the wire; allowed: {', '.join(DTYPES)}.")
+    return name
+
+
+def encode_tensor(name: str, tensor: Tensor, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
+    """Frames carrying the flat ``tensor`` (host memory) in chunks of at most ``chunk_bytes`` bytes."""
+    flat = tensor.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    dtype = dtype_name(flat.dtype)
+    per_chunk = max(1, chunk_bytes // flat.element_size())
+    numel = flat.numel()
+    if numel == 0:
+        yield Frame(tensor=name, dtype=dtype, numel=0, offset=0)
+        return
+    for start in range(0, numel, per_chunk):
+        chunk = flat[start : start + per_chunk].contiguous()
+        data = chunk.view(torch.uint8).numpy().tobytes()
+        yield Frame(tensor=name, dtype=dtype, numel=numel, offset=start, data=data)
+
+
+class TensorReader:
+    """Reassembles one tensor from its frames, checking each against what the first declared."""
+
+    def __init__(self, name: str, *, max_numel: int, dtypes: Iterable[torch.dtype] | None = None) -> None:
+        self.name = name
+        self.max_numel = max_numel
+        self.dtypes = None if dtypes is None else tuple(dtypes)
+        self.tensor: Tensor | None = None
+        self.filled = 0
+
+    def add(self, frame: Any) -> bool:
+        """Take one frame; ``True`` once the tensor is complete."""
+        if frame.tensor != self.name:
+            raise WireError(f"Expected a chunk of {self.name!r}, got one of {frame.tensor!r}.")
+        dtype = DTYPES.get(frame.dtype)
+        if dtype is None:
+            raise WireError(f"Unknown dtype {frame.dtype!r} for {self.name!r}; allowed: {', '.join(DTYPES)}.")
+        if self.dtypes is not None and dtype not in self.dtypes:
+            raise WireError(f"{self.name!r} may not be {frame.dtype}.")
+        if self.tensor is None:
+            if not 0 <= frame.numel <= self.max_numel:
+                raise WireError(f"{self.name!r} declares {frame.numel} elements; at most {self.max_numel} allowed.")
+            self.tensor = torch.empty(frame.numel, dtype=dtype)
+        elif dtype != self.tensor.dtype or frame.numel != self.tensor.numel():
+            raise WireError(f"A chunk of {self.name!r} changes its dtype or size mid-stream.")
+        if frame.offset != self.filled:
+            raise WireError(f"A chunk of {self.name!r} starts at {frame.offset}, expected {self.filled}.")
+        itemsize = dtype.itemsize
+        if len(frame.data) % itemsize or self.filled + len(frame.data) // itemsize > self.tensor.numel():
+            raise WireError(f"A chunk of {self.name!r} has {len(frame.data)} bytes, which does not fit the tensor.")
+        n = len(frame.data) // itemsize
+        if n:
+            # One copy, from the message's immutable bytes straight into the tensor.
+            target = self.tensor[self.filled : self.filled + n].view(torch.uint8).numpy()
+            target[:] = numpy.frombuffer(frame.data, dtype=numpy.uint8)
+        self.filled += n
+        return self.done
+
+    @property
+    def done(self) -> bool:
+        return self.tensor is not None and self.filled == self.tensor.numel()
+
+
+# ---------------------------------------------------------------------------------------------- rules and steps
+
+_RULES: dict[str, type[UpdateRule]] = {
+    "adam": Adam,
+    "sgd": SGD,
+    "adagrad": Adagrad,
+    "ef_adam": EFAdam,
+    "ef_adafactor": EFAdafactor,
+}
+
+
+def rule_to_wire(rule: UpdateRule) -> dict[str, Any]:
+    return {"name": rule.name, **dataclasses.asdict(rule)}  # type: ignore[call-overload]
+
+
+def _typed_fields(cls: type, values: dict[str, Any], what: str) -> dict[str, Any]:
+    """``values`` checked against the dataclass fields of ``cls``: known names, values of each field's annotated type
+    (``bool``, ``int``, a finite ``float``, or a tuple of finite floats)."""
+    fields = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    if unknown := sorted(set(values) - set(fields)):
+        raise WireError(f"{what} has unknown fields {unknown}; allowed: {sorted(fields)}.")
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        kind = fields[name]
+        if kind == "bool":
+            ok = isinstance(value, bool)
+        elif kind == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind.startswith("tuple"):
+            ok = isinstance(value, list) and all(number(v) for v in value)
+            value = tuple(float(v) for v in value) if ok else value
+        else:
+            ok = number(value)
+            value = float(value) if ok else value
+        if not ok:
+            raise WireError(f"{what}: field {name!r} has the wrong type or value ({value!r}).")
+        out[name] = value
+    return out
+
+
+def rule_from_wire(data: Any) -> UpdateRule:
+    if not isinstance(data, dict) or data.get("name") not in _RULES:
+        raise WireError(f"Unknown update rule {data!r}; the server knows {', '.join(_RULES)}.")
+    cls = _RULES[data["name"]]
+    return cls(**_typed_fields(cls, {k: v for k, v in data.items() if k != "name"}, f"rule {data['name']!r}"))
+
+
+def hp_to_wire(hp: StepParams) -> dict[str, Any]:
+    out = dataclasses.asdict(hp)
+    out["betas"] = list(hp.betas)
+    return out
+
+
+def hp_from_wire(data: Any) -> StepParams:
+    if not isinstance(data, dict):
+        raise WireError(f"Step hyperparameters must be an object, got {data!r}.")
+    return StepParams(**_typed_fields(StepParams, data, "step hyperparameters"))

@@ -1,0 +1,207 @@
+"""The host side of the ``hls_kernels/`` ABI: entry-point names, argument lists, derived scalars, flags, padding.
+
+This is the Python twin of ``hls_kernels/include/smartinf_abi.h`` and ``smartinf_kernels.h``; the XRT host
+(:mod:`lightning_smartinf.devices.xrt.backend`), the software pyxrt model and the C-simulation tests all use it, so
+the three cannot disagree on an argument's position or a scalar's rounding.
+
+Scalars are derived in double precision from :class:`~lightning_smartinf.core.rules.StepParams` and rounded to
+fp32 once (by ``struct``/``ctypes``), where ``torch.optim`` rounds a Python float to the tensor dtype.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import struct
+from dataclasses import replace
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdam, StepParams, UpdateRule
+
+# ---- `flags` bits (smartinf_abi.h) -----------------------------------------------------------------------------
+FLAG_MAXIMIZE = 1 << 0
+FLAG_WEIGHT_DECAY = 1 << 1
+FLAG_DECOUPLED_DECAY = 1 << 2
+FLAG_MOMENTUM = 1 << 3
+FLAG_FIRST_STEP = 1 << 4
+FLAG_NESTEROV = 1 << 5
+
+#: Every kernel port moves 512-bit beats; every buffer is allocated in whole beats.
+BEAT_BYTES = 64
+#: Elements of one top-k decompression tile (the kernels scatter pairs into one tile at a time).
+TOPK_TILE_ELEMS = 16384
+
+#: Kernel element type per torch dtype (gradient *and* parameter-output type of one entry point).
+KERNEL_TYPES: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+RULE_KERNELS = ("adam", "sgd", "adagrad", "efadam")
+#: Scalar arguments (before ``flags``) of each rule's kernels.
+SCALAR_COUNT = {"adam": 9, "sgd": 5, "adagrad": 4, "efadam": 8}
+#: fp32 state ports after ``master`` of each rule's kernels.
+STATE_PORTS = {"adam": 2, "sgd": 1, "adagrad": 1, "efadam": 1}
+
+ArgKind = Literal["ptr", "u32", "f32"]
+
+
+def padded_elems(n: int, itemsize: int) -> int:
+    """``n`` rounded up to a whole 64-byte beat of ``itemsize``-byte elements (at least one beat)."""
+    per_beat = BEAT_BYTES // itemsize
+    return max(1, -(-n // per_beat)) * per_beat
+
+
+def all_kernel_names() -> list[str]:
+    """The twenty-four entry points ``smartinf_<rule>[_topk]_<T>``."""
+    return [
+        f"smartinf_{rule}{'_topk' if topk else ''}_{suffix}"
+        for rule in RULE_KERNELS
+        for topk in (False, True)
+        for suffix in KERNEL_TYPES.values()
+    ]
+
+
+def rule_kernel(rule: UpdateRule) -> str:
+    """``"adam"``, ``"sgd"``, ``"adagrad"`` or ``"efadam"``; ``ValueError`` for what the kernels cannot run."""
+    if isinstance(rule, Adam):
+        if rule.amsgrad:
+            raise ValueError(
+                "`Adam(amsgrad=True)` is not supported by `backend='xrt'`: the kernels in hls_kernels/ have no "
+                "`max_exp_avg_sq` port. Use `amsgrad=False`, or `backend='cpu'`."
+            )
+        return "adam"
+    if isinstance(rule, SGD):
+        return "sgd"
+    if isinstance(rule, Adagrad):
+        return "adagrad"
+    if isinstance(rule, EFAdam):
+        return "efadam"
+    raise ValueError(
+        f"Update rule {type(rule).__name__!r} has no kernel in hls_kernels/; `backend='xrt'` runs Adam, AdamW, SGD "
+        "and Adagrad. Use one of them, or `backend='cpu'`."
+    )
+
+
+def kernel_type(dtype: torch.dtype) -> str:
+    if dtype not in KERNEL_TYPES:
+        raise ValueError(
+            f"dtype {dtype} has no kernel in hls_kernels/: gradients and parameters must be one of "
+            f"{', '.join(map(str, KERNEL_TYPES))}."
+        )
+    return KERNEL_TYPES[dtype]
+
+
+def kernel_name(rule: UpdateRule, dtype: torch.dtype, *, topk: bool) -> str:
+    """The entry point that updates ``rule``'s state with a gradient (and parameter output) of ``dtype``."""
+    return f"smartinf_{rule_kernel(rule)}{'_topk' if topk else ''}_{kernel_type(dtype)}"
+
+
+def parse_kernel_name(name: str) -> tuple[str, bool, str]:
+    """``(rule, topk, type suffix)`` of an entry point name; ``ValueError`` for anything else."""
+    parts = name.split("_")
+    topk = len(parts) == 4 and parts[2] == "topk"
+    shape_ok = (len(parts) == 3 or topk) and parts[0] == "smartinf"
+    if shape_ok and parts[1] in RULE_KERNELS and parts[-1] in KERNEL_TYPES.values():
+        return parts[1], topk, parts[-1]
+    raise ValueError(f"{name!r} is not a smartinf kernel name (one of {', '.join(all_kernel_names())}).")
+
+
+def kernel_signature(name: str) -> list[ArgKind]:
+    """Argument kinds of an entry point, in order (see ``smartinf_kernels.h``)."""
+    rule, topk, _ = parse_kernel_name(name)
+    ptrs: list[ArgKind] = ["ptr"] * (1 + STATE_PORTS[rule] + (2 if topk else 1) + 1)
+    counts: list[ArgKind] = ["u32", "u32"] if topk else ["u32"]
+    return ptrs + counts + ["f32"] * SCALAR_COUNT[rule] + ["u32"]
+
+
+# ---- derived scalars (mirror of smartinf_abi.h) ----------------------------------------------------------------
+
+
+def adam_scalars(hp: StepParams, decoupled: bool) -> tuple[list[float], int]:
+    beta1, beta2 = hp.betas
+    decay = hp.weight_decay != 0.0
+    scalars = [
+        hp.grad_scale,
+        1.0 - hp.lr * hp.weight_decay if decay and decoupled else 1.0,
+        hp.weight_decay if decay and not decoupled else 0.0,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        math.sqrt(1.0 - beta2**hp.step),
+        hp.eps,
+        -hp.lr / (1.0 - beta1**hp.step),
+    ]
+    flags = (FLAG_MAXIMIZE if hp.maximize else 0) | (FLAG_WEIGHT_DECAY if decay and not decoupled else 0)
+    flags |= FLAG_DECOUPLED_DECAY if decay and decoupled else 0
+    return scalars, flags
+
+
+def efadam_scalars(hp: StepParams, decoupled: bool) -> tuple[list[float], int]:
+    """Adam's scalars with ``beta1 = 0``, less the lerp weight: ``-lr / (1 - 0^t)`` is ``-lr``."""
+    scalars, flags = adam_scalars(replace(hp, betas=(0.0, hp.betas[1])), decoupled)
+    del scalars[3]  # lerp_w: no first moment
+    return scalars, flags
+
+
+def sgd_scalars(hp: StepParams, with_momentum: bool) -> tuple[list[float], int]:
+    use_momentum = with_momentum and hp.momentum != 0.0
+    scalars = [hp.grad_scale, hp.weight_decay, hp.momentum, 1.0 - hp.dampening, -hp.lr]
+    flags = (FLAG_MAXIMIZE if hp.maximize else 0) | (FLAG_WEIGHT_DECAY if hp.weight_decay != 0.0 else 0)
+    if use_momentum:
+        flags |= FLAG_MOMENTUM | (FLAG_FIRST_STEP if hp.step == 1 else 0) | (FLAG_NESTEROV if hp.nesterov else 0)
+    return scalars, flags
+
+
+def adagrad_scalars(hp: StepParams) -> tuple[list[float], int]:
+    clr = hp.lr / (1.0 + (hp.step - 1) * hp.lr_decay)
+    scalars = [hp.grad_scale, hp.weight_decay, hp.eps, -clr]
+    flags = (FLAG_MAXIMIZE if hp.maximize else 0) | (FLAG_WEIGHT_DECAY if hp.weight_decay != 0.0 else 0)
+    return scalars, flags
+
+
+def derive_scalars(rule: UpdateRule, hp: StepParams) -> tuple[list[float], int]:
+    """The fp32 scalar arguments (as Python floats, still unrounded) and ``flags`` of one update."""
+    kind = rule_kernel(rule)
+    if kind == "adam":
+        assert isinstance(rule, Adam)
+        return adam_scalars(hp, rule.decoupled_weight_decay)
+    if kind == "sgd":
+        assert isinstance(rule, SGD)
+        return sgd_scalars(hp, rule.with_momentum)
+    if kind == "efadam":
+        assert isinstance(rule, EFAdam)
+        return efadam_scalars(hp, rule.decoupled_weight_decay)
+    return adagrad_scalars(hp)
+
+
+# ---- scalar encodings ------------------------------------------------------------------------------------------
+
+
+def f32_arg(x: float) -> int:
+    """``x`` rounded to fp32, as the signed 32-bit pattern ``pyxrt.run.set_arg`` takes for a scalar."""
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def u32_arg(x: int) -> int:
+    """A uint32 scalar as the signed 32-bit int ``pyxrt.run.set_arg`` takes."""
+    if not 0 <= x < 1 << 32:
+        raise ValueError(f"kernel scalar {x} does not fit uint32")
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
+def arg_to_f32(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", bits))[0]
+
+
+# ---- the C-simulation library ----------------------------------------------------------------------------------
+
+
+def load_csim_library(path: Path) -> ctypes.CDLL:
+    """Load ``libsmartinf_kernels.so`` (``make -C hls_kernels csim``) with the argument types of every entry point."""
+    cdll = ctypes.CDLL(str(path))
+    ctype = {"ptr": ctypes.c_void_p, "u32": ctypes.c_uint32, "f32": ctypes.c_float}
+    for name in all_kernel_names():
+        fn = getattr(cdll, name)
+        fn.argtypes = [ctype[kind] for kind in kernel_signature(name)]
+        fn.restype = None
+    return cdll

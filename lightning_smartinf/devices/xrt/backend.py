@@ -1,0 +1,503 @@
+"""The ``xrt`` backend: Samsung SmartSSDs driven through XRT's Python bindings (``pyxrt``), running ``hls_kernels/``.
+
+Per SmartSSD (one per storage path) the host opens ``pyxrt.device``, loads the xclbin and keeps a fixed set of
+device buffers, allocated once at :meth:`XrtBackend.open`:
+
+- ``buffer_count`` **P2P** record buffers (``bo.flags.p2p``), each one chunk record ``[master | states]`` of the
+  on-disk layout. The SSD's ``O_DIRECT`` state file is ``pread`` into, and ``pwrite`` from, the buffer's host
+  mapping, which is the FPGA's PCIe BAR: the NVMe controller moves the state to and from FPGA DDR without a host
+  bounce buffer, so the state never crosses the shared link. The kernel's master and state ports are sub-buffers
+  of the record.
+- three normal buffers for the link: the gradient (or top-k values), the top-k indices and the parameter output,
+  synced to and from the device per chunk.
+
+The chunk pipeline (read-ahead, update, write-behind, per-chunk write ordering, the buffer pool as back-pressure)
+is the streaming device's, :class:`~lightning_smartinf.core.streaming.backend.StreamingDevice`, as for the CPU backend;
+only the buffers and the update step differ: it runs the kernel instead of :meth:`UpdateRule.apply`.
+
+Kernel type: each entry point takes the gradient and writes the parameters in one type T. T is the link dtype when
+it equals the output dtype (always the case under the strategy: both are the training precision); otherwise the
+fp32 kernel runs, the gradient is widened on the host (exact) and the parameters are rounded on the host
+(bit-identical to the kernel's own rounding) -- and the link then carries 4 B per element, which the traffic
+counters report.
+
+Traffic: ``link_*`` counts what crosses the host link (for the strategy's path exactly what the CPU backend counts:
+the gradient in the link dtype or ``SparseGrad.link_bytes``, the parameters in their dtype; :meth:`initialize`
+writes whole fp32 records through the BAR and counts them); ``storage_*`` counts state bytes on the
+device-internal SSD <-> FPGA path only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.compression import SparseGrad
+from lightning_smartinf.core.format.layout import pool_bytes
+from lightning_smartinf.core.io.direct import ThreadedIO
+from lightning_smartinf.core.io.storage import GIB
+from lightning_smartinf.core.rules import StepParams
+from lightning_smartinf.core.streaming.backend import StreamingBackend
+from lightning_smartinf.core.streaming.device import StreamingDevice
+from lightning_smartinf.core.streaming.pipeline import ChunkWork, Shard
+from lightning_smartinf.core.traffic import Traffic
+from lightning_smartinf.devices.xrt.abi import (
+    derive_scalars,
+    f32_arg,
+    kernel_name,
+    kernel_type,
+    padded_elems,
+    rule_kernel,
+    u32_arg,
+)
+from lightning_smartinf.devices.xrt.model import SoftwarePyxrt, is_model_xclbin, platform_for
+
+MIB = 1 << 20
+_BDF = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
+#: Normal (host-synced) buffers per device: gradient or top-k values, top-k indices, parameter output.
+STAGING_BUFFERS = 3
+
+_INSTALL_HINT = (
+    "Install XRT (https://xilinx.github.io/XRT/, the `xrt` package for your distribution, 2.12 or later) and run "
+    "`source /opt/xilinx/xrt/setup.sh` in this shell so `import pyxrt` works. To run without XRT, pass a model "
+    "xclbin (`lightning_smartinf.devices.xrt.write_model_xclbin`, see docs/smartssd.md)."
+)
+
+
+# ---------------------------------------------------------------------------------------------- settings
+
+
+def check_xrt_settings(
+    xclbin: str | os.PathLike | None,
+    xrt_devices: Sequence[int | str] | None,
+    storage_paths: Sequence[str | os.PathLike] | None,
+) -> Path:
+    """Check the ``backend='xrt'`` arguments without touching XRT; return the xclbin path.
+
+    Raises:
+        FileNotFoundError: ``xclbin`` does not exist.
+        ValueError: any other bad value; the message names the argument, the value, what is allowed and the fix.
+    """
+    if xclbin is None:
+        raise ValueError(
+            "`xclbin=None`: `backend='xrt'` needs the device binary. Pass `xclbin=` the `.xclbin` built with "
+            "`make -C hls_kernels xclbin` (or a model manifest from `write_model_xclbin` to run without hardware)."
+        )
+    path = Path(xclbin)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"`xclbin={str(xclbin)!r}` does not exist or is not a file. Build it with `make -C hls_kernels xclbin` "
+            "(it lands in hls_kernels/build_dir.hw/smartinf.xclbin) and pass that path."
+        )
+    if path.suffix != ".xclbin" and not is_model_xclbin(path):
+        raise ValueError(
+            f"`xclbin={str(xclbin)!r}` is neither an `.xclbin` file nor a model manifest (a `.json` written by "
+            "`write_model_xclbin`). Pass the `.xclbin` built from hls_kernels/."
+        )
+    if xrt_devices is not None:
+        if not isinstance(xrt_devices, (list, tuple)) or not xrt_devices:
+            raise ValueError(f"`xrt_devices={xrt_devices!r}` must be a non-empty list of device indices or BDFs.")
+        for ident in xrt_devices:
+            if isinstance(ident, bool) or not (
+                (isinstance(ident, int) and ident >= 0) or (isinstance(ident, str) and _BDF.match(ident))
+            ):
+                raise ValueError(
+                    f"`xrt_devices` entry {ident!r} is neither a device index (int >= 0) nor a PCIe BDF like "
+                    "'0000:3b:00.1'. List the SmartSSD FPGAs with `xbutil examine`."
+                )
+        if len(set(map(str, xrt_devices))) != len(xrt_devices):
+            raise ValueError(f"`xrt_devices={list(xrt_devices)!r}` names a device twice; each path needs its own.")
+        paths = 1 if storage_paths is None else len(storage_paths)
+        if paths != len(xrt_devices):
+            raise ValueError(
+                f"`xrt_devices={list(xrt_devices)!r}` names {len(xrt_devices)} device(s) for {paths} storage "
+                f"path(s) (`storage_paths={None if storage_paths is None else [str(p) for p in storage_paths]!r}`): "
+                "each storage path is the SSD of one SmartSSD, so the lists must pair up one to one. Pass one "
+                "device per storage path, or `xrt_devices=None` to pair them by PCIe topology."
+            )
+    return path
+
+
+def load_pyxrt(xclbin: str | os.PathLike) -> Any:
+    """The ``pyxrt`` to use for ``xclbin``: the software model for a model manifest, else the real module.
+
+    Raises:
+        RuntimeError: the real ``pyxrt`` cannot be imported (with how to install XRT).
+    """
+    if is_model_xclbin(xclbin):
+        return platform_for(xclbin)
+    try:
+        import pyxrt  # noqa: PLC0415 - ships with XRT, not on PyPI: imported only when a real xclbin is used
+    except ImportError as exc:
+        raise RuntimeError(
+            f"`backend='xrt'` with `xclbin={str(xclbin)!r}` cannot import `pyxrt` ({exc}). {_INSTALL_HINT}"
+        ) from None
+    return pyxrt
+
+
+# ---------------------------------------------------------------------------------------------- device pairing
+
+
+def _pci_ancestors(sysfs_path: Path) -> list[Path]:
+    """The PCI devices on the way from the root complex to ``sysfs_path`` (nearest last)."""
+    return [p for p in reversed([sysfs_path, *sysfs_path.parents]) if _BDF.match(p.name)]
+
+
+def pair_by_pcie(storage_paths: Sequence[Path], bdfs: Sequence[str], sysfs: Path = Path("/sys")) -> list[str]:
+    """For each storage path, the BDF (of ``bdfs``) of the FPGA on the same SmartSSD.
+
+    A SmartSSD is a PCIe switch with the NVMe SSD behind one downstream port and the FPGA behind another, so the
+    SSD's controller and the FPGA share the switch's upstream port, two levels up from each endpoint. The SSD of a
+    path is found from the path's block device (``/sys/dev/block/MAJ:MIN``).
+
+    Raises:
+        ValueError: a path's SSD is not behind a switch with exactly one of ``bdfs``.
+    """
+    fpga_switch = {}
+    for bdf in bdfs:
+        chain = _pci_ancestors((sysfs / "bus" / "pci" / "devices" / bdf).resolve())
+        fpga_switch[bdf] = chain[-3] if len(chain) >= 3 else None
+    paired = []
+    for path in storage_paths:
+        st = os.stat(path)
+        block = (sysfs / "dev" / "block" / f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve()
+        chain = _pci_ancestors(block)
+        switch = chain[-3] if len(chain) >= 3 else None
+        found = [bdf for bdf, s in fpga_switch.items() if switch is not None and s == switch]
+        if len(found) != 1:
+            raise ValueError(
+                f"Cannot pair storage path {str(path)!r} (block device {block}) with a SmartSSD FPGA: "
+                f"{len(found)} of the XRT devices {list(bdfs)} sit behind its PCIe switch. Pass `xrt_devices=` "
+                "explicitly, one BDF per storage path (see `xbutil examine` and `lspci -tv`)."
+            )
+        paired.append(found[0])
+    return paired
+
+
+# ---------------------------------------------------------------------------------------------- the device
+
+
+class XrtDevice(StreamingDevice):
+    """One SmartSSD: the streaming chunk pipeline, with P2P record buffers and the update run by a kernel."""
+
+    def __init__(
+        self,
+        index: int,
+        directory: Path,
+        traffic: Traffic,
+        *,
+        chunk_elems: int,
+        buffer_count: int,
+        pyxrt: Any,
+        handle: Any,
+        uuid: Any,
+        kernel_names: frozenset[str],
+        xclbin_path: Path,
+    ) -> None:
+        super().__init__(index, directory, traffic, ThreadedIO(), chunk_elems=chunk_elems, buffer_count=buffer_count)
+        self.pyxrt = pyxrt
+        self.handle = handle
+        self.uuid = uuid
+        self.bdf = str(handle.get_info(pyxrt.xrt_info_device.bdf))
+        #: The kernels of the loaded xclbin, and its path (for messages).
+        self.kernel_names = kernel_names
+        self.xclbin_path = xclbin_path
+        self._kernels: dict[str, Any] = {}
+        #: data_ptr of each pool buffer -> the P2P bo it maps (the pool hands out tensors over the mappings).
+        self._records: dict[int, Any] = {}
+        #: (record data_ptr, padded length, tensor j) -> sub-bo of tensor j of that record.
+        self._subs: dict[tuple[int, int, int], Any] = {}
+        self._staging: dict[str, tuple[Any, Tensor]] = {}
+
+    def kernel(self, name: str) -> Any:
+        if name not in self._kernels:
+            self._kernels[name] = self.pyxrt.kernel(self.handle, self.uuid, name, self.pyxrt.kernel.shared)
+        return self._kernels[name]
+
+    def device_bytes(self, tensors_per_record: int) -> int:
+        """Device DDR the buffers take: the P2P records plus the staging buffers."""
+        return pool_bytes(1, self.buffer_count, self.chunk_elems, tensors_per_record) + self._staging_bytes
+
+    @property
+    def _staging_bytes(self) -> int:
+        return STAGING_BUFFERS * self.chunk_elems * 4
+
+    def allocate(self, tensors_per_record: int) -> None:
+        pyxrt = self.pyxrt
+        group = self.kernel(min(self.kernel_names)).group_id(0)  # every port is in the one DDR bank
+        record_bytes = self.chunk_elems * 4 * tensors_per_record
+        for _ in range(self.buffer_count):
+            bo = pyxrt.bo(self.handle, record_bytes, pyxrt.bo.flags.p2p, group)
+            record = torch.frombuffer(bo.map(), dtype=torch.float32)
+            self._records[record.data_ptr()] = bo
+            self.pool.add(record)
+        for name in ("grad", "idx", "param"):
+            bo = pyxrt.bo(self.handle, self.chunk_elems * 4, pyxrt.bo.flags.normal, group)
+            self._staging[name] = (bo, torch.frombuffer(bo.map(), dtype=torch.uint8))
+        self.allocated_bytes = self.device_bytes(tensors_per_record)
+
+    def _record_bos(self, record: Tensor, padded: int, tensors: int) -> list[Any]:
+        key = record.data_ptr()
+        parent = self._records[key]
+        if len(self._subs) > 64 * self.buffer_count:
+            self._subs.clear()
+        bos = []
+        for j in range(tensors):
+            sub = self._subs.get((key, padded, j))
+            if sub is None:
+                sub = self._subs[(key, padded, j)] = self.pyxrt.bo(parent, padded * 4, j * padded * 4)
+            bos.append(sub)
+        return bos
+
+    def _to_device(self, name: str, nbytes: int) -> Any:
+        bo = self._staging[name][0]
+        if nbytes:
+            bo.sync(self.pyxrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE, nbytes, 0)
+        return bo
+
+    def run_update(
+        self,
+        name: str,
+        scalars: list[int],
+        record: Tensor,
+        padded: int,
+        num_states: int,
+        grad: Tensor | SparseGrad,
+        link_dtype: torch.dtype,
+        kind: torch.dtype,
+        out: Tensor,
+        start: int,
+        n: int,
+    ) -> None:
+        """One kernel call on chunk ``[start, start + n)``: gradient in, state updated in place in DDR, params out."""
+        sync = self.pyxrt.xclBOSyncDirection
+        itemsize = kind.itemsize
+        state_bos = self._record_bos(record, padded, 1 + num_states)
+        if name.startswith("smartinf_sgd") and num_states == 0:
+            state_bos.append(state_bos[0])  # no momentum buffer: the kernel never touches the port (flag bit 3 off)
+        grad_host = self._staging["grad"][1]
+        if isinstance(grad, SparseGrad):
+            lo, hi = grad.chunk_bounds(start, n)
+            k = hi - lo
+            # Indices rebased to the chunk, still strictly ascending (the kernels' precondition).
+            self._staging["idx"][1].view(torch.int32)[:k].copy_(grad.indices[lo:hi]).sub_(start)
+            self._store(grad_host.view(kind)[:k], grad.values[lo:hi], link_dtype)
+            grad_args = [
+                self._to_device("idx", padded_elems(k, 4) * 4 if k else 0),
+                self._to_device("grad", padded_elems(k, itemsize) * itemsize if k else 0),
+            ]
+            counts = [u32_arg(n), u32_arg(k)]
+        else:
+            self._store(grad_host.view(kind)[:n], grad[start : start + n], link_dtype)
+            grad_args = [self._to_device("grad", padded_elems(n, itemsize) * itemsize)]
+            counts = [u32_arg(n)]
+        param_bo, param_host = self._staging["param"]
+        run = self.pyxrt.run(self.kernel(name))
+        for i, arg in enumerate([*state_bos, *grad_args, param_bo, *counts, *scalars]):
+            run.set_arg(i, arg)
+        run.start()
+        state = run.wait()
+        if state != self.pyxrt.ert_cmd_state.ERT_CMD_STATE_COMPLETED:
+            raise RuntimeError(f"Kernel {name} on device {self.index} ({self.bdf}) ended in state {state}.")
+        param_bo.sync(sync.XCL_BO_SYNC_BO_FROM_DEVICE, padded_elems(n, itemsize) * itemsize, 0)
+        self.link.put(out[start : start + n], param_host.view(kind)[:n])
+
+    def _store(self, dst: Tensor, src: Tensor, link_dtype: torch.dtype) -> None:
+        """``src`` as it arrives after crossing the link in ``link_dtype``, in the kernel type of ``dst``."""
+        src = self.link.to_host(src)
+        if src.dtype == link_dtype or dst.dtype == link_dtype:
+            dst.copy_(src)  # one rounding (or none): copy_ rounds to nearest even like .to()
+        else:
+            dst.copy_(self.link_chunk(src.numel(), link_dtype).copy_(src))  # round to the link, then widen (exact)
+
+    def update_work(
+        self, shard: Shard, grad: Tensor | SparseGrad, hp: StepParams, out: Tensor, link_dtype: torch.dtype
+    ) -> ChunkWork:
+        """One kernel call per chunk (:meth:`run_update`), in the kernel type of ``link_dtype`` and ``out``.
+
+        Raises:
+            ValueError: a dtype without a kernel type, or a kernel the xclbin does not have.
+        """
+        sparse = isinstance(grad, SparseGrad)
+        kernel_type(link_dtype)
+        kernel_type(out.dtype)
+        kind = link_dtype if link_dtype == out.dtype else torch.float32
+        rule = shard.spec.rule
+        name = kernel_name(rule, kind, topk=sparse)
+        if name not in self.kernel_names:
+            raise ValueError(
+                f"Kernel `{name}` (shard {shard.spec.index}: {rule.name}, {'top-k' if sparse else 'dense'} gradient "
+                f"and parameters in {kind}) is not in `xclbin={str(self.xclbin_path)!r}`, which has: "
+                f"{', '.join(sorted(self.kernel_names))}. Rebuild it with "
+                f'`make -C hls_kernels xclbin KERNELS="{name} ..."`, or train in a precision it has.'
+            )
+        scalars, flags = derive_scalars(rule, hp)
+        args = [f32_arg(s) for s in scalars] + [u32_arg(flags)]
+        layout, num_states = shard.layout, len(rule.state_names)
+
+        def update(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
+            padded = record.numel() // layout.tensors_per_record
+            self.run_update(name, args, record, padded, num_states, grad, link_dtype, kind, out, start, n)
+
+        link_write = grad.link_bytes(kind) if sparse else grad.numel() * kind.itemsize
+        return ChunkWork(compute=update, link_write=link_write, link_read=out.numel() * kind.itemsize)
+
+    def initialize_link_bytes(self, shard: Shard, master: Tensor) -> int:
+        """The host writes each whole record (zeros, master, initial states) through the P2P mapping once."""
+        return shard.layout.file_bytes
+
+    def close(self, timeout: float | None = None) -> bool:
+        settled = super().close(timeout)
+        if settled:  # else a hung transfer may still use a P2P mapping: keep its buffer objects alive
+            self._subs.clear()
+            self._records.clear()
+            self._staging.clear()
+            self._kernels.clear()
+        return settled
+
+
+# ---------------------------------------------------------------------------------------------- the backend
+
+
+class XrtBackend(StreamingBackend):
+    """Samsung SmartSSDs (or the software model of pyxrt), one per directory in ``device_dirs``.
+
+    Args:
+        device_dirs: one directory per SmartSSD, on that SmartSSD's SSD; state files are created inside.
+        xclbin: the ``.xclbin`` built from ``hls_kernels/``, or a model manifest (:func:`write_model_xclbin`),
+            which selects the software model of pyxrt instead of the real one.
+        devices: the XRT device (index or PCIe BDF) of each directory; ``None`` pairs each directory with the FPGA
+            behind the same PCIe switch as its SSD (the model pairs them in order).
+        chunk_elems: elements per streamed chunk (a multiple of 1024).
+        buffer_count: P2P record buffers per device (at least 2).
+        owned_dirs: directories the backend created and removes on :meth:`close`.
+        prefetch_state: act on :meth:`prefetch` advice (``False`` ignores it: for comparisons).
+        device_timeout_s: seconds a SmartSSD may show no progress while the host waits for it before a
+            :class:`~lightning_smartinf.core.io.storage.StorageError` stops the backend; ``None`` waits forever (see
+            :class:`~lightning_smartinf.devices.cpu.CpuBackend`).
+        device_weights: relative update throughput of each SmartSSD (``None``: equal).
+
+    Host-memory and accelerator tiers wrap it (:class:`~lightning_smartinf.core.tiers.tiered.TieredBackend`): since
+    the SmartSSDs compute, the memory tier's share is measured by default.
+
+    Raises:
+        ValueError: bad arguments (see :func:`check_xrt_settings`), or more directories than XRT devices.
+        FileNotFoundError: ``xclbin`` does not exist.
+        RuntimeError: ``pyxrt`` is missing, or a device cannot be opened or programmed.
+    """
+
+    devices_compute = True  # the FPGAs update, not this host's cores
+
+    def __init__(
+        self,
+        device_dirs: Sequence[Path],
+        *,
+        xclbin: str | os.PathLike | None,
+        devices: Sequence[int | str] | None = None,
+        chunk_elems: int = 1 << 20,
+        buffer_count: int = 4,
+        owned_dirs: Sequence[Path] = (),
+        prefetch_state: bool = True,
+        device_timeout_s: float | None = 300.0,
+        device_weights: Sequence[float] | None = None,
+    ) -> None:
+        self.xclbin_path = check_xrt_settings(xclbin, devices, [str(d) for d in device_dirs])
+        self.pyxrt = load_pyxrt(self.xclbin_path)
+        self.is_model = isinstance(self.pyxrt, SoftwarePyxrt)
+        self._xclbin = self.pyxrt.xclbin(str(self.xclbin_path))
+        self.kernel_names = frozenset(k.get_name() for k in self._xclbin.get_kernels())
+        #: Device DDR per SmartSSD, from the memory banks of the xclbin.
+        self.ddr_bytes = sum(m.get_size_kb() * 1024 for m in self._xclbin.get_mems() if m.get_used())
+        self._xrt_devices = devices
+        super().__init__(
+            device_dirs,
+            chunk_elems=chunk_elems,
+            buffer_count=buffer_count,
+            owned_dirs=owned_dirs,
+            prefetch_state=prefetch_state,
+            device_timeout_s=device_timeout_s,
+            device_weights=device_weights,
+        )
+
+    @cached_property
+    def device_idents(self) -> list[int | str]:
+        """The XRT device (index or BDF) of each directory: as given, or paired with its SSD.
+
+        Computed when :meth:`make_device` first needs it, once the directories are claimed.
+        """
+        return self._pair(list(self.device_dirs), self._xrt_devices)
+
+    def make_device(self, index: int, directory: Path) -> XrtDevice:
+        """Open XRT device ``index`` of :attr:`device_idents`, load the xclbin, and wrap it for ``directory``.
+
+        Raises:
+            RuntimeError: the device cannot be opened or programmed.
+        """
+        ident = self.device_idents[index]
+        try:
+            handle = self.pyxrt.device(ident)
+            uuid = handle.load_xclbin(self._xclbin)
+        except Exception as exc:  # noqa: BLE001 - XRT raises plain RuntimeErrors; name the device
+            raise RuntimeError(
+                f"Cannot open XRT device {ident!r} for storage path {str(directory)!r} and load "
+                f"`xclbin={str(self.xclbin_path)!r}` ({exc}). Check `xbutil examine` lists it and that the "
+                "xclbin was built for its platform."
+            ) from None
+        return XrtDevice(
+            index,
+            directory,
+            self.traffic,
+            chunk_elems=self.chunk_elems,
+            buffer_count=self.buffer_count,
+            pyxrt=self.pyxrt,
+            handle=handle,
+            uuid=uuid,
+            kernel_names=self.kernel_names,
+            xclbin_path=self.xclbin_path,
+        )
+
+    def _pair(self, device_dirs: list[Path], devices: Sequence[int | str] | None) -> list[int | str]:
+        if devices is not None:
+            return list(devices)
+        available = int(self.pyxrt.enumerate_devices())
+        if len(device_dirs) > available:
+            raise ValueError(
+                f"`storage_paths` gives {len(device_dirs)} path(s) ({', '.join(map(str, device_dirs))}) to this rank, "
+                f"but XRT sees only {available} device(s). Each storage path must be on its own SmartSSD: pass at "
+                f"most {available} path(s) per node, or list the devices with `xrt_devices=`."
+            )
+        if self.is_model:
+            return list(range(len(device_dirs)))  # the model has no PCIe topology: pair in order
+        bdfs = [str(self.pyxrt.device(i).get_info(self.pyxrt.xrt_info_device.bdf)) for i in range(available)]
+        return list(pair_by_pcie(device_dirs, bdfs))
+
+    def open(self, shards: Sequence[ShardSpec]) -> None:
+        rules = {rule_kernel(s.rule) for s in shards}  # ValueError for amsgrad and other rules without a kernel
+        for rule in sorted(rules):
+            if not any(name.startswith(f"smartinf_{rule}_") for name in self.kernel_names):
+                raise ValueError(
+                    f"`xclbin={str(self.xclbin_path)!r}` has no `smartinf_{rule}_*` kernel, needed by the "
+                    f"optimizer's {rule!r} param groups (it has: {', '.join(sorted(self.kernel_names))}). Rebuild "
+                    f'it with `make -C hls_kernels xclbin KERNELS="smartinf_{rule}_bf16 smartinf_{rule}_topk_bf16"` '
+                    "(one kernel per training dtype)."
+                )
+        tensors = max((1 + len(s.rule.state_names) for s in shards), default=1)
+        need = self.devices[0].device_bytes(tensors)
+        if need > self.ddr_bytes:
+            fit = (self.ddr_bytes // (4 * (self.buffer_count * tensors + STAGING_BUFFERS))) // 1024 * 1024
+            raise ValueError(
+                f"`chunk_elems={self.chunk_elems}` with `buffer_count={self.buffer_count}` needs "
+                f"{need / MIB:.0f} MiB of device memory per SmartSSD ({self.buffer_count} P2P records of "
+                f"{tensors} fp32 tensors + {STAGING_BUFFERS} staging buffers of one chunk each), but the memory banks "
+                f"of `xclbin={str(self.xclbin_path)!r}` hold {self.ddr_bytes / GIB:.2f} GiB. Lower `chunk_size` "
+                f"(at most {fit} here) or `buffer_count`."
+            )
+        super().open(shards)
