@@ -183,6 +183,7 @@ def train(
     max_lr: float = 3e-3,
     init: dict[str, torch.Tensor] | None = None,
     gpt2: tuple[int, int, float] | None = None,
+    precision: str = "bf16-mixed",
 ) -> tuple[Record, int]:
     L.seed_everything(0, verbose=False)
     if gpt2 is not None:
@@ -206,7 +207,7 @@ def train(
             chunk_size=1 << 16,
             compression=None if ratio is None else {"ratio": ratio, "error_feedback": error_feedback, "rule": rule},
         ),
-        precision="bf16-mixed",
+        precision=precision,
         max_steps=steps,
         val_check_interval=val_every,
         check_val_every_n_epoch=None,
@@ -301,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="take the dense run from an earlier record (its .json) of the same task and steps instead of running it",
     )
+    parser.add_argument(
+        "--precision",
+        choices=["bf16-mixed", "32-true"],
+        default="bf16-mixed",
+        help="Lightning precision of both runs (32-true: where the CPU lacks bf16 matmuls, about 20x faster there)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write <out>.png and <out>.json")
     args = parser.parse_args(argv)
 
@@ -324,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             max_lr=max_lr,
             init=init,
             gpt2=gpt2,
+            precision=args.precision,
         )
         dense, params = reference_record(args.dense_from) if args.dense_from else train("dense", **dense_run, **common)
         comp, _ = train(
@@ -363,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "storage_bytes_per_param_per_step_compressed": comp.storage_per_step[-1] / params,
         "dense_from": str(args.dense_from) if args.dense_from else None,
+        "precision": args.precision,
         "val_dense": dense.val,
         "train_dense": dense.train,
         "val_compressed": comp.val,

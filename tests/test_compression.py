@@ -236,16 +236,17 @@ def test_preset_and_set_kept_ratio() -> None:
         SmartInfinityStrategy().set_kept_ratio(0.1)
 
 
-# A record's compressed run takes 10-15 minutes on one core of the CI machine: bf16 matmuls have no hardware support
-# on its CPU and run about 20x slower than fp32 (a GPU runs them natively).
-RECORD_TIMEOUT_S = 1800
+# The records' recipes re-run in fp32, dense and compressed both: the records themselves are bf16, whose matmuls this
+# CPU emulates about 20x slower (15-20 minutes a run on one core), while fp32 takes 2-3 minutes. The bf16 link bytes
+# are asserted exactly by test_one_percent_bf16_traffic_is_exact_and_under_2_1_bytes_per_param.
+RECORD_TIMEOUT_S = 1200
+#: Link bytes per parameter per step at 1% in fp32: 1% of the entries as (int32 index, fp32 value), fp32 back dense.
+FP32_LINK_BYTES = 4.1
 
 
-def _convergence_record(tmp_path: Path, name: str, argv: list[str], dense_record: str) -> dict:
-    """Run benchmarks/bench_compression.py (1% top-k on real text) against the dense run recorded in
-    ``docs/<dense_record>``, and return its JSON record. The dense run is taken from the record instead of re-run to
-    halve the time; it trains through the same strategy, whose dense path other tests prove equal to torch.optim.
-    Validation every 50 steps (the record's every 25) keeps the final step-400 loss that is compared."""
+def _convergence_record(tmp_path: Path, name: str, argv: list[str]) -> dict:
+    """Run benchmarks/bench_compression.py (dense vs 1% top-k on real text, fp32, validation every 50 steps: the
+    last at the final step that is compared) and return its JSON record."""
     import importlib.util
 
     path = Path(__file__).parents[1] / "benchmarks" / "bench_compression.py"
@@ -253,8 +254,7 @@ def _convergence_record(tmp_path: Path, name: str, argv: list[str], dense_record
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / name
-    docs = Path(__file__).parents[1] / "docs"
-    assert bench.main([*argv, "--val-every", "50", "--dense-from", str(docs / dense_record), "--out", str(out)]) == 0
+    assert bench.main([*argv, "--precision", "32-true", "--val-every", "50", "--out", str(out)]) == 0
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return json.loads(out.with_suffix(".json").read_text())
 
@@ -262,32 +262,32 @@ def _convergence_record(tmp_path: Path, name: str, argv: list[str], dense_record
 @pytest.mark.slow
 @pytest.mark.timeout(RECORD_TIMEOUT_S)
 def test_one_percent_with_sgd_momentum_converges_within_5_percent_of_dense(tmp_path) -> None:
-    """The convergence record of docs/compression.md, re-run: real text, 400 steps, 1% top-k vs the recorded dense."""
-    result = _convergence_record(tmp_path, "sgd", ["--steps", "400", "--optimizer", "sgd"], "compression-sgd.json")
+    """The convergence record of docs/compression.md, re-run in fp32: real text, 400 steps, dense vs 1% top-k
+    (recorded in bf16: +3.1%; fp32 here: +3.2%)."""
+    result = _convergence_record(tmp_path, "sgd", ["--steps", "400", "--optimizer", "sgd"])
     assert result["relative_difference"] < 0.05, result
-    assert result["link_bytes_per_param_per_step_compressed"] <= 2.1
+    assert result["link_bytes_per_param_per_step_compressed"] <= FP32_LINK_BYTES
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(RECORD_TIMEOUT_S)
 def test_one_percent_adamw_fine_tuning_stays_within_3_percent_of_dense(tmp_path) -> None:
-    """docs/compression.md's fine-tuning record, re-run: AdamW (EF-Adam on the devices) on Python source after dense
-    English pre-training. Recorded: +2.0%; the margin absorbs other CPUs' rounding."""
-    result = _convergence_record(
-        tmp_path, "finetune", ["--finetune", "--steps", "200"], "compression-finetune-adamw-efadam.json"
-    )
+    """docs/compression.md's fine-tuning record, re-run in fp32: AdamW (EF-Adam on the devices) on Python source
+    after dense English pre-training. Recorded in bf16: +2.0%, fp32 here: +1.8%; the margin absorbs other CPUs'
+    rounding."""
+    result = _convergence_record(tmp_path, "finetune", ["--finetune", "--steps", "200"])
     assert result["optimizer"] == "adamw" and result["pretrain_steps"] == 400 and result["rule"] == "auto"
     assert result["relative_difference"] < 0.03, result
-    assert result["link_bytes_per_param_per_step_compressed"] <= 2.1
+    assert result["link_bytes_per_param_per_step_compressed"] <= FP32_LINK_BYTES
     assert result["storage_bytes_per_param_per_step_compressed"] < 16.1  # EF-Adam: master + exp_avg_sq, read + write
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(RECORD_TIMEOUT_S)
 def test_one_percent_adamw_from_scratch_stays_within_3_percent_of_dense(tmp_path) -> None:
-    """docs/compression.md's AdamW pre-training record with EF-Adam, re-run (recorded: +0.3%; the optimizer's own
-    rule lost 8.8% here)."""
-    result = _convergence_record(tmp_path, "adamw", ["--steps", "400"], "compression-adamw-efadam.json")
+    """docs/compression.md's AdamW pre-training record with EF-Adam, re-run in fp32 (recorded in bf16: +0.3%, fp32
+    here: +0.4%; the optimizer's own rule lost 8.8% in bf16)."""
+    result = _convergence_record(tmp_path, "adamw", ["--steps", "400"])
     assert result["optimizer"] == "adamw" and result["rule"] == "auto"
     assert result["relative_difference"] < 0.03, result
-    assert result["link_bytes_per_param_per_step_compressed"] <= 2.1
+    assert result["link_bytes_per_param_per_step_compressed"] <= FP32_LINK_BYTES
