@@ -1,6 +1,6 @@
 """Parameters on storage: peak RSS and step time against ZeRO-Infinity, model by model, each run in its own process.
 
-The model is what issue 25 measured: a stack of ``--width``-wide bias-free linear layers, or with ``--model gpt`` a
+The model: a stack of ``--width``-wide bias-free linear layers, or with ``--model gpt`` a
 GPT-style decoder (12 width² per block plus embeddings and head), built in ``configure_model`` (under ZeRO's
 ``Init``, as a model larger than memory must be), trained in bf16 with AdamW for ``--steps`` steps.
 

@@ -5,7 +5,7 @@ token bucket over the device's reads and writes together: a slower disk). The ba
 drives it) streams AdamW over ``--mib`` MiB of fp32 state in equal shards; a step is timed from the first submit to
 the last write-back (``wait()``), so it counts all 12 B/param read and 12 B/param written.
 
-- **round-robin**: shard ``s`` on device ``s mod 2`` (the default before issue 24);
+- **round-robin**: shard ``s`` on device ``s mod 2`` (the default before weighted placement);
 - **measured**: the speeds :func:`~lightning_smartinf.core.placement.measure_write_read` measures through the same
   engines (what the strategy does for paths on different filesystems), as ``device_weights``;
 - **optimum**: every byte moved at the two devices' summed rate, the bound no placement beats.

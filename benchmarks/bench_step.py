@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 RUNS = ("zero_infinity", "zero_infinity_pipelined", "smart_infinity", "smart_infinity_no_overlap")
-#: State tiers (issue 24): ours with a share of the state in host memory, and ZeRO-Offload (all of it in RAM, updated
+#: State tiers: ours with a share of the state in host memory, and ZeRO-Offload (all of it in RAM, updated
 #: by DeepSpeedCPUAdam) as the ceiling. ``_measured``: the memory tier's share of its budget re-planned from measured
 #: rates (``state_memory_share="measured"``; give ``--warmup 10`` or more so that the timed steps follow the re-plan at
 #: step 10). Run them with ``--only``.
