@@ -1,4 +1,5 @@
-"""Helpers of the core's tests: the engine's partitions as flat buffers, and backends' state read back."""
+"""Helpers of the core's tests: the optimizers backends are compared with, the engine's partitions as flat buffers,
+and backends' state read back."""
 
 from __future__ import annotations
 
@@ -10,10 +11,67 @@ from torch import Tensor
 
 from lightning_smartinf.core.backend import Backend
 from lightning_smartinf.core.host_buffer import InMemoryBuffer
+from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdafactor, EFAdam, UpdateRule
 from lightning_smartinf.core.streaming.backend import StreamingBackend
 from lightning_smartinf.core.streaming.device import StreamingDevice
 from lightning_smartinf.core.tiers.memory import MemoryDevice
 from lightning_smartinf.core.tiers.tiered import TieredBackend
+
+# name -> (rule, torch optimizer class, torch kwargs, StepParams kwargs beyond step/lr/grad_scale)
+OPTIMIZERS: dict[str, tuple[UpdateRule, type, dict, dict]] = {
+    "adamw": (
+        Adam(decoupled_weight_decay=True),
+        torch.optim.AdamW,
+        {"betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.1},
+        {"betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.1},
+    ),
+    "adam_amsgrad": (
+        Adam(amsgrad=True),
+        torch.optim.Adam,
+        {"amsgrad": True, "weight_decay": 0.01},
+        {"weight_decay": 0.01},
+    ),
+    "adam_l2_maximize": (
+        Adam(),
+        torch.optim.Adam,
+        {"weight_decay": 0.01, "maximize": True},
+        {"weight_decay": 0.01, "maximize": True},
+    ),
+    "sgd_nesterov": (
+        SGD(),
+        torch.optim.SGD,
+        {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
+        {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
+    ),
+    # EF-Adam is torch's Adam/AdamW with beta1 = 0; the step's own beta1 (0.9 here) must be ignored.
+    "ef_adamw": (
+        EFAdam(decoupled_weight_decay=True),
+        torch.optim.AdamW,
+        {"betas": (0.0, 0.99), "eps": 1e-6, "weight_decay": 0.1},
+        {"betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.1},
+    ),
+    "ef_adam_l2_maximize": (
+        EFAdam(),
+        torch.optim.Adam,
+        {"betas": (0.0, 0.999), "weight_decay": 0.01, "maximize": True},
+        {"weight_decay": 0.01, "maximize": True},
+    ),
+    "sgd_plain": (SGD(with_momentum=False), torch.optim.SGD, {}, {}),
+    # EF-Adafactor's device half: the host sent normalised values, the device runs torch's SGD (AdamW's decay).
+    "ef_adafactor": (EFAdafactor(), torch.optim.SGD, {"weight_decay": 0.1}, {"weight_decay": 0.1}),
+    "adagrad": (
+        Adagrad(initial_accumulator_value=0.1),
+        torch.optim.Adagrad,
+        {"lr_decay": 0.01, "initial_accumulator_value": 0.1, "eps": 1e-10},
+        {"lr_decay": 0.01, "eps": 1e-10},
+    ),
+}
+
+
+def changing_lr(t: int) -> float:
+    """A learning rate that changes every step, like a scheduler."""
+    return 1e-2 * (0.8 ** (t - 1)) + 1e-3 * t
+
 
 #: The arguments of :class:`TieredBackend` beside the backend it wraps.
 TIER_ARGUMENTS = ("memory_bytes", "accelerator_bytes", "accelerator_device", "measure_memory_share")

@@ -23,40 +23,21 @@ from torch.testing import assert_close
 
 from lightning_smartinf.core.backend import Backend, ShardSpec
 from lightning_smartinf.core.format.layout import ChunkLayout
-from lightning_smartinf.core.rules import SGD, Adagrad, Adam, StepParams
+from lightning_smartinf.core.rules import StepParams
 from lightning_smartinf.core.tiers.tiered import TieredBackend
 from lightning_smartinf.devices.cpu import CpuBackend
 from lightning_smartinf.devices.remote.client import RemoteBackend
 from lightning_smartinf.devices.remote.tokens import read_token
 from lightning_smartinf.devices.xrt import XrtBackend, forget_platform, write_model_xclbin
+from tests.core.backends import OPTIMIZERS, changing_lr
 
 CHUNK = 4096
 KINDS = ("cpu", "xrt", "remote")
 TIERS = ("alone", "memory", "accelerator")
 COMBINATIONS = [(kind, tier) for kind in KINDS for tier in TIERS]
 SIZES = [CHUNK + 5, 2 * CHUNK, 777, 3 * CHUNK - 1, CHUNK // 2, CHUNK]
-# (rule, torch optimizer, its arguments, StepParams arguments beyond step, lr and grad_scale)
-OPTIMIZERS = [
-    (
-        Adam(decoupled_weight_decay=True),
-        torch.optim.AdamW,
-        {"betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.1},
-        {"betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.1},
-    ),
-    (
-        SGD(),
-        torch.optim.SGD,
-        {"momentum": 0.9, "weight_decay": 1e-3},
-        {"momentum": 0.9, "weight_decay": 1e-3},
-    ),
-    (
-        Adagrad(initial_accumulator_value=0.1),
-        torch.optim.Adagrad,
-        {"lr_decay": 0.01, "initial_accumulator_value": 0.1, "eps": 1e-10},
-        {"lr_decay": 0.01, "eps": 1e-10},
-    ),
-]
-RULES = [OPTIMIZERS[i % len(OPTIMIZERS)] for i in range(len(SIZES))]
+#: AdamW, SGD with Nesterov momentum and Adagrad, in turn.
+RULES = [OPTIMIZERS[("adamw", "sgd_nesterov", "adagrad")[i % 3]] for i in range(len(SIZES))]
 SPECS = [ShardSpec(i, n, rule[0]) for i, (n, rule) in enumerate(zip(SIZES, RULES))]
 FILE_BYTES = [ChunkLayout(s.numel, CHUNK, len(s.rule.state_names)).file_bytes for s in SPECS]
 #: A tier's budget: about half the state, so that each combination with a tier splits its shards.
@@ -108,10 +89,6 @@ def build(request, tmp_path) -> Iterator[Callable[[str, str, str], Backend]]:
         run_with_timeout(backend.close)
 
 
-def _lr(t: int) -> float:
-    return 1e-2 * 0.8 ** (t - 1) + 1e-3 * t
-
-
 def _on_kernels(backend: Backend, shard: int) -> bool:
     """Whether ``shard`` is updated by a SmartSSD's kernel (whose sqrt is IEEE) rather than by torch's code."""
     inner = backend.inner if isinstance(backend, TieredBackend) else backend
@@ -127,7 +104,9 @@ class Run:
         backend.open(SPECS)
         masters = [torch.randn(n, generator=self.generator) for n in SIZES]
         self.refs = [torch.nn.Parameter(m.clone()) for m in masters]
-        self.optims = [cls([ref], lr=_lr(1), foreach=False, **kw) for ref, (_, cls, kw, _) in zip(self.refs, RULES)]
+        self.optims = [
+            cls([ref], lr=changing_lr(1), foreach=False, **kw) for ref, (_, cls, kw, _) in zip(self.refs, RULES)
+        ]
         self.steps = 0
         for i, master in enumerate(masters):
             backend.initialize(i, master)
@@ -138,7 +117,7 @@ class Run:
         hand off early take it as a tentative update, committed (or, with ``roll_back``, rolled back and the step
         then redone as it would be after a skipped step)."""
         self.steps += 1
-        t, lr = self.steps, _lr(self.steps)
+        t, lr = self.steps, changing_lr(self.steps)
         grads = [torch.randn(n, generator=self.generator).bfloat16() for n in SIZES]
         self.previous = [ref.detach().clone() for ref in self.refs]
         early = [i for i in range(len(SIZES)) if tentative and self.backend.hands_off_early(i)]

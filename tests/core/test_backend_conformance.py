@@ -34,75 +34,22 @@ from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.format.state_files import MANIFEST, shard_file_name
 from lightning_smartinf.core.io.storage import StorageError, check_free_space, validate_storage_path
-from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdafactor, EFAdam, StepParams, UpdateRule
+from lightning_smartinf.core.rules import SGD, Adagrad, Adam, StepParams
 from lightning_smartinf.devices.cpu import CpuBackend
 from lightning_smartinf.devices.xrt import XrtBackend, forget_platform, write_model_xclbin
+from tests.core.backends import OPTIMIZERS, changing_lr
 
 CHUNK = 4096
 BACKENDS = ("cpu", "xrt")
 #: Devices of the modelled machine (the tests use at most 3 storage paths).
 MODEL_DEVICES = 4
 
-# name -> (rule, torch optimizer class, torch kwargs, StepParams kwargs beyond step/lr/grad_scale)
-OPTIMIZERS: dict[str, tuple[UpdateRule, type, dict, dict]] = {
-    "adamw": (
-        Adam(decoupled_weight_decay=True),
-        torch.optim.AdamW,
-        {"betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.1},
-        {"betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.1},
-    ),
-    "adam_amsgrad": (
-        Adam(amsgrad=True),
-        torch.optim.Adam,
-        {"amsgrad": True, "weight_decay": 0.01},
-        {"weight_decay": 0.01},
-    ),
-    "adam_l2_maximize": (
-        Adam(),
-        torch.optim.Adam,
-        {"weight_decay": 0.01, "maximize": True},
-        {"weight_decay": 0.01, "maximize": True},
-    ),
-    "sgd_nesterov": (
-        SGD(),
-        torch.optim.SGD,
-        {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
-        {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
-    ),
-    # EF-Adam is torch's Adam/AdamW with beta1 = 0; the step's own beta1 (0.9 here) must be ignored.
-    "ef_adamw": (
-        EFAdam(decoupled_weight_decay=True),
-        torch.optim.AdamW,
-        {"betas": (0.0, 0.99), "eps": 1e-6, "weight_decay": 0.1},
-        {"betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.1},
-    ),
-    "ef_adam_l2_maximize": (
-        EFAdam(),
-        torch.optim.Adam,
-        {"betas": (0.0, 0.999), "weight_decay": 0.01, "maximize": True},
-        {"weight_decay": 0.01, "maximize": True},
-    ),
-    "sgd_plain": (SGD(with_momentum=False), torch.optim.SGD, {}, {}),
-    # EF-Adafactor's device half: the host sent normalised values, the device runs torch's SGD (AdamW's decay).
-    "ef_adafactor": (EFAdafactor(), torch.optim.SGD, {"weight_decay": 0.1}, {"weight_decay": 0.1}),
-    "adagrad": (
-        Adagrad(initial_accumulator_value=0.1),
-        torch.optim.Adagrad,
-        {"lr_decay": 0.01, "initial_accumulator_value": 0.1, "eps": 1e-10},
-        {"lr_decay": 0.01, "eps": 1e-10},
-    ),
-}
 #: What each backend runs in place of an optimizer it lacks.
 SUBSTITUTES = {"xrt": {"adam_amsgrad": "adam_l2_maximize"}}
 
 #: Odd sizes: one element, just under and over the 1024-element alignment, exactly one chunk, several chunks.
 ODD_SIZES = [1, 1023, 1025, CHUNK, 3 * CHUNK + 5]
 ODD_OPTS = ["adamw", "sgd_nesterov", "adagrad", "adam_amsgrad", "sgd_plain", "ef_adamw", "ef_adafactor"]
-
-
-def _lr(t: int) -> float:
-    """A learning rate that changes every step, like a scheduler."""
-    return 1e-2 * (0.8 ** (t - 1)) + 1e-3 * t
 
 
 def _kind(backend: Backend) -> str:
@@ -136,7 +83,7 @@ class Model:
         inits = [torch.randn(n, generator=self.gen).to(init_dtype) for n in self.sizes]
         self.refs = [torch.nn.Parameter(x.float()) for x in inits]
         self.torch_opts = [
-            cls([ref], lr=_lr(1), foreach=False, **kw) for ref, (_, cls, kw, _) in zip(self.refs, self.opts)
+            cls([ref], lr=changing_lr(1), foreach=False, **kw) for ref, (_, cls, kw, _) in zip(self.refs, self.opts)
         ]
         self.step_count = 0
         if initialize:
@@ -159,7 +106,7 @@ class Model:
     ) -> list[torch.Tensor]:
         self.step_count += 1
         t = self.step_count
-        lr = _lr(t)
+        lr = changing_lr(t)
         outs = []
         for i, (n, ref, opt, (_, _, _, hp_kwargs)) in enumerate(zip(self.sizes, self.refs, self.torch_opts, self.opts)):
             grad: torch.Tensor | SparseGrad = torch.randn(n, generator=self.gen).to(grad_dtype)
@@ -324,7 +271,7 @@ def test_initialize_resets_state(tmp_path, make_backend) -> None:
     backend.wait()
     model.refs = [torch.nn.Parameter(init.clone())]
     _, cls, kw, _ = model.opts[0]
-    model.torch_opts = [cls(model.refs, lr=_lr(1), foreach=False, **kw)]
+    model.torch_opts = [cls(model.refs, lr=changing_lr(1), foreach=False, **kw)]
     model.step_count = 0
     for _ in range(2):
         model.step()
