@@ -65,6 +65,11 @@ def test_deepspeed_never_pins_a_gradient_buffer_we_replace(
     assert "_setup_for_real_optimizer" not in pinned_by, pinned_by  # the only place ZeRO pins its gradient buffer
     optimizer = trainer.strategy.deepspeed_engine.optimizer
     assert (optimizer.gradient_file is not None) == (offload_parameters == "storage")
+    # ZeRO's fp16 overflow check ORs `isinf(buffer).any()` into a flag in place: a buffer on another device (the GPU
+    # under CUDA) takes the flag along, or the first fp16 step meets a host flag and a GPU buffer.
+    elsewhere = torch.zeros(optimizer.grad_partitions_flat_buffer.numel(), device="meta")
+    optimizer._replace_gradient_buffer(elsewhere)
+    assert optimizer.inf_or_nan_tracker.device == elsewhere.device
 
 
 class RecordingIO(ThreadedIO):

@@ -321,6 +321,9 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             offset += param.partition_numel()
         assert offset == buffer.numel(), "every parameter's partition has a view over the whole buffer"
         self.grad_partitions_flat_buffer = buffer
+        # ZeRO's fp16 overflow check ORs `isinf(buffer).any()` into this flag in place: it must live where the buffer
+        # does (ZeRO made it on the offload device, the host; a GPU buffer would meet a host flag).
+        self.inf_or_nan_tracker = self.inf_or_nan_tracker.to(buffer.device)
 
     def store_params(self, sub_group: int, values: Tensor) -> None:
         """Write ``values``, the flat low-precision partition of ``sub_group``, where its parameters live.
