@@ -7,7 +7,9 @@ kernels (uint32 indices, ascending). Decompression is a scatter into a zeroed ch
 device inside its transfer pipeline (:meth:`SparseGrad.scatter_chunk`).
 
 Selection keeps the ``k = ceil(ratio * numel)`` entries of largest magnitude with ``torch.topk`` (no
-full sort; only the ``k`` chosen indices are sorted). With error feedback the dropped part of the
+full sort; only the ``k`` chosen indices are sorted). Ties at the threshold go to the lowest positions, so the
+selection is the same on every device and torch version (``torch.topk`` breaks ties differently on a CPU and a GPU,
+and bf16 gradients tie often). With error feedback the dropped part of the
 gradient is kept in a residual of the shard's size and added to the next step's gradient before
 selection, so nothing is lost, only delayed.
 """
@@ -228,12 +230,13 @@ _OVERSELECT = 1.3
 
 
 def topk_indices(magnitude: Tensor, k: int) -> Tensor:
-    """Ascending int64 positions of the ``k`` largest entries of ``magnitude`` (non-finite entries first).
+    """Ascending int64 positions of the ``k`` largest entries of ``magnitude`` (NaN counts as larger than anything).
 
-    Large inputs in host memory are not fully ranked: a threshold estimated from a strided sample keeps a candidate set
-    somewhat larger than ``k``, and ``torch.topk`` ranks only those. If the estimate keeps fewer than ``k``
-    candidates, the whole input is ranked. Either way the result is exactly ``k`` positions of largest
-    magnitude (ties broken arbitrarily), then sorted, which the device kernels require.
+    Ties at the ``k``-th largest value go to the lowest positions, so the result depends on the values alone, not on
+    the device or the torch version. Large inputs in host memory are not fully ranked: a threshold estimated from a
+    strided sample keeps a candidate set somewhat larger than ``k``, and only those are ranked. If the estimate keeps
+    fewer than ``k`` candidates, the whole input is ranked. The positions come back sorted, which the device kernels
+    require.
     """
     n = magnitude.numel()
     if k >= n:
@@ -247,11 +250,24 @@ def topk_indices(magnitude: Tensor, k: int) -> Tensor:
         sample = magnitude[::stride].float()
         keep = min(sample.numel(), max(1, math.ceil(sample.numel() * k * _OVERSELECT / n)))
         threshold = torch.topk(sample, keep, sorted=True).values[-1]
-        candidates = torch.nonzero(~(magnitude < threshold)).squeeze(1)  # NaN is not < anything: kept
+        # In position order; every entry at least as large as the k-th largest is among them (NaN is not < anything).
+        candidates = torch.nonzero(~(magnitude < threshold)).squeeze(1)
         if candidates.numel() >= k:
-            chosen = torch.topk(magnitude[candidates], k, sorted=False).indices
-            return candidates[chosen].sort().values
-    return torch.topk(magnitude, k, sorted=False).indices.sort().values
+            return candidates[_first_largest(magnitude[candidates], k)]
+    return _first_largest(magnitude, k)
+
+
+def _first_largest(magnitude: Tensor, k: int) -> Tensor:
+    """Ascending positions of the ``k`` largest entries of ``magnitude`` (``0 < k < numel``), ties to the lowest
+    positions; no host synchronisation on an accelerator."""
+    # The k-th largest value does not depend on how topk breaks ties; NaN ranks above inf.
+    threshold = torch.topk(magnitude, k, sorted=False).values.nan_to_num(nan=math.inf, posinf=math.inf).min()
+    above = ~(magnitude <= threshold)  # NaN included
+    ties = magnitude == threshold
+    room = k - above.sum()
+    chosen = above | (ties & (ties.cumsum(0, dtype=torch.int32) <= room))
+    # Exactly k are chosen (more only when over k entries are NaN: then the first k of them).
+    return torch.nonzero_static(chosen, size=k).squeeze(1)
 
 
 def compress_topk(

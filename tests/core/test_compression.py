@@ -78,6 +78,25 @@ def test_empty_gradient() -> None:
     assert topk_indices(torch.randn(10), 0).numel() == 0
 
 
+def _first_largest_by_stable_sort(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """The selection spelled out: largest first (NaN above inf), equal values in position order, the first k."""
+    key = magnitude.float().nan_to_num(nan=math.inf, posinf=math.inf)
+    return torch.sort(-key, stable=True).indices[:k].sort().values
+
+
+@pytest.mark.parametrize("numel", [10, 1000, SAMPLED_SELECTION_MIN_NUMEL + 3, 5 * SAMPLED_SELECTION_MIN_NUMEL])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nan", [False, True])
+def test_ties_go_to_the_lowest_positions(numel: int, dtype: torch.dtype, nan: bool) -> None:
+    """Gradients rounded to a few values tie at the threshold all the time; which of the tied entries are kept must
+    not depend on the device's topk (a CPU and an H100 chose differently, and runs drifted 3% apart)."""
+    magnitude = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3).round().abs().to(dtype)
+    if nan:
+        magnitude[:: max(1, numel // 20)] = float("nan")
+    for k in sorted({1, 3, numel // 100 + 1, numel // 10, numel // 3, numel - 1}):
+        assert torch.equal(topk_indices(magnitude, k), _first_largest_by_stable_sort(magnitude, k)), k
+
+
 def test_non_finite_entries_are_kept_first() -> None:
     grad = torch.randn(SAMPLED_SELECTION_MIN_NUMEL * 2, generator=torch.Generator().manual_seed(1))
     grad[[5, 70_000, 100_001]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
