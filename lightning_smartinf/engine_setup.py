@@ -156,6 +156,21 @@ def controller_factory(
     return build
 
 
+def require_parameter_swapper() -> None:
+    """Refuse ``offload_parameters="storage"``, before anything is built or written, where DeepSpeed's parameter
+    swapper cannot run: it reads and writes the parameter files through DeepSpeed's async_io op (libaio)."""
+    from lightning_smartinf.zero.aio import load_aio_op
+
+    try:
+        load_aio_op()
+    except Exception as exc:  # noqa: BLE001 - any reason the op cannot be built or loaded
+        raise MisconfigurationException(
+            "`SmartInfinityStrategy(offload_parameters='storage')` needs DeepSpeed's async_io op, through which "
+            f"DeepSpeed reads and writes the parameter files, and it cannot be used here: {exc} Or keep the "
+            "parameters in host memory: `offload_parameters=True`."
+        ) from exc
+
+
 @contextmanager
 def model_init_context(strategy: SmartInfinityStrategy) -> Iterator[None]:
     """Where ``LightningModule.configure_model`` builds the model: ZeRO-3's ``zero.Init``, as Lightning's own. With
@@ -171,6 +186,7 @@ def model_init_context(strategy: SmartInfinityStrategy) -> Iterator[None]:
         with deepspeed.zero.Init(remote_device=strategy.remote_device, config_dict_or_path=config):
             yield
         return
+    require_parameter_swapper()
     map_large_allocations()
     device_dirs, _ = rank_devices(strategy)
     offload_param["nvme_path"] = str(make_private_dirs(device_dirs[0], ("params",)))
@@ -195,6 +211,7 @@ def place_parameters(
     for the parameters and the state, or a working set larger than the memory available."""
     from deepspeed.accelerator import get_accelerator
 
+    require_parameter_swapper()
     problems = Problems("SmartInfinityStrategy", MisconfigurationException)
     precision = strategy.precision_plugin.precision
     element_size = 4 if precision in ("32-true", "32", 32) else 2

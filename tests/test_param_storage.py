@@ -249,6 +249,22 @@ def test_a_disk_without_room_for_parameters_and_state_is_refused_before_anything
         assert not list(mount_point.rglob("*.swp")) and not list(mount_point.rglob("*.state"))
 
 
+@pytest.mark.parametrize("model", ["built_in_init", "built_in_configure_model"])
+def test_a_machine_without_libaio_is_refused_before_anything_is_written(tmp_path, monkeypatch, model) -> None:
+    """DeepSpeed's parameter swapper reads and writes the parameter files through its async_io op; without libaio (the
+    first GPU machine this ran on had none) DeepSpeed raised from deep inside ``deepspeed.initialize``. DeepSpeed's
+    own probe is made to answer as it does there (this machine has libaio)."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    monkeypatch.setattr(AsyncIOBuilder, "has_function", lambda self, name, libraries: False)
+    module = LMModule(adamw, dim=DIM) if model == "built_in_init" else BuiltInConfigureModel()
+    refused = r"offload_parameters='storage'\)` needs DeepSpeed's async_io"
+    with pytest.raises(MisconfigurationException, match=refused) as info:
+        fit(module, strategy(tmp_path, "storage"), steps=1, precision="bf16-true")
+    assert "libaio-dev" in str(info.value) and "`offload_parameters=True`" in str(info.value)
+    assert not param_files(tmp_path) and not list(tmp_path.rglob("*.state"))
+
+
 def test_a_model_built_in_configure_model_is_refused_before_its_state_is_written(tmp_path) -> None:
     """Built in ``configure_model``, the parameters are written as the model is built, before its size is known;
     then the gradients and the state must still fit, and are refused before anything more is written. Found at
