@@ -7,6 +7,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import resource
 import sys
 import threading
@@ -123,13 +124,33 @@ def load_aio_op() -> Any:
             "DeepSpeed's async_io op is not available (it needs libaio: `apt-get install libaio-dev` or "
             "`yum install libaio-devel`, then a C++ compiler and ninja)."
         )
-    with prebuilt_ops():
+    with prebuilt_ops(), arch_list_deepspeed_parses():
         if not _is_built(builder.name):
             logging.getLogger(__name__).warning(
                 "Building DeepSpeed's async_io op (it was not pre-built: scripts/setup.sh does that); this takes "
                 "minutes, once. Pass `io_engine='threads'` to skip it."
             )
         return builder.load(verbose=False)
+
+
+@contextlib.contextmanager
+def arch_list_deepspeed_parses() -> Iterator[None]:
+    """Within the block, ``TORCH_CUDA_ARCH_LIST`` without architecture suffixes (``9.0a`` reads ``9.0``).
+
+    DeepSpeed 0.19's JIT builder derives nvcc flags from the list even for ops with no CUDA source (``async_io``), and
+    fails on the suffixed names torch accepts (``ValueError: invalid literal for int() with base 10: '0a'``, seen on an
+    H100 whose image sets ``9.0a``). The user's value is back when the block ends.
+    """
+    with _prebuilt_ops_lock:  # the environment is process-wide (see `prebuilt_ops`)
+        value = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        if value is None:
+            yield
+            return
+        os.environ["TORCH_CUDA_ARCH_LIST"] = re.sub(r"(\d+\.\d+)[a-z]+", r"\1", value)
+        try:
+            yield
+        finally:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = value
 
 
 def _is_built(name: str) -> bool:

@@ -67,6 +67,24 @@ print("all first writes done")
 """
 
 
+def test_a_suffixed_cuda_arch_list_reaches_deepspeed_without_its_suffix(monkeypatch):
+    """An H100 image set ``TORCH_CUDA_ARCH_LIST=9.0a``: DeepSpeed 0.19's builder could not parse it and the async_io op
+    (no CUDA source) never built. Within the block DeepSpeed reads ``9.0``; the user's value is back after it."""
+    from deepspeed.ops.op_builder.async_io import AsyncIOBuilder  # the CUDA accelerator's builder
+
+    from lightning_smartinf.zero.aio import arch_list_deepspeed_parses
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a 10.0f;8.6+PTX")
+    builder = AsyncIOBuilder()
+    builder.jit_mode = True  # how `OpBuilder.jit_load` asks for the flags
+    with pytest.raises(ValueError, match="'0a'"):
+        builder.compute_capability_args()
+    with arch_list_deepspeed_parses():
+        assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0 10.0;8.6+PTX"
+        builder.compute_capability_args()
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0a 10.0f;8.6+PTX"
+
+
 @pytest.mark.parametrize("runs", [1, pytest.param(12, marks=pytest.mark.slow)])
 def test_deepspeed_aio_first_writes_from_many_threads_and_exit_cleanly(tmp_path, runs):
     """DeepSpeed logs a one-time warning from a C++ ``call_once`` holding the GIL: concurrent first writes hung.
