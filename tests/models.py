@@ -178,9 +178,13 @@ def fit(
 
 
 def max_relative_error(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per parameter: max |ours - reference| / max |reference|."""
+    """Per parameter: max |ours - reference| / max |reference| (on the host: the two may live on different devices)."""
     assert ours.keys() == reference.keys()
-    return {n: float((ours[n] - reference[n]).abs().max() / reference[n].abs().max().clamp_min(1e-12)) for n in ours}
+    errors = {}
+    for name in ours:
+        mine, theirs = ours[name].cpu(), reference[name].cpu()
+        errors[name] = float((mine - theirs).abs().max() / theirs.abs().max().clamp_min(1e-12))
+    return errors
 
 
 def assert_identical(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:

@@ -65,7 +65,7 @@ def tolerance(device: str) -> float:
 def identical(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
     assert ours.keys() == reference.keys()
     for name, value in reference.items():
-        assert torch.equal(ours[name], value), f"{name} differs"
+        assert torch.equal(ours[name].cpu(), value.cpu()), f"{name} differs"
 
 
 # ------------------------------------------------------------------------------------------------ one GPU
@@ -276,26 +276,29 @@ def compression_host_buffer(device: str, out: Path) -> dict:
         runs[where] = (trainer.strategy.traffic.link_write_bytes, params, trainer.strategy.smart_update.last_kept)
     assert runs["host"][0] == runs["accelerator"][0], (runs["host"][0], runs["accelerator"][0])
     assert runs["host"][2] == runs["accelerator"][2]
+    # Bit for bit: the selection breaks ties by position, not as each device's topk does (0.03 apart on an H100).
     error = max(max_relative_error(runs["host"][1], runs["accelerator"][1]).values())
-    assert error < (1e-2 if device == "cuda" else 1e-6), error
+    assert error == 0.0, error
     return {"link_write_bytes": runs["host"][0], "max_relative_error": error}
 
 
 def accelerator_tier(device: str, out: Path) -> dict:
     """Half the state in GPU memory against all of it on the storage path: the same training within rounding, the
     GPU shards' traffic counted apart; a budget beyond the GPU's free memory is refused at set-up, on its own GPU."""
-    results, trainers = {}, {}
-    for budget in (0, 1 << 20):
-        trainers[budget], results[budget] = fit(
+    steps, results, trainers = 6, {}, {}
+    for name, budget in (("all_on_storage", None), ("half_in_memory", "half")):
+        if budget == "half":  # of the state the first run read per step (the whole model's state takes 0.3 MiB)
+            budget = trainers["all_on_storage"].strategy.traffic.storage_read_bytes // steps // 2
+        trainers[name], results[name] = fit(
             LMModule(adamw),
-            strategy(out, f"budget{budget}", state_accelerator_budget=budget or None),
-            steps=6,
+            strategy(out, name, state_accelerator_budget=budget),
+            steps=steps,
             precision="bf16-mixed",
             accelerator=device,
         )
-    for name, value in results[0].items():
-        torch.testing.assert_close(results[1 << 20][name], value, rtol=1e-3, atol=1e-3)
-    traffic = trainers[1 << 20].strategy.traffic
+    for name, value in results["all_on_storage"].items():
+        torch.testing.assert_close(results["half_in_memory"][name], value, rtol=1e-3, atol=1e-3)
+    traffic = trainers["half_in_memory"].strategy.traffic
     assert traffic.accelerator_read_bytes > 0 and traffic.storage_read_bytes > 0, traffic
     try:
         fit(LMModule(adamw), strategy(out, "too-much", state_accelerator_budget="100TiB"), steps=1, accelerator=device)
@@ -546,6 +549,10 @@ def run_all(device: str, out: Path, timeout: float) -> int:
             if "peak_memory_bytes" in figures:
                 peaks.append(f"GPU{figures['gpu']} {figures['peak_memory_bytes'] / 2**20:.0f} MiB")
         rows.append((name, "passed" if passed else "FAILED", f"{seconds:.0f}", ", ".join(peaks)))
+        # As each check ends: a run cut short still shows what finished, and every check's output stays on disk.
+        (out / name).mkdir(parents=True, exist_ok=True)
+        (out / name / "output.log").write_text(tail)
+        print(f"{name}: {rows[-1][1]} in {seconds:.0f} s", flush=True)
         if not passed:
             failures.append((name, tail))
     width = max(len(r[0]) for r in rows)
