@@ -69,7 +69,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
     Every ZeRO sub-group partition is a shard owned by one device (round-robin unless tiers or weights say). After
     backward, each shard's reduced gradient goes to its device in the training dtype; the device applies the update of
     the optimizer from ``configure_optimizers`` to the state on its storage and returns the updated low-precision
-    parameters. Verified on CPU (DeepSpeed's CPU accelerator, gloo); CUDA has not yet run on a GPU (docs/gpu.md).
+    parameters. Verified on CPU (DeepSpeed's CPU accelerator, gloo) and on one CUDA GPU (an H100); two GPUs have not
+    run yet (docs/gpu.md).
 
     Args:
         accelerator: the accelerator; ``"cpu"`` and ``"cuda"`` are supported.
