@@ -277,9 +277,11 @@ def test_paths_of_different_speeds_are_measured_and_replanned_without_changing_r
     assert measured, "the two paths were measured"
     disk, ram = float(measured.group(1)), float(measured.group(2))
     held = [sum(s.layout.file_bytes for s, d in zip(backend.shards, backend.assignment) if d == i) for i in (0, 1)]
-    # Placed by speed, not round-robin: the faster path holds more of the state (re-plans keep the order).
-    assert (held[1] > held[0]) == (ram > disk), (disk, ram, held, backend.assignment)
-    assert held[0] != held[1], held
+    if max(disk, ram) >= 1.5 * min(disk, ram):
+        # Placed by speed, not round-robin: the faster path holds more of the state (re-plans keep the order). Paths
+        # measured closer than that may place either way (a CI disk ran at 2.81 GB/s against RAM's 3.32, 7 shards
+        # split evenly); how weights place shards is pinned in tests/core/test_tiers.py with weights given.
+        assert (held[1] > held[0]) == (ram > disk), (disk, ram, held, backend.assignment)
 
 
 def test_a_budget_per_rank_is_refused_when_the_ranks_of_a_node_together_do_not_fit() -> None:
