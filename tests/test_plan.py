@@ -302,9 +302,9 @@ def test_calibrate_remote_measures_a_real_server_and_plans_with_it(tmp_path, cap
     from lightning_smartinf.devices.remote.server import serve
 
     token = tmp_path / "token"
-    token.write_text("tok-calibrate")
+    token.write_text("tok-calibrate-0123456789")
     token.chmod(0o600)
-    server, _, port = serve([tmp_path / "srv"], "tok-calibrate")
+    server, _, port = serve([tmp_path / "srv"], "tok-calibrate-0123456789")
     try:
         out = tmp_path / "remote.json"
         code = main(

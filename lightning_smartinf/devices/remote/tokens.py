@@ -5,27 +5,46 @@ Each is read from a file; private ones (the token, private keys) must be readabl
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["TlsFiles", "read_tls_dir", "read_token"]
 
 
+#: Shortest token a server or a trainer takes: a guessable secret guards nothing.
+MIN_TOKEN_CHARS = 16
+
+
 def read_token(path: Path) -> str:
-    """The bearer token in ``path`` (whitespace stripped); the file must not be readable by others."""
+    """The bearer token in ``path`` (whitespace stripped): at least :data:`MIN_TOKEN_CHARS` characters, in a file
+    no other user may read (mode and contents taken from one open descriptor, so neither can change in between)."""
     path = Path(path)
     try:
-        mode = path.stat().st_mode
-        text = path.read_text().strip()
+        data = _read_private(path)
     except OSError as exc:
         raise ValueError(f"Cannot read the token file {str(path)!r}: {exc.strerror}.") from None
-    if mode & 0o077:
-        raise ValueError(
-            f"The token file {str(path)!r} is readable by other users (mode {oct(mode & 0o777)}); `chmod 600 {path}`."
-        )
+    text = data.decode(errors="replace").strip()
     if not text:
         raise ValueError(f"The token file {str(path)!r} is empty; put a long random secret in it.")
+    if len(text) < MIN_TOKEN_CHARS or any(c.isspace() or not c.isprintable() for c in text):
+        raise ValueError(
+            f"The token in {str(path)!r} must be at least {MIN_TOKEN_CHARS} printable characters with no spaces "
+            f"(it has {len(text)}); e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))' > {path}`."
+        )
     return text
+
+
+def _read_private(path: Path) -> bytes:
+    """The bytes of ``path``, refused if group or others may read it; mode and bytes come from one descriptor."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as file:
+        mode = os.fstat(file.fileno()).st_mode
+        if mode & 0o077:
+            raise ValueError(
+                f"{str(path)!r} is readable by other users (mode {oct(mode & 0o777)}); `chmod 600 {path}`."
+            )
+        return file.read()
 
 
 @dataclass(frozen=True)
@@ -36,13 +55,6 @@ class TlsFiles:
     ca: bytes
     cert: bytes | None = None
     key: bytes | None = None
-
-
-def _private(path: Path) -> bytes:
-    mode = path.stat().st_mode
-    if mode & 0o077:
-        raise ValueError(f"{str(path)!r} is readable by other users (mode {oct(mode & 0o777)}); `chmod 600 {path}`.")
-    return path.read_bytes()
 
 
 def read_tls_dir(directory: Path) -> TlsFiles:
@@ -57,7 +69,7 @@ def read_tls_dir(directory: Path) -> TlsFiles:
         raise ValueError(f"{str(directory)!r} has one of client.pem and client.key: mutual TLS needs both, or neither.")
     if not cert.exists():
         return TlsFiles(ca=(directory / "ca.pem").read_bytes())
-    return TlsFiles(ca=(directory / "ca.pem").read_bytes(), cert=cert.read_bytes(), key=_private(key))
+    return TlsFiles(ca=(directory / "ca.pem").read_bytes(), cert=cert.read_bytes(), key=_read_private(key))
 
 
 def read_server_tls(cert: Path, key: Path, client_ca: Path | None) -> TlsFiles:
@@ -66,6 +78,5 @@ def read_server_tls(cert: Path, key: Path, client_ca: Path | None) -> TlsFiles:
     for path in (cert, key, *([client_ca] if client_ca else [])):
         if not Path(path).is_file():
             raise ValueError(f"TLS file {str(path)!r} does not exist.")
-    return TlsFiles(
-        ca=Path(client_ca).read_bytes() if client_ca else b"", cert=Path(cert).read_bytes(), key=_private(Path(key))
-    )
+    ca = Path(client_ca).read_bytes() if client_ca else b""
+    return TlsFiles(ca=ca, cert=Path(cert).read_bytes(), key=_read_private(Path(key)))

@@ -215,6 +215,13 @@ def _typed_fields(cls: type, values: dict[str, Any], what: str) -> dict[str, Any
     fields = {f.name: str(f.type) for f in dataclasses.fields(cls)}
     if unknown := sorted(set(values) - set(fields)):
         raise WireError(f"{what} has unknown fields {unknown}; allowed: {sorted(fields)}.")
+    required = {
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    if missing := sorted(required - set(values)):
+        raise WireError(f"{what} lacks the fields {missing}.")
 
     def number(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
