@@ -231,13 +231,20 @@ def _hf_config(meta: dict | None, model_dir: str | os.PathLike | None) -> Any:
     return config
 
 
-def _remote_masters(devices: list[str] | None, token_file: str | None, tls_dir: str | None) -> RemoteMasters | None:
+def _remote_masters(
+    devices: list[str] | None, token_file: str | None, tls_dir: str | None, allow_plaintext: bool = False
+) -> RemoteMasters | None:
     """``--remote-devices``' reader of device state kept on servers (``None`` without it)."""
     if not devices:
         return None
     from lightning_smartinf.core.settings import SettingsError, SmartUpdateSettings
 
-    options = {"remote_devices": devices, "remote_token_file": token_file, "remote_tls_dir": tls_dir}
+    options = {
+        "remote_devices": devices,
+        "remote_token_file": token_file,
+        "remote_tls_dir": tls_dir,
+        "remote_allow_plaintext": allow_plaintext,
+    }
     try:
         settings = SmartUpdateSettings(backend="remote", device=options)
     except SettingsError as exc:
@@ -286,6 +293,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--remote-token-file", metavar="FILE", help="with --remote-devices: the servers' token file")
     parser.add_argument("--remote-tls-dir", metavar="DIR", help="with --remote-devices: ca.pem (+ client.pem/.key)")
+    parser.add_argument(
+        "--remote-allow-plaintext",
+        action="store_true",
+        help="with --remote-devices: reach servers on other machines in plain gRPC (the token in clear)",
+    )
     return parser
 
 
@@ -301,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     if (args.remote_token_file or args.remote_tls_dir) and not args.remote_devices:
         parser.error("`--remote-token-file` and `--remote-tls-dir` go with `--remote-devices HOST:PORT ...`")
     try:
-        remote = _remote_masters(args.remote_devices, args.remote_token_file, args.remote_tls_dir)
+        remote = _remote_masters(
+            args.remote_devices, args.remote_token_file, args.remote_tls_dir, args.remote_allow_plaintext
+        )
         if args.output is not None:
             state = save_fp32(args.checkpoint, args.output, remote=remote)
             total = sum(t.numel() for t in state.values())

@@ -80,7 +80,10 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         xrt_devices: ``backend="xrt"`` only: one XRT device per storage path of this node, as device index or
             PCIe BDF (``"0000:3b:00.1"``); ``None`` maps each storage path to the SmartSSD it is mounted from.
         remote_devices, remote_token_file, remote_tls_dir: ``backend="remote"`` only: ``"host:port"`` of each
-            server, a file (mode 0600) with their token, and TLS files (``None``: not encrypted); ``docs/remote.md``.
+            server, a file (mode 0600) with their token, and TLS files (``None``: servers on this machine only,
+            through gRPC's local credentials); ``docs/remote.md``.
+        remote_allow_plaintext: ``True`` lets a run without ``remote_tls_dir`` reach servers on other machines in
+            plain gRPC (token and state in clear, for a network you trust); refused otherwise.
         storage_paths: directories, one per device, shared out among the ranks of a node (rank ``r`` gets
             ``storage_paths[r::ranks_per_node]``, at least one, locked while it trains); a missing one is created (0700)
             at set-up. ``None``: one private temporary directory per rank, kept after ``fit`` (for
@@ -144,6 +147,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         remote_devices: list[str] | None = None,
         remote_token_file: str | os.PathLike | None = None,
         remote_tls_dir: str | os.PathLike | None = None,
+        remote_allow_plaintext: bool | None = None,
         compression: float | dict[str, Any] | TopKCompression | None = None,
         sub_group_size: int = 40_000_000,
         chunk_size: int = 1 << 20,

@@ -46,6 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--token-file", help="with --calibrate-remote: the server's token file")
     parser.add_argument(
+        "--remote-tls-dir",
+        help="with --calibrate-remote: ca.pem (and client.pem, client.key for mutual TLS) to reach a TLS server",
+    )
+    parser.add_argument(
+        "--remote-allow-plaintext",
+        action="store_true",
+        help="with --calibrate-remote: reach a server on another machine in plain gRPC (the token in clear)",
+    )
+    parser.add_argument(
         "--memory-budget",
         help="host memory per rank for optimizer state (state_memory_budget), e.g. 8GiB: show the placement",
     )
@@ -93,10 +102,16 @@ def main(argv: list[str] | None = None) -> int:
             if not args.token_file:
                 parser.error("--calibrate-remote needs --token-file (the server's token)")
             from lightning_smartinf.devices.remote.client import measure_network
-            from lightning_smartinf.devices.remote.tokens import read_token
+            from lightning_smartinf.devices.remote.tokens import read_tls_dir, read_token
 
             try:
-                figures = measure_network(args.calibrate_remote, read_token(Path(args.token_file)))
+                tls = read_tls_dir(Path(args.remote_tls_dir)) if args.remote_tls_dir else None
+                figures = measure_network(
+                    args.calibrate_remote,
+                    read_token(Path(args.token_file)),
+                    tls=tls,
+                    allow_plaintext=args.remote_allow_plaintext,
+                )
             except (ValueError, OSError) as exc:  # a bad token file, or the server's StorageError
                 raise PlanError(str(exc)) from None
             profile = {**load_profile(args.profile).to_dict(), **figures}

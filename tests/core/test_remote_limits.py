@@ -19,9 +19,9 @@ from remote_servers import ServerProcess, write_token
 from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.rules import Adam, StepParams
-from lightning_smartinf.devices.remote.client import RemoteBackend
-from lightning_smartinf.devices.remote.server import MAX_UPDATES_IN_FLIGHT, serve
-from lightning_smartinf.devices.remote.wire import SERVICE, Frame, encode_tensor, header_frame
+from lightning_smartinf.devices.remote.client import RemoteBackend, channel_credentials
+from lightning_smartinf.devices.remote.server import MAX_UPDATES_IN_FLIGHT, ServerLimits, serve, session_tag
+from lightning_smartinf.devices.remote.wire import SERVICE, Frame, header_frame
 
 TOKEN = "a-token-of-the-limits-tests"
 CHUNK = 4096
@@ -57,17 +57,23 @@ def test_a_server_holds_at_most_its_sessions_and_takes_more_once_one_closes(tmp_
         servicer.close()
 
 
-def test_a_session_runs_at_most_its_updates_in_flight(tmp_path) -> None:
-    """Updates of one session that hold their slots (their gradient still coming) leave one more waiting, which
-    the server refuses once its device timeout passes; the session serves again once they end."""
-    server, servicer, port = serve([tmp_path / "root"], TOKEN, device_timeout_s=2.0)
-    client = _opened(port)
-    session = client.servers[0].session
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+def _update_stub(port: int) -> tuple[grpc.Channel, object]:
+    channel = grpc.secure_channel(f"127.0.0.1:{port}", channel_credentials(f"127.0.0.1:{port}", TOKEN, None, False))
     update = channel.stream_stream(
         f"/{SERVICE}/Update", request_serializer=Frame.SerializeToString, response_deserializer=Frame.FromString
     )
-    metadata = [("authorization", f"Bearer {TOKEN}")]
+    return channel, update
+
+
+def test_a_client_sending_slowly_holds_no_update_slot_and_the_server_ends_its_calls(tmp_path) -> None:
+    """Updates whose gradient never comes hold only their bytes of the server's budget, not the session's update
+    slots: more of them than the slots leave a whole update served. The server ends them when its own call time is
+    up, whatever deadline the client set."""
+    limits = ServerLimits(call_timeout_s=3.0)
+    server, servicer, port = serve([tmp_path / "root"], TOKEN, limits=limits)
+    client = _opened(port)
+    session = client.servers[0].session
+    channel, update = _update_stub(port)
     hp = {"step": 1, "lr": 1e-3}
     release = threading.Event()
 
@@ -76,29 +82,41 @@ def test_a_session_runs_at_most_its_updates_in_flight(tmp_path) -> None:
 
     def stalled():
         yield header()
-        release.wait(30)  # the gradient never comes while the test looks
-
-    def whole():
-        yield header()
-        yield from encode_tensor("grad", torch.zeros(CHUNK))
+        release.wait(60)  # the gradient never comes while the test looks
 
     try:
-        held = [update(stalled(), metadata=metadata, timeout=30) for _ in range(MAX_UPDATES_IN_FLIGHT)]
-        time.sleep(0.5)  # each took its slot on the server (the header is all it sent)
-        with pytest.raises(grpc.RpcError) as refused:
-            list(update(whole(), metadata=metadata, timeout=30))
-        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "Too many updates in flight" in refused.value.details()
-        release.set()
-        for call in held:
-            with pytest.raises(grpc.RpcError):
-                list(call)  # each ended when its stream did, without a gradient
+        held = [update(stalled(), timeout=60) for _ in range(MAX_UPDATES_IN_FLIGHT + 1)]
+        time.sleep(0.5)  # each sent its header and waits for its gradient on the server
         out = torch.empty(CHUNK)
         client.result(client.submit(0, torch.zeros(CHUNK), StepParams(step=1, lr=1e-3), out))
+        for call in held:
+            with pytest.raises(grpc.RpcError) as ended:
+                list(call)  # ended by the server after 3 s, not by the client's 60
+            assert ended.value.code() == grpc.StatusCode.CANCELLED, ended.value
     finally:
         release.set()
         channel.close()
         client.close()
+        server.stop(None).wait()
+        servicer.close()
+
+
+def test_an_update_larger_than_the_servers_budget_is_refused_and_the_server_keeps_serving(tmp_path) -> None:
+    """The gradients and parameters of every update in flight share one budget; one that can never fit is refused
+    at once, naming the flag, and the server goes on serving."""
+    per_update = CHUNK * (4 + 4)  # fp32 gradient in, fp32 parameters out
+    limits = ServerLimits(update_bytes_in_flight=per_update - 1)
+    server, servicer, port = serve([tmp_path / "root"], TOKEN, limits=limits)
+    client = _opened(port)
+    try:
+        out = torch.empty(CHUNK)
+        with pytest.raises(StorageError, match="--update-bytes-in-flight"):
+            client.result(client.submit(0, torch.zeros(CHUNK), StepParams(step=1, lr=1e-3), out))
+        client.close()
+        other = _opened(port)  # the server goes on serving
+        other.result(other.read_master(0, out))
+        other.close()
+    finally:
         server.stop(None).wait()
         servicer.close()
 
@@ -111,7 +129,7 @@ def test_sigterm_removes_the_state_of_open_sessions_and_keeps_checkpoints(tmp_pa
     client = _opened(process.port)
     client.save(tmp_path / "ckpt")
     sessions = tmp_path / "root" / "sessions"
-    assert [p.name for p in sessions.iterdir()] == [client.servers[0].session]
+    assert [p.name for p in sessions.iterdir()] == [session_tag(client.servers[0].session)]  # no id on the disk
     process.stop(signal.SIGTERM)
     assert not list(sessions.iterdir()), list(sessions.iterdir())
     assert list((tmp_path / "root" / "checkpoints").rglob("*.state")), "the checkpoint stays"
@@ -119,14 +137,13 @@ def test_sigterm_removes_the_state_of_open_sessions_and_keeps_checkpoints(tmp_pa
     client._closed = True  # its server is gone: nothing to close
 
 
-def test_a_session_name_of_the_client_is_one_path_component(tmp_path) -> None:
-    """A name that is not one plain path component (a trailing newline, a dot first) is refused before anything is
-    made on the disk."""
+def test_a_label_of_the_client_is_one_path_component(tmp_path) -> None:
+    """A label (it names the rank's directory in a checkpoint) that is not one plain path component (a trailing
+    newline, a dot first) is refused before anything is made on the disk."""
     server, servicer, port = serve([tmp_path / "root"], TOKEN)
     try:
-        for name in ("rank000\n", ".hidden", "../up"):
-            client = _client(port)
-            client.servers[0].session = name
+        for label in ("rank000\n", ".hidden", "../up"):
+            client = _client(port, label=label)
             with pytest.raises(StorageError, match="not a valid name"):
                 client.open(SPECS)
             client.close()

@@ -64,6 +64,17 @@ CONVERSIONS = frozenset(
 log = logging.getLogger(__name__)
 
 
+def remove_killed_saves(parent: Path) -> int:
+    """Remove the temporary directories and files that saves killed mid-way left in ``parent``; how many."""
+    stale = list(Path(parent).glob(f".*{_TMP_MARK}*"))
+    for path in stale:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return len(stale)
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be trusted or read; the message names the file and what is wrong with it."""
 
@@ -338,8 +349,14 @@ def read_manifest(directory: Path) -> dict:
     manifest_path = Path(directory) / MANIFEST
     if not manifest_path.is_file():
         raise FileNotFoundError(f"No device-state manifest at {manifest_path}; was the checkpoint saved by us?")
+    return parse_manifest(manifest_path.read_bytes(), manifest_path)
+
+
+def parse_manifest(data: bytes, manifest_path: Path) -> dict:
+    """The manifest in ``data``, read from ``manifest_path`` (``ValueError`` if it is not one this version reads):
+    for a caller that must check the very bytes it parses (a digest)."""
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"Device-state manifest {manifest_path} is corrupt ({exc}).") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:

@@ -7,8 +7,12 @@ partition's dtype: the bytes the ``cpu`` backend counts as link traffic are the 
 
 Invariants:
 
-- Every call carries the bearer token and a deadline of ``device_timeout_s``: a stalled network or server raises
+- Every call carries the bearer token as gRPC call credentials, which gRPC sends only over TLS or to this machine
+  (local credentials); plain gRPC to another machine only with ``allow_plaintext``. Every call has a deadline of
+  ``device_timeout_s``: a stalled network or server raises
   :class:`~lightning_smartinf.core.io.storage.StorageError` naming the server, never hangs.
+- A server speaks this client's protocol version, or is refused at first contact; a malformed reply is that server's
+  failure, named, like any other.
 - The first server error stops the backend (:attr:`failure`), like a device error of the local backends.
 - A checkpoint records each server's identity and the digest of the state it saved; loading refuses another server
   (one restarted over another storage root) or other state, naming the server.
@@ -21,7 +25,6 @@ import json
 import statistics
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from pathlib import Path
@@ -48,6 +51,7 @@ from lightning_smartinf.core.placement import Placement, RoundRobin, check_assig
 from lightning_smartinf.core.rules import StepParams
 from lightning_smartinf.core.traffic import TrafficSnapshot
 from lightning_smartinf.devices.remote.manifest import REMOTE_MANIFEST
+from lightning_smartinf.devices.remote.server import MAX_SHARD_NUMEL, PROTOCOL_VERSION, is_loopback
 from lightning_smartinf.devices.remote.server import MAX_UPDATES_IN_FLIGHT as UPDATES_IN_FLIGHT
 from lightning_smartinf.devices.remote.tokens import TlsFiles
 from lightning_smartinf.devices.remote.wire import (
@@ -55,6 +59,7 @@ from lightning_smartinf.devices.remote.wire import (
     SERVICE,
     Frame,
     TensorReader,
+    WireError,
     decode_header,
     dtype_name,
     encode_tensor,
@@ -66,25 +71,54 @@ from lightning_smartinf.devices.remote.wire import (
 __all__ = ["REMOTE_MANIFEST", "RemoteBackend", "checkpoint_masters", "measure_network"]
 
 FIRST_CONTACT = "the first contact"
+#: Seconds a session's close may take once a server of the run has failed.
+CLOSE_AFTER_FAILURE_S = 10.0
+
+
+def channel_credentials(address: str, token: str, tls: TlsFiles | None, allow_plaintext: bool) -> Any:
+    """How a client reaches the server at ``address``: TLS, or gRPC's local credentials on loopback, both with the
+    token as call credentials (which gRPC refuses to send in clear); ``None`` for plain gRPC (``allow_plaintext``)."""
+    token_credentials = grpc.access_token_call_credentials(token)
+    if tls is not None:
+        transport = grpc.ssl_channel_credentials(
+            root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+        )
+        return grpc.composite_channel_credentials(transport, token_credentials)
+    if is_loopback(address):
+        local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+        return grpc.composite_channel_credentials(local, token_credentials)
+    if not allow_plaintext:
+        raise ValueError(
+            f"The remote device server {address} is not on this machine and no TLS is set (`remote_tls_dir`): the "
+            "token and the optimizer state would cross the network in clear. Give the servers TLS and this run "
+            "`remote_tls_dir`, or `remote_allow_plaintext=True` on a network you trust."
+        )
+    return None
 
 
 class _Server:
     """One server: its channel, stubs, identity, session and the shards it holds for this rank."""
 
-    def __init__(self, address: str, token: str, timeout: float | None, tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        timeout: float | None,
+        tls: TlsFiles | None = None,
+        allow_plaintext: bool = False,
+    ) -> None:
         self.address = address
         self.timeout = timeout
-        self.metadata = (("authorization", f"Bearer {token}"),)
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
-        if tls is None:
+        credentials = channel_credentials(address, token, tls, allow_plaintext)
+        if credentials is None:  # plain gRPC, asked for: the token travels as metadata, in clear
+            self.metadata: tuple[tuple[str, str], ...] | None = (("authorization", f"Bearer {token}"),)
             self.channel = grpc.insecure_channel(address, options=options)
         else:
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
-            )
+            self.metadata = None
             self.channel = grpc.secure_channel(address, credentials, options=options)
         encode, decode = Frame.SerializeToString, Frame.FromString
 
@@ -102,7 +136,7 @@ class _Server:
         self.echo = method("stream_unary", "Echo")
         self.read_checkpoint = method("unary_stream", "ReadCheckpoint")
         self.server_id = ""
-        self.session = f"s{uuid.uuid4().hex}"
+        self.session = ""  # issued by the server when this rank opens its shards there
         self.shards: list[int] = []  # global shard indices, in local order
         self.storage_bytes = (0, 0)  # storage read and write bytes of the session, as the server last counted them
         # Calls in flight per server: one shard's gradient crossing while another's update runs (the server admits
@@ -110,10 +144,29 @@ class _Server:
         # Its threads run on this rank's accelerator: they copy gradients and parameters to and from its memory.
         self.executor = thread_pool(UPDATES_IN_FLIGHT, f"smartinf-remote-{address}", current_accelerator())
 
-    def call(self, method: Any, request: Any, what: str, stream: bool = False) -> Any:
+    def greet(self) -> None:
+        """First contact: the server's identity, and its protocol, which must be this client's."""
+        reply = self.reply(self.call(self.hello, header_frame(), FIRST_CONTACT), FIRST_CONTACT, ("server_id",))
+        if reply.get("protocol") != PROTOCOL_VERSION:
+            raise StorageError(
+                f"The remote device server {self.address} speaks protocol {reply.get('protocol')!r}; this "
+                f"lightning_smartinf speaks {PROTOCOL_VERSION}. Run the same version of lightning_smartinf on both."
+            )
+        self.server_id = str(reply["server_id"])
+
+    def reply(self, frame: Any, what: str, required: Iterable[str] = ()) -> dict[str, Any]:
+        """The header of a reply; a malformed one is this server's failure, named."""
         try:
-            response = method(request, timeout=self.timeout, metadata=self.metadata)
-            return list(response) if stream else response
+            return decode_header(frame, required)
+        except WireError as exc:
+            raise StorageError(
+                f"The remote device server {self.address} sent a malformed reply during {what}: {exc}"
+            ) from None
+
+    def call(self, method: Any, request: Any, what: str, timeout: float | None = None) -> Any:
+        """``method(request)`` within ``timeout`` (default: the device timeout); errors name this server."""
+        try:
+            return method(request, timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as exc:
             raise self.error(exc, what) from None
 
@@ -144,22 +197,37 @@ class _Server:
         self.channel.close()
 
 
-def _receive(name: str, frames: Iterable[Any], *, numel: int, dtype: torch.dtype, server: _Server, what: str) -> Tensor:
-    """The tensor ``name`` of ``numel`` ``dtype`` elements that ``frames`` carry; a server that sends less fails."""
+def _receive(
+    name: str, frames: Iterable[Any], *, numel: int, dtype: torch.dtype, server: _Server, what: str, exact: bool = True
+) -> Tensor:
+    """The tensor ``name`` of ``numel`` ``dtype`` elements (at most, unless ``exact``) that ``frames`` carry, read as
+    they arrive; a server that sends more, less or something malformed fails, named."""
     reader = TensorReader(name, max_numel=numel, dtypes=(dtype,))
-    for frame in frames:
-        reader.add(frame)
-    if not reader.done or reader.tensor is None or reader.tensor.numel() != numel:
+    try:
+        for frame in frames:
+            reader.add(frame)
+    except WireError as exc:
+        malformed = f"The remote device server {server.address} sent a malformed {name} during {what}: {exc}"
+        raise StorageError(malformed) from None
+    except grpc.RpcError as exc:
+        raise server.error(exc, what) from None
+    if not reader.done or reader.tensor is None or (exact and reader.tensor.numel() != numel):
         raise StorageError(f"The remote device server {server.address} sent an incomplete {name} during {what}.")
     return reader.tensor
 
 
 def measure_network(
-    address: str, token: str, *, megabytes: int = 64, pings: int = 20, tls: TlsFiles | None = None
+    address: str,
+    token: str,
+    *,
+    megabytes: int = 64,
+    pings: int = 20,
+    tls: TlsFiles | None = None,
+    allow_plaintext: bool = False,
 ) -> dict[str, float]:
     """Bandwidth (GB/s, trainer to server) and round trip (ms, median of ``pings`` calls) to the server at
     ``address``; the server only counts the bytes, so no device or disk is in the figures."""
-    server = _Server(address, token, timeout=120.0, tls=tls)
+    server = _Server(address, token, timeout=120.0, tls=tls, allow_plaintext=allow_plaintext)
     try:
         times = []
         for _ in range(pings):
@@ -173,7 +241,7 @@ def measure_network(
         except grpc.RpcError as exc:
             raise server.error(exc, "a bandwidth probe") from None
         seconds = time.perf_counter() - started
-        received = int(decode_header(reply, ("bytes",))["bytes"])
+        received = int(server.reply(reply, "a bandwidth probe", ("bytes",))["bytes"])
         return {
             "network_gbps": round(received / seconds / 1e9, 3),
             "network_latency_ms": round(statistics.median(times) * 1e3, 3),
@@ -183,7 +251,12 @@ def measure_network(
 
 
 def checkpoint_masters(
-    addresses: Sequence[str], token: str, *, tls: TlsFiles | None = None, timeout: float | None = 300.0
+    addresses: Sequence[str],
+    token: str,
+    *,
+    tls: TlsFiles | None = None,
+    timeout: float | None = 300.0,
+    allow_plaintext: bool = False,
 ) -> Callable[[Path], list[Tensor]]:
     """A reader of the fp32 masters of one rank's device state that a checkpoint keeps on remote servers.
 
@@ -193,12 +266,11 @@ def checkpoint_masters(
 
     def read(directory: Path) -> list[Tensor]:
         manifest = read_json(Path(directory) / REMOTE_MANIFEST, "the remote device state", ("checkpoint", "servers"))
-        servers = [_Server(address, token, timeout, tls) for address in addresses]
+        servers = [_Server(address, token, timeout, tls, allow_plaintext) for address in addresses]
         try:
             by_id = {}
             for server in servers:
-                reply = decode_header(server.call(server.hello, header_frame(), FIRST_CONTACT), ("server_id",))
-                server.server_id = str(reply["server_id"])
+                server.greet()
                 by_id[server.server_id] = server
             entries = manifest["servers"]
             masters: dict[int, Tensor] = {}
@@ -210,15 +282,22 @@ def checkpoint_masters(
                         f"{str(entry.get('server_id'))[:12]} (last at {entry.get('address')}), which is not among "
                         f"{', '.join(f'{s.address} ({s.server_id[:12]})' for s in servers)}."
                     )
-                for local, shard in enumerate(entry["shards"]):
+                numels = entry.get("numels") or [None] * len(entry["shards"])  # recorded since protocol 2
+                for local, (shard, numel) in enumerate(zip(entry["shards"], numels)):
+                    checkpoint = entry.get("checkpoint", manifest["checkpoint"])
                     request = header_frame(
-                        checkpoint=manifest["checkpoint"], label=entry["label"], shard=local, digest=entry["digest"]
+                        checkpoint=checkpoint, label=entry["label"], shard=local, digest=entry["digest"]
                     )
                     what = f"reading shard {shard} of a checkpoint"
-                    frames = server.call(server.read_checkpoint, request, what, stream=True)
-                    numel = frames[0].numel if frames else 0
+                    frames = server.call(server.read_checkpoint, request, what)
                     masters[int(shard)] = _receive(
-                        "master", frames, numel=numel, dtype=torch.float32, server=server, what=what
+                        "master",
+                        frames,
+                        numel=MAX_SHARD_NUMEL if numel is None else int(numel),
+                        dtype=torch.float32,
+                        server=server,
+                        what=what,
+                        exact=numel is not None,
                     )
             if sorted(masters) != list(range(len(masters))):
                 raise CheckpointError(f"{directory / REMOTE_MANIFEST} does not list every shard of the rank.")
@@ -261,6 +340,7 @@ class RemoteBackend(Backend):
         device_timeout_s: float | None = 300.0,
         placement: Placement = RoundRobin(),
         tls: TlsFiles | None = None,
+        allow_plaintext: bool = False,
     ) -> None:
         super().__init__()
         if not addresses:
@@ -273,7 +353,7 @@ class RemoteBackend(Backend):
         self.prefetch_state = prefetch_state
         self.device_timeout_s = device_timeout_s
         self.placement = placement
-        self.servers = [_Server(address, token, device_timeout_s, tls) for address in addresses]
+        self.servers = [_Server(address, token, device_timeout_s, tls, allow_plaintext) for address in addresses]
         self._specs: list[ShardSpec] = []
         self._where: list[tuple[_Server, int]] = []
         self._pending = PendingWork()
@@ -284,9 +364,13 @@ class RemoteBackend(Backend):
         self._all_links: list[HostLink] = []
         self._closed = False
         self._released = False
-        for server in self.servers:
-            reply = decode_header(server.call(server.hello, header_frame(), FIRST_CONTACT), ("server_id",))
-            server.server_id = str(reply["server_id"])
+        try:
+            for server in self.servers:
+                server.greet()
+        except BaseException:
+            for server in self.servers:
+                server.close()
+            raise
 
     # ---------------------------------------------------------------------------------------------- views
 
@@ -330,7 +414,6 @@ class RemoteBackend(Backend):
             if not server.shards:
                 continue
             header = header_frame(
-                session=server.session,
                 label=self.label,
                 chunk_elems=self.chunk_elems,
                 buffer_count=self.buffer_count,
@@ -341,8 +424,10 @@ class RemoteBackend(Backend):
                     {"numel": self._specs[i].numel, "rule": rule_to_wire(self._specs[i].rule)} for i in server.shards
                 ],
             )
+            what = f"opening {len(server.shards)} shards"
             try:
-                server.call(server.open, header, f"opening {len(server.shards)} shards")
+                reply = server.reply(server.call(server.open, header, what), what, ("session",))
+                server.session = str(reply["session"])
             except StorageError:
                 server.shards = []  # no session there: `close` has nothing to wait for or close on it
                 raise
@@ -481,9 +566,11 @@ class RemoteBackend(Backend):
 
     # ---------------------------------------------------------------------------------------------- control
 
-    def _control(self, server: _Server, op: str, what: str, **args: Any) -> dict[str, Any]:
-        reply = server.call(server.control, header_frame(session=server.session, op=op, **args), what)
-        return decode_header(reply)
+    def _control(
+        self, server: _Server, op: str, what: str, timeout: float | None = None, **args: Any
+    ) -> dict[str, Any]:
+        request = header_frame(session=server.session, op=op, **args)
+        return server.reply(server.call(server.control, request, what, timeout=timeout), what)
 
     def _by_server(self, shards: Iterable[int]) -> dict[_Server, list[int]]:
         grouped: dict[_Server, list[int]] = {}
@@ -547,24 +634,31 @@ class RemoteBackend(Backend):
         """Each server saves its shards under a new checkpoint id; ``directory/remote.json`` records where."""
         self._refuse("save")
         self.wait()
-        checkpoint = f"c{uuid.uuid4().hex}"
         entries = []
         for server in self.servers:
             if not server.shards:
                 continue
-            reply = self._control(server, "save", "saving a checkpoint", checkpoint=checkpoint)
+            what = "saving a checkpoint"
+            reply = self._control(server, "save", what)
+            if not isinstance(reply.get("checkpoint"), str) or not isinstance(reply.get("digest"), str):
+                unnamed = (
+                    f"The remote device server {server.address} did not name the checkpoint it saved, during {what}."
+                )
+                raise self._latch(StorageError(unnamed))
             entries.append(
                 {
                     "address": server.address,
                     "server_id": server.server_id,
+                    "checkpoint": reply["checkpoint"],  # named by the server: each save is a new one
                     "label": self.label,
                     "shards": server.shards,
-                    "digest": reply.get("digest"),
+                    "numels": [self._specs[i].numel for i in server.shards],
+                    "digest": reply["digest"],
                 }
             )
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        manifest = {"format": 1, "checkpoint": checkpoint, "servers": entries}
+        manifest = {"format": 2, "checkpoint": None, "servers": entries}
         write_file_atomic(directory / REMOTE_MANIFEST, json.dumps(manifest, indent=1).encode())
 
     def load(self, directory: Path) -> None:
@@ -606,7 +700,7 @@ class RemoteBackend(Backend):
                 server,
                 "load",
                 "loading a checkpoint",
-                checkpoint=manifest.get("checkpoint"),
+                checkpoint=entry.get("checkpoint", manifest.get("checkpoint")),  # format 1: one id for every server
                 digest=entry.get("digest"),
             )
 
@@ -630,8 +724,12 @@ class RemoteBackend(Backend):
         self._released = True
         for server in self.servers:
             try:
-                if server.shards and self.failure is None:
-                    self._control(server, "close", "closing the session")
+                # Also after another server failed: every server still reachable frees this rank's session now
+                # (an unreachable one removes it when its lease runs out, or at its next start).
+                if server.shards and server.session:
+                    # After a failure, briefly: a server that hangs must not hold the trainer's exit.
+                    brief = None if self.failure is None else min(CLOSE_AFTER_FAILURE_S, self.device_timeout_s or 1e9)
+                    self._control(server, "close", "closing the session", timeout=brief)
             except StorageError:
                 pass  # the server is gone: nothing left to release there
             finally:

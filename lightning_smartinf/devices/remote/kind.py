@@ -24,7 +24,7 @@ class RemoteKind(DeviceKind):
     last while the rank holds them, and cannot move between a server and this host."""
 
     name = "remote"
-    arguments = ("remote_devices", "remote_token_file", "remote_tls_dir")
+    arguments = ("remote_devices", "remote_token_file", "remote_tls_dir", "remote_allow_plaintext")
     takes_hand_offs = True
     devices_compute = True
     state_held_by_process = True
@@ -71,9 +71,28 @@ class RemoteKind(DeviceKind):
                 read_tls_dir(tls_dir)
             except (TypeError, ValueError) as exc:
                 problems.add(f"`remote_tls_dir={options.get('remote_tls_dir')!r}`: {exc}")
+        plaintext = options.get("remote_allow_plaintext") or False
+        if not isinstance(plaintext, bool):
+            problems.add(f"`remote_allow_plaintext={plaintext!r}` must be True or False.")
+        elif tls_dir is None and not plaintext and len(problems) == known:
+            from lightning_smartinf.devices.remote.server import is_loopback
+
+            for address in devices:
+                if not is_loopback(address):
+                    problems.add(
+                        f"`remote_devices` entry {address!r} is not on this machine and `remote_tls_dir` is not set: "
+                        "the token and the optimizer state would cross the network in clear. Give the servers TLS "
+                        "(`smartinf serve --tls-cert/--tls-key`) and this run `remote_tls_dir`, or pass "
+                        "`remote_allow_plaintext=True` on a network you trust."
+                    )
         if len(problems) > known:
             return {}
-        return {"remote_devices": tuple(devices), "remote_token_file": token_file, "remote_tls_dir": tls_dir}
+        return {
+            "remote_devices": tuple(devices),
+            "remote_token_file": token_file,
+            "remote_tls_dir": tls_dir,
+            "remote_allow_plaintext": plaintext,
+        }
 
     def weight_count(self, options: Any, storage_paths: Sequence[Path] | None) -> int | None:
         devices = (options or {}).get("remote_devices")
@@ -97,6 +116,7 @@ class RemoteKind(DeviceKind):
             device_timeout_s=settings.device_timeout_s,
             placement=RoundRobin() if weights is None else Tiered(tuple(weights), 0, settings.chunk_size),
             tls=tls,
+            allow_plaintext=bool(settings.option("remote_allow_plaintext")),
         )
 
     def checkpoint_masters(self, settings: SmartUpdateSettings) -> Callable[[Path], list[Tensor]] | None:
@@ -104,7 +124,9 @@ class RemoteKind(DeviceKind):
         from lightning_smartinf.devices.remote.client import checkpoint_masters
 
         addresses, token, tls = _access(settings)
-        return masters_beside(checkpoint_masters(addresses, token, tls=tls, timeout=settings.device_timeout_s))
+        plaintext = bool(settings.option("remote_allow_plaintext"))
+        timeout = settings.device_timeout_s
+        return masters_beside(checkpoint_masters(addresses, token, tls=tls, timeout=timeout, allow_plaintext=plaintext))
 
 
 def _access(settings: SmartUpdateSettings) -> tuple[tuple[str, ...], str, TlsFiles | None]:

@@ -7,40 +7,59 @@ on-disk and checkpoint formats as on the trainer's own machine.
 
 Invariants:
 
-- Every call carries ``authorization: Bearer <token>``, compared in constant time; any other call is refused
-  (``UNAUTHENTICATED``) and logged with its peer.
-- A malformed, oversized or out-of-order frame ends that call with ``INVALID_ARGUMENT`` and a message saying what
+- A call is authenticated before anything of it is read: :class:`TokenCheck` looks at its metadata when gRPC looks
+  up its handler, and a call without ``authorization: Bearer <token>`` (compared in constant time) gets a handler
+  that reads nothing and ends it with ``UNAUTHENTICATED``. Refusals are logged at most once per
+  :data:`REFUSAL_LOG_EVERY_S`, with how many there were.
+- What a client may take is decided here (:class:`ServerLimits`): sessions, shards per session and their size, each
+  session's transfer pool and I/O threads, its state on disk, the bytes of all updates in flight together, and how
+  long any call may last (the server cancels it then, whatever deadline the client set). gRPC's own settings bound
+  concurrent calls, streams per connection, keepalive pings and idle connections.
+- A malformed, oversized or out-of-order request ends that call with ``INVALID_ARGUMENT`` and a message saying what
   was wrong; the server and the session keep serving.
-- Files are created only under the storage roots: session and checkpoint names are checked against
-  :data:`NAME`, so no path leaves its root.
-- A session holds at most :data:`MAX_UPDATES_IN_FLIGHT` updates at once (gradient in, parameters out), each of at
-  most ``max_shard_numel`` elements: the memory one client can take is bounded.
-- The server's identity (``server_id``) lives in its first storage root: a server restarted over another root has
-  another identity, which trainers resuming from a checkpoint refuse.
+- Sessions and checkpoints are named by the server (unguessable ids, never logged: the log shows a digest); a save
+  never replaces a checkpoint. Files are created only under the storage roots.
+- Nothing outlives its owner: a session without a call for ``session_lease_s`` is closed and its state removed;
+  sessions and killed saves left by a server that died are removed when a server starts over its roots.
+- The server's identity (``server_id``) lives in its first storage root, written atomically: a server restarted over
+  another root has another identity, which trainers resuming from a checkpoint refuse.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import re
+import secrets
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
+from torch import Tensor
 
 from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.compression import SparseGrad
-from lightning_smartinf.core.format.state_files import MANIFEST, saved_shard_masters
+from lightning_smartinf.core.format.layout import ChunkLayout, pool_bytes
+from lightning_smartinf.core.format.state_files import (
+    MANIFEST,
+    parse_manifest,
+    remove_killed_saves,
+    saved_shard_masters,
+    write_file_atomic,
+)
 from lightning_smartinf.core.io.ownership import claim_directories, release_claims
 from lightning_smartinf.core.io.storage import ensure_private_dir
 from lightning_smartinf.devices.cpu import CpuBackend
@@ -59,7 +78,7 @@ from lightning_smartinf.devices.remote.wire import (
     rule_from_wire,
 )
 
-__all__ = ["NAME", "DeviceServer", "serve"]
+__all__ = ["NAME", "DeviceServer", "ServerLimits", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +89,123 @@ IDENTITY_FILE = ".smartinf-server.json"
 MAX_UPDATES_IN_FLIGHT = 4
 #: Largest shard a client may open (int32 indices address it) and chunk size bounds.
 MAX_SHARD_NUMEL = (1 << 31) - 1
-PROTOCOL_VERSION = 1
+#: 2: the server names sessions and checkpoints, and takes the token as gRPC call credentials send it.
+PROTOCOL_VERSION = 2
+#: At most one log line per this many seconds about refused tokens (a flood must not fill the disk).
+REFUSAL_LOG_EVERY_S = 10.0
+#: Bytes of state per element a shard may take on disk, at most (master and three states, fp32).
+_STATE_BYTES_PER_ELEMENT = 16
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one server grants, whatever its clients ask (``smartinf serve --help`` names a flag for each).
+
+    Args:
+        max_sessions: sessions open at once.
+        max_shards: shards in one session.
+        max_shard_numel: elements of one shard.
+        max_session_pool_bytes: the transfer pool of one session (its ``chunk_elems`` x ``buffer_count`` x devices).
+        max_io_threads: I/O threads per device of one session.
+        max_session_state_bytes: state of one session on disk (``None``: what the disks hold).
+        update_bytes_in_flight: gradients and parameters of every update in flight, all sessions together.
+        call_timeout_s: longest call; the server cancels it then.
+        session_lease_s: a session without a call for this long is closed and its state removed.
+        max_echo_bytes: bytes of one calibration call.
+    """
+
+    max_sessions: int = 64
+    max_shards: int = 4096
+    max_shard_numel: int = MAX_SHARD_NUMEL
+    max_session_pool_bytes: int = 2 << 30
+    max_io_threads: int = 16
+    max_session_state_bytes: int | None = None
+    update_bytes_in_flight: int = 8 << 30
+    call_timeout_s: float = 900.0
+    session_lease_s: float = 3600.0
+    max_echo_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if value is None and item.name == "max_session_state_bytes":
+                continue
+            whole = not item.name.endswith("_s")
+            if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or not value > 0:
+                kind = "a positive integer" if whole else "a positive number of seconds"
+                raise ValueError(f"`{item.name}={value!r}`: a server limit must be {kind}.")
+        if self.max_shard_numel > MAX_SHARD_NUMEL:
+            raise ValueError(
+                f"`max_shard_numel={self.max_shard_numel}`: shards are addressed by int32 indices, at most "
+                f"{MAX_SHARD_NUMEL} elements."
+            )
+
+
+def session_tag(session_id: str) -> str:
+    """What the log and the disk show of a session id (a digest: the id itself is the session's key)."""
+    return hashlib.sha256(session_id.encode()).hexdigest()[:16]
+
+
+class _Budget:
+    """Bytes held by the updates in flight of every session; a reservation waits for room, up to a timeout."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+        self._room = threading.Condition()
+
+    def reserve(self, nbytes: int, timeout: float) -> bool:
+        if nbytes > self.total:
+            return False
+        with self._room:
+            return self._room.wait_for(lambda: self.used + nbytes <= self.total, timeout) and self._take(nbytes)
+
+    def _take(self, nbytes: int) -> bool:
+        self.used += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        with self._room:
+            self.used -= nbytes
+            self._room.notify_all()
+
+
+class TokenCheck(grpc.ServerInterceptor):
+    """Refuses, when gRPC looks up a call's handler, every call without this server's bearer token: the refusal's
+    handler reads no request, so a client without the token holds no worker thread and sends no byte that is read."""
+
+    def __init__(self, token: bytes) -> None:
+        self._token = token
+        self._refused = 0
+        self._logged_at = -REFUSAL_LOG_EVERY_S
+        self._lock = threading.Lock()
+
+        def refuse(requests: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "Missing or wrong bearer token.")
+
+        self._refusal = grpc.stream_stream_rpc_method_handler(refuse)
+
+    def authorized(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
+        """Whether ``metadata`` carries ``authorization: Bearer <token>`` once (compared in constant time)."""
+        values = [value for key, value in metadata or () if key == "authorization"]
+        if len(values) != 1:
+            return False
+        text = values[0] if isinstance(values[0], str) else values[0].decode(errors="replace")
+        if not text.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(text[len("Bearer ") :].encode(), self._token)
+
+    def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
+        if self.authorized(handler_call_details.invocation_metadata):
+            return continuation(handler_call_details)
+        with self._lock:
+            self._refused += 1
+            now = time.monotonic()
+            if now - self._logged_at >= REFUSAL_LOG_EVERY_S:
+                method = handler_call_details.method
+                log.warning("refused %d call(s) without the right token (the last: %s)", self._refused, method)
+                self._refused, self._logged_at = 0, now
+        return self._refusal
 
 
 class CallError(Exception):
@@ -83,9 +218,11 @@ class CallError(Exception):
 
 @dataclass
 class Session:
-    """One trainer rank's devices on this server."""
+    """One trainer rank's devices on this server; ``name`` is the id the server issued (its key), ``tag`` what the
+    log and the disk show of it."""
 
     name: str
+    tag: str
     label: str
     backend: CpuBackend
     dirs: list[Path]
@@ -93,17 +230,24 @@ class Session:
     updates: threading.BoundedSemaphore = field(
         default_factory=lambda: threading.BoundedSemaphore(MAX_UPDATES_IN_FLIGHT)
     )
+    last_call: float = field(default_factory=time.monotonic)
+    calls: int = 0  # calls running now: a session is never expired under one
 
 
 def server_identity(root: Path) -> str:
-    """The server id stored in ``root`` (created on first use)."""
+    """The server id stored in ``root`` (created on first use, atomically: a crash leaves no half-written file)."""
     path = root / IDENTITY_FILE
     if path.exists():
-        data = json.loads(path.read_text())
-        return str(data["server_id"])
+        try:
+            data = json.loads(path.read_text())
+            return str(data["server_id"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"The server identity file {str(path)!r} is damaged ({exc}); checkpoints on this server name its id. "
+                "Restore it, or remove it to start over as a new server (its checkpoints are then refused)."
+            ) from None
     server_id = uuid.uuid4().hex
-    path.write_text(json.dumps({"server_id": server_id}))
-    path.chmod(0o600)
+    write_file_atomic(path, json.dumps({"server_id": server_id}).encode())
     return server_id
 
 
@@ -114,8 +258,7 @@ class DeviceServer:
         storage_roots: one directory per device (created 0700 if missing).
         token: the bearer token every call must carry.
         device_timeout_s: the sessions' device timeout (see :class:`~lightning_smartinf.devices.cpu.CpuBackend`).
-        max_sessions: sessions open at once.
-        max_shard_numel: largest shard a session may open.
+        limits: what one client may take (see :class:`ServerLimits`).
     """
 
     def __init__(
@@ -124,8 +267,7 @@ class DeviceServer:
         token: str,
         *,
         device_timeout_s: float | None = 300.0,
-        max_sessions: int = 64,
-        max_shard_numel: int = MAX_SHARD_NUMEL,
+        limits: ServerLimits | None = None,
     ) -> None:
         if not token:
             raise ValueError("The token is empty: give the server a token file with a non-empty secret.")
@@ -136,40 +278,80 @@ class DeviceServer:
             ensure_private_dir(root)
         # One server per storage root at a time, like one training per storage path.
         self._claims = claim_directories(self.roots)
-        self.server_id = server_identity(self.roots[0])
-        self._token = token.encode()
+        try:
+            self.server_id = server_identity(self.roots[0])
+        except BaseException:
+            release_claims(self._claims)
+            raise
+        self.token_check = TokenCheck(token.encode())
         self.device_timeout_s = device_timeout_s
-        self.max_sessions = max_sessions
-        self.max_shard_numel = max_shard_numel
+        self.limits = limits or ServerLimits()
+        self.max_sessions = self.limits.max_sessions
+        self.max_shard_numel = self.limits.max_shard_numel
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
+        self._updates_budget = _Budget(self.limits.update_bytes_in_flight)
+        self._stopped = threading.Event()
+        self._remove_what_a_dead_server_left()
+        self._reaper = threading.Thread(target=self._expire_sessions, name="smartinf-serve-leases", daemon=True)
+        self._reaper.start()
 
     # ---------------------------------------------------------------------------------------------- plumbing
 
     def authorized(self, metadata: Sequence[tuple[str, Any]]) -> bool:
-        """Whether ``metadata`` carries this server's bearer token (compared in constant time)."""
-        presented = b""
-        for key, value in metadata:
-            if key == "authorization":
-                text = value if isinstance(value, str) else value.decode(errors="replace")
-                presented = text.removeprefix("Bearer ").encode()
-        return hmac.compare_digest(presented, self._token)
+        """Whether ``metadata`` carries this server's bearer token (see :class:`TokenCheck`)."""
+        return self.token_check.authorized(metadata)
 
-    def _guard(self, method: str, context: grpc.ServicerContext) -> None:
-        if not self.authorized(context.invocation_metadata()):
-            log.warning("refused %s from %s: missing or wrong token", method, context.peer())
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "Missing or wrong bearer token.")
+    def _remove_what_a_dead_server_left(self) -> None:
+        """Sessions live only in a server's memory, so their directories under the roots (which this server now owns)
+        belong to a server that died; so do the temporaries of saves it was killed in."""
+        sessions = killed_saves = 0
+        for root in self.roots:
+            for directory in sorted((root / "sessions").glob("*")) if (root / "sessions").is_dir() else []:
+                shutil.rmtree(directory, ignore_errors=True)
+                sessions += 1
+            for checkpoint in sorted((root / "checkpoints").glob("*")) if (root / "checkpoints").is_dir() else []:
+                killed_saves += remove_killed_saves(checkpoint)
+            killed_saves += remove_killed_saves(root / "checkpoints") if (root / "checkpoints").is_dir() else 0
+        if sessions or killed_saves:
+            what = "removed %d session director(ies) and %d killed save(s) left by an earlier server"
+            log.info(what, sessions, killed_saves)
+
+    def _expire_sessions(self) -> None:
+        lease = self.limits.session_lease_s
+        while not self._stopped.wait(min(60.0, lease / 4)):
+            now = time.monotonic()
+            with self._lock:
+                expired = [s for s in self._sessions.values() if s.calls == 0 and now - s.last_call > lease]
+            for session in expired:
+                log.info("session %s (%s): no call for %.0f s, closed", session.tag, session.label, lease)
+                self._close(session)
 
     def _session(self, header: dict[str, Any]) -> Session:
         name = header.get("session")
         with self._lock:
             session = self._sessions.get(name) if isinstance(name, str) else None
+            if session is not None:
+                session.last_call = time.monotonic()
         if session is None:
+            # The id is the session's key: never echoed, nor logged.
             raise CallError(
                 grpc.StatusCode.NOT_FOUND,
-                f"Session {name!r} is not open on server {self.server_id} (was the server restarted?).",
+                f"No such session on server {self.server_id} (it expired, was closed, or the server was restarted).",
             )
         return session
+
+    @contextlib.contextmanager
+    def _in_call(self, session: Session) -> Iterator[None]:
+        """A call of ``session`` runs: the lease does not expire under it."""
+        with self._lock:
+            session.calls += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                session.calls -= 1
+                session.last_call = time.monotonic()
 
     def _checked_name(self, value: Any, what: str) -> str:
         if not isinstance(value, str) or not NAME.fullmatch(value):
@@ -186,7 +368,11 @@ class DeviceServer:
         return index
 
     def _run(self, method: str, context: grpc.ServicerContext, body: Callable[[], Any]) -> Any:
-        """Run ``body``; protocol and call errors end the call with a status, never the server."""
+        """Run ``body`` within the server's own deadline; protocol and call errors end the call with a status, never
+        the server."""
+        deadline = threading.Timer(self.limits.call_timeout_s, context.cancel)  # whatever the client's deadline
+        deadline.daemon = True
+        deadline.start()
         try:
             return body()
         except WireError as exc:
@@ -194,31 +380,46 @@ class DeviceServer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Malformed request: {exc}")
         except CallError as exc:
             context.abort(exc.code, str(exc))
-        except (ValueError, RuntimeError, OSError) as exc:
+        except (ValueError, RuntimeError, OSError, grpc.RpcError) as exc:
+            if not context.is_active():  # cancelled (by the deadline, or the client left) while reading
+                what = "%s from %s ended: cancelled (the client left, or %.0f s passed)"
+                log.warning(what, method, context.peer(), self.limits.call_timeout_s)
+                return None
             log.warning("%s from %s failed: %s", method, context.peer(), exc)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{type(exc).__name__}: {exc}")
+        finally:
+            deadline.cancel()
 
     # ---------------------------------------------------------------------------------------------- calls
 
-    def hello(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self._guard("Hello", context)
+    def hello(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         return header_frame(
             server_id=self.server_id, devices=len(self.roots), protocol=PROTOCOL_VERSION, max_shard=self.max_shard_numel
         )
 
-    def open(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self._guard("Open", context)
-        return self._run("Open", context, lambda: self._open(decode_header(request, ("session", "label", "shards"))))
+    def open(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        return self._run("Open", context, lambda: self._open(decode_header(_first(requests), ("label", "shards"))))
 
     def _open(self, header: dict[str, Any]) -> Any:
-        name = self._checked_name(header["session"], "session")
+        limits = self.limits
         label = self._checked_name(header["label"], "label")
         shards_in = header["shards"]
         if not isinstance(shards_in, list) or not shards_in:
             raise WireError("`shards` must be a non-empty list.")
+        if len(shards_in) > limits.max_shards:
+            raise CallError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(shards_in)} shards asked for; this server takes at most {limits.max_shards} per session "
+                "(`smartinf serve --max-shards`).",
+            )
+        options = {key: header.get(key) for key in ("chunk_elems", "buffer_count", "io_threads")}
+        for key, value in options.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise WireError(f"`{key}={value!r}` must be a positive integer.")
         specs = []
         for index, entry in enumerate(shards_in):
-            if not isinstance(entry, dict) or not isinstance(entry.get("numel"), int):
+            numel = entry.get("numel") if isinstance(entry, dict) else None
+            if not isinstance(numel, int) or isinstance(numel, bool):
                 raise WireError(f"shard {index}: needs an integer `numel` and a `rule`.")
             if not 0 < entry["numel"] <= self.max_shard_numel:
                 raise CallError(
@@ -226,16 +427,39 @@ class DeviceServer:
                     f"shard {index} has {entry['numel']} elements; this server takes at most {self.max_shard_numel}.",
                 )
             specs.append(ShardSpec(index=index, numel=entry["numel"], rule=rule_from_wire(entry.get("rule"))))
-        options = {key: header.get(key) for key in ("chunk_elems", "buffer_count", "io_threads")}
-        for key, value in options.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise WireError(f"`{key}={value!r}` must be a positive integer.")
+        if options["io_threads"] > limits.max_io_threads:
+            raise CallError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"`io_threads={options['io_threads']}`: this server gives a session at most {limits.max_io_threads} "
+                "per device (`smartinf serve --max-io-threads`).",
+            )
+        try:
+            layouts = [ChunkLayout(spec.numel, options["chunk_elems"], len(spec.rule.state_names)) for spec in specs]
+        except ValueError as exc:
+            raise WireError(str(exc)) from None
+        tensors = max(layout.tensors_per_record for layout in layouts)
+        pool = pool_bytes(len(self.roots), options["buffer_count"], options["chunk_elems"], tensors)
+        if pool > limits.max_session_pool_bytes:
+            raise CallError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"`chunk_elems={options['chunk_elems']}` x `buffer_count={options['buffer_count']}` needs "
+                f"{pool / 2**20:.0f} MiB of transfer buffers on {len(self.roots)} device(s); this server gives a "
+                f"session at most {limits.max_session_pool_bytes / 2**20:.0f} MiB (`smartinf serve "
+                "--max-session-pool`). Lower `chunk_size` or `buffer_count`.",
+            )
+        state = sum(layout.file_bytes for layout in layouts)
+        if limits.max_session_state_bytes is not None and state > limits.max_session_state_bytes:
+            raise CallError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"The session's state takes {state / 2**30:.3f} GiB; this server gives a session at most "
+                f"{limits.max_session_state_bytes / 2**30:.3f} GiB (`smartinf serve --max-session-state`).",
+            )
+        name = secrets.token_urlsafe(32)
+        tag = session_tag(name)
         with self._lock:
-            if name in self._sessions:
-                raise CallError(grpc.StatusCode.ALREADY_EXISTS, f"Session {name!r} is already open.")
             if len(self._sessions) >= self.max_sessions:
                 raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_sessions} sessions are open already.")
-            dirs = [root / "sessions" / name for root in self.roots]
+            dirs = [root / "sessions" / tag for root in self.roots]
             for directory in dirs:
                 ensure_private_dir(directory.parent)
                 ensure_private_dir(directory)
@@ -253,43 +477,56 @@ class DeviceServer:
                 backend.open(specs)
             except BaseException:
                 backend.close()
+                for directory in dirs:
+                    shutil.rmtree(directory, ignore_errors=True)
                 raise
-            self._sessions[name] = Session(name, label, backend, dirs)
-        log.info("session %s (%s): %d shards on %d device(s)", name, label, len(specs), len(dirs))
-        return header_frame(devices=len(dirs))
+            self._sessions[name] = Session(name, tag, label, backend, dirs)
+        log.info("session %s (%s): %d shards on %d device(s)", tag, label, len(specs), len(dirs))
+        return header_frame(devices=len(dirs), session=name)
 
     def initialize(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-        self._guard("Initialize", context)
-
         def body() -> Any:
-            header = decode_header(next(requests), ("session", "shard"))
+            header = decode_header(_first(requests), ("session", "shard"))
             session = self._session(header)
-            shard = self._shard(session, header)
-            numel = session.backend.shards[shard].spec.numel
-            master = _read_tensor(requests, "master", numel, (torch.float32,))
-            with session.lock:
-                handle = session.backend.initialize(shard, master)
-            session.backend.result(handle)
+            with self._in_call(session):
+                shard = self._shard(session, header)
+                numel = session.backend.shards[shard].spec.numel
+                master = _read_tensor(requests, "master", numel, (torch.float32,))
+                if master.numel() != numel:
+                    raise WireError(f"`master` has {master.numel()} elements; shard {shard} has {numel}.")
+                with session.lock:
+                    handle = session.backend.initialize(shard, master)
+                session.backend.result(handle)
             return header_frame(ok=True)
 
         return self._run("Initialize", context, body)
 
     def update(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-        self._guard("Update", context)
-        frames: list[Any] = []
+        """One shard's update: the gradient in, the parameters out (streamed as they are encoded). The bytes of both
+        are reserved in the server-wide budget before the gradient is read; the session's update slot is taken only
+        once the gradient is in, so a client sending slowly holds no slot."""
+        held: list[int] = []
 
-        def body() -> None:
-            header = decode_header(next(requests), ("session", "shard", "hp", "link_dtype", "out_dtype"))
+        def body() -> Tensor:
+            header = decode_header(_first(requests), ("session", "shard", "hp", "link_dtype", "out_dtype"))
             session = self._session(header)
-            shard = self._shard(session, header)
-            numel = session.backend.shards[shard].spec.numel
-            link_dtype = _dtype(header["link_dtype"], "link_dtype")
-            out_dtype = _dtype(header["out_dtype"], "out_dtype")
-            hp = hp_from_wire(header["hp"])
-            if not session.updates.acquire(timeout=self.device_timeout_s):
-                raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Too many updates in flight for this session.")
-            try:
-                if header.get("sparse"):
+            with self._in_call(session):
+                shard = self._shard(session, header)
+                numel = session.backend.shards[shard].spec.numel
+                link_dtype = _dtype(header["link_dtype"], "link_dtype")
+                out_dtype = _dtype(header["out_dtype"], "out_dtype")
+                hp = hp_from_wire(header["hp"])
+                sparse = bool(header.get("sparse"))
+                nbytes = numel * (link_dtype.itemsize + (4 if sparse else 0) + out_dtype.itemsize)
+                if not self._updates_budget.reserve(nbytes, timeout=self.limits.call_timeout_s):
+                    raise CallError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"An update of {nbytes / 2**20:.1f} MiB does not fit in the server's "
+                        f"{self.limits.update_bytes_in_flight / 2**20:.0f} MiB for updates in flight "
+                        "(`smartinf serve --update-bytes-in-flight`).",
+                    )
+                held.append(nbytes)
+                if sparse:
                     indices = _read_tensor(requests, "indices", numel, (torch.int32,))
                     values = _read_tensor(requests, "values", indices.numel(), (link_dtype,))
                     if values.numel() != indices.numel():
@@ -303,53 +540,60 @@ class DeviceServer:
                     grad = _read_tensor(requests, "grad", numel, (link_dtype,))
                     if grad.numel() != numel:
                         raise WireError(f"`grad` has {grad.numel()} elements; shard {shard} has {numel}.")
-                out = torch.empty(numel, dtype=out_dtype)
-                with session.lock:
-                    handle = session.backend.submit(
-                        shard, grad, hp, out, link_dtype=link_dtype, tentative=bool(header.get("tentative", False))
-                    )
-                session.backend.result(handle)
-                frames.extend(encode_tensor("out", out))
-            finally:
-                session.updates.release()
+                if not session.updates.acquire(timeout=self.limits.call_timeout_s):
+                    raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Too many updates in flight for this session.")
+                try:
+                    out = torch.empty(numel, dtype=out_dtype)
+                    with session.lock:
+                        handle = session.backend.submit(
+                            shard, grad, hp, out, link_dtype=link_dtype, tentative=bool(header.get("tentative", False))
+                        )
+                    del grad
+                    session.backend.result(handle)
+                finally:
+                    session.updates.release()
+                return out
 
-        self._run("Update", context, body)
-        yield from frames
+        try:
+            out = self._run("Update", context, body)
+            if out is not None:
+                yield from encode_tensor("out", out)
+        finally:
+            for nbytes in held:
+                self._updates_budget.release(nbytes)
 
-    def read_master(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        self._guard("ReadMaster", context)
-        frames: list[Any] = []
-
-        def body() -> None:
-            header = decode_header(request, ("session", "shard"))
+    def read_master(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        def body() -> Tensor:
+            header = decode_header(_first(requests), ("session", "shard"))
             session = self._session(header)
-            shard = self._shard(session, header)
-            out = torch.empty(session.backend.shards[shard].spec.numel, dtype=torch.float32)
-            with session.lock:
-                handle = session.backend.read_master(shard, out)
-            session.backend.result(handle)
-            frames.extend(encode_tensor("master", out))
+            with self._in_call(session):
+                shard = self._shard(session, header)
+                out = torch.empty(session.backend.shards[shard].spec.numel, dtype=torch.float32)
+                with session.lock:
+                    handle = session.backend.read_master(shard, out)
+                session.backend.result(handle)
+            return out
 
-        self._run("ReadMaster", context, body)
-        yield from frames
+        out = self._run("ReadMaster", context, body)
+        if out is not None:
+            yield from encode_tensor("master", out)
 
-    def read_checkpoint(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+    def read_checkpoint(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         """The fp32 masters of one shard of a saved checkpoint, after its digest and CRC-32 are checked (for
         evaluation and export; no session needed)."""
-        self._guard("ReadCheckpoint", context)
-        frames: list[Any] = []
 
-        def body() -> None:
-            header = decode_header(request, ("checkpoint", "label", "shard", "digest"))
+        def body() -> Tensor:
+            header = decode_header(_first(requests), ("checkpoint", "label", "shard", "digest"))
             checkpoint = self._checked_name(header["checkpoint"], "checkpoint")
             label = self._checked_name(header["label"], "label")
             directory = self.roots[0] / "checkpoints" / checkpoint / label
-            if not (directory / MANIFEST).is_file():
+            manifest = _read_manifest(directory)
+            if manifest is None:
                 raise CallError(
                     grpc.StatusCode.NOT_FOUND,
                     f"Server {self.server_id} has no checkpoint {checkpoint!r} for {label!r}.",
                 )
-            if _digest(directory) != header["digest"]:
+            if not _same_digest(manifest, header["digest"]):
                 raise CallError(
                     grpc.StatusCode.DATA_LOSS,
                     f"Checkpoint {checkpoint!r} on server {self.server_id} differs from the one the trainer recorded.",
@@ -357,31 +601,44 @@ class DeviceServer:
             shard = header["shard"]
             if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0:
                 raise WireError(f"`shard={shard!r}` is not a shard index.")
-            frames.extend(encode_tensor("master", saved_shard_masters(directory, shard)))
+            return saved_shard_masters(directory, shard, manifest=manifest.content)
 
-        self._run("ReadCheckpoint", context, body)
-        yield from frames
+        out = self._run("ReadCheckpoint", context, body)
+        if out is not None:
+            yield from encode_tensor("master", out)
 
     def echo(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-        """Counts the bytes of the frames it receives and drops them: the network's bandwidth, for calibration."""
-        self._guard("Echo", context)
-        received = sum(len(frame.data) for frame in requests)
-        return header_frame(bytes=received)
+        """Counts the bytes of the frames it receives and drops them: the network's bandwidth, for calibration (at
+        most ``max_echo_bytes`` a call)."""
 
-    def control(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self._guard("Control", context)
-        return self._run("Control", context, lambda: self._control(decode_header(request, ("session", "op"))))
+        def body() -> Any:
+            received = 0
+            for frame in requests:
+                received += len(frame.data)
+                if received > self.limits.max_echo_bytes:
+                    raise CallError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"A calibration call may send at most {self.limits.max_echo_bytes} bytes.",
+                    )
+            return header_frame(bytes=received)
+
+        return self._run("Echo", context, body)
+
+    def control(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        return self._run("Control", context, lambda: self._control(decode_header(_first(requests), ("session", "op"))))
 
     def _control(self, header: dict[str, Any]) -> Any:
         op = header["op"]
         session = self._session(header)
         backend = session.backend
         shards = header.get("shards", [])
-        if not isinstance(shards, list) or not all(isinstance(s, int) and 0 <= s < len(backend.shards) for s in shards):
+        if not isinstance(shards, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s < len(backend.shards) for s in shards
+        ):
             raise WireError(f"`shards={shards!r}` must list shard indices of this session.")
         if op == "close":
             return self._close(session)
-        with session.lock:
+        with self._in_call(session), session.lock:
             if op == "commit":
                 backend.commit(shards)
             elif op == "rollback":
@@ -395,55 +652,55 @@ class DeviceServer:
             elif op == "traffic":
                 return header_frame(**backend.traffic_snapshot().as_dict())
             elif op == "save":
-                return self._save(session, header)
+                return self._save(session)
             elif op == "load":
                 return self._load(session, header)
             else:
                 raise WireError(f"Unknown control operation {op!r}.")
         return header_frame(ok=True)
 
-    def _checkpoint_dir(self, session: Session, header: dict[str, Any]) -> Path:
-        checkpoint = self._checked_name(header.get("checkpoint"), "checkpoint")
-        return self.roots[0] / "checkpoints" / checkpoint / session.label
-
-    def _save(self, session: Session, header: dict[str, Any]) -> Any:
-        directory = self._checkpoint_dir(session, header)
+    def _save(self, session: Session) -> Any:
+        """Save under a checkpoint id of the server's making; an existing checkpoint is never replaced."""
+        checkpoint = f"c{secrets.token_hex(16)}"
+        directory = self.roots[0] / "checkpoints" / checkpoint / session.label
         ensure_private_dir(directory.parent.parent)
-        ensure_private_dir(directory.parent)
+        directory.parent.mkdir(mode=0o700)  # a new id: exists only if ids collided, and then nothing is replaced
         session.backend.save(directory)
-        log.info("session %s: saved checkpoint %s", session.name, directory.parent.name)
-        return header_frame(digest=_digest(directory))
+        log.info("session %s: saved a checkpoint", session.tag)
+        return header_frame(checkpoint=checkpoint, digest=_digest(directory))
 
     def _load(self, session: Session, header: dict[str, Any]) -> Any:
-        directory = self._checkpoint_dir(session, header)
-        if not (directory / MANIFEST).is_file():
+        checkpoint = self._checked_name(header.get("checkpoint"), "checkpoint")
+        directory = self.roots[0] / "checkpoints" / checkpoint / session.label
+        manifest = _read_manifest(directory)
+        if manifest is None:
             raise CallError(
                 grpc.StatusCode.NOT_FOUND,
-                f"Server {self.server_id} has no checkpoint {directory.parent.name!r} for {session.label!r}.",
+                f"Server {self.server_id} has no checkpoint {checkpoint!r} for {session.label!r}.",
             )
-        digest = _digest(directory)
-        if digest != header.get("digest"):
+        if not _same_digest(manifest, header.get("digest")):
             raise CallError(
                 grpc.StatusCode.DATA_LOSS,
-                f"Checkpoint {directory.parent.name!r} on server {self.server_id} differs from the one the trainer "
-                f"recorded (manifest digest {digest[:12]}, expected {str(header.get('digest'))[:12]}).",
+                f"Checkpoint {checkpoint!r} on server {self.server_id} differs from the one the trainer recorded.",
             )
         session.backend.load(directory)
-        log.info("session %s: loaded checkpoint %s", session.name, directory.parent.name)
+        log.info("session %s: loaded a checkpoint", session.tag)
         return header_frame(ok=True)
 
     def _close(self, session: Session) -> Any:
         with self._lock:
-            self._sessions.pop(session.name, None)
+            if self._sessions.pop(session.name, None) is None:
+                return header_frame(ok=True)  # closed already (by its client, its lease, or the server's stop)
         with session.lock:
             session.backend.close()
         for directory in session.dirs:
             shutil.rmtree(directory, ignore_errors=True)
-        log.info("session %s (%s) closed", session.name, session.label)
+        log.info("session %s (%s) closed", session.tag, session.label)
         return header_frame(ok=True)
 
     def close(self) -> None:
         """Close every session (their state directories are removed; checkpoints stay), then give up the roots."""
+        self._stopped.set()
         with self._lock:
             sessions = list(self._sessions.values())
         try:
@@ -453,21 +710,26 @@ class DeviceServer:
             release_claims(self._claims)
 
     def handler(self) -> grpc.GenericRpcHandler:
-        """The gRPC handler of the ``smartinf.remote.Device`` service."""
+        """The gRPC handler of the ``smartinf.remote.Device`` service.
+
+        Every method reads its request itself, as a stream (the wire is the same for a client's unary call): gRPC would
+        read a unary request on a worker thread before the handler runs, outside the server's own deadline.
+        """
         encode, decode = Frame.SerializeToString, Frame.FromString
-        return grpc.method_handlers_generic_handler(
-            SERVICE,
-            {
-                "Hello": grpc.unary_unary_rpc_method_handler(self.hello, decode, encode),
-                "Open": grpc.unary_unary_rpc_method_handler(self.open, decode, encode),
-                "Initialize": grpc.stream_unary_rpc_method_handler(self.initialize, decode, encode),
-                "Update": grpc.stream_stream_rpc_method_handler(self.update, decode, encode),
-                "ReadMaster": grpc.unary_stream_rpc_method_handler(self.read_master, decode, encode),
-                "Control": grpc.unary_unary_rpc_method_handler(self.control, decode, encode),
-                "Echo": grpc.stream_unary_rpc_method_handler(self.echo, decode, encode),
-                "ReadCheckpoint": grpc.unary_stream_rpc_method_handler(self.read_checkpoint, decode, encode),
-            },
-        )
+        one_reply = {
+            "Hello": self.hello,
+            "Open": self.open,
+            "Initialize": self.initialize,
+            "Control": self.control,
+            "Echo": self.echo,
+        }
+        replies = {"Update": self.update, "ReadMaster": self.read_master, "ReadCheckpoint": self.read_checkpoint}
+        handlers = {}
+        for name, call in one_reply.items():
+            handlers[name] = grpc.stream_unary_rpc_method_handler(call, decode, encode)
+        for name, call in replies.items():
+            handlers[name] = grpc.stream_stream_rpc_method_handler(call, decode, encode)
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
 def _dtype(name: Any, what: str) -> torch.dtype:
@@ -490,6 +752,69 @@ def _digest(directory: Path) -> str:
     return hashlib.sha256((directory / MANIFEST).read_bytes()).hexdigest()
 
 
+@dataclass(frozen=True)
+class _Manifest:
+    """A checkpoint's manifest and the digest of the very bytes it was parsed from."""
+
+    digest: str
+    content: dict
+
+
+def _read_manifest(directory: Path) -> _Manifest | None:
+    path = directory / MANIFEST
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    return _Manifest(hashlib.sha256(data).hexdigest(), parse_manifest(data, path))
+
+
+def _same_digest(manifest: _Manifest, presented: Any) -> bool:
+    return isinstance(presented, str) and hmac.compare_digest(manifest.digest.encode(), presented.encode())
+
+
+def _first(requests: Iterator[Any]) -> Any:
+    """The first message of a request stream (an empty stream is a malformed request)."""
+    for message in requests:
+        return message
+    raise WireError("The request stream is empty.")
+
+
+def is_loopback(listen: str) -> bool:
+    """Whether ``listen`` ("host:port") names this machine's loopback interface only (no name is resolved)."""
+    host = listen.rpartition(":")[0].strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_transport(listen: str, tls: TlsFiles | None, allow_plaintext: bool) -> None:
+    """Refuse plain gRPC on anything but loopback unless ``allow_plaintext`` says it is wanted: the token and the
+    optimizer state would cross the network in clear. Checked before anything is bound."""
+    if tls is None and not allow_plaintext and not is_loopback(listen):
+        raise ValueError(
+            f"`--listen {listen}` is not a loopback address, and without TLS the token and every gradient and "
+            "weight would cross the network in clear. Give the server a certificate (`--tls-cert` and `--tls-key`, "
+            "with `--tls-client-ca` for mutual TLS), listen on 127.0.0.1, or pass `--allow-plaintext` on a network "
+            "you trust."
+        )
+
+
+#: gRPC's own bounds on connections (see docs/remote.md, "Limits"): one client cannot hold every stream, keep an idle
+#: connection forever, or ping the server busy.
+CHANNEL_LIMITS = (
+    ("grpc.max_concurrent_streams", 64),
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
+    ("grpc.http2.max_ping_strikes", 3),
+    ("grpc.max_connection_idle_ms", 15 * 60_000),
+)
+
+
 def serve(
     storage_roots: Sequence[Path],
     token: str,
@@ -498,46 +823,76 @@ def serve(
     device_timeout_s: float | None = 300.0,
     workers: int = 16,
     tls: TlsFiles | None = None,
-    max_sessions: int = 64,
+    limits: ServerLimits | None = None,
+    max_sessions: int | None = None,
+    allow_plaintext: bool = False,
+    max_calls: int | None = None,
 ) -> tuple[grpc.Server, DeviceServer, int]:
     """Start a server on ``listen`` (loopback by default); returns it, its servicer and the bound port.
 
     With ``tls`` the port speaks TLS with ``tls.cert`` and ``tls.key``; a non-empty ``tls.ca`` also requires every
-    client to present a certificate it signed (mutual TLS). ``max_sessions``: sessions open at once.
+    client to present a certificate it signed (mutual TLS). Without it the server takes connections from this machine
+    only (gRPC's local credentials), unless ``allow_plaintext`` (then ``listen`` may be any address, in clear).
+    ``workers`` threads serve calls; at most ``max_calls`` (default: four per worker) are taken at once, the rest
+    refused with ``RESOURCE_EXHAUSTED`` (a call refused for its token counts only while it is refused: a moment).
+    ``limits``: what one client may take (``max_sessions`` overrides its field).
     """
-    servicer = DeviceServer(storage_roots, token, device_timeout_s=device_timeout_s, max_sessions=max_sessions)
+    check_transport(listen, tls, allow_plaintext)
+    limits = limits or ServerLimits()
+    if max_sessions is not None:
+        limits = dataclasses.replace(limits, max_sessions=max_sessions)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
+        raise ValueError(f"`workers={workers!r}`: a server needs at least 2 worker threads.")
+    max_calls = 4 * workers if max_calls is None else max_calls
+    if isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1:
+        raise ValueError(f"`max_calls={max_calls!r}` must be a positive integer.")
+    servicer = DeviceServer(storage_roots, token, device_timeout_s=device_timeout_s, limits=limits)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="smartinf-serve"),
+        interceptors=(servicer.token_check,),
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # gRPC shares a port among servers by default: trainers would reach either, with other state.
             ("grpc.so_reuseport", 0),
+            *CHANNEL_LIMITS,
         ],
+        maximum_concurrent_rpcs=max_calls,
     )
     server.add_generic_rpc_handlers((servicer.handler(),))
     try:
-        if tls is None:
-            port = server.add_insecure_port(listen)
-        else:
+        if tls is not None:
             assert tls.cert is not None and tls.key is not None
             credentials = grpc.ssl_server_credentials(
                 [(tls.key, tls.cert)], root_certificates=tls.ca or None, require_client_auth=bool(tls.ca)
             )
             port = server.add_secure_port(listen, credentials)
+        elif allow_plaintext:
+            port = server.add_insecure_port(listen)
+        else:  # loopback: connections from this machine only
+            port = server.add_secure_port(listen, grpc.local_server_credentials(grpc.LocalConnectionType.LOCAL_TCP))
     except RuntimeError:  # grpcio reports a failed bind so
         port = 0
     if port == 0:
         servicer.close()
         raise OSError(f"Cannot listen on {listen!r} (in use, or not an address of this machine).")
     server.start()
+    transport = (
+        ("mutual TLS" if tls.ca else "TLS")
+        if tls is not None
+        else "plain gRPC, NOT ENCRYPTED"
+        if allow_plaintext
+        else "this machine only"
+    )
     log.info(
-        "serving device server %s on %s (port %d, %s): %d device(s) under %s",
+        "serving device server %s on %s (port %d, %s): %d device(s) under %s; %d session(s), %d call(s) at most",
         servicer.server_id,
         listen,
         port,
-        "plain gRPC, not encrypted" if tls is None else "mutual TLS" if tls.ca else "TLS",
+        transport,
         len(servicer.roots),
         ", ".join(map(str, servicer.roots)),
+        limits.max_sessions,
+        max_calls,
     )
     return server, servicer, port
