@@ -1,0 +1,334 @@
+"""A remote device server against hostile and broken clients: a real ``smartinf serve`` process on loopback.
+
+Each test talks to the server as a client that does not follow the protocol would: without the token, stalling,
+asking for more than the server grants, guessing another client's session, or leaving without closing. The server
+must refuse with a status and go on serving the well-behaved client beside it.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from remote_servers import ServerProcess, write_token
+
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.io.storage import StorageError
+from lightning_smartinf.core.rules import Adam, StepParams
+from lightning_smartinf.devices.remote.client import RemoteBackend, channel_credentials
+from lightning_smartinf.devices.remote.server import session_tag
+from lightning_smartinf.devices.remote.wire import SERVICE, Frame, encode_tensor, header_frame
+
+TOKEN = "a-token-of-the-hostile-client-tests"
+CHUNK = 4096
+SPECS = [ShardSpec(index=0, numel=CHUNK, rule=Adam(decoupled_weight_decay=True))]
+METHODS = ("Hello", "Open", "Initialize", "Update", "ReadMaster", "Control", "Echo", "ReadCheckpoint")
+#: Seconds a test waits for an answer the server should give at once.
+PROMPT_S = 10.0
+
+
+@pytest.fixture
+def server(tmp_path) -> Iterator[ServerProcess]:
+    """A server with few workers (so that a handful of calls could hold them all) and a short call limit."""
+    process = ServerProcess(
+        [tmp_path / "root"],
+        write_token(tmp_path / "token", TOKEN),
+        extra=["--workers", "4", "--call-timeout-s", "4", "--max-io-threads", "4", "--max-shards", "8"],
+    ).start()
+    yield process
+    process.stop()
+
+
+def _channel(address: str, *, credentials: bool = True) -> grpc.Channel:
+    """A channel to a loopback server: the trainer's credentials, or none (the same transport, no token)."""
+    if credentials:
+        return grpc.secure_channel(address, channel_credentials(address, TOKEN, None, False))
+    return grpc.secure_channel(address, grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP))
+
+
+def _stream(channel: grpc.Channel, method: str):  # noqa: ANN202 - a grpc multi-callable
+    return channel.stream_stream(
+        f"/{SERVICE}/{method}", request_serializer=Frame.SerializeToString, response_deserializer=Frame.FromString
+    )
+
+
+def _client(server: ServerProcess, **kwargs) -> RemoteBackend:
+    kwargs = {"chunk_elems": CHUNK, "buffer_count": 2, "io_threads": 1, "device_timeout_s": 30.0, **kwargs}
+    return RemoteBackend([server.address], TOKEN, **kwargs)
+
+
+def _opened(server: ServerProcess, **kwargs) -> RemoteBackend:
+    client = _client(server, **kwargs)
+    client.open(SPECS)
+    client.initialize(0, torch.randn(CHUNK))
+    client.wait()
+    return client
+
+
+def _status(call) -> grpc.StatusCode:  # noqa: ANN001
+    with pytest.raises(grpc.RpcError) as failed:
+        list(call)
+    return failed.value.code()
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [None, "Bearer not-the-token-at-all", TOKEN, f"Bearer {TOKEN}x", f"bearer {TOKEN}"],
+    ids=["none", "wrong", "no_bearer_prefix", "longer", "lowercase_scheme"],
+)
+def test_every_method_is_refused_without_the_token(server, authorization) -> None:
+    channel = _channel(server.address, credentials=False)
+    metadata = None if authorization is None else (("authorization", authorization),)
+    try:
+        for method in METHODS:
+            call = _stream(channel, method)(iter([header_frame()]), metadata=metadata, timeout=PROMPT_S)
+            assert _status(call) == grpc.StatusCode.UNAUTHENTICATED, method
+    finally:
+        channel.close()
+
+
+def test_stalled_calls_without_the_token_do_not_delay_an_authorised_one(server) -> None:
+    """Three times as many calls as the server has workers send their headers and never a message: each is refused
+    at once, holding no worker, and a trainer's first contact is answered."""
+    release = threading.Event()
+
+    def never() -> Iterator[Frame]:
+        release.wait(60)
+        yield from ()
+
+    stranger = _channel(server.address, credentials=False)
+    try:
+        stalled = [_stream(stranger, method)(never(), timeout=60) for method in ("Hello", "Open", "Control") * 4]
+        client = _client(server)  # greets the server (Hello), within its device timeout
+        client.close()
+        assert all(_status(call) == grpc.StatusCode.UNAUTHENTICATED for call in stalled)
+    finally:
+        release.set()
+        stranger.close()
+
+
+def test_stalled_calls_with_the_token_are_bounded_and_ended_by_the_server(tmp_path) -> None:
+    """A token holder that stalls as many calls as the server takes at once gets no more: the next call is refused
+    at once (``RESOURCE_EXHAUSTED``), and the server ends the stalled ones when its call limit (4 s) is up, whatever
+    deadline the client set; then it serves again."""
+    server = ServerProcess(
+        [tmp_path / "root"],
+        write_token(tmp_path / "token", TOKEN),
+        extra=["--workers", "4", "--max-calls", "4", "--call-timeout-s", "4"],
+    ).start()
+    release = threading.Event()
+
+    def never() -> Iterator[Frame]:
+        release.wait(60)
+        yield from ()
+
+    channel = _channel(server.address)
+    try:
+        stalled = [_stream(channel, "Open")(never(), timeout=60) for _ in range(4)]
+        time.sleep(0.5)  # each holds a worker, reading its request
+        one_more = _stream(channel, "Control")(iter([header_frame(session="x", op="wait")]), timeout=PROMPT_S)
+        assert _status(one_more) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert all(_status(call) == grpc.StatusCode.CANCELLED for call in stalled)
+        _opened(server).close()
+    finally:
+        release.set()
+        channel.close()
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "specs", "refused"),
+    [
+        ({"io_threads": 1000}, SPECS, r"io_threads=1000.*at most 4.*--max-io-threads"),
+        ({"buffer_count": 1 << 20}, SPECS, r"transfer buffers.*--max-session-pool.*Lower `chunk_size`"),
+        ({}, [ShardSpec(index=i, numel=CHUNK, rule=Adam()) for i in range(9)], r"9 shards.*at most 8.*--max-shards"),
+        ({}, [ShardSpec(index=0, numel=1 << 31, rule=Adam())], r"has 2147483648 elements; this server takes at most"),
+    ],
+    ids=["io_threads", "pool", "shard_count", "shard_size"],
+)
+def test_what_a_session_may_take_is_the_servers_to_decide(server, tmp_path, kwargs, specs, refused) -> None:
+    client = _client(server, **kwargs)
+    with pytest.raises(StorageError, match=refused):
+        client.open(specs)
+    client.close()
+    assert not list((tmp_path / "root").glob("sessions/*")), "refused before anything was made"
+    _opened(server).close()  # the server goes on serving
+
+
+def test_a_session_over_the_state_quota_is_refused_before_anything_is_allocated(tmp_path) -> None:
+    process = ServerProcess(
+        [tmp_path / "root"], write_token(tmp_path / "token", TOKEN), extra=["--max-session-state", "64KiB"]
+    ).start()
+    try:
+        client = _client(process)
+        with pytest.raises(StorageError, match=r"state takes .* GiB; this server gives a session at most"):
+            client.open([ShardSpec(index=0, numel=CHUNK * 2, rule=Adam())])  # 96 KiB of state
+        client.close()
+        assert not list((tmp_path / "root").glob("sessions/*"))
+    finally:
+        process.stop()
+
+
+def test_a_second_client_with_the_same_token_cannot_touch_the_first_ones_session(server, tmp_path) -> None:
+    """Sessions are named by the server, unguessably, and the name is never logged or made a directory: another
+    token holder who guesses, or reads the server's log and disk, reaches nothing; the first client goes on."""
+    mark = server.log_mark()
+    first = _opened(server)
+    session = first.servers[0].session
+    assert len(session) >= 32 and session not in server.log_text(since=mark)
+    assert [p.name for p in (tmp_path / "root" / "sessions").iterdir()] == [session_tag(session)]
+    channel = _channel(server.address)
+    try:
+        for guess in ("rank000", "s" + "0" * 32, session_tag(session), session[:-1]):
+            for op in ("close", "traffic"):
+                call = _stream(channel, "Control")(iter([header_frame(session=guess, op=op)]), timeout=PROMPT_S)
+                assert _status(call) == grpc.StatusCode.NOT_FOUND, (guess, op)
+    finally:
+        channel.close()
+    out = torch.empty(CHUNK)
+    first.result(first.submit(0, torch.zeros(CHUNK), StepParams(step=1, lr=1e-3), out))
+    first.close()
+
+
+def test_checkpoints_are_named_by_the_server_and_never_replaced(server, tmp_path) -> None:
+    client = _opened(server)
+    client.save(tmp_path / "a")
+    client.save(tmp_path / "b")
+    client.close()
+    saved = sorted(p.name for p in (tmp_path / "root" / "checkpoints").iterdir())
+    assert len(saved) == 2, saved  # two saves, two checkpoints: the first is still there
+
+
+def test_malformed_requests_end_with_invalid_argument_and_a_reason(server) -> None:
+    client = _opened(server)
+    session = client.servers[0].session
+    channel = _channel(server.address)
+    header = {"session": session, "shard": 0, "link_dtype": "float32", "out_dtype": "float32"}
+    cases = {
+        "an empty stream": ("Update", []),
+        "hyperparameters without lr": ("Update", [header_frame(**header, hp={"step": 1})]),
+        "a shard that is a bool": ("ReadMaster", [header_frame(session=session, shard=True)]),
+        "a header that is not JSON": ("Control", [Frame(header=b"{not json")]),
+        "an unknown operation": ("Control", [header_frame(session=session, op="format_disk")]),
+    }
+    try:
+        for what, (method, frames) in cases.items():
+            call = _stream(channel, method)(iter(frames), timeout=PROMPT_S)
+            with pytest.raises(grpc.RpcError) as failed:
+                list(call)
+            assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, failed.value)
+            assert len(failed.value.details()) > 20, (what, failed.value.details())  # a reason, not a bare status
+    finally:
+        channel.close()
+    client.result(client.read_master(0, torch.empty(CHUNK)))  # the session still serves
+    client.close()
+
+
+def test_a_calibration_call_is_bounded(tmp_path) -> None:
+    process = ServerProcess(
+        [tmp_path / "root"], write_token(tmp_path / "token", TOKEN), extra=["--max-echo", "8MiB"]
+    ).start()
+    channel = _channel(process.address)
+    try:
+        echo = _stream(channel, "Echo")
+        frames = (frame for _ in range(4) for frame in encode_tensor("probe", torch.zeros(1 << 20)))  # 16 MiB
+        assert _status(echo(frames, timeout=120)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        small = (frame for frame in encode_tensor("probe", torch.zeros(1 << 10)))
+        (reply,) = echo(small, timeout=PROMPT_S)  # within the bound: counted
+        assert '"bytes":4096' in reply.header
+    finally:
+        channel.close()
+        process.stop()
+
+
+def test_a_session_without_calls_expires_and_its_state_is_removed(tmp_path) -> None:
+    process = ServerProcess(
+        [tmp_path / "root"], write_token(tmp_path / "token", TOKEN), extra=["--session-lease-s", "1"]
+    ).start()
+    try:
+        client = _opened(process)
+        deadline = time.monotonic() + 30
+        while list((tmp_path / "root" / "sessions").iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not list((tmp_path / "root" / "sessions").iterdir()), "the lease ran out: the session is gone"
+        with pytest.raises(StorageError, match="No such session"):
+            client.result(client.read_master(0, torch.empty(CHUNK)))
+        client.close()
+    finally:
+        process.stop()
+
+
+def test_a_killed_servers_sessions_and_saves_are_gone_after_its_restart(tmp_path) -> None:
+    token_file = write_token(tmp_path / "token", TOKEN)
+    process = ServerProcess([tmp_path / "root"], token_file).start()
+    client = _opened(process)
+    client.save(tmp_path / "ckpt")
+    killed_save = next((tmp_path / "root" / "checkpoints").iterdir()) / ".rank000.tmp-123-abcd"
+    killed_save.mkdir()
+    (killed_save / "shard00000.state").write_bytes(b"half")
+    process.stop(signal.SIGKILL)
+    assert list((tmp_path / "root" / "sessions").iterdir()), "a killed server leaves its sessions"
+    restarted = ServerProcess([tmp_path / "root"], token_file).start()
+    try:
+        assert not list((tmp_path / "root" / "sessions").iterdir())
+        assert not killed_save.exists()
+        assert list((tmp_path / "root" / "checkpoints").rglob("manifest.json")), "the complete checkpoint stays"
+    finally:
+        restarted.stop()
+        client._closed = True  # its server was killed: nothing to close
+
+
+def test_the_client_closes_its_sessions_on_every_server_when_one_fails(tmp_path) -> None:
+    token_file = write_token(tmp_path / "token", TOKEN)
+    servers = [ServerProcess([tmp_path / f"root{i}"], token_file).start() for i in range(2)]
+    try:
+        client = RemoteBackend(
+            [s.address for s in servers], TOKEN, chunk_elems=CHUNK, buffer_count=2, io_threads=1, device_timeout_s=10.0
+        )
+        client.open([ShardSpec(index=i, numel=CHUNK, rule=Adam()) for i in range(2)])
+        for i in range(2):
+            client.initialize(i, torch.randn(CHUNK))
+        client.wait()
+        servers[0].stop(signal.SIGKILL)
+        with pytest.raises(StorageError):
+            client.result(client.read_master(0, torch.empty(CHUNK)))
+        client.close()
+        assert not list((tmp_path / "root1" / "sessions").iterdir()), "the surviving server freed the session"
+    finally:
+        for process in servers:
+            process.stop()
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:0", "10.1.2.3:50051", "storage1.example:50051"])
+def test_a_server_on_a_public_address_without_tls_refuses_to_start(tmp_path, listen) -> None:
+    """Checked before anything is bound or read: the message names the fixes."""
+    from launch import python
+
+    token_file = write_token(tmp_path / "token", TOKEN)
+    command = ["-m", "lightning_smartinf", "serve", "--storage", tmp_path / "root", "--token-file", token_file]
+    done = python(*command, "--listen", listen, check=False, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "without TLS" in done.stderr and "--tls-cert" in done.stderr and "--allow-plaintext" in done.stderr
+    assert "serving" not in done.stdout
+
+
+def test_a_trainer_refuses_to_send_its_token_in_clear_to_another_machine(tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"not on this machine and no TLS is set.*remote_allow_plaintext=True"):
+        RemoteBackend(["10.1.2.3:50051"], TOKEN, device_timeout_s=1.0)
+
+
+def test_a_short_token_is_refused(tmp_path) -> None:
+    from lightning_smartinf.devices.remote.tokens import read_token
+
+    with pytest.raises(ValueError, match="at least 16 printable characters"):
+        read_token(write_token(tmp_path / "token", "short"))
+    assert read_token(write_token(tmp_path / "token2", TOKEN)) == TOKEN
+    Path(tmp_path / "token2").chmod(0o640)
+    with pytest.raises(ValueError, match="readable by other users"):
+        read_token(tmp_path / "token2")
