@@ -120,10 +120,11 @@ def running(servers: list[ServerProcess]) -> list[ServerProcess]:
 
 
 def make_certificates(directory: Path) -> Path:
-    """A test CA, a server certificate for 127.0.0.1 and a client certificate, made with the openssl command.
+    """A test CA, a server certificate for 127.0.0.1 and two client certificates (two identities), made with the
+    openssl command.
 
     Returns ``directory``, laid out as ``remote_tls_dir`` expects (``ca.pem``, ``client.pem``, ``client.key``) plus
-    ``server.pem``, ``server.key`` and ``ca.key``.
+    ``server.pem``, ``server.key``, ``other.pem``, ``other.key`` (the second client) and ``ca.key``.
     """
     directory.mkdir(parents=True, exist_ok=True)
 
@@ -146,7 +147,7 @@ def make_certificates(directory: Path) -> Path:
         "/CN=smartinf-test-ca",
     )
     (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    for name in ("server", "client"):
+    for name in ("server", "client", "other"):
         openssl(
             "req",
             "-newkey",

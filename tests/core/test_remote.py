@@ -304,6 +304,42 @@ def test_tls_and_mutual_tls(tmp_path, token_file, certificates, mutual) -> None:
         server.stop()
 
 
+def test_under_mutual_tls_a_session_belongs_to_the_certificate_that_opened_it(tmp_path, token_file, certificates):
+    """Another client with the token and its own certificate signed by the same authority, holding the session's
+    id, still cannot reach the session: it is answered as if the session did not exist."""
+    import shutil
+
+    from lightning_smartinf.devices.remote.tokens import read_tls_dir
+
+    server = _tls_server(tmp_path, token_file, certificates, mutual=True)
+    try:
+        owner = RemoteBackend(
+            [server.address],
+            read_token(token_file),
+            chunk_elems=CHUNK,
+            buffer_count=4,
+            tls=read_tls_dir(_client_dir(certificates, tmp_path, with_certificate=True)),
+        )
+        owner.open(_specs()[:1])
+        owner.initialize(0, torch.randn(SIZES[0]))
+        owner.wait()
+        other_dir = tmp_path / "client-other"
+        other_dir.mkdir()
+        shutil.copy(certificates / "ca.pem", other_dir / "ca.pem")
+        shutil.copy(certificates / "other.pem", other_dir / "client.pem")
+        shutil.copy(certificates / "other.key", other_dir / "client.key")
+        intruder = RemoteBackend([server.address], read_token(token_file), tls=read_tls_dir(other_dir))
+        intruder.servers[0].session = owner.servers[0].session  # the id, leaked
+        with pytest.raises(StorageError, match="No such session"):
+            intruder._control(intruder.servers[0], "traffic", "reading another client's traffic")
+        intruder.servers[0].shards = []  # nothing of its own to close
+        intruder.close()
+        owner.result(owner.read_master(0, torch.empty(SIZES[0])))  # the owner goes on
+        owner.close()
+    finally:
+        server.stop()
+
+
 def test_tls_directory_is_checked(tmp_path) -> None:
     from lightning_smartinf.devices.remote.tokens import read_tls_dir
 

@@ -141,6 +141,14 @@ class ServerLimits:
             )
 
 
+def certificate_identity(context: grpc.ServicerContext) -> tuple[bytes, ...] | None:
+    """The client certificate's names (common name and subject alternative names) where the client presented one
+    (mutual TLS); ``None`` otherwise."""
+    auth = context.auth_context() or {}
+    names = {*auth.get("x509_common_name", ()), *auth.get("x509_subject_alternative_name", ())}
+    return tuple(sorted(names)) if names else None
+
+
 def session_tag(session_id: str) -> str:
     """What the log and the disk show of a session id (a digest: the id itself is the session's key)."""
     return hashlib.sha256(session_id.encode()).hexdigest()[:16]
@@ -232,6 +240,7 @@ class Session:
     )
     last_call: float = field(default_factory=time.monotonic)
     calls: int = 0  # calls running now: a session is never expired under one
+    owner: tuple[bytes, ...] | None = None  # the client certificate's identity under mutual TLS
 
 
 def server_identity(root: Path) -> str:
@@ -327,10 +336,12 @@ class DeviceServer:
                 log.info("session %s (%s): no call for %.0f s, closed", session.tag, session.label, lease)
                 self._close(session)
 
-    def _session(self, header: dict[str, Any]) -> Session:
+    def _session(self, header: dict[str, Any], context: grpc.ServicerContext) -> Session:
         name = header.get("session")
         with self._lock:
             session = self._sessions.get(name) if isinstance(name, str) else None
+            if session is not None and session.owner is not None and session.owner != certificate_identity(context):
+                session = None  # another client's: answered as if it did not exist
             if session is not None:
                 session.last_call = time.monotonic()
         if session is None:
@@ -398,9 +409,11 @@ class DeviceServer:
         )
 
     def open(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-        return self._run("Open", context, lambda: self._open(decode_header(_first(requests), ("label", "shards"))))
+        return self._run(
+            "Open", context, lambda: self._open(decode_header(_first(requests), ("label", "shards")), context)
+        )
 
-    def _open(self, header: dict[str, Any]) -> Any:
+    def _open(self, header: dict[str, Any], context: grpc.ServicerContext) -> Any:
         limits = self.limits
         label = self._checked_name(header["label"], "label")
         shards_in = header["shards"]
@@ -480,14 +493,14 @@ class DeviceServer:
                 for directory in dirs:
                     shutil.rmtree(directory, ignore_errors=True)
                 raise
-            self._sessions[name] = Session(name, tag, label, backend, dirs)
+            self._sessions[name] = Session(name, tag, label, backend, dirs, owner=certificate_identity(context))
         log.info("session %s (%s): %d shards on %d device(s)", tag, label, len(specs), len(dirs))
         return header_frame(devices=len(dirs), session=name)
 
     def initialize(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         def body() -> Any:
             header = decode_header(_first(requests), ("session", "shard"))
-            session = self._session(header)
+            session = self._session(header, context)
             with self._in_call(session):
                 shard = self._shard(session, header)
                 numel = session.backend.shards[shard].spec.numel
@@ -509,7 +522,7 @@ class DeviceServer:
 
         def body() -> Tensor:
             header = decode_header(_first(requests), ("session", "shard", "hp", "link_dtype", "out_dtype"))
-            session = self._session(header)
+            session = self._session(header, context)
             with self._in_call(session):
                 shard = self._shard(session, header)
                 numel = session.backend.shards[shard].spec.numel
@@ -565,7 +578,7 @@ class DeviceServer:
     def read_master(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         def body() -> Tensor:
             header = decode_header(_first(requests), ("session", "shard"))
-            session = self._session(header)
+            session = self._session(header, context)
             with self._in_call(session):
                 shard = self._shard(session, header)
                 out = torch.empty(session.backend.shards[shard].spec.numel, dtype=torch.float32)
@@ -625,11 +638,13 @@ class DeviceServer:
         return self._run("Echo", context, body)
 
     def control(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-        return self._run("Control", context, lambda: self._control(decode_header(_first(requests), ("session", "op"))))
+        return self._run(
+            "Control", context, lambda: self._control(decode_header(_first(requests), ("session", "op")), context)
+        )
 
-    def _control(self, header: dict[str, Any]) -> Any:
+    def _control(self, header: dict[str, Any], context: grpc.ServicerContext) -> Any:
         op = header["op"]
-        session = self._session(header)
+        session = self._session(header, context)
         backend = session.backend
         shards = header.get("shards", [])
         if not isinstance(shards, list) or not all(
