@@ -384,14 +384,16 @@ def verify_state_file(path: Path, entry: dict) -> None:
         )
 
 
-def load_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: int) -> None:
+def load_state(
+    shards: Sequence[ShardState], directory: Path, *, chunk_elems: int, manifest: dict | None = None
+) -> None:
     """Replace every shard's live state file with the saved copy, after checking the whole copy first.
 
     Nothing live is touched unless the manifest matches this run and every file has the recorded size
-    and checksum.
+    and checksum. ``manifest``: the directory's manifest as the caller read (and checked) it; read here otherwise.
     """
     directory = Path(directory)
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory) if manifest is None else manifest
     expected = [_describe(s) for s in shards]
     found = manifest.get("shards", [])
     found_plain = [{k: v for k, v in e.items() if k != "crc32"} for e in found if isinstance(e, dict)]

@@ -736,8 +736,9 @@ class StreamingBackend(Backend):
                 file.unstage()
             release_claims(claims)
 
-    def load(self, directory: Path) -> None:
-        """Replace every shard's state with the copy under ``directory``.
+    def load(self, directory: Path, *, manifest: dict | None = None) -> None:
+        """Replace every shard's state with the copy under ``directory`` (``manifest``: its manifest, as a caller
+        that checked its digest read it; read from the directory otherwise).
 
         Refused after a device error (:attr:`failure`), like :meth:`save`: threads may still hang on the failed
         storage and its files may be unusable, so the process must restart and resume there.
@@ -757,7 +758,7 @@ class StreamingBackend(Backend):
         try:
             for file in staged:
                 file.stage(copy=False)
-            load_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
+            load_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems, manifest=manifest)
             loaded = True
         finally:
             for file in staged:

@@ -698,7 +698,7 @@ class DeviceServer:
                 grpc.StatusCode.DATA_LOSS,
                 f"Checkpoint {checkpoint!r} on server {self.server_id} differs from the one the trainer recorded.",
             )
-        session.backend.load(directory)
+        session.backend.load(directory, manifest=manifest.content)  # the very manifest whose digest was checked
         log.info("session %s: loaded a checkpoint", session.tag)
         return header_frame(ok=True)
 
