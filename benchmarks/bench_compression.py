@@ -246,6 +246,27 @@ def reference_record(path: Path) -> tuple[Record, int]:
     return record, saved["params"]
 
 
+def check_reference(
+    path: Path, args: argparse.Namespace, *, max_lr: float, params: int | None = None, val_steps: list | None = None
+) -> None:
+    """Refuse a ``--dense-from`` record of another run: its dense run must be the one this run would have made.
+    Before training, the recipe is compared; after it, the model's size and the validation steps too."""
+    saved = json.loads(path.read_text())
+    expected = {
+        "steps": args.steps,
+        "optimizer": args.optimizer,
+        "precision": args.precision,
+        "pretrain_steps": args.pretrain_steps if args.finetune else 0,
+        "max_lr": max_lr if args.optimizer == "adamw" else 0.3,
+        **({} if params is None else {"params": params}),
+        **({} if val_steps is None else {"validation steps": val_steps}),
+    }
+    found = {**{key: saved.get(key) for key in expected}, "validation steps": [v[0] for v in saved["val_dense"]]}
+    if differ := {key: (found[key], value) for key, value in expected.items() if found[key] != value}:
+        shown = ", ".join(f"{key}: {there!r} there, {here!r} here" for key, (there, here) in differ.items())
+        raise SystemExit(f"--dense-from {path}: that record's dense run is not this run's ({shown}).")
+
+
 def plot(dense: Record, comp: Record, ratio: float, warmup_steps: int, out: Path) -> None:
     import matplotlib
 
@@ -310,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=None, help="write <out>.png and <out>.json")
     args = parser.parse_args(argv)
+    max_lr = args.finetune_lr if args.finetune else 1e-3 if args.task == "gpt2" else 3e-3
+    if args.dense_from:
+        check_reference(args.dense_from, args, max_lr=max_lr)  # before anything loads or trains
 
     warmup = CompressionWarmup(dense_steps=args.dense_steps, schedule="dgc", steps_per_stage=args.steps_per_stage)
     gpt2 = (args.gpt2_dim, args.gpt2_layers, args.gpt2_text_mb) if args.task == "gpt2" else None
@@ -318,7 +342,6 @@ def main(argv: list[str] | None = None) -> int:
     vocab = sorted(set(english) | set(code))
     init = pretrain(vocab, args.pretrain_steps) if args.finetune else None
     data = split(code if args.finetune else english, vocab) if gpt2 is None else None
-    max_lr = args.finetune_lr if args.finetune else 1e-3 if args.task == "gpt2" else 3e-3
     dense_run = {"ratio": None, "warmup": None}
     with tempfile.TemporaryDirectory(prefix="smartinf-comp-") as root:
         common = dict(
@@ -334,9 +357,11 @@ def main(argv: list[str] | None = None) -> int:
             precision=args.precision,
         )
         dense, params = reference_record(args.dense_from) if args.dense_from else train("dense", **dense_run, **common)
-        comp, _ = train(
+        comp, comp_params = train(
             "comp", ratio=args.ratio, warmup=warmup, error_feedback=not args.no_error_feedback, rule=args.rule, **common
         )
+    if args.dense_from:
+        check_reference(args.dense_from, args, max_lr=max_lr, params=comp_params, val_steps=[s for s, _ in comp.val])
     dense.params = comp.params = params
     warm = warmup.warmup_steps()
     final_dense, final_comp = dense.val[-1][1], comp.val[-1][1]

@@ -236,17 +236,19 @@ def test_preset_and_set_kept_ratio() -> None:
         SmartInfinityStrategy().set_kept_ratio(0.1)
 
 
-# The records' recipes re-run in fp32, dense and compressed both: the records themselves are bf16, whose matmuls this
-# CPU emulates about 20x slower (15-20 minutes a run on one core), while fp32 takes 2-3 minutes. The bf16 link bytes
-# are asserted exactly by test_one_percent_bf16_traffic_is_exact_and_under_2_1_bytes_per_param.
+# The records' recipes re-run in fp32: the records themselves are bf16, whose matmuls this CPU emulates about 20x
+# slower (15-20 minutes a run on one core), while fp32 takes 2-3 minutes. The compressed run is trained here; its dense
+# reference is the fp32 dense run recorded in tests/records/ (same recipe, same code path: bench_compression.py
+# refuses a record of another run), since dense training is proven against torch.optim by the main suite. The bf16
+# link bytes are asserted exactly by test_one_percent_bf16_traffic_is_exact_and_under_2_1_bytes_per_param.
 RECORD_TIMEOUT_S = 1200
 #: Link bytes per parameter per step at 1% in fp32: 1% of the entries as (int32 index, fp32 value), fp32 back dense.
 FP32_LINK_BYTES = 4.1
 
 
 def _convergence_record(tmp_path: Path, name: str, argv: list[str]) -> dict:
-    """Run benchmarks/bench_compression.py (dense vs 1% top-k on real text, fp32, validation every 50 steps: the
-    last at the final step that is compared) and return its JSON record."""
+    """Run benchmarks/bench_compression.py (1% top-k on real text against the recorded dense run, fp32, validation
+    every 50 steps: the last at the final step that is compared) and return its JSON record."""
     import importlib.util
 
     path = Path(__file__).parents[1] / "benchmarks" / "bench_compression.py"
@@ -254,9 +256,31 @@ def _convergence_record(tmp_path: Path, name: str, argv: list[str]) -> dict:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / name
-    assert bench.main([*argv, "--precision", "32-true", "--val-every", "50", "--out", str(out)]) == 0
+    dense = Path(__file__).parent / "records" / f"compression-fp32-{name}.json"
+    argv = [*argv, "--precision", "32-true", "--val-every", "50", "--dense-from", str(dense), "--out", str(out)]
+    assert bench.main(argv) == 0
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return json.loads(out.with_suffix(".json").read_text())
+
+
+def test_a_dense_record_of_another_recipe_is_refused_before_training(tmp_path) -> None:
+    """The records' dense reference must be the run this one would have made: another step count, optimizer or
+    precision is refused, naming both, before anything trains."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "bench_compression.py"
+    spec = importlib.util.spec_from_file_location("bench_compression", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    record = Path(__file__).parent / "records" / "compression-fp32-sgd.json"
+    for argv, named in (
+        (["--steps", "300", "--optimizer", "sgd", "--precision", "32-true"], "steps: 400 there, 300 here"),
+        (["--steps", "400", "--optimizer", "adamw", "--precision", "32-true"], "optimizer: 'sgd' there, 'adamw' here"),
+        (["--steps", "400", "--optimizer", "sgd"], "precision: '32-true' there, 'bf16-mixed' here"),
+    ):
+        with pytest.raises(SystemExit, match=named):
+            bench.main([*argv, "--dense-from", str(record), "--out", str(tmp_path / "x")])
+    assert not list(tmp_path.iterdir()), "nothing trained, nothing written"
 
 
 @pytest.mark.slow
