@@ -135,10 +135,14 @@ def test_replan_gives_memory_the_share_that_finishes_with_the_smartssds(tmp_path
     held = backend.assignment.count(2) * _bytes(SIZES[0])
     plan = backend.last_replan
     assert plan is not None and plan.ready == {}, "SmartSSDs take no hand-offs: nothing hides behind backward"
-    # The share whose update phase the model predicts shortest: the balance of the rates, to the nearest shard.
-    assert abs(held - share) < _bytes(SIZES[0]) and held <= plan.memory_share, (rates, backend.assignment)
+    # The share whose update phase the model predicts shortest is the balance of the rates, to the nearest shard;
+    # memory takes it when that is predicted more than 10% shorter, and otherwise keeps what it holds (CI measured
+    # rates whose balance was 4.2 shards, a prediction within 10% of the 3 held: nothing moved, rightly).
     if plan.predicted_s < 0.9 * plan.current_s:
-        assert moved, (rates, backend.assignment)
+        assert moved and held <= plan.memory_share, (rates, backend.assignment)
+        assert abs(held - share) < _bytes(SIZES[0]), (rates, backend.assignment)
+    else:
+        assert held == before * _bytes(SIZES[0]), (rates, plan, backend.assignment)
     # The measured and the slowed memory tier go opposite ways.
     if cls is SlowMemoryTiers:
         assert backend.assignment.count(2) < before, rates
