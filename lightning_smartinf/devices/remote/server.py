@@ -827,6 +827,9 @@ CHANNEL_LIMITS = (
     ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
     ("grpc.http2.max_ping_strikes", 3),
     ("grpc.max_connection_idle_ms", 15 * 60_000),
+    # A connection lives at most an hour (a trainer's channel reconnects by itself); the calls on it may finish within
+    # the call limit (``connection_age_grace_ms``, from the server's limits).
+    ("grpc.max_connection_age_ms", 60 * 60_000),
 )
 
 
@@ -871,6 +874,7 @@ def serve(
             # gRPC shares a port among servers by default: trainers would reach either, with other state.
             ("grpc.so_reuseport", 0),
             *CHANNEL_LIMITS,
+            ("grpc.max_connection_age_grace_ms", int(limits.call_timeout_s * 1000)),
         ],
         maximum_concurrent_rpcs=max_calls,
     )
