@@ -161,6 +161,24 @@ def test_what_a_session_may_take_is_the_servers_to_decide(server, tmp_path, kwar
     _opened(server).close()  # the server goes on serving
 
 
+def test_the_sessions_buffers_together_are_bounded(tmp_path) -> None:
+    """Each session's transfer buffers fit its own cap; together they fit the server's (`--max-pools`): a session
+    that would pass it is refused until another closes."""
+    process = ServerProcess(
+        [tmp_path / "root"], write_token(tmp_path / "token", TOKEN), extra=["--max-pools", "150KiB"]
+    ).start()
+    try:
+        first = _opened(process)  # 2 buffers x 4096 elements x 3 tensors (Adam) x 4 B = 96 KiB
+        second = _client(process)
+        with pytest.raises(StorageError, match=r"do not fit beside the open sessions' .*--max-pools"):
+            second.open(SPECS)
+        second.close()
+        first.close()
+        _opened(process).close()  # the freed buffers are given again
+    finally:
+        process.stop()
+
+
 def test_a_session_over_the_state_quota_is_refused_before_anything_is_allocated(tmp_path) -> None:
     process = ServerProcess(
         [tmp_path / "root"], write_token(tmp_path / "token", TOKEN), extra=["--max-session-state", "64KiB"]

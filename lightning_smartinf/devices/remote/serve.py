@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     limits.add_argument("--max-shards", type=int, default=4096, help="shards per session (default 4096)")
     limits.add_argument("--max-shard-numel", type=int, default=(1 << 31) - 1, help="elements per shard")
     limits.add_argument("--max-session-pool", default="2GiB", help="transfer buffers per session (default 2GiB)")
+    limits.add_argument(
+        "--max-pools", default=None, help="transfer buffers of all sessions together (default: half of the memory)"
+    )
     limits.add_argument("--max-io-threads", type=int, default=16, help="I/O threads per device of a session")
     limits.add_argument("--max-session-state", default=None, help="state on disk per session (default: no cap)")
     limits.add_argument(
@@ -76,12 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         state = sizes.size("--max-session-state", args.max_session_state)
         in_flight = sizes.size("--update-bytes-in-flight", args.update_bytes_in_flight)
         echo = sizes.size("--max-echo", args.max_echo)
+        pools = sizes.size("--max-pools", args.max_pools)
         sizes.raise_if_any()
         limits = ServerLimits(
             max_sessions=args.max_sessions,
             max_shards=args.max_shards,
             max_shard_numel=args.max_shard_numel,
             max_session_pool_bytes=pool,
+            pools_bytes=pools,
             max_io_threads=args.max_io_threads,
             max_session_state_bytes=state,
             update_bytes_in_flight=in_flight,

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import psutil
 import torch
 from torch import Tensor
 
@@ -106,6 +107,7 @@ class ServerLimits:
         max_shards: shards in one session.
         max_shard_numel: elements of one shard.
         max_session_pool_bytes: the transfer pool of one session (its ``chunk_elems`` x ``buffer_count`` x devices).
+        pools_bytes: the transfer pools of all sessions together (``None``: half of this machine's memory).
         max_io_threads: I/O threads per device of one session.
         max_session_state_bytes: state of one session on disk (``None``: what the disks hold).
         update_bytes_in_flight: gradients and parameters of every update in flight, all sessions together.
@@ -118,6 +120,7 @@ class ServerLimits:
     max_shards: int = 4096
     max_shard_numel: int = MAX_SHARD_NUMEL
     max_session_pool_bytes: int = 2 << 30
+    pools_bytes: int | None = None
     max_io_threads: int = 16
     max_session_state_bytes: int | None = None
     update_bytes_in_flight: int = 8 << 30
@@ -128,7 +131,7 @@ class ServerLimits:
     def __post_init__(self) -> None:
         for item in fields(self):
             value = getattr(self, item.name)
-            if value is None and item.name == "max_session_state_bytes":
+            if value is None and item.name in ("max_session_state_bytes", "pools_bytes"):
                 continue
             whole = not item.name.endswith("_s")
             if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or not value > 0:
@@ -241,6 +244,7 @@ class Session:
     last_call: float = field(default_factory=time.monotonic)
     calls: int = 0  # calls running now: a session is never expired under one
     owner: tuple[bytes, ...] | None = None  # the client certificate's identity under mutual TLS
+    pool: int = 0  # bytes of its transfer buffers
 
 
 def server_identity(root: Path) -> str:
@@ -295,6 +299,7 @@ class DeviceServer:
         self.token_check = TokenCheck(token.encode())
         self.device_timeout_s = device_timeout_s
         self.limits = limits or ServerLimits()
+        self.pools_bytes = self.limits.pools_bytes or psutil.virtual_memory().total // 2
         self.max_sessions = self.limits.max_sessions
         self.max_shard_numel = self.limits.max_shard_numel
         self._sessions: dict[str, Session] = {}
@@ -475,6 +480,13 @@ class DeviceServer:
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
                 raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_sessions} sessions are open already.")
+            held = sum(session.pool for session in self._sessions.values())
+            if held + pool > self.pools_bytes:
+                raise CallError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"The session's transfer buffers ({pool / 2**20:.0f} MiB) do not fit beside the open sessions' "
+                    f"({held / 2**20:.0f} MiB of {self.pools_bytes / 2**20:.0f} MiB, `smartinf serve --max-pools`).",
+                )
             dirs = [root / "sessions" / tag for root in self.roots]
             for directory in dirs:
                 ensure_private_dir(directory.parent)
@@ -496,7 +508,8 @@ class DeviceServer:
                 for directory in dirs:
                     shutil.rmtree(directory, ignore_errors=True)
                 raise
-            self._sessions[name] = Session(name, tag, label, backend, dirs, owner=certificate_identity(context))
+            owner = certificate_identity(context)
+            self._sessions[name] = Session(name, tag, label, backend, dirs, owner=owner, pool=pool)
         log.info("session %s (%s): %d shards on %d device(s)", tag, label, len(specs), len(dirs))
         return header_frame(devices=len(dirs), session=name)
 
