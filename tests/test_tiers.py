@@ -276,12 +276,18 @@ def test_paths_of_different_speeds_are_measured_and_replanned_without_changing_r
     measured = re.search(r"measured its storage paths: ([\d.]+) GB/s, ([\d.]+) GB/s", caplog.text)
     assert measured, "the two paths were measured"
     disk, ram = float(measured.group(1)), float(measured.group(2))
-    held = [sum(s.layout.file_bytes for s, d in zip(backend.shards, backend.assignment) if d == i) for i in (0, 1)]
+    # The placement at set-up, by the measured speeds (each device's share is logged then; re-plans afterwards
+    # follow the update rates the devices show while training, which on a page-cached disk can go either way).
+    shares = [
+        int(p) for p in re.findall(r"SmartUpdate device [01] \(.*\): \d+ shard\(s\), .* \((\d+)%\)", caplog.text)[:2]
+    ]
+    assert len(shares) == 2, caplog.text
     if max(disk, ram) >= 1.5 * min(disk, ram):
-        # Placed by speed, not round-robin: the faster path holds more of the state (re-plans keep the order). Paths
-        # measured closer than that may place either way (a CI disk ran at 2.81 GB/s against RAM's 3.32, 7 shards
-        # split evenly); how weights place shards is pinned in tests/core/test_tiers.py with weights given.
-        assert (held[1] > held[0]) == (ram > disk), (disk, ram, held, backend.assignment)
+        # Placed by speed, not round-robin: the faster path holds more of the state. Paths measured closer than that
+        # may split evenly (a CI disk ran at 2.81 GB/s against RAM's 3.32, 7 shards split evenly); how weights place
+        # shards is pinned in tests/core/test_tiers.py with weights given.
+        assert (shares[1] > shares[0]) == (ram > disk), (disk, ram, shares)
+    assert backend.assignment, "the backend placed every shard"
 
 
 def test_a_budget_per_rank_is_refused_when_the_ranks_of_a_node_together_do_not_fit() -> None:
