@@ -42,7 +42,7 @@ def _opened(port: int) -> RemoteBackend:
 
 
 def test_a_server_holds_at_most_its_sessions_and_takes_more_once_one_closes(tmp_path) -> None:
-    server, servicer, port = serve([tmp_path / "root"], TOKEN, max_sessions=2)
+    server, servicer, port = serve([tmp_path / "root"], TOKEN, limits=ServerLimits(max_sessions=2))
     try:
         first, second = _opened(port), _opened(port)
         third = _client(port)

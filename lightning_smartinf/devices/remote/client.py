@@ -51,8 +51,9 @@ from lightning_smartinf.core.placement import Placement, RoundRobin, check_assig
 from lightning_smartinf.core.rules import StepParams
 from lightning_smartinf.core.traffic import TrafficSnapshot
 from lightning_smartinf.devices.remote.manifest import REMOTE_MANIFEST
-from lightning_smartinf.devices.remote.server import MAX_SHARD_NUMEL, PROTOCOL_VERSION, is_loopback
+from lightning_smartinf.devices.remote.policy import MAX_SHARD_NUMEL, is_loopback
 from lightning_smartinf.devices.remote.server import MAX_UPDATES_IN_FLIGHT as UPDATES_IN_FLIGHT
+from lightning_smartinf.devices.remote.server import PROTOCOL_VERSION
 from lightning_smartinf.devices.remote.tokens import TlsFiles
 from lightning_smartinf.devices.remote.wire import (
     MAX_MESSAGE_BYTES,

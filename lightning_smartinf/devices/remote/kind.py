@@ -75,7 +75,7 @@ class RemoteKind(DeviceKind):
         if not isinstance(plaintext, bool):
             problems.add(f"`remote_allow_plaintext={plaintext!r}` must be True or False.")
         elif tls_dir is None and not plaintext and len(problems) == known:
-            from lightning_smartinf.devices.remote.server import is_loopback
+            from lightning_smartinf.devices.remote.policy import is_loopback
 
             for address in devices:
                 if not is_loopback(address):

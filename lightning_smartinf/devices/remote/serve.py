@@ -12,6 +12,7 @@ decide (``--max-sessions`` and the other limits; see docs/remote.md). Trainers n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -19,7 +20,25 @@ import threading
 from pathlib import Path
 
 from lightning_smartinf.core.arguments import Problems
+from lightning_smartinf.devices.remote.policy import ServerLimits, check_transport
 from lightning_smartinf.devices.remote.tokens import read_server_tls, read_token
+
+#: ``--flag``: the :class:`ServerLimits` field it sets, its type (``str``: a size such as ``2GiB``), what it bounds.
+LIMIT_FLAGS = {
+    "--max-sessions": ("max_sessions", int, "sessions open at once"),
+    "--max-shards": ("max_shards", int, "shards per session"),
+    "--max-shard-numel": ("max_shard_numel", int, "elements per shard"),
+    "--max-session-pool": ("max_session_pool_bytes", str, "transfer buffers per session"),
+    "--max-pools": ("pools_bytes", str, "transfer buffers of all sessions together"),
+    "--max-io-threads": ("max_io_threads", int, "I/O threads per device of a session"),
+    "--max-session-state": ("max_session_state_bytes", str, "state on disk per session"),
+    "--update-bytes-in-flight": ("update_bytes_in_flight", str, "gradients and parameters in flight, all sessions"),
+    "--max-echo": ("max_echo_bytes", str, "bytes of one calibration call"),
+    "--call-timeout-s": ("call_timeout_s", float, "longest call, in seconds; cancelled then"),
+    "--session-lease-s": ("session_lease_s", float, "a session without a call this many seconds is closed"),
+}
+#: What ``--help`` says of the limits that are off by default.
+UNSET_SHOWN = {"pools_bytes": "half of the memory", "max_session_state_bytes": "no cap"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,26 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     limits.add_argument(
         "--max-calls", type=int, default=None, help="calls taken at once, more refused (default: 4 per worker)"
     )
-    limits.add_argument("--max-sessions", type=int, default=64, help="sessions open at once (default 64)")
-    limits.add_argument("--max-shards", type=int, default=4096, help="shards per session (default 4096)")
-    limits.add_argument("--max-shard-numel", type=int, default=(1 << 31) - 1, help="elements per shard")
-    limits.add_argument("--max-session-pool", default="2GiB", help="transfer buffers per session (default 2GiB)")
-    limits.add_argument(
-        "--max-pools", default=None, help="transfer buffers of all sessions together (default: half of the memory)"
-    )
-    limits.add_argument("--max-io-threads", type=int, default=16, help="I/O threads per device of a session")
-    limits.add_argument("--max-session-state", default=None, help="state on disk per session (default: no cap)")
-    limits.add_argument(
-        "--update-bytes-in-flight", default="8GiB", help="gradients and parameters in flight, all sessions (8GiB)"
-    )
-    limits.add_argument("--max-echo", default="1GiB", help="bytes of one calibration call (default 1GiB)")
-    limits.add_argument("--call-timeout-s", type=float, default=900.0, help="longest call; cancelled then (900)")
-    limits.add_argument(
-        "--session-lease-s", type=float, default=3600.0, help="a session without a call this long is closed (3600)"
-    )
+    defaults = ServerLimits()
+    for flag, (field, kind, what) in LIMIT_FLAGS.items():
+        default = getattr(defaults, field)
+        shown = UNSET_SHOWN[field] if default is None else f"{default / 2**30:g}GiB" if kind is str else default
+        limits.add_argument(flag, type=kind, default=None, help=f"{what} (default: {shown})")
     args = parser.parse_args(argv)
     try:
-        from lightning_smartinf.devices.remote.server import ServerLimits, check_transport, serve
+        from lightning_smartinf.devices.remote.server import serve
     except ImportError as exc:
         print(f"smartinf serve needs gRPC ({exc}): pip install 'lightning-smartinf[remote]'", file=sys.stderr)
         return 2
@@ -75,25 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         check_transport(args.listen, tls, args.allow_plaintext)  # before the token is read or anything bound
         token = read_token(args.token_file)
         sizes = Problems("smartinf serve", ValueError)
-        pool = sizes.size("--max-session-pool", args.max_session_pool)
-        state = sizes.size("--max-session-state", args.max_session_state)
-        in_flight = sizes.size("--update-bytes-in-flight", args.update_bytes_in_flight)
-        echo = sizes.size("--max-echo", args.max_echo)
-        pools = sizes.size("--max-pools", args.max_pools)
+        given = {}
+        for flag, (field, kind, _) in LIMIT_FLAGS.items():
+            value = getattr(args, flag[2:].replace("-", "_"))
+            if value is not None:
+                given[field] = sizes.size(flag, value) if kind is str else value
         sizes.raise_if_any()
-        limits = ServerLimits(
-            max_sessions=args.max_sessions,
-            max_shards=args.max_shards,
-            max_shard_numel=args.max_shard_numel,
-            max_session_pool_bytes=pool,
-            pools_bytes=pools,
-            max_io_threads=args.max_io_threads,
-            max_session_state_bytes=state,
-            update_bytes_in_flight=in_flight,
-            call_timeout_s=args.call_timeout_s,
-            session_lease_s=args.session_lease_s,
-            max_echo_bytes=echo,
-        )
+        limits = dataclasses.replace(ServerLimits(), **given)
         server, servicer, port = serve(
             args.storage,
             token,

@@ -28,10 +28,8 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import re
@@ -42,7 +40,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +62,7 @@ from lightning_smartinf.core.format.state_files import (
 from lightning_smartinf.core.io.ownership import claim_directories, release_claims
 from lightning_smartinf.core.io.storage import ensure_private_dir
 from lightning_smartinf.devices.cpu import CpuBackend
+from lightning_smartinf.devices.remote.policy import ServerLimits, check_transport
 from lightning_smartinf.devices.remote.tokens import TlsFiles
 from lightning_smartinf.devices.remote.wire import (
     DTYPES,
@@ -88,60 +87,10 @@ log = logging.getLogger(__name__)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 IDENTITY_FILE = ".smartinf-server.json"
 MAX_UPDATES_IN_FLIGHT = 4
-#: Largest shard a client may open (int32 indices address it) and chunk size bounds.
-MAX_SHARD_NUMEL = (1 << 31) - 1
 #: 2: the server names sessions and checkpoints, and takes the token as gRPC call credentials send it.
 PROTOCOL_VERSION = 2
 #: At most one log line per this many seconds about refused tokens (a flood must not fill the disk).
 REFUSAL_LOG_EVERY_S = 10.0
-#: Bytes of state per element a shard may take on disk, at most (master and three states, fp32).
-_STATE_BYTES_PER_ELEMENT = 16
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What one server grants, whatever its clients ask (``smartinf serve --help`` names a flag for each).
-
-    Args:
-        max_sessions: sessions open at once.
-        max_shards: shards in one session.
-        max_shard_numel: elements of one shard.
-        max_session_pool_bytes: the transfer pool of one session (its ``chunk_elems`` x ``buffer_count`` x devices).
-        pools_bytes: the transfer pools of all sessions together (``None``: half of this machine's memory).
-        max_io_threads: I/O threads per device of one session.
-        max_session_state_bytes: state of one session on disk (``None``: what the disks hold).
-        update_bytes_in_flight: gradients and parameters of every update in flight, all sessions together.
-        call_timeout_s: longest call; the server cancels it then.
-        session_lease_s: a session without a call for this long is closed and its state removed.
-        max_echo_bytes: bytes of one calibration call.
-    """
-
-    max_sessions: int = 64
-    max_shards: int = 4096
-    max_shard_numel: int = MAX_SHARD_NUMEL
-    max_session_pool_bytes: int = 2 << 30
-    pools_bytes: int | None = None
-    max_io_threads: int = 16
-    max_session_state_bytes: int | None = None
-    update_bytes_in_flight: int = 8 << 30
-    call_timeout_s: float = 900.0
-    session_lease_s: float = 3600.0
-    max_echo_bytes: int = 1 << 30
-
-    def __post_init__(self) -> None:
-        for item in fields(self):
-            value = getattr(self, item.name)
-            if value is None and item.name in ("max_session_state_bytes", "pools_bytes"):
-                continue
-            whole = not item.name.endswith("_s")
-            if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or not value > 0:
-                kind = "a positive integer" if whole else "a positive number of seconds"
-                raise ValueError(f"`{item.name}={value!r}`: a server limit must be {kind}.")
-        if self.max_shard_numel > MAX_SHARD_NUMEL:
-            raise ValueError(
-                f"`max_shard_numel={self.max_shard_numel}`: shards are addressed by int32 indices, at most "
-                f"{MAX_SHARD_NUMEL} elements."
-            )
 
 
 def certificate_identity(context: grpc.ServicerContext) -> tuple[bytes, ...] | None:
@@ -169,11 +118,10 @@ class _Budget:
         if nbytes > self.total:
             return False
         with self._room:
-            return self._room.wait_for(lambda: self.used + nbytes <= self.total, timeout) and self._take(nbytes)
-
-    def _take(self, nbytes: int) -> bool:
-        self.used += nbytes
-        return True
+            if not self._room.wait_for(lambda: self.used + nbytes <= self.total, timeout):
+                return False
+            self.used += nbytes
+            return True
 
     def release(self, nbytes: int) -> None:
         with self._room:
@@ -300,8 +248,6 @@ class DeviceServer:
         self.device_timeout_s = device_timeout_s
         self.limits = limits or ServerLimits()
         self.pools_bytes = self.limits.pools_bytes or psutil.virtual_memory().total // 2
-        self.max_sessions = self.limits.max_sessions
-        self.max_shard_numel = self.limits.max_shard_numel
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._updates_budget = _Budget(self.limits.update_bytes_in_flight)
@@ -312,21 +258,16 @@ class DeviceServer:
 
     # ---------------------------------------------------------------------------------------------- plumbing
 
-    def authorized(self, metadata: Sequence[tuple[str, Any]]) -> bool:
-        """Whether ``metadata`` carries this server's bearer token (see :class:`TokenCheck`)."""
-        return self.token_check.authorized(metadata)
-
     def _remove_what_a_dead_server_left(self) -> None:
         """Sessions live only in a server's memory, so their directories under the roots (which this server now owns)
         belong to a server that died; so do the temporaries of saves it was killed in."""
         sessions = killed_saves = 0
         for root in self.roots:
-            for directory in sorted((root / "sessions").glob("*")) if (root / "sessions").is_dir() else []:
+            for directory in root.glob("sessions/*"):
                 shutil.rmtree(directory, ignore_errors=True)
                 sessions += 1
-            for checkpoint in sorted((root / "checkpoints").glob("*")) if (root / "checkpoints").is_dir() else []:
+            for checkpoint in root.glob("checkpoints/*"):  # a save's temporaries sit beside its label's directory
                 killed_saves += remove_killed_saves(checkpoint)
-            killed_saves += remove_killed_saves(root / "checkpoints") if (root / "checkpoints").is_dir() else 0
         if sessions or killed_saves:
             what = "removed %d session director(ies) and %d killed save(s) left by an earlier server"
             log.info(what, sessions, killed_saves)
@@ -413,7 +354,10 @@ class DeviceServer:
 
     def hello(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         return header_frame(
-            server_id=self.server_id, devices=len(self.roots), protocol=PROTOCOL_VERSION, max_shard=self.max_shard_numel
+            server_id=self.server_id,
+            devices=len(self.roots),
+            protocol=PROTOCOL_VERSION,
+            max_shard=self.limits.max_shard_numel,
         )
 
     def open(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
@@ -442,12 +386,12 @@ class DeviceServer:
             numel = entry.get("numel") if isinstance(entry, dict) else None
             if not isinstance(numel, int) or isinstance(numel, bool):
                 raise WireError(f"shard {index}: needs an integer `numel` and a `rule`.")
-            if not 0 < entry["numel"] <= self.max_shard_numel:
+            if not 0 < numel <= limits.max_shard_numel:
                 raise CallError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"shard {index} has {entry['numel']} elements; this server takes at most {self.max_shard_numel}.",
+                    f"shard {index} has {numel} elements; this server takes at most {limits.max_shard_numel}.",
                 )
-            specs.append(ShardSpec(index=index, numel=entry["numel"], rule=rule_from_wire(entry.get("rule"))))
+            specs.append(ShardSpec(index=index, numel=numel, rule=rule_from_wire(entry.get("rule"))))
         if options["io_threads"] > limits.max_io_threads:
             raise CallError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -478,8 +422,8 @@ class DeviceServer:
         name = secrets.token_urlsafe(32)
         tag = session_tag(name)
         with self._lock:
-            if len(self._sessions) >= self.max_sessions:
-                raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_sessions} sessions are open already.")
+            if len(self._sessions) >= limits.max_sessions:
+                raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{limits.max_sessions} sessions are open already.")
             held = sum(session.pool for session in self._sessions.values())
             if held + pool > self.pools_bytes:
                 raise CallError(
@@ -811,29 +755,6 @@ def _first(requests: Iterator[Any]) -> Any:
     raise WireError("The request stream is empty.")
 
 
-def is_loopback(listen: str) -> bool:
-    """Whether ``listen`` ("host:port") names this machine's loopback interface only (no name is resolved)."""
-    host = listen.rpartition(":")[0].strip("[]").lower()
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_transport(listen: str, tls: TlsFiles | None, allow_plaintext: bool) -> None:
-    """Refuse plain gRPC on anything but loopback unless ``allow_plaintext`` says it is wanted: the token and the
-    optimizer state would cross the network in clear. Checked before anything is bound."""
-    if tls is None and not allow_plaintext and not is_loopback(listen):
-        raise ValueError(
-            f"`--listen {listen}` is not a loopback address, and without TLS the token and every gradient and "
-            "weight would cross the network in clear. Give the server a certificate (`--tls-cert` and `--tls-key`, "
-            "with `--tls-client-ca` for mutual TLS), listen on 127.0.0.1, or pass `--allow-plaintext` on a network "
-            "you trust."
-        )
-
-
 #: gRPC's own bounds on connections (see docs/remote.md, "Limits"): one client cannot hold every stream, keep an idle
 #: connection forever, or ping the server busy.
 CHANNEL_LIMITS = (
@@ -858,7 +779,6 @@ def serve(
     workers: int = 16,
     tls: TlsFiles | None = None,
     limits: ServerLimits | None = None,
-    max_sessions: int | None = None,
     allow_plaintext: bool = False,
     max_calls: int | None = None,
 ) -> tuple[grpc.Server, DeviceServer, int]:
@@ -869,12 +789,10 @@ def serve(
     only (gRPC's local credentials), unless ``allow_plaintext`` (then ``listen`` may be any address, in clear).
     ``workers`` threads serve calls; at most ``max_calls`` (default: four per worker) are taken at once, the rest
     refused with ``RESOURCE_EXHAUSTED`` (a call refused for its token counts only while it is refused: a moment).
-    ``limits``: what one client may take (``max_sessions`` overrides its field).
+    ``limits``: what one client may take.
     """
     check_transport(listen, tls, allow_plaintext)
     limits = limits or ServerLimits()
-    if max_sessions is not None:
-        limits = dataclasses.replace(limits, max_sessions=max_sessions)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
         raise ValueError(f"`workers={workers!r}`: a server needs at least 2 worker threads.")
     max_calls = 4 * workers if max_calls is None else max_calls
