@@ -2,6 +2,8 @@
 
 - :class:`HFCausalLM` fine-tunes any local ``AutoModelForCausalLM`` directory, or pre-trains one from a config
   (``config={...}`` of e.g. ``GPT2Config`` fields and a ``tokenizer_path``).
+- :func:`from_pretrained` loads a pretrained model in any LightningModule's ``configure_model`` straight into ZeRO-3's
+  partitions (the whole model is never in host memory); :func:`partitioned_build` does it for models built otherwise.
 - :class:`HFSequenceClassifier` fine-tunes any local ``AutoModelForSequenceClassification`` (or encoder) directory.
 - :class:`TextDataModule` packs plain text / JSONL into blocks; :class:`ClassificationDataModule` reads CSV / JSONL
   with text and label columns. :func:`train_bpe_tokenizer` trains a byte-level BPE tokenizer locally.
@@ -27,6 +29,7 @@ from lightning_smartinf.hf.data import (  # noqa: E402
     load_tokenizer,
     train_bpe_tokenizer,
 )
+from lightning_smartinf.hf.loading import from_pretrained, partitioned_build  # noqa: E402
 from lightning_smartinf.hf.modules import HFCausalLM, HFSequenceClassifier  # noqa: E402
 from lightning_smartinf.hf.pretrained import SavePretrained, fp32_state_dict, save_pretrained  # noqa: E402
 
@@ -37,7 +40,9 @@ __all__ = [
     "SavePretrained",
     "TextDataModule",
     "fp32_state_dict",
+    "from_pretrained",
     "load_tokenizer",
+    "partitioned_build",
     "save_pretrained",
     "train_bpe_tokenizer",
 ]

@@ -1,16 +1,14 @@
 """LightningModules wrapping Hugging Face ``AutoModelForCausalLM`` / ``AutoModelForSequenceClassification``.
 
-The Hugging Face model is built in ``configure_model``, so under ZeRO-3 (``smart_infinity``) its parameters are
-partitioned as they are created: transformers' own ZeRO-3 loading path (``HfDeepSpeedConfig``) is switched on for
-the build and gathers one parameter at a time while it loads the weights.
+The Hugging Face model is built in ``configure_model`` by :func:`~lightning_smartinf.hf.from_pretrained`, so under
+ZeRO-3 (``smart_infinity``) its parameters are partitioned as they are created and the weights go into the
+partitions one parameter at a time; any LightningModule can load its model the same way.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -18,82 +16,21 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from lightning_smartinf.hf.data import load_tokenizer, resolve_path, train_bpe_tokenizer
+from lightning_smartinf.hf.data import load_tokenizer, train_bpe_tokenizer
+from lightning_smartinf.hf.loading import attached_trainer, check_model_dir, from_pretrained, partitioned_build
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
-#: A model directory must hold one of these.
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad")
 SCHEDULERS = ("cosine", "linear", "constant")
 #: The attribute holding the Hugging Face model; parameter names are ``model.<HF name>``.
 MODEL_ATTRIBUTE = "model"
 
 
-def check_model_dir(path: str | os.PathLike, argument: str = "model_path") -> Path:
-    """``path`` as a local Hugging Face model directory with a config and weights, or a clear error."""
-    directory = resolve_path(path, argument)
-    if not directory.is_dir():
-        raise FileNotFoundError(
-            f"`{argument}={str(path)!r}` is not a directory. Give a local directory written by `save_pretrained` "
-            "(config.json + weights + tokenizer); models are never downloaded from the Hugging Face Hub."
-        )
-    if not (directory / "config.json").is_file():
-        raise FileNotFoundError(
-            f"`{argument}={str(path)!r}` has no config.json: it is not a `save_pretrained` directory."
-        )
-    if not any((directory / name).is_file() for name in WEIGHT_FILES):
-        raise FileNotFoundError(
-            f"`{argument}={str(path)!r}` has no weights: none of {', '.join(WEIGHT_FILES)} is there. Copy the "
-            "model's weight files into it, or train from scratch with `config={...}` and no `model_path`."
-        )
-    return directory
-
-
-def attached_trainer(module: L.LightningModule) -> L.Trainer | None:
-    """The trainer ``module`` is attached to, or ``None`` before ``fit`` (and the like) attaches it."""
-    try:
-        return module.trainer
-    except RuntimeError:  # Lightning's "is not attached to a `Trainer`"
-        return None
-
-
 def param_ndim(param: Tensor) -> int:
     """Dimensions of a parameter, also when ZeRO-3 has replaced its data by an empty partition."""
     return len(getattr(param, "ds_shape", param.shape))
-
-
-class _ZeRO3Config:
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.config = config
-
-    def is_zero3(self) -> bool:
-        return True
-
-
-@contextmanager
-def hf_zero3(strategy: Any) -> Iterator[None]:
-    """Switch on transformers' ZeRO-3 model construction while ``strategy`` partitions parameters at init."""
-    config = getattr(strategy, "config", None)
-    if not (isinstance(config, dict) and config.get("zero_optimization", {}).get("stage") == 3):
-        yield
-        return
-    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
-
-    # transformers' `HfDeepSpeedConfig` needs `accelerate`; its ZeRO-3 paths read only `.config` and `.is_zero3()`.
-    holder = _ZeRO3Config(config)
-    set_hf_deepspeed_config(holder)  # a weak reference: `holder` must outlive the build
-    try:
-        yield
-    finally:
-        unset_hf_deepspeed_config()
-        del holder
 
 
 class _HFModule(L.LightningModule):
@@ -197,12 +134,10 @@ class _HFModule(L.LightningModule):
             return
         self._prepare_config()
         auto = self._auto_model_class()
-        with hf_zero3(trainer.strategy if (trainer := attached_trainer(self)) is not None else None):
-            if self.model_path is not None:
-                model = auto.from_pretrained(
-                    self.model_path, config=self.hf_config, local_files_only=True, dtype=torch.float32
-                )
-            else:
+        if self.model_path is not None:
+            model = from_pretrained(self, self.model_path, auto_class=auto, config=self.hf_config)
+        else:
+            with partitioned_build(self):
                 model = auto.from_config(self.hf_config, dtype=torch.float32)
         if self.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -264,26 +199,32 @@ class _HFModule(L.LightningModule):
             "attribute": MODEL_ATTRIBUTE,
         }
 
-    def save_pretrained(self, out_dir: str | os.PathLike) -> dict[str, Tensor]:
-        """Write the model (fp32 master weights read from the devices), config and tokenizer to ``out_dir``.
+    def save_pretrained(
+        self, out_dir: str | os.PathLike, *, dtype: str | torch.dtype | None = None, max_shard_size: int | str = "5GB"
+    ) -> Any:
+        """Write the model (fp32 master weights read from the devices, cast to ``dtype``), config and tokenizer to
+        ``out_dir``, a weight file of at most ``max_shard_size`` at a time (``dtype=None``: the config's, else fp32;
+        see :func:`~lightning_smartinf.hf.save_pretrained`).
 
         Call on every rank while the trainer's engine is alive (e.g. from ``on_train_end``; see
-        :class:`~lightning_smartinf.hf.SavePretrained`); rank 0 writes. Returns the fp32 state dict (HF names).
+        :class:`~lightning_smartinf.hf.SavePretrained`); rank 0 writes. Returns what was written (``WrittenWeights``).
         """
-        from lightning_smartinf.hf.pretrained import fp32_state_dict, save_pretrained
+        from lightning_smartinf.hf.pretrained import save_pretrained, trained_weights
 
-        state = fp32_state_dict(self)
-        if self.trainer.is_global_zero:
-            save_pretrained(state, self.hf_config, self.task, out_dir, tokenizer=self.tokenizer)
+        written = save_pretrained(
+            trained_weights(self), self.hf_config, self.task, out_dir, tokenizer=self.tokenizer, dtype=dtype,
+            max_shard_size=max_shard_size, is_main_process=self.trainer.is_global_zero,
+        )  # fmt: skip
         self.trainer.strategy.barrier("smartinf_save_pretrained")
-        return state
+        return written
 
 
 class HFCausalLM(_HFModule):
     """Causal language model (``AutoModelForCausalLM``): fine-tune a local checkpoint or pre-train from a config.
 
     Logs ``train_loss``, ``tokens`` (tokens in the batch, all ranks), ``val_loss`` (mean token cross-entropy)
-    and ``val_ppl`` (torchmetrics ``Perplexity``).
+    and ``val_ppl`` (torchmetrics ``Perplexity``). The targets are the batch's ``labels`` where it has them (-100:
+    no loss, as on the prompts of :class:`~lightning_smartinf.hf.SFTDataModule`), else its ``input_ids``.
 
     Args:
         model_path: local directory of a Hugging Face causal LM (``save_pretrained`` output: config, weights,
@@ -355,11 +296,18 @@ class HFCausalLM(_HFModule):
         assert self.model is not None
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
 
-    def _loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    @staticmethod
+    def _labels(batch: dict[str, Tensor]) -> Tensor:
+        """The batch's ``labels`` (-100 where no loss is taken, as on an SFT prompt), else its ``input_ids`` with
+        -100 on padding."""
+        if "labels" in batch:
+            return batch["labels"]
         ids = batch["input_ids"]
-        logits = self(ids, batch.get("attention_mask")).float()
-        labels = ids if "attention_mask" not in batch else ids.masked_fill(batch["attention_mask"] == 0, -100)
-        shifted, targets = logits[:, :-1], labels[:, 1:]
+        return ids if "attention_mask" not in batch else ids.masked_fill(batch["attention_mask"] == 0, -100)
+
+    def _loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        logits = self(batch["input_ids"], batch.get("attention_mask")).float()
+        shifted, targets = logits[:, :-1], self._labels(batch)[:, 1:]
         loss = torch.nn.functional.cross_entropy(shifted.flatten(0, 1), targets.flatten(), ignore_index=-100)
         return loss, shifted
 
@@ -375,10 +323,7 @@ class HFCausalLM(_HFModule):
         loss, shifted = self._loss(batch)
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         perplexity = self._metric("val_ppl", lambda: Perplexity(ignore_index=-100), shifted.device)
-        targets = batch["input_ids"][:, 1:]
-        if "attention_mask" in batch:
-            targets = targets.masked_fill(batch["attention_mask"][:, 1:] == 0, -100)
-        perplexity.update(shifted, targets)
+        perplexity.update(shifted, self._labels(batch)[:, 1:])
 
     def on_validation_epoch_end(self) -> None:
         perplexity = self._metrics.get("val_ppl")
