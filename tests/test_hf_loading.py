@@ -1,4 +1,4 @@
-"""A pretrained Hugging Face model loaded in a user's own LightningModule with ``lightning_smartinf.hf.from_pretrained``.
+"""A pretrained Hugging Face model loaded in a user's own LightningModule with ``hf.from_pretrained``.
 
 The weights must land in ZeRO-3's partitions exactly as a plain ``from_pretrained`` reads them (bitwise), a head the
 checkpoint lacks must be initialised while every loaded weight is kept, and the load must not hold the model in host
@@ -164,13 +164,13 @@ def _load_growth(tmp_path: Path, model_dir: Path, kind: str) -> dict:
 @pytest.mark.slow
 def test_loading_grows_host_memory_by_a_shard_not_by_the_model(tmp_path):
     """Parameters on storage, a Llama of 4 then 16 layers (35M, 120M parameters; every matrix over DeepSpeed's 1 MB
-    minimum for a file of its own), 40 MB shards: the peak RSS growth while the model loads moves by less than a tenth
-    of the 16-bit size the model gained. Transformers' own ZeRO-3 loading of the larger model (it maps every shard at
-    once) grows by more than half the model's 16-bit size beyond ours, so the measure can tell."""
+    minimum for a file of its own), each in one safetensors file: the peak RSS growth while the model loads moves by
+    less than a tenth of the 16-bit size the model gained. Transformers' own ZeRO-3 loading of the larger model (it
+    maps every file at once) grows by more than half the model's 16-bit size beyond ours, so the measure can tell."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        small = llama(tmp_path / "small", layers=4, hidden=768, vocab=4096, shard="40MB")
-        large = llama(tmp_path / "large", layers=16, hidden=768, vocab=4096, shard="40MB")
+        small = llama(tmp_path / "small", layers=4, hidden=768, vocab=4096, shard="1GB")
+        large = llama(tmp_path / "large", layers=16, hidden=768, vocab=4096, shard="1GB")
     ours_small = _load_growth(tmp_path, small, "ours")
     ours_large = _load_growth(tmp_path, large, "ours")
     theirs_large = _load_growth(tmp_path, large, "transformers")
@@ -178,3 +178,27 @@ def test_loading_grows_host_memory_by_a_shard_not_by_the_model(tmp_path):
     gained = 2 * (ours_large["params"] - ours_small["params"])  # bytes of the extra layers in bf16
     assert ours_large["load_growth"] - ours_small["load_growth"] < 0.1 * gained, (ours_small, ours_large)
     assert theirs_large["load_growth"] - ours_large["load_growth"] > 0.5 * 2 * ours_large["params"], theirs_large
+
+
+def test_tensor_files_read_as_safetensors_does_and_refuse_what_is_not_one(tmp_path):
+    from lightning_smartinf.hf.loading import TensorFile
+
+    tensors = {
+        "a": torch.randn(3, 5).to(torch.bfloat16),
+        "b": torch.arange(7, dtype=torch.int64),
+        "c": torch.randn(2, 2, 2, dtype=torch.float16),
+        "d": torch.tensor([True, False]),
+        "e": torch.randn(()),
+    }
+    save_file(tensors, tmp_path / "x.safetensors", metadata={"format": "pt"})
+    file = TensorFile(tmp_path / "x.safetensors")
+    assert file.entries.keys() == tensors.keys()
+    for name, value in tensors.items():
+        read = file.read(name)
+        assert read.dtype == value.dtype and read.shape == value.shape and torch.equal(read, value), name
+    (tmp_path / "short.safetensors").write_bytes((tmp_path / "x.safetensors").read_bytes()[:-8])
+    with pytest.raises(ValueError, match=r"short.safetensors'.*does not fit the file"):
+        TensorFile(tmp_path / "short.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match=r"junk.safetensors' is not a safetensors file"):
+        TensorFile(tmp_path / "junk.safetensors")

@@ -3,10 +3,12 @@
 Under ``strategy="smart_infinity"`` (ZeRO stage 3) every parameter is partitioned across ranks the moment it is
 created, and with ``offload_parameters="storage"`` its partition lives in a file. A model loaded with a plain
 ``from_pretrained`` in a module's ``__init__`` is whole in host memory first (28 GB in fp32 at 7B): the strategy
-exists to train models that do not fit there. :func:`from_pretrained`, called in ``configure_model``, switches on
-transformers' own ZeRO-3 loading for the build: the model is created partitioned, and the weights are copied from
-the checkpoint's files into the partitions one parameter at a time (rank 0 reads them, memory-mapped; the others
-only need names and shapes). :class:`~lightning_smartinf.hf.HFCausalLM` and
+exists to train models that do not fit there. :func:`from_pretrained`, called in ``configure_model``, builds the
+model partitioned (transformers' own ZeRO-3 construction, without its random initialisation of weights the
+checkpoint fills) and copies the weights from the safetensors files into the partitions one tensor at a time, read
+with plain reads (:class:`TensorFile`): host memory grows by the largest tensor, not by a shard or the model.
+Checkpoints whose names or shapes transformers must convert, and ``pytorch_model.bin`` weights, take transformers'
+own ZeRO-3 loading, which maps every file at once. :class:`~lightning_smartinf.hf.HFCausalLM` and
 :class:`~lightning_smartinf.hf.HFSequenceClassifier` load through the same call.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -131,7 +134,7 @@ def from_pretrained(
 
     Under ``strategy="smart_infinity"`` the weights go from the checkpoint's files into each rank's partitions (and
     into the parameter files with ``offload_parameters="storage"``): the whole model is never in host memory, and
-    peak memory grows by a small fraction of the model's size. Under any other strategy, or in a module not yet
+    peak memory grows by the largest tensor, whatever the model's size. Under any other strategy, or in a module not yet
     attached to a trainer, it is a plain ``from_pretrained`` (and warns in the second case, where the whole model
     ends up in memory).
 
@@ -233,27 +236,74 @@ def is_zero3(strategy: Any) -> bool:
     return isinstance(config, dict) and config.get("zero_optimization", {}).get("stage") == 3
 
 
-#: The weights of a model directory: each safetensors file with the tensor names it holds (in file order).
-WeightPlan = list[tuple[Path, list[str]]]
+#: safetensors' dtype names (the format's header) and the torch dtypes they hold.
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+#: The largest header a safetensors file may have (the format's own bound).
+MAX_HEADER_BYTES = 100_000_000
 
 
-def _weight_plan(directory: Path) -> WeightPlan | None:
-    """The safetensors files of ``directory`` and their tensors; ``None`` for ``pytorch_model.bin`` weights."""
-    from safetensors import safe_open
+class TensorFile:
+    """One safetensors file, read one tensor at a time with plain reads: never mapped.
 
+    ``safetensors.safe_open`` maps the file, and every page a read touches stays in this process until the file is
+    closed, so reading a 5 GB shard tensor by tensor still grows the process by 5 GB. Plain reads bound what this
+    process holds by the tensor being copied; the file's pages stay in the kernel's page cache, which it can evict.
+    The layout read here is the format's documented one: an 8-byte little-endian header length, a JSON header of
+    ``{name: {"dtype", "shape", "data_offsets": [begin, end]}}``, then the data.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        size = path.stat().st_size
+        with path.open("rb") as file:
+            length = int.from_bytes(file.read(8), "little")
+            if not 2 <= length <= min(MAX_HEADER_BYTES, size - 8):
+                raise ValueError(f"{str(path)!r} is not a safetensors file (its header length is {length}).")
+            header = json.loads(file.read(length))
+        self.data_start = 8 + length
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))
+            begin, end = entry["data_offsets"]
+            shape = tuple(int(n) for n in entry["shape"])
+            numel = math.prod(shape)
+            if dtype is None or end - begin != numel * dtype.itemsize or not 0 <= begin <= end <= size - 8 - length:
+                raise ValueError(
+                    f"{str(path)!r}: the tensor {name!r} ({entry.get('dtype')}, shape {list(shape)}, bytes "
+                    f"{begin}..{end}) does not fit the file or has a dtype this loader does not read."
+                )
+            self.entries[name] = (dtype, shape, begin, end)
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor ``name``, in a buffer of its own."""
+        dtype, shape, begin, end = self.entries[name]
+        data = torch.empty(end - begin, dtype=torch.uint8)
+        with self.path.open("rb", buffering=0) as file:
+            file.seek(self.data_start + begin)
+            view, done = memoryview(data.numpy()), 0
+            while done < len(view):
+                got = file.readinto(view[done:])
+                if not got:
+                    raise ValueError(f"{str(self.path)!r} ended inside the tensor {name!r}.")
+                done += got
+        return data.view(dtype).reshape(shape)
+
+
+def _weight_plan(directory: Path) -> list[TensorFile] | None:
+    """The safetensors files of ``directory``; ``None`` for ``pytorch_model.bin`` weights."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     elif (directory / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
         return None
-    plan = []
-    for name in files:
-        with safe_open(directory / name, framework="pt") as reader:
-            plan.append((directory / name, list(reader.keys())))
-    return plan
+    return [TensorFile(directory / name) for name in files]
 
 
 def _config(directory: Path, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -275,58 +325,52 @@ def _config(directory: Path, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any
 Targets = dict[str, tuple[torch.nn.Parameter | torch.Tensor, bool]]
 
 
-def _targets(model: torch.nn.Module, plan: WeightPlan) -> Targets | None:
+def _targets(model: torch.nn.Module, plan: list[TensorFile]) -> Targets | None:
     """Each checkpoint tensor's parameter or buffer in ``model``, or ``None`` when one has no place of its shape.
 
     Names match as transformers writes them, with or without the base model's prefix (``model.`` in Llama); tied
     weights answer to each of their names.
     """
-    from safetensors import safe_open
-
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
     prefix = getattr(model, "base_model_prefix", "")
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
     targets: Targets = {}
-    for path, keys in plan:
-        with safe_open(path, framework="pt") as reader:
-            for key in keys:
-                candidates = [key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")] if prefix else [key]
-                name = next((c for c in candidates if c in params or c in buffers), None)
-                if name is None and any(p.search(key) for p in ignored):  # e.g. masks older checkpoints saved
-                    continue
-                if name is None:
-                    return None
-                target = params.get(name, buffers.get(name))
-                shape = tuple(getattr(target, "ds_shape", target.shape))
-                if tuple(reader.get_slice(key).get_shape()) != shape:
-                    return None
-                targets[key] = (target, name in params)
+    for file in plan:
+        for key, (_, shape, _, _) in file.entries.items():
+            candidates = [key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")] if prefix else [key]
+            name = next((c for c in candidates if c in params or c in buffers), None)
+            if name is None and any(p.search(key) for p in ignored):  # e.g. masks older checkpoints saved
+                continue
+            if name is None:
+                return None
+            target = params.get(name, buffers.get(name))
+            if shape != tuple(getattr(target, "ds_shape", target.shape)):
+                return None
+            targets[key] = (target, name in params)
     return targets
 
 
-def _stream_weights(plan: WeightPlan, targets: Targets) -> None:
-    """Copy every tensor of the checkpoint into its partitioned parameter, one file and one parameter at a time.
+def _stream_weights(plan: list[TensorFile], targets: Targets) -> None:
+    """Copy every tensor of the checkpoint into its partitioned parameter, one parameter at a time.
 
-    Invariant: at most one file is mapped and one parameter gathered at once, so host memory grows by a file's
-    pages and the largest parameter, whatever the model's size. Only rank 0 reads values; ``GatheredParameters``
-    scatters what it wrote into every rank's partition (and parameter file) when the block ends.
+    Invariant: one tensor is read and one parameter gathered at once, so host memory grows by the largest parameter
+    (read and gathered), whatever the model's size. Only rank 0 reads values; ``GatheredParameters`` scatters what
+    it wrote into every rank's partition (and parameter file) when the block ends. Buffers are read on every rank.
     """
     import deepspeed
-    from safetensors import safe_open
 
     reads = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    for path, keys in plan:
-        with safe_open(path, framework="pt") as reader:
-            for key in keys:
-                if key not in targets:
-                    continue
-                target, is_param = targets[key]
-                if not is_param:
+    for file in plan:
+        for key in file.entries:
+            if key not in targets:
+                continue
+            target, is_param = targets[key]
+            if not is_param:
+                with torch.no_grad():
+                    target.copy_(file.read(key))
+                continue
+            with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
+                if reads:
                     with torch.no_grad():
-                        target.copy_(reader.get_tensor(key))
-                    continue
-                with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
-                    if reads:
-                        with torch.no_grad():
-                            target.data.copy_(reader.get_tensor(key))
+                        target.data.copy_(file.read(key))
