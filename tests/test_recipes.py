@@ -112,3 +112,20 @@ def test_unknown_key_inside_a_recipe_file(workdir, capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--config", "bad.yaml"])
     assert "Option 'max_lenght' is not accepted" in capsys.readouterr().err
+
+
+def test_sft_recipe_trains(gpt2_recipe_run, monkeypatch, tmp_path):
+    """Supervised fine-tuning of the pre-trained GPT-2 on prompt/response pairs (`SFTDataModule`), 3 steps, exported
+    fp32; the tokenised pairs go to the token cache given on the command line, one entry per file."""
+    from safetensors.torch import load_file
+
+    workdir, _ = gpt2_recipe_run
+    monkeypatch.chdir(workdir)
+    cache = tmp_path / "tokens"
+    recipe = ["fit", "--config", "recipes/causal-lm-sft-cpu.yaml", *SHORT, "--data.init_args.cache_dir", str(cache)]
+    assert main(recipe) == 0
+    pretrained = load_file(workdir / "out" / "gpt2-pretrain-cpu" / "hf" / "model.safetensors")
+    finetuned = load_file(workdir / "out" / "causal-lm-sft-cpu" / "hf" / "model.safetensors")
+    assert finetuned.keys() == pretrained.keys()
+    assert all(not torch.equal(finetuned[k], pretrained[k]) for k in pretrained)
+    assert sorted(p.name.split("-")[0] for p in cache.iterdir()) == ["python_docs_sft_train", "python_docs_sft_val"]

@@ -5,8 +5,9 @@
 - :func:`from_pretrained` loads a pretrained model in any LightningModule's ``configure_model`` straight into ZeRO-3's
   partitions (the whole model is never in host memory); :func:`partitioned_build` does it for models built otherwise.
 - :class:`HFSequenceClassifier` fine-tunes any local ``AutoModelForSequenceClassification`` (or encoder) directory.
-- :class:`TextDataModule` packs plain text / JSONL into blocks; :class:`ClassificationDataModule` reads CSV / JSONL
-  with text and label columns. :func:`train_bpe_tokenizer` trains a byte-level BPE tokenizer locally.
+- :class:`TextDataModule` packs plain text / JSONL into blocks; :class:`SFTDataModule` reads prompt/response JSONL
+  (loss on the responses); both tokenise once into a memory-mapped token cache. :class:`ClassificationDataModule`
+  reads CSV / JSONL with text and label columns. :func:`train_bpe_tokenizer` trains a byte-level BPE tokenizer.
 - :class:`SavePretrained` writes a ``save_pretrained`` directory with the fp32 master weights consolidated from the
   devices at the end of fit; :func:`lightning_smartinf.export.export_pretrained` does it from a checkpoint.
 
@@ -25,6 +26,7 @@ if not _TRANSFORMERS_AVAILABLE:
 
 from lightning_smartinf.hf.data import (  # noqa: E402
     ClassificationDataModule,
+    SFTDataModule,
     TextDataModule,
     load_tokenizer,
     train_bpe_tokenizer,
@@ -37,6 +39,7 @@ __all__ = [
     "ClassificationDataModule",
     "HFCausalLM",
     "HFSequenceClassifier",
+    "SFTDataModule",
     "SavePretrained",
     "TextDataModule",
     "fp32_state_dict",

@@ -2,29 +2,45 @@
 
 - :class:`TextDataModule`: plain text (``.txt``) or JSON lines (``.jsonl``, one ``{"text": ...}`` per line) →
   one token stream (documents joined by the tokenizer's end-of-text token) → packed blocks of ``block_size``.
+- :class:`SFTDataModule`: JSON lines of prompt/response pairs → one example each, ``[BOS] prompt response EOS``,
+  the loss on the response only (``labels`` -100 on the prompt), padded per batch.
 - :class:`ClassificationDataModule`: CSV (``.csv``, with a header) or JSON lines with a text and a label column →
   tokenized, truncated to ``max_length``, padded per batch.
 
-Both take the tokenizer from their own ``tokenizer_path`` or, when it is ``None``, from the LightningModule they
+All take the tokenizer from their own ``tokenizer_path`` or, when it is ``None``, from the LightningModule they
 train (its ``tokenizer``, loaded from its ``model_path`` / ``tokenizer_path``), and check their sequence length
-against the model's maximum (its ``max_positions``).
+against the model's maximum (its ``max_positions``). The first two tokenise their files once, streaming, into a
+token cache on disk (:mod:`lightning_smartinf.hf.token_cache`) that later runs reuse, and read the tokens through
+memory maps: a corpus larger than memory trains as it is.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import importlib.resources
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import lightning as L
+import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
+
+from lightning_smartinf.hf.token_cache import (
+    Batch,
+    TokenCache,
+    cached_tokens,
+    default_cache_dir,
+    make_cache_dir,
+    tokenizer_fingerprint,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -34,6 +50,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voca
 END_OF_TEXT = "<|endoftext|>"
 TEXT_SUFFIXES = (".txt", ".jsonl")
 TABLE_SUFFIXES = (".csv", ".jsonl")
+#: A ``.txt`` file is read and tokenised in pieces of about this many characters (see :func:`_text_pieces`): a
+#: fast tokenizer takes about 0.5 KB of memory per character of one string while it encodes it.
+TEXT_PIECE_CHARS = 1 << 18
+#: Characters of text per tokenizer call: several pieces or records, which a fast tokenizer encodes in parallel.
+BATCH_CHARS = 1 << 20
+#: Records per tokenizer call at most.
+BATCH_RECORDS = 4096
+#: The label of a token the loss skips (``torch.nn.functional.cross_entropy``'s ``ignore_index``).
+IGNORE_INDEX = -100
+T = TypeVar("T")
 
 
 def resolve_path(value: str | os.PathLike, argument: str = "model_path") -> Path:
@@ -153,32 +179,132 @@ def _check_file(path: str | os.PathLike, argument: str, suffixes: Sequence[str],
     return file
 
 
-def _read_jsonl(path: Path, fields: Sequence[str], argument: str, owner: str) -> list[dict[str, Any]]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise ValueError(f"`{owner}({argument}={str(path)!r})`: line {number} is not JSON ({exc}).") from None
-            missing = [k for k in fields if not isinstance(row, dict) or k not in row]
-            if missing:
+def _lines(path: Path, where: str) -> Iterator[str]:
+    """The lines of the UTF-8 text file ``path`` (newlines kept, ``\\r\\n`` read as ``\\n``), one at a time."""
+    number = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                number += 1
+                yield line
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{where}: not UTF-8 text after line {number} ({exc.reason}). Save the file as UTF-8."
+        ) from None
+
+
+def _jsonl_rows(path: Path, fields: dict[str, str], argument: str, owner: str) -> Iterator[tuple[int, dict]]:
+    """``(line number, object)`` of each non-blank line of the JSON-lines file ``path``, read one at a time.
+
+    ``fields`` maps each field-name argument (``"text_field"``) to the field it names, which every line must have.
+    """
+    where = f"`{owner}({argument}={str(path)!r})`"
+    wanted = " and ".join(map(repr, fields.values()))
+    for number, line in enumerate(_lines(path, where), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"{where}: line {number} is not JSON ({exc}).") from None
+        if not isinstance(row, dict):
+            raise ValueError(
+                f"{where}: line {number} is not a JSON object ({line.strip()[:40]!r}). Each line must be an object "
+                f"with {wanted}."
+            )
+        for option, field in fields.items():
+            if field not in row:
                 raise ValueError(
-                    f"`{owner}({argument}={str(path)!r})`: line {number} has no {missing[0]!r} field. Each line must "
-                    f"be an object with {', '.join(map(repr, fields))}, or set the field name arguments."
+                    f"{where}: line {number} has no {field!r} field (its fields: "
+                    f"{', '.join(map(repr, row)) or 'none'}). Each line must be an object with {wanted}; set "
+                    f"`{option}` to the name of the field that holds it."
                 )
-            rows.append(row)
-    return rows
+        yield number, row
+
+
+def _read_jsonl(path: Path, fields: dict[str, str], argument: str, owner: str) -> list[dict[str, Any]]:
+    return [row for _, row in _jsonl_rows(path, fields, argument, owner)]
 
 
 def _iter_texts(paths: Iterable[str], text_field: str = "text") -> Iterable[str]:
     for path in paths:
         if path.endswith(".jsonl"):
-            yield from (str(row[text_field]) for row in _read_jsonl(Path(path), [text_field], "files", "tokenizer"))
+            rows = _jsonl_rows(Path(path), {"text_field": text_field}, "files", "train_bpe_tokenizer")
+            yield from (str(row[text_field]) for _, row in rows)
         else:
             yield Path(path).read_text(encoding="utf-8")
+
+
+def _text_pieces(path: Path, where: str) -> Iterator[str]:
+    """The text of ``path`` in pieces of about :data:`TEXT_PIECE_CHARS` characters, cut only after a newline with a
+    non-space character on each side. Byte-level BPE pre-tokenisers (GPT-2, Llama 3, Qwen) and WordPiece's split
+    there anyway, so the pieces give the ids of the whole text; a SentencePiece tokenizer that puts a space before
+    its input gives the first word of each piece after the first that space (about one token in 60K)."""
+    piece: list[str] = []
+    size = 0
+    for line in _lines(path, where):
+        if size >= TEXT_PIECE_CHARS and not line[0].isspace() and len(piece[-1]) > 1 and not piece[-1][-2].isspace():
+            yield "".join(piece)
+            piece, size = [], 0
+        piece.append(line)
+        size += len(line)
+    if piece:
+        yield "".join(piece)
+
+
+def _batched(items: Iterable[T], chars: Callable[[T], int]) -> Iterator[list[T]]:
+    """``items`` in lists of :data:`BATCH_CHARS` characters (by ``chars``) or :data:`BATCH_RECORDS` items."""
+    batch: list[T] = []
+    size = 0
+    for item in items:
+        batch.append(item)
+        size += chars(item)
+        if size >= BATCH_CHARS or len(batch) >= BATCH_RECORDS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+def _document_batches(
+    tokenizer: PreTrainedTokenizerBase, file: Path, text_field: str | None, argument: str
+) -> Iterator[Batch]:
+    """Token batches of a text file: one document per JSONL line (``text_field``), or the whole ``.txt`` file
+    (``text_field=None``), each followed by the end-of-text token."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if text_field is None:
+        where = f"`TextDataModule({argument}={str(file)!r})`"
+        for pieces in _batched(_text_pieces(file, where), len):
+            yield _encode(tokenizer, pieces), None
+        yield [eos], None
+        return
+    rows = _jsonl_rows(file, {"text_field": text_field}, argument, "TextDataModule")
+    for texts in _batched((str(row[text_field]) for _, row in rows), len):
+        yield [ids + eos for ids in _encode(tokenizer, texts)], None
+
+
+def _token_cache(
+    datamodule: L.LightningDataModule,
+    tokenizer: PreTrainedTokenizerBase,
+    file: Path,
+    settings: dict[str, Any],
+    batches: Callable[[], Iterable[Batch]],
+) -> TokenCache:
+    owner = type(datamodule).__name__
+    configured = getattr(datamodule, "cache_dir", None)
+    directory = Path(configured).expanduser() if configured is not None else default_cache_dir()
+    return cached_tokens(
+        file,
+        cache_dir=make_cache_dir(directory, "cache_dir", owner),
+        fingerprint=tokenizer_fingerprint(tokenizer),
+        vocab_size=len(tokenizer),
+        settings={"reader": owner, **settings},
+        batches=batches,
+    )
 
 
 def _module_tokenizer(datamodule: L.LightningDataModule, tokenizer_path: str | None) -> PreTrainedTokenizerBase:
@@ -218,11 +344,46 @@ class _Rows(Dataset):
         return self.rows[index]
 
 
+class _Blocks(Dataset):
+    """Blocks ``first … first + count - 1`` of ``block_size`` tokens of a cached token stream, each read from the
+    memory map as an int64 tensor when asked for."""
+
+    def __init__(self, cache: TokenCache, block_size: int, first: int, count: int) -> None:
+        self.cache, self.block_size, self.first, self.count = cache, block_size, first, count
+
+    @property
+    def array(self) -> np.ndarray:
+        """The blocks as a ``(count, block_size)`` view of the memory map (nothing is read or copied)."""
+        start = self.first * self.block_size
+        return self.cache.tokens[start : start + self.count * self.block_size].reshape(self.count, self.block_size)
+
+    def split(self, count: int) -> tuple[_Blocks, _Blocks]:
+        """The first ``count`` blocks and the others."""
+        return (
+            _Blocks(self.cache, self.block_size, self.first, count),
+            _Blocks(self.cache, self.block_size, self.first + count, self.count - count),
+        )
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if not 0 <= index < self.count:
+            raise IndexError(f"block {index} of {self.count}")
+        start = (self.first + index) * self.block_size
+        return torch.from_numpy(self.cache.tokens[start : start + self.block_size].astype(np.int64))
+
+
 # ------------------------------------------------------------------------------------------------ text
 
 
 class TextDataModule(L.LightningDataModule):
     """Causal language-modelling data: a text file packed into blocks of ``block_size`` tokens.
+
+    The file is tokenised once into the token cache (``cache_dir``), streaming, and the blocks are views of its
+    memory map: the corpus is never held in memory. A ``.txt`` file is one document, read in pieces of about 256K
+    characters cut at line breaks (:func:`_text_pieces`); a ``.jsonl`` file one document per line. With
+    several ranks, Lightning's ``prepare_data`` builds the cache on each node's local rank 0 while the others wait.
 
     Args:
         train_file: ``.txt`` (the whole file is one document) or ``.jsonl`` (one document per line, in
@@ -237,6 +398,9 @@ class TextDataModule(L.LightningDataModule):
         shuffle: shuffle the training blocks each epoch (with ``seed``).
         seed: seed of the shuffle.
         num_workers: DataLoader worker processes.
+        cache_dir: directory of the token cache; ``None``: ``$XDG_CACHE_HOME/lightning_smartinf/tokens`` (by default
+            under ``~/.cache``). An entry is reused while the file (path, size, modification time), the tokenizer
+            and ``text_field`` stay the same; ``block_size`` and the split can change without tokenising again.
     """
 
     def __init__(
@@ -251,6 +415,7 @@ class TextDataModule(L.LightningDataModule):
         shuffle: bool = True,
         seed: int = 42,
         num_workers: int = 0,
+        cache_dir: str | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
@@ -259,29 +424,41 @@ class TextDataModule(L.LightningDataModule):
         self.block_size, self.batch_size, self.val_fraction = block_size, batch_size, val_fraction
         self.text_field, self.tokenizer_path = text_field, tokenizer_path
         self.shuffle, self.seed, self.num_workers = shuffle, seed, num_workers
-        self.train_blocks: torch.Tensor | None = None
-        self.val_blocks: torch.Tensor | None = None
+        self.cache_dir = cache_dir
+        self.train_blocks: _Blocks | None = None
+        self.val_blocks: _Blocks | None = None
 
-    def _blocks(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> torch.Tensor:
+    def _files(self) -> list[tuple[str, str]]:
+        return [("train_file", self.train_file)] + ([("val_file", self.val_file)] if self.val_file else [])
+
+    def _cache(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> TokenCache:
         file = _check_file(path, argument, TEXT_SUFFIXES, "TextDataModule")
         if file.suffix.lower() == ".jsonl":
-            rows = _read_jsonl(file, [self.text_field], argument, "TextDataModule")
-            documents = [str(r[self.text_field]) for r in rows]
+            settings: dict[str, Any] = {"text_field": self.text_field}
+            field: str | None = self.text_field
         else:
-            documents = [file.read_text(encoding="utf-8")]
-        eos = tokenizer.eos_token_id
-        ids: list[int] = []
-        for document in documents:
-            ids += tokenizer(document, add_special_tokens=False, verbose=False)["input_ids"]
-            if eos is not None:
-                ids.append(eos)
-        count = len(ids) // self.block_size
+            settings, field = {"piece_chars": TEXT_PIECE_CHARS}, None
+        return _token_cache(
+            self, tokenizer, file, settings, lambda: _document_batches(tokenizer, file, field, argument)
+        )
+
+    def _blocks(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> _Blocks:
+        cache = self._cache(tokenizer, argument, path)
+        tokens = len(cache.tokens)
+        count = tokens // self.block_size
         if count == 0:
             raise ValueError(
-                f"`TextDataModule({argument}={path!r})` has {len(ids)} tokens, fewer than one block of "
+                f"`TextDataModule({argument}={path!r})` has {tokens} tokens, fewer than one block of "
                 f"`block_size={self.block_size}`. Give more text or a smaller `block_size`."
             )
-        return torch.tensor(ids[: count * self.block_size], dtype=torch.long).view(count, self.block_size)
+        return _Blocks(cache, self.block_size, 0, count)
+
+    def prepare_data(self) -> None:
+        """Tokenise the files into the cache unless it has them (Lightning calls this before ``setup``, on one rank
+        per node, the others waiting)."""
+        tokenizer = _module_tokenizer(self, self.tokenizer_path)
+        for argument, path in self._files():
+            self._cache(tokenizer, argument, path)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_blocks is not None:
@@ -301,7 +478,7 @@ class TextDataModule(L.LightningDataModule):
                 f"tokens: too few to hold out `val_fraction={self.val_fraction}` for validation. Give more text, a "
                 "smaller `block_size`, a `val_file`, or `val_fraction=0`."
             )
-        self.train_blocks, self.val_blocks = blocks[: len(blocks) - held_out], blocks[len(blocks) - held_out :]
+        self.train_blocks, self.val_blocks = blocks.split(len(blocks) - held_out)
 
     @staticmethod
     def _collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -311,7 +488,7 @@ class TextDataModule(L.LightningDataModule):
         assert self.train_blocks is not None, "call setup() first"
         generator = torch.Generator().manual_seed(self.seed)
         return DataLoader(
-            list(self.train_blocks),
+            self.train_blocks,
             batch_size=self.batch_size,
             shuffle=self.shuffle,
             generator=generator,
@@ -324,7 +501,225 @@ class TextDataModule(L.LightningDataModule):
         if self.val_blocks is None or len(self.val_blocks) == 0:
             return []
         return DataLoader(
-            list(self.val_blocks), batch_size=self.batch_size, collate_fn=self._collate, num_workers=self.num_workers
+            self.val_blocks, batch_size=self.batch_size, collate_fn=self._collate, num_workers=self.num_workers
+        )
+
+
+# ------------------------------------------------------------------------------------------------ fine-tuning
+
+
+def _example_batches(
+    tokenizer: PreTrainedTokenizerBase, file: Path, prompt_field: str, response_field: str, argument: str
+) -> Iterator[Batch]:
+    """Token batches of a prompt/response file: per line ``[BOS] prompt response EOS``, with ``(prompt tokens,
+    line)``; BOS where the tokenizer has one of its own (not its EOS, as GPT-2's)."""
+    eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
+    start = [bos] if bos is not None and bos != eos else []
+    fields = {"prompt_field": prompt_field, "response_field": response_field}
+    where = f"`SFTDataModule({argument}={str(file)!r})`"
+
+    def texts(number: int, row: dict[str, Any]) -> tuple[int, str, str]:
+        for option, field in fields.items():
+            if not isinstance(row[field], str):
+                raise ValueError(
+                    f"{where}: line {number} field {field!r} is {type(row[field]).__name__} {row[field]!r:.40}, not a "
+                    f"string. Make it a string, or set `{option}` to the field that holds the text."
+                )
+        return number, row[prompt_field], row[response_field]
+
+    rows = (texts(number, row) for number, row in _jsonl_rows(file, fields, argument, "SFTDataModule"))
+    for batch in _batched(rows, lambda r: len(r[1]) + len(r[2])):
+        prompts = _encode(tokenizer, [prompt for _, prompt, _ in batch])
+        responses = _encode(tokenizer, [response for _, _, response in batch])
+        records = [start + prompt + response + [eos] for prompt, response in zip(prompts, responses)]
+        yield records, [(len(start) + len(prompt), number) for (number, _, _), prompt in zip(batch, prompts)]
+
+
+class _Examples(Dataset):
+    """Examples ``indices`` of a cached prompt/response file, cut to ``max_length`` tokens; an item is its
+    ``input_ids`` and its ``labels`` (:data:`IGNORE_INDEX` on the prompt), int64 tensors read from the memory map."""
+
+    def __init__(self, cache: TokenCache, indices: np.ndarray, max_length: int) -> None:
+        self.cache, self.indices, self.max_length = cache, indices, max_length
+
+    def subset(self, positions: np.ndarray) -> _Examples:
+        return _Examples(self.cache, self.indices[np.sort(positions)], self.max_length)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        start, length, prompt, _ = (int(v) for v in self.cache.examples[self.indices[index]])
+        ids = torch.from_numpy(self.cache.tokens[start : start + min(length, self.max_length)].astype(np.int64))
+        labels = ids.clone()
+        labels[:prompt] = IGNORE_INDEX
+        return {"input_ids": ids, "labels": labels}
+
+
+def _pad_examples(rows: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example of the batch: ``pad_id`` in ``input_ids``, 0 in ``attention_mask``,
+    :data:`IGNORE_INDEX` in ``labels``."""
+    longest = max(len(row["input_ids"]) for row in rows)
+    ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        ids[i, :n], labels[i, :n], mask[i, :n] = row["input_ids"], row["labels"], 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class SFTDataModule(L.LightningDataModule):
+    """Supervised fine-tuning data: JSON lines of prompt/response pairs, the loss taken on the responses only.
+
+    Each line becomes one example, ``[BOS] prompt response EOS`` (BOS where the tokenizer has one distinct from its
+    EOS: Llama, Mistral, Gemma; not GPT-2 or Qwen). Its ``labels`` are its tokens with :data:`IGNORE_INDEX` (-100)
+    on BOS and the prompt, so the model learns to write the response and to end it. Prompt and response are
+    tokenised separately: the response starts at a token boundary. Render a chat template into ``prompt_field``
+    yourself if the model expects one.
+
+    Examples are padded (on the right, to the longest in the batch; ``attention_mask`` 0 and labels -100 there), not
+    packed: packed examples would attend to each other unless the model takes per-example masks. An example longer
+    than ``max_length`` keeps its first ``max_length`` tokens, losing the end of its response and its EOS; one
+    whose prompt leaves no response token within ``max_length`` is skipped. A warning counts both.
+
+    The file is tokenised once into the token cache (``cache_dir``, as :class:`TextDataModule`'s); ``max_length``
+    and the split can change without tokenising again.
+
+    Args:
+        train_file: ``.jsonl``, one object per line with a string in ``prompt_field`` and in ``response_field``.
+        val_file: held-out file of the same kind; ``None`` holds out ``val_fraction`` of ``train_file``'s examples,
+            chosen with ``seed``.
+        prompt_field: the field holding the prompt (the model's input, no loss).
+        response_field: the field holding the response (the loss is taken on it and on the EOS after it).
+        max_length: tokens per example at most; at most the model's ``max_position_embeddings``.
+        batch_size: examples per batch (per rank).
+        val_fraction: share of the examples held out when ``val_file`` is ``None`` (0 disables validation).
+        tokenizer_path: a local tokenizer directory; ``None`` takes the tokenizer of the model being trained.
+        shuffle: shuffle the training examples each epoch (with ``seed``).
+        seed: seed of the hold-out split and of the shuffle.
+        num_workers: DataLoader worker processes.
+        cache_dir: directory of the token cache; ``None``: ``$XDG_CACHE_HOME/lightning_smartinf/tokens``.
+    """
+
+    def __init__(
+        self,
+        train_file: str,
+        val_file: str | None = None,
+        prompt_field: str = "prompt",
+        response_field: str = "response",
+        max_length: int = 512,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        tokenizer_path: str | None = None,
+        shuffle: bool = True,
+        seed: int = 42,
+        num_workers: int = 0,
+        cache_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"`SFTDataModule(val_fraction={val_fraction})` must be in [0, 1).")
+        if prompt_field == response_field:
+            raise ValueError(
+                f"`SFTDataModule(prompt_field={prompt_field!r}, response_field={response_field!r})` name the same "
+                "field. Give the field of the prompt and the field of the response."
+            )
+        self.train_file, self.val_file = train_file, val_file
+        self.prompt_field, self.response_field = prompt_field, response_field
+        self.max_length, self.batch_size, self.val_fraction = max_length, batch_size, val_fraction
+        self.tokenizer_path, self.shuffle, self.seed, self.num_workers = tokenizer_path, shuffle, seed, num_workers
+        self.cache_dir = cache_dir
+        self.train_examples: _Examples | None = None
+        self.val_examples: _Examples | None = None
+        self._pad_id = 0
+
+    def _files(self) -> list[tuple[str, str]]:
+        return [("train_file", self.train_file)] + ([("val_file", self.val_file)] if self.val_file else [])
+
+    def _cache(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> TokenCache:
+        file = _check_file(path, argument, (".jsonl",), "SFTDataModule")
+        if tokenizer.eos_token_id is None:
+            raise ValueError(
+                f"`SFTDataModule`: the tokenizer ({type(tokenizer).__name__}) has no `eos_token`, which ends every "
+                "response. Give a tokenizer that has one (`tokenizer_path`), or set it and save the tokenizer again."
+            )
+        fields = (self.prompt_field, self.response_field)
+        settings = {"prompt_field": self.prompt_field, "response_field": self.response_field}
+        return _token_cache(
+            self, tokenizer, file, settings, lambda: _example_batches(tokenizer, file, *fields, argument)
+        )
+
+    def _examples(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> _Examples:
+        """The examples of ``path`` that keep a response token within ``max_length``; a warning counts the others
+        and those cut short."""
+        cache = self._cache(tokenizer, argument, path)
+        table = cache.examples
+        length, prompt = table[:, 1], table[:, 2]
+        # The loss is on tokens 1… (the first has no prediction): keep an example with a response token among them.
+        kept = np.maximum(prompt, 1) < np.minimum(length, self.max_length)
+        skipped, cut = np.flatnonzero(~kept), int(np.count_nonzero(kept & (length > self.max_length)))
+        if not kept.any():
+            raise ValueError(
+                f"`SFTDataModule({argument}={path!r})` has no example with a response token within "
+                f"`max_length={self.max_length}` ({len(table)} example(s)). Raise `max_length` or shorten the prompts."
+            )
+        if cut or len(skipped):
+            parts = [f"{cut} example(s) lose the end of their response and its EOS"] if cut else []
+            if len(skipped):
+                first = int(table[skipped[0], 3])
+                parts.append(f"{len(skipped)} are skipped, their prompt filling it (the first on line {first})")
+            rank_zero_warn(
+                f"`SFTDataModule({argument}={path!r})`, `max_length={self.max_length}`: {'; '.join(parts)}. Raise "
+                "`max_length` or shorten those examples."
+            )
+        return _Examples(cache, np.flatnonzero(kept), self.max_length)
+
+    def prepare_data(self) -> None:
+        """Tokenise the files into the cache unless it has them (Lightning calls this before ``setup``, on one rank
+        per node, the others waiting)."""
+        tokenizer = _module_tokenizer(self, self.tokenizer_path)
+        for argument, path in self._files():
+            self._cache(tokenizer, argument, path)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_examples is not None:
+            return
+        _check_length(self, "max_length", self.max_length)
+        tokenizer = _module_tokenizer(self, self.tokenizer_path)
+        self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        examples = self._examples(tokenizer, "train_file", self.train_file)
+        if self.val_file is not None:
+            self.train_examples, self.val_examples = examples, self._examples(tokenizer, "val_file", self.val_file)
+            return
+        held_out = max(1, round(len(examples) * self.val_fraction)) if self.val_fraction > 0 else 0
+        if held_out >= len(examples):
+            raise ValueError(
+                f"`SFTDataModule(train_file={self.train_file!r})` has {len(examples)} usable example(s): too few to "
+                f"hold out `val_fraction={self.val_fraction}`. Give more examples, a `val_file`, or `val_fraction=0`."
+            )
+        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(self.seed)).numpy()
+        self.val_examples, self.train_examples = examples.subset(order[:held_out]), examples.subset(order[held_out:])
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_examples is not None, "call setup() first"
+        return DataLoader(
+            self.train_examples,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            generator=torch.Generator().manual_seed(self.seed),
+            collate_fn=functools.partial(_pad_examples, pad_id=self._pad_id),
+            num_workers=self.num_workers,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_examples is None or len(self.val_examples) == 0:
+            return []
+        return DataLoader(
+            self.val_examples,
+            batch_size=self.batch_size,
+            collate_fn=functools.partial(_pad_examples, pad_id=self._pad_id),
+            num_workers=self.num_workers,
         )
 
 
@@ -389,7 +784,8 @@ class ClassificationDataModule(L.LightningDataModule):
         file = _check_file(path, argument, TABLE_SUFFIXES, "ClassificationDataModule")
         fields = [self.text_field, self.label_field]
         if file.suffix.lower() == ".jsonl":
-            rows = _read_jsonl(file, fields, argument, "ClassificationDataModule")
+            named = {"text_field": self.text_field, "label_field": self.label_field}
+            rows = _read_jsonl(file, named, argument, "ClassificationDataModule")
         else:
             with open(file, encoding="utf-8", newline="") as f:
                 reader = csv.DictReader(f)

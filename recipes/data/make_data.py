@@ -4,6 +4,9 @@
   ``help()`` shows), one topic after another. Language-model pre-training and fine-tuning text.
 - ``python_docs_train.jsonl`` / ``python_docs_val.jsonl``: one ``{"topic": ..., "text": ...}`` document per
   topic; the topics in ``VAL_TOPICS`` go to the validation file, the others to the training file.
+- ``python_docs_sft_train.jsonl`` / ``python_docs_sft_val.jsonl``: one ``{"topic", "prompt", "response"}``
+  example per topic that has a prose paragraph, for supervised fine-tuning: the prompt is the topic's title and an
+  instruction, the response the topic's first prose paragraph; split as the documents are (``VAL_TOPICS``).
 - ``python_docs_topics.csv``: paragraphs of those topics with a label saying which family their topic belongs
   to: ``statement`` (the topics of Python's statements: ``for``, ``try``, ``import``, ...) or ``type`` (the
   topics of built-in types and their methods: ``typesseq``, ``string-methods``, ``dict``, ...). Topics of
@@ -82,6 +85,15 @@ def paragraphs(text: str) -> list[str]:
     return out
 
 
+def sft_example(key: str, text: str) -> dict[str, str] | None:
+    """A prompt/response pair from a topic: its title and an instruction, then its first prose paragraph."""
+    found = paragraphs(text)
+    if not found:
+        return None
+    title = text.splitlines()[0].strip()
+    return {"topic": key, "prompt": f"{title}\n\nExplain this part of Python in one paragraph.\n", "response": found[0]}
+
+
 def main() -> None:
     from pydoc_data.topics import topics
 
@@ -90,6 +102,10 @@ def main() -> None:
         with open(HERE / f"python_docs_{name}.jsonl", "w", encoding="utf-8") as f:
             for key in filter(keep, sorted(topics)):
                 f.write(json.dumps({"topic": key, "text": topics[key]}) + "\n")
+        with open(HERE / f"python_docs_sft_{name}.jsonl", "w", encoding="utf-8") as f:
+            for key in filter(keep, sorted(topics)):
+                if (example := sft_example(key, topics[key])) is not None:
+                    f.write(json.dumps(example) + "\n")
     with open(HERE / "python_docs_topics.csv", "w", encoding="utf-8", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["text", "label", "topic"])
