@@ -27,6 +27,7 @@ from lightning_smartinf.plan import (
     zero_infinity,
 )
 from lightning_smartinf.plan.__main__ import main
+from lightning_smartinf.plan.machine import Machine, load_any
 from lightning_smartinf.plan.planner import strategy_args
 from lightning_smartinf.plan.validation import (
     PAPER_MODELS,
@@ -267,12 +268,14 @@ def test_cli_errors(argv, message, capsys):
 def test_calibrate_writes_a_usable_profile(tmp_path, capsys):
     out = tmp_path / "mine.json"
     assert main(["--calibrate", str(tmp_path), "--calibrate-mb", "8", "-o", str(out), "--model", "1B"]) == 0
-    prof = load_profile(out)
-    assert prof.name == "mine"
-    assert prof.ssd_read_gbps > 0 and prof.device_update_gparams_per_s > 0
+    machine = load_any(out)
+    assert isinstance(machine, Machine) and machine.name == "mine"
+    assert machine.storage[0].read_gbps > 0 and machine.device_update_gparams_per_s > 0
     data = json.loads(out.read_text())
     assert data["measured"]["cpu_backend_step_s_per_gparam"] > 0
     assert "SmartInfinityStrategy(" in capsys.readouterr().out
+    with pytest.raises(PlanError, match="load_any"):
+        load_profile(out)
 
 
 # ------------------------------------------------------------------------------------------ remote device servers

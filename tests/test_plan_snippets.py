@@ -3,11 +3,14 @@
 Each case runs `smartinf plan` as a user would, cuts the Python and YAML out of what it printed, swaps the
 ``/mnt/csd*`` placeholders for real directories (the strategy checks that storage paths exist), and then runs the
 Python with the real ``lightning_smartinf`` imports and the YAML through ``smartinf fit --print_config``. Both must
-carry every setting of the plan, which ``--json`` prints for the same invocation.
+carry every setting of the plan, which ``--json`` prints for the same invocation: the Python's keyword arguments and
+the YAML's ``init_args`` are exactly its ``strategy``, and the strategy each builds is the one those arguments build.
+Machine profiles (``"kind": "local-nvme"``) name real paths, here directories under ``tmp_path``.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -35,6 +38,45 @@ INVOCATIONS = {
     "gpt2-config-fp32-link": (["--model", "GPT2_CONFIG", "--transfer-bytes", "4", "--devices", "3"], 3, 0.01),
     "100B-recommended-devices": (["--model", "100B"], 9, 0.01),
     "25M-devvm-1-device": (["--model", "25M", "--profile", "devvm-2cpu", "--devices", "1"], 1, None),
+    "350M-devvm-budget-weights": (
+        ["--model", "350M", "--profile", "devvm-2cpu", "--memory-budget", "1GB", "--device-weights", "2", "1"],
+        2,
+        None,
+    ),
+}
+#: Settings beyond paths, sub-group size, buffer count and compression that an invocation asked for.
+EXTRA = {"350M-devvm-budget-weights": {"device_weights": [2.0, 1.0], "state_memory_budget": "1GB"}}
+
+#: A server with a GPU and two NVMe paths (on two disks); the tests put its paths under ``tmp_path``.
+MACHINE = {
+    "kind": "local-nvme",
+    "name": "test-server",
+    "storage": [
+        {"path": "nvme0", "read_gbps": 3.0, "write_gbps": 2.5, "disk": "nvme0n1", "free_gb": 3840.0},
+        {"path": "nvme1", "read_gbps": 3.0, "write_gbps": 2.5, "disk": "nvme1n1", "free_gb": 3840.0},
+    ],
+    "host_memory_gb": 64.0,
+    "device_update_gparams_per_s": 0.3,
+    "host_update_gparams_per_s": 1.5,
+    "gpu": {"name": "test GPU", "memory_gb": 80.0, "link_gbps": 25.0, "peak_tflops": 989.0},
+}
+#: (changes to MACHINE, planner arguments after `--profile`, settings the plan must carry beyond the paths)
+MACHINE_INVOCATIONS = {
+    "machine-100M-gpu-2-nvme": (
+        {},
+        ["--model", "100M"],
+        {"offload_parameters": False, "gradient_buffer": "accelerator", "overlap_backward": True},
+    ),
+    "machine-300M-tight-disks-fill": (  # two copies of the state fit only with RAM keeping its whole budget
+        {"free_gb": 2.0},
+        ["--model", "300M", "--keep-checkpoints", "0"],
+        {"state_memory_share": "fill", "overlap_backward": True},
+    ),
+    "machine-200M-no-gpu-storage-compressed": (
+        {"gpu": None},
+        ["--model", "200M", "--params-on-storage", "--compression", "0.01"],
+        {"offload_parameters": "storage", "compression": 0.01, "overlap_backward": False},
+    ),
 }
 
 
@@ -62,26 +104,63 @@ def with_real_paths(snippet: str, root: Path, devices: int) -> tuple[str, list[P
     return PLACEHOLDER.sub(lambda m: str(paths[int(m.group(1))]), snippet), paths
 
 
-@pytest.fixture(params=list(INVOCATIONS), ids=list(INVOCATIONS))
-def planned(request, tmp_path, capsys) -> tuple[str, dict, int, float | None]:
-    """(printed text, --json plan, devices, compression) of one planner invocation."""
-    argv, devices, compression = INVOCATIONS[request.param]
+def argv_of(name: str, tmp_path: Path) -> list[str]:
+    """The planner arguments of INVOCATIONS[name], with the GPT-2 config written under ``tmp_path``."""
+    argv = INVOCATIONS[name][0]
     if "GPT2_CONFIG" in argv:
-        (tmp_path / "gpt2").mkdir()
+        (tmp_path / "gpt2").mkdir(exist_ok=True)
         (tmp_path / "gpt2" / "config.json").write_text(json.dumps(GPT2_CONFIG))
-        argv = [str(tmp_path / "gpt2") if a == "GPT2_CONFIG" else a for a in argv]
+    return [str(tmp_path / "gpt2") if a == "GPT2_CONFIG" else a for a in argv]
+
+
+@pytest.fixture(params=list(INVOCATIONS), ids=list(INVOCATIONS))
+def planned(request, tmp_path, capsys) -> tuple[str, dict, int, float | None, dict]:
+    """(printed text, --json plan, devices, compression, other settings asked for) of one planner invocation."""
+    _, devices, compression = INVOCATIONS[request.param]
+    argv = argv_of(request.param, tmp_path)
     out = plan_output(capsys, argv)
-    return out, json.loads(plan_output(capsys, [*argv, "--json"])), devices, compression
+    plan = json.loads(plan_output(capsys, [*argv, "--json"]))
+    return out, plan, devices, compression, EXTRA.get(request.param, {})
+
+
+def machine_profile(tmp_path: Path, changes: dict) -> Path:
+    """MACHINE with ``changes`` (``free_gb`` applies to every path) and its paths under ``tmp_path``, as a file."""
+    machine = {**MACHINE, **{k: v for k, v in changes.items() if k != "free_gb"}}
+    machine["storage"] = [
+        {**entry, "path": str(tmp_path / entry["path"]), "free_gb": changes.get("free_gb", entry["free_gb"])}
+        for entry in MACHINE["storage"]
+    ]
+    for entry in machine["storage"]:
+        Path(entry["path"]).mkdir(exist_ok=True)
+    path = tmp_path / "machine.json"
+    path.write_text(json.dumps(machine))
+    return path
+
+
+@pytest.fixture(params=[*INVOCATIONS, *MACHINE_INVOCATIONS], ids=[*INVOCATIONS, *MACHINE_INVOCATIONS])
+def any_plan(request, tmp_path, capsys) -> tuple[str, dict, dict]:
+    """(printed text with real paths, --json plan, its `strategy` with real paths) of any planner invocation."""
+    if request.param in MACHINE_INVOCATIONS:
+        changes, argv, _ = MACHINE_INVOCATIONS[request.param]
+        argv = [*argv, "--profile", str(machine_profile(tmp_path, changes))]
+        out, plan = plan_output(capsys, argv), json.loads(plan_output(capsys, [*argv, "--json"]))
+        return out, plan, plan["strategy"]
+    devices, argv = INVOCATIONS[request.param][1], argv_of(request.param, tmp_path)
+    out, plan = plan_output(capsys, argv), json.loads(plan_output(capsys, [*argv, "--json"]))
+    out, _ = with_real_paths(out, tmp_path, devices)
+    strategy = json.loads(with_real_paths(json.dumps(plan["strategy"]), tmp_path, devices)[0])
+    return out, plan, strategy
 
 
 def test_snippets_carry_every_recommended_setting_and_no_stale_text(planned):
-    out, plan, devices, compression = planned
+    out, plan, devices, compression, extra = planned
     assert "not yet" not in out and "SmartComp) -" not in out
     assert plan["devices"] == devices and plan["compression"] == compression
     expected = {
         "storage_paths": [STORAGE_PLACEHOLDER.format(i) for i in range(devices)],
         "sub_group_size": plan["sub_group_size"],
         "buffer_count": plan["buffer_count"],
+        **extra,
     }
     if compression is not None:
         expected.update(compression=compression, overlap_backward=False)
@@ -93,8 +172,51 @@ def test_snippets_carry_every_recommended_setting_and_no_stale_text(planned):
         assert re.search(rf"^    {name}=", python, re.MULTILINE), name
 
 
+def python_arguments(code: str) -> dict:
+    """The keyword arguments of the ``SmartInfinityStrategy(...)`` call in ``code``, as values."""
+    calls = [
+        node
+        for node in ast.walk(ast.parse(code))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "SmartInfinityStrategy"
+    ]
+    assert len(calls) == 1 and not calls[0].args, code
+    return {kw.arg: ast.literal_eval(kw.value) for kw in calls[0].keywords}
+
+
+def test_both_snippets_are_exactly_the_plans_strategy_and_build_it(any_plan, tmp_path):
+    """Nothing the plan used is left out of either snippet, nothing is added, and pasting builds the same strategy
+    as the plan's arguments do (settings and DeepSpeed config)."""
+    out, plan, strategy_args = any_plan
+    python, snippet = section(out, PYTHON_HEADER), section(out, YAML_HEADER)
+    assert python_arguments(python) == strategy_args
+    assert yaml.safe_load(snippet)["trainer"]["strategy"]["init_args"] == strategy_args
+    namespace: dict = {}
+    exec(compile(python, "<smartinf plan python>", "exec"), namespace)  # noqa: S102 (the planner's own output)
+    built, reference = namespace["strategy"], SmartInfinityStrategy(**strategy_args)
+    assert built.settings == reference.settings and built.config == reference.config
+    # The plan's own figures are what the strategy got.
+    budget = plan.get("memory_budget_bytes", plan.get("placement", {}).get("memory_bytes"))
+    assert (built.settings.state_memory_budget or 0) == (budget or 0)
+    assert built.config["zero_optimization"]["sub_group_size"] == plan["sub_group_size"]
+    assert built.settings.buffer_count == plan["buffer_count"]
+    if plan.get("kind") == "local-nvme":
+        assert [str(p) for p in built.settings.storage_paths] == plan["storage_paths"]
+        offload = built.config["zero_optimization"].get("offload_param", {}).get("device", "none")
+        assert offload == {False: "none", True: "cpu", "storage": "nvme"}[strategy_args["offload_parameters"]]
+
+
+@pytest.mark.parametrize("name", list(MACHINE_INVOCATIONS))
+def test_machine_plans_decide_the_settings_they_were_made_for(name, tmp_path, capsys):
+    changes, argv, expected = MACHINE_INVOCATIONS[name]
+    profile = machine_profile(tmp_path, changes)
+    plan = json.loads(plan_output(capsys, [*argv, "--profile", str(profile), "--json"]))
+    assert plan["storage_paths"] == [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
+    assert {k: plan["strategy"].get(k) for k in expected} == expected
+    assert plan["fits"] and plan["memory_budget_bytes"] > 0
+
+
 def test_printed_python_builds_the_strategy(planned, tmp_path):
-    out, plan, devices, compression = planned
+    out, plan, devices, compression, _ = planned
     code, paths = with_real_paths(section(out, PYTHON_HEADER), tmp_path, devices)
     namespace: dict = {}
     exec(compile(code, "<smartinf plan python>", "exec"), namespace)  # noqa: S102 (the planner's own output)
@@ -110,25 +232,23 @@ def test_printed_python_builds_the_strategy(planned, tmp_path):
         assert not strategy.settings.overlap
 
 
-def test_printed_yaml_is_a_smartinf_fit_config(planned, tmp_path, capsys):
-    """The snippet, as a second ``--config`` after a recipe without a strategy, parses against the real signatures;
-    its ``init_args`` then build the strategy."""
-    out, plan, devices, compression = planned
+def test_printed_yaml_is_a_smartinf_fit_config(any_plan, tmp_path, capsys):
+    """The snippet, as a second ``--config`` after a recipe without a strategy, parses against the real signatures
+    into exactly the plan's arguments; they then build the strategy."""
+    out, plan, strategy_args = any_plan
     recipe = yaml.safe_load((REPO_ROOT / "recipes" / "gpt2-pretrain-cpu.yaml").read_text())
     del recipe["trainer"]["strategy"]
     recipe_file = tmp_path / "recipe.yaml"
     recipe_file.write_text(yaml.safe_dump(recipe))
-    snippet, paths = with_real_paths(section(out, YAML_HEADER), tmp_path, devices)
-    (tmp_path / "strategy.yaml").write_text(snippet)
+    (tmp_path / "strategy.yaml").write_text(section(out, YAML_HEADER))
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
         smartinf(["fit", "--config", str(recipe_file), "--config", str(tmp_path / "strategy.yaml"), "--print_config"])
     assert exc.value.code == 0
     strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
     assert strategy["class_path"] == "lightning_smartinf.SmartInfinityStrategy"
-    init_args = yaml.safe_load(snippet)["trainer"]["strategy"]["init_args"]
-    assert init_args["storage_paths"] == [str(p) for p in paths]
-    assert {name: strategy["init_args"][name] for name in init_args} == init_args
-    built = SmartInfinityStrategy(**init_args)
+    assert {name: strategy["init_args"][name] for name in strategy_args} == strategy_args
+    built = SmartInfinityStrategy(**{name: strategy["init_args"][name] for name in strategy_args})
     assert built.settings.buffer_count == plan["buffer_count"]
+    compression = strategy_args.get("compression")
     assert built.settings.compression == (None if compression is None else TopKCompression(compression))

@@ -112,3 +112,18 @@ def test_beside_a_gpu_emulated_devices_hide_part_of_their_update_behind_backward
     long = place_state(replace(work, batch=256), prof, 2, state)
     assert long.memory_bytes == 0 and long.update_s == 0.0 == long.all_on_device_s
     assert "overlaps its" in long.describe("84GB")
+
+
+def test_fill_keeps_the_budget_and_without_overlap_nothing_hides_behind_backward() -> None:
+    """`state_memory_share="fill"` and `overlap_backward=False` beside a GPU (the machine planner's fallbacks when
+    the disks are short of space)."""
+    prof = replace(load_profile("paper-a100"), name="nvme-a100", gradient_staged_on_ssd=False)
+    work = workload_from_model("7B")
+    state = 12 * work.params
+    assert place_state(work, prof, 2, state / 2, fill=True).memory_bytes == state / 2
+    overlapped = place_state(work, prof, 2, state)
+    after = place_state(work, prof, 2, state, overlap_backward=False)
+    assert after.backward_s == 0 and 0 < after.memory_bytes < state  # still the share that finishes with them
+    assert after.memory_bytes > overlapped.memory_bytes and after.update_s > overlapped.update_s
+    given = place_state(work, prof, 2, state, fwd_bwd_s=3.0)
+    assert given.backward_s == pytest.approx(2.0)

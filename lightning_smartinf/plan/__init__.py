@@ -1,8 +1,12 @@
 """Performance model and planner: ``python -m lightning_smartinf.plan --model 7B --profile paper-a5000``.
 
-The model (:mod:`.model`) is pure Python; only calibration (:mod:`.calibrate`) needs torch.
+The model (:mod:`.model`), machine profiles (:mod:`.machine`) and their plans (:mod:`.machine_plan`) are pure Python;
+only calibration (:mod:`.calibrate`) uses torch (``import lightning_smartinf`` loads it all the same: the device kinds
+it registers import :mod:`lightning_smartinf.core`). Neither imports DeepSpeed nor Lightning.
 """
 
+from lightning_smartinf.plan.machine import Machine, load_any
+from lightning_smartinf.plan.machine_plan import MachinePlan, format_machine_plan, plan_machine
 from lightning_smartinf.plan.model import (
     METHODS,
     Breakdown,
@@ -23,16 +27,21 @@ from lightning_smartinf.plan.planner import Plan, format_plan, make_plan, python
 __all__ = [
     "METHODS",
     "Breakdown",
+    "Machine",
+    "MachinePlan",
     "Plan",
     "PlanError",
     "Profile",
     "Workload",
+    "format_machine_plan",
     "format_plan",
     "iteration",
+    "load_any",
     "load_profile",
     "make_plan",
     "params_from_config",
     "parse_size",
+    "plan_machine",
     "profile_names",
     "python_snippet",
     "speedup",

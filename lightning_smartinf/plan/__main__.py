@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-from lightning_smartinf.plan.model import PlanError, Profile, load_profile, profile_names, workload_from_model
-from lightning_smartinf.plan.planner import format_plan, make_plan, strategy_args
+from lightning_smartinf.plan.machine import Machine, load_any
+from lightning_smartinf.plan.machine_plan import format_machine_plan, machine_json, plan_machine
+from lightning_smartinf.plan.model import PlanError, Profile, Workload, profile_names, workload_from_model
+from lightning_smartinf.plan.planner import PYTHON_HEADER, YAML_HEADER, format_plan, make_plan, strategy_args
 from lightning_smartinf.plan.tiers import place_state
 
 
@@ -25,7 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="paper-a5000",
         help=f"packaged profile ({', '.join(profile_names())}) or a profile JSON file (default: paper-a5000)",
     )
-    parser.add_argument("--devices", type=int, help="number of devices / SSDs (default: the recommended number)")
+    parser.add_argument(
+        "--devices",
+        type=int,
+        help="number of devices / SSDs; with a machine profile, of its storage paths (default: the recommended number)",
+    )
     parser.add_argument("--compression", type=float, help="fraction of gradient elements kept, e.g. 0.01")
     parser.add_argument(
         "--transfer-bytes",
@@ -36,7 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--batch", type=int, default=4, help="micro-batch size per GPU (default 4, as the paper)")
     parser.add_argument("--seq", type=int, help="sequence length (default: the config's context, capped at 4096)")
-    parser.add_argument("--calibrate", metavar="PATH", help="measure storage at PATH and this CPU; write a profile")
+    parser.add_argument(
+        "--calibrate",
+        metavar="PATH",
+        nargs="+",
+        help="measure these storage paths (each alone, then all at once), this CPU, host RAM and the GPU; write a "
+        "machine profile (kind local-nvme)",
+    )
     parser.add_argument("-o", "--output", help="where --calibrate writes the profile JSON (default: stdout)")
     parser.add_argument("--calibrate-mb", type=int, default=384, help="MiB of test data per file (default 384)")
     parser.add_argument(
@@ -70,104 +84,153 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the 16-bit parameters live on storage (offload_parameters='storage'; ZeRO-Infinity's offload_param nvme)",
     )
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of text")
+    parser.add_argument(
+        "--checkpoint-dir",
+        help="with a machine profile: where checkpoints are written, for the disk space (default: its first path)",
+    )
+    parser.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=1,
+        help="with a machine profile: checkpoints kept there (default 1; 0: none counted)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the plan as JSON instead of text (stdout: JSON only)"
+    )
     return parser
 
 
-def _write_profile(profile: dict, output: str | None) -> None:
-    """``profile`` as JSON into ``output``, or to stdout without one."""
-    text = json.dumps(profile, indent=2) + "\n"
-    if output:
-        Path(output).write_text(text)
-        print(f"wrote profile {profile['name']!r} to {output}", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
+def _save_profile(profile: dict[str, Any], output: str) -> None:
+    Path(output).write_text(json.dumps(profile, indent=2) + "\n")
+    print(f"wrote profile {profile['name']!r} to {output}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    measured: Profile | None = None
-    try:
-        if args.calibrate:
-            from lightning_smartinf.plan.calibrate import calibrate
-
-            name = Path(args.output).stem if args.output else None
-            profile = calibrate(args.calibrate, megabytes=args.calibrate_mb, name=name)
-            _write_profile(profile, args.output)
-            if not args.model:
-                return 0
-            args.profile = args.output or args.profile
-        if args.calibrate_remote:
-            if not args.token_file:
-                parser.error("--calibrate-remote needs --token-file (the server's token)")
-            from lightning_smartinf.devices.remote.client import measure_network
-            from lightning_smartinf.devices.remote.tokens import read_tls_dir, read_token
-
-            try:
-                tls = read_tls_dir(Path(args.remote_tls_dir)) if args.remote_tls_dir else None
-                figures = measure_network(
-                    args.calibrate_remote,
-                    read_token(Path(args.token_file)),
-                    tls=tls,
-                    allow_plaintext=args.remote_allow_plaintext,
-                )
-            except (ValueError, OSError) as exc:  # a bad token file, or the server's StorageError
-                raise PlanError(str(exc)) from None
-            profile = {**load_profile(args.profile).to_dict(), **figures}
-            profile["sources"] = {
-                **profile.get("sources", {}),
-                **{
-                    key: f"measured against {args.calibrate_remote} (smartinf plan --calibrate-remote)"
-                    for key in figures
-                },
-            }
-            _write_profile(profile, args.output)
-            if not args.model:
-                return 0
-            measured = Profile.from_dict(profile, origin="the measured profile")
-        if not args.model:
-            parser.error("--model is required (a config.json or a size like 7B), unless --calibrate is given")
-        work = workload_from_model(args.model, batch=args.batch, seq=args.seq)
-        prof = measured or load_profile(args.profile)
-        if args.transfer_bytes:
-            prof = replace(prof, transfer_bytes=args.transfer_bytes)
-        plan = make_plan(
-            work, prof, devices=args.devices, compression=args.compression, params_on_storage=args.params_on_storage
-        )
-        tiers = None
-        if args.memory_budget is not None or args.device_weights or args.accelerator_budget is not None:
-            args.memory_budget = args.memory_budget or "0"
-            gpu = 0 if args.accelerator_budget is None else _budget(args.accelerator_budget, "--accelerator-budget")
-            tiers = place_state(work, prof, plan.devices, _budget(args.memory_budget), args.device_weights, gpu)
-    except PlanError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        out = {
-            "params": work.params,
-            "profile": prof.name,
-            "devices": plan.devices,
-            "breakdown": {m: {**b.__dict__, "total": b.total} for m, b in plan.breakdowns.items()},
-            "speedup": {m: plan.baseline.total / b.total for m, b in plan.breakdowns.items()},
-            "recommended_devices": plan.recommended_devices,
-            "sub_group_size": plan.sub_group_size,
-            "buffer_count": plan.buffer_count,
-            "compression": plan.compression if plan.recommend_compression else None,
-            "strategy": strategy_args(plan),
-        }
-        if tiers is not None:
-            out["placement"] = {**tiers.__dict__, "memory_budget": args.memory_budget}
-            out["strategy"]["state_memory_budget"] = args.memory_budget
-            if args.accelerator_budget is not None:
-                out["placement"]["accelerator_budget"] = args.accelerator_budget
-                out["strategy"]["state_accelerator_budget"] = args.accelerator_budget
-        print(json.dumps(out, indent=2))
-    else:
-        print(format_plan(plan))
-        if tiers is not None:
-            print(f"\n{tiers.describe(args.memory_budget, args.accelerator_budget)}")
+    # Only the answer goes to stdout, once done: anything written meanwhile (a library's warning on import) goes to
+    # stderr, so that `--json` output and a profile written to stdout parse as JSON.
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            answer = _run(parser, args)
+        except PlanError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    if answer is not None:
+        sys.stdout.write((answer if isinstance(answer, str) else json.dumps(answer, indent=2)) + "\n")
     return 0
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | dict[str, Any] | None:
+    """Calibrate and/or plan as ``args`` ask: the text or JSON object to print (``None``: nothing)."""
+    measured: Profile | Machine | None = None
+    calibrated: dict[str, Any] | None = None
+    if args.calibrate:
+        from lightning_smartinf.plan.calibrate import calibrate
+
+        calibrated = calibrate(
+            args.calibrate, megabytes=args.calibrate_mb, name=Path(args.output).stem if args.output else None
+        )
+        measured = Machine.from_dict(calibrated, origin="the measured profile")
+    if args.calibrate_remote:
+        calibrated = _calibrate_remote(parser, args)
+        measured = Profile.from_dict(calibrated, origin="the measured profile")
+    if calibrated is not None:
+        if args.output:
+            _save_profile(calibrated, args.output)
+        if not args.model:
+            return None if args.output else calibrated
+    if not args.model:
+        parser.error("--model is required (a config.json or a size like 7B), unless --calibrate is given")
+    work = workload_from_model(args.model, batch=args.batch, seq=args.seq)
+    prof = measured or load_any(args.profile)
+    plan = _machine_plan(work, prof, args) if isinstance(prof, Machine) else _testbed_plan(work, prof, args)
+    if calibrated is None or args.output:
+        return plan
+    # The measured profile is part of the answer: inside the JSON, or before the text.
+    if isinstance(plan, dict):
+        return {**plan, "calibrated_profile": calibrated}
+    return json.dumps(calibrated, indent=2) + "\n" + plan
+
+
+def _calibrate_remote(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """``--profile`` with the network figures measured against the ``--calibrate-remote`` server."""
+    if not args.token_file:
+        parser.error("--calibrate-remote needs --token-file (the server's token)")
+    from lightning_smartinf.devices.remote.client import measure_network
+    from lightning_smartinf.devices.remote.tokens import read_tls_dir, read_token
+
+    try:
+        tls = read_tls_dir(Path(args.remote_tls_dir)) if args.remote_tls_dir else None
+        figures = measure_network(
+            args.calibrate_remote,
+            read_token(Path(args.token_file)),
+            tls=tls,
+            allow_plaintext=args.remote_allow_plaintext,
+        )
+    except (ValueError, OSError) as exc:  # a bad token file, or the server's StorageError
+        raise PlanError(str(exc)) from None
+    base = load_any(args.profile)
+    if isinstance(base, Machine):
+        raise PlanError(
+            f"`--calibrate-remote` with `--profile {args.profile}`: the network figures extend a testbed profile "
+            f"({', '.join(profile_names())} or a file of that kind), not a machine profile. Pass one of those."
+        )
+    profile = {**base.to_dict(), **figures}
+    source = f"measured against {args.calibrate_remote} (smartinf plan --calibrate-remote)"
+    profile["sources"] = {**profile.get("sources", {}), **{key: source for key in figures}}
+    return profile
+
+
+def _machine_plan(work: Workload, machine: Machine, args: argparse.Namespace) -> str | dict[str, Any]:
+    """The report (or JSON object) for a machine profile."""
+    if args.transfer_bytes:
+        machine = replace(machine, transfer_bytes=args.transfer_bytes)
+    plan = plan_machine(
+        work,
+        machine,
+        devices=args.devices,
+        memory_budget=None if args.memory_budget is None else _budget(args.memory_budget),
+        accelerator_budget=_budget(args.accelerator_budget or "0", "--accelerator-budget"),
+        compression=args.compression,
+        params_on_storage=args.params_on_storage,
+        device_weights=args.device_weights,
+        checkpoint_dir=args.checkpoint_dir,
+        keep_checkpoints=args.keep_checkpoints,
+    )
+    return machine_json(plan) if args.json else format_machine_plan(plan, PYTHON_HEADER, YAML_HEADER)
+
+
+def _testbed_plan(work: Workload, prof: Profile, args: argparse.Namespace) -> str | dict[str, Any]:
+    """The comparison with ZeRO-Infinity and the recommendation (or JSON object) for a testbed profile."""
+    if args.transfer_bytes:
+        prof = replace(prof, transfer_bytes=args.transfer_bytes)
+    plan = make_plan(
+        work, prof, devices=args.devices, compression=args.compression, params_on_storage=args.params_on_storage
+    )
+    if args.memory_budget is not None or args.device_weights or args.accelerator_budget is not None:
+        memory = None if args.memory_budget is None else _budget(args.memory_budget)
+        gpu = None if args.accelerator_budget is None else _budget(args.accelerator_budget, "--accelerator-budget")
+        weights = tuple(args.device_weights) if args.device_weights else None
+        placement = place_state(work, prof, plan.devices, memory or 0, weights, gpu or 0)
+        plan = replace(plan, memory_budget=memory, accelerator_budget=gpu, device_weights=weights, placement=placement)
+    if not args.json:
+        return format_plan(plan)
+    out: dict[str, Any] = {
+        "params": work.params,
+        "profile": prof.name,
+        "devices": plan.devices,
+        "breakdown": {m: {**b.__dict__, "total": b.total} for m, b in plan.breakdowns.items()},
+        "speedup": {m: plan.baseline.total / b.total for m, b in plan.breakdowns.items()},
+        "recommended_devices": plan.recommended_devices,
+        "sub_group_size": plan.sub_group_size,
+        "buffer_count": plan.buffer_count,
+        "compression": plan.compression if plan.recommend_compression else None,
+        "strategy": strategy_args(plan),
+    }
+    if plan.placement is not None:
+        out["placement"] = plan.placement.__dict__
+    return out
 
 
 def _budget(text: str, flag: str = "--memory-budget") -> int:

@@ -1,8 +1,17 @@
-"""Measure this machine and write a planner profile: direct-I/O bandwidth of a path and update throughput.
+"""Measure this machine and write a profile of the ``local-nvme`` kind (:class:`~.machine.Machine`).
 
-Imports torch (the model does not). Everything measured here uses the project's own I/O path
-(:class:`~lightning_smartinf.core.io.direct.StateFile` + :class:`~lightning_smartinf.core.io.direct.ThreadedIO` on
-``aligned_empty`` buffers) and the ``cpu`` backend (:class:`~lightning_smartinf.core.CpuBackend`).
+``smartinf plan --calibrate PATH [PATH ...]`` measures, in a temporary directory under each path:
+
+- each path alone: direct-I/O write, read, and reads and writes at once (what a device streaming its state does);
+- all paths at once, each reading and writing: training streams the state through every path together, so a shared
+  disk, controller or PCIe switch shows here even where each path alone looks fast;
+- which disk each path is on (``/sys/dev/block``), its free space, host RAM and cores;
+- the ``cpu`` backend's Adam(W) update rates (a device's, and the memory tier's over state in RAM), and one
+  end-to-end ``CpuBackend`` step over all paths (recorded under ``measured``);
+- the GPU when CUDA is available: its memory, pinned host <-> device copies and a bf16 matmul rate.
+
+Imports torch (the model does not). The I/O is the project's own path (:class:`~lightning_smartinf.core.io.direct
+.StateFile` + :class:`~lightning_smartinf.core.io.direct.ThreadedIO` on ``aligned_empty`` buffers).
 """
 
 from __future__ import annotations
@@ -14,60 +23,128 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_smartinf.plan.machine import MACHINE_KIND
 from lightning_smartinf.plan.model import PlanError
 
 MiB = 1 << 20
+#: Bytes of each request of the measurements (the strategy's chunk records are 12 MiB, streamed in 1 MiB requests).
+BLOCK = 4 * MiB
 
 
-def _bandwidth(path: Path, nbytes: int, block: int = 4 * MiB) -> dict[str, Any]:
+class _Probe:
+    """Two state files on one path, ``a`` and ``b``, moved through the project's I/O path in 4 MiB requests."""
+
+    def __init__(self, directory: Path, nbytes: int) -> None:
+        import torch
+
+        from lightning_smartinf.core.io.direct import StateFile, ThreadedIO, aligned_empty
+
+        self.nbytes = nbytes
+        self.io = ThreadedIO(block_size=1 * MiB, queue_depth=8)
+        self.out = aligned_empty(BLOCK)
+        self.out.view(torch.uint8).random_(0, 255)
+        self.into = aligned_empty(BLOCK)
+        self.a = StateFile(directory / "bw-a.bin", nbytes, create=True)
+        self.b = StateFile(directory / "bw-b.bin", nbytes, create=True)
+
+    def write(self, file: Any) -> None:
+        for offset in range(0, self.nbytes, BLOCK):
+            self.io.write(file, self.out, offset)
+        file.sync()
+
+    def read(self, file: Any) -> None:
+        for offset in range(0, self.nbytes, BLOCK):
+            self.io.read(file, self.into, offset)
+
+    def streams(self) -> list[Callable[[], None]]:
+        """Read ``a`` and write ``b``: the two halves of a device streaming its state, to run at once."""
+        return [lambda: self.read(self.a), lambda: self.write(self.b)]
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+        self.io.close()
+
+
+def _at_once(work: Sequence[Callable[[], None]]) -> float:
+    """Seconds to run every callable of ``work``, each on its own thread, all started together."""
+    threads = [threading.Thread(target=fn) for fn in work]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
+
+
+def _alone(probe: _Probe) -> dict[str, Any]:
+    """One path by itself: write, read, then reads and writes at once (GB/s; the last counts both)."""
+    t0 = time.perf_counter()
+    probe.write(probe.a)
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    probe.read(probe.a)
+    read_s = time.perf_counter() - t0
+    both_s = _at_once(probe.streams())
+    return {
+        "direct_io": probe.a.direct,
+        "read_gbps": probe.nbytes / read_s / 1e9,
+        "write_gbps": probe.nbytes / write_s / 1e9,
+        "read_write_gbps": 2 * probe.nbytes / both_s / 1e9,
+        "bytes": probe.nbytes,
+    }
+
+
+def _disk(path: Path) -> str:
+    """The physical disk holding ``path`` (``nvme0n1``), from ``/sys/dev/block``; its device numbers where that
+    names none (overlay and network filesystems)."""
+    dev = os.stat(path).st_dev
+    major, minor = os.major(dev), os.minor(dev)
+    try:
+        block = Path(f"/sys/dev/block/{major}:{minor}").resolve(strict=True)
+    except OSError:
+        return f"device {major}:{minor}"
+    return block.parent.name if (block / "partition").exists() else block.name
+
+
+def _gpu() -> dict[str, Any] | None:
+    """The current CUDA device: memory, pinned copies each way and a bf16 matmul rate; ``None`` without CUDA."""
     import torch
 
-    from lightning_smartinf.core.io.direct import StateFile, ThreadedIO, aligned_empty
+    if not torch.cuda.is_available():
+        return None
+    device = torch.device("cuda", torch.cuda.current_device())
+    nbytes = 256 * MiB
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    on_gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-    io = ThreadedIO(block_size=1 * MiB, queue_depth=8)
-    buf = aligned_empty(block)
-    buf.view(torch.uint8).random_(0, 255)
-    a = StateFile(path / "bw-a.bin", nbytes, create=True)
-    b = StateFile(path / "bw-b.bin", nbytes, create=True)
-    try:
-        t0 = time.perf_counter()
-        for off in range(0, nbytes, block):
-            io.write(a, buf, off)
-        a.sync()
-        write_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for off in range(0, nbytes, block):
-            io.read(a, buf, off)
-        read_s = time.perf_counter() - t0
-        # Concurrent read of a + write of b: what a device streaming its state in and out gets.
-        rbuf = aligned_empty(block)
+    def best(fn: Callable[[], object], repeats: int = 5) -> float:
+        fn()
+        torch.cuda.synchronize(device)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - started)
+        return min(times)
 
-        def reader() -> None:
-            for off in range(0, nbytes, block):
-                io.read(a, rbuf, off)
-
-        t0 = time.perf_counter()
-        thread = threading.Thread(target=reader)
-        thread.start()
-        for off in range(0, nbytes, block):
-            io.write(b, buf, off)
-        thread.join()
-        b.sync()
-        both_s = time.perf_counter() - t0
-        direct = a.direct
-    finally:
-        a.close()
-        b.close()
-        io.close()
+    to_gpu = nbytes / best(lambda: on_gpu.copy_(host, non_blocking=True)) / 1e9
+    to_host = nbytes / best(lambda: host.copy_(on_gpu, non_blocking=True)) / 1e9
+    n, products = 8192, 10
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    tflops = products * 2 * n**3 / best(lambda: [a @ b for _ in range(products)]) / 1e12
     return {
-        "direct_io": direct,
-        "read_gbps": nbytes / read_s / 1e9,
-        "write_gbps": nbytes / write_s / 1e9,
-        "concurrent_read_write_gbps": 2 * nbytes / both_s / 1e9,
-        "bytes": nbytes,
+        "name": torch.cuda.get_device_name(device),
+        "memory_gb": torch.cuda.get_device_properties(device).total_memory / 1e9,
+        "host_to_device_gbps": to_gpu,
+        "device_to_host_gbps": to_host,
+        "matmul_bf16_tflops": tflops,
     }
 
 
@@ -123,15 +200,15 @@ def _host_adam_rate(numel: int) -> float:
     return numel / (time.perf_counter() - t0)
 
 
-def _backend_step(path: Path, numel: int, devices: int = 1) -> float:
-    """Seconds per 1e9 parameters of one ``CpuBackend`` optimizer step (state on ``path``, O_DIRECT)."""
+def _backend_step(paths: Sequence[Path], numel: int) -> float:
+    """Seconds per 1e9 parameters of one ``CpuBackend`` optimizer step, one device per path (O_DIRECT)."""
     import torch
 
     from lightning_smartinf.core import Adam, ShardSpec, StepParams
     from lightning_smartinf.devices.cpu import CpuBackend
 
-    dirs = [path / f"dev{i}" for i in range(devices)]
-    shards_n = 4
+    dirs = [path / "device" for path in paths]
+    shards_n = 4 * len(dirs)
     per = numel // shards_n // 1024 * 1024
     backend = CpuBackend(dirs, owned_dirs=dirs)
     try:
@@ -156,57 +233,114 @@ def _backend_step(path: Path, numel: int, devices: int = 1) -> float:
     return min(times) / (per * shards_n) * 1e9
 
 
-def calibrate(path: str | Path, *, megabytes: int = 384, name: str | None = None) -> dict[str, Any]:
-    """Measure ``path`` and this CPU; return a profile dict for :class:`~lightning_smartinf.plan.model.Profile`."""
-    root = Path(path)
-    if not root.is_dir():
-        raise PlanError(f"`--calibrate {path}`: not a directory. Pass a directory on the storage to measure.")
-    free = shutil.disk_usage(root).free
+def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | None = None) -> dict[str, Any]:
+    """Measure ``paths`` (each alone, then all at once), this host and its GPU; return a machine profile
+    (``"kind": "local-nvme"``, :class:`~lightning_smartinf.plan.machine.Machine`) as a dict."""
+    import psutil
+    import torch
+
+    roots = [Path(os.path.abspath(p)) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
     need = 3 * megabytes * MiB
-    if free < need:
-        raise PlanError(f"`--calibrate {path}`: needs {need / 1e9:.1f} GB free, has {free / 1e9:.1f} GB.")
-    work = Path(tempfile.mkdtemp(prefix="smartinf-calibrate-", dir=root))
+    problems = []
+    for root in roots:
+        if not root.is_dir():
+            problems.append(f"`--calibrate {root}`: not a directory. Pass directories on the storage to measure.")
+        elif (free := shutil.disk_usage(root).free) < need:
+            problems.append(
+                f"`--calibrate {root}`: needs {need / 1e9:.2f} GB free, has {free / 1e9:.2f} GB. Free some space, or "
+                "measure less with `--calibrate-mb`."
+            )
+    if len({r.resolve() for r in roots}) < len(roots):
+        problems.append(f"`--calibrate {' '.join(map(str, roots))}`: a directory is named twice; name each once.")
+    if problems:
+        raise PlanError("\n".join(problems))
+    work = [Path(tempfile.mkdtemp(prefix="smartinf-calibrate-", dir=root)) for root in roots]
+    probes: list[_Probe] = []
     try:
-        bw = _bandwidth(work, megabytes * MiB)
+        probes = [_Probe(directory, megabytes * MiB) for directory in work]
+        alone = [_alone(probe) for probe in probes]
+        together_s = _at_once([stream for probe in probes for stream in probe.streams()])
+        together = 2 * megabytes * MiB * len(probes) / together_s / 1e9
+        for probe in probes:
+            probe.close()
+        probes = []
         update = _update_rate_best(8 << 20)
-        host = _host_adam_rate(8 << 20)
+        fused = _host_adam_rate(8 << 20)
         step_s_per_gparam = _backend_step(work, megabytes * MiB // 12)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
-    disk = max(bw["read_gbps"], bw["write_gbps"])
+        for probe in probes:
+            probe.close()
+        for directory in work:
+            shutil.rmtree(directory, ignore_errors=True)
+    gpu = _gpu()
+    memory = psutil.virtual_memory()
+    disks = [_disk(root) for root in roots]
     when = _dt.date.today().isoformat()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    sum_alone = sum(a["read_write_gbps"] for a in alone)
+    shared = len(set(disks)) < len(disks) or (len(roots) > 1 and together < 0.75 * sum_alone)
+    described = f"{len(roots)} path(s) on {len(set(disks))} disk(s)" + (
+        f", sharing bandwidth: {together:.2f} GB/s at once, {sum_alone:.2f} alone summed" if shared else ""
+    )
+    command = f"smartinf plan --calibrate {' '.join(map(str, roots))}"
     return {
+        "kind": MACHINE_KIND,
         "name": name or f"calibrated-{platform.node() or 'host'}",
-        "description": f"measured by `python -m lightning_smartinf.plan --calibrate {root}` on {when}: "
-        f"{os.cpu_count()} CPUs, cpu backend devices sharing one storage path",
-        "gpu": "none (optimizer step only)",
-        "gpu_peak_tflops": None,
-        "cpu_step_s_per_gparam": 0.0,
-        "host_update_gparams_per_s": round(host / 1e9, 4),
-        "ssd_read_gbps": round(bw["read_gbps"], 3),
-        "ssd_write_gbps": round(bw["write_gbps"], 3),
-        "raid_read_ceiling_gbps": round(bw["read_gbps"], 3),
-        "raid_write_ceiling_gbps": round(bw["write_gbps"], 3),
-        "shared_link_gbps": None,
-        "device_storage_ceiling_gbps": round(disk, 3),
-        "gradient_staged_on_ssd": False,
+        "description": f"measured by `{command}` on {when}: {cores} CPU cores, {memory.total / 1e9:.0f} GB RAM, "
+        f"{described}, {gpu['name'] if gpu else 'no GPU'}",
+        "backend": "cpu",
+        "storage": [
+            {
+                "path": str(root),
+                "read_gbps": round(a["read_gbps"], 3),
+                "write_gbps": round(a["write_gbps"], 3),
+                "read_write_gbps": round(a["read_write_gbps"], 3),
+                "disk": disk,
+                "free_gb": round(shutil.disk_usage(root).free / 1e9, 1),
+            }
+            for root, a, disk in zip(roots, alone, disks)
+        ],
+        "together_read_write_gbps": round(together, 3),
+        "host_memory_gb": round(memory.total / 1e9, 1),
+        "state_memory_gb": None,
+        "cpu_cores": cores,
         "device_update_gparams_per_s": round(update / 1e9, 4),
-        "max_devices": max(1, min(8, os.cpu_count() or 1)),
-        "device_memory_gb": 1.0,
-        "baseline_pipelined": False,
+        "host_update_gparams_per_s": round(update / 1e9, 4),
+        "gpu": None
+        if gpu is None
+        else {
+            "name": gpu["name"],
+            "memory_gb": round(gpu["memory_gb"], 1),
+            "link_gbps": round(min(gpu["host_to_device_gbps"], gpu["device_to_host_gbps"]), 2),
+            "peak_tflops": round(gpu["matmul_bf16_tflops"], 1),
+            "efficiency": 0.4,
+        },
+        "cpu_step_s_per_gparam": 0.0,
+        "transfer_bytes": 2,
         "sources": {
-            "ssd_read_gbps": f"measured: O_DIRECT={bw['direct_io']} StateFile+ThreadedIO, {megabytes} MiB, 4 MiB "
-            "requests",
-            "ssd_write_gbps": "measured: same file, written then fsync'd",
-            "device_storage_ceiling_gbps": "emulated devices share this one path: its bandwidth is their aggregate",
+            "storage": f"measured: O_DIRECT={alone[0]['direct_io']} StateFile+ThreadedIO, {megabytes} MiB per path, "
+            "4 MiB requests: written then read, then one file read while another is written (read_write_gbps)",
+            "together_read_write_gbps": "measured: every path reading one file and writing another, all at once",
+            "disk": "/sys/dev/block of each path's filesystem; paths on one disk share its bandwidth",
+            "host_memory_gb": "psutil: total RAM",
             "device_update_gparams_per_s": "measured: cpu backend Adam(W), 1M-element chunks of 8M in-memory fp32 "
             "elements (best of all threads / 1 thread)",
-            "host_update_gparams_per_s": "measured: torch fused CPU AdamW (stand-in for DeepSpeed CPU-Adam)",
-            "shared_link_gbps": "null: the cpu backend's link is host memory",
+            "host_update_gparams_per_s": "measured: as a device's, the same rule code on one worker thread (the "
+            "memory tier has no I/O, not a faster update)",
+            "gpu": "measured: pinned copies of 256 MiB each way (the slower), 8192^2 bf16 matmuls; efficiency "
+            "assumed: the share of that rate a training step reaches"
+            if gpu
+            else "no GPU: torch.cuda.is_available() is False here (forward and backward are not modelled)",
         },
         "measured": {
-            **bw,
+            "paths": [{"path": str(root), **a} for root, a in zip(roots, alone)],
+            "together_gbps": together,
+            "shared_bandwidth": shared,
+            "host_memory_available_gb": round(memory.available / 1e9, 1),
+            "torch_threads": torch.get_num_threads(),
+            "fused_adamw_gparams_per_s": round(fused / 1e9, 4),
             "cpu_backend_step_s_per_gparam": round(step_s_per_gparam, 3),
+            "gpu": gpu or "none: torch.cuda.is_available() is False",
             "date": when,
         },
     }

@@ -500,8 +500,8 @@ def profile_names() -> list[str]:
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
 
 
-def load_profile(name_or_path: str | Path) -> Profile:
-    """A packaged profile by name (``paper-a5000``) or a JSON file written by ``--calibrate``."""
+def read_profile(name_or_path: str | Path) -> tuple[dict[str, Any], str]:
+    """The JSON object of a packaged profile (by name) or a profile file, and where it came from (for messages)."""
     path = Path(name_or_path)
     if path.suffix == ".json" or path.is_file():
         if not path.is_file():
@@ -512,7 +512,7 @@ def load_profile(name_or_path: str | Path) -> Profile:
         if str(name_or_path) not in names:
             raise PlanError(
                 f"`--profile {name_or_path!r}` is unknown. Packaged profiles: {', '.join(names)}; "
-                "or pass a profile JSON file (write one with `--calibrate PATH -o profile.json`)."
+                "or pass a profile JSON file (write one with `--calibrate PATH [PATH ...] -o profile.json`)."
             )
         text = (resources.files("lightning_smartinf.plan") / "profiles" / f"{name_or_path}.json").read_text()
         origin = f"profile {name_or_path!r}"
@@ -522,4 +522,16 @@ def load_profile(name_or_path: str | Path) -> Profile:
         raise PlanError(f"{origin}: not valid JSON ({exc}).") from exc
     if not isinstance(data, dict):
         raise PlanError(f"{origin}: must hold a JSON object.")
+    return data, origin
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A packaged profile by name (``paper-a5000``) or a profile JSON file of the model's own kind (a machine
+    profile, ``"kind": "local-nvme"``, loads with :func:`lightning_smartinf.plan.machine.load_any`)."""
+    data, origin = read_profile(name_or_path)
+    if "kind" in data:
+        raise PlanError(
+            f"{origin}: a profile of kind {data['kind']!r} describes a machine, not the model's testbed. Load it with "
+            "`lightning_smartinf.plan.machine.load_any` (`smartinf plan --profile` takes either)."
+        )
     return Profile.from_dict(data, origin)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +15,7 @@ from lightning_smartinf.plan.model import (
     iteration,
     zero_infinity,
 )
+from lightning_smartinf.plan.tiers import TierPlacement
 
 #: Candidate ZeRO sub-group sizes (elements); the paper used 4e7 and 1e8.
 SUB_GROUP_CANDIDATES = (10_000_000, 20_000_000, 40_000_000, 100_000_000, 200_000_000)
@@ -46,6 +49,11 @@ class Plan:
     recommend_compression: bool
     compression_gain: float
     params_on_storage: bool = False
+    #: ``--memory-budget``, ``--accelerator-budget`` (bytes) and ``--device-weights``, with the placement they give.
+    memory_budget: int | None = None
+    accelerator_budget: int | None = None
+    device_weights: tuple[float, ...] | None = None
+    placement: TierPlacement | None = None
 
     @property
     def baseline(self) -> Breakdown:
@@ -59,14 +67,16 @@ def _best_method(work: Workload, prof: Profile, n: int, compression: float, sub_
     )
 
 
-def choose_sub_group(work: Workload, prof: Profile, devices: int) -> int:
-    """Largest candidate that gives every device >= 8 sub-groups (pipeline fill and drain under ~1/8 of a
-    device's work) and whose buffers fit in half the device memory (room for the next sub-group's)."""
+def choose_sub_group(work: Workload, prof: Profile, devices: int, *, largest: int | None = None) -> int:
+    """Largest candidate (up to ``largest``) that gives every device >= 8 sub-groups (pipeline fill and drain under
+    ~1/8 of a device's work) and whose buffers fit in half the device memory (room for the next sub-group's)."""
     per_device = work.params / devices
     fitting = [
         s
         for s in SUB_GROUP_CANDIDATES
-        if 2 * s * DEVICE_BYTES_PER_ELEMENT <= prof.device_memory_gb * 1e9 and 8 * s <= per_device
+        if 2 * s * DEVICE_BYTES_PER_ELEMENT <= prof.device_memory_gb * 1e9
+        and 8 * s <= per_device
+        and (largest is None or s <= largest)
     ]
     if fitting:
         return max(fitting)
@@ -184,6 +194,10 @@ def format_plan(plan: Plan) -> str:
         )
     if plan.devices != plan.recommended_devices:
         lines.append(f"  (the snippets below are for the {plan.devices} device(s) asked for)")
+    if plan.placement is not None:
+        memory = size_text(plan.memory_budget or 0)
+        accelerator = None if plan.accelerator_budget is None else size_text(plan.accelerator_budget)
+        lines += ["", plan.placement.describe(memory, accelerator)]
     lines += ["", PYTHON_HEADER, "", python_snippet(plan), "", YAML_HEADER, "", yaml_snippet(plan)]
     return "\n".join(lines)
 
@@ -198,6 +212,12 @@ def strategy_args(plan: Plan) -> dict[str, Any]:
         "sub_group_size": plan.sub_group_size,
         "buffer_count": plan.buffer_count,
     }
+    if plan.device_weights is not None:
+        args["device_weights"] = list(plan.device_weights)
+    if plan.memory_budget is not None:
+        args["state_memory_budget"] = size_text(plan.memory_budget)
+    if plan.accelerator_budget is not None:
+        args["state_accelerator_budget"] = size_text(plan.accelerator_budget)
     if plan.params_on_storage:
         args["offload_parameters"] = "storage"
     if plan.recommend_compression:
@@ -213,25 +233,35 @@ def _comments(plan: Plan) -> dict[str, str]:
         "storage_paths": "one directory per device / SSD: replace the placeholders with yours",
         "sub_group_size": "elements per ZeRO sub-group, the unit of work of a device",
         "buffer_count": "chunk buffers per device",
+        "device_weights": "relative speed of each device: sub-groups are shared out in proportion",
+        "state_memory_budget": "host RAM for fp32 master and optimizer state (the memory tier)",
+        "state_accelerator_budget": "GPU memory for optimizer state (the accelerator tier), filled first",
         "compression": f"SmartComp: send the largest {plan.compression * 100:g}% of each sub-group's gradient entries",
         "overlap_backward": "compressed gradients reach the devices after backward, not during it",
         "offload_parameters": "16-bit parameters in files on the first storage path, read a layer ahead",
     }
 
 
+def size_text(nbytes: int) -> str:
+    """``nbytes`` as the strategy reads sizes: ``"79GiB"``, ``"512MiB"``, ``"2GB"``, else the int's digits."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("GB", 10**9), ("MB", 10**6)):
+        if nbytes and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(int(nbytes))
+
+
 def _python_value(value: Any) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000:
         return f"{value:_}"
     if isinstance(value, str):
-        return f'"{value}"'
+        return json.dumps(value)  # a valid Python string literal, quotes and backslashes escaped
     return repr(value)
 
 
-def python_snippet(plan: Plan) -> str:
-    """Python that builds the recommended ``SmartInfinityStrategy`` (paste into a training script)."""
-    comments = _comments(plan)
+def python_code(args: dict[str, Any], comments: dict[str, str]) -> str:
+    """Python that builds ``SmartInfinityStrategy(**args)``, each argument under its comment."""
     lines = ["from lightning_smartinf import SmartInfinityStrategy", "", "strategy = SmartInfinityStrategy("]
-    for name, value in strategy_args(plan).items():
+    for name, value in args.items():
         lines.append(f"    # {comments[name]}")
         if isinstance(value, list):
             inline = f"    {name}=[{', '.join(map(_python_value, value))}],"
@@ -245,6 +275,28 @@ def python_snippet(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def python_snippet(plan: Plan) -> str:
+    """Python that builds the recommended ``SmartInfinityStrategy`` (paste into a training script)."""
+    return python_code(strategy_args(plan), _comments(plan))
+
+
+#: Plain YAML scalars that stay strings (``80GiB``, ``/mnt/nvme0``); anything else (``true``, ``1e5``, ``0x10``,
+#: ``a: b``, ``#x``) is written quoted.
+_PLAIN = re.compile(r"[A-Za-z0-9_/][A-Za-z0-9_./+-]*")
+_YAML_WORDS = {"true", "false", "yes", "no", "on", "off", "null", "y", "n"}
+
+
+def _plain(text: str) -> bool:
+    """Whether YAML 1.1 reads ``text`` back as this string, unquoted."""
+    if not _PLAIN.fullmatch(text) or text.lower() in _YAML_WORDS or text[:2].lower() in ("0x", "0o", "0b"):
+        return False
+    try:
+        float(text)
+    except ValueError:
+        return True
+    return False
+
+
 def _yaml_scalar(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -253,24 +305,29 @@ def _yaml_scalar(value: Any) -> str:
         # YAML 1.1 (PyYAML, jsonargparse) reads `1e-05` as a string: give the mantissa a dot.
         mantissa, e, exponent = text.partition("e")
         return f"{mantissa}.0e{exponent}" if e and "." not in mantissa else text
+    if isinstance(value, str) and not _plain(value):
+        return json.dumps(value)  # a double-quoted YAML scalar
     return str(value)
 
 
-def yaml_snippet(plan: Plan) -> str:
-    """The ``trainer.strategy`` of a ``smartinf fit`` recipe (LightningCLI) with the recommended arguments."""
-    comments = _comments(plan)
+def yaml_code(args: dict[str, Any], comments: dict[str, str]) -> str:
+    """The ``trainer.strategy`` of a ``smartinf fit`` recipe (LightningCLI) with ``args``, each under its comment."""
     lines = [
         "trainer:",
         "  strategy:",
         "    class_path: lightning_smartinf.SmartInfinityStrategy",
         "    init_args:",
     ]
-    for name, value in strategy_args(plan).items():
-        comment = comments[name]
-        lines.append(f"      # {comment}")
+    for name, value in args.items():
+        lines.append(f"      # {comments[name]}")
         if isinstance(value, list):
             lines.append(f"      {name}:")
             lines += [f"        - {_yaml_scalar(item)}" for item in value]
         else:
             lines.append(f"      {name}: {_yaml_scalar(value)}")
     return "\n".join(lines)
+
+
+def yaml_snippet(plan: Plan) -> str:
+    """The ``trainer.strategy`` of a ``smartinf fit`` recipe (LightningCLI) with the recommended arguments."""
+    return yaml_code(strategy_args(plan), _comments(plan))

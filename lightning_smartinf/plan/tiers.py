@@ -71,13 +71,19 @@ def place_state(
     memory_budget: float,
     weights: Sequence[float] | None = None,
     accelerator_budget: float = 0,
+    *,
+    fill: bool = False,
+    overlap_backward: bool = True,
+    fwd_bwd_s: float | None = None,
 ) -> TierPlacement:
     """Place ``work``'s fp32 state (12 B/param) in an ``accelerator_budget`` of GPU memory, a ``memory_budget`` of
     host memory and over ``devices``.
 
     A device's time is its share of the state read and written at its SSD's speeds (the update hides behind that
     I/O, as in the SU+O model), or its update if slower; the memory tier's is its share updated at the host's rate.
-    ``weights``: the devices' relative speeds (``None``: equal, as identical devices are).
+    ``weights``: the devices' relative speeds (``None``: equal, as identical devices are). ``fill``: memory takes its
+    whole budget (``state_memory_share="fill"``). ``overlap_backward=False``: emulated devices start after backward.
+    ``fwd_bwd_s``: forward and backward, when the caller models them (default: :func:`fwd_bwd_time`).
     """
     if memory_budget < 0:
         raise PlanError(f"`--memory-budget` must be >= 0 bytes, got {memory_budget:g}.")
@@ -105,8 +111,10 @@ def place_state(
     memory_rate = prof.host_update_gparams_per_s * 1e9 * FP32_STATE_BYTES
     emulated = not prof.gradient_staged_on_ssd and prof.network_gbps is None
     # Emulated devices beside a GPU update during backward (the backward of forward + backward: 2 of 3 parts).
-    backward_s = 2 / 3 * fwd_bwd_time(work, prof) if emulated and prof.gpu_peak_tflops is not None else 0.0
-    if emulated and not backward_s:  # on the CPU, devices and memory share the host cores: fill the budget
+    beside_gpu = emulated and prof.gpu_peak_tflops is not None
+    fwd_bwd_s = fwd_bwd_time(work, prof) if fwd_bwd_s is None else fwd_bwd_s
+    backward_s = 2 / 3 * fwd_bwd_s if beside_gpu and overlap_backward else 0.0
+    if fill or (emulated and not beside_gpu):  # on the CPU, devices and memory share the host cores: fill the budget
         memory = min(memory_budget, state)
     elif prof.network_gbps is not None:  # beside remote servers the strategy keeps one more server's share
         memory = memory_share(memory_budget, state, sum(rates) / len(rates), sum(rates))

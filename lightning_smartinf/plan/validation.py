@@ -92,3 +92,28 @@ def link_bytes_per_param(method: str, profile: str = "paper-a5000") -> tuple[flo
     work = PAPER_MODELS["GPT-2 4.0B"]
     b = iteration(method, work, load_profile(profile), 10, compression=PAPER_COMPRESSION)
     return b.link_write_bytes / work.params, b.link_read_bytes / work.params
+
+
+def validation_markdown() -> str:
+    """The rows of ``docs/planner.md``'s validation table, one per statement and model family (as the doc prints
+    them: ``python -m lightning_smartinf.plan.validation``)."""
+    rows: dict[tuple[str, str], list[tuple[str, float, float]]] = {}
+    points = {}
+    for point, model, value, error in validation_rows():
+        family, size = model.rsplit(" ", 1)
+        rows.setdefault((point.source, family), []).append((size, value, error))
+        points[point.source] = point
+    lines = []
+    for (source, family), entries in rows.items():
+        point = points[source]
+        paper = f"{point.low:.2f}x" if point.low == point.high else f"{point.low:.2f}–{point.high:.2f}x"
+        lines.append(
+            f"| {source} | {family} {' / '.join(size for size, _, _ in entries)} | {paper} | "
+            f"{' / '.join(f'{value:.2f}x' for _, value, _ in entries)} | "
+            f"{' / '.join(f'{error:.1%}' for _, _, error in entries)} | {'yes' if point.fitted else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(validation_markdown())

@@ -1,0 +1,326 @@
+"""A profile of the ``local-nvme`` kind: one server, the ``cpu`` backend, state on its own NVMe paths.
+
+The other profiles (:class:`~lightning_smartinf.plan.model.Profile`) describe a testbed of SmartSSDs for the paper's
+comparisons. A :class:`Machine` describes what the strategy's settings act on, on a server with a GPU (or none), a
+few hundred GB of RAM and one to four ordinary NVMe SSDs:
+
+- each storage path, its read and write bandwidth alone, and the physical disk it is on (paths on one disk share its
+  bandwidth); all paths streaming at once (``together_read_write_gbps``), since training reads and writes the state
+  on every path at the same time;
+- host RAM, and how much of it may hold optimizer state (``state_memory_gb``; ``None``: what the run leaves free);
+- the host's update rates: one device's (a worker thread streaming its paths' state) and the memory tier's;
+- the GPU: its memory, the pinned host <-> device copy bandwidth and its matmul rate; or none (CPU training).
+
+``smartinf plan --calibrate PATH [PATH ...]`` measures one (:mod:`~lightning_smartinf.plan.calibrate`);
+:mod:`~lightning_smartinf.plan.machine_plan` turns one into settings. Pure Python, like the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from lightning_smartinf.plan.model import PlanError, Profile, read_profile
+
+__all__ = ["MACHINE_KIND", "Gpu", "Machine", "StoragePath", "is_machine", "load_any"]
+
+#: The ``kind`` of a machine profile in its JSON.
+MACHINE_KIND = "local-nvme"
+
+
+def is_machine(data: dict[str, Any]) -> bool:
+    """Whether a profile's JSON object describes a :class:`Machine` (``"kind": "local-nvme"``)."""
+    return data.get("kind") == MACHINE_KIND
+
+
+def load_any(name_or_path: str | Path) -> Profile | Machine:
+    """A packaged profile or a profile file: a :class:`Machine` for ``"kind": "local-nvme"``, else the model's
+    :class:`Profile`."""
+    data, origin = read_profile(name_or_path)
+    if "kind" not in data:
+        return Profile.from_dict(data, origin)
+    if not is_machine(data):
+        raise PlanError(
+            f"{origin}: `kind={data['kind']!r}` is unknown. A profile's kind is {MACHINE_KIND!r} (a server with local "
+            "NVMe paths, written by `--calibrate`) or absent (the model's testbed profiles)."
+        )
+    return Machine.from_dict(data, origin)
+
+
+@dataclass(frozen=True)
+class StoragePath:
+    """One storage path (a directory on a local disk): its bandwidths alone, in GB/s, and its disk."""
+
+    path: str
+    read_gbps: float
+    write_gbps: float
+    #: Reads and writes at once on this path alone, their sum; ``None``: one after the other, ``2rw / (r + w)``.
+    read_write_gbps: float | None = None
+    #: The physical disk (``nvme0n1``); paths naming the same disk share its bandwidth. ``None``: a disk of its own.
+    disk: str | None = None
+    #: Free space when described (``None``: unknown; the planner then looks at the path if it exists here).
+    free_gb: float | None = None
+
+    @property
+    def state_gbps(self) -> float:
+        """Bytes per second (in GB/s) of state this path streams in and out together, reads plus writes."""
+        if self.read_write_gbps is not None:
+            return self.read_write_gbps
+        return 2 * self.read_gbps * self.write_gbps / (self.read_gbps + self.write_gbps)
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """The GPU the model trains on."""
+
+    name: str
+    memory_gb: float
+    #: Pinned host <-> device copies, the slower direction (ZeRO-3's parameter fetches, gradients, updated parameters).
+    link_gbps: float
+    #: Dense bf16 matmul rate: measured by ``--calibrate``, or the datasheet's dense figure.
+    peak_tflops: float
+    #: Share of ``peak_tflops`` a training step reaches.
+    efficiency: float = 0.4
+
+
+@dataclass(frozen=True)
+class Machine:
+    """One server for the ``cpu`` backend. Bandwidths in GB/s (1e9 B/s), memory in GB, rates in parameters per
+    second; ``sources`` says where each number comes from and ``measured`` keeps what calibration saw."""
+
+    name: str
+    storage: tuple[StoragePath, ...]
+    host_memory_gb: float
+    #: One device's Adam(W) update: a worker thread over 1M-element chunks (``cpu`` backend).
+    device_update_gparams_per_s: float
+    #: The memory tier's Adam(W) update over state in RAM (``state_memory_budget``).
+    host_update_gparams_per_s: float
+    kind: str = MACHINE_KIND
+    description: str = ""
+    backend: str = "cpu"
+    #: All paths streaming state at once, reads plus writes; ``None``: the sum over their disks.
+    together_read_write_gbps: float | None = None
+    #: Host RAM that may hold optimizer state; ``None``: what the run leaves free (the planner's count).
+    state_memory_gb: float | None = None
+    cpu_cores: int | None = None
+    gpu: Gpu | None = None
+    #: Forward and backward time per 1e9 parameters when there is no GPU (CPU training).
+    cpu_step_s_per_gparam: float = 0.0
+    #: Bytes per element of the gradient and parameter copies (2: bf16/fp16).
+    transfer_bytes: int = 2
+    sources: dict[str, str] = field(default_factory=dict)
+    measured: dict[str, Any] = field(default_factory=dict)
+
+    # ----------------------------------------------------------------------------------------------- JSON
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], origin: str = "profile") -> Machine:
+        """A machine from its JSON object; one :class:`PlanError` lists every problem."""
+        problems: list[str] = []
+        known = {f.name for f in fields(cls)}
+        _unknown(problems, "", data, known | {"comment"})
+        for key, example in _REQUIRED.items():
+            if key not in data:
+                problems.append(
+                    f"`{key}` is missing: add e.g. `{example}`, or write the profile with "
+                    "`smartinf plan --calibrate PATH [PATH ...] -o profile.json`."
+                )
+        if data.get("kind", MACHINE_KIND) != MACHINE_KIND:
+            problems.append(f"`kind={data['kind']!r}` is not {MACHINE_KIND!r}.")
+        if data.get("backend", "cpu") != "cpu":
+            problems.append(
+                f"`backend={data['backend']!r}`: a {MACHINE_KIND} profile runs the update on host cores, so it must be "
+                "'cpu'. SmartSSDs are modelled by the paper profiles (--profile paper-a5000)."
+            )
+        storage = _storage(problems, data.get("storage"))
+        gpu = _gpu(problems, data.get("gpu"))
+        for key in ("host_memory_gb", "device_update_gparams_per_s", "host_update_gparams_per_s"):
+            _positive(problems, key, data.get(key, 1.0))
+        for key in ("together_read_write_gbps", "state_memory_gb"):
+            if data.get(key) is not None:
+                _positive(problems, key, data[key], zero=key == "state_memory_gb")
+        if data.get("cpu_cores") is not None and (not isinstance(data["cpu_cores"], int) or data["cpu_cores"] < 1):
+            problems.append(f"`cpu_cores={data['cpu_cores']!r}` must be an int >= 1, or null.")
+        _positive(problems, "cpu_step_s_per_gparam", data.get("cpu_step_s_per_gparam", 0.0), zero=True)
+        if data.get("transfer_bytes", 2) not in (2, 4):
+            problems.append(f"`transfer_bytes={data['transfer_bytes']!r}` must be 2 (bf16/fp16) or 4 (fp32).")
+        if problems:
+            raise PlanError(
+                f"{origin}: {len(problems)} problem(s) in the {MACHINE_KIND} profile:\n"
+                + "\n".join(f"- {line}" for line in problems)
+            )
+        clean = {k: v for k, v in data.items() if k in known}
+        return cls(**{**clean, "storage": storage, "gpu": gpu})
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["storage"] = [asdict(p) for p in self.storage]
+        return data
+
+    # ------------------------------------------------------------------------------------------ storage
+
+    def disk_of(self, index: int) -> str:
+        """The disk of path ``index`` (its own when the profile names none)."""
+        return self.storage[index].disk or f"(disk of {self.storage[index].path})"
+
+    def path_order(self) -> list[int]:
+        """Path indices, the first path of each disk first (in the profile's order), then the others."""
+        seen: set[str] = set()
+        first, extra = [], []
+        for i in range(len(self.storage)):
+            (extra if self.disk_of(i) in seen else first).append(i)
+            seen.add(self.disk_of(i))
+        return first + extra
+
+    def _scale(self) -> float:
+        """What all paths at once reach over the sum of their disks alone (1 without a measurement): below 1 where
+        they share a controller or switch, above where one disk serves more requests in flight."""
+        alone = self._disks_gbps(range(len(self.storage)))
+        if self.together_read_write_gbps is None or alone <= 0:
+            return 1.0
+        return self.together_read_write_gbps / alone
+
+    def _disks_gbps(self, indices: Sequence[int]) -> float:
+        """Sum over the disks of ``indices`` of each disk's fastest path alone (paths on one disk share it)."""
+        best: dict[str, float] = {}
+        for i in indices:
+            disk = self.disk_of(i)
+            best[disk] = max(best.get(disk, 0.0), self.storage[i].state_gbps)
+        return sum(best.values())
+
+    def aggregate_gbps(self, indices: Sequence[int]) -> float:
+        """State bytes per second (GB/s, reads plus writes) the paths ``indices`` stream together: their disks' sum,
+        scaled by what the measurement of all paths at once showed."""
+        return self._disks_gbps(indices) * self._scale()
+
+    def path_rates(self, indices: Sequence[int]) -> list[float]:
+        """Each path's state bandwidth when ``indices`` stream together (GB/s): its disk's share of the aggregate."""
+        total = self.aggregate_gbps(indices)
+        alone = [self.storage[i].state_gbps for i in indices]
+        return [total * a / sum(alone) for a in alone]
+
+    def to_profile(self, indices: Sequence[int]) -> Profile:
+        """The analytic model's :class:`Profile` for this machine training with the paths ``indices``.
+
+        A device's state streams in and out at once; the model reads then writes (``12n/r + 12n/w``), so each path's
+        read and write bandwidths are scaled to give its measured reads-plus-writes figure that way. Paths that share
+        a disk (or a measured ceiling) get ``device_storage_ceiling_gbps``; the link is host memory.
+        """
+        paths = [self.storage[i] for i in indices]
+        fastest = max(paths, key=lambda p: p.state_gbps)
+        k = fastest.state_gbps / (2 * fastest.read_gbps * fastest.write_gbps / (fastest.read_gbps + fastest.write_gbps))
+        aggregate = self.aggregate_gbps(indices)
+        shared = aggregate < 0.999 * sum(p.state_gbps for p in paths)
+        scale = self._scale()
+        reads: dict[str, float] = {}
+        writes: dict[str, float] = {}
+        for i in indices:
+            disk = self.disk_of(i)
+            reads[disk] = max(reads.get(disk, 0.0), self.storage[i].read_gbps)
+            writes[disk] = max(writes.get(disk, 0.0), self.storage[i].write_gbps)
+        gpu = self.gpu
+        return Profile(
+            name=self.name,
+            description=self.description,
+            gpu=gpu.name if gpu else "none",
+            gpu_peak_tflops=gpu.peak_tflops if gpu else None,
+            gpu_efficiency=gpu.efficiency if gpu else 0.4,
+            gpu_link_gbps=gpu.link_gbps if gpu else None,
+            cpu_step_s_per_gparam=self.cpu_step_s_per_gparam,
+            host_update_gparams_per_s=self.host_update_gparams_per_s,
+            ssd_read_gbps=fastest.read_gbps * k,
+            ssd_write_gbps=fastest.write_gbps * k,
+            raid_read_ceiling_gbps=sum(reads.values()) * scale,
+            raid_write_ceiling_gbps=sum(writes.values()) * scale,
+            shared_link_gbps=None,
+            device_storage_ceiling_gbps=aggregate if shared else None,
+            gradient_staged_on_ssd=False,
+            transfer_bytes=self.transfer_bytes,
+            device_update_gparams_per_s=self.device_update_gparams_per_s,
+            max_devices=len(paths),
+            # A device streams 1M-element chunks whatever the sub-group; its pool and staging are host memory.
+            device_memory_gb=self.host_memory_gb,
+            gradient_round_trip=True,
+            baseline_pipelined=False,
+            sources={
+                **self.sources,
+                "ssd_read_gbps": "the fastest path's read, scaled so that read then write gives its read+write figure",
+                "device_storage_ceiling_gbps": "all paths at once, reads plus writes (null: their disks add up)",
+            },
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+
+#: The keys a machine profile must have, each with an example value for the message that asks for it.
+_REQUIRED = {
+    "name": '"name": "my-server"',
+    "storage": '"storage": [{"path": "/mnt/nvme0", "read_gbps": 3.0, "write_gbps": 2.5}]',
+    "host_memory_gb": '"host_memory_gb": 256',
+    "device_update_gparams_per_s": '"device_update_gparams_per_s": 0.3',
+    "host_update_gparams_per_s": '"host_update_gparams_per_s": 1.5',
+}
+
+
+def _unknown(problems: list[str], where: str, data: dict[str, Any], known: set[str]) -> None:
+    extra = sorted(set(data) - known)
+    if extra:
+        problems.append(f"unknown key(s) {extra}{where}; allowed: {sorted(known)}. Check the spelling.")
+
+
+def _positive(problems: list[str], key: str, value: Any, *, zero: bool = False) -> bool:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if zero else value > 0)
+    if not ok:
+        problems.append(f"`{key}={value!r}` must be a number {'>= 0' if zero else '> 0'}.")
+    return ok
+
+
+def _storage(problems: list[str], entries: Any) -> tuple[StoragePath, ...]:
+    if entries is None:
+        return ()
+    if not isinstance(entries, list) or not entries:
+        problems.append(
+            f"`storage={entries!r}` must be a non-empty list of paths, each "
+            '{"path": "/mnt/nvme0", "read_gbps": 3.0, "write_gbps": 2.5}.'
+        )
+        return ()
+    known = {f.name for f in fields(StoragePath)}
+    paths: list[StoragePath] = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not all(k in entry for k in ("path", "read_gbps", "write_gbps")):
+            problems.append(f"`storage[{i}]={entry!r}` needs at least `path`, `read_gbps` and `write_gbps`.")
+            continue
+        _unknown(problems, f" in `storage[{i}]`", entry, known)
+        ok = all(_positive(problems, f"storage[{i}].{k}", entry[k]) for k in ("read_gbps", "write_gbps"))
+        if entry.get("read_write_gbps") is not None:
+            ok = _positive(problems, f"storage[{i}].read_write_gbps", entry["read_write_gbps"]) and ok
+        if entry.get("free_gb") is not None:
+            ok = _positive(problems, f"storage[{i}].free_gb", entry["free_gb"], zero=True) and ok
+        if ok and not set(entry) - known:
+            paths.append(StoragePath(**entry))
+    names = [p.path for p in paths]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"storage path {name!r} is listed {names.count(name)} times; name each path once.")
+    return tuple(paths)
+
+
+def _gpu(problems: list[str], entry: Any) -> Gpu | None:
+    if entry is None:
+        return None
+    known = {f.name for f in fields(Gpu)}
+    if not isinstance(entry, dict) or not all(k in entry for k in ("name", "memory_gb", "link_gbps", "peak_tflops")):
+        problems.append(
+            f"`gpu={entry!r}` must be null (no GPU) or an object with `name`, `memory_gb`, `link_gbps` and "
+            "`peak_tflops` (and optionally `efficiency`)."
+        )
+        return None
+    _unknown(problems, " in `gpu`", entry, known)
+    ok = all(_positive(problems, f"gpu.{k}", entry[k]) for k in ("memory_gb", "link_gbps", "peak_tflops"))
+    if "efficiency" in entry and not (_positive(problems, "gpu.efficiency", entry["efficiency"])):
+        ok = False
+    elif entry.get("efficiency", 0.4) > 1:
+        problems.append(f"`gpu.efficiency={entry['efficiency']!r}` is a share of the peak: it must be <= 1.")
+        ok = False
+    return Gpu(**entry) if ok and not set(entry) - known else None

@@ -1,0 +1,255 @@
+"""Machine profiles (``"kind": "local-nvme"``): a GPU server with local NVMe paths and the ``cpu`` backend.
+
+The planner's decisions for one (paths, host RAM for state, where the 16-bit parameters and gradients live, overlap,
+disk space per path), its calibration, and what ``--json`` leaves on stdout. The snippets it prints are run in
+``tests/test_plan_snippets.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+from conftest import REPO_ROOT
+
+from lightning_smartinf.plan import PlanError, workload_from_model
+from lightning_smartinf.plan.__main__ import main
+from lightning_smartinf.plan.machine import Machine, load_any
+from lightning_smartinf.plan.machine_plan import GRADIENT_GPU_SHARE, plan_machine
+
+GB = 1e9
+EXAMPLE = "example-gpu80-2nvme"
+
+
+def example(**changes) -> Machine:
+    machine = load_any(EXAMPLE)
+    assert isinstance(machine, Machine)
+    return replace(machine, **changes)
+
+
+def with_free(machine: Machine, free_gb: float) -> Machine:
+    return replace(machine, storage=tuple(replace(p, free_gb=free_gb) for p in machine.storage))
+
+
+def test_the_documented_server_keeps_the_state_in_ram_and_the_parameters_on_the_gpu():
+    """docs/planner.md's example: 1 GPU of 80 GB, 2 NVMe (3.0 / 2.5 GB/s, 3.84 TB each), 256 GB RAM."""
+    seven, thirteen = (plan_machine(workload_from_model(size), example()) for size in ("7B", "13B"))
+    for plan, params in ((seven, 7e9), (thirteen, 13e9)):
+        assert plan.paths == (0, 1) and plan.overlap_backward and plan.offload_parameters is False and plan.fits
+        # The whole state (12 B/param) fits in the RAM the run leaves: the budget covers it, padding included.
+        assert plan.placement.state_bytes == 12 * params
+        assert 12 * params * 1.01 <= plan.memory_budget <= 12 * params * 1.01 + 2**30
+        # Beside a GPU the devices' update overlaps backward: memory takes what finishes with the rest of theirs.
+        assert 0.5 * 12 * params < plan.placement.memory_bytes < 12 * params
+        assert plan.total_s < plan.all_on_disk_s / 4
+        assert plan.strategy_args()["state_memory_budget"] == f"{plan.memory_budget // 2**30}GiB"
+    # 7B's gradients (14 GB) take 21% of the 66 GB the parameters leave on the GPU; 13B's (26 GB) 48% of 54 GB.
+    assert (seven.gradient_buffer, thirteen.gradient_buffer) == ("accelerator", "host")
+    assert thirteen.host_memory["gradient partitions"] == 26e9
+    # Disk on the first path: at most all the state, twice (overlap), plus a checkpoint kept and one being saved.
+    first = seven.space[0]
+    assert (first.at_most_bytes, first.checkpoint_bytes, first.needed_bytes) == (84e9, 168e9, 252e9)
+    assert seven.space[1].checkpoint_bytes == 0 and seven.space[0].free_bytes == 3840e9
+
+
+def test_disk_counts_parameters_on_storage_and_checkpoints_elsewhere(tmp_path):
+    plan = plan_machine(
+        workload_from_model("13B"),
+        example(),
+        params_on_storage=True,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        keep_checkpoints=2,
+    )
+    # 26 GB of gradients are more than a quarter of the GPU: with the parameters on storage, a file beside them.
+    assert plan.offload_parameters == "storage" and plan.gradient_buffer == "host"
+    assert [s.parameter_bytes for s in plan.space[:2]] == [52e9, 0.0]
+    assert "gradient partitions" not in plan.host_memory
+    assert [s.checkpoint_bytes for s in plan.space] == [0.0, 0.0, 3 * 156e9]
+    assert plan.space[2].path == str(tmp_path / "ckpt") and plan.space[2].free_bytes is not None
+    assert plan.param_write_s > 0
+
+
+def test_tight_disks_keep_the_budget_in_ram_then_give_up_the_second_copy_then_say_so(capsys):
+    work = workload_from_model("7B")  # 84 GB of state
+    fill = plan_machine(work, with_free(example(), 50), keep_checkpoints=0)
+    assert (fill.overlap_backward, fill.fill) == (True, True) and fill.fits
+    assert fill.strategy_args()["state_memory_share"] == "fill" and fill.space[0].at_most_bytes == 0
+    budget = 40 * 10**9  # RAM keeps 40 GB: 44 GB on the paths, 22 GB each, twice with overlap
+    overlapped = plan_machine(work, with_free(example(), 50), memory_budget=budget, keep_checkpoints=0)
+    assert (overlapped.overlap_backward, overlapped.fill) == (True, True)
+    one_copy = plan_machine(work, with_free(example(), 30), memory_budget=budget, keep_checkpoints=0)
+    assert (one_copy.overlap_backward, one_copy.fill) == (False, True) and one_copy.fits
+    assert one_copy.space[0].at_most_bytes == pytest.approx(22e9)
+    assert "would not fit" in one_copy.reasons["overlap_backward"]
+    full = plan_machine(work, with_free(example(), 10), memory_budget=budget, keep_checkpoints=0)
+    assert not full.fits
+    from lightning_smartinf.plan.machine_plan import format_machine_plan
+
+    text = format_machine_plan(full, "python:", "yaml:")
+    assert "DOES NOT FIT" in text and "Too little space" in text
+
+
+def test_a_second_path_on_a_disk_is_used_only_where_its_update_thread_helps():
+    def three_paths(device_rate: float) -> Machine:
+        paths = [
+            {"path": "/a0", "read_gbps": 3.0, "write_gbps": 2.5, "disk": "A"},
+            {"path": "/a1", "read_gbps": 3.0, "write_gbps": 2.5, "disk": "A"},
+            {"path": "/b0", "read_gbps": 3.0, "write_gbps": 2.5, "disk": "B"},
+        ]
+        return Machine.from_dict(
+            {
+                "kind": "local-nvme",
+                "name": "three",
+                "storage": paths,
+                "host_memory_gb": 32,
+                "device_update_gparams_per_s": device_rate,
+                "host_update_gparams_per_s": 1.0,
+            }
+        )
+
+    work = workload_from_model("7B")
+    fast = three_paths(1.0)  # bound by the disks: a second path on disk A adds nothing
+    assert fast.path_order() == [0, 2, 1]
+    assert fast.aggregate_gbps([0, 1]) == fast.storage[0].state_gbps  # one disk: one disk's bandwidth
+    plan = plan_machine(work, fast)
+    assert plan.paths == (0, 2) and "adds no bandwidth" in plan.reasons["storage_paths"]
+    slow = plan_machine(work, three_paths(0.02))  # bound by the update threads: a third one helps
+    assert slow.paths == (0, 2, 1) and "1 more on a disk already used" in slow.reasons["storage_paths"]
+    # All paths measured at once at half their disks' sum: every subset is scaled by it.
+    shared = replace(fast, together_read_write_gbps=fast.storage[0].state_gbps)
+    assert shared.aggregate_gbps([0, 2]) == pytest.approx(fast.storage[0].state_gbps)
+    assert shared.to_profile([0, 2]).device_storage_ceiling_gbps == pytest.approx(fast.storage[0].state_gbps)
+
+
+def test_large_models_move_the_parameters_to_host_ram_then_to_storage():
+    assert plan_machine(workload_from_model("40B"), example()).offload_parameters is True  # 80 GB > half the GPU
+    huge = plan_machine(workload_from_model("70B"), example())  # 280 GB of parameters and gradients: no room
+    assert huge.offload_parameters == "storage" and huge.space[0].parameter_bytes > 0
+
+
+def test_without_a_gpu_host_ram_holds_the_parameters_and_memory_fills_its_budget(capsys):
+    machine = example(gpu=None)
+    plan = plan_machine(workload_from_model("7B"), machine)
+    assert plan.offload_parameters is False and plan.gradient_buffer is None
+    assert "gradient_buffer" not in plan.strategy_args()
+    assert plan.placement.memory_bytes == pytest.approx(84e9)  # CPU training: the memory tier fills its budget
+    assert plan.space[0].at_most_bytes == 0  # so the paths hold only the rest, here nothing
+    with pytest.raises(PlanError, match="has no GPU"):
+        plan_machine(workload_from_model("7B"), machine, accelerator_budget=10**9)
+
+
+def test_a_bad_machine_profile_is_refused_with_every_problem(tmp_path, capsys):
+    path = tmp_path / "bad.json"
+    path.write_text(
+        json.dumps(
+            {
+                "kind": "local-nvme",
+                "name": "bad",
+                "backend": "xrt",
+                "storage": [{"path": "/a", "read_gbps": 3.0}, {"path": "/b", "read_gbps": -1, "write_gbps": 1}],
+                "device_update_gparams_per_s": 0.3,
+                "host_update_gparams_per_s": 1.0,
+                "gpu": {"name": "x", "memory_gb": 80},
+                "colour": "blue",
+            }
+        )
+    )
+    assert main(["--model", "7B", "--profile", str(path)]) == 2
+    err = capsys.readouterr().err
+    for text in (
+        '`host_memory_gb` is missing: add e.g. `"host_memory_gb": 256`',
+        "`backend='xrt'`",
+        "`storage[0]=",
+        "`storage[1].read_gbps=-1` must be a number > 0",
+        "`gpu=",
+        "unknown key(s) ['colour']",
+    ):
+        assert text in err, text
+    assert main(["--model", "7B", "--profile", EXAMPLE, "--devices", "3"]) == 2
+    assert "has 2 storage path(s). Pass 1 to 2" in capsys.readouterr().err
+
+
+def test_the_gradient_share_is_the_strategys():
+    from lightning_smartinf.zero.optimizer import AUTO_ACCELERATOR_SHARE
+
+    assert GRADIENT_GPU_SHARE == AUTO_ACCELERATOR_SHARE
+
+
+def test_calibrate_measures_every_path_alone_and_together(tmp_path, capsys):
+    paths = [tmp_path / "p0", tmp_path / "p1"]
+    for path in paths:
+        path.mkdir()
+    out = tmp_path / "server.json"
+    assert main(["--calibrate", *map(str, paths), "--calibrate-mb", "8", "-o", str(out)]) == 0
+    data = json.loads(out.read_text())
+    machine = Machine.from_dict(data)
+    assert [p.path for p in machine.storage] == [str(p) for p in paths]
+    assert all(p.read_gbps > 0 and p.write_gbps > 0 and p.read_write_gbps > 0 for p in machine.storage)
+    assert machine.storage[0].disk == machine.storage[1].disk  # one filesystem here
+    assert machine.together_read_write_gbps > 0 and machine.host_memory_gb > 0
+    assert machine.gpu is None and data["measured"]["gpu"].startswith("none")  # this machine has no GPU
+    assert data["measured"]["shared_bandwidth"] is True
+    assert not list(paths[0].iterdir())  # the test files are gone
+    assert main(["--model", "100M", "--profile", str(out)]) == 0
+    assert f'storage_paths=["{paths[0]}"' in capsys.readouterr().out
+    assert main(["--calibrate", str(tmp_path / "missing")]) == 2
+    assert f"`--calibrate {tmp_path / 'missing'}`: not a directory" in capsys.readouterr().err
+
+
+def test_json_stdout_holds_json_only(tmp_path, capsys, monkeypatch):
+    """Whatever is printed while planning (a library's warning) goes to stderr; a calibration without `-o` is part of
+    the one JSON object."""
+    import lightning_smartinf.plan.__main__ as entry
+
+    real = entry.workload_from_model
+
+    def noisy(*args, **kwargs):
+        print("[WARNING] a library's warning on stdout")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(entry, "workload_from_model", noisy)
+    assert main(["--model", "7B", "--profile", EXAMPLE, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["strategy"]["state_memory_budget"] == "80GiB"
+    assert "a library's warning" in captured.err
+    assert main(["--calibrate", str(tmp_path), "--calibrate-mb", "8", "--model", "100M", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["calibrated_profile"]["kind"] == "local-nvme" and answer["kind"] == "local-nvme"
+
+
+def test_planning_in_a_fresh_process_imports_neither_deepspeed_nor_lightning():
+    """`python -m lightning_smartinf.plan ... --json` prints parseable JSON, and a plan loads no DeepSpeed and no
+    Lightning (torch: see docs/planner.md)."""
+    argv = ["--model", "13B", "--profile", EXAMPLE, "--json"]
+    run = subprocess.run(
+        [sys.executable, "-m", "lightning_smartinf.plan", *argv], capture_output=True, text=True, cwd=REPO_ROOT
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["strategy"]["gradient_buffer"] == "host"
+    script = (
+        "import json, sys\n"
+        "from lightning_smartinf.plan.__main__ import main\n"
+        f"code = main({argv!r})\n"
+        "loaded = sorted({m.split('.')[0] for m in sys.modules} & {'deepspeed', 'lightning', 'pytorch_lightning'})\n"
+        "print(json.dumps({'code': code, 'loaded': loaded}), file=sys.stderr)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert run.returncode == 0, run.stderr
+    json.loads(run.stdout)
+    assert json.loads(run.stderr.strip().splitlines()[-1]) == {"code": 0, "loaded": []}
+
+
+def test_the_docs_show_what_the_planner_prints(capsys):
+    """docs/planner.md's worked example and validation table are the commands' output, figure for figure."""
+    from lightning_smartinf.plan.planner import PYTHON_HEADER
+    from lightning_smartinf.plan.validation import validation_markdown
+
+    doc = (REPO_ROOT / "docs" / "planner.md").read_text()
+    assert validation_markdown() in doc
+    for size in ("7B", "13B"):
+        assert main(["--model", size, "--profile", EXAMPLE]) == 0
+        report = capsys.readouterr().out.split(PYTHON_HEADER)[0].rstrip()
+        assert f"$ smartinf plan --model {size} --profile {EXAMPLE}\n{report}\n```" in doc, size
