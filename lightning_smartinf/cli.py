@@ -24,7 +24,7 @@ COMMANDS = {
     ),
     "export": (
         "lightning_smartinf.export",
-        "rebuild full fp32 weights from a checkpoint's device state (safetensors, or a HF save_pretrained directory)",
+        "rebuild full weights from a checkpoint's device state (fp32 safetensors, or a HF save_pretrained directory)",
     ),
 }
 

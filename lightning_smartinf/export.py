@@ -1,4 +1,5 @@
-"""Consolidate the fp32 master weights of a SmartUpdate checkpoint into one state dict (like ``zero_to_fp32``).
+"""Consolidate the fp32 master weights of a SmartUpdate checkpoint (like ``zero_to_fp32``), or write them as a
+Hugging Face ``save_pretrained`` directory in the model's dtype, a weight file at a time.
 
 A checkpoint saved with ``strategy="smart_infinity"`` keeps the fp32 masters on the devices, so DeepSpeed's
 ``zero_to_fp32.py`` cannot rebuild them. This module reads, for every rank,
@@ -9,7 +10,10 @@ manifest, and joins the ranks' partitions of each parameter (rank ``r`` holds el
 parameters (no optimizer state, so nothing on the devices) come from the partitions DeepSpeed saved of them.
 
 When the checkpoint's module holds a Hugging Face model, :func:`export_pretrained` writes that model's consolidated
-weights as a ``save_pretrained`` directory. :class:`lightning_smartinf.hf.HFCausalLM` and
+weights as a ``save_pretrained`` directory: cast to ``dtype`` (default: the dtype the model was loaded in) and split
+over files of at most ``max_shard_size`` with an index, as transformers lays them out. It reads the masters of one
+file's parameters at a time (only their elements of the shard files, :func:`checkpoint_weights`), so memory holds one
+weight file and one fp32 parameter, not the model. :class:`lightning_smartinf.hf.HFCausalLM` and
 :class:`~lightning_smartinf.hf.HFSequenceClassifier` record the config, task and tokenizer in the checkpoint; for
 any other module (``self.model = AutoModelForTokenClassification.from_pretrained(path)``) they come from the model
 directory it was fine-tuned from, the attribute holding the model from the parameter names and the head from the
@@ -20,24 +24,29 @@ Command line::
 
     python -m lightning_smartinf.export <checkpoint dir> <out.safetensors>
     python -m lightning_smartinf.export <checkpoint dir> --save-pretrained <out dir> [--hf-model-dir <model dir>]
-        [--hf-attribute <name>] [--auto-class <AutoModelFor...>]
+        [--hf-attribute <name>] [--auto-class <AutoModelFor...>] [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from lightning_smartinf import checkpoint_folder
-from lightning_smartinf.core.format.masters import MastersReader, consolidate_masters, host_state
+from lightning_smartinf.core.format.masters import MastersReader, Weights, host_state, saved_masters
+from lightning_smartinf.core.format.rank_state import full_parameter
+
+if TYPE_CHECKING:
+    from lightning_smartinf.hf.weight_files import WrittenWeights
 
 
 def rank_state_dir(checkpoint_path: str | os.PathLike, rank: int) -> Path:
@@ -60,54 +69,72 @@ def is_complete(checkpoint_path: str | os.PathLike) -> bool:
 RemoteMasters = MastersReader
 
 
-def consolidate_fp32_state_dict(
+def checkpoint_weights(
     checkpoint_path: str | os.PathLike, *, verify: bool = True, remote: RemoteMasters | None = None
-) -> dict[str, Tensor]:
-    """Full fp32 weights of every parameter, by name, from a SmartUpdate checkpoint directory: the masters the devices
-    held (:func:`~lightning_smartinf.core.format.masters.consolidate_masters`) and the frozen parameters.
+) -> Weights:
+    """The full fp32 weights of every parameter of a SmartUpdate checkpoint, by name, read a few at a time: the
+    masters the devices held (:func:`~lightning_smartinf.core.format.masters.saved_masters`, only the elements of the
+    parameters asked for) and the frozen parameters (:func:`frozen_weights`).
 
-    ``verify``: check every shard file's size and CRC-32 against its manifest first (reads each file twice).
-    ``remote``: reads the masters of a rank whose device state is on remote device servers (``remote.json``).
+    ``verify``: check every shard file's size and CRC-32 against its manifest first (reads each file once more).
+    ``remote``: reads the masters of a rank whose device state is on remote device servers (``remote.json``); the
+    servers send a rank's masters whole, so those are held.
     """
     checkpoint_folder.verify(checkpoint_path, checksum_shards=False)  # shard files: CRC-checked below when `verify`
     size = world_size(checkpoint_path)
     directories = [rank_state_dir(checkpoint_path, rank) for rank in range(size)]
-    state = consolidate_masters(directories, verify=verify, elsewhere=remote)
-    for name, value in frozen_parameters(checkpoint_path, size).items():
-        state.setdefault(name, value)
-    return state
+    return saved_masters(directories, verify=verify, elsewhere=remote).joined(frozen_weights(checkpoint_path, size))
 
 
-def frozen_parameters(checkpoint_path: str | os.PathLike, size: int) -> dict[str, Tensor]:
+def consolidate_fp32_state_dict(
+    checkpoint_path: str | os.PathLike, *, verify: bool = True, remote: RemoteMasters | None = None
+) -> dict[str, Tensor]:
+    """Full fp32 weights of every parameter, by name, from a SmartUpdate checkpoint directory: all of
+    :func:`checkpoint_weights` at once (the whole model in memory)."""
+    return checkpoint_weights(checkpoint_path, verify=verify, remote=remote).all()
+
+
+def frozen_weights(checkpoint_path: str | os.PathLike, size: int) -> Weights:
     """Parameters the devices never held (``requires_grad=False``: no optimizer state), by name, in fp32.
 
     DeepSpeed saves each rank's partition of them in its model-state file (``frozen_param_fragments``, in the training
-    dtype); they are joined as the masters are. Read with ``weights_only=True``, never code.
+    dtype); they are joined as the masters are. Each read maps the files (``weights_only=True``, never code) and
+    copies out the fragments of the parameters asked for only.
     """
     from lightning_smartinf.zero.safe_load import load_deepspeed_file
 
-    fragments: dict[str, list[Tensor]] = {}
-    shapes: dict[str, Any] = {}
-    for rank in range(size):
-        path = Path(checkpoint_path) / checkpoint_folder.TAG / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+    paths = [
+        Path(checkpoint_path) / checkpoint_folder.TAG / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+        for rank in range(size)
+    ]
+    if not paths[0].is_file():
+        return Weights.of({})  # not ZeRO-3's layout of model states: nothing to add
+    shapes: dict[str, tuple[int, ...]] = {}
+    held: Counter[str] = Counter()
+    for rank, path in enumerate(paths):
         if not path.is_file():
-            if rank == 0:
-                return {}  # not ZeRO-3's layout of model states: nothing to add
             raise ValueError(f"{path} is missing: the checkpoint holds the model states of {rank} of {size} ranks.")
-        states = load_deepspeed_file(path)
-        shapes.update(states.get("frozen_param_shapes") or {})
-        for name, fragment in (states.get("frozen_param_fragments") or {}).items():
-            fragments.setdefault(name, []).append(fragment.reshape(-1))
-    out = {}
-    for name, shape in shapes.items():
-        parts = fragments.get(name, [])
-        if len(parts) != size:
+        states = load_deepspeed_file(path, mmap=True)
+        shapes.update({name: tuple(shape) for name, shape in (states.get("frozen_param_shapes") or {}).items()})
+        held.update(list(states.get("frozen_param_fragments") or ()))  # the names: a dict would add its values
+        del states
+    for name in shapes:
+        if held[name] != size:
             raise ValueError(
-                f"Frozen parameter {name!r} has {len(parts)} of {size} ranks' partitions in the checkpoint."
+                f"Frozen parameter {name!r} has {held[name]} of {size} ranks' partitions in the checkpoint."
             )
-        numel = math.prod(shape)
-        out[name] = torch.cat(parts)[:numel].reshape(tuple(shape)).float()
-    return out
+
+    def read(names: Sequence[str]) -> Iterator[tuple[str, Tensor]]:
+        fragments: dict[str, list[Tensor]] = {name: [] for name in names}
+        for path in paths if names else ():
+            states = load_deepspeed_file(path, mmap=True)
+            for name in names:  # copied out of the mapping, which closes with `states`
+                fragments[name].append(states["frozen_param_fragments"][name].reshape(-1).clone())
+            del states
+        for name in names:
+            yield name, full_parameter(name, fragments.pop(name), shapes[name]).float()
+
+    return Weights(shapes, read)
 
 
 def save_fp32(
@@ -149,9 +176,12 @@ def export_pretrained(
     model_dir: str | os.PathLike | None = None,
     attribute: str | None = None,
     auto_class: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
     remote: RemoteMasters | None = None,
-) -> dict[str, Tensor]:
-    """Write the consolidated fp32 weights of the checkpoint's Hugging Face model as a ``save_pretrained`` directory.
+) -> WrittenWeights:
+    """Write the consolidated weights of the checkpoint's Hugging Face model as a ``save_pretrained`` directory, a
+    weight file at a time (:func:`~lightning_smartinf.hf.pretrained.save_pretrained`).
 
     Args:
         checkpoint_path: a checkpoint directory saved with ``strategy="smart_infinity"``.
@@ -165,16 +195,26 @@ def export_pretrained(
         auto_class: the transformers auto class to write (``"AutoModelForTokenClassification"``). ``None``: the
             task recorded in the checkpoint, else the head whose weights the checkpoint holds
             (:func:`~lightning_smartinf.hf.pretrained.find_head`; ``num_labels`` from the weights).
+        dtype: the dtype written: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (or ``"bfloat16"``, ``torch.bfloat16`` ...).
+            ``None``: the one the model was loaded in (the ``dtype`` of the config the checkpoint records, or of
+            ``model_dir``'s config.json), else fp32.
+        max_shard_size: the largest weight file, in bytes or as ``"500MB"``, ``"2GiB"``. A larger model is split
+            over ``model-00001-of-0000N.safetensors`` ... with ``model.safetensors.index.json``.
 
     Returns:
-        The exported weights by Hugging Face name.
+        What was written, and where.
 
     Raises:
-        ValueError: no config to build the model from, or the weights fit no model of it (or several).
+        ValueError: a bad ``dtype`` or ``max_shard_size`` (before anything is read or written), no config to build
+            the model from, or the weights fit no model of it (or several).
     """
     from lightning_smartinf.hf.data import TOKENIZER_FILES, load_tokenizer
     from lightning_smartinf.hf.pretrained import find_attribute, find_head, save_pretrained
+    from lightning_smartinf.hf.weight_files import export_dtype, shard_bytes
 
+    if dtype is not None:
+        export_dtype(dtype)
+    shard_bytes(max_shard_size)
     meta = hf_metadata(checkpoint_path)
     if meta is None and model_dir is None:
         raise ValueError(
@@ -187,22 +227,24 @@ def export_pretrained(
     tokenizer = None
     if tokenizer_dir is not None and any((Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = load_tokenizer(tokenizer_dir, argument="model_dir")
-    masters = consolidate_fp32_state_dict(checkpoint_path, remote=remote)
+    weights = checkpoint_weights(checkpoint_path, remote=remote)
     if attribute is None:
-        attribute = meta.get("attribute", HF_ATTRIBUTE) if meta is not None else find_attribute(masters, config)
+        attribute = meta.get("attribute", HF_ATTRIBUTE) if meta is not None else find_attribute(weights.shapes, config)
     prefix = f"{attribute}."
-    state = {k[len(prefix) :]: v for k, v in masters.items() if k.startswith(prefix)}
-    if not state:
-        attributes = sorted({k.split(".")[0] for k in masters})
+    state = weights.under(prefix)
+    if not state.shapes:
+        attributes = sorted({k.split(".")[0] for k in weights.shapes})
         raise ValueError(
             f"`attribute={attribute!r}` (`--hf-attribute`): the checkpoint's module has no parameters under it; they "
             f"are under {attributes[:8]}. Give the attribute holding the Hugging Face model, or leave it out."
         )
     if auto_class is None and meta is not None:
         auto_class = meta["task"]
-    head, config = find_head({k: v.shape for k, v in state.items()}, config, auto_class)
-    save_pretrained(state, config, head, out_dir, tokenizer=tokenizer)
-    others = sorted(k for k in masters if not k.startswith(prefix))
+    head, config = find_head(state.shapes, config, auto_class)
+    written = save_pretrained(
+        state, config, head, out_dir, tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size
+    )
+    others = sorted(k for k in weights.shapes if not k.startswith(prefix))
     if others:
         print(
             f"note: {len(others)} parameters of the module are outside `{attribute}` and not in {out_dir}: "
@@ -215,7 +257,7 @@ def export_pretrained(
             "files in, or pass `--hf-model-dir`.",
             file=sys.stderr,
         )
-    return state
+    return written
 
 
 def _hf_config(meta: dict | None, model_dir: str | os.PathLike | None) -> Any:
@@ -286,6 +328,19 @@ def _parser() -> argparse.ArgumentParser:
         "masked LM or the bare model)",
     )
     parser.add_argument(
+        "--dtype",
+        metavar="DTYPE",
+        help="with --save-pretrained: the dtype of the weights written, bf16, fp16 or fp32 (or bfloat16, float16, "
+        "float32); default: the one the model was loaded in (its config's `dtype`), else fp32",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="with --save-pretrained: the largest weight file, in bytes or e.g. 500MB, 5GB, 2GiB (default: 5GB); a "
+        "larger model is split over model-00001-of-0000N.safetensors ... with model.safetensors.index.json, as "
+        "transformers' save_pretrained writes it",
+    )
+    parser.add_argument(
         "--remote-devices",
         nargs="+",
         metavar="HOST:PORT",
@@ -306,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.output is None and args.save_pretrained is None:
         parser.error("give an output .safetensors file, `--save-pretrained DIR`, or both")
-    hf_flags = {"--hf-model-dir": args.hf_model_dir, "--hf-attribute": args.hf_attribute}
-    for flag, value in {**hf_flags, "--auto-class": args.auto_class}.items():
+    hf_flags = {"--hf-model-dir": args.hf_model_dir, "--hf-attribute": args.hf_attribute, "--dtype": args.dtype}
+    for flag, value in {**hf_flags, "--auto-class": args.auto_class, "--max-shard-size": args.max_shard_size}.items():
         if value is not None and args.save_pretrained is None:
             parser.error(f"`{flag}` goes with `--save-pretrained DIR`")
     if (args.remote_token_file or args.remote_tls_dir) and not args.remote_devices:
@@ -316,23 +371,34 @@ def main(argv: list[str] | None = None) -> int:
         remote = _remote_masters(
             args.remote_devices, args.remote_token_file, args.remote_tls_dir, args.remote_allow_plaintext
         )
+        if args.save_pretrained is not None:  # refused before anything is read or written
+            from lightning_smartinf.hf.weight_files import MAX_SHARD_SIZE, export_dtype, shard_bytes
+
+            if args.dtype is not None:
+                export_dtype(args.dtype, "--dtype")
+            shard_bytes(args.max_shard_size or MAX_SHARD_SIZE, "--max-shard-size")
         if args.output is not None:
             state = save_fp32(args.checkpoint, args.output, remote=remote)
             total = sum(t.numel() for t in state.values())
             print(f"wrote {len(state)} tensors ({total} parameters, fp32) to {args.output}")
         if args.save_pretrained is not None:
-            state = export_pretrained(
+            written = export_pretrained(
                 args.checkpoint,
                 args.save_pretrained,
                 model_dir=args.hf_model_dir,
                 attribute=args.hf_attribute,
                 auto_class=args.auto_class,
+                dtype=args.dtype,
+                max_shard_size=args.max_shard_size or MAX_SHARD_SIZE,
                 remote=remote,
             )
-            total = sum(t.numel() for t in state.values())
             config = json.loads((Path(args.save_pretrained) / "config.json").read_text())
             architecture = ", ".join(config.get("architectures") or ["?"])
-            print(f"wrote {architecture} ({total} parameters, fp32) as save_pretrained to {args.save_pretrained}")
+            files = f"{len(written.files)} weight file{'s' if len(written.files) > 1 else ''}"
+            print(
+                f"wrote {architecture} ({written.parameters} parameters, {config.get('dtype')}, {files}) as "
+                f"save_pretrained to {args.save_pretrained}"
+            )
     except (OSError, ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -554,6 +554,19 @@ def test_save_pretrained_arguments(tmp_path):
             SavePretrained(bad)
     assert SavePretrained(str(tmp_path / "new")).dirpath == str(tmp_path / "new")
     SavePretrained(tmp_path)
+    SavePretrained(tmp_path, dtype="bfloat16", max_shard_size="2GiB")
+    with pytest.raises(MisconfigurationException, match=r"2 invalid arguments:\n- `dtype='int8'` is not a dtype .*"
+                       r"'bf16'.*\n- `max_shard_size='5 parsecs'` is not a size"):  # fmt: skip
+        SavePretrained(tmp_path, dtype="int8", max_shard_size="5 parsecs")
+
+    class OwnSaver:  # a module of the user's own with `save_pretrained(out_dir)`: checked before training
+        def save_pretrained(self, out_dir: str) -> None: ...
+
+    SavePretrained(tmp_path).setup(None, OwnSaver(), "fit")  # it writes as it does
+    with pytest.raises(MisconfigurationException, match=r"`OwnSaver.save_pretrained` takes no `dtype`.*Add them"):
+        SavePretrained(tmp_path, dtype="bf16").setup(None, OwnSaver(), "fit")
+    with pytest.raises(MisconfigurationException, match=r"needs a module with `save_pretrained\(out_dir, \*, dtype"):
+        SavePretrained(tmp_path).setup(None, object(), "fit")
 
 
 # ------------------------------------------------------------------------------------------------ Problems

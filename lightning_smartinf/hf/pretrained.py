@@ -1,9 +1,11 @@
 """Hugging Face ``save_pretrained`` directories with the fp32 master weights consolidated from the devices.
 
 With ``strategy="smart_infinity"`` the fp32 masters never leave the devices during training; ZeRO's parameters
-are the low-precision copies. :func:`fp32_state_dict` reads the masters back from every device of every rank
-(:meth:`Backend.read_master`) and joins the ranks' partitions; :func:`save_pretrained` writes them as a Hugging Face
-model directory; :class:`SavePretrained` does both at the end of fit.
+are the low-precision copies. :func:`trained_weights` reads the masters back from every device of every rank
+(:meth:`Backend.read_master`) a device shard at a time and joins the ranks' partitions; :func:`save_pretrained`
+writes them as a Hugging Face model directory in the dtype asked for, one weight file of at most ``max_shard_size``
+at a time (:mod:`.weight_files`), so neither holds the whole model; :class:`SavePretrained` does both at the end of
+fit. The model written is built with its parameters on the meta device: its names, shapes and dtypes, no memory.
 
 For a checkpoint of any module holding a transformers model (``self.model = AutoModelFor...from_pretrained(...)``),
 :func:`find_attribute` tells from the parameter names and the config which attribute holds it, and
@@ -12,10 +14,12 @@ For a checkpoint of any module holding a transformers model (``self.model = Auto
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +31,17 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_smartinf.core.arguments import Problems
-from lightning_smartinf.core.format.rank_state import full_parameter, param_partitions
+from lightning_smartinf.core.format.masters import Weights
+from lightning_smartinf.core.format.rank_state import full_parameter
+from lightning_smartinf.hf.weight_files import (
+    MAX_SHARD_SIZE,
+    WrittenWeights,
+    config_dtype,
+    dtype_name,
+    export_dtype,
+    shard_bytes,
+    write_weight_files,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -47,61 +61,90 @@ HEAD_CLASSES = (
 Shapes = Mapping[str, Iterable[int]]
 
 
-def _strip(name: str, prefix: str) -> str:
-    return name[len(prefix) :] if name.startswith(prefix) else name
-
-
-def _live_masters(strategy: Any) -> dict[str, Tensor]:
-    """Full fp32 masters of every parameter the devices hold, by module parameter name (all ranks take part)."""
+def _device_masters(strategy: Any, prefix: str) -> Weights:
+    """The fp32 masters the devices hold of the parameters named ``prefix...`` (named without it), read a device
+    shard at a time and joined over the ranks. Every rank must read the same names in the same order."""
     import torch.distributed as dist
 
     smart_update = strategy.smart_update
     backend = smart_update.backend
     backend.wait()
-    layout = smart_update.layout()
-    buffers = []
-    for index, params in enumerate(layout):
-        buffer = torch.empty(sum(int(p["partition_numel"]) for p in params), dtype=torch.float32)
-        backend.read_master(index, buffer)
-        buffers.append(buffer)
-    backend.wait()
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    state: dict[str, Tensor] = {}
-    for params, buffer in zip(layout, buffers):
-        for param, part in param_partitions(params, buffer):
-            parts = [part]
-            if world > 1:  # every rank holds the same parameters in the same order, each its own slice
-                part = part.to(strategy.root_device)
-                parts = [torch.empty_like(part) for _ in range(world)]
-                dist.all_gather(parts, part)
-                parts = [p.cpu() for p in parts]
-            state[param["name"]] = full_parameter(param["name"], parts, param["shape"])
-    return state
+    where: dict[str, tuple[int, int, int]] = {}  # name -> (device shard, offset in it, partition numel)
+    shapes: dict[str, tuple[int, ...]] = {}
+    numels: list[int] = []
+    for index, params in enumerate(smart_update.layout()):
+        offset = 0
+        for param in params:  # a shard holds its parameters' partitions back to back
+            numel = int(param["partition_numel"])
+            if param["name"].startswith(prefix):
+                where[param["name"][len(prefix) :]] = (index, offset, numel)
+                shapes[param["name"][len(prefix) :]] = tuple(param["shape"])
+            offset += numel
+        numels.append(offset)
+
+    def gathered(part: Tensor) -> list[Tensor]:
+        if world == 1:
+            return [part]
+        part = part.to(strategy.root_device)  # every rank holds its own slice of the same parameter
+        parts = [torch.empty_like(part) for _ in range(world)]
+        dist.all_gather(parts, part)
+        return [p.cpu() for p in parts]
+
+    def read(names: Sequence[str]) -> Iterator[tuple[str, Tensor]]:
+        by_shard: dict[int, list[str]] = {}
+        for name in names:
+            by_shard.setdefault(where[name][0], []).append(name)
+        for index in sorted(by_shard):
+            buffer = torch.empty(numels[index], dtype=torch.float32)
+            backend.read_master(index, buffer)
+            backend.wait()
+            for name in by_shard[index]:
+                _, offset, numel = where[name]
+                yield name, full_parameter(name, gathered(buffer[offset : offset + numel]), shapes[name])
+            del buffer
+
+    return Weights(shapes, read)
 
 
-def fp32_state_dict(module: L.LightningModule, attribute: str = "model") -> dict[str, Tensor]:
-    """Full fp32 weights of ``module.<attribute>`` by its own (Hugging Face) parameter names, during training.
+def trained_weights(module: L.LightningModule, attribute: str = "model") -> Weights:
+    """The fp32 weights of ``module.<attribute>`` by its own (Hugging Face) parameter names, during training, read a
+    few at a time.
 
-    With ``smart_infinity``: the fp32 master weights read back from the devices; parameters the devices do not
-    hold (frozen ones) are gathered from ZeRO. Otherwise: the (gathered) parameters, upcast. Call it on every rank.
+    With ``smart_infinity``: the fp32 master weights read back from the devices, a device shard at a time;
+    parameters the devices do not hold (frozen ones) are gathered from ZeRO. Otherwise: the (gathered) parameters,
+    upcast. Every rank must read the same names in the same order (each parameter is gathered from all of them).
     """
     from lightning_smartinf.strategy import SmartInfinityStrategy
 
     strategy = module.trainer.strategy
     prefix = f"{attribute}."
-    masters: dict[str, Tensor] = {}
+    params = {n[len(prefix) :]: p for n, p in module.named_parameters() if n.startswith(prefix)}
+    masters = Weights.of({})
     if isinstance(strategy, SmartInfinityStrategy) and strategy.has_smart_update:
-        masters = {_strip(k, prefix): v for k, v in _live_masters(strategy).items()}
-    named = [(_strip(n, prefix), p) for n, p in module.named_parameters() if n.startswith(prefix)]
-    rest = [(n, p) for n, p in named if n not in masters]
-    if any(hasattr(p, "ds_id") for _, p in rest):
-        import deepspeed
+        masters = _device_masters(strategy, prefix)
+    rest = {name: param for name, param in params.items() if name not in masters.shapes}
 
-        with deepspeed.zero.GatheredParameters([p for _, p in rest]):
-            gathered = {n: p.detach().float().cpu().clone() for n, p in rest}
-    else:
-        gathered = {n: p.detach().float().cpu().clone() for n, p in rest}
-    return {n: masters[n] if n in masters else gathered[n] for n, _ in named}
+    def read_rest(names: Sequence[str]) -> Iterator[tuple[str, Tensor]]:
+        chosen = [rest[name] for name in names]
+        gather: Any = contextlib.nullcontext()
+        if any(hasattr(p, "ds_id") for p in chosen):
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters(chosen)
+        with gather:
+            for name in names:
+                yield name, rest[name].detach().to("cpu", torch.float32, copy=True)
+
+    shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in rest.items()}
+    joined = masters.joined(Weights(shapes, read_rest))
+    return Weights({name: joined.shapes[name] for name in params}, joined.read)
+
+
+def fp32_state_dict(module: L.LightningModule, attribute: str = "model") -> dict[str, Tensor]:
+    """Full fp32 weights of ``module.<attribute>`` by its own (Hugging Face) parameter names, during training: all of
+    :func:`trained_weights` at once (the whole model in memory). Call it on every rank."""
+    return trained_weights(module, attribute).all()
 
 
 def auto_class(name: str, argument: str = "auto_class") -> Any:
@@ -126,11 +169,12 @@ def auto_class(name: str, argument: str = "auto_class") -> Any:
 def build_model(config: PretrainedConfig, task: str, *, device: str | torch.device = "cpu") -> PreTrainedModel:
     """An fp32 Hugging Face model of ``task`` (an auto class name or a key of :data:`AUTO_CLASSES`) from ``config``.
 
-    ``device="meta"`` builds it without allocating or initializing weights: names and shapes only.
+    ``device="meta"`` builds it without allocating or initializing weights: names and shapes only. ``config`` is
+    left as it is (transformers would set its ``dtype`` to the model's).
     """
     cls = auto_class(task, "task")
     with torch.device(device):
-        return cls.from_config(config, dtype=torch.float32)
+        return cls.from_config(copy.deepcopy(config), dtype=torch.float32)
 
 
 def _alias_groups(model: torch.nn.Module) -> list[list[str]]:
@@ -283,68 +327,212 @@ def find_attribute(names: Iterable[str], config: PretrainedConfig) -> str:
     )
 
 
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Parameters registered inside go to the meta device (names, shapes and dtypes, no memory); buffers stay real.
+
+    A module allocates a parameter, then registers it; it is swapped for a meta one right there (as ``accelerate``'s
+    ``init_empty_weights(include_buffers=False)`` does), before its initialization would touch its memory.
+    """
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _skeleton(config: PretrainedConfig, task: str, dtype: torch.dtype) -> PreTrainedModel:
+    """The ``task`` model of ``config`` as transformers builds it in ``dtype``, its parameters on the meta device and
+    its buffers real: the names, shapes and dtypes to write, and the values of the buffers."""
+    cls = auto_class(task, "task")
+    with _parameters_on_meta():
+        return cls.from_config(copy.deepcopy(config), dtype=dtype)  # a copy: transformers sets its `dtype`
+
+
+def _written_tensors(model: torch.nn.Module, shapes: Shapes) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """What ``save_pretrained`` writes of ``model``: each tensor of its state dict once, in order (of tied weights,
+    the name ``named_parameters`` keeps); and for each parameter written, the name it has in ``shapes``."""
+    aliases = {name: group for group in _alias_groups(model) for name in group}
+    tensors: dict[str, Tensor] = {}
+    sources: dict[str, str] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:  # a tied weight, under its second name
+            continue
+        seen.add(id(tensor))
+        tensors[name] = tensor.detach()
+        if name in aliases:
+            sources[name] = next(alias for alias in aliases[name] if alias in shapes)
+    return tensors, sources
+
+
+def _original_format(model: PreTrainedModel) -> Callable[[dict[str, Tensor]], dict[str, Tensor]] | None:
+    """transformers' renaming of a file's tensors to the names its checkpoints use (models whose weights it converts
+    on loading, such as fused experts); ``None`` before transformers 5, which saved the names in memory."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return None
+    return lambda tensors: revert_weight_conversion(model, tensors)
+
+
 def save_pretrained(
-    state: dict[str, Tensor],
+    weights: Weights | Mapping[str, Tensor],
     config: PretrainedConfig,
     task: str,
     out_dir: str | os.PathLike,
     *,
     tokenizer: Any = None,
-) -> PreTrainedModel:
-    """Write ``state`` (fp32 weights by Hugging Face name) as a ``save_pretrained`` directory; return the model.
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+    is_main_process: bool = True,
+) -> WrittenWeights:
+    """Write ``weights`` (fp32, by Hugging Face name) as a ``save_pretrained`` directory, one weight file at a time.
 
-    ``task``: an auto class name (``"AutoModelForTokenClassification"``) or a key of :data:`AUTO_CLASSES`. Every
-    parameter of the model must be in ``state`` under one of its names, tied weights (GPT-2's ``lm_head``) once:
-    they stay tied. Buffers keep the values the config gives them. ``config.json`` names the model's class in
-    ``architectures``. The tokenizer, if given, is saved beside the model.
+    Every parameter of the model must be in ``weights`` under one of its names, tied weights (GPT-2's ``lm_head``)
+    once: they are written once and stay tied. Buffers keep the values the config gives them. The files are those
+    transformers' ``save_pretrained`` writes: ``config.json`` (naming the model's class in ``architectures`` and the
+    dtype written in ``dtype``), ``generation_config.json`` for a generative model, and the weights
+    (:mod:`.weight_files`). Each file's weights are read, cast and written before the next file's are read. The
+    tokenizer, if given, is saved beside the model.
+
+    Args:
+        weights: the fp32 weights, a state dict or read a few at a time (:func:`trained_weights`, or a checkpoint's
+            through :func:`lightning_smartinf.export.checkpoint_weights`).
+        config: the model's config.
+        task: an auto class name (``"AutoModelForTokenClassification"``) or a key of :data:`AUTO_CLASSES`.
+        out_dir: the output directory (created; files in it are overwritten, weight files of an earlier save that
+            this one does not write are removed).
+        tokenizer: saved beside the model.
+        dtype: the dtype written: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (or ``"bfloat16"``, ``torch.bfloat16`` ...).
+            ``None``: the one the model was saved in, as ``config`` says (``dtype``, or ``torch_dtype``), else fp32.
+        max_shard_size: the largest weight file, in bytes or as ``"500MB"``, ``"2GiB"``. A model larger than that is
+            split over ``model-00001-of-0000N.safetensors`` ... with ``model.safetensors.index.json``.
+        is_main_process: whether this process writes; the others only read alongside it (each read of
+            :func:`trained_weights` gathers over the ranks).
+
+    Returns:
+        What was written, and where.
 
     Raises:
-        ValueError: ``state`` lacks parameters of the model, has names it does not know, or other shapes.
+        ValueError: ``dtype`` or ``max_shard_size`` is not one (before anything is read or written); ``weights``
+            lacks parameters of the model, has names it does not know, or other shapes.
     """
-    model = build_model(config, task)
-    problem = _mismatch({n: t.shape for n, t in state.items()}, model)
+    max_bytes = shard_bytes(max_shard_size)
+    dtype = config_dtype(config) if dtype is None else export_dtype(dtype)
+    if not isinstance(weights, Weights):
+        weights = Weights.of(weights)
+    model = _skeleton(config, task, dtype)
+    problem = _mismatch(weights.shapes, model)
     if problem:
         raise ValueError(f"The weights do not match a {type(model).__name__} of this config: {problem}.")
-    with torch.no_grad():
-        for group in _alias_groups(model):
-            source = next(n for n in group if n in state)
-            model.get_parameter(group[0]).copy_(state[source])
+    tensors, sources = _written_tensors(model, weights.shapes)
+
+    def read(names: Sequence[str]) -> Iterator[tuple[str, Tensor]]:
+        written = {sources[name]: name for name in names if name in sources}
+        for source, value in weights.read(list(written)):
+            yield written[source], value
+        yield from ((name, tensors[name]) for name in names if name not in sources)  # buffers
+
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
-    return model
+    done = write_weight_files(
+        out,
+        tensors,
+        read,
+        max_bytes=max_bytes,
+        parameters=model.num_parameters(),
+        dtype=dtype,
+        convert=_original_format(model),
+        write=is_main_process,
+    )
+    if is_main_process:
+        model.config.dtype = dtype_name(dtype)
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(str(out))
+        if model.can_generate():
+            model.generation_config.save_pretrained(str(out))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(out))
+    return done
 
 
 class SavePretrained(Callback):
     """At the end of fit, write the trained Hugging Face model as a ``save_pretrained`` directory.
 
     The weights are the fp32 master weights consolidated from the devices (not the bf16/fp16 copies ZeRO trains
-    with); the config and tokenizer come from the module. Works with :class:`~lightning_smartinf.hf.HFCausalLM`,
-    :class:`~lightning_smartinf.hf.HFSequenceClassifier` or any module with a ``save_pretrained(out_dir)`` method.
+    with), cast to ``dtype`` and written a file at a time (:func:`save_pretrained`); the config and tokenizer come
+    from the module. Works with :class:`~lightning_smartinf.hf.HFCausalLM`,
+    :class:`~lightning_smartinf.hf.HFSequenceClassifier` or any module with a
+    ``save_pretrained(out_dir, *, dtype, max_shard_size)`` method.
 
     Args:
         dirpath: the output directory (created; files in it are overwritten).
+        dtype: the dtype written: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (or ``"bfloat16"``, ``torch.bfloat16`` ...).
+            ``None``: the one the model was loaded in (its config's ``dtype``), else fp32.
+        max_shard_size: the largest weight file, in bytes or as ``"500MB"``, ``"2GiB"``; a larger model is split over
+            several files with an index, as transformers' ``save_pretrained`` does.
     """
 
-    def __init__(self, dirpath: str) -> None:
+    def __init__(
+        self, dirpath: str, *, dtype: str | torch.dtype | None = None, max_shard_size: int | str = MAX_SHARD_SIZE
+    ) -> None:
         problems = Problems("SavePretrained", MisconfigurationException)
         if problems.path("dirpath", dirpath) and os.path.exists(dirpath) and not os.path.isdir(dirpath):
             problems.add(
                 f"`dirpath={str(dirpath)!r}` is a file, not a directory: the model is written into a directory. "
                 "Choose another path or move the file away."
             )
+        checks: list[tuple[Callable[[Any, str], Any], str, Any]] = [(shard_bytes, "max_shard_size", max_shard_size)]
+        if dtype is not None:
+            checks.insert(0, (export_dtype, "dtype", dtype))
+        for check, argument, value in checks:
+            try:
+                check(value, argument)
+            except ValueError as exc:
+                problems.add(str(exc))
         problems.raise_if_any()
         self.dirpath = dirpath
-        self.state: dict[str, Tensor] = {}
+        self.dtype = dtype
+        self.max_shard_size = max_shard_size
+        #: What the end of fit wrote (``None`` before, or when the module's own ``save_pretrained`` says nothing).
+        self.written: WrittenWeights | None = None
 
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def _saver_arguments(self, pl_module: L.LightningModule) -> dict[str, Any]:
+        """The keyword arguments ``pl_module.save_pretrained`` gets, or a clear error when it cannot take them."""
+        name = type(pl_module).__name__
         saver = getattr(pl_module, "save_pretrained", None)
         if saver is None:
             raise MisconfigurationException(
-                f"`SavePretrained` needs a module with `save_pretrained(out_dir)` (`HFCausalLM`, "
-                f"`HFSequenceClassifier`); {type(pl_module).__name__} has none."
+                "`SavePretrained` needs a module with `save_pretrained(out_dir, *, dtype, max_shard_size)` "
+                f"(`HFCausalLM`, `HFSequenceClassifier`); {name} has none."
             )
-        self.state = saver(self.dirpath)
+        wanted = {"dtype": self.dtype, "max_shard_size": self.max_shard_size}
+        parameters = inspect.signature(saver).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            return wanted
+        lacking = [key for key in wanted if key not in parameters]
+        if not lacking:
+            return wanted
+        if self.dtype is None and self.max_shard_size == MAX_SHARD_SIZE:
+            return {}  # a module's own `save_pretrained(out_dir)`: it writes as it does
+        raise MisconfigurationException(
+            f"`SavePretrained(dtype={self.dtype!r}, max_shard_size={self.max_shard_size!r})`: `{name}.save_pretrained` "
+            f"takes no {' or '.join(f'`{key}`' for key in lacking)}. Add them to it (and pass them on to "
+            "`lightning_smartinf.hf.save_pretrained`), or leave them out of `SavePretrained`."
+        )
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._saver_arguments(pl_module)  # before training, not after it
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        written = pl_module.save_pretrained(self.dirpath, **self._saver_arguments(pl_module))
+        self.written = written if isinstance(written, WrittenWeights) else None

@@ -24,9 +24,10 @@ def deepspeed_globals() -> list[type]:
     return [ZeroStageEnum, LossScaler, DynamicLossScaler]
 
 
-def load_deepspeed_file(path: str | Path, map_location: Any = "cpu") -> Any:
-    """One DeepSpeed checkpoint file, read with ``weights_only=True`` (see :func:`safe_torch_load`)."""
-    return safe_torch_load(path, map_location=map_location, allowed=deepspeed_globals())
+def load_deepspeed_file(path: str | Path, map_location: Any = "cpu", *, mmap: bool = False) -> Any:
+    """One DeepSpeed checkpoint file, read with ``weights_only=True`` (see :func:`safe_torch_load`); ``mmap``: its
+    tensors map the file."""
+    return safe_torch_load(path, map_location=map_location, allowed=deepspeed_globals(), mmap=mmap)
 
 
 @contextlib.contextmanager

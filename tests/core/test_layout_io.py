@@ -195,3 +195,27 @@ def test_state_file_close_is_idempotent(tmp_path) -> None:
     with pytest.raises(OSError) as info:
         f.read_into(aligned_empty(4096), 0)
     assert info.value.errno == errno.EBADF
+
+
+@pytest.mark.parametrize(("numel", "chunk", "states"), [row[:3] for row in LAYOUTS if row[0] > 1])
+def test_read_shard_masters_reads_any_range_of_the_masters(tmp_path, numel, chunk, states) -> None:
+    """A range of a shard's masters, read from its chunk records alone, is that range of the masters, wherever it
+    starts and ends (inside a chunk, across chunks, empty); the states beside them and the padding are never read."""
+    from lightning_smartinf.core.format.state_files import read_shard_masters
+
+    layout = ChunkLayout(numel, chunk, states)
+    masters = torch.arange(numel, dtype=torch.float32)
+    raw = torch.full((layout.file_bytes // 4,), -1.0)  # the states and the padding: never a master's value
+    for k in range(layout.num_chunks):
+        start, length = layout.chunk_range(k)
+        first = layout.record_offset(k) // 4
+        raw[first : first + length] = masters[start : start + length]
+    path = tmp_path / "shard00000.state"
+    path.write_bytes(raw.numpy().tobytes())
+    assert torch.equal(read_shard_masters(path, layout), masters)
+    edges = sorted({0, 1, chunk - 1, chunk, chunk + 1, numel // 2, numel - 1, numel} & set(range(numel + 1)))
+    for start in edges:
+        for end in (e for e in edges if e >= start):
+            assert torch.equal(read_shard_masters(path, layout, start, end - start), masters[start:end]), (start, end)
+    with pytest.raises(ValueError, match=r"outside its"):
+        read_shard_masters(path, layout, numel - 1, 2)

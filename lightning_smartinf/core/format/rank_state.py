@@ -249,4 +249,5 @@ def full_parameter(name: str, partitions: Sequence[Tensor], shape: Sequence[int]
     flat = torch.cat(list(partitions))
     if flat.numel() < numel:
         raise ValueError(f"Parameter {name!r}: the ranks hold {flat.numel()} elements, its shape needs {numel}.")
-    return flat[:numel].clone().view(list(shape))
+    # `cat` made a tensor of its own: only the padding needs another copy to be dropped.
+    return (flat if flat.numel() == numel else flat[:numel].clone()).view(list(shape))

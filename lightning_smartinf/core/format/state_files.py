@@ -476,16 +476,21 @@ def convert_state_file(src: Path, saved: ChunkLayout, saved_states: Sequence[str
     return crc
 
 
-def read_shard_masters(path: Path, layout: ChunkLayout) -> Tensor:
-    """The fp32 master weights of one saved shard file: the first tensor of every chunk record."""
-    out = torch.empty(layout.numel, dtype=torch.float32)
+def read_shard_masters(path: Path, layout: ChunkLayout, start: int = 0, numel: int | None = None) -> Tensor:
+    """The fp32 master weights of elements ``[start, start + numel)`` (default: all) of one saved shard file: read
+    from the first tensor of each chunk record they fall in, and nothing else."""
+    end = layout.numel if numel is None else start + numel
+    if not 0 <= start <= end <= layout.numel:
+        raise ValueError(f"State file {path}: elements [{start}, {end}) are outside its {layout.numel}.")
+    out = torch.empty(end - start, dtype=torch.float32)
     view = memoryview(out.numpy()).cast("B")
     with open(path, "rb", buffering=0) as f:
-        for k in range(layout.num_chunks):
-            start, n = layout.chunk_range(k)
-            f.seek(layout.record_offset(k))
-            got = f.readinto(view[start * 4 : (start + n) * 4])
-            if got != n * 4:
+        for k in range(start // layout.chunk_elems, -(-end // layout.chunk_elems)):
+            first, n = layout.chunk_range(k)
+            low, high = max(first, start), min(first + n, end)
+            f.seek(layout.record_offset(k) + (low - first) * 4)
+            got = f.readinto(view[(low - start) * 4 : (high - start) * 4])
+            if got != (high - low) * 4:
                 raise ValueError(f"State file {path} ended early in chunk {k}.")
     return out
 

@@ -15,8 +15,12 @@ __all__ = ["safe_torch_load"]
 _UNSUPPORTED = re.compile(r"(Unsupported global: GLOBAL \S+|Unsupported operand \S+|[^\n]*not an allowed global[^\n]*)")
 
 
-def safe_torch_load(path: str | os.PathLike, *, map_location: Any = "cpu", allowed: Iterable[Any] = ()) -> Any:
+def safe_torch_load(
+    path: str | os.PathLike, *, map_location: Any = "cpu", allowed: Iterable[Any] = (), mmap: bool = False
+) -> Any:
     """``torch.load(path, weights_only=True)`` with ``allowed`` classes; a pickle that would run code is refused.
+
+    ``mmap``: the tensors map the file instead of being read into memory (a page is read when touched).
 
     Refusal raises :class:`CheckpointError` naming the file and the object it would have had to build; the
     pickle's code never runs. A class of your own that you trust can be allowed with
@@ -26,7 +30,7 @@ def safe_torch_load(path: str | os.PathLike, *, map_location: Any = "cpu", allow
 
     try:
         with torch.serialization.safe_globals(list(allowed)):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         found = _UNSUPPORTED.search(str(exc))
         what = found.group(1).strip() if found else str(exc).splitlines()[0]

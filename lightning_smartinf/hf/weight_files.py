@@ -1,0 +1,202 @@
+"""The weight files of a ``save_pretrained`` directory, written one at a time, in the dtype asked for.
+
+The layout is transformers' own: ``model.safetensors`` when the weights fit one file of ``max_shard_size``, else
+``model-00001-of-0000N.safetensors`` ... with ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes,
+"total_parameters": count}, "weight_map": {name: file}}``). Tensors go into files in order, a file closed when the
+next tensor would take it past ``max_shard_size`` (a larger tensor gets a file of its own): huggingface_hub's
+``split_state_dict_into_shards_factory``, the split transformers' ``save_pretrained`` makes.
+
+Each file's tensors are read (fp32), cast, written and dropped before the next file's are read, so memory holds one
+file's worth and one parameter in fp32, never the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+#: The largest weight file by default, as transformers 4 wrote them (transformers 5 writes up to 50GB).
+MAX_SHARD_SIZE = "5GB"
+#: The dtypes written, by the names they are given as.
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+#: Bytes per unit of ``max_shard_size``: powers of 1000 as transformers counts them, and of 1024.
+SIZE_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+#: The name of each file of a sharded save: ``model-00001-of-00003.safetensors``.
+SHARD_PATTERN = "model{suffix}.safetensors"
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def export_dtype(value: Any, argument: str = "dtype") -> torch.dtype:
+    """The dtype ``value`` names: ``"bf16"``/``"bfloat16"``/``torch.bfloat16``, the same for fp16 and fp32.
+
+    Raises:
+        ValueError: ``value`` is none of them; the message names ``argument``.
+    """
+    if isinstance(value, torch.dtype) and value in DTYPES.values():
+        return value
+    if isinstance(value, str) and value.strip().lower().removeprefix("torch.") in DTYPES:
+        return DTYPES[value.strip().lower().removeprefix("torch.")]
+    raise ValueError(
+        f"`{argument}={value!r}` is not a dtype the weights can be written in. Give 'bf16' ('bfloat16', "
+        "torch.bfloat16), 'fp16' ('float16', torch.float16) or 'fp32' ('float32', torch.float32)."
+    )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``"bfloat16"`` for ``torch.bfloat16``: the name config.json gives a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+def config_dtype(config: Any) -> torch.dtype:
+    """The dtype the model was saved in, as its config says (``dtype``, or ``torch_dtype`` before transformers 5);
+    fp32 when it says none.
+
+    Raises:
+        ValueError: the config names a dtype the weights cannot be written in (``float64``).
+    """
+    fields = config.to_dict()
+    value = fields.get("dtype") or fields.get("torch_dtype")
+    if value is None:
+        return torch.float32
+    try:
+        return export_dtype(value)
+    except ValueError:
+        raise ValueError(
+            f"The model's config says `dtype={value!r}`, which the weights cannot be written in. Give `dtype` "
+            "(`--dtype`): 'bf16', 'fp16' or 'fp32'."
+        ) from None
+
+
+def shard_bytes(value: Any, argument: str = "max_shard_size") -> int:
+    """The bytes ``value`` stands for: an int, or a string of a number and a unit (``"500MB"``, ``"2GiB"``,
+    ``"1000000"``); KB, MB, GB, TB count in powers of 1000, KiB, MiB, GiB, TiB in powers of 1024.
+
+    Raises:
+        ValueError: ``value`` is not a positive size; the message names ``argument``.
+    """
+    size = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", value)
+        unit = match.group(2).upper() if match else ""
+        if match and (unit or "B") in SIZE_UNITS:
+            size = int(float(match.group(1)) * SIZE_UNITS[unit or "B"])
+    if size is None or size < 1:
+        raise ValueError(
+            f"`{argument}={value!r}` is not a size. Give a positive number of bytes (`1000000`) or a number with "
+            "a unit: KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '5GB' or '2GiB'."
+        )
+    return size
+
+
+@dataclass(frozen=True)
+class WrittenWeights:
+    """What :func:`write_weight_files` wrote."""
+
+    #: The weight files, in order (one: ``model.safetensors``).
+    files: list[str]
+    #: The file each tensor is in.
+    weight_map: dict[str, str]
+    #: Bytes of tensor data.
+    total_size: int
+    #: Elements of the model's parameters (tied ones once).
+    parameters: int
+    dtype: torch.dtype
+
+
+def write_weight_files(
+    out_dir: str | os.PathLike,
+    tensors: Mapping[str, Tensor],
+    read: Callable[[Sequence[str]], Iterator[tuple[str, Tensor]]],
+    *,
+    max_bytes: int,
+    parameters: int,
+    dtype: torch.dtype,
+    convert: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None,
+    write: bool = True,
+) -> WrittenWeights:
+    """Write the weights named by ``tensors`` into ``out_dir`` as transformers lays them out, a file at a time.
+
+    Args:
+        out_dir: the directory (created). Weight files of an earlier save there that this one does not write
+            (``model.safetensors``, the index, ``model-*-of-*.safetensors``) are removed, so none is left over.
+        tensors: the tensors to write, by name, in order: their shapes and dtypes (meta tensors will do).
+        read: yields ``(name, tensor)`` for each name asked for; each is cast to its dtype in ``tensors``.
+        max_bytes: the largest file (a tensor larger than that gets a file of its own).
+        parameters: the model's parameter count, for the index.
+        dtype: the dtype written, for the record.
+        convert: renames (and splits) a file's tensors as they are saved (transformers' ``revert_weight_conversion``).
+        write: ``False`` reads everything (collectives on every rank) but writes nothing.
+    """
+    from huggingface_hub import split_state_dict_into_shards_factory
+    from safetensors.torch import save_file
+
+    sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in tensors.items()}
+    split = split_state_dict_into_shards_factory(
+        sizes, get_storage_size=int, filename_pattern=SHARD_PATTERN, max_shard_size=max_bytes
+    )
+    out = Path(out_dir)
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+        _remove_stale(out, set(split.filename_to_tensors))
+    weight_map: dict[str, str] = {}
+    for file, names in split.filename_to_tensors.items():
+        shard: dict[str, Tensor] = {}
+        for name, value in read(names):
+            shard[name] = value.to(tensors[name].dtype).contiguous()
+            del value  # the fp32 copy, before the next one is made
+        if convert is not None:
+            shard = convert(shard)
+        weight_map.update(dict.fromkeys(shard, file))
+        if write:
+            save_file(shard, str(out / file), metadata={"format": "pt"})
+        del shard
+    if write and split.is_sharded:
+        index = {"metadata": {"total_parameters": parameters, **split.metadata}, "weight_map": weight_map}
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return WrittenWeights(
+        files=list(split.filename_to_tensors),
+        weight_map=weight_map,
+        total_size=int(split.metadata["total_size"]),
+        parameters=parameters,
+        dtype=dtype,
+    )
+
+
+def _remove_stale(out: Path, files: set[str]) -> None:
+    """Remove the weight files of an earlier save in ``out`` that are not among ``files``: ``from_pretrained``
+    would read a left-over ``model.safetensors`` before the index."""
+    for path in out.iterdir():
+        stale = path.name in (WEIGHTS_NAME, INDEX_NAME) or _SHARD_NAME.fullmatch(path.name) is not None
+        if stale and path.name not in files and path.is_file():
+            path.unlink()
