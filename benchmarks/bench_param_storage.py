@@ -213,6 +213,7 @@ def launch(args: argparse.Namespace, run: str, layers: int) -> dict[str, Any]:
     params = model_params(argparse.Namespace(**{**vars(args), "layers": layers}))
     name = run + (f"_{args.compression}" if args.compression and run.startswith("ours") else "")
     failed = {"run": name, "params": params, "ok": False}
+    Path(args.storage).mkdir(parents=True, exist_ok=True)
     storage = Path(tempfile.mkdtemp(prefix=f"params_{run}_", dir=args.storage))
     try:
         free = shutil.disk_usage(storage).free

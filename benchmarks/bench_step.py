@@ -703,6 +703,7 @@ def main() -> None:
         return
 
     storage = args.storage or tempfile.gettempdir()
+    Path(storage).mkdir(parents=True, exist_ok=True)
     raw = raw_bandwidth(Path(storage), args.raw_gib)
     print(f"# raw direct I/O on {storage}: {raw}", file=sys.stderr, flush=True)
     forwarded = [a for a in sys.argv[1:]]
