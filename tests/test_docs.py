@@ -204,3 +204,19 @@ def test_every_documented_command_line_uses_flags_its_help_lists():
 )
 def test_command_lines_are_recognised(line, prefix):
     assert command_of(shlex.split(line)) == prefix
+
+
+def test_every_file_the_docs_link_or_name_exists():
+    """Links and the repository paths the docs name in code spans point at files that are there."""
+    missing = []
+    for path in [README, *DOCS, REPO_ROOT / "recipes" / "README.md"]:
+        text = path.read_text()
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if not target.startswith(("http://", "https://", "mailto:")) and not (path.parent / target).exists():
+                missing.append(f"{path.relative_to(REPO_ROOT)}: link {target}")
+        for target in re.findall(
+            r"`((?:lightning_smartinf|tests|benchmarks|scripts|recipes|docs|hls_kernels)/[\w./-]+\.\w+)`", text
+        ):
+            if not (REPO_ROOT / target).exists():
+                missing.append(f"{path.relative_to(REPO_ROOT)}: {target}")
+    assert not missing, "\n".join(missing)
