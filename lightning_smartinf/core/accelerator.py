@@ -2,16 +2,17 @@
 
 A device worker reads gradient chunks from wherever the engine keeps them and writes updated low-precision parameters
 into the engine's partitions, which may live in GPU memory. On a GPU a plain ``copy_`` from a worker thread runs on
-the default stream: it queues behind every kernel of backward and makes each transfer synchronous. :class:`HostLink`
-moves those chunks on a stream of its own through pinned staging buffers instead.
+the default stream: it queues behind every kernel of backward and makes each transfer synchronous.
+:class:`AcceleratorCopies` moves those chunks on a stream of its own through pinned staging buffers instead.
 
 Invariants:
 
-- A CUDA copy never runs on the training stream: each :class:`HostLink` has its own streams, created on first use.
+- A CUDA copy never runs on the training stream: each :class:`AcceleratorCopies` has its own streams, created on
+  first use.
 - A gradient chunk is read only after the fence the host handed with it (:func:`record_fence`, recorded on the
   stream that produced the gradient) has completed: the worker waits for it, the training thread never does.
-- A parameter chunk written to accelerator memory has landed when :meth:`HostLink.settle` returns; a device settles
-  before it reports a request done, so a request's handle completing means its parameters are in place for every
+- A parameter chunk written to accelerator memory has landed when :meth:`AcceleratorCopies.settle` returns; a device
+  settles before it reports a request done, so a request's handle completing means its parameters are in place for every
   stream.
 - A staging slot is refilled only after the copy that last read it has completed.
 - Host and non-CUDA tensors are copied directly (synchronously): correct on any stream, and the only copies a
@@ -39,7 +40,7 @@ from lightning_smartinf.core.io.direct import IO_ALIGN
 
 __all__ = [
     "Fence",
-    "HostLink",
+    "AcceleratorCopies",
     "PinnedRing",
     "SideStreams",
     "bind_thread",
@@ -68,7 +69,7 @@ class Fence(Protocol):
 
 
 def on_cuda(tensor: Tensor) -> bool:
-    """Whether ``tensor`` lives in CUDA memory (the copies :class:`HostLink` moves off the training stream)."""
+    """Whether ``tensor`` lives in CUDA memory (the copies :class:`AcceleratorCopies` moves off the training stream)."""
     return tensor.device.type == "cuda"
 
 
@@ -215,7 +216,7 @@ class _Slot:
         return self.buffer[:nbytes].view(dtype)
 
 
-class HostLink:
+class AcceleratorCopies:
     """One worker thread's copies between accelerator memory and the host, on streams of their own (one each way).
 
     Args:

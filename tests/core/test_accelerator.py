@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_smartinf.core.accelerator import HostLink, on_cuda, record_fence
+from lightning_smartinf.core.accelerator import AcceleratorCopies, on_cuda, record_fence
 
 
 def test_host_tensors_cross_directly() -> None:
-    link = HostLink()
+    link = AcceleratorCopies()
     src = torch.randn(1000)
     assert link.to_host(src) is src  # no staging copy of what already is host memory
     out = torch.empty(1000, dtype=torch.bfloat16)
@@ -29,4 +29,4 @@ def test_no_fence_without_cuda_work() -> None:
 @pytest.mark.parametrize("slots", [0, -1])
 def test_slots_are_checked(slots) -> None:
     with pytest.raises(ValueError, match=rf"`slots={slots}` must be at least 1"):
-        HostLink(slots=slots)
+        AcceleratorCopies(slots=slots)

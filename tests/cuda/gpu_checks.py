@@ -37,7 +37,7 @@ from models import LMModule, adamw_factory, fit, max_relative_error  # noqa: E40
 from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
 from lightning_smartinf.activations import ActivationOffloader  # noqa: E402
 from lightning_smartinf.activations.spill import SPILL_FILE_NAME  # noqa: E402
-from lightning_smartinf.core.accelerator import HostLink, on_cuda  # noqa: E402
+from lightning_smartinf.core.accelerator import AcceleratorCopies, on_cuda  # noqa: E402
 from lightning_smartinf.core.controller import SmartUpdate  # noqa: E402
 
 STEPS = 8
@@ -115,19 +115,19 @@ class DelayedLinks:
     """
 
     def __enter__(self) -> DelayedLinks:
-        self._put = put = HostLink.put
+        self._put = put = AcceleratorCopies.put
 
-        def delayed(link: HostLink, dst: torch.Tensor, src: torch.Tensor) -> None:
+        def delayed(link: AcceleratorCopies, dst: torch.Tensor, src: torch.Tensor) -> None:
             if on_cuda(dst):
                 with torch.cuda.stream(link._streams.stream(dst.device, "out")):
                     torch.cuda._sleep(DELAY_CYCLES)
             put(link, dst, src)
 
-        HostLink.put = delayed  # type: ignore[method-assign]
+        AcceleratorCopies.put = delayed  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        HostLink.put = self._put  # type: ignore[method-assign]
+        AcceleratorCopies.put = self._put  # type: ignore[method-assign]
 
 
 class CheckParametersLanded(L.Callback):

@@ -563,11 +563,11 @@ class StreamingBackend(Backend):
         rule = entry.spec.rule
         init_values = [rule.initial_state_value(name) for name in rule.state_names]
 
-        host_link = self.device_of(shard).link
+        copies = self.device_of(shard).copies
         written = record_fence(master.device) if on_cuda(master) else None  # by the caller's stream, maybe not yet
 
         def fill(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
-            m.copy_(host_link.to_host(master[start : start + n], after=written))
+            m.copy_(copies.to_host(master[start : start + n], after=written))
             for state, value in zip(states, init_values):
                 if value != 0.0:
                     state.fill_(value)
@@ -657,10 +657,10 @@ class StreamingBackend(Backend):
     def read_master(self, shard: int, out: Tensor) -> Handle:
         self._refuse("read_master")
         entry = self._shard(shard, out.numel(), "`out`")
-        host_link = self.device_of(shard).link
+        copies = self.device_of(shard).copies
 
         def copy_out(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
-            host_link.put(out[start : start + n], m)
+            copies.put(out[start : start + n], m)
 
         link = out.numel() * 4
         return self._enqueue(Request(shard=entry, read=True, write=False, compute=copy_out, link_read=link))

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from lightning_smartinf.core.accelerator import (
-    HostLink,
+    AcceleratorCopies,
     current_accelerator,
     side_stream,
     start_thread,
@@ -125,7 +125,7 @@ class StreamingDevice(ABC):
         self.stats = DeviceCounters()
         self.pool = ChunkPool()
         #: The worker's copies to and from accelerator memory (gradients in, parameters out), off the training stream.
-        self.link = HostLink()
+        self.copies = AcceleratorCopies()
         #: Host bytes of the buffers this device allocated (see :meth:`allocate`).
         self.allocated_bytes = 0
         #: ``time.monotonic()`` of the last sign of life: new work, or a chunk read, written or updated.
@@ -258,7 +258,7 @@ class StreamingDevice(ABC):
         self._writer.shutdown(wait=settled, cancel_futures=True)
         if settled:
             self.io.close()
-            self.link.close()
+            self.copies.close()
         else:
             log.warning(
                 "Device %d at %r: %s still pending %s s after `close`; its threads are left behind and the process "
@@ -570,7 +570,7 @@ class StreamingDevice(ABC):
                     self.pool.release(buf)
         finally:
             # Parameters copied to accelerator memory have landed before the request is reported done (or failed).
-            self.link.settle()
+            self.copies.settle()
             # A failed request drops its remaining reads; reads already issued for later requests stay theirs.
             reads = self.window.reads
             while reads and reads[0].request is request:
@@ -615,7 +615,7 @@ class EmulatedDevice(StreamingDevice):
             if hp.grad_scale != 1.0:
                 g.mul_(hp.grad_scale)
             rule.apply(m, g, states, hp)
-            self.link.put(out[start : start + n], m)
+            self.copies.put(out[start : start + n], m)
 
         return ChunkWork(
             compute=update, link_write=link_bytes(grad, link_dtype), link_read=out.numel() * out.element_size()
@@ -628,7 +628,7 @@ class EmulatedDevice(StreamingDevice):
         if isinstance(grad, SparseGrad):
             grad.scatter_chunk(g, start, via=link_dtype)  # decompression, inside the transfer pipeline
             return
-        chunk = self.link.to_host(grad[start : start + n])
+        chunk = self.copies.to_host(grad[start : start + n])
         if link_dtype != grad.dtype:
             g.copy_(self.link_chunk(n, link_dtype).copy_(chunk))
         else:

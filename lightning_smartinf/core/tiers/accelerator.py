@@ -157,7 +157,7 @@ class AcceleratorDevice(EmulatedDevice):
             if target.device == m.device:
                 target.copy_(m)
             else:
-                self.link.put(target, m)
+                self.copies.put(target, m)
 
         return ChunkWork(
             compute=update, link_write=link_bytes(grad, link_dtype), link_read=out.numel() * out.element_size()

@@ -34,7 +34,7 @@ import grpc
 import torch
 from torch import Tensor
 
-from lightning_smartinf.core.accelerator import Fence, HostLink, current_accelerator, thread_pool
+from lightning_smartinf.core.accelerator import AcceleratorCopies, Fence, current_accelerator, thread_pool
 from lightning_smartinf.core.backend import (
     Backend,
     BackendStats,
@@ -360,9 +360,9 @@ class RemoteBackend(Backend):
         self._pending = PendingWork()
         self._tentative = TentativeUpdates(tentative_slots)
         self._latched = FailureLatch()
-        # One HostLink per calling thread: a link's staging slots belong to one worker.
+        # One AcceleratorCopies per calling thread: a link's staging slots belong to one worker.
         self._links = threading.local()
-        self._all_links: list[HostLink] = []
+        self._all_links: list[AcceleratorCopies] = []
         self._closed = False
         self._released = False
         try:
@@ -511,7 +511,7 @@ class RemoteBackend(Backend):
             if sparse:  # the controller brought the pairs to the host already
                 tensors = [("indices", grad.indices.cpu()), ("values", grad.values.cpu().to(link))]
             else:
-                tensors = [("grad", self._host_link().to_host(grad.detach()).to(link))]
+                tensors = [("grad", self._accelerator_copies().to_host(grad.detach()).to(link))]
             sent = [0]
             replies = server.update(frames(tensors, sent), timeout=server.timeout, metadata=server.metadata)
             self._deliver(out, _receive("out", replies, numel=out.numel(), dtype=out.dtype, server=server, what=what))
@@ -535,19 +535,19 @@ class RemoteBackend(Backend):
 
         return self._start(server, work, what)
 
-    def _host_link(self) -> HostLink:
-        """This worker thread's own :class:`HostLink`: copies to and from accelerator memory through pinned staging,
-        on streams of its own, off the training stream."""
+    def _accelerator_copies(self) -> AcceleratorCopies:
+        """This worker thread's own :class:`AcceleratorCopies`: copies to and from accelerator memory through pinned
+        staging, on streams of its own, off the training stream."""
         link = getattr(self._links, "link", None)
         if link is None:
-            link = self._links.link = HostLink()
+            link = self._links.link = AcceleratorCopies()
             self._all_links.append(link)  # list.append is atomic: closed with the backend
         return link
 
     def _deliver(self, out: Tensor, received: Tensor) -> None:
-        """``received`` into ``out`` (through this worker thread's :meth:`_host_link` when ``out`` is in accelerator
-        memory); returns once it has landed."""
-        link = self._host_link()
+        """``received`` into ``out`` (through this worker thread's :meth:`_accelerator_copies` when ``out`` is in
+        accelerator memory); returns once it has landed."""
+        link = self._accelerator_copies()
         link.put(out, received)
         link.settle()
 

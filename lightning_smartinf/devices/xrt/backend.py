@@ -308,11 +308,11 @@ class XrtDevice(StreamingDevice):
         if state != self.pyxrt.ert_cmd_state.ERT_CMD_STATE_COMPLETED:
             raise RuntimeError(f"Kernel {name} on device {self.index} ({self.bdf}) ended in state {state}.")
         param_bo.sync(sync.XCL_BO_SYNC_BO_FROM_DEVICE, padded_elems(n, itemsize) * itemsize, 0)
-        self.link.put(out[start : start + n], param_host.view(kind)[:n])
+        self.copies.put(out[start : start + n], param_host.view(kind)[:n])
 
     def _store(self, dst: Tensor, src: Tensor, link_dtype: torch.dtype) -> None:
         """``src`` as it arrives after crossing the link in ``link_dtype``, in the kernel type of ``dst``."""
-        src = self.link.to_host(src)
+        src = self.copies.to_host(src)
         if src.dtype == link_dtype or dst.dtype == link_dtype:
             dst.copy_(src)  # one rounding (or none): copy_ rounds to nearest even like .to()
         else:
