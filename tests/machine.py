@@ -59,3 +59,19 @@ def aio_op() -> tuple[object, object]:
         return aio, aio.load_aio_op()
     except RuntimeError as exc:
         lacking(f"DeepSpeed's async_io op needs libaio (scripts/setup.sh installs it and builds the op): {exc}")
+
+
+def proc_status(key: str) -> int:
+    """A field of this process's ``/proc/self/status`` in bytes (``VmRSS``: now; ``VmHWM``: the peak since the last
+    :func:`reset_peak`)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name == key:
+            return int(value.split()[0]) * 1024
+    raise KeyError(key)
+
+
+def reset_peak() -> int:
+    """Make this process's peak RSS (``VmHWM``) its RSS now, and return that: what a measured step starts from."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return proc_status("VmRSS")

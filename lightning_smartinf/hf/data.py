@@ -377,7 +377,31 @@ class _Blocks(Dataset):
 # ------------------------------------------------------------------------------------------------ text
 
 
-class TextDataModule(L.LightningDataModule):
+class _TokenCachedData(L.LightningDataModule):
+    """What the data modules that tokenise into a :class:`TokenCache` share: their files, and building the cache in
+    ``prepare_data``. Subclasses set ``train_file``, ``val_file`` and ``tokenizer_path`` and say how a file is
+    tokenised (:meth:`_cache`)."""
+
+    train_file: str
+    val_file: str | None
+    tokenizer_path: str | None
+
+    def _files(self) -> list[tuple[str, str]]:
+        """(argument, path) of each data file."""
+        return [("train_file", self.train_file)] + ([("val_file", self.val_file)] if self.val_file else [])
+
+    def _cache(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> TokenCache:
+        raise NotImplementedError
+
+    def prepare_data(self) -> None:
+        """Tokenise the files into the cache unless it has them (Lightning calls this before ``setup``, on one rank
+        per node, the others waiting)."""
+        tokenizer = _module_tokenizer(self, self.tokenizer_path)
+        for argument, path in self._files():
+            self._cache(tokenizer, argument, path)
+
+
+class TextDataModule(_TokenCachedData):
     """Causal language-modelling data: a text file packed into blocks of ``block_size`` tokens.
 
     The file is tokenised once into the token cache (``cache_dir``), streaming, and the blocks are views of its
@@ -428,9 +452,6 @@ class TextDataModule(L.LightningDataModule):
         self.train_blocks: _Blocks | None = None
         self.val_blocks: _Blocks | None = None
 
-    def _files(self) -> list[tuple[str, str]]:
-        return [("train_file", self.train_file)] + ([("val_file", self.val_file)] if self.val_file else [])
-
     def _cache(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> TokenCache:
         file = _check_file(path, argument, TEXT_SUFFIXES, "TextDataModule")
         if file.suffix.lower() == ".jsonl":
@@ -452,13 +473,6 @@ class TextDataModule(L.LightningDataModule):
                 f"`block_size={self.block_size}`. Give more text or a smaller `block_size`."
             )
         return _Blocks(cache, self.block_size, 0, count)
-
-    def prepare_data(self) -> None:
-        """Tokenise the files into the cache unless it has them (Lightning calls this before ``setup``, on one rank
-        per node, the others waiting)."""
-        tokenizer = _module_tokenizer(self, self.tokenizer_path)
-        for argument, path in self._files():
-            self._cache(tokenizer, argument, path)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_blocks is not None:
@@ -569,7 +583,7 @@ def _pad_examples(rows: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str,
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-class SFTDataModule(L.LightningDataModule):
+class SFTDataModule(_TokenCachedData):
     """Supervised fine-tuning data: JSON lines of prompt/response pairs, the loss taken on the responses only.
 
     Each line becomes one example, ``[BOS] prompt response EOS`` (BOS where the tokenizer has one distinct from its
@@ -634,9 +648,6 @@ class SFTDataModule(L.LightningDataModule):
         self.val_examples: _Examples | None = None
         self._pad_id = 0
 
-    def _files(self) -> list[tuple[str, str]]:
-        return [("train_file", self.train_file)] + ([("val_file", self.val_file)] if self.val_file else [])
-
     def _cache(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> TokenCache:
         file = _check_file(path, argument, (".jsonl",), "SFTDataModule")
         if tokenizer.eos_token_id is None:
@@ -674,13 +685,6 @@ class SFTDataModule(L.LightningDataModule):
                 "`max_length` or shorten those examples."
             )
         return _Examples(cache, np.flatnonzero(kept), self.max_length)
-
-    def prepare_data(self) -> None:
-        """Tokenise the files into the cache unless it has them (Lightning calls this before ``setup``, on one rank
-        per node, the others waiting)."""
-        tokenizer = _module_tokenizer(self, self.tokenizer_path)
-        for argument, path in self._files():
-            self._cache(tokenizer, argument, path)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_examples is not None:

@@ -10,26 +10,17 @@ reset before each measurement.
 import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
+
+from machine import proc_status, reset_peak
 
 from lightning_smartinf.export import consolidate_fp32_state_dict
 from lightning_smartinf.export import main as export_main
 
 
-def status(key: str) -> int:
-    """A field of /proc/self/status in bytes (``VmRSS`` now, ``VmHWM`` the peak since the last reset)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name == key:
-            return int(value.split()[0]) * 1024
-    raise KeyError(key)
-
-
 def peak_growth(work: Callable[[], object]) -> int:
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = status("VmRSS")
+    before = reset_peak()
     work()
-    return status("VmHWM") - before
+    return proc_status("VmHWM") - before
 
 
 def main(checkpoint: str, model_dir: str, out: str) -> None:

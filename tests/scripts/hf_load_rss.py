@@ -15,20 +15,12 @@ from pathlib import Path
 import deepspeed
 import lightning as L
 import torch
+from machine import proc_status, reset_peak
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.hf import from_pretrained, partitioned_build
-
-
-def status(key: str) -> int:
-    """A field of /proc/self/status in bytes (``VmRSS`` now, ``VmHWM`` the peak since the last reset)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name == key:
-            return int(value.split()[0]) * 1024
-    raise KeyError(key)
 
 
 class OwnModule(L.LightningModule):
@@ -41,15 +33,14 @@ class OwnModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        before, start = status("VmRSS"), time.perf_counter()
+        before, start = reset_peak(), time.perf_counter()
         if self.kind == "ours":
             self.model = from_pretrained(self, self.path)
         else:
             with partitioned_build(self):
                 self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32).train()
         self.report["load_s"] = time.perf_counter() - start
-        self.report["load_growth"] = status("VmHWM") - before
+        self.report["load_growth"] = proc_status("VmHWM") - before
         self.report["params"] = sum(p.ds_numel for p in self.model.parameters())
         self.report["max_error"] = self.check_weights()
 
