@@ -207,7 +207,8 @@ def test_command_lines_are_recognised(line, prefix):
 
 
 def test_every_file_the_docs_link_or_name_exists():
-    """Links and the repository paths the docs name in code spans point at files that are there."""
+    """Links and the repository paths the docs name in code spans point at files that are there (what benchmarks
+    write under ``benchmarks/out/`` aside: it is made by running them)."""
     missing = []
     for path in [README, *DOCS, REPO_ROOT / "recipes" / "README.md"]:
         text = path.read_text()
@@ -217,6 +218,6 @@ def test_every_file_the_docs_link_or_name_exists():
         for target in re.findall(
             r"`((?:lightning_smartinf|tests|benchmarks|scripts|recipes|docs|hls_kernels)/[\w./-]+\.\w+)`", text
         ):
-            if not (REPO_ROOT / target).exists():
+            if not target.startswith("benchmarks/out/") and not (REPO_ROOT / target).exists():  # outputs
                 missing.append(f"{path.relative_to(REPO_ROOT)}: {target}")
     assert not missing, "\n".join(missing)
