@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         print(
             f"smartinf report: error: it needs `{exc.name}`. Install it by running "
-            "`pip install 'lightning-smartinf[cli]'` (matplotlib and tensorboard).",
+            "`pip install -e '.[cli]'` (matplotlib and tensorboard).",
             file=sys.stderr,
         )
         return 1

@@ -8,11 +8,12 @@
 - :class:`TextDataModule` packs plain text / JSONL into blocks; :class:`SFTDataModule` reads prompt/response JSONL
   (loss on the responses); both tokenise once into a memory-mapped token cache. :class:`ClassificationDataModule`
   reads CSV / JSONL with text and label columns. :func:`train_bpe_tokenizer` trains a byte-level BPE tokenizer.
-- :class:`SavePretrained` writes a ``save_pretrained`` directory with the fp32 master weights consolidated from the
-  devices at the end of fit; :func:`lightning_smartinf.export.export_pretrained` does it from a checkpoint.
+- :class:`SavePretrained` writes a ``save_pretrained`` directory (sharded safetensors, in the dtype the model was
+  loaded in, or ``dtype=``) with the fp32 master weights consolidated from the devices at the end of fit;
+  :func:`lightning_smartinf.export.export_pretrained` does it from a checkpoint.
 
 Nothing here reaches the Hugging Face Hub: every model and tokenizer is loaded from a local directory.
-Requires the ``hf`` extra: ``pip install 'lightning-smartinf[hf]'``.
+Requires the ``hf`` extra: ``pip install -e '.[hf]'`` in the repository (``scripts/setup.sh`` installs it).
 """
 
 from lightning_utilities.core.imports import RequirementCache
@@ -21,7 +22,7 @@ _TRANSFORMERS_AVAILABLE = RequirementCache("transformers>=4.56")  # `from_pretra
 if not _TRANSFORMERS_AVAILABLE:
     raise ModuleNotFoundError(
         f"`lightning_smartinf.hf` needs Hugging Face transformers ({_TRANSFORMERS_AVAILABLE.message}). Install it by "
-        "running `pip install 'lightning-smartinf[hf]'`."
+        "running `pip install -e '.[hf]'`."
     )
 
 from lightning_smartinf.hf.data import (  # noqa: E402

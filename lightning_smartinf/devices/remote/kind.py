@@ -38,7 +38,7 @@ class RemoteKind(DeviceKind):
         known = len(problems)
         if importlib.util.find_spec("grpc") is None:
             problems.add(
-                "`backend='remote'` needs gRPC, which is not installed: `pip install 'lightning-smartinf[remote]'`."
+                "`backend='remote'` needs gRPC, which is not installed: `pip install -e '.[remote]'`."
             )
         if isinstance(devices, str) or not isinstance(devices, (list, tuple)) or not devices:
             problems.add(

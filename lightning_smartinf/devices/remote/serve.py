@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from lightning_smartinf.devices.remote.server import serve
     except ImportError as exc:
-        print(f"smartinf serve needs gRPC ({exc}): pip install 'lightning-smartinf[remote]'", file=sys.stderr)
+        print(f"smartinf serve needs gRPC ({exc}): pip install -e '.[remote]'", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
