@@ -30,6 +30,23 @@ COMMANDS = {
 
 #: subcommands run by LightningCLI, which parses the subcommand name itself
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
+#: subcommands that never import DeepSpeed (they start without it)
+WITHOUT_DEEPSPEED = ("plan", "report")
+
+
+def deepspeed_logs_to_stderr() -> None:
+    """Import DeepSpeed with its log handler writing to stderr.
+
+    DeepSpeed's logger writes to stdout, and logs its accelerator notice while it is imported: what a command prints
+    on stdout for a program or a file (``smartinf fit --print_config > config.yaml``) would start with a log line.
+    Its handler keeps the stream it was made with, so importing it while stdout is stderr moves all its logs there.
+    """
+    if "deepspeed" in sys.modules:
+        return
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):
+        import deepspeed  # noqa: F401
 
 
 def usage() -> str:
@@ -50,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"smartinf: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}.\n", file=sys.stderr)
         print(usage(), file=sys.stderr)
         return 2
+    if command not in WITHOUT_DEEPSPEED:
+        deepspeed_logs_to_stderr()
     module = importlib.import_module(COMMANDS[command][0])
     return int(module.main(argv if command in LIGHTNING_COMMANDS else rest) or 0)
 

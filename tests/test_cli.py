@@ -183,6 +183,19 @@ def test_every_recipe_parses_against_the_real_signatures(path, capsys):
     assert printed["monitor"] == {"token_key": "input_ids", "progress_bar": True}
 
 
+def test_print_config_writes_yaml_only_on_stdout():
+    """`smartinf fit --print_config > config.yaml` gives a config that loads, also where DeepSpeed picks its
+    accelerator itself and logs it (on stdout, were it not moved): its logs go to stderr."""
+    from launch import worker_env
+
+    env = {k: v for k, v in worker_env().items() if k != "DS_ACCELERATOR"}
+    recipe = REPO_ROOT / "recipes" / "gpt2-pretrain-cpu.yaml"
+    done = python("-m", "lightning_smartinf", "fit", "--config", recipe, "--print_config", env=env)
+    printed = yaml.safe_load(done.stdout)
+    assert printed["model"]["class_path"] == yaml.safe_load(recipe.read_text())["model"]["class_path"]
+    assert "Setting accelerator to CPU" in done.stderr  # the notice still shows, where logs belong
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
