@@ -37,9 +37,7 @@ class RemoteKind(DeviceKind):
         token_file, tls_dir = options.get("remote_token_file"), options.get("remote_tls_dir")
         known = len(problems)
         if importlib.util.find_spec("grpc") is None:
-            problems.add(
-                "`backend='remote'` needs gRPC, which is not installed: `pip install -e '.[remote]'`."
-            )
+            problems.add("`backend='remote'` needs gRPC, which is not installed: `pip install -e '.[remote]'`.")
         if isinstance(devices, str) or not isinstance(devices, (list, tuple)) or not devices:
             problems.add(
                 f"`remote_devices={devices!r}`: `backend='remote'` needs a list of device servers as 'host:port', "
