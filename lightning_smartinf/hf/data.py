@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -377,7 +378,7 @@ class _Blocks(Dataset):
 # ------------------------------------------------------------------------------------------------ text
 
 
-class _TokenCachedData(L.LightningDataModule):
+class _TokenCachedData(L.LightningDataModule, metaclass=ABCMeta):
     """What the data modules that tokenise into a :class:`TokenCache` share: their files, and building the cache in
     ``prepare_data``. Subclasses set ``train_file``, ``val_file`` and ``tokenizer_path`` and say how a file is
     tokenised (:meth:`_cache`)."""
@@ -390,8 +391,9 @@ class _TokenCachedData(L.LightningDataModule):
         """(argument, path) of each data file."""
         return [("train_file", self.train_file)] + ([("val_file", self.val_file)] if self.val_file else [])
 
+    @abstractmethod
     def _cache(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> TokenCache:
-        raise NotImplementedError
+        """The cache entry of the data file ``path`` (given as ``argument``), built if it is not there."""
 
     def prepare_data(self) -> None:
         """Tokenise the files into the cache unless it has them (Lightning calls this before ``setup``, on one rank

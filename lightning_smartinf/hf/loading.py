@@ -168,30 +168,30 @@ def from_pretrained(
             f"`from_pretrained(auto_class={auto_class!r})`: `auto_class` must be a transformers class with a "
             "`from_pretrained` (e.g. `AutoModelForCausalLM`) or its name."
         )
-    if attached_trainer(module) is None:
+    trainer = attached_trainer(module)
+    if trainer is None:
         rank_zero_warn(
             f"`from_pretrained(..., {str(model_path)!r})` ran in a module not attached to a Trainer: the whole model "
             "is loaded in host memory. Call it in the module's `configure_model`, where `smart_infinity` "
             "partitions it while it loads."
         )
-    trainer = attached_trainer(module)
-    plan = _weight_plan(directory) if trainer is not None and is_zero3(trainer.strategy) else None
-    if plan is None:
+
+    def transformers_loading() -> PreTrainedModel:  # maps every weight file at once: memory, the 16-bit model
         kwargs.setdefault("local_files_only", True)
         with partitioned_build(module):
-            model = cls.from_pretrained(directory, dtype=dtype, **kwargs)
-        return model.train()
+            return cls.from_pretrained(directory, dtype=dtype, **kwargs).train()
+
+    plan = _weight_plan(directory) if trainer is not None and is_zero3(trainer.strategy) else None
+    if plan is None:  # not ZeRO-3, or `.bin` weights
+        return transformers_loading()
     config, model_kwargs = _config(directory, kwargs)
     with partitioned_build(module), _initialization_deferred() as initialize:
         build = getattr(cls, "from_config", None) or cls._from_config
         model = build(config, dtype=dtype, **model_kwargs)
     targets = _targets(model, plan)
-    if targets is None:  # names or shapes transformers must convert: its own loading (memory: the 16-bit model)
+    if targets is None:  # names or shapes transformers must convert (the model built here is dropped)
         del model
-        kwargs.setdefault("local_files_only", True)
-        with partitioned_build(module):
-            model = cls.from_pretrained(directory, dtype=dtype, **kwargs)
-        return model.train()
+        return transformers_loading()
     _stream_weights(plan, targets)
     loaded = {id(target) for target, _ in targets.values()}
     missing = [n for n, p in model.named_parameters() if id(p) not in loaded]
