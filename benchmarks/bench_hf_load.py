@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,16 +83,25 @@ def worker(model_dir: Path, storage: Path, path: str, steps: int) -> dict[str, A
                 pass
     report: dict[str, Any] = {"read_s": time.perf_counter() - start}
 
+    def measured_load(load: Callable[[], None]) -> None:
+        """Run ``load``, recording its seconds and how much it raised the peak RSS; the peak then starts again."""
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        before, begin = status("VmRSS"), time.perf_counter()
+        load()
+        report["load_s"] = time.perf_counter() - begin
+        report["load_growth_gb"] = (status("VmHWM") - before) / 1e9
+        Path("/proc/self/clear_refs").write_text("5")  # the peak from here on: the training's
+
     class Own(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.model: torch.nn.Module | None = None
 
         def configure_model(self) -> None:
-            if self.model is not None:
-                return
-            Path("/proc/self/clear_refs").write_text("5")
-            before, begin = status("VmRSS"), time.perf_counter()
+            if self.model is None:
+                measured_load(self.load)
+
+        def load(self) -> None:
             if path == "transformers":
                 from transformers import AutoModelForCausalLM
 
@@ -99,9 +109,6 @@ def worker(model_dir: Path, storage: Path, path: str, steps: int) -> dict[str, A
                     self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
             else:
                 self.model = from_pretrained(self, model_dir)
-            report["load_s"] = time.perf_counter() - begin
-            report["load_growth_gb"] = (status("VmHWM") - before) / 1e9
-            Path("/proc/self/clear_refs").write_text("5")  # the peak from here on: the training's
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
             return self.model(input_ids=batch, labels=batch).loss
@@ -114,14 +121,8 @@ def worker(model_dir: Path, storage: Path, path: str, steps: int) -> dict[str, A
 
         class Timed(HFCausalLM):
             def configure_model(self) -> None:
-                if self.model is not None:
-                    return
-                Path("/proc/self/clear_refs").write_text("5")
-                before, begin = status("VmRSS"), time.perf_counter()
-                super().configure_model()
-                report["load_s"] = time.perf_counter() - begin
-                report["load_growth_gb"] = (status("VmHWM") - before) / 1e9
-                Path("/proc/self/clear_refs").write_text("5")
+                if self.model is None:
+                    measured_load(super().configure_model)
 
             def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
                 return self.model(input_ids=batch, labels=batch).loss
