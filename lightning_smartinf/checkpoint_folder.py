@@ -32,7 +32,6 @@ from lightning_smartinf.core.format.rank_state import HOST_STATE
 from lightning_smartinf.core.format.state_files import (
     MANIFEST,
     CheckpointError,
-    file_crc32,
     fsync_dir,
     install_directory,
     read_json,
@@ -42,10 +41,14 @@ from lightning_smartinf.core.format.state_files import (
     write_file_atomic,
 )
 from lightning_smartinf.core.format.torch_files import safe_torch_load
+from lightning_smartinf.core.io.checksum import CRC32, CRC32C, checksum_of, file_checksum
 
 #: Where the seal lives, relative to the checkpoint directory.
 SEAL = PurePosixPath("checkpoint/smartinf/seal.json")
-SEAL_FORMAT = "lightning_smartinf.checkpoint/1"
+SEAL_FORMAT = "lightning_smartinf.checkpoint/2"
+#: Seals this version reads: ``checkpoint/1`` records zlib's CRC-32 (``crc32``) of every file, ``checkpoint/2`` the
+#: CRC-32C (``crc32c``), which a state file's manifest knows from the device's writes.
+READABLE_SEALS = ("lightning_smartinf.checkpoint/1", SEAL_FORMAT)
 #: DeepSpeed's tag for Lightning checkpoints: the one subdirectory ``latest`` may name.
 TAG = "checkpoint"
 STATE_DIR = PurePosixPath(TAG) / "smartinf"
@@ -78,18 +81,18 @@ def remove_leftovers(folder: Path) -> None:
 
 
 def _digest(path: Path) -> dict[str, int]:
-    """Size and CRC-32 of ``path``, with its data forced to disk (a seal must not outlive what it describes)."""
+    """Size and CRC-32C of ``path``, with its data forced to disk (a seal must not outlive what it describes)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    size, crc = file_crc32(path)
-    return {"bytes": size, "crc32": crc}
+    size, crc = file_checksum(path, CRC32C)
+    return {"bytes": size, CRC32C: crc}
 
 
 def seal(root: Path, *, global_step: int, world_size: int) -> dict[str, Any]:
-    """Write the seal of the staged checkpoint ``root``: its step, world size and every file's size and CRC-32.
+    """Write the seal of the staged checkpoint ``root``: its step, world size and every file's size and checksum.
 
     Directories below ``root`` are made private (0700) on the way. Returns the seal.
     """
@@ -105,8 +108,8 @@ def seal(root: Path, *, global_step: int, world_size: int) -> dict[str, Any]:
                 continue
             path = here / name
             if name in manifest_entries:  # a shard file: its rank's manifest (sealed below) holds its checksum
-                entry = manifest_entries[name]
-                files[key] = {"bytes": int(entry["bytes"]), "crc32": int(entry["crc32"])}
+                algorithm, value = checksum_of(manifest_entries[name], here / MANIFEST)
+                files[key] = {"bytes": int(manifest_entries[name]["bytes"]), algorithm: int(value)}
             else:
                 files[key] = _digest(path)
         dirnames.sort()
@@ -176,16 +179,17 @@ def _read_seal(root: Path) -> dict[str, Any]:
     problems = []
     if not isinstance(content, dict):
         raise CheckpointError(f"{path} is corrupt: it holds a {type(content).__name__}, not a JSON object.")
-    if content.get("format") != SEAL_FORMAT:
-        problems.append(f"format {content.get('format')!r} (this version reads {SEAL_FORMAT!r})")
+    if content.get("format") not in READABLE_SEALS:
+        problems.append(f"format {content.get('format')!r} (this version reads {' and '.join(READABLE_SEALS)})")
     for key in ("global_step", "world_size"):
         if not isinstance(content.get(key), int) or isinstance(content.get(key), bool) or content[key] < 0:
             problems.append(f"`{key}` is {content.get(key)!r}, expected an integer >= 0")
     files = content.get("files")
     if not isinstance(files, dict) or not all(
-        isinstance(k, str) and isinstance(v, dict) and {"bytes", "crc32"} <= set(v) for k, v in files.items()
+        isinstance(k, str) and isinstance(v, dict) and "bytes" in v and set(v) & {CRC32, CRC32C}
+        for k, v in files.items()
     ):
-        problems.append("`files` is not a map of file name to {bytes, crc32}")
+        problems.append("`files` is not a map of file name to {bytes, crc32c (or crc32)}")
     if problems:
         raise CheckpointError(f"{path} is corrupt: " + "; ".join(problems) + ".")
     return content
@@ -242,11 +246,12 @@ def verify(root: str | os.PathLike, *, checksum_shards: bool = False) -> dict[st
             )
         if name in shard_names and not checksum_shards:
             continue
-        _, crc = file_crc32(path)
-        if crc != entry["crc32"]:
+        algorithm, recorded = checksum_of(dict(entry), root / SEAL)
+        _, crc = file_checksum(path, algorithm)
+        if crc != recorded:
             raise CheckpointError(
-                f"{path} is corrupt or comes from another save: CRC-32 {crc:#010x}, the seal records "
-                f"{entry['crc32']:#010x}. Resume from another checkpoint."
+                f"{path} is corrupt or comes from another save: {algorithm.upper()} {crc:#010x}, the seal records "
+                f"{recorded:#010x}. Resume from another checkpoint."
             )
     latest = root / "latest"
     if latest.is_file() and latest.read_text().strip() != TAG:
@@ -263,12 +268,17 @@ def _sealed_manifest_entries(root: Path, state_dir: str, listed: Mapping[str, Ma
         raise CheckpointError(str(exc)) from None
     for name, entry in entries.items():
         sealed = listed.get(f"{state_dir}/{name}")
-        if sealed is None or (sealed["bytes"], sealed["crc32"]) != (entry.get("bytes"), entry.get("crc32")):
+        if sealed is None or _sums(sealed) != _sums(entry):
             raise CheckpointError(
                 f"{directory / name} does not match the checkpoint's seal ({directory / MANIFEST} and "
                 f"{root / SEAL} disagree): the device state comes from another save. Use another checkpoint."
             )
     return list(entries)
+
+
+def _sums(entry: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a seal and a manifest must agree on for one file: its size and checksums."""
+    return entry.get("bytes"), entry.get(CRC32), entry.get(CRC32C)
 
 
 def is_private(path: Path) -> bool:

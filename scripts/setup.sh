@@ -44,6 +44,13 @@ if ! command -v openssl >/dev/null 2>&1 && [[ "$(id -u)" == "0" ]] && command -v
         || log "NOTE: apt-get install openssl failed; the TLS tests will fail"
 fi
 
+# The checkpoint tests and benchmark clone state files on a loop-mounted XFS (reflinks): mkfs.xfs.
+if ! command -v mkfs.xfs >/dev/null 2>&1 && [[ "$(id -u)" == "0" ]] && command -v apt-get >/dev/null 2>&1; then
+    log "installing xfsprogs (apt-get)"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq xfsprogs >/dev/null; } \
+        || log "NOTE: apt-get install xfsprogs failed; the tests of cloned checkpoints will fail"
+fi
+
 # --- 2. virtual environment ---------------------------------------------------------------------------
 if [[ ! -x "$PY" ]]; then
     log "creating venv at $VENV"

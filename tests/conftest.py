@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
-from machine import lacking, tmpfs
+from machine import lacking, reflink_xfs, tmpfs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,6 +58,13 @@ def small_fs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
     unmounted at its end (:func:`machine.tmpfs`)."""
     with contextlib.ExitStack() as mounted:
         yield lambda size, name="small": mounted.enter_context(tmpfs(tmp_path / name, size))
+
+
+@pytest.fixture
+def reflink_fs(tmp_path: Path) -> Iterator[Path]:
+    """A directory on a filesystem that clones files (a loop-mounted XFS of this test's own, 400 MB sparse)."""
+    with reflink_xfs(tmp_path / "reflink") as mounted:
+        yield mounted
 
 
 @pytest.fixture(scope="session")

@@ -51,6 +51,37 @@ def tmpfs(directory: Path, size: str, *, readonly: bool = False) -> Iterator[Pat
         subprocess.run(["umount", "-l", str(directory)], capture_output=True, timeout=30)
 
 
+@contextlib.contextmanager
+def reflink_xfs(directory: Path, size: str = "400m") -> Iterator[Path]:
+    """An XFS with reflinks (so ``FICLONE`` works) of ``size``, in a sparse image beside ``directory`` and
+    loop-mounted on it (mode 0700), unmounted and deleted afterwards.
+
+    Needs root and ``mkfs.xfs`` (set-up installs ``xfsprogs``); XFS is at least 300 MB.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    image = directory.with_name(directory.name + ".xfs.img")
+    steps = (
+        ["truncate", "-s", size, str(image)],
+        ["mkfs.xfs", "-q", "-f", "-m", "reflink=1", str(image)],
+        ["mount", "-o", "loop", str(image), str(directory)],
+    )
+    for command in steps:
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            image.unlink(missing_ok=True)
+            lacking(f"a loop-mounted XFS needs {command[0]} (xfsprogs, util-linux) and root ({exc})")
+        if done.returncode != 0:
+            image.unlink(missing_ok=True)
+            lacking(f"a loop-mounted XFS needs root and loop devices: {' '.join(command)}: {done.stderr.strip()}")
+    try:
+        directory.chmod(0o700)
+        yield directory
+    finally:
+        subprocess.run(["umount", "-d", str(directory)], capture_output=True, timeout=60)
+        image.unlink(missing_ok=True)
+
+
 def aio_op() -> tuple[object, object]:
     """``lightning_smartinf.zero.aio`` and DeepSpeed's async_io op, loaded (set-up installs libaio and builds it)."""
     from lightning_smartinf.zero import aio

@@ -15,12 +15,12 @@ import signal
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from crc32c import crc32c
 from launch import SCRIPTS, torchrun, worker_env
 from models import assert_identical
 from scripts.ckpt_common import EVERY, TOTAL, checkpoint_step, newest_complete, train
@@ -121,7 +121,7 @@ def test_save_writes_checksummed_manifest_and_replaces_atomically(tmp_path) -> N
     manifest = json.loads((target / MANIFEST).read_text())
     assert manifest["format"] == ckpt_module.FORMAT
     for shard, entry in zip(shards, manifest["shards"]):
-        assert entry["crc32"] == zlib.crc32(shard.path.read_bytes())
+        assert entry["crc32c"] == crc32c(shard.path.read_bytes())
         assert entry["bytes"] == shard.layout.file_bytes
     first = _contents(shards)
     # A save killed earlier left a temporary sibling; the next save removes it.
@@ -334,11 +334,21 @@ def test_sigkill_then_resume_is_bit_identical(reference, tmp_path, spec) -> None
     assert _crash_and_resume(tmp_path, spec, expected) == SHORT_KILLS[spec]
 
 
-@pytest.mark.slow
-def test_sigkill_at_many_points_then_resume_is_bit_identical(reference, tmp_path) -> None:
+@pytest.mark.parametrize("spec", ["save:8:3", "install:8"])
+def test_sigkill_while_cloning_then_resume_is_bit_identical(reference, reflink_fs, spec) -> None:
+    """The same, with the state and the checkpoints on a filesystem that clones: shard files are cloned, their
+    checksums combined from the devices' writes; every checkpoint left is verified by reading it whole."""
     _, expected = reference
+    assert _crash_and_resume(reflink_fs, spec, expected) == SHORT_KILLS[spec]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("filesystem", ["ext4", "reflink"])
+def test_sigkill_at_many_points_then_resume_is_bit_identical(request, reference, tmp_path, filesystem) -> None:
+    _, expected = reference
+    root = tmp_path if filesystem == "ext4" else request.getfixturevalue("reflink_fs")
     kills = {**LONG_KILLS, f"timer:{random.Random(7).uniform(0.05, 1.0):.2f}": None}
-    resumed_from = {spec: _crash_and_resume(tmp_path, spec, expected) for spec in kills}
+    resumed_from = {spec: _crash_and_resume(root, spec, expected) for spec in kills}
     assert len(resumed_from) >= 10
     wrong = {spec: step for spec, step in resumed_from.items() if kills[spec] is not None and kills[spec] != step}
     assert not wrong, f"resumed from other steps than expected: {wrong}"

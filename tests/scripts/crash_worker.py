@@ -89,18 +89,22 @@ class KillAt(L.Callback):
 
             backend.save = die_then_save
         if self.what == "save":
-            copy = ckpt_module.copy_with_crc
             copied = [0]
 
-            def copy_then_die(*args, **kwargs):
-                result = copy(*args, **kwargs)
-                if self.saved_step() == self.step and kwargs.get("exclusive", True):
-                    copied[0] += 1
-                    if copied[0] == self.n:
-                        die()
-                return result
+            def then_die(copy):
+                def copy_then_die(*args, **kwargs):
+                    result = copy(*args, **kwargs)
+                    if self.saved_step() == self.step and kwargs.get("exclusive", True):
+                        copied[0] += 1
+                        if copied[0] == self.n:
+                            die()
+                    return result
 
-            ckpt_module.copy_with_crc = copy_then_die
+                return copy_then_die
+
+            # A shard file is cloned (its checksum known from the writes) or copied (checksummed on the way).
+            ckpt_module.copy_with_crc = then_die(ckpt_module.copy_with_crc)
+            ckpt_module.clone_file = then_die(ckpt_module.clone_file)
         if self.what == "seal":
             install = checkpoint_folder.install
 

@@ -4,7 +4,12 @@ Layout of a saved state directory (one per rank)::
 
     <directory>/shard00000.state   chunk records [master | state_1 | ... ] fp32, see ``layout.py``
     <directory>/shard00001.state   ...
-    <directory>/manifest.json      format, chunk_elems, per shard: index, numel, rule, states, bytes, crc32
+    <directory>/manifest.json      format, chunk_elems, per shard: index, numel, rule, states, bytes, crc32c
+
+Save is cheap where it can be: a state file whose every record's CRC-32C the devices kept as they wrote it is cloned
+(``FICLONE``, else ``copy_file_range``, else copied; see :mod:`~lightning_smartinf.core.io.clone`) and its checksum
+combined from the records' CRCs, never read back. Any other file (state in memory, records not yet written since the
+file was opened) is copied through this process, its CRC-32C computed on the way.
 
 Save is atomic: the files are written into a temporary sibling directory, each file and the directory are
 fsynced, the manifest is written (and fsynced) last, and only then is the directory renamed into place
@@ -34,8 +39,7 @@ import logging
 import os
 import secrets
 import shutil
-import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,13 +50,20 @@ from torch import Tensor
 
 from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.format.layout import ChunkLayout
+from lightning_smartinf.core.io import checksum
+from lightning_smartinf.core.io.checksum import CRC32C, checksum_of, combine, file_checksum
+from lightning_smartinf.core.io.clone import CLONE, COPY, KERNEL_COPY, clone_file
 from lightning_smartinf.core.io.storage import GIB, StorageError, ensure_private_dir
 
 MANIFEST = "manifest.json"
-FORMAT = "lightning_smartinf.state/2"
+FORMAT = "lightning_smartinf.state/3"
+#: Formats this version loads: ``state/2`` differs only in its checksum, zlib's CRC-32 under ``crc32``.
+READABLE_FORMATS = ("lightning_smartinf.state/2", FORMAT)
 #: Bytes per read/write/checksum block when copying state files (CRC-32 runs at ~4 GB/s, above the disk).
 BLOCK = 8 << 20
 _TMP_MARK = ".tmp-"
+#: Keys of a manifest's shard entry that hold its checksum (one of them), not a property of the shard.
+CHECKSUM_KEYS = (checksum.CRC32C, checksum.CRC32)
 #: (saved rule, this run's rule) pairs whose states convert (states matched by name; see the module docstring).
 CONVERSIONS = frozenset(
     (saved, wanted)
@@ -101,11 +112,46 @@ def shard_file_name(index: int, slot: int = 0) -> str:
 
 @dataclass(frozen=True)
 class ShardState:
-    """Where one shard's live state file is, and what it holds."""
+    """Where one shard's live state file is, and what it holds.
+
+    ``checksums``: the CRC-32C of each record by byte offset as the device wrote it, where the file keeps them
+    (``StateFile.checksums``); ``None`` for state in memory.
+    """
 
     spec: ShardSpec
     layout: ChunkLayout
     path: Path
+    checksums: Mapping[int, int] | None = None
+
+    def file_crc32c(self) -> int | None:
+        """The whole file's CRC-32C, combined from its records' (``None`` unless every record's is known)."""
+        if self.checksums is None:
+            return None
+        crc = 0
+        for k in range(self.layout.num_chunks):
+            offset, size = self.layout.record_offset(k), self.layout.record_bytes(k)
+            record_crc = self.checksums.get(offset)
+            if record_crc is None:
+                return None
+            crc = record_crc if k == 0 else combine(crc, record_crc, size)
+        return crc
+
+
+@dataclass
+class SaveStats:
+    """How a save moved the state files: bytes by method (``clone``, ``kernel copy``, ``copy``) and files read to be
+    checksummed (``checksummed_bytes``: state whose records' CRCs were not known)."""
+
+    by_method: dict[str, int]
+    checksummed_bytes: int = 0
+
+    @property
+    def cloned_bytes(self) -> int:
+        return self.by_method.get(CLONE, 0)
+
+    @property
+    def copied_bytes(self) -> int:
+        return self.by_method.get(KERNEL_COPY, 0) + self.by_method.get(COPY, 0)
 
 
 def _describe(shard: ShardState) -> dict:
@@ -131,13 +177,21 @@ def fsync_dir(directory: Path) -> None:
 
 
 def copy_with_crc(
-    src: Path, dst: Path, *, expected_bytes: int | None = None, fsync: bool = True, exclusive: bool = True
+    src: Path,
+    dst: Path,
+    *,
+    expected_bytes: int | None = None,
+    fsync: bool = True,
+    exclusive: bool = True,
+    algorithm: str = CRC32C,
 ) -> int:
-    """Copy ``src`` to ``dst`` (mode 0600) in ``BLOCK``-sized pieces; return the CRC-32 of the bytes copied.
+    """Copy ``src`` to ``dst`` (mode 0600) in ``BLOCK``-sized pieces; return the checksum (``algorithm``) of the bytes
+    copied.
 
     ``exclusive``: ``dst`` must not exist yet (a fresh checkpoint file); otherwise it is overwritten in place
     and truncated to the copied length. Raises ``ValueError`` if ``src`` does not hold ``expected_bytes``.
     """
+    update = checksum.updater(algorithm)
     buf = bytearray(BLOCK)
     view = memoryview(buf)
     crc = 0
@@ -147,7 +201,7 @@ def copy_with_crc(
         out = os.open(dst, flags, 0o600)
         try:
             while n := fin.readinto(buf):
-                crc = zlib.crc32(view[:n], crc)
+                crc = update(view[:n], crc)
                 done = 0
                 while done < n:
                     done += os.write(out, view[done:n])
@@ -164,16 +218,8 @@ def copy_with_crc(
 
 
 def file_crc32(path: Path) -> tuple[int, int]:
-    """``(size, crc32)`` of a file, read in ``BLOCK``-sized pieces."""
-    buf = bytearray(BLOCK)
-    view = memoryview(buf)
-    crc = 0
-    total = 0
-    with open(path, "rb", buffering=0) as fin:
-        while n := fin.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
-            total += n
-    return total, crc
+    """``(size, crc32)`` of a file (zlib's CRC-32: the checksum of the files around the state)."""
+    return file_checksum(path, checksum.CRC32)
 
 
 def write_file_atomic(path: Path, data: bytes | Iterable[bytes | memoryview]) -> None:
@@ -300,8 +346,11 @@ def _per_device(shards: Sequence[ShardState], work: Callable[[ShardState], objec
 # ------------------------------------------------------------------------------------------------ save / load
 
 
-def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: int) -> None:
-    """Copy every shard's state file into ``directory`` (0700) atomically, with a checksummed manifest.
+def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: int) -> SaveStats:
+    """Clone or copy every shard's state file into ``directory`` (0700) atomically, with a checksummed manifest.
+
+    The space check counts every byte of state even where files are cloned: a clone shares the live file's blocks
+    only until the next step rewrites them, and that step must not find the disk full.
 
     Raises :class:`StorageError` if the filesystem of ``directory`` is (or becomes) full; the previous
     contents of ``directory``, if any, are then left untouched and no temporary files remain.
@@ -327,13 +376,15 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
     try:
         ensure_private_dir(tmp)
 
-        def copy(shard: ShardState) -> int:
-            return copy_with_crc(
-                shard.path, tmp / shard_file_name(shard.spec.index), expected_bytes=shard.layout.file_bytes
-            )
+        def copy(shard: ShardState) -> tuple[int, str]:
+            dst, size = tmp / shard_file_name(shard.spec.index), shard.layout.file_bytes
+            crc = shard.file_crc32c()
+            if crc is not None:  # known from the writes: the bytes need not pass through this process
+                return crc, clone_file(shard.path, dst, size)
+            return copy_with_crc(shard.path, dst, expected_bytes=size), "checksummed " + COPY
 
-        crcs = _per_device(shards, copy)
-        described = [{**_describe(s), "crc32": crcs[s.spec.index]} for s in shards]
+        done = _per_device(shards, copy)
+        described = [{**_describe(s), CRC32C: done[s.spec.index][0]} for s in shards]
         manifest = {"format": FORMAT, "chunk_elems": chunk_elems, "shards": described}
         write_file_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         install_directory(tmp, directory)
@@ -342,6 +393,14 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
         if _is_disk_full(exc):
             raise full(f"the filesystem filled up while writing ({exc})") from exc
         raise
+    stats = SaveStats(by_method={})
+    for shard in shards:
+        how, size = done[shard.spec.index][1], shard.layout.file_bytes
+        if how.startswith("checksummed "):
+            how = how.removeprefix("checksummed ")
+            stats.checksummed_bytes += size
+        stats.by_method[how] = stats.by_method.get(how, 0) + size
+    return stats
 
 
 def read_manifest(directory: Path) -> dict:
@@ -359,17 +418,18 @@ def parse_manifest(data: bytes, manifest_path: Path) -> dict:
         manifest = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"Device-state manifest {manifest_path} is corrupt ({exc}).") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in READABLE_FORMATS:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise ValueError(
-            f"Device-state manifest {manifest_path} has format {found!r}; this version reads {FORMAT!r}. "
+            f"Device-state manifest {manifest_path} has format {found!r}; this version reads "
+            f"{' and '.join(map(repr, READABLE_FORMATS))}. "
             "Resume with the lightning_smartinf version that saved it."
         )
     return manifest
 
 
 def verify_state_file(path: Path, entry: dict) -> None:
-    """Raise ``ValueError`` naming ``path`` unless it has the size and CRC-32 the manifest ``entry`` records."""
+    """Raise ``ValueError`` naming ``path`` unless it has the size and checksum the manifest ``entry`` records."""
     if not path.is_file():
         raise ValueError(f"State file {path} is missing from the checkpoint.")
     size = path.stat().st_size
@@ -377,10 +437,11 @@ def verify_state_file(path: Path, entry: dict) -> None:
         raise ValueError(
             f"State file {path} is truncated or has the wrong size: {size} B, expected {entry['bytes']} B."
         )
-    _, crc = file_crc32(path)
-    if crc != entry["crc32"]:
+    algorithm, recorded = checksum_of(entry, path.parent / MANIFEST)
+    _, crc = file_checksum(path, algorithm)
+    if crc != recorded:
         raise ValueError(
-            f"State file {path} is corrupt: CRC-32 {crc:#010x}, the manifest records {entry['crc32']:#010x}."
+            f"State file {path} is corrupt: {algorithm.upper()} {crc:#010x}, the manifest records {recorded:#010x}."
         )
 
 
@@ -396,7 +457,7 @@ def load_state(
     manifest = read_manifest(directory) if manifest is None else manifest
     expected = [_describe(s) for s in shards]
     found = manifest.get("shards", [])
-    found_plain = [{k: v for k, v in e.items() if k != "crc32"} for e in found if isinstance(e, dict)]
+    found_plain = [{k: v for k, v in e.items() if k not in CHECKSUM_KEYS} for e in found if isinstance(e, dict)]
     if manifest.get("chunk_elems") != chunk_elems or not _loadable(found_plain, expected):
         raise ValueError(
             f"Device state in {directory} does not match this model and optimizer: it holds {found_plain} "
@@ -419,15 +480,23 @@ def load_state(
     def copy_back(shard: ShardState) -> None:
         src = directory / shard_file_name(shard.spec.index)
         saved = entries[shard.spec.index]
+        algorithm, recorded = checksum_of(saved, directory / MANIFEST)
         if saved["states"] != list(shard.spec.rule.state_names):
             layout = ChunkLayout(shard.spec.numel, chunk_elems, len(saved["states"]))
-            crc = convert_state_file(src, layout, saved["states"], shard)
+            crc = convert_state_file(src, layout, saved["states"], shard, algorithm=algorithm)
         else:
-            crc = copy_with_crc(src, shard.path, expected_bytes=shard.layout.file_bytes, fsync=False, exclusive=False)
-        if crc != entries[shard.spec.index]["crc32"]:
+            crc = copy_with_crc(
+                src,
+                shard.path,
+                expected_bytes=shard.layout.file_bytes,
+                fsync=False,
+                exclusive=False,
+                algorithm=algorithm,
+            )
+        if crc != recorded:
             raise ValueError(
-                f"State file {src} changed while it was loaded (CRC-32 {crc:#010x}, expected "
-                f"{entries[shard.spec.index]['crc32']:#010x}); the live state is now invalid. Load again."
+                f"State file {src} changed while it was loaded ({algorithm.upper()} {crc:#010x}, expected "
+                f"{recorded:#010x}); the live state is now invalid. Load again."
             )
 
     _per_device(shards, copy_back)
@@ -447,13 +516,17 @@ def _loadable(found: list[dict], expected: list[dict]) -> bool:
     return True
 
 
-def convert_state_file(src: Path, saved: ChunkLayout, saved_states: Sequence[str], shard: ShardState) -> int:
-    """Rewrite ``src`` (records of ``saved_states``) as ``shard``'s live file; return the CRC-32 of ``src``.
+def convert_state_file(
+    src: Path, saved: ChunkLayout, saved_states: Sequence[str], shard: ShardState, *, algorithm: str = CRC32C
+) -> int:
+    """Rewrite ``src`` (records of ``saved_states``) as ``shard``'s live file; return the checksum (``algorithm``) of
+    ``src``.
 
     Record by record: the master and every state ``shard``'s rule shares by name are copied, the others are set to
     the rule's initial value (padding stays zero).
     """
     rule, layout = shard.spec.rule, shard.layout
+    update = checksum.updater(algorithm)
     crc = 0
     with open(src, "rb", buffering=0) as fin, open(shard.path, "r+b", buffering=0) as fout:
         fout.truncate(layout.file_bytes)
@@ -461,7 +534,7 @@ def convert_state_file(src: Path, saved: ChunkLayout, saved_states: Sequence[str
             raw = bytearray(saved.record_bytes(k))
             if fin.readinto(raw) != len(raw):
                 raise ValueError(f"State file {src} ended early in chunk {k}.")
-            crc = zlib.crc32(raw, crc)
+            crc = update(raw, crc)
             old = torch.frombuffer(raw, dtype=torch.float32).view(saved.tensors_per_record, saved.padded_len(k))
             new = torch.zeros(layout.tensors_per_record, layout.padded_len(k), dtype=torch.float32)
             n = layout.chunk_range(k)[1]

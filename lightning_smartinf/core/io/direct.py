@@ -53,9 +53,14 @@ class StateFile:
     in_memory = False
     #: Whether code that opens the state by :attr:`path` (checkpoints) needs a host copy staged first.
     needs_host_copy = False
+    #: Whether :attr:`checksums` is kept: a checkpoint clones such a file instead of reading it (memory has no clone).
+    keeps_checksums = True
 
     def __init__(self, path: Path, size: int, *, create: bool) -> None:
         self.path = path
+        #: CRC-32C of each chunk record as the device last wrote it, by byte offset. An offset is absent while its
+        #: record is unknown (never written through a device since the file was opened) or being written.
+        self.checksums: dict[int, int] = {}
         flags = os.O_RDWR | (os.O_CREAT if create else 0)
         self.direct = hasattr(os, "O_DIRECT")
         try:

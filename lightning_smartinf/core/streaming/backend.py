@@ -41,7 +41,13 @@ from lightning_smartinf.core.backend import (
 )
 from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.format.layout import ChunkLayout
-from lightning_smartinf.core.format.state_files import ShardState, load_state, save_state, shard_file_name
+from lightning_smartinf.core.format.state_files import (
+    SaveStats,
+    ShardState,
+    load_state,
+    save_state,
+    shard_file_name,
+)
 from lightning_smartinf.core.io.direct import StateFile, aligned_empty
 from lightning_smartinf.core.io.ownership import claim_directories, release_claims
 from lightning_smartinf.core.io.storage import StorageError, check_free_space, ensure_private_dir
@@ -163,6 +169,8 @@ class StreamingBackend(Backend):
         self._tentative = TentativeUpdates(tentative_slots)
         self.devices: list[StreamingDevice] = []
         self._closed = False
+        #: How the last :meth:`save` moved the state files (bytes cloned, copied, checksummed); ``None`` before one.
+        self.last_save: SaveStats | None = None
         # One owner per directory: claimed before any file in them is created or truncated, held until `close`.
         self._claims = claim_directories([ensure_private_dir(d) for d in device_dirs])
         #: The device directories, in device order.
@@ -704,7 +712,10 @@ class StreamingBackend(Backend):
             raise self._latch(errors[0])
 
     def _state_files(self) -> list[ShardState]:
-        return [ShardState(s.spec, s.layout, s.file.path) for s in self._shards]
+        return [
+            ShardState(s.spec, s.layout, s.file.path, dict(s.file.checksums) if s.file.keeps_checksums else None)
+            for s in self._shards
+        ]
 
     def _staged_files(self) -> list[StateFile]:
         """The state files a checkpoint reads and writes through a host copy (the accelerator tier's)."""
@@ -730,7 +741,7 @@ class StreamingBackend(Backend):
         try:
             for file in staged:
                 file.stage(copy=True)
-            save_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
+            self.last_save = save_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
         finally:
             for file in staged:
                 file.unstage()

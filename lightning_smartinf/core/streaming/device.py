@@ -40,6 +40,7 @@ from lightning_smartinf.core.accelerator import (
 from lightning_smartinf.core.backend import Handle
 from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.format.layout import pool_bytes
+from lightning_smartinf.core.io.checksum import crc32c
 from lightning_smartinf.core.io.direct import IOEngine, StateFile
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.rules import StepParams
@@ -509,9 +510,17 @@ class StreamingDevice(ABC):
         return record
 
     def _write(self, file: StateFile, offset: int, buf: Tensor, record: Tensor) -> None:
+        """Write ``record`` back at ``offset``, keeping its CRC-32C in ``file.checksums`` (the checkpoint's seal)."""
         try:
+            crc = None
+            if file.keeps_checksums:
+                file.checksums.pop(offset, None)  # unknown until the write has landed whole
+                if record.device.type == "cpu":
+                    crc = crc32c(memoryview(record.numpy()).cast("B"))
             t0 = time.perf_counter()
             self._transfer("write", file, record, offset)
+            if crc is not None:
+                file.checksums[offset] = crc
             self.stats.write_s += time.perf_counter() - t0
         finally:
             self.pool.release(buf)  # the engine returns or raises only once no piece of ``record`` is in flight

@@ -38,6 +38,7 @@ class TensorStateFile(StateFile):
     torch's copies (which release the GIL). Subclasses say where the tensor lives and what :attr:`path` names."""
 
     in_memory = True
+    keeps_checksums = False
     size = 0
     _bytes: Tensor | None = None
 
