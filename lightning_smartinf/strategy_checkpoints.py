@@ -9,6 +9,7 @@ it is unpickled beyond tensors and a few DeepSpeed data classes.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -22,8 +23,13 @@ from lightning_smartinf import checkpoint_folder
 from lightning_smartinf.checkpoint_folder import CheckpointError
 from lightning_smartinf.core.format.masters import MastersReader, consolidate_masters, host_state
 from lightning_smartinf.core.format.rank_state import read_host_state
-from lightning_smartinf.core.io.storage import StorageError
-from lightning_smartinf.zero.safe_load import ensure_offload_folder, load_deepspeed_file, safe_checkpoint_engine
+from lightning_smartinf.core.io.storage import GIB, StorageError
+from lightning_smartinf.zero.safe_load import (
+    ensure_offload_folder,
+    load_deepspeed_file,
+    model_states_for_new_ranks,
+    safe_checkpoint_engine,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -66,6 +72,7 @@ def save(
         raise refusal
     global_step = int(checkpoint["global_step"])
     target = Path(strategy.broadcast(os.path.abspath(filepath)))
+    _refuse_if_it_cannot_fit(strategy, target)
     staging: str | None = None
     if strategy.is_global_zero:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -96,6 +103,38 @@ def save(
     strategy.barrier("smartinf_checkpoint_installed")
 
 
+#: Room for DeepSpeed's files, the manifests, host states and seal beside the device state (under ZeRO-3 they hold
+#: no parameters: kilobytes).
+SAVE_MARGIN = 1 << 20
+
+
+def _refuse_if_it_cannot_fit(strategy: SmartInfinityStrategy, target: Path) -> None:
+    """Refuse a save the checkpoint's filesystem has no room for, before any rank writes anything.
+
+    The device state of every rank goes into one staging directory beside ``target`` (so onto one filesystem), whole
+    even where it is cloned (a clone's blocks become its own as soon as training rewrites the state); the checkpoint
+    it replaces is removed only after.
+    """
+    mine = torch.tensor([float(strategy.smart_update.backend.checkpoint_bytes())], dtype=torch.float64)
+    needed = int(strategy.reduce(mine, reduce_op="sum").item()) + SAVE_MARGIN
+    verdict: str | None = None
+    if strategy.is_global_zero:
+        existing = target.parent
+        while not existing.exists():
+            existing = existing.parent
+        free = shutil.disk_usage(existing).free
+        if free < needed:
+            verdict = (
+                f"Saving checkpoint {str(target)!r} refused before writing anything: it needs {needed / GIB:.2f} GiB "
+                f"(the optimizer state of every rank, even where it is cloned, plus DeepSpeed's files) and its "
+                f"filesystem has {free / GIB:.2f} GiB free. Free space there (e.g. fewer checkpoints: "
+                "`ModelCheckpoint(save_top_k=...)`), or save elsewhere. The previous checkpoint, if any, is untouched."
+            )
+    verdict = strategy.broadcast(verdict)
+    if verdict is not None:
+        raise StorageError(verdict, path=str(target), operation="save", errno=errno.ENOSPC)
+
+
 def _refusal(failure: BaseException, filepath: str | os.PathLike) -> StorageError:
     return StorageError(
         f"`save_checkpoint({str(filepath)!r})` refused: a device failed earlier, so the state on the devices may be "
@@ -114,20 +153,14 @@ def load(strategy: SmartInfinityStrategy, checkpoint_path: str | os.PathLike) ->
     ``predict`` load the trained weights (the fp32 masters on the devices, cast to the model's dtypes).
 
     Raises:
-        CheckpointError: the checkpoint is not as it was saved, comes from another number of ranks, or its parts
-            come from different saves; the message names the file.
+        CheckpointError: the checkpoint is not as it was saved, or its parts come from different saves, or it holds
+            state that cannot be re-sharded onto this run's layout; the message names the file or what differs.
     """
     root = Path(checkpoint_path).resolve()  # the path itself may be a link (`save_last="link"`); nothing inside
     module = strategy.lightning_module
     assert module is not None
     try:
         seal = checkpoint_folder.verify(root)
-        if seal["world_size"] != strategy.world_size:
-            raise CheckpointError(
-                f"{root / checkpoint_folder.SEAL} was saved by {seal['world_size']} ranks, this run has "
-                f"{strategy.world_size}. Resume with the same number of ranks, or export the weights "
-                "(`smartinf export`) and start a new run from them."
-            )
         model_states = root / checkpoint_folder.TAG / checkpoint_folder.MODEL_STATES
         if module.trainer.state.fn == "fit":
             client_state = _load_for_fit(strategy, root, seal)
@@ -148,13 +181,18 @@ def load(strategy: SmartInfinityStrategy, checkpoint_path: str | os.PathLike) ->
 
 
 def _load_for_fit(strategy: SmartInfinityStrategy, root: Path, seal: dict[str, Any]) -> dict[str, Any]:
-    directory = checkpoint_folder.rank_state_dir(root, strategy.global_rank)
+    """DeepSpeed's state (the module's buffers; ZeRO's optimizer files are not read with the optimizer state on
+    devices, so another number of ranks loads), then this rank's device state, re-sharded if the checkpoint's layout
+    differs (its host state, the same on every saved rank, from rank 0's directory when this rank did not exist)."""
+    saved_world = int(seal["world_size"])
+    rank_dirs = [checkpoint_folder.rank_state_dir(root, r) for r in range(saved_world)]
+    directory = rank_dirs[strategy.global_rank if strategy.global_rank < saved_world else 0]
     state = read_host_state(directory, global_step=seal["global_step"], sealed_by=root / checkpoint_folder.SEAL)
     engine = strategy.deepspeed_engine
     module = strategy.lightning_module
     assert module is not None
     ensure_offload_folder(engine, root, checkpoint_folder.TAG)
-    with safe_checkpoint_engine(engine):
+    with safe_checkpoint_engine(engine), model_states_for_new_ranks(engine):
         _, client_state = engine.load_checkpoint(
             str(root),
             tag=checkpoint_folder.TAG,
@@ -164,7 +202,7 @@ def _load_for_fit(strategy: SmartInfinityStrategy, root: Path, seal: dict[str, A
         )
     if client_state is None:
         raise CheckpointError(f"{root} holds no DeepSpeed model states for this rank.")
-    strategy.smart_update.restore(directory, state)
+    strategy.smart_update.restore(directory, state, rank_dirs=rank_dirs)
     return client_state
 
 

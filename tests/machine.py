@@ -78,7 +78,8 @@ def reflink_xfs(directory: Path, size: str = "400m") -> Iterator[Path]:
         directory.chmod(0o700)
         yield directory
     finally:
-        subprocess.run(["umount", "-d", str(directory)], capture_output=True, timeout=60)
+        # Lazily: a file still open (a backend a later fixture closes) must not keep the filesystem mounted.
+        subprocess.run(["umount", "-l", str(directory)], capture_output=True, timeout=60)
         image.unlink(missing_ok=True)
 
 

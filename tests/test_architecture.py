@@ -71,6 +71,9 @@ PRIVATE_NAME_EXCEPTIONS: dict[str, frozenset[str] | None] = {
     # The fused Adam/AdamW kernels that torch.optim's own `fused=True` path calls: the devices run the same kernel,
     # so their updates match torch's bit for bit.
     "core/rules.py": frozenset({"_fused_adam_", "_fused_adamw_"}),
+    # A rank added since a checkpoint was saved loads rank 0's module states: DeepSpeed names the file it looks for
+    # in these two methods of its engine, which the load wraps.
+    "zero/safe_load.py": frozenset({"_get_all_ckpt_names", "_get_ckpt_name"}),
     # The Lightning adapter that runs Lightning's DeepSpeedStrategy on DeepSpeed's CPU accelerator replaces exactly
     # the private steps that refuse CPUs; this one module calls them.
     "cpu_support.py": frozenset({"_init_deepspeed_distributed"}),

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -29,6 +30,9 @@ from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.rules import StepParams, UpdateRule
 from lightning_smartinf.core.traffic import Traffic, TrafficSnapshot
+
+if TYPE_CHECKING:
+    from lightning_smartinf.core.format.reshard import Reshard
 
 #: A submitted request; its result is ``None`` and it raises the device's error, if any. Wait for it with
 #: :meth:`Backend.result`, which applies the backend's device timeout and records a device error.
@@ -234,6 +238,19 @@ class Backend(ABC):
     @abstractmethod
     def load(self, directory: Path) -> None:
         """Replace every shard's state with the copy :meth:`save` wrote under ``directory``."""
+
+    def checkpoint_bytes(self) -> int:
+        """Bytes :meth:`save` writes into a checkpoint on this host (0 where the state is saved elsewhere: remote
+        servers keep theirs)."""
+        return 0
+
+    def load_resharded(self, reshard: Reshard) -> None:
+        """Replace every shard's state from a checkpoint saved under another layout (ranks, ``sub_group_size``,
+        ``chunk_size``), as ``reshard`` maps it. A backend whose state is not in files on this host refuses."""
+        raise ValueError(
+            f"The checkpoint was saved under another layout (ranks, `sub_group_size` or `chunk_size`), and a "
+            f"{type(self).__name__} cannot re-shard device state. Resume with the layout it was saved with."
+        )
 
     @abstractmethod
     def close(self, *, keep_claims: bool = False) -> None:

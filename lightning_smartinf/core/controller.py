@@ -23,6 +23,8 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import time
 import warnings
 from collections import deque
@@ -39,6 +41,8 @@ from lightning_smartinf.core.backend import Backend, BackendStats, Handle, Shard
 from lightning_smartinf.core.compression import SparseGrad, compress_topk, has_narrower_range, link_overflows
 from lightning_smartinf.core.factored import FactoredMoments, device_step_params
 from lightning_smartinf.core.format.rank_state import SavedTensor, load_host_tensors, save_device_state
+from lightning_smartinf.core.format.reshard import Reshard, same_layout
+from lightning_smartinf.core.format.state_files import MANIFEST
 from lightning_smartinf.core.host_buffer import HostBuffer
 from lightning_smartinf.core.rules import EFAdafactor, StepParams
 from lightning_smartinf.core.settings import SmartUpdateSettings
@@ -124,6 +128,8 @@ class Partitions(Protocol):
     def world_size(self) -> int:
         """Ranks in the data-parallel group."""
 
+
+log = logging.getLogger(__name__)
 
 #: Elements of the residual copied at a time when it is loaded (64 MiB of fp32).
 COPY_BLOCK = 16 << 20
@@ -518,9 +524,10 @@ class SmartUpdate:
             "moment_updates": self.moments.updates if self.moments is not None else None,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (the device state itself is loaded by :meth:`restore`)."""
-        if state["num_shards"] != len(self.sub_groups):
+    def load_state_dict(self, state: dict[str, Any], *, resharded: bool = False) -> None:
+        """Restore what :meth:`state_dict` returned (the device state itself is loaded by :meth:`restore`);
+        ``resharded``: the state was saved under another layout, so its shard count is not this run's."""
+        if not resharded and state["num_shards"] != len(self.sub_groups):
             raise ValueError(
                 f"The checkpoint holds {state['num_shards']} sub-groups on this rank but the model has "
                 f"{len(self.sub_groups)}. Resume with the same model, `sub_group_size` and number of ranks."
@@ -536,6 +543,27 @@ class SmartUpdate:
             for key, value in saved.items():
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
         self.partitions.restore_loss_scale(state["loss_scale"])
+
+    def _reshard(self, directory: Path, state: dict[str, Any], rank_dirs: Sequence[Path] | None) -> Reshard | None:
+        """How to load a checkpoint saved under another layout than this run's; ``None`` for the same layout."""
+        rank, world, layout = self.partitions.rank, self.partitions.world_size, self.partitions.layout()
+        manifest = Path(directory) / MANIFEST
+        saved_chunk = json.loads(manifest.read_bytes()).get("chunk_elems") if manifest.is_file() else None
+        if same_layout(state, layout, rank, world) and saved_chunk in (None, self.settings.chunk_size):
+            return None
+        if rank_dirs is None:
+            raise ValueError(
+                f"The device state in {str(directory)!r} was saved by rank {state.get('rank')} of "
+                f"{state.get('world_size')} with {state.get('num_shards')} sub-groups; this is rank {rank} of {world} "
+                f"with {len(layout)}. Re-sharding needs every saved rank's directory; load through the strategy."
+            )
+        if state.get("residual") is not None and state.get("world_size") != world:
+            raise ValueError(
+                "The checkpoint holds per-rank host state of gradient compression (the error-feedback residual, "
+                f"EF-Adafactor's factors) of {state.get('world_size')} ranks, which cannot be re-sharded over "
+                f"{world}. Resume with {state.get('world_size')} ranks (`sub_group_size` and `chunk_size` may change)."
+            )
+        return Reshard.of(rank_dirs, layout, rank, world)
 
     def load_residual(self, residual: SavedTensor | None, loss_scale: float | None) -> None:
         """Restore (or, with ``None``, clear) the compression residual saved with a checkpoint, a block at a time."""
@@ -561,12 +589,18 @@ class SmartUpdate:
         tensors = {"residual": self._residual_buffer, "moments": moments}  # the residual is written block by block
         save_device_state(directory, self.backend, self.state_dict(), tensors, global_step=global_step)
 
-    def restore(self, directory: Path, state: dict[str, Any]) -> None:
+    def restore(self, directory: Path, state: dict[str, Any], *, rank_dirs: Sequence[Path] | None = None) -> None:
         """Load the device state saved under ``directory``, whose ``host_state.json`` is ``state``.
 
         Hand-offs of a backward no step followed are rolled back first; then the devices' state, the host state and
         the residual are replaced, and the parameter partitions are refreshed from the loaded masters.
+
+        ``rank_dirs``: every saved rank's device-state directory, in rank order. With them, a checkpoint saved under
+        another layout (number of ranks, ``sub_group_size``, ``chunk_size``) is re-sharded as it loads
+        (:mod:`~lightning_smartinf.core.format.reshard`); ``directory`` then only gives the host state, which every
+        rank saves alike.
         """
+        reshard = self._reshard(directory, state, rank_dirs)
         tensors = load_host_tensors(directory, state.get("residual"))
         residual = tensors.get("residual")
         compression = self.settings.compression
@@ -578,8 +612,12 @@ class SmartUpdate:
             )
             residual = None
         self.discard_early()
-        self.backend.load(directory)
-        self.load_state_dict(state)
+        if reshard is None:
+            self.backend.load(directory)
+        else:
+            log.info("Re-sharding the device state of %s into this run's layout.", reshard.describe())
+            self.backend.load_resharded(reshard)
+        self.load_state_dict(state, resharded=reshard is not None)
         self.load_residual(residual, state.get("residual_loss_scale"))
         if self.moments is not None:
             # Saved under another rule: the moments start again, bias-corrected from their first update.

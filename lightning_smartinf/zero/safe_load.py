@@ -9,6 +9,7 @@ the ZeRO stage enum and loss scalers) are the only globals allowed beyond torch'
 from __future__ import annotations
 
 import contextlib
+import glob
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,31 @@ def safe_checkpoint_engine(engine: Any) -> Iterator[None]:
         yield
     finally:
         engine.checkpoint_engine = original
+
+
+@contextlib.contextmanager
+def model_states_for_new_ranks(engine: Any) -> Iterator[None]:
+    """Inside this block, a rank the checkpoint was not saved with (more ranks than it had) loads the module states
+    of rank 0 (``zero_pp_rank_0_mp_rank_00_model_states.pt``).
+
+    Under ZeRO-3 each rank saves its own copy of the module states: the replicated buffers and Lightning's client
+    state, the same on every rank (the parameters live in the device state). DeepSpeed looks for this rank's file
+    only, so a rank added since the save would find none.
+    """
+    original = engine._get_all_ckpt_names
+
+    def names(checkpoints_path: str, tag: str) -> list[str]:
+        found = original(checkpoints_path, tag)
+        if found:
+            return found
+        pattern = engine._get_ckpt_name(checkpoints_path, tag, mp_placeholder="*", pp_placeholder="0")
+        return sorted(glob.glob(pattern))
+
+    engine._get_all_ckpt_names = names
+    try:
+        yield
+    finally:
+        del engine._get_all_ckpt_names
 
 
 def ensure_offload_folder(engine: Any, root: Path, tag: str) -> None:

@@ -209,7 +209,7 @@ def test_a_checkpoint_resumes_bitwise(build, tmp_path, saved, loaded) -> None:
 
 
 @pytest.mark.parametrize(("kind", "tier"), STREAMING, ids=[f"{k}-{t}" for k, t in STREAMING])
-def test_a_checkpoint_on_a_reflink_filesystem_clones_the_state_on_storage(build, reflink_fs, kind, tier) -> None:
+def test_a_checkpoint_on_a_reflink_filesystem_clones_the_state_on_storage(reflink_fs, build, kind, tier) -> None:
     """The devices' record checksums make every state file on storage a clone (no byte read back); state in a tier's
     memory is copied. The checkpoint verifies, and another combination resumes from it bitwise."""
     first = build(kind, tier, "first", reflink_fs)

@@ -74,7 +74,12 @@ def train(
         accelerator="cpu",
         devices=1,
         strategy=SmartInfinityStrategy(
-            **{"storage_paths": list(storage), **(strategy_kwargs or {})}, sub_group_size=SUB_GROUP, io_engine="threads"
+            **{
+                "storage_paths": list(storage),
+                "sub_group_size": SUB_GROUP,
+                "io_engine": "threads",
+                **(strategy_kwargs or {}),
+            }
         ),
         precision=precision,
         max_steps=steps,
@@ -103,23 +108,27 @@ def fit_sharded(
     strategy_kwargs: dict[str, Any] | None = None,
     model_kwargs: dict[str, Any] | None = None,
     precision: str = "32-true",
+    max_steps: int = TOTAL,
     **trainer_kwargs: Any,
 ) -> L.Trainer:
     """Train (or resume) TOTAL steps as rank ``rank`` of a multi-rank run (launched by torchrun or by Lightning).
 
-    Data is sharded by global rank: each rank sees EVERY batches of 2 per epoch, so checkpoints every EVERY steps sit
-    on epoch boundaries. ``trainer_kwargs`` (``devices``, ``num_nodes``) go to the Trainer.
+    Data is sharded by global rank: each rank sees EVERY batches of ``4 // world_size`` per epoch (global batch 4,
+    the same samples whatever the number of ranks), so checkpoints every EVERY steps sit on epoch boundaries.
+    ``trainer_kwargs`` (``devices``, ``num_nodes``) go to the Trainer.
     """
     trainer = L.Trainer(
         accelerator="cpu",
         strategy=SmartInfinityStrategy(
-            storage_paths=[str(p) for p in storage],
-            sub_group_size=SUB_GROUP,
-            io_engine="threads",
-            **(strategy_kwargs or {}),
-        ),
+            **{
+                "storage_paths": [str(p) for p in storage],
+                "sub_group_size": SUB_GROUP,
+                "io_engine": "threads",
+                **(strategy_kwargs or {}),
+            }
+        ),  # fmt: skip
         precision=precision,
-        max_steps=TOTAL,
+        max_steps=max_steps,
         logger=False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         enable_progress_bar=False,
@@ -132,7 +141,7 @@ def fit_sharded(
     dataset = token_loader(EVERY).dataset
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
     module = LMModule(adamw_cosine, **(model_kwargs or {}))
-    trainer.fit(module, DataLoader(dataset, batch_size=2, sampler=sampler), ckpt_path=ckpt_path)
+    trainer.fit(module, DataLoader(dataset, batch_size=4 // world_size, sampler=sampler), ckpt_path=ckpt_path)
     return trainer
 
 

@@ -11,7 +11,7 @@ In order of preference:
    source's, on kernels that refuse a cross-filesystem ``copy_file_range``).
 
 The caller knows the source's checksum already (its records' CRCs, kept as the devices wrote them): nothing here
-reads the bytes to checksum them. The destination is created exclusively (mode 0600) and fsynced before return.
+reads the bytes to checksum them. The destination is created exclusively (mode 0600).
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ _BLOCK = 8 << 20
 _UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EBADF, errno.EPERM}
 
 
-def clone_file(src: Path, dst: Path, size: int) -> str:
+def clone_file(src: Path, dst: Path, size: int, *, fsync: bool = True) -> str:
     """Make ``dst`` (must not exist) a copy of the first ``size`` bytes of ``src``; return how: :data:`CLONE`,
-    :data:`KERNEL_COPY` or :data:`COPY`.
+    :data:`KERNEL_COPY` or :data:`COPY`. ``fsync=False`` leaves forcing ``dst`` to disk to the caller (who copies
+    several files: one flush after all of them keeps the disk reading and writing meanwhile).
 
     Raises ``ValueError`` if ``src`` does not hold exactly ``size`` bytes, ``OSError`` for an I/O error (a full disk
     included); a failed ``dst`` is removed.
@@ -44,7 +45,8 @@ def clone_file(src: Path, dst: Path, size: int) -> str:
         out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             how = _clone(fin, out) or _kernel_copy(fin, out, size) or _copy(fin, out, size)
-            os.fsync(out)
+            if fsync:
+                os.fsync(out)
         except BaseException:
             os.close(out)
             os.unlink(dst)

@@ -17,7 +17,7 @@ import math
 import os
 import stat
 from abc import abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -41,6 +41,7 @@ from lightning_smartinf.core.backend import (
 )
 from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.format.layout import ChunkLayout
+from lightning_smartinf.core.format.reshard import Reshard
 from lightning_smartinf.core.format.state_files import (
     SaveStats,
     ShardState,
@@ -721,6 +722,10 @@ class StreamingBackend(Backend):
         """The state files a checkpoint reads and writes through a host copy (the accelerator tier's)."""
         return [file for shard in self._shards for file in shard.files if file.needs_host_copy]
 
+    def checkpoint_bytes(self) -> int:
+        """Bytes of every shard's state file, which :meth:`save` clones or copies."""
+        return sum(shard.layout.file_bytes for shard in self._shards)
+
     def save(self, directory: Path) -> None:
         """Write every shard's state under ``directory`` (waits first); refused after a device error.
 
@@ -754,6 +759,16 @@ class StreamingBackend(Backend):
         Refused after a device error (:attr:`failure`), like :meth:`save`: threads may still hang on the failed
         storage and its files may be unusable, so the process must restart and resume there.
         """
+        self._replace_state(
+            lambda shards: load_state(shards, Path(directory), chunk_elems=self._chunk_elems, manifest=manifest)
+        )
+
+    def load_resharded(self, reshard: Reshard) -> None:
+        """Replace every shard's state from a checkpoint of another layout, element runs as ``reshard`` maps them."""
+        self._replace_state(reshard.write)
+
+    def _replace_state(self, write: Callable[[list[ShardState]], None]) -> None:
+        """Let ``write`` rewrite every shard's live file (by path), with no transfer in flight and no file open."""
         self._refuse("load")
         self.wait()
         # Refused before any file is closed, so the backend stays usable after the error.
@@ -769,7 +784,7 @@ class StreamingBackend(Backend):
         try:
             for file in staged:
                 file.stage(copy=False)
-            load_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems, manifest=manifest)
+            write(self._state_files())
             loaded = True
         finally:
             for file in staged:

@@ -48,6 +48,7 @@ from torch import Tensor
 from lightning_smartinf.core.accelerator import Fence
 from lightning_smartinf.core.backend import Backend, BackendStats, DeviceStats, Handle, ShardSpec
 from lightning_smartinf.core.compression import SparseGrad
+from lightning_smartinf.core.format.reshard import Reshard
 from lightning_smartinf.core.format.state_files import (
     CheckpointError,
     read_json,
@@ -490,6 +491,11 @@ class TieredBackend(Backend):
 
     # ---------------------------------------------------------------------------------------------- checkpoints
 
+    def checkpoint_bytes(self) -> int:
+        """The wrapped backend's, plus the tiers' beside a backend whose state is elsewhere."""
+        local = self.local.checkpoint_bytes() if self.local is not None and not self.attached else 0
+        return self.inner.checkpoint_bytes() + local
+
     def save(self, directory: Path) -> None:
         """Attached: ``inner``'s record of every shard. Beside: ``inner``'s record of its shards, the tiers' state
         under ``local/``, and the split."""
@@ -503,6 +509,13 @@ class TieredBackend(Backend):
             self.local.save(directory / LOCAL_DIR)
         split = {"format": 1, "local": self._local_shards, "beside": self._inner_shards}
         write_file_atomic(directory / LOCAL_TIERS_MANIFEST, json.dumps(split).encode())
+
+    def load_resharded(self, reshard: Reshard) -> None:
+        """Attached, the wrapped backend's (the split is this run's own); beside a remote backend, refused."""
+        if self.attached:
+            self.inner.load_resharded(reshard)
+            return
+        super().load_resharded(reshard)
 
     def load(self, directory: Path) -> None:
         """Beside, refuses a checkpoint whose split differs from this run's before anything is replaced."""
