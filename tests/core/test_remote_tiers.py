@@ -152,7 +152,7 @@ def test_checkpoint_round_trip_and_export_with_a_split(tmp_path, servers, token_
     _step(tiers, 1)
     tiers.save(tmp_path / "ckpt")
     split = json.loads((tmp_path / "ckpt" / LOCAL_TIERS_MANIFEST).read_text())
-    assert split["local"] == list(tiers.local_shards) and sorted(split["local"] + split["beside"]) == list(range(6))
+    assert split["local"] == list(tiers.local_shards) and sorted(split["local"] + split["inner"]) == list(range(6))
     saved = _masters(tiers)
     # Export reads the local shards from the checkpoint and the others from the servers' copy, in shard order.
     reader = masters_beside(checkpoint_masters([s.address for s in servers], read_token(token_file)))

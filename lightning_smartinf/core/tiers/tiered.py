@@ -507,7 +507,8 @@ class TieredBackend(Backend):
         self.inner.save(directory)
         if self.local is not None:
             self.local.save(directory / LOCAL_DIR)
-        split = {"format": 1, "local": self._local_shards, "beside": self._inner_shards}
+        # Format 2 names the wrapped backend's shards `inner` (format 1 said `beside`); only `local` is read back.
+        split = {"format": 2, "local": self._local_shards, "inner": self._inner_shards}
         write_file_atomic(directory / LOCAL_TIERS_MANIFEST, json.dumps(split).encode())
 
     def load_resharded(self, reshard: Reshard) -> None:
@@ -579,7 +580,7 @@ def saved_local_shards(directory: Path) -> list[int]:
     path = Path(directory) / LOCAL_TIERS_MANIFEST
     if not path.is_file():
         return []
-    local = read_json(path, "the local tiers' split", ("local", "beside"))["local"]
+    local = read_json(path, "the local tiers' split", ("local",))["local"]
     if not isinstance(local, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in local):
         raise CheckpointError(f"{path} does not list the local tiers' shards as integers.")
     return local
