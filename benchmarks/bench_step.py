@@ -174,6 +174,9 @@ def device_seconds(trainer: Any) -> dict[str, float] | None:
         return None
     backend = smart_update.backend
     out = {"wait_s": smart_update.wait_s, "read_s": 0.0, "write_s": 0.0, "compute_s": 0.0}
+    # The strategy's own clocks (host time per phase; `update_s`: the devices' step, hand-offs and waits).
+    out.update({f"{name}_s": trainer.strategy.clocks.total(name) for name in ("forward", "backward", "after_backward")})
+    out["update_s"] = smart_update.step_s
     out["prefetch_used_bytes"] = 0.0
     for device in backend.devices:
         out["read_s"] += device.stats.read_s
@@ -564,6 +567,10 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         ("in-device storage write (B/param/step)", lambda r: None, lambda r: traffic(r, "storage_write_bytes")),
         ("peak RSS (MiB)", lambda r: r.get("peak_rss_mib"), None),
         ("sub-groups updated in backward: kept / rolled back", lambda r: None, early),
+        ("forward, host (s/step)", lambda r: None, lambda r: device(r, "forward_s")),
+        ("backward incl. gradient reduction, host (s/step)", lambda r: None, lambda r: device(r, "backward_s")),
+        ("optimizer step after backward, host (s/step)", lambda r: None, lambda r: device(r, "after_backward_s")),
+        ("of which the devices' step: hand-offs and waits (s/step)", lambda r: None, lambda r: device(r, "update_s")),
         ("device compute (s/step)", lambda r: None, lambda r: device(r, "compute_s")),
         ("device read, summed over threads (s/step)", lambda r: None, lambda r: device(r, "read_s")),
         ("device write, summed over threads (s/step)", lambda r: None, lambda r: device(r, "write_s")),

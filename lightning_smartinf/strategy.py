@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 import weakref
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -31,6 +33,7 @@ from typing_extensions import override
 from lightning_smartinf import checkpoint_folder, engine_setup, quiet, strategy_checkpoints
 from lightning_smartinf.core import Backend, TrafficSnapshot, registry
 from lightning_smartinf.core.arguments import Problems
+from lightning_smartinf.core.clocks import PhaseClocks
 from lightning_smartinf.core.compression import TopKCompression, check_ratio
 from lightning_smartinf.core.controller import SmartUpdate
 from lightning_smartinf.core.placement import rank_share
@@ -218,6 +221,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             why = "`compression`" if settings.compression is not None else f"`backend={backend!r}`"
             log.info("smart_infinity: updates start after backward, not during it (not supported with %s).", why)
         self._before_engine: list[Callable[[pl.Trainer, pl.LightningModule], None]] = []
+        #: Host seconds per phase of training (forward, backward, after_backward), cumulative over the run.
+        self.clocks = PhaseClocks()
         super().__init__(config=config, **{name: arguments[name] for name in LIGHTNING})
 
     _smart_update: SmartUpdate | None = None  # the run's controller and backend (None before set-up)
@@ -401,6 +406,30 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         """Verify the checkpoint against its seal, then load it without unpickling code (``weights_only=True``):
         all state for ``fit``, the trained weights for evaluation (:func:`.strategy_checkpoints.load`)."""
         return strategy_checkpoints.load(self, checkpoint_path)
+
+    # ------------------------------------------------------------------------------------------------ phases
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.clocks.phase("forward"):
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        with self.clocks.phase("backward"):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """The step; what it does besides the forward and backward its closure runs counts as ``after_backward``
+        (gradient clipping, the engine's step: gradients handed to the devices, waits for updated parameters)."""
+        inside = self.clocks.total("forward", "backward")
+        started = time.perf_counter()
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            closure_s = self.clocks.total("forward", "backward") - inside
+            self.clocks.add("after_backward", time.perf_counter() - started - closure_s)
 
     @override
     def teardown(self) -> None:

@@ -46,6 +46,10 @@ def test_pool_sized_from_sub_groups_metrics_logged_and_released(tmp_path):
     assert pool.backend.buffer_bytes == 0  # freed at teardown
     metrics = pool.metrics
     assert metrics["smartinf/wait_ms"] >= 0
+    # Where the step went: the strategy's clocks (host time, per optimizer step).
+    phases = [metrics[f"smartinf/{name}_ms"] for name in ("forward", "backward", "after_backward")]
+    assert all(ms > 0 for ms in phases)
+    assert 0 <= metrics["smartinf/wait_ms"] <= metrics["smartinf/update_ms"] <= metrics["smartinf/after_backward_ms"]
     assert 0 < metrics["smartinf/pool_utilisation"] <= 1
     # No clipping, no schedule: every sub-group of the last step was updated during backward and kept.
     sub_groups = len(trainer.strategy.deepspeed_engine.optimizer.fp16_groups)

@@ -181,6 +181,8 @@ class SmartUpdate:
         self.group_steps: dict[int, int] = {}
         #: Seconds the host spent blocked on devices for updated parameters (cumulative).
         self.wait_s = 0.0
+        #: Host seconds in :meth:`step` (hand-offs and waits), cumulative.
+        self.step_s = 0.0
         #: Kept ratio of the next step; ``None`` sends dense gradients (a warm-up phase), even with compression set.
         self.kept_ratio: float | None = settings.kept_ratio
         #: Gradient entries sent and in total in the last step (equal when it was dense).
@@ -387,6 +389,7 @@ class SmartUpdate:
         # The next backward hands sub-groups off in this backward's order: devices read their state whenever they
         # would otherwise wait for one.
         self.backend.prefetch(list(early) + [i for i in range(len(self.sub_groups)) if i not in early])
+        self.step_s += time.perf_counter() - started
 
     def _finish(self, sub_group: int, handle: Handle) -> None:
         """Wait for ``sub_group``'s update and hand its parameters to the engine."""
