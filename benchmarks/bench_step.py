@@ -170,15 +170,16 @@ def device_seconds(trainer: Any) -> dict[str, float] | None:
     """Seconds ours' devices spent reading, writing and computing (summed over devices and their threads), seconds
     the host waited on them, and state bytes read between steps that updates used; ``None`` for ZeRO-Infinity."""
     smart_update = getattr(trainer.strategy.deepspeed_engine.optimizer, "smart_update", None)
-    if smart_update is None or not hasattr(smart_update.backend, "devices"):
+    if smart_update is None:
         return None
     backend = smart_update.backend
+    backend = backend if hasattr(backend, "devices") else getattr(backend, "inner", backend)  # tiers: the devices'
     out = {"wait_s": smart_update.wait_s, "read_s": 0.0, "write_s": 0.0, "compute_s": 0.0}
     # The strategy's own clocks (host time per phase; `update_s`: the devices' step, hand-offs and waits).
     out.update({f"{name}_s": trainer.strategy.clocks.total(name) for name in ("forward", "backward", "after_backward")})
     out["update_s"] = smart_update.step_s
     out["prefetch_used_bytes"] = 0.0
-    for device in backend.devices:
+    for device in getattr(backend, "devices", ()):
         out["read_s"] += device.stats.read_s
         out["write_s"] += device.stats.write_s
         out["compute_s"] += device.stats.compute_s
