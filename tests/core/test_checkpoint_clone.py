@@ -119,3 +119,26 @@ def test_a_record_checksum_that_does_not_match_the_bytes_is_caught_at_load(refli
     with pytest.raises(ValueError, match=r"shard00000.state is corrupt: CRC32C"):
         load_state(shards, reflink_fs / "ckpt", chunk_elems=CHUNK)
     assert [s.path.read_bytes() for s in shards] == before  # nothing live was touched
+
+
+def test_devices_keep_record_checksums_only_where_their_files_clone(tmp_path, reflink_fs) -> None:
+    """On ext4 a save reads the files anyway, so the devices spend nothing per write on checksums and the save
+    checksums as it copies; on XFS with reflinks they keep them and the save clones."""
+    from lightning_smartinf.devices.cpu import CpuBackend
+
+    sizes = [CHUNK + 5, 3 * CHUNK]
+    for root, clones in ((tmp_path, False), (reflink_fs, True)):
+        backend = CpuBackend([root / "dev0", root / "dev1"], chunk_elems=CHUNK, buffer_count=4)
+        try:
+            backend.open([ShardSpec(i, n, Adam()) for i, n in enumerate(sizes)])
+            assert [device.keeps_checksums for device in backend.devices] == [clones, clones]
+            for i, n in enumerate(sizes):
+                backend.initialize(i, torch.randn(n))
+            backend.wait()
+            backend.save(root / "ckpt")
+            total = backend.checkpoint_bytes()
+            stats = backend.last_save
+            assert (stats.cloned_bytes, stats.checksummed_bytes) == ((total, 0) if clones else (0, total))
+            assert not list((root / "dev0").glob(".smartinf-clone-probe-*"))
+        finally:
+            backend.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import secrets
 from pathlib import Path
 
 #: ``_IOW(0x94, 9, int)``: clone a whole file (Linux >= 4.5).
@@ -95,3 +96,27 @@ def _copy(fin: int, out: int, size: int) -> str:
             written += os.pwrite(out, view[written:n], done + written)
         done += n
     return COPY
+
+
+def can_clone(directory: Path) -> bool:
+    """Whether files in ``directory`` clone (``FICLONE`` between two files there works); probed with two empty
+    files, removed again. ``False`` where the probe cannot even create them."""
+    stem = Path(directory) / f".smartinf-clone-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    src, dst = stem.with_suffix(".a"), stem.with_suffix(".b")
+    try:
+        fin = os.open(src, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return False
+    try:
+        os.write(fin, b"\0" * 4096)
+        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            return _clone(fin, out) is not None
+        finally:
+            os.close(out)
+    except OSError:
+        return False
+    finally:
+        os.close(fin)
+        src.unlink(missing_ok=True)
+        dst.unlink(missing_ok=True)

@@ -41,6 +41,7 @@ from lightning_smartinf.core.backend import Handle
 from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.format.layout import pool_bytes
 from lightning_smartinf.core.io.checksum import crc32c
+from lightning_smartinf.core.io.clone import can_clone
 from lightning_smartinf.core.io.direct import IOEngine, StateFile
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.rules import StepParams
@@ -122,6 +123,9 @@ class StreamingDevice(ABC):
     ) -> None:
         self.index = index
         self.directory = directory
+        #: Whether writes keep each record's CRC-32C: where the directory's files clone, so a checkpoint clones them
+        #: instead of reading them. Elsewhere a save reads the files anyway, and the checksums would cost every step.
+        self.keeps_checksums = directory is not None and can_clone(directory)
         self.io = io
         self.stats = DeviceCounters()
         self.pool = ChunkPool()
@@ -515,7 +519,7 @@ class StreamingDevice(ABC):
             crc = None
             if file.keeps_checksums:
                 file.checksums.pop(offset, None)  # unknown until the write has landed whole
-                if record.device.type == "cpu":
+                if self.keeps_checksums and record.device.type == "cpu":
                     crc = crc32c(memoryview(record.numpy()).cast("B"))
             t0 = time.perf_counter()
             self._transfer("write", file, record, offset)
