@@ -23,7 +23,6 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 import warnings
@@ -42,7 +41,7 @@ from lightning_smartinf.core.compression import SparseGrad, compress_topk, has_n
 from lightning_smartinf.core.factored import FactoredMoments, device_step_params
 from lightning_smartinf.core.format.rank_state import SavedTensor, load_host_tensors, save_device_state
 from lightning_smartinf.core.format.reshard import Reshard, same_layout
-from lightning_smartinf.core.format.state_files import MANIFEST
+from lightning_smartinf.core.format.state_files import MANIFEST, read_manifest
 from lightning_smartinf.core.host_buffer import HostBuffer
 from lightning_smartinf.core.rules import EFAdafactor, StepParams
 from lightning_smartinf.core.settings import SmartUpdateSettings
@@ -550,8 +549,8 @@ class SmartUpdate:
     def _reshard(self, directory: Path, state: dict[str, Any], rank_dirs: Sequence[Path] | None) -> Reshard | None:
         """How to load a checkpoint saved under another layout than this run's; ``None`` for the same layout."""
         rank, world, layout = self.partitions.rank, self.partitions.world_size, self.partitions.layout()
-        manifest = Path(directory) / MANIFEST
-        saved_chunk = json.loads(manifest.read_bytes()).get("chunk_elems") if manifest.is_file() else None
+        has_manifest = (Path(directory) / MANIFEST).is_file()  # none where the state was kept on remote servers
+        saved_chunk = read_manifest(Path(directory)).get("chunk_elems") if has_manifest else None
         if same_layout(state, layout, rank, world) and saved_chunk in (None, self.settings.chunk_size):
             return None
         if rank_dirs is None:
