@@ -223,6 +223,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         self._before_engine: list[Callable[[pl.Trainer, pl.LightningModule], None]] = []
         #: Host seconds per phase of training (forward, backward, after_backward), cumulative over the run.
         self.clocks = PhaseClocks()
+        #: What ``ModelCheckpoint`` keeps, to free what its rotation deletes before a save that needs the room.
+        self.rotation = strategy_checkpoints.Rotation()
         super().__init__(config=config, **{name: arguments[name] for name in LIGHTNING})
 
     _smart_update: SmartUpdate | None = None  # the run's controller and backend (None before set-up)
@@ -400,6 +402,12 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         """Delete a checkpoint (``ModelCheckpoint``'s ``save_top_k`` rotation) so that no kill leaves part of it."""
         if self.is_global_zero:
             checkpoint_folder.retire(Path(filepath))
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if (module := self.lightning_module) is not None:
+            self.rotation.remember(module.trainer)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -23,7 +24,7 @@ from lightning_smartinf import checkpoint_folder
 from lightning_smartinf.checkpoint_folder import CheckpointError
 from lightning_smartinf.core.format.masters import MastersReader, consolidate_masters, host_state
 from lightning_smartinf.core.format.rank_state import read_host_state
-from lightning_smartinf.core.io.storage import GIB, StorageError
+from lightning_smartinf.core.io.storage import StorageError, readable_size
 from lightning_smartinf.zero.safe_load import (
     ensure_offload_folder,
     load_deepspeed_file,
@@ -72,11 +73,10 @@ def save(
         raise refusal
     global_step = int(checkpoint["global_step"])
     target = Path(strategy.broadcast(os.path.abspath(filepath)))
-    _refuse_if_it_cannot_fit(strategy, target)
+    freed = _make_room(strategy, target)
     staging: str | None = None
     if strategy.is_global_zero:
         target.parent.mkdir(parents=True, exist_ok=True)
-        checkpoint_folder.remove_leftovers(target.parent)
         staging_dir = checkpoint_folder.staging_path(target)
         staging_dir.mkdir(mode=0o700)
         staging = str(staging_dir)
@@ -91,16 +91,22 @@ def save(
     except BaseException as exc:
         if strategy.is_global_zero:
             shutil.rmtree(staging_dir, ignore_errors=True)
-        if isinstance(exc, OSError):  # StorageError included: say which checkpoint, and that the old one stands
+        if isinstance(exc, OSError):  # StorageError included: say which checkpoint, and what stands
+            before = (
+                f"the checkpoints {_names(freed)} were removed before the save to make room for it"
+                if freed
+                else "the previous checkpoint there, if any, is untouched"
+            )
             raise StorageError(
-                f"Saving checkpoint {str(target)!r} failed: {exc} Nothing was written at that name; the previous "
-                "checkpoint there, if any, is untouched.",
+                f"Saving checkpoint {str(target)!r} failed: {exc} Nothing was written at that name; {before}.",
                 path=getattr(exc, "path", None) or exc.filename,
                 operation=getattr(exc, "operation", None) or "save",
                 errno=exc.errno,
             ) from exc
         raise
     strategy.barrier("smartinf_checkpoint_installed")
+    if (module := strategy.lightning_module) is not None:
+        strategy.rotation.remember(module.trainer)
 
 
 #: Room for DeepSpeed's files, the manifests, host states and seal beside the device state (under ZeRO-3 they hold
@@ -108,31 +114,136 @@ def save(
 SAVE_MARGIN = 1 << 20
 
 
-def _refuse_if_it_cannot_fit(strategy: SmartInfinityStrategy, target: Path) -> None:
-    """Refuse a save the checkpoint's filesystem has no room for, before any rank writes anything.
+class Rotation:
+    """Which checkpoints ``ModelCheckpoint`` deletes right after the save under way.
+
+    Lightning's ``ModelCheckpoint`` drops a checkpoint from what it keeps (the ``save_top_k`` best, the best, the
+    last), saves the new one, and only then deletes the dropped one; a save over an existing name (``last.ckpt``)
+    replaces it once the new one is complete. So a rotating run needs room for one checkpoint more than it keeps.
+    Comparing what the callbacks keep now with what they kept at the end of the previous save names the dropped
+    ones without reaching into the callbacks' internals.
+    """
+
+    def __init__(self) -> None:
+        self._kept: frozenset[Path] = frozenset()
+
+    def remember(self, trainer: pl.Trainer) -> None:
+        """Note what the trainer's checkpoint callbacks keep now (at the start of training, after every save)."""
+        self._kept = frozenset(kept_checkpoints(trainer))
+
+    def dropped(self, trainer: pl.Trainer) -> list[Path]:
+        """The checkpoints kept at the last :meth:`remember` that the callbacks no longer keep and will delete: those
+        that still exist, inside a callback's ``dirpath``, other than the one the run resumed from (which
+        ``ModelCheckpoint`` never deletes)."""
+        now = kept_checkpoints(trainer)
+        folders = [
+            Path(os.path.abspath(callback.dirpath))
+            for callback in trainer.checkpoint_callbacks
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath
+        ]
+        resumed = Path(os.path.abspath(trainer.ckpt_path)) if trainer.ckpt_path else None
+        return sorted(
+            path
+            for path in self._kept - now
+            if os.path.lexists(path) and path != resumed and any(folder in path.parents for folder in folders)
+        )
+
+
+def kept_checkpoints(trainer: pl.Trainer) -> set[Path]:
+    """The checkpoints the trainer's ``ModelCheckpoint`` callbacks keep (top k, best, last), as absolute paths."""
+    kept: set[Path] = set()
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            for path in (*callback.best_k_models, callback.best_model_path, callback.last_model_path):
+                if path:
+                    kept.add(Path(os.path.abspath(path)))
+    return kept
+
+
+def _make_room(strategy: SmartInfinityStrategy, target: Path) -> list[Path]:
+    """Refuse a save the checkpoint's filesystem has no room for, before any rank writes anything; returns the
+    checkpoints removed first to make room.
 
     The device state of every rank goes into one staging directory beside ``target`` (so onto one filesystem), whole
-    even where it is cloned (a clone's blocks become its own as soon as training rewrites the state); the checkpoint
-    it replaces is removed only after.
+    even where it is cloned (a clone's blocks become its own as soon as training rewrites the state). What killed
+    saves left in the folder goes first. If that is not enough, the checkpoints this save makes obsolete (the one at
+    ``target``, which it replaces, and those ``ModelCheckpoint`` deletes right after it) are removed before it, but
+    only while another complete checkpoint the callbacks keep stands: a kill during the save then leaves that one.
     """
     mine = torch.tensor([float(strategy.smart_update.backend.checkpoint_bytes())], dtype=torch.float64)
     needed = int(strategy.reduce(mine, reduce_op="sum").item()) + SAVE_MARGIN
     verdict: str | None = None
+    freed: list[Path] = []
     if strategy.is_global_zero:
-        existing = target.parent
-        while not existing.exists():
-            existing = existing.parent
-        free = shutil.disk_usage(existing).free
-        if free < needed:
-            verdict = (
-                f"Saving checkpoint {str(target)!r} refused before writing anything: it needs {needed / GIB:.2f} GiB "
-                f"(the optimizer state of every rank, even where it is cloned, plus DeepSpeed's files) and its "
-                f"filesystem has {free / GIB:.2f} GiB free. Free space there (e.g. fewer checkpoints: "
-                "`ModelCheckpoint(save_top_k=...)`), or save elsewhere. The previous checkpoint, if any, is untouched."
-            )
-    verdict = strategy.broadcast(verdict)
+        try:
+            verdict, freed = _make_room_on_rank_zero(strategy, target, needed)
+        except OSError as exc:
+            verdict = f"Saving checkpoint {str(target)!r} refused before writing anything: {exc}"
+    verdict, freed = strategy.broadcast((verdict, [str(path) for path in freed]))
     if verdict is not None:
         raise StorageError(verdict, path=str(target), operation="save", errno=errno.ENOSPC)
+    return [Path(path) for path in freed]
+
+
+def _make_room_on_rank_zero(
+    strategy: SmartInfinityStrategy, target: Path, needed: int
+) -> tuple[str | None, list[Path]]:
+    checkpoint_folder.remove_leftovers(target.parent)
+    if (free := _free_bytes(target)) >= needed:
+        return None, []
+    module = strategy.lightning_module
+    obsolete: list[Path] = []
+    standing: list[Path] = []
+    if module is not None:
+        trainer = module.trainer
+        obsolete = strategy.rotation.dropped(trainer)
+        if os.path.isdir(target) and not os.path.islink(target) and target not in obsolete:
+            obsolete.append(target)
+        gone = {path.resolve() for path in obsolete}
+        standing = sorted(
+            path
+            for path in kept_checkpoints(trainer)
+            if path != target and path.resolve() not in gone and checkpoint_folder.is_sealed(path)
+        )
+    if obsolete and standing:
+        for path in obsolete:
+            checkpoint_folder.retire(path)
+        rank_zero_warn(
+            f"Removed {_names(obsolete)} before saving checkpoint {str(target)!r} instead of after it, to make room "
+            f"for it ({readable_size(needed)} needed, {readable_size(free)} free); {str(standing[0])!r} stands "
+            "meanwhile."
+        )
+        if (free := _free_bytes(target)) >= needed:
+            return None, obsolete
+    if obsolete and not standing:
+        why = (
+            f" This save makes {_names(obsolete)} obsolete, but they were kept: no other complete checkpoint of this "
+            "run would stand while it is written (keep one more: `ModelCheckpoint(save_last=True)` or a larger "
+            "`save_top_k`)."
+        )
+    elif obsolete:
+        why = f" Removing {_names(obsolete)}, which this save makes obsolete, was not enough."
+    else:
+        why = ""
+    untouched = "" if obsolete and standing else " The previous checkpoint, if any, is untouched."
+    return (
+        f"Saving checkpoint {str(target)!r} refused before writing anything: it needs {readable_size(needed)} "
+        f"(the optimizer state of every rank, even where it is cloned, plus DeepSpeed's files) and its "
+        f"filesystem has {readable_size(free)} free.{why} Free space there (e.g. fewer checkpoints: "
+        f"`ModelCheckpoint(save_top_k=...)`), or save elsewhere.{untouched}",
+        obsolete if standing else [],
+    )
+
+
+def _free_bytes(target: Path) -> int:
+    existing = target.parent
+    while not existing.exists():
+        existing = existing.parent
+    return shutil.disk_usage(existing).free
+
+
+def _names(paths: list[Path]) -> str:
+    return ", ".join(repr(str(path)) for path in paths)
 
 
 def _refusal(failure: BaseException, filepath: str | os.PathLike) -> StorageError:

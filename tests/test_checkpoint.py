@@ -22,6 +22,7 @@ import pytest
 import torch
 from crc32c import crc32c
 from launch import SCRIPTS, torchrun, worker_env
+from lightning.pytorch.callbacks import ModelCheckpoint
 from models import assert_identical, max_relative_error
 from scripts.ckpt_common import EVERY, TOTAL, checkpoint_step, newest_complete, train
 
@@ -290,13 +291,47 @@ def test_disk_full_during_checkpoint_keeps_the_last_one_loadable(reference, tmp_
     _, expected = reference
     fs = small_fs("8m")
     with pytest.raises(
-        StorageError, match=r"refused before writing anything: it needs 0\.\d+ GiB .* has 0\.\d+ GiB free"
+        StorageError, match=r"refused before writing anything: it needs [\d.]+ MiB .* has [\d.]+ [KM]iB free"
     ):
         train(fs, storage=[tmp_path / "ssd"], steps=TOTAL, callbacks=[Ballast(fs)])
     assert sorted(p.name for p in (fs / "ckpts").iterdir()) == [ckpt(fs, EVERY).name]  # nothing half-written left
     assert newest_complete(fs / "ckpts") == ckpt(fs, EVERY)
     resumed = train(tmp_path / "resume", ckpt_path=ckpt(fs, EVERY), every=None)
     assert_identical(resumed, expected)
+
+
+def _bytes_of(checkpoint: Path) -> int:
+    return sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
+
+
+def test_rotation_frees_what_it_deletes_before_a_save_that_needs_the_room(reference, tmp_path, small_fs) -> None:
+    """What users write, `ModelCheckpoint(save_last=True, every_n_train_steps=4)` (it keeps the newest
+    `epoch=E-step=N.ckpt` and `last.ckpt`), on a filesystem with room for two checkpoints and not three: each save
+    first removes the checkpoint it makes obsolete while the other stands, and the run ends as it would with room."""
+    root, expected = reference
+    size = _bytes_of(ckpt(root, EVERY))
+    fs = small_fs(str(5 * size // 2 + (1 << 20)))
+    with pytest.warns(UserWarning, match=r"before saving checkpoint .* instead of after it.* stands meanwhile"):
+        train(fs, storage=[tmp_path / "ssd"], checkpointing="last")
+    ckpts = fs / "ckpts"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=2-step=12.ckpt", "last.ckpt"]  # nothing hidden left
+    for checkpoint in ckpts.iterdir():
+        checkpoint_folder.verify(checkpoint, checksum_shards=True)
+    resumed = train(tmp_path / "resume", ckpt_path=ckpt(root, EVERY), every=None)
+    assert_identical(resumed, expected)
+    assert_identical(consolidate_fp32_state_dict(ckpts / "last.ckpt"), expected)
+
+
+def test_rotation_keeps_the_only_checkpoint_and_refuses_the_save_naming_it(reference, tmp_path, small_fs) -> None:
+    """`ModelCheckpoint(every_n_train_steps=4)` (the newest checkpoint only) with room for one and a half: removing
+    the old one before the new one is written would leave none during the save, so the save is refused."""
+    root, _ = reference
+    fs = small_fs(str(3 * _bytes_of(ckpt(root, EVERY)) // 2 + (1 << 20)))
+    callback = ModelCheckpoint(dirpath=fs / "ckpts", every_n_train_steps=EVERY)
+    with pytest.raises(StorageError, match=r"makes '.*epoch=0-step=4\.ckpt' obsolete, but .* kept: no other complete"):
+        train(fs, storage=[tmp_path / "ssd"], checkpoint_callback=callback)
+    assert sorted(p.name for p in (fs / "ckpts").iterdir()) == ["epoch=0-step=4.ckpt"]
+    checkpoint_folder.verify(fs / "ckpts" / "epoch=0-step=4.ckpt", checksum_shards=True)
 
 
 # ------------------------------------------------------------------------------------------ storage disappears

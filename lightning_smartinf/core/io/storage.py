@@ -12,6 +12,14 @@ from pathlib import Path
 GIB = 1024**3
 
 
+def readable_size(nbytes: float) -> str:
+    """``nbytes`` in binary units with three significant digits (``"9.61 GiB"``, ``"257 KiB"``, ``"12 B"``)."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 class StorageError(RuntimeError, OSError):
     """A storage path cannot hold or serve the device state.
 
