@@ -7,10 +7,12 @@ import json
 import pytest
 import torch
 from launch import SCRIPTS, torchrun
-from models import LMModule, adamw_factory, fit
+from models import LMModule, adamw_factory, assert_identical, fit
 from remote_servers import ServerProcess, running, server_pool, write_token
+from scripts.ckpt_common import EVERY, train
 
 from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.checkpoint_folder import CheckpointError
 
 STEPS = 6
 
@@ -111,6 +113,51 @@ def test_save_last_then_resume_after_the_servers_restart_is_bit_identical(tmp_pa
     )
     for name, value in reference.items():
         assert torch.equal(resumed[name], value), name
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{}, {"sub_group_size": 1000, "chunk_size": 2048}, {"state_memory_budget": 130_000}],
+    ids=["the checkpoint's layout", "another sub_group_size and chunk_size", "a memory tier beside the servers"],
+)
+def test_a_checkpoint_of_the_cpu_backend_resumes_on_the_servers_bit_identically(
+    checkpoint_reference, tmp_path, servers, layout
+):
+    """Its state files are re-sharded on this host a shard at a time, sent to the servers and loaded there; the run
+    then equals the `cpu` run that never stopped (remote updates are bitwise the local ones)."""
+    root, expected = checkpoint_reference
+    remote = {
+        "backend": "remote",
+        "remote_devices": [s.address for s in servers],
+        "remote_token_file": str(servers[0].token_file),
+    }
+    trainers: list = []
+    checkpoint = root / "ckpts" / f"step={EVERY}.ckpt"
+    marks = {server.address: server.log_mark() for server in servers}
+    resumed = train(tmp_path, ckpt_path=checkpoint, every=None, strategy_kwargs={**remote, **layout}, trainers=trainers)
+    assert_identical(resumed, expected)
+    for server in servers:
+        assert "loaded an uploaded checkpoint" in server.log_text(marks[server.address])
+    assert not list(tmp_path.rglob(".upload")) and not [
+        p for s in servers for root in s.storage for p in root.rglob(".upload")
+    ], "no upload is left behind"
+
+
+def test_a_checkpoint_kept_on_the_servers_is_refused_where_it_cannot_load_naming_what_to_do(tmp_path, servers):
+    """Its state is on the servers, not on this host: a `cpu` run, or a remote run of another layout, is refused with
+    a message saying how to resume it, before anything live changes."""
+    remote = {
+        "backend": "remote",
+        "remote_devices": [s.address for s in servers],
+        "remote_token_file": str(servers[0].token_file),
+    }
+    train(tmp_path / "saved", steps=EVERY, strategy_kwargs=remote)
+    checkpoint = tmp_path / "saved" / "ckpts" / f"step={EVERY}.ckpt"
+    for kwargs in ({}, {**remote, "sub_group_size": 1000}):
+        with pytest.raises(
+            CheckpointError, match=r"holds no manifest\.json: .* kept by the devices .* `backend='remote'`"
+        ):
+            train(tmp_path / "resumed", ckpt_path=checkpoint, every=None, strategy_kwargs=kwargs)
 
 
 @pytest.mark.multiprocess

@@ -239,6 +239,11 @@ class Backend(ABC):
     def load(self, directory: Path) -> None:
         """Replace every shard's state with the copy :meth:`save` wrote under ``directory``."""
 
+    def loads_as_saved(self, directory: Path) -> bool:
+        """Whether :meth:`load` reads the device state saved under ``directory`` as it is; else (state another
+        backend saved) it goes through :meth:`load_resharded`, whatever the layout."""
+        return True
+
     def checkpoint_bytes(self) -> int:
         """Bytes :meth:`save` writes into a checkpoint on this host (0 where the state is saved elsewhere: remote
         servers keep theirs)."""

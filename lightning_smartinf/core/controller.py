@@ -551,7 +551,11 @@ class SmartUpdate:
         rank, world, layout = self.partitions.rank, self.partitions.world_size, self.partitions.layout()
         has_manifest = (Path(directory) / MANIFEST).is_file()  # none where the state was kept on remote servers
         saved_chunk = read_manifest(Path(directory)).get("chunk_elems") if has_manifest else None
-        if same_layout(state, layout, rank, world) and saved_chunk in (None, self.settings.chunk_size):
+        if (
+            same_layout(state, layout, rank, world)
+            and saved_chunk in (None, self.settings.chunk_size)
+            and self.backend.loads_as_saved(directory)
+        ):
             return None
         if rank_dirs is None:
             raise ValueError(

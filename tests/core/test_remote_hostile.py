@@ -19,6 +19,8 @@ import torch
 from remote_servers import ServerProcess, write_token
 
 from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.format.layout import ChunkLayout
+from lightning_smartinf.core.io.checksum import crc32c
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.rules import Adam, StepParams
 from lightning_smartinf.devices.remote.client import RemoteBackend, channel_credentials
@@ -28,7 +30,7 @@ from lightning_smartinf.devices.remote.wire import SERVICE, Frame, encode_tensor
 TOKEN = "a-token-of-the-hostile-client-tests"
 CHUNK = 4096
 SPECS = [ShardSpec(index=0, numel=CHUNK, rule=Adam(decoupled_weight_decay=True))]
-METHODS = ("Hello", "Open", "Initialize", "Update", "ReadMaster", "Control", "Echo", "ReadCheckpoint")
+METHODS = ("Hello", "Open", "Initialize", "Upload", "Update", "ReadMaster", "Control", "Echo", "ReadCheckpoint")
 #: Seconds a test waits for an answer the server should give at once.
 PROMPT_S = 10.0
 
@@ -254,6 +256,70 @@ def test_malformed_requests_end_with_invalid_argument_and_a_reason(server) -> No
     finally:
         channel.close()
     client.result(client.read_master(0, torch.empty(CHUNK)))  # the session still serves
+    client.close()
+
+
+def test_uploads_are_checked_and_loaded_only_whole(server, tmp_path) -> None:
+    """State files sent to resume a checkpoint of another backend (`Upload`, then `load_upload`): a file of another
+    size, chunks out of order, another dtype, a shard not in the session or a CRC-32C that does not match are
+    refused with a reason; loading before every shard arrived is refused; nothing live changes until a whole upload
+    loads, and no upload is left on the server's disk."""
+    client = _opened(server)
+    session = client.servers[0].session
+    before = torch.empty(CHUNK)
+    client.result(client.read_master(0, before))
+    layout = ChunkLayout(CHUNK, CHUNK, 2)
+    record = torch.randn(layout.tensors_per_record, layout.padded_len(0)).abs()
+    state = torch.zeros(layout.file_bytes // 4)
+    start = layout.record_offset(0) // 4
+    state[start : start + record.numel()] = record.flatten()
+    crc = crc32c(state.numpy().tobytes())
+    channel = _channel(server.address)
+
+    def upload(frames: list[Frame]) -> grpc.StatusCode | None:
+        try:
+            _stream(channel, "Upload")(iter(frames), timeout=PROMPT_S).__next__()
+        except grpc.RpcError as failed:
+            assert len(failed.details()) > 20, failed.details()  # a reason, not a bare status
+            return failed.code()
+        return None
+
+    header = header_frame(session=session, shard=0, crc32c=crc)
+    frames = list(encode_tensor("state", state, chunk_bytes=4096))
+    cases = {
+        "one element short": ([header, *encode_tensor("state", state[:-1])], grpc.StatusCode.INVALID_ARGUMENT),
+        "chunks out of order": ([header, *reversed(frames)], grpc.StatusCode.INVALID_ARGUMENT),
+        "another dtype": (
+            [header, *encode_tensor("state", state.to(torch.bfloat16))],
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        "the stream ends early": ([header, *frames[:-1]], grpc.StatusCode.INVALID_ARGUMENT),
+        "a shard not in the session": (
+            [header_frame(session=session, shard=1, crc32c=crc), *frames],
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        "another CRC-32C": (
+            [header_frame(session=session, shard=0, crc32c=crc ^ 1), *frames],
+            grpc.StatusCode.DATA_LOSS,
+        ),
+    }
+    try:
+        for what, (request, status) in cases.items():
+            assert upload(request) == status, what
+        load = header_frame(session=session, op="load_upload")
+        assert (
+            _status(_stream(channel, "Control")(iter([load]), timeout=PROMPT_S)) == grpc.StatusCode.FAILED_PRECONDITION
+        )
+        now = torch.empty(CHUNK)
+        client.result(client.read_master(0, now))
+        assert torch.equal(now, before)  # nothing live changed
+        assert upload([header, *frames]) is None
+        list(_stream(channel, "Control")(iter([load]), timeout=PROMPT_S))
+    finally:
+        channel.close()
+    client.result(client.read_master(0, now))
+    assert torch.equal(now, record[0, :CHUNK])
+    assert not list((tmp_path / "root").rglob(".upload"))
     client.close()
 
 

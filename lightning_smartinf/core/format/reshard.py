@@ -21,7 +21,8 @@ Invariants:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -36,6 +37,7 @@ from lightning_smartinf.core.format.state_files import (
     ShardState,
     read_json,
     read_manifest,
+    require_state_files,
     shard_file_name,
     verify_state_file,
 )
@@ -76,12 +78,7 @@ class SavedRank:
                 f"{directory / HOST_STATE} belongs to rank {host.get('rank')} of {host.get('world_size')}, not rank "
                 f"{rank} of {world_size}: the checkpoint's ranks come from different saves."
             )
-        if not (directory / MANIFEST).is_file():
-            raise CheckpointError(
-                f"{directory} holds no {MANIFEST}: its device state was kept on the devices (remote servers), which "
-                "cannot be re-sharded. Resume with the layout it was saved with (ranks, `sub_group_size`, "
-                "`chunk_size`)."
-            )
+        require_state_files(directory)
         try:
             manifest = read_manifest(directory)
         except ValueError as exc:
@@ -191,6 +188,10 @@ class Reshard:
         saved = [SavedRank.read(directory, r, len(rank_dirs)) for r, directory in enumerate(rank_dirs)]
         return cls(saved, plan_reshard(saved, layout, rank, world_size))
 
+    def only(self, shards: Sequence[int]) -> Reshard:
+        """The plan of this run's ``shards`` alone, in that order (for a backend that holds those)."""
+        return Reshard(self.saved, [self.plan[i] for i in shards])
+
     def describe(self) -> str:
         """What is loaded from where, for a log line."""
         first = self.saved[0]
@@ -199,8 +200,9 @@ class Reshard:
             f"{first.layouts[0].chunk_elems if first.layouts else '-'} elements"
         )
 
-    def write(self, shards: Sequence[ShardState]) -> None:
-        """Verify every saved file the plan reads, then rewrite each of ``shards``' live files from the pieces."""
+    def write(self, shards: Sequence[ShardState], *, then: Callable[[ShardState], None] | None = None) -> None:
+        """Verify every saved file the plan reads, then rewrite each of ``shards``' files from the pieces (created if
+        missing), calling ``then(shard)`` after each (a caller that sends each file elsewhere keeps one at a time)."""
         if len(shards) != len(self.plan):
             raise CheckpointError(f"The plan fills {len(self.plan)} shards, this run has {len(shards)}.")
         for shard, pieces in zip(shards, self.plan):
@@ -220,6 +222,8 @@ class Reshard:
         try:
             for shard, pieces in zip(shards, self.plan):
                 self._write_shard(shard, pieces, files)
+                if then is not None:
+                    then(shard)
         finally:
             for f in files.values():
                 f.close()
@@ -234,7 +238,7 @@ class Reshard:
         names = list(rule.state_names)
         pieces = sorted(pieces, key=lambda p: p.dest)
         first = 0
-        with open(shard.path, "r+b", buffering=0) as out:
+        with open(os.open(shard.path, os.O_RDWR | os.O_CREAT, 0o600), "r+b", buffering=0) as out:
             out.truncate(layout.file_bytes)
             for k in range(layout.num_chunks):
                 start, n = layout.chunk_range(k)

@@ -154,6 +154,13 @@ class SaveStats:
         return self.by_method.get(KERNEL_COPY, 0) + self.by_method.get(COPY, 0)
 
 
+def manifest_of(shards: Sequence[ShardState], *, chunk_elems: int, crcs: Mapping[int, int]) -> dict:
+    """The manifest of a saved state directory holding ``shards``' files, whose CRC-32C are ``crcs`` by shard
+    index."""
+    described = [{**_describe(s), CRC32C: crcs[s.spec.index]} for s in shards]
+    return {"format": FORMAT, "chunk_elems": chunk_elems, "shards": described}
+
+
 def _describe(shard: ShardState) -> dict:
     return {
         "index": shard.spec.index,
@@ -395,8 +402,7 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
         done = _per_device(shards, copy)
         # Forced to disk once all are copied (before the manifest): a flush per file would idle the disk between them.
         _per_device(shards, lambda shard: fsync_file(tmp / shard_file_name(shard.spec.index)))
-        described = [{**_describe(s), CRC32C: done[s.spec.index][0]} for s in shards]
-        manifest = {"format": FORMAT, "chunk_elems": chunk_elems, "shards": described}
+        manifest = manifest_of(shards, chunk_elems=chunk_elems, crcs={i: crc for i, (crc, _) in done.items()})
         write_file_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         install_directory(tmp, directory)
     except BaseException as exc:
@@ -412,6 +418,22 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
             stats.checksummed_bytes += size
         stats.by_method[how] = stats.by_method.get(how, 0) + size
     return stats
+
+
+class MissingStateFiles(CheckpointError, FileNotFoundError):
+    """A directory of saved device state without its manifest (also a ``FileNotFoundError``)."""
+
+
+def require_state_files(directory: Path) -> None:
+    """Raise :class:`MissingStateFiles` unless ``directory`` holds saved state files (a manifest): a directory of a
+    backend that kept its state on its devices (remote servers) holds none, and this host cannot read it."""
+    if not (Path(directory) / MANIFEST).is_file():
+        raise MissingStateFiles(
+            f"{directory} holds no {MANIFEST}: the device state of this checkpoint was kept by the devices that saved "
+            "it (remote device servers), not in files here. Resume it with `backend='remote'`, the servers that hold "
+            "it and the layout it was saved with (ranks, `sub_group_size`, `chunk_size`). (The other way round "
+            "works: state saved on this host resumes on remote servers under any layout.)"
+        )
 
 
 def read_manifest(directory: Path) -> dict:
@@ -465,7 +487,9 @@ def load_state(
     and checksum. ``manifest``: the directory's manifest as the caller read (and checked) it; read here otherwise.
     """
     directory = Path(directory)
-    manifest = read_manifest(directory) if manifest is None else manifest
+    if manifest is None:
+        require_state_files(directory)
+        manifest = read_manifest(directory)
     expected = [_describe(s) for s in shards]
     found = manifest.get("shards", [])
     found_plain = [{k: v for k, v in e.items() if k not in CHECKSUM_KEYS} for e in found if isinstance(e, dict)]

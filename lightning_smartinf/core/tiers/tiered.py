@@ -511,12 +511,19 @@ class TieredBackend(Backend):
         split = {"format": 2, "local": self._local_shards, "inner": self._inner_shards}
         write_file_atomic(directory / LOCAL_TIERS_MANIFEST, json.dumps(split).encode())
 
+    def loads_as_saved(self, directory: Path) -> bool:
+        return self.inner.loads_as_saved(directory)
+
     def load_resharded(self, reshard: Reshard) -> None:
-        """Attached, the wrapped backend's (the split is this run's own); beside a remote backend, refused."""
+        """Attached, the wrapped backend's (the split is this run's own); beside, each side loads its shards' part of
+        the plan."""
         if self.attached:
             self.inner.load_resharded(reshard)
             return
-        super().load_resharded(reshard)
+        self.wait()
+        self.inner.load_resharded(reshard.only(self._inner_shards))
+        if self.local is not None:
+            self.local.load_resharded(reshard.only(self._local_shards))
 
     def load(self, directory: Path) -> None:
         """Beside, refuses a checkpoint whose split differs from this run's before anything is replaced."""

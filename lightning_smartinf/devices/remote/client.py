@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -45,7 +46,10 @@ from lightning_smartinf.core.backend import (
     TentativeUpdates,
 )
 from lightning_smartinf.core.compression import SparseGrad
-from lightning_smartinf.core.format.state_files import CheckpointError, read_json, write_file_atomic
+from lightning_smartinf.core.format.layout import ChunkLayout
+from lightning_smartinf.core.format.reshard import Reshard
+from lightning_smartinf.core.format.state_files import CheckpointError, ShardState, read_json, write_file_atomic
+from lightning_smartinf.core.io.checksum import CRC32C, file_checksum
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.placement import Placement, RoundRobin, check_assignment
 from lightning_smartinf.core.rules import StepParams
@@ -131,6 +135,7 @@ class _Server:
         self.hello = method("unary_unary", "Hello")
         self.open = method("unary_unary", "Open")
         self.initialize = method("stream_unary", "Initialize")
+        self.upload = method("stream_unary", "Upload")
         self.update = method("stream_stream", "Update")
         self.read_master = method("unary_stream", "ReadMaster")
         self.control = method("unary_unary", "Control")
@@ -704,6 +709,54 @@ class RemoteBackend(Backend):
                 checkpoint=entry.get("checkpoint", manifest.get("checkpoint")),  # format 1: one id for every server
                 digest=entry.get("digest"),
             )
+
+    def loads_as_saved(self, directory: Path) -> bool:
+        """Only a checkpoint whose state the servers kept (a ``remote.json``); one with state files on this host
+        (saved by ``cpu`` or ``xrt``, or before a change of layout) is sent to the servers by :meth:`load_resharded`."""
+        return (Path(directory) / REMOTE_MANIFEST).is_file()
+
+    def load_resharded(self, reshard: Reshard) -> None:
+        """Replace every shard's state from state files on this host (a checkpoint of a ``cpu`` or ``xrt`` run, of any
+        layout): each shard's file is rebuilt in this run's layout in a private temporary directory, sent to its
+        server (which writes it to disk as it arrives and checks its CRC-32C), and removed, so this host holds one
+        shard's file at a time; each server then loads all of its shards at once. Nothing is replaced on a server
+        until every one of its shards has arrived."""
+        self._refuse("load")
+        self._tentative.refuse_held("loading a checkpoint")
+        self.wait()
+
+        def send(state: ShardState) -> None:
+            server, local = self._where[state.spec.index]
+            size = state.layout.file_bytes
+            _, crc = file_checksum(state.path, CRC32C)
+            what = f"sending shard {state.spec.index}'s state from a checkpoint"
+
+            def frames() -> Iterator[Any]:
+                yield header_frame(session=server.session, shard=local, **{CRC32C: crc})
+                mapped = torch.from_file(str(state.path), shared=True, size=size // 4, dtype=torch.float32)
+                yield from encode_tensor("state", mapped)  # read chunk by chunk through the page cache
+
+            server.call(server.upload, frames(), what)
+            self.traffic.add(link_write_bytes=size)
+            state.path.unlink()
+
+        with tempfile.TemporaryDirectory(prefix="smartinf-upload-") as tmp:
+            states = [
+                ShardState(
+                    spec, ChunkLayout(spec.numel, self.chunk_elems, len(spec.rule.state_names)), Path(tmp) / f"{i}"
+                )
+                for i, spec in enumerate(self._specs)
+            ]
+            try:
+                reshard.write(states, then=send)
+            except StorageError as exc:
+                raise self._latch(exc) from None
+        for server in self.servers:
+            if server.shards:
+                try:  # a server that fails here may have replaced some shards: the state is torn
+                    self._control(server, "load_upload", "loading a checkpoint")
+                except StorageError as exc:
+                    raise self._latch(exc) from None
 
     def close(self, *, keep_claims: bool = False) -> None:
         """Finish outstanding work; with ``keep_claims`` the sessions (and the state in them) stay open on the servers

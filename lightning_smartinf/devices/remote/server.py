@@ -32,6 +32,7 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import re
 import secrets
 import shutil
@@ -54,11 +55,15 @@ from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.format.layout import ChunkLayout, pool_bytes
 from lightning_smartinf.core.format.state_files import (
     MANIFEST,
+    ShardState,
+    manifest_of,
     parse_manifest,
     remove_killed_saves,
     saved_shard_masters,
+    shard_file_name,
     write_file_atomic,
 )
+from lightning_smartinf.core.io.checksum import CRC32C, crc32c
 from lightning_smartinf.core.io.ownership import claim_directories, release_claims
 from lightning_smartinf.core.io.storage import ensure_private_dir
 from lightning_smartinf.devices.cpu import CpuBackend
@@ -87,8 +92,11 @@ log = logging.getLogger(__name__)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 IDENTITY_FILE = ".smartinf-server.json"
 MAX_UPDATES_IN_FLIGHT = 4
-#: 2: the server names sessions and checkpoints, and takes the token as gRPC call credentials send it.
-PROTOCOL_VERSION = 2
+#: 2: the server names sessions and checkpoints, and takes the token as gRPC call credentials send it. 3: a client
+#: uploads state files (`Upload`, then the `load_upload` control) to resume a checkpoint of another backend or layout.
+PROTOCOL_VERSION = 3
+#: Where a session's uploaded state files wait (inside its first device directory) until they are loaded.
+UPLOAD_DIR = ".upload"
 #: At most one log line per this many seconds about refused tokens (a flood must not fill the disk).
 REFUSAL_LOG_EVERY_S = 10.0
 
@@ -193,6 +201,7 @@ class Session:
     calls: int = 0  # calls running now: a session is never expired under one
     owner: tuple[bytes, ...] | None = None  # the client certificate's identity under mutual TLS
     pool: int = 0  # bytes of its transfer buffers
+    uploaded: dict[int, int] = field(default_factory=dict)  # shard -> CRC-32C of its uploaded state file
 
 
 def server_identity(root: Path) -> str:
@@ -535,6 +544,46 @@ class DeviceServer:
             for nbytes in held:
                 self._updates_budget.release(nbytes)
 
+    def upload(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        """One shard's whole state file (master and states, record by record, as the session's layout has it) from a
+        checkpoint the client re-sharded: written to the session's upload directory as it arrives (never held whole)
+        and checked against the CRC-32C the client declared. Its size is the session's own shard file's, so an
+        upload takes at most the disk the session's state does. ``load_upload`` then loads every shard at once."""
+
+        def body() -> Any:
+            header = decode_header(_first(requests), ("session", "shard", CRC32C))
+            session = self._session(header, context)
+            with self._in_call(session):
+                shard = self._shard(session, header)
+                declared = header[CRC32C]
+                if not isinstance(declared, int) or isinstance(declared, bool) or not 0 <= declared < 1 << 32:
+                    raise WireError(f"`{CRC32C}={declared!r}` is not a CRC-32C.")
+                numel = session.backend.shards[shard].layout.file_bytes // 4
+                directory = ensure_private_dir(session.dirs[0] / UPLOAD_DIR)
+                path = directory / shard_file_name(shard)
+                session.uploaded.pop(shard, None)
+                crc = filled = 0
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "wb") as out:
+                    for frame in requests:
+                        if frame.tensor != "state" or frame.dtype != "float32" or frame.numel != numel:
+                            raise WireError(f"Expected chunks of `state`, float32, {numel} elements (shard {shard}).")
+                        if frame.offset != filled or len(frame.data) % 4 or filled + len(frame.data) // 4 > numel:
+                            raise WireError(f"A chunk of `state` at {frame.offset} does not continue at {filled}.")
+                        out.write(frame.data)
+                        crc = crc32c(frame.data, crc)
+                        filled += len(frame.data) // 4
+                if filled != numel:
+                    raise WireError(f"The stream ended after {filled} of {numel} elements of `state`.")
+                if crc != declared:
+                    raise CallError(
+                        grpc.StatusCode.DATA_LOSS,
+                        f"Shard {shard}'s state arrived with CRC-32C {crc:#010x}, not the {declared:#010x} declared.",
+                    )
+                session.uploaded[shard] = crc
+            return header_frame(ok=True)
+
+        return self._run("Upload", context, body)
+
     def read_master(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         def body() -> Tensor:
             header = decode_header(_first(requests), ("session", "shard"))
@@ -630,6 +679,8 @@ class DeviceServer:
                 return self._save(session)
             elif op == "load":
                 return self._load(session, header)
+            elif op == "load_upload":
+                return self._load_upload(session)
             else:
                 raise WireError(f"Unknown control operation {op!r}.")
         return header_frame(ok=True)
@@ -660,6 +711,26 @@ class DeviceServer:
             )
         session.backend.load(directory, manifest=manifest.content)  # the very manifest whose digest was checked
         log.info("session %s: loaded a checkpoint", session.tag)
+        return header_frame(ok=True)
+
+    def _load_upload(self, session: Session) -> Any:
+        """Replace the session's state with the uploaded files, once every shard's has arrived; the upload directory
+        is removed either way."""
+        backend = session.backend
+        directory = session.dirs[0] / UPLOAD_DIR
+        try:
+            if missing := sorted(set(range(len(backend.shards))) - set(session.uploaded)):
+                raise CallError(grpc.StatusCode.FAILED_PRECONDITION, f"Shards {missing} were not uploaded.")
+            states = [
+                ShardState(shard.spec, shard.layout, directory / shard_file_name(i))
+                for i, shard in enumerate(backend.shards)
+            ]
+            manifest = manifest_of(states, chunk_elems=backend.chunk_elems, crcs=session.uploaded)
+            backend.load(directory, manifest=manifest)  # checks each file's size and CRC-32C again as it copies
+        finally:
+            session.uploaded.clear()
+            shutil.rmtree(directory, ignore_errors=True)
+        log.info("session %s: loaded an uploaded checkpoint", session.tag)
         return header_frame(ok=True)
 
     def _close(self, session: Session) -> Any:
@@ -695,6 +766,7 @@ class DeviceServer:
             "Hello": self.hello,
             "Open": self.open,
             "Initialize": self.initialize,
+            "Upload": self.upload,
             "Control": self.control,
             "Echo": self.echo,
         }
