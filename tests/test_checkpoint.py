@@ -139,6 +139,26 @@ def test_resume_on_other_numbers_of_ranks(tmp_path, free_port) -> None:
         assert max(errors.values()) < 1e-5, (saved, resumed, errors)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_compression_residual_is_not_resharded_over_another_number_of_ranks(tmp_path, free_port) -> None:
+    """The error-feedback residual is per rank (the gradient each rank has not sent yet): a checkpoint holding one,
+    saved by 1 rank, is refused on 2 with a message naming what may change instead; nothing is half-loaded."""
+    script = SCRIPTS / "train_ranks_reshard.py"
+    torchrun(script, tmp_path, "one", "--steps", str(EVERY), "--compression", "0.05", port=free_port(), ranks=1)
+    step = tmp_path / "ckpts_one" / f"step={EVERY}.ckpt"
+    done = torchrun(
+        script, tmp_path, "two", "--resume", step, "--compression", "0.05", port=free_port(), ranks=2, check=False
+    )
+    assert done.returncode != 0
+    assert re.search(
+        r"per-rank host state of gradient compression .* of 1 ranks, which cannot be re-sharded over 2\. "
+        r"Resume with 1 ranks \(`sub_group_size` and `chunk_size` may change\)",
+        done.stderr,
+    ), done.stderr[-3000:]
+    checkpoint_folder.verify(step, checksum_shards=True)  # the checkpoint is as it was
+
+
 @pytest.mark.multiprocess
 def test_two_ranks_resume_is_bit_identical_and_exports(tmp_path, free_port) -> None:
     """2 gloo ranks: train 12 steps saving every 4; resume from step 4 onto 4 other paths (2 per rank)."""

@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--steps", type=int, default=TOTAL)
     parser.add_argument("--sub-group-size", type=int, default=3000)
+    parser.add_argument("--compression", type=float, default=None)
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     storage = [args.root / f"ssd_{args.tag}_{r}" for r in range(world)]  # one path per rank
@@ -42,7 +43,7 @@ def main() -> None:
         world_size=world,
         callbacks=callbacks,
         ckpt_path=args.resume,
-        strategy_kwargs={"sub_group_size": args.sub_group_size},
+        strategy_kwargs={"sub_group_size": args.sub_group_size, "compression": args.compression},
         max_steps=args.steps,
         devices=world,
     )
