@@ -26,8 +26,9 @@ Invariants:
 - Device indices (:attr:`TieredBackend.assignment`) are the wrapped backend's, then memory, then the accelerator.
 - Checkpoints: attached, the wrapped backend's record of every shard, which does not depend on the split (a run may
   resume with other budgets). Beside, the wrapped backend's record of its shards, the tiers' state under
-  :data:`LOCAL_DIR` and the split (:data:`LOCAL_TIERS_MANIFEST`); loading under another split is refused, naming what
-  to change.
+  :data:`LOCAL_DIR` and the split (:data:`LOCAL_TIERS_MANIFEST`); loading such a checkpoint under another split is
+  refused, naming what to change. A checkpoint with every shard's state in files on this host is re-sharded into
+  either split.
 """
 
 from __future__ import annotations
