@@ -117,7 +117,11 @@ def test_save_last_then_resume_after_the_servers_restart_is_bit_identical(tmp_pa
 
 @pytest.mark.parametrize(
     "layout",
-    [{}, {"sub_group_size": 1000, "chunk_size": 2048}, {"state_memory_budget": 130_000}],
+    [
+        pytest.param({}, marks=pytest.mark.slow),  # (the main suite's case goes the same way: re-sharded, sent)
+        {"sub_group_size": 1000, "chunk_size": 2048},
+        pytest.param({"state_memory_budget": 130_000}, marks=pytest.mark.slow),
+    ],
     ids=["the checkpoint's layout", "another sub_group_size and chunk_size", "a memory tier beside the servers"],
 )
 def test_a_checkpoint_of_the_cpu_backend_resumes_on_the_servers_bit_identically(
