@@ -443,7 +443,9 @@ LONG_KILLS = {
 }
 
 
-@pytest.mark.parametrize("spec", SHORT_KILLS)
+@pytest.mark.parametrize(
+    "spec", [pytest.param(spec, marks=[pytest.mark.slow] * spec.startswith("update")) for spec in SHORT_KILLS]
+)
 def test_sigkill_then_resume_is_bit_identical(reference, tmp_path, spec) -> None:
     """`ModelCheckpoint(save_last=True, every_n_train_steps=4)` into one directory; killed, then resumed from there."""
     _, expected = reference

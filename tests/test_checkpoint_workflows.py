@@ -146,6 +146,7 @@ def test_trainer_save_checkpoint_after_fit_twice_to_one_path(tmp_path, storage) 
     train(tmp_path / "resume", ckpt_path=path, every=None)  # and it resumes
 
 
+@pytest.mark.slow  # the main suite launches `Trainer(devices=2)` in test_param_storage and test_hf_export
 @pytest.mark.multiprocess
 def test_two_ranks_launched_by_lightning_save_last_and_resume_under_another_budget(tmp_path, free_port) -> None:
     """`Trainer(devices=2)` (Lightning starts rank 1), `save_last=True` saved over: a run with part of each rank's

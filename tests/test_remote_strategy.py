@@ -170,7 +170,7 @@ def test_a_checkpoint_kept_on_the_servers_is_refused_where_it_cannot_load_naming
     [
         pytest.param("none", None, marks=pytest.mark.slow, id="dense"),
         pytest.param("0.05", None, marks=pytest.mark.slow, id="topk"),
-        pytest.param("none", "16MiB", id="dense-memory"),
+        pytest.param("none", "16MiB", marks=pytest.mark.slow, id="dense-memory"),
     ],
 )
 def test_two_ranks_share_the_servers_and_match_the_local_run(tmp_path, servers, free_port, ratio, budget):
