@@ -561,25 +561,31 @@ class DeviceServer:
                 numel = session.backend.shards[shard].layout.file_bytes // 4
                 directory = ensure_private_dir(session.dirs[0] / UPLOAD_DIR)
                 path = directory / shard_file_name(shard)
-                session.uploaded.pop(shard, None)
                 crc = filled = 0
-                with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "wb") as out:
-                    for frame in requests:
-                        if frame.tensor != "state" or frame.dtype != "float32" or frame.numel != numel:
-                            raise WireError(f"Expected chunks of `state`, float32, {numel} elements (shard {shard}).")
-                        if frame.offset != filled or len(frame.data) % 4 or filled + len(frame.data) // 4 > numel:
-                            raise WireError(f"A chunk of `state` at {frame.offset} does not continue at {filled}.")
-                        out.write(frame.data)
-                        crc = crc32c(frame.data, crc)
-                        filled += len(frame.data) // 4
-                if filled != numel:
-                    raise WireError(f"The stream ended after {filled} of {numel} elements of `state`.")
-                if crc != declared:
-                    raise CallError(
-                        grpc.StatusCode.DATA_LOSS,
-                        f"Shard {shard}'s state arrived with CRC-32C {crc:#010x}, not the {declared:#010x} declared.",
-                    )
-                session.uploaded[shard] = crc
+                # Under the session's lock: `load_upload` never reads a file an upload of the session is rewriting.
+                with session.lock:
+                    session.uploaded.pop(shard, None)
+                    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                    with open(os.open(path, flags, 0o600), "wb") as out:
+                        for frame in requests:
+                            if frame.tensor != "state" or frame.dtype != "float32" or frame.numel != numel:
+                                raise WireError(
+                                    f"Expected chunks of `state`, float32, {numel} elements (shard {shard})."
+                                )
+                            if frame.offset != filled or len(frame.data) % 4 or filled + len(frame.data) // 4 > numel:
+                                raise WireError(f"A chunk of `state` at {frame.offset} does not continue at {filled}.")
+                            out.write(frame.data)
+                            crc = crc32c(frame.data, crc)
+                            filled += len(frame.data) // 4
+                    if filled != numel:
+                        raise WireError(f"The stream ended after {filled} of {numel} elements of `state`.")
+                    if crc != declared:
+                        raise CallError(
+                            grpc.StatusCode.DATA_LOSS,
+                            f"Shard {shard}'s state arrived with CRC-32C {crc:#010x}, not the {declared:#010x} "
+                            "declared.",
+                        )
+                    session.uploaded[shard] = crc
             return header_frame(ok=True)
 
         return self._run("Upload", context, body)
