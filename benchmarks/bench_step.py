@@ -1,4 +1,4 @@
-"""Optimizer-step benchmark: ZeRO-Infinity (DeepSpeed NVMe optimizer offload) vs. ``smart_infinity`` on CPU.
+"""Optimizer-step benchmark: ZeRO-Infinity (DeepSpeed NVMe optimizer offload) vs. ``smart_infinity``, on CPU or CUDA.
 
 Each configuration runs in its own subprocess (this script re-invokes itself with ``--run NAME``) so that peak
 RSS is per configuration. Results (JSON) go to ``benchmarks/out/bench_step.json``; a markdown table is printed.
@@ -322,9 +322,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch)
         meter = make_callback(args)
         trainer = L.Trainer(
-            accelerator="cpu",
+            accelerator=args.accelerator,
             devices=1,
-            precision="bf16-mixed",
+            precision=args.precision,
             strategy=strategy,
             max_steps=args.warmup + args.steps,
             callbacks=[meter],
@@ -651,6 +651,7 @@ def machine_info(args: argparse.Namespace, storage: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "deepspeed": deepspeed.__version__,
         "lightning": lightning.__version__,
+        "gpu": torch.cuda.get_device_name(0) if args.accelerator == "cuda" else None,
         "storage_dir": storage,
         "disk": disk[-1] if disk else None,
         "args": {k: v for k, v in vars(args).items() if k != "run"},
@@ -668,6 +669,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--sub-group-size", type=int, default=8_000_000)
     parser.add_argument("--storage", default=None, help="directory for both runs' storage (default: /tmp)")
+    parser.add_argument(
+        "--accelerator",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where forward and backward run (default cpu); the state is on --storage either way",
+    )
+    parser.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        choices=("bf16-mixed", "32-true"),
+        help="Lightning precision of every run (default bf16-mixed); 32-true on a CPU without bf16 matrix units "
+        "keeps forward and backward from being the largest floor",
+    )
     parser.add_argument(
         "--only",
         choices=ALL_RUNS,
