@@ -5,7 +5,7 @@
 - ``update``: the rule's arithmetic on this CPU: fused ``torch.optim.AdamW`` over ``--update-elems`` fp32 elements,
   parameters per second (the devices run the same kernel); the model's parameters over it give the update's floor.
 - ``forward_backward``: forward and backward of the same model with its parameters in memory (plain torch, bf16 like
-  ``bench_step``'s ``bf16-mixed``), no ZeRO, no offload.
+  ``bench_step``'s ``bf16-mixed``, or fp32 with ``--precision 32-true``), no ZeRO, no offload.
 
 Run it beside ``bench_step.py`` with the same model arguments (it prints one JSON object)::
 
@@ -43,9 +43,10 @@ def update_rate(elems: int, repeats: int = 3) -> float:
 
 
 def forward_backward_s(args: argparse.Namespace, repeats: int) -> tuple[float, int]:
-    """Seconds of one forward and backward with the parameters in memory (bf16), and the parameter count."""
+    """Seconds of one forward and backward with the parameters in memory (bf16, or fp32 with ``32-true``), and the
+    parameter count."""
     module = bench_step.build_module(args, "smart_infinity")
-    model = module.model.bfloat16()
+    model = module.model if args.precision == "32-true" else module.model.bfloat16()
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
     targets = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
@@ -72,6 +73,7 @@ def main() -> None:
     parser.add_argument("--raw-gib", type=float, default=2.0)
     parser.add_argument("--update-elems", type=float, default=64e6)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--precision", default="bf16-mixed", choices=("bf16-mixed", "32-true"))
     args = parser.parse_args()
     args.unfused = False
     torch.set_num_threads(os.cpu_count() or 1)

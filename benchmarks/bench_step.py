@@ -275,6 +275,22 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             # The pipelined swapper overlaps reads and writes; it needs buffer_count >= 16 with several sub-groups.
             pipelined = args.run == "zero_infinity_pipelined"
 
+            offload_optimizer: dict[str, Any] = {
+                "device": "nvme",
+                "nvme_path": str(storage),
+                "pipeline_read": pipelined,
+                "pipeline_write": pipelined,
+                "buffer_count": 16 if pipelined else 4,
+            }
+            aio: dict[str, Any] = {
+                "block_size": 1048576,
+                "queue_depth": 8,
+                "intra_op_parallelism": 1,
+                "single_submit": False,
+                "overlap_events": True,
+            }
+            for name, value in args.zero:
+                (aio if name in aio else offload_optimizer)[name] = value
             strategy = DeepSpeedCPUStrategy(
                 config={
                     "train_micro_batch_size_per_gpu": args.batch,
@@ -282,22 +298,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                     "zero_optimization": {
                         "stage": 3,
                         "sub_group_size": args.sub_group_size,
-                        "offload_optimizer": {
-                            "device": "nvme",
-                            "nvme_path": str(storage),
-                            "pipeline_read": pipelined,
-                            "pipeline_write": pipelined,
-                            "buffer_count": 16 if pipelined else 4,
-                        },
+                        "offload_optimizer": offload_optimizer,
                         "offload_param": {"device": "cpu"},
                     },
-                    "aio": {
-                        "block_size": 1048576,
-                        "queue_depth": 8,
-                        "intra_op_parallelism": 1,
-                        "single_submit": False,
-                        "overlap_events": True,
-                    },
+                    "aio": aio,
                 }
             )
         else:
@@ -638,6 +642,25 @@ def _setting(text: str) -> tuple[str, int | bool]:
     return name, int(value)
 
 
+ZERO_SETTINGS = (
+    "block_size",
+    "queue_depth",
+    "intra_op_parallelism",
+    "single_submit",
+    "overlap_events",
+    "pipeline_read",
+    "pipeline_write",
+    "buffer_count",
+)
+
+
+def _zero_setting(text: str) -> tuple[str, int | bool]:
+    name, value = _setting(text)
+    if name not in ZERO_SETTINGS:
+        raise argparse.ArgumentTypeError(f"--zero {text!r}: the name must be one of {', '.join(ZERO_SETTINGS)}")
+    return name, value
+
+
 def machine_info(args: argparse.Namespace, storage: str) -> dict[str, Any]:
     import deepspeed
     import lightning
@@ -702,6 +725,16 @@ def main() -> None:
         default=[],
         help="extra integer or true/false SmartInfinityStrategy setting for both smart_infinity runs, e.g. "
         "chunk_size=4194304 or prefetch_state=false",
+    )
+    parser.add_argument(
+        "--zero",
+        metavar="NAME=VALUE",
+        type=_zero_setting,
+        action="append",
+        default=[],
+        help="ZeRO-Infinity setting for both zero_infinity runs, after the defaults: an `aio` key (block_size, "
+        "queue_depth, intra_op_parallelism, single_submit, overlap_events) or an `offload_optimizer` one "
+        "(pipeline_read, pipeline_write, buffer_count), e.g. queue_depth=32 or buffer_count=8",
     )
     parser.add_argument(
         "--unfused",
