@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 from launch import SCRIPTS, torchrun
-from models import LMModule, adamw_factory, assert_identical, fit
+from models import LMModule, adamw_factory, assert_identical, fit, max_relative_error
 from remote_servers import ServerProcess, running, server_pool, write_token
 from scripts.ckpt_common import EVERY, train
 
@@ -147,8 +149,57 @@ def test_a_checkpoint_of_the_cpu_backend_resumes_on_the_servers_bit_identically(
     ], "no upload is left behind"
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"sub_group_size": 1000, "chunk_size": 2048},
+        pytest.param({"state_memory_budget": 130_000}, marks=pytest.mark.slow),
+    ],
+    ids=["another sub_group_size and chunk_size", "a memory tier beside the servers"],
+)
+def test_a_checkpoint_kept_on_the_servers_resumes_on_them_under_another_layout_bit_identically(
+    checkpoint_reference, tmp_path, servers, layout
+):
+    """The servers send the saved manifests and, as the re-sharding reads them, the saved state files; each shard is
+    rebuilt in this run's layout on this host and sent back. The run equals the `cpu` run that never stopped, and
+    nothing fetched is left on this host."""
+    _, expected = checkpoint_reference
+    remote = {
+        "backend": "remote",
+        "remote_devices": [s.address for s in servers],
+        "remote_token_file": str(servers[0].token_file),
+    }
+    train(tmp_path / "saved", steps=EVERY, strategy_kwargs=remote)
+    checkpoint = tmp_path / "saved" / "ckpts" / f"step={EVERY}.ckpt"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tempfile, "tempdir", str(scratch))  # where the fetched files go: checked empty after
+        resumed = train(tmp_path / "resumed", ckpt_path=checkpoint, every=None, strategy_kwargs={**remote, **layout})
+    assert_identical(resumed, expected)
+    assert not list(scratch.iterdir()), "nothing fetched is left on this host"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_checkpoint_kept_on_the_servers_by_two_ranks_resumes_on_one(tmp_path, servers, free_port):
+    """2 ranks save on the servers; 1 rank with another `sub_group_size` resumes there, fetching both saved ranks'
+    state, within the summation-order tolerance of the 2-rank run that never stopped (as on the `cpu` backend)."""
+    remote = ["--remote-devices", *[s.address for s in servers], "--remote-token-file", str(servers[0].token_file)]
+
+    def run(ranks: int, tag: str, *args: str | Path) -> dict[str, torch.Tensor]:
+        torchrun(SCRIPTS / "train_ranks_reshard.py", tmp_path, tag, *args, *remote, port=free_port(), ranks=ranks)
+        return torch.load(tmp_path / f"{tag}.pt", weights_only=True)
+
+    full = run(2, "full2")
+    step = tmp_path / "ckpts_full2" / f"step={EVERY}.ckpt"
+    after = run(1, "resumed1", "--resume", step, "--sub-group-size", "1000")
+    errors = max_relative_error(after, full)
+    assert max(errors.values()) < 1e-5, errors
+
+
 def test_a_checkpoint_kept_on_the_servers_is_refused_where_it_cannot_load_naming_what_to_do(tmp_path, servers):
-    """Its state is on the servers, not on this host: a `cpu` run, or a remote run of another layout, is refused with
+    """Its state is on the servers, not on this host: a `cpu` run (which has no credentials for them) is refused with
     a message saying how to resume it, before anything live changes."""
     remote = {
         "backend": "remote",
@@ -157,7 +208,7 @@ def test_a_checkpoint_kept_on_the_servers_is_refused_where_it_cannot_load_naming
     }
     train(tmp_path / "saved", steps=EVERY, strategy_kwargs=remote)
     checkpoint = tmp_path / "saved" / "ckpts" / f"step={EVERY}.ckpt"
-    for kwargs in ({}, {**remote, "sub_group_size": 1000}):
+    for kwargs in ({}, {"sub_group_size": 1000}):
         with pytest.raises(
             CheckpointError, match=r"holds no manifest\.json: .* kept by the devices .* `backend='remote'`"
         ):
@@ -311,7 +362,7 @@ def test_a_memory_tier_beside_the_servers_trains_saves_and_resumes_bit_identical
     last = tmp_path / "run" / "ckpts" / "last.ckpt"
     assert list(last.rglob("local_tiers.json"))
     with pytest.raises(
-        CheckpointError, match=r"kept sub-groups \[.*\] of this rank in host .* Resume with the `state_m"
+        CheckpointError, match=r"the rest were kept beside the servers \(in host or .* Resume with the layout, `state_m"
     ):
         train(tmp_path / "run", checkpointing="last", ckpt_path=last, strategy_kwargs=remote(None))
     resumed = train(tmp_path / "run", checkpointing="last", ckpt_path=last, strategy_kwargs=remote("64MiB"))

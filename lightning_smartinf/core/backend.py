@@ -32,7 +32,7 @@ from lightning_smartinf.core.rules import StepParams, UpdateRule
 from lightning_smartinf.core.traffic import Traffic, TrafficSnapshot
 
 if TYPE_CHECKING:
-    from lightning_smartinf.core.format.reshard import Reshard
+    from lightning_smartinf.core.format.reshard import Fetch, Reshard
 
 #: A submitted request; its result is ``None`` and it raises the device's error, if any. Wait for it with
 #: :meth:`Backend.result`, which applies the backend's device timeout and records a device error.
@@ -243,6 +243,13 @@ class Backend(ABC):
         """Whether :meth:`load` reads the device state saved under ``directory`` as it is; else (state another
         backend saved) it goes through :meth:`load_resharded`, whatever the layout."""
         return True
+
+    def fetch_saved_state(self, rank_dirs: Sequence[Path], into: Path) -> tuple[list[Path], Fetch] | None:
+        """For a checkpoint whose device state the devices that saved it kept (no state files in ``rank_dirs``):
+        write each saved rank's manifest and host state into a directory of its own under ``into`` and return those
+        directories, in rank order, with the :data:`~lightning_smartinf.core.format.reshard.Fetch` that brings a
+        saved shard's file there when re-sharding reads it. ``None`` (the default): this backend cannot reach them."""
+        return None
 
     def checkpoint_bytes(self) -> int:
         """Bytes :meth:`save` writes into a checkpoint on this host (0 where the state is saved elsewhere: remote

@@ -22,8 +22,10 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import tempfile
 import time
 import warnings
 from collections import deque
@@ -41,7 +43,7 @@ from lightning_smartinf.core.compression import SparseGrad, compress_topk, has_n
 from lightning_smartinf.core.factored import FactoredMoments, device_step_params
 from lightning_smartinf.core.format.rank_state import SavedTensor, load_host_tensors, save_device_state
 from lightning_smartinf.core.format.reshard import Reshard, same_layout
-from lightning_smartinf.core.format.state_files import MANIFEST, read_manifest
+from lightning_smartinf.core.format.state_files import MANIFEST, read_manifest, require_state_files
 from lightning_smartinf.core.host_buffer import HostBuffer
 from lightning_smartinf.core.rules import EFAdafactor, StepParams
 from lightning_smartinf.core.settings import SmartUpdateSettings
@@ -546,8 +548,13 @@ class SmartUpdate:
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
         self.partitions.restore_loss_scale(state["loss_scale"])
 
-    def _reshard(self, directory: Path, state: dict[str, Any], rank_dirs: Sequence[Path] | None) -> Reshard | None:
-        """How to load a checkpoint saved under another layout than this run's; ``None`` for the same layout."""
+    def _reshard(
+        self, directory: Path, state: dict[str, Any], rank_dirs: Sequence[Path] | None, scratch: contextlib.ExitStack
+    ) -> Reshard | None:
+        """How to load a checkpoint saved under another layout than this run's; ``None`` for the same layout.
+
+        Where the devices that saved it kept the state files (remote servers), the backend fetches the manifests into
+        a private temporary directory that ``scratch`` removes, and the files the plan reads as it needs them."""
         rank, world, layout = self.partitions.rank, self.partitions.world_size, self.partitions.layout()
         has_manifest = (Path(directory) / MANIFEST).is_file()  # none where the state was kept on remote servers
         saved_chunk = read_manifest(Path(directory)).get("chunk_elems") if has_manifest else None
@@ -569,7 +576,16 @@ class SmartUpdate:
                 f"EF-Adafactor's factors) of {state.get('world_size')} ranks, which cannot be re-sharded over "
                 f"{world}. Resume with {state.get('world_size')} ranks (`sub_group_size` and `chunk_size` may change)."
             )
-        return Reshard.of(rank_dirs, layout, rank, world)
+        if all((Path(d) / MANIFEST).is_file() for d in rank_dirs):
+            return Reshard.of(rank_dirs, layout, rank, world)
+        into = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="smartinf-saved-state-")))
+        kept = self.backend.fetch_saved_state(rank_dirs, into)
+        if kept is None:
+            for d in rank_dirs:
+                require_state_files(Path(d))  # names the directory and says how to resume it
+        assert kept is not None
+        local_dirs, fetch = kept
+        return Reshard.of(local_dirs, layout, rank, world, fetch=fetch)
 
     def load_residual(self, residual: SavedTensor | None, loss_scale: float | None) -> None:
         """Restore (or, with ``None``, clear) the compression residual saved with a checkpoint, a block at a time."""
@@ -606,7 +622,11 @@ class SmartUpdate:
         (:mod:`~lightning_smartinf.core.format.reshard`); ``directory`` then only gives the host state, which every
         rank saves alike.
         """
-        reshard = self._reshard(directory, state, rank_dirs)
+        with contextlib.ExitStack() as scratch:
+            reshard = self._reshard(directory, state, rank_dirs, scratch)
+            self._restore(directory, state, reshard)
+
+    def _restore(self, directory: Path, state: dict[str, Any], reshard: Reshard | None) -> None:
         tensors = load_host_tensors(directory, state.get("residual"))
         residual = tensors.get("residual")
         compression = self.settings.compression

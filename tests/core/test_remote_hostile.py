@@ -7,6 +7,8 @@ must refuse with a status and go on serving the well-behaved client beside it.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import signal
 import threading
 import time
@@ -321,6 +323,55 @@ def test_uploads_are_checked_and_loaded_only_whole(server, tmp_path) -> None:
     assert torch.equal(now, record[0, :CHUNK])
     assert not list((tmp_path / "root").rglob(".upload"))
     client.close()
+
+
+def test_a_saved_checkpoint_is_sent_only_for_its_digest_and_only_when_its_file_checks(server, tmp_path) -> None:
+    """`ReadCheckpoint` sends a saved checkpoint's manifest and state files (to re-shard it on the trainer's host):
+    only to a client that names its digest, only shards the manifest lists, and a file that does not match its
+    manifest's CRC is refused before any byte of it is sent."""
+    client = _opened(server)
+    client.save(tmp_path / "saved")
+    client.close()
+    (entry,) = json.loads((tmp_path / "saved" / "remote.json").read_text())["servers"]
+    saved = tmp_path / "root" / "checkpoints" / entry["checkpoint"] / entry["label"]
+    request = {"checkpoint": entry["checkpoint"], "label": entry["label"], "digest": entry["digest"], "shard": 0}
+    channel = _channel(server.address)
+
+    def read(**header: object) -> list[Frame]:
+        return list(_stream(channel, "ReadCheckpoint")(iter([header_frame(**{**request, **header})]), timeout=30))
+
+    try:
+        manifest = b"".join(frame.data for frame in read(part="manifest"))
+        assert hashlib.sha256(manifest).hexdigest() == entry["digest"]
+        assert manifest == (saved / "manifest.json").read_bytes()
+        frames = read(part="state")
+        assert b"".join(frame.data for frame in frames) == (saved / "shard00000.state").read_bytes()
+        assert {(frame.tensor, frame.dtype) for frame in frames} == {("state", "float32")}
+        cases = {
+            "another part": ({"part": "everything"}, grpc.StatusCode.INVALID_ARGUMENT),
+            "another digest": ({"part": "state", "digest": "0" * 64}, grpc.StatusCode.DATA_LOSS),
+            "a shard the manifest lacks": ({"part": "state", "shard": 1}, grpc.StatusCode.INVALID_ARGUMENT),
+            "a negative shard": ({"part": "state", "shard": -1}, grpc.StatusCode.INVALID_ARGUMENT),
+            "a label that is a path": ({"part": "state", "label": "../x"}, grpc.StatusCode.INVALID_ARGUMENT),
+        }
+        for what, (header, status) in cases.items():
+            with pytest.raises(grpc.RpcError) as failed:
+                read(**header)
+            assert failed.value.code() == status, (what, failed.value)
+        with open(saved / "shard00000.state", "r+b") as f:  # one flipped bit on the server's disk
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 1]))
+        call = _stream(channel, "ReadCheckpoint")(iter([header_frame(**request, part="state")]), timeout=30)
+        received = []
+        with pytest.raises(grpc.RpcError) as failed:
+            for frame in call:
+                received.append(frame)
+        assert failed.value.code() == grpc.StatusCode.DATA_LOSS and "corrupt" in failed.value.details()
+        assert not received, "nothing of a corrupt file is sent"
+    finally:
+        channel.close()
 
 
 def test_a_calibration_call_is_bounded(tmp_path) -> None:

@@ -25,6 +25,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=TOTAL)
     parser.add_argument("--sub-group-size", type=int, default=3000)
     parser.add_argument("--compression", type=float, default=None)
+    parser.add_argument("--remote-devices", nargs="*", default=None, help="train on these servers (backend remote)")
+    parser.add_argument("--remote-token-file", default=None)
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     storage = [args.root / f"ssd_{args.tag}_{r}" for r in range(world)]  # one path per rank
@@ -43,7 +45,19 @@ def main() -> None:
         world_size=world,
         callbacks=callbacks,
         ckpt_path=args.resume,
-        strategy_kwargs={"sub_group_size": args.sub_group_size, "compression": args.compression},
+        strategy_kwargs={
+            "sub_group_size": args.sub_group_size,
+            "compression": args.compression,
+            **(
+                {}
+                if args.remote_devices is None
+                else {
+                    "backend": "remote",
+                    "remote_devices": args.remote_devices,
+                    "remote_token_file": args.remote_token_file,
+                }
+            ),
+        },
         max_steps=args.steps,
         devices=world,
     )

@@ -42,7 +42,7 @@ from lightning_smartinf.core.format.state_files import (
     verify_state_file,
 )
 
-__all__ = ["Piece", "Reshard", "SavedRank", "plan_reshard", "same_layout"]
+__all__ = ["Fetch", "Piece", "Reshard", "SavedRank", "plan_reshard", "same_layout"]
 
 
 @dataclass(frozen=True)
@@ -173,24 +173,39 @@ def plan_reshard(
     return plan
 
 
+#: Writes saved shard ``index`` of saved rank ``rank`` to ``path``, for state files kept elsewhere (remote servers).
+Fetch = Callable[[int, int, Path], None]
+
+
 @dataclass
 class Reshard:
-    """This run's shards filled from a checkpoint saved under another layout (see the module docstring)."""
+    """This run's shards filled from a checkpoint saved under another layout (see the module docstring).
+
+    ``fetch``: where the saved ranks' directories hold manifests but not yet the state files (their devices kept
+    them), brings each file the plan reads to its place before it is verified and read.
+    """
 
     saved: list[SavedRank]
     plan: list[list[Piece]]
+    fetch: Fetch | None = None
 
     @classmethod
     def of(
-        cls, rank_dirs: Sequence[Path], layout: Sequence[Sequence[Mapping[str, Any]]], rank: int, world_size: int
+        cls,
+        rank_dirs: Sequence[Path],
+        layout: Sequence[Sequence[Mapping[str, Any]]],
+        rank: int,
+        world_size: int,
+        *,
+        fetch: Fetch | None = None,
     ) -> Reshard:
         """The plan for this rank (``rank`` of ``world_size``, shards ``layout``) from the saved ranks' directories."""
         saved = [SavedRank.read(directory, r, len(rank_dirs)) for r, directory in enumerate(rank_dirs)]
-        return cls(saved, plan_reshard(saved, layout, rank, world_size))
+        return cls(saved, plan_reshard(saved, layout, rank, world_size), fetch)
 
     def only(self, shards: Sequence[int]) -> Reshard:
         """The plan of this run's ``shards`` alone, in that order (for a backend that holds those)."""
-        return Reshard(self.saved, [self.plan[i] for i in shards])
+        return Reshard(self.saved, [self.plan[i] for i in shards], self.fetch)
 
     def describe(self) -> str:
         """What is loaded from where, for a log line."""
@@ -214,8 +229,11 @@ class Reshard:
         needed = sorted({(p.rank, p.shard) for pieces in self.plan for p in pieces})
         for rank, index in needed:
             saved = self.saved[rank]
+            path = saved.directory / shard_file_name(index)
+            if self.fetch is not None and not path.exists():
+                self.fetch(rank, index, path)
             try:
-                verify_state_file(saved.directory / shard_file_name(index), saved.entries[index])
+                verify_state_file(path, saved.entries[index])
             except ValueError as exc:
                 raise CheckpointError(str(exc)) from None
         files: dict[tuple[int, int], BinaryIO] = {}

@@ -430,9 +430,9 @@ def require_state_files(directory: Path) -> None:
     if not (Path(directory) / MANIFEST).is_file():
         raise MissingStateFiles(
             f"{directory} holds no {MANIFEST}: the device state of this checkpoint was kept by the devices that saved "
-            "it (remote device servers), not in files here. Resume it with `backend='remote'`, the servers that hold "
-            "it and the layout it was saved with (ranks, `sub_group_size`, `chunk_size`). (The other way round "
-            "works: state saved on this host resumes on remote servers under any layout.)"
+            "it (remote device servers), not in files here, and this run cannot reach them. Resume it with "
+            "`backend='remote'` and `remote_devices` that include the servers that hold it (any number of ranks, "
+            "`sub_group_size` or `chunk_size`). (State saved on this host resumes on remote servers too.)"
         )
 
 

@@ -49,7 +49,7 @@ from torch import Tensor
 from lightning_smartinf.core.accelerator import Fence
 from lightning_smartinf.core.backend import Backend, BackendStats, DeviceStats, Handle, ShardSpec
 from lightning_smartinf.core.compression import SparseGrad
-from lightning_smartinf.core.format.reshard import Reshard
+from lightning_smartinf.core.format.reshard import Fetch, Reshard
 from lightning_smartinf.core.format.state_files import (
     CheckpointError,
     read_json,
@@ -513,7 +513,14 @@ class TieredBackend(Backend):
         write_file_atomic(directory / LOCAL_TIERS_MANIFEST, json.dumps(split).encode())
 
     def loads_as_saved(self, directory: Path) -> bool:
-        return self.inner.loads_as_saved(directory)
+        """Beside, only a checkpoint of this run's split: another split goes through :meth:`load_resharded`, which
+        the wrapped backend fills from state kept elsewhere (:meth:`fetch_saved_state`) where it can."""
+        if self.attached:
+            return self.inner.loads_as_saved(directory)
+        return saved_local_shards(directory) == self._local_shards and self.inner.loads_as_saved(directory)
+
+    def fetch_saved_state(self, rank_dirs: Sequence[Path], into: Path) -> tuple[list[Path], Fetch] | None:
+        return self.inner.fetch_saved_state(rank_dirs, into)
 
     def load_resharded(self, reshard: Reshard) -> None:
         """Attached, the wrapped backend's (the split is this run's own); beside, each side loads its shards' part of

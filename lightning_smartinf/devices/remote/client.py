@@ -21,7 +21,10 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
+import shutil
 import statistics
 import tempfile
 import threading
@@ -47,8 +50,16 @@ from lightning_smartinf.core.backend import (
 )
 from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.format.layout import ChunkLayout
-from lightning_smartinf.core.format.reshard import Reshard
-from lightning_smartinf.core.format.state_files import CheckpointError, ShardState, read_json, write_file_atomic
+from lightning_smartinf.core.format.rank_state import HOST_STATE
+from lightning_smartinf.core.format.reshard import Fetch, Reshard
+from lightning_smartinf.core.format.state_files import (
+    MANIFEST,
+    CheckpointError,
+    ShardState,
+    parse_manifest,
+    read_json,
+    write_file_atomic,
+)
 from lightning_smartinf.core.io.checksum import CRC32C, file_checksum
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.placement import Placement, RoundRobin, check_assignment
@@ -78,6 +89,8 @@ __all__ = ["REMOTE_MANIFEST", "RemoteBackend", "checkpoint_masters", "measure_ne
 FIRST_CONTACT = "the first contact"
 #: Seconds a session's close may take once a server of the run has failed.
 CLOSE_AFTER_FAILURE_S = 10.0
+#: The largest checkpoint manifest a server may send (a few hundred bytes per shard; servers take at most 4096).
+MAX_MANIFEST_BYTES = 16 << 20
 
 
 def channel_credentials(address: str, token: str, tls: TlsFiles | None, allow_plaintext: bool) -> Any:
@@ -220,6 +233,29 @@ def _receive(
     if not reader.done or reader.tensor is None or (exact and reader.tensor.numel() != numel):
         raise StorageError(f"The remote device server {server.address} sent an incomplete {name} during {what}.")
     return reader.tensor
+
+
+def _receive_file(name: str, frames: Iterable[Any], path: Path, *, numel: int, server: _Server, what: str) -> None:
+    """Write the ``numel`` float32 elements of ``name`` that ``frames`` carry to a new private file at ``path``, as
+    they arrive (never held whole); a server that sends more, less or something malformed fails, named."""
+    filled = 0
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as out:
+        try:
+            for frame in frames:
+                if frame.tensor != name or frame.dtype != "float32" or frame.numel != numel:
+                    raise WireError(f"expected chunks of {name!r}, float32, {numel} elements")
+                if frame.offset != filled or len(frame.data) % 4 or filled + len(frame.data) // 4 > numel:
+                    raise WireError(f"a chunk at {frame.offset} does not continue at {filled}")
+                out.write(frame.data)
+                filled += len(frame.data) // 4
+        except WireError as exc:
+            raise StorageError(
+                f"The remote device server {server.address} sent a malformed {name} during {what}: {exc}."
+            ) from None
+        except grpc.RpcError as exc:
+            raise server.error(exc, what) from None
+    if filled != numel:
+        raise StorageError(f"The remote device server {server.address} sent an incomplete {name} during {what}.")
 
 
 def measure_network(
@@ -714,6 +750,89 @@ class RemoteBackend(Backend):
         """Only a checkpoint whose state the servers kept (a ``remote.json``); one with state files on this host
         (saved by ``cpu`` or ``xrt``, or before a change of layout) is sent to the servers by :meth:`load_resharded`."""
         return (Path(directory) / REMOTE_MANIFEST).is_file()
+
+    def fetch_saved_state(self, rank_dirs: Sequence[Path], into: Path) -> tuple[list[Path], Fetch] | None:
+        """A checkpoint kept on servers, made readable for re-sharding: each saved rank's manifest is fetched from
+        the servers that hold its shards (found among this run's by identity; each checked against the digest the
+        trainer recorded) and written under ``into/rankNNN`` with the trainer's shard indices, beside a copy of its
+        host state; a shard's state file is fetched (CRC-checked by the server before it sends it, and by the
+        re-sharding after) only when the plan reads it."""
+        self._refuse("load")
+        by_id = {server.server_id: server for server in self.servers}
+        sources: dict[tuple[int, int], tuple[_Server, dict[str, Any], dict[str, Any]]] = {}
+        local_dirs = []
+        for rank, directory in enumerate(map(Path, rank_dirs)):
+            target = into / f"rank{rank:03d}"
+            target.mkdir(mode=0o700)
+            local_dirs.append(target)
+            shutil.copyfile(directory / HOST_STATE, target / HOST_STATE)
+            saved = read_json(directory / REMOTE_MANIFEST, "the remote device state", ("checkpoint", "servers"))
+            entries, manifests = saved["servers"], []
+            if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+                raise CheckpointError(f"{directory / REMOTE_MANIFEST} is not a remote device-state manifest.")
+            for entry in entries:
+                server = by_id.get(str(entry.get("server_id")))
+                if server is None:
+                    known = ", ".join(f"{s.address} ({s.server_id[:12]})" for s in self.servers)
+                    raise CheckpointError(
+                        f"{directory / REMOTE_MANIFEST}: the state of shards {entry.get('shards')} is on server "
+                        f"{str(entry.get('server_id'))[:12]} (last at {entry.get('address')}), which is not among "
+                        f"this run's `remote_devices`: {known}. Add it to `remote_devices`."
+                    )
+                request = {
+                    "checkpoint": entry.get("checkpoint", saved["checkpoint"]),
+                    "label": entry.get("label"),
+                    "digest": entry.get("digest"),
+                }
+                manifest = self._saved_manifest(server, request, directory)
+                manifests.append(manifest)
+                by_local = {int(e["index"]): e for e in manifest["shards"]}
+                for local, shard in enumerate(entry.get("shards", [])):
+                    if local not in by_local:
+                        raise CheckpointError(f"Server {server.address}'s checkpoint has no shard {local} of {rank}.")
+                    by_local[local]["index"] = int(shard)  # the trainer's index: the re-sharding plan's
+                    sources[(rank, int(shard))] = (server, {**request, "shard": local}, by_local[local])
+            shards = sorted((e for (r, _), (_, _, e) in sources.items() if r == rank), key=lambda e: e["index"])
+            host = read_json(target / HOST_STATE, "the device state", ("shards",))
+            if [e["index"] for e in shards] != list(range(len(host["shards"]))) or not manifests:
+                raise CheckpointError(
+                    f"The servers hold shards {[e['index'] for e in shards]} of saved rank {rank}, whose host state "
+                    f"lists {len(host['shards'])}: the rest were kept beside the servers (in host or accelerator "
+                    "memory), which re-sharding a remote checkpoint does not read yet. Resume with the layout, "
+                    "`state_memory_budget` and `state_accelerator_budget` it was saved with."
+                )
+            chunks = {int(m["chunk_elems"]) for m in manifests}
+            if len(chunks) != 1:
+                raise CheckpointError(f"The servers saved rank {rank} with different chunk sizes: {sorted(chunks)}.")
+            merged = {"format": manifests[0]["format"], "chunk_elems": chunks.pop(), "shards": shards}
+            write_file_atomic(target / MANIFEST, json.dumps(merged).encode())
+
+        def fetch(rank: int, shard: int, path: Path) -> None:
+            server, request, entry = sources[(rank, shard)]
+            what = f"fetching shard {shard} of saved rank {rank}"
+            frames = server.call(server.read_checkpoint, header_frame(part="state", **request), what)
+            _receive_file("state", frames, path, numel=int(entry["bytes"]) // 4, server=server, what=what)
+            self.traffic.add(link_read_bytes=int(entry["bytes"]))
+
+        return local_dirs, fetch
+
+    def _saved_manifest(self, server: _Server, request: dict[str, Any], directory: Path) -> dict[str, Any]:
+        """The manifest of a checkpoint ``server`` saved, checked against the digest ``request`` carries."""
+        what = "fetching a checkpoint's manifest"
+        frames = server.call(server.read_checkpoint, header_frame(part="manifest", shard=0, **request), what)
+        data = _receive(
+            "manifest", frames, numel=MAX_MANIFEST_BYTES, dtype=torch.uint8, server=server, what=what, exact=False
+        )
+        data_bytes = data.numpy().tobytes()
+        if hashlib.sha256(data_bytes).hexdigest() != request["digest"]:
+            raise StorageError(
+                f"The remote device server {server.address} sent a manifest that is not the one the trainer recorded "
+                f"in {directory / REMOTE_MANIFEST}, during {what}."
+            )
+        try:
+            return parse_manifest(data_bytes, directory / REMOTE_MANIFEST)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
 
     def load_resharded(self, reshard: Reshard) -> None:
         """Replace every shard's state from state files on this host (a checkpoint of a ``cpu`` or ``xrt`` run, of any

@@ -61,6 +61,7 @@ from lightning_smartinf.core.format.state_files import (
     remove_killed_saves,
     saved_shard_masters,
     shard_file_name,
+    verify_state_file,
     write_file_atomic,
 )
 from lightning_smartinf.core.io.checksum import CRC32C, crc32c
@@ -77,6 +78,7 @@ from lightning_smartinf.devices.remote.wire import (
     TensorReader,
     WireError,
     decode_header,
+    encode_file,
     encode_tensor,
     header_frame,
     hp_from_wire,
@@ -94,7 +96,11 @@ IDENTITY_FILE = ".smartinf-server.json"
 MAX_UPDATES_IN_FLIGHT = 4
 #: 2: the server names sessions and checkpoints, and takes the token as gRPC call credentials send it. 3: a client
 #: uploads state files (`Upload`, then the `load_upload` control) to resume a checkpoint of another backend or layout.
-PROTOCOL_VERSION = 3
+#: 4: `ReadCheckpoint` also sends a saved checkpoint's manifest and state files (`part`), so that a checkpoint kept
+#: on servers resumes under another layout.
+PROTOCOL_VERSION = 4
+#: What `ReadCheckpoint` sends of a saved shard: its fp32 masters, the rank's manifest, or the shard's state file.
+CHECKPOINT_PARTS = ("masters", "manifest", "state")
 #: Where a session's uploaded state files wait (inside its first device directory) until they are loaded.
 UPLOAD_DIR = ".upload"
 #: At most one log line per this many seconds about refused tokens (a flood must not fill the disk).
@@ -336,11 +342,23 @@ class DeviceServer:
     def _run(self, method: str, context: grpc.ServicerContext, body: Callable[[], Any]) -> Any:
         """Run ``body`` within the server's own deadline; protocol and call errors end the call with a status, never
         the server."""
+        with self._guarded(method, context):
+            return body()
+        return None  # cancelled: the client left, or the deadline passed
+
+    def _stream(self, method: str, context: grpc.ServicerContext, body: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+        """The frames of ``body``'s reply, sent within the server's own deadline as for :meth:`_run`: a client that
+        stops reading holds the call no longer than any other."""
+        with self._guarded(method, context):
+            yield from body()
+
+    @contextlib.contextmanager
+    def _guarded(self, method: str, context: grpc.ServicerContext) -> Iterator[None]:
         deadline = threading.Timer(self.limits.call_timeout_s, context.cancel)  # whatever the client's deadline
         deadline.daemon = True
         deadline.start()
         try:
-            return body()
+            yield
         except WireError as exc:
             log.warning("%s from %s: malformed request: %s", method, context.peer(), exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Malformed request: {exc}")
@@ -350,7 +368,7 @@ class DeviceServer:
             if not context.is_active():  # cancelled (by the deadline, or the client left) while reading
                 what = "%s from %s ended: cancelled (the client left, or %.0f s passed)"
                 log.warning(what, method, context.peer(), self.limits.call_timeout_s)
-                return None
+                return
             log.warning("%s from %s failed: %s", method, context.peer(), exc)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # noqa: BLE001 - a defect of the server: said as such, never a bare UNKNOWN
@@ -591,7 +609,7 @@ class DeviceServer:
         return self._run("Upload", context, body)
 
     def read_master(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-        def body() -> Tensor:
+        def body() -> Iterator[Any]:
             header = decode_header(_first(requests), ("session", "shard"))
             session = self._session(header, context)
             with self._in_call(session):
@@ -600,18 +618,21 @@ class DeviceServer:
                 with session.lock:
                     handle = session.backend.read_master(shard, out)
                 session.backend.result(handle)
-            return out
+            return encode_tensor("master", out)
 
-        out = self._run("ReadMaster", context, body)
-        if out is not None:
-            yield from encode_tensor("master", out)
+        return self._stream("ReadMaster", context, body)
 
     def read_checkpoint(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-        """The fp32 masters of one shard of a saved checkpoint, after its digest and CRC-32 are checked (for
-        evaluation and export; no session needed)."""
+        """One part of a saved checkpoint, after its digest is checked (no session needed): the fp32 masters of one
+        shard (``part="masters"``, the default; for evaluation and export), the rank's manifest (``"manifest"``, the
+        very bytes the digest covers) or one shard's whole state file (``"state"``; to re-shard on the trainer's
+        host). A shard's file is CRC-checked against the manifest before any byte of it is sent."""
 
-        def body() -> Tensor:
+        def body() -> Iterator[Any]:
             header = decode_header(_first(requests), ("checkpoint", "label", "shard", "digest"))
+            part = header.get("part", "masters")
+            if part not in CHECKPOINT_PARTS:
+                raise WireError(f"`part={part!r}` is not one of {', '.join(CHECKPOINT_PARTS)}.")
             checkpoint = self._checked_name(header["checkpoint"], "checkpoint")
             label = self._checked_name(header["label"], "label")
             directory = self.roots[0] / "checkpoints" / checkpoint / label
@@ -626,14 +647,24 @@ class DeviceServer:
                     grpc.StatusCode.DATA_LOSS,
                     f"Checkpoint {checkpoint!r} on server {self.server_id} differs from the one the trainer recorded.",
                 )
+            if part == "manifest":
+                return encode_tensor("manifest", torch.frombuffer(bytearray(manifest.data), dtype=torch.uint8))
             shard = header["shard"]
             if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0:
                 raise WireError(f"`shard={shard!r}` is not a shard index.")
-            return saved_shard_masters(directory, shard, manifest=manifest.content)
+            if part == "masters":
+                return encode_tensor("master", saved_shard_masters(directory, shard, manifest=manifest.content))
+            entry = next((e for e in manifest.content["shards"] if e.get("index") == shard), None)
+            if entry is None:
+                raise WireError(f"Checkpoint {checkpoint!r} has no shard {shard} for {label!r}.")
+            path = directory / shard_file_name(shard)
+            try:
+                verify_state_file(path, entry)
+            except ValueError as exc:
+                raise CallError(grpc.StatusCode.DATA_LOSS, f"Server {self.server_id}: {exc}") from None
+            return encode_file("state", path, torch.float32)
 
-        out = self._run("ReadCheckpoint", context, body)
-        if out is not None:
-            yield from encode_tensor("master", out)
+        return self._stream("ReadCheckpoint", context, body)
 
     def echo(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         """Counts the bytes of the frames it receives and drops them: the network's bandwidth, for calibration (at
@@ -807,10 +838,11 @@ def _digest(directory: Path) -> str:
 
 @dataclass(frozen=True)
 class _Manifest:
-    """A checkpoint's manifest and the digest of the very bytes it was parsed from."""
+    """A checkpoint's manifest, the very bytes it was parsed from and their digest."""
 
     digest: str
     content: dict
+    data: bytes
 
 
 def _read_manifest(directory: Path) -> _Manifest | None:
@@ -819,7 +851,7 @@ def _read_manifest(directory: Path) -> _Manifest | None:
         data = path.read_bytes()
     except FileNotFoundError:
         return None
-    return _Manifest(hashlib.sha256(data).hexdigest(), parse_manifest(data, path))
+    return _Manifest(hashlib.sha256(data).hexdigest(), parse_manifest(data, path), data)
 
 
 def _same_digest(manifest: _Manifest, presented: Any) -> bool:

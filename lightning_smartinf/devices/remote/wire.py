@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy
@@ -96,7 +97,7 @@ Frame = _frame_class()
 #: Dtypes that may cross the wire, by name.
 DTYPES = {
     str(dtype).removeprefix("torch."): dtype
-    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8)
 }
 
 
@@ -149,6 +150,25 @@ def encode_tensor(name: str, tensor: Tensor, chunk_bytes: int = CHUNK_BYTES) -> 
         chunk = flat[start : start + per_chunk].contiguous()
         data = chunk.view(torch.uint8).numpy().tobytes()
         yield Frame(tensor=name, dtype=dtype, numel=numel, offset=start, data=data)
+
+
+def encode_file(name: str, path: Path, dtype: torch.dtype, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
+    """Frames carrying the file at ``path`` as a flat tensor of ``dtype``, read a chunk at a time as they are sent
+    (the file is never held whole)."""
+    size = path.stat().st_size
+    itemsize = dtype.itemsize
+    if size % itemsize:
+        raise WireError(f"{path} holds {size} bytes, not whole {dtype} elements.")
+    numel, name_of_dtype = size // itemsize, dtype_name(dtype)
+    per_chunk = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
+    with open(path, "rb") as f:
+        if numel == 0:
+            yield Frame(tensor=name, dtype=name_of_dtype, numel=0, offset=0)
+        for start in range(0, size, per_chunk):
+            data = f.read(min(per_chunk, size - start))
+            if len(data) != min(per_chunk, size - start):
+                raise WireError(f"{path} ended early at byte {start + len(data)} of {size}.")
+            yield Frame(tensor=name, dtype=name_of_dtype, numel=numel, offset=start // itemsize, data=data)
 
 
 class TensorReader:
