@@ -45,6 +45,21 @@ def _strategy(tmp_path, name: str, servers=None, **kwargs) -> SmartInfinityStrat
     return SmartInfinityStrategy(storage_paths=[tmp_path / name], **kwargs)
 
 
+def _remote(servers) -> dict:
+    """The strategy settings of a run on ``servers``."""
+    return {
+        "backend": "remote",
+        "remote_devices": [s.address for s in servers],
+        "remote_token_file": str(servers[0].token_file),
+    }
+
+
+def _saved_on(servers, tmp_path):
+    """The checkpoint at step EVERY of a run on ``servers`` (its device state kept there)."""
+    train(tmp_path / "saved", steps=EVERY, strategy_kwargs=_remote(servers))
+    return tmp_path / "saved" / "ckpts" / f"step={EVERY}.ckpt"
+
+
 @pytest.mark.parametrize(
     ("precision", "compression"),
     [("32-true", None), ("bf16-mixed", 0.05), ("bf16-mixed", {"ratio": 0.05, "rule": "ef_adafactor"})],
@@ -164,13 +179,8 @@ def test_a_checkpoint_kept_on_the_servers_resumes_on_them_under_another_layout_b
     rebuilt in this run's layout on this host and sent back. The run equals the `cpu` run that never stopped, and
     nothing fetched is left on this host."""
     _, expected = checkpoint_reference
-    remote = {
-        "backend": "remote",
-        "remote_devices": [s.address for s in servers],
-        "remote_token_file": str(servers[0].token_file),
-    }
-    train(tmp_path / "saved", steps=EVERY, strategy_kwargs=remote)
-    checkpoint = tmp_path / "saved" / "ckpts" / f"step={EVERY}.ckpt"
+    remote = _remote(servers)
+    checkpoint = _saved_on(servers, tmp_path)
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     with pytest.MonkeyPatch.context() as patch:
@@ -201,13 +211,7 @@ def test_a_checkpoint_kept_on_the_servers_by_two_ranks_resumes_on_one(tmp_path, 
 def test_a_checkpoint_kept_on_the_servers_is_refused_where_it_cannot_load_naming_what_to_do(tmp_path, servers):
     """Its state is on the servers, not on this host: a `cpu` run (which has no credentials for them) is refused with
     a message saying how to resume it, before anything live changes."""
-    remote = {
-        "backend": "remote",
-        "remote_devices": [s.address for s in servers],
-        "remote_token_file": str(servers[0].token_file),
-    }
-    train(tmp_path / "saved", steps=EVERY, strategy_kwargs=remote)
-    checkpoint = tmp_path / "saved" / "ckpts" / f"step={EVERY}.ckpt"
+    checkpoint = _saved_on(servers, tmp_path)
     for kwargs in ({}, {"sub_group_size": 1000}):
         with pytest.raises(
             CheckpointError, match=r"holds no manifest\.json: .* kept by the devices .* `backend='remote'`"
