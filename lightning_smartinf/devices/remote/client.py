@@ -78,10 +78,12 @@ from lightning_smartinf.devices.remote.wire import (
     WireError,
     decode_header,
     dtype_name,
+    encode_file,
     encode_tensor,
     header_frame,
     hp_to_wire,
     rule_to_wire,
+    write_frames,
 )
 
 __all__ = ["REMOTE_MANIFEST", "RemoteBackend", "checkpoint_masters", "measure_network"]
@@ -238,19 +240,12 @@ def _receive(
 def _receive_file(name: str, frames: Iterable[Any], path: Path, *, numel: int, server: _Server, what: str) -> None:
     """Write the ``numel`` float32 elements of ``name`` that ``frames`` carry to a new private file at ``path``, as
     they arrive (never held whole); a server that sends more, less or something malformed fails, named."""
-    filled = 0
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as out:
         try:
-            for frame in frames:
-                if frame.tensor != name or frame.dtype != "float32" or frame.numel != numel:
-                    raise WireError(f"expected chunks of {name!r}, float32, {numel} elements")
-                if frame.offset != filled or len(frame.data) % 4 or filled + len(frame.data) // 4 > numel:
-                    raise WireError(f"a chunk at {frame.offset} does not continue at {filled}")
-                out.write(frame.data)
-                filled += len(frame.data) // 4
+            filled, _ = write_frames(frames, out, name=name, numel=numel)
         except WireError as exc:
             raise StorageError(
-                f"The remote device server {server.address} sent a malformed {name} during {what}: {exc}."
+                f"The remote device server {server.address} sent a malformed {name} during {what}: {exc}"
             ) from None
         except grpc.RpcError as exc:
             raise server.error(exc, what) from None
@@ -852,8 +847,7 @@ class RemoteBackend(Backend):
 
             def frames() -> Iterator[Any]:
                 yield header_frame(session=server.session, shard=local, **{CRC32C: crc})
-                mapped = torch.from_file(str(state.path), shared=True, size=size // 4, dtype=torch.float32)
-                yield from encode_tensor("state", mapped)  # read chunk by chunk through the page cache
+                yield from encode_file("state", state.path, torch.float32)  # a chunk at a time
 
             server.call(server.upload, frames(), what)
             self.traffic.add(link_write_bytes=size)

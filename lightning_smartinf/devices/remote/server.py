@@ -64,7 +64,7 @@ from lightning_smartinf.core.format.state_files import (
     verify_state_file,
     write_file_atomic,
 )
-from lightning_smartinf.core.io.checksum import CRC32C, crc32c
+from lightning_smartinf.core.io.checksum import CRC32C
 from lightning_smartinf.core.io.ownership import claim_directories, release_claims
 from lightning_smartinf.core.io.storage import ensure_private_dir
 from lightning_smartinf.devices.cpu import CpuBackend
@@ -83,6 +83,7 @@ from lightning_smartinf.devices.remote.wire import (
     header_frame,
     hp_from_wire,
     rule_from_wire,
+    write_frames,
 )
 
 __all__ = ["NAME", "DeviceServer", "ServerLimits", "serve"]
@@ -579,22 +580,12 @@ class DeviceServer:
                 numel = session.backend.shards[shard].layout.file_bytes // 4
                 directory = ensure_private_dir(session.dirs[0] / UPLOAD_DIR)
                 path = directory / shard_file_name(shard)
-                crc = filled = 0
                 # Under the session's lock: `load_upload` never reads a file an upload of the session is rewriting.
                 with session.lock:
                     session.uploaded.pop(shard, None)
                     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
                     with open(os.open(path, flags, 0o600), "wb") as out:
-                        for frame in requests:
-                            if frame.tensor != "state" or frame.dtype != "float32" or frame.numel != numel:
-                                raise WireError(
-                                    f"Expected chunks of `state`, float32, {numel} elements (shard {shard})."
-                                )
-                            if frame.offset != filled or len(frame.data) % 4 or filled + len(frame.data) // 4 > numel:
-                                raise WireError(f"A chunk of `state` at {frame.offset} does not continue at {filled}.")
-                            out.write(frame.data)
-                            crc = crc32c(frame.data, crc)
-                            filled += len(frame.data) // 4
+                        filled, crc = write_frames(requests, out, name="state", numel=numel)
                     if filled != numel:
                         raise WireError(f"The stream ended after {filled} of {numel} elements of `state`.")
                     if crc != declared:

@@ -24,13 +24,14 @@ import json
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy
 import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from torch import Tensor
 
+from lightning_smartinf.core.io.checksum import crc32c
 from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdafactor, EFAdam, StepParams, UpdateRule
 
 __all__ = [
@@ -169,6 +170,22 @@ def encode_file(name: str, path: Path, dtype: torch.dtype, chunk_bytes: int = CH
             if len(data) != min(per_chunk, size - start):
                 raise WireError(f"{path} ended early at byte {start + len(data)} of {size}.")
             yield Frame(tensor=name, dtype=name_of_dtype, numel=numel, offset=start // itemsize, data=data)
+
+
+def write_frames(frames: Iterable[Any], out: BinaryIO, *, name: str, numel: int) -> tuple[int, int]:
+    """Write the chunks of the float32 tensor ``name`` of ``numel`` elements that ``frames`` carry to ``out`` as they
+    arrive (never held whole), checking each against the declared name, dtype, size and order; returns the elements
+    written and their CRC-32C. Raises :class:`WireError` at the first chunk that does not follow."""
+    crc = filled = 0
+    for frame in frames:
+        if frame.tensor != name or frame.dtype != "float32" or frame.numel != numel:
+            raise WireError(f"Expected chunks of `{name}`, float32, {numel} elements.")
+        if frame.offset != filled or len(frame.data) % 4 or filled + len(frame.data) // 4 > numel:
+            raise WireError(f"A chunk of `{name}` at {frame.offset} does not continue at {filled}.")
+        out.write(frame.data)
+        crc = crc32c(frame.data, crc)
+        filled += len(frame.data) // 4
+    return filled, crc
 
 
 class TensorReader:
