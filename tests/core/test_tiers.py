@@ -262,15 +262,29 @@ def test_relocate_is_refused_before_anything_moves(tmp_path) -> None:
         backend.close()
 
 
+def test_replan_moves_shards_only_when_a_share_drifts_past_its_hysteresis() -> None:
+    """Rates measured from updates are noisy (a fifth from step to step here): equal paths measured up to 1.4x apart
+    keep their shards; a path at a quarter of the other's speed loses them."""
+    from lightning_smartinf.core.streaming.backend import shares_drifted
+
+    assert not shares_drifted((1.0, 1.4), (1.0, 1.0))
+    assert not shares_drifted((5e6, 4e6, 6e6), (1.0, 1.0, 1.0))
+    assert shares_drifted((1.0, 4.0), (1.0, 1.0))
+    assert shares_drifted((1.0, 1.0), (3.0, 1.0))
+    assert not shares_drifted((3.2, 1.0), (3.0, 1.0))
+
+
 def test_replan_moves_shards_off_a_path_that_slowed_down(tmp_path) -> None:
-    """Two paths on different filesystems (the disk and /dev/shm), measured equal at start; one then drops to a
-    quarter of its speed. The next re-plan measures it from the updates and moves most of its shards away;
-    results stay bitwise those of an unmoved run."""
+    """Two paths on different filesystems (the disk and /dev/shm) at one speed; the disk's then drops to an eighth.
+    The next re-plan measures it from the updates and moves most of its shards away; results stay bitwise those of an
+    unmoved run. (Whether equal paths keep their shards is the hysteresis test above: rates measured from real
+    updates vary too much, with other tests on the machine, to assert that here.)"""
     import tempfile
 
     from lightning_smartinf.core.io.direct import RateLimitedIO, ThreadedIO
 
-    sizes = (CHUNK * 4,) * 8
+    shard = CHUNK * 4
+    sizes = (shard,) * 8
     engines: list[RateLimitedIO] = []
 
     def engine() -> RateLimitedIO:
@@ -285,25 +299,29 @@ def test_replan_moves_shards_off_a_path_that_slowed_down(tmp_path) -> None:
         backend.wait()
 
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        # One chunk per shard: each transfer is a shard's whole state, long enough under the limits below that the
+        # limit, not the disk's own latency (which jumps when other tests share the disk), sets the update time.
         backend = CpuBackend(
-            [tmp_path / "disk", Path(shm) / "ram"], chunk_elems=CHUNK, buffer_count=3, io_factory=engine
+            [tmp_path / "disk", Path(shm) / "ram"], chunk_elems=shard, buffer_count=3, io_factory=engine
         )
-        reference = CpuBackend([tmp_path / "ref"], chunk_elems=CHUNK, buffer_count=3)
+        reference = CpuBackend([tmp_path / "ref"], chunk_elems=shard, buffer_count=3)
         try:
             for b in (backend, reference):
                 b.open(_specs(sizes))
                 for i in range(len(sizes)):
                     b.initialize(i, torch.linspace(-1, 1, sizes[i]))
-            assert backend.assignment.count(0) == 4, backend.assignment  # measured equal
+            assert 2 <= backend.assignment.count(0) <= 6, backend.assignment  # probed about equal
+            for e in engines:
+                e.bytes_per_s = 4e6
             outs, expected = [torch.empty(n) for n in sizes], [torch.empty(n) for n in sizes]
             steps(backend, outs, 1, 2)
-            assert backend.replan() == [], "rates as measured: nothing to move"
-            engines[1].bytes_per_s = 25e6
-            steps(backend, outs, 3, 4)
+            backend.replan()  # from the probed speeds to the rates the updates show, if they drifted
+            engines[0].bytes_per_s = 0.5e6
+            steps(backend, outs, 3, 3)
             moved = backend.replan()
-            assert moved and backend.assignment.count(1) <= 2, backend.assignment
-            steps(backend, outs, 5, 6)
-            steps(reference, expected, 1, 6)
+            assert moved and backend.assignment.count(0) <= 2, backend.assignment
+            steps(backend, outs, 4, 4)
+            steps(reference, expected, 1, 4)
             assert all(torch.equal(a, b) for a, b in zip(outs, expected))
             assert all(torch.equal(a, b) for a, b in zip(read_masters(backend, sizes), read_masters(reference, sizes)))
         finally:

@@ -424,7 +424,7 @@ class StreamingBackend(Backend):
         if weights is None or not all(d.index in rates for d in storage):
             return []
         measured = tuple(rates[d.index] for d in storage)
-        if max(abs(n - o) for n, o in zip(_shares(measured), _shares(weights))) <= REPLAN_DRIFT:
+        if not shares_drifted(measured, weights):
             return []
         self._measured_weights = measured
         specs = [s.spec for s in self._shards]
@@ -843,3 +843,9 @@ class StreamingBackend(Backend):
 def _shares(values: Sequence[float]) -> list[float]:
     total = sum(values)
     return [v / total for v in values]
+
+
+def shares_drifted(measured: Sequence[float], weights: Sequence[float]) -> bool:
+    """Whether some device's share of ``measured`` differs from its share of ``weights`` by more than
+    :data:`REPLAN_DRIFT`: the hysteresis that keeps :meth:`StreamingBackend.replan` from moving shards over noise."""
+    return max(abs(n - o) for n, o in zip(_shares(measured), _shares(weights))) > REPLAN_DRIFT
