@@ -116,6 +116,9 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             it would idle (at most ``buffer_count - 1 - io_threads`` chunks). Never changes results; ``False`` compares.
         gradient_buffer: where gradients wait for devices: ``"accelerator"``, ``"host"`` or ``"auto"`` (docs/gpu.md).
         state_memory_budget, state_accelerator_budget, device_weights, state_memory_share: tiers (docs/tiers.md).
+        saved_state_from: where a checkpoint's state is read from when the devices that saved it kept it and this
+            run's cannot reach them: ``{"backend": "remote", "remote_devices": [...], "remote_token_file": ...}``
+            resumes a checkpoint kept on servers with ``backend="cpu"`` (docs/checkpoints.md).
         offload_parameters: where ZeRO's low-precision parameter partitions live between uses: ``False`` on the
             accelerator, ``True`` in host memory, ``"storage"`` in files on the first storage path, read in for
             forward and backward through swap buffers sized for the model (docs/parameters.md).
@@ -133,7 +136,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         parallel_devices, cluster_environment, precision_plugin, process_group_backend, timeout:
             as in :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`.
 
-    The SmartUpdate arguments (``backend`` to ``state_memory_share``) become the strategy's :attr:`settings`.
+    The SmartUpdate arguments (``backend`` to ``saved_state_from``) become the strategy's :attr:`settings`.
     Every argument is checked here, by type and range (see :mod:`lightning_smartinf.core.arguments`), and one
     ``MisconfigurationException`` lists every problem.
     """
@@ -167,6 +170,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         device_weights: list[float] | None = None,
         state_accelerator_budget: int | str | None = None,
         state_memory_share: Literal["auto", "fill", "measured"] = "auto",
+        saved_state_from: dict[str, Any] | None = None,
         offload_parameters: bool | Literal["storage"] = False,
         offload_activations: bool | dict[str, Any] = False,
         config: str | os.PathLike | dict[str, Any] | None = None,

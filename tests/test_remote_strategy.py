@@ -208,15 +208,61 @@ def test_a_checkpoint_kept_on_the_servers_by_two_ranks_resumes_on_one(tmp_path, 
     assert max(errors.values()) < 1e-5, errors
 
 
+def test_a_checkpoint_kept_on_the_servers_resumes_on_this_hosts_devices_from_the_servers(
+    checkpoint_reference, tmp_path, servers
+):
+    """A `cpu` run given the servers in `saved_state_from` fetches the state they kept (its layout, then another
+    `sub_group_size` and `chunk_size`) and equals, bit for bit, the `cpu` run that never stopped; nothing fetched is
+    left on this host, and the servers still hold the checkpoint (another run resumes it again)."""
+    _, expected = checkpoint_reference
+    checkpoint = _saved_on(servers, tmp_path)
+    source = _remote(servers)
+    for i, layout in enumerate(({}, {"sub_group_size": 1000, "chunk_size": 4096})):
+        scratch = tmp_path / f"tmp{i}"
+        scratch.mkdir()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(tempfile, "tempdir", str(scratch))
+            resumed = train(
+                tmp_path / f"resumed{i}",
+                ckpt_path=checkpoint,
+                every=None,
+                strategy_kwargs={"saved_state_from": source, **layout},
+            )
+        assert_identical(resumed, expected)
+        assert not list(scratch.iterdir()), "nothing fetched is left on this host"
+
+
 def test_a_checkpoint_kept_on_the_servers_is_refused_where_it_cannot_load_naming_what_to_do(tmp_path, servers):
-    """Its state is on the servers, not on this host: a `cpu` run (which has no credentials for them) is refused with
-    a message saying how to resume it, before anything live changes."""
+    """Its state is on the servers, not on this host: a `cpu` run without `saved_state_from` is refused with a message
+    saying how to resume it, before anything live changes; `saved_state_from` with the wrong servers names the one
+    missing."""
     checkpoint = _saved_on(servers, tmp_path)
     for kwargs in ({}, {"sub_group_size": 1000}):
         with pytest.raises(
-            CheckpointError, match=r"holds no manifest\.json: .* kept by the devices .* `backend='remote'`"
+            CheckpointError,
+            match=r"holds no manifest\.json: .* kept by the devices .* `backend='remote'`.*saved_state_from",
         ):
             train(tmp_path / "resumed", ckpt_path=checkpoint, every=None, strategy_kwargs=kwargs)
+    only_one = {**_remote(servers), "remote_devices": [servers[0].address]}
+    with pytest.raises(
+        CheckpointError, match=r"is on server .* not among the servers given.*Add it to `remote_devices`"
+    ):
+        train(tmp_path / "resumed", ckpt_path=checkpoint, every=None, strategy_kwargs={"saved_state_from": only_one})
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ({"remote_devices": ["h:1"]}, r"must be a dict naming the `backend` whose devices kept .* \('remote'\)"),
+        ({"backend": "cpu"}, r"must be a dict naming the `backend`"),
+        ("remote", r"`saved_state_from='remote'` must be a dict"),
+        ({"backend": "remote", "xclbin": "k.xclbin"}, r"'xclbin' are not arguments of `backend='remote'`; it takes"),
+        ({"backend": "remote", "remote_devices": "h:1"}, r"needs a list of device servers"),
+    ],
+)
+def test_bad_saved_state_from_is_named(source, message):
+    with pytest.raises(Exception, match=message):
+        SmartInfinityStrategy(saved_state_from=source)
 
 
 @pytest.mark.multiprocess

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from lightning_smartinf.core import registry
 from lightning_smartinf.core.accelerator import Fence
 from lightning_smartinf.core.backend import Backend, BackendStats, Handle, ShardSpec
 from lightning_smartinf.core.compression import SparseGrad, compress_topk, has_narrower_range, link_overflows
@@ -580,6 +581,10 @@ class SmartUpdate:
             return Reshard.of(rank_dirs, layout, rank, world)
         into = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="smartinf-saved-state-")))
         kept = self.backend.fetch_saved_state(rank_dirs, into)
+        source = self.settings.saved_state_from
+        if kept is None and source is not None:  # kept on devices of another kind (remote servers for a `cpu` run)
+            timeout = self.settings.device_timeout_s
+            kept = registry.kind(source["backend"]).fetch_saved_state(source, rank_dirs, into, scratch, timeout=timeout)
         if kept is None:
             for d in rank_dirs:
                 require_state_files(Path(d))  # names the directory and says how to resume it

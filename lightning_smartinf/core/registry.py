@@ -19,9 +19,12 @@ from typing import TYPE_CHECKING, Any
 from lightning_smartinf.core.arguments import Problems
 
 if TYPE_CHECKING:
+    from contextlib import ExitStack
+
     from torch import Tensor
 
     from lightning_smartinf.core.backend import Backend
+    from lightning_smartinf.core.format.reshard import Fetch
     from lightning_smartinf.core.io.direct import IOEngine
     from lightning_smartinf.core.settings import SmartUpdateSettings
 
@@ -77,6 +80,9 @@ class DeviceKind(ABC):
     state_in_storage_paths: bool = True
     #: Whether a shard's state can move between its devices and this host's memory tiers between steps.
     state_movable: bool = True
+    #: Whether its checkpoints keep the device state on its devices, not in files in the checkpoint (remote servers):
+    #: another kind reaches them with :meth:`fetch_saved_state` (the strategy's ``saved_state_from``).
+    keeps_checkpoint_state: bool = False
     #: What one entry of ``device_weights`` weighs.
     weighs: str = "storage path"
 
@@ -96,6 +102,22 @@ class DeviceKind(ABC):
     def checkpoint_masters(self, settings: SmartUpdateSettings) -> Callable[[Path], list[Tensor]] | None:
         """For a kind whose checkpoints keep the state elsewhere (remote servers): a reader of one rank's masters from
         a checkpoint's device-state directory. ``None``: the masters are in the directory's shard files."""
+        return None
+
+    def fetch_saved_state(
+        self,
+        options: Mapping[str, Any],
+        rank_dirs: Sequence[Path],
+        into: Path,
+        scratch: ExitStack,
+        *,
+        timeout: float | None,
+    ) -> tuple[list[Path], Fetch] | None:
+        """For a run of another kind resuming a checkpoint whose state this kind's devices kept (no state files in
+        ``rank_dirs``), reached with ``options`` (this kind's arguments, as :meth:`check` normalised them): what
+        :meth:`~lightning_smartinf.core.backend.Backend.fetch_saved_state` returns, with whatever must be closed
+        after the load pushed on ``scratch``. ``None`` (the default): this kind's checkpoints keep their state in
+        files."""
         return None
 
 

@@ -162,6 +162,12 @@ class SmartUpdateSettings:
     ``"measured"`` where the devices' update runs beside the host's own (SmartSSDs, or a model trained on a GPU,
     which leaves the host cores to the devices during backward); ``"fill"`` for emulated devices training on the CPU,
     whose update takes the same cores as forward and backward. Beside remote servers the split is fixed."""
+    saved_state_from: Mapping[str, Any] | None = None
+    """Where to read the device state of a checkpoint whose devices kept it (remote servers) when this run's own
+    devices cannot reach it: ``{"backend": kind, **that kind's arguments}``, e.g. ``{"backend": "remote",
+    "remote_devices": ["storage1:50051"], "remote_token_file": "~/.smartinf/token"}`` to resume a checkpoint kept on
+    servers with ``backend="cpu"``. Read once, when a checkpoint loads; nothing on those devices changes. ``None``:
+    only this run's devices."""
 
     def __post_init__(self) -> None:
         problems = Problems(type(self).__name__, SettingsError)
@@ -291,6 +297,7 @@ def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
     budget = _memory_budget(problems, raw)
     accelerator_budget = _accelerator_budget(problems, raw)
     weights = _device_weights(problems, raw, kind, device, storage_paths)
+    saved_state_from = _saved_state_from(problems, raw["saved_state_from"])
     if sub_group_valid and chunk_valid and buffers_valid and kind is not None and kind.host_pools:
         _check_pool_memory(problems, raw)
     if sub_group_valid and compression is not None:
@@ -306,7 +313,37 @@ def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
         "device_weights": weights,
         "state_accelerator_budget": accelerator_budget,
         "device_timeout_s": None if timeout is None else float(timeout),
+        "saved_state_from": saved_state_from,
     }
+
+
+def _saved_state_from(problems: Problems, source: Any) -> Mapping[str, Any] | None:
+    """``saved_state_from``: a kind whose checkpoints keep their state on its devices, and its own arguments (checked
+    by the kind), normalised to ``{"backend": name, **checked}``."""
+    if source is None:
+        return None
+    keeping = [name for name in registry.kinds() if registry.kind(name).keeps_checkpoint_state]
+    example = (
+        "e.g. {'backend': 'remote', 'remote_devices': ['storage1:50051'], 'remote_token_file': '~/.smartinf/token'}"
+    )
+    if not isinstance(source, Mapping) or source.get("backend") not in keeping:
+        problems.add(
+            f"`saved_state_from={show(source)}` must be a dict naming the `backend` whose devices kept a checkpoint's "
+            f"state ({', '.join(map(repr, keeping)) or 'none is registered'}) and its arguments, {example}; or None."
+        )
+        return None
+    kind = registry.kind(source["backend"])
+    options = {name: value for name, value in source.items() if name != "backend"}
+    foreign = sorted(name for name in options if name not in kind.arguments)
+    if foreign:
+        problems.add(
+            f"`saved_state_from`: {', '.join(map(repr, foreign))} are not arguments of `backend={kind.name!r}`; it "
+            f"takes {', '.join(map(repr, kind.arguments))}."
+        )
+        return None
+    known = len(problems)
+    checked = kind.check(problems, options, None)
+    return None if len(problems) > known else DeviceOptions({"backend": kind.name, **checked})
 
 
 def _device(

@@ -76,6 +76,7 @@ def test_defaults_are_the_strategy_defaults_and_the_object_is_frozen_and_keyword
         "device_weights": None,
         "state_accelerator_budget": None,
         "state_memory_share": "auto",
+        "saved_state_from": None,
     }
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.buffer_count = 4  # type: ignore[misc]

@@ -431,8 +431,9 @@ def require_state_files(directory: Path) -> None:
         raise MissingStateFiles(
             f"{directory} holds no {MANIFEST}: the device state of this checkpoint was kept by the devices that saved "
             "it (remote device servers), not in files here, and this run cannot reach them. Resume it with "
-            "`backend='remote'` and `remote_devices` that include the servers that hold it (any number of ranks, "
-            "`sub_group_size` or `chunk_size`). (State saved on this host resumes on remote servers too.)"
+            "`backend='remote'` and `remote_devices` that include the servers that hold it, or on this run's devices "
+            "with `saved_state_from={'backend': 'remote', 'remote_devices': [...], 'remote_token_file': ...}` "
+            "(either: any number of ranks, `sub_group_size` or `chunk_size`)."
         )
 
 

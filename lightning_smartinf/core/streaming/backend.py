@@ -43,6 +43,7 @@ from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.format.reshard import Reshard
 from lightning_smartinf.core.format.state_files import (
+    MANIFEST,
     SaveStats,
     ShardState,
     load_state,
@@ -751,6 +752,11 @@ class StreamingBackend(Backend):
             for file in staged:
                 file.unstage()
             release_claims(claims)
+
+    def loads_as_saved(self, directory: Path) -> bool:
+        """Only state files saved in ``directory`` (its manifest); a checkpoint whose devices kept the state (remote
+        servers) goes through :meth:`load_resharded`, with the files the controller fetches."""
+        return (Path(directory) / MANIFEST).is_file()
 
     def load(self, directory: Path, *, manifest: dict | None = None) -> None:
         """Replace every shard's state with the copy under ``directory`` (``manifest``: its manifest, as a caller

@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -64,7 +65,7 @@ from lightning_smartinf.core.io.checksum import CRC32C, file_checksum
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.placement import Placement, RoundRobin, check_assignment
 from lightning_smartinf.core.rules import StepParams
-from lightning_smartinf.core.traffic import TrafficSnapshot
+from lightning_smartinf.core.traffic import Traffic, TrafficSnapshot
 from lightning_smartinf.devices.remote.manifest import REMOTE_MANIFEST
 from lightning_smartinf.devices.remote.policy import MAX_SHARD_NUMEL, is_loopback
 from lightning_smartinf.devices.remote.server import MAX_UPDATES_IN_FLIGHT as UPDATES_IN_FLIGHT
@@ -86,7 +87,14 @@ from lightning_smartinf.devices.remote.wire import (
     write_frames,
 )
 
-__all__ = ["REMOTE_MANIFEST", "RemoteBackend", "checkpoint_masters", "measure_network"]
+__all__ = [
+    "REMOTE_MANIFEST",
+    "RemoteBackend",
+    "checkpoint_masters",
+    "fetch_saved_state",
+    "measure_network",
+    "saved_state_fetcher",
+]
 
 FIRST_CONTACT = "the first contact"
 #: Seconds a session's close may take once a server of the run has failed.
@@ -344,6 +352,117 @@ def checkpoint_masters(
                 server.close()
 
     return read
+
+
+def fetch_saved_state(
+    servers: Sequence[_Server], rank_dirs: Sequence[Path], into: Path, traffic: Traffic | None = None
+) -> tuple[list[Path], Fetch]:
+    """A checkpoint kept on ``servers`` (greeted), made readable for re-sharding: each saved rank's manifest is
+    fetched from the servers that hold its shards (found among ``servers`` by identity; each checked against the
+    digest the trainer recorded) and written under ``into/rankNNN`` with the trainer's shard indices, beside a copy of
+    its host state; a shard's state file is fetched (CRC-checked by the server before it sends it, and by the
+    re-sharding after) only when the plan reads it, counted in ``traffic`` as a link read."""
+    by_id = {server.server_id: server for server in servers}
+    sources: dict[tuple[int, int], tuple[_Server, dict[str, Any], dict[str, Any]]] = {}
+    local_dirs = []
+    for rank, directory in enumerate(map(Path, rank_dirs)):
+        target = into / f"rank{rank:03d}"
+        target.mkdir(mode=0o700)
+        local_dirs.append(target)
+        shutil.copyfile(directory / HOST_STATE, target / HOST_STATE)
+        saved = read_json(directory / REMOTE_MANIFEST, "the remote device state", ("checkpoint", "servers"))
+        entries, manifests = saved["servers"], []
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise CheckpointError(f"{directory / REMOTE_MANIFEST} is not a remote device-state manifest.")
+        for entry in entries:
+            server = by_id.get(str(entry.get("server_id")))
+            if server is None:
+                known = ", ".join(f"{s.address} ({s.server_id[:12]})" for s in servers)
+                raise CheckpointError(
+                    f"{directory / REMOTE_MANIFEST}: the state of shards {entry.get('shards')} is on server "
+                    f"{str(entry.get('server_id'))[:12]} (last at {entry.get('address')}), which is not among "
+                    f"the servers given: {known}. Add it to `remote_devices`."
+                )
+            request = {
+                "checkpoint": entry.get("checkpoint", saved["checkpoint"]),
+                "label": entry.get("label"),
+                "digest": entry.get("digest"),
+            }
+            manifest = _saved_manifest(server, request, directory)
+            manifests.append(manifest)
+            by_local = {int(e["index"]): e for e in manifest["shards"]}
+            for local, shard in enumerate(entry.get("shards", [])):
+                if local not in by_local:
+                    raise CheckpointError(f"Server {server.address}'s checkpoint has no shard {local} of {rank}.")
+                by_local[local]["index"] = int(shard)  # the trainer's index: the re-sharding plan's
+                sources[(rank, int(shard))] = (server, {**request, "shard": local}, by_local[local])
+        shards = sorted((e for (r, _), (_, _, e) in sources.items() if r == rank), key=lambda e: e["index"])
+        host = read_json(target / HOST_STATE, "the device state", ("shards",))
+        if [e["index"] for e in shards] != list(range(len(host["shards"]))) or not manifests:
+            raise CheckpointError(
+                f"The servers hold shards {[e['index'] for e in shards]} of saved rank {rank}, whose host state "
+                f"lists {len(host['shards'])}: the rest were kept beside the servers (in host or accelerator "
+                "memory), which re-sharding a remote checkpoint does not read yet. Resume with the layout, "
+                "`state_memory_budget` and `state_accelerator_budget` it was saved with."
+            )
+        chunks = {int(m["chunk_elems"]) for m in manifests}
+        if len(chunks) != 1:
+            raise CheckpointError(f"The servers saved rank {rank} with different chunk sizes: {sorted(chunks)}.")
+        merged = {"format": manifests[0]["format"], "chunk_elems": chunks.pop(), "shards": shards}
+        write_file_atomic(target / MANIFEST, json.dumps(merged).encode())
+
+    def fetch(rank: int, shard: int, path: Path) -> None:
+        server, request, entry = sources[(rank, shard)]
+        what = f"fetching shard {shard} of saved rank {rank}"
+        frames = server.call(server.read_checkpoint, header_frame(part="state", **request), what)
+        _receive_file("state", frames, path, numel=int(entry["bytes"]) // 4, server=server, what=what)
+        if traffic is not None:
+            traffic.add(link_read_bytes=int(entry["bytes"]))
+
+    return local_dirs, fetch
+
+
+def _saved_manifest(server: _Server, request: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint ``server`` saved, checked against the digest ``request`` carries."""
+    what = "fetching a checkpoint's manifest"
+    frames = server.call(server.read_checkpoint, header_frame(part="manifest", shard=0, **request), what)
+    data = _receive(
+        "manifest", frames, numel=MAX_MANIFEST_BYTES, dtype=torch.uint8, server=server, what=what, exact=False
+    )
+    data_bytes = data.numpy().tobytes()
+    if hashlib.sha256(data_bytes).hexdigest() != request["digest"]:
+        raise StorageError(
+            f"The remote device server {server.address} sent a manifest that is not the one the trainer recorded "
+            f"in {directory / REMOTE_MANIFEST}, during {what}."
+        )
+    try:
+        return parse_manifest(data_bytes, directory / REMOTE_MANIFEST)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def saved_state_fetcher(
+    addresses: Sequence[str],
+    token: str,
+    *,
+    tls: TlsFiles | None = None,
+    timeout: float | None = 300.0,
+    allow_plaintext: bool = False,
+) -> Callable[[Sequence[Path], Path, contextlib.ExitStack], tuple[list[Path], Fetch]]:
+    """For a run of another backend: :func:`fetch_saved_state` from the servers at ``addresses`` (greeted, not
+    opened: no session, so nothing of theirs changes), which stay connected until the ``ExitStack`` it is given
+    closes."""
+
+    def fetch(rank_dirs: Sequence[Path], into: Path, scratch: contextlib.ExitStack) -> tuple[list[Path], Fetch]:
+        servers = []
+        for address in addresses:
+            server = _Server(address, token, timeout, tls, allow_plaintext)
+            scratch.callback(server.close)
+            server.greet()
+            servers.append(server)
+        return fetch_saved_state(servers, rank_dirs, into)
+
+    return fetch
 
 
 class RemoteBackend(Backend):
@@ -747,87 +866,10 @@ class RemoteBackend(Backend):
         return (Path(directory) / REMOTE_MANIFEST).is_file()
 
     def fetch_saved_state(self, rank_dirs: Sequence[Path], into: Path) -> tuple[list[Path], Fetch] | None:
-        """A checkpoint kept on servers, made readable for re-sharding: each saved rank's manifest is fetched from
-        the servers that hold its shards (found among this run's by identity; each checked against the digest the
-        trainer recorded) and written under ``into/rankNNN`` with the trainer's shard indices, beside a copy of its
-        host state; a shard's state file is fetched (CRC-checked by the server before it sends it, and by the
-        re-sharding after) only when the plan reads it."""
+        """A checkpoint kept on servers, made readable for re-sharding (:func:`fetch_saved_state`, from this run's
+        servers); the state files it fetches count as link reads."""
         self._refuse("load")
-        by_id = {server.server_id: server for server in self.servers}
-        sources: dict[tuple[int, int], tuple[_Server, dict[str, Any], dict[str, Any]]] = {}
-        local_dirs = []
-        for rank, directory in enumerate(map(Path, rank_dirs)):
-            target = into / f"rank{rank:03d}"
-            target.mkdir(mode=0o700)
-            local_dirs.append(target)
-            shutil.copyfile(directory / HOST_STATE, target / HOST_STATE)
-            saved = read_json(directory / REMOTE_MANIFEST, "the remote device state", ("checkpoint", "servers"))
-            entries, manifests = saved["servers"], []
-            if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-                raise CheckpointError(f"{directory / REMOTE_MANIFEST} is not a remote device-state manifest.")
-            for entry in entries:
-                server = by_id.get(str(entry.get("server_id")))
-                if server is None:
-                    known = ", ".join(f"{s.address} ({s.server_id[:12]})" for s in self.servers)
-                    raise CheckpointError(
-                        f"{directory / REMOTE_MANIFEST}: the state of shards {entry.get('shards')} is on server "
-                        f"{str(entry.get('server_id'))[:12]} (last at {entry.get('address')}), which is not among "
-                        f"this run's `remote_devices`: {known}. Add it to `remote_devices`."
-                    )
-                request = {
-                    "checkpoint": entry.get("checkpoint", saved["checkpoint"]),
-                    "label": entry.get("label"),
-                    "digest": entry.get("digest"),
-                }
-                manifest = self._saved_manifest(server, request, directory)
-                manifests.append(manifest)
-                by_local = {int(e["index"]): e for e in manifest["shards"]}
-                for local, shard in enumerate(entry.get("shards", [])):
-                    if local not in by_local:
-                        raise CheckpointError(f"Server {server.address}'s checkpoint has no shard {local} of {rank}.")
-                    by_local[local]["index"] = int(shard)  # the trainer's index: the re-sharding plan's
-                    sources[(rank, int(shard))] = (server, {**request, "shard": local}, by_local[local])
-            shards = sorted((e for (r, _), (_, _, e) in sources.items() if r == rank), key=lambda e: e["index"])
-            host = read_json(target / HOST_STATE, "the device state", ("shards",))
-            if [e["index"] for e in shards] != list(range(len(host["shards"]))) or not manifests:
-                raise CheckpointError(
-                    f"The servers hold shards {[e['index'] for e in shards]} of saved rank {rank}, whose host state "
-                    f"lists {len(host['shards'])}: the rest were kept beside the servers (in host or accelerator "
-                    "memory), which re-sharding a remote checkpoint does not read yet. Resume with the layout, "
-                    "`state_memory_budget` and `state_accelerator_budget` it was saved with."
-                )
-            chunks = {int(m["chunk_elems"]) for m in manifests}
-            if len(chunks) != 1:
-                raise CheckpointError(f"The servers saved rank {rank} with different chunk sizes: {sorted(chunks)}.")
-            merged = {"format": manifests[0]["format"], "chunk_elems": chunks.pop(), "shards": shards}
-            write_file_atomic(target / MANIFEST, json.dumps(merged).encode())
-
-        def fetch(rank: int, shard: int, path: Path) -> None:
-            server, request, entry = sources[(rank, shard)]
-            what = f"fetching shard {shard} of saved rank {rank}"
-            frames = server.call(server.read_checkpoint, header_frame(part="state", **request), what)
-            _receive_file("state", frames, path, numel=int(entry["bytes"]) // 4, server=server, what=what)
-            self.traffic.add(link_read_bytes=int(entry["bytes"]))
-
-        return local_dirs, fetch
-
-    def _saved_manifest(self, server: _Server, request: dict[str, Any], directory: Path) -> dict[str, Any]:
-        """The manifest of a checkpoint ``server`` saved, checked against the digest ``request`` carries."""
-        what = "fetching a checkpoint's manifest"
-        frames = server.call(server.read_checkpoint, header_frame(part="manifest", shard=0, **request), what)
-        data = _receive(
-            "manifest", frames, numel=MAX_MANIFEST_BYTES, dtype=torch.uint8, server=server, what=what, exact=False
-        )
-        data_bytes = data.numpy().tobytes()
-        if hashlib.sha256(data_bytes).hexdigest() != request["digest"]:
-            raise StorageError(
-                f"The remote device server {server.address} sent a manifest that is not the one the trainer recorded "
-                f"in {directory / REMOTE_MANIFEST}, during {what}."
-            )
-        try:
-            return parse_manifest(data_bytes, directory / REMOTE_MANIFEST)
-        except ValueError as exc:
-            raise CheckpointError(str(exc)) from None
+        return fetch_saved_state(self.servers, rank_dirs, into, self.traffic)
 
     def load_resharded(self, reshard: Reshard) -> None:
         """Replace every shard's state from state files on this host (a checkpoint of a ``cpu`` or ``xrt`` run, of any

@@ -12,9 +12,12 @@ from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.registry import BuildContext, DeviceKind, register
 
 if TYPE_CHECKING:
+    from contextlib import ExitStack
+
     from torch import Tensor
 
     from lightning_smartinf.core.backend import Backend
+    from lightning_smartinf.core.format.reshard import Fetch
     from lightning_smartinf.core.settings import SmartUpdateSettings
     from lightning_smartinf.devices.remote.tokens import TlsFiles
 
@@ -30,6 +33,7 @@ class RemoteKind(DeviceKind):
     state_held_by_process = True
     state_in_storage_paths = False
     state_movable = False
+    keeps_checkpoint_state = True
     weighs = "remote server"
 
     def check(self, problems: Problems, options: Mapping[str, Any], storage_paths: Sequence[Path] | None) -> Any:
@@ -126,14 +130,35 @@ class RemoteKind(DeviceKind):
         timeout = settings.device_timeout_s
         return masters_beside(checkpoint_masters(addresses, token, tls=tls, timeout=timeout, allow_plaintext=plaintext))
 
+    def fetch_saved_state(
+        self,
+        options: Mapping[str, Any],
+        rank_dirs: Sequence[Path],
+        into: Path,
+        scratch: ExitStack,
+        *,
+        timeout: float | None,
+    ) -> tuple[list[Path], Fetch] | None:
+        from lightning_smartinf.devices.remote.client import saved_state_fetcher
+
+        addresses, token, tls = _access_of(options.get)
+        plaintext = bool(options.get("remote_allow_plaintext"))
+        fetcher = saved_state_fetcher(addresses, token, tls=tls, timeout=timeout, allow_plaintext=plaintext)
+        return fetcher(rank_dirs, into, scratch)
+
 
 def _access(settings: SmartUpdateSettings) -> tuple[tuple[str, ...], str, TlsFiles | None]:
     """The servers, the token, and the TLS files (``None``: plain gRPC)."""
+    return _access_of(settings.option)
+
+
+def _access_of(option: Callable[[str], Any]) -> tuple[tuple[str, ...], str, TlsFiles | None]:
+    """:func:`_access` from the options ``option`` looks up by name."""
     from lightning_smartinf.devices.remote.tokens import read_tls_dir, read_token
 
-    tls_dir = settings.option("remote_tls_dir")
+    tls_dir = option("remote_tls_dir")
     tls = None if tls_dir is None else read_tls_dir(tls_dir)
-    return settings.option("remote_devices"), read_token(settings.option("remote_token_file")), tls
+    return option("remote_devices"), read_token(option("remote_token_file")), tls
 
 
 register(RemoteKind())
