@@ -92,8 +92,8 @@ __all__ = [
     "RemoteBackend",
     "checkpoint_masters",
     "fetch_saved_state",
+    "fetch_saved_state_from",
     "measure_network",
-    "saved_state_fetcher",
 ]
 
 FIRST_CONTACT = "the first contact"
@@ -311,12 +311,9 @@ def checkpoint_masters(
 
     def read(directory: Path) -> list[Tensor]:
         manifest = read_json(Path(directory) / REMOTE_MANIFEST, "the remote device state", ("checkpoint", "servers"))
-        servers = [_Server(address, token, timeout, tls, allow_plaintext) for address in addresses]
-        try:
-            by_id = {}
-            for server in servers:
-                server.greet()
-                by_id[server.server_id] = server
+        with contextlib.ExitStack() as connected:
+            servers = _greeted(addresses, token, timeout, tls, allow_plaintext, connected)
+            by_id = {server.server_id: server for server in servers}
             entries = manifest["servers"]
             masters: dict[int, Tensor] = {}
             for entry in entries if isinstance(entries, list) else []:
@@ -347,11 +344,27 @@ def checkpoint_masters(
             if sorted(masters) != list(range(len(masters))):
                 raise CheckpointError(f"{directory / REMOTE_MANIFEST} does not list every shard of the rank.")
             return [masters[i] for i in range(len(masters))]
-        finally:
-            for server in servers:
-                server.close()
 
     return read
+
+
+def _greeted(
+    addresses: Sequence[str],
+    token: str,
+    timeout: float | None,
+    tls: TlsFiles | None,
+    allow_plaintext: bool,
+    connected: contextlib.ExitStack,
+) -> list[_Server]:
+    """A connection to each server at ``addresses``, greeted (its identity known; no session opened), each closed
+    when ``connected`` closes."""
+    servers = []
+    for address in addresses:
+        server = _Server(address, token, timeout, tls, allow_plaintext)
+        connected.callback(server.close)
+        server.greet()
+        servers.append(server)
+    return servers
 
 
 def fetch_saved_state(
@@ -441,28 +454,21 @@ def _saved_manifest(server: _Server, request: dict[str, Any], directory: Path) -
         raise CheckpointError(str(exc)) from None
 
 
-def saved_state_fetcher(
+def fetch_saved_state_from(
     addresses: Sequence[str],
     token: str,
+    rank_dirs: Sequence[Path],
+    into: Path,
+    connected: contextlib.ExitStack,
     *,
     tls: TlsFiles | None = None,
     timeout: float | None = 300.0,
     allow_plaintext: bool = False,
-) -> Callable[[Sequence[Path], Path, contextlib.ExitStack], tuple[list[Path], Fetch]]:
+) -> tuple[list[Path], Fetch]:
     """For a run of another backend: :func:`fetch_saved_state` from the servers at ``addresses`` (greeted, not
-    opened: no session, so nothing of theirs changes), which stay connected until the ``ExitStack`` it is given
-    closes."""
-
-    def fetch(rank_dirs: Sequence[Path], into: Path, scratch: contextlib.ExitStack) -> tuple[list[Path], Fetch]:
-        servers = []
-        for address in addresses:
-            server = _Server(address, token, timeout, tls, allow_plaintext)
-            scratch.callback(server.close)
-            server.greet()
-            servers.append(server)
-        return fetch_saved_state(servers, rank_dirs, into)
-
-    return fetch
+    opened: no session, so nothing of theirs changes), which stay connected until ``connected`` closes."""
+    servers = _greeted(addresses, token, timeout, tls, allow_plaintext, connected)
+    return fetch_saved_state(servers, rank_dirs, into)
 
 
 class RemoteBackend(Backend):

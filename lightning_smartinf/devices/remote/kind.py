@@ -139,12 +139,13 @@ class RemoteKind(DeviceKind):
         *,
         timeout: float | None,
     ) -> tuple[list[Path], Fetch] | None:
-        from lightning_smartinf.devices.remote.client import saved_state_fetcher
+        from lightning_smartinf.devices.remote.client import fetch_saved_state_from
 
         addresses, token, tls = _access_of(options.get)
         plaintext = bool(options.get("remote_allow_plaintext"))
-        fetcher = saved_state_fetcher(addresses, token, tls=tls, timeout=timeout, allow_plaintext=plaintext)
-        return fetcher(rank_dirs, into, scratch)
+        return fetch_saved_state_from(
+            addresses, token, rank_dirs, into, scratch, tls=tls, timeout=timeout, allow_plaintext=plaintext
+        )
 
 
 def _access(settings: SmartUpdateSettings) -> tuple[tuple[str, ...], str, TlsFiles | None]:
