@@ -25,7 +25,9 @@ RUNS = ("zero_infinity", "zero_infinity_pipelined", "smart_infinity", "smart_inf
 #: State tiers: ours with a share of the state in host memory, and ZeRO-Offload (all of it in RAM, updated
 #: by DeepSpeedCPUAdam) as the ceiling. ``_measured``: the memory tier's share of its budget re-planned from measured
 #: rates (``state_memory_share="measured"``; give ``--warmup 10`` or more so that the timed steps follow the re-plan at
-#: step 10). Run them with ``--only``.
+#: step 10). ``zero_twinflow``: DeepSpeed's partial offload ("Twin-Flow", ``offload_optimizer.ratio``, see
+#: ``--twinflow-ratio``): that share of the sub-groups is updated on the host by DeepSpeedCPUAdam, the rest on the
+#: accelerator by torch's AdamW (on a CPU-only machine the accelerator is the CPU). Run them with ``--only``.
 TIER_RUNS = (
     "smart_infinity_mem25",
     "smart_infinity_mem50",
@@ -34,6 +36,7 @@ TIER_RUNS = (
     "smart_infinity_mem50_measured",
     "smart_infinity_mem100_measured",
     "zero_offload",
+    "zero_twinflow",
 )
 ALL_RUNS = RUNS + TIER_RUNS
 OUT_DIR = Path(__file__).resolve().parent / "out"
@@ -269,6 +272,21 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             strategy = DeepSpeedCPUStrategy(
                 stage=3, offload_optimizer=True, offload_parameters=True, sub_group_size=args.sub_group_size
             )
+        elif args.run == "zero_twinflow":
+            from lightning_smartinf.cpu_support import DeepSpeedCPUStrategy
+
+            strategy = DeepSpeedCPUStrategy(
+                config={
+                    "train_micro_batch_size_per_gpu": args.batch,
+                    "zero_allow_untested_optimizer": True,
+                    "zero_optimization": {
+                        "stage": 3,
+                        "sub_group_size": args.sub_group_size,
+                        "offload_optimizer": {"device": "cpu", "ratio": args.twinflow_ratio},
+                        "offload_param": {"device": "cpu"},
+                    },
+                }
+            )
         elif args.run.startswith("zero_infinity"):
             from lightning_smartinf.cpu_support import DeepSpeedCPUStrategy
 
@@ -415,6 +433,7 @@ def tiers_table(results: dict[str, dict[str, Any]]) -> str:
         ],
         ("ZeRO-Infinity best", best),
         ("ZeRO-Offload", results.get("zero_offload", {})),
+        ("Twin-Flow", results.get("zero_twinflow", {})),
     ]
     columns = [(name, r) for name, r in columns if "train_step_mean_s" in r]
     device = results.get("smart_infinity", {})
@@ -434,6 +453,10 @@ def tiers_table(results: dict[str, dict[str, Any]]) -> str:
         (
             "train step: this / ZeRO-Offload",
             lambda r: _ratio(r["train_step_mean_s"], results.get("zero_offload", {}).get("train_step_mean_s")),
+        ),
+        (
+            "train step: this / Twin-Flow",
+            lambda r: _ratio(r["train_step_mean_s"], results.get("zero_twinflow", {}).get("train_step_mean_s")),
         ),
         ("peak RSS (MiB)", lambda r: r.get("peak_rss_mib")),
         (
@@ -740,6 +763,12 @@ def main() -> None:
         "--unfused",
         action="store_true",
         help="smart_infinity runs torch.optim.AdamW without fused=True (the single-tensor arithmetic on the devices)",
+    )
+    parser.add_argument(
+        "--twinflow-ratio",
+        type=float,
+        default=0.5,
+        help="zero_twinflow: the share of sub-groups DeepSpeed updates on the host (offload_optimizer.ratio)",
     )
     parser.add_argument("--rounds", type=int, default=1, help="repeat every configuration, alternating the order")
     parser.add_argument("--settle", type=float, default=5.0, help="seconds after sync before each configuration")

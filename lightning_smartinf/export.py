@@ -291,7 +291,7 @@ def _remote_masters(
         settings = SmartUpdateSettings(backend="remote", device=options)
     except SettingsError as exc:
         raise ValueError(str(exc)) from None
-    return settings.kind.checkpoint_masters(settings)
+    return settings.checkpoint_masters()
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -277,7 +277,7 @@ def load(strategy: SmartInfinityStrategy, checkpoint_path: str | os.PathLike) ->
             client_state = _load_for_fit(strategy, root, seal)
         else:
             client_state = load_deepspeed_file(model_states)
-            load_trained_weights(module, root, remote=strategy.settings.kind.checkpoint_masters(strategy.settings))
+            load_trained_weights(module, root, elsewhere=strategy.settings.checkpoint_masters())
         if client_state.get("global_step") != seal["global_step"]:
             raise CheckpointError(
                 f"{model_states} holds global step {client_state.get('global_step')!r}, but "
@@ -317,16 +317,16 @@ def _load_for_fit(strategy: SmartInfinityStrategy, root: Path, seal: dict[str, A
     return client_state
 
 
-def load_trained_weights(module: pl.LightningModule, root: Path, remote: MastersReader | None = None) -> None:
+def load_trained_weights(module: pl.LightningModule, root: Path, elsewhere: MastersReader | None = None) -> None:
     """Put the checkpoint's fp32 masters (cast to each parameter's dtype) into ``module``, whose parameters are
     ZeRO-3 partitioned (the evaluation engine's). Parameters the devices never held (frozen ones) keep their values.
-    ``remote`` reads masters the checkpoint keeps on remote device servers.
+    ``elsewhere`` reads the masters of a checkpoint that kept them on its devices (remote servers).
     """
     import deepspeed
 
     checkpoint_folder.verify(root, checksum_shards=False)  # shard files: CRC-checked as their masters are read
     size = int(host_state(checkpoint_folder.rank_state_dir(root, 0))["world_size"])
-    weights = consolidate_masters([checkpoint_folder.rank_state_dir(root, r) for r in range(size)], elsewhere=remote)
+    weights = consolidate_masters([checkpoint_folder.rank_state_dir(root, r) for r in range(size)], elsewhere=elsewhere)
     params = dict(module.named_parameters())
     if unknown := sorted(set(weights) - set(params)):
         raise CheckpointError(

@@ -348,11 +348,11 @@ def test_evaluate_and_export_a_checkpoint_kept_on_the_servers(tmp_path, servers,
 
     from lightning_smartinf.export import main as export_main
 
-    def trainer(name: str, callbacks=()) -> L.Trainer:
+    def trainer(name: str, callbacks=(), strategy=None) -> L.Trainer:
         return L.Trainer(
             accelerator="cpu",
             devices=1,
-            strategy=_strategy(tmp_path, name, servers),
+            strategy=strategy or _strategy(tmp_path, name, servers),
             max_steps=4,
             logger=False,
             enable_checkpointing=False,
@@ -369,6 +369,17 @@ def test_evaluate_and_export_a_checkpoint_kept_on_the_servers(tmp_path, servers,
     # A new trainer (new sessions) evaluates the checkpoint: its masters come from the servers' copy.
     got = trainer("eval").validate(LMWithValidation(adamw), token_loader(2), ckpt_path=tmp_path / "remote.ckpt")
     assert got == expected
+    # A run on this host's devices evaluates it through the servers named in `saved_state_from`, and without them
+    # is refused with a message saying so.
+    here = _strategy(tmp_path, "here", saved_state_from=_remote(servers))
+    got = trainer("here", strategy=here).validate(
+        LMWithValidation(adamw), token_loader(2), ckpt_path=tmp_path / "remote.ckpt"
+    )
+    assert got == expected
+    with pytest.raises(CheckpointError, match=r"holds no manifest\.json: .* on other devices with `saved_state_from="):
+        trainer("alone", strategy=_strategy(tmp_path, "alone")).validate(
+            LMWithValidation(adamw), token_loader(2), ckpt_path=tmp_path / "remote.ckpt"
+        )
     out = tmp_path / "weights.safetensors"
     assert export_main([str(tmp_path / "remote.ckpt"), str(out)]) == 1
     assert "remote device servers" in capsys.readouterr().err

@@ -99,9 +99,12 @@ class DeviceKind(ABC):
     def build(self, settings: SmartUpdateSettings, context: BuildContext) -> Backend:
         """One rank's backend, its directories claimed."""
 
-    def checkpoint_masters(self, settings: SmartUpdateSettings) -> Callable[[Path], list[Tensor]] | None:
-        """For a kind whose checkpoints keep the state elsewhere (remote servers): a reader of one rank's masters from
-        a checkpoint's device-state directory. ``None``: the masters are in the directory's shard files."""
+    def checkpoint_masters(
+        self, options: Mapping[str, Any], *, timeout: float | None
+    ) -> Callable[[Path], list[Tensor]] | None:
+        """For a kind whose checkpoints keep the state on its devices (remote servers), reached with ``options`` (this
+        kind's arguments, as :meth:`check` normalised them): a reader of one rank's masters from a checkpoint's
+        device-state directory. ``None`` (the default): the masters are in the directory's shard files."""
         return None
 
     def fetch_saved_state(

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -36,6 +36,9 @@ from lightning_smartinf.core.compression import EF_RULES, RULE_CHOICES, TopKComp
 from lightning_smartinf.core.format.layout import ELEM_ALIGN, POOL_TENSORS, pool_bytes
 from lightning_smartinf.core.io.direct import IO_ALIGN
 from lightning_smartinf.core.io.storage import validate_storage_path
+
+if TYPE_CHECKING:
+    from lightning_smartinf.core.format.masters import MastersReader
 
 __all__ = [
     "GRADIENT_BUFFERS",
@@ -203,6 +206,17 @@ class SmartUpdateSettings:
     def option(self, name: str) -> Any:
         """The kind's setting ``name`` (``None`` when not given)."""
         return (self.device or {}).get(name)
+
+    def checkpoint_masters(self) -> MastersReader | None:
+        """A reader of the masters a checkpoint kept on its devices instead of in shard files: through this run's
+        devices where their kind keeps checkpoint state, else through the devices :attr:`saved_state_from` names.
+        ``None``: neither does, so the masters are in the shard files."""
+        timeout = self.device_timeout_s
+        reader = self.kind.checkpoint_masters(self.device or {}, timeout=timeout)
+        source = self.saved_state_from
+        if reader is None and source is not None:
+            reader = registry.kind(source["backend"]).checkpoint_masters(source, timeout=timeout)
+        return reader
 
     @property
     def overlap(self) -> bool:

@@ -107,8 +107,9 @@ class _RankMasters:
                 raise ValueError(
                     f"{directory} holds no {MANIFEST}: the device state was kept on the devices (remote device "
                     "servers) and must be read through them (evaluate with the strategy's settings for those "
-                    "devices, or `smartinf export --remote-devices HOST:PORT ... --remote-token-file FILE`), or the "
-                    "checkpoint is incomplete."
+                    "devices, or on other devices with `saved_state_from={'backend': 'remote', 'remote_devices': "
+                    "[...], 'remote_token_file': ...}`; export with `smartinf export --remote-devices HOST:PORT ... "
+                    "--remote-token-file FILE`), or the checkpoint is incomplete."
                 )
             self.held = elsewhere(directory)
             if len(self.held) != shards:

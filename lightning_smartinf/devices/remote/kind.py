@@ -121,13 +121,14 @@ class RemoteKind(DeviceKind):
             allow_plaintext=bool(settings.option("remote_allow_plaintext")),
         )
 
-    def checkpoint_masters(self, settings: SmartUpdateSettings) -> Callable[[Path], list[Tensor]] | None:
+    def checkpoint_masters(
+        self, options: Mapping[str, Any], *, timeout: float | None
+    ) -> Callable[[Path], list[Tensor]] | None:
         from lightning_smartinf.core.tiers.tiered import masters_beside
         from lightning_smartinf.devices.remote.client import checkpoint_masters
 
-        addresses, token, tls = _access(settings)
-        plaintext = bool(settings.option("remote_allow_plaintext"))
-        timeout = settings.device_timeout_s
+        addresses, token, tls = _access_of(options.get)
+        plaintext = bool(options.get("remote_allow_plaintext"))
         return masters_beside(checkpoint_masters(addresses, token, tls=tls, timeout=timeout, allow_plaintext=plaintext))
 
     def fetch_saved_state(
