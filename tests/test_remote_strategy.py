@@ -208,6 +208,16 @@ def test_a_checkpoint_kept_on_the_servers_by_two_ranks_resumes_on_one(tmp_path, 
     assert max(errors.values()) < 1e-5, errors
 
 
+def test_a_checkpoint_kept_on_the_servers_resumes_with_them_in_another_order(checkpoint_reference, tmp_path, servers):
+    """`remote_devices` reordered, the layout the same: each shard's saved state is fetched from the server that kept
+    it, rebuilt here and sent to the server this run places it on; bit for bit the run that never stopped."""
+    _, expected = checkpoint_reference
+    checkpoint = _saved_on(servers, tmp_path)
+    reordered = {**_remote(servers), "remote_devices": [s.address for s in reversed(servers)]}
+    resumed = train(tmp_path / "resumed", ckpt_path=checkpoint, every=None, strategy_kwargs=reordered)
+    assert_identical(resumed, expected)
+
+
 def test_a_checkpoint_kept_on_the_servers_resumes_on_this_hosts_devices_from_the_servers(
     checkpoint_reference, tmp_path, servers
 ):
@@ -393,13 +403,13 @@ def test_evaluate_and_export_a_checkpoint_kept_on_the_servers(tmp_path, servers,
 
 def test_a_memory_tier_beside_the_servers_trains_saves_and_resumes_bit_identically(tmp_path, servers, capsys):
     """What a user with servers and spare RAM writes: `state_memory_budget` beside `backend="remote"`, stock
-    `ModelCheckpoint(save_last=True)`, `fit(ckpt_path=...)`, then export; a resume under another budget is refused."""
+    `ModelCheckpoint(save_last=True)`, `fit(ckpt_path=...)`, then export. Resumed under another split (all on the
+    servers), and by a `cpu` run with another `sub_group_size` given the servers in `saved_state_from`, the state kept
+    in memory comes from the checkpoint on this host and the rest from the servers: bit for bit again."""
     import sys
     from pathlib import Path
 
     from safetensors.torch import load_file
-
-    from lightning_smartinf.core.format.state_files import CheckpointError
 
     sys.path.insert(0, str(Path(__file__).parent))
     from scripts.ckpt_common import train
@@ -422,10 +432,11 @@ def test_a_memory_tier_beside_the_servers_trains_saves_and_resumes_bit_identical
     assert backend.inner.num_devices == 2 and len(backend.local_shards) < len(backend.assignment)
     last = tmp_path / "run" / "ckpts" / "last.ckpt"
     assert list(last.rglob("local_tiers.json"))
-    with pytest.raises(
-        CheckpointError, match=r"the rest were kept beside the servers \(in host or .* Resume with the layout, `state_m"
-    ):
-        train(tmp_path / "run", checkpointing="last", ckpt_path=last, strategy_kwargs=remote(None))
+    source = {k: v for k, v in remote(None).items() if k != "state_memory_budget"}
+    for i, kwargs in enumerate((remote(None), {"saved_state_from": source, "sub_group_size": 1000})):
+        other = train(tmp_path / f"other{i}", checkpointing="last", ckpt_path=last, strategy_kwargs=kwargs)
+        for name, value in reference.items():
+            assert torch.equal(other[name], value), (kwargs, name)
     resumed = train(tmp_path / "run", checkpointing="last", ckpt_path=last, strategy_kwargs=remote("64MiB"))
     for name, value in reference.items():
         assert torch.equal(resumed[name], value), name

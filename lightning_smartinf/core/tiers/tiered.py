@@ -26,9 +26,11 @@ Invariants:
 - Device indices (:attr:`TieredBackend.assignment`) are the wrapped backend's, then memory, then the accelerator.
 - Checkpoints: attached, the wrapped backend's record of every shard, which does not depend on the split (a run may
   resume with other budgets). Beside, the wrapped backend's record of its shards, the tiers' state under
-  :data:`LOCAL_DIR` and the split (:data:`LOCAL_TIERS_MANIFEST`); loading such a checkpoint under another split is
-  refused, naming what to change. A checkpoint with every shard's state in files on this host is re-sharded into
-  either split.
+  :data:`LOCAL_DIR` and the split (:data:`LOCAL_TIERS_MANIFEST`); such a checkpoint loads as saved under the same
+  split, and is re-sharded under another where the wrapped backend can reach the state it kept
+  (:meth:`~lightning_smartinf.core.backend.Backend.fetch_saved_state`: remote servers fetch theirs and take the tiers'
+  from :data:`LOCAL_DIR`). A checkpoint with every shard's state in files on this host is re-sharded into either
+  split.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from lightning_smartinf.core.tiers.memory import MemoryDevice, MemoryTiers
 from lightning_smartinf.core.tiers.update_model import best_share, memory_candidates, update_tail
 from lightning_smartinf.core.traffic import TrafficSnapshot
 
-__all__ = ["LOCAL_DIR", "LOCAL_TIERS_MANIFEST", "Replan", "TieredBackend", "masters_beside"]
+__all__ = ["LOCAL_DIR", "LOCAL_TIERS_MANIFEST", "Replan", "TieredBackend", "masters_beside", "saved_local_shards"]
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,10 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import torch
@@ -59,12 +59,16 @@ from lightning_smartinf.core.format.state_files import (
     ShardState,
     parse_manifest,
     read_json,
+    read_manifest,
+    shard_file_name,
     write_file_atomic,
 )
 from lightning_smartinf.core.io.checksum import CRC32C, file_checksum
+from lightning_smartinf.core.io.clone import clone_file
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.placement import Placement, RoundRobin, check_assignment
 from lightning_smartinf.core.rules import StepParams
+from lightning_smartinf.core.tiers.tiered import LOCAL_DIR, saved_local_shards
 from lightning_smartinf.core.traffic import Traffic, TrafficSnapshot
 from lightning_smartinf.devices.remote.manifest import REMOTE_MANIFEST
 from lightning_smartinf.devices.remote.policy import MAX_SHARD_NUMEL, is_loopback
@@ -374,58 +378,47 @@ def fetch_saved_state(
     fetched from the servers that hold its shards (found among ``servers`` by identity; each checked against the
     digest the trainer recorded) and written under ``into/rankNNN`` with the trainer's shard indices, beside a copy of
     its host state; a shard's state file is fetched (CRC-checked by the server before it sends it, and by the
-    re-sharding after) only when the plan reads it, counted in ``traffic`` as a link read."""
+    re-sharding after) only when the plan reads it, counted in ``traffic`` as a link read. Shards that tiers kept in
+    memory beside the servers are in the checkpoint on this host (``local/``): cloned from there where the
+    filesystem can, else copied."""
     by_id = {server.server_id: server for server in servers}
-    sources: dict[tuple[int, int], tuple[_Server, dict[str, Any], dict[str, Any]]] = {}
+    sources: dict[tuple[int, int], _SavedShard] = {}
     local_dirs = []
     for rank, directory in enumerate(map(Path, rank_dirs)):
         target = into / f"rank{rank:03d}"
         target.mkdir(mode=0o700)
         local_dirs.append(target)
         shutil.copyfile(directory / HOST_STATE, target / HOST_STATE)
-        saved = read_json(directory / REMOTE_MANIFEST, "the remote device state", ("checkpoint", "servers"))
-        entries, manifests = saved["servers"], []
-        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-            raise CheckpointError(f"{directory / REMOTE_MANIFEST} is not a remote device-state manifest.")
-        for entry in entries:
-            server = by_id.get(str(entry.get("server_id")))
-            if server is None:
-                known = ", ".join(f"{s.address} ({s.server_id[:12]})" for s in servers)
-                raise CheckpointError(
-                    f"{directory / REMOTE_MANIFEST}: the state of shards {entry.get('shards')} is on server "
-                    f"{str(entry.get('server_id'))[:12]} (last at {entry.get('address')}), which is not among "
-                    f"the servers given: {known}. Add it to `remote_devices`."
-                )
-            request = {
-                "checkpoint": entry.get("checkpoint", saved["checkpoint"]),
-                "label": entry.get("label"),
-                "digest": entry.get("digest"),
-            }
-            manifest = _saved_manifest(server, request, directory)
+        count = len(read_json(target / HOST_STATE, "the device state", ("shards",))["shards"])
+        beside = saved_local_shards(directory)  # kept in host or accelerator memory beside the servers
+        # The servers number their shards as the backend the tiers wrapped did: the others, in order.
+        numbers = [index for index in range(count) if index not in set(beside)]
+        found = _kept_on_servers(by_id, directory, numbers)
+        manifests = [manifest for manifest, _ in found]
+        shards = [shard for _, kept in found for shard in kept]
+        if beside:
+            manifest = read_manifest(directory / LOCAL_DIR)
             manifests.append(manifest)
-            by_local = {int(e["index"]): e for e in manifest["shards"]}
-            for local, shard in enumerate(entry.get("shards", [])):
-                if local not in by_local:
-                    raise CheckpointError(f"Server {server.address}'s checkpoint has no shard {local} of {rank}.")
-                by_local[local]["index"] = int(shard)  # the trainer's index: the re-sharding plan's
-                sources[(rank, int(shard))] = (server, {**request, "shard": local}, by_local[local])
-        shards = sorted((e for (r, _), (_, _, e) in sources.items() if r == rank), key=lambda e: e["index"])
-        host = read_json(target / HOST_STATE, "the device state", ("shards",))
-        if [e["index"] for e in shards] != list(range(len(host["shards"]))) or not manifests:
+            shards += _numbered(manifest, beside, None, {"directory": directory / LOCAL_DIR}, directory / LOCAL_DIR)
+        if sorted(shard.entry["index"] for shard in shards) != list(range(count)) or not manifests:
             raise CheckpointError(
-                f"The servers hold shards {[e['index'] for e in shards]} of saved rank {rank}, whose host state "
-                f"lists {len(host['shards'])}: the rest were kept beside the servers (in host or accelerator "
-                "memory), which re-sharding a remote checkpoint does not read yet. Resume with the layout, "
-                "`state_memory_budget` and `state_accelerator_budget` it was saved with."
+                f"The servers and {directory / LOCAL_DIR} hold shards {sorted(s.entry['index'] for s in shards)} of "
+                f"saved rank {rank}, whose host state lists {count}: the checkpoint is incomplete. Resume from "
+                "another checkpoint."
             )
         chunks = {int(m["chunk_elems"]) for m in manifests}
         if len(chunks) != 1:
-            raise CheckpointError(f"The servers saved rank {rank} with different chunk sizes: {sorted(chunks)}.")
-        merged = {"format": manifests[0]["format"], "chunk_elems": chunks.pop(), "shards": shards}
+            raise CheckpointError(f"Rank {rank} was saved with different chunk sizes: {sorted(chunks)}.")
+        entries = sorted((shard.entry for shard in shards), key=lambda e: e["index"])
+        merged = {"format": manifests[0]["format"], "chunk_elems": chunks.pop(), "shards": entries}
         write_file_atomic(target / MANIFEST, json.dumps(merged).encode())
+        sources.update({(rank, shard.entry["index"]): shard for shard in shards})
 
     def fetch(rank: int, shard: int, path: Path) -> None:
         server, request, entry = sources[(rank, shard)]
+        if server is None:  # in the checkpoint on this host: cloned where the filesystem can, else copied
+            clone_file(request["directory"] / shard_file_name(request["shard"]), path, int(entry["bytes"]), fsync=False)
+            return
         what = f"fetching shard {shard} of saved rank {rank}"
         frames = server.call(server.read_checkpoint, header_frame(part="state", **request), what)
         _receive_file("state", frames, path, numel=int(entry["bytes"]) // 4, server=server, what=what)
@@ -433,6 +426,71 @@ def fetch_saved_state(
             traffic.add(link_read_bytes=int(entry["bytes"]))
 
     return local_dirs, fetch
+
+
+class _SavedShard(NamedTuple):
+    """Where one saved shard's state file is: on ``server`` (``request`` asks for it), or on this host (``server``
+    ``None``: shard ``request["shard"]`` of ``request["directory"]``); ``entry`` is its manifest entry, indexed as the
+    trainer numbers it."""
+
+    server: _Server | None
+    request: dict[str, Any]
+    entry: dict[str, Any]
+
+
+def _kept_on_servers(
+    by_id: Mapping[str, _Server], directory: Path, numbers: Sequence[int]
+) -> list[tuple[dict[str, Any], list[_SavedShard]]]:
+    """Each server's manifest of the rank whose ``remote.json`` is in ``directory`` (checked against the digest the
+    trainer recorded), with that server's shards; ``numbers[i]``: the trainer's index of the servers' shard ``i``."""
+    saved = read_json(directory / REMOTE_MANIFEST, "the remote device state", ("checkpoint", "servers"))
+    entries = saved["servers"]
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise CheckpointError(f"{directory / REMOTE_MANIFEST} is not a remote device-state manifest.")
+    found = []
+    for entry in entries:
+        server = by_id.get(str(entry.get("server_id")))
+        if server is None:
+            known = ", ".join(f"{s.address} ({s.server_id[:12]})" for s in by_id.values())
+            replaced = any(s.address == entry.get("address") for s in by_id.values())
+            raise CheckpointError(
+                f"{directory / REMOTE_MANIFEST}: the state of shards {entry.get('shards')} is on server "
+                f"{str(entry.get('server_id'))[:12]} (last at {entry.get('address')}), which is not among "
+                f"the servers given: {known}. "
+                + (
+                    "Another server answers at that address (one restarted over another storage root?): start "
+                    "the server over the root that holds the checkpoint, or add it to `remote_devices`."
+                    if replaced
+                    else "Add it to `remote_devices`."
+                )
+            )
+        request = {
+            "checkpoint": entry.get("checkpoint", saved["checkpoint"]),
+            "label": entry.get("label"),
+            "digest": entry.get("digest"),
+        }
+        manifest = _saved_manifest(server, request, directory)
+        indices = [int(shard) for shard in entry.get("shards", [])]
+        if any(not 0 <= shard < len(numbers) for shard in indices):
+            raise CheckpointError(f"{directory / REMOTE_MANIFEST} names shards {indices}, out of range.")
+        trainer = [numbers[shard] for shard in indices]
+        found.append((manifest, _numbered(manifest, trainer, server, request, f"server {server.address}'s checkpoint")))
+    return found
+
+
+def _numbered(
+    manifest: dict[str, Any], trainer: Sequence[int], server: _Server | None, request: dict[str, Any], what: object
+) -> list[_SavedShard]:
+    """The shards of ``manifest`` (its shard ``i`` is the trainer's ``trainer[i]``), each entry renumbered so, each
+    fetched with ``request`` and its own ``shard`` number."""
+    by_local = {int(e["index"]): e for e in manifest["shards"]}
+    shards = []
+    for local, index in enumerate(trainer):
+        if local not in by_local:
+            raise CheckpointError(f"{what} has no shard {local}.")
+        by_local[local]["index"] = index  # the trainer's index: the re-sharding plan's
+        shards.append(_SavedShard(server, {**request, "shard": local}, by_local[local]))
+    return shards
 
 
 def _saved_manifest(server: _Server, request: dict[str, Any], directory: Path) -> dict[str, Any]:
@@ -867,9 +925,22 @@ class RemoteBackend(Backend):
             )
 
     def loads_as_saved(self, directory: Path) -> bool:
-        """Only a checkpoint whose state the servers kept (a ``remote.json``); one with state files on this host
-        (saved by ``cpu`` or ``xrt``, or before a change of layout) is sent to the servers by :meth:`load_resharded`."""
-        return (Path(directory) / REMOTE_MANIFEST).is_file()
+        """Only a checkpoint the servers kept (a ``remote.json``) placed as this run places its shards: the same
+        servers, by identity, each with the same shards. Any other goes through :meth:`load_resharded`, which sends
+        each shard to the server this run places it on: state files on this host (saved by ``cpu`` or ``xrt``, or
+        before a change of layout), or state kept on these servers in another order or partly on others."""
+        path = Path(directory) / REMOTE_MANIFEST
+        if not path.is_file():
+            return False
+        entries = read_json(path, "the remote device state", ("checkpoint", "servers"))["servers"]
+        mine = [(server.server_id, server.shards) for server in self.servers if server.shards]
+        return (
+            isinstance(entries, list)
+            and [
+                (entry.get("server_id"), entry.get("shards")) if isinstance(entry, dict) else None for entry in entries
+            ]
+            == mine
+        )
 
     def fetch_saved_state(self, rank_dirs: Sequence[Path], into: Path) -> tuple[list[Path], Fetch] | None:
         """A checkpoint kept on servers, made readable for re-sharding (:func:`fetch_saved_state`, from this run's
