@@ -242,6 +242,34 @@ def test_a_checkpoint_kept_on_the_servers_resumes_on_this_hosts_devices_from_the
         assert not list(scratch.iterdir()), "nothing fetched is left on this host"
 
 
+def test_a_checkpoint_kept_on_the_servers_resumes_on_smartssds_from_the_servers(
+    checkpoint_reference, tmp_path, servers, tmp_path_factory, csim_library
+):
+    """`backend="xrt"` (the software model of XRT running this repository's kernels) given the servers in
+    `saved_state_from`, with another `sub_group_size`: bit for bit the `xrt` run resumed, in the same layout, from the
+    same state saved on this host (the kernels round sqrt unlike torch, so the `cpu` run is not the reference)."""
+    from lightning_smartinf.devices.xrt import forget_platform, write_model_xclbin
+
+    root = tmp_path_factory.mktemp("xrt")
+    xclbin = write_model_xclbin(root / "smartinf.json", csim_library, devices=1, dram_root=root / "ddr")
+    try:
+        saved_here, _ = checkpoint_reference
+        xrt = {"backend": "xrt", "xclbin": xclbin, "sub_group_size": 1000}
+        expected = train(
+            tmp_path / "here", ckpt_path=saved_here / "ckpts" / f"step={EVERY}.ckpt", every=None, strategy_kwargs=xrt
+        )
+        checkpoint = _saved_on(servers, tmp_path)
+        resumed = train(
+            tmp_path / "there",
+            ckpt_path=checkpoint,
+            every=None,
+            strategy_kwargs={**xrt, "saved_state_from": _remote(servers)},
+        )
+        assert_identical(resumed, expected)
+    finally:
+        forget_platform(xclbin)
+
+
 def test_a_checkpoint_kept_on_the_servers_is_refused_where_it_cannot_load_naming_what_to_do(tmp_path, servers):
     """Its state is on the servers, not on this host: a `cpu` run without `saved_state_from` is refused with a message
     saying how to resume it, before anything live changes; `saved_state_from` with the wrong servers names the one
