@@ -256,6 +256,20 @@ def make_callback(args: argparse.Namespace) -> Any:
     return Meter()
 
 
+def zero3_config(args: argparse.Namespace, offload_optimizer: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's ZeRO-3 configuration with the parameters in host memory and the optimizer ``offload_optimizer``."""
+    return {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": args.sub_group_size,
+            "offload_optimizer": offload_optimizer,
+            "offload_param": {"device": "cpu"},
+        },
+    }
+
+
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
     import torch
@@ -275,18 +289,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         elif args.run == "zero_twinflow":
             from lightning_smartinf.cpu_support import DeepSpeedCPUStrategy
 
-            strategy = DeepSpeedCPUStrategy(
-                config={
-                    "train_micro_batch_size_per_gpu": args.batch,
-                    "zero_allow_untested_optimizer": True,
-                    "zero_optimization": {
-                        "stage": 3,
-                        "sub_group_size": args.sub_group_size,
-                        "offload_optimizer": {"device": "cpu", "ratio": args.twinflow_ratio},
-                        "offload_param": {"device": "cpu"},
-                    },
-                }
-            )
+            strategy = DeepSpeedCPUStrategy(config=zero3_config(args, {"device": "cpu", "ratio": args.twinflow_ratio}))
         elif args.run.startswith("zero_infinity"):
             from lightning_smartinf.cpu_support import DeepSpeedCPUStrategy
 
@@ -309,35 +312,23 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             }
             for name, value in args.zero:
                 (aio if name in aio else offload_optimizer)[name] = value
-            strategy = DeepSpeedCPUStrategy(
-                config={
-                    "train_micro_batch_size_per_gpu": args.batch,
-                    "zero_allow_untested_optimizer": True,
-                    "zero_optimization": {
-                        "stage": 3,
-                        "sub_group_size": args.sub_group_size,
-                        "offload_optimizer": offload_optimizer,
-                        "offload_param": {"device": "cpu"},
-                    },
-                    "aio": aio,
-                }
-            )
+            strategy = DeepSpeedCPUStrategy(config={**zero3_config(args, offload_optimizer), "aio": aio})
         else:
             from lightning_smartinf import SmartInfinityStrategy
 
             share = int(args.run.partition("_mem")[2].partition("_")[0] or 0) / 100
             # fp32 master + two Adam states, plus each sub-group's last-chunk padding (at most 3 x 4 KiB).
             state = 12 * module.num_params + 12 * 4096 * (module.num_params // args.sub_group_size + 1)
-            strategy = SmartInfinityStrategy(
-                state_memory_budget=int(share * state) or None,
-                storage_paths=[storage],
-                sub_group_size=args.sub_group_size,
-                offload_parameters=True,
-                io_engine=args.io_engine,
-                overlap_backward=args.run != "smart_infinity_no_overlap",
-                state_memory_share="measured" if args.run.endswith("_measured") else "auto",
-                **dict(args.smartinf),
-            )
+            settings = {
+                "state_memory_budget": int(share * state) or None,
+                "storage_paths": [storage],
+                "sub_group_size": args.sub_group_size,
+                "offload_parameters": True,
+                "io_engine": args.io_engine,
+                "overlap_backward": args.run != "smart_infinity_no_overlap",
+                "state_memory_share": "measured" if args.run.endswith("_measured") else "auto",
+            }
+            strategy = SmartInfinityStrategy(**{**settings, **dict(args.smartinf)})  # --smartinf overrides
         n = args.batch * (args.warmup + args.steps)
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, args.vocab, (n, args.seq + 1), generator=g)
@@ -746,8 +737,9 @@ def main() -> None:
         type=_setting,
         action="append",
         default=[],
-        help="extra integer or true/false SmartInfinityStrategy setting for both smart_infinity runs, e.g. "
-        "chunk_size=4194304 or prefetch_state=false",
+        help="integer or true/false SmartInfinityStrategy setting for every smart_infinity run, over this script's "
+        "own, e.g. chunk_size=4194304, prefetch_state=false or sub_group_size=8000000 (ours with other sub-groups "
+        "than --sub-group-size gives ZeRO)",
     )
     parser.add_argument(
         "--zero",
