@@ -392,7 +392,7 @@ def fetch_saved_state(
         count = len(read_json(target / HOST_STATE, "the device state", ("shards",))["shards"])
         beside = saved_local_shards(directory)  # kept in host or accelerator memory beside the servers
         # The servers number their shards as the backend the tiers wrapped did: the others, in order.
-        numbers = [index for index in range(count) if index not in set(beside)]
+        numbers = sorted(set(range(count)) - set(beside))
         found = _kept_on_servers(by_id, directory, numbers)
         manifests = [manifest for manifest, _ in found]
         shards = [shard for _, kept in found for shard in kept]
