@@ -647,13 +647,13 @@ def per_round_ratios(results: dict[str, dict[str, Any]], key: str) -> list[float
     return [min(b[i] for b in bases) / o for i, o in enumerate(ours) if bases and all(i < len(b) for b in bases)]
 
 
-def _setting(text: str) -> tuple[str, int | bool]:
+def _setting(text: str) -> tuple[str, int | bool | str]:
     name, _, value = text.partition("=")
-    if name.isidentifier() and value in ("true", "false"):
+    if not name.isidentifier() or not value:
+        raise argparse.ArgumentTypeError(f"expected NAME=INT, NAME=true|false or NAME=TEXT, got {text!r}")
+    if value in ("true", "false"):
         return name, value == "true"
-    if not name.isidentifier() or not value.lstrip("-").isdigit():
-        raise argparse.ArgumentTypeError(f"expected NAME=INT or NAME=true|false, got {text!r}")
-    return name, int(value)
+    return name, int(value) if value.lstrip("-").isdigit() else value
 
 
 ZERO_SETTINGS = (
@@ -737,9 +737,9 @@ def main() -> None:
         type=_setting,
         action="append",
         default=[],
-        help="integer or true/false SmartInfinityStrategy setting for every smart_infinity run, over this script's "
-        "own, e.g. chunk_size=4194304, prefetch_state=false or sub_group_size=8000000 (ours with other sub-groups "
-        "than --sub-group-size gives ZeRO)",
+        help="SmartInfinityStrategy setting (an integer, true/false, or text) for every smart_infinity run, over "
+        "this script's own, e.g. chunk_size=4194304, prefetch_state=false, offload_parameters=storage or "
+        "sub_group_size=8000000 (ours with other sub-groups than --sub-group-size gives ZeRO)",
     )
     parser.add_argument(
         "--zero",
