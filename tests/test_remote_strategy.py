@@ -288,6 +288,28 @@ def test_a_checkpoint_kept_on_the_servers_is_refused_where_it_cannot_load_naming
         train(tmp_path / "resumed", ckpt_path=checkpoint, every=None, strategy_kwargs={"saved_state_from": only_one})
 
 
+def test_a_checkpoint_on_a_server_restarted_over_another_root_is_refused_naming_it(tmp_path, servers):
+    """What a user with fixed ports meets after restarting a server over the wrong storage: the resume names the
+    server that kept the state, says another answers at its address, and what to do; the checkpoint is untouched."""
+    from lightning_smartinf import checkpoint_folder
+
+    checkpoint = _saved_on(servers, tmp_path)
+    restarted = servers[1]
+    port, storage = restarted.port, restarted.storage
+    restarted.kill()
+    restarted.storage = [tmp_path / "elsewhere"]
+    restarted.start(port=port)
+    try:
+        with pytest.raises(
+            CheckpointError, match=r"not among the servers given.*Another server answers at that address"
+        ):
+            train(tmp_path / "resumed", ckpt_path=checkpoint, every=None, strategy_kwargs=_remote(servers))
+    finally:  # the next test gets it back on its own root (`running`)
+        restarted.kill()
+        restarted.storage = storage
+    checkpoint_folder.verify(checkpoint)  # as it was saved
+
+
 @pytest.mark.parametrize(
     ("source", "message"),
     [
