@@ -882,7 +882,8 @@ class RemoteBackend(Backend):
         write_file_atomic(directory / REMOTE_MANIFEST, json.dumps(manifest, indent=1).encode())
 
     def load(self, directory: Path) -> None:
-        """Have each server load the state this rank saved there; refuses another server or other state."""
+        """Have each server load the state this rank saved there; refuses another server or other state (the
+        strategy's load sends a checkpoint placed otherwise through :meth:`load_resharded`: :meth:`loads_as_saved`)."""
         self._refuse("load")
         self._tentative.refuse_held("loading a checkpoint")
         self.wait()
@@ -900,13 +901,15 @@ class RemoteBackend(Backend):
             current = ", ".join(f"{server.address} ({server.server_id[:12]})" for server in mine)
             raise CheckpointError(
                 f"The checkpoint's device state is on {len(entries)} remote server(s): {saved}; this run has "
-                f"{len(mine)}: {current}. Resume with the same `remote_devices`, in the same order."
+                f"{len(mine)}: {current}. Load it with the same `remote_devices`, in the same order, or through the "
+                "strategy, which re-shards it onto these servers."
             )
         for server, entry in zip(mine, entries):
             if not isinstance(entry, dict) or entry.get("shards") != server.shards:
                 raise CheckpointError(
                     f"The checkpoint placed other shards on {entry.get('address') if isinstance(entry, dict) else '?'} "
-                    f"than this run places on {server.address}. Resume with the same `remote_devices` in order."
+                    f"than this run places on {server.address}. Load it with the same `remote_devices` in order, or "
+                    "through the strategy, which re-shards it."
                 )
             if entry.get("server_id") != server.server_id:
                 raise CheckpointError(
