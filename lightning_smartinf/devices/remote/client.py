@@ -321,19 +321,10 @@ def checkpoint_masters(
             entries = manifest["servers"]
             masters: dict[int, Tensor] = {}
             for entry in entries if isinstance(entries, list) else []:
-                server = by_id.get(str(entry.get("server_id")))
-                if server is None:
-                    raise CheckpointError(
-                        f"{directory / REMOTE_MANIFEST}: the state of shards {entry.get('shards')} is on server "
-                        f"{str(entry.get('server_id'))[:12]} (last at {entry.get('address')}), which is not among "
-                        f"{', '.join(f'{s.address} ({s.server_id[:12]})' for s in servers)}."
-                    )
+                server = _keeper(by_id, entry, Path(directory))
                 numels = entry.get("numels") or [None] * len(entry["shards"])  # recorded since protocol 2
                 for local, (shard, numel) in enumerate(zip(entry["shards"], numels)):
-                    checkpoint = entry.get("checkpoint", manifest["checkpoint"])
-                    request = header_frame(
-                        checkpoint=checkpoint, label=entry["label"], shard=local, digest=entry["digest"]
-                    )
+                    request = header_frame(**_saved_request(entry, manifest), shard=local)
                     what = f"reading shard {shard} of a checkpoint"
                     frames = server.call(server.read_checkpoint, request, what)
                     masters[int(shard)] = _receive(
@@ -449,26 +440,8 @@ def _kept_on_servers(
         raise CheckpointError(f"{directory / REMOTE_MANIFEST} is not a remote device-state manifest.")
     found = []
     for entry in entries:
-        server = by_id.get(str(entry.get("server_id")))
-        if server is None:
-            known = ", ".join(f"{s.address} ({s.server_id[:12]})" for s in by_id.values())
-            replaced = any(s.address == entry.get("address") for s in by_id.values())
-            raise CheckpointError(
-                f"{directory / REMOTE_MANIFEST}: the state of shards {entry.get('shards')} is on server "
-                f"{str(entry.get('server_id'))[:12]} (last at {entry.get('address')}), which is not among "
-                f"the servers given: {known}. "
-                + (
-                    "Another server answers at that address (one restarted over another storage root?): start "
-                    "the server over the root that holds the checkpoint, or add it to `remote_devices`."
-                    if replaced
-                    else "Add it to `remote_devices`."
-                )
-            )
-        request = {
-            "checkpoint": entry.get("checkpoint", saved["checkpoint"]),
-            "label": entry.get("label"),
-            "digest": entry.get("digest"),
-        }
+        server = _keeper(by_id, entry, directory)
+        request = _saved_request(entry, saved)
         manifest = _saved_manifest(server, request, directory)
         indices = [int(shard) for shard in entry.get("shards", [])]
         if any(not 0 <= shard < len(numbers) for shard in indices):
@@ -476,6 +449,37 @@ def _kept_on_servers(
         trainer = [numbers[shard] for shard in indices]
         found.append((manifest, _numbered(manifest, trainer, server, request, f"server {server.address}'s checkpoint")))
     return found
+
+
+def _keeper(by_id: Mapping[str, _Server], entry: dict[str, Any], directory: Path) -> _Server:
+    """The server among ``by_id`` (greeted, by identity) that kept the state ``entry`` of ``directory``'s
+    ``remote.json`` describes; otherwise the error names it and says what to do."""
+    server = by_id.get(str(entry.get("server_id")))
+    if server is not None:
+        return server
+    known = ", ".join(f"{s.address} ({s.server_id[:12]})" for s in by_id.values())
+    replaced = any(s.address == entry.get("address") for s in by_id.values())
+    raise CheckpointError(
+        f"{directory / REMOTE_MANIFEST}: the state of shards {entry.get('shards')} is on server "
+        f"{str(entry.get('server_id'))[:12]} (last at {entry.get('address')}), which is not among the servers "
+        f"given: {known}. "
+        + (
+            "Another server answers at that address (one restarted over another storage root?): start the server "
+            "over the root that holds the checkpoint, or add it to `remote_devices`."
+            if replaced
+            else "Add it to `remote_devices`."
+        )
+    )
+
+
+def _saved_request(entry: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+    """What asks a server for the checkpoint ``entry`` of the ``remote.json`` ``saved`` describes (with a ``shard``
+    and ``part`` added per call)."""
+    return {
+        "checkpoint": entry.get("checkpoint", saved["checkpoint"]),  # format 1: one id for every server
+        "label": entry.get("label"),
+        "digest": entry.get("digest"),
+    }
 
 
 def _numbered(
