@@ -18,6 +18,7 @@ This is the one module that uses DeepSpeed's private ZeRO-3 methods; everything 
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 from collections.abc import Hashable
@@ -43,6 +44,26 @@ from lightning_smartinf.zero.param_storage import FileBuffer, prepare_swapper
 #: ``gradient_buffer="auto"`` keeps the gradients on the accelerator only if they take at most this share of its free
 #: memory at set-up: forward and backward need the rest.
 AUTO_ACCELERATOR_SHARE = 0.25
+
+
+#: While ZeRO moves the parameter partitions into its flat host buffer, the C heap's free pages go back to the
+#: operating system each time this many bytes have moved (:meth:`SmartUpdateZeroOptimizer._move_to_flat_buffer`).
+RETURN_FREED_EVERY_BYTES = 256 * 2**20
+
+
+def return_free_heap() -> None:
+    """Give the C heap's free pages back to the operating system (glibc's ``malloc_trim``; nothing elsewhere).
+
+    Tensors below glibc's mmap threshold (which rises to 32 MiB as large blocks are freed) live on the heap, and a
+    freed one leaves a hole that the process keeps: after ZeRO copies each parameter partition into its flat buffer
+    and frees it, about half of the model's low-precision bytes would stay in the RSS, unused, for the whole run.
+    """
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+_LIBC = ctypes.CDLL(None)  # this process's own symbols: glibc's where it is the C library
 
 
 def gradient_buffer_device(setting: str, needed_bytes: int) -> str | None:
@@ -262,6 +283,8 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     #: With that file beside an accelerator: how the reduced partitions reach it (:meth:`partition_grads`).
     gradient_ring: PinnedRing | None = None
     _gradients_in_file = False
+    #: Bytes of parameter partitions moved into ZeRO's flat buffer since the heap's free pages last went back.
+    _moved_bytes = 0
 
     def _configure_tensor_swapping(self, offload_optimizer_config: Any, aio_config: Any) -> None:
         # Only the parameters' own swapper moves them to and from storage from here on.
@@ -280,6 +303,19 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._expected_params: list[set[Hashable]] | None = None
         self.optimizer_swapper = DeviceSwapper(self, str(offload_optimizer_config.nvme_path))
 
+    def _move_to_flat_buffer(
+        self, param_list: list[Tensor], flat_buffer: Tensor | None, avoid_copy: bool = False
+    ) -> None:
+        # ZeRO copies each partition of the sub-group into `flat_buffer` and frees it: hand the freed pages back as
+        # it goes, or the RSS peaks at twice the parameters' bytes and stays there (`return_free_heap`).
+        super()._move_to_flat_buffer(param_list, flat_buffer, avoid_copy=avoid_copy)
+        if flat_buffer is None or avoid_copy:
+            return
+        self._moved_bytes += flat_buffer.numel() * flat_buffer.element_size()
+        if self._moved_bytes >= RETURN_FREED_EVERY_BYTES:
+            self._moved_bytes = 0
+            return_free_heap()
+
     def _setup_for_real_optimizer(self) -> None:
         settings = self.smart_update.settings
         numel = sum(int(p.partition_numel()) for p in itertools.chain.from_iterable(self.fp16_groups))
@@ -292,6 +328,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             # it below: pinning would fail on CUDA for the "meta" buffer of `in_file`, and otherwise leave a whole
             # model's page-locked buffer (2-4 B/param) cached in CUDA's host allocator for nothing.
             self.offload_optimizer_pin_memory = False
+        return_free_heap()  # what the last partitions moved into the flat buffer left behind
         host = self.device
         try:
             super()._setup_for_real_optimizer()
