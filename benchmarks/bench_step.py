@@ -45,6 +45,13 @@ OUT_DIR = Path(__file__).resolve().parent / "out"
 # ------------------------------------------------------------------------------------------------ model
 
 
+def count_params(args: argparse.Namespace) -> int:
+    """The parameters of :func:`build_module`'s model, without making it."""
+    d = args.dim
+    block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    return args.vocab * d + args.seq * d + args.layers * block + 2 * d + args.vocab * d
+
+
 def build_module(args: argparse.Namespace, run: str) -> Any:
     import lightning as L
     import torch
@@ -82,9 +89,17 @@ def build_module(args: argparse.Namespace, run: str) -> Any:
     class LM(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            torch.manual_seed(0)
-            self.model = GPT(args.dim, args.layers, args.vocab, args.seq)
-            self.num_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            self.model: nn.Module | None = None
+            self.num_params = count_params(args)
+            if getattr(args, "build", "init") == "init":
+                self.configure_model()
+
+        def configure_model(self) -> None:
+            # `--build configure_model`: here, under the strategy's `zero.Init`, each parameter is partitioned (and
+            # cast) as it is made, as a large model must be built; `--build init` makes the whole fp32 model first.
+            if self.model is None:
+                torch.manual_seed(0)
+                self.model = GPT(args.dim, args.layers, args.vocab, args.seq)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             tokens, targets = batch
@@ -169,6 +184,38 @@ class DiskTrace:
         return out
 
 
+class RssTrace:
+    """Samples this process's RSS every ``period_s`` and keeps its peak per stage of the run (building the model,
+    setting up the strategy, the warm-up steps, the timed steps), to show which stage sets the peak."""
+
+    def __init__(self, stage: str, period_s: float = 0.01) -> None:
+        import threading
+
+        self.stage = stage
+        self.period_s = period_s
+        self.peaks_mib: dict[str, float] = {}
+        self._page_mib = os.sysconf("SC_PAGE_SIZE") / 2**20
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        with open("/proc/self/statm") as statm:
+            while not self._stop.wait(self.period_s):
+                statm.seek(0)
+                rss = int(statm.read().split()[1]) * self._page_mib
+                stage = self.stage
+                self.peaks_mib[stage] = max(self.peaks_mib.get(stage, 0.0), rss)
+
+    def enter(self, stage: str) -> None:
+        self.stage = stage
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        return self.peaks_mib
+
+
 def device_seconds(trainer: Any) -> dict[str, float] | None:
     """Seconds ours' devices spent reading, writing and computing (summed over devices and their threads), seconds
     the host waited on them, and state bytes read between steps that updates used; ``None`` for ZeRO-Infinity."""
@@ -190,7 +237,7 @@ def device_seconds(trainer: Any) -> dict[str, float] | None:
     return out
 
 
-def make_callback(args: argparse.Namespace) -> Any:
+def make_callback(args: argparse.Namespace, rss: RssTrace) -> Any:
     import lightning as L
 
     class Meter(L.Callback):
@@ -209,6 +256,7 @@ def make_callback(args: argparse.Namespace) -> Any:
             self.trace: DiskTrace | None = None
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            rss.enter("warm-up steps")
             optimizer = trainer.strategy.deepspeed_engine.optimizer
             inner = optimizer.step
 
@@ -236,6 +284,8 @@ def make_callback(args: argparse.Namespace) -> Any:
             self._mark("backward")
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == args.warmup:
+                rss.enter("timed steps")
             if batch_idx == args.warmup and args.trace:
                 self.trace = DiskTrace(args.storage or tempfile.gettempdir())
             self._mark("forward")
@@ -277,8 +327,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(os.cpu_count() or 1)
     storage = Path(tempfile.mkdtemp(prefix=f"bench_{args.run}_", dir=args.storage))
+    rss = RssTrace("build")
     try:
         module = build_module(args, args.run)
+        rss.enter("setup")
         if args.run == "zero_offload":
             from lightning_smartinf.cpu_support import DeepSpeedCPUStrategy
 
@@ -333,7 +385,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, args.vocab, (n, args.seq + 1), generator=g)
         loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch)
-        meter = make_callback(args)
+        meter = make_callback(args, rss)
         trainer = L.Trainer(
             accelerator=args.accelerator,
             devices=1,
@@ -365,6 +417,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             "disk_read_bytes_per_param_in_step": meter.step_io.get("read_bytes", 0) / p / args.steps,
             "disk_write_bytes_per_param_in_step": meter.step_io.get("write_bytes", 0) / p / args.steps,
             "peak_rss_mib": peak_rss_mib(),
+            "peak_rss_mib_by_stage": rss.stop(),
         }
         optimizer = trainer.strategy.deepspeed_engine.optimizer
         if hasattr(optimizer, "smart_update"):
@@ -769,6 +822,14 @@ def main() -> None:
         "--trace",
         action="store_true",
         help="sample the storage's block device every 5 ms and report, per training phase, how busy it was",
+    )
+    parser.add_argument(
+        "--build",
+        choices=("init", "configure_model"),
+        default="init",
+        help="where the module makes its model: in __init__, whole and in fp32 before the strategy partitions it "
+        "(the default, as the recorded runs did), or in configure_model under the strategy's zero.Init, partitioned "
+        "as it is made (how a model larger than host memory must be built)",
     )
     parser.add_argument("--run", choices=ALL_RUNS, help=argparse.SUPPRESS)
     args = parser.parse_args()
