@@ -33,6 +33,7 @@ from lightning_smartinf.core.registry import BuildContext
 from lightning_smartinf.core.settings import SmartUpdateSettings, check_accelerator_budget
 from lightning_smartinf.core.torch_optim import SUPPORTED_OPTIMIZERS, rule_for_group, state_bytes
 from lightning_smartinf.zero import ControllerFactory, GradientBufferError, smart_update_optimizer
+from lightning_smartinf.zero.host_heap import map_large_allocations
 from lightning_smartinf.zero.io_choice import choose_io_engine
 from lightning_smartinf.zero.param_storage import (
     GATHERS_IN_FLIGHT,
@@ -41,7 +42,6 @@ from lightning_smartinf.zero.param_storage import (
     check_param_space,
     construction_swapper,
     full_numel,
-    map_large_allocations,
     resize_pool,
     stored_param_bytes,
     swap_buffer_settings,
@@ -181,13 +181,13 @@ def model_init_context(strategy: SmartInfinityStrategy) -> Iterator[None]:
 
     config = strategy.config
     assert isinstance(config, dict)
+    map_large_allocations()  # layer-sized blocks built, cast and partitioned one after another leave no holes
     offload_param = config["zero_optimization"].get("offload_param") or {}
     if offload_param.get("device") != "nvme":
         with deepspeed.zero.Init(remote_device=strategy.remote_device, config_dict_or_path=config):
             yield
         return
     require_parameter_swapper()
-    map_large_allocations()
     device_dirs, _ = rank_devices(strategy)
     offload_param["nvme_path"] = str(make_private_dirs(device_dirs[0], ("params",)))
     # Until the model exists: a small pool; larger partitions are written from buffers of their own.
@@ -240,7 +240,6 @@ def place_parameters(
         "Lower `sub_group_size`, train on more ranks, or split the largest parameters.",
     )
     problems.raise_if_any()
-    map_large_allocations()
     built_there = next((p.nvme_swapper for p in model.parameters() if getattr(p, "nvme_swapper", None)), None)
     directory = make_private_dirs(device_dirs[0], ("params",))
     params_bytes = stored_param_bytes(model.parameters(), world_size=strategy.world_size, element_size=element_size)
@@ -282,6 +281,9 @@ def initialize(
             "`SmartInfinityStrategy` needs an optimizer from `LightningModule.configure_optimizers` (one of "
             f"{', '.join(SUPPORTED_OPTIMIZERS)})."
         )
+    # From here on (and for a model built in `configure_model`, from before it): each large host block is a mapping
+    # of its own, given back when freed, so partitions moved, gradients and buffers freed leave no holes in the RSS.
+    map_large_allocations()
     module = strategy.lightning_module
     if module is not None:  # the model exists now (`configure_model` ran): what was waiting for it runs
         strategy.run_before_engine(module.trainer, module)

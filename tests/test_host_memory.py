@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import lightning as L
 import psutil
+from launch import python, worker_env
 from models import LMModule, adamw_factory, fit
 
 from lightning_smartinf import SmartInfinityStrategy
@@ -44,3 +45,40 @@ def test_update_path_memory_is_flat_while_state_grows_4x(tmp_path):
     assert small_growth < 16 * 2**20, results
     assert big_growth < 16 * 2**20, results
     assert big_growth < big_state / 4, results
+
+
+HEAP_PROBE = """
+import ctypes
+import torch
+from launch import python, worker_env
+from models import LMModule, adamw_factory, fit
+from lightning_smartinf import SmartInfinityStrategy
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+
+def own_mapping(nbytes):
+    before = libc.mallinfo2().hblkhd  # bytes in mappings of their own
+    block = torch.ones(nbytes, dtype=torch.uint8)
+    return libc.mallinfo2().hblkhd - before >= nbytes
+
+torch.ones(16 << 20, dtype=torch.uint8)  # made and freed: glibc now keeps blocks below 16 MiB on its heap
+print(own_mapping(2 << 20))
+strategy = SmartInfinityStrategy(storage_paths=[{storage!r}], sub_group_size=1 << 16, offload_parameters=True)
+fit(LMModule(adamw_factory(lr=1e-3), dim=64, layers=2), strategy, steps=1, precision="bf16-mixed")
+print(own_mapping(2 << 20))
+"""
+
+
+def test_large_host_blocks_are_mappings_given_back_when_freed(tmp_path, free_port):
+    """glibc raises its mmap threshold as large blocks are freed and keeps later layer-sized blocks on a heap whose
+    holes stay in the RSS; from set-up on, the strategy gives every block of 1 MiB or more a mapping of its own."""
+    script = HEAP_PROBE.format(storage=str(tmp_path))
+    env = worker_env(MASTER_PORT=str(free_port()))
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)  # a user's own threshold is left alone
+    out = python("-c", script, env=env, timeout=300)
+    assert out.stdout.split()[-2:] == ["False", "True"], out.stdout

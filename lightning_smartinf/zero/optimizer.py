@@ -18,7 +18,6 @@ This is the one module that uses DeepSpeed's private ZeRO-3 methods; everything 
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 from collections.abc import Hashable
@@ -38,6 +37,7 @@ from lightning_smartinf.core.accelerator import Fence, PinnedRing, record_fence
 from lightning_smartinf.core.controller import SmartUpdate, SubGroup
 from lightning_smartinf.core.host_buffer import HostBuffer, InMemoryBuffer
 from lightning_smartinf.core.traffic import Traffic
+from lightning_smartinf.zero.host_heap import return_free_heap
 from lightning_smartinf.zero.install import ControllerFactory, GradientBufferError
 from lightning_smartinf.zero.param_storage import FileBuffer, prepare_swapper
 
@@ -47,23 +47,8 @@ AUTO_ACCELERATOR_SHARE = 0.25
 
 
 #: While ZeRO moves the parameter partitions into its flat host buffer, the C heap's free pages go back to the
-#: operating system each time this many bytes have moved (:meth:`SmartUpdateZeroOptimizer._move_to_flat_buffer`).
+#: system each time this many bytes have moved (:meth:`SmartUpdateZeroOptimizer._move_to_flat_buffer`).
 RETURN_FREED_EVERY_BYTES = 256 * 2**20
-
-
-def return_free_heap() -> None:
-    """Give the C heap's free pages back to the operating system (glibc's ``malloc_trim``; nothing elsewhere).
-
-    Tensors below glibc's mmap threshold (which rises to 32 MiB as large blocks are freed) live on the heap, and a
-    freed one leaves a hole that the process keeps: after ZeRO copies each parameter partition into its flat buffer
-    and frees it, about half of the model's low-precision bytes would stay in the RSS, unused, for the whole run.
-    """
-    trim = getattr(_LIBC, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-_LIBC = ctypes.CDLL(None)  # this process's own symbols: glibc's where it is the C library
 
 
 def gradient_buffer_device(setting: str, needed_bytes: int) -> str | None:
@@ -306,8 +291,9 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def _move_to_flat_buffer(
         self, param_list: list[Tensor], flat_buffer: Tensor | None, avoid_copy: bool = False
     ) -> None:
-        # ZeRO copies each partition of the sub-group into `flat_buffer` and frees it: hand the freed pages back as
-        # it goes, or the RSS peaks at twice the parameters' bytes and stays there (`return_free_heap`).
+        # ZeRO copies each partition of the sub-group into `flat_buffer` and frees it. Partitions made before
+        # `map_large_allocations` (a model built in `__init__`) are on the heap: hand their pages back as it goes, or
+        # the RSS peaks at twice the parameters' bytes and keeps the holes for the run.
         super()._move_to_flat_buffer(param_list, flat_buffer, avoid_copy=avoid_copy)
         if flat_buffer is None or avoid_copy:
             return

@@ -19,8 +19,6 @@ Invariants:
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 import mmap
 import os
@@ -243,25 +241,6 @@ def own_buffer(swapper: Any, param: Any, numel: int) -> torch.Tensor:
     is freed when the swapper releases it."""
     swapper.param_id_to_numel[param.ds_id] = numel
     return torch.empty(_aligned(swapper, numel), dtype=swapper.dtype)
-
-
-#: glibc's ``mallopt`` parameter for the size from which allocations get mappings of their own.
-M_MMAP_THRESHOLD = -3
-
-
-def map_large_allocations(threshold: int = 1 << 20) -> None:
-    """Serve host allocations of ``threshold`` bytes or more from mappings of their own, returned to the system when
-    freed (glibc ``mallopt(M_MMAP_THRESHOLD)``; a no-op elsewhere).
-
-    glibc otherwise raises its threshold each time a large block is freed, up to 32 MiB, and serves later blocks from
-    its heap, which it seldom gives back. A model built and streamed one layer at a time frees blocks of a layer's
-    size again and again, and that heap would grow with the model (measured: +0.6 GB at 134M parameters).
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(M_MMAP_THRESHOLD, threshold)
-    except (OSError, AttributeError):
-        return
 
 
 class FileBuffer:
