@@ -335,13 +335,14 @@ def _peak_rss(root: Path, layers: int, offload: str, port: int, *extra: str) -> 
 def test_peak_rss_stays_flat_while_the_model_grows_four_times(tmp_path, free_port) -> None:
     """Width 2048, 8 then 32 layers (34M, then 134M parameters), each run in a fresh process built in
     ``configure_model``: the peak RSS moves by at most 10%. With the parameters in host memory the larger model's peak
-    is far higher, so the measure can tell."""
+    is higher by more than its 16-bit parameters (2 B each; they and their gradients stay there), so the measure can
+    tell."""
     small = _peak_rss(tmp_path / "small", 8, "storage", free_port())
     large = _peak_rss(tmp_path / "large", 32, "storage", free_port())
     in_memory = _peak_rss(tmp_path / "in_memory", 32, "memory", free_port())
     assert large["params"] == 4 * small["params"]
     assert abs(large["peak_rss"] / small["peak_rss"] - 1) <= 0.10, (small, large)
-    assert in_memory["peak_rss"] > 1.5 * large["peak_rss"], (in_memory, large)
+    assert in_memory["peak_rss"] - large["peak_rss"] > 2 * large["params"], (in_memory, large)
 
 
 @pytest.mark.multiprocess
