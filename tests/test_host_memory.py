@@ -50,7 +50,6 @@ def test_update_path_memory_is_flat_while_state_grows_4x(tmp_path):
 HEAP_PROBE = """
 import ctypes
 import torch
-from launch import python, worker_env
 from models import LMModule, adamw_factory, fit
 from lightning_smartinf import SmartInfinityStrategy
 
