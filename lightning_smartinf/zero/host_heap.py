@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 __all__ = ["LARGE_ALLOCATION_BYTES", "map_large_allocations", "return_free_heap"]
@@ -24,6 +25,7 @@ LARGE_ALLOCATION_BYTES = 1 << 20
 _M_MMAP_THRESHOLD = -3
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
