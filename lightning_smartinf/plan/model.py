@@ -46,12 +46,6 @@ GRADIENT_BUFFERS = ("accelerator", "host")
 REMOTE_CALLS_IN_FLIGHT = 4
 
 METHODS = ("zero_infinity", "su", "su_o", "su_o_c")
-METHOD_LABELS = {
-    "zero_infinity": "ZeRO-Infinity",
-    "su": "SmartUpdate (SU)",
-    "su_o": "SU + overlap (SU+O)",
-    "su_o_c": "SU+O + compression (SU+O+C)",
-}
 
 
 class PlanError(ValueError):

@@ -218,25 +218,6 @@ def read_safetensors_header(path: Path) -> dict[str, SavedTensor]:
     return tensors
 
 
-def param_partitions(
-    params: Sequence[Mapping[str, Any]], masters: Tensor
-) -> Iterator[tuple[Mapping[str, Any], Tensor]]:
-    """Each parameter of a shard (its ``host_state.json`` entry under ``shards``) with its slice of ``masters``.
-
-    A shard holds its parameters' partitions back to back, in order (see ``Partitions.layout``).
-
-    Raises:
-        ValueError: the parameters do not cover ``masters`` exactly.
-    """
-    offset = 0
-    for param in params:
-        n = int(param["partition_numel"])
-        yield param, masters[offset : offset + n]
-        offset += n
-    if offset != masters.numel():
-        raise ValueError(f"its parameters cover {offset} elements, the shard holds {masters.numel()}.")
-
-
 def full_parameter(name: str, partitions: Sequence[Tensor], shape: Sequence[int]) -> Tensor:
     """Parameter ``name`` whole, from its partitions on every rank in rank order (the last one padded).
 

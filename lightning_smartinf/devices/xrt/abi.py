@@ -31,8 +31,6 @@ FLAG_NESTEROV = 1 << 5
 
 #: Every kernel port moves 512-bit beats; every buffer is allocated in whole beats.
 BEAT_BYTES = 64
-#: Elements of one top-k decompression tile (the kernels scatter pairs into one tile at a time).
-TOPK_TILE_ELEMS = 16384
 
 #: Kernel element type per torch dtype (gradient *and* parameter-output type of one entry point).
 KERNEL_TYPES: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
