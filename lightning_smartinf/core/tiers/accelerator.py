@@ -31,9 +31,7 @@ from torch import Tensor
 from lightning_smartinf.core.accelerator import cuda_event
 from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.io.direct import StateFile
-from lightning_smartinf.core.rules import StepParams
-from lightning_smartinf.core.streaming.device import EmulatedDevice, link_bytes
-from lightning_smartinf.core.streaming.pipeline import ChunkWork, Shard
+from lightning_smartinf.core.streaming.device import EmulatedDevice
 from lightning_smartinf.core.tiers.memory import MemoryIO, MemoryStateFile, TensorStateFile
 from lightning_smartinf.core.traffic import Traffic
 
@@ -111,10 +109,8 @@ class AcceleratorDevice(EmulatedDevice):
         if device.type == "cuda" and device.index is None:  # this rank's GPU, fixed now: worker threads have their own
             device = torch.device("cuda", torch.cuda.current_device())
         self.torch_device = device
-        # Copies within one memory: one transfer in flight per direction keeps the device busy enough.
-        super().__init__(
-            index, None, traffic, MemoryIO(), chunk_elems=chunk_elems, buffer_count=buffer_count, io_threads=1
-        )
+        # Copies within one memory: one transfer in flight per direction (the default) keeps the device busy enough.
+        super().__init__(index, None, traffic, MemoryIO(), chunk_elems=chunk_elems, buffer_count=buffer_count)
         self.capacity = capacity
         self._host_grad: Tensor | None = None
 
@@ -134,34 +130,16 @@ class AcceleratorDevice(EmulatedDevice):
         self._host_grad = torch.empty(self.chunk_elems, dtype=torch.float32)
         self.allocated_bytes = self.chunk_elems * 4  # host bytes only: the pool lives in the accelerator's memory
 
-    def update_work(
-        self, shard: Shard, grad: Tensor | SparseGrad, hp: StepParams, out: Tensor, link_dtype: torch.dtype
-    ) -> ChunkWork:
-        """Bring the chunk's gradient to the accelerator as it crossed the link, apply the rule there, copy out."""
-        rule = shard.spec.rule
-        direct = isinstance(grad, Tensor) and grad.device == self.torch_device
-
-        def update(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
-            g = self.grad_chunk(n)
-            if direct:  # a gradient already in this memory crosses no link: only its rounding to the link dtype
-                g.copy_(grad[start : start + n].to(link_dtype))
-            else:
-                assert self._host_grad is not None
-                host = self._host_grad[:n]
-                self.load_gradient(host, grad, start, link_dtype)
-                g.copy_(host)
-            if hp.grad_scale != 1.0:
-                g.mul_(hp.grad_scale)
-            rule.apply(m, g, states, hp)
-            target = out[start : start + n]
-            if target.device == m.device:
-                target.copy_(m)
-            else:
-                self.copies.put(target, m)
-
-        return ChunkWork(
-            compute=update, link_write=link_bytes(grad, link_dtype), link_read=out.numel() * out.element_size()
-        )
+    def load_gradient(self, g: Tensor, grad: Tensor | SparseGrad, start: int, link_dtype: torch.dtype) -> None:
+        """Fill ``g`` (fp32, on the accelerator) with ``grad``'s chunk as it crossed the link, via the host chunk."""
+        n = g.numel()
+        if isinstance(grad, Tensor) and grad.device == self.torch_device:
+            g.copy_(grad[start : start + n].to(link_dtype))  # already in this memory: crosses no link, only rounds
+            return
+        assert self._host_grad is not None
+        host = self._host_grad[:n]
+        super().load_gradient(host, grad, start, link_dtype)
+        g.copy_(host)
 
     def run_compute(self, work: Callable[[], None]) -> None:
         work()

@@ -133,10 +133,8 @@ class MemoryDevice(EmulatedDevice):
     def __init__(
         self, index: int, traffic: Traffic, *, chunk_elems: int, buffer_count: int, capacity: int | None = None
     ) -> None:
-        # Copies are synchronous memcpy: one transfer in flight per direction keeps a core busy enough.
-        super().__init__(
-            index, None, traffic, MemoryIO(), chunk_elems=chunk_elems, buffer_count=buffer_count, io_threads=1
-        )
+        # Copies are synchronous memcpy: one transfer in flight per direction (the default) keeps a core busy enough.
+        super().__init__(index, None, traffic, MemoryIO(), chunk_elems=chunk_elems, buffer_count=buffer_count)
         self.capacity = capacity
 
     @property
