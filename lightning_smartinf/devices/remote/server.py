@@ -624,30 +624,17 @@ class DeviceServer:
             part = header.get("part", "masters")
             if part not in CHECKPOINT_PARTS:
                 raise WireError(f"`part={part!r}` is not one of {', '.join(CHECKPOINT_PARTS)}.")
-            checkpoint = self._checked_name(header["checkpoint"], "checkpoint")
-            label = self._checked_name(header["label"], "label")
-            directory = self.roots[0] / "checkpoints" / checkpoint / label
-            manifest = _read_manifest(directory)
-            if manifest is None:
-                raise CallError(
-                    grpc.StatusCode.NOT_FOUND,
-                    f"Server {self.server_id} has no checkpoint {checkpoint!r} for {label!r}.",
-                )
-            if not _same_digest(manifest, header["digest"]):
-                raise CallError(
-                    grpc.StatusCode.DATA_LOSS,
-                    f"Checkpoint {checkpoint!r} on server {self.server_id} differs from the one the trainer recorded.",
-                )
+            directory, data, manifest = self._checkpoint(header, header["label"])
             if part == "manifest":
-                return encode_tensor("manifest", torch.frombuffer(bytearray(manifest.data), dtype=torch.uint8))
+                return encode_tensor("manifest", torch.frombuffer(bytearray(data), dtype=torch.uint8))
             shard = header["shard"]
             if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0:
                 raise WireError(f"`shard={shard!r}` is not a shard index.")
             if part == "masters":
-                return encode_tensor("master", saved_shard_masters(directory, shard, manifest=manifest.content))
-            entry = next((e for e in manifest.content["shards"] if e.get("index") == shard), None)
+                return encode_tensor("master", saved_shard_masters(directory, shard, manifest=manifest))
+            entry = next((e for e in manifest["shards"] if e.get("index") == shard), None)
             if entry is None:
-                raise WireError(f"Checkpoint {checkpoint!r} has no shard {shard} for {label!r}.")
+                raise WireError(f"Checkpoint {header['checkpoint']!r} has no shard {shard} for {header['label']!r}.")
             path = directory / shard_file_name(shard)
             try:
                 verify_state_file(path, entry)
@@ -721,23 +708,36 @@ class DeviceServer:
         directory.parent.mkdir(mode=0o700)  # a new id: exists only if ids collided, and then nothing is replaced
         session.backend.save(directory)
         log.info("session %s: saved a checkpoint", session.tag)
-        return header_frame(checkpoint=checkpoint, digest=_digest(directory))
+        digest = hashlib.sha256((directory / MANIFEST).read_bytes()).hexdigest()
+        return header_frame(checkpoint=checkpoint, digest=digest)
 
-    def _load(self, session: Session, header: dict[str, Any]) -> Any:
+    def _checkpoint(self, header: dict[str, Any], label: Any) -> tuple[Path, bytes, dict[str, Any]]:
+        """The directory of checkpoint ``header["checkpoint"]`` saved for ``label``, its manifest's bytes and the
+        manifest they parse to, once the digest of those very bytes is ``header["digest"]`` (compared in constant
+        time): ``NOT_FOUND`` without a manifest, ``DATA_LOSS`` for another one."""
         checkpoint = self._checked_name(header.get("checkpoint"), "checkpoint")
-        directory = self.roots[0] / "checkpoints" / checkpoint / session.label
-        manifest = _read_manifest(directory)
-        if manifest is None:
+        label = self._checked_name(label, "label")
+        directory = self.roots[0] / "checkpoints" / checkpoint / label
+        path = directory / MANIFEST
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
             raise CallError(
-                grpc.StatusCode.NOT_FOUND,
-                f"Server {self.server_id} has no checkpoint {checkpoint!r} for {session.label!r}.",
-            )
-        if not _same_digest(manifest, header.get("digest")):
+                grpc.StatusCode.NOT_FOUND, f"Server {self.server_id} has no checkpoint {checkpoint!r} for {label!r}."
+            ) from None
+        manifest = parse_manifest(data, path)  # a manifest this version cannot read fails before any digest is compared
+        presented = header.get("digest")
+        digest = hashlib.sha256(data).hexdigest()
+        if not isinstance(presented, str) or not hmac.compare_digest(digest.encode(), presented.encode()):
             raise CallError(
                 grpc.StatusCode.DATA_LOSS,
                 f"Checkpoint {checkpoint!r} on server {self.server_id} differs from the one the trainer recorded.",
             )
-        session.backend.load(directory, manifest=manifest.content)  # the very manifest whose digest was checked
+        return directory, data, manifest
+
+    def _load(self, session: Session, header: dict[str, Any]) -> Any:
+        directory, _, manifest = self._checkpoint(header, session.label)
+        session.backend.load(directory, manifest=manifest)  # the very manifest whose digest was checked
         log.info("session %s: loaded a checkpoint", session.tag)
         return header_frame(ok=True)
 
@@ -821,32 +821,6 @@ def _read_tensor(frames: Iterator[Any], name: str, max_numel: int, dtypes: tuple
             assert reader.tensor is not None
             return reader.tensor
     raise WireError(f"The stream ended before {name!r} was complete.")
-
-
-def _digest(directory: Path) -> str:
-    return hashlib.sha256((directory / MANIFEST).read_bytes()).hexdigest()
-
-
-@dataclass(frozen=True)
-class _Manifest:
-    """A checkpoint's manifest, the very bytes it was parsed from and their digest."""
-
-    digest: str
-    content: dict
-    data: bytes
-
-
-def _read_manifest(directory: Path) -> _Manifest | None:
-    path = directory / MANIFEST
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    return _Manifest(hashlib.sha256(data).hexdigest(), parse_manifest(data, path), data)
-
-
-def _same_digest(manifest: _Manifest, presented: Any) -> bool:
-    return isinstance(presented, str) and hmac.compare_digest(manifest.digest.encode(), presented.encode())
 
 
 def _first(requests: Iterator[Any]) -> Any:
