@@ -53,7 +53,15 @@ from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.io import checksum
 from lightning_smartinf.core.io.checksum import CRC32C, checksum_of, combine, file_checksum
 from lightning_smartinf.core.io.clone import CLONE, COPY, KERNEL_COPY, clone_file
-from lightning_smartinf.core.io.storage import GIB, StorageError, ensure_private_dir
+from lightning_smartinf.core.io.storage import (
+    GIB,
+    TMP_MARK,
+    StorageError,
+    ensure_private_dir,
+    fsync_dir,
+    fsync_file,
+    write_file_atomic,  # looked up here at each call: tests/scripts/crash_worker.py replaces it in this module
+)
 
 MANIFEST = "manifest.json"
 FORMAT = "lightning_smartinf.state/3"
@@ -61,7 +69,6 @@ FORMAT = "lightning_smartinf.state/3"
 READABLE_FORMATS = ("lightning_smartinf.state/2", FORMAT)
 #: Bytes per read/write/checksum block when copying state files (CRC-32 runs at ~4 GB/s, above the disk).
 BLOCK = 8 << 20
-_TMP_MARK = ".tmp-"
 #: Keys of a manifest's shard entry that hold its checksum (one of them), not a property of the shard.
 CHECKSUM_KEYS = (checksum.CRC32C, checksum.CRC32)
 #: (saved rule, this run's rule) pairs whose states convert (states matched by name; see the module docstring).
@@ -77,7 +84,7 @@ log = logging.getLogger(__name__)
 
 def remove_killed_saves(parent: Path) -> int:
     """Remove the temporary directories and files that saves killed mid-way left in ``parent``; how many."""
-    stale = list(Path(parent).glob(f".*{_TMP_MARK}*"))
+    stale = list(Path(parent).glob(f".*{TMP_MARK}*"))
     for path in stale:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
@@ -174,24 +181,6 @@ def _describe(shard: ShardState) -> dict:
 # ------------------------------------------------------------------------------------------------ file helpers
 
 
-def fsync_file(path: Path) -> None:
-    """Force a file's data and size to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(directory: Path) -> None:
-    """Force a directory's entries (creations, renames) to disk."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def copy_with_crc(
     src: Path,
     dst: Path,
@@ -236,32 +225,6 @@ def copy_with_crc(
 def file_crc32(path: Path) -> tuple[int, int]:
     """``(size, crc32)`` of a file (zlib's CRC-32: the checksum of the files around the state)."""
     return file_checksum(path, checksum.CRC32)
-
-
-def write_file_atomic(path: Path, data: bytes | Iterable[bytes | memoryview]) -> None:
-    """Write ``data`` (bytes, or blocks of them in order) to ``path`` through a fsynced temporary sibling and a rename:
-    readers see old or new, whole."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        for block in [data] if isinstance(data, bytes) else data:
-            view = memoryview(block).cast("B")
-            done = 0
-            while done < len(view):
-                done += os.write(fd, view[done:])
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
 
 
 _RENAME_EXCHANGE = 2
@@ -374,7 +337,7 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
     directory = Path(directory)
     parent = directory.parent
     parent.mkdir(parents=True, exist_ok=True)
-    for stale in parent.glob(f".{directory.name}{_TMP_MARK}*"):
+    for stale in parent.glob(f".{directory.name}{TMP_MARK}*"):
         shutil.rmtree(stale, ignore_errors=True)  # left by a save that was killed
     needed = sum(s.layout.file_bytes for s in shards) + 4096 * (len(shards) + 2)
 
@@ -388,7 +351,7 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
     free = shutil.disk_usage(parent).free
     if free < needed:
         raise full(f"its filesystem has {free / GIB:.3f} GiB free")
-    tmp = parent / f".{directory.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = parent / f".{directory.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
     try:
         ensure_private_dir(tmp)
 

@@ -15,11 +15,9 @@ directory (:func:`make_temp_device_dir`); :func:`remove_stale_temp_dirs` removes
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import secrets
 import shutil
 import socket
 import stat
@@ -34,7 +32,7 @@ from typing import Any
 import psutil
 from filelock import Timeout, UnixFileLock
 
-from lightning_smartinf.core.io.storage import StorageError
+from lightning_smartinf.core.io.storage import StorageError, write_file_atomic
 
 #: The lock file in each claimed directory. It stays after release: unlinking a lock file that another process may
 #: be opening would let the two lock different inodes.
@@ -100,7 +98,7 @@ class DirectoryClaim:
             raise StorageError(_in_use_message(self.directory), path=self.directory, operation="claim")
         try:
             self.owner = Owner.current()
-            _write_owner(self.directory, self.owner)
+            write_file_atomic(self.directory / OWNER_FILE, json.dumps(asdict(self.owner)).encode())
         except OSError as exc:
             self.release()
             raise StorageError(
@@ -279,20 +277,6 @@ def _try_lock(directory: Path) -> UnixFileLock | None:
             operation="claim",
         )
     return lock
-
-
-def _write_owner(directory: Path, owner: Owner) -> None:
-    """Write the record atomically (readers see the old record or the new one, never a partial one)."""
-    tmp = directory / f"{OWNER_FILE}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(owner), f)
-        os.replace(tmp, directory / OWNER_FILE)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _in_use_message(directory: Path) -> str:

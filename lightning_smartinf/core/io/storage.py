@@ -1,15 +1,18 @@
-"""Checks and preparation of storage paths: existence (or creation), permissions, free space."""
+"""Storage paths: checks and preparation (existence or creation, permissions, free space), fsyncs, atomic writes."""
 
 from __future__ import annotations
 
 import errno
 import os
+import secrets
 import shutil
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 GIB = 1024**3
+#: In the name of a temporary sibling being written (``.<name>.tmp-<pid>-<random>``): one left over is a dead writer's.
+TMP_MARK = ".tmp-"
 
 
 def readable_size(nbytes: float) -> str:
@@ -312,3 +315,44 @@ def check_free_space(directory: Path, needed: int, reusable: Sequence[Path] = ()
             f"needs {needed / GIB:.2f} GiB. Free space, add `storage_paths` to spread the state, "
             "or choose a larger disk."
         )
+
+
+def fsync_file(path: Path) -> None:
+    """Force a file's data and size to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Force a directory's entries (creations, renames) to disk."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: Path, data: bytes | Iterable[bytes | memoryview]) -> None:
+    """Write ``data`` (bytes, or blocks of them in order) to ``path`` (mode 0600) through a fsynced temporary sibling
+    and a rename: readers see old or new, whole. ``O_EXCL`` creates the sibling, so no link is ever written through."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            for block in [data] if isinstance(data, bytes) else data:
+                view = memoryview(block).cast("B")
+                done = 0
+                while done < len(view):
+                    done += os.write(fd, view[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
