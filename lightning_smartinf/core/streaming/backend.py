@@ -57,7 +57,7 @@ from lightning_smartinf.core.placement import Fixed, Placement, RoundRobin, Tier
 from lightning_smartinf.core.rules import StepParams
 from lightning_smartinf.core.streaming.device import StreamingDevice
 from lightning_smartinf.core.streaming.pipeline import (
-    PrefetchTarget,
+    PlanEntry,
     Request,
     Shard,
 )
@@ -656,11 +656,11 @@ class StreamingBackend(Backend):
             )
         if not self.prefetch_state or self.failure is not None:
             return
-        targets: list[list[PrefetchTarget]] = [[] for _ in self.devices]
+        targets: list[list[PlanEntry]] = [[] for _ in self.devices]
         for index in shards:
             shard = self._shards[index]
             if index not in self._tentative and not shard.file.in_memory:  # memory is read where it lies
-                targets[self.assignment[index]].append(PrefetchTarget(shard, shard.slot))
+                targets[self.assignment[index]].append(PlanEntry(shard, shard.slot))
         for device, device_targets in zip(self.devices, targets):
             device.prefetch(device_targets)  # every device: new advice, even empty, replaces the old
 

@@ -50,10 +50,10 @@ from lightning_smartinf.core.streaming.pipeline import (
     ChunkRead,
     ChunkWork,
     DropPrefetch,
+    PlanEntry,
     PrefetchAdvice,
     PrefetchedChunk,
     PrefetchPlan,
-    PrefetchTarget,
     ReadAheadWindow,
     Request,
     Shard,
@@ -236,8 +236,8 @@ class StreamingDevice(ABC):
         self._requests.put(request)
         return handle
 
-    def prefetch(self, targets: Sequence[PrefetchTarget]) -> None:
-        """Advise that the next requests read ``targets`` first, in this order."""
+    def prefetch(self, targets: Sequence[PlanEntry]) -> None:
+        """Advise that the next requests read ``targets`` first, in this order (the worker owns them from now on)."""
         self.progress_at = time.monotonic()
         self._requests.put(PrefetchAdvice(tuple(targets)))
 
@@ -453,9 +453,8 @@ class StreamingDevice(ABC):
         """The next (request, chunk) to read, in request order, taking queued requests into the window as needed."""
         window = self.window
         while True:
-            target = window.next_read()
-            if target is not None:
-                return target.request, target.k
+            if (target := window.next_read()) is not None:
+                return target
             if not window.exhausted or window.closing:
                 return None
             try:

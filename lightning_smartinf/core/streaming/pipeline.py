@@ -160,19 +160,23 @@ class Request:
         return "update" if self.read and self.write else "initialize" if self.write else "read_master"
 
 
-@dataclass(frozen=True, eq=False)
-class PrefetchTarget:
-    """An advised shard and the committed slot its next request will read."""
+@dataclass(eq=False)
+class PlanEntry:
+    """An advised shard, the committed slot its next request will read, and its next chunk to prefetch.
+
+    Made afresh for each advice; once queued (:class:`PrefetchAdvice`) only the worker touches it.
+    """
 
     shard: Shard
     slot: int
+    next_chunk: int = 0
 
 
 @dataclass(frozen=True, eq=False)
 class PrefetchAdvice:
     """On a device's queue: its next requests read these targets, in this order (replaces earlier advice)."""
 
-    targets: tuple[PrefetchTarget, ...]
+    targets: tuple[PlanEntry, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -193,14 +197,6 @@ class ChunkRead:
 
 
 @dataclass(frozen=True, eq=False)
-class ReadTarget:
-    """Chunk ``k`` of ``request``'s shard, claimed for reading by :meth:`ReadAheadWindow.next_read`."""
-
-    request: Request
-    k: int
-
-
-@dataclass(frozen=True, eq=False)
 class PrefetchedChunk:
     """A chunk read ahead of any request: chunk ``k`` of ``shard``'s ``slot`` into ``buf``."""
 
@@ -209,15 +205,6 @@ class PrefetchedChunk:
     k: int
     buf: Tensor
     pending: Future
-
-
-@dataclass(eq=False)
-class PlanEntry:
-    """An advised shard no request has taken yet, and its next chunk to prefetch."""
-
-    shard: Shard
-    slot: int
-    next_chunk: int = 0
 
 
 class ReadAheadWindow:
@@ -259,8 +246,8 @@ class ReadAheadWindow:
         else:
             self.cursor -= 1
 
-    def next_read(self) -> ReadTarget | None:
-        """Claim the next chunk of the window to read; None if none may go now.
+    def next_read(self) -> tuple[Request, int] | None:
+        """Claim the next (request, chunk) of the window to read; None if none may go now.
 
         None also when the window has no chunk left to read (:attr:`exhausted`): then the next queued request may
         be pushed.
@@ -271,7 +258,7 @@ class ReadAheadWindow:
                 if self.cursor and not self._may_read_ahead(self.cursor):
                     return None
                 self.next_chunk += 1
-                return ReadTarget(request, self.next_chunk - 1)
+                return request, self.next_chunk - 1
             if self.cursor + 1 == len(self.requests):
                 return None
             self.cursor, self.next_chunk = self.cursor + 1, 0
@@ -315,10 +302,10 @@ class PrefetchPlan:
         """Whether advised chunks are left to read and the cap allows one more."""
         return bool(self.entries) and len(self.held) < self.cap
 
-    def advise(self, targets: tuple[PrefetchTarget, ...]) -> None:
+    def advise(self, targets: tuple[PlanEntry, ...]) -> None:
         """Plan to read ``targets``, in order, after what is planned (:meth:`clear` first to replace the advice)."""
         if self.cap > 0:
-            self.entries.extend(PlanEntry(target.shard, target.slot) for target in targets)
+            self.entries.extend(targets)
 
     def next_entry(self) -> PlanEntry | None:
         """The entry whose ``next_chunk`` is the next to read, or None if none is left or the cap is reached."""
