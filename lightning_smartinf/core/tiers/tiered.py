@@ -210,9 +210,7 @@ class TieredBackend(Backend):
 
     @property
     def num_devices(self) -> int:
-        if self.attached:
-            return self.inner.num_devices
-        return self.inner.num_devices + (self.local.num_devices if self.local is not None else 0)
+        return sum(backend.num_devices for backend in self._backends())
 
     @property
     def supports_tentative(self) -> bool:
@@ -476,28 +474,32 @@ class TieredBackend(Backend):
             backend.prefetch(by_backend.get(id(backend), []))
 
     def _backends(self) -> list[Backend]:
+        """Each side once: ``inner``, and the tiers' own backend where they are beside it (attached, they are in it)."""
         return [self.inner] + ([self.local] if self.local is not None and not self.attached else [])
+
+    def _on_each(self, call: Callable[[Backend], None]) -> None:
+        """``call`` on each side, even after one raised; then the first error is raised."""
+        errors = []
+        for backend in self._backends():
+            try:
+                call(backend)
+            except BaseException as exc:  # noqa: BLE001 - raised below, once every side was called
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def check_storage(self) -> None:
         for backend in self._backends():
             backend.check_storage()
 
     def wait(self) -> None:
-        errors = []
-        for backend in self._backends():
-            try:
-                backend.wait()
-            except BaseException as exc:  # noqa: BLE001 - the first is raised below, once both are waited for
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        self._on_each(lambda backend: backend.wait())
 
     # ---------------------------------------------------------------------------------------------- checkpoints
 
     def checkpoint_bytes(self) -> int:
         """The wrapped backend's, plus the tiers' beside a backend whose state is elsewhere."""
-        local = self.local.checkpoint_bytes() if self.local is not None and not self.attached else 0
-        return self.inner.checkpoint_bytes() + local
+        return sum(backend.checkpoint_bytes() for backend in self._backends())
 
     def save(self, directory: Path) -> None:
         """Attached: ``inner``'s record of every shard. Beside: ``inner``'s record of its shards, the tiers' state
@@ -557,14 +559,7 @@ class TieredBackend(Backend):
 
     def close(self, *, keep_claims: bool = False) -> None:
         """Close both sides (see the backends' own ``close``); the first error is raised once both are closed."""
-        errors = []
-        for backend in self._backends():
-            try:
-                backend.close(keep_claims=keep_claims)
-            except BaseException as exc:  # noqa: BLE001 - raised below
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        self._on_each(lambda backend: backend.close(keep_claims=keep_claims))
 
     def release_storage(self) -> None:
         for backend in self._backends():
@@ -574,8 +569,7 @@ class TieredBackend(Backend):
 
     def traffic_snapshot(self) -> TrafficSnapshot:
         """Both sides' counters, summed: the tiers count ``memory_*`` and ``accelerator_*`` bytes."""
-        total = self.inner.traffic_snapshot()
-        return total + self.local.traffic_snapshot() if self.local is not None and not self.attached else total
+        return sum((backend.traffic_snapshot() for backend in self._backends()), TrafficSnapshot())
 
     def stats(self, *, reset_peaks: bool = False) -> BackendStats:
         inner = self.inner.stats(reset_peaks=reset_peaks)
