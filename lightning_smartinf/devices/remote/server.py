@@ -379,6 +379,8 @@ class DeviceServer:
             deadline.cancel()
 
     # ---------------------------------------------------------------------------------------------- calls
+    # `handler` runs each call but `hello` and `update` under `_run` (`_stream` for a streamed reply): they raise
+    # `WireError` or `CallError`, which end the call with a status, never the server.
 
     def hello(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         return header_frame(
@@ -389,11 +391,7 @@ class DeviceServer:
         )
 
     def open(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-        return self._run(
-            "Open", context, lambda: self._open(decode_header(_first(requests), ("label", "shards")), context)
-        )
-
-    def _open(self, header: dict[str, Any], context: grpc.ServicerContext) -> Any:
+        header = decode_header(_first(requests), ("label", "shards"))
         limits = self.limits
         label = self._checked_name(header["label"], "label")
         shards_in = header["shards"]
@@ -486,21 +484,18 @@ class DeviceServer:
         return header_frame(devices=len(dirs), session=name)
 
     def initialize(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-        def body() -> Any:
-            header = decode_header(_first(requests), ("session", "shard"))
-            session = self._session(header, context)
-            with self._in_call(session):
-                shard = self._shard(session, header)
-                numel = session.backend.shards[shard].spec.numel
-                master = _read_tensor(requests, "master", numel, (torch.float32,))
-                if master.numel() != numel:
-                    raise WireError(f"`master` has {master.numel()} elements; shard {shard} has {numel}.")
-                with session.lock:
-                    handle = session.backend.initialize(shard, master)
-                session.backend.result(handle)
-            return header_frame(ok=True)
-
-        return self._run("Initialize", context, body)
+        header = decode_header(_first(requests), ("session", "shard"))
+        session = self._session(header, context)
+        with self._in_call(session):
+            shard = self._shard(session, header)
+            numel = session.backend.shards[shard].spec.numel
+            master = _read_tensor(requests, "master", numel, (torch.float32,))
+            if master.numel() != numel:
+                raise WireError(f"`master` has {master.numel()} elements; shard {shard} has {numel}.")
+            with session.lock:
+                handle = session.backend.initialize(shard, master)
+            session.backend.result(handle)
+        return header_frame(ok=True)
 
     def update(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         """One shard's update: the gradient in, the parameters out (streamed as they are encoded). The bytes of both
@@ -568,105 +563,85 @@ class DeviceServer:
         checkpoint the client re-sharded: written to the session's upload directory as it arrives (never held whole)
         and checked against the CRC-32C the client declared. Its size is the session's own shard file's, so an
         upload takes at most the disk the session's state does. ``load_upload`` then loads every shard at once."""
-
-        def body() -> Any:
-            header = decode_header(_first(requests), ("session", "shard", CRC32C))
-            session = self._session(header, context)
-            with self._in_call(session):
-                shard = self._shard(session, header)
-                declared = header[CRC32C]
-                if not isinstance(declared, int) or isinstance(declared, bool) or not 0 <= declared < 1 << 32:
-                    raise WireError(f"`{CRC32C}={declared!r}` is not a CRC-32C.")
-                numel = session.backend.shards[shard].layout.file_bytes // 4
-                directory = ensure_private_dir(session.dirs[0] / UPLOAD_DIR)
-                path = directory / shard_file_name(shard)
-                # Under the session's lock: `load_upload` never reads a file an upload of the session is rewriting.
-                with session.lock:
-                    session.uploaded.pop(shard, None)
-                    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-                    with open(os.open(path, flags, 0o600), "wb") as out:
-                        filled, crc = write_frames(requests, out, name="state", numel=numel)
-                    if filled != numel:
-                        raise WireError(f"The stream ended after {filled} of {numel} elements of `state`.")
-                    if crc != declared:
-                        raise CallError(
-                            grpc.StatusCode.DATA_LOSS,
-                            f"Shard {shard}'s state arrived with CRC-32C {crc:#010x}, not the {declared:#010x} "
-                            "declared.",
-                        )
-                    session.uploaded[shard] = crc
-            return header_frame(ok=True)
-
-        return self._run("Upload", context, body)
+        header = decode_header(_first(requests), ("session", "shard", CRC32C))
+        session = self._session(header, context)
+        with self._in_call(session):
+            shard = self._shard(session, header)
+            declared = header[CRC32C]
+            if not isinstance(declared, int) or isinstance(declared, bool) or not 0 <= declared < 1 << 32:
+                raise WireError(f"`{CRC32C}={declared!r}` is not a CRC-32C.")
+            numel = session.backend.shards[shard].layout.file_bytes // 4
+            directory = ensure_private_dir(session.dirs[0] / UPLOAD_DIR)
+            path = directory / shard_file_name(shard)
+            # Under the session's lock: `load_upload` never reads a file an upload of the session is rewriting.
+            with session.lock:
+                session.uploaded.pop(shard, None)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                with open(os.open(path, flags, 0o600), "wb") as out:
+                    filled, crc = write_frames(requests, out, name="state", numel=numel)
+                if filled != numel:
+                    raise WireError(f"The stream ended after {filled} of {numel} elements of `state`.")
+                if crc != declared:
+                    raise CallError(
+                        grpc.StatusCode.DATA_LOSS,
+                        f"Shard {shard}'s state arrived with CRC-32C {crc:#010x}, not the {declared:#010x} declared.",
+                    )
+                session.uploaded[shard] = crc
+        return header_frame(ok=True)
 
     def read_master(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-        def body() -> Iterator[Any]:
-            header = decode_header(_first(requests), ("session", "shard"))
-            session = self._session(header, context)
-            with self._in_call(session):
-                shard = self._shard(session, header)
-                out = torch.empty(session.backend.shards[shard].spec.numel, dtype=torch.float32)
-                with session.lock:
-                    handle = session.backend.read_master(shard, out)
-                session.backend.result(handle)
-            return encode_tensor("master", out)
-
-        return self._stream("ReadMaster", context, body)
+        header = decode_header(_first(requests), ("session", "shard"))
+        session = self._session(header, context)
+        with self._in_call(session):
+            shard = self._shard(session, header)
+            out = torch.empty(session.backend.shards[shard].spec.numel, dtype=torch.float32)
+            with session.lock:
+                handle = session.backend.read_master(shard, out)
+            session.backend.result(handle)
+        return encode_tensor("master", out)
 
     def read_checkpoint(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         """One part of a saved checkpoint, after its digest is checked (no session needed): the fp32 masters of one
         shard (``part="masters"``, the default; for evaluation and export), the rank's manifest (``"manifest"``, the
         very bytes the digest covers) or one shard's whole state file (``"state"``; to re-shard on the trainer's
         host). A shard's file is CRC-checked against the manifest before any byte of it is sent."""
-
-        def body() -> Iterator[Any]:
-            header = decode_header(_first(requests), ("checkpoint", "label", "shard", "digest"))
-            part = header.get("part", "masters")
-            if part not in CHECKPOINT_PARTS:
-                raise WireError(f"`part={part!r}` is not one of {', '.join(CHECKPOINT_PARTS)}.")
-            directory, data, manifest = self._checkpoint(header, header["label"])
-            if part == "manifest":
-                return encode_tensor("manifest", torch.frombuffer(bytearray(data), dtype=torch.uint8))
-            shard = header["shard"]
-            if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0:
-                raise WireError(f"`shard={shard!r}` is not a shard index.")
-            if part == "masters":
-                return encode_tensor("master", saved_shard_masters(directory, shard, manifest=manifest))
-            entry = next((e for e in manifest["shards"] if e.get("index") == shard), None)
-            if entry is None:
-                raise WireError(f"Checkpoint {header['checkpoint']!r} has no shard {shard} for {header['label']!r}.")
-            path = directory / shard_file_name(shard)
-            try:
-                verify_state_file(path, entry)
-            except ValueError as exc:
-                raise CallError(grpc.StatusCode.DATA_LOSS, f"Server {self.server_id}: {exc}") from None
-            return encode_file("state", path, torch.float32)
-
-        return self._stream("ReadCheckpoint", context, body)
+        header = decode_header(_first(requests), ("checkpoint", "label", "shard", "digest"))
+        part = header.get("part", "masters")
+        if part not in CHECKPOINT_PARTS:
+            raise WireError(f"`part={part!r}` is not one of {', '.join(CHECKPOINT_PARTS)}.")
+        directory, data, manifest = self._checkpoint(header, header["label"])
+        if part == "manifest":
+            return encode_tensor("manifest", torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        shard = header["shard"]
+        if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0:
+            raise WireError(f"`shard={shard!r}` is not a shard index.")
+        if part == "masters":
+            return encode_tensor("master", saved_shard_masters(directory, shard, manifest=manifest))
+        entry = next((e for e in manifest["shards"] if e.get("index") == shard), None)
+        if entry is None:
+            raise WireError(f"Checkpoint {header['checkpoint']!r} has no shard {shard} for {header['label']!r}.")
+        path = directory / shard_file_name(shard)
+        try:
+            verify_state_file(path, entry)
+        except ValueError as exc:
+            raise CallError(grpc.StatusCode.DATA_LOSS, f"Server {self.server_id}: {exc}") from None
+        return encode_file("state", path, torch.float32)
 
     def echo(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         """Counts the bytes of the frames it receives and drops them: the network's bandwidth, for calibration (at
         most ``max_echo_bytes`` a call)."""
-
-        def body() -> Any:
-            received = 0
-            for frame in requests:
-                received += len(frame.data)
-                if received > self.limits.max_echo_bytes:
-                    raise CallError(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"A calibration call may send at most {self.limits.max_echo_bytes} bytes.",
-                    )
-            return header_frame(bytes=received)
-
-        return self._run("Echo", context, body)
+        received = 0
+        for frame in requests:
+            received += len(frame.data)
+            if received > self.limits.max_echo_bytes:
+                raise CallError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"A calibration call may send at most {self.limits.max_echo_bytes} bytes.",
+                )
+        return header_frame(bytes=received)
 
     def control(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-        return self._run(
-            "Control", context, lambda: self._control(decode_header(_first(requests), ("session", "op")), context)
-        )
-
-    def _control(self, header: dict[str, Any], context: grpc.ServicerContext) -> Any:
+        header = decode_header(_first(requests), ("session", "op"))
         op = header["op"]
         session = self._session(header, context)
         backend = session.backend
@@ -677,28 +652,23 @@ class DeviceServer:
             raise WireError(f"`shards={shards!r}` must list shard indices of this session.")
         if op == "close":
             return self._close(session)
+        ops: dict[str, Callable[[], Any]] = {  # each returns its reply, or None for a bare `ok`
+            "commit": lambda: backend.commit(shards),
+            "rollback": lambda: backend.rollback(shards),
+            "wait": backend.wait,
+            "prefetch": lambda: backend.prefetch(shards),
+            "check_storage": backend.check_storage,
+            "traffic": lambda: header_frame(**backend.traffic_snapshot().as_dict()),
+            "save": lambda: self._save(session),
+            "load": lambda: self._load(session, header),
+            "load_upload": lambda: self._load_upload(session),
+        }
+        run = ops.get(op) if isinstance(op, str) else None  # asked only now: an unknown session is NOT_FOUND first
+        if run is None:
+            raise WireError(f"Unknown control operation {op!r}.")
         with self._in_call(session), session.lock:
-            if op == "commit":
-                backend.commit(shards)
-            elif op == "rollback":
-                backend.rollback(shards)
-            elif op == "wait":
-                backend.wait()
-            elif op == "prefetch":
-                backend.prefetch(shards)
-            elif op == "check_storage":
-                backend.check_storage()
-            elif op == "traffic":
-                return header_frame(**backend.traffic_snapshot().as_dict())
-            elif op == "save":
-                return self._save(session)
-            elif op == "load":
-                return self._load(session, header)
-            elif op == "load_upload":
-                return self._load_upload(session)
-            else:
-                raise WireError(f"Unknown control operation {op!r}.")
-        return header_frame(ok=True)
+            reply = run()
+        return header_frame(ok=True) if reply is None else reply
 
     def _save(self, session: Session) -> Any:
         """Save under a checkpoint id of the server's making; an existing checkpoint is never replaced."""
@@ -787,23 +757,31 @@ class DeviceServer:
         """The gRPC handler of the ``smartinf.remote.Device`` service.
 
         Every method reads its request itself, as a stream (the wire is the same for a client's unary call): gRPC would
-        read a unary request on a worker thread before the handler runs, outside the server's own deadline.
+        read a unary request on a worker thread before the handler runs, outside the server's own deadline. Each runs
+        guarded here, once (:meth:`_run`; :meth:`_stream` for a streamed reply), but ``Hello``, which reads nothing,
+        and ``Update``, which guards its own reading and computing (its reply streams once the budget is held).
         """
         encode, decode = Frame.SerializeToString, Frame.FromString
+        Method = Callable[[Iterator[Any], grpc.ServicerContext], Any]
+
+        def guarded(name: str, call: Method, guard: Callable[..., Any]) -> Method:
+            return lambda requests, context: guard(name, context, lambda: call(requests, context))
+
+        handlers = {
+            "Hello": grpc.stream_unary_rpc_method_handler(self.hello, decode, encode),
+            "Update": grpc.stream_stream_rpc_method_handler(self.update, decode, encode),
+        }
         one_reply = {
-            "Hello": self.hello,
             "Open": self.open,
             "Initialize": self.initialize,
             "Upload": self.upload,
             "Control": self.control,
             "Echo": self.echo,
         }
-        replies = {"Update": self.update, "ReadMaster": self.read_master, "ReadCheckpoint": self.read_checkpoint}
-        handlers = {}
         for name, call in one_reply.items():
-            handlers[name] = grpc.stream_unary_rpc_method_handler(call, decode, encode)
-        for name, call in replies.items():
-            handlers[name] = grpc.stream_stream_rpc_method_handler(call, decode, encode)
+            handlers[name] = grpc.stream_unary_rpc_method_handler(guarded(name, call, self._run), decode, encode)
+        for name, call in {"ReadMaster": self.read_master, "ReadCheckpoint": self.read_checkpoint}.items():
+            handlers[name] = grpc.stream_stream_rpc_method_handler(guarded(name, call, self._stream), decode, encode)
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
