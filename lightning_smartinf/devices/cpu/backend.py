@@ -17,26 +17,15 @@ class CpuBackend(StreamingBackend):
     """Emulated computational-storage devices, one per directory in ``device_dirs``.
 
     Args:
-        device_dirs: one private directory per device; state files are created inside.
-        chunk_elems: elements per streamed chunk (a multiple of 1024).
         buffer_count: chunk buffers per device (at least 2: one updating, one reading or writing). Below
             ``2 * io_threads + 2`` a write in flight holds a buffer a read is waiting for: on the reference VM disk
             4 gave ~2.5x the optimizer step of 12 and more (``benchmarks/bench_step.py``, ``docs/benchmarks.md``).
-        owned_dirs: directories the backend created and removes on :meth:`close`.
         io_factory: builds one I/O engine per device (default: :class:`ThreadedIO` with 1 MiB blocks, depth 8).
         io_threads: chunk transfers each device keeps in flight per direction (reads also at most
             ``buffer_count - 1``). Disks reward concurrency: on the reference VM disk 3 gave ~1.6x the state
             bandwidth of 1 (``benchmarks/bench_streaming.py``).
-        tentative_slots: keep a second state file per shard so that :meth:`submit` can take ``tentative=True``
-            updates, undone by :meth:`rollback` or made current by :meth:`commit`. Doubles the disk space of the
-            state (not its traffic).
-        prefetch_state: act on :meth:`prefetch` advice (``False`` ignores it: for comparisons).
-        device_timeout_s: seconds a device may show no progress (no chunk read, written or updated) while the host
-            waits for it, before :meth:`result`, :meth:`wait` and the others raise
-            :class:`~lightning_smartinf.core.io.storage.StorageError` and the backend stops (see :attr:`failure`).
-            ``None`` waits forever.
-        placement: which device holds each shard (``None``: see :class:`StreamingBackend`).
-        device_weights: relative speed of each device directory (``None``: equal, or measured across filesystems).
+        device_dirs, chunk_elems, owned_dirs, tentative_slots, prefetch_state, device_timeout_s, placement,
+            device_weights: as :class:`StreamingBackend`.
 
     Host-memory and accelerator tiers wrap it: :class:`~lightning_smartinf.core.tiers.tiered.TieredBackend`.
 

@@ -376,14 +376,12 @@ class XrtBackend(StreamingBackend):
             which selects the software model of pyxrt instead of the real one.
         devices: the XRT device (index or PCIe BDF) of each directory; ``None`` pairs each directory with the FPGA
             behind the same PCIe switch as its SSD (the model pairs them in order).
-        chunk_elems: elements per streamed chunk (a multiple of 1024).
         buffer_count: P2P record buffers per device (at least 2).
-        owned_dirs: directories the backend created and removes on :meth:`close`.
-        prefetch_state: act on :meth:`prefetch` advice (``False`` ignores it: for comparisons).
         device_timeout_s: seconds a SmartSSD may show no progress while the host waits for it before a
             :class:`~lightning_smartinf.core.io.storage.StorageError` stops the backend; ``None`` waits forever (see
-            :class:`~lightning_smartinf.devices.cpu.CpuBackend`).
+            :class:`StreamingBackend`).
         device_weights: relative update throughput of each SmartSSD (``None``: equal).
+        chunk_elems, owned_dirs, prefetch_state: as :class:`StreamingBackend`.
 
     Host-memory and accelerator tiers wrap it (:class:`~lightning_smartinf.core.tiers.tiered.TieredBackend`): since
     the SmartSSDs compute, the memory tier's share is measured by default.
