@@ -42,19 +42,11 @@ import torch
 from torch import Tensor
 
 from lightning_smartinf import checkpoint_folder
-from lightning_smartinf.core.format.masters import MastersReader, Weights, host_state, saved_masters
+from lightning_smartinf.core.format.masters import MastersReader, Weights, saved_masters
 from lightning_smartinf.core.format.rank_state import full_parameter
 
 if TYPE_CHECKING:
     from lightning_smartinf.hf.weight_files import WrittenWeights
-
-
-def rank_state_dir(checkpoint_path: str | os.PathLike, rank: int) -> Path:
-    return checkpoint_folder.rank_state_dir(checkpoint_path, rank)
-
-
-def world_size(checkpoint_path: str | os.PathLike) -> int:
-    return int(host_state(rank_state_dir(checkpoint_path, 0))["world_size"])
 
 
 def is_complete(checkpoint_path: str | os.PathLike) -> bool:
@@ -80,9 +72,9 @@ def checkpoint_weights(
     ``remote``: reads the masters of a rank whose device state is on remote device servers (``remote.json``); the
     servers send a rank's masters whole, so those are held.
     """
-    checkpoint_folder.verify(checkpoint_path, checksum_shards=False)  # shard files: CRC-checked below when `verify`
-    size = world_size(checkpoint_path)
-    directories = [rank_state_dir(checkpoint_path, rank) for rank in range(size)]
+    seal = checkpoint_folder.verify(checkpoint_path, checksum_shards=False)  # shards: CRC-checked below if `verify`
+    size = seal["world_size"]
+    directories = [checkpoint_folder.rank_state_dir(checkpoint_path, rank) for rank in range(size)]
     return saved_masters(directories, verify=verify, elsewhere=remote).joined(frozen_weights(checkpoint_path, size))
 
 

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_smartinf import checkpoint_folder
 from lightning_smartinf.checkpoint_folder import CheckpointError
-from lightning_smartinf.core.format.masters import MastersReader, consolidate_masters, host_state
+from lightning_smartinf.core.format.masters import MastersReader, saved_masters
 from lightning_smartinf.core.format.rank_state import read_host_state
 from lightning_smartinf.core.io.storage import StorageError, readable_size
 from lightning_smartinf.zero.safe_load import (
@@ -324,9 +324,9 @@ def load_trained_weights(module: pl.LightningModule, root: Path, elsewhere: Mast
     """
     import deepspeed
 
-    checkpoint_folder.verify(root, checksum_shards=False)  # shard files: CRC-checked as their masters are read
-    size = int(host_state(checkpoint_folder.rank_state_dir(root, 0))["world_size"])
-    weights = consolidate_masters([checkpoint_folder.rank_state_dir(root, r) for r in range(size)], elsewhere=elsewhere)
+    seal = checkpoint_folder.verify(root, checksum_shards=False)  # shard files: CRC-checked as their masters are read
+    rank_dirs = [checkpoint_folder.rank_state_dir(root, r) for r in range(seal["world_size"])]
+    weights = saved_masters(rank_dirs, elsewhere=elsewhere).all()
     params = dict(module.named_parameters())
     if unknown := sorted(set(weights) - set(params)):
         raise CheckpointError(

@@ -5,8 +5,7 @@ the first tensor of every chunk record of its shard files (:func:`~.state_files.
 against the manifest), or come from wherever the rank's device kind kept them (a :data:`MastersReader`). Rank ``r``
 holds elements ``[r * partition_numel, (r + 1) * partition_numel)`` of each flattened parameter, the last padded.
 
-:func:`saved_masters` reads them a few parameters at a time (:class:`Weights`), so an export holds one file's worth;
-:func:`consolidate_masters` reads them all.
+:func:`saved_masters` reads them a few parameters at a time (:class:`Weights`), so an export holds one file's worth.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from lightning_smartinf.core.format.state_files import (
     verify_state_file,
 )
 
-__all__ = ["MastersReader", "Weights", "consolidate_masters", "host_state", "rank_masters", "saved_masters"]
+__all__ = ["MastersReader", "Weights", "host_state", "saved_masters"]
 
 #: Reads the fp32 masters of every shard of one rank's device state kept elsewhere than its shard files (on remote
 #: servers), by shard index, from the rank's device-state directory.
@@ -85,13 +84,6 @@ class Weights:
 def host_state(directory: Path) -> dict:
     """One rank's ``host_state.json``: which parameter partitions each of its shards holds."""
     return read_json(Path(directory) / HOST_STATE, "the device state", ("rank", "world_size", "shards"))
-
-
-def rank_masters(directory: Path, shards: int, *, verify: bool, elsewhere: MastersReader | None) -> list[Tensor]:
-    """The fp32 masters of each of one rank's ``shards``: from its shard files, or through ``elsewhere`` where the
-    directory holds no shard files (no manifest: the state was kept on the rank's devices, e.g. remote servers)."""
-    rank = _RankMasters(Path(directory), shards, verify=verify, elsewhere=elsewhere)
-    return rank.held or [rank.read(index, 0, numel) for index, numel in enumerate(rank.numels)]
 
 
 class _RankMasters:
@@ -177,11 +169,3 @@ def saved_masters(rank_dirs: Sequence[Path], *, verify: bool = True, elsewhere: 
             yield name, full_parameter(name, [ranks[r].read(*where[r][name]) for r in range(size)], shapes[name])
 
     return Weights(shapes, read)
-
-
-def consolidate_masters(
-    rank_dirs: Sequence[Path], *, verify: bool = True, elsewhere: MastersReader | None = None
-) -> dict[str, Tensor]:
-    """Full fp32 master weights of every trainable parameter, by name, from each rank's device-state directory (in
-    rank order). ``verify``: check every shard file's size and CRC-32 against its manifest first."""
-    return saved_masters(rank_dirs, verify=verify, elsewhere=elsewhere).all()
