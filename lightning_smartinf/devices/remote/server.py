@@ -333,12 +333,20 @@ class DeviceServer:
             )
         return value
 
-    def _shard(self, session: Session, header: dict[str, Any]) -> int:
-        index = header.get("shard")
-        count = len(session.backend.shards)
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
-            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"`shard={index!r}` is not one of 0..{count - 1}.")
-        return index
+    @contextlib.contextmanager
+    def _shard_call(
+        self, requests: Iterator[Any], context: grpc.ServicerContext, *required: str
+    ) -> Iterator[tuple[dict[str, Any], Session, int]]:
+        """A call on one shard of a session: the header (the first request, with ``session``, ``shard`` and
+        ``required``), the session and the shard's index, checked; the session's lease does not expire under it."""
+        header = decode_header(_first(requests), ("session", "shard", *required))
+        session = self._session(header, context)
+        with self._in_call(session):
+            index = header.get("shard")
+            count = len(session.backend.shards)
+            if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
+                raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"`shard={index!r}` is not one of 0..{count - 1}.")
+            yield header, session, index
 
     def _run(self, method: str, context: grpc.ServicerContext, body: Callable[[], Any]) -> Any:
         """Run ``body`` within the server's own deadline; protocol and call errors end the call with a status, never
@@ -474,9 +482,7 @@ class DeviceServer:
             try:
                 backend.open(specs)
             except BaseException:
-                backend.close()
-                for directory in dirs:
-                    shutil.rmtree(directory, ignore_errors=True)
+                backend.close()  # removes `dirs`, which it owns
                 raise
             owner = certificate_identity(context)
             self._sessions[name] = Session(name, tag, label, backend, dirs, owner=owner, pool=pool)
@@ -484,14 +490,8 @@ class DeviceServer:
         return header_frame(devices=len(dirs), session=name)
 
     def initialize(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-        header = decode_header(_first(requests), ("session", "shard"))
-        session = self._session(header, context)
-        with self._in_call(session):
-            shard = self._shard(session, header)
-            numel = session.backend.shards[shard].spec.numel
-            master = _read_tensor(requests, "master", numel, (torch.float32,))
-            if master.numel() != numel:
-                raise WireError(f"`master` has {master.numel()} elements; shard {shard} has {numel}.")
+        with self._shard_call(requests, context) as (_, session, shard):
+            master = _read_tensor(requests, "master", session.backend.shards[shard].spec.numel, (torch.float32,))
             with session.lock:
                 handle = session.backend.initialize(shard, master)
             session.backend.result(handle)
@@ -504,10 +504,7 @@ class DeviceServer:
         held: list[int] = []
 
         def body() -> Tensor:
-            header = decode_header(_first(requests), ("session", "shard", "hp", "link_dtype", "out_dtype"))
-            session = self._session(header, context)
-            with self._in_call(session):
-                shard = self._shard(session, header)
+            with self._shard_call(requests, context, "hp", "link_dtype", "out_dtype") as (header, session, shard):
                 numel = session.backend.shards[shard].spec.numel
                 link_dtype = _dtype(header["link_dtype"], "link_dtype")
                 out_dtype = _dtype(header["out_dtype"], "out_dtype")
@@ -523,10 +520,8 @@ class DeviceServer:
                     )
                 held.append(nbytes)
                 if sparse:
-                    indices = _read_tensor(requests, "indices", numel, (torch.int32,))
+                    indices = _read_tensor(requests, "indices", numel, (torch.int32,), exact=False)
                     values = _read_tensor(requests, "values", indices.numel(), (link_dtype,))
-                    if values.numel() != indices.numel():
-                        raise WireError("`values` and `indices` differ in length.")
                     if indices.numel() and (
                         int(indices[0]) < 0 or int(indices[-1]) >= numel or bool((indices[1:] <= indices[:-1]).any())
                     ):
@@ -534,8 +529,6 @@ class DeviceServer:
                     grad: Any = SparseGrad(indices, values, numel)
                 else:
                     grad = _read_tensor(requests, "grad", numel, (link_dtype,))
-                    if grad.numel() != numel:
-                        raise WireError(f"`grad` has {grad.numel()} elements; shard {shard} has {numel}.")
                 if not session.updates.acquire(timeout=self.limits.call_timeout_s):
                     raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Too many updates in flight for this session.")
                 try:
@@ -563,10 +556,7 @@ class DeviceServer:
         checkpoint the client re-sharded: written to the session's upload directory as it arrives (never held whole)
         and checked against the CRC-32C the client declared. Its size is the session's own shard file's, so an
         upload takes at most the disk the session's state does. ``load_upload`` then loads every shard at once."""
-        header = decode_header(_first(requests), ("session", "shard", CRC32C))
-        session = self._session(header, context)
-        with self._in_call(session):
-            shard = self._shard(session, header)
+        with self._shard_call(requests, context, CRC32C) as (header, session, shard):
             declared = header[CRC32C]
             if not isinstance(declared, int) or isinstance(declared, bool) or not 0 <= declared < 1 << 32:
                 raise WireError(f"`{CRC32C}={declared!r}` is not a CRC-32C.")
@@ -590,10 +580,7 @@ class DeviceServer:
         return header_frame(ok=True)
 
     def read_master(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-        header = decode_header(_first(requests), ("session", "shard"))
-        session = self._session(header, context)
-        with self._in_call(session):
-            shard = self._shard(session, header)
+        with self._shard_call(requests, context) as (_, session, shard):
             out = torch.empty(session.backend.shards[shard].spec.numel, dtype=torch.float32)
             with session.lock:
                 handle = session.backend.read_master(shard, out)
@@ -736,9 +723,7 @@ class DeviceServer:
             if self._sessions.pop(session.name, None) is None:
                 return header_frame(ok=True)  # closed already (by its client, its lease, or the server's stop)
         with session.lock:
-            session.backend.close()
-        for directory in session.dirs:
-            shutil.rmtree(directory, ignore_errors=True)
+            session.backend.close()  # removes the session's directories, which it owns
         log.info("session %s (%s) closed", session.tag, session.label)
         return header_frame(ok=True)
 
@@ -792,11 +777,17 @@ def _dtype(name: Any, what: str) -> torch.dtype:
     return dtype
 
 
-def _read_tensor(frames: Iterator[Any], name: str, max_numel: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
-    reader = TensorReader(name, max_numel=max_numel, dtypes=dtypes)
+def _read_tensor(
+    frames: Iterator[Any], name: str, numel: int, dtypes: tuple[torch.dtype, ...], *, exact: bool = True
+) -> torch.Tensor:
+    """The tensor ``name`` that the next ``frames`` carry, of one of ``dtypes``: ``numel`` elements (at most ``numel``
+    unless ``exact``)."""
+    reader = TensorReader(name, max_numel=numel, dtypes=dtypes)
     for frame in frames:
         if reader.add(frame):
             assert reader.tensor is not None
+            if exact and reader.tensor.numel() != numel:
+                raise WireError(f"`{name}` has {reader.tensor.numel()} elements; {numel} expected.")
             return reader.tensor
     raise WireError(f"The stream ended before {name!r} was complete.")
 
