@@ -33,6 +33,7 @@ from lightning_smartinf.core.format.state_files import (
     MANIFEST,
     CheckpointError,
     fsync_dir,
+    fsync_file,
     install_directory,
     read_json,
     read_manifest,
@@ -82,11 +83,7 @@ def remove_leftovers(folder: Path) -> None:
 
 def _digest(path: Path) -> dict[str, int]:
     """Size and CRC-32C of ``path``, with its data forced to disk (a seal must not outlive what it describes)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(path, os.O_NOFOLLOW)
     size, crc = file_checksum(path, CRC32C)
     return {"bytes": size, CRC32C: crc}
 
@@ -172,13 +169,8 @@ def _read_seal(root: Path) -> dict[str, Any]:
             f"{path} is missing: {str(root)!r} is not a complete SmartUpdate checkpoint (its save was interrupted, "
             "or it was written by another strategy or an earlier lightning_smartinf). Resume from another checkpoint."
         )
-    try:
-        content = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is corrupt: it is not valid JSON ({exc}).") from None
+    content = read_json(path, "the checkpoint")  # its messages for a corrupt file (not JSON, not an object)
     problems = []
-    if not isinstance(content, dict):
-        raise CheckpointError(f"{path} is corrupt: it holds a {type(content).__name__}, not a JSON object.")
     if content.get("format") not in READABLE_SEALS:
         problems.append(f"format {content.get('format')!r} (this version reads {' and '.join(READABLE_SEALS)})")
     for key in ("global_step", "world_size"):

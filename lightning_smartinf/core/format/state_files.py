@@ -86,10 +86,7 @@ def remove_killed_saves(parent: Path) -> int:
     """Remove the temporary directories and files that saves killed mid-way left in ``parent``; how many."""
     stale = list(Path(parent).glob(f".*{TMP_MARK}*"))
     for path in stale:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+        remove_entry(path, missing_ok=True)
     return len(stale)
 
 
@@ -283,8 +280,8 @@ def remove_entry(path: Path, *, missing_ok: bool = False) -> None:
     """Remove ``path`` whatever it is (a directory tree, a file, a symlink), never following a link."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=missing_ok)
-    elif not missing_ok or os.path.lexists(path):
-        os.unlink(path)
+    else:
+        Path(path).unlink(missing_ok=missing_ok)  # also when it vanished since the check above
 
 
 def _is_disk_full(exc: BaseException) -> bool:

@@ -317,9 +317,9 @@ def check_free_space(directory: Path, needed: int, reusable: Sequence[Path] = ()
         )
 
 
-def fsync_file(path: Path) -> None:
-    """Force a file's data and size to disk."""
-    fd = os.open(path, os.O_RDONLY)
+def fsync_file(path: Path, flags: int = 0) -> None:
+    """Force a file's data and size to disk; ``flags`` are added to the read-only open (e.g. ``os.O_NOFOLLOW``)."""
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
     finally:
@@ -328,11 +328,7 @@ def fsync_file(path: Path) -> None:
 
 def fsync_dir(directory: Path) -> None:
     """Force a directory's entries (creations, renames) to disk."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(directory, os.O_DIRECTORY)
 
 
 def write_file_atomic(path: Path, data: bytes | Iterable[bytes | memoryview]) -> None:
