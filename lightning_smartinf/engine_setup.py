@@ -91,9 +91,7 @@ def rank_devices(strategy: SmartInfinityStrategy) -> tuple[list[Path], list[Path
             local_rank=strategy.local_rank,
             ranks_per_node=strategy.num_processes,
         )
-    except StorageError:
-        raise
-    except ValueError as exc:
+    except ValueError as exc:  # a StorageError is no ValueError: it propagates as it is
         raise MisconfigurationException(str(exc)) from None
     # Fails before DeepSpeed's set-up; the backend's claim, taken when it is built, is what holds them.
     check_unclaimed(directories)
