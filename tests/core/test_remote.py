@@ -22,6 +22,7 @@ from lightning_smartinf.core.format.state_files import CheckpointError
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.rules import SGD, Adagrad, Adam, StepParams
 from lightning_smartinf.devices.cpu import CpuBackend
+from lightning_smartinf.devices.remote import client
 from lightning_smartinf.devices.remote.client import RemoteBackend
 from lightning_smartinf.devices.remote.tokens import read_token
 from lightning_smartinf.devices.remote.wire import SERVICE, Frame, header_frame
@@ -139,6 +140,15 @@ def test_wrong_token_is_refused_and_logged(servers, token_file) -> None:
     time.sleep(0.2)
     logged = servers[0].log_text(since=mark)
     assert "without the right token" in logged and "Device/Hello" in logged
+
+
+def test_a_failing_server_address_closes_the_connections_made_before_it(servers, token_file, monkeypatch) -> None:
+    closed = []
+    close = client._Server.close
+    monkeypatch.setattr(client._Server, "close", lambda server: (closed.append(server.address), close(server))[-1])
+    with pytest.raises(ValueError, match="not on this machine"):  # refused as its connection is made
+        RemoteBackend([servers[0].address, "192.0.2.1:50051"], read_token(token_file), device_timeout_s=10.0)
+    assert closed == [servers[0].address]
 
 
 def test_malformed_and_oversized_frames_are_dropped_and_the_server_keeps_serving(servers, token_file) -> None:

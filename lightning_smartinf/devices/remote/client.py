@@ -203,8 +203,9 @@ class _Server:
         except grpc.RpcError as exc:
             raise self.error(exc, what) from None
 
-    def error(self, exc: grpc.RpcError, what: str) -> StorageError:
-        code = exc.code() if hasattr(exc, "code") else None
+    def error(self, exc: grpc.RpcError | None, what: str) -> StorageError:
+        """The failure of ``what`` on this server, named as ``exc`` says (``None``: no answer within the timeout)."""
+        code = grpc.StatusCode.DEADLINE_EXCEEDED if exc is None else exc.code() if hasattr(exc, "code") else None
         details = exc.details() if hasattr(exc, "details") else str(exc)
         name = f"remote device server {self.address}" + (f" ({self.server_id[:12]})" if self.server_id else "")
         if code == grpc.StatusCode.UNAVAILABLE and "ssl" in str(details).lower() + str(exc).lower():
@@ -285,10 +286,7 @@ def measure_network(
             times.append(time.perf_counter() - started)
         payload = torch.zeros((megabytes << 20) // 4, dtype=torch.float32)
         started = time.perf_counter()
-        try:
-            reply = server.echo(encode_tensor("probe", payload), timeout=server.timeout, metadata=server.metadata)
-        except grpc.RpcError as exc:
-            raise server.error(exc, "a bandwidth probe") from None
+        reply = server.call(server.echo, encode_tensor("probe", payload), "a bandwidth probe")
         seconds = time.perf_counter() - started
         received = int(server.reply(reply, "a bandwidth probe", ("bytes",))["bytes"])
         return {
@@ -577,7 +575,9 @@ class RemoteBackend(Backend):
         self.prefetch_state = prefetch_state
         self.device_timeout_s = device_timeout_s
         self.placement = placement
-        self.servers = [_Server(address, token, device_timeout_s, tls, allow_plaintext) for address in addresses]
+        with contextlib.ExitStack() as connected:  # a failure closes the servers built before it
+            self.servers = _greeted(addresses, token, device_timeout_s, tls, allow_plaintext, connected)
+            connected.pop_all()  # every one greeted: closed with the backend from now on
         self._specs: list[ShardSpec] = []
         self._where: list[tuple[_Server, int]] = []
         self._pending = PendingWork()
@@ -588,13 +588,6 @@ class RemoteBackend(Backend):
         self._all_links: list[AcceleratorCopies] = []
         self._closed = False
         self._released = False
-        try:
-            for server in self.servers:
-                server.greet()
-        except BaseException:
-            for server in self.servers:
-                server.close()
-            raise
 
     # ---------------------------------------------------------------------------------------------- views
 
@@ -666,9 +659,7 @@ class RemoteBackend(Backend):
     def _start(self, server: _Server, work: Any, what: str) -> Handle:
         def run() -> None:
             try:
-                work()
-            except grpc.RpcError as exc:
-                raise self._latch(server.error(exc, what)) from None
+                work()  # its calls go through `_Server.call` and `_receive`, which name the server in a StorageError
             except StorageError as exc:
                 raise self._latch(exc) from None
 
@@ -686,11 +677,13 @@ class RemoteBackend(Backend):
             yield header_frame(session=server.session, shard=local)
             yield from encode_tensor("master", host)
 
+        what = f"the initialisation of shard {shard}"
+
         def work() -> None:
-            server.initialize(frames(), timeout=server.timeout, metadata=server.metadata)
+            server.call(server.initialize, frames(), what)
             self.traffic.add(link_write_bytes=host.numel() * 4)
 
-        return self._start(server, work, f"the initialisation of shard {shard}")
+        return self._start(server, work, what)
 
     def submit(
         self,
@@ -736,7 +729,7 @@ class RemoteBackend(Backend):
             else:
                 tensors = [("grad", self._accelerator_copies().to_host(grad.detach()).to(link))]
             sent = [0]
-            replies = server.update(frames(tensors, sent), timeout=server.timeout, metadata=server.metadata)
+            replies = server.call(server.update, frames(tensors, sent), what)
             self._deliver(out, _receive("out", replies, numel=out.numel(), dtype=out.dtype, server=server, what=what))
             self.traffic.add(link_write_bytes=sent[0], link_read_bytes=out.numel() * out.element_size())
 
@@ -750,7 +743,7 @@ class RemoteBackend(Backend):
 
         def work() -> None:
             request = header_frame(session=server.session, shard=local)
-            replies = server.read_master(request, timeout=server.timeout, metadata=server.metadata)
+            replies = server.call(server.read_master, request, what)
             self._deliver(
                 out, _receive("master", replies, numel=out.numel(), dtype=torch.float32, server=server, what=what)
             )
@@ -778,15 +771,8 @@ class RemoteBackend(Backend):
         try:
             handle.result(timeout=self.device_timeout_s)
         except FutureTimeoutError:
-            what = getattr(handle, "what", "a request")
-            server = getattr(handle, "server", None)
-            name = f"remote device server {server.address}" if server is not None else "remote device server"
-            raise self._latch(
-                StorageError(
-                    f"The {name} did not answer within device_timeout_s={self.device_timeout_s} s (a stalled network "
-                    f"or server), during {what}."
-                )
-            ) from None
+            server, what = handle.server, handle.what  # type: ignore[attr-defined] # set by `_start`
+            raise self._latch(server.error(None, what)) from None
 
     # ---------------------------------------------------------------------------------------------- control
 
