@@ -104,7 +104,7 @@ class RemoteKind(DeviceKind):
         from lightning_smartinf.core.placement import RoundRobin, Tiered
         from lightning_smartinf.devices.remote.client import RemoteBackend
 
-        addresses, token, tls = _access(settings)
+        addresses, token, tls, plaintext = _access(settings.option)
         weights = settings.device_weights  # every rank opens a session on every server
         return RemoteBackend(
             addresses,
@@ -118,7 +118,7 @@ class RemoteKind(DeviceKind):
             device_timeout_s=settings.device_timeout_s,
             placement=RoundRobin() if weights is None else Tiered(tuple(weights), 0, settings.chunk_size),
             tls=tls,
-            allow_plaintext=bool(settings.option("remote_allow_plaintext")),
+            allow_plaintext=plaintext,
         )
 
     def checkpoint_masters(
@@ -127,8 +127,7 @@ class RemoteKind(DeviceKind):
         from lightning_smartinf.core.tiers.tiered import masters_beside
         from lightning_smartinf.devices.remote.client import checkpoint_masters
 
-        addresses, token, tls = _access_of(options.get)
-        plaintext = bool(options.get("remote_allow_plaintext"))
+        addresses, token, tls, plaintext = _access(options.get)
         return masters_beside(checkpoint_masters(addresses, token, tls=tls, timeout=timeout, allow_plaintext=plaintext))
 
     def fetch_saved_state(
@@ -142,25 +141,21 @@ class RemoteKind(DeviceKind):
     ) -> tuple[list[Path], Fetch] | None:
         from lightning_smartinf.devices.remote.client import fetch_saved_state_from
 
-        addresses, token, tls = _access_of(options.get)
-        plaintext = bool(options.get("remote_allow_plaintext"))
+        addresses, token, tls, plaintext = _access(options.get)
         return fetch_saved_state_from(
             addresses, token, rank_dirs, into, scratch, tls=tls, timeout=timeout, allow_plaintext=plaintext
         )
 
 
-def _access(settings: SmartUpdateSettings) -> tuple[tuple[str, ...], str, TlsFiles | None]:
-    """The servers, the token, and the TLS files (``None``: plain gRPC)."""
-    return _access_of(settings.option)
-
-
-def _access_of(option: Callable[[str], Any]) -> tuple[tuple[str, ...], str, TlsFiles | None]:
-    """:func:`_access` from the options ``option`` looks up by name."""
+def _access(option: Callable[[str], Any]) -> tuple[tuple[str, ...], str, TlsFiles | None, bool]:
+    """From the options ``option`` looks up by name: the servers, the token, the TLS files (``None``: none) and
+    whether plain gRPC to another machine is allowed."""
     from lightning_smartinf.devices.remote.tokens import read_tls_dir, read_token
 
     tls_dir = option("remote_tls_dir")
     tls = None if tls_dir is None else read_tls_dir(tls_dir)
-    return option("remote_devices"), read_token(option("remote_token_file")), tls
+    plaintext = bool(option("remote_allow_plaintext"))
+    return option("remote_devices"), read_token(option("remote_token_file")), tls, plaintext
 
 
 register(RemoteKind())
