@@ -389,3 +389,42 @@ class TentativeUpdates:
                 f"Shards {self.held} hold tentative updates; commit or roll back each uncommitted tentative update "
                 f"before {what}."
             )
+
+
+class LatchingBackend(Backend):
+    """A backend that stops at its first device error: it keeps a :class:`FailureLatch`, the :class:`PendingWork`
+    whose errors the host has not been told yet and its :class:`TentativeUpdates`, which it takes with
+    ``tentative_slots`` (it then keeps a second copy of the state)."""
+
+    def __init__(self, tentative_slots: bool) -> None:
+        super().__init__()
+        #: Whether :meth:`submit` takes ``tentative=True``.
+        self.tentative_slots = tentative_slots
+        self._latched = FailureLatch()
+        self._pending = PendingWork()
+        self._tentative = TentativeUpdates(tentative_slots)
+
+    @property
+    def supports_tentative(self) -> bool:
+        return self.tentative_slots
+
+    @property
+    def failure(self) -> StorageError | None:
+        """The device error that stopped this backend, or ``None``.
+
+        Set by the first :class:`StorageError` reported to the host (by :meth:`result`, :meth:`wait`,
+        :meth:`check_storage`, ...). From then on the state on the devices may be torn (some chunks updated, others
+        not): :meth:`submit`, :meth:`initialize`, :meth:`read_master`, :meth:`commit`, :meth:`save` and :meth:`load`
+        raise, :meth:`prefetch` does nothing, :meth:`wait` reports only errors not reported yet, and :meth:`close`
+        still releases everything. Requests queued before the error was reported still run. The process must restart
+        and resume from the last good checkpoint.
+        """
+        return self._latched.error
+
+    def _latch(self, exc: BaseException) -> BaseException:
+        """Remember the first storage error reported to the host; returns ``exc`` for raising."""
+        return self._latched.latch(exc)
+
+    def _refuse(self, method: str) -> None:
+        """Raise if a device error stopped this backend (:attr:`failure`)."""
+        self._latched.refuse(f"{type(self).__name__}.{method}")

@@ -30,14 +30,11 @@ from lightning_smartinf.core.accelerator import (
     record_fence,
 )
 from lightning_smartinf.core.backend import (
-    Backend,
     BackendStats,
     DeviceStats,
-    FailureLatch,
     Handle,
-    PendingWork,
+    LatchingBackend,
     ShardSpec,
-    TentativeUpdates,
 )
 from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.format.layout import ChunkLayout
@@ -87,7 +84,7 @@ def check_device_timeout(device_timeout_s: object) -> float | None:
     return float(device_timeout_s)
 
 
-class StreamingBackend(Backend):
+class StreamingBackend(LatchingBackend):
     """Shards streamed through devices, one per directory in ``device_dirs``; subclasses say what a device is.
 
     Args:
@@ -116,8 +113,6 @@ class StreamingBackend(Backend):
     #: Whether the backend needs at least one storage directory (a backend of in-memory devices only does not).
     needs_storage: bool = True
 
-    #: Whether a second state file per shard is kept for tentative updates (set by the constructor).
-    tentative_slots = False
     #: Whether :meth:`prefetch` advice is acted on (set by the constructor).
     prefetch_state = True
     #: Seconds without progress before waiting on a device fails (set by the constructor; ``None``: forever).
@@ -138,7 +133,7 @@ class StreamingBackend(Backend):
         placement: Placement | None = None,
         device_weights: Sequence[float] | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(tentative_slots)  # a second state file per shard for tentative updates
         if not device_dirs and self.needs_storage:
             raise ValueError("`device_dirs` must name at least one directory (or give the state a memory tier).")
         if buffer_count < 2:
@@ -147,7 +142,6 @@ class StreamingBackend(Backend):
         ChunkLayout(1, chunk_elems, 0)  # validates chunk_elems
         self._chunk_elems = chunk_elems
         self._buffer_count = buffer_count
-        self.tentative_slots = tentative_slots
         self.prefetch_state = prefetch_state
         self.placement = placement
         if device_weights is not None and len(device_weights) != len(device_dirs):
@@ -166,9 +160,6 @@ class StreamingBackend(Backend):
         self._assignment: tuple[int, ...] = ()
         self._owned_dirs = [Path(d) for d in owned_dirs]
         self._shards: list[Shard] = []
-        self._latched = FailureLatch()
-        self._pending = PendingWork()
-        self._tentative = TentativeUpdates(tentative_slots)
         self.devices: list[StreamingDevice] = []
         self._closed = False
         #: How the last :meth:`save` moved the state files (bytes cloned, copied, checksummed); ``None`` before one.
@@ -235,32 +226,6 @@ class StreamingBackend(Backend):
     def shards(self) -> tuple[Shard, ...]:
         """The shards passed to :meth:`open`, in order, with their state files."""
         return tuple(self._shards)
-
-    @property
-    def supports_tentative(self) -> bool:
-        return self.tentative_slots
-
-    @property
-    def failure(self) -> StorageError | None:
-        """The device error that stopped this backend, or ``None``.
-
-        Set by the first :class:`StorageError` reported to the host (by :meth:`result`, :meth:`wait`,
-        :meth:`check_storage`, ...). From then on the state on the devices may be torn (some chunks updated, others
-        not): :meth:`submit`, :meth:`initialize`, :meth:`read_master`, :meth:`commit`, :meth:`save` and :meth:`load`
-        raise, :meth:`prefetch` does nothing, :meth:`wait` reports only errors not reported yet, and :meth:`close`
-        still releases everything (waiting at most ``device_timeout_s`` for threads a hung transfer holds).
-        Requests queued before the error was reported still run. The process must restart and resume from the
-        last good checkpoint.
-        """
-        return self._latched.error
-
-    def _latch(self, exc: BaseException) -> BaseException:
-        """Remember the first storage error reported to the host; returns ``exc`` for raising."""
-        return self._latched.latch(exc)
-
-    def _refuse(self, method: str) -> None:
-        """Raise if a device error stopped this backend (:attr:`failure`)."""
-        self._latched.refuse(f"{type(self).__name__}.{method}")
 
     def _settle(self, future: Future, device: StreamingDevice | None = None, what: str = "") -> BaseException | None:
         """Wait for ``future`` of ``device`` (a request's handle names both); its error, or ``None``.

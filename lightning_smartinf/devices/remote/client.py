@@ -40,15 +40,7 @@ import torch
 from torch import Tensor
 
 from lightning_smartinf.core.accelerator import AcceleratorCopies, Fence, current_accelerator, thread_pool
-from lightning_smartinf.core.backend import (
-    Backend,
-    BackendStats,
-    FailureLatch,
-    Handle,
-    PendingWork,
-    ShardSpec,
-    TentativeUpdates,
-)
+from lightning_smartinf.core.backend import BackendStats, Handle, LatchingBackend, ShardSpec
 from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.format.rank_state import HOST_STATE
@@ -531,7 +523,7 @@ def fetch_saved_state_from(
     return fetch_saved_state(servers, rank_dirs, into)
 
 
-class RemoteBackend(Backend):
+class RemoteBackend(LatchingBackend):
     """Devices on remote device servers, one session per server for this rank.
 
     Args:
@@ -564,14 +556,13 @@ class RemoteBackend(Backend):
         tls: TlsFiles | None = None,
         allow_plaintext: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(tentative_slots)
         if not addresses:
             raise ValueError("`remote_devices=[]` is empty: give at least one server as 'host:port'.")
         self.label = label
         self.chunk_elems = chunk_elems
         self.buffer_count = buffer_count
         self.io_threads = io_threads
-        self.tentative_slots = tentative_slots
         self.prefetch_state = prefetch_state
         self.device_timeout_s = device_timeout_s
         self.placement = placement
@@ -580,9 +571,6 @@ class RemoteBackend(Backend):
             connected.pop_all()  # every one greeted: closed with the backend from now on
         self._specs: list[ShardSpec] = []
         self._where: list[tuple[_Server, int]] = []
-        self._pending = PendingWork()
-        self._tentative = TentativeUpdates(tentative_slots)
-        self._latched = FailureLatch()
         # One AcceleratorCopies per calling thread: a link's staging slots belong to one worker.
         self._links = threading.local()
         self._all_links: list[AcceleratorCopies] = []
@@ -596,25 +584,14 @@ class RemoteBackend(Backend):
         return len(self.servers)
 
     @property
-    def supports_tentative(self) -> bool:
-        return self.tentative_slots
-
-    @property
-    def failure(self) -> StorageError | None:
-        return self._latched.error
-
-    @property
     def assignment(self) -> tuple[int, ...]:
         """The server index of each shard."""
         return tuple(self.servers.index(server) for server, _ in self._where)
 
     def _refuse(self, what: str) -> None:
-        self._latched.refuse(f"RemoteBackend.{what}")
+        super()._refuse(what)
         if self._released or (self._closed and what not in ("save", "read_master")):
             raise RuntimeError(f"`{what}` on a closed RemoteBackend.")
-
-    def _latch(self, exc: BaseException) -> BaseException:
-        return self._latched.latch(exc)
 
     # ---------------------------------------------------------------------------------------------- set-up
 
