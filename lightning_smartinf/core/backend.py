@@ -392,17 +392,22 @@ class TentativeUpdates:
 
 
 class LatchingBackend(Backend):
-    """A backend that stops at its first device error: it keeps a :class:`FailureLatch`, the :class:`PendingWork`
-    whose errors the host has not been told yet and its :class:`TentativeUpdates`, which it takes with
-    ``tentative_slots`` (it then keeps a second copy of the state)."""
+    """A backend that stops at its first device error: the base of backends that keep their own requests' bookkeeping.
+
+    Subclasses report a device error through :meth:`latch_error`, begin each request with :meth:`check_usable`, and
+    keep the work whose errors the host has not been told yet in :attr:`pending_work` and the uncommitted tentative
+    updates in :attr:`tentative_updates` (taken with ``tentative_slots``: a second copy of the state).
+    """
 
     def __init__(self, tentative_slots: bool) -> None:
         super().__init__()
         #: Whether :meth:`submit` takes ``tentative=True``.
         self.tentative_slots = tentative_slots
         self._latched = FailureLatch()
-        self._pending = PendingWork()
-        self._tentative = TentativeUpdates(tentative_slots)
+        #: Requests whose errors the host has not been told yet.
+        self.pending_work = PendingWork()
+        #: Shards holding a tentative update not yet committed or rolled back.
+        self.tentative_updates = TentativeUpdates(tentative_slots)
 
     @property
     def supports_tentative(self) -> bool:
@@ -421,10 +426,10 @@ class LatchingBackend(Backend):
         """
         return self._latched.error
 
-    def _latch(self, exc: BaseException) -> BaseException:
+    def latch_error(self, exc: BaseException) -> BaseException:
         """Remember the first storage error reported to the host; returns ``exc`` for raising."""
         return self._latched.latch(exc)
 
-    def _refuse(self, method: str) -> None:
-        """Raise if a device error stopped this backend (:attr:`failure`)."""
+    def check_usable(self, method: str) -> None:
+        """Raise before ``method`` runs if a device error stopped this backend (:attr:`failure`)."""
         self._latched.refuse(f"{type(self).__name__}.{method}")

@@ -238,7 +238,7 @@ class StreamingBackend(LatchingBackend):
         try:
             return device.wait_for(future, what or getattr(future, "what", "a request"), self.device_timeout_s)
         except StorageError as exc:
-            raise self._latch(exc)  # noqa: B904 - the timeout is the error, not a consequence of it
+            raise self.latch_error(exc)  # noqa: B904 - the timeout is the error, not a consequence of it
 
     def result(self, handle: Handle) -> None:
         """Wait for ``handle``; raise its error (a device error latches :attr:`failure`), or a timeout error.
@@ -248,8 +248,8 @@ class StreamingBackend(LatchingBackend):
         """
         exc = self._settle(handle)
         if exc is not None:
-            self._pending.reported(handle)  # reported here: `wait` does not repeat it
-            raise self._latch(exc)
+            self.pending_work.reported(handle)  # reported here: `wait` does not repeat it
+            raise self.latch_error(exc)
 
     @property
     def buffer_bytes(self) -> int:
@@ -452,9 +452,9 @@ class StreamingBackend(LatchingBackend):
                 :attr:`~StreamingDevice.capacity`.
             StorageError: a device lacks the space, or a copy fails.
         """
-        self._refuse("relocate")
+        self.check_usable("relocate")
         self.wait()
-        self._tentative.refuse_held("moving shards")
+        self.tentative_updates.refuse_held("moving shards")
         fixed = check_assignment(Fixed(tuple(assignment)), [s.spec for s in self._shards], self.num_devices)
         self._check_capacity("`relocate`", [s.layout for s in self._shards], fixed)
         moves = [(s, self.devices[d]) for s, d in zip(self._shards, fixed) if d != self.assignment[s.spec.index]]
@@ -516,15 +516,16 @@ class StreamingBackend(LatchingBackend):
 
     def _enqueue(self, request: Request, tentative: bool = False) -> Handle:
         shard = request.shard
-        if tentative and self.tentative_slots and len(shard.files) < 2 and shard.spec.index not in self._tentative:
+        held = shard.spec.index in self.tentative_updates
+        if tentative and self.tentative_slots and len(shard.files) < 2 and not held:
             where = self.device_of(shard.spec.index).label
             raise ValueError(f"Shard {shard.spec.index} is in {where}, which takes no tentative update.")
-        self._tentative.start(shard.spec.index, tentative)
+        self.tentative_updates.start(shard.spec.index, tentative)
         request.read_slot = shard.slot
         request.write_slot = 1 - shard.slot if tentative else shard.slot
         handle = self.device_of(request.shard.spec.index).enqueue(request)
         # Keep unfinished and failed requests for `wait`; finished ones have nothing left to report.
-        return self._pending.add(handle)
+        return self.pending_work.add(handle)
 
     def _shard(self, index: int, numel: int, what: str) -> Shard:
         shard = self._shards[index]
@@ -533,7 +534,7 @@ class StreamingBackend(LatchingBackend):
         return shard
 
     def initialize(self, shard: int, master: Tensor) -> Handle:
-        self._refuse("initialize")
+        self.check_usable("initialize")
         entry = self._shard(shard, master.numel(), "`master`")
         rule = entry.spec.rule
         init_values = [rule.initial_state_value(name) for name in rule.state_names]
@@ -555,7 +556,7 @@ class StreamingBackend(LatchingBackend):
 
         That latches :attr:`failure`: the state there can no longer be saved.
         """
-        self._refuse("check_storage")
+        self.check_usable("check_storage")
         for device in self.storage_devices:
             assert device.directory is not None
             try:
@@ -563,7 +564,7 @@ class StreamingBackend(LatchingBackend):
             except OSError as exc:
                 code = exc.errno
             if code is not None:
-                raise self._latch(
+                raise self.latch_error(
                     StorageError(
                         f"Storage path {str(device.directory)!r} of device {device.index} disappeared during training "
                         f"(unmounted or deleted): `stat` found {StorageError.errno_label(code)}. Restore it and "
@@ -585,7 +586,7 @@ class StreamingBackend(LatchingBackend):
         ready: Fence | None = None,
     ) -> Handle:
         """See :meth:`Backend.submit`; the device's :meth:`~StreamingDevice.update_work` says what each chunk does."""
-        self._refuse("submit")
+        self.check_usable("submit")
         sparse = isinstance(grad, SparseGrad)
         entry = self._shard(shard, grad.numel if sparse else grad.numel(), "`grad`")
         self._shard(shard, out.numel(), "`out`")
@@ -624,13 +625,13 @@ class StreamingBackend(LatchingBackend):
         targets: list[list[PlanEntry]] = [[] for _ in self.devices]
         for index in shards:
             shard = self._shards[index]
-            if index not in self._tentative and not shard.file.in_memory:  # memory is read where it lies
+            if index not in self.tentative_updates and not shard.file.in_memory:  # memory is read where it lies
                 targets[self.assignment[index]].append(PlanEntry(shard, shard.slot))
         for device, device_targets in zip(self.devices, targets):
             device.prefetch(device_targets)  # every device: new advice, even empty, replaces the old
 
     def read_master(self, shard: int, out: Tensor) -> Handle:
-        self._refuse("read_master")
+        self.check_usable("read_master")
         entry = self._shard(shard, out.numel(), "`out`")
         copies = self.device_of(shard).copies
 
@@ -642,12 +643,12 @@ class StreamingBackend(LatchingBackend):
 
     def commit(self, shards: Iterable[int]) -> None:
         """Make the tentative updates of ``shards`` the current state (their handles need not be done yet)."""
-        self._refuse("commit")
-        shards = self._tentative.check_commit(shards)
+        self.check_usable("commit")
+        shards = self.tentative_updates.check_commit(shards)
         for index in shards:
             shard = self._shards[index]
             shard.slot = 1 - shard.slot
-        self._tentative.end(shards)
+        self.tentative_updates.end(shards)
 
     def rollback(self, shards: Iterable[int]) -> None:
         """Forget the tentative updates of ``shards``: waits for every request, then the committed state is as it was.
@@ -658,7 +659,7 @@ class StreamingBackend(LatchingBackend):
         try:
             self.wait()
         finally:
-            self._tentative.end(shards)
+            self.tentative_updates.end(shards)
 
     def wait(self) -> None:
         """Block until every request and write-back is done; raise the first error not reported yet.
@@ -667,16 +668,16 @@ class StreamingBackend(LatchingBackend):
             StorageError: a device's I/O failed, or a device showed no progress for ``device_timeout_s``; either
                 latches :attr:`failure`.
         """
-        pending = self._pending.take()
+        pending = self.pending_work.take()
         errors = [exc for h in pending if (exc := self._settle(h)) is not None]
         for device in self.devices:
             try:
                 if (exc := device.drain(self.device_timeout_s)) is not None:
                     errors.append(exc)
             except StorageError as exc:
-                raise self._latch(exc)  # noqa: B904 - the timeout is the error
+                raise self.latch_error(exc)  # noqa: B904 - the timeout is the error
         if errors:
-            raise self._latch(errors[0])
+            raise self.latch_error(errors[0])
 
     def _state_files(self) -> list[ShardState]:
         return [
@@ -698,7 +699,7 @@ class StreamingBackend(LatchingBackend):
         Works after :meth:`close` too (the state files stay on the storage): the directories are claimed again for
         the copy if :meth:`close` released them, so no other run can be writing them meanwhile.
         """
-        self._refuse("save")
+        self.check_usable("save")
         self.wait()
         claims = []
         if self._released:
@@ -740,10 +741,10 @@ class StreamingBackend(LatchingBackend):
 
     def _replace_state(self, write: Callable[[list[ShardState]], None]) -> None:
         """Let ``write`` rewrite every shard's live file (by path), with no transfer in flight and no file open."""
-        self._refuse("load")
+        self.check_usable("load")
         self.wait()
         # Refused before any file is closed, so the backend stays usable after the error.
-        self._tentative.refuse_held("loading a checkpoint")
+        self.tentative_updates.refuse_held("loading a checkpoint")
         # Chunks read ahead hold the state being replaced, and no read may be in flight while files change.
         self._drop_all_prefetched()
         on_disk = [shard for shard in self._shards if not shard.file.in_memory]

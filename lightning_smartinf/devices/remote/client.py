@@ -588,15 +588,15 @@ class RemoteBackend(LatchingBackend):
         """The server index of each shard."""
         return tuple(self.servers.index(server) for server, _ in self._where)
 
-    def _refuse(self, what: str) -> None:
-        super()._refuse(what)
+    def check_usable(self, what: str) -> None:
+        super().check_usable(what)
         if self._released or (self._closed and what not in ("save", "read_master")):
             raise RuntimeError(f"`{what}` on a closed RemoteBackend.")
 
     # ---------------------------------------------------------------------------------------------- set-up
 
     def open(self, shards: Sequence[ShardSpec]) -> None:
-        self._refuse("open")
+        self.check_usable("open")
         assignment = check_assignment(self.placement, shards, len(self.servers))
         self._specs = list(shards)
         self._where = []
@@ -638,15 +638,15 @@ class RemoteBackend(LatchingBackend):
             try:
                 work()  # its calls go through `_Server.call` and `_receive`, which name the server in a StorageError
             except StorageError as exc:
-                raise self._latch(exc) from None
+                raise self.latch_error(exc) from None
 
         handle = server.executor.submit(run)
         handle.what = what  # type: ignore[attr-defined]
         handle.server = server  # type: ignore[attr-defined]
-        return self._pending.add(handle)
+        return self.pending_work.add(handle)
 
     def initialize(self, shard: int, master: Tensor) -> Handle:
-        self._refuse("initialize")
+        self.check_usable("initialize")
         server, local = self._locate(shard, master.numel(), "`master`")
         host = master.detach().to(torch.float32).cpu()
 
@@ -673,11 +673,11 @@ class RemoteBackend(LatchingBackend):
         ready: Fence | None = None,
     ) -> Handle:
         """See :meth:`Backend.submit`: the gradient crosses in ``link_dtype``, ``out`` comes back in its own dtype."""
-        self._refuse("submit")
+        self.check_usable("submit")
         sparse = isinstance(grad, SparseGrad)
         server, local = self._locate(shard, grad.numel if sparse else grad.numel(), "`grad`")
         self._locate(shard, out.numel(), "`out`")
-        self._tentative.start(shard, tentative)
+        self.tentative_updates.start(shard, tentative)
         link = link_dtype or (grad.values.dtype if sparse else grad.dtype)
         header = header_frame(
             session=server.session,
@@ -713,7 +713,7 @@ class RemoteBackend(LatchingBackend):
         return self._start(server, work, what)
 
     def read_master(self, shard: int, out: Tensor) -> Handle:
-        self._refuse("read_master")
+        self.check_usable("read_master")
         server, local = self._locate(shard, out.numel(), "`out`")
 
         what = f"reading the masters of shard {shard}"
@@ -749,7 +749,7 @@ class RemoteBackend(LatchingBackend):
             handle.result(timeout=self.device_timeout_s)
         except FutureTimeoutError:
             server, what = handle.server, handle.what  # type: ignore[attr-defined] # set by `_start`
-            raise self._latch(server.error(None, what)) from None
+            raise self.latch_error(server.error(None, what)) from None
 
     # ---------------------------------------------------------------------------------------------- control
 
@@ -767,12 +767,12 @@ class RemoteBackend(LatchingBackend):
         return grouped
 
     def commit(self, shards: Iterable[int]) -> None:
-        self._refuse("commit")
-        shards = self._tentative.check_commit(shards)
+        self.check_usable("commit")
+        shards = self.tentative_updates.check_commit(shards)
         self.wait()
         for server, local in self._by_server(shards).items():
             self._control(server, "commit", "a commit", shards=local)
-        self._tentative.end(shards)
+        self.tentative_updates.end(shards)
 
     def rollback(self, shards: Iterable[int]) -> None:
         shards = list(shards)
@@ -781,24 +781,24 @@ class RemoteBackend(LatchingBackend):
             for server, local in self._by_server(shards).items():
                 self._control(server, "rollback", "a rollback", shards=local)
         finally:
-            self._tentative.end(shards)
+            self.tentative_updates.end(shards)
 
     def prefetch(self, shards: Sequence[int]) -> None:
         if self.failure is not None or not self.prefetch_state:
             return
-        grouped = self._by_server(i for i in shards if i not in self._tentative)
+        grouped = self._by_server(i for i in shards if i not in self.tentative_updates)
         for server in self.servers:
             if server.shards:
                 self._control(server, "prefetch", "prefetch advice", shards=grouped.get(server, []))
 
     def check_storage(self) -> None:
-        self._refuse("check_storage")
+        self.check_usable("check_storage")
         for server in self.servers:
             if server.shards:
                 self._control(server, "check_storage", "a storage check")
 
     def wait(self) -> None:
-        pending = self._pending.take()
+        pending = self.pending_work.take()
         errors = []
         for handle in pending:
             try:
@@ -813,13 +813,13 @@ class RemoteBackend(LatchingBackend):
                     except StorageError as exc:
                         errors.append(exc)
         if errors:
-            raise self._latch(errors[0])
+            raise self.latch_error(errors[0])
 
     # ---------------------------------------------------------------------------------------------- checkpoints
 
     def save(self, directory: Path) -> None:
         """Each server saves its shards under a new checkpoint id; ``directory/remote.json`` records where."""
-        self._refuse("save")
+        self.check_usable("save")
         self.wait()
         entries = []
         for server in self.servers:
@@ -831,7 +831,7 @@ class RemoteBackend(LatchingBackend):
                 unnamed = (
                     f"The remote device server {server.address} did not name the checkpoint it saved, during {what}."
                 )
-                raise self._latch(StorageError(unnamed))
+                raise self.latch_error(StorageError(unnamed))
             entries.append(
                 {
                     "address": server.address,
@@ -851,8 +851,8 @@ class RemoteBackend(LatchingBackend):
     def load(self, directory: Path) -> None:
         """Have each server load the state this rank saved there; refuses another server or other state (the
         strategy's load sends a checkpoint placed otherwise through :meth:`load_resharded`: :meth:`loads_as_saved`)."""
-        self._refuse("load")
-        self._tentative.refuse_held("loading a checkpoint")
+        self.check_usable("load")
+        self.tentative_updates.refuse_held("loading a checkpoint")
         self.wait()
         manifest = read_json(Path(directory) / REMOTE_MANIFEST, "the remote device state", ("checkpoint", "servers"))
         entries = manifest["servers"]
@@ -915,7 +915,7 @@ class RemoteBackend(LatchingBackend):
     def fetch_saved_state(self, rank_dirs: Sequence[Path], into: Path) -> tuple[list[Path], Fetch] | None:
         """A checkpoint kept on servers, made readable for re-sharding (:func:`fetch_saved_state`, from this run's
         servers); the state files it fetches count as link reads."""
-        self._refuse("load")
+        self.check_usable("load")
         return fetch_saved_state(self.servers, rank_dirs, into, self.traffic)
 
     def load_resharded(self, reshard: Reshard) -> None:
@@ -924,8 +924,8 @@ class RemoteBackend(LatchingBackend):
         server (which writes it to disk as it arrives and checks its CRC-32C), and removed, so this host holds one
         shard's file at a time; each server then loads all of its shards at once. Nothing is replaced on a server
         until every one of its shards has arrived."""
-        self._refuse("load")
-        self._tentative.refuse_held("loading a checkpoint")
+        self.check_usable("load")
+        self.tentative_updates.refuse_held("loading a checkpoint")
         self.wait()
 
         def send(state: ShardState) -> None:
@@ -955,7 +955,7 @@ class RemoteBackend(LatchingBackend):
                 try:  # a server that fails here may have replaced some shards: the state is torn
                     self._control(server, "load_upload", "loading a checkpoint")
                 except StorageError as exc:
-                    raise self._latch(exc) from None
+                    raise self.latch_error(exc) from None
 
     def close(self, *, keep_claims: bool = False) -> None:
         """Finish outstanding work; with ``keep_claims`` the sessions (and the state in them) stay open on the servers
