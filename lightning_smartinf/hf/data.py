@@ -223,10 +223,6 @@ def _jsonl_rows(path: Path, fields: dict[str, str], argument: str, owner: str) -
         yield number, row
 
 
-def _read_jsonl(path: Path, fields: dict[str, str], argument: str, owner: str) -> list[dict[str, Any]]:
-    return [row for _, row in _jsonl_rows(path, fields, argument, owner)]
-
-
 def _iter_texts(paths: Iterable[str], text_field: str = "text") -> Iterable[str]:
     for path in paths:
         if path.endswith(".jsonl"):
@@ -332,17 +328,6 @@ def _check_length(datamodule: L.LightningDataModule, argument: str, value: int) 
             f"`{type(datamodule).__name__}({argument}={value})` is longer than the model can take: "
             f"{type(module).__name__} has `max_position_embeddings={limit}`. Set `{argument}` to at most {limit}."
         )
-
-
-class _Rows(Dataset):
-    def __init__(self, rows: list[dict[str, Any]]) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.rows[index]
 
 
 class _Blocks(Dataset):
@@ -791,7 +776,7 @@ class ClassificationDataModule(L.LightningDataModule):
         fields = [self.text_field, self.label_field]
         if file.suffix.lower() == ".jsonl":
             named = {"text_field": self.text_field, "label_field": self.label_field}
-            rows = _read_jsonl(file, named, argument, "ClassificationDataModule")
+            rows = [row for _, row in _jsonl_rows(file, named, argument, "ClassificationDataModule")]
         else:
             with open(file, encoding="utf-8", newline="") as f:
                 reader = csv.DictReader(f)
@@ -861,7 +846,7 @@ class ClassificationDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         assert self.train_rows is not None, "call setup() first"
         return DataLoader(
-            _Rows(self.train_rows),
+            self.train_rows,  # a list is a map-style dataset: len() and [i]
             batch_size=self.batch_size,
             shuffle=True,
             generator=torch.Generator().manual_seed(self.seed),
@@ -873,5 +858,5 @@ class ClassificationDataModule(L.LightningDataModule):
         if not self.val_rows:
             return []
         return DataLoader(
-            _Rows(self.val_rows), batch_size=self.batch_size, collate_fn=self._collate, num_workers=self.num_workers
+            self.val_rows, batch_size=self.batch_size, collate_fn=self._collate, num_workers=self.num_workers
         )
