@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from torch import Tensor, nn
 
@@ -210,16 +211,6 @@ def find_layers(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale_dirs(storage_path: Path) -> list[Path]:
     """Remove run directories under ``storage_path/smartinf-activations`` left by dead processes of this host."""
     root = Path(storage_path) / ROOT_DIR_NAME
@@ -232,7 +223,7 @@ def cleanup_stale_dirs(storage_path: Path) -> list[Path]:
         if len(parts) != 3 or parts[0] != host or not parts[1].isdigit() or not entry.is_dir():
             continue
         pid = int(parts[1])
-        if pid != os.getpid() and not _pid_alive(pid):
+        if pid != os.getpid() and not psutil.pid_exists(pid):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed

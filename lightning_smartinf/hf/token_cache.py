@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 from lightning_smartinf.core.format.state_files import fsync_dir
 
@@ -258,15 +259,5 @@ def _remove_abandoned(cache_dir: Path, family: str) -> None:
     host = socket.gethostname()
     for staging in cache_dir.glob(f".{family}-*.{host}.*"):
         pid = staging.name.rsplit(".", 2)[-2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(staging, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: it exists
-    return True
