@@ -11,13 +11,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_smartinf.core.arguments import Problems, show
+from lightning_smartinf.core.arguments import MIB, Problems, show
 from lightning_smartinf.core.format.layout import ELEM_ALIGN, POOL_TENSORS, pool_bytes
 from lightning_smartinf.core.settings import check_pool_shape
 from lightning_smartinf.core.traffic import TrafficSnapshot
 from lightning_smartinf.strategy import SmartInfinityStrategy
-
-MIB = 1 << 20
 
 
 class BufferPool(Callback):

@@ -108,9 +108,6 @@ class DeepSpeedOnCPUMixin:
         on_cuda = isinstance(self.accelerator, CUDAAccelerator)
         return argparse.Namespace(device_rank=self.root_device.index if on_cuda else self.local_rank)
 
-    #: Lightning's own ``_setup_model_and_optimizer`` calls this name.
-    _deepspeed_args = deepspeed_args
-
 
 class DeepSpeedCPUStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
     """Stock Lightning ``DeepSpeedStrategy`` (any ZeRO stage and offload) that also runs on CPU.

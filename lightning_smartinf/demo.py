@@ -17,10 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_smartinf import SmartInfinityStrategy, quiet
-
-#: Bytes per trainable parameter per optimizer step of DeepSpeed ZeRO-Infinity's NVMe optimizer offload
-#: (fp32 grad 4 written in backward; master, m, v, grad 16 read; master, m, v 12 written), all over the host link.
-ZERO_INFINITY_LINK_BYTES_PER_PARAM = 32
+from lightning_smartinf.monitor import ZERO_INFINITY_LINK_BYTES_PER_PARAM
 
 
 def english_text() -> str:

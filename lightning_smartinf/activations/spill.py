@@ -75,11 +75,6 @@ class SpillFiles:
         self._tops = [0] * len(self._paths)
         self._next = 0
 
-    @property
-    def paths(self) -> list[Path]:
-        """The files that exist now."""
-        return [p for p, f in zip(self._paths, self._files) if f is not None]
-
     def discard(self) -> None:
         """Close and delete every file (their bytes are gone); the next record creates them again."""
         with self._lock:
