@@ -246,12 +246,14 @@ class AcceleratorCopies:
         return staging
 
     def put(self, dst: Tensor, src: Tensor) -> None:
-        """``dst`` (anywhere, usually low precision) gets ``src`` (host), rounded to ``dst``'s dtype.
+        """``dst`` (anywhere, usually low precision) gets ``src`` (host, or already in ``dst``'s memory), rounded to
+        ``dst``'s dtype.
 
-        Into CUDA memory the chunk is rounded into a pinned staging slot on the host and copied asynchronously on
-        this link's stream; it has landed after :meth:`settle`.
+        From the host into CUDA memory the chunk is rounded into a pinned staging slot on the host and copied
+        asynchronously on this link's stream; it has landed after :meth:`settle`. Within one memory it is copied
+        at once.
         """
-        if not on_cuda(dst):
+        if not on_cuda(dst) or dst.device == src.device:
             dst.copy_(src)
             return
         slot = self._slots[self._next]

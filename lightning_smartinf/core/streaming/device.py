@@ -627,11 +627,7 @@ class EmulatedDevice(StreamingDevice):
             if hp.grad_scale != 1.0:
                 g.mul_(hp.grad_scale)
             rule.apply(m, g, states, hp)
-            target = out[start : start + n]
-            if target.device == m.device:  # same memory: no link to cross
-                target.copy_(m)
-            else:
-                self.copies.put(target, m)
+            self.copies.put(out[start : start + n], m)
 
         return ChunkWork(
             compute=update, link_write=link_bytes(grad, link_dtype), link_read=out.numel() * out.element_size()
