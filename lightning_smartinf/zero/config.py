@@ -78,12 +78,15 @@ def smart_update_config(
     user_config: dict[str, Any] | None,
     problems: Problems,
     settings: SmartUpdateSettings | None,
-    **engine: Any,
+    *,
+    offload_parameters: bool | str,
+    reduce_bucket_size: int | None,
+    allgather_bucket_size: int,
+    contiguous_gradients: bool,
+    overlap_comm: bool,
 ) -> dict[str, Any]:
     """``user_config`` (not modified) with SmartUpdate's keys added; a problem for each key that contradicts them.
 
-    ``engine`` holds the :data:`ENGINE` arguments (``offload_parameters``, ``reduce_bucket_size``,
-    ``allgather_bucket_size``, ``contiguous_gradients`` and ``overlap_comm`` are read; the rest are ignored).
     Keys the user set win over ``settings.sub_group_size`` and the bucket arguments; ``reduce_bucket_size=None``
     follows :meth:`SmartUpdateSettings.default_reduce_bucket_size`. ``settings=None`` (refused settings) still
     checks the user's config, so that one error lists every problem; the config returned is then not for use.
@@ -96,7 +99,6 @@ def smart_update_config(
     _check_zero(where.within("zero_optimization"), zero)
     _check_top_level(where, config)
     zero["stage"] = 3
-    reduce_bucket_size = engine["reduce_bucket_size"]
     if settings is not None:
         own = zero.setdefault("sub_group_size", settings.sub_group_size)
         if settings.compression is not None and own != settings.sub_group_size and isinstance(own, (int, float)):
@@ -104,13 +106,14 @@ def smart_update_config(
         if reduce_bucket_size is None:
             reduce_bucket_size = settings.default_reduce_bucket_size()
     zero.setdefault("reduce_bucket_size", reduce_bucket_size)
-    for key in ("allgather_bucket_size", "contiguous_gradients", "overlap_comm"):
-        zero.setdefault(key, engine[key])
+    zero.setdefault("allgather_bucket_size", allgather_bucket_size)
+    zero.setdefault("contiguous_gradients", contiguous_gradients)
+    zero.setdefault("overlap_comm", overlap_comm)
     # The path is replaced per rank at set-up; "nvme" makes ZeRO keep only empty fp32 placeholders.
     zero["offload_optimizer"] = {"device": "nvme", "nvme_path": tempfile.gettempdir()}
-    if engine["offload_parameters"] is True:
+    if offload_parameters is True:
         zero["offload_param"] = {"device": "cpu"}
-    elif engine["offload_parameters"] == "storage":
+    elif offload_parameters == "storage":
         # The path and the buffers are set per rank at set-up, from the model (`param_storage.swap_buffer_settings`).
         zero["offload_param"] = {"device": "nvme", "nvme_path": tempfile.gettempdir(), "max_in_cpu": 0}
         # A parameter kept gathered for reuse would hold its swap buffer: release each module's when it is done.
@@ -209,7 +212,16 @@ def deepspeed_config(
     """The DeepSpeed config of a SmartUpdate run: the user's ``config`` (see :func:`load_config`) with SmartUpdate's
     keys added, after checking the :data:`ENGINE` arguments in ``engine``; every problem goes to ``problems``."""
     check_engine_arguments(problems, **engine)
-    assembled = smart_update_config(load_config(config, problems, env_var=env_var), problems, settings, **engine)
+    assembled = smart_update_config(
+        load_config(config, problems, env_var=env_var),
+        problems,
+        settings,
+        offload_parameters=engine["offload_parameters"],
+        reduce_bucket_size=engine["reduce_bucket_size"],
+        allgather_bucket_size=engine["allgather_bucket_size"],
+        contiguous_gradients=engine["contiguous_gradients"],
+        overlap_comm=engine["overlap_comm"],
+    )
     if engine["logging_batch_size_per_gpu"] != "auto":
         assembled.setdefault("train_micro_batch_size_per_gpu", engine["logging_batch_size_per_gpu"])
     return assembled
