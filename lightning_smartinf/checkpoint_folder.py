@@ -32,8 +32,6 @@ from lightning_smartinf.core.format.rank_state import HOST_STATE
 from lightning_smartinf.core.format.state_files import (
     MANIFEST,
     CheckpointError,
-    fsync_dir,
-    fsync_file,
     install_directory,
     read_json,
     read_manifest,
@@ -43,6 +41,7 @@ from lightning_smartinf.core.format.state_files import (
 )
 from lightning_smartinf.core.format.torch_files import safe_torch_load
 from lightning_smartinf.core.io.checksum import CRC32, CRC32C, checksum_of, file_checksum
+from lightning_smartinf.core.io.storage import fsync_dir, fsync_file
 
 #: Where the seal lives, relative to the checkpoint directory.
 SEAL = PurePosixPath("checkpoint/smartinf/seal.json")

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from lightning_smartinf.core.format.state_files import fsync_dir
+from lightning_smartinf.core.io.storage import fsync_dir
 
 #: Bump when the layout or the tokenisation of an entry changes: entries of other versions are never read.
 FORMAT_VERSION = 1
