@@ -51,8 +51,8 @@ if TYPE_CHECKING:
     from lightning_smartinf.strategy import SmartInfinityStrategy
 
 log = logging.getLogger(__name__)
-#: Removers of the temporary device state of finished runs (``storage_paths=None``); see :func:`linger`.
-_lingering_temporary_state: list[weakref.finalize] = []
+#: Removers of the temporary device state of finished runs (``storage_paths=None``); see :func:`release_at_next_run`.
+_temporary_state_releases: list[weakref.finalize] = []
 
 
 def check_optimizer(settings: SmartUpdateSettings, optimizer: Optimizer) -> None:
@@ -66,10 +66,10 @@ def check_optimizer(settings: SmartUpdateSettings, optimizer: Optimizer) -> None
         raise MisconfigurationException(str(exc)) from None
 
 
-def linger(owner: object, release: Callable[[], None]) -> weakref.finalize:
+def release_at_next_run(owner: object, release: Callable[[], None]) -> weakref.finalize:
     """Keep a finished run's temporary device state until the next run starts, ``owner`` is collected, or exit."""
     finalizer = weakref.finalize(owner, release)
-    _lingering_temporary_state.append(finalizer)
+    _temporary_state_releases.append(finalizer)
     return finalizer
 
 
@@ -81,9 +81,9 @@ def rank_devices(strategy: SmartInfinityStrategy) -> tuple[list[Path], list[Path
         StorageError: a directory cannot be created, or another training holds it (nothing in it was touched).
     """
     # A run starting ends the after-`fit` life of every finished run's temporary state in this process (a strategy is
-    # not reliably garbage-collected: Lightning's logging keeps bound methods of it), so at most one run's lingers.
-    while _lingering_temporary_state:
-        _lingering_temporary_state.pop()()
+    # not reliably garbage-collected: Lightning's logging keeps bound methods of it), so at most one run's is kept.
+    while _temporary_state_releases:
+        _temporary_state_releases.pop()()
     try:
         directories, owned = rank_device_dirs(
             strategy.settings,
@@ -105,7 +105,7 @@ def rank_devices(strategy: SmartInfinityStrategy) -> tuple[list[Path], list[Path
 
 def check_node_memory_budget(strategy: SmartInfinityStrategy) -> None:
     """Every rank of this node keeps up to ``state_memory_budget`` in RAM: together, they must fit (the settings
-    checked one budget, before the ranks were known). Runs after the previous run's lingering state was freed."""
+    checked one budget, before the ranks were known). Runs after the previous run's temporary state was freed."""
     budget, ranks = strategy.settings.state_memory_budget, max(1, strategy.num_processes)
     if not budget or ranks == 1:
         return

@@ -378,7 +378,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         backend, self._backend = self._backend, None
         backend.close(keep_claims=True)
         if self.settings.state_needs_owner:  # temporary directories, host memory or remote sessions
-            self._release_storage = engine_setup.linger(self, backend.release_storage)
+            self._release_storage = engine_setup.release_at_next_run(self, backend.release_storage)
         else:
             backend.release_storage()
 

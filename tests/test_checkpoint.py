@@ -520,7 +520,7 @@ class SaveBeforeStep(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if trainer.global_step == self.at_step:
-            assert trainer.strategy.smart_update.handed_off, "nothing was handed off early"
+            assert trainer.strategy.smart_update.hand_offs, "nothing was handed off early"
             trainer.save_checkpoint(self.path)
 
 

@@ -72,8 +72,8 @@ def test_fp32_matches_torch_optim(tmp_path, make_optimizer, accumulate, clip):
     # Every step handed sub-groups to the devices during backward; clipping (which the hand-off cannot know
     # in advance) rolled them back and redid them, so both paths ran and neither changed the result.
     optimizer = trainer.strategy.deepspeed_engine.optimizer
-    handed_off = optimizer.smart_update.early_kept + optimizer.smart_update.early_rolled_back
-    assert handed_off == STEPS * len(optimizer.fp16_groups)
+    hand_offs = optimizer.smart_update.early_kept + optimizer.smart_update.early_rolled_back
+    assert hand_offs == STEPS * len(optimizer.fp16_groups)
     if clip is None:
         assert optimizer.smart_update.early_rolled_back == 0
 

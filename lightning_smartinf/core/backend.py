@@ -168,8 +168,8 @@ class Backend(ABC):
         hand-offs). For :meth:`replan`'s model of how much of the update hides behind backward (default: ignored)."""
         return None
 
-    def hands_off_early(self, shard: int) -> bool:
-        """Whether the controller should hand ``shard``'s update over during backward, as a tentative one."""
+    def takes_hand_off(self, shard: int) -> bool:
+        """Whether ``shard`` takes a hand-off: its update handed to its device during backward, as a tentative one."""
         return self.supports_tentative
 
     def commit(self, shards: Iterable[int]) -> None:

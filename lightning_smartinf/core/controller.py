@@ -263,7 +263,7 @@ class SmartUpdate:
         return self.backend.assignment
 
     @property
-    def handed_off(self) -> list[int]:
+    def hand_offs(self) -> list[int]:
         """Sub-groups handed to their devices during the current backward, not yet kept or rolled back by a step."""
         return sorted(self._hand_offs.early)
 
@@ -297,7 +297,7 @@ class SmartUpdate:
         """
         # A normalised update needs the step's whole gradient for its second moment: those shards wait for the step.
         ready = [
-            i for i in self._hand_offs.ready(expected) if self.backend.hands_off_early(i) and i not in self._normalised
+            i for i in self._hand_offs.ready(expected) if self.backend.takes_hand_off(i) and i not in self._normalised
         ]
         staged = self.partitions.staged_limit
         if staged is not None:  # each hand-off holds a staging buffer until the step
@@ -312,7 +312,7 @@ class SmartUpdate:
             handle = self.backend.submit(
                 i, self.grad(i), hp, self.partitions.params(i), link_dtype=self.link_dtype, tentative=True, ready=fence
             )
-            self._hand_offs.handed_off(i, handle, hp)
+            self._hand_offs.add(i, handle, hp)
 
     def link_overflows(self, clip_factor: float = 1.0) -> Tensor:
         """Whether this step's gradient plus the error-feedback residual, in the units of this step (its loss scale,
@@ -706,7 +706,7 @@ class _HandOffs:
             self.ready_at.setdefault(i, now)
         return complete
 
-    def handed_off(self, sub_group: int, handle: Handle, hp: StepParams) -> None:
+    def add(self, sub_group: int, handle: Handle, hp: StepParams) -> None:
         self.early[sub_group] = (handle, hp)
 
     def take(self) -> tuple[dict[int, tuple[Handle, StepParams]], set[int]]:

@@ -251,7 +251,10 @@ def measure_write_read(directory: Path, io: IOEngine, nbytes: int = 64 << 20, *,
             started = time.perf_counter()
             for transfer in (io.write, io.read):
                 # Each thread moves its own records through its own buffer.
-                work = [pool.submit(_each, transfer, file, buffers[t], offsets[t::in_flight]) for t in range(in_flight)]
+                work = [
+                    pool.submit(_transfer_records, transfer, file, buffers[t], offsets[t::in_flight])
+                    for t in range(in_flight)
+                ]
                 for future in work:
                     future.result()
             seconds = time.perf_counter() - started
@@ -261,6 +264,9 @@ def measure_write_read(directory: Path, io: IOEngine, nbytes: int = 64 << 20, *,
     return 2 * len(offsets) * record / max(seconds, 1e-9)
 
 
-def _each(transfer: Callable[[StateFile, Tensor, int], None], file: StateFile, buf: Tensor, offsets: range) -> None:
+def _transfer_records(
+    transfer: Callable[[StateFile, Tensor, int], None], file: StateFile, buf: Tensor, offsets: range
+) -> None:
+    """``transfer`` one record of ``file`` through ``buf`` at each of ``offsets``, in order."""
     for offset in offsets:
         transfer(file, buf, offset)

@@ -66,7 +66,7 @@ class DeviceKind(ABC):
     name: str = ""
     #: The strategy's arguments that belong to this kind only (checked by :meth:`check`, refused with another kind).
     arguments: tuple[str, ...] = ()
-    #: Whether its devices take tentative updates, so that sub-groups are handed over during backward.
+    #: Whether its devices take tentative updates, so that sub-groups are handed off during backward (hand-offs).
     takes_hand_offs: bool = False
     #: Whether its devices move state with an I/O engine of this host (chosen at set-up: libaio or threads).
     uses_io_engine: bool = False

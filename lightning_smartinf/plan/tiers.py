@@ -111,10 +111,10 @@ def place_state(
     memory_rate = prof.host_update_gparams_per_s * 1e9 * FP32_STATE_BYTES
     emulated = not prof.gradient_staged_on_ssd and prof.network_gbps is None
     # Emulated devices beside a GPU update during backward (the backward of forward + backward: 2 of 3 parts).
-    beside_gpu = emulated and prof.gpu_peak_tflops is not None
+    with_gpu = emulated and prof.gpu_peak_tflops is not None
     fwd_bwd_s = fwd_bwd_time(work, prof) if fwd_bwd_s is None else fwd_bwd_s
-    backward_s = 2 / 3 * fwd_bwd_s if beside_gpu and overlap_backward else 0.0
-    if fill or (emulated and not beside_gpu):  # on the CPU, devices and memory share the host cores: fill the budget
+    backward_s = 2 / 3 * fwd_bwd_s if with_gpu and overlap_backward else 0.0
+    if fill or (emulated and not with_gpu):  # on the CPU, devices and memory share the host cores: fill the budget
         memory = min(memory_budget, state)
     elif prof.network_gbps is not None:  # beside remote servers the strategy keeps one more server's share
         memory = memory_share(memory_budget, state, sum(rates) / len(rates), sum(rates))

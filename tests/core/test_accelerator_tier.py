@@ -51,7 +51,7 @@ def _train(
     outs = [torch.empty(n, dtype=torch.bfloat16) for n in SIZES]
     for t in range(1, steps + 1):
         hp = StepParams(step=t, lr=1e-2, weight_decay=0.1)
-        early = [i for i in range(len(SIZES)) if backend.hands_off_early(i)]
+        early = [i for i in range(len(SIZES)) if backend.takes_hand_off(i)]
         grads = [torch.randn(n, generator=generator).bfloat16() for n in SIZES]
         if sparse:
             grads = [compress_topk(g, 0.1, None, value_dtype=torch.bfloat16) for g in grads]
@@ -116,7 +116,7 @@ def test_three_tiers_update_bitwise_like_the_devices_and_count_their_own_traffic
                 isinstance(tiered.inner.shards[i].file, AcceleratorStateFile) and len(tiered.inner.shards[i].files) == 1
             )
             assert not list(tmp_path.joinpath("tiers").rglob(shard_file_name(i) + "*"))
-            assert not tiered.hands_off_early(i)
+            assert not tiered.takes_hand_off(i)
         with pytest.raises(
             ValueError, match=r"Shard 0 is in accelerator memory \(cpu\), which takes no tentative update"
         ):
@@ -180,7 +180,7 @@ def test_relocating_between_the_accelerator_memory_and_the_disks_is_exact(tmp_pa
             torch.randn(n, generator=generator)
         outs = [torch.empty(n, dtype=torch.bfloat16) for n in SIZES]
         hp = StepParams(step=2, lr=1e-2, weight_decay=0.1)
-        early = [i for i in range(len(SIZES)) if moving.hands_off_early(i)]
+        early = [i for i in range(len(SIZES)) if moving.takes_hand_off(i)]
         grads = [torch.randn(n, generator=generator).bfloat16() for n in SIZES]
         for i in range(len(SIZES)):
             moving.result(moving.submit(i, grads[i], hp, outs[i], tentative=i in early, link_dtype=torch.bfloat16))

@@ -121,7 +121,7 @@ class Run:
         t, lr = self.steps, changing_lr(self.steps)
         grads = [torch.randn(n, generator=self.generator).bfloat16() for n in SIZES]
         self.previous = [ref.detach().clone() for ref in self.refs]
-        early = [i for i in range(len(SIZES)) if tentative and self.backend.hands_off_early(i)]
+        early = [i for i in range(len(SIZES)) if tentative and self.backend.takes_hand_off(i)]
         # The reference steps first, while no device works: `ieee_sqrt` patches `Tensor.sqrt` for the whole process,
         # and a host-core device updating meanwhile would take the patched one.
         for i, (ref, optim) in enumerate(zip(self.refs, self.optims)):

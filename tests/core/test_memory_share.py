@@ -83,7 +83,7 @@ def _steps(backend: Backend, outs: list[torch.Tensor], first: int, last: int, re
     for t in range(first, last + 1):
         hp = StepParams(step=t, lr=1e-2, weight_decay=0.1)
         backend.note_backward(ready)
-        early = [i for i in range(len(SIZES)) if backend.hands_off_early(i)]
+        early = [i for i in range(len(SIZES)) if backend.takes_hand_off(i)]
         grads = [torch.full((n,), 1e-3 * t * (i + 1)) for i, n in enumerate(SIZES)]
         handles = [backend.submit(i, grads[i], hp, outs[i], tentative=i in early) for i in range(len(SIZES))]
         for handle in handles:

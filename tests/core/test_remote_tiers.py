@@ -21,7 +21,7 @@ from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.format.state_files import CheckpointError
 from lightning_smartinf.core.placement import Tiered
 from lightning_smartinf.core.rules import SGD, Adagrad, Adam, StepParams
-from lightning_smartinf.core.tiers.tiered import LOCAL_TIERS_MANIFEST, TieredBackend, masters_beside
+from lightning_smartinf.core.tiers.tiered import LOCAL_TIERS_MANIFEST, TieredBackend, masters_with_tiers
 from lightning_smartinf.devices.cpu import CpuBackend
 from lightning_smartinf.devices.remote.client import RemoteBackend, checkpoint_masters
 from lightning_smartinf.devices.remote.tokens import read_token
@@ -155,7 +155,7 @@ def test_checkpoint_round_trip_and_export_with_a_split(tmp_path, servers, token_
     assert split["local"] == list(tiers.local_shards) and sorted(split["local"] + split["inner"]) == list(range(6))
     saved = _masters(tiers)
     # Export reads the local shards from the checkpoint and the others from the servers' copy, in shard order.
-    reader = masters_beside(checkpoint_masters([s.address for s in servers], read_token(token_file)))
+    reader = masters_with_tiers(checkpoint_masters([s.address for s in servers], read_token(token_file)))
     for a, b in zip(reader(tmp_path / "ckpt"), saved):
         assert torch.equal(a, b)
     after_two = _step(tiers, 2)
@@ -206,7 +206,7 @@ def test_local_shards_take_no_tentative_updates(servers, token_file) -> None:
     _initialize([tiers])
     local = tiers.local_shards
     assert tiers.supports_tentative
-    assert [tiers.hands_off_early(i) for i in range(len(SIZES))] == [i not in local for i in range(len(SIZES))]
+    assert [tiers.takes_hand_off(i) for i in range(len(SIZES))] == [i not in local for i in range(len(SIZES))]
     hp = StepParams(step=1, lr=1e-2)
     with pytest.raises(ValueError, match=rf"Shard {local[0]} is in a memory tier"):
         tiers.submit(local[0], torch.zeros(SIZES[local[0]]), hp, torch.empty(SIZES[local[0]]), tentative=True)

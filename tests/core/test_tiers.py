@@ -46,7 +46,7 @@ def _train(root: Path, steps: int = 3, **kwargs) -> tuple[Backend, list[torch.Te
     outs = [torch.empty(n) for n in SIZES]
     for t in range(1, steps + 1):
         hp = StepParams(step=t, lr=1e-2, weight_decay=0.1)
-        early = [i for i in range(len(SIZES)) if backend.hands_off_early(i)]
+        early = [i for i in range(len(SIZES)) if backend.takes_hand_off(i)]
         grads = [torch.randn(n, generator=generator) for n in SIZES]
         handles = [backend.submit(i, grads[i], hp, outs[i], tentative=i in early) for i in range(len(SIZES))]
         for handle in handles:
@@ -93,7 +93,7 @@ def test_memory_tier_updates_bitwise_like_the_devices_and_counts_its_own_traffic
         for i in (0, 1):
             assert not list(tmp_path.joinpath("tier").rglob(shard_file_name(i) + "*"))
             assert not list(tmp_path.joinpath("tier").rglob(shard_file_name(i, 1)))
-            assert not tiered.hands_off_early(i)
+            assert not tiered.takes_hand_off(i)
         with pytest.raises(ValueError, match="in host memory, which takes no tentative update"):
             tiered.submit(0, torch.zeros(SIZES[0]), StepParams(step=4, lr=1e-2), torch.empty(SIZES[0]), tentative=True)
     finally:
@@ -194,7 +194,7 @@ def test_an_overflow_skip_leaves_both_tiers_untouched_and_the_next_step_updates_
         for i in range(len(sizes)):
             smart_update.note_reduced(i, f"p{i}")
         smart_update.hand_off_ready(lambda: [{f"p{i}"} for i in range(len(sizes))])
-        assert smart_update.handed_off == [2, 3], "memory shards are updated after backward, never tentatively"
+        assert smart_update.hand_offs == [2, 3], "memory shards are updated after backward, never tentatively"
         smart_update.skip_step()
         assert all(torch.equal(a, b) for a, b in zip(masters(), before)), "a skipped step changed a tier's state"
         smart_update.step(grad_scale=1.0 / partitions.loss_scale)
@@ -233,7 +233,7 @@ def test_relocating_shards_between_steps_is_exact(tmp_path) -> None:
         outs = [torch.empty(n) for n in SIZES]
         for t in (3, 4):
             hp = StepParams(step=t, lr=1e-2, weight_decay=0.1)
-            early = [i for i in range(len(SIZES)) if moving.hands_off_early(i)]
+            early = [i for i in range(len(SIZES)) if moving.takes_hand_off(i)]
             grads = [torch.randn(n, generator=generator) for n in SIZES]
             for i in range(len(SIZES)):
                 moving.result(moving.submit(i, grads[i], hp, outs[i], tentative=i in early))

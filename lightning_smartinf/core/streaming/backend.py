@@ -490,9 +490,9 @@ class StreamingBackend(LatchingBackend):
         shard.files, shard.slot = tuple(files), 0
         shard.writes.clear()
 
-    def hands_off_early(self, shard: int) -> bool:
-        """Whether ``shard`` takes tentative updates during backward: not on a device whose state is in memory, which
-        updates fast enough after backward and so keeps one copy of its state."""
+    def takes_hand_off(self, shard: int) -> bool:
+        """Whether ``shard`` takes a hand-off (a tentative update during backward): not on a device whose state is in
+        memory, which updates fast enough after backward and so keeps one copy of its state."""
         return self.tentative_slots and not self.device_of(shard).in_memory
 
     def _check_space(

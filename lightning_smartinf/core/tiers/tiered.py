@@ -68,7 +68,7 @@ from lightning_smartinf.core.tiers.memory import MemoryDevice, MemoryTiers
 from lightning_smartinf.core.tiers.update_model import best_share, memory_candidates, update_tail
 from lightning_smartinf.core.traffic import TrafficSnapshot
 
-__all__ = ["LOCAL_DIR", "LOCAL_TIERS_MANIFEST", "Replan", "TieredBackend", "masters_beside", "saved_local_shards"]
+__all__ = ["LOCAL_DIR", "LOCAL_TIERS_MANIFEST", "Replan", "TieredBackend", "masters_with_tiers", "saved_local_shards"]
 
 log = logging.getLogger(__name__)
 
@@ -242,9 +242,9 @@ class TieredBackend(Backend):
         """Each device's update rate as :meth:`replan` last measured it (state bytes per second, by device index)."""
         return self.inner.update_rates if isinstance(self.inner, StreamingBackend) else {}
 
-    def hands_off_early(self, shard: int) -> bool:
+    def takes_hand_off(self, shard: int) -> bool:
         backend, index = self._where[shard]
-        return backend is self.inner and self.inner.hands_off_early(index)
+        return backend is self.inner and self.inner.takes_hand_off(index)
 
     # ---------------------------------------------------------------------------------------------- the split
 
@@ -386,8 +386,8 @@ class TieredBackend(Backend):
             return self._split(specs, share, keep=inner.assignment)
 
         # The accelerator fills first: memory chooses among the rest, in index order.
-        beside = [sizes[i] for i, d in enumerate(placed(0)) if d != self._accelerator_index()]
-        candidates = memory_candidates(beside, self.memory_bytes)
+        rest = [sizes[i] for i, d in enumerate(placed(0)) if d != self._accelerator_index()]
+        candidates = memory_candidates(rest, self.memory_bytes)
         share, predicted = best_share(candidates, lambda share: tail(placed(share)), self._memory_share)
         return Replan(
             memory_share=share,
@@ -597,25 +597,25 @@ def saved_local_shards(directory: Path) -> list[int]:
     return local
 
 
-def masters_beside(read_beside: Callable[[Path], list[Tensor]]) -> Callable[[Path], list[Tensor]]:
+def masters_with_tiers(read_inner: Callable[[Path], list[Tensor]]) -> Callable[[Path], list[Tensor]]:
     """A reader of one rank's fp32 masters whose state a :class:`TieredBackend` saved beside a backend whose state is
-    elsewhere: ``read_beside`` gives that backend's (by its own numbering), the tiers' come from ``local/``,
+    elsewhere: ``read_inner`` gives that backend's (by its own numbering), the tiers' come from ``local/``,
     CRC-checked."""
 
     def read(directory: Path) -> list[Tensor]:
         directory = Path(directory)
         local = saved_local_shards(directory)
-        beside = read_beside(directory)
+        inner = read_inner(directory)
         if not local:
-            return beside
+            return inner
         manifest = read_manifest(directory / LOCAL_DIR)
         here = [saved_shard_masters(directory / LOCAL_DIR, j, manifest=manifest) for j in range(len(local))]
-        masters: list[Tensor | None] = [None] * (len(local) + len(beside))
+        masters: list[Tensor | None] = [None] * (len(local) + len(inner))
         for index, master in zip(local, here):
             if not 0 <= index < len(masters):
                 raise CheckpointError(f"{directory / LOCAL_TIERS_MANIFEST} names shard {index}, out of range.")
             masters[index] = master
-        others = iter(beside)
+        others = iter(inner)
         return [master if master is not None else next(others) for master in masters]
 
     return read

@@ -371,16 +371,16 @@ def fetch_saved_state(
         local_dirs.append(target)
         shutil.copyfile(directory / HOST_STATE, target / HOST_STATE)
         count = len(read_json(target / HOST_STATE, "the device state", ("shards",))["shards"])
-        beside = saved_local_shards(directory)  # kept in host or accelerator memory beside the servers
+        in_tiers = saved_local_shards(directory)  # kept in host or accelerator memory beside the servers
         # The servers number their shards as the backend the tiers wrapped did: the others, in order.
-        numbers = sorted(set(range(count)) - set(beside))
+        numbers = sorted(set(range(count)) - set(in_tiers))
         found = _kept_on_servers(by_id, directory, numbers)
         manifests = [manifest for manifest, _ in found]
         shards = [shard for _, kept in found for shard in kept]
-        if beside:
+        if in_tiers:
             manifest = read_manifest(directory / LOCAL_DIR)
             manifests.append(manifest)
-            shards += _numbered(manifest, beside, None, {"directory": directory / LOCAL_DIR}, directory / LOCAL_DIR)
+            shards += _numbered(manifest, in_tiers, None, {"directory": directory / LOCAL_DIR}, directory / LOCAL_DIR)
         if sorted(shard.entry["index"] for shard in shards) != list(range(count)) or not manifests:
             raise CheckpointError(
                 f"The servers and {directory / LOCAL_DIR} hold shards {sorted(s.entry['index'] for s in shards)} of "

@@ -124,11 +124,13 @@ class RemoteKind(DeviceKind):
     def checkpoint_masters(
         self, options: Mapping[str, Any], *, timeout: float | None
     ) -> Callable[[Path], list[Tensor]] | None:
-        from lightning_smartinf.core.tiers.tiered import masters_beside
+        from lightning_smartinf.core.tiers.tiered import masters_with_tiers
         from lightning_smartinf.devices.remote.client import checkpoint_masters
 
         addresses, token, tls, plaintext = _access(options.get)
-        return masters_beside(checkpoint_masters(addresses, token, tls=tls, timeout=timeout, allow_plaintext=plaintext))
+        return masters_with_tiers(
+            checkpoint_masters(addresses, token, tls=tls, timeout=timeout, allow_plaintext=plaintext)
+        )
 
     def fetch_saved_state(
         self,
