@@ -170,7 +170,10 @@ def _make_room(strategy: SmartInfinityStrategy, target: Path) -> list[Path]:
     ``target``, which it replaces, and those ``ModelCheckpoint`` deletes right after it) are removed before it, but
     only while another complete checkpoint the callbacks keep stands: a kill during the save then leaves that one.
     """
-    mine = torch.tensor([float(strategy.smart_update.backend.checkpoint_bytes())], dtype=torch.float64)
+    # On the rank's device: NCCL takes no host tensor (gloo does, so a CPU run cannot tell).
+    mine = torch.tensor(
+        [float(strategy.smart_update.backend.checkpoint_bytes())], dtype=torch.float64, device=strategy.root_device
+    )
     needed = int(strategy.reduce(mine, reduce_op="sum").item()) + SAVE_MARGIN
     verdict: str | None = None
     freed: list[Path] = []
@@ -321,18 +324,41 @@ def load_trained_weights(module: pl.LightningModule, root: Path, elsewhere: Mast
     """Put the checkpoint's fp32 masters (cast to each parameter's dtype) into ``module``, whose parameters are
     ZeRO-3 partitioned (the evaluation engine's). Parameters the devices never held (frozen ones) keep their values.
     ``elsewhere`` reads the masters of a checkpoint that kept them on its devices (remote servers).
+
+    Invariant: the parameters are gathered (whole on every rank's device) a group at a time, a group never larger
+    than the largest parameter (:func:`gather_groups`), and only rank 0 reads masters (``modifier_rank=0`` scatters
+    its values): device and host memory grow by about one large parameter, whatever the model's size.
     """
     import deepspeed
+    import torch.distributed as dist
 
     seal = checkpoint_folder.verify(root, checksum_shards=False)  # shard files: CRC-checked as their masters are read
     rank_dirs = [checkpoint_folder.rank_state_dir(root, r) for r in range(seal["world_size"])]
-    weights = saved_masters(rank_dirs, elsewhere=elsewhere).all()
+    weights = saved_masters(rank_dirs, elsewhere=elsewhere)
     params = dict(module.named_parameters())
-    if unknown := sorted(set(weights) - set(params)):
+    if unknown := sorted(set(weights.shapes) - set(params)):
         raise CheckpointError(
             f"{root} holds weights for {unknown[:5]}, which this module does not have. Evaluate it with the module "
             "it was trained with."
         )
-    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0), torch.no_grad():
-        for name, value in weights.items():
-            params[name].copy_(value.view(params[name].shape).to(params[name].dtype))
+    reads = not dist.is_initialized() or dist.get_rank() == 0
+    sizes = {name: getattr(params[name], "ds_numel", params[name].numel()) for name in weights.shapes}
+    for group in gather_groups(sizes):
+        with deepspeed.zero.GatheredParameters([params[name] for name in group], modifier_rank=0), torch.no_grad():
+            for name, value in weights.read(group) if reads else ():
+                params[name].copy_(value.view(params[name].shape).to(params[name].dtype))
+
+
+def gather_groups(sizes: dict[str, int]) -> list[list[str]]:
+    """``sizes``' names (elements by name) in order, in consecutive groups of at most the largest one's elements: what
+    a whole-model gather takes at a time (one large parameter, or several small ones together)."""
+    bound = max(sizes.values(), default=0)
+    groups: list[list[str]] = []
+    total = 0
+    for name, numel in sizes.items():
+        if not groups or total + numel > bound:
+            groups.append([])
+            total = 0
+        groups[-1].append(name)
+        total += numel
+    return groups
