@@ -11,9 +11,9 @@ Invariants:
   first use.
 - A gradient chunk is read only after the fence the host handed with it (:func:`record_fence`, recorded on the
   stream that produced the gradient) has completed: the worker waits for it, the training thread never does.
-- A parameter chunk written to accelerator memory has landed when :meth:`AcceleratorCopies.settle` returns; a device
-  settles before it reports a request done, so a request's handle completing means its parameters are in place for every
-  stream.
+- A parameter chunk written to accelerator memory has landed when :meth:`AcceleratorCopies.settle` returns (from the
+  host through staging, or within one memory on the caller's stream, fenced there); a device settles before it
+  reports a request done, so a request's handle completing means its parameters are in place for every stream.
 - A staging slot is refilled only after the copy that last read it has completed.
 - Host and non-CUDA tensors are copied directly (synchronously): correct on any stream, and the only copies a
   machine without CUDA makes.
@@ -41,6 +41,7 @@ from lightning_smartinf.core.io.direct import IO_ALIGN
 __all__ = [
     "Fence",
     "AcceleratorCopies",
+    "StreamFences",
     "PinnedRing",
     "SideStreams",
     "bind_thread",
@@ -49,6 +50,7 @@ __all__ = [
     "on_cuda",
     "pinned_empty",
     "record_fence",
+    "runs_async",
     "side_stream",
     "start_thread",
     "thread_device",
@@ -68,9 +70,15 @@ class Fence(Protocol):
         """Block the calling thread until the fenced work has completed."""
 
 
+def runs_async(device: torch.device) -> bool:
+    """Whether copies and kernels on ``device`` run asynchronously to the host (CUDA), so that work queued on one
+    stream must be fenced before another stream or the host reads what it writes."""
+    return device.type == "cuda"
+
+
 def on_cuda(tensor: Tensor) -> bool:
     """Whether ``tensor`` lives in CUDA memory (the copies :class:`AcceleratorCopies` moves off the training stream)."""
-    return tensor.device.type == "cuda"
+    return runs_async(tensor.device)
 
 
 def cuda_event() -> torch.cuda.Event:
@@ -90,11 +98,45 @@ def record_fence(device: torch.device | str | None = None) -> Fence | None:
     The host calls it where it hands tensors written on that stream to a worker thread: the worker waits for the
     fence, so the thread that launches kernels never blocks on them.
     """
-    if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
+    if device is None:
+        if not torch.cuda.is_available():
+            return None
+    elif not runs_async(torch.device(device)):
         return None
     event = cuda_event()
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+class StreamFences:
+    """The last fence of each stream that wrote some memory: what a reader on another stream, or the host, waits for
+    (:meth:`settle`) before it reads that memory.
+
+    Invariant: a fence is recorded, under the lock, after the write it follows, so the last one of a stream follows
+    every write any thread queued there before it; :meth:`settle` waits for the last of each stream.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[object, Fence] = {}
+
+    def note(self, device: torch.device) -> None:
+        """Fence the writes queued so far on the calling thread's current stream of ``device`` (none where work on
+        ``device`` is synchronous)."""
+        if not runs_async(device):
+            return
+        with self._lock:
+            stream = torch.cuda.current_stream(device)
+            event = cuda_event()
+            event.record(stream)
+            self._last[stream] = event
+
+    def settle(self) -> None:
+        """Block until every write fenced so far has completed."""
+        with self._lock:
+            fences, self._last = list(self._last.values()), {}
+        for fence in fences:
+            fence.synchronize()
 
 
 def pinned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> Tensor:
@@ -231,6 +273,7 @@ class AcceleratorCopies:
         self._fetch_slot = _Slot()
         self._next = 0
         self._streams = SideStreams()
+        self._same_memory = StreamFences()
 
     def to_host(self, src: Tensor, after: Fence | None = None) -> Tensor:
         """``src`` readable on the host: ``src`` itself, or for CUDA memory its bytes in pinned staging.
@@ -250,11 +293,12 @@ class AcceleratorCopies:
         ``dst``'s dtype.
 
         From the host into CUDA memory the chunk is rounded into a pinned staging slot on the host and copied
-        asynchronously on this link's stream; it has landed after :meth:`settle`. Within one memory it is copied
-        at once.
+        asynchronously on this link's stream; it has landed after :meth:`settle`. Within one memory it is copied on
+        the calling thread's current stream, fenced there: it has landed after :meth:`settle` too.
         """
         if not on_cuda(dst) or dst.device == src.device:
             dst.copy_(src)
+            self._same_memory.note(dst.device)
             return
         slot = self._slots[self._next]
         self._next = (self._next + 1) % len(self._slots)
@@ -268,6 +312,7 @@ class AcceleratorCopies:
 
     def settle(self) -> None:
         """Block until every :meth:`put` so far has landed."""
+        self._same_memory.settle()
         for slot in self._slots:
             if slot.event is not None:
                 slot.event.synchronize()

@@ -30,3 +30,16 @@ def test_no_fence_without_cuda_work() -> None:
 def test_slots_are_checked(slots) -> None:
     with pytest.raises(ValueError, match=rf"`slots={slots}` must be at least 1"):
         AcceleratorCopies(slots=slots)
+
+
+def test_a_copy_within_one_memory_has_landed_when_settle_returns(asynchronous_host) -> None:
+    """A copy within the accelerator's memory is queued on the caller's stream, not done when ``put`` returns: the
+    link fences it there and ``settle`` waits for that fence, as it does for a copy through staging."""
+    link = AcceleratorCopies()
+    dst, src = torch.empty(8, dtype=torch.bfloat16), torch.randn(8)
+    link.put(dst, src)
+    recorded = [event for what, event in asynchronous_host if what == "record"]
+    assert recorded, "no fence after the copy within one memory"
+    link.settle()
+    assert ("wait", recorded[-1]) in asynchronous_host
+    assert torch.equal(dst, src.to(torch.bfloat16))

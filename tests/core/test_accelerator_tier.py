@@ -221,3 +221,23 @@ def test_on_cuda(tmp_path) -> None:
     finally:
         reference.close()
         tiered.close()
+
+
+def test_a_write_back_is_fenced_before_a_checkpoint_copies_or_the_memory_is_freed(asynchronous_host) -> None:
+    """The tier's write-backs are queued on the device threads' stream: a save's host copy (``stage``) and freeing
+    the memory (``discard``) wait for them first. Host memory here behaves as an accelerator's for fencing."""
+    state = AcceleratorStateFile("shard", 4096, torch.device("cpu"))
+    record = torch.arange(1024, dtype=torch.float32)
+    state.write_from(record, 0)  # a write-back, as a device thread makes one
+    written = [event for what, event in asynchronous_host if what == "record"]
+    assert written, "no fence after the write-back"
+    state.stage(copy=True)
+    assert ("wait", written[-1]) in asynchronous_host, "the checkpoint's copy did not wait for the write-back"
+    staged = torch.empty(1024, dtype=torch.float32)
+    MemoryStateFile.read_into(state._host, staged, 0)
+    assert torch.equal(staged, record)
+    state.unstage()
+    state.write_from(record, 0)
+    last = [event for what, event in asynchronous_host if what == "record"][-1]
+    state.discard()
+    assert asynchronous_host[-1] == ("wait", last), "the memory was freed under a write"

@@ -18,6 +18,9 @@ Invariants:
   sees a record mid-update, and the training thread never waits for it.
 - A checkpoint reads and writes a file through a host copy (:meth:`AcceleratorStateFile.stage`) made for the save or
   load and freed after it: host memory must hold the tier's state while a checkpoint is written or read.
+- Every write into a file (a write-back, the initial state, a load's copy back) is fenced on the stream that queued
+  it; staging a host copy and freeing the memory first wait for those fences, so a checkpoint right after set-up
+  copies the records written, and no write lands in freed memory.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lightning_smartinf.core.accelerator import cuda_event
+from lightning_smartinf.core.accelerator import StreamFences, record_fence
 from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.io.direct import StateFile
 from lightning_smartinf.core.streaming.device import EmulatedDevice
@@ -52,6 +55,7 @@ class AcceleratorStateFile(TensorStateFile):
         self.name, self.size, self.device = name, size, device
         self._bytes = torch.zeros(size, dtype=torch.uint8, device=device)
         self._host: MemoryStateFile | None = None
+        self._writes = StreamFences()
 
     @property
     def path(self) -> Path:  # type: ignore[override]
@@ -59,8 +63,13 @@ class AcceleratorStateFile(TensorStateFile):
             return self._host.path
         return Path(f"<{self.device} memory>") / self.name
 
+    def write_from(self, buf: Tensor, offset: int) -> None:
+        super().write_from(buf, offset)
+        self._writes.note(self.device)  # queued on the writing thread's stream: fenced for the readers of the file
+
     def stage(self, *, copy: bool) -> None:
         """Give :attr:`path` a host copy of the state (``copy=False``: of its size only, for a load to fill)."""
+        self._writes.settle()
         if self._host is None:
             self._host = MemoryStateFile(self.name, self.size)
         if copy:
@@ -74,11 +83,14 @@ class AcceleratorStateFile(TensorStateFile):
         try:
             if copy_back:
                 self.view(0, self.size).copy_(host.view(0, self.size))
+                self._writes.note(self.device)
+                self._writes.settle()  # landed before the host copy goes and the device threads read the state
         finally:
             host.discard()
 
     def discard(self) -> None:
         """Give the memory back; idempotent. Reads and writes fail afterwards."""
+        self._writes.settle()
         self._bytes = None
         self.unstage()
 
@@ -143,11 +155,9 @@ class AcceleratorDevice(EmulatedDevice):
 
     def run_compute(self, work: Callable[[], None]) -> None:
         work()
-        if self.torch_device.type == "cuda":
-            # Done before the chunk is: its write-back, a later read and the parameters copied out see it whole. The
-            # worker sleeps on the event rather than spinning a core the host's devices update with.
-            done = cuda_event()
-            done.record(torch.cuda.current_stream(self.torch_device))
+        # Done before the chunk is: its write-back, a later read and the parameters copied out see it whole. The
+        # worker sleeps on the event rather than spinning a core the host's devices update with.
+        if (done := record_fence(self.torch_device)) is not None:
             done.synchronize()
 
     def close(self, timeout: float | None = None) -> bool:
