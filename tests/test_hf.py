@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from launch import SCRIPTS, torchrun
 from lightning.pytorch.callbacks import ModelCheckpoint
 from models import max_relative_error
 from safetensors.torch import load_file
+from torch.overrides import TorchFunctionMode
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.export import consolidate_fp32_state_dict, export_pretrained
@@ -31,6 +34,7 @@ from lightning_smartinf.hf import (
     HFCausalLM,
     HFSequenceClassifier,
     SavePretrained,
+    SFTDataModule,
     TextDataModule,
     load_tokenizer,
 )
@@ -158,6 +162,59 @@ def test_gpt2_fp32_finetune_matches_torch_optim(tmp_path, gpt2_dir):
     assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda item: -item[1])[:4]
     start = without_key_bias(hf_weights(gpt2_dir))
     assert min(max_relative_error(reference, {k: start[k] for k in reference}).values()) > 1e-3
+
+
+class HostReads(TorchFunctionMode):
+    """Counts what reads a tensor's values on the host, called from this package's or Lightning's code (the modules'
+    own steps, logging): on a GPU, each read waits for every kernel queued before it. DeepSpeed's and transformers'
+    own reads (ZeRO-3 compares its parameter trace over the ranks until the trace is complete) are theirs."""
+
+    READS = {"item", "tolist", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__"}
+    OURS = (f"{os.sep}lightning_smartinf{os.sep}", f"{os.sep}lightning{os.sep}")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if getattr(func, "__name__", "") in self.READS:
+            caller = sys._getframe(1)
+            while caller is not None and f"{os.sep}torch{os.sep}" in caller.f_code.co_filename:
+                caller = caller.f_back
+            if caller is not None and any(part in caller.f_code.co_filename for part in self.OURS):
+                self.reads.append(f"{func.__name__} at {caller.f_code.co_filename}:{caller.f_lineno}")
+        return func(*args, **(kwargs or {}))
+
+
+class CountedCausalLM(HFCausalLM):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.host_reads: list[list[str]] = []
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        with HostReads() as counter:
+            loss = super().training_step(batch, batch_idx)
+        self.host_reads.append(counter.reads)
+        return loss
+
+
+def test_a_training_step_reads_nothing_on_the_host(tmp_path, gpt2_dir) -> None:
+    """The ready-made modules' training step (loss, logged loss, logged token count) reads no tensor on the host: on a
+    GPU such a read stalls the thread that launches the kernels on every micro-batch. The count stays available."""
+    module = CountedCausalLM(str(gpt2_dir), lr=3e-3)
+    # Padded prompt/response pairs: the batches carry an attention mask, whose ones are the tokens counted.
+    data = SFTDataModule(str(DATA / "python_docs_sft_train.jsonl"), max_length=64, batch_size=4, val_fraction=0.0,
+                         cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path / "state"], sub_group_size=20_000, chunk_size=4096)
+    counted = []
+
+    class CountTokens(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001, ANN201
+            counted.append(int(batch["attention_mask"].sum()))
+
+    trainer(strategy, 3, [CountTokens()], limit_val_batches=0, accumulate_grad_batches=2).fit(module, data)
+    assert len(module.host_reads) == 6 and not any(module.host_reads), module.host_reads
+    assert module.tokens_seen == sum(counted)
 
 
 @pytest.mark.multiprocess

@@ -80,7 +80,7 @@ class _HFModule(L.LightningModule):
         self.warmup_steps, self.scheduler_name, self.min_lr_ratio = warmup_steps, scheduler, min_lr_ratio
         self.gradient_checkpointing = gradient_checkpointing
         self.model: PreTrainedModel | None = None
-        self.tokens_seen = 0
+        self._tokens_seen: Tensor | int = 0
         # Kept out of the module tree so DeepSpeed never casts their states to the training dtype.
         self._metrics: dict[str, Any] = {}
 
@@ -176,11 +176,18 @@ class _HFModule(L.LightningModule):
         shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.scheduler_name == "cosine" else 1.0 - progress
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
 
+    @property
+    def tokens_seen(self) -> int:
+        """Tokens trained on so far by this rank (read on the host: a synchronisation, so not once per step)."""
+        return int(self._tokens_seen)
+
     def _log_tokens(self, batch: dict[str, Tensor]) -> None:
-        mask = batch.get("attention_mask")
-        tokens = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
-        self.tokens_seen += tokens
-        self.log("tokens", float(tokens), on_step=True, on_epoch=False, reduce_fx="sum", sync_dist=True)
+        # Counted on the batch's device: reading the count on the host here would stall the thread that launches
+        # the kernels (a host synchronisation on every micro-batch).
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        tokens = mask.sum() if mask is not None else torch.full((), ids.numel(), device=ids.device)
+        self._tokens_seen = self._tokens_seen + tokens
+        self.log("tokens", tokens.float(), on_step=True, on_epoch=False, reduce_fx="sum", sync_dist=True)
 
     def _metric(self, key: str, factory: Any, device: torch.device) -> Any:
         metric = self._metrics.get(key)
