@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import LMModule, adamw_factory, fit, max_relative_error  # noqa: E402
+from models import CaptureParams, LMModule, adamw_factory, fit, max_relative_error, token_loader  # noqa: E402
 
 from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
 from lightning_smartinf.activations import ActivationOffloader  # noqa: E402
@@ -324,6 +324,93 @@ def activations_zero3(device: str, out: Path) -> dict:
     return {}
 
 
+class LMWithValidation(LMModule):
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        tokens, targets = batch
+        loss = nn.functional.cross_entropy(self.model(tokens).float().flatten(0, 1), targets.flatten())
+        self.log("val_loss", loss)
+
+
+def checkpoint_resume(device: str, out: Path) -> dict:
+    """What users run: ``ModelCheckpoint(save_last=True)`` saving during training, a new trainer resuming from
+    ``last.ckpt`` (``fit(ckpt_path="last")``), and ``validate`` from the final checkpoint. The resumed run ends bit
+    for bit where the run that never stopped does; ``validate`` sees the saved masters."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_smartinf.export import consolidate_fp32_state_dict
+
+    # Saves every `epoch` steps, at an epoch's last batch: the resumed run starts the next epoch on the same batches.
+    # (Not `every_n_epochs`: Lightning replays a batch on resuming from a checkpoint saved at the epoch's end.)
+    epoch = 3
+
+    def trainer(name: str, steps: int, callbacks: list) -> L.Trainer:
+        return L.Trainer(
+            accelerator=device, devices=1, strategy=strategy(out, name), precision="bf16-mixed", max_steps=steps,
+            logger=False, enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+            limit_val_batches=0, callbacks=callbacks, enable_checkpointing=any(isinstance(c, ModelCheckpoint)
+            for c in callbacks),
+        )  # fmt: skip
+
+    whole = CaptureParams()
+    trainer("whole", 2 * epoch, [whole]).fit(LMWithValidation(adamw), token_loader(epoch))
+    saves = ModelCheckpoint(dirpath=out / "ckpts", save_last=True, every_n_train_steps=epoch)
+    trainer("first", epoch, [saves]).fit(LMWithValidation(adamw), token_loader(epoch))
+    resumed = CaptureParams()
+    again = ModelCheckpoint(dirpath=out / "ckpts", save_last=True, every_n_train_steps=epoch)
+    trainer("resumed", 2 * epoch, [resumed, again]).fit(
+        LMWithValidation(adamw), token_loader(epoch), ckpt_path=out / "ckpts" / "last.ckpt"
+    )
+    identical(resumed.params, whole.params)
+
+    evaluator = L.Trainer(accelerator=device, devices=1, strategy=strategy(out, "eval"), logger=False)
+    (validated,) = evaluator.validate(
+        LMWithValidation(adamw, seed=7), token_loader(2), ckpt_path=out / "ckpts" / "last.ckpt", verbose=False
+    )
+    plain = LMWithValidation(adamw)
+    plain.load_state_dict(consolidate_fp32_state_dict(out / "ckpts" / "last.ckpt"))
+    plain = plain.to(device)
+    with torch.no_grad():
+        losses = [
+            nn.functional.cross_entropy(plain.model(t.to(device)).float().flatten(0, 1), y.to(device).flatten())
+            for t, y in token_loader(2)
+        ]
+    expected = float(torch.stack(losses).mean())
+    assert abs(validated["val_loss"] - expected) <= tolerance(device) * abs(expected), (validated["val_loss"], expected)
+    return {"val_loss": validated["val_loss"], "plain_val_loss": expected, "checkpoints": sorted(
+        path.name for path in (out / "ckpts").iterdir())}  # fmt: skip
+
+
+def stream_hazards(device: str, out: Path) -> dict:
+    """Work queued on one stream and read from another, each made late (``torch.cuda._sleep``) so that a missing
+    fence shows: a copy within GPU memory (``AcceleratorCopies.put``) read after ``settle``; an accelerator-tier
+    write-back copied to the host by a checkpoint's staging right after it."""
+    from lightning_smartinf.core.tiers.accelerator import AcceleratorStateFile
+
+    n = 1 << 20
+    src = torch.randn(n, device=device)
+    late = torch.cuda.Stream()
+    link = AcceleratorCopies()
+    dst = torch.zeros(n, dtype=torch.bfloat16, device=device)
+    with torch.cuda.stream(late):
+        late.wait_stream(torch.cuda.current_stream())
+        torch.cuda._sleep(DELAY_CYCLES)
+        link.put(dst, src)
+    link.settle()
+    assert torch.equal(dst.cpu(), src.cpu().bfloat16()), "a copy within GPU memory had not landed at settle"
+
+    state = AcceleratorStateFile("shard", n * 4, torch.device(device))
+    with torch.cuda.stream(late):
+        late.wait_stream(torch.cuda.current_stream())
+        torch.cuda._sleep(DELAY_CYCLES)
+        state.write_from(src, 0)  # a write-back, queued on a device thread's stream
+    state.stage(copy=True)
+    staged = torch.empty(n, dtype=torch.float32)
+    state._host.read_into(staged, 0)
+    assert torch.equal(staged, src.cpu()), "a checkpoint copied the tier's state before its write-back landed"
+    state.discard()
+    return {}
+
+
 # ------------------------------------------------------------------------------------------------ two GPUs
 
 
@@ -427,6 +514,8 @@ CHECKS: dict[str, Check] = {
     "compression_host_buffer": Check(compression_host_buffer),
     "accelerator_tier": Check(accelerator_tier, on_cpu=False),
     "activations_zero3": Check(activations_zero3),
+    "checkpoint_resume": Check(checkpoint_resume),
+    "stream_hazards": Check(stream_hazards, on_cpu=False),
     "one_gpu": Check(one_gpu),
     "two_gpus": Check(two_gpus, gpus=2, after="one_gpu"),
     "overflow_on_one_rank": Check(overflow_on_one_rank, gpus=2, verify=same_on_every_rank),
