@@ -123,6 +123,8 @@ class SmartUpdateMonitor(Callback):
     - ``smartinf/early_kept``, ``smartinf/early_rolled_back``: sub-groups that devices updated during
       backward (``overlap_backward``) and the step kept, or rolled back (clipping, a skipped step, a changed
       learning rate) and redid;
+    - ``smartinf/speculating``: 1 while backward hands sub-groups off, 0 while a recent miss (clipping fired, the
+      loss scale or learning rate changed after backward) has the steps update once, after backward;
     - ``smartinf/prefetch_used_bytes``: state the devices read ahead while they had nothing to update
       (``prefetch_state``) and this step's updates used.
     """
@@ -150,6 +152,8 @@ class SmartUpdateMonitor(Callback):
                 totals[f"device{device.index}_{name}_ms"] = getattr(device, f"{name}_s") * 1e3
         if stats.devices:
             totals["pool_utilisation"] = max(d.pool_peak_in_use / max(1, d.pool_size) for d in stats.devices)
+        if strategy.settings.overlap:
+            totals["speculating"] = float(smart_update.speculating)
         return totals, stats.traffic
 
     @override
@@ -166,8 +170,9 @@ class SmartUpdateMonitor(Callback):
         delta, self._traffic = traffic - self._traffic, traffic
         metrics = {f"smartinf/{name}": float(value) for name, value in delta.as_dict().items()}
         for name, value in totals.items():
-            # Pool utilisation is a peak over the step, not a running total.
-            metrics[f"smartinf/{name}"] = value if name == "pool_utilisation" else value - self._last.get(name, 0.0)
+            # Pool utilisation (a peak over the step) and speculating (a state) are not running totals.
+            levels = ("pool_utilisation", "speculating")
+            metrics[f"smartinf/{name}"] = value if name in levels else value - self._last.get(name, 0.0)
         self._last = totals
         strategy = _smart_strategy(trainer, "SmartUpdateMonitor")
         if strategy.settings.compression is not None:

@@ -190,6 +190,49 @@ class NonFiniteAtStep(LMModule):
         return loss * float("inf") if batch_idx == self.bad_batch else loss
 
 
+class StepTraffic(L.Callback):
+    """Each step's storage bytes (read, written), as the monitor logs them."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int]] = []
+        self._last = None
+
+    def on_train_batch_end(self, trainer, *_) -> None:
+        traffic = trainer.strategy.traffic
+        if self._last is not None:
+            delta = traffic - self._last
+            self.steps.append((delta.storage_read_bytes, delta.storage_write_bytes))
+        self._last = traffic
+
+
+@pytest.mark.parametrize(
+    ("clip", "fires"), [(None, False), (1e6, False), (1e-3, True)], ids=["no-clipping", "never-fires", "fires-always"]
+)
+def test_clipping_costs_no_second_pass_over_the_state(tmp_path, clip, fires):
+    """A hand-off during backward speculates that the step will not clip; a miss redoes the update (a second pass
+    over the state, 48 B/param). Where clipping fires on every step, only the first step pays it: every later step
+    moves the state's bytes once (24 B/param for Adam), as without overlap. Where it never fires, every step is
+    handed off and kept, as before. Exact byte counts (the state's records padded to whole blocks)."""
+    steps = 6
+    module = LMModule(adamw, dim=64)
+    numel = sum(p.numel() for p in module.parameters())
+    probe = StepTraffic()
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=4096, chunk_size=2048)
+    trainer, _ = fit(module, strategy, steps=steps, clip=clip, callbacks=[probe])
+    smart_update = trainer.strategy.smart_update
+    state = 12 * sum(s.layout.padded_len(k) for s in smart_update.backend.shards for k in range(s.layout.num_chunks))
+    redone = 1 if fires else 0  # the first step's hand-offs, rolled back and redone
+    traffic = trainer.strategy.traffic
+    assert traffic.storage_write_bytes == state * (1 + steps + redone)  # the initial state, then each pass
+    assert traffic.link_write_bytes == 4 * numel * (1 + steps + redone)
+    # Steps 2..6 (the probe sees deltas from the end of step 1): one pass over the state each, written once.
+    assert [written for _, written in probe.steps] == [state] * (steps - 1)
+    groups = len(smart_update.sub_groups)
+    expected = (0, groups) if fires else (steps * groups, 0)
+    assert (smart_update.early_kept, smart_update.early_rolled_back) == expected
+    assert trainer.callback_metrics["smartinf/speculating"] == (0.0 if fires else 1.0)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
 def test_non_finite_gradients_skip_the_step_and_leave_device_state_untouched(tmp_path, overlap):
     class Probe(L.Callback):

@@ -18,6 +18,11 @@ Invariants:
   as a *tentative* update, with the hyperparameters as they stand and no clipping. :meth:`SmartUpdate.step` keeps it
   only if it is exactly the update the step would submit (same hyperparameters and scale, no gradient reduced again);
   otherwise it is rolled back and redone, so the result is always the one a step without hand-off gives.
+- A hand-off is a speculation that the step will not clip or rescale, and a miss costs a second pass over the state.
+  So a backward hands off only while that speculation has held recently (:class:`_Speculation`): a miss stops it
+  for twice as many steps as the last one did (up to :data:`MAX_PAUSE`), and a step that does not hand off updates
+  once, after backward, moving the state's bytes once. A sub-group whose gradient was reduced again after its
+  hand-off (a parameter used twice in one backward, tied weights) is never handed off again.
 """
 
 from __future__ import annotations
@@ -138,6 +143,9 @@ COPY_BLOCK = 16 << 20
 
 #: Steps between two checks of the devices' measured rates against their placement (:meth:`Backend.replan`).
 REPLAN_EVERY = 10
+#: The most steps a missed speculation stops hand-offs for (:class:`_Speculation`): after it, one more miss at most
+#: every ``MAX_PAUSE + 1`` steps, a second pass over the state at most once in that many steps.
+MAX_PAUSE = 64
 
 
 def _group_hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
@@ -196,6 +204,7 @@ class SmartUpdate:
         self.early_kept = 0
         self.early_rolled_back = 0
         self._hand_offs = _HandOffs(len(self.sub_groups))
+        self._speculation = _Speculation()
         offsets = [0]
         for sub_group in self.sub_groups:
             offsets.append(offsets[-1] + sub_group.numel)
@@ -263,6 +272,11 @@ class SmartUpdate:
         return self.backend.assignment
 
     @property
+    def speculating(self) -> bool:
+        """Whether the next backward hands sub-groups off (see the module's invariants)."""
+        return self._speculation.on
+
+    @property
     def hand_offs(self) -> list[int]:
         """Sub-groups handed to their devices during the current backward, not yet kept or rolled back by a step."""
         return sorted(self._hand_offs.early)
@@ -295,9 +309,17 @@ class SmartUpdate:
 
         ``expected()`` lists, per sub-group, the parameters with gradient elements on this rank.
         """
+        grad_scale = 1.0 / self.partitions.loss_scale  # the step's own scale unless it clips or rescales
+        if self._hand_offs.taken is None:  # what a hand-off of this backward takes, to judge the speculation by
+            self._hand_offs.taken = self._hyperparameters(grad_scale)
+        complete = self._hand_offs.ready(expected)
+        if not self._speculation.on:
+            return
         # A normalised update needs the step's whole gradient for its second moment: those shards wait for the step.
         ready = [
-            i for i in self._hand_offs.ready(expected) if self.backend.takes_hand_off(i) and i not in self._normalised
+            i
+            for i in complete
+            if self.backend.takes_hand_off(i) and i not in self._normalised and i not in self._hand_offs.reduced_twice
         ]
         staged = self.partitions.staged_limit
         if staged is not None:  # each hand-off holds a staging buffer until the step
@@ -305,7 +327,6 @@ class SmartUpdate:
         if not ready:
             return
         fence = self.partitions.gradient_fence()  # devices read the gradient from other threads
-        grad_scale = 1.0 / self.partitions.loss_scale  # the step's own scale unless it clips or rescales
         for i in ready:
             steps = self.group_steps.get(self.sub_groups[i].param_group, 0) + 1
             hp = self.step_params(i, steps, grad_scale)
@@ -336,13 +357,20 @@ class SmartUpdate:
             self._release_residual()
 
     def skip_step(self) -> None:
-        """The step is skipped (overflow): undo this backward's hand-offs; device state stays as it was."""
-        early, _ = self._hand_offs.take()
-        self._roll_back(sorted(early), restore_params=True)
+        """The step is skipped (overflow): undo this backward's hand-offs; device state stays as it was. A hand-off
+        would not have stood: the speculation missed."""
+        if self._hand_offs.taken is not None:
+            self._speculation.judge(held=False)
+        self.discard_early()
+
+    def _hyperparameters(self, grad_scale: float) -> list[StepParams]:
+        """Each param group's hyperparameters as they stand, with ``grad_scale`` (the step count aside)."""
+        return [step_params(group, step=0, grad_scale=grad_scale) for group in self.optimizer.param_groups]
 
     def discard_early(self) -> None:
         """Roll back hand-offs of a backward that no step followed (the parameters go back as they were)."""
-        self.skip_step()
+        early, _ = self._hand_offs.take()
+        self._roll_back(sorted(early), restore_params=True)
 
     def step(self, grad_scale: float) -> None:
         """Update every sub-group with its gradient times ``grad_scale`` (loss scale and clipping folded in).
@@ -357,6 +385,7 @@ class SmartUpdate:
         """
         started = time.perf_counter()
         ready = {i: started - at for i, at in self._hand_offs.ready_at.items()}
+        taken = self._hand_offs.taken
         early, stale = self._hand_offs.take()
         for group in {s.param_group for s in self.sub_groups}:
             self.group_steps[group] = self.group_steps.get(group, 0) + 1
@@ -369,6 +398,8 @@ class SmartUpdate:
         }
         self._roll_back(sorted(set(early) - set(kept_early)), restore_params=False)
         self.early_kept += len(kept_early)
+        if taken is not None:  # a backward that could hand off: did (or would) its hand-offs stand?
+            self._speculation.judge(held=ratio is None and taken == self._hyperparameters(grad_scale))
         # Hand-offs the step undid hid nothing behind backward: the update ran after it.
         self.backend.note_backward(ready if len(kept_early) == len(early) else {})
         staged = self.partitions.staged_limit
@@ -672,6 +703,32 @@ class SmartUpdate:
             self.group_steps[sub_group.param_group] = 0
 
 
+class _Speculation:
+    """Whether backward hands sub-groups off: a speculation that the step will neither clip nor rescale.
+
+    It is judged after every step that could hand off (whether a hand-off would have stood), and it is on while the
+    steps since the last miss are at least :attr:`pause`. Each miss doubles the pause (1, 2, 4, ... up to
+    :data:`MAX_PAUSE`), so a run that clips every step misses once, then updates after backward like
+    ``overlap_backward=False``; a run that never clips never stops; any other pattern misses at most once per
+    ``pause + 1`` steps, a number that only grows.
+    """
+
+    def __init__(self) -> None:
+        self.pause = 0
+        self.held_since_miss = 0
+
+    @property
+    def on(self) -> bool:
+        return self.held_since_miss >= self.pause
+
+    def judge(self, *, held: bool) -> None:
+        if held:
+            self.held_since_miss += 1
+        else:
+            self.held_since_miss = 0
+            self.pause = min(MAX_PAUSE, max(1, 2 * self.pause))
+
+
 class _HandOffs:
     """Which sub-groups backward has completed and handed off, and which of those were reduced again since."""
 
@@ -680,6 +737,11 @@ class _HandOffs:
         self.early: dict[int, tuple[Handle, StepParams]] = {}
         # Sub-groups whose gradient was reduced again after their hand-off (their update is stale).
         self.stale: set[int] = set()
+        # Sub-groups ever found stale: a parameter reduced twice in one backward is so in every backward.
+        self.reduced_twice: set[int] = set()
+        # The hyperparameters of each param group a hand-off of this backward takes (``None`` until backward
+        # completes a sub-group).
+        self.taken: list[StepParams] | None = None
         self.reduced_params: list[set[Hashable]] = [set() for _ in range(sub_groups)]
         # Sub-groups with a gradient partition reduced since the last bucket ended.
         self.touched: set[int] = set()
@@ -713,6 +775,8 @@ class _HandOffs:
         """This backward's tentative updates and the stale ones among them; resets the bookkeeping."""
         early, self.early = self.early, {}
         stale, self.stale = self.stale, set()
+        self.reduced_twice |= stale
+        self.taken = None
         self.ready_at.clear()
         for reduced in self.reduced_params:
             reduced.clear()
