@@ -229,6 +229,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         self.clocks = PhaseClocks()
         #: What ``ModelCheckpoint`` keeps, to free what its rotation deletes before a save that needs the room.
         self.rotation = strategy_checkpoints.Rotation()
+        #: Warns early when a checkpoint folder has less room than the next save needs.
+        self.room_watch = strategy_checkpoints.RoomWatch()
         super().__init__(config=config, **{name: arguments[name] for name in LIGHTNING})
 
     _smart_update: SmartUpdate | None = None  # the run's controller and backend (None before set-up)
@@ -412,6 +414,15 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         super().on_train_start()
         if (module := self.lightning_module) is not None:
             self.rotation.remember(module.trainer)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        module = self.lightning_module
+        if module is not None and self.is_global_zero and self.has_smart_update:
+            # Every rank's state is about the same size: no collective for a warning.
+            needed = self.smart_update.backend.checkpoint_bytes() * self.world_size + strategy_checkpoints.SAVE_MARGIN
+            self.room_watch.check(module.trainer, needed)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:

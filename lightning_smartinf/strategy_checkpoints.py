@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -114,39 +115,101 @@ def save(
 SAVE_MARGIN = 1 << 20
 
 
-class Rotation:
-    """Which checkpoints ``ModelCheckpoint`` deletes right after the save under way.
+@dataclass(frozen=True)
+class _Kept:
+    """What one ``ModelCheckpoint`` keeps: its ``last`` checkpoint, its best, its top k (absolute paths)."""
 
-    Lightning's ``ModelCheckpoint`` drops a checkpoint from what it keeps (the ``save_top_k`` best, the best, the
-    last), saves the new one, and only then deletes the dropped one; a save over an existing name (``last.ckpt``)
-    replaces it once the new one is complete. So a rotating run needs room for one checkpoint more than it keeps.
-    Comparing what the callbacks keep now with what they kept at the end of the previous save names the dropped
-    ones without reaching into the callbacks' internals.
+    last: Path | None
+    best: Path | None
+    top_k: frozenset[Path]
+
+    @classmethod
+    def of(cls, callback: ModelCheckpoint) -> _Kept:
+        return cls(_absolute(callback.last_model_path), _absolute(callback.best_model_path),
+                   frozenset(Path(os.path.abspath(path)) for path in callback.best_k_models))  # fmt: skip
+
+
+class Rotation:
+    """Which checkpoints ``ModelCheckpoint`` will certainly delete right after the save under way, judged from each
+    callback's documented settings.
+
+    After a save, and only inside its ``dirpath`` and never the checkpoint the run resumed from, ``ModelCheckpoint``
+    deletes:
+
+    - with ``save_top_k=1`` and no ``monitor``: the checkpoint it saved before, when the new one has another name;
+    - with a ``monitor`` and ``save_top_k=k > 0``: the k-th best, when it keeps k already and the new one enters them;
+    - with ``save_last``: the previous ``last`` checkpoint, when the new one has another name.
+
+    ``save_top_k=-1`` deletes nothing, and a save no callback is making now (``trainer.save_checkpoint``) makes
+    nothing obsolete. A rotating run needs room for one checkpoint more than it keeps; these are the only ones a
+    save may remove before it, instead of after it, to make that room.
     """
 
     def __init__(self) -> None:
-        self._kept: frozenset[Path] = frozenset()
+        self._before: dict[int, _Kept] = {}
 
     def remember(self, trainer: pl.Trainer) -> None:
-        """Note what the trainer's checkpoint callbacks keep now (at the start of training, after every save)."""
-        self._kept = frozenset(kept_checkpoints(trainer))
+        """Note what each checkpoint callback keeps now (at the start of training, after every save)."""
+        self._before = {id(callback): _Kept.of(callback) for callback in _model_checkpoints(trainer)}
 
-    def dropped(self, trainer: pl.Trainer) -> list[Path]:
-        """The checkpoints kept at the last :meth:`remember` that the callbacks no longer keep and will delete: those
-        that still exist, inside a callback's ``dirpath``, other than the one the run resumed from (which
-        ``ModelCheckpoint`` never deletes)."""
-        now = kept_checkpoints(trainer)
-        folders = [
-            Path(os.path.abspath(callback.dirpath))
-            for callback in trainer.checkpoint_callbacks
-            if isinstance(callback, ModelCheckpoint) and callback.dirpath
-        ]
-        resumed = Path(os.path.abspath(trainer.ckpt_path)) if trainer.ckpt_path else None
-        return sorted(
-            path
-            for path in self._kept - now
-            if os.path.lexists(path) and path != resumed and any(folder in path.parents for folder in folders)
-        )
+    def dropped(self, trainer: pl.Trainer, target: Path) -> list[Path]:
+        """The checkpoints a callback will delete right after saving ``target`` (see the class), that exist, that no
+        callback keeps otherwise, and other than the one the run resumed from."""
+        target = Path(os.path.abspath(target))
+        resumed = _absolute(trainer.ckpt_path)
+        kept = kept_checkpoints(trainer)
+        doomed: set[Path] = set()
+        for callback in _model_checkpoints(trainer):
+            before = self._before.get(id(callback))
+            if before is None or not callback.dirpath:
+                continue
+            folder = Path(os.path.abspath(callback.dirpath))
+            doomed |= {path for path in _deleted_after(callback, before, target) if folder in path.parents}
+        return sorted(path for path in doomed if os.path.lexists(path) and path != resumed and path not in kept)
+
+
+class RoomWatch:
+    """Warns once per checkpoint folder, as soon as its free space falls below what the next save needs: a disk that
+    fills while training goes on is noticed before it costs a checkpoint, not at the save."""
+
+    def __init__(self) -> None:
+        self._warned: set[Path] = set()
+
+    def check(self, trainer: pl.Trainer, needed: int) -> None:
+        """Compare each checkpoint callback's folder's free space with ``needed`` bytes (one save of every rank)."""
+        for callback in _model_checkpoints(trainer):
+            if not callback.dirpath or callback.save_top_k == 0 and not callback.save_last:
+                continue
+            folder = Path(os.path.abspath(callback.dirpath))
+            if folder in self._warned or (free := _free_bytes(folder / "next")) >= needed:
+                continue
+            self._warned.add(folder)
+            rank_zero_warn(
+                f"The checkpoint folder {str(folder)!r} has {readable_size(free)} free, less than its next save needs "
+                f"({readable_size(needed)}: the optimizer state of every rank, plus DeepSpeed's files). That save "
+                "will be refused, unless the callback rotates and what it deletes right after the save frees enough. "
+                "Free space there now, or save elsewhere."
+            )
+
+
+def _deleted_after(callback: ModelCheckpoint, before: _Kept, target: Path) -> set[Path]:
+    """What ``callback`` deletes right after it saves ``target`` (nothing when the save is not its own)."""
+    now = _Kept.of(callback)
+    if callback.save_last and now.last == target:  # its `last` checkpoint
+        return {before.last} if before.last not in (None, target) else set()
+    if callback.monitor is None and callback.save_top_k == 1 and now.best == target:
+        return {before.best} if before.best not in (None, target) else set()
+    if callback.monitor is not None and callback.save_top_k > 0 and target in now.top_k:
+        return set(before.top_k - now.top_k)  # the k-th best it let go for this one
+    return set()
+
+
+def _model_checkpoints(trainer: pl.Trainer) -> list[ModelCheckpoint]:
+    return [callback for callback in trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)]
+
+
+def _absolute(path: str | os.PathLike | None) -> Path | None:
+    return Path(os.path.abspath(path)) if path else None
 
 
 def kept_checkpoints(trainer: pl.Trainer) -> set[Path]:
@@ -199,7 +262,7 @@ def _make_room_on_rank_zero(
     standing: list[Path] = []
     if module is not None:
         trainer = module.trainer
-        obsolete = strategy.rotation.dropped(trainer)
+        obsolete = strategy.rotation.dropped(trainer, target)
         if os.path.isdir(target) and not os.path.islink(target) and target not in obsolete:
             obsolete.append(target)
         gone = {path.resolve() for path in obsolete}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
-from machine import lacking, reflink_xfs, tmpfs
+from machine import lacking, reflink_xfs, small_ext4, tmpfs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,6 +58,13 @@ def small_fs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
     unmounted at its end (:func:`machine.tmpfs`)."""
     with contextlib.ExitStack() as mounted:
         yield lambda size, name="small": mounted.enter_context(tmpfs(tmp_path / name, size))
+
+
+@pytest.fixture
+def ext4_fs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """``ext4_fs("24m")``: a loop-mounted ext4 of that size of this test's own (:func:`machine.small_ext4`)."""
+    with contextlib.ExitStack() as mounted:
+        yield lambda size, name="ext4": mounted.enter_context(small_ext4(tmp_path / name, size))
 
 
 @pytest.fixture

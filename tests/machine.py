@@ -83,6 +83,36 @@ def reflink_xfs(directory: Path, size: str = "400m") -> Iterator[Path]:
         image.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def small_ext4(directory: Path, size: str) -> Iterator[Path]:
+    """An ext4 of ``size`` with no blocks reserved for root (the tests run as root: a reserve would let them write
+    past the free space ``statvfs`` reports), in a sparse image beside ``directory`` and loop-mounted on it (mode
+    0700), unmounted and deleted afterwards. Needs root, ``mkfs.ext4`` (e2fsprogs) and loop devices."""
+    directory.mkdir(parents=True, exist_ok=True)
+    image = directory.with_name(directory.name + ".ext4.img")
+    steps = (
+        ["truncate", "-s", size, str(image)],
+        ["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=0,lazy_journal_init=0", str(image)],
+        ["mount", "-o", "loop", str(image), str(directory)],
+    )
+    for command in steps:
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            image.unlink(missing_ok=True)
+            lacking(f"a loop-mounted ext4 needs {command[0]} (e2fsprogs, util-linux) and root ({exc})")
+        if done.returncode != 0:
+            image.unlink(missing_ok=True)
+            lacking(f"a loop-mounted ext4 needs root and loop devices: {' '.join(command)}: {done.stderr.strip()}")
+    try:
+        directory.chmod(0o700)
+        (directory / "lost+found").rmdir()
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], capture_output=True, timeout=60)
+        image.unlink(missing_ok=True)
+
+
 def aio_op() -> tuple[object, object]:
     """``lightning_smartinf.zero.aio`` and DeepSpeed's async_io op, loaded (set-up installs libaio and builds it)."""
     from lightning_smartinf.zero import aio
