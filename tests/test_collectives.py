@@ -120,6 +120,7 @@ def test_a_checkpoint_save_collects_on_the_rank_device(tmp_path) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # the save's collective, the one that crashed, is checked in the main suite on one rank
 def test_two_ranks_collect_on_the_rank_device(tmp_path) -> None:
     """Two ranks launched by Lightning: a save, the link-overflow agreement of error feedback, and the masters read
     over the ranks (``save_pretrained``, export during training), each collective on the rank's device."""

@@ -64,6 +64,7 @@ COVERED_ON_CPU = {
     "compression_host_buffer",
     "activations_zero3",
     "two_gpus",  # test_multirank trains two gloo ranks against one
+    "checkpoint_resume",  # test_checkpoint, test_checkpoint_workflows; the save's collective: test_collectives
 }
 
 
