@@ -92,7 +92,7 @@ def test_every_method_is_refused_without_the_token(server, authorization) -> Non
     try:
         for method in METHODS:
             call = _stream(channel, method)(iter([header_frame()]), metadata=metadata, timeout=PROMPT_S)
-            assert _status(call) == grpc.StatusCode.UNAUTHENTICATED, method
+            assert _status(call) == grpc.StatusCode.UNIMPLEMENTED, method  # refused before it is looked up
     finally:
         channel.close()
 
@@ -111,10 +111,41 @@ def test_stalled_calls_without_the_token_do_not_delay_an_authorised_one(server) 
         stalled = [_stream(stranger, method)(never(), timeout=60) for method in ("Hello", "Open", "Control") * 4]
         client = _client(server)  # greets the server (Hello), within its device timeout
         client.close()
-        assert all(_status(call) == grpc.StatusCode.UNAUTHENTICATED for call in stalled)
+        assert all(_status(call) == grpc.StatusCode.UNIMPLEMENTED for call in stalled)
     finally:
         release.set()
         stranger.close()
+
+
+def test_calls_without_the_token_take_no_call_slot_while_the_workers_are_busy(tmp_path) -> None:
+    """Both workers busy with a token holder's calls, and ten calls without the token arriving: those are ended at
+    once, taking none of the server's six call slots, and a trainer's first contact waits for a worker and is
+    served (it was refused with ``RESOURCE_EXHAUSTED`` when refusals counted as calls)."""
+    server = ServerProcess(
+        [tmp_path / "root"],
+        write_token(tmp_path / "token", TOKEN),
+        extra=["--workers", "2", "--max-calls", "6", "--call-timeout-s", "3"],
+    ).start()
+    release = threading.Event()
+
+    def never() -> Iterator[Frame]:
+        release.wait(60)
+        yield from ()
+
+    busy, stranger = _channel(server.address), _channel(server.address, credentials=False)
+    try:
+        held = [_stream(busy, "Open")(never(), timeout=60) for _ in range(2)]
+        time.sleep(0.5)  # each holds a worker, reading its request
+        strangers = [_stream(stranger, method)(never(), timeout=60) for method in METHODS + METHODS[:1]]
+        client = _client(server)  # greets the server once a worker is free (the server ends the held calls)
+        client.close()
+        assert all(_status(call) == grpc.StatusCode.UNIMPLEMENTED for call in strangers)
+        assert all(_status(call) == grpc.StatusCode.CANCELLED for call in held)
+    finally:
+        release.set()
+        busy.close()
+        stranger.close()
+        server.stop()
 
 
 def test_stalled_calls_with_the_token_are_bounded_and_ended_by_the_server(tmp_path) -> None:
@@ -149,6 +180,52 @@ def test_stalled_calls_with_the_token_are_bounded_and_ended_by_the_server(tmp_pa
                 if "RESOURCE_EXHAUSTED" not in str(exc) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+    finally:
+        release.set()
+        channel.close()
+        server.stop()
+
+
+def _steps(client: RemoteBackend, steps: int = 3) -> torch.Tensor:
+    """Open, initialize and update one shard ``steps`` times with seeded gradients; its masters after them."""
+    generator = torch.Generator().manual_seed(0)
+    client.open(SPECS)
+    client.initialize(0, torch.randn(CHUNK, generator=generator))
+    out = torch.empty(CHUNK, dtype=torch.bfloat16)
+    for step in range(1, steps + 1):
+        grad = torch.randn(CHUNK, generator=generator).bfloat16()
+        client.result(client.submit(0, grad, StepParams(step=step, lr=1e-2), out, link_dtype=torch.bfloat16))
+    masters = torch.empty(CHUNK)
+    client.read_master(0, masters)
+    client.wait()
+    client.close()
+    return masters
+
+
+def test_a_busy_moment_is_retried_and_the_run_ends_as_without_it(tmp_path) -> None:
+    """Every call slot of the server taken by a token holder's stalled calls when a trainer starts: its calls are
+    refused (``RESOURCE_EXHAUSTED``) until the server ends the stalled ones (2 s), and the trainer retries them with
+    backoff instead of failing; its updates end bit for bit as on an idle server."""
+    server = ServerProcess(
+        [tmp_path / "root"],
+        write_token(tmp_path / "token", TOKEN),
+        extra=["--workers", "4", "--max-calls", "4", "--call-timeout-s", "2"],
+    ).start()
+    release = threading.Event()
+
+    def never() -> Iterator[Frame]:
+        release.wait(60)
+        yield from ()
+
+    channel = _channel(server.address)
+    try:
+        reference = _steps(_client(server))
+        stalled = [_stream(channel, "Open")(never(), timeout=60) for _ in range(4)]
+        time.sleep(0.5)  # each holds a slot
+        busy_at_start = _stream(channel, "Control")(iter([header_frame(session="x", op="wait")]), timeout=PROMPT_S)
+        assert _status(busy_at_start) == grpc.StatusCode.RESOURCE_EXHAUSTED  # (a channel without retries)
+        assert torch.equal(_steps(_client(server)), reference)
+        assert all(_status(call) == grpc.StatusCode.CANCELLED for call in stalled)
     finally:
         release.set()
         channel.close()

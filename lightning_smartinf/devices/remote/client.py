@@ -120,6 +120,28 @@ def channel_credentials(address: str, token: str, tls: TlsFiles | None, allow_pl
     return None
 
 
+#: How gRPC retries a call a server refused for a busy moment: all its call slots taken, a session's updates in
+#: flight at its cap (``RESOURCE_EXHAUSTED``), or a connection lost before the reply began (``UNAVAILABLE``). gRPC
+#: retries only a call whose reply has not begun and whose request it still holds (its retry buffer), after a
+#: jittered exponential backoff (0.2 s, doubling, at most 5 s): :data:`RETRY_ATTEMPTS` tries over at most about
+#: 10 s, then the call fails and names the server and what it refused.
+RETRY_ATTEMPTS = 5
+RETRY_POLICY = {
+    "methodConfig": [
+        {
+            "name": [{"service": SERVICE}],
+            "retryPolicy": {
+                "maxAttempts": RETRY_ATTEMPTS,
+                "initialBackoff": "0.2s",
+                "maxBackoff": "5s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["RESOURCE_EXHAUSTED", "UNAVAILABLE"],
+            },
+        }
+    ]
+}
+
+
 class _Server:
     """One server: its channel, stubs, identity, session and the shards it holds for this rank."""
 
@@ -136,6 +158,8 @@ class _Server:
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", json.dumps(RETRY_POLICY)),
         ]
         credentials = channel_credentials(address, token, tls, allow_plaintext)
         if credentials is None:  # plain gRPC, asked for: the token travels as metadata, in clear
@@ -212,8 +236,12 @@ class _Server:
             reason = "is unreachable: it was stopped, or the network is down"
         elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
             reason = f"did not answer within device_timeout_s={self.timeout} s (a stalled network or server)"
-        elif code == grpc.StatusCode.UNAUTHENTICATED:
-            reason = "refused the token: check `remote_token_file` against the server's `--token-file`"
+        elif code == grpc.StatusCode.UNAUTHENTICATED or code == grpc.StatusCode.UNIMPLEMENTED and what == FIRST_CONTACT:
+            # A server refuses a call without its token before looking it up: the call ends UNIMPLEMENTED.
+            reason = (
+                "refused the token: check `remote_token_file` against the server's `--token-file` (or the address "
+                "is not a smartinf device server)"
+            )
         else:
             reason = f"failed ({code.name if code else 'error'}): {details}"
         return StorageError(f"The {name} {reason}, during {what}.")

@@ -8,8 +8,9 @@ on-disk and checkpoint formats as on the trainer's own machine.
 Invariants:
 
 - A call is authenticated before anything of it is read: :class:`TokenCheck` looks at its metadata when gRPC looks
-  up its handler, and a call without ``authorization: Bearer <token>`` (compared in constant time) gets a handler
-  that reads nothing and ends it with ``UNAUTHENTICATED``. Refusals are logged at most once per
+  up its handler, and a call without ``authorization: Bearer <token>`` (compared in constant time) gets no handler:
+  gRPC ends it in its polling thread (``UNIMPLEMENTED``), before it takes a worker thread or a call slot, so callers
+  without the token cannot crowd out a trainer however many they send. Refusals are logged at most once per
   :data:`REFUSAL_LOG_EVERY_S`, with how many there were.
 - What a client may take is decided here (:class:`ServerLimits`): sessions, shards per session and their size, each
   session's transfer pool and I/O threads, its state on disk, the bytes of all updates in flight together, and how
@@ -145,19 +146,19 @@ class _Budget:
 
 
 class TokenCheck(grpc.ServerInterceptor):
-    """Refuses, when gRPC looks up a call's handler, every call without this server's bearer token: the refusal's
-    handler reads no request, so a client without the token holds no worker thread and sends no byte that is read."""
+    """Refuses, when gRPC looks up a call's handler, every call without this server's bearer token.
+
+    A refused call gets no handler: gRPC answers it ``UNIMPLEMENTED`` from its polling thread, without a worker
+    thread and without counting it among the calls in flight (``maximum_concurrent_rpcs``), and reads none of its
+    request. (A handler that aborts with ``UNAUTHENTICATED`` would wait for a worker, and count, while it does.)
+    Trainers read ``UNIMPLEMENTED`` at first contact as a refused token.
+    """
 
     def __init__(self, token: bytes) -> None:
         self._token = token
         self._refused = 0
         self._logged_at = -REFUSAL_LOG_EVERY_S
         self._lock = threading.Lock()
-
-        def refuse(requests: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "Missing or wrong bearer token.")
-
-        self._refusal = grpc.stream_stream_rpc_method_handler(refuse)
 
     def authorized(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
         """Whether ``metadata`` carries ``authorization: Bearer <token>`` once (compared in constant time)."""
@@ -179,7 +180,7 @@ class TokenCheck(grpc.ServerInterceptor):
                 method = handler_call_details.method
                 log.warning("refused %d call(s) without the right token (the last: %s)", self._refused, method)
                 self._refused, self._logged_at = 0, now
-        return self._refusal
+        return None
 
 
 class CallError(Exception):
@@ -832,7 +833,7 @@ def serve(
     client to present a certificate it signed (mutual TLS). Without it the server takes connections from this machine
     only (gRPC's local credentials), unless ``allow_plaintext`` (then ``listen`` may be any address, in clear).
     ``workers`` threads serve calls; at most ``max_calls`` (default: four per worker) are taken at once, the rest
-    refused with ``RESOURCE_EXHAUSTED`` (a call refused for its token counts only while it is refused: a moment).
+    refused with ``RESOURCE_EXHAUSTED`` (a call refused for its token never counts: gRPC ends it before).
     ``limits``: what one client may take.
     """
     check_transport(listen, tls, allow_plaintext)
