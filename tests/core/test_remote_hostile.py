@@ -191,6 +191,7 @@ def _steps(client: RemoteBackend, steps: int = 3) -> torch.Tensor:
     generator = torch.Generator().manual_seed(0)
     client.open(SPECS)
     client.initialize(0, torch.randn(CHUNK, generator=generator))
+    client.wait()  # as the controller does: the initial state is written before the first update is sent
     out = torch.empty(CHUNK, dtype=torch.bfloat16)
     for step in range(1, steps + 1):
         grad = torch.randn(CHUNK, generator=generator).bfloat16()
@@ -283,6 +284,26 @@ def test_a_session_over_the_state_quota_is_refused_before_anything_is_allocated(
         process.stop()
 
 
+def test_a_failed_open_leaves_no_session_behind(server, tmp_path) -> None:
+    """An ``Open`` whose devices cannot be built (one transfer buffer: a device needs two) fails with a reason, five
+    times over, and leaves no session directory and no reserved slot: a well-formed session opens after."""
+    from lightning_smartinf.devices.remote.wire import rule_to_wire
+
+    channel = _channel(server.address)
+    shards = [{"numel": CHUNK, "rule": rule_to_wire(Adam())}]
+    header = header_frame(label="broken", shards=shards, chunk_elems=CHUNK, buffer_count=1, io_threads=1)
+    try:
+        for _ in range(5):
+            call = _stream(channel, "Open")(iter([header]), timeout=PROMPT_S)
+            with pytest.raises(grpc.RpcError) as failed:
+                list(call)
+            assert "buffer" in failed.value.details(), failed.value.details()
+    finally:
+        channel.close()
+    assert not list((tmp_path / "root").glob("sessions/*"))
+    _opened(server).close()
+
+
 def test_a_second_client_with_the_same_token_cannot_touch_the_first_ones_session(server, tmp_path) -> None:
     """Sessions are named by the server, unguessably, and the name is never logged or made a directory: another
     token holder who guesses, or reads the server's log and disk, reaches nothing; the first client goes on."""
@@ -324,6 +345,16 @@ def test_malformed_requests_end_with_invalid_argument_and_a_reason(server) -> No
         "a shard that is a bool": ("ReadMaster", [header_frame(session=session, shard=True)]),
         "a header that is not JSON": ("Control", [Frame(header=b"{not json")]),
         "an unknown operation": ("Control", [header_frame(session=session, op="format_disk")]),
+        "one beta": ("Update", [header_frame(**header, hp={"step": 1, "lr": 1e-3, "betas": [0.9]})]),
+        "step 0 (NaN in Adam's bias correction)": ("Update", [header_frame(**header, hp={"step": 0, "lr": 1e-3})]),
+        "a beta of 1": ("Update", [header_frame(**header, hp={"step": 1, "lr": 1e-3, "betas": [0.9, 1.0]})]),
+        "a negative learning rate": ("Update", [header_frame(**header, hp={"step": 1, "lr": -1.0})]),
+    }
+    out_of_range = {
+        "one beta": "betas=[0.9] (two values in [0, 1))",
+        "step 0 (NaN in Adam's bias correction)": "step=0 (steps count from 1)",
+        "a beta of 1": "betas=[0.9, 1.0]",
+        "a negative learning rate": "lr=-1.0 (at least 0)",
     }
     try:
         for what, (method, frames) in cases.items():
@@ -332,9 +363,13 @@ def test_malformed_requests_end_with_invalid_argument_and_a_reason(server) -> No
                 list(call)
             assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, failed.value)
             assert len(failed.value.details()) > 20, (what, failed.value.details())  # a reason, not a bare status
+            if what in out_of_range:
+                assert out_of_range[what] in failed.value.details(), (what, failed.value.details())
     finally:
         channel.close()
-    client.result(client.read_master(0, torch.empty(CHUNK)))  # the session still serves
+    masters = torch.empty(CHUNK)
+    client.result(client.read_master(0, masters))  # the session still serves, its state untouched
+    assert torch.isfinite(masters).all()
     client.close()
 
 

@@ -782,10 +782,16 @@ class RemoteBackend(LatchingBackend):
     # ---------------------------------------------------------------------------------------------- control
 
     def _control(
-        self, server: _Server, op: str, what: str, timeout: float | None = None, **args: Any
+        self,
+        server: _Server,
+        op: str,
+        what: str,
+        timeout: float | None = None,
+        required: Iterable[str] = (),
+        **args: Any,
     ) -> dict[str, Any]:
         request = header_frame(session=server.session, op=op, **args)
-        return server.reply(server.call(server.control, request, what, timeout=timeout), what)
+        return server.reply(server.call(server.control, request, what, timeout=timeout), what, required)
 
     def _by_server(self, shards: Iterable[int]) -> dict[_Server, list[int]]:
         grouped: dict[_Server, list[int]] = {}
@@ -1024,11 +1030,14 @@ class RemoteBackend(LatchingBackend):
         if not self._released and self.failure is None:
             for server in self.servers:
                 if server.shards:
+                    counters = ("storage_read_bytes", "storage_write_bytes")
                     try:
-                        reply = self._control(server, "traffic", "reading the traffic counters")
+                        reply = self._control(server, "traffic", "reading the traffic counters", required=counters)
                     except StorageError:
                         continue  # reported by the next call that needs the server
-                    server.storage_bytes = (int(reply["storage_read_bytes"]), int(reply["storage_write_bytes"]))
+                    figures = tuple(reply[name] for name in counters)
+                    if all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in figures):
+                        server.storage_bytes = figures  # a malformed reply keeps the last figures, like a failed one
         link = self.traffic.snapshot()
         return dataclasses.replace(
             link,

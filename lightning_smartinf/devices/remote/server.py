@@ -266,6 +266,8 @@ class DeviceServer:
         self.limits = limits or ServerLimits()
         self.pools_bytes = self.limits.pools_bytes or psutil.virtual_memory().total // 2
         self._sessions: dict[str, Session] = {}
+        #: Sessions being built (outside the lock): their slot and transfer buffers, reserved, by name.
+        self._opening: dict[str, int] = {}
         self._lock = threading.Lock()
         self._updates_budget = _Budget(self.limits.update_bytes_in_flight)
         self._stopped = threading.Event()
@@ -456,39 +458,57 @@ class DeviceServer:
             )
         name = secrets.token_urlsafe(32)
         tag = session_tag(name)
-        with self._lock:
-            if len(self._sessions) >= limits.max_sessions:
+        with self._lock:  # reserve the session's slot and buffers; build it outside, no other call waiting on it
+            if len(self._sessions) + len(self._opening) >= limits.max_sessions:
                 raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{limits.max_sessions} sessions are open already.")
-            held = sum(session.pool for session in self._sessions.values())
+            held = sum(session.pool for session in self._sessions.values()) + sum(self._opening.values())
             if held + pool > self.pools_bytes:
                 raise CallError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"The session's transfer buffers ({pool / 2**20:.0f} MiB) do not fit beside the open sessions' "
                     f"({held / 2**20:.0f} MiB of {self.pools_bytes / 2**20:.0f} MiB, `smartinf serve --max-pools`).",
                 )
-            dirs = [root / "sessions" / tag for root in self.roots]
-            for directory in dirs:
-                ensure_private_dir(directory.parent)
-                ensure_private_dir(directory)
-            backend = CpuBackend(
-                dirs,
-                chunk_elems=options["chunk_elems"],
-                buffer_count=options["buffer_count"],
-                io_threads=options["io_threads"],
-                owned_dirs=dirs,
-                tentative_slots=bool(header.get("tentative", False)),
-                prefetch_state=bool(header.get("prefetch", True)),
-                device_timeout_s=self.device_timeout_s,
-            )
-            try:
-                backend.open(specs)
-            except BaseException:
-                backend.close()  # removes `dirs`, which it owns
-                raise
-            owner = certificate_identity(context)
-            self._sessions[name] = Session(name, tag, label, backend, dirs, owner=owner, pool=pool)
+            self._opening[name] = pool
+        dirs = [root / "sessions" / tag for root in self.roots]
+        try:
+            backend = self._build_session(dirs, specs, options, header)
+            with self._lock:
+                self._sessions[name] = Session(
+                    name, tag, label, backend, dirs, owner=certificate_identity(context), pool=pool
+                )
+        except BaseException:
+            for directory in dirs:  # a failed open leaves nothing behind
+                shutil.rmtree(directory, ignore_errors=True)
+            raise
+        finally:
+            with self._lock:
+                del self._opening[name]
         log.info("session %s (%s): %d shards on %d device(s)", tag, label, len(specs), len(dirs))
         return header_frame(devices=len(dirs), session=name)
+
+    def _build_session(
+        self, dirs: list[Path], specs: list[ShardSpec], options: dict[str, int], header: dict[str, Any]
+    ) -> CpuBackend:
+        """A session's devices in ``dirs``, its files made and its buffers allocated."""
+        for directory in dirs:
+            ensure_private_dir(directory.parent)
+            ensure_private_dir(directory)
+        backend = CpuBackend(
+            dirs,
+            chunk_elems=options["chunk_elems"],
+            buffer_count=options["buffer_count"],
+            io_threads=options["io_threads"],
+            owned_dirs=dirs,
+            tentative_slots=bool(header.get("tentative", False)),
+            prefetch_state=bool(header.get("prefetch", True)),
+            device_timeout_s=self.device_timeout_s,
+        )
+        try:
+            backend.open(specs)
+        except BaseException:
+            backend.close()  # removes `dirs`, which it owns
+            raise
+        return backend
 
     def initialize(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         with self._shard_call(requests, context) as (_, session, shard):

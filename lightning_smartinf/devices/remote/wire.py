@@ -296,6 +296,23 @@ def hp_to_wire(hp: StepParams) -> dict[str, Any]:
 
 
 def hp_from_wire(data: Any) -> StepParams:
+    """Step hyperparameters, typed and in range (what ``torch.optim`` accepts): a session never updates its state
+    with values that fail it inside a worker or write NaN into it."""
     if not isinstance(data, dict):
         raise WireError(f"Step hyperparameters must be an object, got {data!r}.")
-    return StepParams(**_typed_fields(StepParams, data, "step hyperparameters"))
+    hp = StepParams(**_typed_fields(StepParams, data, "step hyperparameters"))
+    problems = []
+    if hp.step < 1:
+        problems.append(f"step={hp.step} (steps count from 1)")
+    if len(hp.betas) != 2 or not all(0.0 <= beta < 1.0 for beta in hp.betas):
+        problems.append(f"betas={list(hp.betas)} (two values in [0, 1))")
+    for name in ("lr", "eps", "weight_decay", "momentum", "lr_decay"):
+        if getattr(hp, name) < 0.0:
+            problems.append(f"{name}={getattr(hp, name)} (at least 0)")
+    if not 0.0 <= hp.dampening <= 1.0:
+        problems.append(f"dampening={hp.dampening} (in [0, 1])")
+    if hp.grad_scale <= 0.0:
+        problems.append(f"grad_scale={hp.grad_scale} (positive)")
+    if problems:
+        raise WireError(f"Step hyperparameters out of range: {'; '.join(problems)}.")
+    return hp
