@@ -41,7 +41,7 @@ from lightning_smartinf.core.settings import SettingsError, SmartUpdateSettings
 from lightning_smartinf.cpu_support import DeepSpeedOnCPUMixin
 from lightning_smartinf.precision import SmartInfinityPrecision
 from lightning_smartinf.zero import check_deepspeed_version
-from lightning_smartinf.zero.config import ENGINE, deepspeed_config
+from lightning_smartinf.zero.config import ENGINE, accumulate_in_fp32, deepspeed_config
 
 log = logging.getLogger(__name__)
 #: The strategy's arguments that are the fields of its `SmartUpdateSettings`, by name (the device kinds' own
@@ -326,6 +326,12 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             from lightning_smartinf.callbacks import add_strategy_callbacks
 
             add_strategy_callbacks(self.lightning_module.trainer, self._offload_activations)
+
+    @override
+    def _format_config(self) -> None:
+        super()._format_config()
+        if self.settings.compression is None:  # top-k's error feedback rounds what it sends: see accumulate_in_fp32
+            accumulate_in_fp32(self.config)
 
     @contextmanager
     @override

@@ -20,7 +20,14 @@ from lightning_smartinf.core.arguments import Problems, show
 from lightning_smartinf.core.settings import SmartUpdateSettings, check_sub_group_indexable
 from lightning_smartinf.core.torch_optim import SUPPORTED_OPTIMIZERS
 
-__all__ = ["ENGINE", "check_engine_arguments", "deepspeed_config", "load_config", "smart_update_config"]
+__all__ = [
+    "ENGINE",
+    "accumulate_in_fp32",
+    "check_engine_arguments",
+    "deepspeed_config",
+    "load_config",
+    "smart_update_config",
+]
 
 
 def load_config(
@@ -270,3 +277,19 @@ def check_engine_arguments(problems: Problems, **engine: Any) -> None:
     level = engine["logging_level"]
     if not (isinstance(level, str) and isinstance(logging.getLevelName(level), int)):
         problems.integer("logging_level", level, why="a `logging` level, or its name", example=logging.WARN)
+
+
+def accumulate_in_fp32(config: dict[str, Any]) -> None:
+    """Make ZeRO-3 add the micro-batches' gradients in fp32 where training is 16-bit and accumulates several
+    micro-batches (``gradient_accumulation_steps`` > 1), unless the config chose (``data_types.grad_accum_dtype``).
+
+    In bf16 a sum of 16 micro-batches' gradients keeps 8 bits of mantissa at every add: small contributions vanish
+    beside large ones. In fp32, each micro-batch's 16-bit gradient is exact in the sum. The cost: ZeRO's gradient
+    partitions take 4 bytes per element instead of 2 (this rank's share of the parameters); the devices still
+    receive the gradient rounded to the training dtype, so the traffic is unchanged. Not with compression: there
+    error feedback would carry each step's rounding to the link dtype in its residual, which no longer matches the
+    dense update at ``ratio=1`` bit for bit; compressed runs keep DeepSpeed's default (the training dtype).
+    """
+    sixteen_bit = any(isinstance(config.get(key), dict) and config[key].get("enabled") for key in ("bf16", "fp16"))
+    if sixteen_bit and int(config.get("gradient_accumulation_steps", 1)) > 1:
+        config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
