@@ -51,6 +51,13 @@ if ! command -v mkfs.xfs >/dev/null 2>&1 && [[ "$(id -u)" == "0" ]] && command -
         || log "NOTE: apt-get install xfsprogs failed; the tests of cloned checkpoints will fail"
 fi
 
+# The full-disk tests make small ext4 filesystems on loop devices: mkfs.ext4.
+if ! command -v mkfs.ext4 >/dev/null 2>&1 && [[ "$(id -u)" == "0" ]] && command -v apt-get >/dev/null 2>&1; then
+    log "installing e2fsprogs (apt-get)"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq e2fsprogs >/dev/null; } \
+        || log "NOTE: apt-get install e2fsprogs failed; the full-disk tests will fail"
+fi
+
 # --- 2. virtual environment ---------------------------------------------------------------------------
 if [[ ! -x "$PY" ]]; then
     log "creating venv at $VENV"
