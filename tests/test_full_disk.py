@@ -99,7 +99,11 @@ SHAPES: dict[str, tuple[Shape, int, float, type | None, list[str]]] = {
 }
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+#: Shapes whose rule another shape of the main suite already runs: in the slow suite.
+SLOW = {"keep-all-every-epoch", "top-1-with-last-link", "two-callbacks-one-folder"}
+
+
+@pytest.mark.parametrize("shape", [pytest.param(name, marks=[pytest.mark.slow] * (name in SLOW)) for name in SHAPES])
 def test_a_full_disk_deletes_no_checkpoint_the_user_kept(tmp_path, ext4_fs, shape) -> None:
     callbacks, step, room, raised, left = SHAPES[shape]
     fs = ext4_fs(SIZE)

@@ -373,6 +373,25 @@ def test_malformed_requests_end_with_invalid_argument_and_a_reason(server) -> No
     client.close()
 
 
+def test_a_flood_of_malformed_requests_fills_no_log(server) -> None:
+    """Fifty requests naming an update rule of 200 KiB: each ends with ``INVALID_ARGUMENT`` and a reason of bounded
+    length, and the server's log gains a few short lines, not the clients' text."""
+    before = server.log.stat().st_size
+    channel = _channel(server.address)
+    shards = [{"numel": CHUNK, "rule": {"name": "x" * (200 << 10)}}]
+    junk = header_frame(label="flood", shards=shards, chunk_elems=CHUNK, buffer_count=2, io_threads=1)
+    try:
+        for _ in range(50):
+            call = _stream(channel, "Open")(iter([junk]), timeout=PROMPT_S)
+            with pytest.raises(grpc.RpcError) as failed:
+                list(call)
+            assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert len(failed.value.details()) < 1000
+    finally:
+        channel.close()
+    assert server.log.stat().st_size - before < 4096
+
+
 def test_uploads_are_checked_and_loaded_only_whole(server, tmp_path) -> None:
     """State files sent to resume a checkpoint of another backend (`Upload`, then `load_upload`): a file of another
     size, chunks out of order, another dtype, a shard not in the session or a CRC-32C that does not match are
@@ -495,9 +514,12 @@ def test_a_calibration_call_is_bounded(tmp_path) -> None:
         echo = _stream(channel, "Echo")
         frames = (frame for _ in range(4) for frame in encode_tensor("probe", torch.zeros(1 << 20)))  # 16 MiB
         assert _status(echo(frames, timeout=120)) == grpc.StatusCode.RESOURCE_EXHAUSTED
-        small = (frame for frame in encode_tensor("probe", torch.zeros(1 << 10)))
-        (reply,) = echo(small, timeout=PROMPT_S)  # within the bound: counted
-        assert '"bytes":4096' in reply.header
+        small = list(encode_tensor("probe", torch.zeros(1 << 10)))
+        (reply,) = echo(iter(small), timeout=PROMPT_S)  # within the bound: counted, every field of every frame
+        assert f'"bytes":{sum(frame.ByteSize() for frame in small)}' in reply.header
+        # Frames of headers only (no `data`) count too: 8 MiB of them are refused.
+        headers = (Frame(header=b"x" * (64 << 10)) for _ in range(200))  # 12.5 MiB
+        assert _status(echo(headers, timeout=120)) == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         channel.close()
         process.stop()
@@ -528,12 +550,14 @@ def test_a_killed_servers_sessions_and_saves_are_gone_after_its_restart(tmp_path
     killed_save = next((tmp_path / "root" / "checkpoints").iterdir()) / ".rank000.tmp-123-abcd"
     killed_save.mkdir()
     (killed_save / "shard00000.state").write_bytes(b"half")
+    empty = tmp_path / "root" / "checkpoints" / "c0123456789abcdef0123456789abcdef"  # killed before a file
+    empty.mkdir()
     process.stop(signal.SIGKILL)
     assert list((tmp_path / "root" / "sessions").iterdir()), "a killed server leaves its sessions"
     restarted = ServerProcess([tmp_path / "root"], token_file).start()
     try:
         assert not list((tmp_path / "root" / "sessions").iterdir())
-        assert not killed_save.exists()
+        assert not killed_save.exists() and not empty.exists()
         assert list((tmp_path / "root" / "checkpoints").rglob("manifest.json")), "the complete checkpoint stays"
     finally:
         restarted.stop()

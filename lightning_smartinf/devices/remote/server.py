@@ -105,8 +105,17 @@ PROTOCOL_VERSION = 4
 CHECKPOINT_PARTS = ("masters", "manifest", "state")
 #: Where a session's uploaded state files wait (inside its first device directory) until they are loaded.
 UPLOAD_DIR = ".upload"
-#: At most one log line per this many seconds about refused tokens (a flood must not fill the disk).
+#: At most one log line per this many seconds about refused tokens, and about malformed requests (a flood must not
+#: fill the disk).
 REFUSAL_LOG_EVERY_S = 10.0
+#: The most characters of a client's own text (a malformed request's reason) a log line or a reply repeats.
+QUOTED_CHARS = 300
+
+
+def _quoted(text: object) -> str:
+    """``text`` cut to :data:`QUOTED_CHARS` characters: what a client sent is never repeated whole."""
+    text = str(text)
+    return text if len(text) <= QUOTED_CHARS else f"{text[:QUOTED_CHARS]}... ({len(text)} characters)"
 
 
 def certificate_identity(context: grpc.ServicerContext) -> tuple[bytes, ...] | None:
@@ -272,6 +281,8 @@ class DeviceServer:
         self._updates_budget = _Budget(self.limits.update_bytes_in_flight)
         self._stopped = threading.Event()
         self._remove_what_a_dead_server_left()
+        self._malformed = 0  # malformed requests since the last log line about them
+        self._malformed_logged_at = -REFUSAL_LOG_EVERY_S
         self._reaper = threading.Thread(target=self._expire_sessions, name="smartinf-serve-leases", daemon=True)
         self._reaper.start()
 
@@ -287,6 +298,9 @@ class DeviceServer:
                 sessions += 1
             for checkpoint in root.glob("checkpoints/*"):  # a save's temporaries sit beside its label's directory
                 killed_saves += remove_killed_saves(checkpoint)
+                if checkpoint.is_dir() and not any(checkpoint.iterdir()):  # a save killed before it wrote a file
+                    checkpoint.rmdir()
+                    killed_saves += 1
         if sessions or killed_saves:
             what = "removed %d session director(ies) and %d killed save(s) left by an earlier server"
             log.info(what, sessions, killed_saves)
@@ -372,8 +386,14 @@ class DeviceServer:
         try:
             yield
         except WireError as exc:
-            log.warning("%s from %s: malformed request: %s", method, context.peer(), exc)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Malformed request: {exc}")
+            with self._lock:
+                self._malformed += 1
+                now = time.monotonic()
+                if now - self._malformed_logged_at >= REFUSAL_LOG_EVERY_S:
+                    what = "%d malformed request(s) (the last: %s from %s: %s)"
+                    log.warning(what, self._malformed, method, context.peer(), _quoted(exc))
+                    self._malformed, self._malformed_logged_at = 0, now
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Malformed request: {_quoted(exc)}")
         except CallError as exc:
             context.abort(exc.code, str(exc))
         except (ValueError, RuntimeError, OSError, grpc.RpcError) as exc:
@@ -640,7 +660,7 @@ class DeviceServer:
         most ``max_echo_bytes`` a call)."""
         received = 0
         for frame in requests:
-            received += len(frame.data)
+            received += frame.ByteSize()  # every field counts: a frame's header is bytes received too
             if received > self.limits.max_echo_bytes:
                 raise CallError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -684,7 +704,11 @@ class DeviceServer:
         directory = self.roots[0] / "checkpoints" / checkpoint / session.label
         ensure_private_dir(directory.parent.parent)
         directory.parent.mkdir(mode=0o700)  # a new id: exists only if ids collided, and then nothing is replaced
-        session.backend.save(directory)
+        try:
+            session.backend.save(directory)
+        except BaseException:
+            shutil.rmtree(directory.parent, ignore_errors=True)  # a failed save leaves no checkpoint id behind
+            raise
         log.info("session %s: saved a checkpoint", session.tag)
         digest = hashlib.sha256((directory / MANIFEST).read_bytes()).hexdigest()
         return header_frame(checkpoint=checkpoint, digest=digest)
