@@ -58,41 +58,30 @@ def reflink_xfs(directory: Path, size: str = "400m") -> Iterator[Path]:
 
     Needs root and ``mkfs.xfs`` (set-up installs ``xfsprogs``); XFS is at least 300 MB.
     """
-    directory.mkdir(parents=True, exist_ok=True)
-    image = directory.with_name(directory.name + ".xfs.img")
-    steps = (
-        ["truncate", "-s", size, str(image)],
-        ["mkfs.xfs", "-q", "-f", "-m", "reflink=1", str(image)],
-        ["mount", "-o", "loop", str(image), str(directory)],
-    )
-    for command in steps:
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=60)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            image.unlink(missing_ok=True)
-            lacking(f"a loop-mounted XFS needs {command[0]} (xfsprogs, util-linux) and root ({exc})")
-        if done.returncode != 0:
-            image.unlink(missing_ok=True)
-            lacking(f"a loop-mounted XFS needs root and loop devices: {' '.join(command)}: {done.stderr.strip()}")
-    try:
-        directory.chmod(0o700)
-        yield directory
-    finally:
-        # Lazily: a file still open (a backend a later fixture closes) must not keep the filesystem mounted.
-        subprocess.run(["umount", "-l", str(directory)], capture_output=True, timeout=60)
-        image.unlink(missing_ok=True)
+    with _loop_mounted(directory, size, "xfs", ["mkfs.xfs", "-q", "-f", "-m", "reflink=1"], "xfsprogs") as mounted:
+        yield mounted
 
 
 @contextlib.contextmanager
 def small_ext4(directory: Path, size: str) -> Iterator[Path]:
     """An ext4 of ``size`` with no blocks reserved for root (the tests run as root: a reserve would let them write
-    past the free space ``statvfs`` reports), in a sparse image beside ``directory`` and loop-mounted on it (mode
-    0700), unmounted and deleted afterwards. Needs root, ``mkfs.ext4`` (e2fsprogs) and loop devices."""
+    past the free space ``statvfs`` reports), loop-mounted on ``directory`` as :func:`reflink_xfs` is. Needs root,
+    ``mkfs.ext4`` (set-up installs e2fsprogs where it is missing) and loop devices."""
+    mkfs = ["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=0,lazy_journal_init=0"]
+    with _loop_mounted(directory, size, "ext4", mkfs, "e2fsprogs") as mounted:
+        (mounted / "lost+found").rmdir()
+        yield mounted
+
+
+@contextlib.contextmanager
+def _loop_mounted(directory: Path, size: str, kind: str, mkfs: list[str], package: str) -> Iterator[Path]:
+    """A filesystem made by ``mkfs`` in a sparse image of ``size`` beside ``directory``, loop-mounted on it (mode
+    0700); unmounted and the image deleted afterwards."""
     directory.mkdir(parents=True, exist_ok=True)
-    image = directory.with_name(directory.name + ".ext4.img")
+    image = directory.with_name(f"{directory.name}.{kind}.img")
     steps = (
         ["truncate", "-s", size, str(image)],
-        ["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=0,lazy_journal_init=0", str(image)],
+        [*mkfs, str(image)],
         ["mount", "-o", "loop", str(image), str(directory)],
     )
     for command in steps:
@@ -100,15 +89,15 @@ def small_ext4(directory: Path, size: str) -> Iterator[Path]:
             done = subprocess.run(command, capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as exc:
             image.unlink(missing_ok=True)
-            lacking(f"a loop-mounted ext4 needs {command[0]} (e2fsprogs, util-linux) and root ({exc})")
+            lacking(f"a loop-mounted {kind} needs {command[0]} ({package}, util-linux) and root ({exc})")
         if done.returncode != 0:
             image.unlink(missing_ok=True)
-            lacking(f"a loop-mounted ext4 needs root and loop devices: {' '.join(command)}: {done.stderr.strip()}")
+            lacking(f"a loop-mounted {kind} needs root and loop devices: {' '.join(command)}: {done.stderr.strip()}")
     try:
         directory.chmod(0o700)
-        (directory / "lost+found").rmdir()
         yield directory
     finally:
+        # Lazily: a file still open (a backend a later fixture closes) must not keep the filesystem mounted.
         subprocess.run(["umount", "-l", str(directory)], capture_output=True, timeout=60)
         image.unlink(missing_ok=True)
 

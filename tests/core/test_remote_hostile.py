@@ -81,6 +81,49 @@ def _status(call) -> grpc.StatusCode:  # noqa: ANN001
     return failed.value.code()
 
 
+class Stalls:
+    """Calls that send their headers and never a message, until :meth:`release` (the ``stalls`` fixture's teardown)."""
+
+    def __init__(self) -> None:
+        self._released = threading.Event()
+
+    def call(self, channel: grpc.Channel, method: str):  # noqa: ANN201 - a grpc call
+        def never() -> Iterator[Frame]:
+            self._released.wait(60)
+            yield from ()
+
+        return _stream(channel, method)(never(), timeout=60)
+
+    def release(self) -> None:
+        self._released.set()
+
+
+@pytest.fixture
+def stalls() -> Iterator[Stalls]:
+    made = Stalls()
+    yield made
+    made.release()
+
+
+def _refusals(server: ServerProcess, method: str, frame: Frame, times: int) -> list[grpc.RpcError]:
+    """Send ``method`` the one ``frame`` ``times`` times with the token; each must end in an error, returned."""
+    channel = _channel(server.address)
+    errors = []
+    try:
+        for _ in range(times):
+            with pytest.raises(grpc.RpcError) as failed:
+                list(_stream(channel, method)(iter([frame]), timeout=PROMPT_S))
+            errors.append(failed.value)
+    finally:
+        channel.close()
+    return errors
+
+
+def _server_with(tmp_path: Path, *flags: str) -> ServerProcess:
+    """A started server of this test's own with ``flags`` (stop it in the test)."""
+    return ServerProcess([tmp_path / "root"], write_token(tmp_path / "token", TOKEN), extra=list(flags)).start()
+
+
 @pytest.mark.parametrize(
     "authorization",
     [None, "Bearer not-the-token-at-all", TOKEN, f"Bearer {TOKEN}x", f"bearer {TOKEN}"],
@@ -97,75 +140,49 @@ def test_every_method_is_refused_without_the_token(server, authorization) -> Non
         channel.close()
 
 
-def test_stalled_calls_without_the_token_do_not_delay_an_authorised_one(server) -> None:
+def test_stalled_calls_without_the_token_do_not_delay_an_authorised_one(server, stalls) -> None:
     """Three times as many calls as the server has workers send their headers and never a message: each is refused
     at once, holding no worker, and a trainer's first contact is answered."""
-    release = threading.Event()
-
-    def never() -> Iterator[Frame]:
-        release.wait(60)
-        yield from ()
-
     stranger = _channel(server.address, credentials=False)
     try:
-        stalled = [_stream(stranger, method)(never(), timeout=60) for method in ("Hello", "Open", "Control") * 4]
+        stalled = [stalls.call(stranger, method) for method in ("Hello", "Open", "Control") * 4]
         client = _client(server)  # greets the server (Hello), within its device timeout
         client.close()
         assert all(_status(call) == grpc.StatusCode.UNIMPLEMENTED for call in stalled)
     finally:
-        release.set()
+        stalls.release()
         stranger.close()
 
 
-def test_calls_without_the_token_take_no_call_slot_while_the_workers_are_busy(tmp_path) -> None:
+def test_calls_without_the_token_take_no_call_slot_while_the_workers_are_busy(tmp_path, stalls) -> None:
     """Both workers busy with a token holder's calls, and ten calls without the token arriving: those are ended at
     once, taking none of the server's six call slots, and a trainer's first contact waits for a worker and is
     served (it was refused with ``RESOURCE_EXHAUSTED`` when refusals counted as calls)."""
-    server = ServerProcess(
-        [tmp_path / "root"],
-        write_token(tmp_path / "token", TOKEN),
-        extra=["--workers", "2", "--max-calls", "6", "--call-timeout-s", "3"],
-    ).start()
-    release = threading.Event()
-
-    def never() -> Iterator[Frame]:
-        release.wait(60)
-        yield from ()
-
+    server = _server_with(tmp_path, "--workers", "2", "--max-calls", "6", "--call-timeout-s", "3")
     busy, stranger = _channel(server.address), _channel(server.address, credentials=False)
     try:
-        held = [_stream(busy, "Open")(never(), timeout=60) for _ in range(2)]
+        held = [stalls.call(busy, "Open") for _ in range(2)]
         time.sleep(0.5)  # each holds a worker, reading its request
-        strangers = [_stream(stranger, method)(never(), timeout=60) for method in METHODS + METHODS[:1]]
+        strangers = [stalls.call(stranger, method) for method in METHODS + METHODS[:1]]
         client = _client(server)  # greets the server once a worker is free (the server ends the held calls)
         client.close()
         assert all(_status(call) == grpc.StatusCode.UNIMPLEMENTED for call in strangers)
         assert all(_status(call) == grpc.StatusCode.CANCELLED for call in held)
     finally:
-        release.set()
+        stalls.release()
         busy.close()
         stranger.close()
         server.stop()
 
 
-def test_stalled_calls_with_the_token_are_bounded_and_ended_by_the_server(tmp_path) -> None:
+def test_stalled_calls_with_the_token_are_bounded_and_ended_by_the_server(tmp_path, stalls) -> None:
     """A token holder that stalls as many calls as the server takes at once gets no more: the next call is refused
     at once (``RESOURCE_EXHAUSTED``), and the server ends the stalled ones when its call limit (4 s) is up, whatever
     deadline the client set; then it serves again."""
-    server = ServerProcess(
-        [tmp_path / "root"],
-        write_token(tmp_path / "token", TOKEN),
-        extra=["--workers", "4", "--max-calls", "4", "--call-timeout-s", "4"],
-    ).start()
-    release = threading.Event()
-
-    def never() -> Iterator[Frame]:
-        release.wait(60)
-        yield from ()
-
+    server = _server_with(tmp_path, "--workers", "4", "--max-calls", "4", "--call-timeout-s", "4")
     channel = _channel(server.address)
     try:
-        stalled = [_stream(channel, "Open")(never(), timeout=60) for _ in range(4)]
+        stalled = [stalls.call(channel, "Open") for _ in range(4)]
         time.sleep(0.5)  # each holds a worker, reading its request
         one_more = _stream(channel, "Control")(iter([header_frame(session="x", op="wait")]), timeout=PROMPT_S)
         assert _status(one_more) == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -181,7 +198,7 @@ def test_stalled_calls_with_the_token_are_bounded_and_ended_by_the_server(tmp_pa
                     raise
                 time.sleep(0.1)
     finally:
-        release.set()
+        stalls.release()
         channel.close()
         server.stop()
 
@@ -203,32 +220,22 @@ def _steps(client: RemoteBackend, steps: int = 3) -> torch.Tensor:
     return masters
 
 
-def test_a_busy_moment_is_retried_and_the_run_ends_as_without_it(tmp_path) -> None:
+def test_a_busy_moment_is_retried_and_the_run_ends_as_without_it(tmp_path, stalls) -> None:
     """Every call slot of the server taken by a token holder's stalled calls when a trainer starts: its calls are
     refused (``RESOURCE_EXHAUSTED``) until the server ends the stalled ones (2 s), and the trainer retries them with
     backoff instead of failing; its updates end bit for bit as on an idle server."""
-    server = ServerProcess(
-        [tmp_path / "root"],
-        write_token(tmp_path / "token", TOKEN),
-        extra=["--workers", "4", "--max-calls", "4", "--call-timeout-s", "2"],
-    ).start()
-    release = threading.Event()
-
-    def never() -> Iterator[Frame]:
-        release.wait(60)
-        yield from ()
-
+    server = _server_with(tmp_path, "--workers", "4", "--max-calls", "4", "--call-timeout-s", "2")
     channel = _channel(server.address)
     try:
         reference = _steps(_client(server))
-        stalled = [_stream(channel, "Open")(never(), timeout=60) for _ in range(4)]
+        stalled = [stalls.call(channel, "Open") for _ in range(4)]
         time.sleep(0.5)  # each holds a slot
         busy_at_start = _stream(channel, "Control")(iter([header_frame(session="x", op="wait")]), timeout=PROMPT_S)
         assert _status(busy_at_start) == grpc.StatusCode.RESOURCE_EXHAUSTED  # (a channel without retries)
         assert torch.equal(_steps(_client(server)), reference)
         assert all(_status(call) == grpc.StatusCode.CANCELLED for call in stalled)
     finally:
-        release.set()
+        stalls.release()
         channel.close()
         server.stop()
 
@@ -289,17 +296,10 @@ def test_a_failed_open_leaves_no_session_behind(server, tmp_path) -> None:
     times over, and leaves no session directory and no reserved slot: a well-formed session opens after."""
     from lightning_smartinf.devices.remote.wire import rule_to_wire
 
-    channel = _channel(server.address)
     shards = [{"numel": CHUNK, "rule": rule_to_wire(Adam())}]
     header = header_frame(label="broken", shards=shards, chunk_elems=CHUNK, buffer_count=1, io_threads=1)
-    try:
-        for _ in range(5):
-            call = _stream(channel, "Open")(iter([header]), timeout=PROMPT_S)
-            with pytest.raises(grpc.RpcError) as failed:
-                list(call)
-            assert "buffer" in failed.value.details(), failed.value.details()
-    finally:
-        channel.close()
+    for refused in _refusals(server, "Open", header, 5):
+        assert "buffer" in refused.details(), refused.details()
     assert not list((tmp_path / "root").glob("sessions/*"))
     _opened(server).close()
 
@@ -377,18 +377,11 @@ def test_a_flood_of_malformed_requests_fills_no_log(server) -> None:
     """Fifty requests naming an update rule of 200 KiB: each ends with ``INVALID_ARGUMENT`` and a reason of bounded
     length, and the server's log gains a few short lines, not the clients' text."""
     before = server.log.stat().st_size
-    channel = _channel(server.address)
     shards = [{"numel": CHUNK, "rule": {"name": "x" * (200 << 10)}}]
     junk = header_frame(label="flood", shards=shards, chunk_elems=CHUNK, buffer_count=2, io_threads=1)
-    try:
-        for _ in range(50):
-            call = _stream(channel, "Open")(iter([junk]), timeout=PROMPT_S)
-            with pytest.raises(grpc.RpcError) as failed:
-                list(call)
-            assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert len(failed.value.details()) < 1000
-    finally:
-        channel.close()
+    for refused in _refusals(server, "Open", junk, 50):
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(refused.details()) < 1000
     assert server.log.stat().st_size - before < 4096
 
 
