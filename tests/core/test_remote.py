@@ -23,7 +23,7 @@ from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.rules import SGD, Adagrad, Adam, StepParams
 from lightning_smartinf.devices.cpu import CpuBackend
 from lightning_smartinf.devices.remote import client
-from lightning_smartinf.devices.remote.client import RemoteBackend
+from lightning_smartinf.devices.remote.client import RemoteBackend, checkpoint_masters
 from lightning_smartinf.devices.remote.tokens import read_token
 from lightning_smartinf.devices.remote.wire import SERVICE, Frame, header_frame
 
@@ -345,6 +345,13 @@ def test_under_mutual_tls_a_session_belongs_to_the_certificate_that_opened_it(tm
         intruder.servers[0].shards = []  # nothing of its own to close
         intruder.close()
         owner.result(owner.read_master(0, torch.empty(SIZES[0])))  # the owner goes on
+        # Its checkpoint too answers only to the certificate that saved it, even to a client with its id and digest.
+        owner.save(tmp_path / "ckpt")
+        owner_tls = read_tls_dir(tmp_path / "client-mtls")  # the owner's certificate
+        masters = checkpoint_masters([server.address], read_token(token_file), tls=owner_tls)(tmp_path / "ckpt")
+        assert len(masters) == 1
+        with pytest.raises(StorageError, match="has no checkpoint"):
+            checkpoint_masters([server.address], read_token(token_file), tls=read_tls_dir(other_dir))(tmp_path / "ckpt")
         owner.close()
     finally:
         server.stop()

@@ -105,6 +105,8 @@ PROTOCOL_VERSION = 4
 CHECKPOINT_PARTS = ("masters", "manifest", "state")
 #: Where a session's uploaded state files wait (inside its first device directory) until they are loaded.
 UPLOAD_DIR = ".upload"
+#: Beside a checkpoint's label directories, under mutual TLS: the identity of the certificate that saved it.
+OWNER_FILE = "owner.json"
 #: At most one log line per this many seconds about refused tokens, and about malformed requests (a flood must not
 #: fill the disk).
 REFUSAL_LOG_EVERY_S = 10.0
@@ -298,8 +300,8 @@ class DeviceServer:
                 sessions += 1
             for checkpoint in root.glob("checkpoints/*"):  # a save's temporaries sit beside its label's directory
                 killed_saves += remove_killed_saves(checkpoint)
-                if checkpoint.is_dir() and not any(checkpoint.iterdir()):  # a save killed before it wrote a file
-                    checkpoint.rmdir()
+                if checkpoint.is_dir() and not any(p.is_dir() for p in checkpoint.iterdir()):  # killed before it wrote
+                    shutil.rmtree(checkpoint, ignore_errors=True)
                     killed_saves += 1
         if sessions or killed_saves:
             what = "removed %d session director(ies) and %d killed save(s) left by an earlier server"
@@ -637,7 +639,7 @@ class DeviceServer:
         part = header.get("part", "masters")
         if part not in CHECKPOINT_PARTS:
             raise WireError(f"`part={part!r}` is not one of {', '.join(CHECKPOINT_PARTS)}.")
-        directory, data, manifest = self._checkpoint(header, header["label"])
+        directory, data, manifest = self._checkpoint(header, header["label"], certificate_identity(context))
         if part == "manifest":
             return encode_tensor("manifest", torch.frombuffer(bytearray(data), dtype=torch.uint8))
         shard = header["shard"]
@@ -705,6 +707,8 @@ class DeviceServer:
         ensure_private_dir(directory.parent.parent)
         directory.parent.mkdir(mode=0o700)  # a new id: exists only if ids collided, and then nothing is replaced
         try:
+            if session.owner is not None:  # under mutual TLS the checkpoint answers to the certificate that saved it
+                write_file_atomic(directory.parent / OWNER_FILE, json.dumps([n.hex() for n in session.owner]).encode())
             session.backend.save(directory)
         except BaseException:
             shutil.rmtree(directory.parent, ignore_errors=True)  # a failed save leaves no checkpoint id behind
@@ -713,20 +717,27 @@ class DeviceServer:
         digest = hashlib.sha256((directory / MANIFEST).read_bytes()).hexdigest()
         return header_frame(checkpoint=checkpoint, digest=digest)
 
-    def _checkpoint(self, header: dict[str, Any], label: Any) -> tuple[Path, bytes, dict[str, Any]]:
+    def _checkpoint(
+        self, header: dict[str, Any], label: Any, identity: tuple[bytes, ...] | None
+    ) -> tuple[Path, bytes, dict[str, Any]]:
         """The directory of checkpoint ``header["checkpoint"]`` saved for ``label``, its manifest's bytes and the
         manifest they parse to, once the digest of those very bytes is ``header["digest"]`` (compared in constant
-        time): ``NOT_FOUND`` without a manifest, ``DATA_LOSS`` for another one."""
+        time): ``NOT_FOUND`` without a manifest, or for a caller whose certificate (``identity``) is not the one that
+        saved it under mutual TLS; ``DATA_LOSS`` for another manifest."""
         checkpoint = self._checked_name(header.get("checkpoint"), "checkpoint")
         label = self._checked_name(label, "label")
         directory = self.roots[0] / "checkpoints" / checkpoint / label
         path = directory / MANIFEST
+        missing = CallError(
+            grpc.StatusCode.NOT_FOUND, f"Server {self.server_id} has no checkpoint {checkpoint!r} for {label!r}."
+        )
+        owner_file = directory.parent / OWNER_FILE
+        if owner_file.exists() and json.loads(owner_file.read_text()) != [n.hex() for n in identity or ()]:
+            raise missing  # answered as if it did not exist
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            raise CallError(
-                grpc.StatusCode.NOT_FOUND, f"Server {self.server_id} has no checkpoint {checkpoint!r} for {label!r}."
-            ) from None
+            raise missing from None
         manifest = parse_manifest(data, path)  # a manifest this version cannot read fails before any digest is compared
         presented = header.get("digest")
         digest = hashlib.sha256(data).hexdigest()
@@ -738,7 +749,7 @@ class DeviceServer:
         return directory, data, manifest
 
     def _load(self, session: Session, header: dict[str, Any]) -> Any:
-        directory, _, manifest = self._checkpoint(header, session.label)
+        directory, _, manifest = self._checkpoint(header, session.label, session.owner)
         session.backend.load(directory, manifest=manifest)  # the very manifest whose digest was checked
         log.info("session %s: loaded a checkpoint", session.tag)
         return header_frame(ok=True)
