@@ -125,8 +125,11 @@ class _Kept:
 
     @classmethod
     def of(cls, callback: ModelCheckpoint) -> _Kept:
-        return cls(_absolute(callback.last_model_path), _absolute(callback.best_model_path),
-                   frozenset(Path(os.path.abspath(path)) for path in callback.best_k_models))  # fmt: skip
+        top_k = frozenset(Path(os.path.abspath(path)) for path in callback.best_k_models)
+        return cls(_absolute(callback.last_model_path), _absolute(callback.best_model_path), top_k)
+
+    def paths(self) -> set[Path]:
+        return {path for path in (self.last, self.best, *self.top_k) if path is not None}
 
 
 class Rotation:
@@ -178,7 +181,7 @@ class RoomWatch:
     def check(self, trainer: pl.Trainer, needed: int) -> None:
         """Compare each checkpoint callback's folder's free space with ``needed`` bytes (one save of every rank)."""
         for callback in _model_checkpoints(trainer):
-            if not callback.dirpath or callback.save_top_k == 0 and not callback.save_last:
+            if not callback.dirpath or (callback.save_top_k == 0 and not callback.save_last):  # saves nothing
                 continue
             folder = Path(os.path.abspath(callback.dirpath))
             if folder in self._warned or (free := _free_bytes(folder / "next")) >= needed:
@@ -214,13 +217,7 @@ def _absolute(path: str | os.PathLike | None) -> Path | None:
 
 def kept_checkpoints(trainer: pl.Trainer) -> set[Path]:
     """The checkpoints the trainer's ``ModelCheckpoint`` callbacks keep (top k, best, last), as absolute paths."""
-    kept: set[Path] = set()
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            for path in (*callback.best_k_models, callback.best_model_path, callback.last_model_path):
-                if path:
-                    kept.add(Path(os.path.abspath(path)))
-    return kept
+    return {path for callback in _model_checkpoints(trainer) for path in _Kept.of(callback).paths()}
 
 
 def _make_room(strategy: SmartInfinityStrategy, target: Path) -> list[Path]:
@@ -393,7 +390,6 @@ def load_trained_weights(module: pl.LightningModule, root: Path, elsewhere: Mast
     its values): device and host memory grow by about one large parameter, whatever the model's size.
     """
     import deepspeed
-    import torch.distributed as dist
 
     seal = checkpoint_folder.verify(root, checksum_shards=False)  # shard files: CRC-checked as their masters are read
     rank_dirs = [checkpoint_folder.rank_state_dir(root, r) for r in range(seal["world_size"])]
@@ -404,7 +400,7 @@ def load_trained_weights(module: pl.LightningModule, root: Path, elsewhere: Mast
             f"{root} holds weights for {unknown[:5]}, which this module does not have. Evaluate it with the module "
             "it was trained with."
         )
-    reads = not dist.is_initialized() or dist.get_rank() == 0
+    reads = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     sizes = {name: getattr(params[name], "ds_numel", params[name].numel()) for name in weights.shapes}
     for group in gather_groups(sizes):
         with deepspeed.zero.GatheredParameters([params[name] for name in group], modifier_rank=0), torch.no_grad():

@@ -120,6 +120,30 @@ def _quoted(text: object) -> str:
     return text if len(text) <= QUOTED_CHARS else f"{text[:QUOTED_CHARS]}... ({len(text)} characters)"
 
 
+class _ThrottledLog:
+    """A warning about something that may come in floods (refused tokens, malformed requests): logged at most once
+    per :data:`REFUSAL_LOG_EVERY_S`, with how many there were since the last line."""
+
+    def __init__(self, message: str) -> None:
+        self._message = message  # formatted with the count, then the arguments of :meth:`note`
+        self._count = 0
+        self._logged_at = -REFUSAL_LOG_EVERY_S
+        self._lock = threading.Lock()
+
+    def note(self, *args: Any) -> None:
+        with self._lock:
+            self._count += 1
+            now = time.monotonic()
+            if now - self._logged_at >= REFUSAL_LOG_EVERY_S:
+                log.warning(self._message, self._count, *args)
+                self._count, self._logged_at = 0, now
+
+
+def _owner_record(identity: tuple[bytes, ...] | None) -> list[str]:
+    """How a checkpoint's owner file records a certificate identity (empty: none)."""
+    return [name.hex() for name in identity or ()]
+
+
 def certificate_identity(context: grpc.ServicerContext) -> tuple[bytes, ...] | None:
     """The client certificate's names (common name and subject alternative names) where the client presented one
     (mutual TLS); ``None`` otherwise."""
@@ -167,9 +191,7 @@ class TokenCheck(grpc.ServerInterceptor):
 
     def __init__(self, token: bytes) -> None:
         self._token = token
-        self._refused = 0
-        self._logged_at = -REFUSAL_LOG_EVERY_S
-        self._lock = threading.Lock()
+        self._refusals = _ThrottledLog("refused %d call(s) without the right token (the last: %s)")
 
     def authorized(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
         """Whether ``metadata`` carries ``authorization: Bearer <token>`` once (compared in constant time)."""
@@ -184,13 +206,7 @@ class TokenCheck(grpc.ServerInterceptor):
     def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
         if self.authorized(handler_call_details.invocation_metadata):
             return continuation(handler_call_details)
-        with self._lock:
-            self._refused += 1
-            now = time.monotonic()
-            if now - self._logged_at >= REFUSAL_LOG_EVERY_S:
-                method = handler_call_details.method
-                log.warning("refused %d call(s) without the right token (the last: %s)", self._refused, method)
-                self._refused, self._logged_at = 0, now
+        self._refusals.note(handler_call_details.method)
         return None
 
 
@@ -283,8 +299,7 @@ class DeviceServer:
         self._updates_budget = _Budget(self.limits.update_bytes_in_flight)
         self._stopped = threading.Event()
         self._remove_what_a_dead_server_left()
-        self._malformed = 0  # malformed requests since the last log line about them
-        self._malformed_logged_at = -REFUSAL_LOG_EVERY_S
+        self._malformed = _ThrottledLog("%d malformed request(s) (the last: %s from %s: %s)")
         self._reaper = threading.Thread(target=self._expire_sessions, name="smartinf-serve-leases", daemon=True)
         self._reaper.start()
 
@@ -388,13 +403,7 @@ class DeviceServer:
         try:
             yield
         except WireError as exc:
-            with self._lock:
-                self._malformed += 1
-                now = time.monotonic()
-                if now - self._malformed_logged_at >= REFUSAL_LOG_EVERY_S:
-                    what = "%d malformed request(s) (the last: %s from %s: %s)"
-                    log.warning(what, self._malformed, method, context.peer(), _quoted(exc))
-                    self._malformed, self._malformed_logged_at = 0, now
+            self._malformed.note(method, context.peer(), _quoted(exc))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Malformed request: {_quoted(exc)}")
         except CallError as exc:
             context.abort(exc.code, str(exc))
@@ -708,7 +717,7 @@ class DeviceServer:
         directory.parent.mkdir(mode=0o700)  # a new id: exists only if ids collided, and then nothing is replaced
         try:
             if session.owner is not None:  # under mutual TLS the checkpoint answers to the certificate that saved it
-                write_file_atomic(directory.parent / OWNER_FILE, json.dumps([n.hex() for n in session.owner]).encode())
+                write_file_atomic(directory.parent / OWNER_FILE, json.dumps(_owner_record(session.owner)).encode())
             session.backend.save(directory)
         except BaseException:
             shutil.rmtree(directory.parent, ignore_errors=True)  # a failed save leaves no checkpoint id behind
@@ -732,7 +741,7 @@ class DeviceServer:
             grpc.StatusCode.NOT_FOUND, f"Server {self.server_id} has no checkpoint {checkpoint!r} for {label!r}."
         )
         owner_file = directory.parent / OWNER_FILE
-        if owner_file.exists() and json.loads(owner_file.read_text()) != [n.hex() for n in identity or ()]:
+        if owner_file.exists() and json.loads(owner_file.read_text()) != _owner_record(identity):
             raise missing  # answered as if it did not exist
         try:
             data = path.read_bytes()
