@@ -8,13 +8,18 @@ GPU suite on two gloo ranks (``tests/cuda/test_gpu.py``).
 
 from __future__ import annotations
 
+import functools
 import inspect
 
+import lightning as L
 import pytest
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from models import LMModule, adamw_factory, fit
+from torch.overrides import TorchFunctionMode
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.activations import ActivationOffloader
@@ -70,6 +75,102 @@ def test_deepspeed_never_pins_a_gradient_buffer_we_replace(
     elsewhere = torch.zeros(optimizer.grad_partitions_flat_buffer.numel(), device="meta")
     optimizer._replace_gradient_buffer(elsewhere)
     assert optimizer.inf_or_nan_tracker.device == elsewhere.device
+
+
+class LinkCopies(TorchFunctionMode):
+    """Bytes ZeRO's ``partition_grads`` moves between the accelerator and a host gradient buffer, counted on the CPU.
+
+    The host buffer is told apart by its storage: a copy into it from anything else is device-to-host; a copy out
+    of it, or ``.to(device)`` of it, host-to-device, and gives a tensor of its own (on the CPU ``.to("cpu")`` would
+    return the buffer itself, and ZeRO's add on the accelerator would then land in the host buffer uncounted).
+    """
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        super().__init__()
+        self.host = buffer.untyped_storage().data_ptr()
+        self.to_host = self.to_device = 0
+
+    def in_host(self, value: object) -> bool:
+        return isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == self.host
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_:
+            dst, src = args[0], args[1]
+            if self.in_host(dst) and not self.in_host(src):
+                self.to_host += dst.numel() * dst.element_size()
+            elif self.in_host(src) and not self.in_host(dst):
+                self.to_device += src.numel() * src.element_size()
+        elif func is torch.Tensor.to and self.in_host(args[0]):
+            targets = [*args[1:], kwargs.get("device")]
+            if any(isinstance(t, torch.device) or (isinstance(t, str) and t != "") for t in targets):
+                self.to_device += args[0].numel() * args[0].element_size()
+                return args[0].clone()
+        return func(*args, **kwargs)
+
+
+class CountLinkCopies(L.Callback):
+    """Per optimizer step and micro-batch: the bytes of gradient partitions the step reduced (``reduced``) and what
+    crossed the link each way while ZeRO put them in its host buffer (``to_host``, ``to_device``).
+
+    Within ``partition_grads`` the accelerator answers as CUDA would: the host buffer is not on it. ``stock``: run
+    DeepSpeed's own ``partition_grads`` instead of the strategy's."""
+
+    def __init__(self, stock: bool = False) -> None:
+        self.stock = stock
+        self.moved: dict[tuple[int, int], dict[str, int]] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        optimizer = trainer.strategy.deepspeed_engine.optimizer
+        buffer = optimizer.grad_partitions_flat_buffer
+        accelerator = get_accelerator()
+        partition_grads = (
+            functools.partial(DeepSpeedZeroOptimizer_Stage3.partition_grads, optimizer)
+            if self.stock
+            else optimizer.partition_grads
+        )
+
+        def counted(params, grad_partitions):  # noqa: ANN001, ANN202 - ZeRO's, counted
+            mode = LinkCopies(buffer)
+            accelerator.on_accelerator = lambda tensor: not mode.in_host(tensor)
+            try:
+                with mode:
+                    result = partition_grads(params, grad_partitions)
+            finally:
+                del accelerator.on_accelerator
+            key = (trainer.global_step, optimizer.micro_step_id)
+            moved = self.moved.setdefault(key, {"reduced": 0, "to_host": 0, "to_device": 0})
+            moved["reduced"] += sum(p.numel() for p in grad_partitions) * buffer.element_size()
+            moved["to_host"] += mode.to_host
+            moved["to_device"] += mode.to_device
+            return result
+
+        optimizer.partition_grads = counted
+
+
+def test_accumulating_into_host_memory_moves_each_micro_batch_no_more_than_it_must(tmp_path) -> None:
+    """Four micro-batches into pinned host memory (``gradient_buffer="host"``), fp32 accumulation: each micro-batch's
+    partitions cross to the host once; a micro-batch after a step's first also brings the partial sum over to add to
+    (ZeRO adds on the accelerator). DeepSpeed's own code also copies the first micro-batch's partitions back to the
+    accelerator, for a norm only the last micro-batch takes: that copy is gone, and the training is the same."""
+    params = {}
+    for stock in (True, False):
+        counter = CountLinkCopies(stock=stock)
+        strategy = SmartInfinityStrategy(
+            storage_paths=[tmp_path / str(stock)], gradient_buffer="host", sub_group_size=3000
+        )
+        trainer, params[stock] = fit(
+            LMModule(adamw), strategy, steps=2, accumulate=4, precision="bf16-mixed", callbacks=[counter]
+        )
+        assert trainer.strategy.deepspeed_engine.optimizer.grad_partitions_flat_buffer.dtype == torch.float32
+        assert sorted(counter.moved) == [(step, micro) for step in range(2) for micro in range(4)]
+        for (_, micro), moved in counter.moved.items():
+            reduced = moved["reduced"]
+            assert reduced > 0
+            assert moved["to_host"] == reduced, (stock, micro, moved)
+            back = reduced if micro > 0 or stock else 0
+            assert moved["to_device"] == back, (stock, micro, moved)
+    assert all(torch.equal(params[False][name], params[True][name]) for name in params[True])
 
 
 class RecordingIO(ThreadedIO):

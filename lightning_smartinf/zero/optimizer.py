@@ -44,6 +44,10 @@ from lightning_smartinf.zero.param_storage import FileBuffer, prepare_swapper
 #: ``gradient_buffer="auto"`` keeps the gradients on the accelerator only if they take at most this share of its free
 #: memory at set-up: forward and backward need the rest.
 AUTO_ACCELERATOR_SHARE = 0.25
+#: The share when the step accumulates micro-batches: in host memory, every micro-batch after the first takes the
+#: partitions across the link and back (in fp32) to add to them, which costs more than the memory a shorter
+#: micro-batch or more recomputation gives back.
+AUTO_ACCUMULATING_SHARE = 0.5
 
 
 #: While ZeRO moves the parameter partitions into its flat host buffer, the C heap's free pages go back to the
@@ -51,13 +55,15 @@ AUTO_ACCELERATOR_SHARE = 0.25
 RETURN_FREED_EVERY_BYTES = 256 * 2**20
 
 
-def gradient_buffer_device(setting: str, needed_bytes: int) -> str | None:
+def gradient_buffer_device(setting: str, needed_bytes: int, accumulation: int = 1) -> str | None:
     """The device to keep the reduced gradient partitions on for ``gradient_buffer=setting``, or ``None`` to leave
-    them in ZeRO's pinned host buffer. ``needed_bytes``: the buffer, and the residual error feedback keeps with it.
+    them in ZeRO's pinned host buffer. ``needed_bytes``: the buffer, and the residual error feedback keeps with it;
+    ``accumulation``: the micro-batches each step adds up.
 
     ``"auto"`` moves them to a real accelerator where they take at most :data:`AUTO_ACCELERATOR_SHARE` of its free
-    memory. ``"accelerator"`` always moves them, and refuses an accelerator without room for them; on a machine
-    without one that is host memory again (unpinned), which runs the same code path as a GPU.
+    memory (:data:`AUTO_ACCUMULATING_SHARE` when the step accumulates). ``"accelerator"`` always moves them, and
+    refuses an accelerator without room for them; on a machine without one that is host memory again (unpinned),
+    which runs the same code path as a GPU.
 
     Raises:
         GradientBufferError: ``"accelerator"`` on an accelerator with less free memory than ``needed_bytes``.
@@ -70,14 +76,18 @@ def gradient_buffer_device(setting: str, needed_bytes: int) -> str | None:
         return device
     free = _free_memory(device)
     if setting == "auto":
-        if needed_bytes > AUTO_ACCELERATOR_SHARE * free:
+        share = AUTO_ACCUMULATING_SHARE if accumulation > 1 else AUTO_ACCELERATOR_SHARE
+        if needed_bytes > share * free:
             logging.getLogger(__name__).info(
                 "gradient_buffer='auto': the gradient partitions (%.2f GiB) would take more than %d%% of %s's free "
-                "memory (%.2f GiB); they stay in pinned host memory.",
+                "memory (%.2f GiB); they stay in pinned host memory%s.",
                 needed_bytes / 2**30,
-                int(AUTO_ACCELERATOR_SHARE * 100),
+                int(share * 100),
                 device,
                 free / 2**30,
+                f", and each of the {accumulation - 1} micro-batches after a step's first crosses the link twice"
+                if accumulation > 1
+                else "",
             )
             return None
         return device
@@ -307,7 +317,9 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         numel = sum(int(p.partition_numel()) for p in itertools.chain.from_iterable(self.fp16_groups))
         residual = 4 if settings.compression is not None and settings.compression.error_feedback else 0
         element_size = torch.empty(0, dtype=self.gradient_accumulation_dtype).element_size()
-        device = gradient_buffer_device(settings.gradient_buffer, numel * (element_size + residual))
+        device = gradient_buffer_device(
+            settings.gradient_buffer, numel * (element_size + residual), int(self.gradient_accumulation_steps)
+        )
         in_file = self._gradients_in_file = device is None and self.params_in_nvme_and_cpu
         if device is not None or in_file:
             # ZeRO pins the gradient buffer it makes (`offload_optimizer.pin_memory`, true by default) and we replace
@@ -381,18 +393,25 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self.device = "meta"
 
     def partition_grads(self, params_to_release: list[Tensor], grad_partitions: list[Tensor]) -> list[Tensor]:
-        """ZeRO's copy of each reduced gradient partition into the gradient buffer, through :attr:`gradient_ring`
-        where the buffer is a file beside an accelerator.
+        """ZeRO's copy of each reduced gradient partition into the gradient buffer, without a copy training does not
+        need where the buffer is host memory (ZeRO's pinned buffer, or a file through :attr:`gradient_ring`).
 
-        The first micro-batch's partitions are queued on the ring (the launching thread does not wait), and their
-        norm is taken on the accelerator from the partition itself. Later micro-batches of an accumulation add to
-        what the file holds: the ring is flushed, then ZeRO adds as it always does (on the accelerator, copying
-        synchronously). Mirrors ``DeepSpeedZeroOptimizer_Stage3.partition_grads`` of DeepSpeed 0.19.8 otherwise.
+        The link carries, per micro-batch, what accumulation needs and nothing more:
+
+        - the first micro-batch of a step: each partition once to the host (in the buffer's dtype), and its norm is
+          taken on the accelerator from the partition itself. ZeRO also copies the host buffer back to the
+          accelerator each time, for a norm only the last micro-batch takes;
+        - each later micro-batch: ZeRO's accumulation, on the accelerator (the buffer's partition comes over, the
+          micro-batch is added, the sum goes back); the ring is flushed first.
+
+        A buffer on the accelerator is ZeRO's own path, unchanged. Mirrors ``DeepSpeedZeroOptimizer_Stage3.
+        partition_grads`` of DeepSpeed 0.19.8 otherwise.
         """
         ring = self.gradient_ring
-        if ring is None or self.micro_step_id != 0:
-            if ring is not None:
-                ring.flush()
+        if ring is not None and self.micro_step_id != 0:
+            ring.flush()
+        buffer = self.grad_partitions_flat_buffer
+        if self.micro_step_id != 0 or (ring is None and get_accelerator().on_accelerator(buffer)):
             return super().partition_grads(params_to_release, grad_partitions)
         views = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
         offload_fp32_gradients: dict = {}
@@ -407,10 +426,13 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             buffers.append(grad_buffer)
             # In the buffer's dtype on the accelerator (what ZeRO's copy would round it to), queued on this stream.
             on_device = grad_partition.to(self.gradient_accumulation_dtype).view(grad_buffer.shape)
-            ring.copy(grad_buffer, on_device)
+            if ring is not None:
+                ring.copy(grad_buffer, on_device)
+            else:
+                grad_buffer.copy_(on_device, non_blocking=True)
             if self.is_gradient_accumulation_boundary():
                 self._offload_grad_partition_at_boundary(param, on_device, offload_fp32_gradients, offload_fp32_offsets)
-            if param.grad is not None:
+            if param.grad is not None and not get_accelerator().is_synchronized_device():
                 param.grad.record_stream(get_accelerator().current_stream())
             param.grad = None
         self._swap_out_offload_fp32_gradients(offload_fp32_gradients, offload_fp32_offsets)
