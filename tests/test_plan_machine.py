@@ -18,7 +18,8 @@ from conftest import REPO_ROOT
 from lightning_smartinf.plan import PlanError, workload_from_model
 from lightning_smartinf.plan.__main__ import main
 from lightning_smartinf.plan.machine import Machine, load_any
-from lightning_smartinf.plan.machine_plan import GRADIENT_GPU_SHARE, plan_machine
+from lightning_smartinf.plan.machine_plan import GRADIENT_ACCUMULATING_SHARE, GRADIENT_GPU_SHARE, plan_machine
+from lightning_smartinf.plan.model import Workload, fwd_bwd_time, gpu_link_bytes, gradient_link_bytes
 
 GB = 1e9
 EXAMPLE = "example-gpu80-2nvme"
@@ -173,9 +174,48 @@ def test_a_bad_machine_profile_is_refused_with_every_problem(tmp_path, capsys):
 
 
 def test_the_gradient_share_is_the_strategys():
-    from lightning_smartinf.zero.optimizer import AUTO_ACCELERATOR_SHARE
+    from lightning_smartinf.zero.optimizer import AUTO_ACCELERATOR_SHARE, AUTO_ACCUMULATING_SHARE
 
     assert GRADIENT_GPU_SHARE == AUTO_ACCELERATOR_SHARE
+    assert GRADIENT_ACCUMULATING_SHARE == AUTO_ACCUMULATING_SHARE
+
+
+def test_accumulation_counts_every_micro_batch_and_credits_overlap_to_the_last(capsys):
+    """16 micro-batches of 2 x 2048 tokens at 8B: sixteen times the compute and tokens; the gradients are summed in
+    fp32 (32 GB), which the GPU keeps (a host buffer would take them over PCIe and back 15 times); the devices'
+    update overlaps only the last micro-batch's backward; tokens per second are reported for both methods."""
+    plans = {}
+    for accumulate in (1, 16):
+        assert main(["--model", "8B", "--profile", EXAMPLE, "--batch", "2", "--seq", "2048", "--accumulate",
+                     str(accumulate), "--json"]) == 0  # fmt: skip
+        plans[accumulate] = json.loads(capsys.readouterr().out)
+    one, sixteen = plans[1], plans[16]
+    assert sixteen["step"]["tokens"] == 16 * one["step"]["tokens"] == 16 * 2 * 2048
+    assert sixteen["step"]["tokens_per_s"] == pytest.approx(sixteen["step"]["tokens"] / sixteen["step"]["total"])
+    assert sixteen["step"]["zero_infinity_tokens_per_s"] < sixteen["step"]["tokens_per_s"]
+    # Both keep the parameters and gradients on the GPU: the link's bytes are the same, the compute is 16 times.
+    micro_batch = fwd_bwd_time(Workload(8_000_000_000, batch=2, seq=2048), load_any(EXAMPLE).to_profile((0, 1)), 0)
+    assert sixteen["step"]["fwd_bwd"] - one["step"]["fwd_bwd"] == pytest.approx(15 * micro_batch)
+    assert one["strategy"]["gradient_buffer"] == "accelerator"  # 16 GB of bf16 gradients, 25% of what is left
+    assert sixteen["strategy"]["gradient_buffer"] == "accelerator"
+    assert sixteen["gpu_memory_bytes"]["fp32 gradient partitions"] == 4 * 8e9
+    assert "16 micro-batches a step" in sixteen["reasons"]["gradient_buffer"]
+    assert sixteen["placement"]["backward_s"] < one["placement"]["backward_s"]
+    assert main(["--model", "8B", "--profile", EXAMPLE, "--accumulate", "0"]) == 2
+    assert "`accumulate=0` must be at least 1" in capsys.readouterr().err
+
+
+def test_the_link_carries_each_micro_batch_once_and_the_sums_where_host_memory_keeps_them():
+    """Bytes per parameter per step across PCIe, as ZeRO-3's code copies them (counted on the CPU in
+    test_gpu_path.py): a host buffer takes each micro-batch once (fp32 when accumulating) and, after the first, the
+    partial sum over and back; the GPU keeps them otherwise and a device reads the sum once."""
+    assert gradient_link_bytes("host") == 2
+    assert gradient_link_bytes("host", accumulate=16) == 4 + 15 * 8
+    assert gradient_link_bytes("accelerator", accumulate=16) == 2
+    assert gradient_link_bytes("host", compression=0.01, accumulate=2) == pytest.approx(2 + 4 + 2 + 0.06)
+    # Stock DeepSpeed also brings the first micro-batch back for the norm; each micro-batch fetches the parameters.
+    assert gpu_link_bytes("zero_infinity", accumulate=4) == 4 * 4 + 2 + 2 + 3 * 4
+    assert gpu_link_bytes("su_o", gradient_buffer="host", accumulate=4) == 4 * 4 + 4 + 3 * 8
 
 
 def test_calibrate_measures_every_path_alone_and_together(tmp_path, capsys):

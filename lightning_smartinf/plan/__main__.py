@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=4, help="micro-batch size per GPU (default 4, as the paper)")
     parser.add_argument("--seq", type=int, help="sequence length (default: the config's context, capped at 4096)")
     parser.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step, as the Trainer's accumulate_grad_batches (default 1)",
+    )
+    parser.add_argument(
         "--calibrate",
         metavar="PATH",
         nargs="+",
@@ -142,7 +148,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | dic
             return None if args.output else calibrated
     if not args.model:
         parser.error("--model is required (a config.json or a size like 7B), unless --calibrate is given")
-    work = workload_from_model(args.model, batch=args.batch, seq=args.seq)
+    work = workload_from_model(args.model, batch=args.batch, seq=args.seq, accumulate=args.accumulate)
     prof = measured or load_any(args.profile)
     plan = _machine_plan(work, prof, args) if isinstance(prof, Machine) else _testbed_plan(work, prof, args)
     if calibrated is None or args.output:

@@ -31,19 +31,21 @@ from typing import Any
 
 from lightning_smartinf.plan.machine import Machine
 from lightning_smartinf.plan.model import (
-    COMPRESSED_INDEX_BYTES,
     FP32_GRAD_BYTES,
     FP32_STATE_BYTES,
     GB,
     LOW_PRECISION_BYTES,
+    PARAM_FETCH_BYTES,
     PlanError,
     Profile,
     Workload,
+    accumulation_bytes,
     fwd_bwd_time,
+    gradient_link_bytes,
     parameter_io,
     zero_infinity,
 )
-from lightning_smartinf.plan.planner import ENOUGH, choose_sub_group, python_code, size_text, yaml_code
+from lightning_smartinf.plan.planner import ENOUGH, choose_sub_group, python_code, size_text, workload_text, yaml_code
 from lightning_smartinf.plan.tiers import TierPlacement, place_state
 
 __all__ = ["MachinePlan", "PathSpace", "format_machine_plan", "machine_json", "plan_machine"]
@@ -57,6 +59,9 @@ GPU_PARAMS_SHARE = 0.5
 #: ``gradient_buffer="auto"`` keeps the gradients on the GPU where they take at most this share of its free memory
 #: (``AUTO_ACCELERATOR_SHARE`` of ``zero/optimizer.py``, which imports DeepSpeed; a test keeps the two equal).
 GRADIENT_GPU_SHARE = 0.25
+#: The share when a step accumulates micro-batches (``AUTO_ACCUMULATING_SHARE``, kept equal the same way): in host
+#: memory each micro-batch after the first takes the fp32 partitions across the link and back.
+GRADIENT_ACCUMULATING_SHARE = 2 / 3
 #: A device streams 1M-element chunks whatever the sub-group; larger sub-groups only coarsen the memory tier's share
 #: and the hand-offs during backward (and ZeRO's reduce bucket, one sub-group with ``overlap_backward``).
 MACHINE_SUB_GROUP_MAX = 100_000_000
@@ -240,6 +245,7 @@ def _place_model(
     """Steps 1 and 2: the 16-bit parameters, then the gradient partitions."""
     gpu, p16 = machine.gpu, LOW_PRECISION_BYTES * work.params
     residual = FP32_GRAD_BYTES * work.params if compression is not None else 0
+    summed = accumulation_bytes(work.accumulate, compression) * work.params  # the gradient partitions' buffer
     gpu_bytes, ram = (gpu.memory_gb * GB if gpu else 0.0), machine.host_memory_gb * GB
     host = {
         "reserve": max(HOST_RESERVE_MIN_GB * GB, HOST_RESERVE_SHARE * ram),
@@ -255,37 +261,40 @@ def _place_model(
             f"the 16-bit parameters ({p16 / GB:.1f} GB) take {p16 / gpu_bytes:.0%} of the GPU's {gpu.memory_gb:g} GB: "
             "they stay there, and forward and backward fetch nothing over PCIe"
         )
-    elif ram - sum(host.values()) >= 2 * p16 + residual:
+    elif ram - sum(host.values()) >= p16 + summed + residual:
         offload = bool(gpu)  # without a GPU, "on the accelerator" is host memory too
         where = "more than half the GPU's memory" if gpu else "CPU training"
         reasons["offload_parameters"] = (
-            f"{where}: host RAM holds the 16-bit parameters and their gradients ({2 * p16 / GB:.1f} GB)"
+            f"{where}: host RAM holds the 16-bit parameters and their gradients ({(p16 + summed) / GB:.1f} GB)"
         )
     else:
         offload = "storage"
         reasons["offload_parameters"] = (
             f"neither {'the GPU nor ' if gpu else ''}host RAM holds the 16-bit parameters and their gradients "
-            f"({2 * p16 / GB:.1f} GB): they live on the first path, read a layer ahead"
+            f"({(p16 + summed) / GB:.1f} GB): they live on the first path, read a layer ahead"
         )
     gradient_buffer: str | None = None
     on_gpu: dict[str, float] = {}
-    gradients = "gradient partitions" + (" and residual" if residual else "")
+    gradients = ("fp32 " if summed > p16 else "") + "gradient partitions" + (" and residual" if residual else "")
     if gpu:
         free = gpu_bytes - (p16 if offload is False else 0)
-        gradient_buffer = "accelerator" if p16 + residual <= GRADIENT_GPU_SHARE * free else "host"
+        share = GRADIENT_ACCUMULATING_SHARE if work.accumulate > 1 else GRADIENT_GPU_SHARE
+        gradient_buffer = "accelerator" if summed + residual <= share * free else "host"
+        accumulating = f" with {work.accumulate} micro-batches a step" if work.accumulate > 1 else ""
         reasons["gradient_buffer"] = (
-            f"the {gradients} ({(p16 + residual) / GB:.1f} GB) take {(p16 + residual) / free:.0%} of the "
+            f"the {gradients} ({(summed + residual) / GB:.1f} GB) take {(summed + residual) / free:.0%} of the "
             f"{free / GB:.1f} GB of GPU memory the parameters leave "
             + (
-                f"(at most {GRADIENT_GPU_SHARE:.0%}): the GPU keeps them, and only what the devices read crosses"
+                f"(at most {share:.0%}{accumulating}): the GPU keeps them, and only what the devices read crosses"
                 if gradient_buffer == "accelerator"
-                else f"(more than {GRADIENT_GPU_SHARE:.0%}): pinned host memory keeps them"
+                else f"(more than {share:.0%}{accumulating}): pinned host memory keeps them"
+                + (", and each micro-batch after a step's first takes them over PCIe and back" if accumulating else "")
             )
         )
         if offload is False:
             on_gpu["16-bit parameters"] = p16
         if gradient_buffer == "accelerator":
-            on_gpu[gradients] = p16 + residual
+            on_gpu[gradients] = summed + residual
         if accelerator:
             on_gpu["optimizer state (state_accelerator_budget)"] = min(accelerator, FP32_STATE_BYTES * work.params)
         on_gpu["left for forward and backward"] = gpu_bytes - sum(on_gpu.values())
@@ -293,7 +302,7 @@ def _place_model(
         host["16-bit parameters"] = p16
     gradient_file = offload == "storage" and gradient_buffer != "accelerator"
     if gradient_buffer != "accelerator" and not gradient_file:
-        host[gradients] = p16 + residual
+        host[gradients] = summed + residual
     return _ModelPlacement(offload, gradient_buffer, gradient_file, host, on_gpu, reasons)
 
 
@@ -327,14 +336,14 @@ def _fwd_bwd(work: Workload, prof: Profile, model: _ModelPlacement, compression:
     """Forward and backward with the GPU <-> host copies the settings make, and the parameters' writes after the step
     (``offload_parameters="storage"``)."""
     if prof.gpu_peak_tflops is None:
-        fwd_bwd = prof.cpu_step_s_per_gparam * work.params / 1e9
+        fwd_bwd = fwd_bwd_time(work, prof)
     else:
-        if compression is not None and model.gradient_buffer == "accelerator":
-            gradient_link = compression * (LOW_PRECISION_BYTES + COMPRESSED_INDEX_BYTES)
-        else:  # the devices read the gradient once; from pinned memory ZeRO also copies it back for the norm
-            gradient_link = LOW_PRECISION_BYTES * (2 if model.gradient_buffer == "host" else 1)
-        # Parameters on the GPU take the updated ones back (2 B); elsewhere ZeRO-3 fetches them twice (4 B).
-        parameter_link = LOW_PRECISION_BYTES * (1 if model.offload_parameters is False else 2)
+        assert model.gradient_buffer is not None, "a machine with a GPU places the gradient partitions"
+        gradient_link = gradient_link_bytes(model.gradient_buffer, compression=compression, accumulate=work.accumulate)
+        # Parameters on the GPU take the updated ones back once (2 B); elsewhere ZeRO-3 fetches them for forward and
+        # backward of every micro-batch (4 B each).
+        fetched = model.offload_parameters is not False
+        parameter_link = PARAM_FETCH_BYTES * work.accumulate if fetched else LOW_PRECISION_BYTES
         fwd_bwd = fwd_bwd_time(work, prof, parameter_link + gradient_link)
     if model.offload_parameters != "storage":
         return fwd_bwd, 0.0
@@ -371,8 +380,9 @@ def _plan_paths(
     checkpoint_dir = checkpoint_dir or machine.storage[paths[0]].path
     checkpoint = (keep_checkpoints + 1) * (state + residual) if keep_checkpoints else 0.0
     p16 = LOW_PRECISION_BYTES * work.params
+    summed = accumulation_bytes(work.accumulate, compression) * work.params
     parameters = (
-        p16 + (p16 + residual if model.gradient_file else 0.0) if model.offload_parameters == "storage" else 0.0
+        p16 + (summed + residual if model.gradient_file else 0.0) if model.offload_parameters == "storage" else 0.0
     )
 
     # Step 4: overlap first (dense gradients only), then "fill" (without a GPU "auto" fills the budget already).
@@ -516,7 +526,7 @@ def format_machine_plan(plan: MachinePlan, python_header: str, yaml_header: str)
         else "no GPU (CPU training)"
     )
     lines = [
-        f"model: {w.name or 'model'} = {w.params / 1e9:.2f}B parameters ({w.params:,}), batch {w.batch} x seq {w.seq}",
+        f"model: {w.name or 'model'} = {w.params / 1e9:.2f}B parameters ({w.params:,}), {workload_text(w)}",
         f"machine: {m.name} ({m.kind}, cpu backend): {gpu}; {m.host_memory_gb:g} GB RAM",
         "storage paths (GB/s alone; read+write = reads and writes at once, as training streams state):",
     ]
@@ -540,6 +550,8 @@ def format_machine_plan(plan: MachinePlan, python_header: str, yaml_header: str)
         f"{base / plan.zero_infinity_s:>7.2f}x",
         "('update' runs after backward: the part the devices do during backward is hidden in fwd/bwd; 'params' writes"
         " the 16-bit parameters to storage)",
+        f"tokens per second (at most {w.step_tokens:,} a step): this plan {w.step_tokens / plan.total_s:,.0f}, "
+        f"ZeRO-Infinity {w.step_tokens / plan.zero_infinity_s:,.0f}",
         *(
             ["(no GPU and `cpu_step_s_per_gparam: 0` in the profile: forward and backward are not modelled)"]
             if not m.gpu and not m.cpu_step_s_per_gparam
@@ -628,6 +640,9 @@ def machine_json(plan: MachinePlan) -> dict[str, Any]:
             "total": plan.total_s,
             "all_state_on_paths": plan.all_on_disk_s,
             "zero_infinity": plan.zero_infinity_s,
+            "tokens": plan.work.step_tokens,
+            "tokens_per_s": plan.work.step_tokens / plan.total_s,
+            "zero_infinity_tokens_per_s": plan.work.step_tokens / plan.zero_infinity_s,
         },
         "sub_group_size": plan.sub_group_size,
         "buffer_count": BUFFER_COUNT,

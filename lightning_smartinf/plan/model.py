@@ -59,7 +59,7 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Workload:
-    """What is trained: parameter count and tokens per iteration (per GPU)."""
+    """What is trained: parameter count, and per GPU the micro-batch and the micro-batches a step accumulates."""
 
     params: int
     batch: int = 4
@@ -67,16 +67,29 @@ class Workload:
     name: str = ""
     #: Model FLOPs per parameter per token for forward + backward (6), plus 2 with activation recompute.
     flops_per_param_token: float = 8.0
+    #: Micro-batches per optimizer step (Lightning's ``accumulate_grad_batches``).
+    accumulate: int = 1
 
     def __post_init__(self) -> None:
         if self.params <= 0:
             raise PlanError(f"`params={self.params}` must be positive.")
         if self.batch <= 0 or self.seq <= 0:
             raise PlanError(f"`batch={self.batch}` and `seq={self.seq}` must be positive.")
+        if self.accumulate <= 0:
+            raise PlanError(
+                f"`accumulate={self.accumulate}` must be at least 1 (micro-batches per optimizer step, "
+                "`accumulate_grad_batches`)."
+            )
 
     @property
     def tokens(self) -> int:
+        """Tokens of one micro-batch (at most: sequences may be shorter)."""
         return self.batch * self.seq
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens of one optimizer step: every micro-batch it accumulates."""
+        return self.tokens * self.accumulate
 
 
 @dataclass(frozen=True)
@@ -194,33 +207,57 @@ class Breakdown:
         return self.fwd_bwd + self.optimizer + self.compression
 
 
-def gpu_link_bytes(
-    method: str, *, gradient_buffer: str = "accelerator", compression: float | None = None, round_trip: bool = True
-) -> float:
-    """GPU <-> host bytes per parameter per step that ``method``'s code copies (16-bit training, parameters offloaded
-    to host memory; the updated parameters are written there, so none go back to the GPU).
+def gradient_link_bytes(gradient_buffer: str, *, compression: float | None = None, accumulate: int = 1) -> float:
+    """GPU <-> host bytes per parameter per step the gradient partitions take under this project's ZeRO-3 (16-bit
+    training; a step of ``accumulate`` micro-batches adds their gradients in fp32, or in the training dtype with
+    ``compression``).
 
-    - ZeRO-3's parameter fetches for forward and backward: ``4``.
-    - ZeRO-Infinity and ``gradient_buffer="host"``: ZeRO copies each reduced gradient partition into pinned host
-      memory, ``2``, and back to the GPU for its norm, ``2`` (``round_trip``: DeepSpeed 0.19.8 does; the paper
-      profiles are fitted without it). Top-k on the GPU needs the gradient back there in any case, and
-      then sends the pairs.
-    - ``gradient_buffer="accelerator"``: the gradient stays on the GPU (norm and top-k run there); a device reads it
-      across once, ``2``, or only the kept pairs, ``c·(2 + 4)``.
+    - ``gradient_buffer="accelerator"``: the gradient stays on the GPU (accumulation, norm and top-k run there); a
+      device reads it across once, ``2``, or only the kept pairs, ``c·(2 + 4)``.
+    - ``"host"``: each micro-batch's partition crosses to pinned host memory once (its norm is taken on the GPU
+      first); each micro-batch after the first also brings the partial sum over and back, to add to it on the GPU.
+      Top-k (``compression``) needs the summed gradient back on the GPU, then sends the pairs.
     """
     if gradient_buffer not in GRADIENT_BUFFERS:
         raise PlanError(
             f"`gradient_buffer={gradient_buffer!r}` is unknown; choose one of {', '.join(GRADIENT_BUFFERS)}."
         )
     pairs = 0.0 if compression is None else compression * (LOW_PRECISION_BYTES + COMPRESSED_INDEX_BYTES)
-    if method == "zero_infinity" or gradient_buffer == "host":
-        back = round_trip or (method != "zero_infinity" and compression is not None)
-        return (
-            PARAM_FETCH_BYTES + LOW_PRECISION_BYTES * (2 if back else 1) + (0.0 if method == "zero_infinity" else pairs)
-        )
-    if compression is None:
-        return PARAM_FETCH_BYTES + LOW_PRECISION_BYTES
-    return PARAM_FETCH_BYTES + pairs
+    if gradient_buffer == "accelerator":
+        return LOW_PRECISION_BYTES if compression is None else pairs
+    summed = accumulation_bytes(accumulate, compression)
+    crossings = summed * (1 + 2 * (accumulate - 1))
+    return crossings + (summed + pairs if compression is not None else 0.0)
+
+
+def accumulation_bytes(accumulate: int, compression: float | None = None) -> int:
+    """Bytes per element of the buffer ZeRO-3 sums a step's gradients in: fp32 for a 16-bit run that accumulates
+    (the strategy sets it), the training dtype otherwise and with compression."""
+    return FP32_GRAD_BYTES if accumulate > 1 and compression is None else LOW_PRECISION_BYTES
+
+
+def gpu_link_bytes(
+    method: str,
+    *,
+    gradient_buffer: str = "accelerator",
+    compression: float | None = None,
+    round_trip: bool = True,
+    accumulate: int = 1,
+) -> float:
+    """GPU <-> host bytes per parameter per step that ``method``'s code copies (16-bit training, parameters offloaded
+    to host memory; the updated parameters are written there, so none go back to the GPU).
+
+    - ZeRO-3's parameter fetches for forward and backward of each micro-batch: ``4·accumulate``.
+    - ZeRO-Infinity: ZeRO copies each reduced gradient partition into pinned host memory, ``2``, and back to the GPU
+      for its norm, ``2`` (``round_trip``: DeepSpeed 0.19.8 does; the paper profiles are fitted without it); each
+      later micro-batch of an accumulation brings the sum over and back, ``4``.
+    - SmartUpdate: :func:`gradient_link_bytes`.
+    """
+    fetches = PARAM_FETCH_BYTES * accumulate
+    if method == "zero_infinity":
+        first = LOW_PRECISION_BYTES * (2 if round_trip else 1)
+        return fetches + first + 2 * LOW_PRECISION_BYTES * (accumulate - 1)
+    return fetches + gradient_link_bytes(gradient_buffer, compression=compression, accumulate=accumulate)
 
 
 def parameter_io(work: Workload, prof: Profile, compute: float) -> tuple[float, float, float]:
@@ -229,7 +266,7 @@ def parameter_io(work: Workload, prof: Profile, compute: float) -> tuple[float, 
     the bytes of each. One storage path holds them, and the reads cross the shared link; DeepSpeed reads a layer
     ahead, so reads hide behind compute up to their own time."""
     p = work.params
-    reads, writes = PARAM_FETCH_BYTES * p, LOW_PRECISION_BYTES * p
+    reads, writes = PARAM_FETCH_BYTES * p * work.accumulate, LOW_PRECISION_BYTES * p
     read_s = reads / min(_limit(prof.shared_link_gbps), prof.ssd_read_gbps * GB)
     write_s = writes / min(_limit(prof.shared_link_gbps), prof.ssd_write_gbps * GB)
     return max(compute, read_s), write_s, reads
@@ -239,10 +276,9 @@ def fwd_bwd_time(work: Workload, prof: Profile, link_bytes_per_param: float = 3 
     """Forward and backward, and the GPU <-> host copies of ``link_bytes_per_param`` (not overlapped: an upper
     bound)."""
     if prof.gpu_peak_tflops is None:
-        return prof.cpu_step_s_per_gparam * work.params / 1e9
-    compute = (
-        work.flops_per_param_token * work.params * work.tokens / (prof.gpu_peak_tflops * 1e12 * prof.gpu_efficiency)
-    )
+        return prof.cpu_step_s_per_gparam * work.params / 1e9 * work.accumulate
+    flops = work.flops_per_param_token * work.params * work.step_tokens
+    compute = flops / (prof.gpu_peak_tflops * 1e12 * prof.gpu_efficiency)
     return compute + link_bytes_per_param * work.params / _limit(prof.gpu_link_gbps)
 
 
@@ -254,7 +290,7 @@ def zero_infinity(work: Workload, prof: Profile, devices: int, *, params_on_stor
     state_in = (FP32_STATE_BYTES + FP32_GRAD_BYTES) * p / read_bw
     state_out = FP32_STATE_BYTES * p / write_bw
     update = p / (prof.host_update_gparams_per_s * 1e9)
-    pcie = gpu_link_bytes("zero_infinity", round_trip=prof.gradient_round_trip)
+    pcie = gpu_link_bytes("zero_infinity", round_trip=prof.gradient_round_trip, accumulate=work.accumulate)
     # An SSD's reads and writes share its bandwidth, so pipelining hides the host update behind the I/O, not
     # reads behind writes.
     if prof.baseline_pipelined:
@@ -326,11 +362,15 @@ def smart_update(
     else:
         hidden_io, exposed_update = storage, update
     pcie = gpu_link_bytes(
-        method, gradient_buffer=gradient_buffer, compression=compression, round_trip=prof.gradient_round_trip
+        method,
+        gradient_buffer=gradient_buffer,
+        compression=compression,
+        round_trip=prof.gradient_round_trip,
+        accumulate=work.accumulate,
     )
     on_gpu = prof.gpu_peak_tflops is not None
-    # bf16 gradient partitions, plus the fp32 error-feedback residual with compression.
-    kept_on_gpu = (LOW_PRECISION_BYTES + (4 if compression is not None else 0)) * p
+    # The gradient partitions (fp32 while a step accumulates), plus the fp32 error-feedback residual with compression.
+    kept_on_gpu = (accumulation_bytes(work.accumulate, compression) + (4 if compression is not None else 0)) * p
     fwd_bwd, param_write, param_reads = fwd_bwd_time(work, prof, pcie), 0.0, 0.0
     if params_on_storage:
         fwd_bwd, param_write, param_reads = parameter_io(work, prof, fwd_bwd)
@@ -463,8 +503,9 @@ def params_from_config(cfg: dict[str, Any], origin: str = "config") -> int:
     return int(total)
 
 
-def workload_from_model(model: str, batch: int = 4, seq: int | None = None) -> Workload:
-    """``model`` is a size (``"7B"``) or a path to a Hugging Face ``config.json`` (or its directory)."""
+def workload_from_model(model: str, batch: int = 4, seq: int | None = None, accumulate: int = 1) -> Workload:
+    """``model`` is a size (``"7B"``) or a path to a Hugging Face ``config.json`` (or its directory); ``accumulate``
+    micro-batches of ``batch`` sequences of ``seq`` tokens per step."""
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
@@ -478,10 +519,11 @@ def workload_from_model(model: str, batch: int = 4, seq: int | None = None) -> W
         params = params_from_config(cfg, origin=str(path))
         if seq is None:
             seq = int(min(_first(cfg, "max_position_embeddings", "n_positions", "n_ctx") or 1024, 4096))
-        return Workload(params, batch=batch, seq=seq, name=str(cfg.get("_name_or_path") or path.parent.name))
+        name = str(cfg.get("_name_or_path") or path.parent.name)
+        return Workload(params, batch=batch, seq=seq, name=name, accumulate=accumulate)
     if model.endswith(".json") or "/" in model:
         raise PlanError(f"`--model {model}`: no such file. Pass a Hugging Face config.json or a size like 7B.")
-    return Workload(parse_size(model), batch=batch, seq=seq or 1024, name=model)
+    return Workload(parse_size(model), batch=batch, seq=seq or 1024, name=model, accumulate=accumulate)
 
 
 # ---------------------------------------------------------------------------------------------------------------

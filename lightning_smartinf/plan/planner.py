@@ -133,11 +133,16 @@ def _fmt_params(p: int) -> str:
     return str(p)
 
 
+def workload_text(work: Workload) -> str:
+    """``batch 2 x seq 2048 x 16 micro-batches a step``: what one step trains."""
+    micro = f"batch {work.batch} x seq {work.seq}"
+    return micro + (f" x {work.accumulate} micro-batches a step" if work.accumulate > 1 else "")
+
+
 def format_plan(plan: Plan) -> str:
     w, prof, n = plan.work, plan.profile, plan.devices
     lines = [
-        f"model: {w.name or 'model'} = {_fmt_params(w.params)} parameters ({w.params:,}), "
-        f"batch {w.batch} x seq {w.seq}",
+        f"model: {w.name or 'model'} = {_fmt_params(w.params)} parameters ({w.params:,}), {workload_text(w)}",
         f"profile: {prof.name} ({prof.gpu}); {n} device(s)",
         "",
         f"{'method':<22}{'fwd/bwd':>9}{'grad xfer':>10}{'update':>9}{'param ret':>10}{'storage':>9}"
@@ -150,6 +155,10 @@ def format_plan(plan: Plan) -> str:
             f"{label:<22}{b.fwd_bwd:>9.2f}{b.grad_transfer:>10.2f}{b.update:>9.2f}{b.param_return:>10.2f}"
             f"{b.storage_io:>9.2f}{b.compression:>7.2f}{b.total:>9.2f}{base / b.total:>8.2f}x{b.link_bytes / 1e9:>9.1f}"
         )
+    lines.append(
+        f"tokens per second (at most {w.step_tokens:,} a step): "
+        + ", ".join(f"{SHORT_LABELS[m]} {w.step_tokens / b.total:,.0f}" for m, b in plan.breakdowns.items())
+    )
     if plan.baseline.gpu_link_bytes:
         b = plan.breakdowns
         dense, compressed = b["su_o"].gpu_gradient_bytes, b["su_o_c"].gpu_gradient_bytes

@@ -110,10 +110,11 @@ def place_state(
     rates = [unit * w / max(weights) for w in weights]
     memory_rate = prof.host_update_gparams_per_s * 1e9 * FP32_STATE_BYTES
     emulated = not prof.gradient_staged_on_ssd and prof.network_gbps is None
-    # Emulated devices beside a GPU update during backward (the backward of forward + backward: 2 of 3 parts).
+    # Emulated devices beside a GPU update during the step's last backward (2 of 3 parts of forward + backward).
     with_gpu = emulated and prof.gpu_peak_tflops is not None
     fwd_bwd_s = fwd_bwd_time(work, prof) if fwd_bwd_s is None else fwd_bwd_s
-    backward_s = 2 / 3 * fwd_bwd_s if with_gpu and overlap_backward else 0.0
+    # Only the last micro-batch's backward completes gradients: the ones before it only add to them.
+    backward_s = 2 / 3 * fwd_bwd_s / work.accumulate if with_gpu and overlap_backward else 0.0
     if fill or (emulated and not with_gpu):  # on the CPU, devices and memory share the host cores: fill the budget
         memory = min(memory_budget, state)
     elif prof.network_gbps is not None:  # beside remote servers the strategy keeps one more server's share

@@ -44,10 +44,10 @@ from lightning_smartinf.zero.param_storage import FileBuffer, prepare_swapper
 #: ``gradient_buffer="auto"`` keeps the gradients on the accelerator only if they take at most this share of its free
 #: memory at set-up: forward and backward need the rest.
 AUTO_ACCELERATOR_SHARE = 0.25
-#: The share when the step accumulates micro-batches: in host memory, every micro-batch after the first takes the
-#: partitions across the link and back (in fp32) to add to them, which costs more than the memory a shorter
-#: micro-batch or more recomputation gives back.
-AUTO_ACCUMULATING_SHARE = 0.5
+#: The share when the step accumulates micro-batches (a third of the free memory left to forward and backward): in host
+#: memory every micro-batch after the first takes the partitions across the link and back (8 B/param in fp32) to add
+#: to them, seconds per micro-batch at billions of parameters.
+AUTO_ACCUMULATING_SHARE = 2 / 3
 
 
 #: While ZeRO moves the parameter partitions into its flat host buffer, the C heap's free pages go back to the
