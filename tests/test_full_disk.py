@@ -15,15 +15,18 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from models import LMModule, adamw_factory, fit
 from scripts.ckpt_common import EVERY, train
 
-from lightning_smartinf import checkpoint_folder
+from lightning_smartinf import SmartInfinityStrategy, checkpoint_folder
 from lightning_smartinf.core import StorageError
 from lightning_smartinf.strategy_checkpoints import SAVE_MARGIN
 
 #: The filesystem: room for the run's first checkpoints; the ballast then takes all but what a test leaves.
 SIZE = "48m"
+adamw = adamw_factory()
 
 
 def checkpoint_bytes(folder: Path) -> int:
@@ -155,3 +158,75 @@ def test_a_disk_filling_during_training_is_noticed_before_the_save(tmp_path, ext
     assert f"{str(folder)!r} has " in before_save.seen[0] and "less than its next save needs" in before_save.seen[0]
     assert len([w for w in caught if "checkpoint folder" in str(w.message)]) == 1  # once, not at every step
     assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=4.ckpt"]
+
+
+def fill_after(monkeypatch, owner: object, name: str, fs: Path, leave: Callable[[int], int]) -> list[int]:
+    """Once ``owner.name`` (a check of free space whose second argument is the bytes needed) has passed, another job
+    fills ``fs`` but for ``leave(needed)`` bytes: the writes the check let through meet a full disk. Returns the
+    ``needed`` of each check."""
+    real = getattr(owner, name)
+    seen: list[int] = []
+
+    def check_then_fill(directory, needed, *args, **kwargs):  # noqa: ANN001, ANN202 - the check's own
+        real(directory, needed, *args, **kwargs)
+        seen.append(needed)
+        free = shutil.disk_usage(fs).free
+        with open(fs / "ballast", "ab") as f:
+            f.write(b"\0" * max(0, free - leave(needed)))
+
+    monkeypatch.setattr(owner, name, check_then_fill)
+    return seen
+
+
+def state_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.rglob("*.state"))
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["two-copies", "one-copy"])
+def test_the_initial_state_meets_a_full_disk(tmp_path, ext4_fs, monkeypatch, overlap) -> None:
+    """The disk fills between the check of free space and the state files' creation (a third of the bytes left):
+    one error names the path, what was written, the bytes needed and free, and the fix; no state file is left; once
+    the space is back, the same run trains."""
+    from lightning_smartinf.core.streaming import backend
+
+    fs = ext4_fs("16m")
+    seen = fill_after(monkeypatch, backend, "check_free_space", fs, lambda needed: needed // 3)
+    strategy = SmartInfinityStrategy(storage_paths=[fs / "ssd"], sub_group_size=3000, overlap_backward=overlap)
+    copies = r" \(two copies with `overlap_backward`; `overlap_backward=False` needs half\)" if overlap else ""
+    with pytest.raises(
+        StorageError,
+        match=rf"No space left on the filesystem of '{fs / 'ssd'}/smartinf/rank000' for the optimizer state "
+        rf"files{copies}: it needs [\d.]+ [KM]iB and the filesystem has [\d.]+ [KM]iB free\. Something else filled "
+        "it since the check before writing. Nothing was kept: free space and run again",
+    ):
+        fit(LMModule(adamw), strategy, steps=1)
+    assert seen and state_files(fs) == []
+    (fs / "ballast").unlink()
+    monkeypatch.undo()
+    _, params = fit(LMModule(adamw), SmartInfinityStrategy(storage_paths=[fs / "ssd"], sub_group_size=3000), steps=2)
+    assert all(torch.isfinite(p).all() for p in params.values())
+
+
+def test_the_parameter_files_meet_a_full_disk(tmp_path, ext4_fs, monkeypatch) -> None:
+    """``offload_parameters="storage"``: the disk fills once the parameters' space was checked. DeepSpeed reports no
+    failed write (it leaves short files a gather would read as the parameters): the strategy finds them before
+    anything reads them, and says so once; the next run, with the space back, trains."""
+    import lightning_smartinf.engine_setup as engine_setup
+
+    fs = ext4_fs("128m")
+    fill_after(monkeypatch, engine_setup, "check_param_space", fs, lambda _: 1 << 20)
+    run = {"offload_parameters": "storage", "overlap_backward": False, "sub_group_size": 400_000}
+    with pytest.raises(
+        StorageError,
+        match=r"No space left on the filesystem of .*/params/.* for the 16-bit parameters \(`offload_parameters="
+        r"'storage'`; \d+ of their files are incomplete\): it needs .* free\. Free space on the first storage path",
+    ):
+        fit(LMModule(adamw, dim=512), SmartInfinityStrategy(storage_paths=[fs / "ssd"], **run), steps=1,
+            precision="bf16-true")  # fmt: skip
+    (fs / "ballast").unlink()
+    monkeypatch.undo()
+    _, params = fit(
+        LMModule(adamw, dim=512), SmartInfinityStrategy(storage_paths=[fs / "ssd"], **run), steps=2,
+        precision="bf16-true",
+    )  # fmt: skip
+    assert all(torch.isfinite(p).all() for p in params.values())

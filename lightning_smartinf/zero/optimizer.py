@@ -39,7 +39,7 @@ from lightning_smartinf.core.host_buffer import HostBuffer, InMemoryBuffer
 from lightning_smartinf.core.traffic import Traffic
 from lightning_smartinf.zero.host_heap import return_free_heap
 from lightning_smartinf.zero.install import ControllerFactory, GradientBufferError
-from lightning_smartinf.zero.param_storage import FileBuffer, prepare_swapper
+from lightning_smartinf.zero.param_storage import FileBuffer, check_parameter_files, prepare_swapper
 
 #: ``gradient_buffer="auto"`` keeps the gradients on the accelerator only if they take at most this share of its free
 #: memory at set-up: forward and backward need the rest.
@@ -283,7 +283,11 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def _configure_tensor_swapping(self, offload_optimizer_config: Any, aio_config: Any) -> None:
         # Only the parameters' own swapper moves them to and from storage from here on.
-        param_traffic = prepare_swapper(self.fp16_groups[0][0].nvme_swapper) if self.params_in_nvme_and_cpu else None
+        param_traffic = None
+        if self.params_in_nvme_and_cpu:
+            swapper = self.fp16_groups[0][0].nvme_swapper
+            check_parameter_files(swapper)  # ZeRO wrote every partition by now, and reports no failed write
+            param_traffic = prepare_swapper(swapper)
         sub_groups = [
             SubGroup(
                 numel=int(numel),

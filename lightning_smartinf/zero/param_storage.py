@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from deepspeed.runtime.swap_tensor.utils import AIO_ALIGNED_BYTES, MIN_AIO_BYTES
 
-from lightning_smartinf.core.io.storage import GIB, StorageError
+from lightning_smartinf.core.io.storage import GIB, StorageError, disk_full_error, free_bytes, is_disk_full
 from lightning_smartinf.core.traffic import Traffic
 
 #: DeepSpeed keeps partitions smaller than this in host memory even with ``offload_param: nvme``.
@@ -243,6 +243,51 @@ def own_buffer(swapper: Any, param: Any, numel: int) -> torch.Tensor:
     return torch.empty(_aligned(swapper, numel), dtype=swapper.dtype)
 
 
+def check_parameter_files(swapper: Any) -> None:
+    """Raise :class:`StorageError` unless every parameter partition DeepSpeed's ``swapper`` wrote is whole on disk.
+
+    DeepSpeed's asynchronous writes do not report a failed write: a partition written to a full disk leaves a short
+    (often empty) file, and a later gather would read it as the parameter. Called once the model's partitions are
+    written (after ZeRO-3's set-up), before anything reads them.
+    """
+    if swapper.pending_writes:
+        swapper.synchronize_writes()
+    element_size = swapper.swap_element_size
+    short, expected = [], 0
+    for param_id, path in swapper.id_to_path.items():
+        numel = swapper.param_id_to_numel.get(param_id)
+        if numel is None:
+            continue  # never written (kept in memory)
+        nbytes = numel * element_size
+        expected += nbytes
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            size = 0
+        if size < nbytes:
+            short.append((path, nbytes - size))
+    if not short:
+        return
+    missing = sum(n for _, n in short)
+    directory = Path(short[0][0]).parent
+    free = free_bytes(directory)
+    if free is not None and free < missing + (1 << 20):
+        raise disk_full_error(
+            directory,
+            f"the 16-bit parameters (`offload_parameters='storage'`; {len(short)} of their files are incomplete)",
+            expected,
+            "Free space on the first storage path and run again (each run writes them anew), or keep the parameters "
+            "in memory (`offload_parameters=True`).",
+        )
+    raise StorageError(
+        f"{len(short)} of the 16-bit parameter files in {str(directory)!r} are shorter than DeepSpeed wrote them "
+        f"({missing} bytes missing, first {short[0][0]!r}), though the filesystem has room: a storage error. Check "
+        "the disk, or keep the parameters in memory (`offload_parameters=True`).",
+        path=short[0][0],
+        operation="write",
+    )
+
+
 class FileBuffer:
     """A flat buffer whose pages belong to a file on a storage path: this rank's reduced gradients, or the
     error-feedback residual, where the parameters live on storage.
@@ -274,9 +319,19 @@ class FileBuffer:
             self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
             os.close(fd)
+            if is_disk_full(exc):
+                raise disk_full_error(
+                    directory,
+                    f"the file of {what}",
+                    nbytes,
+                    "Free space on the storage path, or keep the parameters in memory (`offload_parameters=True`).",
+                ) from None
             raise StorageError(
-                f"Cannot reserve {nbytes / GIB:.2f} GiB for {what} in {str(directory)!r} ({exc}). Free space on the "
-                "storage path, or keep the parameters in memory (`offload_parameters=True`)."
+                f"Cannot reserve {nbytes / GIB:.2f} GiB for {what} in {str(directory)!r} ({exc}). Keep the parameters "
+                "in memory (`offload_parameters=True`) or use another storage path.",
+                path=directory,
+                operation="fallocate",
+                errno=exc.errno,
             ) from None
         self._fd = fd  # kept open to reserve punched ranges again; the blocks go with the last of it and the map
         weakref.finalize(self, os.close, fd)

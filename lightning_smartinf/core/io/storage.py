@@ -317,6 +317,36 @@ def check_free_space(directory: Path, needed: int, reusable: Sequence[Path] = ()
         )
 
 
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` is a filesystem out of space (or of the user's quota)."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free bytes of the filesystem holding ``path`` (or its nearest existing parent); ``None`` when unknown."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return None
+
+
+def disk_full_error(path: str | os.PathLike, what: str, needed: int, fix: str) -> StorageError:
+    """The one error of a write a full filesystem refused (or would refuse): where, what was being written, the bytes
+    it needs and the filesystem has free now, and the fix. Raise it ``from`` the ``OSError`` when there was one."""
+    free = free_bytes(path)
+    has = "an unknown amount" if free is None else readable_size(free)
+    return StorageError(
+        f"No space left on the filesystem of {str(path)!r} for {what}: it needs {readable_size(needed)} and the "
+        f"filesystem has {has} free. {fix}",
+        path=path,
+        operation="write",
+        errno=errno.ENOSPC,
+    )
+
+
 def fsync_file(path: Path, flags: int = 0) -> None:
     """Force a file's data and size to disk; ``flags`` are added to the read-only open (e.g. ``os.O_NOFOLLOW``)."""
     fd = os.open(path, os.O_RDONLY | flags)

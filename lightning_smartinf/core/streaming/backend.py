@@ -49,7 +49,13 @@ from lightning_smartinf.core.format.state_files import (
 )
 from lightning_smartinf.core.io.direct import StateFile, aligned_empty
 from lightning_smartinf.core.io.ownership import claim_directories, release_claims
-from lightning_smartinf.core.io.storage import StorageError, check_free_space, ensure_private_dir
+from lightning_smartinf.core.io.storage import (
+    StorageError,
+    check_free_space,
+    disk_full_error,
+    ensure_private_dir,
+    is_disk_full,
+)
 from lightning_smartinf.core.placement import Fixed, Placement, RoundRobin, Tiered, check_assignment, measure_write_read
 from lightning_smartinf.core.rules import StepParams
 from lightning_smartinf.core.streaming.device import StreamingDevice
@@ -304,22 +310,47 @@ class StreamingBackend(LatchingBackend):
         self._check_capacity(repr(placement), layouts, self.assignment)
         for device in self.storage_devices:
             self._check_space(device, shards, layouts, self._slots(device))
+        created: list[Path] = []
         try:
             for spec, layout in zip(shards, layouts):
                 device = self.device_of(spec.index)
-                files = tuple(
-                    device.create_file(shard_file_name(spec.index, slot), layout.file_bytes)
-                    for slot in range(self._slots(device))
-                )
-                self._shards.append(Shard(spec, layout, files))
-        except BaseException:
+                files = []
+                for slot in range(self._slots(device)):
+                    if device.directory is not None:
+                        created.append(device.directory / shard_file_name(spec.index, slot))
+                    files.append(device.create_file(shard_file_name(spec.index, slot), layout.file_bytes))
+                self._shards.append(Shard(spec, layout, tuple(files)))
+        except BaseException as exc:
             self._free_memory()
+            # Files made here hold no state yet: they go, and with them the blocks the next attempt needs.
+            for shard in self._shards:
+                for file in shard.files:
+                    file.close()
+            for path in created:
+                path.unlink(missing_ok=True)
+            self._shards.clear()
+            if is_disk_full(exc) and device.directory is not None:
+                raise self._full(device, layouts) from exc
             raise
         if len(self.devices) > 1:
             self.log_shares()
         tensors = max((lay.tensors_per_record for lay in layouts), default=1)
         for device in self.devices:
             device.allocate(tensors)
+
+    def _full(self, device: StreamingDevice, layouts: Sequence[ChunkLayout]) -> StorageError:
+        """The error of a state file of ``device`` a full filesystem refused while :meth:`open` made them."""
+        assert device.directory is not None  # a storage device
+        slots = self._slots(device)
+        needed = slots * sum(lay.file_bytes for i, lay in enumerate(layouts) if self.assignment[i] == device.index)
+        copies = " (two copies with `overlap_backward`; `overlap_backward=False` needs half)" if slots == 2 else ""
+        return disk_full_error(
+            device.directory,
+            f"the optimizer state files{copies}",
+            needed,
+            "Something else filled it since the check before writing. Nothing was kept: free space and run again, "
+            "add `storage_paths` to spread the state, or choose a larger disk.",
+        )
 
     def _slots(self, device: StreamingDevice) -> int:
         """State files a shard keeps on ``device``: two for tentative updates, except in memory (never tentative)."""
