@@ -230,3 +230,29 @@ def test_the_parameter_files_meet_a_full_disk(tmp_path, ext4_fs, monkeypatch) ->
         precision="bf16-true",
     )  # fmt: skip
     assert all(torch.isfinite(p).all() for p in params.values())
+
+
+def test_the_token_cache_meets_a_full_disk(tmp_path, ext4_fs) -> None:
+    """Tokenising a corpus into a cache on a nearly full disk: one error with the path, what and the fix; no partial
+    entry a later run would read; with the space back, the cache is built and read."""
+    from lightning_smartinf.hf import TextDataModule, train_bpe_tokenizer
+
+    corpus = Path(__file__).parents[1] / "recipes" / "data" / "python_docs_train.jsonl"
+    tokenizer = train_bpe_tokenizer([corpus], tmp_path / "tokenizer", vocab_size=1024)
+    fs = ext4_fs("8m")
+    cache_dir = fs / "cache"
+    free = shutil.disk_usage(fs).free
+    with open(fs / "ballast", "wb") as f:
+        f.write(b"\0" * (free - (64 << 10)))  # 64 KiB left: the corpus makes about 200 KiB of tokens
+    data = TextDataModule(str(corpus), tokenizer_path=tokenizer.name_or_path, block_size=32, cache_dir=str(cache_dir))
+    with pytest.raises(
+        StorageError,
+        match=rf"No space left on the filesystem of '{cache_dir}' for the token cache of '{corpus}': it needs more "
+        r"than [\d.]+ KiB and the filesystem has [\d.]+ KiB free\. Nothing was kept",
+    ):
+        data.setup("fit")
+    assert list(cache_dir.iterdir()) == []
+    (fs / "ballast").unlink()
+    data = TextDataModule(str(corpus), tokenizer_path=tokenizer.name_or_path, block_size=32, cache_dir=str(cache_dir))
+    data.setup("fit")
+    assert len(data.train_blocks) > 0 and len(list(cache_dir.iterdir())) == 1

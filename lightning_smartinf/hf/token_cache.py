@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from lightning_smartinf.core.io.storage import fsync_dir
+from lightning_smartinf.core.io.storage import disk_full_error, fsync_dir, is_disk_full
 
 #: Bump when the layout or the tokenisation of an entry changes: entries of other versions are never read.
 FORMAT_VERSION = 1
@@ -196,6 +196,18 @@ def cached_tokens(
             if not (entry / META).is_file():  # not a concurrent builder that finished first
                 raise
         fsync_dir(cache_dir)
+    except (_DiskFull, OSError) as exc:
+        if not isinstance(exc, _DiskFull) and not is_disk_full(exc):
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+        raise disk_full_error(
+            cache_dir,
+            f"the token cache of {str(source)!r}",
+            exc.written if isinstance(exc, _DiskFull) else 0,
+            "Nothing was kept. Free space there, or give the data module a `cache_dir` on a filesystem with room "
+            "(by default the cache is under $XDG_CACHE_HOME).",
+            at_least=True,
+        ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; after a failure, the partial entry
     for old in cache_dir.glob(f"{family}-*"):  # entries of earlier versions of the file
@@ -215,28 +227,44 @@ def _hash(text: str, length: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:length]
 
 
+class _DiskFull(Exception):
+    """The cache's filesystem is full: ``written`` bytes had been handed to the files (the last write included)."""
+
+    def __init__(self, written: int) -> None:
+        super().__init__(written)
+        self.written = written
+
+
 def _write(directory: Path, batches: Iterable[Batch], dtype: np.dtype, vocab_size: int) -> dict[str, Any]:
     total, examples, top = 0, None, np.iinfo(dtype).max
+    attempted = 0
     with open(directory / TOKENS, "wb") as tokens, open(directory / EXAMPLES, "wb") as index:
-        for records, extras in batches:
-            lengths = np.fromiter((len(r) for r in records), np.int64, len(records))
-            ids = np.fromiter((i for r in records for i in r), np.int64, int(lengths.sum()))
-            if ids.size and (ids.min() < 0 or ids.max() > top):
-                bad = int(ids.min() if ids.min() < 0 else ids.max())
-                raise ValueError(
-                    f"The tokenizer returned the token id {bad}, outside 0…{top}: its `len(tokenizer)` is "
-                    f"{vocab_size}, so its ids were stored as {dtype.name}. Fix the tokenizer's vocabulary."
-                )
-            tokens.write(ids.astype(dtype).tobytes())
-            if extras is not None:
-                starts = total + np.cumsum(lengths) - lengths
-                rows = np.column_stack([starts, lengths, np.asarray(extras, np.int64).reshape(-1, 2)])
-                index.write(rows.astype(np.int64).tobytes())
-                examples = (examples or 0) + len(records)
-            total += int(lengths.sum())
-        for f in (tokens, index):
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            for records, extras in batches:
+                lengths = np.fromiter((len(r) for r in records), np.int64, len(records))
+                ids = np.fromiter((i for r in records for i in r), np.int64, int(lengths.sum()))
+                if ids.size and (ids.min() < 0 or ids.max() > top):
+                    bad = int(ids.min() if ids.min() < 0 else ids.max())
+                    raise ValueError(
+                        f"The tokenizer returned the token id {bad}, outside 0…{top}: its `len(tokenizer)` is "
+                        f"{vocab_size}, so its ids were stored as {dtype.name}. Fix the tokenizer's vocabulary."
+                    )
+                attempted += ids.size * dtype.itemsize
+                tokens.write(ids.astype(dtype).tobytes())
+                if extras is not None:
+                    starts = total + np.cumsum(lengths) - lengths
+                    rows = np.column_stack([starts, lengths, np.asarray(extras, np.int64).reshape(-1, 2)])
+                    attempted += rows.size * 8
+                    index.write(rows.astype(np.int64).tobytes())
+                    examples = (examples or 0) + len(records)
+                total += int(lengths.sum())
+            for f in (tokens, index):
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise _DiskFull(attempted) from exc
+            raise
     if examples is None:
         (directory / EXAMPLES).unlink()
     return {"dtype": dtype.name, "tokens": total, "examples": examples}

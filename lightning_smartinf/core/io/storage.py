@@ -333,13 +333,17 @@ def free_bytes(path: str | os.PathLike) -> int | None:
         return None
 
 
-def disk_full_error(path: str | os.PathLike, what: str, needed: int, fix: str) -> StorageError:
+def disk_full_error(
+    path: str | os.PathLike, what: str, needed: int, fix: str, *, at_least: bool = False
+) -> StorageError:
     """The one error of a write a full filesystem refused (or would refuse): where, what was being written, the bytes
-    it needs and the filesystem has free now, and the fix. Raise it ``from`` the ``OSError`` when there was one."""
+    it needs (``at_least``: more than that, where the whole is not known in advance) and the filesystem has free now,
+    and the fix. Raise it ``from`` the ``OSError`` when there was one."""
     free = free_bytes(path)
     has = "an unknown amount" if free is None else readable_size(free)
+    needs = f"more than {readable_size(needed)}" if at_least else readable_size(needed)
     return StorageError(
-        f"No space left on the filesystem of {str(path)!r} for {what}: it needs {readable_size(needed)} and the "
+        f"No space left on the filesystem of {str(path)!r} for {what}: it needs {needs} and the "
         f"filesystem has {has} free. {fix}",
         path=path,
         operation="write",
