@@ -134,10 +134,20 @@ def save_fp32(
 ) -> dict[str, Tensor]:
     """Write the consolidated fp32 weights of ``checkpoint_path`` to ``out_file`` (safetensors); return them.
     ``remote`` reads device state kept on remote servers (see :func:`consolidate_fp32_state_dict`)."""
-    from safetensors.torch import save_file
+    from lightning_smartinf.core.io.storage import disk_full_error, is_disk_full
+    from lightning_smartinf.hf.weight_files import require_room, save_safetensors
 
     state = consolidate_fp32_state_dict(checkpoint_path, remote=remote)
-    save_file(state, str(out_file), metadata={"format": "pt", "source": str(checkpoint_path)})
+    out_file = Path(out_file)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    what, fix = "the fp32 weights", "Free space there, or write them elsewhere."
+    require_room(out_file.parent, what, nbytes, fix)
+    try:
+        save_safetensors(state, out_file, {"format": "pt", "source": str(checkpoint_path)})
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise disk_full_error(out_file.parent, what, nbytes, f"Nothing was kept. {fix}") from None
+        raise
     return state
 
 

@@ -451,3 +451,52 @@ def test_export_memory_grows_by_a_weight_file_not_the_model(tmp_path, deep_gpt2)
     assert model_bytes > 35e6 and len(set(index["weight_map"].values())) > 15
     assert growth["consolidate"] > 0.9 * model_bytes, growth
     assert growth["export"] < model_bytes / 3, growth
+
+
+# ---------------------------------------------------------------------------------------------- a full disk
+
+
+def fill(fs: Path, leave: int) -> None:
+    """Another job takes all of ``fs`` but ``leave`` bytes."""
+    with open(fs / "ballast", "ab") as f:
+        f.write(b"\0" * max(0, shutil.disk_usage(fs).free - leave))
+
+
+def test_export_to_a_full_disk_keeps_the_earlier_export(tmp_path, ext4_fs, gpt2_dir, causal_checkpoint, monkeypatch,
+                                                        capsys):  # fmt: skip
+    """`smartinf export` on a disk without room: refused before writing, or, when the disk fills while it writes,
+    stopped with one message; neither leaves a weight file to load, and an earlier export in the same directory
+    stays whole. With the space back, the same command writes it."""
+    from lightning_smartinf.hf import weight_files
+
+    fs = ext4_fs("16m")
+    out, single = fs / "hf", fs / "masters.safetensors"
+    command = [str(causal_checkpoint), "--save-pretrained", str(out), "--hf-model-dir", str(gpt2_dir)]
+    assert export_main([*command, "--max-shard-size", "200KB"]) == 0
+    earlier = {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".safetensors", ".json")}
+    capsys.readouterr()
+
+    fill(fs, 100 << 10)  # less than the weights: refused before anything is written
+    assert export_main([str(causal_checkpoint), str(single)]) == 1
+    assert re.search(r"No space left on the filesystem of .* for the fp32 weights: it needs [\d.]+ [KM]iB and the "
+                     r"filesystem has [\d.]+ KiB free\. Nothing was written", capsys.readouterr().err)  # fmt: skip
+    assert not single.exists() and not list(fs.glob(".masters*"))
+    (fs / "ballast").unlink()
+
+    real = weight_files.require_room
+
+    def room_then_fill(directory, what, nbytes, fix):  # noqa: ANN001, ANN202 - passes, then the disk fills
+        real(directory, what, nbytes, fix)
+        fill(fs, nbytes // 2)
+
+    monkeypatch.setattr(weight_files, "require_room", room_then_fill)
+    assert export_main([*command, "--max-shard-size", "100KB"]) == 1
+    err = capsys.readouterr().err
+    assert re.search(rf"No space left on the filesystem of '{out}' for the exported weights \(\d+ safetensors "
+                     r"file\(s\)\): .* Nothing was kept; an earlier export there is untouched\.", err), err  # fmt: skip
+    now = {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".safetensors", ".json")}
+    assert {k: v for k, v in now.items() if k in earlier} == earlier and not list(out.glob(".weights*"))
+    monkeypatch.undo()
+    (fs / "ballast").unlink()
+    assert export_main([*command, "--max-shard-size", "100KB"]) == 0
+    assert AutoModelForCausalLM.from_pretrained(out) is not None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,18 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_smartinf.core.io.storage import (
+    TMP_MARK,
+    disk_full_error,
+    free_bytes,
+    fsync_dir,
+    fsync_file,
+    is_disk_full,
+)
+
+#: Room a save counts beyond its tensors' bytes (safetensors headers, config, index).
+HEADROOM = 1 << 20
 
 #: The largest weight file by default, as transformers 4 wrote them (transformers 5 writes up to 50GB).
 MAX_SHARD_SIZE = "5GB"
@@ -159,31 +172,49 @@ def write_weight_files(
         write: ``False`` reads everything (collectives on every rank) but writes nothing.
     """
     from huggingface_hub import split_state_dict_into_shards_factory
-    from safetensors.torch import save_file
 
     sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in tensors.items()}
     split = split_state_dict_into_shards_factory(
         sizes, get_storage_size=int, filename_pattern=SHARD_PATTERN, max_shard_size=max_bytes
     )
     out = Path(out_dir)
+    total = int(split.metadata["total_size"])
+    what = f"the exported weights ({len(split.filename_to_tensors)} safetensors file(s))"
+    fix = "Free space there, or export to another directory."
+    stage = out / f".weights{TMP_MARK}{os.getpid()}"
     if write:
+        require_room(out, what, total, fix)  # an earlier export there stays until this one is whole
         out.mkdir(parents=True, exist_ok=True)
-        _remove_stale(out, set(split.filename_to_tensors))
+        for stale in out.glob(f".weights{TMP_MARK}*"):
+            shutil.rmtree(stale, ignore_errors=True)  # left by an export that was killed
+        stage.mkdir(mode=0o700)
     weight_map: dict[str, str] = {}
-    for file, names in split.filename_to_tensors.items():
-        shard: dict[str, Tensor] = {}
-        for name, value in read(names):
-            shard[name] = value.to(tensors[name].dtype).contiguous()
-            del value  # the fp32 copy, before the next one is made
-        if convert is not None:
-            shard = convert(shard)
-        weight_map.update(dict.fromkeys(shard, file))
-        if write:
-            save_file(shard, str(out / file), metadata={"format": "pt"})
-        del shard
-    if write and split.is_sharded:
-        index = {"metadata": {"total_parameters": parameters, **split.metadata}, "weight_map": weight_map}
-        (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    try:
+        for file, names in split.filename_to_tensors.items():
+            shard: dict[str, Tensor] = {}
+            for name, value in read(names):
+                shard[name] = value.to(tensors[name].dtype).contiguous()
+                del value  # the fp32 copy, before the next one is made
+            if convert is not None:
+                shard = convert(shard)
+            weight_map.update(dict.fromkeys(shard, file))
+            if write:
+                _save_file(shard, stage / file, {"format": "pt"})
+                fsync_file(stage / file)
+            del shard
+        if write and split.is_sharded:
+            index = {"metadata": {"total_parameters": parameters, **split.metadata}, "weight_map": weight_map}
+            (stage / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            fsync_file(stage / INDEX_NAME)
+    except BaseException as exc:
+        shutil.rmtree(stage, ignore_errors=True)
+        if write and is_disk_full(exc):
+            raise disk_full_error(
+                out, what, total, f"Nothing was kept; an earlier export there is untouched. {fix}"
+            ) from None
+        raise
+    if write:
+        _install(stage, out, set(split.filename_to_tensors))
     return WrittenWeights(
         files=list(split.filename_to_tensors),
         weight_map=weight_map,
@@ -191,6 +222,55 @@ def write_weight_files(
         parameters=parameters,
         dtype=dtype,
     )
+
+
+def require_room(directory: Path, what: str, nbytes: int, fix: str) -> None:
+    """Refuse, before anything is written, a save of ``nbytes`` into ``directory`` its filesystem has no room for."""
+    free = free_bytes(directory)
+    if free is not None and free < nbytes + HEADROOM:
+        raise disk_full_error(directory, what, nbytes + HEADROOM, f"Nothing was written. {fix}")
+
+
+def save_safetensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file`` through a temporary sibling renamed into place once forced to disk: ``path``
+    is the whole file or not there (a full disk leaves no truncated file to load)."""
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+    try:
+        _save_file(tensors, tmp, metadata)
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def _save_file(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file``, whose full disk (a ``SafetensorError`` naming the OS error) is an
+    ``OSError`` with its errno here, as every other write's."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), str(exc), str(path)) from exc
+
+
+def _install(stage: Path, out: Path, files: set[str]) -> None:
+    """Move a whole export from ``stage`` into ``out``: the earlier export's weight files go first, the index (which
+    names the shards to load) last, so a crash between leaves no index over a mix of old and new shards."""
+    _remove_stale(out, files)
+    (out / INDEX_NAME).unlink(missing_ok=True)
+    for name in sorted(files):
+        os.replace(stage / name, out / name)
+    if (stage / INDEX_NAME).exists():
+        os.replace(stage / INDEX_NAME, out / INDEX_NAME)
+    stage.rmdir()
+    fsync_dir(out)
 
 
 def _remove_stale(out: Path, files: set[str]) -> None:
