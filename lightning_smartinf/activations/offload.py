@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import errno
 import itertools
 import logging
 import os
@@ -64,9 +63,10 @@ from lightning_smartinf.activations.tuning import DEFAULTS, MEASURE_AT, MEASURE_
 from lightning_smartinf.core.accelerator import SideStreams, bind_thread, on_cuda, pinned_empty, record_fence
 from lightning_smartinf.core.io.direct import IO_ALIGN, IOEngine, ThreadedIO, aligned_empty, round_up
 from lightning_smartinf.core.io.storage import (
-    StorageError,
     create_storage_path,
+    disk_full_error,
     ensure_private_dir,
+    is_disk_full,
     validate_storage_path,
 )
 from lightning_smartinf.plan.activations import IOCosts
@@ -646,12 +646,13 @@ class ActivationOffloader:
             written = time.perf_counter()
             del buf, t
         except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread
-            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                where = self._dirs[rec.slot[0]].parent.parent
-                exc = StorageError(
-                    f"Storage path {str(where)!r} is full: cannot write an activation of "
-                    f"{rec.nbytes} bytes. Free space, add storage paths, or raise `threshold_bytes`/`keep_last`. "
-                    "The step was aborted before the optimizer ran, so the training state is untouched."
+            if is_disk_full(exc):
+                exc = disk_full_error(
+                    self._dirs[rec.slot[0]],
+                    "an activation offloaded during forward",
+                    rec.nbytes,
+                    "The step stopped before the optimizer ran: the training state is untouched. Free space, add "
+                    "storage paths, or raise `threshold_bytes`/`keep_last`.",
                 )
             with self._cond:
                 rec.error = exc
