@@ -256,3 +256,25 @@ def test_the_token_cache_meets_a_full_disk(tmp_path, ext4_fs) -> None:
     data = TextDataModule(str(corpus), tokenizer_path=tokenizer.name_or_path, block_size=32, cache_dir=str(cache_dir))
     data.setup("fit")
     assert len(data.train_blocks) > 0 and len(list(cache_dir.iterdir())) == 1
+
+
+def test_a_resume_that_reshards_meets_a_full_disk(tmp_path, ext4_fs, monkeypatch, checkpoint_reference) -> None:
+    """Resuming onto another sub-group size (the checkpoint's shards are re-sharded as they load) on a disk that
+    fills once its space was checked: one error, the checkpoint untouched and whole; with the space back the same
+    resume ends bit for bit with the run that never stopped."""
+    from models import assert_identical
+
+    from lightning_smartinf.core.streaming import backend
+
+    root, expected = checkpoint_reference
+    saved = root / "ckpts" / f"step={EVERY}.ckpt"
+    fs = ext4_fs("16m")
+    fill_after(monkeypatch, backend, "check_free_space", fs, lambda needed: needed // 2)
+    resume = {"storage": [fs / "ssd"], "ckpt_path": saved, "every": None, "strategy_kwargs": {"sub_group_size": 7000}}
+    with pytest.raises(StorageError, match=r"No space left on the filesystem of .* for the optimizer state files"):
+        train(tmp_path / "full", **resume)
+    assert state_files(fs) == []
+    checkpoint_folder.verify(saved, checksum_shards=True)
+    (fs / "ballast").unlink()
+    monkeypatch.undo()
+    assert_identical(train(tmp_path / "freed", **resume), expected)
