@@ -242,8 +242,8 @@ def test_a_disk_without_room_for_parameters_and_state_is_refused_before_anything
     with tmpfs(tmp_path / "small", "4m") as mount_point:
         with pytest.raises(
             StorageError,
-            match=r"GiB free but `offload_parameters='storage'` needs .* GiB there: .*"
-            r"16-bit parameters, .* for their gradients and .* optimizer state",
+            match=r"No space left on the filesystem of .* for `offload_parameters='storage'` \(.* 16-bit parameters, "
+            r".* for their gradients and .* of optimizer state\): it needs [\d.]+ MiB and the filesystem has",
         ):
             fit(LMModule(adamw, dim=DIM), strategy(mount_point, "storage"), steps=1, precision="bf16-true")
         assert not list(mount_point.rglob("*.swp")) and not list(mount_point.rglob("*.state"))
@@ -272,7 +272,7 @@ def test_a_model_built_in_configure_model_is_refused_before_its_state_is_written
     numel = sum(p.numel() for p in TinyGPT(dim=768).parameters())
     size_mib = (2 * numel >> 20) + 8  # the parameters and some room; not the gradients (2 B) and state (12 B)
     with tmpfs(tmp_path / "small", f"{size_mib}m") as mount_point:
-        refused = r"needs .* GiB there: the \(already written\) 16-bit parameters, .* gradients"
+        refused = r"\(the \(already written\) 16-bit parameters, .* for their gradients .*\): it needs .* and the"
         with pytest.raises(StorageError, match=refused):
             fit(BuiltInConfigureModel(), strategy(mount_point, "storage"), steps=1, precision="bf16-true")
         assert param_files(mount_point), "the parameters were written as the model was built"
@@ -380,6 +380,10 @@ def test_a_gradients_file_that_does_not_fit_is_a_storage_error(tmp_path) -> None
     from lightning_smartinf.zero.param_storage import FileBuffer
 
     with tmpfs(tmp_path / "small", "1m") as mount_point:
-        with pytest.raises(StorageError, match=r"Cannot reserve 0.01 GiB for the gradients in .*Free space"):
+        with pytest.raises(
+            StorageError,
+            match=r"No space left on the filesystem of .* for the file of the gradients: it needs 8 MiB and .*Free "
+            "space",
+        ):
             FileBuffer(mount_point, 4 << 20, torch.bfloat16)
         assert not list(mount_point.iterdir())

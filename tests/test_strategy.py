@@ -153,7 +153,10 @@ def test_not_enough_free_space_is_reported_before_training(tmp_path, monkeypatch
 
     real = shutil_module.disk_usage
     monkeypatch.setattr("lightning_smartinf.core.io.storage.shutil.disk_usage", lambda p: real(p)._replace(free=1024))
-    with pytest.raises(lightning_smartinf.core.StorageError, match=r"GiB free.*needs.*GiB"):
+    with pytest.raises(
+        lightning_smartinf.core.StorageError,
+        match=r"for the optimizer state placed there: it needs .*iB and the filesystem has 1 KiB free",
+    ):
         fit(LMModule(adamw), SmartInfinityStrategy(storage_paths=[tmp_path]), steps=1)
     assert not list((tmp_path / "smartinf" / "rank000").glob("*.state"))
 

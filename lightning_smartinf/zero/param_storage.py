@@ -32,7 +32,14 @@ from typing import Any
 import torch
 from deepspeed.runtime.swap_tensor.utils import AIO_ALIGNED_BYTES, MIN_AIO_BYTES
 
-from lightning_smartinf.core.io.storage import GIB, StorageError, disk_full_error, free_bytes, is_disk_full
+from lightning_smartinf.core.io.storage import (
+    GIB,
+    StorageError,
+    disk_full_error,
+    free_bytes,
+    is_disk_full,
+    readable_size,
+)
 from lightning_smartinf.core.traffic import Traffic
 
 #: DeepSpeed keeps partitions smaller than this in host memory even with ``offload_param: nvme``.
@@ -104,13 +111,15 @@ def check_param_space(
     free = shutil.disk_usage(directory).free
     needed = params_bytes + gradient_bytes + state_bytes + residual_bytes
     if free < needed:
-        residual = f", {residual_bytes / GIB:.2f} GiB of error-feedback residual" if residual_bytes else ""
-        params = f"{params_bytes / GIB:.2f} GiB of" if params_bytes else "the (already written)"
-        raise StorageError(
-            f"Storage path {str(directory.parent)!r} has {free / GIB:.2f} GiB free but `offload_parameters='storage'` "
-            f"needs {needed / GIB:.2f} GiB there: {params} 16-bit parameters, "
-            f"{gradient_bytes / GIB:.2f} GiB for their gradients{residual} and {state_bytes / GIB:.2f} GiB of "
-            "optimizer state. Free space, add `storage_paths`, or choose a larger disk."
+        residual = f", {readable_size(residual_bytes)} of error-feedback residual" if residual_bytes else ""
+        params = f"{readable_size(params_bytes)} of" if params_bytes else "the (already written)"
+        raise disk_full_error(
+            directory.parent,
+            f"`offload_parameters='storage'` ({params} 16-bit parameters, {readable_size(gradient_bytes)} for their "
+            f"gradients{residual} and {readable_size(state_bytes)} of optimizer state)",
+            needed,
+            "Nothing was written. Free space, add `storage_paths`, or choose a larger disk.",
+            free=free,
         )
 
 

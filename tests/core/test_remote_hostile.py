@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import signal
 import threading
 import time
@@ -605,3 +606,50 @@ def test_a_short_token_is_refused(tmp_path) -> None:
     Path(tmp_path / "token2").chmod(0o640)
     with pytest.raises(ValueError, match="readable by other users"):
         read_token(tmp_path / "token2")
+
+
+def test_a_full_disk_on_the_server_is_named_to_the_trainer_and_leaves_nothing(tmp_path, ext4_fs) -> None:
+    """A server whose root is a real ext4 filled by another job: a session's state files and a checkpoint are each
+    refused with one error that names the server's path, what and the bytes; nothing partial is left; once space is
+    back, the same session saves and its state reads back."""
+    fs = ext4_fs("16m")
+    process = ServerProcess([fs / "root"], write_token(tmp_path / "token", TOKEN)).start()
+
+    def fill(leave: int) -> None:
+        with open(fs / "ballast", "ab") as f:
+            f.write(b"\0" * max(0, shutil.disk_usage(fs).free - leave))
+
+    specs = [ShardSpec(index=0, numel=8 * CHUNK, rule=Adam())]
+    try:
+        fill(16 << 10)
+        client = _client(process)
+        refused = (
+            r"No space left on the filesystem of '.*/root/sessions/[0-9a-f]+' for the optimizer state placed there: "
+            r"it needs [\d.]+ KiB and the filesystem has"
+        )
+        with pytest.raises(StorageError, match=refused):
+            client.open(specs)
+        client.close()
+        assert not list((fs / "root" / "sessions").iterdir())
+        (fs / "ballast").unlink()
+        client = _client(process)
+        client.open(specs)
+        master = torch.randn(8 * CHUNK)
+        client.initialize(0, master)
+        client.wait()
+        fill(16 << 10)
+        refused = (
+            r"No space left on the filesystem of '.*/root/checkpoints/.*' for the checkpoint's device state: it needs "
+            r".* Nothing was written"
+        )
+        with pytest.raises(StorageError, match=refused):
+            client.save(tmp_path / "refused")
+        assert not [p for p in (fs / "root" / "checkpoints").rglob("*") if p.is_file()]
+        (fs / "ballast").unlink()
+        client.save(tmp_path / "saved")
+        out = torch.empty(8 * CHUNK)
+        client.read_master(0, out).result()
+        assert torch.equal(out, master)
+        client.close()
+    finally:
+        process.stop()

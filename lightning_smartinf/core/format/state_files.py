@@ -54,9 +54,9 @@ from lightning_smartinf.core.io import checksum
 from lightning_smartinf.core.io.checksum import CRC32C, checksum_of, combine, file_checksum
 from lightning_smartinf.core.io.clone import CLONE, COPY, KERNEL_COPY, clone_file
 from lightning_smartinf.core.io.storage import (
-    GIB,
     TMP_MARK,
     StorageError,
+    disk_full_error,
     ensure_private_dir,
     fsync_dir,
     fsync_file,
@@ -338,16 +338,17 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
         shutil.rmtree(stale, ignore_errors=True)  # left by a save that was killed
     needed = sum(s.layout.file_bytes for s in shards) + 4096 * (len(shards) + 2)
 
-    def full(detail: str) -> StorageError:
-        return StorageError(
-            f"No space left to save the device state in {str(directory)!r}: {detail}; it needs "
-            f"{needed / GIB:.3f} GiB. The previous checkpoint there, if any, is untouched. Free space on that "
-            "filesystem or save the checkpoint elsewhere."
+    def full(when: str) -> StorageError:
+        return disk_full_error(
+            directory,
+            "the checkpoint's device state",
+            needed,
+            f"{when} The previous checkpoint there, if any, is untouched. Free space on that filesystem or save the "
+            "checkpoint elsewhere.",
         )
 
-    free = shutil.disk_usage(parent).free
-    if free < needed:
-        raise full(f"its filesystem has {free / GIB:.3f} GiB free")
+    if shutil.disk_usage(parent).free < needed:
+        raise full("Nothing was written.")
     tmp = parent / f".{directory.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
     try:
         ensure_private_dir(tmp)
@@ -368,7 +369,7 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if _is_disk_full(exc):
-            raise full(f"the filesystem filled up while writing ({exc})") from exc
+            raise full("The filesystem filled up while it was written; what was written is gone.") from exc
         raise
     stats = SaveStats(by_method={})
     for shard in shards:

@@ -310,10 +310,12 @@ def check_free_space(directory: Path, needed: int, reusable: Sequence[Path] = ()
     reclaimable = sum(p.stat().st_blocks * 512 for p in reusable if p.is_file())
     free = shutil.disk_usage(directory).free + reclaimable
     if free < needed:
-        raise StorageError(
-            f"Storage path {str(directory)!r} has {free / GIB:.2f} GiB free but the optimizer state placed there "
-            f"needs {needed / GIB:.2f} GiB. Free space, add `storage_paths` to spread the state, "
-            "or choose a larger disk."
+        raise disk_full_error(
+            directory,
+            "the optimizer state placed there",
+            needed,
+            "Nothing was written. Free space, add `storage_paths` to spread the state, or choose a larger disk.",
+            free=free,
         )
 
 
@@ -334,12 +336,18 @@ def free_bytes(path: str | os.PathLike) -> int | None:
 
 
 def disk_full_error(
-    path: str | os.PathLike, what: str, needed: int, fix: str, *, at_least: bool = False
+    path: str | os.PathLike,
+    what: str,
+    needed: int,
+    fix: str,
+    *,
+    at_least: bool = False,
+    free: int | None = None,
 ) -> StorageError:
     """The one error of a write a full filesystem refused (or would refuse): where, what was being written, the bytes
-    it needs (``at_least``: more than that, where the whole is not known in advance) and the filesystem has free now,
-    and the fix. Raise it ``from`` the ``OSError`` when there was one."""
-    free = free_bytes(path)
+    it needs (``at_least``: more than that, where the whole is not known in advance) and the filesystem has free
+    (``free``, or as it is now), and the fix. Raise it ``from`` the ``OSError`` when there was one."""
+    free = free_bytes(path) if free is None else free
     has = "an unknown amount" if free is None else readable_size(free)
     needs = f"more than {readable_size(needed)}" if at_least else readable_size(needed)
     return StorageError(
