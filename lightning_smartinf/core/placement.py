@@ -244,6 +244,7 @@ def measure_write_read(directory: Path, io: IOEngine, nbytes: int = 64 << 20, *,
     try:
         file = StateFile(path, len(offsets) * record, create=True)
     except OSError as exc:
+        path.unlink(missing_ok=True)  # a probe a full disk refused keeps the blocks it did get otherwise
         log.warning(f"SmartUpdate could not measure storage path {str(directory)!r} ({exc}); it gets the fewest shards")
         return 1.0
     try:

@@ -6,6 +6,7 @@ all-on-device; its traffic counts under ``memory_*``; its saved record is the on
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -327,3 +328,70 @@ def test_replan_moves_shards_off_a_path_that_slowed_down(tmp_path) -> None:
         finally:
             backend.close()
             reference.close()
+
+
+def test_a_move_onto_a_full_disk_leaves_the_shard_whole_and_a_replan_goes_on_as_placed(
+    tmp_path, ext4_fs, caplog
+) -> None:
+    """Moving a shard from memory onto a path on a real ext4 another job filled: refused before anything moves, or,
+    when the disk fills once the space was checked, stopped with the new files removed; either way the shard stays
+    where it was, bit for bit, with one error naming the path, what and the bytes. A re-plan meeting the same disk
+    keeps the placement, says so once, and training goes on."""
+    import shutil
+
+    from lightning_smartinf.core.streaming import backend as streaming
+
+    fs = ext4_fs("100m", name="root/d1")  # room for the 64 MiB speed probe: it gets shards
+    backend, _ = _train(tmp_path / "root", steps=1, memory_bytes=_bytes(SIZES[0]))
+    try:
+        placed = backend.assignment
+        assert placed[0] == 2  # shard 0 is in memory
+        before = read_masters(backend, SIZES)
+
+        def fill(leave: int) -> None:
+            with open(fs / "ballast", "ab") as f:
+                f.write(b"\0" * max(0, shutil.disk_usage(fs).free - leave))
+
+        fill(4096)
+        onto_d1 = [1, *placed[1:]]
+        refused = (
+            rf"No space left on the filesystem of '{fs}' for the optimizer state placed there: it needs [\d.]+ KiB "
+            r"and the filesystem has [\d.]+ [KM]?i?B free"
+        )
+        with pytest.raises(StorageError, match=refused):
+            backend.relocate(onto_d1)
+        (fs / "ballast").unlink()
+        os.sync()  # ext4 gives a deleted file's blocks back when its journal commits
+        real = streaming.check_free_space
+
+        def check_then_fill(directory, needed, *args, **kwargs):  # noqa: ANN001, ANN202 - passes, then it fills
+            real(directory, needed, *args, **kwargs)
+            fill(_bytes(SIZES[0]) // 2)
+
+        streaming.check_free_space = check_then_fill
+        try:
+            with pytest.raises(StorageError, match=rf"No space left on the filesystem of '{fs}' for shard 0 moved "
+                               r"there: .* The shard stays on .*, whole\."):  # fmt: skip
+                backend.relocate(onto_d1)
+        finally:
+            streaming.check_free_space = real
+        assert backend.assignment == placed
+        assert not [p.name for p in fs.glob("*.state") if p.name.startswith(shard_file_name(0).split(".")[0])]
+        assert all(torch.equal(a, b) for a, b in zip(read_masters(backend, SIZES), before))
+
+        # A re-plan: the paths were measured (d1 is another filesystem) as if d0 had been 100 times faster; the
+        # rates the step showed move shards onto d1, which is full again.
+        inner = backend.inner if isinstance(backend, TieredBackend) else backend
+        assert inner._measured_weights is not None, "paths on two filesystems are weighed by measuring them"
+        fill(4096)
+        with caplog.at_level("DEBUG", logger=streaming.__name__):
+            for _ in range(2):
+                inner._measured_weights = (100.0, 1.0)
+                assert backend.replan() == []
+        said = [r for r in caplog.records if "keeps the shards where they are" in r.getMessage()]
+        assert [r.levelname for r in said] == ["WARNING", "DEBUG"], [r.getMessage() for r in said]
+        assert "No space left on the filesystem of" in said[0].getMessage()
+        assert backend.assignment == placed
+        assert all(torch.equal(a, b) for a, b in zip(read_masters(backend, SIZES), before))
+    finally:
+        backend.close()

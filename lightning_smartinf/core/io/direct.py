@@ -72,10 +72,14 @@ class StateFile:
             self.direct = False
             self._fd = os.open(path, flags, 0o600)
         if create:
-            os.ftruncate(self._fd, size)
-            if size and hasattr(os, "posix_fallocate"):
-                # Reserve the blocks now: a full disk fails here, before training, never in the middle of a step.
-                os.posix_fallocate(self._fd, 0, size)
+            try:
+                os.ftruncate(self._fd, size)
+                if size and hasattr(os, "posix_fallocate"):
+                    # Reserve the blocks now: a full disk fails here, before training, never in the middle of a step.
+                    os.posix_fallocate(self._fd, 0, size)
+            except BaseException:
+                os.close(self._fd)  # an open descriptor would keep the blocks it got after the caller removes the file
+                raise
 
     def read_into(self, buf: Tensor, offset: int) -> None:
         """Fill ``buf`` (contiguous, aligned) from ``offset``."""

@@ -163,6 +163,8 @@ class StreamingBackend(LatchingBackend):
         self._rates: dict[int, float] = {}
         # Emulated storage devices' probed speeds (state bytes per second), for a device that has not updated yet.
         self._probed: dict[int, float] = {}
+        #: A re-plan was refused by a full disk (:meth:`keep_placement`): said once.
+        self._placement_kept = False
         self._assignment: tuple[int, ...] = ()
         self._owned_dirs = [Path(d) for d in owned_dirs]
         self._shards: list[Shard] = []
@@ -430,7 +432,13 @@ class StreamingBackend(LatchingBackend):
         assignment = list(self.assignment)
         for i, device in zip(placed, spread.assign([specs[i] for i in placed], len(storage))):
             assignment[i] = device
-        moved = self.relocate(assignment)
+        try:
+            moved = self.relocate(assignment)
+        except StorageError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            self.keep_placement(exc)
+            return []
         speeds = ", ".join(f"{rates[d.index] / 1e9:.2f} GB/s ({d.label})" for d in storage)
         was = ", ".join(f"{o:.0%}" for o in _shares(weights))
         log.info(
@@ -441,6 +449,16 @@ class StreamingBackend(LatchingBackend):
         )
         self.log_shares()
         return moved
+
+    def keep_placement(self, exc: StorageError) -> None:
+        """A re-plan a full disk refused: the shards stay where they are, and training goes on as placed. Said once
+        as a warning, then at debug level: a disk that stays full refuses every later re-plan too."""
+        log.log(
+            logging.DEBUG if self._placement_kept else logging.WARNING,
+            "SmartUpdate keeps the shards where they are: %s",
+            exc,
+        )
+        self._placement_kept = True
 
     @property
     def update_rates(self) -> dict[int, float]:
@@ -502,18 +520,27 @@ class StreamingBackend(LatchingBackend):
 
     def _move(self, shard: Shard, source: StreamingDevice, target: StreamingDevice) -> None:
         size = shard.layout.file_bytes
-        files = [
-            target.create_file(shard_file_name(shard.spec.index, slot), size) for slot in range(self._slots(target))
-        ]
+        files: list[StateFile] = []
         try:
+            for slot in range(self._slots(target)):
+                files.append(target.create_file(shard_file_name(shard.spec.index, slot), size))
             buf = aligned_empty(min(size, MOVE_BLOCK))
             for offset in range(0, size, MOVE_BLOCK):
                 piece = buf[: min(MOVE_BLOCK, size - offset)]
                 shard.file.read_into(piece, offset)
                 files[0].write_from(piece, offset)
-        except BaseException:
+        except BaseException as exc:
             for file in files:
                 file.discard()
+            if target.directory is not None:  # the file whose creation failed, if it got that far
+                (target.directory / shard_file_name(shard.spec.index, len(files))).unlink(missing_ok=True)
+            if is_disk_full(exc) and target.directory is not None:
+                raise disk_full_error(
+                    target.directory,
+                    f"shard {shard.spec.index} moved there",
+                    self._slots(target) * size,
+                    f"The shard stays on {source.label}, whole. Free space there, or leave the shards where they are.",
+                ) from exc
             raise
         self.traffic.add(**{source.read_counter: size, target.write_counter: size})
         for file in shard.files:

@@ -36,6 +36,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -59,6 +60,7 @@ from lightning_smartinf.core.format.state_files import (
     saved_shard_masters,
     write_file_atomic,
 )
+from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.placement import Fixed, Tiered, check_assignment, memory_share
 from lightning_smartinf.core.rules import StepParams
 from lightning_smartinf.core.streaming.backend import REPLAN_DRIFT, StreamingBackend
@@ -353,9 +355,15 @@ class TieredBackend(Backend):
             return moved
         if not plan.predicted_s < plan.current_s * (1 - REPLAN_DRIFT):
             return moved
-        self._memory_share = plan.memory_share
         specs = [s.spec for s in inner.shards]
-        more = inner.relocate(self._split(specs, plan.memory_share, keep=inner.assignment))
+        try:
+            more = inner.relocate(self._split(specs, plan.memory_share, keep=inner.assignment))
+        except StorageError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            inner.keep_placement(exc)
+            return moved
+        self._memory_share = plan.memory_share
         speeds = ", ".join(f"{plan.rates[d.index] / 1e9:.2f} GB/s ({d.tier} {d.index})" for d in inner.devices)
         log.info(
             "SmartUpdate re-placed %d shard(s): the devices update at %s; the update phase is predicted %.3g s, was "
