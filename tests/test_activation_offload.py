@@ -4,6 +4,7 @@ bad input."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import socket
@@ -20,6 +21,7 @@ from lightning_smartinf.activation_offload import ActivationOffload
 from lightning_smartinf.activations import ActivationOffloader, find_layers
 from lightning_smartinf.activations import offload as offload_mod
 from lightning_smartinf.activations.spill import SPILL_FILE_NAME
+from lightning_smartinf.core.io.direct import StateFile
 from lightning_smartinf.core.io.storage import StorageError
 
 
@@ -209,7 +211,26 @@ def test_model_without_layers_falls_back_to_size_only(tmp_path):
     off.close()
 
 
-def test_storage_full_is_a_clear_error_and_leaves_nothing(tmp_path, ext4_fs):
+def test_storage_full_is_a_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
+    """Every spill refused (the file cannot grow): the step stops with the full-disk error, the parameters are
+    untouched and no record or file is left."""
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(StateFile, "reserve", full)  # the spill file cannot grow: the disk is full
+    torch.manual_seed(0)
+    model = TinyGPT(dim=64, layers=4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    off = ActivationOffloader([tmp_path], threshold_bytes=4096, keep_last=0).attach(model)
+    with pytest.raises(StorageError, match="No space left on the filesystem"), off:
+        _loss(model, _batch()).backward()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    _assert_clean(off)
+    off.close()
+
+
+def test_a_real_full_disk_stops_the_step_with_one_error(tmp_path, ext4_fs):
     """Spilling to a real filesystem with 16 KiB left: the step stops with one error naming the path, what and the
     bytes; the parameters are untouched and no spill file is left."""
     fs = ext4_fs("8m")
@@ -230,9 +251,9 @@ def test_storage_full_is_a_clear_error_and_leaves_nothing(tmp_path, ext4_fs):
     ):
         _loss(model, _batch()).backward()
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-    _assert_clean(off)
+    assert off._records == {} and {f.name for f in off.files()} <= {SPILL_FILE_NAME}
     off.close()
-    assert [p.name for p in fs.iterdir()] == ["ballast", "spill"] and not list((fs / "spill").rglob("*.bin"))
+    assert sorted(p.name for p in fs.iterdir()) == ["ballast", "spill"] and not list((fs / "spill").rglob("*.bin"))
 
 
 _adamw = adamw_factory(lr=1e-3)

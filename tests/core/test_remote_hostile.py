@@ -284,7 +284,7 @@ def test_a_session_over_the_state_quota_is_refused_before_anything_is_allocated(
     ).start()
     try:
         client = _client(process)
-        with pytest.raises(StorageError, match=r"state takes .* GiB; this server gives a session at most"):
+        with pytest.raises(StorageError, match=r"state takes 96 KiB; this server gives a session at most 64 KiB"):
             client.open([ShardSpec(index=0, numel=CHUNK * 2, rule=Adam())])  # 96 KiB of state
         client.close()
         assert not list((tmp_path / "root").glob("sessions/*"))
@@ -653,3 +653,112 @@ def test_a_full_disk_on_the_server_is_named_to_the_trainer_and_leaves_nothing(tm
         client.close()
     finally:
         process.stop()
+
+
+def _raw_save(server: ServerProcess, client: RemoteBackend) -> grpc.RpcError:
+    """A save of ``client``'s session sent as a plain gRPC call, with the trainer's retry policy: its error."""
+    channel = _channel(server.address)
+    try:
+        control = channel.unary_unary(
+            f"/{SERVICE}/Control", request_serializer=Frame.SerializeToString, response_deserializer=Frame.FromString
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            control(header_frame(session=client.servers[0].session, op="save"), timeout=PROMPT_S)
+        return refused.value
+    finally:
+        channel.close()
+
+
+def test_the_session_quota_counts_tentative_copies_and_checkpoints(tmp_path) -> None:
+    """``--max-session-state`` is every byte a session makes on disk: both copies of its state with tentative
+    updates, and the checkpoints it saves. Past it, ``Open`` and saves are refused before anything is written, with
+    ``RESOURCE_EXHAUSTED`` that the client's retry policy is told not to retry (negative server pushback)."""
+    state = ChunkLayout(CHUNK, CHUNK, len(SPECS[0].rule.state_names)).file_bytes
+    quota = 3 * state + state // 2  # two copies and one checkpoint, not two
+    server = _server_with(tmp_path, "--max-session-state", str(quota))
+    try:
+        with pytest.raises(StorageError, match=r"RESOURCE_EXHAUSTED.* in two copies \(tentative updates\); this "
+                           r"server gives a session at most .* of disk, its checkpoints included"):  # fmt: skip
+            _client(server, tentative_slots=True).open(
+                [ShardSpec(index=0, numel=2 * CHUNK, rule=SPECS[0].rule)]  # fits once, not twice
+            )
+        client = _opened(server, tentative_slots=True)
+        client.save(tmp_path / "first")
+        with pytest.raises(StorageError, match=r"RESOURCE_EXHAUSTED.* with its state files and the 1 checkpoint\(s\) "
+                           r"it saved .* Nothing was written"):  # fmt: skip
+            client.save(tmp_path / "second")
+        refused = _raw_save(server, client)
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert ("grpc-retry-pushback-ms", "-1") in tuple(refused.trailing_metadata() or ())
+        assert len(list((tmp_path / "root" / "checkpoints").iterdir())) == 1
+        client.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("prune", [False, True], ids=["refused", "pruned"])
+def test_a_labels_checkpoints_are_capped_and_pruned_only_when_asked(tmp_path, prune) -> None:
+    """``--max-label-checkpoints 2``: the third save of a label is refused before anything is written, or, with
+    ``--prune-checkpoints``, takes the place of the oldest; the newest two stand and load."""
+    server = _server_with(tmp_path, "--max-label-checkpoints", "2", *(["--prune-checkpoints"] if prune else []))
+    try:
+        client = _opened(server)
+        for name in ("a", "b"):
+            client.save(tmp_path / name)
+        if prune:
+            client.save(tmp_path / "c")
+        else:
+            with pytest.raises(StorageError, match=r"RESOURCE_EXHAUSTED.*Label 'rank000' holds 2 checkpoint\(s\).*"
+                               r"--prune-checkpoints"):  # fmt: skip
+                client.save(tmp_path / "c")
+        standing = ("b", "c") if prune else ("a", "b")
+        saved = {json.loads((tmp_path / n / "remote.json").read_text())["servers"][0]["checkpoint"] for n in standing}
+        assert {p.name for p in (tmp_path / "root" / "checkpoints").iterdir()} == saved
+        client.close()
+        for name in standing:
+            again = _client(server)
+            again.open(SPECS)
+            again.load(tmp_path / name)
+            again.close()
+    finally:
+        server.stop()
+
+
+def _rss(pid: int) -> int:
+    """Resident bytes of process ``pid``."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def test_masters_a_client_never_reads_stay_within_the_servers_byte_budget(tmp_path) -> None:
+    """Six ``ReadMaster`` calls on a 32 MiB shard whose replies are never read, under ``--update-bytes-in-flight
+    64MiB``: at most two shards' masters are held at once (the others wait for room), so the server grows by the
+    budget and a constant, not by six shards; once the calls end the budget serves a well-behaved read."""
+    numel = 8 << 20  # 32 MiB of fp32 masters
+    server = _server_with(tmp_path, "--update-bytes-in-flight", "64MiB", "--call-timeout-s", "20")
+    channel = _channel(server.address)
+    try:
+        client = _client(server, chunk_elems=1 << 20)
+        client.open([ShardSpec(index=0, numel=numel, rule=Adam())])
+        client.initialize(0, torch.zeros(numel))
+        client.wait()
+        assert server.process is not None
+        before = _rss(server.process.pid)
+        calls = [
+            _stream(channel, "ReadMaster")(iter([header_frame(session=client.servers[0].session, shard=0)]), timeout=60)
+            for _ in range(6)
+        ]
+        time.sleep(3)  # the server serves what it has room for; nothing is read
+        grown = _rss(server.process.pid) - before
+        assert grown < (64 + 48) << 20, f"the server grew by {grown >> 20} MiB under six unread 32 MiB reads"
+        for call in calls:
+            call.cancel()
+        out = torch.empty(numel)
+        client.read_master(0, out).result()
+        assert torch.equal(out, torch.zeros(numel))
+        client.close()
+    finally:
+        channel.close()
+        server.stop()

@@ -6,6 +6,7 @@ all-on-device; its traffic counts under ``memory_*``; its saved record is the on
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -331,7 +332,7 @@ def test_replan_moves_shards_off_a_path_that_slowed_down(tmp_path) -> None:
 
 
 def test_a_move_onto_a_full_disk_leaves_the_shard_whole_and_a_replan_goes_on_as_placed(
-    tmp_path, ext4_fs, caplog
+    tmp_path, ext4_fs, monkeypatch
 ) -> None:
     """Moving a shard from memory onto a path on a real ext4 another job filled: refused before anything moves, or,
     when the disk fills once the space was checked, stopped with the new files removed; either way the shard stays
@@ -384,11 +385,21 @@ def test_a_move_onto_a_full_disk_leaves_the_shard_whole_and_a_replan_goes_on_as_
         inner = backend.inner if isinstance(backend, TieredBackend) else backend
         assert inner._measured_weights is not None, "paths on two filesystems are weighed by measuring them"
         fill(4096)
-        with caplog.at_level("DEBUG", logger=streaming.__name__):
+        said: list[logging.LogRecord] = []
+        logger = logging.getLogger(streaming.__name__)
+        handler = logging.Handler(logging.DEBUG)
+        handler.emit = said.append  # type: ignore[method-assign]
+        # Another library's logging set-up may have disabled the package's loggers (`disable_existing_loggers`).
+        monkeypatch.setattr(logger, "disabled", False)
+        monkeypatch.setattr(logger, "level", logging.DEBUG)
+        logger.addHandler(handler)
+        try:
             for _ in range(2):
                 inner._measured_weights = (100.0, 1.0)
                 assert backend.replan() == []
-        said = [r for r in caplog.records if "keeps the shards where they are" in r.getMessage()]
+        finally:
+            logger.removeHandler(handler)
+        said = [r for r in said if "keeps the shards where they are" in r.getMessage()]
         assert [r.levelname for r in said] == ["WARNING", "DEBUG"], [r.getMessage() for r in said]
         assert "No space left on the filesystem of" in said[0].getMessage()
         assert backend.assignment == placed

@@ -14,6 +14,10 @@ __all__ = ["MAX_SHARD_NUMEL", "ServerLimits", "check_transport", "is_loopback"]
 MAX_SHARD_NUMEL = (1 << 31) - 1
 
 
+#: Limits that are off (``None``) unless the operator sets them.
+OFF_BY_DEFAULT = ("max_session_state_bytes", "pools_bytes", "max_label_checkpoints", "max_label_checkpoint_bytes")
+
+
 @dataclass(frozen=True)
 class ServerLimits:
     """What one server grants, whatever its clients ask (``smartinf serve --help`` names a flag for each).
@@ -25,8 +29,14 @@ class ServerLimits:
         max_session_pool_bytes: the transfer pool of one session (its ``chunk_elems`` x ``buffer_count`` x devices).
         pools_bytes: the transfer pools of all sessions together (``None``: half of this machine's memory).
         max_io_threads: I/O threads per device of one session.
-        max_session_state_bytes: state of one session on disk (``None``: what the disks hold).
-        update_bytes_in_flight: gradients and parameters of every update in flight, all sessions together.
+        max_session_state_bytes: what one session makes on disk: its state files (both copies with tentative
+            updates) and the checkpoints it saves (``None``: what the disks hold).
+        max_label_checkpoints: checkpoints kept for one label (``None``: no cap).
+        max_label_checkpoint_bytes: bytes of the checkpoints kept for one label (``None``: no cap).
+        prune_checkpoints: a save past a label's cap first removes that label's oldest checkpoints (else it is
+            refused).
+        update_bytes_in_flight: what every call holds for its client, all sessions together: the gradients and
+            parameters of updates in flight, and the masters read, written or read from a checkpoint.
         call_timeout_s: longest call; the server cancels it then.
         session_lease_s: a session without a call for this long is closed and its state removed.
         max_echo_bytes: bytes of one calibration call.
@@ -39,6 +49,9 @@ class ServerLimits:
     pools_bytes: int | None = None
     max_io_threads: int = 16
     max_session_state_bytes: int | None = None
+    max_label_checkpoints: int | None = None
+    max_label_checkpoint_bytes: int | None = None
+    prune_checkpoints: bool = False
     update_bytes_in_flight: int = 8 << 30
     call_timeout_s: float = 900.0
     session_lease_s: float = 3600.0
@@ -47,7 +60,7 @@ class ServerLimits:
     def __post_init__(self) -> None:
         for item in fields(self):
             value = getattr(self, item.name)
-            if value is None and item.name in ("max_session_state_bytes", "pools_bytes"):
+            if value is None and item.name in OFF_BY_DEFAULT or item.name == "prune_checkpoints":
                 continue
             whole = not item.name.endswith("_s")
             if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or not value > 0:

@@ -31,14 +31,21 @@ LIMIT_FLAGS = {
     "--max-session-pool": ("max_session_pool_bytes", str, "transfer buffers per session"),
     "--max-pools": ("pools_bytes", str, "transfer buffers of all sessions together"),
     "--max-io-threads": ("max_io_threads", int, "I/O threads per device of a session"),
-    "--max-session-state": ("max_session_state_bytes", str, "state on disk per session"),
-    "--update-bytes-in-flight": ("update_bytes_in_flight", str, "gradients and parameters in flight, all sessions"),
+    "--max-session-state": ("max_session_state_bytes", str, "disk per session: its state files and checkpoints"),
+    "--max-label-checkpoints": ("max_label_checkpoints", int, "checkpoints kept per label"),
+    "--max-label-checkpoint-bytes": ("max_label_checkpoint_bytes", str, "bytes of the checkpoints kept per label"),
+    "--update-bytes-in-flight": ("update_bytes_in_flight", str, "tensors all calls hold at once (updates, masters)"),
     "--max-echo": ("max_echo_bytes", str, "bytes of one calibration call"),
     "--call-timeout-s": ("call_timeout_s", float, "longest call, in seconds; cancelled then"),
     "--session-lease-s": ("session_lease_s", float, "a session without a call this many seconds is closed"),
 }
 #: What ``--help`` says of the limits that are off by default.
-UNSET_SHOWN = {"pools_bytes": "half of the memory", "max_session_state_bytes": "no cap"}
+UNSET_SHOWN = {
+    "pools_bytes": "half of the memory",
+    "max_session_state_bytes": "no cap",
+    "max_label_checkpoints": "no cap",
+    "max_label_checkpoint_bytes": "no cap",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     limits.add_argument("--workers", type=int, default=16, help="threads serving calls (default 16)")
     limits.add_argument(
         "--max-calls", type=int, default=None, help="calls taken at once, more refused (default: 4 per worker)"
+    )
+    limits.add_argument(
+        "--prune-checkpoints",
+        action="store_true",
+        help="a save past a label's checkpoint cap removes that label's oldest checkpoints first (default: refused)",
     )
     defaults = ServerLimits()
     for flag, (field, kind, what) in LIMIT_FLAGS.items():
@@ -88,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             if value is not None:
                 given[field] = sizes.size(flag, value) if kind is str else value
         sizes.raise_if_any()
-        limits = dataclasses.replace(ServerLimits(), **given)
+        limits = dataclasses.replace(ServerLimits(), **given, prune_checkpoints=args.prune_checkpoints)
         server, servicer, port = serve(
             args.storage,
             token,

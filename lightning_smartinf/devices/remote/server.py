@@ -67,7 +67,7 @@ from lightning_smartinf.core.format.state_files import (
 )
 from lightning_smartinf.core.io.checksum import CRC32C
 from lightning_smartinf.core.io.ownership import claim_directories, release_claims
-from lightning_smartinf.core.io.storage import ensure_private_dir
+from lightning_smartinf.core.io.storage import ensure_private_dir, readable_size
 from lightning_smartinf.devices.cpu import CpuBackend
 from lightning_smartinf.devices.remote.policy import ServerLimits, check_transport
 from lightning_smartinf.devices.remote.tokens import TlsFiles
@@ -107,6 +107,8 @@ CHECKPOINT_PARTS = ("masters", "manifest", "state")
 UPLOAD_DIR = ".upload"
 #: Beside a checkpoint's label directories, under mutual TLS: the identity of the certificate that saved it.
 OWNER_FILE = "owner.json"
+#: Trailing metadata by which a server tells gRPC's retry policy not to retry (a negative pushback).
+RETRY_PUSHBACK = "grpc-retry-pushback-ms"
 #: At most one log line per this many seconds about refused tokens, and about malformed requests (a flood must not
 #: fill the disk).
 REFUSAL_LOG_EVERY_S = 10.0
@@ -158,7 +160,8 @@ def session_tag(session_id: str) -> str:
 
 
 class _Budget:
-    """Bytes held by the updates in flight of every session; a reservation waits for room, up to a timeout."""
+    """Bytes of tensors the calls of every session hold for their clients (updates in flight, masters read or sent); a
+    reservation waits for room, up to a timeout."""
 
     def __init__(self, total: int) -> None:
         self.total = total
@@ -211,11 +214,13 @@ class TokenCheck(grpc.ServerInterceptor):
 
 
 class CallError(Exception):
-    """A call that cannot be served; ``code`` is the gRPC status the client sees."""
+    """A call that cannot be served; ``code`` is the gRPC status the client sees. ``final``: asking again cannot
+    help (a quota), so the client's retry policy is told not to (server pushback), whatever the code."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, *, final: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.final = final
 
 
 @dataclass
@@ -237,6 +242,14 @@ class Session:
     owner: tuple[bytes, ...] | None = None  # the client certificate's identity under mutual TLS
     pool: int = 0  # bytes of its transfer buffers
     uploaded: dict[int, int] = field(default_factory=dict)  # shard -> CRC-32C of its uploaded state file
+    state: int = 0  # bytes of one copy of its state (a checkpoint's size)
+    on_disk: int = 0  # bytes its state files take (both copies with tentative updates)
+    saved: list[Path] = field(default_factory=list)  # the checkpoints it saved, while they exist
+
+
+def _tree_bytes(directory: Path) -> int:
+    """Bytes of the files under ``directory`` (0 once it is gone)."""
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
 def server_identity(root: Path) -> str:
@@ -296,7 +309,7 @@ class DeviceServer:
         #: Sessions being built (outside the lock): their slot and transfer buffers, reserved, by name.
         self._opening: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._updates_budget = _Budget(self.limits.update_bytes_in_flight)
+        self._bytes_budget = _Budget(self.limits.update_bytes_in_flight)
         self._stopped = threading.Event()
         self._remove_what_a_dead_server_left()
         self._malformed = _ThrottledLog("%d malformed request(s) (the last: %s from %s: %s)")
@@ -406,6 +419,8 @@ class DeviceServer:
             self._malformed.note(method, context.peer(), _quoted(exc))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Malformed request: {_quoted(exc)}")
         except CallError as exc:
+            if exc.final:  # gRPC's retry policy does not retry a call whose server pushes back negatively
+                context.set_trailing_metadata(((RETRY_PUSHBACK, "-1"),))
             context.abort(exc.code, str(exc))
         except (ValueError, RuntimeError, OSError, grpc.RpcError) as exc:
             if not context.is_active():  # cancelled (by the deadline, or the client left) while reading
@@ -481,11 +496,15 @@ class DeviceServer:
                 "--max-session-pool`). Lower `chunk_size` or `buffer_count`.",
             )
         state = sum(layout.file_bytes for layout in layouts)
-        if limits.max_session_state_bytes is not None and state > limits.max_session_state_bytes:
+        copies = 2 if header.get("tentative", False) else 1
+        if limits.max_session_state_bytes is not None and copies * state > limits.max_session_state_bytes:
+            both = " in two copies (tentative updates)" if copies == 2 else ""
             raise CallError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"The session's state takes {state / 2**30:.3f} GiB; this server gives a session at most "
-                f"{limits.max_session_state_bytes / 2**30:.3f} GiB (`smartinf serve --max-session-state`).",
+                f"The session's state takes {readable_size(copies * state)}{both}; this server gives a session at "
+                f"most {readable_size(limits.max_session_state_bytes)} of disk, its checkpoints included "
+                "(`smartinf serve --max-session-state`).",
+                final=True,
             )
         name = secrets.token_urlsafe(32)
         tag = session_tag(name)
@@ -505,7 +524,15 @@ class DeviceServer:
             backend = self._build_session(dirs, specs, options, header)
             with self._lock:
                 self._sessions[name] = Session(
-                    name, tag, label, backend, dirs, owner=certificate_identity(context), pool=pool
+                    name,
+                    tag,
+                    label,
+                    backend,
+                    dirs,
+                    owner=certificate_identity(context),
+                    pool=pool,
+                    state=state,
+                    on_disk=copies * state,
                 )
         except BaseException:
             for directory in dirs:  # a failed open leaves nothing behind
@@ -543,10 +570,12 @@ class DeviceServer:
 
     def initialize(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         with self._shard_call(requests, context) as (_, session, shard):
-            master = _read_tensor(requests, "master", session.backend.shards[shard].spec.numel, (torch.float32,))
-            with session.lock:
-                handle = session.backend.initialize(shard, master)
-            session.backend.result(handle)
+            numel = session.backend.shards[shard].spec.numel
+            with self._reserved(4 * numel, "a shard's initial masters"):
+                master = _read_tensor(requests, "master", numel, (torch.float32,))
+                with session.lock:
+                    handle = session.backend.initialize(shard, master)
+                session.backend.result(handle)
         return header_frame(ok=True)
 
     def update(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
@@ -563,7 +592,7 @@ class DeviceServer:
                 hp = hp_from_wire(header["hp"])
                 sparse = bool(header.get("sparse"))
                 nbytes = numel * (link_dtype.itemsize + (4 if sparse else 0) + out_dtype.itemsize)
-                if not self._updates_budget.reserve(nbytes, timeout=self.limits.call_timeout_s):
+                if not self._bytes_budget.reserve(nbytes, timeout=self.limits.call_timeout_s):
                     raise CallError(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"An update of {nbytes / 2**20:.1f} MiB does not fit in the server's "
@@ -601,7 +630,7 @@ class DeviceServer:
                 yield from encode_tensor("out", out)
         finally:
             for nbytes in held:
-                self._updates_budget.release(nbytes)
+                self._bytes_budget.release(nbytes)
 
     def upload(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         """One shard's whole state file (master and states, record by record, as the session's layout has it) from a
@@ -632,12 +661,16 @@ class DeviceServer:
         return header_frame(ok=True)
 
     def read_master(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        """A shard's fp32 masters, held (and their bytes reserved in the server-wide budget) until the last frame is
+        sent, or the call ends."""
         with self._shard_call(requests, context) as (_, session, shard):
-            out = torch.empty(session.backend.shards[shard].spec.numel, dtype=torch.float32)
-            with session.lock:
-                handle = session.backend.read_master(shard, out)
-            session.backend.result(handle)
-        return encode_tensor("master", out)
+            numel = session.backend.shards[shard].spec.numel
+            with self._reserved(4 * numel, "a shard's masters"):
+                out = torch.empty(numel, dtype=torch.float32)
+                with session.lock:
+                    handle = session.backend.read_master(shard, out)
+                session.backend.result(handle)
+                yield from encode_tensor("master", out)
 
     def read_checkpoint(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         """One part of a saved checkpoint, after its digest is checked (no session needed): the fp32 masters of one
@@ -654,17 +687,44 @@ class DeviceServer:
         shard = header["shard"]
         if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0:
             raise WireError(f"`shard={shard!r}` is not a shard index.")
-        if part == "masters":
-            return encode_tensor("master", saved_shard_masters(directory, shard, manifest=manifest))
         entry = next((e for e in manifest["shards"] if e.get("index") == shard), None)
         if entry is None:
             raise WireError(f"Checkpoint {header['checkpoint']!r} has no shard {shard} for {header['label']!r}.")
+        if part == "masters":
+            return self._saved_masters(directory, shard, manifest, 4 * int(entry["numel"]))
         path = directory / shard_file_name(shard)
         try:
             verify_state_file(path, entry)
         except ValueError as exc:
             raise CallError(grpc.StatusCode.DATA_LOSS, f"Server {self.server_id}: {exc}") from None
         return encode_file("state", path, torch.float32)
+
+    def _saved_masters(self, directory: Path, shard: int, manifest: dict[str, Any], nbytes: int) -> Iterator[Any]:
+        with self._reserved(nbytes, "a saved shard's masters"):
+            yield from encode_tensor("master", saved_shard_masters(directory, shard, manifest=manifest))
+
+    @contextlib.contextmanager
+    def _reserved(self, nbytes: int, what: str) -> Iterator[None]:
+        """Hold ``nbytes`` of the server-wide byte budget (``--update-bytes-in-flight``) while a call keeps a tensor
+        its client asked for: every such allocation is bounded together, whatever the clients ask and however slowly
+        they read. Waits for room up to the call limit."""
+        budget = self._bytes_budget
+        if nbytes > budget.total:
+            raise CallError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{what.capitalize()} take {readable_size(nbytes)}, more than this server holds for all calls at once "
+                f"({readable_size(budget.total)}, `smartinf serve --update-bytes-in-flight`).",
+                final=True,
+            )
+        if not budget.reserve(nbytes, timeout=self.limits.call_timeout_s):
+            raise CallError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"No room for {what} ({readable_size(nbytes)}) in the server's budget before the call limit.",
+            )
+        try:
+            yield
+        finally:
+            budget.release(nbytes)
 
     def echo(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         """Counts the bytes of the frames it receives and drops them: the network's bandwidth, for calibration (at
@@ -710,7 +770,10 @@ class DeviceServer:
         return header_frame(ok=True) if reply is None else reply
 
     def _save(self, session: Session) -> Any:
-        """Save under a checkpoint id of the server's making; an existing checkpoint is never replaced."""
+        """Save under a checkpoint id of the server's making; an existing checkpoint is never replaced. Refused before
+        anything is written where it would take the session past ``--max-session-state`` or its label past its
+        checkpoint cap (the oldest of the label's checkpoints go first only with ``--prune-checkpoints``)."""
+        self._make_room_for_checkpoint(session)
         checkpoint = f"c{secrets.token_hex(16)}"
         directory = self.roots[0] / "checkpoints" / checkpoint / session.label
         ensure_private_dir(directory.parent.parent)
@@ -722,9 +785,76 @@ class DeviceServer:
         except BaseException:
             shutil.rmtree(directory.parent, ignore_errors=True)  # a failed save leaves no checkpoint id behind
             raise
+        session.saved.append(directory.parent)
         log.info("session %s: saved a checkpoint", session.tag)
         digest = hashlib.sha256((directory / MANIFEST).read_bytes()).hexdigest()
         return header_frame(checkpoint=checkpoint, digest=digest)
+
+    def _make_room_for_checkpoint(self, session: Session) -> None:
+        """Check a save of ``session`` against the quotas, pruning its label's oldest checkpoints where the operator
+        allows it; raise a final ``RESOURCE_EXHAUSTED`` otherwise (nothing written)."""
+        limits = self.limits
+        session.saved = [c for c in session.saved if c.exists()]
+        if limits.max_session_state_bytes is not None:
+            held = session.on_disk + sum(_tree_bytes(c) for c in session.saved)
+            if held + session.state > limits.max_session_state_bytes:
+                raise CallError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"A checkpoint of this session takes {readable_size(session.state)}; with its state files and "
+                    f"the {len(session.saved)} checkpoint(s) it saved ({readable_size(held)}) that is more than the "
+                    f"{readable_size(limits.max_session_state_bytes)} this server gives a session "
+                    "(`smartinf serve --max-session-state`). Nothing was written.",
+                    final=True,
+                )
+        if limits.max_label_checkpoints is None and limits.max_label_checkpoint_bytes is None:
+            return
+        kept = self._label_checkpoints(session.label, session.owner)  # oldest first
+        while kept and not self._label_has_room(kept, session.state):
+            if not limits.prune_checkpoints:
+                raise CallError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"Label {session.label!r} holds {len(kept)} checkpoint(s) ({readable_size(sum(kept.values()))}) "
+                    f"on this server; another of {readable_size(session.state)} passes its cap (`smartinf serve "
+                    "--max-label-checkpoints`, `--max-label-checkpoint-bytes`). Nothing was written: remove some "
+                    "(`--prune-checkpoints` lets the server remove the oldest).",
+                    final=True,
+                )
+            oldest = next(iter(kept))
+            shutil.rmtree(oldest.parent, ignore_errors=True)
+            log.info("label %s: removed its oldest checkpoint to make room (--prune-checkpoints)", session.label)
+            del kept[oldest]
+        if not self._label_has_room(kept, session.state):
+            raise CallError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"A checkpoint of {readable_size(session.state)} is larger than label {session.label!r}'s cap on this "
+                "server (`smartinf serve --max-label-checkpoint-bytes`). Nothing was written.",
+                final=True,
+            )
+
+    def _label_has_room(self, kept: dict[Path, int], nbytes: int) -> bool:
+        limits = self.limits
+        count_ok = limits.max_label_checkpoints is None or len(kept) + 1 <= limits.max_label_checkpoints
+        bytes_ok = limits.max_label_checkpoint_bytes is None or sum(kept.values()) + nbytes <= (
+            limits.max_label_checkpoint_bytes
+        )
+        return count_ok and bytes_ok
+
+    def _label_checkpoints(self, label: str, owner: tuple[bytes, ...] | None) -> dict[Path, int]:
+        """The checkpoints saved for ``label`` (by ``owner``'s certificate under mutual TLS), oldest first: their
+        directory and bytes."""
+        found = []
+        for directory in (self.roots[0] / "checkpoints").glob(f"c*/{label}"):
+            if (directory / MANIFEST).is_file() and self._owned_by(directory.parent, owner):
+                found.append((directory.stat().st_mtime_ns, directory))
+        return {directory: _tree_bytes(directory) for _, directory in sorted(found)}
+
+    def _owned_by(self, checkpoint: Path, owner: tuple[bytes, ...] | None) -> bool:
+        if owner is None:
+            return True
+        try:
+            return json.loads((checkpoint / OWNER_FILE).read_text()) == _owner_record(owner)
+        except (OSError, ValueError):
+            return False
 
     def _checkpoint(
         self, header: dict[str, Any], label: Any, identity: tuple[bytes, ...] | None
