@@ -10,6 +10,10 @@ A ``cpu`` backend holds ``--params`` parameters of AdamW state (12 B per paramet
   (``copy_with_crc``, devices in parallel, as the save did);
 - ``cp``: ``cp --reflink=never`` of the same files, the disk's raw copy speed (both paths in parallel).
 
+Before each copy, every shard is updated once (``--no-step-between`` to skip it), as a training step rewrites the
+state before a checkpoint: on ext4 the first copy after writes pays about 5 s more for 4.8 GB, whichever method
+makes it, so without the step the first method of each round would carry that cost alone.
+
 Each row reports seconds, GB/s of state and the bytes the filesystem used for the copy (``statvfs`` before and after,
 so a clone shows ~0). Filesystems: ``--work`` (this machine's, ext4 here) and, with ``--xfs-size``, an XFS with
 reflinks in a sparse image under ``--work``, loop-mounted (needs root and ``mkfs.xfs``; ``fstrim`` after each round
@@ -73,13 +77,18 @@ def make_state(root: Path, params: int, sub_group: int) -> CpuBackend:
     for spec in specs:
         backend.initialize(spec.index, master[: spec.numel])
     backend.wait()
-    step = StepParams(step=1, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    outs = [torch.empty(spec.numel, dtype=torch.bfloat16) for spec in specs]
-    for spec, out in zip(specs, outs):
-        backend.submit(spec.index, grad[: spec.numel], step, out)
-    backend.wait()
+    update_all(backend, grad, 1)
     print(f"[bench] {params / 1e9:.2f}B parameters written and updated in {time.perf_counter() - t0:.1f} s", flush=True)
     return backend
+
+
+def update_all(backend: CpuBackend, grad: torch.Tensor, step: int) -> None:
+    """One AdamW update of every shard, as a training step writes the state before a checkpoint."""
+    hp = StepParams(step=step, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    for shard in backend.shards:
+        out = torch.empty(shard.spec.numel, dtype=torch.bfloat16)
+        backend.submit(shard.spec.index, grad[: shard.spec.numel], hp, out)
+    backend.wait()
 
 
 def state_files(root: Path) -> list[Path]:
@@ -131,9 +140,14 @@ def run_on(root: Path, filesystem: str, args: argparse.Namespace, trim: Path | N
     state = sum(f.stat().st_size for f in files)
     assert files and state > 0, f"no state files under {root}"
     records = []
+    grad = torch.randn(int(args.sub_group_size), generator=torch.Generator().manual_seed(1)).bfloat16()
+    step = 1
     try:
         for rnd in range(args.rounds):
             for method in ("save", "python copy", "cp") if rnd % 2 == 0 else ("cp", "python copy", "save"):
+                if args.step_between:  # as in training: every copy follows a step that rewrote the state
+                    step += 1
+                    update_all(backend, grad, step)
                 record = measure(method, backend, root, files, trim)
                 record.update(filesystem=filesystem, round=rnd, state_bytes=state, params=int(args.params))
                 records.append(record)
@@ -181,6 +195,13 @@ def main() -> None:
     parser.add_argument("--params", type=float, default=0.8e9, help="parameters of AdamW state (12 B each)")
     parser.add_argument("--sub-group-size", type=float, default=1e8, help="elements per shard file")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the three methods, order alternating")
+    parser.add_argument(
+        "--step-between",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="update every shard before each copy, as a training step does before a checkpoint (default: on; the "
+        "first copy after writes pays the filesystem's settling of them, whichever method it is)",
+    )
     parser.add_argument("--xfs-size", default=None, help="also measure on a loop-mounted XFS of this size (e.g. 24g)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "checkpoint.json")
     args = parser.parse_args()
