@@ -13,7 +13,7 @@ from models import LMModule, adamw_factory, assert_identical, fit, max_relative_
 from remote_servers import ServerProcess, running, server_pool, write_token
 from scripts.ckpt_common import EVERY, train
 
-from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf import SmartInfinityStrategy, checkpoint_folder
 from lightning_smartinf.checkpoint_folder import CheckpointError
 
 STEPS = 6
@@ -291,7 +291,6 @@ def test_a_checkpoint_kept_on_the_servers_is_refused_where_it_cannot_load_naming
 def test_a_checkpoint_on_a_server_restarted_over_another_root_is_refused_naming_it(tmp_path, servers):
     """What a user with fixed ports meets after restarting a server over the wrong storage: the resume names the
     server that kept the state, says another answers at its address, and what to do; the checkpoint is untouched."""
-    from lightning_smartinf import checkpoint_folder
 
     checkpoint = _saved_on(servers, tmp_path)
     restarted = servers[1]
@@ -449,6 +448,26 @@ def test_evaluate_and_export_a_checkpoint_kept_on_the_servers(tmp_path, servers,
     assert weights.keys() == capture.params.keys()
     for name, value in capture.params.items():  # fp32 training: the masters are the parameters
         assert torch.equal(weights[name], value), name
+
+    # A `remote.json` without shard sizes (as format 1 wrote them) exports the same: each shard's size comes from
+    # the rank's own record beside it, not from what a server sends.
+    (manifest,) = (tmp_path / "remote.ckpt").rglob("remote.json")
+    saved = json.loads(manifest.read_text())
+    saved["servers"] = [{k: v for k, v in e.items() if k != "numels"} for e in saved["servers"]]
+    manifest.write_text(json.dumps({**saved, "format": 1}))
+    reseal = {"global_step": 4, "world_size": 1}  # as the checkpoint was sealed when it was written so
+    checkpoint_folder.seal(tmp_path / "remote.ckpt", **reseal)
+    again = tmp_path / "format-1.safetensors"
+    assert export_main([str(tmp_path / "remote.ckpt"), str(again), *flags]) == 0
+    assert all(torch.equal(a, weights[name]) for name, a in load_file(str(again)).items())
+    # A record smaller than what the servers hold: what they send beyond it is refused, naming the server.
+    host = manifest.parent / "host_state.json"
+    record = json.loads(host.read_text())
+    record["shards"][0][0]["partition_numel"] -= 1
+    host.write_text(json.dumps(record))
+    checkpoint_folder.seal(tmp_path / "remote.ckpt", **reseal)
+    assert export_main([str(tmp_path / "remote.ckpt"), str(again), *flags]) == 1
+    assert "The remote device server" in capsys.readouterr().err
 
 
 def test_a_memory_tier_beside_the_servers_trains_saves_and_resumes_bit_identically(tmp_path, servers, capsys):

@@ -63,7 +63,7 @@ from lightning_smartinf.core.rules import StepParams
 from lightning_smartinf.core.tiers.tiered import LOCAL_DIR, saved_local_shards
 from lightning_smartinf.core.traffic import Traffic, TrafficSnapshot
 from lightning_smartinf.devices.remote.manifest import REMOTE_MANIFEST
-from lightning_smartinf.devices.remote.policy import MAX_SHARD_NUMEL, is_loopback
+from lightning_smartinf.devices.remote.policy import is_loopback
 from lightning_smartinf.devices.remote.server import MAX_UPDATES_IN_FLIGHT as UPDATES_IN_FLIGHT
 from lightning_smartinf.devices.remote.server import PROTOCOL_VERSION
 from lightning_smartinf.devices.remote.tokens import TlsFiles
@@ -340,25 +340,32 @@ def checkpoint_masters(
             masters: dict[int, Tensor] = {}
             for entry in entries if isinstance(entries, list) else []:
                 server = _keeper(by_id, entry, Path(directory))
-                numels = entry.get("numels") or [None] * len(entry["shards"])  # recorded since protocol 2
+                numels = entry.get("numels") or _recorded_numels(Path(directory), entry["shards"])
                 for local, (shard, numel) in enumerate(zip(entry["shards"], numels)):
                     request = header_frame(**_saved_request(entry, manifest), shard=local)
                     what = f"reading shard {shard} of a checkpoint"
                     frames = server.call(server.read_checkpoint, request, what)
                     masters[int(shard)] = _receive(
-                        "master",
-                        frames,
-                        numel=MAX_SHARD_NUMEL if numel is None else int(numel),
-                        dtype=torch.float32,
-                        server=server,
-                        what=what,
-                        exact=numel is not None,
+                        "master", frames, numel=int(numel), dtype=torch.float32, server=server, what=what
                     )
             if sorted(masters) != list(range(len(masters))):
                 raise CheckpointError(f"{directory / REMOTE_MANIFEST} does not list every shard of the rank.")
             return [masters[i] for i in range(len(masters))]
 
     return read
+
+
+def _recorded_numels(directory: Path, shards: Sequence[int]) -> list[int]:
+    """The elements of each of ``shards`` as this rank recorded them beside its ``remote.json`` (``host_state.json``:
+    the parameters each shard holds): what a server may send for them. A ``remote.json`` of format 1 records no
+    sizes, and a server's word is no bound."""
+    host = read_json(directory / HOST_STATE, "the device state", ("shards",))["shards"]
+    numels = []
+    for shard in shards:
+        if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard < len(host):
+            raise CheckpointError(f"{directory / REMOTE_MANIFEST} names shard {shard!r}, which {HOST_STATE} lacks.")
+        numels.append(sum(int(param["partition_numel"]) for param in host[shard]))
+    return numels
 
 
 def _greeted(
