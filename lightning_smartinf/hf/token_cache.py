@@ -199,7 +199,6 @@ def cached_tokens(
     except (_DiskFull, OSError) as exc:
         if not isinstance(exc, _DiskFull) and not is_disk_full(exc):
             raise
-        shutil.rmtree(staging, ignore_errors=True)
         raise disk_full_error(
             cache_dir,
             f"the token cache of {str(source)!r}",

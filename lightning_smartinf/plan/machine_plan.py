@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lightning_smartinf.core.io.storage import free_bytes
 from lightning_smartinf.plan.machine import Machine
 from lightning_smartinf.plan.model import (
     FP32_GRAD_BYTES,
@@ -405,7 +405,7 @@ def _plan_paths(
             for j, i in enumerate(paths)
         ]
         if checkpoint and not any(_inside(checkpoint_dir, s.path) for s in space):
-            space.append(PathSpace(checkpoint_dir, 0.0, 0.0, 0.0, checkpoint, _free_at(checkpoint_dir)))
+            space.append(PathSpace(checkpoint_dir, 0.0, 0.0, 0.0, checkpoint, free_bytes(checkpoint_dir)))
         if all(s.fits is not False for s in space):
             break
     if overlap:
@@ -465,23 +465,12 @@ def _inside(directory: str, path: str) -> bool:
     return directory == path or directory.startswith(path.rstrip("/") + "/")
 
 
-def _free_at(directory: str) -> float | None:
-    """Free bytes of the filesystem holding ``directory`` (or its nearest existing parent) on this machine."""
-    path = os.path.abspath(directory)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    try:
-        return float(shutil.disk_usage(path).free)
-    except OSError:
-        return None
-
-
 def _free(machine: Machine, index: int) -> float | None:
     """Path ``index``'s free space: as described, else as it is here (when it exists here), else unknown."""
     described = machine.storage[index].free_gb
     if described is not None:
         return described * GB
-    return _free_at(machine.storage[index].path) if os.path.exists(machine.storage[index].path) else None
+    return free_bytes(machine.storage[index].path) if os.path.exists(machine.storage[index].path) else None
 
 
 # ---------------------------------------------------------------------------------------------------- report

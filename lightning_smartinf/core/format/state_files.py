@@ -62,6 +62,7 @@ from lightning_smartinf.core.io.storage import (
     ensure_private_dir,
     fsync_dir,
     fsync_file,
+    is_disk_full,
     write_file_atomic,  # looked up here at each call: tests/scripts/crash_worker.py replaces it in this module
 )
 
@@ -307,10 +308,6 @@ def remove_entry(path: Path, *, missing_ok: bool = False) -> None:
         Path(path).unlink(missing_ok=missing_ok)  # also when it vanished since the check above
 
 
-def _is_disk_full(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
-
-
 def _by_device(shards: Sequence[ShardState]) -> list[list[ShardState]]:
     """Shards grouped by the directory (device) of their live file, so each device's files move in parallel."""
     groups: dict[Path, list[ShardState]] = {}
@@ -391,7 +388,7 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
         install_directory(tmp, directory)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if _is_disk_full(exc):
+        if is_disk_full(exc):
             raise full("The filesystem filled up while it was written; what was written is gone.") from exc
         raise
     stats = SaveStats(by_method={})

@@ -435,7 +435,7 @@ class StreamingBackend(LatchingBackend):
         try:
             moved = self.relocate(assignment)
         except StorageError as exc:
-            if exc.errno != errno.ENOSPC:
+            if not is_disk_full(exc):
                 raise
             self.keep_placement(exc)
             return []

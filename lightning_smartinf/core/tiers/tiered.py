@@ -36,7 +36,6 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import logging
 import math
@@ -60,7 +59,7 @@ from lightning_smartinf.core.format.state_files import (
     saved_shard_masters,
     write_file_atomic,
 )
-from lightning_smartinf.core.io.storage import StorageError
+from lightning_smartinf.core.io.storage import StorageError, is_disk_full
 from lightning_smartinf.core.placement import Fixed, Tiered, check_assignment, memory_share
 from lightning_smartinf.core.rules import StepParams
 from lightning_smartinf.core.streaming.backend import REPLAN_DRIFT, StreamingBackend
@@ -359,7 +358,7 @@ class TieredBackend(Backend):
         try:
             more = inner.relocate(self._split(specs, plan.memory_share, keep=inner.assignment))
         except StorageError as exc:
-            if exc.errno != errno.ENOSPC:
+            if not is_disk_full(exc):
                 raise
             inner.keep_placement(exc)
             return moved
