@@ -42,7 +42,7 @@ COMPRESSED_INDEX_BYTES = 4  # int32 position inside the sub-group
 #: ZeRO-3 with parameters offloaded to host memory fetches each 16-bit parameter to the GPU twice per step.
 PARAM_FETCH_BYTES = 2 * LOW_PRECISION_BYTES
 GRADIENT_BUFFERS = ("accelerator", "host")
-#: Calls a remote device server serves at once for one session (``MAX_UPDATES_IN_FLIGHT`` of devices/remote/server.py).
+#: Calls a remote device server serves at once for one session (``MAX_UPDATES_IN_FLIGHT`` of the remote wire protocol).
 REMOTE_CALLS_IN_FLIGHT = 4
 
 METHODS = ("zero_infinity", "su", "su_o", "su_o_c")

@@ -159,7 +159,9 @@ def test_calls_without_the_token_take_no_call_slot_while_the_workers_are_busy(tm
     """Both workers busy with a token holder's calls, and ten calls without the token arriving: those are ended at
     once, taking none of the server's six call slots, and a trainer's first contact waits for a worker and is
     served (it was refused with ``RESOURCE_EXHAUSTED`` when refusals counted as calls)."""
-    server = _server_with(tmp_path, "--workers", "2", "--max-calls", "6", "--call-timeout-s", "3")
+    server = _server_with(
+        tmp_path, "--workers", "2", "--max-calls", "6", "--max-peer-calls", "2", "--call-timeout-s", "3"
+    )
     busy, stranger = _channel(server.address), _channel(server.address, credentials=False)
     try:
         held = [stalls.call(busy, "Open") for _ in range(2)]
@@ -180,7 +182,9 @@ def test_stalled_calls_with_the_token_are_bounded_and_ended_by_the_server(tmp_pa
     """A token holder that stalls as many calls as the server takes at once gets no more: the next call is refused
     at once (``RESOURCE_EXHAUSTED``), and the server ends the stalled ones when its call limit (4 s) is up, whatever
     deadline the client set; then it serves again."""
-    server = _server_with(tmp_path, "--workers", "4", "--max-calls", "4", "--call-timeout-s", "4")
+    server = _server_with(
+        tmp_path, "--workers", "4", "--max-calls", "4", "--max-peer-calls", "4", "--call-timeout-s", "4"
+    )
     channel = _channel(server.address)
     try:
         stalled = [stalls.call(channel, "Open") for _ in range(4)]
@@ -225,7 +229,9 @@ def test_a_busy_moment_is_retried_and_the_run_ends_as_without_it(tmp_path, stall
     """Every call slot of the server taken by a token holder's stalled calls when a trainer starts: its calls are
     refused (``RESOURCE_EXHAUSTED``) until the server ends the stalled ones (2 s), and the trainer retries them with
     backoff instead of failing; its updates end bit for bit as on an idle server."""
-    server = _server_with(tmp_path, "--workers", "4", "--max-calls", "4", "--call-timeout-s", "2")
+    server = _server_with(
+        tmp_path, "--workers", "4", "--max-calls", "4", "--max-peer-calls", "4", "--call-timeout-s", "2"
+    )
     channel = _channel(server.address)
     try:
         reference = _steps(_client(server))
@@ -238,6 +244,93 @@ def test_a_busy_moment_is_retried_and_the_run_ends_as_without_it(tmp_path, stall
     finally:
         stalls.release()
         channel.close()
+        server.stop()
+
+
+def _own_connection(address: str) -> grpc.Channel:
+    """A channel with the trainer's credentials on a connection of its own (gRPC shares one between channels of a
+    process with equal settings): a second client, as the server tells clients apart without mutual TLS."""
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    return grpc.secure_channel(address, channel_credentials(address, TOKEN, None, False), options=options)
+
+
+def test_a_client_holding_calls_open_leaves_workers_to_the_others(tmp_path, stalls) -> None:
+    """A token holder stalls as many calls as one client may hold (three quarters of four workers): its next call is
+    refused at once, naming the flag, and another client's whole run is served on the worker left, long before the
+    server ends the stalled calls."""
+    server = _server_with(tmp_path, "--workers", "4", "--call-timeout-s", "60")
+    hog = _own_connection(server.address)
+    try:
+        held = [stalls.call(hog, "Echo") for _ in range(3)]
+        time.sleep(0.5)  # each holds a worker, reading its request
+        one_more = _stream(hog, "Echo")(iter([header_frame()]), timeout=PROMPT_S)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(one_more)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "3 calls in flight" in refused.value.details() and "--max-peer-calls" in refused.value.details()
+        started = time.monotonic()
+        _steps(_client(server))
+        assert time.monotonic() - started < 30, "served beside the stalled calls, not after them"
+        stalls.release()
+        assert all(len(list(call)) == 1 for call in held)  # they end as calls of their own, once they send
+    finally:
+        stalls.release()
+        hog.close()
+        server.stop()
+
+
+def test_one_sessions_calls_in_flight_are_capped_and_a_refused_update_is_sent_again(tmp_path) -> None:
+    """A session may have ``--max-session-calls`` calls in flight: with its one slot held by an update whose gradient
+    never comes, the trainer's own update (a 1 MiB gradient, four times gRPC's retry buffer) is refused for a busy
+    moment; the trainer sends it again with backoff until the server has ended the stalled call (2 s), and its
+    masters end bit for bit as on an idle server."""
+    numel = 1 << 19  # bf16 gradient: 1 MiB
+    specs = [ShardSpec(index=0, numel=numel, rule=Adam(decoupled_weight_decay=True))]
+    server = _server_with(tmp_path, "--max-session-calls", "1", "--call-timeout-s", "2")
+    release = threading.Event()
+
+    def run(stall: bool) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)
+        client = _client(server, chunk_elems=1 << 16)
+        client.open(specs)
+        client.initialize(0, torch.randn(numel, generator=generator))
+        client.wait()
+        channel = _own_connection(server.address)
+        if stall:
+            session = client.servers[0].session
+            header = header_frame(
+                session=session, shard=0, hp={"step": 1, "lr": 1e-2}, link_dtype="bfloat16", out_dtype="bfloat16"
+            )
+
+            def stalled() -> Iterator[Frame]:
+                yield header
+                release.wait(60)
+
+            held = _stream(channel, "Update")(stalled(), timeout=60)
+            time.sleep(0.5)  # it holds the session's one call slot, waiting for its gradient
+            busy = _stream(channel, "Control")(iter([header_frame(session=session, op="wait")]), timeout=PROMPT_S)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(busy)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-session-calls" in refused.value.details()
+        out = torch.empty(numel, dtype=torch.bfloat16)
+        for step in range(1, 3):
+            grad = torch.randn(numel, generator=generator).bfloat16()
+            client.result(client.submit(0, grad, StepParams(step=step, lr=1e-2), out, link_dtype=torch.bfloat16))
+        if stall:
+            assert _status(held) == grpc.StatusCode.CANCELLED  # ended by the server, not by the client's 60 s
+        masters = torch.empty(numel)
+        client.read_master(0, masters)
+        client.wait()
+        client.close()
+        channel.close()
+        return masters
+
+    try:
+        reference = run(stall=False)
+        assert torch.equal(run(stall=True), reference)
+    finally:
+        release.set()
         server.stop()
 
 

@@ -20,8 +20,8 @@ from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.rules import Adam, StepParams
 from lightning_smartinf.devices.remote.client import RemoteBackend, channel_credentials
-from lightning_smartinf.devices.remote.server import MAX_UPDATES_IN_FLIGHT, ServerLimits, serve, session_tag
-from lightning_smartinf.devices.remote.wire import SERVICE, Frame, header_frame
+from lightning_smartinf.devices.remote.server import ServerLimits, serve, session_tag
+from lightning_smartinf.devices.remote.wire import MAX_UPDATES_IN_FLIGHT, SERVICE, Frame, header_frame
 
 TOKEN = "a-token-of-the-limits-tests"
 CHUNK = 4096

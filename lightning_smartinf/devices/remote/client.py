@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import shutil
 import statistics
 import tempfile
@@ -64,11 +65,12 @@ from lightning_smartinf.core.tiers.tiered import LOCAL_DIR, saved_local_shards
 from lightning_smartinf.core.traffic import Traffic, TrafficSnapshot
 from lightning_smartinf.devices.remote.manifest import REMOTE_MANIFEST
 from lightning_smartinf.devices.remote.policy import is_loopback
-from lightning_smartinf.devices.remote.server import MAX_UPDATES_IN_FLIGHT as UPDATES_IN_FLIGHT
-from lightning_smartinf.devices.remote.server import PROTOCOL_VERSION
 from lightning_smartinf.devices.remote.tokens import TlsFiles
 from lightning_smartinf.devices.remote.wire import (
     MAX_MESSAGE_BYTES,
+    MAX_UPDATES_IN_FLIGHT,
+    PROTOCOL_VERSION,
+    RETRY_PUSHBACK,
     SERVICE,
     Frame,
     TensorReader,
@@ -120,16 +122,23 @@ def channel_credentials(address: str, token: str, tls: TlsFiles | None, allow_pl
     return None
 
 
-#: How gRPC retries a call a server refused for a busy moment: all its call slots taken, a session's updates in
-#: flight at its cap (``RESOURCE_EXHAUSTED``), or a connection lost before the reply began (``UNAVAILABLE``). gRPC
-#: retries only a call whose reply has not begun and whose request it still holds (its retry buffer), after a
-#: jittered exponential backoff (0.2 s, doubling, at most 5 s): :data:`RETRY_ATTEMPTS` tries over at most about
-#: 10 s, then the call fails and names the server and what it refused.
+#: How a call the server refused for a busy moment is made again: all its call slots taken, or this session's or
+#: this client's calls in flight at their caps (``RESOURCE_EXHAUSTED`` without a negative pushback, which the server
+#: sends only before it changed anything). The client makes the call again with a fresh request after a jittered
+#: exponential backoff (0.2 s, doubling up to 5 s), for up to :data:`RETRY_WITHIN_S` seconds; then the call fails and
+#: names the server and what it refused (:meth:`_Server.call`).
+RETRY_BACKOFF_S = (0.2, 5.0)
+RETRY_WITHIN_S = 60.0
+#: gRPC's own retry policy, for the calls whose requests are small (:data:`SMALL_REQUESTS`): it also retries a
+#: connection lost before the reply began (``UNAVAILABLE``), holding the request in its 256 KiB retry buffer. The calls
+#: that send tensors are left to the client's own retry: grpcio 1.85's retry layer aborts the process (``ILLEGAL STATE:
+#: FORWARDED_BATCH``) when a server refuses a call whose request outgrew that buffer.
+SMALL_REQUESTS = ("Hello", "Open", "Control", "ReadMaster", "ReadCheckpoint")
 RETRY_ATTEMPTS = 5
 RETRY_POLICY = {
     "methodConfig": [
         {
-            "name": [{"service": SERVICE}],
+            "name": [{"service": SERVICE, "method": method} for method in SMALL_REQUESTS],
             "retryPolicy": {
                 "maxAttempts": RETRY_ATTEMPTS,
                 "initialBackoff": "0.2s",
@@ -191,7 +200,7 @@ class _Server:
         # Calls in flight per server: one shard's gradient crossing while another's update runs (the server admits
         # as many per session).
         # Its threads run on this rank's accelerator: they copy gradients and parameters to and from its memory.
-        self.executor = thread_pool(UPDATES_IN_FLIGHT, f"smartinf-remote-{address}", current_accelerator())
+        self.executor = thread_pool(MAX_UPDATES_IN_FLIGHT, f"smartinf-remote-{address}", current_accelerator())
 
     def greet(self) -> None:
         """First contact: the server's identity, and its protocol, which must be this client's."""
@@ -213,11 +222,30 @@ class _Server:
             ) from None
 
     def call(self, method: Any, request: Any, what: str, timeout: float | None = None) -> Any:
-        """``method(request)`` within ``timeout`` (default: the device timeout); errors name this server."""
-        try:
-            return method(request, timeout=timeout or self.timeout, metadata=self.metadata)
-        except grpc.RpcError as exc:
-            raise self.error(exc, what) from None
+        """``method(request)`` within ``timeout`` (default: the device timeout); errors name this server.
+
+        A call the server refuses for a busy moment before replying is made again, with a fresh request, for up to
+        :data:`RETRY_WITHIN_S` (see :data:`RETRY_POLICY`): ``request`` is one frame, or a function making the stream
+        of frames (a stream given as such is sent once). A streamed reply is returned once its first frame is in."""
+        make = request if callable(request) else lambda: request
+        again = callable(request) or not isinstance(request, Iterator)
+        backoff, most = RETRY_BACKOFF_S
+        give_up = time.monotonic() + RETRY_WITHIN_S
+        while True:
+            try:
+                reply = method(make(), timeout=timeout or self.timeout, metadata=self.metadata)
+                if not isinstance(reply, Iterator):
+                    return reply
+                try:
+                    first = next(reply)
+                except StopIteration:
+                    return iter(())
+                return _chained(first, reply)
+            except grpc.RpcError as exc:
+                if not again or time.monotonic() + backoff > give_up or not _refused_for_a_busy_moment(exc):
+                    raise self.error(exc, what) from None
+                time.sleep(random.uniform(0.0, backoff))  # noqa: S311 - jitter, not a secret
+                backoff = min(most, 2 * backoff)
 
     def error(self, exc: grpc.RpcError | None, what: str) -> StorageError:
         """The failure of ``what`` on this server, named as ``exc`` says (``None``: no answer within the timeout)."""
@@ -249,6 +277,20 @@ class _Server:
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.channel.close()
+
+
+def _refused_for_a_busy_moment(exc: grpc.RpcError) -> bool:
+    """Whether the server refused a call for a busy moment, which may pass (not for a quota: that refusal carries a
+    negative retry pushback)."""
+    if not hasattr(exc, "code") or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    return (RETRY_PUSHBACK, "-1") not in tuple(trailing or ())
+
+
+def _chained(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    yield from rest
 
 
 def _receive(
@@ -692,7 +734,7 @@ class RemoteBackend(LatchingBackend):
         what = f"the initialisation of shard {shard}"
 
         def work() -> None:
-            server.call(server.initialize, frames(), what)
+            server.call(server.initialize, frames, what)
             self.traffic.add(link_write_bytes=host.numel() * 4)
 
         return self._start(server, work, what)
@@ -741,7 +783,12 @@ class RemoteBackend(LatchingBackend):
             else:
                 tensors = [("grad", self._accelerator_copies().to_host(grad.detach()).to(link))]
             sent = [0]
-            replies = server.call(server.update, frames(tensors, sent), what)
+
+            def request() -> Iterator[Any]:
+                sent[0] = 0  # what the attempt that is answered sent
+                return frames(tensors, sent)
+
+            replies = server.call(server.update, request, what)
             self._deliver(out, _receive("out", replies, numel=out.numel(), dtype=out.dtype, server=server, what=what))
             self.traffic.add(link_write_bytes=sent[0], link_read_bytes=out.numel() * out.element_size())
 
@@ -979,7 +1026,7 @@ class RemoteBackend(LatchingBackend):
                 yield header_frame(session=server.session, shard=local, **{CRC32C: crc})
                 yield from encode_file("state", state.path, torch.float32)  # a chunk at a time
 
-            server.call(server.upload, frames(), what)
+            server.call(server.upload, frames, what)
             self.traffic.add(link_write_bytes=size)
             state.path.unlink()
 

@@ -15,7 +15,13 @@ MAX_SHARD_NUMEL = (1 << 31) - 1
 
 
 #: Limits that are off (``None``) unless the operator sets them.
-OFF_BY_DEFAULT = ("max_session_state_bytes", "pools_bytes", "max_label_checkpoints", "max_label_checkpoint_bytes")
+OFF_BY_DEFAULT = (
+    "max_session_state_bytes",
+    "pools_bytes",
+    "max_label_checkpoints",
+    "max_label_checkpoint_bytes",
+    "max_peer_calls",
+)
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,11 @@ class ServerLimits:
         max_session_pool_bytes: the transfer pool of one session (its ``chunk_elems`` x ``buffer_count`` x devices).
         pools_bytes: the transfer pools of all sessions together (``None``: half of this machine's memory).
         max_io_threads: I/O threads per device of one session.
+        max_session_calls: calls of one session in flight at once (a trainer's rank makes at most its four updates
+            and one other call); more are refused with ``RESOURCE_EXHAUSTED``, which trainers retry.
+        max_peer_calls: calls of one client in flight at once, counted per client certificate under mutual TLS, else
+            per connection (``None``: three quarters of the server's worker threads, so that one client, stalling,
+            leaves a quarter of them to the others); more are refused with ``RESOURCE_EXHAUSTED``.
         max_session_state_bytes: what one session makes on disk: its state files (both copies with tentative
             updates) and the checkpoints it saves (``None``: what the disks hold).
         max_label_checkpoints: checkpoints kept for one label (``None``: no cap).
@@ -48,6 +59,8 @@ class ServerLimits:
     max_session_pool_bytes: int = 2 << 30
     pools_bytes: int | None = None
     max_io_threads: int = 16
+    max_session_calls: int = 8
+    max_peer_calls: int | None = None
     max_session_state_bytes: int | None = None
     max_label_checkpoints: int | None = None
     max_label_checkpoint_bytes: int | None = None

@@ -31,6 +31,8 @@ LIMIT_FLAGS = {
     "--max-session-pool": ("max_session_pool_bytes", str, "transfer buffers per session"),
     "--max-pools": ("pools_bytes", str, "transfer buffers of all sessions together"),
     "--max-io-threads": ("max_io_threads", int, "I/O threads per device of a session"),
+    "--max-session-calls": ("max_session_calls", int, "calls of one session in flight, more refused (retried)"),
+    "--max-peer-calls": ("max_peer_calls", int, "calls of one client (certificate, else address) in flight"),
     "--max-session-state": ("max_session_state_bytes", str, "disk per session: its state files and checkpoints"),
     "--max-label-checkpoints": ("max_label_checkpoints", int, "checkpoints kept per label"),
     "--max-label-checkpoint-bytes": ("max_label_checkpoint_bytes", str, "bytes of the checkpoints kept per label"),
@@ -45,6 +47,7 @@ UNSET_SHOWN = {
     "max_session_state_bytes": "no cap",
     "max_label_checkpoints": "no cap",
     "max_label_checkpoint_bytes": "no cap",
+    "max_peer_calls": "3/4 of --workers",
 }
 
 
@@ -65,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     limits = parser.add_argument_group("limits (what one server grants its clients)")
     limits.add_argument("--workers", type=int, default=16, help="threads serving calls (default 16)")
     limits.add_argument(
-        "--max-calls", type=int, default=None, help="calls taken at once, more refused (default: 4 per worker)"
+        "--max-calls",
+        type=int,
+        default=None,
+        help="calls taken at once, more refused (default: --max-sessions x --max-session-calls)",
     )
     limits.add_argument(
         "--prune-checkpoints",

@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -74,6 +75,9 @@ from lightning_smartinf.devices.remote.tokens import TlsFiles
 from lightning_smartinf.devices.remote.wire import (
     DTYPES,
     MAX_MESSAGE_BYTES,
+    MAX_UPDATES_IN_FLIGHT,
+    PROTOCOL_VERSION,
+    RETRY_PUSHBACK,
     SERVICE,
     Frame,
     TensorReader,
@@ -95,20 +99,12 @@ log = logging.getLogger(__name__)
 #: Matched whole (``fullmatch``): ``$`` alone would let a trailing newline through.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 IDENTITY_FILE = ".smartinf-server.json"
-MAX_UPDATES_IN_FLIGHT = 4
-#: 2: the server names sessions and checkpoints, and takes the token as gRPC call credentials send it. 3: a client
-#: uploads state files (`Upload`, then the `load_upload` control) to resume a checkpoint of another backend or layout.
-#: 4: `ReadCheckpoint` also sends a saved checkpoint's manifest and state files (`part`), so that a checkpoint kept
-#: on servers resumes under another layout.
-PROTOCOL_VERSION = 4
 #: What `ReadCheckpoint` sends of a saved shard: its fp32 masters, the rank's manifest, or the shard's state file.
 CHECKPOINT_PARTS = ("masters", "manifest", "state")
 #: Where a session's uploaded state files wait (inside its first device directory) until they are loaded.
 UPLOAD_DIR = ".upload"
 #: Beside a checkpoint's label directories, under mutual TLS: the identity of the certificate that saved it.
 OWNER_FILE = "owner.json"
-#: Trailing metadata by which a server tells gRPC's retry policy not to retry (a negative pushback).
-RETRY_PUSHBACK = "grpc-retry-pushback-ms"
 #: At most one log line per this many seconds about refused tokens, and about malformed requests (a flood must not
 #: fill the disk).
 REFUSAL_LOG_EVERY_S = 10.0
@@ -308,6 +304,8 @@ class DeviceServer:
         self._sessions: dict[str, Session] = {}
         #: Sessions being built (outside the lock): their slot and transfer buffers, reserved, by name.
         self._opening: dict[str, int] = {}
+        #: Calls in flight per client (see :meth:`_peer_slot`).
+        self._peer_calls: dict[Any, int] = {}
         self._lock = threading.Lock()
         self._bytes_budget = _Budget(self.limits.update_bytes_in_flight)
         self._stopped = threading.Event()
@@ -363,8 +361,16 @@ class DeviceServer:
 
     @contextlib.contextmanager
     def _in_call(self, session: Session) -> Iterator[None]:
-        """A call of ``session`` runs: the lease does not expire under it."""
+        """A call of ``session`` runs: the lease does not expire under it. At most ``max_session_calls`` run at once
+        (a refusal is for a busy moment: the client retries it)."""
+        cap = self.limits.max_session_calls
         with self._lock:
+            if session.calls >= cap:
+                raise CallError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"This session has {cap} calls in flight, the most this server takes of one session "
+                    "(`smartinf serve --max-session-calls`).",
+                )
             session.calls += 1
         try:
             yield
@@ -439,6 +445,36 @@ class DeviceServer:
     # `handler` runs each call but `hello` and `update` under `_run` (`_stream` for a streamed reply): they raise
     # `WireError` or `CallError`, which end the call with a status, never the server.
 
+    @contextlib.contextmanager
+    def _peer_slot(self, context: grpc.ServicerContext) -> Iterator[None]:
+        """One of the calls in flight of the client behind ``context`` (its certificate under mutual TLS, else its
+        connection: one token is shared by every trainer, so nothing else tells them apart, and a trainer's rank keeps
+        one connection): past ``max_peer_calls`` the call ends at once with ``RESOURCE_EXHAUSTED``, before anything of
+        it is read, so one client holding calls open (stalled, or slow) never holds every worker."""
+        cap = self.limits.max_peer_calls
+        if cap is None:
+            yield
+            return
+        peer = certificate_identity(context) or context.peer()
+        with self._lock:
+            held = self._peer_calls.get(peer, 0)
+            if held < cap:
+                self._peer_calls[peer] = held + 1
+        if held >= cap:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"This client has {cap} calls in flight, the most this server takes of one client "
+                "(`smartinf serve --max-peer-calls`).",
+            )
+        try:
+            yield
+        finally:
+            with self._lock:
+                if self._peer_calls[peer] == 1:
+                    del self._peer_calls[peer]
+                else:
+                    self._peer_calls[peer] -= 1
+
     def hello(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         return header_frame(
             server_id=self.server_id,
@@ -459,6 +495,7 @@ class DeviceServer:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{len(shards_in)} shards asked for; this server takes at most {limits.max_shards} per session "
                 "(`smartinf serve --max-shards`).",
+                final=True,
             )
         options = {key: header.get(key) for key in ("chunk_elems", "buffer_count", "io_threads")}
         for key, value in options.items():
@@ -473,6 +510,7 @@ class DeviceServer:
                 raise CallError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"shard {index} has {numel} elements; this server takes at most {limits.max_shard_numel}.",
+                    final=True,
                 )
             specs.append(ShardSpec(index=index, numel=numel, rule=rule_from_wire(entry.get("rule"))))
         if options["io_threads"] > limits.max_io_threads:
@@ -480,6 +518,7 @@ class DeviceServer:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"`io_threads={options['io_threads']}`: this server gives a session at most {limits.max_io_threads} "
                 "per device (`smartinf serve --max-io-threads`).",
+                final=True,
             )
         try:
             layouts = [ChunkLayout(spec.numel, options["chunk_elems"], len(spec.rule.state_names)) for spec in specs]
@@ -494,6 +533,7 @@ class DeviceServer:
                 f"{pool / 2**20:.0f} MiB of transfer buffers on {len(self.roots)} device(s); this server gives a "
                 f"session at most {limits.max_session_pool_bytes / 2**20:.0f} MiB (`smartinf serve "
                 "--max-session-pool`). Lower `chunk_size` or `buffer_count`.",
+                final=True,
             )
         state = sum(layout.file_bytes for layout in layouts)
         copies = 2 if header.get("tentative", False) else 1
@@ -598,6 +638,7 @@ class DeviceServer:
                         f"An update of {nbytes / 2**20:.1f} MiB does not fit in the server's "
                         f"{self.limits.update_bytes_in_flight / 2**20:.0f} MiB for updates in flight "
                         "(`smartinf serve --update-bytes-in-flight`).",
+                        final=nbytes > self._bytes_budget.total,  # else: no room before the call limit
                     )
                 held.append(nbytes)
                 if sparse:
@@ -736,6 +777,7 @@ class DeviceServer:
                 raise CallError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"A calibration call may send at most {self.limits.max_echo_bytes} bytes.",
+                    final=True,
                 )
         return header_frame(bytes=received)
 
@@ -940,16 +982,32 @@ class DeviceServer:
         read a unary request on a worker thread before the handler runs, outside the server's own deadline. Each runs
         guarded here, once (:meth:`_run`; :meth:`_stream` for a streamed reply), but ``Hello``, which reads nothing,
         and ``Update``, which guards its own reading and computing (its reply streams once the budget is held).
+        Each but ``Hello`` (which reads nothing and returns at once) holds one of its client's call slots
+        (:meth:`_peer_slot`) from before its request is read until its reply is sent.
         """
         encode, decode = Frame.SerializeToString, Frame.FromString
         Method = Callable[[Iterator[Any], grpc.ServicerContext], Any]
+
+        def one_reply_slot(call: Method) -> Method:
+            def run(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+                with self._peer_slot(context):
+                    return call(requests, context)
+
+            return run
+
+        def streamed_slot(call: Method) -> Method:
+            def run(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+                with self._peer_slot(context):
+                    yield from call(requests, context)
+
+            return run
 
         def guarded(name: str, call: Method, guard: Callable[..., Any]) -> Method:
             return lambda requests, context: guard(name, context, lambda: call(requests, context))
 
         handlers = {
             "Hello": grpc.stream_unary_rpc_method_handler(self.hello, decode, encode),
-            "Update": grpc.stream_stream_rpc_method_handler(self.update, decode, encode),
+            "Update": grpc.stream_stream_rpc_method_handler(streamed_slot(self.update), decode, encode),
         }
         one_reply = {
             "Open": self.open,
@@ -959,9 +1017,11 @@ class DeviceServer:
             "Echo": self.echo,
         }
         for name, call in one_reply.items():
-            handlers[name] = grpc.stream_unary_rpc_method_handler(guarded(name, call, self._run), decode, encode)
+            handler = one_reply_slot(guarded(name, call, self._run))
+            handlers[name] = grpc.stream_unary_rpc_method_handler(handler, decode, encode)
         for name, call in {"ReadMaster": self.read_master, "ReadCheckpoint": self.read_checkpoint}.items():
-            handlers[name] = grpc.stream_stream_rpc_method_handler(guarded(name, call, self._stream), decode, encode)
+            handler = streamed_slot(guarded(name, call, self._stream))
+            handlers[name] = grpc.stream_stream_rpc_method_handler(handler, decode, encode)
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
@@ -1026,15 +1086,20 @@ def serve(
     With ``tls`` the port speaks TLS with ``tls.cert`` and ``tls.key``; a non-empty ``tls.ca`` also requires every
     client to present a certificate it signed (mutual TLS). Without it the server takes connections from this machine
     only (gRPC's local credentials), unless ``allow_plaintext`` (then ``listen`` may be any address, in clear).
-    ``workers`` threads serve calls; at most ``max_calls`` (default: four per worker) are taken at once, the rest
-    refused with ``RESOURCE_EXHAUSTED`` (a call refused for its token never counts: gRPC ends it before).
-    ``limits``: what one client may take.
+    ``workers`` threads serve calls; at most ``max_calls`` are taken at once (the rest refused with
+    ``RESOURCE_EXHAUSTED``; a call refused for its token never counts: gRPC ends it before). By default that is what
+    every session may have in flight (``max_sessions`` x ``max_session_calls``), so that no busy moment of sessions
+    within their limits is refused; a call waits for a worker reading nothing of its request past gRPC's flow-control
+    window. ``limits``: what one client may take (its ``max_peer_calls``, unset, becomes three quarters of
+    ``workers``).
     """
     check_transport(listen, tls, allow_plaintext)
     limits = limits or ServerLimits()
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
         raise ValueError(f"`workers={workers!r}`: a server needs at least 2 worker threads.")
-    max_calls = 4 * workers if max_calls is None else max_calls
+    if limits.max_peer_calls is None:
+        limits = dataclasses.replace(limits, max_peer_calls=max(1, 3 * workers // 4))
+    max_calls = limits.max_sessions * limits.max_session_calls if max_calls is None else max_calls
     if isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1:
         raise ValueError(f"`max_calls={max_calls!r}` must be a positive integer.")
     servicer = DeviceServer(storage_roots, token, device_timeout_s=device_timeout_s, limits=limits)
@@ -1077,7 +1142,8 @@ def serve(
         else "this machine only"
     )
     log.info(
-        "serving device server %s on %s (port %d, %s): %d device(s) under %s; %d session(s), %d call(s) at most",
+        "serving device server %s on %s (port %d, %s): %d device(s) under %s; %d session(s), %d call(s) at most "
+        "(%d per session, %d per client)",
         servicer.server_id,
         listen,
         port,
@@ -1086,5 +1152,7 @@ def serve(
         ", ".join(map(str, servicer.roots)),
         limits.max_sessions,
         max_calls,
+        limits.max_session_calls,
+        limits.max_peer_calls,
     )
     return server, servicer, port

@@ -38,6 +38,9 @@ __all__ = [
     "CHUNK_BYTES",
     "FRAME_PROTO",
     "MAX_HEADER_BYTES",
+    "MAX_UPDATES_IN_FLIGHT",
+    "PROTOCOL_VERSION",
+    "RETRY_PUSHBACK",
     "MAX_MESSAGE_BYTES",
     "SERVICE",
     "Frame",
@@ -53,6 +56,15 @@ __all__ = [
 ]
 
 SERVICE = "smartinf.remote.Device"
+#: 2: the server names sessions and checkpoints, and takes the token as gRPC call credentials send it. 3: a client
+#: uploads state files (`Upload`, then the `load_upload` control) to resume a checkpoint of another backend or layout.
+#: 4: `ReadCheckpoint` also sends a saved checkpoint's manifest and state files (`part`), so that a checkpoint kept
+#: on servers resumes under another layout.
+PROTOCOL_VERSION = 4
+#: Updates one session has in flight on a server (the server admits no more; a client sends no more).
+MAX_UPDATES_IN_FLIGHT = 4
+#: Trailing metadata by which a server tells gRPC's retry policy, and the client, not to retry (a negative pushback).
+RETRY_PUSHBACK = "grpc-retry-pushback-ms"
 #: Bytes of tensor data per frame.
 CHUNK_BYTES = 4 << 20
 MAX_HEADER_BYTES = 256 << 10
