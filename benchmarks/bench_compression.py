@@ -39,9 +39,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.callbacks import CompressionWarmup
+from lightning_smartinf.commands.demo import CharDataset, CharGPT, english_text
 from lightning_smartinf.core.compression import RULE_CHOICES
-from lightning_smartinf.demo import CharDataset, CharGPT, english_text
+from lightning_smartinf.lightning.callbacks import CompressionWarmup
 
 SEQ = 64
 

@@ -55,7 +55,7 @@ def strategy_for(run: str, args: argparse.Namespace, storage: Path) -> Any:
             overlap_backward=not args.one_copy,
             compression={"ratio": args.ratio, "rule": args.compression} if args.compression else None,
         )
-    from lightning_smartinf.cpu_support import DeepSpeedCPUStrategy
+    from lightning_smartinf.lightning.cpu_support import DeepSpeedCPUStrategy
 
     offload_param: dict[str, Any] = {"device": "cpu"}
     if run == "zi_nvme":

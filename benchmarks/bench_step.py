@@ -326,18 +326,18 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         module = build_module(args, args.run)
         rss.enter("setup")
         if args.run == "zero_offload":
-            from lightning_smartinf.cpu_support import DeepSpeedCPUStrategy
+            from lightning_smartinf.lightning.cpu_support import DeepSpeedCPUStrategy
 
             # Lightning's `deepspeed_stage_3_offload`: optimizer state and parameters in host memory.
             strategy = DeepSpeedCPUStrategy(
                 stage=3, offload_optimizer=True, offload_parameters=True, sub_group_size=args.sub_group_size
             )
         elif args.run == "zero_twinflow":
-            from lightning_smartinf.cpu_support import DeepSpeedCPUStrategy
+            from lightning_smartinf.lightning.cpu_support import DeepSpeedCPUStrategy
 
             strategy = DeepSpeedCPUStrategy(config=zero3_config(args, {"device": "cpu", "ratio": args.twinflow_ratio}))
         elif args.run.startswith("zero_infinity"):
-            from lightning_smartinf.cpu_support import DeepSpeedCPUStrategy
+            from lightning_smartinf.lightning.cpu_support import DeepSpeedCPUStrategy
 
             # The pipelined swapper overlaps reads and writes; it needs buffer_count >= 16 with several sub-groups.
             pipelined = args.run == "zero_infinity_pipelined"

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from lightning_smartinf.demo import CharDataset, CharGPT, english_text
+from lightning_smartinf.commands.demo import CharDataset, CharGPT, english_text
 
 SEQ = 64
 WINDOW = 10  # MicroAdam's window of sent gradients

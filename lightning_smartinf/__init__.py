@@ -16,38 +16,40 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
+import warnings
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_smartinf.activation_offload import ActivationOffload
-    from lightning_smartinf.callbacks import BufferPool, CompressionWarmup, SmartUpdateMonitor
     from lightning_smartinf.core import Backend, StepParams, TrafficSnapshot
     from lightning_smartinf.core.controller import SmartUpdate
     from lightning_smartinf.core.settings import SmartUpdateSettings
     from lightning_smartinf.devices.cpu import CpuBackend
-    from lightning_smartinf.monitor import TrainingMonitor
-    from lightning_smartinf.precision import SmartInfinityPrecision
-    from lightning_smartinf.strategy import SmartInfinityStrategy
+    from lightning_smartinf.lightning.activation_offload import ActivationOffload
+    from lightning_smartinf.lightning.callbacks import BufferPool, CompressionWarmup, SmartUpdateMonitor
+    from lightning_smartinf.lightning.monitor import TrainingMonitor
+    from lightning_smartinf.lightning.precision import SmartInfinityPrecision
+    from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
 __version__ = "0.1.0"
 
 #: Public name -> the module that defines it (loaded on first use).
 _PUBLIC = {
-    "ActivationOffload": "lightning_smartinf.activation_offload",
+    "ActivationOffload": "lightning_smartinf.lightning.activation_offload",
     "Backend": "lightning_smartinf.core",
-    "BufferPool": "lightning_smartinf.callbacks",
-    "CompressionWarmup": "lightning_smartinf.callbacks",
+    "BufferPool": "lightning_smartinf.lightning.callbacks",
+    "CompressionWarmup": "lightning_smartinf.lightning.callbacks",
     "CpuBackend": "lightning_smartinf.devices.cpu",
-    "SmartInfinityPrecision": "lightning_smartinf.precision",
-    "SmartInfinityStrategy": "lightning_smartinf.strategy",
+    "SmartInfinityPrecision": "lightning_smartinf.lightning.precision",
+    "SmartInfinityStrategy": "lightning_smartinf.lightning.strategy",
     "SmartUpdate": "lightning_smartinf.core.controller",
-    "SmartUpdateMonitor": "lightning_smartinf.callbacks",
+    "SmartUpdateMonitor": "lightning_smartinf.lightning.callbacks",
     "SmartUpdateSettings": "lightning_smartinf.core.settings",
     "StepParams": "lightning_smartinf.core",
     "TrafficSnapshot": "lightning_smartinf.core",
-    "TrainingMonitor": "lightning_smartinf.monitor",
+    "TrainingMonitor": "lightning_smartinf.lightning.monitor",
 }
 
 __all__ = [
@@ -66,6 +68,21 @@ __all__ = [
     "TrainingMonitor",
     "__version__",
 ]
+
+#: Modules that moved into the layers' packages -> where they are now: the old names still import (with a
+#: ``DeprecationWarning``) as the module that moved, so ``from lightning_smartinf.strategy import ...`` keeps working.
+_MOVED = {
+    "lightning_smartinf.strategy": "lightning_smartinf.lightning.strategy",
+    "lightning_smartinf.callbacks": "lightning_smartinf.lightning.callbacks",
+    "lightning_smartinf.monitor": "lightning_smartinf.lightning.monitor",
+    "lightning_smartinf.precision": "lightning_smartinf.lightning.precision",
+    "lightning_smartinf.activation_offload": "lightning_smartinf.lightning.activation_offload",
+    "lightning_smartinf.cli": "lightning_smartinf.commands.cli",
+    "lightning_smartinf.demo": "lightning_smartinf.commands.demo",
+    "lightning_smartinf.export": "lightning_smartinf.commands.export",
+    "lightning_smartinf.report": "lightning_smartinf.commands.report",
+    "lightning_smartinf.fit": "lightning_smartinf.commands.fit",
+}
 
 #: Where Lightning keeps its strategy registry.
 _REGISTRY_MODULE = "lightning.pytorch.strategies"
@@ -93,7 +110,7 @@ def _register(registry: Any) -> None:
         return
 
     def smart_infinity(**kwargs: Any) -> Any:
-        from lightning_smartinf.strategy import SmartInfinityStrategy
+        from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
         return SmartInfinityStrategy(**kwargs)
 
@@ -133,6 +150,32 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
         spec.loader.exec_module = exec_and_register  # type: ignore[method-assign]
         return spec
 
+
+class _MovedModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports a module's old name (:data:`_MOVED`) as the module at its new place, warning once."""
+
+    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
+        return importlib.util.spec_from_loader(fullname, self) if fullname in _MOVED else None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        new = _MOVED[spec.name]
+        warnings.warn(f"`{spec.name}` moved to `{new}`; import it from there.", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(new)
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing: the module ran at its new place."""
+
+    def get_code(self, fullname: str) -> Any:
+        """The new module's code, for ``python -m <old name>`` (runpy runs it as ``__main__``)."""
+        new = _MOVED[fullname]
+        warnings.warn(f"`{fullname}` moved to `{new}`; run `python -m {new}`.", DeprecationWarning, stacklevel=2)
+        spec = importlib.util.find_spec(new)
+        assert spec is not None and isinstance(spec.loader, importlib.abc.InspectLoader)
+        return spec.loader.get_code(new)
+
+
+if not any(isinstance(finder, _MovedModule) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModule())
 
 # The built-in device kinds (cpu, xrt, remote) register themselves; their modules import nothing heavy.
 importlib.import_module("lightning_smartinf.devices")

@@ -2,6 +2,6 @@
 
 import sys
 
-from lightning_smartinf.cli import main
+from lightning_smartinf.commands.cli import main
 
 sys.exit(main())

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_smartinf import checkpoint_folder
+from lightning_smartinf.core.format import checkpoint_folder
 from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.format.state_files import read_manifest, shard_file_name
 

@@ -128,11 +128,11 @@ def _user_env() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def demo_run(shared_dir: Path) -> str:
-    """What ``python -m lightning_smartinf.demo --steps 6`` prints, run once per test run as a user runs it."""
+    """What ``smartinf demo --steps 6`` prints, run once per test run as a user runs it."""
     from launch import python
 
     def make(directory: Path) -> None:
-        done = python("-m", "lightning_smartinf.demo", "--steps", "6", cwd=directory, env=_user_env())
+        done = python("-m", "lightning_smartinf", "demo", "--steps", "6", cwd=directory, env=_user_env())
         (directory / "output.txt").write_text(done.stdout + done.stderr)
 
     return (once(shared_dir, "demo", make) / "output.txt").read_text()

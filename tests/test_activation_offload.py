@@ -17,12 +17,12 @@ import torch
 from models import SEQ, VOCAB, LMModule, TinyGPT, adamw_factory, fit
 from torch import nn
 
-from lightning_smartinf.activation_offload import ActivationOffload
 from lightning_smartinf.activations import ActivationOffloader, find_layers
 from lightning_smartinf.activations import offload as offload_mod
 from lightning_smartinf.activations.spill import SPILL_FILE_NAME
 from lightning_smartinf.core.io.direct import StateFile
 from lightning_smartinf.core.io.storage import StorageError
+from lightning_smartinf.lightning.activation_offload import ActivationOffload
 
 
 @pytest.fixture(autouse=True)

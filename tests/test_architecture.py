@@ -35,16 +35,11 @@ PARTS = {
     "lightning_smartinf.zero": "zero",
     "lightning_smartinf.plan": "plan",
     "lightning_smartinf.activations": "activations",
-    "lightning_smartinf.activation_offload": "lightning",
+    "lightning_smartinf.lightning": "lightning",
     "lightning_smartinf.hf": "lightning",
-    "lightning_smartinf": "lightning",
     "lightning_smartinf.__init__": "entry",
     "lightning_smartinf.__main__": "entry",
-    "lightning_smartinf.cli": "entry",
-    "lightning_smartinf.fit": "entry",
-    "lightning_smartinf.demo": "entry",
-    "lightning_smartinf.export": "entry",
-    "lightning_smartinf.report": "entry",
+    "lightning_smartinf.commands": "entry",
 }
 
 #: The parts each part may import (besides itself), function-level imports included: each layer imports only
@@ -56,8 +51,8 @@ ALLOWED = {
     "devices.remote": {"core", "devices.cpu"},
     "devices": {"devices.cpu", "devices.xrt", "devices.remote"},
     "zero": {"core"},
-    "plan": {"core", "devices.cpu", "devices.remote"},
-    "activations": {"core", "plan"},
+    "plan": {"core", "devices.cpu", "devices.remote", "activations"},
+    "activations": {"core"},
     "lightning": {"core", "devices", "zero", "plan", "activations"},
     "entry": {"core", "devices", "devices.cpu", "devices.remote", "zero", "plan", "activations", "lightning"},
 }
@@ -76,10 +71,10 @@ PRIVATE_NAME_EXCEPTIONS: dict[str, frozenset[str] | None] = {
     "zero/safe_load.py": frozenset({"_get_all_ckpt_names", "_get_ckpt_name"}),
     # The Lightning adapter that runs Lightning's DeepSpeedStrategy on DeepSpeed's CPU accelerator replaces exactly
     # the private steps that refuse CPUs; this one module calls them.
-    "cpu_support.py": frozenset({"_init_deepspeed_distributed"}),
+    "lightning/cpu_support.py": frozenset({"_init_deepspeed_distributed"}),
     # `model_sharded_context` replaces Lightning's, which formats the DeepSpeed config (the batch size from the
     # dataloader) before `zero.Init` reads it; it must do the same.
-    "strategy.py": frozenset({"_init_config_if_needed"}),
+    "lightning/strategy.py": frozenset({"_init_config_if_needed"}),
     # Streaming pretrained weights into ZeRO-3 partitions builds the model as transformers' own loader does: a
     # concrete model class's `_from_config` (auto classes call it), and `_is_hf_initialized`, transformers' flag for
     # "loaded: do not initialise", on what the checkpoint filled.
@@ -242,6 +237,91 @@ def test_inside_the_core_each_package_imports_only_downward() -> None:
             if target != source and target not in CORE_ALLOWED[source]:
                 found.append(f"{_where(path, node)} (core.{source}) imports {module} (core.{target})")
     assert not found, "imports against the core's table (docs/architecture.md):\n" + "\n".join(found)
+
+
+# ------------------------------------------------------------------------------------------------------ cycles
+
+
+def _type_only_lines(path: Path) -> set[int]:
+    """Lines inside ``if TYPE_CHECKING:`` blocks: imports there never run."""
+    lines: set[int] = set()
+    for node in ast.walk(_source(path)[1]):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            for statement in node.body:
+                lines.update(n.lineno for n in ast.walk(statement) if hasattr(n, "lineno"))
+    return lines
+
+
+def runtime_import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports when it runs (function-level imports included, type-only ones
+    not); a package counts as its ``__init__``."""
+    graph: dict[str, set[str]] = {}
+    for path in _modules():
+        name, skipped = _module_name(path), _type_only_lines(path)
+        graph[name] = {
+            module
+            for node, module in _imports(path)
+            if node.lineno not in skipped
+            and _within(module, ("lightning_smartinf",))
+            and module != name
+            and _is_package_module(module)
+        }
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        cycles.append(sorted(component))
+    return cycles
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_runtime_import_cycle() -> None:
+    """Helpers take what they need, not the module above them: no two modules import each other, even through
+    others or inside functions (type-only imports aside)."""
+    cycles = import_cycles(runtime_import_graph())
+    assert not cycles, "runtime import cycles:\n" + "\n".join(" <-> ".join(cycle) for cycle in cycles)
 
 
 # ---------------------------------------------------------------------------------------------- private names

@@ -18,12 +18,12 @@ import pytest
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.activation_offload import ActivationOffload
-from lightning_smartinf.callbacks import BufferPool, CompressionWarmup
 from lightning_smartinf.core.arguments import INT64_MAX, MIB, Problems
 from lightning_smartinf.core.compression import TopKCompression
 from lightning_smartinf.core.format.layout import POOL_TENSORS, pool_bytes
-from lightning_smartinf.monitor import TrainingMonitor
+from lightning_smartinf.lightning.activation_offload import ActivationOffload
+from lightning_smartinf.lightning.callbacks import BufferPool, CompressionWarmup
+from lightning_smartinf.lightning.monitor import TrainingMonitor
 
 HEADER = re.compile(r"^`(\w+)` got (\d+) invalid arguments?:$")
 

@@ -10,7 +10,7 @@ from machine import aio_op
 from models import LMModule, adamw_factory, fit
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.callbacks import BufferPool
+from lightning_smartinf.lightning.callbacks import BufferPool
 
 adamw = adamw_factory(lr=1e-3)
 

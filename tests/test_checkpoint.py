@@ -27,12 +27,12 @@ from models import assert_identical, max_relative_error
 from scripts.ckpt_common import EVERY, TOTAL, checkpoint_step, newest_complete, train
 
 import lightning_smartinf.core.format.state_files as ckpt_module
-from lightning_smartinf import checkpoint_folder
+from lightning_smartinf.commands.export import consolidate_fp32_state_dict, is_complete, save_fp32
+from lightning_smartinf.commands.export import main as export_main
 from lightning_smartinf.core import SGD, Adam, ShardSpec, StorageError
+from lightning_smartinf.core.format import checkpoint_folder
 from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.format.state_files import MANIFEST, ShardState, load_state, save_state, shard_file_name
-from lightning_smartinf.export import consolidate_fp32_state_dict, is_complete, save_fp32
-from lightning_smartinf.export import main as export_main
 
 WORKER = Path(__file__).parent / "scripts" / "crash_worker.py"
 CHUNK = 1024

@@ -24,12 +24,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from models import Crash, CrashAt, assert_identical
 from scripts.ckpt_common import EVERY, SUB_GROUP, TOTAL, adamw_cosine, checkpoint_step, train
 
-from lightning_smartinf import SmartInfinityStrategy, checkpoint_folder, engine_setup
-from lightning_smartinf.checkpoint_folder import SEAL, CheckpointError
+from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.commands.export import consolidate_fp32_state_dict
+from lightning_smartinf.commands.export import main as export_main
 from lightning_smartinf.core import StorageError
+from lightning_smartinf.core.format import checkpoint_folder
+from lightning_smartinf.core.format.checkpoint_folder import SEAL, CheckpointError
 from lightning_smartinf.core.io.direct import ThreadedIO
-from lightning_smartinf.export import consolidate_fp32_state_dict
-from lightning_smartinf.export import main as export_main
+from lightning_smartinf.lightning import engine_setup
 from lightning_smartinf.zero.io_choice import EngineChoice
 
 

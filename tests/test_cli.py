@@ -15,7 +15,7 @@ from launch import python
 from models import param_groups
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_smartinf.cli import COMMANDS, main
+from lightning_smartinf.commands.cli import COMMANDS, main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TOKENS_PER_STEP = 2 * 4 * 12  # accumulate_grad_batches x batch_size x sequence length (cli_models.RandomTokens)

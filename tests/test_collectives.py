@@ -22,16 +22,16 @@ from rank_device import PACKAGE, TENSOR_COLLECTIVES, rank_device
 
 #: Every call of a collective in the package (``file.py:function``), and the test that runs it under a rank device.
 #: ``GatheredParameters`` is DeepSpeed's: it places its own buffers (its collectives are DeepSpeed's), listed so that
-#: a new gather is seen and bounded (``strategy_checkpoints.py:load_trained_weights``: a parameter group at a time).
+#: a new gather is seen and bounded (``checkpoints.py:load_trained_weights``: a parameter group at a time).
 SITES: dict[str, str] = {
-    "strategy_checkpoints.py:save": "test_a_checkpoint_save_collects_on_the_rank_device",
-    "strategy_checkpoints.py:_make_room": "test_a_checkpoint_save_collects_on_the_rank_device",
+    "checkpoints.py:save": "test_a_checkpoint_save_collects_on_the_rank_device",
+    "checkpoints.py:_make_room": "test_a_checkpoint_save_collects_on_the_rank_device",
     "zero/optimizer.py:_link_overflows": "test_two_ranks_collect_on_the_rank_device",
     "hf/pretrained.py:gathered": "test_two_ranks_collect_on_the_rank_device",
     "hf/pretrained.py:read_rest": "test_two_ranks_collect_on_the_rank_device",
     "hf/modules.py:save_pretrained": "tests/test_hf_export.py (a barrier: no tensor)",
     "hf/loading.py:_stream_weights": "tests/test_hf_loading.py (DeepSpeed's gather)",
-    "strategy_checkpoints.py:load_trained_weights": "test_masters_are_loaded_for_evaluation_in_bounded_groups",
+    "checkpoints.py:load_trained_weights": "test_masters_are_loaded_for_evaluation_in_bounded_groups",
 }
 #: What a collective is called as, and on what: ``dist.all_reduce``, ``strategy.reduce``,
 #: ``deepspeed.zero.GatheredParameters``.
@@ -115,7 +115,7 @@ def test_a_checkpoint_save_collects_on_the_rank_device(tmp_path) -> None:
     fit(LMModule(adamw_factory()), small_strategy(tmp_path / "state"), steps=3, callbacks=[saver])
     assert saver.record is not None
     assert not saver.record.violations, saver.record.violations
-    assert {"strategy_checkpoints.py:_make_room", "strategy_checkpoints.py:save"} <= saver.record.sites()
+    assert {"checkpoints.py:_make_room", "checkpoints.py:save"} <= saver.record.sites()
     assert (tmp_path / "ckpt" / "step.ckpt").is_dir()
 
 
@@ -131,7 +131,7 @@ def test_two_ranks_collect_on_the_rank_device(tmp_path) -> None:
         assert not problems, problems
         sites = {call["site"] for call in report["calls"]}
         assert {
-            "strategy_checkpoints.py:_make_room",
+            "checkpoints.py:_make_room",
             "zero/optimizer.py:_link_overflows",
             "hf/pretrained.py:gathered",
         } <= sites, sites
@@ -152,7 +152,7 @@ def test_masters_are_loaded_for_evaluation_in_bounded_groups(tmp_path, monkeypat
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_smartinf import SmartInfinityStrategy
-    from lightning_smartinf.export import consolidate_fp32_state_dict
+    from lightning_smartinf.commands.export import consolidate_fp32_state_dict
 
     saves = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
     fit(LMWithValidation(adamw_factory()), small_strategy(tmp_path / "state"), steps=3, callbacks=[saves])

@@ -16,9 +16,9 @@ from references import topk_adamw
 from scripts.ckpt_common import EVERY, train
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.callbacks import CompressionWarmup
-from lightning_smartinf.checkpoint_folder import CheckpointError
 from lightning_smartinf.core.compression import kept_count
+from lightning_smartinf.core.format.checkpoint_folder import CheckpointError
+from lightning_smartinf.lightning.callbacks import CompressionWarmup
 
 STEPS = 8
 

@@ -198,7 +198,7 @@ def test_every_documented_command_line_uses_flags_its_help_lists():
     [
         ("smartinf plan --model 7B", ("-m", "lightning_smartinf", "plan")),
         ("PYTHONPATH=. .venv/bin/python benchmarks/bench_step.py --dim 8", ("benchmarks/bench_step.py",)),
-        ("python -m lightning_smartinf.export a b", ("-m", "lightning_smartinf.export")),
+        ("python -m lightning_smartinf.commands.export a b", ("-m", "lightning_smartinf.commands.export")),
         ("bash scripts/setup.sh", None),
     ],
 )

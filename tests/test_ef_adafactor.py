@@ -256,7 +256,7 @@ def test_device_keeps_only_the_master_and_the_link_carries_what_ef_adam_sends(tm
 def test_bf16_with_clipping_overlap_and_warm_up_trains(tmp_path) -> None:
     """The user's pre-training shape: bf16-mixed, clipping, `overlap_backward` and a dense warm-up. Normalised shards
     are never handed off during backward (their moments need the step's whole gradient)."""
-    from lightning_smartinf.callbacks import CompressionWarmup
+    from lightning_smartinf.lightning.callbacks import CompressionWarmup
 
     strategy = small_strategy(tmp_path, compression=AF, overlap_backward=True)
     trainer, params = fit(

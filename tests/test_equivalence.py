@@ -8,7 +8,7 @@ import torch
 from models import LMModule, adamw_factory, fit, max_relative_error, param_groups, token_loader
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.cpu_support import DeepSpeedCPUStrategy
+from lightning_smartinf.lightning.cpu_support import DeepSpeedCPUStrategy
 
 STEPS = 20
 
@@ -164,7 +164,7 @@ def test_gradient_buffer_on_the_accelerator_changes_nothing(tmp_path, precision,
 
 
 def test_gradient_buffer_placement_without_an_accelerator():
-    from lightning_smartinf.zero.optimizer import gradient_buffer_device
+    from lightning_smartinf.zero.gradient_buffer import gradient_buffer_device
 
     # DeepSpeed's CPU accelerator: "auto" and "host" leave ZeRO's buffer alone; "accelerator" rebuilds it in host
     # memory (the code path a GPU takes), whatever its size.
@@ -198,7 +198,7 @@ def test_frozen_parameters_train_evaluate_and_export(tmp_path):
     DeepSpeed saves of them)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_smartinf.export import consolidate_fp32_state_dict
+    from lightning_smartinf.commands.export import consolidate_fp32_state_dict
 
     steps = 6
     _, reference = fit(FrozenEmbedding(), "auto", steps=steps)

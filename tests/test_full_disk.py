@@ -20,9 +20,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from models import LMModule, adamw_factory, fit
 from scripts.ckpt_common import EVERY, train
 
-from lightning_smartinf import SmartInfinityStrategy, checkpoint_folder
+from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.core import StorageError
-from lightning_smartinf.strategy_checkpoints import SAVE_MARGIN
+from lightning_smartinf.core.format import checkpoint_folder
+from lightning_smartinf.lightning.checkpoints import SAVE_MARGIN
 
 #: The filesystem: room for the run's first checkpoints; the ballast then takes all but what a test leaves.
 SIZE = "48m"
@@ -211,7 +212,7 @@ def test_the_parameter_files_meet_a_full_disk(tmp_path, ext4_fs, monkeypatch) ->
     """``offload_parameters="storage"``: the disk fills once the parameters' space was checked. DeepSpeed reports no
     failed write (it leaves short files a gather would read as the parameters): the strategy finds them before
     anything reads them, and says so once; the next run, with the space back, trains."""
-    import lightning_smartinf.engine_setup as engine_setup
+    import lightning_smartinf.lightning.engine_setup as engine_setup
 
     fs = ext4_fs("128m")
     fill_after(monkeypatch, engine_setup, "check_param_space", fs, lambda _: 1 << 20)

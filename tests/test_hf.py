@@ -27,8 +27,8 @@ from safetensors.torch import load_file
 from torch.overrides import TorchFunctionMode
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.export import consolidate_fp32_state_dict, export_pretrained
-from lightning_smartinf.export import main as export_main
+from lightning_smartinf.commands.export import consolidate_fp32_state_dict, export_pretrained
+from lightning_smartinf.commands.export import main as export_main
 from lightning_smartinf.hf import (
     ClassificationDataModule,
     HFCausalLM,
@@ -363,8 +363,8 @@ def test_model_sized_callbacks_see_the_model_configure_model_builds(tmp_path, gp
     """Issue 23, item 7. The HF modules build their model in `configure_model`, which Lightning calls after the
     callbacks' `setup`: `BufferPool` must size the pools for the real model (it saw 0 parameters and forced
     `chunk_size` to 1024), and `ActivationOffload` must find the GPT-2 blocks (it found no layers)."""
-    from lightning_smartinf.activation_offload import ActivationOffload
-    from lightning_smartinf.callbacks import BufferPool
+    from lightning_smartinf.lightning.activation_offload import ActivationOffload
+    from lightning_smartinf.lightning.callbacks import BufferPool
 
     module = HFCausalLM(str(gpt2_dir), lr=3e-3, warmup_steps=1)
     data = TextDataModule(str(TRAIN_JSONL), block_size=32, batch_size=4, val_fraction=0.02)

@@ -30,9 +30,10 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_smartinf import SmartInfinityStrategy, checkpoint_folder
-from lightning_smartinf.export import consolidate_fp32_state_dict, export_pretrained
-from lightning_smartinf.export import main as export_main
+from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.commands.export import consolidate_fp32_state_dict, export_pretrained
+from lightning_smartinf.commands.export import main as export_main
+from lightning_smartinf.core.format import checkpoint_folder
 from lightning_smartinf.hf import HFCausalLM, load_tokenizer
 from lightning_smartinf.hf.pretrained import build_model, find_attribute, find_head
 from lightning_smartinf.hf.weight_files import export_dtype, shard_bytes

@@ -20,10 +20,11 @@ from launch import worker_env
 from lightning.fabric.plugins.environments import LightningEnvironment
 from scripts.ckpt_common import EVERY, TOTAL
 
-from lightning_smartinf import SmartInfinityStrategy, checkpoint_folder
-from lightning_smartinf import engine_setup as engine
+from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.commands.export import consolidate_fp32_state_dict, is_complete
+from lightning_smartinf.core.format import checkpoint_folder
 from lightning_smartinf.core.format.state_files import MANIFEST
-from lightning_smartinf.export import consolidate_fp32_state_dict, is_complete
+from lightning_smartinf.lightning import engine_setup as engine
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_nodes.py"
 TIMEOUT_S = 300

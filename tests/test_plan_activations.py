@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_smartinf.activations.costs import AUTO_OVERHEAD, HOST_CPU_FACTOR, IOCosts, offload_overhead
 from lightning_smartinf.activations.tuning import MIN_BUDGET, MIN_THRESHOLD, tune
-from lightning_smartinf.plan.activations import AUTO_OVERHEAD, HOST_CPU_FACTOR, IOCosts, offload_overhead
 
 MB = 1 << 20
 LAYERS = 8

@@ -174,7 +174,7 @@ def test_a_bad_machine_profile_is_refused_with_every_problem(tmp_path, capsys):
 
 
 def test_the_gradient_share_is_the_strategys():
-    from lightning_smartinf.zero.optimizer import AUTO_ACCELERATOR_SHARE, AUTO_ACCUMULATING_SHARE
+    from lightning_smartinf.zero.gradient_buffer import AUTO_ACCELERATOR_SHARE, AUTO_ACCUMULATING_SHARE
 
     assert GRADIENT_GPU_SHARE == AUTO_ACCELERATOR_SHARE
     assert GRADIENT_ACCUMULATING_SHARE == AUTO_ACCUMULATING_SHARE

@@ -20,7 +20,7 @@ import yaml
 from conftest import REPO_ROOT
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.cli import main as smartinf
+from lightning_smartinf.commands.cli import main as smartinf
 from lightning_smartinf.core.compression import TopKCompression
 from lightning_smartinf.plan.planner import PYTHON_HEADER, STORAGE_PLACEHOLDER, YAML_HEADER
 

@@ -14,7 +14,8 @@ import pytest
 from machine import lacking
 from models import LMModule, adamw_factory, fit
 
-from lightning_smartinf import SmartInfinityStrategy, quiet
+from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.lightning import quiet
 
 REPO = Path(__file__).resolve().parents[1]
 #: A line of a warning: Python's and Lightning's format (`file.py:12: ...`), DeepSpeed's (`[WARNING]`), or a

@@ -12,7 +12,7 @@ import yaml
 from conftest import REPO_ROOT, SHORT_FIT
 from hf_models import minilm
 
-from lightning_smartinf.fit import main
+from lightning_smartinf.commands.fit import main
 
 RECIPES = sorted((REPO_ROOT / "recipes").glob("*.yaml"))
 KEY = re.compile(r"^(\s*)(- )?([A-Za-z_][\w.]*):")

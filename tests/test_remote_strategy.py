@@ -13,8 +13,9 @@ from models import LMModule, adamw_factory, assert_identical, fit, max_relative_
 from remote_servers import ServerProcess, running, server_pool, write_token
 from scripts.ckpt_common import EVERY, train
 
-from lightning_smartinf import SmartInfinityStrategy, checkpoint_folder
-from lightning_smartinf.checkpoint_folder import CheckpointError
+from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.core.format import checkpoint_folder
+from lightning_smartinf.core.format.checkpoint_folder import CheckpointError
 
 STEPS = 6
 
@@ -405,7 +406,7 @@ def test_evaluate_and_export_a_checkpoint_kept_on_the_servers(tmp_path, servers,
     from models import CaptureParams, token_loader
     from safetensors.torch import load_file
 
-    from lightning_smartinf.export import main as export_main
+    from lightning_smartinf.commands.export import main as export_main
 
     def trainer(name: str, callbacks=(), strategy=None) -> L.Trainer:
         return L.Trainer(
@@ -483,7 +484,7 @@ def test_a_memory_tier_beside_the_servers_trains_saves_and_resumes_bit_identical
     sys.path.insert(0, str(Path(__file__).parent))
     from scripts.ckpt_common import train
 
-    from lightning_smartinf.export import main as export_main
+    from lightning_smartinf.commands.export import main as export_main
 
     def remote(budget):
         return {

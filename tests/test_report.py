@@ -8,8 +8,8 @@ import matplotlib.image
 import pytest
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from lightning_smartinf.cli import main
-from lightning_smartinf.report import ReportError, figure, read_metrics
+from lightning_smartinf.commands.cli import main
+from lightning_smartinf.commands.report import ReportError, figure, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PARAMS = 1000

@@ -289,7 +289,7 @@ def test_fp16_trains_where_the_accelerator_has_it_and_is_refused_clearly_where_n
 
 
 def test_offload_activations_argument_installs_the_callback(tmp_path):
-    from lightning_smartinf.activation_offload import ActivationOffload
+    from lightning_smartinf.lightning.activation_offload import ActivationOffload
 
     strategy = SmartInfinityStrategy(storage_paths=[tmp_path], offload_activations={"threshold_bytes": 1024})
     trainer, _ = fit(LMModule(adamw), strategy, steps=2)

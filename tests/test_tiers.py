@@ -19,7 +19,7 @@ from models import Crash, CrashAt, LMModule, adamw_factory, assert_identical, fi
 from scripts.ckpt_common import EVERY, TOTAL, checkpoint_step, train
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.export import consolidate_fp32_state_dict
+from lightning_smartinf.commands.export import consolidate_fp32_state_dict
 
 #: The optimizer of `test_equivalence`'s fp32 records.
 ADAMW_COSINE = adamw_factory(betas=(0.9, 0.95), cosine_steps=20, eta_min=3e-4)

@@ -58,6 +58,7 @@ import psutil
 import torch
 from torch import Tensor, nn
 
+from lightning_smartinf.activations.costs import IOCosts
 from lightning_smartinf.activations.spill import SpillFiles
 from lightning_smartinf.activations.tuning import DEFAULTS, MEASURE_AT, MEASURE_COUNT, LayerMeter, Tuning, tune
 from lightning_smartinf.core.accelerator import SideStreams, bind_thread, on_cuda, pinned_empty, record_fence
@@ -69,7 +70,6 @@ from lightning_smartinf.core.io.storage import (
     is_disk_full,
     validate_storage_path,
 )
-from lightning_smartinf.plan.activations import IOCosts
 
 __all__ = ["ActivationOffloader", "OffloadStats", "find_layers", "cleanup_stale_dirs", "ROOT_DIR_NAME"]
 

@@ -2,7 +2,7 @@
 
 :class:`LayerMeter` times each repeated layer's forward and records the sizes of the tensors it saves; after a
 measured micro-batch, :func:`tune` turns that and the offloader's I/O clocks into the settings the user left to
-``None``, using the cost model of :mod:`lightning_smartinf.plan.activations`.
+``None``, using the cost model of :mod:`lightning_smartinf.activations.costs`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from lightning_smartinf.plan.activations import AUTO_OVERHEAD, IOCosts, Overhead, offload_overhead
+from lightning_smartinf.activations.costs import AUTO_OVERHEAD, IOCosts, Overhead, offload_overhead
 
 __all__ = [
     "LayerMeter",

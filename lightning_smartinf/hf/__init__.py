@@ -10,7 +10,7 @@
   reads CSV / JSONL with text and label columns. :func:`train_bpe_tokenizer` trains a byte-level BPE tokenizer.
 - :class:`SavePretrained` writes a ``save_pretrained`` directory (sharded safetensors, in the dtype the model was
   loaded in, or ``dtype=``) with the fp32 master weights consolidated from the devices at the end of fit;
-  :func:`lightning_smartinf.export.export_pretrained` does it from a checkpoint.
+  :func:`lightning_smartinf.commands.export.export_pretrained` does it from a checkpoint.
 
 Nothing here reaches the Hugging Face Hub: every model and tokenizer is loaded from a local directory.
 Requires the ``hf`` extra: ``pip install -e '.[hf]'`` in the repository (``scripts/setup.sh`` installs it).

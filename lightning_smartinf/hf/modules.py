@@ -198,7 +198,7 @@ class _HFModule(L.LightningModule):
     # ------------------------------------------------------------------------------------------ export
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # What `lightning_smartinf.export.export_pretrained` needs to rebuild a `save_pretrained` directory.
+        # What `lightning_smartinf.commands.export.export_pretrained` needs to rebuild a `save_pretrained` directory.
         checkpoint["smartinf_hf"] = {
             "task": self.task,
             "config": self.hf_config.to_dict(),

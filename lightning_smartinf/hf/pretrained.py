@@ -115,13 +115,13 @@ def trained_weights(module: L.LightningModule, attribute: str = "model") -> Weig
     parameters the devices do not hold (frozen ones) are gathered from ZeRO. Otherwise: the (gathered) parameters,
     upcast. Every rank must read the same names in the same order (each parameter is gathered from all of them).
     """
-    from lightning_smartinf.strategy import SmartInfinityStrategy
+    from lightning_smartinf.lightning.contract import SmartUpdateStrategy
 
     strategy = module.trainer.strategy
     prefix = f"{attribute}."
     params = {n[len(prefix) :]: p for n, p in module.named_parameters() if n.startswith(prefix)}
     masters = Weights.of({})
-    if isinstance(strategy, SmartInfinityStrategy) and strategy.has_smart_update:
+    if isinstance(strategy, SmartUpdateStrategy) and strategy.has_smart_update:
         masters = _device_masters(strategy, prefix)
     rest = {name: param for name, param in params.items() if name not in masters.shapes}
 
@@ -405,7 +405,7 @@ def save_pretrained(
 
     Args:
         weights: the fp32 weights, a state dict or read a few at a time (:func:`trained_weights`, or a checkpoint's
-            through :func:`lightning_smartinf.export.checkpoint_weights`).
+            through :func:`lightning_smartinf.commands.export.checkpoint_weights`).
         config: the model's config.
         task: an auto class name (``"AutoModelForTokenClassification"``) or a key of :data:`AUTO_CLASSES`.
         out_dir: the output directory (created; files in it are overwritten, weight files of an earlier save that

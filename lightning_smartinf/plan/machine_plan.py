@@ -57,7 +57,7 @@ HOST_RESERVE_MIN_GB = 16.0
 #: (activations, workspace, the gathered layer) need the rest.
 GPU_PARAMS_SHARE = 0.5
 #: ``gradient_buffer="auto"`` keeps the gradients on the GPU where they take at most this share of its free memory
-#: (``AUTO_ACCELERATOR_SHARE`` of ``zero/optimizer.py``, which imports DeepSpeed; a test keeps the two equal).
+#: (``AUTO_ACCELERATOR_SHARE`` of ``zero/gradient_buffer.py``: the planner imports no ZeRO; a test keeps them equal).
 GRADIENT_GPU_SHARE = 0.25
 #: The share when a step accumulates micro-batches (``AUTO_ACCUMULATING_SHARE``, kept equal the same way): in host
 #: memory each micro-batch after the first takes the fp32 partitions across the link and back.

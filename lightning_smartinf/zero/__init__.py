@@ -3,10 +3,10 @@
 ``lightning_smartinf.zero.optimizer`` imports DeepSpeed; import it only after the version check.
 """
 
+from lightning_smartinf.zero.gradient_buffer import GradientBufferError
 from lightning_smartinf.zero.install import (
     TESTED_DEEPSPEED,
     ControllerFactory,
-    GradientBufferError,
     check_deepspeed_version,
     smart_update_optimizer,
 )

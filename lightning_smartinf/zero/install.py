@@ -19,10 +19,6 @@ from lightning_smartinf.core.controller import Partitions, SmartUpdate, SubGroup
 ControllerFactory = Callable[[torch.optim.Optimizer, Sequence[SubGroup], Partitions], SmartUpdate]
 
 
-class GradientBufferError(ValueError):
-    """``gradient_buffer`` asks for accelerator memory the accelerator does not have (raised while ZeRO sets up)."""
-
-
 #: DeepSpeed releases whose private ZeRO-3 methods the adapter was tested against.
 TESTED_DEEPSPEED = ">=0.19.8,<0.20"
 

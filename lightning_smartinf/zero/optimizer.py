@@ -19,10 +19,9 @@ This is the one module that uses DeepSpeed's private ZeRO-3 methods; everything 
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Hashable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from deepspeed import comm as dist
@@ -37,73 +36,16 @@ from lightning_smartinf.core.accelerator import Fence, PinnedRing, record_fence
 from lightning_smartinf.core.controller import SmartUpdate, SubGroup
 from lightning_smartinf.core.host_buffer import HostBuffer, InMemoryBuffer
 from lightning_smartinf.core.traffic import Traffic
+from lightning_smartinf.zero.gradient_buffer import gradient_buffer_device
 from lightning_smartinf.zero.host_heap import return_free_heap
-from lightning_smartinf.zero.install import ControllerFactory, GradientBufferError
 from lightning_smartinf.zero.param_storage import FileBuffer, check_parameter_files, prepare_swapper
 
-#: ``gradient_buffer="auto"`` keeps the gradients on the accelerator only if they take at most this share of its free
-#: memory at set-up: forward and backward need the rest.
-AUTO_ACCELERATOR_SHARE = 0.25
-#: The share when the step accumulates micro-batches (a third of the free memory left to forward and backward): in host
-#: memory every micro-batch after the first takes the partitions across the link and back (8 B/param in fp32) to add
-#: to them, seconds per micro-batch at billions of parameters.
-AUTO_ACCUMULATING_SHARE = 2 / 3
-
+if TYPE_CHECKING:
+    from lightning_smartinf.zero.install import ControllerFactory
 
 #: While ZeRO moves the parameter partitions into its flat host buffer, the C heap's free pages go back to the
 #: system each time this many bytes have moved (:meth:`SmartUpdateZeroOptimizer._move_to_flat_buffer`).
 RETURN_FREED_EVERY_BYTES = 256 * 2**20
-
-
-def gradient_buffer_device(setting: str, needed_bytes: int, accumulation: int = 1) -> str | None:
-    """The device to keep the reduced gradient partitions on for ``gradient_buffer=setting``, or ``None`` to leave
-    them in ZeRO's pinned host buffer. ``needed_bytes``: the buffer, and the residual error feedback keeps with it;
-    ``accumulation``: the micro-batches each step adds up.
-
-    ``"auto"`` moves them to a real accelerator where they take at most :data:`AUTO_ACCELERATOR_SHARE` of its free
-    memory (:data:`AUTO_ACCUMULATING_SHARE` when the step accumulates). ``"accelerator"`` always moves them, and
-    refuses an accelerator without room for them; on a machine without one that is host memory again (unpinned),
-    which runs the same code path as a GPU.
-
-    Raises:
-        GradientBufferError: ``"accelerator"`` on an accelerator with less free memory than ``needed_bytes``.
-    """
-    accelerator = get_accelerator()
-    if setting == "host" or (setting == "auto" and accelerator.is_synchronized_device()):
-        return None
-    device = accelerator.current_device_name()
-    if accelerator.is_synchronized_device():
-        return device
-    free = _free_memory(device)
-    if setting == "auto":
-        share = AUTO_ACCUMULATING_SHARE if accumulation > 1 else AUTO_ACCELERATOR_SHARE
-        if needed_bytes > share * free:
-            logging.getLogger(__name__).info(
-                "gradient_buffer='auto': the gradient partitions (%.2f GiB) would take more than %d%% of %s's free "
-                "memory (%.2f GiB); they stay in pinned host memory%s.",
-                needed_bytes / 2**30,
-                int(share * 100),
-                device,
-                free / 2**30,
-                f", and each of the {accumulation - 1} micro-batches after a step's first crosses the link twice"
-                if accumulation > 1
-                else "",
-            )
-            return None
-        return device
-    if needed_bytes > free:
-        raise GradientBufferError(
-            f"`gradient_buffer='accelerator'` needs {needed_bytes / 2**30:.2f} GiB of {device} memory for this rank's "
-            f"gradient partitions (and error-feedback residual), but {free / 2**30:.2f} GiB is free. Pass "
-            "`gradient_buffer='host'` (pinned host memory) or 'auto', or train on more ranks."
-        )
-    return device
-
-
-def _free_memory(device: str) -> int:
-    if torch.device(device).type == "cuda":
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    return int(get_accelerator().available_memory())
 
 
 class ZeroPartitions:

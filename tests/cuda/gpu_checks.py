@@ -337,7 +337,7 @@ def checkpoint_resume(device: str, out: Path) -> dict:
     for bit where the run that never stopped does; ``validate`` sees the saved masters."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_smartinf.export import consolidate_fp32_state_dict
+    from lightning_smartinf.commands.export import consolidate_fp32_state_dict
 
     # Saves every `epoch` steps, at an epoch's last batch: the resumed run starts the next epoch on the same batches.
     # (Not `every_n_epochs`: Lightning replays a batch on resuming from a checkpoint saved at the epoch's end.)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import CaptureParams, LMModule, adamw_factory, token_loader  # noqa: E402
 
 from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
-from lightning_smartinf.export import is_complete  # noqa: E402
+from lightning_smartinf.commands.export import is_complete  # noqa: E402
 
 TOTAL = 12
 EVERY = 4

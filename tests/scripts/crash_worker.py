@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ckpt_common  # noqa: E402
 
 import lightning_smartinf.core.format.state_files as ckpt_module  # noqa: E402
-from lightning_smartinf import checkpoint_folder  # noqa: E402
+from lightning_smartinf.core.format import checkpoint_folder  # noqa: E402
 
 
 def die() -> None:

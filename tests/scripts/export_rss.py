@@ -1,6 +1,6 @@
 """Run as ``python export_rss.py CHECKPOINT MODEL_DIR OUT``: prints one JSON line, how much this process's peak RSS
 grew (bytes) while ``smartinf export --save-pretrained OUT --max-shard-size 2MB`` wrote the checkpoint's model, and
-while :func:`~lightning_smartinf.export.consolidate_fp32_state_dict` built the whole model in memory (what the
+while :func:`~lightning_smartinf.commands.export.consolidate_fp32_state_dict` built the whole model in memory (what the
 measurement must be able to see).
 
 The export runs once before it is measured, so that imports and caches are not counted; the peak (``VmHWM``) is
@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 from machine import proc_status, reset_peak
 
-from lightning_smartinf.export import consolidate_fp32_state_dict
-from lightning_smartinf.export import main as export_main
+from lightning_smartinf.commands.export import consolidate_fp32_state_dict
+from lightning_smartinf.commands.export import main as export_main
 
 
 def peak_growth(work: Callable[[], object]) -> int:

@@ -19,7 +19,6 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_smartinf import quiet
 from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.backend import Backend
 from lightning_smartinf.core.build import build_backend
@@ -32,6 +31,7 @@ from lightning_smartinf.core.placement import rank_device_dirs
 from lightning_smartinf.core.registry import BuildContext
 from lightning_smartinf.core.settings import SmartUpdateSettings, check_accelerator_budget
 from lightning_smartinf.core.torch_optim import SUPPORTED_OPTIMIZERS, rule_for_group, state_bytes
+from lightning_smartinf.lightning import quiet
 from lightning_smartinf.zero import ControllerFactory, GradientBufferError, smart_update_optimizer
 from lightning_smartinf.zero.host_heap import map_large_allocations
 from lightning_smartinf.zero.io_choice import choose_io_engine
@@ -48,7 +48,7 @@ from lightning_smartinf.zero.param_storage import (
 )
 
 if TYPE_CHECKING:
-    from lightning_smartinf.strategy import SmartInfinityStrategy
+    from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
 log = logging.getLogger(__name__)
 #: Removers of the temporary device state of finished runs (``storage_paths=None``); see :func:`release_at_next_run`.

@@ -8,7 +8,7 @@ A run is a YAML recipe in LightningCLI's format (``trainer:``, ``model:`` and ``
 
 Any LightningModule and LightningDataModule can be named; ``data:`` is optional (a module may bring its own
 dataloaders). The Trainer's ``strategy`` defaults to ``"smart_infinity"``, and a
-:class:`~lightning_smartinf.monitor.TrainingMonitor` is always attached (its settings under ``monitor:``). The
+:class:`~lightning_smartinf.lightning.monitor.TrainingMonitor` is always attached (its settings under ``monitor:``). The
 config a run used is saved into its log directory. A recipe with an unknown key or a value of the wrong type is
 refused before anything is built, with jsonargparse's message naming the key (exit status 2).
 """
@@ -22,8 +22,8 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 import lightning_smartinf  # noqa: F401  (registers "smart_infinity")
-from lightning_smartinf import quiet
-from lightning_smartinf.monitor import TrainingMonitor
+from lightning_smartinf.lightning import quiet
+from lightning_smartinf.lightning.monitor import TrainingMonitor
 
 #: The LightningCLI subcommands ``smartinf`` exposes.
 SUBCOMMANDS = ("fit", "validate", "test")
@@ -33,7 +33,7 @@ class SmartInfinityCLI(LightningCLI):
     """``LightningCLI`` for any LightningModule/LightningDataModule, defaulting to ``strategy="smart_infinity"``.
 
     ``data:`` is optional, as in ``LightningCLI`` without a datamodule class. Adds a ``monitor:`` group: the arguments
-    of :class:`~lightning_smartinf.monitor.TrainingMonitor`, which is always attached.
+    of :class:`~lightning_smartinf.lightning.monitor.TrainingMonitor`, which is always attached.
     """
 
     @staticmethod

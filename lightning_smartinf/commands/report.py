@@ -3,8 +3,9 @@
 Reads the metrics of a CSVLogger directory (``metrics.csv``) or a TensorBoardLogger directory (event files) — the
 newest under the given path — and draws three panels:
 
-- loss: the training loss per step (``smartinf/loss`` from :class:`~lightning_smartinf.monitor.TrainingMonitor`,
-  else the module's own ``*loss*`` key) and the validation loss, when logged;
+- loss: the training loss per step (``smartinf/loss`` from
+  :class:`~lightning_smartinf.lightning.monitor.TrainingMonitor`, else the module's own ``*loss*`` key) and the
+  validation loss, when logged;
 - throughput: ``smartinf/tokens_per_s``;
 - traffic per optimizer step: bytes per parameter over the host link and inside the storage devices, with
   ZeRO-Infinity's link figure for the same model as a reference line (from the strategy's raw byte counts in MB

@@ -15,7 +15,8 @@ from lightning_smartinf.core.arguments import MIB, Problems, show
 from lightning_smartinf.core.format.layout import ELEM_ALIGN, POOL_TENSORS, pool_bytes
 from lightning_smartinf.core.settings import check_pool_shape
 from lightning_smartinf.core.traffic import TrafficSnapshot
-from lightning_smartinf.strategy import SmartInfinityStrategy
+from lightning_smartinf.lightning.activation_offload import ActivationOffload
+from lightning_smartinf.lightning.contract import SmartUpdateStrategy
 
 
 class BufferPool(Callback):
@@ -189,16 +190,13 @@ def add_strategy_callbacks(trainer: pl.Trainer, offload_activations: bool | dict
     if not any(isinstance(c, SmartUpdateMonitor) for c in trainer.callbacks):
         # First, so that every other callback's `on_train_batch_end` finds this step's figures logged.
         trainer.callbacks.insert(0, SmartUpdateMonitor())
-    if offload_activations:
-        from lightning_smartinf.activation_offload import ActivationOffload
-
-        if not any(isinstance(c, ActivationOffload) for c in trainer.callbacks):
-            options = {} if offload_activations is True else dict(offload_activations)
-            trainer.callbacks.append(ActivationOffload(**options))
+    if offload_activations and not any(isinstance(c, ActivationOffload) for c in trainer.callbacks):
+        options = {} if offload_activations is True else dict(offload_activations)
+        trainer.callbacks.append(ActivationOffload(**options))
 
 
-def _smart_strategy(trainer: pl.Trainer, user: str) -> SmartInfinityStrategy:
-    if not isinstance(trainer.strategy, SmartInfinityStrategy):
+def _smart_strategy(trainer: pl.Trainer, user: str) -> SmartUpdateStrategy:
+    if not isinstance(trainer.strategy, SmartUpdateStrategy):
         raise MisconfigurationException(
             f"The `{user}` callback works with `strategy='smart_infinity'`, not `{type(trainer.strategy).__name__}`."
         )
@@ -263,7 +261,7 @@ class CompressionWarmup(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
-        if not isinstance(strategy, SmartInfinityStrategy) or strategy.settings.compression is None:
+        if not isinstance(strategy, SmartUpdateStrategy) or strategy.settings.compression is None:
             raise MisconfigurationException(
                 "`CompressionWarmup` schedules gradient compression, which is off: use "
                 "`SmartInfinityStrategy(compression=0.01)` or `strategy='smart_infinity_comp'`."
@@ -281,7 +279,7 @@ class CompressionWarmup(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
         strategy = trainer.strategy
-        assert isinstance(strategy, SmartInfinityStrategy)
+        assert isinstance(strategy, SmartUpdateStrategy)
         ratio = self.ratio_at(trainer.global_step)
         if ratio != strategy.kept_ratio:
             strategy.set_kept_ratio(ratio)

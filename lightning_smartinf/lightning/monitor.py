@@ -14,8 +14,8 @@ from typing_extensions import override
 
 from lightning_smartinf.core import TrafficSnapshot
 from lightning_smartinf.core.arguments import Problems, show
+from lightning_smartinf.lightning.contract import SmartUpdateStrategy
 from lightning_smartinf.plan.model import FP32_GRAD_BYTES, FP32_STATE_BYTES
-from lightning_smartinf.strategy import SmartInfinityStrategy
 
 #: Bytes per trainable parameter per optimizer step that DeepSpeed ZeRO-Infinity's NVMe optimizer offload moves over
 #: the host link: the fp32 gradient written in backward (4), master, m, v and gradient read (16), master, m, v
@@ -98,9 +98,9 @@ class TrainingMonitor(Callback):
         self._traffic = TrafficSnapshot()
 
     @staticmethod
-    def _smart_strategy(trainer: pl.Trainer) -> SmartInfinityStrategy | None:
+    def _smart_strategy(trainer: pl.Trainer) -> SmartUpdateStrategy | None:
         strategy = trainer.strategy
-        return strategy if isinstance(strategy, SmartInfinityStrategy) else None
+        return strategy if isinstance(strategy, SmartUpdateStrategy) else None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

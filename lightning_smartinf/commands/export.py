@@ -22,8 +22,8 @@ Nothing is unpickled: the client state is read with ``weights_only=True``, the w
 
 Command line::
 
-    python -m lightning_smartinf.export <checkpoint dir> <out.safetensors>
-    python -m lightning_smartinf.export <checkpoint dir> --save-pretrained <out dir> [--hf-model-dir <model dir>]
+    smartinf export <checkpoint dir> <out.safetensors>
+    smartinf export <checkpoint dir> --save-pretrained <out dir> [--hf-model-dir <model dir>]
         [--hf-attribute <name>] [--auto-class <AutoModelFor...>] [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]
 """
 
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_smartinf import checkpoint_folder
+from lightning_smartinf.core.format import checkpoint_folder
 from lightning_smartinf.core.format.masters import MastersReader, Weights, saved_masters
 from lightning_smartinf.core.format.rank_state import full_parameter
 
@@ -298,7 +298,7 @@ def _remote_masters(
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_smartinf.export",
+        prog="python -m lightning_smartinf.commands.export",
         description="Consolidate the fp32 master weights of a SmartUpdate checkpoint into one safetensors file "
         "and/or a Hugging Face save_pretrained directory.",
     )

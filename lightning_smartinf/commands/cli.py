@@ -2,7 +2,7 @@
 
 Each subcommand is a module with ``main(argv) -> int``; this dispatcher imports only the one asked for, so
 ``smartinf plan`` starts without importing Lightning or DeepSpeed. ``fit``, ``validate`` and ``test`` are
-``LightningCLI`` subcommands (:mod:`lightning_smartinf.fit`), which get the subcommand name as ``argv[0]``.
+``LightningCLI`` subcommands (:mod:`lightning_smartinf.commands.fit`), which get the subcommand name as ``argv[0]``.
 """
 
 from __future__ import annotations
@@ -12,18 +12,21 @@ import sys
 
 #: subcommand -> (module with ``main(argv)``, one-line help)
 COMMANDS = {
-    "fit": ("lightning_smartinf.fit", "train with LightningCLI: `smartinf fit --config recipes/<name>.yaml`"),
-    "validate": ("lightning_smartinf.fit", "run the validation loop with LightningCLI (same config as fit)"),
-    "test": ("lightning_smartinf.fit", "run the test loop with LightningCLI (same config as fit)"),
-    "report": ("lightning_smartinf.report", "plot loss, tokens/s and link traffic from a CSV or TensorBoard log dir"),
-    "demo": ("lightning_smartinf.demo", "train a small GPT on 2 emulated CSDs and print the traffic summary"),
+    "fit": ("lightning_smartinf.commands.fit", "train with LightningCLI: `smartinf fit --config recipes/<name>.yaml`"),
+    "validate": ("lightning_smartinf.commands.fit", "run the validation loop with LightningCLI (same config as fit)"),
+    "test": ("lightning_smartinf.commands.fit", "run the test loop with LightningCLI (same config as fit)"),
+    "report": (
+        "lightning_smartinf.commands.report",
+        "plot loss, tokens/s and link traffic from a CSV or TensorBoard log dir",
+    ),
+    "demo": ("lightning_smartinf.commands.demo", "train a small GPT on 2 emulated CSDs and print the traffic summary"),
     "plan": ("lightning_smartinf.plan.__main__", "predict iteration time and recommend a configuration"),
     "serve": (
         "lightning_smartinf.devices.remote.serve",
         "run a remote device server next to the storage (docs/remote.md)",
     ),
     "export": (
-        "lightning_smartinf.export",
+        "lightning_smartinf.commands.export",
         "rebuild full weights from a checkpoint's device state (fp32 safetensors, or a HF save_pretrained directory)",
     ),
 }

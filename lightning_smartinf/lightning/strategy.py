@@ -30,16 +30,20 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_smartinf import checkpoint_folder, engine_setup, quiet, strategy_checkpoints
 from lightning_smartinf.core import Backend, TrafficSnapshot, registry
 from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.clocks import PhaseClocks
 from lightning_smartinf.core.compression import TopKCompression, check_ratio
 from lightning_smartinf.core.controller import SmartUpdate
+from lightning_smartinf.core.format import checkpoint_folder
 from lightning_smartinf.core.placement import rank_share
 from lightning_smartinf.core.settings import SettingsError, SmartUpdateSettings
-from lightning_smartinf.cpu_support import DeepSpeedOnCPUMixin
-from lightning_smartinf.precision import SmartInfinityPrecision
+from lightning_smartinf.lightning import checkpoints, engine_setup, quiet
+from lightning_smartinf.lightning.activation_offload import check_offload_options
+from lightning_smartinf.lightning.callbacks import add_strategy_callbacks
+from lightning_smartinf.lightning.contract import SmartUpdateStrategy
+from lightning_smartinf.lightning.cpu_support import DeepSpeedOnCPUMixin
+from lightning_smartinf.lightning.precision import SmartInfinityPrecision
 from lightning_smartinf.zero import check_deepspeed_version
 from lightning_smartinf.zero.config import ENGINE, accumulate_in_fp32, deepspeed_config
 
@@ -66,7 +70,7 @@ LIGHTNING = (
 )
 
 
-class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
+class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateStrategy):
     """Train with DeepSpeed ZeRO-3 while fp32 master weights and optimizer states live on storage devices.
 
     Every ZeRO sub-group partition is a shard owned by one device (round-robin unless tiers or weights say). After
@@ -211,8 +215,6 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             if value is not None:
                 problems.instance(name, value, kind, allowed)
         if not isinstance(offload_activations, bool):
-            from lightning_smartinf.activation_offload import check_offload_options
-
             check_offload_options(problems, "offload_activations", offload_activations)
         problems.raise_if_any()
         assert settings is not None
@@ -228,14 +230,14 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         #: Host seconds per phase of training (forward, backward, after_backward), cumulative over the run.
         self.clocks = PhaseClocks()
         #: What ``ModelCheckpoint`` keeps, to free what its rotation deletes before a save that needs the room.
-        self.rotation = strategy_checkpoints.Rotation()
+        self.rotation = checkpoints.Rotation()
         #: Warns early when a checkpoint folder has less room than the next save needs.
-        self.room_watch = strategy_checkpoints.RoomWatch()
+        self.room_watch = checkpoints.RoomWatch()
         super().__init__(config=config, **{name: arguments[name] for name in LIGHTNING})
 
     _smart_update: SmartUpdate | None = None  # the run's controller and backend (None before set-up)
     _backend: Backend | None = None
-    #: The known-harmless warnings silenced from set-up to teardown (:mod:`lightning_smartinf.quiet`).
+    #: The known-harmless warnings silenced from set-up to teardown (:mod:`lightning_smartinf.lightning.quiet`).
     _silenced: quiet.Silenced | None = None
     #: Removes the temporary device directories of the last run (``storage_paths=None``); see :meth:`release_backend`.
     _release_storage: weakref.finalize | None = None
@@ -323,8 +325,6 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
             self._silenced = quiet.silence()
         super().setup_environment()
         if self.lightning_module is not None:
-            from lightning_smartinf.callbacks import add_strategy_callbacks
-
             add_strategy_callbacks(self.lightning_module.trainer, self._offload_activations)
 
     @override
@@ -402,8 +402,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
     ) -> None:
         """Save a checkpoint directory at ``filepath``, replacing any there whole and atomically (a kill at any
-        instant leaves the previous checkpoint or the new one); see :func:`.strategy_checkpoints.save`."""
-        strategy_checkpoints.save(self, checkpoint, filepath, storage_options)
+        instant leaves the previous checkpoint or the new one); see :func:`.checkpoints.save`."""
+        checkpoints.save(self, checkpoint, filepath, storage_options)
 
     def save_engine_checkpoint(self, checkpoint: dict[str, Any], directory: Path) -> None:
         """DeepSpeed's part of a checkpoint (module, engine, Lightning's client state), written into ``directory``."""
@@ -427,14 +427,14 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy):
         module = self.lightning_module
         if module is not None and self.is_global_zero and self.has_smart_update:
             # Every rank's state is about the same size: no collective for a warning.
-            needed = self.smart_update.backend.checkpoint_bytes() * self.world_size + strategy_checkpoints.SAVE_MARGIN
+            needed = self.smart_update.backend.checkpoint_bytes() * self.world_size + checkpoints.SAVE_MARGIN
             self.room_watch.check(module.trainer, needed)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify the checkpoint against its seal, then load it without unpickling code (``weights_only=True``):
-        all state for ``fit``, the trained weights for evaluation (:func:`.strategy_checkpoints.load`)."""
-        return strategy_checkpoints.load(self, checkpoint_path)
+        all state for ``fit``, the trained weights for evaluation (:func:`.checkpoints.load`)."""
+        return checkpoints.load(self, checkpoint_path)
 
     # ------------------------------------------------------------------------------------------------ phases
 

@@ -1,6 +1,6 @@
 """Demo: train a small GPT-style model on real English text with optimizer state on 2 emulated CSDs.
 
-Run with ``python -m lightning_smartinf.demo [--steps N]``. The state lives in a temporary directory
+Run with ``python -m lightning_smartinf.commands.demo [--steps N]``. The state lives in a temporary directory
 (two sub-directories standing in for two SmartSSDs) that is removed at the end. The text is the
 documentation of Python's keywords and topics, which ships with every CPython (``pydoc_data``).
 """
@@ -16,8 +16,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_smartinf import SmartInfinityStrategy, quiet
-from lightning_smartinf.monitor import ZERO_INFINITY_LINK_BYTES_PER_PARAM
+from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.lightning import quiet
+from lightning_smartinf.lightning.monitor import ZERO_INFINITY_LINK_BYTES_PER_PARAM
 
 
 def english_text() -> str:

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_smartinf.activations.offload import ActivationOffloader, OffloadStats
 from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.placement import rank_share
+from lightning_smartinf.lightning.contract import SmartUpdateStrategy
 
 
 class ActivationOffload(L.Callback):
@@ -79,13 +80,11 @@ class ActivationOffload(L.Callback):
                     [self.storage_paths] if isinstance(self.storage_paths, (str, os.PathLike)) else self.storage_paths
                 )
             ]
-        from lightning_smartinf.strategy import SmartInfinityStrategy
-
         strategy = trainer.strategy
-        if isinstance(strategy, SmartInfinityStrategy) and strategy.settings.storage_paths is None:
+        if isinstance(strategy, SmartUpdateStrategy) and strategy.settings.storage_paths is None:
             # The strategy keeps its state in temporary directories: activations go to the temporary directory too.
             return [Path(tempfile.gettempdir())]
-        strategy_paths = strategy.settings.storage_paths if isinstance(strategy, SmartInfinityStrategy) else None
+        strategy_paths = strategy.settings.storage_paths if isinstance(strategy, SmartUpdateStrategy) else None
         if not strategy_paths:
             raise MisconfigurationException(
                 "`ActivationOffload(storage_paths=None)` needs `SmartInfinityStrategy(storage_paths=[...])` to take "

@@ -1,7 +1,8 @@
 """What ``SmartInfinityStrategy``'s checkpoint hooks do, written on the strategy's public API.
 
-A checkpoint is a directory (:mod:`lightning_smartinf.checkpoint_folder`): DeepSpeed's files with Lightning's client
-state, and one device-state directory per rank (:mod:`lightning_smartinf.core.format.rank_state`), sealed by rank 0.
+A checkpoint is a directory (:mod:`lightning_smartinf.core.format.checkpoint_folder`): DeepSpeed's files with
+Lightning's client state, and one device-state directory per rank (:mod:`lightning_smartinf.core.format.rank_state`),
+sealed by rank 0.
 Invariants: a save replaces the checkpoint at its name whole (every rank writes into one staging directory, rank 0
 seals and swaps it in), and nothing is read from a checkpoint before it was verified against its seal; nothing in
 it is unpickled beyond tensors and a few DeepSpeed data classes.
@@ -21,8 +22,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_smartinf import checkpoint_folder
-from lightning_smartinf.checkpoint_folder import CheckpointError
+from lightning_smartinf.core.format import checkpoint_folder
+from lightning_smartinf.core.format.checkpoint_folder import CheckpointError
 from lightning_smartinf.core.format.masters import MastersReader, saved_masters
 from lightning_smartinf.core.format.rank_state import read_host_state
 from lightning_smartinf.core.io.storage import StorageError, readable_size
@@ -36,7 +37,7 @@ from lightning_smartinf.zero.safe_load import (
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_smartinf.strategy import SmartInfinityStrategy
+    from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
 
 
 def save(
