@@ -38,7 +38,7 @@ from lightning_smartinf.activations import ActivationOffloader
 from lightning_smartinf.activations.costs import offload_overhead
 from lightning_smartinf.activations.tuning import MEASURE_AT, MEASURE_COUNT, tune
 from lightning_smartinf.core.io.direct import supports_direct_io
-from lightning_smartinf.plan.model import load_profile
+from lightning_smartinf.plan.cost_model import load_profile
 
 #: Model and batch of each configuration; ``long`` is the one where activations dominate (4x the tokens).
 PRESETS = {

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from remote_servers import ServerProcess, write_token  # noqa: E402
+from helpers.remote_servers import ServerProcess, write_token  # noqa: E402
 
 from lightning_smartinf.core.backend import Backend, ShardSpec  # noqa: E402
 from lightning_smartinf.core.compression import compress_topk  # noqa: E402

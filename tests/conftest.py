@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
-from machine import lacking, reflink_xfs, small_ext4, tmpfs
+from helpers.machine import lacking, reflink_xfs, small_ext4, tmpfs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,7 +121,7 @@ def checkpoint_reference(shared_dir: Path) -> tuple[Path, dict[str, torch.Tensor
 def _user_env() -> dict[str, str]:
     """The environment a user's shell gives a command: this one's, without the rendezvous of fits run here and without
     a warnings filter of the test run's."""
-    from launch import worker_env
+    from helpers.launch import worker_env
 
     return {k: v for k, v in worker_env().items() if k != "PYTHONWARNINGS"}
 
@@ -129,7 +129,7 @@ def _user_env() -> dict[str, str]:
 @pytest.fixture(scope="session")
 def demo_run(shared_dir: Path) -> str:
     """What ``smartinf demo --steps 6`` prints, run once per test run as a user runs it."""
-    from launch import python
+    from helpers.launch import python
 
     def make(directory: Path) -> None:
         done = python("-m", "lightning_smartinf", "demo", "--steps", "6", cwd=directory, env=_user_env())
@@ -148,7 +148,7 @@ def gpt2_recipe_run(shared_dir: Path) -> tuple[Path, str]:
     directory laid out as the repository (the recipe's paths are relative to it): the directory and the output."""
     import sys
 
-    from launch import run
+    from helpers.launch import run
 
     def make(directory: Path) -> None:
         (directory / "recipes").symlink_to(REPO_ROOT / "recipes")

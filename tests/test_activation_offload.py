@@ -14,7 +14,7 @@ import threading
 
 import pytest
 import torch
-from models import SEQ, VOCAB, LMModule, TinyGPT, adamw_factory, fit
+from helpers.models import SEQ, VOCAB, LMModule, TinyGPT, adamw_factory, fit
 from torch import nn
 
 from lightning_smartinf.activations import ActivationOffloader, find_layers

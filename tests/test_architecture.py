@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from machine import lacking
+from helpers.machine import lacking
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "lightning_smartinf"
@@ -479,7 +479,7 @@ def test_the_aio_op_loads_prebuilt_without_building(tmp_path: Path) -> None:
 
 FIT = """
 import lightning as L
-from models import LMModule, token_loader
+from helpers.models import LMModule, token_loader
 from lightning_smartinf import SmartInfinityStrategy
 import torch
 

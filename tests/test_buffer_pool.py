@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from helpers.machine import aio_op
+from helpers.models import LMModule, adamw_factory, fit
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from machine import aio_op
-from models import LMModule, adamw_factory, fit
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.lightning.callbacks import BufferPool

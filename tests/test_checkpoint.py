@@ -21,9 +21,9 @@ import lightning as L
 import pytest
 import torch
 from crc32c import crc32c
-from launch import SCRIPTS, torchrun, worker_env
+from helpers.launch import SCRIPTS, torchrun, worker_env
+from helpers.models import assert_identical, max_relative_error
 from lightning.pytorch.callbacks import ModelCheckpoint
-from models import assert_identical, max_relative_error
 from scripts.ckpt_common import EVERY, TOTAL, checkpoint_step, newest_complete, train
 
 import lightning_smartinf.core.format.state_files as ckpt_module
@@ -525,7 +525,7 @@ class SaveBeforeStep(L.Callback):
 
 
 def test_checkpoint_between_backward_and_step_holds_the_state_before_the_step(tmp_path) -> None:
-    from models import LMModule, fit, param_groups
+    from helpers.models import LMModule, fit, param_groups
 
     from lightning_smartinf import SmartInfinityStrategy
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from checkpoints import assert_converted
-from launch import SCRIPTS, python, worker_env
+from helpers.checkpoints import assert_converted
+from helpers.launch import SCRIPTS, python, worker_env
+from helpers.models import Crash, CrashAt, assert_identical
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
-from models import Crash, CrashAt, assert_identical
 from scripts.ckpt_common import EVERY, SUB_GROUP, TOTAL, adamw_cosine, checkpoint_step, train
 
 from lightning_smartinf import SmartInfinityStrategy
@@ -199,7 +199,7 @@ class EvalCapture(L.Callback):
 
 @pytest.mark.parametrize("stage", ["validate", "test", "predict"])
 def test_evaluating_a_checkpoint_uses_its_weights(reference, tmp_path, stage) -> None:
-    from models import LMModule, token_loader
+    from helpers.models import LMModule, token_loader
 
     class Evaluated(LMModule):
         def validation_step(self, batch, batch_idx):

@@ -9,10 +9,10 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 import yaml
-from cli_models import TinyLM
 from conftest import REPO_ROOT
-from launch import python
-from models import param_groups
+from helpers.cli_models import TinyLM
+from helpers.launch import python
+from helpers.models import param_groups
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_smartinf.commands.cli import COMMANDS, main
@@ -186,7 +186,7 @@ def test_every_recipe_parses_against_the_real_signatures(path, capsys):
 def test_print_config_writes_yaml_only_on_stdout():
     """`smartinf fit --print_config > config.yaml` gives a config that loads, also where DeepSpeed picks its
     accelerator itself and logs it (on stdout, were it not moved): its logs go to stderr."""
-    from launch import worker_env
+    from helpers.launch import worker_env
 
     env = {k: v for k, v in worker_env().items() if k != "DS_ACCELERATOR"}
     recipe = REPO_ROOT / "recipes" / "gpt2-pretrain-cpu.yaml"

@@ -16,22 +16,22 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from launch import SCRIPTS, python
-from models import LMModule, adamw_factory, fit, small_strategy, token_loader
-from rank_device import PACKAGE, TENSOR_COLLECTIVES, rank_device
+from helpers.launch import SCRIPTS, python
+from helpers.models import LMModule, adamw_factory, fit, small_strategy, token_loader
+from helpers.rank_device import PACKAGE, TENSOR_COLLECTIVES, rank_device
 
 #: Every call of a collective in the package (``file.py:function``), and the test that runs it under a rank device.
 #: ``GatheredParameters`` is DeepSpeed's: it places its own buffers (its collectives are DeepSpeed's), listed so that
-#: a new gather is seen and bounded (``checkpoints.py:load_trained_weights``: a parameter group at a time).
+#: a new gather is seen and bounded (``lightning/checkpoints.py:load_trained_weights``: a parameter group at a time).
 SITES: dict[str, str] = {
-    "checkpoints.py:save": "test_a_checkpoint_save_collects_on_the_rank_device",
-    "checkpoints.py:_make_room": "test_a_checkpoint_save_collects_on_the_rank_device",
+    "lightning/checkpoints.py:save": "test_a_checkpoint_save_collects_on_the_rank_device",
+    "lightning/checkpoints.py:_make_room": "test_a_checkpoint_save_collects_on_the_rank_device",
     "zero/optimizer.py:_link_overflows": "test_two_ranks_collect_on_the_rank_device",
     "hf/pretrained.py:gathered": "test_two_ranks_collect_on_the_rank_device",
     "hf/pretrained.py:read_rest": "test_two_ranks_collect_on_the_rank_device",
     "hf/modules.py:save_pretrained": "tests/test_hf_export.py (a barrier: no tensor)",
     "hf/loading.py:_stream_weights": "tests/test_hf_loading.py (DeepSpeed's gather)",
-    "checkpoints.py:load_trained_weights": "test_masters_are_loaded_for_evaluation_in_bounded_groups",
+    "lightning/checkpoints.py:load_trained_weights": "test_masters_are_loaded_for_evaluation_in_bounded_groups",
 }
 #: What a collective is called as, and on what: ``dist.all_reduce``, ``strategy.reduce``,
 #: ``deepspeed.zero.GatheredParameters``.
@@ -70,8 +70,8 @@ def test_every_collective_site_is_checked_under_a_rank_device() -> None:
     found = collective_sites()
     assert found == set(SITES), (
         f"collective call sites without a test under a rank device: {sorted(found - set(SITES))}; listed but gone: "
-        f"{sorted(set(SITES) - found)}. Run each new one under `rank_device()` (tests/rank_device.py) and list it in "
-        "SITES."
+        f"{sorted(set(SITES) - found)}. Run each new one under `rank_device()` (tests/helpers/rank_device.py) and "
+        "list it in SITES."
     )
     tests = {name for name in globals() if name.startswith("test_")}
     named_here = {test for test in SITES.values() if test.startswith("test_")}
@@ -115,7 +115,7 @@ def test_a_checkpoint_save_collects_on_the_rank_device(tmp_path) -> None:
     fit(LMModule(adamw_factory()), small_strategy(tmp_path / "state"), steps=3, callbacks=[saver])
     assert saver.record is not None
     assert not saver.record.violations, saver.record.violations
-    assert {"checkpoints.py:_make_room", "checkpoints.py:save"} <= saver.record.sites()
+    assert {"lightning/checkpoints.py:_make_room", "lightning/checkpoints.py:save"} <= saver.record.sites()
     assert (tmp_path / "ckpt" / "step.ckpt").is_dir()
 
 
@@ -131,7 +131,7 @@ def test_two_ranks_collect_on_the_rank_device(tmp_path) -> None:
         assert not problems, problems
         sites = {call["site"] for call in report["calls"]}
         assert {
-            "checkpoints.py:_make_room",
+            "lightning/checkpoints.py:_make_room",
             "zero/optimizer.py:_link_overflows",
             "hf/pretrained.py:gathered",
         } <= sites, sites

@@ -9,10 +9,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from launch import SCRIPTS, torchrun
+from helpers.launch import SCRIPTS, torchrun
+from helpers.models import LMModule, TinyGPT, adamw_factory, fit, max_relative_error, small_strategy
+from helpers.references import topk_adamw
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import LMModule, TinyGPT, adamw_factory, fit, max_relative_error, small_strategy
-from references import topk_adamw
 from scripts.ckpt_common import EVERY, train
 
 from lightning_smartinf import SmartInfinityStrategy

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO_ROOT
-from launch import worker_env
+from helpers.launch import worker_env
 
 README = REPO_ROOT / "README.md"
 DOCS = sorted((REPO_ROOT / "docs").glob("*.md"))

@@ -7,9 +7,18 @@ import math
 
 import pytest
 import torch
-from checkpoints import assert_converted
+from helpers.checkpoints import assert_converted
+from helpers.models import (
+    LMModule,
+    TinyGPT,
+    adamw_factory,
+    fit,
+    max_relative_error,
+    param_groups,
+    small_strategy,
+    token_loader,
+)
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import LMModule, TinyGPT, adamw_factory, fit, max_relative_error, param_groups, small_strategy, token_loader
 from scripts.ckpt_common import EVERY, train
 
 from lightning_smartinf import SmartInfinityStrategy

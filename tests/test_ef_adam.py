@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from checkpoints import assert_converted
+from helpers.checkpoints import assert_converted
+from helpers.models import LMModule, adamw_factory, fit, max_relative_error, small_strategy
+from helpers.references import topk_adamw
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import LMModule, adamw_factory, fit, max_relative_error, small_strategy
-from references import topk_adamw
 from scripts.ckpt_common import EVERY, train
 
 from lightning_smartinf import SmartInfinityStrategy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from models import LMModule, adamw_factory, fit, max_relative_error, param_groups, token_loader
+from helpers.models import LMModule, adamw_factory, fit, max_relative_error, param_groups, token_loader
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.lightning.cpu_support import DeepSpeedCPUStrategy

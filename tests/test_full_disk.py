@@ -16,8 +16,8 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from helpers.models import LMModule, adamw_factory, fit
 from lightning.pytorch.callbacks import ModelCheckpoint
-from models import LMModule, adamw_factory, fit
 from scripts.ckpt_common import EVERY, train
 
 from lightning_smartinf import SmartInfinityStrategy
@@ -263,7 +263,7 @@ def test_a_resume_that_reshards_meets_a_full_disk(tmp_path, ext4_fs, monkeypatch
     """Resuming onto another sub-group size (the checkpoint's shards are re-sharded as they load) on a disk that
     fills once its space was checked: one error, the checkpoint untouched and whole; with the space back the same
     resume ends bit for bit with the run that never stopped."""
-    from models import assert_identical
+    from helpers.models import assert_identical
 
     from lightning_smartinf.core.streaming import backend
 

@@ -17,8 +17,8 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from helpers.models import LMModule, adamw_factory, fit
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import LMModule, adamw_factory, fit
 from torch.overrides import TorchFunctionMode
 
 from lightning_smartinf import SmartInfinityStrategy

@@ -19,10 +19,10 @@ import lightning as L
 import pytest
 import torch
 from conftest import REPO_ROOT
-from hf_models import minilm, tiny_gpt2
-from launch import SCRIPTS, torchrun
+from helpers.hf_models import minilm, tiny_gpt2
+from helpers.launch import SCRIPTS, torchrun
+from helpers.models import max_relative_error
 from lightning.pytorch.callbacks import ModelCheckpoint
-from models import max_relative_error
 from safetensors.torch import load_file
 from torch.overrides import TorchFunctionMode
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO_ROOT
-from hf_models import tiny_gpt2
+from helpers.hf_models import tiny_gpt2
 
 from lightning_smartinf.hf import HFCausalLM, SFTDataModule, TextDataModule, load_tokenizer, train_bpe_tokenizer
 from lightning_smartinf.hf import data as data_module

@@ -22,10 +22,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from hf_models import BATCH, KINDS, LENGTH, NUM_LABELS, STEPS, minilm, samples, tiny_gpt2
-from launch import SCRIPTS, python, worker_env
+from helpers.hf_models import BATCH, KINDS, LENGTH, NUM_LABELS, STEPS, minilm, samples, tiny_gpt2
+from helpers.launch import SCRIPTS, python, worker_env
+from helpers.models import max_relative_error
 from lightning.pytorch.callbacks import ModelCheckpoint
-from models import max_relative_error
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer

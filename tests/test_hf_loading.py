@@ -18,7 +18,7 @@ import deepspeed
 import lightning as L
 import pytest
 import torch
-from launch import worker_env
+from helpers.launch import worker_env
 from safetensors.torch import load_file, save_file
 
 from lightning_smartinf import SmartInfinityStrategy

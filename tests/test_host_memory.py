@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import lightning as L
 import psutil
-from launch import python, worker_env
-from models import LMModule, adamw_factory, fit
+from helpers.launch import python, worker_env
+from helpers.models import LMModule, adamw_factory, fit
 
 from lightning_smartinf import SmartInfinityStrategy
 
@@ -50,7 +50,7 @@ def test_update_path_memory_is_flat_while_state_grows_4x(tmp_path):
 HEAP_PROBE = """
 import ctypes
 import torch
-from models import LMModule, adamw_factory, fit
+from helpers.models import LMModule, adamw_factory, fit
 from lightning_smartinf import SmartInfinityStrategy
 
 class MallInfo2(ctypes.Structure):

@@ -7,14 +7,14 @@ import csv
 import lightning as L
 import pytest
 import torch
-from cli_models import RandomTokens, TinyLM
+from helpers.cli_models import RandomTokens, TinyLM
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_smartinf import SmartInfinityStrategy, TrainingMonitor
 from lightning_smartinf.commands.demo import ZERO_INFINITY_LINK_BYTES_PER_PARAM as DEMO_FIGURE
 from lightning_smartinf.lightning.monitor import ZERO_INFINITY_LINK_BYTES_PER_PARAM, count_tokens
-from lightning_smartinf.plan.model import Profile, Workload, load_profile, profile_names, zero_infinity
+from lightning_smartinf.plan.cost_model import Profile, Workload, load_profile, profile_names, zero_infinity
 
 TOKENS = torch.zeros(4, 12, dtype=torch.long)
 

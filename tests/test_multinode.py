@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import worker_env
+from helpers.launch import worker_env
 from lightning.fabric.plugins.environments import LightningEnvironment
 from scripts.ckpt_common import EVERY, TOTAL
 

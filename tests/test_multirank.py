@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import torchrun
-from models import LMModule, adamw_factory, fit, max_relative_error
+from helpers.launch import torchrun
+from helpers.models import LMModule, adamw_factory, fit, max_relative_error
 
 from lightning_smartinf import SmartInfinityStrategy
 

@@ -17,8 +17,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from launch import run, worker_env
-from models import LMModule, adamw_factory, fit
+from helpers.launch import run, worker_env
+from helpers.models import LMModule, adamw_factory, fit
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.core import StorageError
@@ -35,7 +35,7 @@ TRAIN = textwrap.dedent(
     sys.path.insert(0, {str(TESTS)!r})
     import lightning as L
     import torch
-    from models import LMModule, param_groups, token_loader
+    from helpers.models import LMModule, param_groups, token_loader
     from lightning_smartinf import SmartInfinityStrategy
 
     os.umask(0o022)
@@ -66,7 +66,7 @@ FIT_THEN_EXIT = textwrap.dedent(
     f"""
     import sys
     sys.path.insert(0, {str(TESTS)!r})
-    from models import LMModule, adamw_factory, fit
+    from helpers.models import LMModule, adamw_factory, fit
     from lightning_smartinf import SmartInfinityStrategy
 
     trainer, _ = fit(LMModule(adamw_factory(lr=1e-3)), SmartInfinityStrategy(sub_group_size=2000), steps=1)

@@ -18,11 +18,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from launch import SCRIPTS, python, worker_env
+from helpers.launch import SCRIPTS, python, worker_env
+from helpers.machine import tmpfs
+from helpers.models import LMModule, TinyGPT, adamw_factory, assert_identical, fit, token_loader
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from machine import tmpfs
-from models import LMModule, TinyGPT, adamw_factory, assert_identical, fit, token_loader
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.core import StorageError

@@ -13,6 +13,13 @@ from dataclasses import replace
 
 import pytest
 
+from benchmarks.validate_planner import (
+    PAPER_MODELS,
+    PAPER_POINTS,
+    link_bytes_per_param,
+    optimizer_fraction,
+    validation_rows,
+)
 from lightning_smartinf.plan import (
     PlanError,
     Workload,
@@ -29,13 +36,6 @@ from lightning_smartinf.plan import (
 from lightning_smartinf.plan.__main__ import main
 from lightning_smartinf.plan.machine import Machine, load_any
 from lightning_smartinf.plan.planner import strategy_args
-from lightning_smartinf.plan.validation import (
-    PAPER_MODELS,
-    PAPER_POINTS,
-    link_bytes_per_param,
-    optimizer_fraction,
-    validation_rows,
-)
 
 TOLERANCE = 0.15
 
@@ -282,7 +282,7 @@ def test_calibrate_writes_a_usable_profile(tmp_path, capsys):
 
 
 def test_remote_servers_move_the_link_terms_onto_the_network():
-    from lightning_smartinf.plan.model import REMOTE_CALLS_IN_FLIGHT, Profile, smart_update
+    from lightning_smartinf.plan.cost_model import REMOTE_CALLS_IN_FLIGHT, Profile, smart_update
 
     prof = load_profile("paper-a5000")
     work = Workload(params=2_000_000_000, name="2B")

@@ -17,9 +17,9 @@ from conftest import REPO_ROOT
 
 from lightning_smartinf.plan import PlanError, workload_from_model
 from lightning_smartinf.plan.__main__ import main
+from lightning_smartinf.plan.cost_model import Workload, fwd_bwd_time, gpu_link_bytes, gradient_link_bytes
 from lightning_smartinf.plan.machine import Machine, load_any
 from lightning_smartinf.plan.machine_plan import GRADIENT_ACCUMULATING_SHARE, GRADIENT_GPU_SHARE, plan_machine
-from lightning_smartinf.plan.model import Workload, fwd_bwd_time, gpu_link_bytes, gradient_link_bytes
 
 GB = 1e9
 EXAMPLE = "example-gpu80-2nvme"
@@ -284,8 +284,8 @@ def test_planning_in_a_fresh_process_imports_neither_deepspeed_nor_lightning():
 
 def test_the_docs_show_what_the_planner_prints(capsys):
     """docs/planner.md's worked example and validation table are the commands' output, figure for figure."""
+    from benchmarks.validate_planner import validation_markdown
     from lightning_smartinf.plan.planner import PYTHON_HEADER
-    from lightning_smartinf.plan.validation import validation_markdown
 
     doc = (REPO_ROOT / "docs" / "planner.md").read_text()
     assert validation_markdown() in doc

@@ -9,7 +9,7 @@ import pytest
 
 from lightning_smartinf.plan import PlanError, load_profile, workload_from_model
 from lightning_smartinf.plan.__main__ import main
-from lightning_smartinf.plan.tiers import memory_share, place_state
+from lightning_smartinf.plan.tier_placement import memory_share, place_state
 
 
 def test_emulated_devices_fill_the_budget_and_halve_the_update_at_half_the_state() -> None:

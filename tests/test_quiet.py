@@ -11,8 +11,8 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from machine import lacking
-from models import LMModule, adamw_factory, fit
+from helpers.machine import lacking
+from helpers.models import LMModule, adamw_factory, fit
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.lightning import quiet

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 from conftest import REPO_ROOT, SHORT_FIT
-from hf_models import minilm
+from helpers.hf_models import minilm
 
 from lightning_smartinf.commands.fit import main
 

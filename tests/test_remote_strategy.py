@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import SCRIPTS, torchrun
-from models import LMModule, adamw_factory, assert_identical, fit, max_relative_error
-from remote_servers import ServerProcess, running, server_pool, write_token
+from helpers.launch import SCRIPTS, torchrun
+from helpers.models import LMModule, adamw_factory, assert_identical, fit, max_relative_error
+from helpers.remote_servers import ServerProcess, running, server_pool, write_token
 from scripts.ckpt_common import EVERY, train
 
 from lightning_smartinf import SmartInfinityStrategy
@@ -369,7 +369,7 @@ def test_two_ranks_share_the_servers_and_match_the_local_run(tmp_path, servers, 
 def test_mutual_tls_through_the_strategy(tmp_path):
     import shutil
 
-    from remote_servers import make_certificates
+    from helpers.remote_servers import make_certificates
 
     certificates = make_certificates(tmp_path / "tls")
     token = write_token(tmp_path / "token")
@@ -403,7 +403,7 @@ class LMWithValidation(LMModule):
 
 def test_evaluate_and_export_a_checkpoint_kept_on_the_servers(tmp_path, servers, capsys):
     import lightning as L
-    from models import CaptureParams, token_loader
+    from helpers.models import CaptureParams, token_loader
     from safetensors.torch import load_file
 
     from lightning_smartinf.commands.export import main as export_main

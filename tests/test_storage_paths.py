@@ -9,9 +9,9 @@ import threading
 from pathlib import Path
 
 import pytest
+from helpers.models import LMModule, adamw_factory, fit
+from helpers.unwritable import unwritable_dir
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import LMModule, adamw_factory, fit
-from unwritable import unwritable_dir
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.core import StorageError

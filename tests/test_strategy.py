@@ -10,11 +10,11 @@ import sys
 import lightning as L
 import pytest
 import torch
-from launch import run, worker_env
+from helpers.launch import run, worker_env
+from helpers.models import LMModule, adamw_factory, fit, max_relative_error
+from helpers.unwritable import unwritable_dir
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import LMModule, adamw_factory, fit, max_relative_error
-from unwritable import unwritable_dir
 
 import lightning_smartinf
 from lightning_smartinf import SmartInfinityPrecision, SmartInfinityStrategy

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import worker_env
+from helpers.launch import worker_env
+from helpers.models import Crash, CrashAt, LMModule, adamw_factory, assert_identical, fit, streaming_backend
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import Crash, CrashAt, LMModule, adamw_factory, assert_identical, fit, streaming_backend
 from scripts.ckpt_common import EVERY, TOTAL, checkpoint_step, train
 
 from lightning_smartinf import SmartInfinityStrategy
@@ -191,7 +191,7 @@ RSS_SCRIPT = r"""
 import json, sys
 import lightning as L
 sys.path.insert(0, sys.argv[1])
-from models import LMModule, adamw_factory, fit, streaming_backend
+from helpers.models import LMModule, adamw_factory, fit, streaming_backend
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.core.format.layout import pool_bytes
 
@@ -293,7 +293,7 @@ def test_paths_of_different_speeds_are_measured_and_replanned_without_changing_r
 def test_a_budget_per_rank_is_refused_when_the_ranks_of_a_node_together_do_not_fit() -> None:
     import psutil
 
-    from lightning_smartinf import engine_setup as engine
+    from lightning_smartinf.lightning import engine_setup as engine
 
     budget = int(psutil.virtual_memory().available * 0.6)  # fits once, not twice
     strategy = SmartInfinityStrategy(state_memory_budget=budget, parallel_devices=[torch.device("cpu")] * 2)

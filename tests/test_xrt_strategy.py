@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.models import LMModule, adamw_factory, fit, max_relative_error, param_groups, streaming_backend
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import LMModule, adamw_factory, fit, max_relative_error, param_groups, streaming_backend
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.devices.xrt import forget_platform, platform_for, write_model_xclbin

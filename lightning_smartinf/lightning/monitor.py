@@ -15,7 +15,7 @@ from typing_extensions import override
 from lightning_smartinf.core import TrafficSnapshot
 from lightning_smartinf.core.arguments import Problems, show
 from lightning_smartinf.lightning.contract import SmartUpdateStrategy
-from lightning_smartinf.plan.model import FP32_GRAD_BYTES, FP32_STATE_BYTES
+from lightning_smartinf.plan.cost_model import FP32_GRAD_BYTES, FP32_STATE_BYTES
 
 #: Bytes per trainable parameter per optimizer step that DeepSpeed ZeRO-Infinity's NVMe optimizer offload moves over
 #: the host link: the fp32 gradient written in backward (4), master, m, v and gradient read (16), master, m, v

@@ -15,6 +15,8 @@ import re
 import warnings
 from dataclasses import dataclass
 
+from lightning_smartinf.core.io.storage import readable_size
+
 
 @dataclass(frozen=True)
 class HarmlessWarning:
@@ -136,18 +138,12 @@ def endurance_note(paths: list[str], bytes_per_step: int) -> str | None:
     if _endurance_said or not any(_on_block_device(p) for p in paths):
         return None
     _endurance_said = True
+    per_step, per_1000 = (readable_size(n * bytes_per_step, decimal=True) for n in (1, 1000))
     return (
-        f"SmartUpdate rewrites the optimizer state on its storage at every step: {_size(bytes_per_step)} per step "
-        f"({_size(1000 * bytes_per_step)} per 1000 steps) on {', '.join(paths)}. Consumer SSDs are rated for a few "
-        "hundred TB written (TBW); prefer datacenter SSDs for long runs."
+        f"SmartUpdate rewrites the optimizer state on its storage at every step: {per_step} per step ({per_1000} per "
+        f"1000 steps) on {', '.join(paths)}. Consumer SSDs are rated for a few hundred TB written (TBW); prefer "
+        "datacenter SSDs for long runs."
     )
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 def _on_block_device(path: str) -> bool:

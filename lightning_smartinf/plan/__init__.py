@@ -5,9 +5,7 @@ only calibration (:mod:`.calibrate`) uses torch (``import lightning_smartinf`` l
 it registers import :mod:`lightning_smartinf.core`). Neither imports DeepSpeed nor Lightning.
 """
 
-from lightning_smartinf.plan.machine import Machine, load_any
-from lightning_smartinf.plan.machine_plan import MachinePlan, format_machine_plan, plan_machine
-from lightning_smartinf.plan.model import (
+from lightning_smartinf.plan.cost_model import (
     METHODS,
     Breakdown,
     PlanError,
@@ -22,6 +20,8 @@ from lightning_smartinf.plan.model import (
     workload_from_model,
     zero_infinity,
 )
+from lightning_smartinf.plan.machine import Machine, load_any
+from lightning_smartinf.plan.machine_plan import MachinePlan, format_machine_plan, plan_machine
 from lightning_smartinf.plan.planner import Plan, format_plan, make_plan, python_snippet, strategy_args, yaml_snippet
 
 __all__ = [

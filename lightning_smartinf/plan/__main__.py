@@ -10,11 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from lightning_smartinf.plan.cost_model import PlanError, Profile, Workload, profile_names, workload_from_model
 from lightning_smartinf.plan.machine import Machine, load_any
 from lightning_smartinf.plan.machine_plan import format_machine_plan, machine_json, plan_machine
-from lightning_smartinf.plan.model import PlanError, Profile, Workload, profile_names, workload_from_model
 from lightning_smartinf.plan.planner import PYTHON_HEADER, YAML_HEADER, format_plan, make_plan, strategy_args
-from lightning_smartinf.plan.tiers import place_state
+from lightning_smartinf.plan.tier_placement import place_state
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,8 +1,8 @@
 """A profile of the ``local-nvme`` kind: one server, the ``cpu`` backend, state on its own NVMe paths.
 
-The other profiles (:class:`~lightning_smartinf.plan.model.Profile`) describe a testbed of SmartSSDs for the paper's
-comparisons. A :class:`Machine` describes what the strategy's settings act on, on a server with a GPU (or none), a
-few hundred GB of RAM and one to four ordinary NVMe SSDs:
+The other profiles (:class:`~lightning_smartinf.plan.cost_model.Profile`) describe a testbed of SmartSSDs for the
+paper's comparisons. A :class:`Machine` describes what the strategy's settings act on, on a server with a GPU (or
+none), a few hundred GB of RAM and one to four ordinary NVMe SSDs:
 
 - each storage path, its read and write bandwidth alone, and the physical disk it is on (paths on one disk share its
   bandwidth); all paths streaming at once (``together_read_write_gbps``), since training reads and writes the state
@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from lightning_smartinf.plan.model import PlanError, Profile, read_profile
+from lightning_smartinf.plan.cost_model import PlanError, Profile, read_profile
 
 __all__ = ["MACHINE_KIND", "Gpu", "Machine", "StoragePath", "is_machine", "load_any"]
 

@@ -29,8 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_smartinf.core.io.storage import free_bytes
-from lightning_smartinf.plan.machine import Machine
-from lightning_smartinf.plan.model import (
+from lightning_smartinf.plan.cost_model import (
     FP32_GRAD_BYTES,
     FP32_STATE_BYTES,
     GB,
@@ -45,8 +44,18 @@ from lightning_smartinf.plan.model import (
     parameter_io,
     zero_infinity,
 )
-from lightning_smartinf.plan.planner import ENOUGH, choose_sub_group, python_code, size_text, workload_text, yaml_code
-from lightning_smartinf.plan.tiers import TierPlacement, place_state
+from lightning_smartinf.plan.machine import Machine
+from lightning_smartinf.plan.planner import (
+    ARGUMENT_COMMENTS,
+    ENOUGH,
+    PARAMETERS_ON_STORAGE,
+    choose_sub_group,
+    python_code,
+    size_text,
+    workload_text,
+    yaml_code,
+)
+from lightning_smartinf.plan.tier_placement import TierPlacement, place_state
 
 __all__ = ["MachinePlan", "PathSpace", "format_machine_plan", "machine_json", "plan_machine"]
 
@@ -480,16 +489,13 @@ def _comments(plan: MachinePlan) -> dict[str, str]:
     offload = {
         False: "16-bit parameters stay in GPU memory" if plan.machine.gpu else "16-bit parameters in host memory",
         True: "16-bit parameters in pinned host memory, fetched for forward and backward",
-        "storage": "16-bit parameters in files on the first storage path, read a layer ahead",
+        "storage": PARAMETERS_ON_STORAGE,
     }[plan.offload_parameters]
     return {
+        **ARGUMENT_COMMENTS,
         "storage_paths": "one directory per path (device): the state is spread over them",
-        "sub_group_size": "elements per ZeRO sub-group, the unit of work of a device",
-        "buffer_count": "chunk buffers per device",
         "device_weights": "relative state bandwidth of each path: sub-groups are shared out in proportion",
-        "state_memory_budget": "host RAM for fp32 master and optimizer state (the memory tier)",
         "state_memory_share": "RAM keeps its whole budget; the paths hold only the rest",
-        "state_accelerator_budget": "GPU memory for optimizer state (the accelerator tier), filled first",
         "offload_parameters": offload,
         "gradient_buffer": "where the reduced gradient partitions wait for the devices",
         "compression": f"SmartComp: send the largest {(plan.compression or 0) * 100:g}% of each sub-group's gradient",

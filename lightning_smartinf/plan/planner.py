@@ -1,4 +1,4 @@
-"""Recommendations and printable reports on top of :mod:`lightning_smartinf.plan.model`."""
+"""Recommendations and printable reports on top of :mod:`lightning_smartinf.plan.cost_model`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_smartinf.plan.model import (
+from lightning_smartinf.plan.cost_model import (
     Breakdown,
     PlanError,
     Profile,
@@ -15,7 +15,7 @@ from lightning_smartinf.plan.model import (
     iteration,
     zero_infinity,
 )
-from lightning_smartinf.plan.tiers import TierPlacement
+from lightning_smartinf.plan.tier_placement import TierPlacement
 
 #: Candidate ZeRO sub-group sizes (elements); the paper used 4e7 and 1e8.
 SUB_GROUP_CANDIDATES = (10_000_000, 20_000_000, 40_000_000, 100_000_000, 200_000_000)
@@ -236,18 +236,27 @@ def strategy_args(plan: Plan) -> dict[str, Any]:
     return args
 
 
+#: What each strategy argument of a snippet does, written above it (a planner adds or replaces what depends on its
+#: plan).
+ARGUMENT_COMMENTS = {
+    "sub_group_size": "elements per ZeRO sub-group, the unit of work of a device",
+    "buffer_count": "chunk buffers per device",
+    "state_memory_budget": "host RAM for fp32 master and optimizer state (the memory tier)",
+    "state_accelerator_budget": "GPU memory for optimizer state (the accelerator tier), filled first",
+}
+#: ``offload_parameters="storage"``'s comment.
+PARAMETERS_ON_STORAGE = "16-bit parameters in files on the first storage path, read a layer ahead"
+
+
 def _comments(plan: Plan) -> dict[str, str]:
     """One comment per argument of :func:`strategy_args`, shared by the Python and YAML snippets."""
     return {
+        **ARGUMENT_COMMENTS,
         "storage_paths": "one directory per device / SSD: replace the placeholders with yours",
-        "sub_group_size": "elements per ZeRO sub-group, the unit of work of a device",
-        "buffer_count": "chunk buffers per device",
         "device_weights": "relative speed of each device: sub-groups are shared out in proportion",
-        "state_memory_budget": "host RAM for fp32 master and optimizer state (the memory tier)",
-        "state_accelerator_budget": "GPU memory for optimizer state (the accelerator tier), filled first",
         "compression": f"SmartComp: send the largest {plan.compression * 100:g}% of each sub-group's gradient entries",
         "overlap_backward": "compressed gradients reach the devices after backward, not during it",
-        "offload_parameters": "16-bit parameters in files on the first storage path, read a layer ahead",
+        "offload_parameters": PARAMETERS_ON_STORAGE,
     }
 
 

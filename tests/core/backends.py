@@ -14,7 +14,7 @@ from lightning_smartinf.core.host_buffer import InMemoryBuffer
 from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdafactor, EFAdam, UpdateRule
 from lightning_smartinf.core.streaming.backend import StreamingBackend
 from lightning_smartinf.core.streaming.device import StreamingDevice
-from lightning_smartinf.core.tiers.memory import MemoryDevice
+from lightning_smartinf.core.tiers.host_memory import MemoryDevice
 from lightning_smartinf.core.tiers.tiered import TieredBackend
 
 # name -> (rule, torch optimizer class, torch kwargs, StepParams kwargs beyond step/lr/grad_scale)

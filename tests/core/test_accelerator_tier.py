@@ -1,8 +1,9 @@
 """The accelerator tier in the core: state in a torch device's memory, updated there by the rule's own code.
 
 No GPU is lent to this project's CI, so these tests put the tier on the host's torch device: every line of
-``core/tiers/accelerator.py`` runs (placement, in-place updates, the gradient crossing, checkpoint staging, moves),
-with CPU tensors where a GPU would hold CUDA ones. ``test_on_cuda`` runs the same training on a GPU where there is one.
+``core/tiers/accelerator_memory.py`` runs (placement, in-place updates, the gradient crossing, checkpoint staging,
+moves), with CPU tensors where a GPU would hold CUDA ones. ``test_on_cuda`` runs the same training on a GPU where
+there is one.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.format.state_files import shard_file_name
 from lightning_smartinf.core.placement import Tiered
 from lightning_smartinf.core.rules import Adam, StepParams
-from lightning_smartinf.core.tiers.accelerator import AcceleratorStateFile
-from lightning_smartinf.core.tiers.memory import MemoryStateFile
+from lightning_smartinf.core.tiers.accelerator_memory import AcceleratorStateFile
+from lightning_smartinf.core.tiers.host_memory import MemoryStateFile
 from lightning_smartinf.devices.cpu import CpuBackend
 from tests.core.backends import split_tier_arguments, with_tiers
 

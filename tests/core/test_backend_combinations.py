@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hang_guard import run_with_timeout
-from ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
-from remote_servers import server_pool, write_token
+from helpers.hang_guard import run_with_timeout
+from helpers.ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
+from helpers.remote_servers import server_pool, write_token
 from torch.testing import assert_close
 
 from lightning_smartinf.core.backend import Backend, ShardSpec

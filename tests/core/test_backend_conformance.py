@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hang_guard import run_with_timeout
-from ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
+from helpers.hang_guard import run_with_timeout
+from helpers.ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
+from helpers.unwritable import unwritable_dir
 from torch.testing import assert_close
-from unwritable import unwritable_dir
 
 from lightning_smartinf.core.backend import Backend, ShardSpec
 from lightning_smartinf.core.compression import SparseGrad

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hang_guard import GUARD_S, run_with_timeout
-from machine import aio_op
+from helpers.hang_guard import GUARD_S, run_with_timeout
+from helpers.machine import aio_op
 
 from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.io.direct import IO_ALIGN, StateFile, ThreadedIO, aligned_empty

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from machine import aio_op, lacking
+from helpers.machine import aio_op, lacking
 from torch.testing import assert_close
 
 from lightning_smartinf.core import Adam, ShardSpec, StepParams

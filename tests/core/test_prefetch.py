@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_smartinf.core.backend import ShardSpec
-from lightning_smartinf.core.streaming.device import EmulatedDevice
+from lightning_smartinf.core.streaming.device import HostCoreDevice
 from lightning_smartinf.devices.cpu import CpuBackend
 from tests.core.gated_io import CHUNK, HP, RULE, TIMEOUT_S, GatedIO
 
@@ -65,7 +65,7 @@ def _step(backend: CpuBackend, reference: Reference, order: list[int], **submit)
     return outs
 
 
-def _settle(device: EmulatedDevice, *shards: int) -> None:
+def _settle(device: HostCoreDevice, *shards: int) -> None:
     """Wait until the device holds finished prefetched reads of exactly these shards' chunks, in this order.
 
     The worker owns the deque: a snapshot that races with it is retried.

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from remote_servers import ServerProcess, running, server_pool, write_token
+from helpers.remote_servers import ServerProcess, running, server_pool, write_token
 from torch.testing import assert_close
 
 from lightning_smartinf.core.backend import ShardSpec
@@ -263,7 +263,7 @@ def test_a_server_restarted_over_another_storage_root_is_refused(tmp_path, serve
 
 @pytest.fixture
 def certificates(tmp_path) -> Path:
-    from remote_servers import make_certificates
+    from helpers.remote_servers import make_certificates
 
     return make_certificates(tmp_path / "tls")
 

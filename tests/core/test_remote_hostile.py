@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from remote_servers import ServerProcess, write_token
+from helpers.remote_servers import ServerProcess, write_token
 
 from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.format.layout import ChunkLayout
@@ -675,7 +675,7 @@ def test_the_client_closes_its_sessions_on_every_server_when_one_fails(tmp_path)
 @pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:0", "10.1.2.3:50051", "storage1.example:50051"])
 def test_a_server_on_a_public_address_without_tls_refuses_to_start(tmp_path, listen) -> None:
     """Checked before anything is bound or read: the message names the fixes."""
-    from launch import python
+    from helpers.launch import python
 
     token_file = write_token(tmp_path / "token", TOKEN)
     command = ["-m", "lightning_smartinf", "serve", "--storage", tmp_path / "root", "--token-file", token_file]

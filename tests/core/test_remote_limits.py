@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from remote_servers import ServerProcess, write_token
+from helpers.remote_servers import ServerProcess, write_token
 
 from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.io.storage import StorageError

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from remote_servers import server_pool, write_token
+from helpers.remote_servers import server_pool, write_token
 from torch.testing import assert_close
 
 from lightning_smartinf.core.backend import ShardSpec

@@ -19,7 +19,7 @@ from lightning_smartinf.core.format.state_files import shard_file_name
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.placement import RoundRobin, Tiered
 from lightning_smartinf.core.rules import Adam, StepParams
-from lightning_smartinf.core.tiers.memory import MemoryStateFile
+from lightning_smartinf.core.tiers.host_memory import MemoryStateFile
 from lightning_smartinf.core.tiers.tiered import TieredBackend
 from lightning_smartinf.devices.cpu import CpuBackend
 from tests.core.backends import FlatPartitions, read_masters, split_tier_arguments, with_tiers

@@ -1,6 +1,6 @@
 """What only the ``xrt`` backend has: byte counters per path, P2P buffers, device pairing and its bad-input messages.
 
-Everything runs on the software model of pyxrt (``lightning_smartinf.devices.xrt.model``), which executes the C
+Everything runs on the software model of pyxrt (``lightning_smartinf.devices.xrt.software_xrt``), which executes the C
 simulation of ``hls_kernels/``; the conformance suite (``test_backend_conformance.py``) covers the update results.
 """
 

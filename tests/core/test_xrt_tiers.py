@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
+from helpers.ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
 
 from lightning_smartinf.core.backend import Backend, ShardSpec
 from lightning_smartinf.core.compression import compress_topk
 from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.placement import memory_share
 from lightning_smartinf.core.rules import Adam, StepParams
-from lightning_smartinf.core.tiers.memory import MemoryDevice
+from lightning_smartinf.core.tiers.host_memory import MemoryDevice
 from lightning_smartinf.core.tiers.tiered import TieredBackend
 from lightning_smartinf.devices.xrt import XrtBackend, forget_platform, write_model_xclbin
 from tests.core.backends import SlowMemoryTiers, split_tier_arguments, with_tiers

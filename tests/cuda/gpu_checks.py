@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import CaptureParams, LMModule, adamw_factory, fit, max_relative_error, token_loader  # noqa: E402
+from helpers.models import CaptureParams, LMModule, adamw_factory, fit, max_relative_error, token_loader  # noqa: E402
 
 from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
 from lightning_smartinf.activations import ActivationOffloader  # noqa: E402
@@ -384,7 +384,7 @@ def stream_hazards(device: str, out: Path) -> dict:
     """Work queued on one stream and read from another, each made late (``torch.cuda._sleep``) so that a missing
     fence shows: a copy within GPU memory (``AcceleratorCopies.put``) read after ``settle``; an accelerator-tier
     write-back copied to the host by a checkpoint's staging right after it."""
-    from lightning_smartinf.core.tiers.accelerator import AcceleratorStateFile
+    from lightning_smartinf.core.tiers.accelerator_memory import AcceleratorStateFile
 
     n = 1 << 20
     src = torch.randn(n, device=device)

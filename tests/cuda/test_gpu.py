@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_checks import CHECKS, run_check  # noqa: E402
-from launch import RENDEZVOUS, worker_env  # noqa: E402
+from helpers.launch import RENDEZVOUS, worker_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Checks that are another's reference only (run with it).

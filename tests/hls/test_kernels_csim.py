@@ -31,12 +31,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
-from machine import lacking
+from helpers.ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
+from helpers.machine import lacking
 
 from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdam, StepParams, UpdateRule
 from lightning_smartinf.devices.xrt.abi import BEAT_BYTES, derive_scalars, load_csim_library, sgd_scalars
-from lightning_smartinf.devices.xrt.model import build_csim_library
+from lightning_smartinf.devices.xrt.software_xrt import build_csim_library
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HLS_DIR = REPO_ROOT / "hls_kernels"

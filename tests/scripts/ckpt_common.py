@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import CaptureParams, LMModule, adamw_factory, token_loader  # noqa: E402
+from helpers.models import CaptureParams, LMModule, adamw_factory, token_loader  # noqa: E402
 
 from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
 from lightning_smartinf.commands.export import is_complete  # noqa: E402

@@ -11,8 +11,8 @@ from pathlib import Path
 import lightning as L
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import LMModule, adamw_factory, fit  # noqa: E402
-from rank_device import rank_device  # noqa: E402
+from helpers.models import LMModule, adamw_factory, fit  # noqa: E402
+from helpers.rank_device import rank_device  # noqa: E402
 
 from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
 from lightning_smartinf.hf.pretrained import trained_weights  # noqa: E402

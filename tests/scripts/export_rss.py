@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Callable
 
-from machine import proc_status, reset_peak
+from helpers.machine import proc_status, reset_peak
 
 from lightning_smartinf.commands.export import consolidate_fp32_state_dict
 from lightning_smartinf.commands.export import main as export_main

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_models import BATCH, KINDS, STEPS, samples  # noqa: E402
+from helpers.hf_models import BATCH, KINDS, STEPS, samples  # noqa: E402
 
 from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
 

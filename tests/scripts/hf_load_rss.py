@@ -15,7 +15,7 @@ from pathlib import Path
 import deepspeed
 import lightning as L
 import torch
-from machine import proc_status, reset_peak
+from helpers.machine import proc_status, reset_peak
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 

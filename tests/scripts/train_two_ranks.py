@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import CaptureParams, LMModule, adamw_factory, token_loader  # noqa: E402
+from helpers.models import CaptureParams, LMModule, adamw_factory, token_loader  # noqa: E402
 
 from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
 

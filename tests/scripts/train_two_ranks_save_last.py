@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import CaptureParams, streaming_backend  # noqa: E402
+from helpers.models import CaptureParams, streaming_backend  # noqa: E402
 from scripts.ckpt_common import EVERY, fit_sharded  # noqa: E402
 
 

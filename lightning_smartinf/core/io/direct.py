@@ -49,7 +49,7 @@ def supports_direct_io(directory: Path) -> bool:
 class StateFile:
     """One file of device state, opened for direct positional I/O when the filesystem supports it."""
 
-    #: Whether the state is in memory rather than on storage (see :mod:`lightning_smartinf.core.tiers.memory`).
+    #: Whether the state is in memory rather than on storage (see :mod:`lightning_smartinf.core.tiers.host_memory`).
     in_memory = False
     #: Whether code that opens the state by :attr:`path` (checkpoints) needs a host copy staged first.
     needs_host_copy = False

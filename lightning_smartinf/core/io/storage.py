@@ -15,9 +15,15 @@ GIB = 1024**3
 TMP_MARK = ".tmp-"
 
 
-def readable_size(nbytes: float) -> str:
-    """``nbytes`` in binary units with three significant digits (``"9.61 GiB"``, ``"257 KiB"``, ``"12 B"``)."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+BINARY_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+#: Decimal units, as disks are sold and rated (terabytes written).
+DECIMAL_UNITS = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
+
+
+def readable_size(nbytes: float, *, decimal: bool = False) -> str:
+    """``nbytes`` with three significant digits, in binary units (``"9.61 GiB"``, ``"257 KiB"``, ``"12 B"``) or
+    ``decimal`` ones (``"96.4 GB"``)."""
+    for unit, scale in DECIMAL_UNITS if decimal else BINARY_UNITS:
         if nbytes >= scale:
             return f"{nbytes / scale:.3g} {unit}"
     return f"{nbytes:.0f} B"

@@ -8,7 +8,7 @@ backend's (:mod:`lightning_smartinf.core.streaming.backend`); a device only serv
 
 A new kind of device implements :meth:`StreamingDevice.allocate` and :meth:`StreamingDevice.update_work`: its buffers,
 and what one update does to each chunk (plus :meth:`StreamingDevice.initialize_link_bytes` where initializing moves
-other bytes than the masters over the link). :class:`EmulatedDevice`, at the end, is the device that updates on a
+other bytes than the masters over the link). :class:`HostCoreDevice`, at the end, is the device that updates on a
 host core: the ``cpu`` kind's devices and the memory tiers are it.
 """
 
@@ -596,7 +596,7 @@ def link_bytes(grad: Tensor | SparseGrad, link_dtype: torch.dtype) -> int:
     return grad.link_bytes(link_dtype) if isinstance(grad, SparseGrad) else grad.numel() * link_dtype.itemsize
 
 
-class EmulatedDevice(StreamingDevice):
+class HostCoreDevice(StreamingDevice):
     """One emulated computational-storage device: a directory, a host buffer pool and three kinds of threads."""
 
     _grad_chunk: Tensor | None = None

@@ -64,8 +64,8 @@ from lightning_smartinf.core.placement import Fixed, Tiered, check_assignment, m
 from lightning_smartinf.core.rules import StepParams
 from lightning_smartinf.core.streaming.backend import REPLAN_DRIFT, StreamingBackend
 from lightning_smartinf.core.streaming.device import StreamingDevice
-from lightning_smartinf.core.tiers.accelerator import AcceleratorDevice
-from lightning_smartinf.core.tiers.memory import MemoryDevice, MemoryTiers
+from lightning_smartinf.core.tiers.accelerator_memory import AcceleratorDevice
+from lightning_smartinf.core.tiers.host_memory import MemoryDevice, MemoryTiers
 from lightning_smartinf.core.tiers.update_model import best_share, memory_candidates, update_tail
 from lightning_smartinf.core.traffic import TrafficSnapshot
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from lightning_smartinf.core.io.direct import IOEngine, ThreadedIO
 from lightning_smartinf.core.placement import Placement
 from lightning_smartinf.core.streaming.backend import StreamingBackend
-from lightning_smartinf.core.streaming.device import EmulatedDevice
+from lightning_smartinf.core.streaming.device import HostCoreDevice
 
 __all__ = ["CpuBackend"]
 
@@ -65,9 +65,9 @@ class CpuBackend(StreamingBackend):
             device_weights=device_weights,
         )
 
-    def make_device(self, index: int, directory: Path) -> EmulatedDevice:
+    def make_device(self, index: int, directory: Path) -> HostCoreDevice:
         """An emulated device over ``directory`` with its own I/O engine from ``io_factory``."""
-        return EmulatedDevice(
+        return HostCoreDevice(
             index,
             directory,
             self.traffic,

@@ -1,9 +1,9 @@
 """The ``xrt`` kind: Samsung SmartSSDs through XRT's ``pyxrt``, and a software model of ``pyxrt`` to test it.
 
 ``XrtBackend(..., xclbin=path)`` uses the real ``pyxrt`` (imported only then) for an ``.xclbin`` file and the
-software model (:mod:`lightning_smartinf.devices.xrt.model`, the C simulation of ``hls_kernels/`` through ctypes) for
-a model manifest written by :func:`write_model_xclbin`. See ``docs/smartssd.md``. The names load on first use, so that
-registering the kind imports nothing heavy.
+software model (:mod:`~lightning_smartinf.devices.xrt.software_xrt`, the C simulation of ``hls_kernels/`` through
+ctypes) for a model manifest written by :func:`write_model_xclbin`. See ``docs/smartssd.md``. The names load on
+first use, so that registering the kind imports nothing heavy.
 """
 
 import importlib

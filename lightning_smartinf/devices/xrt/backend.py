@@ -58,7 +58,7 @@ from lightning_smartinf.devices.xrt.abi import (
     rule_kernel,
     u32_arg,
 )
-from lightning_smartinf.devices.xrt.model import SoftwarePyxrt, is_model_xclbin, platform_for
+from lightning_smartinf.devices.xrt.software_xrt import SoftwarePyxrt, is_model_xclbin, platform_for
 
 MIB = 1 << 20
 _BDF = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")

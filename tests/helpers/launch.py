@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 SCRIPTS = TESTS / "scripts"
 #: What a fit in this process leaves in ``os.environ`` that a new process group must not inherit (torchrun's own

@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from machine import tmpfs
+from helpers.machine import tmpfs
 
 
 @contextlib.contextmanager

@@ -34,8 +34,8 @@ from torch import Tensor
 from lightning_smartinf.core.accelerator import StreamFences, record_fence
 from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.io.direct import StateFile
-from lightning_smartinf.core.streaming.device import EmulatedDevice
-from lightning_smartinf.core.tiers.memory import MemoryIO, MemoryStateFile, TensorStateFile
+from lightning_smartinf.core.streaming.device import HostCoreDevice
+from lightning_smartinf.core.tiers.host_memory import MemoryIO, MemoryStateFile, TensorStateFile
 from lightning_smartinf.core.traffic import Traffic
 
 __all__ = ["AcceleratorDevice", "AcceleratorStateFile"]
@@ -95,7 +95,7 @@ class AcceleratorStateFile(TensorStateFile):
         self.unstage()
 
 
-class AcceleratorDevice(EmulatedDevice):
+class AcceleratorDevice(HostCoreDevice):
     """The accelerator tier as a device: state in ``device`` memory, updated there.
 
     Its chunk buffers and gradient chunk are in accelerator memory too; host memory holds one fp32 gradient chunk,

@@ -1,11 +1,12 @@
-"""The paper's reported numbers (Smart-Infinity, HPCA'24 §VII, Fig. 9 and 11b, Table I) and the model's
-predictions for them, side by side. Used by ``tests/test_plan.py`` and ``docs/planner.md``."""
+"""The paper's reported numbers (Smart-Infinity, HPCA'24 §VII, Fig. 9 and 11b, Table I) and the planner's cost
+model's predictions for them, side by side: ``PYTHONPATH=. .venv/bin/python benchmarks/validate_planner.py`` prints
+the rows of ``docs/planner.md``'s validation table; ``tests/test_plan.py`` holds the model to them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from lightning_smartinf.plan.model import Profile, Workload, iteration, load_profile, speedup, zero_infinity
+from lightning_smartinf.plan.cost_model import Profile, Workload, iteration, load_profile, speedup, zero_infinity
 
 #: The paper's models (batch 4, §VII-A; GPT-2 with Megatron's 1024-token context, BERT with 512).
 PAPER_MODELS = {
@@ -96,7 +97,7 @@ def link_bytes_per_param(method: str, profile: str = "paper-a5000") -> tuple[flo
 
 def validation_markdown() -> str:
     """The rows of ``docs/planner.md``'s validation table, one per statement and model family (as the doc prints
-    them: ``python -m lightning_smartinf.plan.validation``)."""
+    them: ``benchmarks/validate_planner.py``)."""
     rows: dict[tuple[str, str], list[tuple[str, float, float]]] = {}
     points = {}
     for point, model, value, error in validation_rows():

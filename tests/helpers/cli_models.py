@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from models import SEQ, VOCAB, TinyGPT, param_groups
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+from helpers.models import SEQ, VOCAB, TinyGPT, param_groups
 
 
 class TokenDicts(Dataset):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 
 import torch
-from models import LMModule, OptimizerFactory, token_loader
 
+from helpers.models import LMModule, OptimizerFactory, token_loader
 from lightning_smartinf.core.compression import kept_count
 
 

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 #: The rank's device in a :class:`RankDevice`: never the host.
 RANK_DEVICE = torch.device("meta")
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_smartinf"
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_smartinf"
 
 #: Collectives that take tensors, checked at the package's call sites.
 TENSOR_COLLECTIVES = (

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from lightning_smartinf.core.io.direct import IOEngine, StateFile
 from lightning_smartinf.core.streaming.backend import StreamingBackend
-from lightning_smartinf.core.streaming.device import EmulatedDevice, StreamingDevice
+from lightning_smartinf.core.streaming.device import HostCoreDevice, StreamingDevice
 from lightning_smartinf.core.traffic import Traffic
 
 __all__ = ["MemoryDevice", "MemoryIO", "MemoryStateFile", "MemoryTiers", "TensorStateFile"]
@@ -115,7 +115,7 @@ class MemoryIO(IOEngine):
         """Nothing to release."""
 
 
-class MemoryDevice(EmulatedDevice):
+class MemoryDevice(HostCoreDevice):
     """The memory tier as a device: state in host RAM, updated by a host core (the rule's own code).
 
     Args:

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_smartinf.core.placement import memory_share
-from lightning_smartinf.plan.model import FP32_STATE_BYTES, GB, PlanError, Profile, Workload, fwd_bwd_time
+from lightning_smartinf.plan.cost_model import FP32_STATE_BYTES, GB, PlanError, Profile, Workload, fwd_bwd_time
 
 __all__ = ["TierPlacement", "memory_share", "place_state"]
 
