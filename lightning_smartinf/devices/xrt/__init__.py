@@ -11,20 +11,20 @@ from typing import Any
 
 #: Public name -> the module of this package that defines it.
 _PUBLIC = {
-    "SMARTSSD_DDR_BYTES": "model",
-    "PathCounters": "model",
-    "SoftwarePyxrt": "model",
+    "SMARTSSD_DDR_BYTES": "software_xrt",
+    "PathCounters": "software_xrt",
+    "SoftwarePyxrt": "software_xrt",
     "XrtBackend": "backend",
     "XrtDevice": "backend",
-    "build_csim_library": "model",
+    "build_csim_library": "software_xrt",
     "check_xrt_settings": "backend",
-    "csim_library_path": "model",
-    "forget_platform": "model",
-    "is_model_xclbin": "model",
+    "csim_library_path": "software_xrt",
+    "forget_platform": "software_xrt",
+    "is_model_xclbin": "software_xrt",
     "load_pyxrt": "backend",
     "pair_by_pcie": "backend",
-    "platform_for": "model",
-    "write_model_xclbin": "model",
+    "platform_for": "software_xrt",
+    "write_model_xclbin": "software_xrt",
 }
 
 __all__ = sorted(_PUBLIC)
