@@ -82,6 +82,11 @@ _MOVED = {
     "lightning_smartinf.export": "lightning_smartinf.commands.export",
     "lightning_smartinf.report": "lightning_smartinf.commands.report",
     "lightning_smartinf.fit": "lightning_smartinf.commands.fit",
+    "lightning_smartinf.plan.model": "lightning_smartinf.plan.cost_model",
+    "lightning_smartinf.plan.tiers": "lightning_smartinf.plan.tier_placement",
+    "lightning_smartinf.core.tiers.memory": "lightning_smartinf.core.tiers.host_memory",
+    "lightning_smartinf.core.tiers.accelerator": "lightning_smartinf.core.tiers.accelerator_memory",
+    "lightning_smartinf.devices.xrt.model": "lightning_smartinf.devices.xrt.software_xrt",
 }
 
 #: Where Lightning keeps its strategy registry.

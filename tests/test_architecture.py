@@ -508,3 +508,31 @@ def test_a_first_fit_loads_every_op_prebuilt(tmp_path: Path) -> None:
     loaded = _loaded_extensions(done)
     _assert_prebuilt(loaded, tmp_path)
     assert set(expected) <= set(loaded), f"expected {expected} loaded, found {loaded}"
+
+
+def test_a_moved_module_imports_by_its_old_name_with_a_warning() -> None:
+    """Every old name of a moved module imports as the module at its new place, warning once, in a fresh
+    interpreter (also ``python -m`` of the old name of the demo)."""
+    import lightning_smartinf
+
+    code = (
+        "import importlib, sys, warnings\n"
+        "warnings.simplefilter('error', DeprecationWarning)\n"
+        "import lightning_smartinf\n"
+        f"for old, new in {dict(lightning_smartinf._MOVED)!r}.items():\n"
+        "    try:\n"
+        "        importlib.import_module(old)\n"
+        "    except DeprecationWarning as warning:\n"
+        "        assert new in str(warning), warning\n"
+        "    else:\n"
+        "        raise AssertionError(f'{old}: no warning')\n"
+        "    warnings.simplefilter('ignore', DeprecationWarning)\n"
+        "    assert importlib.import_module(old) is importlib.import_module(new)\n"
+        "    warnings.simplefilter('error', DeprecationWarning)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    demo = subprocess.run(
+        [sys.executable, "-m", "lightning_smartinf.demo", "--help"], capture_output=True, text=True, timeout=300
+    )
+    assert demo.returncode == 0 and "usage: smartinf demo" in demo.stdout, demo.stderr[-2000:]

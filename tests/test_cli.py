@@ -79,8 +79,8 @@ def recipe(tmp_path: Path, logger: str | None = "csv", **trainer: object) -> dic
             "enable_progress_bar": False,
             **trainer,
         },
-        "model": {"class_path": "cli_models.TinyLM"},
-        "data": {"class_path": "cli_models.RandomTokens", "init_args": {"batches": 4, "batch_size": 4}},
+        "model": {"class_path": "helpers.cli_models.TinyLM"},
+        "data": {"class_path": "helpers.cli_models.RandomTokens", "init_args": {"batches": 4, "batch_size": 4}},
     }
     if logger is not None:
         loggers = {"csv": "CSVLogger", "tensorboard": "TensorBoardLogger"}

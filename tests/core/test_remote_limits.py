@@ -6,6 +6,8 @@ where the test signals the process.
 
 from __future__ import annotations
 
+import itertools
+import json
 import signal
 import threading
 import time
@@ -20,7 +22,7 @@ from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.rules import Adam, StepParams
 from lightning_smartinf.devices.remote.client import RemoteBackend, channel_credentials
-from lightning_smartinf.devices.remote.server import ServerLimits, serve, session_tag
+from lightning_smartinf.devices.remote.server import DeviceServer, ServerLimits, serve, session_tag
 from lightning_smartinf.devices.remote.wire import MAX_UPDATES_IN_FLIGHT, SERVICE, Frame, header_frame
 
 TOKEN = "a-token-of-the-limits-tests"
@@ -148,6 +150,48 @@ def test_a_label_of_the_client_is_one_path_component(tmp_path) -> None:
                 client.open(SPECS)
             client.close()
         assert not list(Path(tmp_path / "root").glob("sessions/*"))
+    finally:
+        server.stop(None).wait()
+        servicer.close()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [{"storage_read_bytes": 1}, {"storage_read_bytes": "many", "storage_write_bytes": 2}],
+    ids=["missing", "not_a_count"],
+)
+def test_a_malformed_traffic_reply_keeps_the_last_counters(tmp_path, monkeypatch, reply) -> None:
+    """A server that answers the traffic counters malformed (a field missing, or not a count) is a server that
+    cannot be trusted for them: the trainer keeps the figures it had, and neither raises ``KeyError`` nor takes
+    the server's word."""
+    original = DeviceServer.control
+
+    def lying(self, requests, context):  # noqa: ANN001, ANN202 - a gRPC handler
+        first = next(requests)
+        if json.loads(first.header).get("op") == "traffic" and lies.is_set():
+            return header_frame(**reply)
+        return original(self, itertools.chain([first], requests), context)
+
+    lies = threading.Event()
+    monkeypatch.setattr(DeviceServer, "control", lying)
+    server, servicer, port = serve([tmp_path / "root"], TOKEN)
+    try:
+        client = _opened(port)
+        out = torch.empty(CHUNK)
+        client.result(client.submit(0, torch.ones(CHUNK), StepParams(step=1, lr=1e-3), out))
+        client.wait()
+        honest = client.traffic_snapshot()
+        assert honest.storage_write_bytes > 0
+        lies.set()
+        client.result(client.submit(0, torch.ones(CHUNK), StepParams(step=2, lr=1e-3), out))
+        client.wait()
+        after = client.traffic_snapshot()
+        assert (after.storage_read_bytes, after.storage_write_bytes) == (
+            honest.storage_read_bytes,
+            honest.storage_write_bytes,
+        )
+        assert after.link_write_bytes > honest.link_write_bytes  # what this rank counts itself goes on
+        client.close()
     finally:
         server.stop(None).wait()
         servicer.close()
