@@ -4,18 +4,20 @@ and backends' state read back."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_smartinf.core.backend import Backend
+from lightning_smartinf.core.build import tiers_over
 from lightning_smartinf.core.host_buffer import InMemoryBuffer
 from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdafactor, EFAdam, UpdateRule
 from lightning_smartinf.core.streaming.backend import StreamingBackend
 from lightning_smartinf.core.streaming.device import StreamingDevice
 from lightning_smartinf.core.tiers.host_memory import MemoryDevice
-from lightning_smartinf.core.tiers.tiered import TieredBackend
+from lightning_smartinf.core.tiers.tiered import AttachedTiers, TieredBackend
 
 # name -> (rule, torch optimizer class, torch kwargs, StepParams kwargs beyond step/lr/grad_scale)
 OPTIMIZERS: dict[str, tuple[UpdateRule, type, dict, dict]] = {
@@ -137,7 +139,7 @@ class SlowMemoryDevice(MemoryDevice):
         super().run_compute(work)
 
 
-class SlowMemoryTiers(TieredBackend):
+class SlowMemoryTiers(AttachedTiers):
     """Tiers whose memory device is a :class:`SlowMemoryDevice`."""
 
     def make_memory_device(self, index: int, backend: StreamingBackend) -> StreamingDevice:
@@ -152,7 +154,7 @@ def split_tier_arguments(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     return backend, {k: v for k, v in kwargs.items() if k in TIER_ARGUMENTS}
 
 
-def with_tiers(backend: Backend, tiers: type[TieredBackend] = TieredBackend, **arguments: Any) -> Backend:
+def with_tiers(backend: Backend, tiers: Callable[..., TieredBackend] = tiers_over, **arguments: Any) -> Backend:
     """``backend`` wrapped in tiers where ``arguments`` give one a budget (as set-up wraps it), else as it is."""
     if not (arguments.get("memory_bytes") or arguments.get("accelerator_bytes")):
         return backend

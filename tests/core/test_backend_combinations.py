@@ -22,6 +22,7 @@ from helpers.remote_servers import server_pool, write_token
 from torch.testing import assert_close
 
 from lightning_smartinf.core.backend import Backend, ShardSpec
+from lightning_smartinf.core.build import tiers_over
 from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.rules import StepParams
 from lightning_smartinf.core.tiers.tiered import TieredBackend
@@ -81,7 +82,7 @@ def build(request, tmp_path) -> Iterator[Callable[[str, str, str], Backend]]:
             backend = RemoteBackend([s.address for s in servers], token, **options)
         if tier != "alone":
             budget = {"memory_bytes" if tier == "memory" else "accelerator_bytes": TIER_BYTES}
-            backend = TieredBackend(backend, **budget, accelerator_device="cpu", **options)
+            backend = tiers_over(backend, **budget, accelerator_device="cpu", **options)
         made.append(backend)
         return backend
 

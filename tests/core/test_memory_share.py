@@ -8,12 +8,14 @@ which this machine does not have, and the moves they make are checked bitwise ag
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_smartinf.core.backend import Backend, ShardSpec
+from lightning_smartinf.core.build import tiers_over
 from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.rules import Adam, StepParams
 from lightning_smartinf.core.tiers.tiered import TieredBackend
@@ -100,7 +102,9 @@ def backends():
         backend.close()
 
 
-def _backend(backends: list[Backend], root: Path, tiers: type[TieredBackend] = TieredBackend, **kwargs) -> Backend:
+def _backend(
+    backends: list[Backend], root: Path, tiers: Callable[..., TieredBackend] = tiers_over, **kwargs
+) -> Backend:
     own, arguments = split_tier_arguments(kwargs)
     backend = with_tiers(
         CpuBackend([root], chunk_elems=CHUNK, buffer_count=3, tentative_slots=True, **own), tiers, **arguments

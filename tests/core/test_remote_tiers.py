@@ -16,6 +16,7 @@ from helpers.remote_servers import server_pool, write_token
 from torch.testing import assert_close
 
 from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.build import tiers_over
 from lightning_smartinf.core.compression import compress_topk
 from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.format.state_files import CheckpointError
@@ -65,7 +66,7 @@ def _tiers(servers, token_file, *, memory: int = STATE, accelerator: int = 0, we
         **({"placement": placement} if placement else {}),
         **kwargs,
     )
-    return TieredBackend(
+    return tiers_over(
         remote,
         memory_bytes=memory,
         accelerator_bytes=accelerator,

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lightning_smartinf.core.backend import Backend, ShardSpec
+from lightning_smartinf.core.build import tiers_over
 from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.format.state_files import shard_file_name
 from lightning_smartinf.core.io.storage import StorageError
@@ -175,7 +176,7 @@ def test_an_overflow_skip_leaves_both_tiers_untouched_and_the_next_step_updates_
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
     memory = 2 * ChunkLayout(2048, 1024, 2).file_bytes
     devices = CpuBackend([tmp_path / "d0"], chunk_elems=1024, buffer_count=3, tentative_slots=True)
-    backend = TieredBackend(devices, memory_bytes=memory)
+    backend = tiers_over(devices, memory_bytes=memory)
     sub_groups = [SubGroup(numel=n, param_group=0, segments=(n,)) for n in sizes]
     smart_update = SmartUpdate(SmartUpdateSettings(), backend, optimizer, sub_groups, partitions)
     initial = torch.randn(sizes[0], generator=torch.Generator().manual_seed(0))

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,12 +18,12 @@ import torch
 from helpers.ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
 
 from lightning_smartinf.core.backend import Backend, ShardSpec
+from lightning_smartinf.core.build import tiers_over
 from lightning_smartinf.core.compression import compress_topk
 from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.placement import memory_share
 from lightning_smartinf.core.rules import Adam, StepParams
 from lightning_smartinf.core.tiers.host_memory import MemoryDevice
-from lightning_smartinf.core.tiers.tiered import TieredBackend
 from lightning_smartinf.devices.xrt import XrtBackend, forget_platform, write_model_xclbin
 from tests.core.backends import SlowMemoryTiers, split_tier_arguments, with_tiers
 
@@ -45,7 +45,7 @@ def xclbin(tmp_path, csim_library) -> Iterator[Path]:
     forget_platform(path)
 
 
-def _open(backends: list, root: Path, xclbin: Path, tiers: type = TieredBackend, **kwargs) -> Backend:
+def _open(backends: list, root: Path, xclbin: Path, tiers: Callable = tiers_over, **kwargs) -> Backend:
     own, arguments = split_tier_arguments(kwargs)
     devices = XrtBackend([root / "ssd0", root / "ssd1"], xclbin=xclbin, chunk_elems=CHUNK, buffer_count=2, **own)
     backend = with_tiers(devices, tiers, **arguments)
@@ -115,7 +115,7 @@ def test_memory_beside_smartssds_updates_bitwise_like_them_and_checkpoints_move_
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-@pytest.mark.parametrize("cls", [TieredBackend, SlowMemoryTiers], ids=["measured", "slow-memory"])
+@pytest.mark.parametrize("cls", [tiers_over, SlowMemoryTiers], ids=["measured", "slow-memory"])
 def test_replan_gives_memory_the_share_that_finishes_with_the_smartssds(tmp_path, xclbin, backends, cls) -> None:
     """Memory's new share is :func:`memory_share` of the rates measured (to the nearest shard), capped by the budget;
     every shard that moves moves exactly."""

@@ -2,14 +2,18 @@
 ``remote``.
 
 :class:`TieredBackend` wraps a backend. It owns the split of a rank's shards between the accelerator tier, the
-memory tier and the wrapped backend, the policy that decides it, and the moves between tiers. A shard in a tier is
-updated on this host (by its cores, or on the GPU) with the rule's own code; its gradient never crosses to a device.
+memory tier and the wrapped backend, and the policy that decides it. A shard in a tier is updated on this host (by
+its cores, or on the GPU) with the rule's own code; its gradient never crosses to a device.
 
-The tiers' devices are streaming devices over in-memory files (:mod:`~.memory`, :mod:`~.accelerator`). Where the
-wrapped backend streams its state through this host (a :class:`StreamingBackend`: ``cpu``, ``xrt``) they are attached
-to it, after its storage devices: a move between tiers is then a byte copy between two devices of one shard table,
-and its checkpoint stays one record of every shard whatever the split. Beside a backend whose state is elsewhere
-(``remote``) they form a backend of their own (:class:`~.memory.MemoryTiers`) and requests are routed by shard.
+The tiers' devices are streaming devices over in-memory files (:mod:`~.host_memory`, :mod:`~.accelerator_memory`).
+Two designs, chosen once when the backend is built (:func:`~lightning_smartinf.core.build.tiers_over`):
+
+- :class:`AttachedTiers`, over a backend that streams its state through this host (a :class:`StreamingBackend`:
+  ``cpu``, ``xrt``): the tiers' devices are attached to it, after its storage devices. A move between tiers is a byte
+  copy between two devices of one shard table (so the memory share can be re-planned), and its checkpoint stays one
+  record of every shard whatever the split.
+- :class:`BesideTiers`, beside a backend whose state is elsewhere (``remote``): the tiers form a backend of their own
+  (:class:`~.host_memory.MemoryTiers`) and requests are routed by shard; the state never moves.
 
 Invariants:
 
@@ -41,6 +45,7 @@ import logging
 import math
 import statistics
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +74,16 @@ from lightning_smartinf.core.tiers.host_memory import MemoryDevice, MemoryTiers
 from lightning_smartinf.core.tiers.update_model import best_share, memory_candidates, update_tail
 from lightning_smartinf.core.traffic import TrafficSnapshot
 
-__all__ = ["LOCAL_DIR", "LOCAL_TIERS_MANIFEST", "Replan", "TieredBackend", "masters_with_tiers", "saved_local_shards"]
+__all__ = [
+    "LOCAL_DIR",
+    "LOCAL_TIERS_MANIFEST",
+    "AttachedTiers",
+    "BesideTiers",
+    "Replan",
+    "TieredBackend",
+    "masters_with_tiers",
+    "saved_local_shards",
+]
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +115,9 @@ class Replan:
     ready: dict[int, float]
 
 
-class TieredBackend(Backend):
-    """Host memory and accelerator memory tiers over ``inner``.
+class TieredBackend(Backend, ABC):
+    """Host memory and accelerator memory tiers over ``inner``: what both designs share (budgets, the tiers' devices,
+    the split, requests routed by shard, closing both sides).
 
     Args:
         inner: the backend of the shards the tiers do not hold (``cpu``, ``xrt``, ``remote``).
@@ -110,11 +125,10 @@ class TieredBackend(Backend):
         accelerator_bytes: bytes of shard state accelerator memory may hold (``0``: no accelerator tier).
         accelerator_device: the torch device of the accelerator tier (``"cuda"``: the current GPU).
         measure_memory_share: choose the memory tier's share of ``memory_bytes`` from measured rates (see
-            :meth:`replan`); ``False``: fill the budget; ``None``: measure where ``inner``'s devices compute.
-        chunk_elems, buffer_count, device_timeout_s: the tiers' devices beside a backend that is not a
-            :class:`StreamingBackend` (attached, they are ``inner``'s).
+            :meth:`AttachedTiers.replan`); ``False``: fill the budget; ``None``: measure where ``inner``'s devices
+            compute.
+        chunk_elems, buffer_count: the tiers' devices' chunks and buffers.
 
-    The tiers' devices are built now; beside a backend that is not streaming, when :meth:`open` puts a shard in them.
     On an error here ``inner`` is closed.
     """
 
@@ -131,7 +145,6 @@ class TieredBackend(Backend):
         measure_memory_share: bool | None = None,
         chunk_elems: int = 1 << 20,
         buffer_count: int = 16,
-        device_timeout_s: float | None = 300.0,
     ) -> None:
         super().__init__()
         self.inner = inner
@@ -141,33 +154,19 @@ class TieredBackend(Backend):
                     raise TypeError(f"`{name}={value!r}` must be an int: bytes of state (0: no such tier).")
                 if value < 0:
                     raise ValueError(f"`{name}={value}` must be >= 0: bytes of state (0: no such tier).")
-            self.memory_bytes = memory_bytes
-            self.accelerator_bytes = accelerator_bytes
-            self._accelerator_device = accelerator_device
-            #: Whether :meth:`replan` decides the memory tier's share from measurements (else it fills its budget).
-            self.measures_memory_share = inner.devices_compute if measure_memory_share is None else measure_memory_share
-            self.devices_compute = inner.devices_compute
-            self._backward: list[dict[int, float]] = []
-            self._memory_share = memory_bytes
-            #: Whether the tiers' devices are ``inner``'s (it streams its state through this host).
-            self.attached = isinstance(inner, StreamingBackend)
-            #: The backend of the tiers' shards: ``inner`` when :attr:`attached`, else built by :meth:`open` when some
-            #: shard lives in a tier (``None`` until then).
-            self.local: StreamingBackend | None = None
-            if isinstance(inner, StreamingBackend):
-                self._tier_options = (inner.chunk_elems, inner.buffer_count)
-                self.local = inner
-                self._attach_tiers(inner)
-            else:
-                self._tier_options = (chunk_elems, buffer_count)
-                self._device_timeout_s = device_timeout_s
         except BaseException:
             inner.close()
             raise
-        # Each shard's backend and its index there, and the shards each side holds (global indices, in order).
+        self.memory_bytes = memory_bytes
+        self.accelerator_bytes = accelerator_bytes
+        self._accelerator_device = accelerator_device
+        #: Whether the memory tier's share is decided from measurements (else it fills its budget).
+        self.measures_memory_share = inner.devices_compute if measure_memory_share is None else measure_memory_share
+        self.devices_compute = inner.devices_compute
+        self._memory_share = memory_bytes
+        self._tier_options = (chunk_elems, buffer_count)
+        #: Each shard's backend and its index there.
         self._where: list[tuple[Backend, int]] = []
-        self._local_shards: list[int] = []
-        self._inner_shards: list[int] = []
         # Which backend issued each outstanding handle (their `result` differ: device timeouts, server deadlines).
         self._issuer: weakref.WeakKeyDictionary[Handle, Backend] = weakref.WeakKeyDictionary()
 
@@ -202,6 +201,17 @@ class TieredBackend(Backend):
             capacity=self.accelerator_bytes,
         )
 
+    @abstractmethod
+    def _backends(self) -> list[Backend]:
+        """Each side once: ``inner``, and the tiers' own backend where it has one."""
+
+    @abstractmethod
+    def _storage_count(self) -> int:
+        """The devices of ``inner`` the split spreads its other shards over."""
+
+    def _weights(self) -> tuple[float, ...]:
+        return (1.0,) * self._storage_count()
+
     # ---------------------------------------------------------------------------------------------- views
 
     @property
@@ -219,43 +229,18 @@ class TieredBackend(Backend):
 
     @property
     def failure(self) -> BaseException | None:
-        return self.inner.failure or (self.local.failure if self.local is not None else None)
+        return next((backend.failure for backend in self._backends() if backend.failure is not None), None)
 
     @property
+    @abstractmethod
     def local_shards(self) -> tuple[int, ...]:
         """The shards whose state lives in a tier on this host (memory or accelerator), in order."""
-        if isinstance(self.inner, StreamingBackend):
-            return tuple(i for i, d in enumerate(self.inner.assignment) if self.inner.devices[d].in_memory)
-        return tuple(self._local_shards)
-
-    @property
-    def assignment(self) -> tuple[int, ...]:
-        """The device of each shard: ``inner``'s devices first, then the memory and accelerator tiers."""
-        if self.attached:
-            return self.inner.assignment
-        inner = self.inner.assignment
-        offset = self.inner.num_devices
-        local = self.local.assignment if self.local is not None else ()
-        return tuple(inner[j] if backend is self.inner else offset + local[j] for backend, j in self._where)
-
-    @property
-    def update_rates(self) -> dict[int, float]:
-        """Each device's update rate as :meth:`replan` last measured it (state bytes per second, by device index)."""
-        return self.inner.update_rates if isinstance(self.inner, StreamingBackend) else {}
 
     def takes_hand_off(self, shard: int) -> bool:
         backend, index = self._where[shard]
         return backend is self.inner and self.inner.takes_hand_off(index)
 
     # ---------------------------------------------------------------------------------------------- the split
-
-    def _storage_count(self) -> int:
-        """The devices of ``inner`` the split spreads its other shards over (one, the backend, when beside)."""
-        return len(self.inner.storage_devices) if isinstance(self.inner, StreamingBackend) else 1
-
-    def _weights(self) -> tuple[float, ...]:
-        weights = self.inner.storage_weights() if isinstance(self.inner, StreamingBackend) else None
-        return weights or (1.0,) * self._storage_count()
 
     def _split(self, shards: Sequence[ShardSpec], share: int, keep: tuple[int, ...] = ()) -> tuple[int, ...]:
         """Each shard's device under memory share ``share``: ``inner``'s (by its weights), memory, the accelerator."""
@@ -264,54 +249,164 @@ class TieredBackend(Backend):
         devices = self._storage_count() + (self.memory_bytes > 0) + (self.accelerator_bytes > 0)
         return check_assignment(tiered, shards, devices)
 
-    def _initial_share(self, shards: Sequence[ShardSpec]) -> int:
-        """Memory's share before anything is measured: beside devices that compute and a share that is measured, what
-        one more of them would hold; otherwise the whole budget."""
-        storage = self._storage_count() if self.attached else self.inner.num_devices
-        if not (self.memory_bytes and self.measures_memory_share and self.devices_compute and storage):
+    def _initial_share(self, shards: Sequence[ShardSpec], beside: int) -> int:
+        """Memory's share before anything is measured: beside ``beside`` devices that compute and a share that is
+        measured, what one more of them would hold; otherwise the whole budget."""
+        if not (self.memory_bytes and self.measures_memory_share and self.devices_compute and beside):
             return self.memory_bytes
         sizing = Tiered((1.0,), 0, self.chunk_elems)
         state = sum(sizing.state_bytes(spec) for spec in shards)
-        return int(memory_share(self.memory_bytes, max(0, state - self.accelerator_bytes), 1.0, storage))
+        return int(memory_share(self.memory_bytes, max(0, state - self.accelerator_bytes), 1.0, beside))
+
+    # ---------------------------------------------------------------------------------------------- requests
+
+    def _issued(self, backend: Backend, handle: Handle) -> Handle:
+        self._issuer[handle] = backend
+        return handle
+
+    def initialize(self, shard: int, master: Tensor) -> Handle:
+        backend, index = self._where[shard]
+        return self._issued(backend, backend.initialize(index, master))
+
+    def submit(
+        self,
+        shard: int,
+        grad: Tensor | SparseGrad,
+        hp: StepParams,
+        out: Tensor,
+        link_dtype: torch.dtype | None = None,
+        tentative: bool = False,
+        ready: Fence | None = None,
+    ) -> Handle:
+        backend, index = self._where[shard]
+        if tentative and backend is not self.inner:
+            raise ValueError(f"Shard {shard} is in a memory tier, which takes no tentative update.")
+        handle = backend.submit(index, grad, hp, out, link_dtype=link_dtype, tentative=tentative, ready=ready)
+        return self._issued(backend, handle)
+
+    def read_master(self, shard: int, out: Tensor) -> Handle:
+        backend, index = self._where[shard]
+        return self._issued(backend, backend.read_master(index, out))
+
+    def result(self, handle: Handle) -> None:
+        self._issuer.get(handle, self.inner).result(handle)
+
+    def _grouped(self, shards: Iterable[int]) -> list[tuple[Backend, list[int]]]:
+        """``shards`` grouped by backend, in each backend's numbering, in order."""
+        grouped: dict[int, tuple[Backend, list[int]]] = {}
+        for shard in shards:
+            backend, index = self._where[shard]
+            grouped.setdefault(id(backend), (backend, []))[1].append(index)
+        return list(grouped.values())
+
+    def commit(self, shards: Iterable[int]) -> None:
+        for backend, indices in self._grouped(shards):
+            backend.commit(indices)
+
+    def rollback(self, shards: Iterable[int]) -> None:
+        shards = list(shards)
+        self.wait()
+        for backend, indices in self._grouped(shards):
+            backend.rollback(indices)
+
+    def prefetch(self, shards: Sequence[int]) -> None:
+        by_backend = {id(backend): indices for backend, indices in self._grouped(shards)}
+        for backend in self._backends():
+            backend.prefetch(by_backend.get(id(backend), []))
+
+    def _on_each(self, call: Callable[[Backend], None]) -> None:
+        """``call`` on each side, even after one raised; then the first error is raised."""
+        errors = []
+        for backend in self._backends():
+            try:
+                call(backend)
+            except BaseException as exc:  # noqa: BLE001 - raised below, once every side was called
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def check_storage(self) -> None:
+        for backend in self._backends():
+            backend.check_storage()
+
+    def wait(self) -> None:
+        self._on_each(lambda backend: backend.wait())
+
+    def note_backward(self, ready: Mapping[int, float]) -> None:
+        """Nothing to note: only a memory share that can move reads when backward completed each gradient."""
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+
+    def checkpoint_bytes(self) -> int:
+        return sum(backend.checkpoint_bytes() for backend in self._backends())
+
+    def fetch_saved_state(self, rank_dirs: Sequence[Path], into: Path) -> tuple[list[Path], Fetch] | None:
+        return self.inner.fetch_saved_state(rank_dirs, into)
+
+    # ---------------------------------------------------------------------------------------------- release
+
+    def close(self, *, keep_claims: bool = False) -> None:
+        """Close every side (see the backends' own ``close``); the first error is raised once all are closed."""
+        self._on_each(lambda backend: backend.close(keep_claims=keep_claims))
+
+    def release_storage(self) -> None:
+        for backend in self._backends():
+            backend.release_storage()
+
+    # ---------------------------------------------------------------------------------------------- telemetry
+
+    def traffic_snapshot(self) -> TrafficSnapshot:
+        """Every side's counters, summed: the tiers count ``memory_*`` and ``accelerator_*`` bytes."""
+        return sum((backend.traffic_snapshot() for backend in self._backends()), TrafficSnapshot())
+
+
+class AttachedTiers(TieredBackend):
+    """The tiers as devices of ``inner``, a backend that streams its state through this host: one shard table, moves
+    between tiers are byte copies, and the memory share may be re-planned from measured rates."""
+
+    inner: StreamingBackend
+
+    def __init__(self, inner: StreamingBackend, **options: object) -> None:
+        options.update(chunk_elems=inner.chunk_elems, buffer_count=inner.buffer_count)
+        super().__init__(inner, **options)  # type: ignore[arg-type]
+        self._backward: list[dict[int, float]] = []
+        try:
+            self._attach_tiers(inner)
+        except BaseException:
+            inner.close()
+            raise
+
+    def _backends(self) -> list[Backend]:
+        return [self.inner]
+
+    def _storage_count(self) -> int:
+        return len(self.inner.storage_devices)
+
+    def _weights(self) -> tuple[float, ...]:
+        return self.inner.storage_weights() or super()._weights()
+
+    @property
+    def local_shards(self) -> tuple[int, ...]:
+        inner = self.inner
+        return tuple(i for i, d in enumerate(inner.assignment) if inner.devices[d].in_memory)
+
+    @property
+    def assignment(self) -> tuple[int, ...]:
+        """The device of each shard: ``inner``'s storage devices first, then the memory and accelerator tiers."""
+        return self.inner.assignment
+
+    @property
+    def update_rates(self) -> dict[int, float]:
+        """Each device's update rate as :meth:`replan` last measured it (state bytes per second, by device index)."""
+        return self.inner.update_rates
 
     def open(self, shards: Sequence[ShardSpec]) -> None:
         if self._where:
             raise RuntimeError("`TieredBackend.open` was already called.")
-        self._memory_share = self._initial_share(shards)
-        split = self._split(shards, self._memory_share)
-        if isinstance(self.inner, StreamingBackend):
-            self.inner.placement = Fixed(split)
-            self.inner.open(shards)
-            self._where = [(self.inner, spec.index) for spec in shards]
-            return
-        self._local_shards = [spec.index for spec, d in zip(shards, split) if d > 0]
-        self._inner_shards = [spec.index for spec, d in zip(shards, split) if d == 0]
-        if self._local_shards:
-            chunk_elems, buffer_count = self._tier_options
-            self.local = MemoryTiers(
-                chunk_elems=chunk_elems,
-                buffer_count=buffer_count,
-                device_timeout_s=self._device_timeout_s,
-                placement=Fixed(tuple(split[i] - 1 for i in self._local_shards)),
-            )
-            self._attach_tiers(self.local)
-            self.local.open([_renumbered(shards[i], j) for j, i in enumerate(self._local_shards)])
-        self.inner.open([_renumbered(shards[i], j) for j, i in enumerate(self._inner_shards)])
-        place = {i: (self.inner, j) for j, i in enumerate(self._inner_shards)}
-        if self.local is not None:
-            place.update({i: (self.local, j) for j, i in enumerate(self._local_shards)})
-        self._where = [place[spec.index] for spec in shards]
-        if self._local_shards:
-            sizing = Tiered((1.0,), 0, self.chunk_elems)
-            state = sum(sizing.state_bytes(spec) for spec in shards)
-            here = sum(sizing.state_bytes(shards[i]) for i in self._local_shards)
-            log.info(
-                "SmartUpdate keeps %d sub-group(s), %.1f MiB of state (%.0f%%), on this host beside %d server(s)",
-                len(self._local_shards),
-                here / 2**20,
-                100 * here / max(state, 1),
-                self.inner.num_devices,
-            )
+        self._memory_share = self._initial_share(shards, self._storage_count())
+        self.inner.placement = Fixed(self._split(shards, self._memory_share))
+        self.inner.open(shards)
+        self._where = [(self.inner, spec.index) for spec in shards]
 
     # ---------------------------------------------------------------------------------------------- re-planning
 
@@ -323,16 +418,16 @@ class TieredBackend(Backend):
             del self._backward[:-BACKWARD_SAMPLES]
 
     def _memory_index(self) -> int | None:
-        return self._storage_count() if self.attached and self.memory_bytes else None
+        return self._storage_count() if self.memory_bytes else None
 
     def _accelerator_index(self) -> int | None:
-        return self._storage_count() + (self.memory_bytes > 0) if self.attached and self.accelerator_bytes else None
+        return self._storage_count() + (self.memory_bytes > 0) if self.accelerator_bytes else None
 
     def replan(self) -> list[int]:
         """Between steps: re-place the shards from the rates the devices showed since the last call; the shards moved.
 
         ``inner`` re-plans its own devices first (a streaming backend re-weighs storage paths it measured). Then,
-        where :attr:`measures_memory_share` and the state can move (:attr:`attached`), the memory tier's share: of
+        where :attr:`measures_memory_share`, the memory tier's share: of
         the shares its budget allows, the one whose update phase
         :func:`~lightning_smartinf.core.tiers.update_model.update_tail` predicts shortest from the measured rates and
         from when backward completed each gradient (:meth:`note_backward`), when that phase is more than
@@ -342,7 +437,7 @@ class TieredBackend(Backend):
         """
         moved = self.inner.replan()
         inner, memory = self.inner, self._memory_index()
-        if not isinstance(inner, StreamingBackend) or memory is None or not self.measures_memory_share:
+        if memory is None or not self.measures_memory_share:
             return moved
         if inner.failure is not None or not inner.shards or not self._storage_count():
             return moved
@@ -417,103 +512,120 @@ class TieredBackend(Backend):
 
     def relocate(self, assignment: Sequence[int]) -> list[int]:
         """Move shards between tiers and devices so that shard ``i`` lives on device ``assignment[i]`` (see
-        :meth:`StreamingBackend.relocate`); only where the state can move (:attr:`attached`)."""
-        if not isinstance(self.inner, StreamingBackend):
-            raise RuntimeError(
-                f"The state of {type(self.inner).__name__} cannot move between its devices and this host's tiers."
-            )
+        :meth:`StreamingBackend.relocate`)."""
         return self.inner.relocate(assignment)
-
-    # ---------------------------------------------------------------------------------------------- requests
-
-    def _issued(self, backend: Backend, handle: Handle) -> Handle:
-        self._issuer[handle] = backend
-        return handle
-
-    def initialize(self, shard: int, master: Tensor) -> Handle:
-        backend, index = self._where[shard]
-        return self._issued(backend, backend.initialize(index, master))
-
-    def submit(
-        self,
-        shard: int,
-        grad: Tensor | SparseGrad,
-        hp: StepParams,
-        out: Tensor,
-        link_dtype: torch.dtype | None = None,
-        tentative: bool = False,
-        ready: Fence | None = None,
-    ) -> Handle:
-        backend, index = self._where[shard]
-        if tentative and backend is not self.inner:
-            raise ValueError(f"Shard {shard} is in a memory tier, which takes no tentative update.")
-        handle = backend.submit(index, grad, hp, out, link_dtype=link_dtype, tentative=tentative, ready=ready)
-        return self._issued(backend, handle)
-
-    def read_master(self, shard: int, out: Tensor) -> Handle:
-        backend, index = self._where[shard]
-        return self._issued(backend, backend.read_master(index, out))
-
-    def result(self, handle: Handle) -> None:
-        self._issuer.get(handle, self.inner).result(handle)
-
-    def _grouped(self, shards: Iterable[int]) -> list[tuple[Backend, list[int]]]:
-        """``shards`` grouped by backend, in each backend's numbering, in order."""
-        grouped: dict[int, tuple[Backend, list[int]]] = {}
-        for shard in shards:
-            backend, index = self._where[shard]
-            grouped.setdefault(id(backend), (backend, []))[1].append(index)
-        return list(grouped.values())
-
-    def commit(self, shards: Iterable[int]) -> None:
-        for backend, indices in self._grouped(shards):
-            backend.commit(indices)
-
-    def rollback(self, shards: Iterable[int]) -> None:
-        shards = list(shards)
-        self.wait()
-        for backend, indices in self._grouped(shards):
-            backend.rollback(indices)
-
-    def prefetch(self, shards: Sequence[int]) -> None:
-        by_backend = {id(backend): indices for backend, indices in self._grouped(shards)}
-        for backend in self._backends():
-            backend.prefetch(by_backend.get(id(backend), []))
-
-    def _backends(self) -> list[Backend]:
-        """Each side once: ``inner``, and the tiers' own backend where they are beside it (attached, they are in it)."""
-        return [self.inner] + ([self.local] if self.local is not None and not self.attached else [])
-
-    def _on_each(self, call: Callable[[Backend], None]) -> None:
-        """``call`` on each side, even after one raised; then the first error is raised."""
-        errors = []
-        for backend in self._backends():
-            try:
-                call(backend)
-            except BaseException as exc:  # noqa: BLE001 - raised below, once every side was called
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-
-    def check_storage(self) -> None:
-        for backend in self._backends():
-            backend.check_storage()
-
-    def wait(self) -> None:
-        self._on_each(lambda backend: backend.wait())
 
     # ---------------------------------------------------------------------------------------------- checkpoints
 
-    def checkpoint_bytes(self) -> int:
-        """The wrapped backend's, plus the tiers' beside a backend whose state is elsewhere."""
-        return sum(backend.checkpoint_bytes() for backend in self._backends())
+    def save(self, directory: Path) -> None:
+        """``inner``'s record of every shard, which does not depend on the split."""
+        self.inner.save(directory)
+
+    def loads_as_saved(self, directory: Path) -> bool:
+        return self.inner.loads_as_saved(directory)
+
+    def load_resharded(self, reshard: Reshard) -> None:
+        self.inner.load_resharded(reshard)
+
+    def load(self, directory: Path) -> None:
+        self.inner.load(directory)
+
+    def stats(self, *, reset_peaks: bool = False) -> BackendStats:
+        return self.inner.stats(reset_peaks=reset_peaks)
+
+
+class BesideTiers(TieredBackend):
+    """The tiers as a backend of their own (:class:`~.host_memory.MemoryTiers`) beside ``inner``, whose state is
+    elsewhere (``remote``): requests are routed by shard, the state never moves between the sides, and a checkpoint
+    records the split.
+
+    Args:
+        inner, memory_bytes, accelerator_bytes, accelerator_device, measure_memory_share, chunk_elems, buffer_count:
+            see :class:`TieredBackend`.
+        device_timeout_s: the tiers' devices' timeout.
+
+    The tiers' devices are built when :meth:`open` puts a shard in them.
+    """
+
+    def __init__(self, inner: Backend, *, device_timeout_s: float | None = 300.0, **options: object) -> None:
+        super().__init__(inner, **options)  # type: ignore[arg-type]
+        self._device_timeout_s = device_timeout_s
+        #: The backend of the tiers' shards, built by :meth:`open` when some shard lives in a tier.
+        self.local: StreamingBackend | None = None
+        #: The shards each side holds (global indices, in order).
+        self._local_shards: list[int] = []
+        self._inner_shards: list[int] = []
+
+    def _backends(self) -> list[Backend]:
+        return [self.inner] + ([self.local] if self.local is not None else [])
+
+    def _storage_count(self) -> int:
+        return 1  # the wrapped backend, as one device of the split
+
+    @property
+    def local_shards(self) -> tuple[int, ...]:
+        return tuple(self._local_shards)
+
+    @property
+    def assignment(self) -> tuple[int, ...]:
+        """The device of each shard: ``inner``'s devices first, then the memory and accelerator tiers."""
+        inner = self.inner.assignment
+        offset = self.inner.num_devices
+        local = self.local.assignment if self.local is not None else ()
+        return tuple(inner[j] if backend is self.inner else offset + local[j] for backend, j in self._where)
+
+    def open(self, shards: Sequence[ShardSpec]) -> None:
+        if self._where:
+            raise RuntimeError("`TieredBackend.open` was already called.")
+        self._memory_share = self._initial_share(shards, self.inner.num_devices)
+        split = self._split(shards, self._memory_share)
+        self._local_shards = [spec.index for spec, d in zip(shards, split) if d > 0]
+        self._inner_shards = [spec.index for spec, d in zip(shards, split) if d == 0]
+        if self._local_shards:
+            chunk_elems, buffer_count = self._tier_options
+            self.local = MemoryTiers(
+                chunk_elems=chunk_elems,
+                buffer_count=buffer_count,
+                device_timeout_s=self._device_timeout_s,
+                placement=Fixed(tuple(split[i] - 1 for i in self._local_shards)),
+            )
+            self._attach_tiers(self.local)
+            self.local.open([_renumbered(shards[i], j) for j, i in enumerate(self._local_shards)])
+        self.inner.open([_renumbered(shards[i], j) for j, i in enumerate(self._inner_shards)])
+        place = {i: (self.inner, j) for j, i in enumerate(self._inner_shards)}
+        if self.local is not None:
+            place.update({i: (self.local, j) for j, i in enumerate(self._local_shards)})
+        self._where = [place[spec.index] for spec in shards]
+        if self._local_shards:
+            sizing = Tiered((1.0,), 0, self.chunk_elems)
+            state = sum(sizing.state_bytes(spec) for spec in shards)
+            here = sum(sizing.state_bytes(shards[i]) for i in self._local_shards)
+            log.info(
+                "SmartUpdate keeps %d sub-group(s), %.1f MiB of state (%.0f%%), on this host beside %d server(s)",
+                len(self._local_shards),
+                here / 2**20,
+                100 * here / max(state, 1),
+                self.inner.num_devices,
+            )
+
+    @property
+    def update_rates(self) -> dict[int, float]:
+        """Nothing measured here: the state beside the tiers cannot move to them."""
+        return {}
+
+    def replan(self) -> list[int]:
+        """``inner``'s own re-plan: the state beside the tiers cannot move to them."""
+        return self.inner.replan()
+
+    def relocate(self, assignment: Sequence[int]) -> list[int]:
+        raise RuntimeError(
+            f"The state of {type(self.inner).__name__} cannot move between its devices and this host's tiers."
+        )
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
 
     def save(self, directory: Path) -> None:
-        """Attached: ``inner``'s record of every shard. Beside: ``inner``'s record of its shards, the tiers' state
-        under ``local/``, and the split."""
-        if self.attached:
-            self.inner.save(directory)
-            return
+        """``inner``'s record of its shards, the tiers' state under ``local/``, and the split."""
         directory = Path(directory)
         self.wait()
         self.inner.save(directory)
@@ -524,31 +636,19 @@ class TieredBackend(Backend):
         write_file_atomic(directory / LOCAL_TIERS_MANIFEST, json.dumps(split).encode())
 
     def loads_as_saved(self, directory: Path) -> bool:
-        """Beside, only a checkpoint of this run's split: another split goes through :meth:`load_resharded`, which
-        the wrapped backend fills from state kept elsewhere (:meth:`fetch_saved_state`) where it can."""
-        if self.attached:
-            return self.inner.loads_as_saved(directory)
+        """Only a checkpoint of this run's split: another split goes through :meth:`load_resharded`, which the wrapped
+        backend fills from state kept elsewhere (:meth:`fetch_saved_state`) where it can."""
         return saved_local_shards(directory) == self._local_shards and self.inner.loads_as_saved(directory)
 
-    def fetch_saved_state(self, rank_dirs: Sequence[Path], into: Path) -> tuple[list[Path], Fetch] | None:
-        return self.inner.fetch_saved_state(rank_dirs, into)
-
     def load_resharded(self, reshard: Reshard) -> None:
-        """Attached, the wrapped backend's (the split is this run's own); beside, each side loads its shards' part of
-        the plan."""
-        if self.attached:
-            self.inner.load_resharded(reshard)
-            return
+        """Each side loads its shards' part of the plan."""
         self.wait()
         self.inner.load_resharded(reshard.only(self._inner_shards))
         if self.local is not None:
             self.local.load_resharded(reshard.only(self._local_shards))
 
     def load(self, directory: Path) -> None:
-        """Beside, refuses a checkpoint whose split differs from this run's before anything is replaced."""
-        if self.attached:
-            self.inner.load(directory)
-            return
+        """Refuses a checkpoint whose split differs from this run's before anything is replaced."""
         directory = Path(directory)
         saved = saved_local_shards(directory)
         if saved != self._local_shards:
@@ -562,25 +662,9 @@ class TieredBackend(Backend):
         if self.local is not None:
             self.local.load(directory / LOCAL_DIR)
 
-    # ---------------------------------------------------------------------------------------------- release
-
-    def close(self, *, keep_claims: bool = False) -> None:
-        """Close both sides (see the backends' own ``close``); the first error is raised once both are closed."""
-        self._on_each(lambda backend: backend.close(keep_claims=keep_claims))
-
-    def release_storage(self) -> None:
-        for backend in self._backends():
-            backend.release_storage()
-
-    # ---------------------------------------------------------------------------------------------- telemetry
-
-    def traffic_snapshot(self) -> TrafficSnapshot:
-        """Both sides' counters, summed: the tiers count ``memory_*`` and ``accelerator_*`` bytes."""
-        return sum((backend.traffic_snapshot() for backend in self._backends()), TrafficSnapshot())
-
     def stats(self, *, reset_peaks: bool = False) -> BackendStats:
         inner = self.inner.stats(reset_peaks=reset_peaks)
-        if self.local is None or self.attached:
+        if self.local is None:
             return inner
         local = self.local.stats(reset_peaks=reset_peaks)
         offset = self.inner.num_devices
