@@ -160,7 +160,12 @@ class _MovedModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports a module's old name (:data:`_MOVED`) as the module at its new place, warning once."""
 
     def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
-        return importlib.util.spec_from_loader(fullname, self) if fullname in _MOVED else None
+        if fullname not in _MOVED:
+            return None
+        # The moved module's file as the origin: `python -m <old name>` runs with it as `sys.argv[0]` (runpy takes the
+        # origin), as under the new name; without one, `sys.argv[0]` would be `None`.
+        moved = importlib.util.find_spec(_MOVED[fullname])
+        return importlib.util.spec_from_loader(fullname, self, origin=moved.origin if moved is not None else None)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         new = _MOVED[spec.name]

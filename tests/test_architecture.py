@@ -536,3 +536,26 @@ def test_a_moved_module_imports_by_its_old_name_with_a_warning() -> None:
         [sys.executable, "-m", "lightning_smartinf.demo", "--help"], capture_output=True, text=True, timeout=300
     )
     assert demo.returncode == 0 and "usage: smartinf demo" in demo.stdout, demo.stderr[-2000:]
+
+
+def test_python_m_of_a_moved_name_runs_with_the_modules_file_as_argv0() -> None:
+    """``python -m lightning_smartinf.demo`` (the old name) runs with ``sys.argv[0]`` the moved module's file, as
+    ``python -m`` of the new name does: runpy takes it from the spec's origin, and a ``None`` there failed the demo
+    where the storage claim records the command line."""
+    code = (  # what the demo's argument parser sees as `sys.argv[0]` under `python -m`
+        "import argparse, runpy, sys\n"
+        "parse = argparse.ArgumentParser.parse_args\n"
+        "def seen(self, *args, **kwargs):\n"
+        "    print('ARGV0', sys.argv[0])\n"
+        "    return parse(self, *args, **kwargs)\n"
+        "argparse.ArgumentParser.parse_args = seen\n"
+        "sys.argv = ['-m', '--help']\n"
+        "try:\n"
+        "    runpy.run_module('lightning_smartinf.demo', run_name='__main__', alter_sys=True)\n"
+        "except SystemExit:\n"
+        "    pass\n"
+    )
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    argv0 = done.stdout.split("ARGV0 ", 1)[-1].splitlines()[0]
+    assert argv0 == str(PACKAGE / "commands" / "demo.py"), done.stdout[-2000:]
