@@ -1,6 +1,6 @@
 """Demo: train a small GPT-style model on real English text with optimizer state on 2 emulated CSDs.
 
-Run with ``python -m lightning_smartinf.commands.demo [--steps N]``. The state lives in a temporary directory
+Run with ``smartinf demo [--steps N]``. The state lives in a temporary directory
 (two sub-directories standing in for two SmartSSDs) that is removed at the end. The text is the
 documentation of Python's keywords and topics, which ships with every CPython (``pydoc_data``).
 """

@@ -32,7 +32,7 @@ LIMIT_FLAGS = {
     "--max-pools": ("pools_bytes", str, "transfer buffers of all sessions together"),
     "--max-io-threads": ("max_io_threads", int, "I/O threads per device of a session"),
     "--max-session-calls": ("max_session_calls", int, "calls of one session in flight, more refused (retried)"),
-    "--max-peer-calls": ("max_peer_calls", int, "calls of one client (certificate, else address) in flight"),
+    "--max-peer-calls": ("max_peer_calls", int, "calls of one client (certificate, else connection) in flight"),
     "--max-session-state": ("max_session_state_bytes", str, "disk per session: its state files and checkpoints"),
     "--max-label-checkpoints": ("max_label_checkpoints", int, "checkpoints kept per label"),
     "--max-label-checkpoint-bytes": ("max_label_checkpoint_bytes", str, "bytes of the checkpoints kept per label"),
