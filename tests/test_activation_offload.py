@@ -7,13 +7,11 @@ import contextlib
 import errno
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
+from helpers.leftovers import dead_pid, left_over
 from helpers.models import SEQ, VOCAB, LMModule, TinyGPT, adamw_factory, fit
 from torch import nn
 
@@ -164,12 +162,11 @@ def test_no_file_left_after_exception_in_backward(tmp_path):
 
 
 def test_stale_dir_of_dead_process_removed(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = int(proc.stdout)
     root = tmp_path / offload_mod.ROOT_DIR_NAME
-    stale = root / f"{socket.gethostname()}-{dead}-0"
-    alive = root / f"{socket.gethostname()}-{os.getppid()}-0"
-    other_host = root / f"some-other-host-{dead}-0"
+    dead = dead_pid()
+    stale = left_over(root / "activations", "run", pid=dead)
+    alive = left_over(root / "activations", "run", pid=os.getppid())
+    other_host = left_over(root / "activations", "run", pid=dead, host="some-other-host")
     for d in (stale, alive, other_host):
         d.mkdir(parents=True)
         (d / "3.act").write_bytes(b"x" * 10)

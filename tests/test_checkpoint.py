@@ -22,6 +22,7 @@ import pytest
 import torch
 from crc32c import crc32c
 from helpers.launch import SCRIPTS, torchrun, worker_env
+from helpers.leftovers import left_over
 from helpers.models import assert_identical, max_relative_error
 from lightning.pytorch.callbacks import ModelCheckpoint
 from scripts.ckpt_common import EVERY, TOTAL, checkpoint_step, newest_complete, train
@@ -205,7 +206,7 @@ def test_save_writes_checksummed_manifest_and_replaces_atomically(tmp_path) -> N
         assert entry["bytes"] == shard.layout.file_bytes
     first = _contents(shards)
     # A save killed earlier left a temporary sibling; the next save removes it.
-    stale = target.parent / f".{target.name}.tmp-999-dead"
+    stale = left_over(target)
     stale.mkdir()
     (stale / "junk").write_text("x")
     for shard in shards:  # the state moves on, and is saved again over the previous checkpoint

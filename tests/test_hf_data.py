@@ -11,9 +11,7 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import stat
-import subprocess
 import threading
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import pytest
 import torch
 from conftest import REPO_ROOT
 from helpers.hf_models import tiny_gpt2
+from helpers.leftovers import left_over
 
 from lightning_smartinf.hf import HFCausalLM, SFTDataModule, TextDataModule, load_tokenizer, train_bpe_tokenizer
 from lightning_smartinf.hf import data as data_module
@@ -191,9 +190,7 @@ def test_a_crash_mid_build_leaves_nothing_that_is_read(tmp_path, monkeypatch, to
     [entry] = entries(cache_dir)
     shutil.rmtree(cache_dir / entry)
     # What `kill -9` in mid-build leaves: a temporary sibling of a process that is gone, with a plausible meta.json.
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    staging = cache_dir / f".{entry}.{socket.gethostname()}.{dead.pid}.x1y2z3"
+    staging = left_over(cache_dir / entry)
     staging.mkdir()
     (staging / "tokens.bin").write_bytes(b"\0" * 64)
     (staging / "meta.json").write_text(json.dumps({"dtype": "uint16", "tokens": 32, "examples": None}))

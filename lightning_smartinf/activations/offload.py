@@ -38,11 +38,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import itertools
 import logging
 import os
 import shutil
-import socket
 import statistics
 import threading
 import time
@@ -54,7 +52,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 from torch import Tensor, nn
 
@@ -63,6 +60,7 @@ from lightning_smartinf.activations.spill import SpillFiles
 from lightning_smartinf.activations.tuning import DEFAULTS, MEASURE_AT, MEASURE_COUNT, LayerMeter, Tuning, tune
 from lightning_smartinf.core.accelerator import SideStreams, bind_thread, on_cuda, pinned_empty, record_fence
 from lightning_smartinf.core.io.direct import IO_ALIGN, IOEngine, ThreadedIO, aligned_empty, round_up
+from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
 from lightning_smartinf.core.io.storage import (
     create_storage_path,
     disk_full_error,
@@ -74,7 +72,6 @@ from lightning_smartinf.core.io.storage import (
 __all__ = ["ActivationOffloader", "OffloadStats", "find_layers", "cleanup_stale_dirs", "ROOT_DIR_NAME"]
 
 ROOT_DIR_NAME = "smartinf-activations"
-_run_counter = itertools.count()
 log = logging.getLogger(__name__)
 #: The bandwidth assumed for a direction the measured micro-batch did not use.
 FALLBACK_BYTES_PER_S = 1e9
@@ -211,22 +208,9 @@ def find_layers(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def cleanup_stale_dirs(storage_path: Path) -> list[Path]:
-    """Remove run directories under ``storage_path/smartinf-activations`` left by dead processes of this host."""
-    root = Path(storage_path) / ROOT_DIR_NAME
-    removed = []
-    if not root.is_dir():
-        return removed
-    host = socket.gethostname()
-    for entry in root.iterdir():
-        parts = entry.name.rsplit("-", 2)
-        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit() or not entry.is_dir():
-            continue
-        pid = int(parts[1])
-        if pid != os.getpid() and not psutil.pid_exists(pid):
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    return removed
+def cleanup_stale_dirs(storage_path: str | os.PathLike) -> list[Path]:
+    """Remove the run directories under ``storage_path/smartinf-activations`` that dead processes left; return them."""
+    return remove_leftovers(Path(storage_path) / ROOT_DIR_NAME)
 
 
 #: Smallest allowed value of each integer setting.
@@ -318,14 +302,13 @@ class ActivationOffloader:
         self.enabled = enabled
         self.stats = OffloadStats()
 
-        self._run = f"{socket.gethostname()}-{os.getpid()}-{next(_run_counter)}"
         self._dirs: list[Path] = []
         for p in storage_paths:
             base = validate_storage_path(p, "storage_paths", missing_ok=True)
             create_storage_path(base)  # as the strategy does: a missing path under a writable parent is made 0700
             ensure_private_dir(base / ROOT_DIR_NAME)
             cleanup_stale_dirs(base)
-            run_dir = base / ROOT_DIR_NAME / self._run
+            run_dir = temporary_path(base / ROOT_DIR_NAME / "activations", "run")
             ensure_private_dir(run_dir)
             self._dirs.append(run_dir)
 

@@ -22,15 +22,13 @@ import json
 import os
 import re
 import shutil
-import socket
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 
+from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
 from lightning_smartinf.core.io.storage import disk_full_error, fsync_dir, is_disk_full
 
 #: Bump when the layout or the tokenisation of an entry changes: entries of other versions are never read.
@@ -175,10 +173,10 @@ def cached_tokens(
     entry = cache_dir / name
     if (entry / META).is_file():
         return TokenCache(entry)
-    family = name.rsplit("-", 1)[0]
-    _remove_abandoned(cache_dir, family)
+    remove_leftovers(cache_dir)  # staging directories of builds that were killed
     dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.{_staging_owner()}.", dir=cache_dir))  # mode 0700
+    staging = temporary_path(entry)
+    staging.mkdir(mode=0o700)
     try:
         meta = _write(staging, batches(), dtype, vocab_size)
         if (source.stat().st_size, source.stat().st_mtime_ns) != (stat.st_size, stat.st_mtime_ns):
@@ -209,7 +207,7 @@ def cached_tokens(
         ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; after a failure, the partial entry
-    for old in cache_dir.glob(f"{family}-*"):  # entries of earlier versions of the file
+    for old in cache_dir.glob(f"{name.rsplit('-', 1)[0]}-*"):  # entries of earlier versions of the file
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
     return TokenCache(entry)
@@ -274,17 +272,3 @@ def _write_synced(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _staging_owner() -> str:
-    return f"{socket.gethostname()}.{os.getpid()}"
-
-
-def _remove_abandoned(cache_dir: Path, family: str) -> None:
-    """Remove the staging directories of ``family``'s entries left by dead processes of this host (killed mid-build);
-    those of live processes, and of other hosts, are theirs."""
-    host = socket.gethostname()
-    for staging in cache_dir.glob(f".{family}-*.{host}.*"):
-        pid = staging.name.rsplit(".", 2)[-2]
-        if pid.isdigit() and not psutil.pid_exists(int(pid)):
-            shutil.rmtree(staging, ignore_errors=True)

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
 from lightning_smartinf.core.io.storage import (
-    TMP_MARK,
     disk_full_error,
     free_bytes,
     fsync_dir,
@@ -181,12 +181,11 @@ def write_weight_files(
     total = int(split.metadata["total_size"])
     what = f"the exported weights ({len(split.filename_to_tensors)} safetensors file(s))"
     fix = "Free space there, or export to another directory."
-    stage = out / f".weights{TMP_MARK}{os.getpid()}"
+    stage = temporary_path(out / "weights")
     if write:
         require_room(out, what, total, fix)  # an earlier export there stays until this one is whole
         out.mkdir(parents=True, exist_ok=True)
-        for stale in out.glob(f".weights{TMP_MARK}*"):
-            shutil.rmtree(stale, ignore_errors=True)  # left by an export that was killed
+        remove_leftovers(out, "weights")  # left by an export that was killed
         stage.mkdir(mode=0o700)
     weight_map: dict[str, str] = {}
     try:
@@ -234,7 +233,7 @@ def require_room(directory: Path, what: str, nbytes: int, fix: str) -> None:
 def save_safetensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
     """``safetensors.torch.save_file`` through a temporary sibling renamed into place once forced to disk: ``path``
     is the whole file or not there (a full disk leaves no truncated file to load)."""
-    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+    tmp = temporary_path(path)
     try:
         _save_file(tensors, tmp, metadata)
         fsync_file(tmp)

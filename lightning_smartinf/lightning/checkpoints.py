@@ -26,6 +26,7 @@ from lightning_smartinf.core.format import checkpoint_folder
 from lightning_smartinf.core.format.checkpoint_folder import CheckpointError
 from lightning_smartinf.core.format.masters import MastersReader, saved_masters
 from lightning_smartinf.core.format.rank_state import read_host_state
+from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
 from lightning_smartinf.core.io.storage import StorageError, readable_size
 from lightning_smartinf.zero.safe_load import (
     ensure_offload_folder,
@@ -79,7 +80,7 @@ def save(
     staging: str | None = None
     if strategy.is_global_zero:
         target.parent.mkdir(parents=True, exist_ok=True)
-        staging_dir = checkpoint_folder.staging_path(target)
+        staging_dir = temporary_path(target)
         staging_dir.mkdir(mode=0o700)
         staging = str(staging_dir)
     staging_dir = Path(strategy.broadcast(staging))
@@ -252,7 +253,7 @@ def _make_room(strategy: SmartInfinityStrategy, target: Path) -> list[Path]:
 def _make_room_on_rank_zero(
     strategy: SmartInfinityStrategy, target: Path, needed: int
 ) -> tuple[str | None, list[Path]]:
-    checkpoint_folder.remove_leftovers(target.parent)
+    remove_leftovers(target.parent)
     if (free := _free_bytes(target)) >= needed:
         return None, []
     module = strategy.lightning_module

@@ -16,11 +16,11 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.leftovers import left_over
 
 from lightning_smartinf.core import StorageError
 from lightning_smartinf.core.backend import ShardSpec
@@ -28,7 +28,6 @@ from lightning_smartinf.core.io.direct import ThreadedIO
 from lightning_smartinf.core.io.ownership import (
     LOCK_FILE,
     OWNER_FILE,
-    UNCLAIMED_GRACE_S,
     DirectoryClaim,
     check_unclaimed,
     claim_directories,
@@ -259,24 +258,22 @@ def test_stale_temporary_directories_are_removed_and_live_ones_kept(tmp_path):
     live, live_dir = _start_holder("TEMP", tmpdir=root)
     try:
         assert dead_dir.parent == root and read_owner(dead_dir).pid == dead.pid
-        young = _temp_device_dir_in(root, 1)  # created, not claimed yet: its creator may claim it now
-        old = _temp_device_dir_in(root, 2)  # unclaimed long ago: a run killed before its claim
-        past = time.time() - UNCLAIMED_GRACE_S - 60
-        os.utime(old, (past, past))
+        young = _temp_device_dir_in(root, 1)  # created by this live process, not claimed yet
         elsewhere = tmp_path / "elsewhere"
         elsewhere.mkdir()
         (elsewhere / "keep").write_text("x")
-        (root / "smartinf-rank7-link1234").symlink_to(elsewhere)  # our naming, but a link: never followed
-        (root / "smartinf-rank8-file5678").write_text("x")  # our naming, but not a directory
+        link = left_over(root / "smartinf-rank7", "run")
+        link.symlink_to(elsewhere)  # a dead run's name on a link: the link goes, never what it points to
+        other_host = left_over(root / "smartinf-rank8", "run", host="some-other-host")
+        other_host.mkdir()  # its process may live: this host cannot tell
         (root / "other-dir").mkdir()
-        os.utime(root / "other-dir", (past, past))
 
         removed = remove_stale_temp_dirs(root)
 
-        assert sorted(removed) == sorted([dead_dir, old])
-        assert not dead_dir.exists() and not old.exists()
+        assert sorted(removed) == sorted([dead_dir, link])
+        assert not dead_dir.exists() and not os.path.lexists(link)
         assert live_dir.exists() and young.exists() and (elsewhere / "keep").exists()
-        assert (root / "smartinf-rank7-link1234").is_symlink() and (root / "other-dir").exists()
+        assert other_host.exists() and (root / "other-dir").exists()
         assert read_owner(live_dir).pid == live.pid
     finally:
         live.stdin.close()

@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from helpers.leftovers import left_over
 from helpers.remote_servers import ServerProcess, write_token
 
 from lightning_smartinf.core.backend import ShardSpec
@@ -634,7 +635,7 @@ def test_a_killed_servers_sessions_and_saves_are_gone_after_its_restart(tmp_path
     process = ServerProcess([tmp_path / "root"], token_file).start()
     client = _opened(process)
     client.save(tmp_path / "ckpt")
-    killed_save = next((tmp_path / "root" / "checkpoints").iterdir()) / ".rank000.tmp-123-abcd"
+    killed_save = left_over(next((tmp_path / "root" / "checkpoints").iterdir()) / "rank000")
     killed_save.mkdir()
     (killed_save / "shard00000.state").write_bytes(b"half")
     empty = tmp_path / "root" / "checkpoints" / "c0123456789abcdef0123456789abcdef"  # killed before a file

@@ -1,9 +1,9 @@
 """A SmartUpdate checkpoint directory as one unit: staged, sealed, swapped in whole, verified before loading.
 
 A checkpoint is a directory (DeepSpeed's files, Lightning's client state inside them, and every rank's device
-state under ``checkpoint/smartinf/rankNNN``). It is written into a private staging sibling
-(``.<name>.smartinf-tmp-*``), sealed, and only then moved to its name, replacing whatever was there in one
-``renameat2(RENAME_EXCHANGE)``. A process killed at any instant leaves the previous checkpoint or the new one at
+state under ``checkpoint/smartinf/rankNNN``). It is written into a private staging sibling (a temporary of
+:mod:`~lightning_smartinf.core.io.leftovers`), sealed, and only then moved to its name, replacing whatever was there
+in one ``renameat2(RENAME_EXCHANGE)``. A process killed at any instant leaves the previous checkpoint or the new one at
 the name, never a mix; staging and retired siblings left by a kill are removed by the next save in that folder.
 
 The seal (``checkpoint/smartinf/seal.json``, written last inside the staging directory) records the global step,
@@ -21,7 +21,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import secrets
 import shutil
 import stat
 from collections.abc import Mapping
@@ -35,12 +34,12 @@ from lightning_smartinf.core.format.state_files import (
     install_directory,
     read_json,
     read_manifest,
-    remove_entry,
     shard_file_name,
     write_file_atomic,
 )
 from lightning_smartinf.core.format.torch_files import safe_torch_load
 from lightning_smartinf.core.io.checksum import CRC32, CRC32C, checksum_of, file_checksum
+from lightning_smartinf.core.io.leftovers import temporary_path
 from lightning_smartinf.core.io.storage import fsync_dir, fsync_file
 
 #: Where the seal lives, relative to the checkpoint directory.
@@ -54,8 +53,6 @@ TAG = "checkpoint"
 STATE_DIR = PurePosixPath(TAG) / "smartinf"
 #: DeepSpeed's ZeRO-3 file holding the module and Lightning's client state, under ``TAG``.
 MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
-_STAGING = ".smartinf-tmp-"
-_RETIRED = ".smartinf-old-"
 
 
 def rank_state_dir(root: str | os.PathLike, rank: int) -> Path:
@@ -64,20 +61,6 @@ def rank_state_dir(root: str | os.PathLike, rank: int) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------------- saving
-
-
-def staging_path(target: Path) -> Path:
-    """A fresh name beside ``target`` to build its replacement in (hidden, unique to this process)."""
-    return target.with_name(f".{target.name}{_STAGING}{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def remove_leftovers(folder: Path) -> None:
-    """Remove staging and retired checkpoint directories that a killed save or removal left in ``folder``."""
-    if not folder.is_dir():
-        return
-    for entry in folder.iterdir():
-        if entry.name.startswith(".") and (_STAGING in entry.name or _RETIRED in entry.name):
-            remove_entry(entry, missing_ok=True)
 
 
 def _digest(path: Path) -> dict[str, int]:
@@ -132,7 +115,7 @@ def retire(target: Path) -> None:
         target.unlink()
         fsync_dir(target.parent)
         return
-    aside = target.with_name(f".{target.name}{_RETIRED}{os.getpid()}-{secrets.token_hex(4)}")
+    aside = temporary_path(target, "old")
     os.rename(target, aside)
     fsync_dir(target.parent)
     shutil.rmtree(aside, ignore_errors=True)
@@ -287,10 +270,8 @@ __all__ = [
     "is_sealed",
     "rank_state_dir",
     "read_json",
-    "remove_leftovers",
     "retire",
     "safe_torch_load",
     "seal",
-    "staging_path",
     "verify",
 ]

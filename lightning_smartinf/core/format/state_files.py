@@ -15,7 +15,7 @@ Save is atomic: the files are written into a temporary sibling directory, each f
 fsynced, the manifest is written (and fsynced) last, and only then is the directory renamed into place
 (an existing one is swapped out atomically with ``renameat2(RENAME_EXCHANGE)`` and removed afterwards).
 A process killed at any moment leaves either the previous complete directory or the new complete one,
-plus at most a temporary ``.<name>.tmp-*`` sibling, which the next save removes.
+plus at most a temporary sibling (:mod:`~lightning_smartinf.core.io.leftovers`), which the next save removes.
 
 Load checks the manifest against this run, then the size and CRC-32 of every file *before* it touches the
 live state files, and names the missing, truncated or corrupt file in a :class:`ValueError`. Files are named
@@ -39,7 +39,6 @@ import json
 import logging
 import mmap
 import os
-import secrets
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,8 +54,8 @@ from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.io import checksum
 from lightning_smartinf.core.io.checksum import CRC32C, checksum_of, combine, file_checksum
 from lightning_smartinf.core.io.clone import CLONE, COPY, KERNEL_COPY, clone_file
+from lightning_smartinf.core.io.leftovers import remove_entry, remove_leftovers, temporary_path
 from lightning_smartinf.core.io.storage import (
-    TMP_MARK,
     StorageError,
     disk_full_error,
     ensure_private_dir,
@@ -83,14 +82,6 @@ CONVERSIONS = frozenset(
 )
 
 log = logging.getLogger(__name__)
-
-
-def remove_killed_saves(parent: Path) -> int:
-    """Remove the temporary directories and files that saves killed mid-way left in ``parent``; how many."""
-    stale = list(Path(parent).glob(f".*{TMP_MARK}*"))
-    for path in stale:
-        remove_entry(path, missing_ok=True)
-    return len(stale)
 
 
 class CheckpointError(ValueError):
@@ -290,7 +281,7 @@ def install_directory(tmp: Path, directory: Path) -> None:
             fsync_dir(directory.parent)
             remove_entry(tmp)  # now holds the previous entry
             return
-        aside = directory.with_name(f".{directory.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+        aside = temporary_path(directory, "old")
         os.rename(directory, aside)
         os.rename(tmp, directory)
         fsync_dir(directory.parent)
@@ -298,14 +289,6 @@ def install_directory(tmp: Path, directory: Path) -> None:
         return
     os.rename(tmp, directory)
     fsync_dir(directory.parent)
-
-
-def remove_entry(path: Path, *, missing_ok: bool = False) -> None:
-    """Remove ``path`` whatever it is (a directory tree, a file, a symlink), never following a link."""
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=missing_ok)
-    else:
-        Path(path).unlink(missing_ok=missing_ok)  # also when it vanished since the check above
 
 
 def _by_device(shards: Sequence[ShardState]) -> list[list[ShardState]]:
@@ -354,8 +337,7 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
     directory = Path(directory)
     parent = directory.parent
     parent.mkdir(parents=True, exist_ok=True)
-    for stale in parent.glob(f".{directory.name}{TMP_MARK}*"):
-        shutil.rmtree(stale, ignore_errors=True)  # left by a save that was killed
+    remove_leftovers(parent, directory.name)  # left by a save that was killed
     needed = sum(s.layout.file_bytes for s in shards) + 4096 * (len(shards) + 2)
 
     def full(when: str) -> StorageError:
@@ -369,7 +351,7 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
 
     if shutil.disk_usage(parent).free < needed:
         raise full("Nothing was written.")
-    tmp = parent / f".{directory.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = temporary_path(directory)
     try:
         ensure_private_dir(tmp)
 

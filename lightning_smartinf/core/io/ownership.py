@@ -9,18 +9,18 @@ holder exits, however it exits, so a killed run never blocks the next one. After
 ``<directory>/.smartinf-owner.json`` (host, pid, process start, command). That record only describes a lock found
 held: a stale one left by a dead process changes no decision.
 
-Temporary device directories (``storage_paths=None``) are ``smartinf-rank<r>-<random>`` in the system temporary
-directory (:func:`make_temp_device_dir`); :func:`remove_stale_temp_dirs` removes those that killed runs left behind.
+Temporary device directories (``storage_paths=None``) are temporaries of purpose ``run`` standing for
+``smartinf-rank<r>`` in the system temporary directory (:func:`make_temp_device_dir`), so the leftovers' one rule
+(:mod:`~lightning_smartinf.core.io.leftovers`) removes those that killed runs left behind
+(:func:`remove_stale_temp_dirs`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import socket
-import stat
 import sys
 import tempfile
 import time
@@ -32,6 +32,7 @@ from typing import Any
 import psutil
 from filelock import Timeout, UnixFileLock
 
+from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
 from lightning_smartinf.core.io.storage import StorageError, write_file_atomic
 
 #: The lock file in each claimed directory. It stays after release: unlinking a lock file that another process may
@@ -39,12 +40,6 @@ from lightning_smartinf.core.io.storage import StorageError, write_file_atomic
 LOCK_FILE = ".smartinf.lock"
 #: The holder's record in each claimed directory, written after the lock is taken and removed before it is released.
 OWNER_FILE = ".smartinf-owner.json"
-#: Name prefix of temporary device directories; the full name is ``smartinf-rank<r>-<mkdtemp suffix>``.
-TEMP_PREFIX = "smartinf-rank"
-_TEMP_NAME = re.compile(re.escape(TEMP_PREFIX) + r"\d+-[A-Za-z0-9_]+")
-#: Seconds a temporary directory without an owner record is left alone: its creator may be between ``mkdtemp`` and
-#: its claim (which takes well under this even for large models).
-UNCLAIMED_GRACE_S = 3600.0
 _OWNER_MAX_BYTES = 1 << 16
 _COMMAND_MAX_CHARS = 200
 
@@ -198,55 +193,16 @@ def read_owner(directory: str | os.PathLike) -> Owner | None:
 
 
 def make_temp_device_dir(rank: int) -> Path:
-    """A new private (0700) temporary device directory for ``rank``; :func:`remove_stale_temp_dirs` knows its name."""
-    return Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{rank}-"))
+    """A new private (0700) temporary device directory for ``rank`` in the system temporary directory."""
+    directory = temporary_path(Path(tempfile.gettempdir()) / f"smartinf-rank{rank}", "run")
+    directory.mkdir(mode=0o700)
+    return directory
 
 
-def remove_stale_temp_dirs(root: str | os.PathLike | None = None, *, grace_s: float = UNCLAIMED_GRACE_S) -> list[Path]:
-    """Remove the temporary device directories in ``root`` whose owner is gone; return those removed.
-
-    A directory is removed only if all hold: its name is ``smartinf-rank<r>-<suffix>``; it is a directory (not a
-    symbolic link) of this user; it carries an owner record from this host, or none and is older than ``grace_s``
-    (its creator may not have claimed it yet); and its lock can be taken, which holds it while it is removed.
-
-    Args:
-        root: where to look (default: the system temporary directory, where :func:`make_temp_device_dir` creates).
-        grace_s: age in seconds below which a directory without an owner record is kept.
-    """
-    root = Path(tempfile.gettempdir() if root is None else root)
-    removed = []
-    try:
-        entries = list(os.scandir(root))
-    except OSError:
-        return removed
-    host, uid, now = socket.gethostname(), os.geteuid(), time.time()
-    for entry in entries:
-        if not _TEMP_NAME.fullmatch(entry.name):
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
-            continue
-        path = Path(entry.path)
-        owner = read_owner(path)
-        if (owner is None and now - st.st_mtime < grace_s) or (owner is not None and owner.host != host):
-            continue
-        try:
-            lock = _try_lock(path)
-        except StorageError:
-            continue
-        if lock is None:
-            continue  # a live run's
-        try:
-            shutil.rmtree(path)  # removes links inside, never what they point to (shutil.rmtree.avoids_symlink_attacks)
-        except OSError:
-            continue  # e.g. another process removing it at the same time
-        finally:
-            lock.release(force=True)
-        removed.append(path)
-    return removed
+def remove_stale_temp_dirs(root: str | os.PathLike | None = None) -> list[Path]:
+    """Remove the temporaries in ``root`` (default: the system temporary directory) that dead processes of this host
+    left, temporary device directories among them; return those removed."""
+    return remove_leftovers(tempfile.gettempdir() if root is None else root)
 
 
 # ---------------------------------------------------------------------------------------------------- internals

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import shutil
 import stat
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from lightning_smartinf.core.io.leftovers import temporary_path
+
 GIB = 1024**3
-#: In the name of a temporary sibling being written (``.<name>.tmp-<pid>-<random>``): one left over is a dead writer's.
-TMP_MARK = ".tmp-"
 
 
 BINARY_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
@@ -383,7 +382,7 @@ def write_file_atomic(path: Path, data: bytes | Iterable[bytes | memoryview]) ->
     """Write ``data`` (bytes, or blocks of them in order) to ``path`` (mode 0600) through a fsynced temporary sibling
     and a rename: readers see old or new, whole. ``O_EXCL`` creates the sibling, so no link is ever written through."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = temporary_path(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         try:

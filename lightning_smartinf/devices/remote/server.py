@@ -60,13 +60,13 @@ from lightning_smartinf.core.format.state_files import (
     ShardState,
     manifest_of,
     parse_manifest,
-    remove_killed_saves,
     saved_shard_masters,
     shard_file_name,
     verify_state_file,
     write_file_atomic,
 )
 from lightning_smartinf.core.io.checksum import CRC32C
+from lightning_smartinf.core.io.leftovers import remove_leftovers
 from lightning_smartinf.core.io.ownership import claim_directories, release_claims
 from lightning_smartinf.core.io.storage import ensure_private_dir, readable_size
 from lightning_smartinf.devices.cpu import CpuBackend
@@ -325,7 +325,7 @@ class DeviceServer:
                 shutil.rmtree(directory, ignore_errors=True)
                 sessions += 1
             for checkpoint in root.glob("checkpoints/*"):  # a save's temporaries sit beside its label's directory
-                killed_saves += remove_killed_saves(checkpoint)
+                killed_saves += len(remove_leftovers(checkpoint))
                 if checkpoint.is_dir() and not any(p.is_dir() for p in checkpoint.iterdir()):  # killed before it wrote
                     shutil.rmtree(checkpoint, ignore_errors=True)
                     killed_saves += 1

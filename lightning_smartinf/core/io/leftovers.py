@@ -1,0 +1,69 @@
+"""Temporary entries built beside their final place, and the removal of those a killed process left behind.
+
+Every temporary entry the package creates (a file or directory written before its rename into place, an entry set
+aside before it is deleted, a run's scratch directory) is named by :func:`temporary_path`::
+
+    .<name>.<purpose>-<host>-<pid>-<random>
+
+``name`` is the entry it stands for and ``purpose`` one of :data:`PURPOSES`. The name says which process made it,
+so one liveness test serves every kind: an entry is left over when it was made on this host by a process that is
+gone (:func:`is_left_over`). An entry of a live process, or of another host sharing the filesystem (whose processes
+this one cannot see), is kept. :func:`remove_leftovers` removes the left-over entries of one directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import socket
+from pathlib import Path
+
+import psutil
+
+#: What a temporary is for: ``tmp`` being written, ``old`` set aside to be deleted, ``run`` a run's scratch space.
+PURPOSES = ("tmp", "old", "run")
+_NAME = re.compile(r"\.(?P<name>.+)\.(?P<purpose>tmp|old|run)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}")
+
+
+def temporary_path(target: str | os.PathLike, purpose: str = "tmp") -> Path:
+    """A fresh hidden name beside ``target`` for a temporary of this process (nothing is created)."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"`purpose={purpose!r}` is not one of {PURPOSES}.")
+    target = Path(target)
+    return target.with_name(f".{target.name}.{purpose}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def is_left_over(name: str) -> bool:
+    """Whether ``name`` is a temporary's (:func:`temporary_path`) made on this host by a process that is gone."""
+    match = _NAME.fullmatch(name)
+    if match is None or match["host"] != socket.gethostname():
+        return False
+    pid = int(match["pid"])
+    return pid != os.getpid() and not psutil.pid_exists(pid)
+
+
+def remove_leftovers(directory: str | os.PathLike, name: str | None = None) -> list[Path]:
+    """Remove the left-over temporaries in ``directory`` (only those standing for ``name``, if given); return those
+    removed. A link among them is removed itself, never what it points to; one this user may not remove is kept."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        match = _NAME.fullmatch(entry.name)
+        if match is not None and (name is None or match["name"] == name) and is_left_over(entry.name):
+            remove_entry(entry.path, missing_ok=True)
+            if not os.path.lexists(entry.path):
+                removed.append(Path(entry.path))
+    return removed
+
+
+def remove_entry(path: str | os.PathLike, *, missing_ok: bool = False) -> None:
+    """Remove ``path`` whatever it is (a directory tree, a file, a symlink), never following a link."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=missing_ok)
+    else:
+        Path(path).unlink(missing_ok=missing_ok)  # also when it vanished since the check above
