@@ -102,10 +102,6 @@ class BackendStats:
 class Backend(ABC):
     """Near-storage update backend. Methods are called from one host thread; devices work behind it."""
 
-    #: Whether its devices update with compute of their own (SmartSSD FPGAs, remote servers) rather than this host's
-    #: cores: a memory tier beside them then starts as one more of them (:mod:`lightning_smartinf.core.tiers`).
-    devices_compute = False
-
     def __init__(self) -> None:
         self.traffic = Traffic()
 

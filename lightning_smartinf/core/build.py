@@ -44,6 +44,7 @@ def build_backend(settings: SmartUpdateSettings, context: BuildContext) -> Backe
         backend,
         memory_bytes=int(memory),
         accelerator_bytes=int(accelerator),
+        devices_compute=kind.devices_compute,
         measure_memory_share=MEASURE.get(settings.state_memory_share, context.accelerator_training or None),
         chunk_elems=settings.chunk_size,
         buffer_count=settings.buffer_count,

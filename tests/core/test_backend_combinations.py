@@ -21,6 +21,7 @@ from helpers.ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
 from helpers.remote_servers import server_pool, write_token
 from torch.testing import assert_close
 
+from lightning_smartinf.core import registry
 from lightning_smartinf.core.backend import Backend, ShardSpec
 from lightning_smartinf.core.build import tiers_over
 from lightning_smartinf.core.format.layout import ChunkLayout
@@ -82,7 +83,8 @@ def build(request, tmp_path) -> Iterator[Callable[[str, str, str], Backend]]:
             backend = RemoteBackend([s.address for s in servers], token, **options)
         if tier != "alone":
             budget = {"memory_bytes" if tier == "memory" else "accelerator_bytes": TIER_BYTES}
-            backend = tiers_over(backend, **budget, accelerator_device="cpu", **options)
+            computes = registry.kind(kind).devices_compute
+            backend = tiers_over(backend, **budget, accelerator_device="cpu", devices_compute=computes, **options)
         made.append(backend)
         return backend
 

@@ -15,6 +15,7 @@ import torch
 from helpers.remote_servers import server_pool, write_token
 from torch.testing import assert_close
 
+from lightning_smartinf.core import registry
 from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.build import tiers_over
 from lightning_smartinf.core.compression import compress_topk
@@ -74,6 +75,7 @@ def _tiers(servers, token_file, *, memory: int = STATE, accelerator: int = 0, we
         buffer_count=4,
         device_timeout_s=60.0,
         accelerator_device="cpu",  # the accelerator tier's code on the host's torch device (no GPU here)
+        devices_compute=registry.kind("remote").devices_compute,
     )
 
 

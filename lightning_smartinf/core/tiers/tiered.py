@@ -124,9 +124,11 @@ class TieredBackend(Backend, ABC):
         memory_bytes: bytes of shard state host memory may hold (``0``: no memory tier).
         accelerator_bytes: bytes of shard state accelerator memory may hold (``0``: no accelerator tier).
         accelerator_device: the torch device of the accelerator tier (``"cuda"``: the current GPU).
+        devices_compute: whether ``inner``'s devices update with compute of their own, beside this host's cores (its
+            kind's :attr:`~lightning_smartinf.core.registry.DeviceKind.devices_compute`): a memory tier beside them
+            then starts as one more of them.
         measure_memory_share: choose the memory tier's share of ``memory_bytes`` from measured rates (see
-            :meth:`AttachedTiers.replan`); ``False``: fill the budget; ``None``: measure where ``inner``'s devices
-            compute.
+            :meth:`AttachedTiers.replan`); ``False``: fill the budget; ``None``: measure where ``devices_compute``.
         chunk_elems, buffer_count: the tiers' devices' chunks and buffers.
 
     On an error here ``inner`` is closed.
@@ -142,6 +144,7 @@ class TieredBackend(Backend, ABC):
         memory_bytes: int = 0,
         accelerator_bytes: int = 0,
         accelerator_device: torch.device | str = "cuda",
+        devices_compute: bool = False,
         measure_memory_share: bool | None = None,
         chunk_elems: int = 1 << 20,
         buffer_count: int = 16,
@@ -161,8 +164,8 @@ class TieredBackend(Backend, ABC):
         self.accelerator_bytes = accelerator_bytes
         self._accelerator_device = accelerator_device
         #: Whether the memory tier's share is decided from measurements (else it fills its budget).
-        self.measures_memory_share = inner.devices_compute if measure_memory_share is None else measure_memory_share
-        self.devices_compute = inner.devices_compute
+        self.devices_compute = devices_compute
+        self.measures_memory_share = devices_compute if measure_memory_share is None else measure_memory_share
         self._memory_share = memory_bytes
         self._tier_options = (chunk_elems, buffer_count)
         #: Each shard's backend and its index there.
@@ -540,8 +543,8 @@ class BesideTiers(TieredBackend):
     records the split.
 
     Args:
-        inner, memory_bytes, accelerator_bytes, accelerator_device, measure_memory_share, chunk_elems, buffer_count:
-            see :class:`TieredBackend`.
+        inner, memory_bytes, accelerator_bytes, accelerator_device, devices_compute, measure_memory_share, chunk_elems,
+            buffer_count: see :class:`TieredBackend`.
         device_timeout_s: the tiers' devices' timeout.
 
     The tiers' devices are built when :meth:`open` puts a shard in them.

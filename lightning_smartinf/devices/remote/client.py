@@ -615,8 +615,6 @@ class RemoteBackend(LatchingBackend):
             gRPC (not encrypted).
     """
 
-    devices_compute = True  # the servers update with cores of their own
-
     def __init__(
         self,
         addresses: Sequence[str],

@@ -392,8 +392,6 @@ class XrtBackend(StreamingBackend):
         RuntimeError: ``pyxrt`` is missing, or a device cannot be opened or programmed.
     """
 
-    devices_compute = True  # the FPGAs update, not this host's cores
-
     def __init__(
         self,
         device_dirs: Sequence[Path],
