@@ -142,6 +142,6 @@ def test_rank_of_a_later_node_takes_its_local_share_and_names_dirs_by_global_ran
     )
     assert (strategy.global_rank, strategy.local_rank, strategy.node_rank) == (3, 1, 1)
     assert strategy.rank_storage_paths() == [storage[1].resolve(), storage[3].resolve()]
-    directories, owned = engine.rank_devices(strategy)
+    directories, owned = engine.rank_devices(strategy.rank_place())
     assert directories == [storage[i].resolve() / "smartinf" / "rank003" for i in (1, 3)] and owned == []
     assert not storage[0].exists() and not storage[2].exists(), "local rank 0's paths are its own to create"

@@ -298,5 +298,5 @@ def test_a_budget_per_rank_is_refused_when_the_ranks_of_a_node_together_do_not_f
     budget = int(psutil.virtual_memory().available * 0.6)  # fits once, not twice
     strategy = SmartInfinityStrategy(state_memory_budget=budget, parallel_devices=[torch.device("cpu")] * 2)
     with pytest.raises(MisconfigurationException, match=r"on each of the 2 ranks of this node needs .* MiB available"):
-        engine.check_node_memory_budget(strategy)
-    engine.check_node_memory_budget(SmartInfinityStrategy(state_memory_budget=budget))  # one rank: fits
+        engine.check_node_memory_budget(strategy.settings, strategy.num_processes)
+    engine.check_node_memory_budget(SmartInfinityStrategy(state_memory_budget=budget).settings, 1)  # one rank: fits

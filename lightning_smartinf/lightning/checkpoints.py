@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,13 +46,15 @@ def save(
     strategy: SmartInfinityStrategy,
     checkpoint: dict[str, Any],
     filepath: str | os.PathLike,
-    storage_options: Any | None = None,
+    storage_options: Any | None,
+    write_engine: Callable[[dict[str, Any], Path], None],
 ) -> None:
     """Save a checkpoint directory at ``filepath`` (all ranks), replacing any checkpoint there whole and atomically.
 
-    Every rank writes its part (DeepSpeed's files, Lightning's client state, its device state) into one staging
-    directory beside ``filepath``; rank 0 seals it (global step, every file's size and CRC-32) and swaps it in. A
-    kill at any instant leaves the previous checkpoint or the new one at ``filepath``.
+    Every rank writes its part (DeepSpeed's files and Lightning's client state, through ``write_engine(checkpoint,
+    directory)``, then its device state) into one staging directory beside ``filepath``; rank 0 seals it (global
+    step, every file's size and CRC-32) and swaps it in. A kill at any instant leaves the previous checkpoint or the
+    new one at ``filepath``.
 
     Raises:
         StorageError: a device failed earlier (the state may be torn), or writing failed; the previous checkpoint at
@@ -85,7 +88,7 @@ def save(
         staging = str(staging_dir)
     staging_dir = Path(strategy.broadcast(staging))
     try:
-        strategy.save_engine_checkpoint(checkpoint, staging_dir)
+        write_engine(checkpoint, staging_dir)
         smart_update.save(checkpoint_folder.rank_state_dir(staging_dir, strategy.global_rank), global_step=global_step)
         strategy.barrier("smartinf_save_checkpoint")
         if strategy.is_global_zero:

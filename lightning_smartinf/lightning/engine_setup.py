@@ -1,8 +1,9 @@
 """Building a ``SmartInfinityStrategy``'s ZeRO-3 engine: this rank's devices, its controller, ``deepspeed.initialize``.
 
-Written on the strategy's public API. Invariants: a rank's device directories are created and found unclaimed before
-DeepSpeed is touched; the backend is handed to the strategy (``on_backend``) as soon as it exists, so the strategy
-releases it even when the engine fails to build after it.
+It takes values, not the strategy: where this rank stands (:class:`RankPlace`), DeepSpeed's config and what else
+each step needs. Invariants: a rank's device directories are created and found unclaimed before DeepSpeed is
+touched; the backend is handed to the strategy (``on_backend``) as soon as it exists, so the strategy releases it
+even when the engine fails to build after it.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn import Module
@@ -47,12 +50,27 @@ from lightning_smartinf.zero.param_storage import (
     swap_buffer_settings,
 )
 
-if TYPE_CHECKING:
-    from lightning_smartinf.lightning.strategy import SmartInfinityStrategy
-
 log = logging.getLogger(__name__)
 #: Removers of the temporary device state of finished runs (``storage_paths=None``); see :func:`release_at_next_run`.
 _temporary_state_releases: list[weakref.finalize] = []
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where this rank stands, with the run's settings: what engine set-up needs of the strategy, taken once the
+    launcher has placed the rank (every value is final then)."""
+
+    settings: SmartUpdateSettings
+    global_rank: int
+    local_rank: int
+    ranks_per_node: int
+    world_size: int
+    #: The device this rank trains on (Lightning's ``root_device``).
+    device: torch.device
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
 
 
 def check_optimizer(settings: SmartUpdateSettings, optimizer: Optimizer) -> None:
@@ -73,7 +91,7 @@ def release_at_next_run(owner: object, release: Callable[[], None]) -> weakref.f
     return finalizer
 
 
-def rank_devices(strategy: SmartInfinityStrategy) -> tuple[list[Path], list[Path]]:
+def rank_devices(place: RankPlace) -> tuple[list[Path], list[Path]]:
     """This rank's device directories, created (0700), and those the backend removes at the end (temporary ones).
 
     Raises:
@@ -86,27 +104,27 @@ def rank_devices(strategy: SmartInfinityStrategy) -> tuple[list[Path], list[Path
         _temporary_state_releases.pop()()
     try:
         directories, owned = rank_device_dirs(
-            strategy.settings,
-            global_rank=strategy.global_rank,
-            local_rank=strategy.local_rank,
-            ranks_per_node=strategy.num_processes,
+            place.settings,
+            global_rank=place.global_rank,
+            local_rank=place.local_rank,
+            ranks_per_node=place.ranks_per_node,
         )
     except ValueError as exc:  # a StorageError is no ValueError: it propagates as it is
         raise MisconfigurationException(str(exc)) from None
     # Fails before DeepSpeed's set-up; the backend's claim, taken when it is built, is what holds them.
     check_unclaimed(directories)
-    check_node_memory_budget(strategy)
+    check_node_memory_budget(place.settings, place.ranks_per_node)
     try:  # on this rank's own GPU, now that Lightning chose it
-        check_accelerator_budget(strategy.settings.state_accelerator_budget, strategy.root_device)
+        check_accelerator_budget(place.settings.state_accelerator_budget, place.device)
     except ValueError as exc:
         raise MisconfigurationException(str(exc)) from None
     return directories, owned
 
 
-def check_node_memory_budget(strategy: SmartInfinityStrategy) -> None:
+def check_node_memory_budget(settings: SmartUpdateSettings, ranks_per_node: int) -> None:
     """Every rank of this node keeps up to ``state_memory_budget`` in RAM: together, they must fit (the settings
     checked one budget, before the ranks were known). Runs after the previous run's temporary state was freed."""
-    budget, ranks = strategy.settings.state_memory_budget, max(1, strategy.num_processes)
+    budget, ranks = settings.state_memory_budget, max(1, ranks_per_node)
     if not budget or ranks == 1:
         return
     problems = Problems("SmartInfinityStrategy", MisconfigurationException)
@@ -120,10 +138,15 @@ def check_node_memory_budget(strategy: SmartInfinityStrategy) -> None:
 
 
 def controller_factory(
-    strategy: SmartInfinityStrategy, device_dirs: list[Path], owned: list[Path], on_backend: Callable[[Backend], None]
+    place: RankPlace,
+    device_dirs: list[Path],
+    owned: list[Path],
+    on_backend: Callable[[Backend], None],
+    kept_ratio: float | None,
 ) -> ControllerFactory:
-    """What ZeRO calls when it builds its optimizer: this rank's backend, then the controller over it."""
-    settings = strategy.settings
+    """What ZeRO calls when it builds its optimizer: this rank's backend, then the controller over it (sending
+    ``kept_ratio`` of the gradient entries, ``None``: dense)."""
+    settings = place.settings
     io_factory: Callable[[], IOEngine] | None = None
     if settings.kind.uses_io_engine:
         try:
@@ -132,23 +155,23 @@ def controller_factory(
             raise MisconfigurationException(str(exc)) from None
         if choice.fallback is not None:
             rank_zero_warn(f"SmartUpdate falls back to thread-pool pread/pwrite: {choice.fallback}.")
-        log.info(f"SmartUpdate rank {strategy.global_rank}: device I/O through {choice.description}")
+        log.info(f"SmartUpdate rank {place.global_rank}: device I/O through {choice.description}")
         io_factory = choice.factory
     context = BuildContext(
         device_dirs=tuple(device_dirs),
         owned_dirs=tuple(owned),
-        local_rank=strategy.local_rank,
-        ranks_per_node=strategy.num_processes,
-        label=f"rank{strategy.global_rank:03d}",
+        local_rank=place.local_rank,
+        ranks_per_node=place.ranks_per_node,
+        label=f"rank{place.global_rank:03d}",
         io_factory=io_factory,
-        accelerator_training=strategy.root_device.type != "cpu",
+        accelerator_training=place.device.type != "cpu",
     )
 
     def build(optimizer: Optimizer, sub_groups: Sequence[SubGroup], partitions: Partitions) -> SmartUpdate:
         backend = build_backend(settings, context)
         on_backend(backend)
         smart_update = SmartUpdate(settings, backend, optimizer, sub_groups, partitions)
-        smart_update.kept_ratio = strategy.kept_ratio
+        smart_update.kept_ratio = kept_ratio
         return smart_update
 
     return build
@@ -170,23 +193,21 @@ def require_parameter_swapper() -> None:
 
 
 @contextmanager
-def model_init_context(strategy: SmartInfinityStrategy) -> Iterator[None]:
-    """Where ``LightningModule.configure_model`` builds the model: ZeRO-3's ``zero.Init``, as Lightning's own. With
-    ``offload_parameters="storage"`` each partition is written to this rank's parameter files as its module is built,
-    so the whole model is never in memory; the swapper's pool is sized for the model once it exists
-    (:func:`place_parameters`)."""
+def model_init_context(place: RankPlace, config: dict[str, Any], remote_device: str | None) -> Iterator[None]:
+    """Where ``LightningModule.configure_model`` builds the model: ZeRO-3's ``zero.Init`` over DeepSpeed's ``config``,
+    as Lightning's own (partitions on ``remote_device``). With ``offload_parameters="storage"`` each partition is
+    written to this rank's parameter files as its module is built, so the whole model is never in memory; the
+    swapper's pool is sized for the model once it exists (:func:`place_parameters`)."""
     import deepspeed
 
-    config = strategy.config
-    assert isinstance(config, dict)
     map_large_allocations()  # layer-sized blocks built, cast and partitioned one after another leave no holes
     offload_param = config["zero_optimization"].get("offload_param") or {}
     if offload_param.get("device") != "nvme":
-        with deepspeed.zero.Init(remote_device=strategy.remote_device, config_dict_or_path=config):
+        with deepspeed.zero.Init(remote_device=remote_device, config_dict_or_path=config):
             yield
         return
     require_parameter_swapper()
-    device_dirs, _ = rank_devices(strategy)
+    device_dirs, _ = rank_devices(place)
     offload_param["nvme_path"] = str(make_private_dirs(device_dirs[0], ("params",)))
     # Until the model exists: a small pool; larger partitions are written from buffers of their own.
     offload_param.update(buffer_count=GATHERS_IN_FLIGHT + SPARE_BUFFERS, buffer_size=MIN_SWAPPED_BYTES // 2)
@@ -196,7 +217,8 @@ def model_init_context(strategy: SmartInfinityStrategy) -> Iterator[None]:
 
 
 def place_parameters(
-    strategy: SmartInfinityStrategy,
+    place: RankPlace,
+    precision: str,
     model: Module,
     offload_param: dict[str, Any],
     device_dirs: Sequence[Path],
@@ -211,7 +233,6 @@ def place_parameters(
 
     require_parameter_swapper()
     problems = Problems("SmartInfinityStrategy", MisconfigurationException)
-    precision = strategy.precision_plugin.precision
     element_size = 4 if precision in ("32-true", "32", 32) else 2
     if element_size == 4 and not get_accelerator().is_fp16_supported():
         # deepspeed 0.19's `zero.Init._set_dtype` gives the parameter swapper bf16 for an fp32 model unless the
@@ -223,11 +244,11 @@ def place_parameters(
         )
     buffers = swap_buffer_settings(
         model.modules(),
-        world_size=strategy.world_size,
+        world_size=place.world_size,
         element_size=element_size,
         block_size=int(aio.get("block_size", 1 << 20)),
     )
-    largest_sub_group = min(strategy.settings.sub_group_size, sum(full_numel(p) for p in model.parameters()))
+    largest_sub_group = min(place.settings.sub_group_size, sum(full_numel(p) for p in model.parameters()))
     # Staging for two sub-groups per device (`ZeroPartitions.staged_limit`), and the swapper's own write buffer.
     staging = 2 * len(device_dirs) * largest_sub_group * element_size + largest_sub_group * element_size
     problems.fits_in_memory(
@@ -240,10 +261,10 @@ def place_parameters(
     problems.raise_if_any()
     built_there = next((p.nvme_swapper for p in model.parameters() if getattr(p, "nvme_swapper", None)), None)
     directory = make_private_dirs(device_dirs[0], ("params",))
-    params_bytes = stored_param_bytes(model.parameters(), world_size=strategy.world_size, element_size=element_size)
+    params_bytes = stored_param_bytes(model.parameters(), world_size=place.world_size, element_size=element_size)
     same_disk = [d for d in device_dirs if d.stat().st_dev == directory.stat().st_dev]
     gradient_bytes = params_bytes  # one per parameter, in the training dtype
-    compression = strategy.settings.compression
+    compression = place.settings.compression
     residual_bytes = params_bytes // element_size * 4 if compression is not None and compression.error_feedback else 0
     state_bytes = max(0, state_on_storage) * len(same_disk) // len(device_dirs)
     # A model built in `configure_model` (by `model_init_context`) is written already: the rest must still fit.
@@ -256,19 +277,23 @@ def place_parameters(
 
 
 def initialize(
-    strategy: SmartInfinityStrategy,
+    place: RankPlace,
     model: Module,
     optimizer: Optimizer | None,
     lr_scheduler: Any,
     *,
+    config: dict[str, Any],
+    precision: str,
     deepspeed_args: Any,
+    kept_ratio: float | None,
+    before_engine: Callable[[], None],
     on_backend: Callable[[Backend], None],
 ) -> tuple[Any, Any]:
-    """``deepspeed.initialize`` with the SmartUpdate optimizer installed; returns the engine and its optimizer."""
+    """``deepspeed.initialize`` over ``config`` with the SmartUpdate optimizer installed, after ``before_engine()``
+    (what waited for the model); returns the engine and its optimizer."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    precision = strategy.precision_plugin.precision
     if precision in ("16-mixed", "16-true") and not get_accelerator().is_fp16_supported():
         raise MisconfigurationException(
             f"`precision={precision!r}` needs fp16 support, which DeepSpeed's `{get_accelerator().device_name()}` "
@@ -282,32 +307,28 @@ def initialize(
     # From here on (and for a model built in `configure_model`, from before it): each large host block is a mapping
     # of its own, given back when freed, so partitions moved, gradients and buffers freed leave no holes in the RSS.
     map_large_allocations()
-    module = strategy.lightning_module
-    if module is not None:  # the model exists now (`configure_model` ran): what was waiting for it runs
-        strategy.run_before_engine(module.trainer, module)
-    device_dirs, owned = rank_devices(strategy)
+    before_engine()  # the model exists now (`configure_model` ran)
+    device_dirs, owned = rank_devices(place)
     # The memory tiers' state is in memory; a kind may keep its state elsewhere than `device_dirs` (remote servers).
-    settings = strategy.settings
+    settings = place.settings
     in_memory = (settings.state_memory_budget or 0) + (settings.state_accelerator_budget or 0)
-    on_storage = state_bytes(optimizer, settings.compression) // strategy.world_size - in_memory
+    on_storage = state_bytes(optimizer, settings.compression) // place.world_size - in_memory
     if (
-        strategy.is_global_zero
+        place.is_global_zero
         and settings.kind.state_in_storage_paths
         and on_storage > 0
         and (note := quiet.endurance_note([str(d) for d in device_dirs], on_storage))
     ):
         rank_zero_warn(note)
     # ZeRO copies its swap folder into checkpoints; ours stays empty (device state is saved separately).
-    config = strategy.config
-    assert isinstance(config, dict)
     config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(
         make_private_dirs(device_dirs[0], ("engine-swap",))
     )
     offload_param = config["zero_optimization"].get("offload_param") or {}
     if offload_param.get("device") == "nvme":
-        place_parameters(strategy, model, offload_param, device_dirs, on_storage, aio=config.get("aio") or {})
+        place_parameters(place, precision, model, offload_param, device_dirs, on_storage, aio=config.get("aio") or {})
     try:
-        with smart_update_optimizer(controller_factory(strategy, device_dirs, owned, on_backend)):
+        with smart_update_optimizer(controller_factory(place, device_dirs, owned, on_backend, kept_ratio)):
             engine, zero_optimizer, _, _ = deepspeed.initialize(
                 args=deepspeed_args,
                 config=config,

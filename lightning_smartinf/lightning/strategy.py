@@ -272,6 +272,17 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
         """This rank's share of the storage paths (``[]`` with ``storage_paths=None``)."""
         return rank_share(self.settings.storage_paths or (), self.local_rank, self.num_processes)
 
+    def rank_place(self) -> engine_setup.RankPlace:
+        """Where this rank stands, with the settings (for engine set-up; final once the launcher placed the rank)."""
+        return engine_setup.RankPlace(
+            settings=self.settings,
+            global_rank=self.global_rank,
+            local_rank=self.local_rank,
+            ranks_per_node=self.num_processes,
+            world_size=self.world_size,
+            device=self.root_device,
+        )
+
     @property
     def devices_per_rank(self) -> int:
         """Devices (storage paths) each rank drives."""
@@ -337,7 +348,9 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         self._init_config_if_needed()
-        with engine_setup.model_init_context(self):  # with parameters on storage, straight to this rank's files
+        assert isinstance(self.config, dict)
+        # With parameters on storage, each partition goes straight to this rank's files.
+        with engine_setup.model_init_context(self.rank_place(), self.config, self.remote_device):
             yield
 
     @override
@@ -353,8 +366,22 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
         def adopt(backend: Backend) -> None:
             self._backend = backend  # released at teardown, even if the engine then fails to build
 
+        def before_engine() -> None:
+            if (module := self.lightning_module) is not None:
+                self.run_before_engine(module.trainer, module)
+
+        assert isinstance(self.config, dict)
         deepspeed_engine, zero_optimizer = engine_setup.initialize(
-            self, model, optimizer, lr_scheduler, deepspeed_args=self.deepspeed_args(), on_backend=adopt
+            self.rank_place(),
+            model,
+            optimizer,
+            lr_scheduler,
+            config=self.config,
+            precision=self.precision_plugin.precision,
+            deepspeed_args=self.deepspeed_args(),
+            kept_ratio=self.kept_ratio,
+            before_engine=before_engine,
+            on_backend=adopt,
         )
         self._smart_update = zero_optimizer.smart_update
         return deepspeed_engine, zero_optimizer
@@ -403,11 +430,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
     ) -> None:
         """Save a checkpoint directory at ``filepath``, replacing any there whole and atomically (a kill at any
         instant leaves the previous checkpoint or the new one); see :func:`.checkpoints.save`."""
-        checkpoints.save(self, checkpoint, filepath, storage_options)
-
-    def save_engine_checkpoint(self, checkpoint: dict[str, Any], directory: Path) -> None:
-        """DeepSpeed's part of a checkpoint (module, engine, Lightning's client state), written into ``directory``."""
-        super().save_checkpoint(checkpoint, directory)
+        checkpoints.save(self, checkpoint, filepath, storage_options, write_engine=super().save_checkpoint)
 
     @override
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
