@@ -29,6 +29,7 @@ from lightning_smartinf.core.accelerator import Fence
 from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.rules import StepParams, UpdateRule
+from lightning_smartinf.core.state_formats import state_format
 from lightning_smartinf.core.traffic import Traffic, TrafficSnapshot
 
 if TYPE_CHECKING:
@@ -47,16 +48,20 @@ class ShardSpec:
         index: position of the shard in this rank's shard list.
         numel: number of trainable elements.
         rule: the update rule (and so the state tensors) of the shard's param group.
+        state_format: how the states are stored (:data:`~lightning_smartinf.core.state_formats.FORMATS`).
     """
 
     index: int
     numel: int
     rule: UpdateRule
+    state_format: str = "fp32"
 
     @property
     def state_bytes(self) -> int:
         """Bytes of fp32 master plus states, before any on-disk alignment."""
-        return self.numel * self.rule.bytes_per_element
+        if self.state_format == "fp32":
+            return self.numel * self.rule.bytes_per_element
+        return 4 * self.numel + len(self.rule.state_names) * state_format(self.state_format).stored_bytes(self.numel)
 
 
 @dataclass(frozen=True)

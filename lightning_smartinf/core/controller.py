@@ -214,6 +214,7 @@ class SmartUpdate:
                 index=i,
                 numel=s.numel,
                 rule=rule_for_group(optimizer, optimizer.param_groups[s.param_group], settings.compression),
+                state_format=settings.state_precision,
             )
             for i, s in enumerate(self.sub_groups)
         ]

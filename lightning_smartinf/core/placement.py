@@ -180,7 +180,7 @@ class Tiered:
 
     def state_bytes(self, shard: ShardSpec) -> int:
         """Bytes ``shard``'s state takes on any device: its record file."""
-        return ChunkLayout(shard.numel, self.chunk_elems, len(shard.rule.state_names)).file_bytes
+        return ChunkLayout(shard.numel, self.chunk_elems, len(shard.rule.state_names), shard.state_format).file_bytes
 
     def assign(self, shards: Sequence[ShardSpec], num_devices: int) -> list[int]:
         storage = len(self.weights)

@@ -83,6 +83,8 @@ class DeviceKind(ABC):
     #: Whether its checkpoints keep the device state on its devices, not in files in the checkpoint (remote servers):
     #: another kind reaches them with :meth:`fetch_saved_state` (the strategy's ``saved_state_from``).
     keeps_checkpoint_state: bool = False
+    #: The state formats its devices hold (``state_precision``; :mod:`lightning_smartinf.core.state_formats`).
+    state_formats: tuple[str, ...] = ("fp32",)
     #: What one entry of ``device_weights`` weighs.
     weighs: str = "storage path"
 

@@ -33,6 +33,7 @@ from lightning_smartinf.core.io.storage import StorageError, make_private_dirs
 from lightning_smartinf.core.placement import rank_device_dirs
 from lightning_smartinf.core.registry import BuildContext
 from lightning_smartinf.core.settings import SmartUpdateSettings, check_accelerator_budget
+from lightning_smartinf.core.state_formats import check_format_for_rule
 from lightning_smartinf.core.torch_optim import SUPPORTED_OPTIMIZERS, rule_for_group, state_bytes
 from lightning_smartinf.lightning import quiet
 from lightning_smartinf.zero import ControllerFactory, GradientBufferError, smart_update_optimizer
@@ -74,12 +75,14 @@ class RankPlace:
 
 
 def check_optimizer(settings: SmartUpdateSettings, optimizer: Optimizer) -> None:
-    """Every param group of ``optimizer`` has an update rule the devices run (and a sparse one with compression)."""
+    """Every param group of ``optimizer`` has an update rule the devices run (and a sparse one with compression) that
+    keeps its state in ``state_precision``."""
     try:
         for group in optimizer.param_groups:
             rule = rule_for_group(optimizer, group, settings.compression)
             if settings.compression is not None:
                 check_sparse_supported(rule)
+            check_format_for_rule(settings.state_precision, rule)
     except ValueError as exc:
         raise MisconfigurationException(str(exc)) from None
 

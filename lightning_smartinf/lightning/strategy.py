@@ -118,6 +118,10 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
             paths (2x the disk space, not the traffic). ``backend="cpu"`` without ``compression`` only.
         prefetch_state: let each device read the state of the sub-groups it updates next into free buffers whenever
             it would idle (at most ``buffer_count - 1 - io_threads`` chunks). Never changes results; ``False`` compares.
+        state_precision: how the optimizer's per-element state is stored on the devices: ``"fp32"`` (as
+            ``torch.optim``, bit for bit), ``"bf16"`` or ``"int8"`` (blockwise, one fp32 scale per 256 elements);
+            master weights stay fp32. Adam: 12, 8 or 6.03 bytes per parameter on disk and per step each way
+            (docs/arguments.md). ``backend="cpu"`` only so far.
         gradient_buffer: where gradients wait for devices: ``"accelerator"``, ``"host"`` or ``"auto"`` (docs/gpu.md).
         state_memory_budget, state_accelerator_budget, device_weights, state_memory_share: tiers (docs/tiers.md).
         saved_state_from: where a checkpoint's state is read from when the devices that saved it kept it and this
@@ -169,6 +173,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
         device_timeout_s: float | None = 300.0,
         overlap_backward: bool = True,
         prefetch_state: bool = True,
+        state_precision: Literal["fp32", "bf16", "int8"] = "fp32",
         gradient_buffer: Literal["auto", "accelerator", "host"] = "auto",
         state_memory_budget: int | str | None = None,
         device_weights: list[float] | None = None,

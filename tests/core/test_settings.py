@@ -71,6 +71,7 @@ def test_defaults_are_the_strategy_defaults_and_the_object_is_frozen_and_keyword
         "device_timeout_s": 300.0,
         "overlap_backward": True,
         "prefetch_state": True,
+        "state_precision": "fp32",
         "gradient_buffer": "auto",
         "state_memory_budget": None,
         "device_weights": None,

@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers.ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
 
+from lightning_smartinf.core import registry
 from lightning_smartinf.core.backend import Backend, ShardSpec
 from lightning_smartinf.core.build import tiers_over
 from lightning_smartinf.core.compression import compress_topk
@@ -48,7 +49,7 @@ def xclbin(tmp_path, csim_library) -> Iterator[Path]:
 def _open(backends: list, root: Path, xclbin: Path, tiers: Callable = tiers_over, **kwargs) -> Backend:
     own, arguments = split_tier_arguments(kwargs)
     devices = XrtBackend([root / "ssd0", root / "ssd1"], xclbin=xclbin, chunk_elems=CHUNK, buffer_count=2, **own)
-    backend = with_tiers(devices, tiers, **arguments)
+    backend = with_tiers(devices, tiers, devices_compute=registry.kind("xrt").devices_compute, **arguments)
     backends.append(backend)
     backend.open([ShardSpec(i, n, Adam(decoupled_weight_decay=True)) for i, n in enumerate(SIZES)])
     for i, n in enumerate(SIZES):

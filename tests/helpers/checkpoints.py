@@ -7,8 +7,7 @@ from pathlib import Path
 import torch
 
 from lightning_smartinf.core.format import checkpoint_folder
-from lightning_smartinf.core.format.layout import ChunkLayout
-from lightning_smartinf.core.format.state_files import read_manifest, shard_file_name
+from lightning_smartinf.core.format.state_files import read_manifest, saved_layout, shard_file_name
 
 
 def device_states(checkpoint: Path, rank: int = 0) -> dict[int, dict[str, torch.Tensor]]:
@@ -18,16 +17,15 @@ def device_states(checkpoint: Path, rank: int = 0) -> dict[int, dict[str, torch.
     shards: dict[int, dict[str, torch.Tensor]] = {}
     for entry in manifest["shards"]:
         names = ["master", *entry["states"]]
-        layout = ChunkLayout(int(entry["numel"]), int(manifest["chunk_elems"]), len(entry["states"]))
+        layout = saved_layout(entry, int(manifest["chunk_elems"]))
         raw = (directory / shard_file_name(int(entry["index"]))).read_bytes()
         tensors = {name: torch.empty(layout.numel) for name in names}
         for k in range(layout.num_chunks):
             start, n = layout.chunk_range(k)
             offset = layout.record_offset(k)
-            record = torch.frombuffer(bytearray(raw[offset : offset + layout.record_bytes(k)]), dtype=torch.float32)
-            record = record.view(layout.tensors_per_record, layout.padded_len(k))
-            for i, name in enumerate(names):
-                tensors[name][start : start + n] = record[i, :n]
+            record = torch.frombuffer(bytearray(raw[offset : offset + layout.record_bytes(k)]), dtype=torch.uint8)
+            for name, tensor in zip(names, layout.unpack(record, k, entry["states"])):
+                tensors[name][start : start + n] = tensor[:n]
         shards[int(entry["index"])] = tensors
     return shards
 

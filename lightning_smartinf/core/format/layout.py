@@ -1,17 +1,24 @@
 """On-disk layout of one shard's state: a file of chunk records.
 
 Chunk ``k`` of a shard covers elements ``[k*C, min(n, (k+1)*C))`` and is stored as one contiguous
-record ``[master | state_1 | ... | state_S]`` (fp32 each), so one read brings everything the update of
-that chunk needs. Every record starts at ``k * C * 4 * (1+S)``; only the last one may be shorter, and
-each state inside a record is padded to ``ELEM_ALIGN`` elements so records stay ``O_DIRECT``-aligned.
-Padding elements are zero and never updated.
+record ``[master | state_1 | ... | state_S]``, so one read brings everything the update of that chunk needs. The
+master is fp32; each state is stored in the shard's state format (:mod:`lightning_smartinf.core.state_formats`:
+fp32, bf16 or int8). The master and each state are padded to ``ELEM_ALIGN`` elements, and each state's bytes to
+``IO_ALIGN``, so records stay ``O_DIRECT``-aligned; every record but the last has the same size,
+``R = C * 4 + S * round_up(stored_bytes(C), IO_ALIGN)``, and starts at ``k * R``. Padding is zero and never
+updated.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
 from lightning_smartinf.core.io.direct import IO_ALIGN, round_up
+from lightning_smartinf.core.state_formats import StateFormat, state_format
 
 #: fp32 elements per alignment unit.
 ELEM_ALIGN = IO_ALIGN // 4
@@ -24,10 +31,17 @@ class ChunkLayout:
     numel: int
     chunk_elems: int
     num_states: int
+    #: How the states are stored (one of :data:`~lightning_smartinf.core.state_formats.FORMATS`).
+    state_format: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.chunk_elems <= 0 or self.chunk_elems % ELEM_ALIGN:
             raise ValueError(f"chunk_elems={self.chunk_elems} must be a positive multiple of {ELEM_ALIGN}.")
+        state_format(self.state_format)
+
+    @property
+    def format(self) -> StateFormat:
+        return state_format(self.state_format)
 
     @property
     def tensors_per_record(self) -> int:
@@ -47,10 +61,53 @@ class ChunkLayout:
         return max(ELEM_ALIGN, round_up(self.chunk_range(k)[1], ELEM_ALIGN))
 
     def record_offset(self, k: int) -> int:
-        return k * self.chunk_elems * 4 * self.tensors_per_record
+        return k * self._record_bytes(self.chunk_elems)
 
     def record_bytes(self, k: int) -> int:
-        return self.padded_len(k) * 4 * self.tensors_per_record
+        return self._record_bytes(self.padded_len(k))
+
+    def _record_bytes(self, padded: int) -> int:
+        return padded * 4 + self.num_states * self._state_span(padded)
+
+    def _state_span(self, padded: int) -> int:
+        """Bytes between the starts of two states of a record: a state's bytes, rounded up to ``IO_ALIGN``."""
+        return round_up(self.format.stored_bytes(padded), IO_ALIGN)
+
+    def states_of(self, record: Tensor, k: int, n: int) -> list[Tensor]:
+        """The states inside ``record`` (chunk ``k``'s, of ``n`` elements): fp32 views of their ``n`` elements in the
+        fp32 format, else the ``uint8`` bytes of each whole padded state, to load and store through the format."""
+        padded = self.padded_len(k)
+        if self.state_format == "fp32":
+            return [record[(j + 1) * padded : (j + 1) * padded + n] for j in range(self.num_states)]
+        raw, size, span = record.view(torch.uint8), self.format.stored_bytes(padded), self._state_span(padded)
+        return [raw[padded * 4 + j * span :][:size] for j in range(self.num_states)]
+
+    def unpack(self, record: Tensor, k: int, names: Sequence[str]) -> list[Tensor]:
+        """The master and the states (called ``names``) of record ``k``, given as its bytes (``uint8``), as fp32
+        tensors of the record's padded length."""
+        padded = self.padded_len(k)
+        record = record[: self.record_bytes(k)]
+        tensors = [record[: padded * 4].view(torch.float32).clone()]
+        for name, raw in zip(names, self.states_of(record.view(torch.float32), k, padded), strict=True):
+            tensors.append(torch.empty(padded, dtype=torch.float32))
+            if self.state_format == "fp32":
+                tensors[-1].copy_(raw)
+            else:
+                self.format.load(raw, tensors[-1], name)
+        return tensors
+
+    def pack(self, tensors: Sequence[Tensor], k: int, names: Sequence[str]) -> Tensor:
+        """Record ``k`` (``uint8``) of fp32 ``tensors`` of its padded length: the master, then the states called
+        ``names``."""
+        padded = self.padded_len(k)
+        record = torch.zeros(self.record_bytes(k) // 4, dtype=torch.float32)
+        record[:padded].copy_(tensors[0])
+        for name, raw, value in zip(names, self.states_of(record, k, padded), tensors[1:], strict=True):
+            if self.state_format == "fp32":
+                raw.copy_(value)
+            else:
+                self.format.store(value, raw, name)
+        return record.view(torch.uint8)
 
     @property
     def file_bytes(self) -> int:

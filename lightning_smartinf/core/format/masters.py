@@ -23,6 +23,7 @@ from lightning_smartinf.core.format.state_files import (
     read_json,
     read_manifest,
     read_shard_masters,
+    saved_layout,
     shard_file_name,
     verify_state_file,
 )
@@ -118,7 +119,7 @@ class _RankMasters:
             entry = entries[index]
             if verify:
                 verify_state_file(directory / shard_file_name(index), entry)
-            self.layouts.append(ChunkLayout(int(entry["numel"]), int(manifest["chunk_elems"]), len(entry["states"])))
+            self.layouts.append(saved_layout(entry, int(manifest["chunk_elems"])))
         self.numels = [layout.numel for layout in self.layouts]
 
     def read(self, shard: int, offset: int, numel: int) -> Tensor:

@@ -38,6 +38,7 @@ from lightning_smartinf.core.format.state_files import (
     read_json,
     read_manifest,
     require_state_files,
+    saved_layout,
     shard_file_name,
     verify_state_file,
 )
@@ -91,7 +92,7 @@ class SavedRank:
             if entry is None:
                 raise CheckpointError(f"{directory / MANIFEST} has no shard {index}; its host state lists it.")
             saved.entries.append(entry)
-            saved.layouts.append(ChunkLayout(int(entry["numel"]), chunk, len(entry["states"])))
+            saved.layouts.append(saved_layout(entry, chunk))
             saved.states.append(list(entry["states"]))
             offset = 0
             for param in params:
@@ -188,6 +189,8 @@ class Reshard:
     saved: list[SavedRank]
     plan: list[list[Piece]]
     fetch: Fetch | None = None
+    #: The saved record read last in a format other than fp32, unpacked: ``((file, chunk), tensors)``.
+    _last_unpacked: tuple[tuple[str, int], list[torch.Tensor]] | None = None
 
     @classmethod
     def of(
@@ -246,6 +249,17 @@ class Reshard:
             for f in files.values():
                 f.close()
 
+    def _unpacked(self, source: BinaryIO, layout: ChunkLayout, k: int, states: list[str]) -> list[torch.Tensor]:
+        """Saved record ``k`` of ``source`` as fp32 tensors (the last one read is kept: pieces go through in order)."""
+        key = (source.name, k)
+        if self._last_unpacked is None or self._last_unpacked[0] != key:
+            raw = torch.empty(layout.record_bytes(k), dtype=torch.uint8)
+            source.seek(layout.record_offset(k))
+            if source.readinto(memoryview(raw.numpy())) != raw.numel():
+                raise CheckpointError(f"{source.name} ended early in chunk {k}.")
+            self._last_unpacked = (key, layout.unpack(raw, k, states))
+        return self._last_unpacked[1]
+
     def _source(self, files: dict[tuple[int, int], BinaryIO], rank: int, index: int) -> BinaryIO:
         if (rank, index) not in files:
             files[(rank, index)] = open(self.saved[rank].directory / shard_file_name(index), "rb", buffering=0)  # noqa: SIM115
@@ -271,7 +285,7 @@ class Reshard:
                     low, high = max(piece.dest, start), min(piece.dest + piece.count, start + n)
                     self._fill(record, low - start, high - low, piece, piece.src + low - piece.dest, names, files)
                 out.seek(layout.record_offset(k))
-                out.write(memoryview(record.numpy()).cast("B"))
+                out.write(memoryview(layout.pack(list(record), k, names).numpy()).cast("B"))
 
     def _fill(
         self,
@@ -296,6 +310,12 @@ class Reshard:
             first, n = layout.chunk_range(k)
             run = min(count - done, first + n - element)
             padded = layout.padded_len(k)
+            if layout.state_format != "fp32":  # the saved record, whole, read in its format
+                saved_record = self._unpacked(source, layout, k, states)
+                for row, saved_row in rows:
+                    record[row, at + done : at + done + run] = saved_record[saved_row][element - first :][:run]
+                done += run
+                continue
             for row, saved_row in rows:
                 target = record[row, at + done : at + done + run]
                 source.seek(layout.record_offset(k) + (saved_row * padded + element - first) * 4)

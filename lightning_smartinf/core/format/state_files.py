@@ -64,6 +64,7 @@ from lightning_smartinf.core.io.storage import (
     is_disk_full,
     write_file_atomic,  # looked up here at each call: tests/scripts/crash_worker.py replaces it in this module
 )
+from lightning_smartinf.core.state_formats import FORMATS
 
 MANIFEST = "manifest.json"
 FORMAT = "lightning_smartinf.state/3"
@@ -160,13 +161,21 @@ def manifest_of(shards: Sequence[ShardState], *, chunk_elems: int, crcs: Mapping
 
 
 def _describe(shard: ShardState) -> dict:
+    # fp32 is recorded by leaving the format out: manifests of fp32 state read as they did before formats existed.
+    fmt = {"state_format": shard.spec.state_format} if shard.spec.state_format != "fp32" else {}
     return {
         "index": shard.spec.index,
         "numel": shard.spec.numel,
         "rule": shard.spec.rule.name,
         "states": list(shard.spec.rule.state_names),
+        **fmt,
         "bytes": shard.layout.file_bytes,
     }
+
+
+def saved_layout(entry: Mapping[str, Any], chunk_elems: int) -> ChunkLayout:
+    """The layout of a saved shard from its manifest ``entry``."""
+    return ChunkLayout(int(entry["numel"]), chunk_elems, len(entry["states"]), str(entry.get("state_format", "fp32")))
 
 
 # ------------------------------------------------------------------------------------------------ file helpers
@@ -467,7 +476,19 @@ def load_state(
     # Files are looked up by index (never by a name from the manifest): the checkpoint cannot point elsewhere.
     _per_device(shards, lambda s: verify_state_file(directory / shard_file_name(s.spec.index), entries[s.spec.index]))
 
-    if converted := sorted({(e["rule"], w["rule"]) for e, w in zip(found_plain, expected) if e != w}):
+    formats = {(e.get("state_format", "fp32"), w.get("state_format", "fp32")) for e, w in zip(found_plain, expected)}
+    for saved_format, wanted_format in sorted(formats):
+        if saved_format == wanted_format:
+            continue
+        smaller = FORMATS.index(wanted_format) > FORMATS.index(saved_format)
+        (log.warning if smaller else log.info)(
+            "Device state in %s was saved in %s; converting it to %s (%s).",
+            directory,
+            saved_format,
+            wanted_format,
+            "rounded: the optimizer state loses precision" if smaller else "exactly",
+        )
+    if converted := sorted({(e["rule"], w["rule"]) for e, w in zip(found_plain, expected) if e["rule"] != w["rule"]}):
         log.warning(
             "Device state in %s was saved by update rule %s; converting it to %s (states of the same name carried "
             "over, the others starting fresh).",
@@ -480,8 +501,8 @@ def load_state(
         src = directory / shard_file_name(shard.spec.index)
         saved = entries[shard.spec.index]
         algorithm, recorded = checksum_of(saved, directory / MANIFEST)
-        if saved["states"] != list(shard.spec.rule.state_names):
-            layout = ChunkLayout(shard.spec.numel, chunk_elems, len(saved["states"]))
+        layout = saved_layout(saved, chunk_elems)
+        if saved["states"] != list(shard.spec.rule.state_names) or layout.state_format != shard.layout.state_format:
             crc = convert_state_file(src, layout, saved["states"], shard, algorithm=algorithm)
         else:
             crc = copy_with_crc(
@@ -510,7 +531,9 @@ def _loadable(found: list[dict], expected: list[dict]) -> bool:
         if saved == wanted:
             continue
         same_shard = all(saved.get(k) == wanted[k] for k in ("index", "numel"))
-        if not same_shard or (saved.get("rule"), wanted["rule"]) not in CONVERSIONS:
+        same_rule = all(saved.get(k) == wanted[k] for k in ("rule", "states"))
+        known_format = saved.get("state_format", "fp32") in FORMATS
+        if not (same_shard and known_format and (same_rule or (saved.get("rule"), wanted["rule"]) in CONVERSIONS)):
             return False
     return True
 
@@ -521,8 +544,8 @@ def convert_state_file(
     """Rewrite ``src`` (records of ``saved_states``) as ``shard``'s live file; return the checksum (``algorithm``) of
     ``src``.
 
-    Record by record: the master and every state ``shard``'s rule shares by name are copied, the others are set to
-    the rule's initial value (padding stays zero).
+    Record by record: the master and every state ``shard``'s rule shares by name are copied (read in the saved
+    format, stored in the live one), the others are set to the rule's initial value (padding stays zero).
     """
     rule, layout = shard.spec.rule, shard.layout
     update = checksum.updater(algorithm)
@@ -534,17 +557,16 @@ def convert_state_file(
             if fin.readinto(raw) != len(raw):
                 raise ValueError(f"State file {src} ended early in chunk {k}.")
             crc = update(raw, crc)
-            old = torch.frombuffer(raw, dtype=torch.float32).view(saved.tensors_per_record, saved.padded_len(k))
-            new = torch.zeros(layout.tensors_per_record, layout.padded_len(k), dtype=torch.float32)
-            n = layout.chunk_range(k)[1]
-            new[0] = old[0]
-            for i, name in enumerate(rule.state_names, start=1):
+            old = saved.unpack(torch.frombuffer(raw, dtype=torch.uint8), k, saved_states)
+            new = [old[0]]
+            for name in rule.state_names:
                 if name in saved_states:
-                    new[i] = old[1 + list(saved_states).index(name)]
+                    new.append(old[1 + list(saved_states).index(name)])
                 else:
-                    new[i, :n] = rule.initial_state_value(name)
+                    new.append(torch.zeros(layout.padded_len(k)))
+                    new[-1][: layout.chunk_range(k)[1]] = rule.initial_state_value(name)
             fout.seek(layout.record_offset(k))
-            fout.write(new.numpy().tobytes())
+            fout.write(layout.pack(new, k, rule.state_names).numpy().tobytes())
     return crc
 
 
@@ -580,5 +602,4 @@ def saved_shard_masters(
     path = Path(directory) / shard_file_name(index)
     if verify:
         verify_state_file(path, entry)
-    layout = ChunkLayout(int(entry["numel"]), int(manifest["chunk_elems"]), len(entry["states"]))
-    return read_shard_masters(path, layout)
+    return read_shard_masters(path, saved_layout(entry, int(manifest["chunk_elems"])))

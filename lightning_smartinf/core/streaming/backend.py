@@ -306,7 +306,7 @@ class StreamingBackend(LatchingBackend):
             raise ValueError(
                 f"`ShardSpec.index` values must be 0..{len(shards) - 1} in order, got {[s.index for s in shards]}."
             )
-        layouts = [ChunkLayout(s.numel, self._chunk_elems, len(s.rule.state_names)) for s in shards]
+        layouts = [ChunkLayout(s.numel, self._chunk_elems, len(s.rule.state_names), s.state_format) for s in shards]
         placement = self.placement or self._default_placement()
         self._assignment = check_assignment(placement, shards, self.num_devices)
         self._check_capacity(repr(placement), layouts, self.assignment)
@@ -594,7 +594,7 @@ class StreamingBackend(LatchingBackend):
     def initialize(self, shard: int, master: Tensor) -> Handle:
         self.check_usable("initialize")
         entry = self._shard(shard, master.numel(), "`master`")
-        rule = entry.spec.rule
+        rule, layout = entry.spec.rule, entry.layout
         init_values = [rule.initial_state_value(name) for name in rule.state_names]
 
         copies = self.device_of(shard).copies
@@ -602,9 +602,13 @@ class StreamingBackend(LatchingBackend):
 
         def fill(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
             m.copy_(copies.to_host(master[start : start + n], after=written))
-            for state, value in zip(states, init_values):
-                if value != 0.0:
+            for name, state, value in zip(rule.state_names, states, init_values):
+                if value != 0.0 and layout.state_format == "fp32":
                     state.fill_(value)
+                elif value != 0.0:  # the record is zeroed: only a non-zero state is stored through its format
+                    values = torch.zeros(layout.format.elements(state.numel()))
+                    values[:n] = value
+                    layout.format.store(values, state, name)
 
         link = self.device_of(shard).initialize_link_bytes(entry, master)
         return self._enqueue(Request(shard=entry, read=False, write=True, compute=fill, link_write=link))

@@ -45,6 +45,7 @@ from lightning_smartinf.core.io.clone import can_clone
 from lightning_smartinf.core.io.direct import IOEngine, StateFile
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.rules import StepParams
+from lightning_smartinf.core.state_formats import update_chunk
 from lightning_smartinf.core.streaming.pipeline import (
     ChunkPool,
     ChunkRead,
@@ -496,7 +497,7 @@ class StreamingDevice(ABC):
 
     def _read(self, shard: Shard, slot: int, k: int, buf: Tensor, *, count: bool = True) -> Tensor:
         """Read chunk ``k`` of ``shard``'s ``slot`` into ``buf``; a prefetch (``count=False``) is counted later."""
-        record = buf[: shard.layout.padded_len(k) * shard.layout.tensors_per_record]
+        record = buf[: shard.layout.record_bytes(k) // 4]
         previous_write = shard.writes.get((slot, k))
         if previous_write is not None:
             previous_write.result()  # the record's last update must be on disk before we read it back
@@ -533,7 +534,7 @@ class StreamingDevice(ABC):
         layout = request.shard.layout
         if not request.read:
             buf = self.pool.acquire()
-            record = buf[: layout.padded_len(k) * layout.tensors_per_record]
+            record = buf[: layout.record_bytes(k) // 4]
             record.zero_()
             return buf, record
         read = self.window.reads.popleft()
@@ -560,10 +561,8 @@ class StreamingDevice(ABC):
                 buf, record = self._chunk_record(request, k)
                 if k == 0 and request.ready is not None:
                     request.ready.synchronize()
-                padded = layout.padded_len(k)
                 start, n = layout.chunk_range(k)
-                master = record[:n]
-                states = [record[(j + 1) * padded : (j + 1) * padded + n] for j in range(layout.num_states)]
+                master, states = record[:n], layout.states_of(record, k, n)
                 t0 = time.perf_counter()
                 try:
                     self.run_compute(functools.partial(request.compute, record, master, states, start, n))
@@ -620,13 +619,17 @@ class HostCoreDevice(StreamingDevice):
     ) -> ChunkWork:
         """Load the chunk's gradient as it crosses the link (scattering a top-k one), apply the rule, copy out."""
         rule = shard.spec.rule
+        fmt = None if shard.layout.state_format == "fp32" else shard.layout.format
 
         def update(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
             g = self.grad_chunk(n)
             self.load_gradient(g, grad, start, link_dtype)
             if hp.grad_scale != 1.0:
                 g.mul_(hp.grad_scale)
-            rule.apply(m, g, states, hp)
+            if fmt is None:
+                rule.apply(m, g, states, hp)
+            else:
+                update_chunk(rule, fmt, m, g, states, hp)
             self.copies.put(out[start : start + n], m)
 
         return ChunkWork(

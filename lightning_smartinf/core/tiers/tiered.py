@@ -716,7 +716,7 @@ def masters_with_tiers(read_inner: Callable[[Path], list[Tensor]]) -> Callable[[
 
 
 def _renumbered(spec: ShardSpec, index: int) -> ShardSpec:
-    return ShardSpec(index=index, numel=spec.numel, rule=spec.rule)
+    return dataclasses.replace(spec, index=index)
 
 
 def _shifted(device: DeviceStats, offset: int) -> DeviceStats:

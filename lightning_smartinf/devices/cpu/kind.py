@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from lightning_smartinf.core.placement import rank_share
 from lightning_smartinf.core.registry import BuildContext, DeviceKind, register
+from lightning_smartinf.core.state_formats import FORMATS
 
 if TYPE_CHECKING:
     from lightning_smartinf.core.backend import Backend
@@ -19,6 +20,7 @@ class CpuKind(DeviceKind):
     takes_hand_offs = True
     uses_io_engine = True
     host_pools = True
+    state_formats = FORMATS
 
     def build(self, settings: SmartUpdateSettings, context: BuildContext) -> Backend:
         from lightning_smartinf.core.io.direct import ThreadedIO

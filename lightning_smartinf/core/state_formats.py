@@ -1,0 +1,192 @@
+"""The precisions an optimizer's per-element state can be kept in on the devices, and the one reference of each.
+
+A format says how a state tensor of ``n`` elements is stored (:meth:`StateFormat.stored_bytes`), how fp32 values
+become those bytes (:meth:`StateFormat.store`) and back (:meth:`StateFormat.load`). :func:`update_chunk` is the
+reference of an update in a format: load every state to fp32, run the rule's fp32 arithmetic
+(:mod:`lightning_smartinf.core.rules`), store every state back. Every device that holds a format must give the
+bytes this module gives on the same inputs. Master weights are fp32 in every format.
+
+Formats (``state_precision``):
+
+* ``"fp32"``: the state as it is, 4 bytes per element. The reference of every other device; bit-identical to
+  ``torch.optim``.
+* ``"bf16"``: each element rounded to bfloat16 (round to nearest, ties to even), 2 bytes per element. The stored
+  value ``x'`` of ``x`` satisfies ``|x' - x| <= 2**-8 * |x|``.
+* ``"int8"``: one byte per element plus one fp32 scale per block of :data:`BLOCK` elements (1.016 bytes per
+  element, a partial last block counted whole). An element's byte is the FP8 E4M3 code (``torch.float8_e4m3fn``:
+  3 mantissa bits, round to nearest, ties to even) of the element divided by its block's scale, the block's largest
+  magnitude over :data:`E4M3_MAX`. The largest element of a block is stored exactly, any other ``x`` as ``x'`` with
+  ``|x' - x| <= 2**-4 * |x| + 2**-10 * scale`` (the second term where ``x / scale`` is below E4M3's normal range,
+  ``2**-6``), and a non-zero ``x`` keeps its sign or becomes zero. A state that is never negative
+  (:data:`NON_NEGATIVE`: Adam's ``exp_avg_sq``, Adagrad's ``sum``) is stored by its square root, which halves the
+  range of magnitudes a block must span in the code: an element stays non-zero down to about ``2**-38`` of its
+  block's largest, and where its square root is in the normal range, ``|v' - v| <= (2 * 2**-4 + 2**-8) * v``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from lightning_smartinf.core.rules import StepParams, UpdateRule
+
+__all__ = [
+    "BLOCK",
+    "E4M3_MAX",
+    "FORMATS",
+    "NON_NEGATIVE",
+    "StateFormat",
+    "check_format_for_rule",
+    "state_format",
+    "update_chunk",
+]
+
+#: Elements per fp32 scale of an ``"int8"`` state. A record's states are padded to 1024 elements, a multiple of it.
+BLOCK = 256
+#: Largest finite magnitude of FP8 E4M3 (``float8_e4m3fn``): a block's largest element maps to it.
+E4M3_MAX = 448.0
+#: States that are never negative: ``"int8"`` stores their square root.
+NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "sum"})
+
+
+class StateFormat(ABC):
+    """How a state tensor is stored on a device (see the module docstring)."""
+
+    #: The format's name: the strategy's ``state_precision``.
+    name: ClassVar[str]
+
+    @abstractmethod
+    def stored_bytes(self, numel: int) -> int:
+        """Bytes a state of ``numel`` elements takes."""
+
+    @abstractmethod
+    def elements(self, nbytes: int) -> int:
+        """Elements a stored state of ``nbytes`` holds, padding included (the inverse of :meth:`stored_bytes`)."""
+
+    @abstractmethod
+    def store(self, values: Tensor, out: Tensor, state: str) -> None:
+        """Write fp32 ``values`` of state ``state`` into ``out`` (``uint8``, :meth:`stored_bytes` long)."""
+
+    @abstractmethod
+    def load(self, raw: Tensor, out: Tensor, state: str) -> None:
+        """Read state ``state`` from ``raw`` (``uint8``, :meth:`stored_bytes` long) into fp32 ``out``."""
+
+    def bytes_per_element(self, num_states: int) -> float:
+        """Bytes per element on the device of an fp32 master and ``num_states`` states in this format."""
+        return 4 + num_states * self.stored_bytes(1 << 20) / (1 << 20)
+
+
+class Fp32(StateFormat):
+    name = "fp32"
+
+    def stored_bytes(self, numel: int) -> int:
+        return 4 * numel
+
+    def elements(self, nbytes: int) -> int:
+        return nbytes // 4
+
+    def store(self, values: Tensor, out: Tensor, state: str) -> None:
+        out.view(torch.float32).copy_(values)
+
+    def load(self, raw: Tensor, out: Tensor, state: str) -> None:
+        out.copy_(raw.view(torch.float32))
+
+
+class Bf16(StateFormat):
+    name = "bf16"
+
+    def stored_bytes(self, numel: int) -> int:
+        return 2 * numel
+
+    def elements(self, nbytes: int) -> int:
+        return nbytes // 2
+
+    def store(self, values: Tensor, out: Tensor, state: str) -> None:
+        out.view(torch.bfloat16).copy_(values)  # round to nearest, ties to even
+
+    def load(self, raw: Tensor, out: Tensor, state: str) -> None:
+        out.copy_(raw.view(torch.bfloat16))  # exact
+
+
+class Int8(StateFormat):
+    """The codes of whole blocks first (one byte per element; zero past the last element), then one fp32 scale per
+    block of :data:`BLOCK` elements."""
+
+    name = "int8"
+
+    def stored_bytes(self, numel: int) -> int:
+        return _blocks(numel) * (BLOCK + 4)
+
+    def elements(self, nbytes: int) -> int:
+        return nbytes // (BLOCK + 4) * BLOCK
+
+    def store(self, values: Tensor, out: Tensor, state: str) -> None:
+        n, blocks = values.numel(), _blocks(values.numel())
+        padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
+        if state in NON_NEGATIVE:
+            torch.sqrt(values, out=padded[:n])
+        else:
+            padded[:n].copy_(values)
+        padded = padded.view(blocks, BLOCK)
+        scale = padded.abs().amax(dim=1).div_(E4M3_MAX)
+        # An all-zero block keeps scale 0 (zeroed bytes are zeros stored), its codes divided by 1.
+        codes = padded.div_(scale.masked_fill(scale == 0, 1.0)[:, None]).to(torch.float8_e4m3fn)
+        out[: blocks * BLOCK].copy_(codes.view(torch.uint8).view(-1))
+        out[blocks * BLOCK :].view(torch.float32).copy_(scale)
+
+    def load(self, raw: Tensor, out: Tensor, state: str) -> None:
+        n, blocks = out.numel(), _blocks(out.numel())
+        scale = raw[blocks * BLOCK :].view(torch.float32)
+        values = raw[: blocks * BLOCK].view(torch.float8_e4m3fn).to(torch.float32).view(blocks, BLOCK)
+        values.mul_(scale[:, None])
+        flat = values.view(-1)[:n]
+        if state in NON_NEGATIVE:
+            torch.mul(flat, flat, out=out)
+        else:
+            out.copy_(flat)
+
+
+_FORMATS: dict[str, StateFormat] = {f.name: f for f in (Fp32(), Bf16(), Int8())}
+#: The names ``state_precision`` takes.
+FORMATS = tuple(_FORMATS)
+
+
+def state_format(name: str) -> StateFormat:
+    """The format called ``name`` (one of :data:`FORMATS`)."""
+    try:
+        return _FORMATS[name]
+    except KeyError:
+        raise ValueError(f"`state_precision={name!r}` is not a state format; choose one of {FORMATS}.") from None
+
+
+def check_format_for_rule(name: str, rule: UpdateRule) -> None:
+    """Refuse a format other than ``"fp32"`` for a rule that keeps no state on the devices (nothing to store)."""
+    state_format(name)
+    if name != "fp32" and not rule.state_names:
+        raise ValueError(
+            f"`state_precision={name!r}`: the {rule.name!r} update keeps no per-element state on the devices (only "
+            "the fp32 master weights), so there is nothing to store in fewer bytes. Leave `state_precision='fp32'`."
+        )
+
+
+def update_chunk(
+    rule: UpdateRule, fmt: StateFormat, master: Tensor, grad: Tensor, stored: Sequence[Tensor], hp: StepParams
+) -> None:
+    """The reference update of one chunk in format ``fmt``: ``stored`` holds each of ``rule``'s states (``uint8``, at
+    least ``fmt.stored_bytes(master.numel())`` each; elements past the master's are padding, kept as they are),
+    updated in place with ``master``. ``grad`` may be overwritten."""
+    names, n = rule.state_names, master.numel()
+    states = [torch.empty(fmt.elements(raw.numel()), dtype=torch.float32) for raw in stored]
+    for name, raw, state in zip(names, stored, states):
+        fmt.load(raw, state, name)
+    rule.apply(master, grad, [state[:n] for state in states], hp)
+    for name, raw, state in zip(names, stored, states):
+        fmt.store(state, raw, name)
+
+
+def _blocks(numel: int) -> int:
+    return -(-numel // BLOCK)
