@@ -87,3 +87,29 @@ def test_an_update_without_state_is_refused_before_anything_is_written(tmp_path)
     with pytest.raises(MisconfigurationException, match=r"'sgd' update keeps no per-element state"):
         fit(SGDModule(adamw_factory()), small_strategy(tmp_path / "a", state_precision="int8"), steps=1)
     assert not any((tmp_path / "a").rglob("*.state"))
+
+
+def test_a_resume_onto_other_sub_groups_re_shards_every_format(tmp_path):
+    """bf16 is stored element by element, so re-sharded state is the same state: the resume equals the run that
+    never stopped. int8's scales belong to blocks of 256 elements, which re-sharding regroups: each element is
+    stored again under its new block's scale (within the format's bound), and training goes on from there."""
+    for precision in ("bf16", "int8"):
+        kwargs = {"state_precision": precision}
+        whole = train(tmp_path / precision / "a", steps=STEPS, strategy_kwargs=kwargs)
+        half = tmp_path / precision / "a" / "ckpts" / f"step={EVERY}.ckpt"
+        trainers: list = []
+        resumed = train(
+            tmp_path / precision / "b",
+            steps=STEPS,
+            ckpt_path=half,
+            every=None,
+            strategy_kwargs={**kwargs, "sub_group_size": 5000, "chunk_size": 2048},
+            trainers=trainers,
+        )
+        assert len(trainers[0].strategy.smart_update.sub_groups) != len(device_states(half))
+        if precision == "bf16":
+            assert_identical(resumed, whole)
+        else:
+            for n in whole:
+                assert torch.isfinite(resumed[n]).all()
+                assert float((resumed[n] - whole[n]).abs().max()) < 1e-2 * max(1.0, float(whole[n].abs().max())), n
