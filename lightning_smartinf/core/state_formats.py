@@ -25,6 +25,7 @@ Formats (``state_precision``):
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
@@ -51,6 +52,8 @@ BLOCK = 256
 E4M3_MAX = 448.0
 #: States that are never negative: ``"int8"`` stores their square root.
 NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "sum"})
+#: The value of each FP8 E4M3 code, by code (0x7F and 0xFF are NaN, which no finite state is stored as).
+_E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 
 
 class StateFormat(ABC):
@@ -126,28 +129,33 @@ class Int8(StateFormat):
 
     def store(self, values: Tensor, out: Tensor, state: str) -> None:
         n, blocks = values.numel(), _blocks(values.numel())
-        padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
+        # Worked on in place when ``values`` is whole blocks of a scratch buffer of update_chunk's, else on a copy.
+        work = values if n == blocks * BLOCK and _is_scratch(values) else _scratch(blocks * BLOCK, "store")
+        work[n:].zero_()
         if state in NON_NEGATIVE:
-            torch.sqrt(values, out=padded[:n])
-        else:
-            padded[:n].copy_(values)
-        padded = padded.view(blocks, BLOCK)
-        scale = padded.abs().amax(dim=1).div_(E4M3_MAX)
+            torch.sqrt(values, out=work[:n])
+        elif work is not values:
+            work[:n].copy_(values)
+        rows = work.view(blocks, BLOCK)
+        scale = torch.abs(work, out=_scratch(blocks * BLOCK, "abs")).view(blocks, BLOCK).amax(dim=1).div_(E4M3_MAX)
         # An all-zero block keeps scale 0 (zeroed bytes are zeros stored), its codes divided by 1.
-        codes = padded.div_(scale.masked_fill(scale == 0, 1.0)[:, None]).to(torch.float8_e4m3fn)
-        out[: blocks * BLOCK].copy_(codes.view(torch.uint8).view(-1))
+        rows.div_(scale.masked_fill(scale == 0, 1.0)[:, None])
+        out[: blocks * BLOCK].view(torch.float8_e4m3fn).copy_(work)  # round to nearest, ties to even
         out[blocks * BLOCK :].view(torch.float32).copy_(scale)
 
     def load(self, raw: Tensor, out: Tensor, state: str) -> None:
         n, blocks = out.numel(), _blocks(out.numel())
         scale = raw[blocks * BLOCK :].view(torch.float32)
-        values = raw[: blocks * BLOCK].view(torch.float8_e4m3fn).to(torch.float32).view(blocks, BLOCK)
-        values.mul_(scale[:, None])
-        flat = values.view(-1)[:n]
+        values = out if n == blocks * BLOCK else _scratch(blocks * BLOCK, "load")
+        # Decoded through a table of the 256 codes' values (exact, and faster than torch's float8 conversion).
+        codes = _scratch(blocks * BLOCK, "codes", torch.int32)
+        codes.copy_(raw[: blocks * BLOCK])
+        torch.index_select(_E4M3_VALUES, 0, codes, out=values)
+        values.view(blocks, BLOCK).mul_(scale[:, None])
         if state in NON_NEGATIVE:
-            torch.mul(flat, flat, out=out)
-        else:
-            out.copy_(flat)
+            values.square_()
+        if values is not out:
+            out.copy_(values[:n])
 
 
 _FORMATS: dict[str, StateFormat] = {f.name: f for f in (Fp32(), Bf16(), Int8())}
@@ -180,7 +188,7 @@ def update_chunk(
     least ``fmt.stored_bytes(master.numel())`` each; elements past the master's are padding, kept as they are),
     updated in place with ``master``. ``grad`` may be overwritten."""
     names, n = rule.state_names, master.numel()
-    states = [torch.empty(fmt.elements(raw.numel()), dtype=torch.float32) for raw in stored]
+    states = [_scratch(fmt.elements(raw.numel()), f"state{j}") for j, raw in enumerate(stored)]
     for name, raw, state in zip(names, stored, states):
         fmt.load(raw, state, name)
     rule.apply(master, grad, [state[:n] for state in states], hp)
@@ -190,3 +198,22 @@ def update_chunk(
 
 def _blocks(numel: int) -> int:
     return -(-numel // BLOCK)
+
+
+_local = threading.local()
+
+
+def _scratch(numel: int, purpose: str, dtype: torch.dtype = torch.float32) -> Tensor:
+    """This thread's buffer for ``purpose``, of ``numel`` elements (its contents are whatever was left there). Kept
+    between calls: a fresh chunk-sized allocation per call costs more than the format's arithmetic."""
+    buffers: dict[str, Tensor] = _local.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(purpose)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[purpose] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel]
+
+
+def _is_scratch(tensor: Tensor) -> bool:
+    """Whether ``tensor`` lies in one of this thread's scratch buffers (so it may be changed in place)."""
+    buffers: dict[str, Tensor] = _local.__dict__.get("buffers", {})
+    return any(tensor.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in buffers.values())
