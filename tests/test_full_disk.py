@@ -256,7 +256,7 @@ def test_the_token_cache_meets_a_full_disk(tmp_path, ext4_fs) -> None:
     (fs / "ballast").unlink()
     data = TextDataModule(str(corpus), tokenizer_path=tokenizer.name_or_path, block_size=32, cache_dir=str(cache_dir))
     data.setup("fit")
-    assert len(data.train_blocks) > 0 and len(list(cache_dir.iterdir())) == 1
+    assert len(data.train_data) > 0 and len(list(cache_dir.iterdir())) == 1
 
 
 def test_a_resume_that_reshards_meets_a_full_disk(tmp_path, ext4_fs, monkeypatch, checkpoint_reference) -> None:

@@ -316,12 +316,12 @@ def test_module_argument_errors(gpt2_dir):
 
 def test_data_file_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"`TextDataModule\(train_file='.*missing.txt'\)`: the file does not"):
-        TextDataModule(str(tmp_path / "missing.txt"))._blocks(None, "train_file", str(tmp_path / "missing.txt"))
+        TextDataModule(str(tmp_path / "missing.txt"))._dataset(None, "train_file", str(tmp_path / "missing.txt"))
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match=r"train_file='.*empty.txt'\)`: the file is empty"):
-        TextDataModule(str(tmp_path / "empty.txt"))._blocks(None, "train_file", str(tmp_path / "empty.txt"))
+        TextDataModule(str(tmp_path / "empty.txt"))._dataset(None, "train_file", str(tmp_path / "empty.txt"))
     with pytest.raises(ValueError, match=r"unsupported file type '.pdf'; it must be one of: .txt, .jsonl"):
-        TextDataModule("book.pdf")._blocks(None, "train_file", "book.pdf")
+        TextDataModule("book.pdf")._dataset(None, "train_file", "book.pdf")
     (tmp_path / "rows.csv").write_text("sentence,label\nhello,a\n")
     with pytest.raises(ValueError, match=r"has no column 'text'; its columns are \['sentence', 'label'\]"):
         ClassificationDataModule(str(tmp_path / "rows.csv"))._read("train_file", str(tmp_path / "rows.csv"))
@@ -346,7 +346,7 @@ def test_unknown_label_and_tiny_text(tmp_path, gpt2_dir):
     (tmp_path / "short.txt").write_text("just a few words")
     short = TextDataModule(str(tmp_path / "short.txt"), block_size=64)
     with pytest.raises(ValueError, match=r"fewer than one block of `block_size=64`"):
-        short._blocks(load_tokenizer(gpt2_dir), "train_file", str(tmp_path / "short.txt"))
+        short._dataset(load_tokenizer(gpt2_dir), "train_file", str(tmp_path / "short.txt"))
 
 
 def test_export_pretrained_errors(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """Data at scale for the Hugging Face modules: the memory-mapped token cache of ``TextDataModule`` and
 ``SFTDataModule`` (built once, streaming, atomically; reused; rebuilt when the file changes) and supervised
-fine-tuning (the loss, and so the gradient, on the responses only).
+fine-tuning (the loss, and so the gradient, on the responses only); what all three data modules share (the error
+when too little is left to train on, the old names of their datasets).
 
 Text: Python's documentation (``recipes/data``); tokenizer: a byte-level BPE trained here on it.
 """
@@ -22,7 +23,14 @@ from conftest import REPO_ROOT
 from helpers.hf_models import tiny_gpt2
 from helpers.leftovers import left_over
 
-from lightning_smartinf.hf import HFCausalLM, SFTDataModule, TextDataModule, load_tokenizer, train_bpe_tokenizer
+from lightning_smartinf.hf import (
+    ClassificationDataModule,
+    HFCausalLM,
+    SFTDataModule,
+    TextDataModule,
+    load_tokenizer,
+    train_bpe_tokenizer,
+)
 from lightning_smartinf.hf import data as data_module
 
 DATA = REPO_ROOT / "recipes" / "data"
@@ -104,7 +112,7 @@ def test_blocks_equal_the_in_memory_result(tmp_path, monkeypatch, tokenizer_dir,
     )
     data.setup()
 
-    train, val = data.train_blocks.array, data.val_blocks.array
+    train, val = data.train_data.array, data.val_data.array
     assert isinstance(train, np.memmap) and isinstance(val, np.memmap)  # views of the file, not lists in memory
     assert Path(train.filename).parent.parent == tmp_path and train.dtype == np.uint16
     np.testing.assert_array_equal(np.concatenate([train, val]), reference.numpy())
@@ -129,7 +137,7 @@ def test_cache_is_reused_and_rebuilt_when_the_file_changes(tmp_path, tokenizer):
     def blocks(block_size: int = 32) -> tuple[np.ndarray, int]:
         counting = Counting(tokenizer)
         data = TextDataModule(str(corpus), block_size=block_size, cache_dir=str(cache_dir))
-        return data._blocks(counting, "train_file", str(corpus)).array, counting.calls
+        return data._dataset(counting, "train_file", str(corpus)).array, counting.calls
 
     first, calls = blocks()
     assert calls > 0
@@ -165,7 +173,7 @@ def test_default_cache_dir_is_private_under_xdg_cache_home(tmp_path, monkeypatch
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     old = os.umask(0o022)  # the common umask, which would leave new directories readable by all
     try:
-        TextDataModule(str(TEXT), block_size=32)._blocks(tokenizer, "train_file", str(TEXT))
+        TextDataModule(str(TEXT), block_size=32)._dataset(tokenizer, "train_file", str(TEXT))
     finally:
         os.umask(old)
     for directory in (tmp_path / "xdg" / "lightning_smartinf", tmp_path / "xdg" / "lightning_smartinf" / "tokens"):
@@ -182,11 +190,11 @@ def test_a_crash_mid_build_leaves_nothing_that_is_read(tmp_path, monkeypatch, to
     data = TextDataModule(str(TRAIN_JSONL), block_size=32, cache_dir=str(cache_dir))
     crashing = Counting(tokenizer, fail_at=5)
     with pytest.raises(RuntimeError, match="the tokenizer crashed"):
-        data._blocks(crashing, "train_file", str(TRAIN_JSONL))
+        data._dataset(crashing, "train_file", str(TRAIN_JSONL))
     assert entries(cache_dir) == []
 
     reference = blocks_in_memory(tokenizer, TRAIN_JSONL, 32).numpy()
-    data._blocks(tokenizer, "train_file", str(TRAIN_JSONL))
+    data._dataset(tokenizer, "train_file", str(TRAIN_JSONL))
     [entry] = entries(cache_dir)
     shutil.rmtree(cache_dir / entry)
     # What `kill -9` in mid-build leaves: a temporary sibling of a process that is gone, with a plausible meta.json.
@@ -196,7 +204,7 @@ def test_a_crash_mid_build_leaves_nothing_that_is_read(tmp_path, monkeypatch, to
     (staging / "meta.json").write_text(json.dumps({"dtype": "uint16", "tokens": 32, "examples": None}))
 
     counting = Counting(tokenizer)
-    blocks = TextDataModule(str(TRAIN_JSONL), block_size=32, cache_dir=str(cache_dir))._blocks(
+    blocks = TextDataModule(str(TRAIN_JSONL), block_size=32, cache_dir=str(cache_dir))._dataset(
         counting, "train_file", str(TRAIN_JSONL)
     )
     assert counting.calls > 0 and entries(cache_dir) == [entry]
@@ -213,7 +221,7 @@ def test_two_builders_at_once_keep_one_complete_entry(tmp_path, tokenizer):
     def build() -> None:
         try:
             data = TextDataModule(str(TRAIN_JSONL), block_size=32, cache_dir=str(tmp_path))
-            results.append(data._blocks(Counting(tokenizer, barrier=barrier), "train_file", str(TRAIN_JSONL)).array)
+            results.append(data._dataset(Counting(tokenizer, barrier=barrier), "train_file", str(TRAIN_JSONL)).array)
         except BaseException as exc:  # noqa: BLE001  (reported by the main thread)
             errors.append(exc)
 
@@ -230,7 +238,7 @@ def test_two_builders_at_once_keep_one_complete_entry(tmp_path, tokenizer):
 
 def test_dataset_pickles_without_its_tokens(tmp_path, tokenizer):
     """A DataLoader worker started by spawn or forkserver gets the entry's path and maps the file itself."""
-    blocks = TextDataModule(str(TEXT), block_size=32, cache_dir=str(tmp_path))._blocks(
+    blocks = TextDataModule(str(TEXT), block_size=32, cache_dir=str(tmp_path))._dataset(
         tokenizer, "train_file", str(TEXT)
     )
     payload = pickle.dumps(blocks)
@@ -248,17 +256,17 @@ def test_text_field_errors_name_file_line_and_field(tmp_path, tokenizer):
         match=r"`TextDataModule\(train_file='.*rows.jsonl'\)`: line 3 has no 'text' field \(its fields: 'body', "
         r"'id'\)\. Each line must be an object with 'text'; set `text_field` to the name of the field that holds it\.",
     ):
-        data._blocks(tokenizer, "train_file", str(rows))
+        data._dataset(tokenizer, "train_file", str(rows))
     assert entries(tmp_path / "cache") == []  # the error came mid-build: nothing kept
     rows.write_text('{"text": "a"}\n["b"]\n')
     with pytest.raises(ValueError, match=r"line 2 is not a JSON object \('\[\"b\"\]'\)"):
-        data._blocks(tokenizer, "train_file", str(rows))
+        data._dataset(tokenizer, "train_file", str(rows))
     (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin1.txt'\)`: not UTF-8 text after line 0 .*Save the file as UTF-8"):
-        data._blocks(tokenizer, "train_file", str(tmp_path / "latin1.txt"))
+        data._dataset(tokenizer, "train_file", str(tmp_path / "latin1.txt"))
     (tmp_path / "cache.txt").write_text("x")
     with pytest.raises(ValueError, match=r"`TextDataModule\(cache_dir='.*cache.txt'\)` is not a directory"):
-        TextDataModule(str(TEXT), cache_dir=str(tmp_path / "cache.txt"))._blocks(tokenizer, "train_file", str(TEXT))
+        TextDataModule(str(TEXT), cache_dir=str(tmp_path / "cache.txt"))._dataset(tokenizer, "train_file", str(TEXT))
 
 
 # ---------------------------------------------------------------------------------------------- supervised fine-tuning
@@ -283,7 +291,7 @@ def test_sft_batches_mask_the_prompt_and_the_padding(tmp_path, tokenizer_dir, to
         {"prompt": "", "response": "An empty prompt is allowed."},
     ]
     data = sft(write_jsonl(tmp_path / "pairs.jsonl", rows), tokenizer_dir, tmp_path / "cache", max_length=64)
-    assert isinstance(data.train_examples.cache.tokens, np.memmap)
+    assert isinstance(data.train_data.cache.tokens, np.memmap)
     batch = next(iter(data.train_dataloader()))
     eos = tokenizer.eos_token_id  # GPT-2 style: BOS is EOS, so no BOS is put in front
     longest = batch["input_ids"].shape[1]
@@ -310,14 +318,14 @@ def test_sft_max_length_cuts_and_skips_with_a_warning(tmp_path, tokenizer_dir, t
         r"1 are skipped, their prompt filling it \(the first on line 3\)\. Raise `max_length`",
     ):
         data = sft(path, tokenizer_dir, tmp_path / "cache", max_length=32)
-    assert len(data.train_examples) == 2
-    cut = data.train_examples[1]
+    assert len(data.train_data) == 2
+    cut = data.train_data[1]
     assert len(cut["input_ids"]) == 32 and cut["input_ids"][-1] != tokenizer.eos_token_id
     # A new max_length reads the same cache entry: nothing is tokenised again.
     counting = Counting(tokenizer)
     again = SFTDataModule(str(path), max_length=2, cache_dir=str(tmp_path / "cache"))
     with pytest.raises(ValueError, match=r"has no example with a response token within `max_length=2` \(3 example"):
-        again._examples(counting, "train_file", str(path))
+        again._dataset(counting, "train_file", str(path))
     assert counting.calls == 0
 
 
@@ -361,13 +369,13 @@ def test_sft_errors_name_file_line_and_field(tmp_path, tokenizer_dir, tokenizer)
         match=r"`SFTDataModule\(train_file='.*bad.jsonl'\)`: line 2 has no 'response' field \(its fields: 'prompt', "
         r"'answer'\)\. Each line must be an object with 'prompt' and 'response'; set `response_field` to the name",
     ):
-        data._examples(tokenizer, "train_file", str(bad))
+        data._dataset(tokenizer, "train_file", str(bad))
     assert entries(tmp_path / "cache") == []
     write_jsonl(bad, [{"prompt": "a", "response": "b"}, {"prompt": 7, "response": "d"}])
     with pytest.raises(ValueError, match=r"line 2 field 'prompt' is int 7, not a string\. .*set `prompt_field`"):
-        data._examples(tokenizer, "train_file", str(bad))
+        data._dataset(tokenizer, "train_file", str(bad))
     with pytest.raises(ValueError, match=r"`SFTDataModule\(train_file='pairs.txt'\)`: unsupported file type '.txt'"):
-        SFTDataModule("pairs.txt")._examples(tokenizer, "train_file", "pairs.txt")
+        SFTDataModule("pairs.txt")._dataset(tokenizer, "train_file", "pairs.txt")
     with pytest.raises(ValueError, match=r"prompt_field='text', response_field='text'\)` name the same field"):
         SFTDataModule(str(bad), prompt_field="text", response_field="text")
 
@@ -375,5 +383,72 @@ def test_sft_errors_name_file_line_and_field(tmp_path, tokenizer_dir, tokenizer)
 def test_sft_holds_out_a_seeded_share(tmp_path, tokenizer_dir):
     """The recipe's data without a `val_file`: a share of the pairs is held out, chosen with the seed."""
     data = sft(SFT_JSONL, tokenizer_dir, tmp_path, max_length=512, val_fraction=0.1, seed=3)
-    assert (len(data.train_examples), len(data.val_examples)) == (63, 7)
-    assert not set(data.train_examples.indices) & set(data.val_examples.indices)
+    assert (len(data.train_data), len(data.val_data)) == (63, 7)
+    assert not set(data.train_data.indices) & set(data.val_data.indices)
+
+
+# ---------------------------------------------------------------------------------------------- all three
+
+
+def small(cls: type, tmp_path: Path, tokenizer_dir: Path, val_fraction: float):
+    """A data module of ``cls`` on a file of a few items: a short text, two prompt/response pairs, two labelled rows."""
+    if cls is TextDataModule:
+        (tmp_path / "short.txt").write_text("The for statement iterates over a sequence. " * 8)
+        kwargs = {"block_size": 32, "cache_dir": str(tmp_path / "cache")}
+        return cls(str(tmp_path / "short.txt"), val_fraction=val_fraction, tokenizer_path=str(tokenizer_dir), **kwargs)
+    if cls is SFTDataModule:
+        pairs = [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}]
+        path = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+        return cls(str(path), val_fraction=val_fraction, tokenizer_path=str(tokenizer_dir), cache_dir=str(tmp_path))
+    (tmp_path / "rows.csv").write_text("text,label\nthe for statement,a\nthe while statement,b\n")
+    return cls(str(tmp_path / "rows.csv"), val_fraction=val_fraction, tokenizer_path=str(tokenizer_dir))
+
+
+@pytest.mark.parametrize(
+    ("cls", "unit", "also"),
+    [(TextDataModule, "block", ", a smaller `block_size`"), (SFTDataModule, "usable example", ""),
+     (ClassificationDataModule, "row", "")],
+    ids=["text", "sft", "classification"],
+)  # fmt: skip
+def test_too_few_to_hold_out_is_one_error(tmp_path, tokenizer_dir, cls, unit, also):
+    """Holding out would leave nothing to train on: the same error from each, naming the file, the count, what it
+    counts and the fixes; with `val_fraction=0` all of it trains."""
+    data = small(cls, tmp_path, tokenizer_dir, val_fraction=0.9)
+    with pytest.raises(
+        ValueError,
+        match=rf"`{cls.__name__}\(train_file='{data.train_file}'\)` has [1-5] {unit}\(s\): too few to hold out "
+        rf"`val_fraction=0\.9` for validation\. Give more data{also}, a `val_file`, or `val_fraction=0`\.$",
+    ):
+        data.setup()
+    data.val_fraction = 0.0
+    data.setup()
+    assert len(data.train_data) > 0 and len(data.val_data) == 0
+
+
+@pytest.mark.parametrize(
+    ("cls", "old"),
+    [(TextDataModule, "blocks"), (SFTDataModule, "examples"), (ClassificationDataModule, "rows")],
+    ids=["text", "sft", "classification"],
+)
+def test_old_dataset_names_still_work_with_a_deprecation_warning(tmp_path, tokenizer_dir, cls, old):
+    data = small(cls, tmp_path, tokenizer_dir, val_fraction=0.0)
+    data.setup()
+    for split in ("train", "val"):
+        with pytest.warns(
+            DeprecationWarning, match=rf"`{cls.__name__}\.{split}_{old}` is deprecated: use `{split}_data`"
+        ):
+            assert getattr(data, f"{split}_{old}") is getattr(data, f"{split}_data")
+    with pytest.warns(DeprecationWarning, match=rf"`{cls.__name__}\.train_{old}` is deprecated: use `train_data`"):
+        setattr(data, f"train_{old}", data.val_data)
+    assert data.train_data is data.val_data and f"train_{old}" not in vars(data)
+    with pytest.raises(AttributeError, match="no attribute 'train_blobs'"):
+        data.train_blobs  # noqa: B018  (any other unknown name is still an error)
+
+
+def test_an_unknown_label_is_named_by_its_row_in_the_file(tmp_path, tokenizer_dir):
+    """The rows are encoded before a share is held out: the error counts rows in the file, not in one share."""
+    rows = "".join(f"text {i},{'ab'[i % 2]}\n" for i in range(9)) + "text 9,c\n"
+    (tmp_path / "rows.csv").write_text("text,label\n" + rows)
+    data = ClassificationDataModule(str(tmp_path / "rows.csv"), labels=["a", "b"], tokenizer_path=str(tokenizer_dir))
+    with pytest.raises(ValueError, match=r"`ClassificationDataModule\(train_file=...\)`: row 10 has label 'c', which"):
+        data.setup()

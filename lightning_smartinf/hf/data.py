@@ -11,7 +11,8 @@ All take the tokenizer from their own ``tokenizer_path`` or, when it is ``None``
 train (its ``tokenizer``, loaded from its ``model_path`` / ``tokenizer_path``), and check their sequence length
 against the model's maximum (its ``max_positions``). The first two tokenise their files once, streaming, into a
 token cache on disk (:mod:`lightning_smartinf.hf.token_cache`) that later runs reuse, and read the tokens through
-memory maps: a corpus larger than memory trains as it is.
+memory maps: a corpus larger than memory trains as it is. After ``setup``, each holds its training and validation
+datasets in ``train_data`` and ``val_data``.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from abc import ABCMeta, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import lightning as L
 import numpy as np
@@ -61,6 +63,8 @@ BATCH_RECORDS = 4096
 #: The label of a token the loss skips (``torch.nn.functional.cross_entropy``'s ``ignore_index``).
 IGNORE_INDEX = -100
 T = TypeVar("T")
+#: The datasets of a data module (:class:`_FileData`).
+D = TypeVar("D", bound=Sized)
 
 
 def resolve_path(value: str | os.PathLike, argument: str = "model_path") -> Path:
@@ -284,50 +288,181 @@ def _document_batches(
         yield [ids + eos for ids in _encode(tokenizer, texts)], None
 
 
-def _token_cache(
-    datamodule: L.LightningDataModule,
-    tokenizer: PreTrainedTokenizerBase,
-    file: Path,
-    settings: dict[str, Any],
-    batches: Callable[[], Iterable[Batch]],
-) -> TokenCache:
-    owner = type(datamodule).__name__
-    configured = getattr(datamodule, "cache_dir", None)
-    directory = Path(configured).expanduser() if configured is not None else default_cache_dir()
-    return cached_tokens(
-        file,
-        cache_dir=make_cache_dir(directory, "cache_dir", owner),
-        fingerprint=tokenizer_fingerprint(tokenizer),
-        vocab_size=len(tokenizer),
-        settings={"reader": owner, **settings},
-        batches=batches,
-    )
+# ------------------------------------------------------------------------------------------------ the base
 
 
-def _module_tokenizer(datamodule: L.LightningDataModule, tokenizer_path: str | None) -> PreTrainedTokenizerBase:
-    if tokenizer_path is not None:
-        return load_tokenizer(tokenizer_path)
-    module = datamodule.trainer.lightning_module if datamodule.trainer is not None else None
-    tokenizer = getattr(module, "tokenizer", None)
-    if tokenizer is None:
-        raise ValueError(
-            f"`{type(datamodule).__name__}(tokenizer_path=None)` takes the tokenizer of the model it trains, but "
-            f"{type(module).__name__} has none. Give `tokenizer_path`, or train an `HFCausalLM` / "
-            "`HFSequenceClassifier`."
+class _FileData(L.LightningDataModule, Generic[D], metaclass=ABCMeta):
+    """What the three data modules share: a training file and a validation file or a share held out of the training
+    data, the tokenizer, and the two loaders. :meth:`setup` builds the datasets (``D``) ``train_data`` and
+    ``val_data`` once, through a subclass's hooks: the dataset of one file (:meth:`_dataset`), what it takes from the
+    tokenizer first (:meth:`_prepare`), how a share is held out (:meth:`_split`). One that tokenises into a
+    :class:`TokenCache` (:meth:`_cache`) builds it in :meth:`prepare_data`."""
+
+    #: The sequence-length argument, checked against the model's maximum (:meth:`_check_length`).
+    _LENGTH: ClassVar[str] = "max_length"
+    #: What an item of the datasets is, as the too-few error counts them; and a fix for it besides the common ones.
+    _UNIT: ClassVar[str]
+    _ALSO_FIX: ClassVar[str] = ""
+    #: Whether the training loader drops a short last batch (only ever when there is a full one: never every batch).
+    _DROP_LAST: ClassVar[bool] = False
+    #: Old attribute names that still work, with a DeprecationWarning: old name → ``train_data`` / ``val_data``.
+    _RENAMED: ClassVar[dict[str, str]] = {}
+    #: The loaders' collate function, the class's or set by :meth:`_prepare`: a module-level function or a partial of
+    #: one, which a worker process started by spawn unpickles without the data module.
+    _collate: Callable[[list[Any]], dict[str, torch.Tensor]]
+    #: Defaults of those that take ``shuffle`` / ``cache_dir`` arguments: Classification always shuffles.
+    shuffle: bool = True
+    cache_dir: str | None = None
+
+    def __init__(  # subclasses pass their arguments of these names, in this order
+        self,
+        train_file: str,
+        val_file: str | None,
+        batch_size: int,
+        val_fraction: float,
+        tokenizer_path: str | None,
+        seed: int,
+        num_workers: int,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"`{type(self).__name__}(val_fraction={val_fraction})` must be in [0, 1).")
+        self.train_file, self.val_file, self.tokenizer_path = train_file, val_file, tokenizer_path
+        self.batch_size, self.val_fraction, self.seed, self.num_workers = batch_size, val_fraction, seed, num_workers
+        # Both None before setup, both set by it (val_data empty with val_fraction=0 and no val_file).
+        self.train_data: D | None = None
+        self.val_data: D | None = None
+
+    def _renamed(self, name: str) -> str:
+        """The attribute that ``name`` names: itself, or the new name of an old one (with a DeprecationWarning)."""
+        if (new := type(self)._RENAMED.get(name)) is not None:
+            warnings.warn(f"`{type(self).__name__}.{name}` is deprecated: use `{new}`.", DeprecationWarning, 3)
+        return new or name
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(self._renamed(name), value)
+
+    if not TYPE_CHECKING:  # hidden from type checkers, for which any other unknown attribute stays an error
+
+        def __getattr__(self, name: str) -> Any:  # called only for a name not found the usual way
+            if name not in type(self)._RENAMED:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            return getattr(self, self._renamed(name))
+
+    def _token_cache(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        file: Path,
+        settings: dict[str, Any],
+        batches: Callable[[], Iterable[Batch]],
+    ) -> TokenCache:
+        owner = type(self).__name__
+        directory = Path(self.cache_dir).expanduser() if self.cache_dir is not None else default_cache_dir()
+        return cached_tokens(
+            file,
+            cache_dir=make_cache_dir(directory, "cache_dir", owner),
+            fingerprint=tokenizer_fingerprint(tokenizer),
+            vocab_size=len(tokenizer),
+            settings={"reader": owner, **settings},
+            batches=batches,
         )
-    return tokenizer
 
+    def _module_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer of ``tokenizer_path``, else of the LightningModule being trained."""
+        if self.tokenizer_path is not None:
+            return load_tokenizer(self.tokenizer_path)
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        tokenizer = getattr(module, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError(
+                f"`{type(self).__name__}(tokenizer_path=None)` takes the tokenizer of the model it trains, but "
+                f"{type(module).__name__} has none. Give `tokenizer_path`, or train an `HFCausalLM` / "
+                "`HFSequenceClassifier`."
+            )
+        return tokenizer
 
-def _check_length(datamodule: L.LightningDataModule, argument: str, value: int) -> None:
-    if not isinstance(value, int) or value < 2:
-        raise ValueError(f"`{type(datamodule).__name__}({argument}={value!r})` must be an integer >= 2.")
-    module = datamodule.trainer.lightning_module if datamodule.trainer is not None else None
-    limit = getattr(module, "max_positions", None)
-    if limit is not None and value > limit:
-        raise ValueError(
-            f"`{type(datamodule).__name__}({argument}={value})` is longer than the model can take: "
-            f"{type(module).__name__} has `max_position_embeddings={limit}`. Set `{argument}` to at most {limit}."
+    def _check_length(self) -> None:
+        """The sequence length (the argument ``_LENGTH``) is an integer >= 2, at most the model's maximum."""
+        argument, value = self._LENGTH, getattr(self, self._LENGTH)
+        if not isinstance(value, int) or value < 2:
+            raise ValueError(f"`{type(self).__name__}({argument}={value!r})` must be an integer >= 2.")
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        limit = getattr(module, "max_positions", None)
+        if limit is not None and value > limit:
+            raise ValueError(
+                f"`{type(self).__name__}({argument}={value})` is longer than the model can take: "
+                f"{type(module).__name__} has `max_position_embeddings={limit}`. Set `{argument}` to at most {limit}."
+            )
+
+    def _cache(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> TokenCache:
+        """The token-cache entry of the data file ``path`` (given as ``argument``), built if it is not there."""
+        raise NotImplementedError
+
+    def _prepare(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Take what the datasets and the collate function need from the tokenizer, before any dataset is built."""
+
+    @abstractmethod
+    def _dataset(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> D:
+        """The dataset of the data file ``path`` (given as ``argument``)."""
+
+    def _split(self, data: D, held_out: int) -> tuple[D, D]:
+        """(training, validation) data: ``held_out`` items of ``data`` chosen at random with ``seed``."""
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(self.seed)).numpy()
+        return self._subset(data, order[held_out:]), self._subset(data, order[:held_out])
+
+    def _subset(self, data: D, positions: np.ndarray) -> D:
+        """The items of ``data`` at ``positions``, for :meth:`_split`."""
+        raise NotImplementedError
+
+    def prepare_data(self) -> None:
+        """Tokenise the files into the cache unless it has them (Lightning calls this before ``setup``, on one rank
+        per node, the others waiting)."""
+        tokenizer = self._module_tokenizer()
+        for argument, path in {"train_file": self.train_file, "val_file": self.val_file}.items():
+            if path:
+                self._cache(tokenizer, argument, path)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_data is not None:
+            return
+        self._check_length()
+        tokenizer = self._module_tokenizer()
+        self._prepare(tokenizer)
+        data = self._dataset(tokenizer, "train_file", self.train_file)
+        if self.val_file is not None:
+            self.train_data, self.val_data = data, self._dataset(tokenizer, "val_file", self.val_file)
+            return
+        # At least one item held out when val_fraction > 0, and at least one left to train on.
+        held_out = max(1, round(len(data) * self.val_fraction)) if self.val_fraction > 0 else 0
+        if held_out >= len(data):
+            raise ValueError(
+                f"`{type(self).__name__}(train_file={self.train_file!r})` has {len(data)} {self._UNIT}(s): too few to "
+                f"hold out `val_fraction={self.val_fraction}` for validation. Give more data{self._ALSO_FIX}, a "
+                "`val_file`, or `val_fraction=0`."
+            )
+        self.train_data, self.val_data = self._split(data, held_out)
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_data is not None, "call setup() first"
+        return DataLoader(
+            self.train_data,  # map-style: len() and [i] (a list is one too)
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            generator=torch.Generator().manual_seed(self.seed),
+            collate_fn=self._collate,
+            num_workers=self.num_workers,
+            drop_last=self._DROP_LAST and len(self.train_data) >= self.batch_size,
         )
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_data is None or len(self.val_data) == 0:
+            return []
+        return DataLoader(
+            self.val_data, batch_size=self.batch_size, collate_fn=self._collate, num_workers=self.num_workers
+        )
+
+
+# ------------------------------------------------------------------------------------------------ text
 
 
 class _Blocks(Dataset):
@@ -360,35 +495,11 @@ class _Blocks(Dataset):
         return torch.from_numpy(self.cache.tokens[start : start + self.block_size].astype(np.int64))
 
 
-# ------------------------------------------------------------------------------------------------ text
+def _stack_blocks(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.stack(rows)}
 
 
-class _TokenCachedData(L.LightningDataModule, metaclass=ABCMeta):
-    """What the data modules that tokenise into a :class:`TokenCache` share: their files, and building the cache in
-    ``prepare_data``. Subclasses set ``train_file``, ``val_file`` and ``tokenizer_path`` and say how a file is
-    tokenised (:meth:`_cache`)."""
-
-    train_file: str
-    val_file: str | None
-    tokenizer_path: str | None
-
-    def _files(self) -> list[tuple[str, str]]:
-        """(argument, path) of each data file."""
-        return [("train_file", self.train_file)] + ([("val_file", self.val_file)] if self.val_file else [])
-
-    @abstractmethod
-    def _cache(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> TokenCache:
-        """The cache entry of the data file ``path`` (given as ``argument``), built if it is not there."""
-
-    def prepare_data(self) -> None:
-        """Tokenise the files into the cache unless it has them (Lightning calls this before ``setup``, on one rank
-        per node, the others waiting)."""
-        tokenizer = _module_tokenizer(self, self.tokenizer_path)
-        for argument, path in self._files():
-            self._cache(tokenizer, argument, path)
-
-
-class TextDataModule(_TokenCachedData):
+class TextDataModule(_FileData[_Blocks]):
     """Causal language-modelling data: a text file packed into blocks of ``block_size`` tokens.
 
     The file is tokenised once into the token cache (``cache_dir``), streaming, and the blocks are views of its
@@ -414,6 +525,11 @@ class TextDataModule(_TokenCachedData):
             and ``text_field`` stay the same; ``block_size`` and the split can change without tokenising again.
     """
 
+    _LENGTH, _UNIT, _ALSO_FIX = "block_size", "block", ", a smaller `block_size`"
+    _DROP_LAST = True  # every training batch holds batch_size blocks, unless there are fewer blocks than that
+    _RENAMED: ClassVar[dict[str, str]] = {"train_blocks": "train_data", "val_blocks": "val_data"}
+    _collate = staticmethod(_stack_blocks)
+
     def __init__(
         self,
         train_file: str,
@@ -428,16 +544,8 @@ class TextDataModule(_TokenCachedData):
         num_workers: int = 0,
         cache_dir: str | None = None,
     ) -> None:
-        super().__init__()
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"`TextDataModule(val_fraction={val_fraction})` must be in [0, 1).")
-        self.train_file, self.val_file = train_file, val_file
-        self.block_size, self.batch_size, self.val_fraction = block_size, batch_size, val_fraction
-        self.text_field, self.tokenizer_path = text_field, tokenizer_path
-        self.shuffle, self.seed, self.num_workers = shuffle, seed, num_workers
-        self.cache_dir = cache_dir
-        self.train_blocks: _Blocks | None = None
-        self.val_blocks: _Blocks | None = None
+        super().__init__(train_file, val_file, batch_size, val_fraction, tokenizer_path, seed, num_workers)
+        self.block_size, self.text_field, self.shuffle, self.cache_dir = block_size, text_field, shuffle, cache_dir
 
     def _cache(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> TokenCache:
         file = _check_file(path, argument, TEXT_SUFFIXES, "TextDataModule")
@@ -446,11 +554,9 @@ class TextDataModule(_TokenCachedData):
             field: str | None = self.text_field
         else:
             settings, field = {"piece_chars": TEXT_PIECE_CHARS}, None
-        return _token_cache(
-            self, tokenizer, file, settings, lambda: _document_batches(tokenizer, file, field, argument)
-        )
+        return self._token_cache(tokenizer, file, settings, lambda: _document_batches(tokenizer, file, field, argument))
 
-    def _blocks(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> _Blocks:
+    def _dataset(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> _Blocks:
         cache = self._cache(tokenizer, argument, path)
         tokens = len(cache.tokens)
         count = tokens // self.block_size
@@ -461,49 +567,8 @@ class TextDataModule(_TokenCachedData):
             )
         return _Blocks(cache, self.block_size, 0, count)
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_blocks is not None:
-            return
-        _check_length(self, "block_size", self.block_size)
-        tokenizer = _module_tokenizer(self, self.tokenizer_path)
-        blocks = self._blocks(tokenizer, "train_file", self.train_file)
-        if self.val_file is not None:
-            self.train_blocks, self.val_blocks = blocks, self._blocks(tokenizer, "val_file", self.val_file)
-            return
-        held_out = round(len(blocks) * self.val_fraction)
-        if self.val_fraction > 0:
-            held_out = max(1, held_out)
-        if held_out >= len(blocks):
-            raise ValueError(
-                f"`TextDataModule(train_file={self.train_file!r})` gives {len(blocks)} block(s) of {self.block_size} "
-                f"tokens: too few to hold out `val_fraction={self.val_fraction}` for validation. Give more text, a "
-                "smaller `block_size`, a `val_file`, or `val_fraction=0`."
-            )
-        self.train_blocks, self.val_blocks = blocks.split(len(blocks) - held_out)
-
-    @staticmethod
-    def _collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"input_ids": torch.stack(rows)}
-
-    def train_dataloader(self) -> DataLoader:
-        assert self.train_blocks is not None, "call setup() first"
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
-            self.train_blocks,
-            batch_size=self.batch_size,
-            shuffle=self.shuffle,
-            generator=generator,
-            collate_fn=self._collate,
-            num_workers=self.num_workers,
-            drop_last=len(self.train_blocks) >= self.batch_size,
-        )
-
-    def val_dataloader(self) -> DataLoader | list:
-        if self.val_blocks is None or len(self.val_blocks) == 0:
-            return []
-        return DataLoader(
-            self.val_blocks, batch_size=self.batch_size, collate_fn=self._collate, num_workers=self.num_workers
-        )
+    def _split(self, blocks: _Blocks, held_out: int) -> tuple[_Blocks, _Blocks]:
+        return blocks.split(len(blocks) - held_out)  # the tail of the text, never seen in training
 
 
 # ------------------------------------------------------------------------------------------------ fine-tuning
@@ -570,7 +635,7 @@ def _pad_examples(rows: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str,
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-class SFTDataModule(_TokenCachedData):
+class SFTDataModule(_FileData[_Examples]):
     """Supervised fine-tuning data: JSON lines of prompt/response pairs, the loss taken on the responses only.
 
     Each line becomes one example, ``[BOS] prompt response EOS`` (BOS where the tokenizer has one distinct from its
@@ -603,6 +668,10 @@ class SFTDataModule(_TokenCachedData):
         cache_dir: directory of the token cache; ``None``: ``$XDG_CACHE_HOME/lightning_smartinf/tokens``.
     """
 
+    _UNIT = "usable example"
+    _RENAMED: ClassVar[dict[str, str]] = {"train_examples": "train_data", "val_examples": "val_data"}
+    _subset = staticmethod(_Examples.subset)  # the held-out and the training examples each in file order
+
     def __init__(
         self,
         train_file: str,
@@ -618,22 +687,14 @@ class SFTDataModule(_TokenCachedData):
         num_workers: int = 0,
         cache_dir: str | None = None,
     ) -> None:
-        super().__init__()
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"`SFTDataModule(val_fraction={val_fraction})` must be in [0, 1).")
+        super().__init__(train_file, val_file, batch_size, val_fraction, tokenizer_path, seed, num_workers)
         if prompt_field == response_field:
             raise ValueError(
                 f"`SFTDataModule(prompt_field={prompt_field!r}, response_field={response_field!r})` name the same "
                 "field. Give the field of the prompt and the field of the response."
             )
-        self.train_file, self.val_file = train_file, val_file
-        self.prompt_field, self.response_field = prompt_field, response_field
-        self.max_length, self.batch_size, self.val_fraction = max_length, batch_size, val_fraction
-        self.tokenizer_path, self.shuffle, self.seed, self.num_workers = tokenizer_path, shuffle, seed, num_workers
-        self.cache_dir = cache_dir
-        self.train_examples: _Examples | None = None
-        self.val_examples: _Examples | None = None
-        self._pad_id = 0
+        self.prompt_field, self.response_field, self.max_length = prompt_field, response_field, max_length
+        self.shuffle, self.cache_dir = shuffle, cache_dir
 
     def _cache(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> TokenCache:
         file = _check_file(path, argument, (".jsonl",), "SFTDataModule")
@@ -642,13 +703,11 @@ class SFTDataModule(_TokenCachedData):
                 f"`SFTDataModule`: the tokenizer ({type(tokenizer).__name__}) has no `eos_token`, which ends every "
                 "response. Give a tokenizer that has one (`tokenizer_path`), or set it and save the tokenizer again."
             )
-        fields = (self.prompt_field, self.response_field)
         settings = {"prompt_field": self.prompt_field, "response_field": self.response_field}
-        return _token_cache(
-            self, tokenizer, file, settings, lambda: _example_batches(tokenizer, file, *fields, argument)
-        )
+        batches = functools.partial(_example_batches, tokenizer, file, self.prompt_field, self.response_field, argument)
+        return self._token_cache(tokenizer, file, settings, batches)
 
-    def _examples(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> _Examples:
+    def _dataset(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> _Examples:
         """The examples of ``path`` that keep a response token within ``max_length``; a warning counts the others
         and those cut short."""
         cache = self._cache(tokenizer, argument, path)
@@ -673,51 +732,20 @@ class SFTDataModule(_TokenCachedData):
             )
         return _Examples(cache, np.flatnonzero(kept), self.max_length)
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_examples is not None:
-            return
-        _check_length(self, "max_length", self.max_length)
-        tokenizer = _module_tokenizer(self, self.tokenizer_path)
-        self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        examples = self._examples(tokenizer, "train_file", self.train_file)
-        if self.val_file is not None:
-            self.train_examples, self.val_examples = examples, self._examples(tokenizer, "val_file", self.val_file)
-            return
-        held_out = max(1, round(len(examples) * self.val_fraction)) if self.val_fraction > 0 else 0
-        if held_out >= len(examples):
-            raise ValueError(
-                f"`SFTDataModule(train_file={self.train_file!r})` has {len(examples)} usable example(s): too few to "
-                f"hold out `val_fraction={self.val_fraction}`. Give more examples, a `val_file`, or `val_fraction=0`."
-            )
-        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(self.seed)).numpy()
-        self.val_examples, self.train_examples = examples.subset(order[:held_out]), examples.subset(order[held_out:])
-
-    def train_dataloader(self) -> DataLoader:
-        assert self.train_examples is not None, "call setup() first"
-        return DataLoader(
-            self.train_examples,
-            batch_size=self.batch_size,
-            shuffle=self.shuffle,
-            generator=torch.Generator().manual_seed(self.seed),
-            collate_fn=functools.partial(_pad_examples, pad_id=self._pad_id),
-            num_workers=self.num_workers,
-        )
-
-    def val_dataloader(self) -> DataLoader | list:
-        if self.val_examples is None or len(self.val_examples) == 0:
-            return []
-        return DataLoader(
-            self.val_examples,
-            batch_size=self.batch_size,
-            collate_fn=functools.partial(_pad_examples, pad_id=self._pad_id),
-            num_workers=self.num_workers,
-        )
+    def _prepare(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._collate = functools.partial(_pad_examples, pad_id=pad_id)
 
 
 # ------------------------------------------------------------------------------------------------ classification
 
 
-class ClassificationDataModule(L.LightningDataModule):
+def _pad_rows(tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Pad encoded rows to the longest of the batch, on the tokenizer's padding side."""
+    return dict(tokenizer.pad(rows, return_tensors="pt"))
+
+
+class ClassificationDataModule(_FileData[list[dict[str, Any]]]):
     """Sequence-classification data: a CSV or JSONL file with a text and a label column.
 
     Labels are integers ``0 … num_labels - 1`` or names; names map to indices in the order of ``labels`` (or, when
@@ -738,6 +766,9 @@ class ClassificationDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes.
     """
 
+    _UNIT = "row"
+    _RENAMED: ClassVar[dict[str, str]] = {"train_rows": "train_data", "val_rows": "val_data"}
+
     def __init__(
         self,
         train_file: str,
@@ -752,16 +783,9 @@ class ClassificationDataModule(L.LightningDataModule):
         seed: int = 42,
         num_workers: int = 0,
     ) -> None:
-        super().__init__()
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"`ClassificationDataModule(val_fraction={val_fraction})` must be in [0, 1).")
-        self.train_file, self.val_file = train_file, val_file
-        self.text_field, self.label_field, self.labels = text_field, label_field, labels
-        self.max_length, self.batch_size, self.val_fraction = max_length, batch_size, val_fraction
-        self.tokenizer_path, self.seed, self.num_workers = tokenizer_path, seed, num_workers
+        super().__init__(train_file, val_file, batch_size, val_fraction, tokenizer_path, seed, num_workers)
+        self.text_field, self.label_field, self.labels, self.max_length = text_field, label_field, labels, max_length
         self.label_names: list[str] | None = list(labels) if labels is not None else None
-        self.train_rows: list[dict[str, Any]] | None = None
-        self.val_rows: list[dict[str, Any]] = []
         self._tokenizer: PreTrainedTokenizerBase | None = None
 
     @property
@@ -817,46 +841,18 @@ class ClassificationDataModule(L.LightningDataModule):
             out.append({k: encoded[k][i] for k in encoded} | {"labels": index[label]})
         return out
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_rows is not None:
-            return
-        _check_length(self, "max_length", self.max_length)
-        self._tokenizer = _module_tokenizer(self, self.tokenizer_path)
-        rows = self._read("train_file", self.train_file)
-        if self.label_names is None:
+    def _prepare(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer, self._collate = tokenizer, functools.partial(_pad_rows, tokenizer)
+
+    def _dataset(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> list[dict[str, Any]]:
+        """The rows of ``path``, encoded (``_encode``, with the tokenizer that :meth:`_prepare` took)."""
+        rows = self._read(argument, path)
+        if self.label_names is None:  # setup reads the training file first: its labels are the labels
             self.label_names = self._derive_labels(rows)
-        if self.val_file is not None:
-            self.train_rows = self._encode(rows, "train_file")
-            self.val_rows = self._encode(self._read("val_file", self.val_file), "val_file")
-            return
-        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(self.seed)).tolist()
-        held_out = max(1, round(len(rows) * self.val_fraction)) if self.val_fraction > 0 else 0
-        if held_out >= len(rows):
-            raise ValueError(
-                f"`ClassificationDataModule(train_file={self.train_file!r})` has {len(rows)} row(s): too few to hold "
-                f"out `val_fraction={self.val_fraction}`. Give more rows, a `val_file`, or `val_fraction=0`."
-            )
-        self.val_rows = self._encode([rows[i] for i in order[:held_out]], "train_file")
-        self.train_rows = self._encode([rows[i] for i in order[held_out:]], "train_file")
+        return self._encode(rows, argument)
 
-    def _collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        assert self._tokenizer is not None
-        return dict(self._tokenizer.pad(rows, return_tensors="pt"))
+    def _subset(self, rows: list[dict[str, Any]], positions: np.ndarray) -> list[dict[str, Any]]:
+        return [rows[i] for i in positions]  # in the order of the permutation
 
-    def train_dataloader(self) -> DataLoader:
-        assert self.train_rows is not None, "call setup() first"
-        return DataLoader(
-            self.train_rows,  # a list is a map-style dataset: len() and [i]
-            batch_size=self.batch_size,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(self.seed),
-            collate_fn=self._collate,
-            num_workers=self.num_workers,
-        )
-
-    def val_dataloader(self) -> DataLoader | list:
-        if not self.val_rows:
-            return []
-        return DataLoader(
-            self.val_rows, batch_size=self.batch_size, collate_fn=self._collate, num_workers=self.num_workers
-        )
+    # The rows are read and encoded in setup: there is no token cache to build first.
+    prepare_data = L.LightningDataModule.prepare_data
