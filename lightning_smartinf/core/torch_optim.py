@@ -8,6 +8,7 @@ import torch
 
 from lightning_smartinf.core.compression import TopKCompression, compressed_rule
 from lightning_smartinf.core.rules import SGD, Adagrad, Adam, StepParams, UpdateRule
+from lightning_smartinf.core.state_formats import state_format
 
 #: Optimizers whose update the devices run, as users write them in ``configure_optimizers``.
 SUPPORTED_OPTIMIZERS = ("torch.optim.Adam", "torch.optim.AdamW", "torch.optim.SGD", "torch.optim.Adagrad")
@@ -65,14 +66,18 @@ def step_params(group: dict[str, Any], *, step: int, grad_scale: float) -> StepP
     )
 
 
-def state_bytes(optimizer: torch.optim.Optimizer, compression: TopKCompression | None = None) -> int:
-    """Bytes of fp32 master weights and optimizer states of ``optimizer``'s trainable parameters.
+def state_bytes(
+    optimizer: torch.optim.Optimizer, compression: TopKCompression | None = None, state_precision: str = "fp32"
+) -> int:
+    """Bytes of fp32 master weights and optimizer states (stored in ``state_precision``) of ``optimizer``'s trainable
+    parameters.
 
     A ZeRO-3 parameter counts at its full size (``ds_numel``), not its partition on this rank.
     """
-    return sum(
-        getattr(p, "ds_numel", p.numel()) * rule_for_group(optimizer, group, compression).bytes_per_element
-        for group in optimizer.param_groups
-        for p in group["params"]
-        if p.requires_grad
-    )
+    fmt = state_format(state_precision)
+    total = 0.0
+    for group in optimizer.param_groups:
+        rule = rule_for_group(optimizer, group, compression)
+        per_element = fmt.bytes_per_element(len(rule.state_names))
+        total += sum(getattr(p, "ds_numel", p.numel()) * per_element for p in group["params"] if p.requires_grad)
+    return int(total)

@@ -315,7 +315,7 @@ def initialize(
     # The memory tiers' state is in memory; a kind may keep its state elsewhere than `device_dirs` (remote servers).
     settings = place.settings
     in_memory = (settings.state_memory_budget or 0) + (settings.state_accelerator_budget or 0)
-    on_storage = state_bytes(optimizer, settings.compression) // place.world_size - in_memory
+    on_storage = state_bytes(optimizer, settings.compression, settings.state_precision) // place.world_size - in_memory
     if (
         place.is_global_zero
         and settings.kind.state_in_storage_paths

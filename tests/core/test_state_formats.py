@@ -127,3 +127,14 @@ def test_formats_and_refusals():
         check_format_for_rule("int8", EFAdafactor())
     with pytest.raises(ValueError, match=r"'sgd' update keeps no per-element state"):
         check_format_for_rule("bf16", SGD(with_momentum=False))
+
+
+def test_the_state_bytes_a_run_stores_follow_its_format():
+    from lightning_smartinf.core.torch_optim import state_bytes
+
+    model = torch.nn.Linear(1000, 1000)  # 1,001,000 parameters, Adam's two states each
+    optimizer = torch.optim.AdamW(model.parameters())
+    numel = 1_001_000
+    assert state_bytes(optimizer) == state_bytes(optimizer, None, "fp32") == 12 * numel
+    assert state_bytes(optimizer, None, "bf16") == 8 * numel
+    assert state_bytes(optimizer, None, "int8") == int(numel * (4 + 2 * (BLOCK + 4) / BLOCK))
