@@ -121,7 +121,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
         state_precision: how the optimizer's per-element state is stored on the devices: ``"fp32"`` (as
             ``torch.optim``, bit for bit), ``"bf16"`` or ``"int8"`` (blockwise, one fp32 scale per 256 elements);
             master weights stay fp32. Adam: 12, 8 or 6.03 bytes per parameter on disk and per step each way
-            (docs/arguments.md). ``backend="cpu"`` only so far.
+            (docs/arguments.md). ``backend="cpu"`` and ``"remote"`` so far.
         gradient_buffer: where gradients wait for devices: ``"accelerator"``, ``"host"`` or ``"auto"`` (docs/gpu.md).
         state_memory_budget, state_accelerator_budget, device_weights, state_memory_share: tiers (docs/tiers.md).
         saved_state_from: where a checkpoint's state is read from when the devices that saved it kept it and this

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.hang_guard import run_with_timeout
+from helpers.remote_servers import server_pool, write_token
 
 from lightning_smartinf.core.backend import Backend, ShardSpec
 from lightning_smartinf.core.build import tiers_over
@@ -17,6 +18,8 @@ from lightning_smartinf.core.format.state_files import MANIFEST, read_manifest, 
 from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdam, StepParams, UpdateRule
 from lightning_smartinf.core.state_formats import state_format, update_chunk
 from lightning_smartinf.devices.cpu import CpuBackend
+from lightning_smartinf.devices.remote.client import RemoteBackend
+from lightning_smartinf.devices.remote.tokens import read_token
 
 CHUNK = 4096
 SIZES = [1, 1025, 3 * CHUNK + 5]
@@ -117,6 +120,36 @@ def test_devices_and_the_memory_tier_hold_the_reference_bytes(tmp_path, fmt, tie
             fp32_bytes = ChunkLayout(spec.numel, CHUNK, len(spec.rule.state_names)).file_bytes
             # Each state's bytes are padded to 4 KiB: a shard of less than 2048 elements takes no fewer.
             assert len(saved) < fp32_bytes if spec.numel >= CHUNK else len(saved) <= fp32_bytes
+    finally:
+        run_with_timeout(backend.close)
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory) -> Path:
+    return write_token(tmp_path_factory.mktemp("token") / "token")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, token_file):
+    yield from server_pool(tmp_path_factory.mktemp("servers"), token_file, [["s0"], ["s1"]])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_remote_servers_update_as_the_reference(servers, token_file, fmt):
+    """The servers hold the state (their checkpoints stay with them): the masters they return after every step are
+    the reference's, bit for bit, so their arithmetic on the stored state is."""
+    backend = RemoteBackend(
+        [s.address for s in servers], read_token(token_file), chunk_elems=CHUNK, buffer_count=4, device_timeout_s=60.0
+    )
+    specs = _specs(fmt)
+    try:
+        reference = _train(backend, specs)
+        for spec, layout, records in zip(specs, reference.layouts, reference.records):
+            master = torch.empty(spec.numel)
+            backend.read_master(spec.index, master)
+            backend.wait()
+            expected = torch.cat([r[: layout.chunk_range(k)[1]] for k, r in enumerate(records)])
+            assert torch.equal(master, expected), (fmt, spec.rule.name)
     finally:
         run_with_timeout(backend.close)
 

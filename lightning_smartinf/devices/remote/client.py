@@ -81,7 +81,7 @@ from lightning_smartinf.devices.remote.wire import (
     encode_tensor,
     header_frame,
     hp_to_wire,
-    rule_to_wire,
+    shard_to_wire,
     write_frames,
 )
 
@@ -689,9 +689,7 @@ class RemoteBackend(LatchingBackend):
                 io_threads=self.io_threads,
                 tentative=self.tentative_slots,
                 prefetch=self.prefetch_state,
-                shards=[
-                    {"numel": self._specs[i].numel, "rule": rule_to_wire(self._specs[i].rule)} for i in server.shards
-                ],
+                shards=[shard_to_wire(self._specs[i]) for i in server.shards],
             )
             what = f"opening {len(server.shards)} shards"
             try:
@@ -1031,7 +1029,9 @@ class RemoteBackend(LatchingBackend):
         with tempfile.TemporaryDirectory(prefix="smartinf-upload-") as tmp:
             states = [
                 ShardState(
-                    spec, ChunkLayout(spec.numel, self.chunk_elems, len(spec.rule.state_names)), Path(tmp) / f"{i}"
+                    spec,
+                    ChunkLayout(spec.numel, self.chunk_elems, len(spec.rule.state_names), spec.state_format),
+                    Path(tmp) / f"{i}",
                 )
                 for i, spec in enumerate(self._specs)
             ]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.registry import BuildContext, DeviceKind, register
+from lightning_smartinf.core.state_formats import FORMATS
 
 if TYPE_CHECKING:
     from contextlib import ExitStack
@@ -34,6 +35,7 @@ class RemoteKind(DeviceKind):
     state_in_storage_paths = False
     state_movable = False
     keeps_checkpoint_state = True
+    state_formats = FORMATS
     weighs = "remote server"
 
     def check(self, problems: Problems, options: Mapping[str, Any], storage_paths: Sequence[Path] | None) -> Any:

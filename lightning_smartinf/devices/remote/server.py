@@ -87,7 +87,7 @@ from lightning_smartinf.devices.remote.wire import (
     encode_tensor,
     header_frame,
     hp_from_wire,
-    rule_from_wire,
+    shard_from_wire,
     write_frames,
 )
 
@@ -512,7 +512,7 @@ class DeviceServer:
                     f"shard {index} has {numel} elements; this server takes at most {limits.max_shard_numel}.",
                     final=True,
                 )
-            specs.append(ShardSpec(index=index, numel=numel, rule=rule_from_wire(entry.get("rule"))))
+            specs.append(shard_from_wire(index, entry))
         if options["io_threads"] > limits.max_io_threads:
             raise CallError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -521,7 +521,10 @@ class DeviceServer:
                 final=True,
             )
         try:
-            layouts = [ChunkLayout(spec.numel, options["chunk_elems"], len(spec.rule.state_names)) for spec in specs]
+            layouts = [
+                ChunkLayout(spec.numel, options["chunk_elems"], len(spec.rule.state_names), spec.state_format)
+                for spec in specs
+            ]
         except ValueError as exc:
             raise WireError(str(exc)) from None
         tensors = max(layout.tensors_per_record for layout in layouts)

@@ -31,8 +31,10 @@ import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from torch import Tensor
 
+from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.io.checksum import crc32c
 from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdafactor, EFAdam, StepParams, UpdateRule
+from lightning_smartinf.core.state_formats import FORMATS, check_format_for_rule
 
 __all__ = [
     "CHUNK_BYTES",
@@ -53,14 +55,17 @@ __all__ = [
     "hp_to_wire",
     "rule_from_wire",
     "rule_to_wire",
+    "shard_from_wire",
+    "shard_to_wire",
 ]
 
 SERVICE = "smartinf.remote.Device"
 #: 2: the server names sessions and checkpoints, and takes the token as gRPC call credentials send it. 3: a client
 #: uploads state files (`Upload`, then the `load_upload` control) to resume a checkpoint of another backend or layout.
 #: 4: `ReadCheckpoint` also sends a saved checkpoint's manifest and state files (`part`), so that a checkpoint kept
-#: on servers resumes under another layout.
-PROTOCOL_VERSION = 4
+#: on servers resumes under another layout. 5: a shard of ``Open`` may name its state format (``state_format``), which
+#: a server of version 4 would ignore.
+PROTOCOL_VERSION = 5
 #: Updates one session has in flight on a server (the server admits no more; a client sends no more).
 MAX_UPDATES_IN_FLIGHT = 4
 #: Trailing metadata by which a server tells gRPC's retry policy, and the client, not to retry (a negative pushback).
@@ -299,6 +304,25 @@ def rule_from_wire(data: Any) -> UpdateRule:
         raise WireError(f"Unknown update rule {data!r}; the server knows {', '.join(_RULES)}.")
     cls = _RULES[data["name"]]
     return cls(**_typed_fields(cls, {k: v for k, v in data.items() if k != "name"}, f"rule {data['name']!r}"))
+
+
+def shard_to_wire(spec: ShardSpec) -> dict[str, Any]:
+    """A shard as ``Open`` sends it: its size, its rule, and its state format where that is not fp32."""
+    fmt = {"state_format": spec.state_format} if spec.state_format != "fp32" else {}
+    return {"numel": spec.numel, "rule": rule_to_wire(spec.rule), **fmt}
+
+
+def shard_from_wire(index: int, data: dict[str, Any]) -> ShardSpec:
+    """Shard ``index`` of an ``Open`` (its ``numel`` already checked by the caller): a known rule, and a state format
+    this server holds that the rule can take."""
+    rule, fmt = rule_from_wire(data.get("rule")), data.get("state_format", "fp32")
+    if fmt not in FORMATS:
+        raise WireError(f"shard {index}: unknown state format {fmt!r}; the server knows {', '.join(FORMATS)}.")
+    try:
+        check_format_for_rule(fmt, rule)
+    except ValueError as exc:
+        raise WireError(f"shard {index}: {exc}") from None
+    return ShardSpec(index=index, numel=data["numel"], rule=rule, state_format=fmt)
 
 
 def hp_to_wire(hp: StepParams) -> dict[str, Any]:
