@@ -232,3 +232,25 @@ def test_an_unknown_saved_format_is_refused(tmp_path):
             second.load(tmp_path / "ckpt")
     finally:
         run_with_timeout(second.close)
+
+
+def test_the_pools_shrink_with_the_state():
+    """A buffer holds one record: Adam's in bf16 or int8 needs two fp32-chunk-sized tensors of room, not three."""
+    for fmt, tensors in (("fp32", 3), ("bf16", 2), ("int8", 2)):
+        layout = ChunkLayout(10 * CHUNK, CHUNK, 2, fmt)
+        assert layout.pool_tensors == tensors
+        assert layout.record_offset(1) <= tensors * 4 * CHUNK  # a full record fits a buffer
+    assert ChunkLayout(CHUNK, CHUNK, 1, "int8").pool_tensors == 2  # master + one state: no saving below a tensor
+
+
+def test_a_devices_pool_is_sized_for_its_format(tmp_path):
+    allocated = {}
+    for fmt in ("fp32", "int8"):
+        backend = _cpu(tmp_path, fmt)
+        try:
+            backend.open([ShardSpec(0, 4 * CHUNK, Adam(), state_format=fmt)])
+            allocated[fmt] = sum(device.allocated_bytes for device in backend.devices)
+        finally:
+            run_with_timeout(backend.close)
+    grad_chunks = 2 * CHUNK * 4  # each device's own fp32 gradient chunk
+    assert (allocated["int8"] - grad_chunks) * 3 == (allocated["fp32"] - grad_chunks) * 2

@@ -48,6 +48,12 @@ class ChunkLayout:
         return 1 + self.num_states
 
     @property
+    def pool_tensors(self) -> int:
+        """fp32 tensors of ``chunk_elems`` a buffer needs to hold one record: :attr:`tensors_per_record` in fp32,
+        fewer where the states take fewer bytes (a device's pool is sized by it)."""
+        return -(-self._record_bytes(self.chunk_elems) // (4 * self.chunk_elems))
+
+    @property
     def num_chunks(self) -> int:
         return max(1, -(-self.numel // self.chunk_elems))
 

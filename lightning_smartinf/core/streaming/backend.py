@@ -336,7 +336,7 @@ class StreamingBackend(LatchingBackend):
             raise
         if len(self.devices) > 1:
             self.log_shares()
-        tensors = max((lay.tensors_per_record for lay in layouts), default=1)
+        tensors = max((lay.pool_tensors for lay in layouts), default=1)
         for device in self.devices:
             device.allocate(tensors)
 

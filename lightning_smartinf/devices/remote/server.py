@@ -527,7 +527,7 @@ class DeviceServer:
             ]
         except ValueError as exc:
             raise WireError(str(exc)) from None
-        tensors = max(layout.tensors_per_record for layout in layouts)
+        tensors = max(layout.pool_tensors for layout in layouts)
         pool = pool_bytes(len(self.roots), options["buffer_count"], options["chunk_elems"], tensors)
         if pool > limits.max_session_pool_bytes:
             raise CallError(
