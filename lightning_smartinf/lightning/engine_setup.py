@@ -145,10 +145,10 @@ def controller_factory(
     device_dirs: list[Path],
     owned: list[Path],
     on_backend: Callable[[Backend], None],
-    kept_ratio: float | None,
+    kept_ratio: Callable[[], float | None],
 ) -> ControllerFactory:
-    """What ZeRO calls when it builds its optimizer: this rank's backend, then the controller over it (sending
-    ``kept_ratio`` of the gradient entries, ``None``: dense)."""
+    """What ZeRO calls when it builds its optimizer: this rank's backend, then the controller over it (sending the
+    share of the gradient entries ``kept_ratio()`` gives when it is built, ``None``: dense)."""
     settings = place.settings
     io_factory: Callable[[], IOEngine] | None = None
     if settings.kind.uses_io_engine:
@@ -174,7 +174,7 @@ def controller_factory(
         backend = build_backend(settings, context)
         on_backend(backend)
         smart_update = SmartUpdate(settings, backend, optimizer, sub_groups, partitions)
-        smart_update.kept_ratio = kept_ratio
+        smart_update.kept_ratio = kept_ratio()
         return smart_update
 
     return build
@@ -280,7 +280,6 @@ def place_parameters(
 
 
 def initialize(
-    place: RankPlace,
     model: Module,
     optimizer: Optimizer | None,
     lr_scheduler: Any,
@@ -288,12 +287,13 @@ def initialize(
     config: dict[str, Any],
     precision: str,
     deepspeed_args: Any,
-    kept_ratio: float | None,
-    before_engine: Callable[[], None],
+    kept_ratio: Callable[[], float | None],
+    before_engine: Callable[[], RankPlace],
     on_backend: Callable[[Backend], None],
 ) -> tuple[Any, Any]:
-    """``deepspeed.initialize`` over ``config`` with the SmartUpdate optimizer installed, after ``before_engine()``
-    (what waited for the model); returns the engine and its optimizer."""
+    """``deepspeed.initialize`` over ``config`` with the SmartUpdate optimizer installed; returns the engine and its
+    optimizer. ``before_engine()`` runs what waited for the model and returns where the rank stands then: what it ran
+    may have changed the settings (``BufferPool`` sizes the pools for the model)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -310,7 +310,7 @@ def initialize(
     # From here on (and for a model built in `configure_model`, from before it): each large host block is a mapping
     # of its own, given back when freed, so partitions moved, gradients and buffers freed leave no holes in the RSS.
     map_large_allocations()
-    before_engine()  # the model exists now (`configure_model` ran)
+    place = before_engine()  # the model exists now (`configure_model` ran)
     device_dirs, owned = rank_devices(place)
     # The memory tiers' state is in memory; a kind may keep its state elsewhere than `device_dirs` (remote servers).
     settings = place.settings

@@ -371,20 +371,20 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
         def adopt(backend: Backend) -> None:
             self._backend = backend  # released at teardown, even if the engine then fails to build
 
-        def before_engine() -> None:
+        def before_engine() -> engine_setup.RankPlace:
             if (module := self.lightning_module) is not None:
                 self.run_before_engine(module.trainer, module)
+            return self.rank_place()
 
         assert isinstance(self.config, dict)
         deepspeed_engine, zero_optimizer = engine_setup.initialize(
-            self.rank_place(),
             model,
             optimizer,
             lr_scheduler,
             config=self.config,
             precision=self.precision_plugin.precision,
             deepspeed_args=self.deepspeed_args(),
-            kept_ratio=self.kept_ratio,
+            kept_ratio=lambda: self.kept_ratio,
             before_engine=before_engine,
             on_backend=adopt,
         )
