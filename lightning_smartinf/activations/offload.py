@@ -46,7 +46,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +59,7 @@ from lightning_smartinf.activations.costs import IOCosts
 from lightning_smartinf.activations.spill import SpillFiles
 from lightning_smartinf.activations.tuning import DEFAULTS, MEASURE_AT, MEASURE_COUNT, LayerMeter, Tuning, tune
 from lightning_smartinf.core.accelerator import SideStreams, bind_thread, on_cuda, pinned_empty, record_fence
+from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.io.direct import IO_ALIGN, IOEngine, ThreadedIO, aligned_empty, round_up
 from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
 from lightning_smartinf.core.io.storage import (
@@ -213,23 +214,22 @@ def cleanup_stale_dirs(storage_path: str | os.PathLike) -> list[Path]:
     return remove_leftovers(Path(storage_path) / ROOT_DIR_NAME)
 
 
-#: Smallest allowed value of each integer setting.
-_MINIMUM = {"threshold_bytes": 0, "keep_last": 0, "max_inflight_bytes": 1, "io_threads": 1}
-#: The settings ``None`` leaves to :func:`~lightning_smartinf.activations.tuning.tune`.
-_AUTOMATIC = ("threshold_bytes", "keep_last", "max_inflight_bytes")
-
-
-def check_settings(owner: str, **settings: int | None) -> None:
-    """Raise ``ValueError`` naming the first setting that is not an integer at or above its minimum (``None``, where
-    allowed, chooses it automatically)."""
-    for name, value in settings.items():
-        low = _MINIMUM[name]
-        if value is None and name in _AUTOMATIC:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            where = f"{owner}({name}={value!r})" if owner else f"{name}={value!r}"
-            automatic = " or None (chosen from the model and measurements)" if name in _AUTOMATIC else ""
-            raise ValueError(f"`{where}` must be an integer >= {low}{automatic}.")
+def check_arguments(problems: Problems, arguments: Mapping[str, Any]) -> None:
+    """Check those of the offload settings (of :class:`ActivationOffloader` and of the Lightning callback
+    ``ActivationOffload``) that ``arguments`` holds. ``None`` leaves ``threshold_bytes``, ``keep_last`` and
+    ``max_inflight_bytes`` to :func:`~lightning_smartinf.activations.tuning.tune`, and ``storage_paths`` to the
+    callback, which takes the strategy's."""
+    if "storage_paths" in arguments:
+        problems.paths("storage_paths", arguments["storage_paths"], optional=True)
+    for name, low, example in (("threshold_bytes", 0, 1 << 20), ("max_inflight_bytes", 1, 64 << 20)):
+        if name in arguments:
+            problems.integer(name, arguments[name], low=low, unit="bytes", example=example, optional=True)
+    if "keep_last" in arguments:
+        problems.integer("keep_last", arguments["keep_last"], why="layers", example=1, optional=True)
+    if "io_threads" in arguments:
+        problems.integer("io_threads", arguments["io_threads"], low=1, high=1024, example=4)
+    if "log_stats" in arguments:
+        problems.flag("log_stats", arguments["log_stats"])
 
 
 class ActivationOffloader:
@@ -269,22 +269,15 @@ class ActivationOffloader:
         io: IOEngine | None = None,
         enabled: bool = True,
     ) -> None:
-        if isinstance(storage_paths, (str, os.PathLike)):
-            storage_paths = [storage_paths]
-        if not storage_paths:
-            raise ValueError("`storage_paths=[]` is empty. Pass at least one directory to write activations to.")
-        check_settings(
-            "",
-            threshold_bytes=threshold_bytes,
-            keep_last=keep_last,
-            max_inflight_bytes=max_inflight_bytes,
-            io_threads=io_threads,
-        )
+        problems = Problems("ActivationOffloader")
+        paths = problems.paths("storage_paths", storage_paths) or []  # `[]` only when a line was added
         self._requested = {
             "threshold_bytes": threshold_bytes,
             "keep_last": keep_last,
             "max_inflight_bytes": max_inflight_bytes,
         }
+        check_arguments(problems, {**self._requested, "io_threads": io_threads})
+        problems.raise_if_any()
         self.threshold_bytes: int = DEFAULTS["threshold_bytes"] if threshold_bytes is None else threshold_bytes
         self.keep_last: int = DEFAULTS["keep_last"] if keep_last is None else keep_last
         self.max_inflight_bytes: int = (
@@ -303,7 +296,7 @@ class ActivationOffloader:
         self.stats = OffloadStats()
 
         self._dirs: list[Path] = []
-        for p in storage_paths:
+        for p in paths:
             base = validate_storage_path(p, "storage_paths", missing_ok=True)
             create_storage_path(base)  # as the strategy does: a missing path under a writable parent is made 0700
             ensure_private_dir(base / ROOT_DIR_NAME)

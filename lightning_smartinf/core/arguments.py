@@ -38,7 +38,7 @@ __all__ = ["INT64_MAX", "MIB", "Problems", "show"]
 INT64_MAX = (1 << 63) - 1
 MIB = 1 << 20
 _MISSING = object()
-_UNIT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+_UNIT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
 
 def show(value: Any) -> str:
@@ -206,21 +206,25 @@ class Problems:
         self.add(f"`{name}={show(value)}` {wrong}: it must be {allowed}. {fix}")
         return False
 
-    def size(self, key: str | int, value: Any, *, example: str = "8GiB") -> int | None:
-        """A memory size: an int number of bytes >= 0, or a string with a unit (``"8GiB"``, ``"512MiB"``, ``"2GB"``,
-        ``"4096"``); returns the bytes, or ``None`` (``value`` is ``None``, or a line was added)."""
-        if value is None:
+    def size(
+        self, key: str | int, value: Any, *, low: int = 0, example: str = "8GiB", optional: bool = True
+    ) -> int | None:
+        """A memory size: an int number of bytes >= ``low``, or a string with a unit (``"8GiB"``, ``"512MiB"``,
+        ``"2GB"``, ``"4096"``) of at least ``low`` bytes once rounded down; returns the bytes, or ``None`` (``value``
+        is ``None`` and ``optional``, or a line was added)."""
+        if value is None and optional:
             return None
         if isinstance(value, str):
             parsed = _size_in(value)
-            if parsed is not None:
+            if parsed is not None and parsed >= low:
                 return parsed
             self.add(
-                f"`{self.name(key)}={show(value)}` is not a size: it must be an int number of bytes >= 0 or a string "
-                f"like '8GiB' (2**30 B), '512MiB' or '2GB' (10**9 B). Pass e.g. `{self.name(key)}={example!r}`."
+                f"`{self.name(key)}={show(value)}` {'is not a size' if parsed is None else 'is too small'}: it must "
+                f"be an int number of bytes >= {low} or a string like '8GiB' (2**30 B), '512MiB' or '2GB' (10**9 B). "
+                f"Pass e.g. `{self.name(key)}={example!r}`."
             )
             return None
-        if self.integer(key, value, unit="bytes", example=example, optional=True):
+        if self.integer(key, value, low=low, unit="bytes", example=example, optional=optional):
             return value
         return None
 

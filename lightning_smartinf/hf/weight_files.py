@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
 from lightning_smartinf.core.io.storage import (
     disk_full_error,
@@ -48,18 +49,6 @@ DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
     "float": torch.float32,
-}
-#: Bytes per unit of ``max_shard_size``: powers of 1000 as transformers counts them, and of 1024.
-SIZE_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
 }
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -111,24 +100,17 @@ def config_dtype(config: Any) -> torch.dtype:
 
 def shard_bytes(value: Any, argument: str = "max_shard_size") -> int:
     """The bytes ``value`` stands for: an int, or a string of a number and a unit (``"500MB"``, ``"2GiB"``,
-    ``"1000000"``); KB, MB, GB, TB count in powers of 1000, KiB, MiB, GiB, TiB in powers of 1024.
+    ``"1000000"``) as :meth:`~lightning_smartinf.core.arguments.Problems.size` reads it: KB, MB, GB, TB count in
+    powers of 1000, KiB, MiB, GiB, TiB in powers of 1024.
 
     Raises:
-        ValueError: ``value`` is not a positive size; the message names ``argument``.
+        ValueError: ``value`` is not a size of at least one byte; the message is the one line of a ``Problems``
+            naming ``argument``, so that callers collecting problems (``SavePretrained``) list it as their own.
     """
-    size = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    elif isinstance(value, str):
-        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", value)
-        unit = match.group(2).upper() if match else ""
-        if match and (unit or "B") in SIZE_UNITS:
-            size = int(float(match.group(1)) * SIZE_UNITS[unit or "B"])
-    if size is None or size < 1:
-        raise ValueError(
-            f"`{argument}={value!r}` is not a size. Give a positive number of bytes (`1000000`) or a number with "
-            "a unit: KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '5GB' or '2GiB'."
-        )
+    problems = Problems(argument)  # one value: one line at most, raised without the header
+    size = problems.size(argument, value, low=1, example=MAX_SHARD_SIZE, optional=False)
+    if size is None:
+        raise ValueError(problems.lines[0])
     return size
 
 

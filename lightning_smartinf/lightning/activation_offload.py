@@ -12,7 +12,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_smartinf.activations.offload import ActivationOffloader, OffloadStats
+from lightning_smartinf.activations.offload import ActivationOffloader, OffloadStats, check_arguments
 from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.placement import rank_share
 from lightning_smartinf.lightning.contract import SmartUpdateStrategy
@@ -48,7 +48,7 @@ class ActivationOffload(L.Callback):
         log_stats: bool = True,
     ) -> None:
         problems = Problems("ActivationOffload", ValueError)
-        _check_arguments(
+        check_arguments(
             problems,
             {
                 "storage_paths": storage_paths,
@@ -149,21 +149,6 @@ class ActivationOffload(L.Callback):
             self.offloader = None
 
 
-def _check_arguments(problems: Problems, arguments: dict[str, Any]) -> None:
-    """Check those of the :class:`ActivationOffload` arguments that ``arguments`` holds."""
-    if "storage_paths" in arguments:
-        problems.paths("storage_paths", arguments["storage_paths"], optional=True)
-    for name, low, example in (("threshold_bytes", 0, 1 << 20), ("max_inflight_bytes", 1, 64 << 20)):
-        if name in arguments:
-            problems.integer(name, arguments[name], low=low, unit="bytes", example=example, optional=True)
-    if "keep_last" in arguments:
-        problems.integer("keep_last", arguments["keep_last"], why="layers", example=1, optional=True)
-    if "io_threads" in arguments:
-        problems.integer("io_threads", arguments["io_threads"], low=1, high=1024, example=4)
-    if "log_stats" in arguments:
-        problems.flag("log_stats", arguments["log_stats"])
-
-
 def check_offload_options(problems: Problems, argument: str, options: Any) -> None:
     """Check ``argument`` (``SmartInfinityStrategy(offload_activations=...)``): a bool, or a dict of
     :class:`ActivationOffload` arguments whose keys and values are checked as the callback would."""
@@ -174,4 +159,4 @@ def check_offload_options(problems: Problems, argument: str, options: Any) -> No
         return
     allowed = list(inspect.signature(ActivationOffload).parameters)
     problems.keys(argument, options, allowed)
-    _check_arguments(problems.within(argument), {k: v for k, v in options.items() if k in allowed})
+    check_arguments(problems.within(argument), {k: v for k, v in options.items() if k in allowed})

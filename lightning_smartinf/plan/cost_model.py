@@ -32,6 +32,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from lightning_smartinf.core.arguments import Problems
+
 GB = 1e9
 
 #: Bytes per parameter per step of each traffic class (Adam, fp32 master/m/v, fp16/bf16 model).
@@ -71,15 +73,12 @@ class Workload:
     accumulate: int = 1
 
     def __post_init__(self) -> None:
-        if self.params <= 0:
-            raise PlanError(f"`params={self.params}` must be positive.")
-        if self.batch <= 0 or self.seq <= 0:
-            raise PlanError(f"`batch={self.batch}` and `seq={self.seq}` must be positive.")
-        if self.accumulate <= 0:
-            raise PlanError(
-                f"`accumulate={self.accumulate}` must be at least 1 (micro-batches per optimizer step, "
-                "`accumulate_grad_batches`)."
-            )
+        problems = Problems("Workload", PlanError)
+        for name in ("params", "batch", "seq"):  # numbers, not only ints: `Workload(7e9)` plans a 7B model
+            problems.number(name, getattr(self, name), low=0, above=True)
+        why = "micro-batches per optimizer step, `accumulate_grad_batches`"
+        problems.number("accumulate", self.accumulate, low=1, why=why)
+        problems.raise_if_any()
 
     @property
     def tokens(self) -> int:
@@ -144,21 +143,17 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], origin: str = "profile") -> Profile:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known - {"measured", "comment"})
-        if unknown:
-            raise PlanError(f"{origin}: unknown profile keys {unknown}; allowed: {sorted(known)}.")
-        if "name" not in data:
-            raise PlanError(f"{origin}: a profile needs a `name`.")
+        known = [f.name for f in fields(cls)]
+        problems = Problems(origin, PlanError)
+        problems.keys("profile", data, [*known, "measured", "comment"], required=["name"])
         clean = {k: v for k, v in data.items() if k in known}
-        profile = cls(**clean)
-        for f in fields(cls):
-            value = getattr(profile, f.name)
-            if f.name.endswith(("_gbps", "_per_s", "_tflops", "_ms")) and value is not None and value < 0:
-                raise PlanError(f"{origin}: `{f.name}={value}` must not be negative.")
-            if f.name.endswith(("_gbps", "_per_s", "_tflops")) and value is not None and value <= 0:
-                raise PlanError(f"{origin}: `{f.name}={value}` must be positive (or null for 'no limit').")
-        return profile
+        # The fields left out keep their defaults, all valid: only the values given are checked.
+        for name, value in clean.items():
+            if name.endswith(("_gbps", "_per_s", "_tflops", "_ms")) and value is not None:
+                rate = not name.endswith("_ms")  # a rate or bandwidth > 0 (null: no limit); a latency >= 0
+                problems.number(name, value, low=0, above=rate, why="null: no limit" if rate else "")
+        problems.raise_if_any()
+        return cls(**clean)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
