@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+from helpers.remote_servers import server_pool, write_token
 
 from lightning_smartinf.devices.xrt import XrtBackend
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory) -> Path:
+    """A token file for the module's remote servers and clients."""
+    return write_token(tmp_path_factory.mktemp("token") / "token")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, token_file):
+    """Two device servers shared by the module's tests (a test that kills one defines its own)."""
+    yield from server_pool(tmp_path_factory.mktemp("servers"), token_file, [["s0"], ["s1"]])
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ import pytest
 import torch
 from helpers.hang_guard import run_with_timeout
 from helpers.ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
-from helpers.remote_servers import server_pool, write_token
 from torch.testing import assert_close
 
 from lightning_smartinf.core import registry
@@ -44,16 +43,6 @@ SPECS = [ShardSpec(i, n, rule[0]) for i, (n, rule) in enumerate(zip(SIZES, RULES
 FILE_BYTES = [ChunkLayout(s.numel, CHUNK, len(s.rule.state_names)).file_bytes for s in SPECS]
 #: A tier's budget: about half the state, so that each combination with a tier splits its shards.
 TIER_BYTES = sum(FILE_BYTES) // 2
-
-
-@pytest.fixture(scope="module")
-def token_file(tmp_path_factory) -> Path:
-    return write_token(tmp_path_factory.mktemp("token") / "token")
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory, token_file):
-    yield from server_pool(tmp_path_factory.mktemp("servers"), token_file, [["s0"], ["s1"]])
 
 
 @pytest.fixture(scope="module")

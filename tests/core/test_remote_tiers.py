@@ -8,11 +8,9 @@ in-process ``cpu`` backend is bitwise.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from helpers.remote_servers import server_pool, write_token
 from torch.testing import assert_close
 
 from lightning_smartinf.core import registry
@@ -32,17 +30,6 @@ CHUNK = 4096
 SIZES = [CHUNK + 5, CHUNK, 2 * CHUNK - 1, 777, 3 * CHUNK, CHUNK // 2]
 RULES = [Adam(decoupled_weight_decay=True), SGD(with_momentum=True), Adagrad(initial_accumulator_value=0.1), Adam()]
 RULES = [RULES[i % len(RULES)] for i in range(len(SIZES))]
-
-
-@pytest.fixture(scope="module")
-def token_file(tmp_path_factory) -> Path:
-    return write_token(tmp_path_factory.mktemp("token") / "token")
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory, token_file):
-    """Two servers shared by the module's tests (none kills one)."""
-    yield from server_pool(tmp_path_factory.mktemp("servers"), token_file, [["s0"], ["s1"]])
 
 
 def _specs() -> list[ShardSpec]:

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.hang_guard import run_with_timeout
-from helpers.remote_servers import server_pool, write_token
 
 from lightning_smartinf.core.backend import Backend, ShardSpec
 from lightning_smartinf.core.build import tiers_over
@@ -122,16 +121,6 @@ def test_devices_and_the_memory_tier_hold_the_reference_bytes(tmp_path, fmt, tie
             assert len(saved) < fp32_bytes if spec.numel >= CHUNK else len(saved) <= fp32_bytes
     finally:
         run_with_timeout(backend.close)
-
-
-@pytest.fixture(scope="module")
-def token_file(tmp_path_factory) -> Path:
-    return write_token(tmp_path_factory.mktemp("token") / "token")
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory, token_file):
-    yield from server_pool(tmp_path_factory.mktemp("servers"), token_file, [["s0"], ["s1"]])
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
