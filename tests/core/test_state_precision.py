@@ -19,6 +19,7 @@ from lightning_smartinf.core.state_formats import state_format, update_chunk
 from lightning_smartinf.devices.cpu import CpuBackend
 from lightning_smartinf.devices.remote.client import RemoteBackend
 from lightning_smartinf.devices.remote.tokens import read_token
+from lightning_smartinf.devices.xrt import XrtBackend, forget_platform, write_model_xclbin
 
 CHUNK = 4096
 SIZES = [1, 1025, 3 * CHUNK + 5]
@@ -243,3 +244,29 @@ def test_a_devices_pool_is_sized_for_its_format(tmp_path):
             run_with_timeout(backend.close)
     grad_chunks = 2 * CHUNK * 4  # each device's own fp32 gradient chunk
     assert (allocated["int8"] - grad_chunks) * 3 == (allocated["fp32"] - grad_chunks) * 2
+
+
+@pytest.fixture(scope="module")
+def xclbin(csim_library, tmp_path_factory):
+    root = tmp_path_factory.mktemp("xrt-model")
+    path = write_model_xclbin(root / "smartinf.json", csim_library, devices=1, dram_root=root / "ddr")
+    yield path
+    forget_platform(path)
+
+
+def test_backends_that_hold_fp32_only_refuse_other_formats_before_anything_is_written(tmp_path, xclbin):
+    """Built directly (the strategy's settings refuse these earlier), an xrt backend or an accelerator tier is not
+    handed records it would update as fp32."""
+    xrt = XrtBackend([tmp_path / "ssd0"], xclbin=xclbin, chunk_elems=CHUNK, buffer_count=2)
+    try:
+        with pytest.raises(ValueError, match=r"`XrtBackend` holds the optimizer state in fp32 only.*\['int8'\]"):
+            xrt.open(_specs("int8"))
+    finally:
+        run_with_timeout(xrt.close)
+    tiers = tiers_over(_cpu(tmp_path), accelerator_bytes=1 << 20, accelerator_device="cpu", chunk_elems=CHUNK)
+    try:
+        with pytest.raises(ValueError, match=r"The accelerator tier holds the optimizer state in fp32 only.*'bf16'"):
+            tiers.open(_specs("bf16"))
+    finally:
+        run_with_timeout(tiers.close)
+    assert not list(tmp_path.rglob("*.state"))

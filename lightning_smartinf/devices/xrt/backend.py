@@ -476,6 +476,11 @@ class XrtBackend(StreamingBackend):
         return list(pair_by_pcie(device_dirs, bdfs))
 
     def open(self, shards: Sequence[ShardSpec]) -> None:
+        if formats := sorted({s.state_format for s in shards} - {"fp32"}):
+            raise ValueError(
+                f"`XrtBackend` holds the optimizer state in fp32 only (its HLS kernels' records), not in {formats}. "
+                "Use `state_precision='fp32'` with `backend='xrt'`."
+            )
         rules = {rule_kernel(s.rule) for s in shards}  # ValueError for amsgrad and other rules without a kernel
         for rule in sorted(rules):
             if not any(name.startswith(f"smartinf_{rule}_") for name in self.kernel_names):
