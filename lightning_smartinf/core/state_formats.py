@@ -71,8 +71,9 @@ class StateFormat(ABC):
         """Elements a stored state of ``nbytes`` holds, padding included (the inverse of :meth:`stored_bytes`)."""
 
     @abstractmethod
-    def store(self, values: Tensor, out: Tensor, state: str) -> None:
-        """Write fp32 ``values`` of state ``state`` into ``out`` (``uint8``, :meth:`stored_bytes` long)."""
+    def store(self, values: Tensor, out: Tensor, state: str, *, consume: bool = False) -> None:
+        """Write fp32 ``values`` of state ``state`` into ``out`` (``uint8``, :meth:`stored_bytes` long). With
+        ``consume``, ``values`` may be overwritten on the way (a copy is then spared)."""
 
     @abstractmethod
     def load(self, raw: Tensor, out: Tensor, state: str) -> None:
@@ -92,7 +93,7 @@ class Fp32(StateFormat):
     def elements(self, nbytes: int) -> int:
         return nbytes // 4
 
-    def store(self, values: Tensor, out: Tensor, state: str) -> None:
+    def store(self, values: Tensor, out: Tensor, state: str, *, consume: bool = False) -> None:
         out.view(torch.float32).copy_(values)
 
     def load(self, raw: Tensor, out: Tensor, state: str) -> None:
@@ -108,7 +109,7 @@ class Bf16(StateFormat):
     def elements(self, nbytes: int) -> int:
         return nbytes // 2
 
-    def store(self, values: Tensor, out: Tensor, state: str) -> None:
+    def store(self, values: Tensor, out: Tensor, state: str, *, consume: bool = False) -> None:
         out.view(torch.bfloat16).copy_(values)  # round to nearest, ties to even
 
     def load(self, raw: Tensor, out: Tensor, state: str) -> None:
@@ -127,10 +128,9 @@ class Int8(StateFormat):
     def elements(self, nbytes: int) -> int:
         return nbytes // (BLOCK + 4) * BLOCK
 
-    def store(self, values: Tensor, out: Tensor, state: str) -> None:
+    def store(self, values: Tensor, out: Tensor, state: str, *, consume: bool = False) -> None:
         n, blocks = values.numel(), _blocks(values.numel())
-        # Worked on in place when ``values`` is whole blocks of a scratch buffer of update_chunk's, else on a copy.
-        work = values if n == blocks * BLOCK and _is_scratch(values) else _scratch(blocks * BLOCK, "store")
+        work = values if consume and n == blocks * BLOCK else _scratch(blocks * BLOCK, "store")
         work[n:].zero_()
         if state in NON_NEGATIVE:
             torch.sqrt(values, out=work[:n])
@@ -193,7 +193,7 @@ def update_chunk(
         fmt.load(raw, state, name)
     rule.apply(master, grad, [state[:n] for state in states], hp)
     for name, raw, state in zip(names, stored, states):
-        fmt.store(state, raw, name)
+        fmt.store(state, raw, name, consume=True)
 
 
 def _blocks(numel: int) -> int:
@@ -212,8 +212,3 @@ def _scratch(numel: int, purpose: str, dtype: torch.dtype = torch.float32) -> Te
         buffer = buffers[purpose] = torch.empty(numel, dtype=dtype)
     return buffer[:numel]
 
-
-def _is_scratch(tensor: Tensor) -> bool:
-    """Whether ``tensor`` lies in one of this thread's scratch buffers (so it may be changed in place)."""
-    buffers: dict[str, Tensor] = _local.__dict__.get("buffers", {})
-    return any(tensor.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in buffers.values())
