@@ -295,8 +295,7 @@ class _FileData(L.LightningDataModule, Generic[D], metaclass=ABCMeta):
     """What the three data modules share: a training file and a validation file or a share held out of the training
     data, the tokenizer, and the two loaders. :meth:`setup` builds the datasets (``D``) ``train_data`` and
     ``val_data`` once, through a subclass's hooks: the dataset of one file (:meth:`_dataset`), what it takes from the
-    tokenizer first (:meth:`_prepare`), how a share is held out (:meth:`_split`). One that tokenises into a
-    :class:`TokenCache` (:meth:`_cache`) builds it in :meth:`prepare_data`."""
+    tokenizer first (:meth:`_prepare`), how a share is held out (:meth:`_split`)."""
 
     #: The sequence-length argument, checked against the model's maximum (:meth:`_check_length`).
     _LENGTH: ClassVar[str] = "max_length"
@@ -310,9 +309,8 @@ class _FileData(L.LightningDataModule, Generic[D], metaclass=ABCMeta):
     #: The loaders' collate function, the class's or set by :meth:`_prepare`: a module-level function or a partial of
     #: one, which a worker process started by spawn unpickles without the data module.
     _collate: Callable[[list[Any]], dict[str, torch.Tensor]]
-    #: Defaults of those that take ``shuffle`` / ``cache_dir`` arguments: Classification always shuffles.
+    #: The default of those that take a ``shuffle`` argument: Classification always shuffles.
     shuffle: bool = True
-    cache_dir: str | None = None
 
     def __init__(  # subclasses pass their arguments of these names, in this order
         self,
@@ -349,24 +347,6 @@ class _FileData(L.LightningDataModule, Generic[D], metaclass=ABCMeta):
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
             return getattr(self, self._renamed(name))
 
-    def _token_cache(
-        self,
-        tokenizer: PreTrainedTokenizerBase,
-        file: Path,
-        settings: dict[str, Any],
-        batches: Callable[[], Iterable[Batch]],
-    ) -> TokenCache:
-        owner = type(self).__name__
-        directory = Path(self.cache_dir).expanduser() if self.cache_dir is not None else default_cache_dir()
-        return cached_tokens(
-            file,
-            cache_dir=make_cache_dir(directory, "cache_dir", owner),
-            fingerprint=tokenizer_fingerprint(tokenizer),
-            vocab_size=len(tokenizer),
-            settings={"reader": owner, **settings},
-            batches=batches,
-        )
-
     def _module_tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer of ``tokenizer_path``, else of the LightningModule being trained."""
         if self.tokenizer_path is not None:
@@ -394,10 +374,6 @@ class _FileData(L.LightningDataModule, Generic[D], metaclass=ABCMeta):
                 f"{type(module).__name__} has `max_position_embeddings={limit}`. Set `{argument}` to at most {limit}."
             )
 
-    def _cache(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> TokenCache:
-        """The token-cache entry of the data file ``path`` (given as ``argument``), built if it is not there."""
-        raise NotImplementedError
-
     def _prepare(self, tokenizer: PreTrainedTokenizerBase) -> None:
         """Take what the datasets and the collate function need from the tokenizer, before any dataset is built."""
 
@@ -405,22 +381,15 @@ class _FileData(L.LightningDataModule, Generic[D], metaclass=ABCMeta):
     def _dataset(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> D:
         """The dataset of the data file ``path`` (given as ``argument``)."""
 
+    @abstractmethod
     def _split(self, data: D, held_out: int) -> tuple[D, D]:
-        """(training, validation) data: ``held_out`` items of ``data`` chosen at random with ``seed``."""
-        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(self.seed)).numpy()
-        return self._subset(data, order[held_out:]), self._subset(data, order[:held_out])
+        """(training, validation) data, ``held_out`` items of ``data`` in the validation data."""
 
-    def _subset(self, data: D, positions: np.ndarray) -> D:
-        """The items of ``data`` at ``positions``, for :meth:`_split`."""
-        raise NotImplementedError
-
-    def prepare_data(self) -> None:
-        """Tokenise the files into the cache unless it has them (Lightning calls this before ``setup``, on one rank
-        per node, the others waiting)."""
-        tokenizer = self._module_tokenizer()
-        for argument, path in {"train_file": self.train_file, "val_file": self.val_file}.items():
-            if path:
-                self._cache(tokenizer, argument, path)
+    def _random_split(self, count: int, held_out: int) -> tuple[np.ndarray, np.ndarray]:
+        """(training, validation) positions among ``count`` items, ``held_out`` of them chosen at random with
+        ``seed``."""
+        order = torch.randperm(count, generator=torch.Generator().manual_seed(self.seed)).numpy()
+        return order[held_out:], order[:held_out]
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_data is not None:
@@ -462,6 +431,43 @@ class _FileData(L.LightningDataModule, Generic[D], metaclass=ABCMeta):
         )
 
 
+class _TokenCachedData(_FileData[D]):
+    """A data module that tokenises its files once into a :class:`TokenCache` (:meth:`_cache`), built in
+    :meth:`prepare_data` and read through memory maps by its datasets."""
+
+    cache_dir: str | None = None
+
+    def _token_cache(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        file: Path,
+        settings: dict[str, Any],
+        batches: Callable[[], Iterable[Batch]],
+    ) -> TokenCache:
+        owner = type(self).__name__
+        directory = Path(self.cache_dir).expanduser() if self.cache_dir is not None else default_cache_dir()
+        return cached_tokens(
+            file,
+            cache_dir=make_cache_dir(directory, "cache_dir", owner),
+            fingerprint=tokenizer_fingerprint(tokenizer),
+            vocab_size=len(tokenizer),
+            settings={"reader": owner, **settings},
+            batches=batches,
+        )
+
+    @abstractmethod
+    def _cache(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> TokenCache:
+        """The token-cache entry of the data file ``path`` (given as ``argument``), built if it is not there."""
+
+    def prepare_data(self) -> None:
+        """Tokenise the files into the cache unless it has them (Lightning calls this before ``setup``, on one rank
+        per node, the others waiting)."""
+        tokenizer = self._module_tokenizer()
+        for argument, path in {"train_file": self.train_file, "val_file": self.val_file}.items():
+            if path:
+                self._cache(tokenizer, argument, path)
+
+
 # ------------------------------------------------------------------------------------------------ text
 
 
@@ -499,7 +505,7 @@ def _stack_blocks(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.stack(rows)}
 
 
-class TextDataModule(_FileData[_Blocks]):
+class TextDataModule(_TokenCachedData[_Blocks]):
     """Causal language-modelling data: a text file packed into blocks of ``block_size`` tokens.
 
     The file is tokenised once into the token cache (``cache_dir``), streaming, and the blocks are views of its
@@ -635,7 +641,7 @@ def _pad_examples(rows: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str,
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-class SFTDataModule(_FileData[_Examples]):
+class SFTDataModule(_TokenCachedData[_Examples]):
     """Supervised fine-tuning data: JSON lines of prompt/response pairs, the loss taken on the responses only.
 
     Each line becomes one example, ``[BOS] prompt response EOS`` (BOS where the tokenizer has one distinct from its
@@ -670,7 +676,6 @@ class SFTDataModule(_FileData[_Examples]):
 
     _UNIT = "usable example"
     _RENAMED: ClassVar[dict[str, str]] = {"train_examples": "train_data", "val_examples": "val_data"}
-    _subset = staticmethod(_Examples.subset)  # the held-out and the training examples each in file order
 
     def __init__(
         self,
@@ -731,6 +736,10 @@ class SFTDataModule(_FileData[_Examples]):
                 "`max_length` or shorten those examples."
             )
         return _Examples(cache, np.flatnonzero(kept), self.max_length)
+
+    def _split(self, examples: _Examples, held_out: int) -> tuple[_Examples, _Examples]:
+        train, val = self._random_split(len(examples), held_out)
+        return examples.subset(train), examples.subset(val)  # each in file order
 
     def _prepare(self, tokenizer: PreTrainedTokenizerBase) -> None:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -851,8 +860,6 @@ class ClassificationDataModule(_FileData[list[dict[str, Any]]]):
             self.label_names = self._derive_labels(rows)
         return self._encode(rows, argument)
 
-    def _subset(self, rows: list[dict[str, Any]], positions: np.ndarray) -> list[dict[str, Any]]:
-        return [rows[i] for i in positions]  # in the order of the permutation
-
-    # The rows are read and encoded in setup: there is no token cache to build first.
-    prepare_data = L.LightningDataModule.prepare_data
+    def _split(self, rows: list[dict[str, Any]], held_out: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        train, val = self._random_split(len(rows), held_out)
+        return [rows[i] for i in train], [rows[i] for i in val]  # in the order of the permutation
