@@ -430,7 +430,13 @@ class ActivationOffloader:
         for future in pending:
             with contextlib.suppress(BaseException):  # a write error is recorded in `_error`, raised below
                 future.result()
-        self._raise_pending_error()
+        try:
+            self._raise_pending_error()
+        except BaseException:
+            # A write that failed after backward read everything back ends the micro-batch as a failure: no record
+            # or file of it outlives the error.
+            self.clear()
+            raise
         self._drop_read_pool()
         if self._metering:
             self._io_samples.append(self._io_costs())
