@@ -230,6 +230,10 @@ def test_calibrate_measures_every_path_alone_and_together(tmp_path, capsys):
     assert all(p.read_gbps > 0 and p.write_gbps > 0 and p.read_write_gbps > 0 for p in machine.storage)
     assert machine.storage[0].disk == machine.storage[1].disk  # one filesystem here
     assert machine.together_read_write_gbps > 0 and machine.host_memory_gb > 0
+    # Each state precision's update measured against fp32's, which is 1 by definition.
+    assert set(machine.update_cost_by_precision) == {"fp32", "bf16", "int8"}
+    assert machine.update_cost_by_precision["fp32"] == 1.0 and machine.update_cost_by_precision["int8"] > 0
+    assert machine.to_profile([0]).update_cost("int8") == machine.update_cost_by_precision["int8"]
     assert machine.gpu is None and data["measured"]["gpu"].startswith("none")  # this machine has no GPU
     assert data["measured"]["shared_bandwidth"] is True
     assert not list(paths[0].iterdir())  # the test files are gone

@@ -43,9 +43,13 @@ INVOCATIONS = {
         2,
         None,
     ),
+    "350M-devvm-int8": (["--model", "350M", "--profile", "devvm-2cpu", "--state-precision", "int8"], 2, None),
 }
 #: Settings beyond paths, sub-group size, buffer count and compression that an invocation asked for.
-EXTRA = {"350M-devvm-budget-weights": {"device_weights": [2.0, 1.0], "state_memory_budget": "1GB"}}
+EXTRA = {
+    "350M-devvm-budget-weights": {"device_weights": [2.0, 1.0], "state_memory_budget": "1GB"},
+    "350M-devvm-int8": {"state_precision": "int8"},
+}
 
 #: A server with a GPU and two NVMe paths (on two disks); the tests put its paths under ``tmp_path``.
 MACHINE = {
@@ -77,6 +81,7 @@ MACHINE_INVOCATIONS = {
         ["--model", "200M", "--params-on-storage", "--compression", "0.01"],
         {"offload_parameters": "storage", "compression": 0.01, "overlap_backward": False},
     ),
+    "machine-1B-bf16": ({}, ["--model", "1B", "--state-precision", "bf16"], {"state_precision": "bf16"}),
 }
 
 

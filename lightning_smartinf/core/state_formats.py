@@ -211,4 +211,3 @@ def _scratch(numel: int, purpose: str, dtype: torch.dtype = torch.float32) -> Te
     if buffer is None or buffer.numel() < numel:
         buffer = buffers[purpose] = torch.empty(numel, dtype=dtype)
     return buffer[:numel]
-

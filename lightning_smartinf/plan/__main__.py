@@ -10,10 +10,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from lightning_smartinf.core.state_formats import FORMATS
 from lightning_smartinf.plan.cost_model import PlanError, Profile, Workload, profile_names, workload_from_model
 from lightning_smartinf.plan.machine import Machine, load_any
 from lightning_smartinf.plan.machine_plan import format_machine_plan, machine_json, plan_machine
-from lightning_smartinf.plan.planner import PYTHON_HEADER, YAML_HEADER, format_plan, make_plan, strategy_args
+from lightning_smartinf.plan.planner import (
+    PYTHON_HEADER,
+    YAML_HEADER,
+    format_plan,
+    make_plan,
+    precisions_json,
+    strategy_args,
+)
 from lightning_smartinf.plan.tier_placement import place_state
 
 
@@ -35,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="number of devices / SSDs; with a machine profile, of its storage paths (default: the recommended number)",
     )
     parser.add_argument("--compression", type=float, help="fraction of gradient elements kept, e.g. 0.01")
+    parser.add_argument(
+        "--state-precision",
+        choices=FORMATS,
+        default="fp32",
+        help="the strategy's state_precision: Adam's moments on the devices in fp32 (default), bf16 or int8",
+    )
     parser.add_argument(
         "--transfer-bytes",
         type=int,
@@ -149,6 +163,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | dic
     if not args.model:
         parser.error("--model is required (a config.json or a size like 7B), unless --calibrate is given")
     work = workload_from_model(args.model, batch=args.batch, seq=args.seq, accumulate=args.accumulate)
+    work = replace(work, state_precision=args.state_precision)
     prof = measured or load_any(args.profile)
     plan = _machine_plan(work, prof, args) if isinstance(prof, Machine) else _testbed_plan(work, prof, args)
     if calibrated is None or args.output:
@@ -232,6 +247,7 @@ def _testbed_plan(work: Workload, prof: Profile, args: argparse.Namespace) -> st
         "sub_group_size": plan.sub_group_size,
         "buffer_count": plan.buffer_count,
         "compression": plan.compression if plan.recommend_compression else None,
+        "state_precision": precisions_json(plan.precisions),
         "strategy": strategy_args(plan),
     }
     if plan.placement is not None:

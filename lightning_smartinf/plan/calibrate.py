@@ -184,6 +184,41 @@ def _update_rate_best(numel: int) -> float:
     return max(rates)
 
 
+def _update_costs(numel: int = 4 << 20, chunk: int = 1 << 20) -> dict[str, float]:
+    """Each ``state_precision``'s Adam(W) update time per element over fp32's: the ``cpu`` backend's chunk update in
+    that format (load, update, store), one thread, best of three passes over ``numel`` in-memory elements."""
+    import torch
+
+    from lightning_smartinf.core import Adam, StepParams
+    from lightning_smartinf.core.state_formats import FORMATS, state_format, update_chunk
+
+    rule = Adam(decoupled_weight_decay=True)
+    threads = torch.get_num_threads()
+    seconds: dict[str, float] = {}
+    try:
+        torch.set_num_threads(1)
+        for name in FORMATS:
+            fmt = state_format(name)
+            master, g = torch.randn(numel), torch.randn(numel)
+            stored = [torch.zeros(numel // chunk, fmt.stored_bytes(chunk), dtype=torch.uint8) for _ in range(2)]
+            grad = torch.empty(chunk)
+            best = float("inf")
+            for step in range(1, 4):
+                hp = StepParams(step=step, lr=1e-3, weight_decay=0.01)
+                t0 = time.perf_counter()
+                for i, start in enumerate(range(0, numel, chunk)):
+                    sl, states = slice(start, start + chunk), [s[i] for s in stored]
+                    if name == "fp32":  # as a device updates fp32: in place, no format to load or store
+                        rule.apply(master[sl], grad.copy_(g[sl]), [s.view(torch.float32) for s in states], hp)
+                    else:
+                        update_chunk(rule, fmt, master[sl], grad.copy_(g[sl]), states, hp)
+                best = min(best, time.perf_counter() - t0)
+            seconds[name] = best
+    finally:
+        torch.set_num_threads(threads)
+    return {name: round(t / seconds["fp32"], 3) for name, t in seconds.items()}
+
+
 def _host_adam_rate(numel: int) -> float:
     """Elements per second of torch's fused CPU AdamW (stand-in for DeepSpeed's CPU-Adam)."""
     import torch
@@ -266,6 +301,7 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
         probes = []
         update = _update_rate_best(8 << 20)
         fused = _host_adam_rate(8 << 20)
+        costs = _update_costs()
         step_s_per_gparam = _backend_step(work, megabytes * MiB // 12)
     finally:
         for probe in probes:
@@ -306,6 +342,7 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
         "cpu_cores": cores,
         "device_update_gparams_per_s": round(update / 1e9, 4),
         "host_update_gparams_per_s": round(update / 1e9, 4),
+        "update_cost_by_precision": costs,
         "gpu": None
         if gpu is None
         else {
@@ -325,6 +362,8 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             "host_memory_gb": "psutil: total RAM",
             "device_update_gparams_per_s": "measured: cpu backend Adam(W), 1M-element chunks of 8M in-memory fp32 "
             "elements (best of all threads / 1 thread)",
+            "update_cost_by_precision": "measured: each state_precision's chunk update (load, Adam(W), store) "
+            "over fp32's, 1M-element chunks of 4M in-memory elements, one thread",
             "host_update_gparams_per_s": "measured: as a device's, the same rule code on one worker thread (the "
             "memory tier has no I/O, not a faster update)",
             "gpu": "measured: pinned copies of 256 MiB each way (the slower), 8192^2 bf16 matmuls; efficiency "

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_smartinf.core.arguments import Problems
+from lightning_smartinf.core.state_formats import FORMATS, state_format
 
 GB = 1e9
 
@@ -44,10 +45,20 @@ COMPRESSED_INDEX_BYTES = 4  # int32 position inside the sub-group
 #: ZeRO-3 with parameters offloaded to host memory fetches each 16-bit parameter to the GPU twice per step.
 PARAM_FETCH_BYTES = 2 * LOW_PRECISION_BYTES
 GRADIENT_BUFFERS = ("accelerator", "host")
+#: Each ``state_precision``'s update time per element relative to fp32's (the ``cpu`` backend: load, update and
+#: store a chunk in the format; measured with ``benchmarks/bench_state_formats.py`` on a 2-core AMD EPYC, one thread).
+#: A calibrated machine measures its own.
+UPDATE_COST_BY_PRECISION = {"fp32": 1.0, "bf16": 1.46, "int8": 3.2}
 #: Calls a remote device server serves at once for one session (``MAX_UPDATES_IN_FLIGHT`` of the remote wire protocol).
 REMOTE_CALLS_IN_FLIGHT = 4
 
 METHODS = ("zero_infinity", "su", "su_o", "su_o_c")
+
+
+def state_bytes_per_param(state_precision: str = "fp32") -> float:
+    """Bytes per parameter of Adam's state on a device in ``state_precision``: the fp32 master and its two moments
+    (12 in fp32, 8 in bf16, about 6.03 in int8). Read and written once each per step."""
+    return state_format(state_precision).bytes_per_element(2)
 
 
 class PlanError(ValueError):
@@ -71,6 +82,9 @@ class Workload:
     flops_per_param_token: float = 8.0
     #: Micro-batches per optimizer step (Lightning's ``accumulate_grad_batches``).
     accumulate: int = 1
+    #: The strategy's ``state_precision``: what the optimizer state on the devices takes (SmartUpdate only;
+    #: ZeRO-Infinity keeps fp32).
+    state_precision: str = "fp32"
 
     def __post_init__(self) -> None:
         problems = Problems("Workload", PlanError)
@@ -78,7 +92,13 @@ class Workload:
             problems.number(name, getattr(self, name), low=0, above=True)
         why = "micro-batches per optimizer step, `accumulate_grad_batches`"
         problems.number("accumulate", self.accumulate, low=1, why=why)
+        problems.choice("state_precision", self.state_precision, FORMATS)
         problems.raise_if_any()
+
+    @property
+    def state_bytes(self) -> float:
+        """Bytes per parameter of the optimizer state on the devices (:func:`state_bytes_per_param`)."""
+        return state_bytes_per_param(self.state_precision)
 
     @property
     def tokens(self) -> int:
@@ -139,6 +159,9 @@ class Profile:
     network_gbps: float | None = None
     #: Round trip of one call to a server, in milliseconds (one call per sub-group and step).
     network_latency_ms: float = 0.0
+    #: Each ``state_precision``'s update time per element relative to fp32's (a format left out:
+    #: :data:`UPDATE_COST_BY_PRECISION`).
+    update_cost_by_precision: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -152,8 +175,18 @@ class Profile:
             if name.endswith(("_gbps", "_per_s", "_tflops", "_ms")) and value is not None:
                 rate = not name.endswith("_ms")  # a rate or bandwidth > 0 (null: no limit); a latency >= 0
                 problems.number(name, value, low=0, above=rate, why="null: no limit" if rate else "")
+        costs = clean.get("update_cost_by_precision", {})
+        if problems.instance("update_cost_by_precision", costs, dict, "a mapping of state precision to a number"):
+            sub = problems.within("update_cost_by_precision")
+            if problems.keys("update_cost_by_precision", costs, FORMATS):
+                for name, value in costs.items():
+                    sub.number(name, value, low=0, above=True, why="time per element relative to fp32's")
         problems.raise_if_any()
         return cls(**clean)
+
+    def update_cost(self, state_precision: str) -> float:
+        """``state_precision``'s update time per element relative to fp32's on this machine."""
+        return self.update_cost_by_precision.get(state_precision, UPDATE_COST_BY_PRECISION[state_precision])
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -349,8 +382,9 @@ def smart_update(
     b_r = min(prof.ssd_read_gbps * GB, ceiling)
     b_w = min(prof.ssd_write_gbps * GB, ceiling)
     staged = grad_bytes if staged_on_ssd else 0.0
-    storage = (FP32_STATE_BYTES + staged) * n / b_r + FP32_STATE_BYTES * n / b_w
-    update = n / (prof.device_update_gparams_per_s * 1e9)
+    state = work.state_bytes
+    storage = (state + staged) * n / b_r + state * n / b_w
+    update = n / (prof.device_update_gparams_per_s * 1e9) * prof.update_cost(work.state_precision)
     if overlap or compression is not None:
         fill = min(storage, update) * min(1.0, sub_group_size / n)
         hidden_io, exposed_update = (storage, max(0.0, update - storage) + fill)
@@ -380,7 +414,7 @@ def smart_update(
         compression=comp_time,
         link_write_bytes=grad_bytes * p,
         link_read_bytes=float(tb) * p,
-        storage_bytes=(2 * FP32_STATE_BYTES + 2 * staged) * p,
+        storage_bytes=(2 * state + 2 * staged) * p,
         gpu_link_bytes=pcie * p if on_gpu else 0.0,
         gpu_gradient_bytes=kept_on_gpu if on_gpu and gradient_buffer == "accelerator" else 0.0,
         param_read_bytes=param_reads,

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from lightning_smartinf.core.state_formats import FORMATS
 from lightning_smartinf.plan.cost_model import PlanError, Profile, read_profile
 
 __all__ = ["MACHINE_KIND", "Gpu", "Machine", "StoragePath", "is_machine", "load_any"]
@@ -110,6 +111,9 @@ class Machine:
     cpu_step_s_per_gparam: float = 0.0
     #: Bytes per element of the gradient and parameter copies (2: bf16/fp16).
     transfer_bytes: int = 2
+    #: Each ``state_precision``'s update time per element relative to fp32's, as calibration measured it (a format
+    #: left out: the planner's default).
+    update_cost_by_precision: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     measured: dict[str, Any] = field(default_factory=dict)
 
@@ -144,6 +148,14 @@ class Machine:
         if data.get("cpu_cores") is not None and (not isinstance(data["cpu_cores"], int) or data["cpu_cores"] < 1):
             problems.append(f"`cpu_cores={data['cpu_cores']!r}` must be an int >= 1, or null.")
         _positive(problems, "cpu_step_s_per_gparam", data.get("cpu_step_s_per_gparam", 0.0), zero=True)
+        costs = data.get("update_cost_by_precision", {})
+        if not isinstance(costs, dict) or any(k not in FORMATS for k in costs):
+            problems.append(
+                f"`update_cost_by_precision={costs!r}` must map state precisions ({', '.join(FORMATS)}) to numbers."
+            )
+        else:
+            for key, value in costs.items():
+                _positive(problems, f"update_cost_by_precision[{key!r}]", value)
         if data.get("transfer_bytes", 2) not in (2, 4):
             problems.append(f"`transfer_bytes={data['transfer_bytes']!r}` must be 2 (bf16/fp16) or 4 (fp32).")
         if problems:
@@ -239,6 +251,7 @@ class Machine:
             gradient_staged_on_ssd=False,
             transfer_bytes=self.transfer_bytes,
             device_update_gparams_per_s=self.device_update_gparams_per_s,
+            update_cost_by_precision=dict(self.update_cost_by_precision),
             max_devices=len(paths),
             # A device streams 1M-element chunks whatever the sub-group; its pool and staging are host memory.
             device_memory_gb=self.host_memory_gb,

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_smartinf.core.io.storage import free_bytes
+from lightning_smartinf.core.state_formats import FORMATS
 from lightning_smartinf.plan.cost_model import (
     FP32_GRAD_BYTES,
     FP32_STATE_BYTES,
@@ -50,6 +51,8 @@ from lightning_smartinf.plan.planner import (
     ENOUGH,
     PARAMETERS_ON_STORAGE,
     choose_sub_group,
+    precision_lines,
+    precisions_json,
     python_code,
     size_text,
     workload_text,
@@ -134,6 +137,8 @@ class MachinePlan:
     reasons: dict[str, str]
     checkpoint_dir: str
     keep_checkpoints: int
+    #: Each ``state_precision``'s state bytes and step seconds on the same paths, the rest planned alike.
+    precisions: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def total_s(self) -> float:
@@ -146,7 +151,7 @@ class MachinePlan:
     @property
     def checkpoint_bytes(self) -> float:
         """One checkpoint: the whole state (and the error-feedback residual with compression)."""
-        per_param = FP32_STATE_BYTES + (FP32_GRAD_BYTES if self.compression is not None else 0)
+        per_param = self.work.state_bytes + (FP32_GRAD_BYTES if self.compression is not None else 0)
         return per_param * self.work.params
 
     def strategy_args(self) -> dict[str, Any]:
@@ -170,6 +175,8 @@ class MachinePlan:
         if self.compression is not None:
             args["compression"] = self.compression
         args["overlap_backward"] = self.overlap_backward
+        if self.work.state_precision != "fp32":
+            args["state_precision"] = self.work.state_precision
         return args
 
 
@@ -232,7 +239,12 @@ def plan_machine(
             else (" (a second path on a disk adds no bandwidth)" if len(order) > disks else "")
         )
     )
-    return replace(chosen, reasons={**chosen.reasons, "storage_paths": reason})
+    precisions = {
+        name: (plan.work.state_bytes * work.params, plan.total_s)
+        for name in FORMATS
+        for plan in [_plan_paths(replace(work, state_precision=name), machine, chosen.paths, **asked)]
+    }
+    return replace(chosen, reasons={**chosen.reasons, "storage_paths": reason}, precisions=precisions)
 
 
 @dataclass(frozen=True)
@@ -305,7 +317,7 @@ def _place_model(
         if gradient_buffer == "accelerator":
             on_gpu[gradients] = summed + residual
         if accelerator:
-            on_gpu["optimizer state (state_accelerator_budget)"] = min(accelerator, FP32_STATE_BYTES * work.params)
+            on_gpu["optimizer state (state_accelerator_budget)"] = min(accelerator, work.state_bytes * work.params)
         on_gpu["left for forward and backward"] = gpu_bytes - sum(on_gpu.values())
     if offload is True or (offload is False and not gpu):
         host["16-bit parameters"] = p16
@@ -374,7 +386,7 @@ def _plan_paths(
     keep_checkpoints: int,
 ) -> MachinePlan:
     prof, n = machine.to_profile(paths), len(paths)
-    state = FP32_STATE_BYTES * work.params
+    state = work.state_bytes * work.params
     residual = FP32_GRAD_BYTES * work.params if compression is not None else 0
     model = _place_model(work, machine, n, compression, params_on_storage, accelerator_budget)
     whole = state - min(accelerator_budget, state)
@@ -552,6 +564,7 @@ def format_machine_plan(plan: MachinePlan, python_header: str, yaml_header: str)
             if not m.gpu and not m.cpu_step_s_per_gparam
             else []
         ),
+        *precision_lines(plan.precisions, w.state_precision, "this plan"),
         "",
         "recommendation:",
         f"  storage_paths: {', '.join(m.storage[i].path for i in plan.paths)}: {plan.reasons['storage_paths']}",
@@ -588,11 +601,13 @@ def format_machine_plan(plan: MachinePlan, python_header: str, yaml_header: str)
 
 
 def _disk_table(plan: MachinePlan) -> list[str]:
-    per = "fp32 master, exp_avg, exp_avg_sq" + (", x2 with overlap_backward" if plan.overlap_backward else "")
+    precision = plan.work.state_precision
+    moments = "exp_avg, exp_avg_sq" + (f" in {precision}" if precision != "fp32" else "")
+    per = f"fp32 master, {moments}" + (", x2 with overlap_backward" if plan.overlap_backward else "")
     width = max(12, *(len(s.path) for s in plan.space))
     lines = [
         "",
-        f"disk (GB; state: {FP32_STATE_BYTES} B/param, {per}):",
+        f"disk (GB; state: {plan.work.state_bytes:.3g} B/param, {per}):",
         f"  {'path':<{width}}{'planned':>9}{'at most':>9}{'params':>8}{'ckpts':>8}{'needed':>9}{'free':>9}",
     ]
     for s in plan.space:
@@ -648,5 +663,6 @@ def machine_json(plan: MachinePlan) -> dict[str, Any]:
         "disk": [{**s.__dict__, "needed_bytes": s.needed_bytes, "fits": s.fits} for s in plan.space],
         "fits": plan.fits,
         "reasons": plan.reasons,
+        "state_precision": precisions_json(plan.precisions),
         "strategy": plan.strategy_args(),
     }

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from lightning_smartinf.core.state_formats import FORMATS
 from lightning_smartinf.plan.cost_model import (
     Breakdown,
     PlanError,
@@ -54,6 +55,8 @@ class Plan:
     accelerator_budget: int | None = None
     device_weights: tuple[float, ...] | None = None
     placement: TierPlacement | None = None
+    #: Each ``state_precision``'s state bytes and the recommended SmartUpdate method's step seconds.
+    precisions: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def baseline(self) -> Breakdown:
@@ -65,6 +68,13 @@ def _best_method(work: Workload, prof: Profile, n: int, compression: float, sub_
         iteration("su_o", work, prof, n, sub_group_size=sub_group).total,
         iteration("su_o_c", work, prof, n, compression=compression, sub_group_size=sub_group).total,
     )
+
+
+def held_formats(prof: Profile) -> tuple[str, ...]:
+    """The ``state_precision`` values the profile's devices hold: SmartSSDs (the gradient staged on their SSD, the
+    ``xrt`` backend) fp32 only; host cores (``cpu`` backend, remote servers) every format."""
+    smartssd = prof.gradient_staged_on_ssd and prof.network_gbps is None
+    return ("fp32",) if smartssd else FORMATS
 
 
 def choose_sub_group(work: Workload, prof: Profile, devices: int, *, largest: int | None = None) -> int:
@@ -97,6 +107,13 @@ def make_plan(
     ratio = 0.01 if compression is None else compression
     if not 0 < ratio <= 1:
         raise PlanError(f"`--compression {ratio}` must be in (0, 1]: the fraction of gradient elements kept.")
+    formats = held_formats(prof)
+    if work.state_precision not in formats:
+        raise PlanError(
+            f"`--state-precision {work.state_precision}`: profile {prof.name!r} models SmartSSDs (the `xrt` "
+            "backend), whose kernels hold fp32 state only. Leave --state-precision at fp32, or plan the `cpu` "
+            "backend with a machine profile (`smartinf plan --calibrate PATH ...`)."
+        )
     top = max(prof.max_devices, devices or 1)
     times = {n: _best_method(work, prof, n, ratio, choose_sub_group(work, prof, n)) for n in range(1, top + 1)}
     best = min(times.values())
@@ -110,6 +127,17 @@ def make_plan(
         for m in ("zero_infinity", "su", "su_o", "su_o_c")
     }
     gain = breakdowns["su_o"].total / breakdowns["su_o_c"].total
+    method = "su_o_c" if compression is not None or gain >= COMPRESSION_WORTH else "su_o"
+    precisions = {
+        name: (alike.state_bytes * work.params, step.total)
+        for name in formats
+        for alike in [replace(work, state_precision=name)]
+        for step in [
+            iteration(
+                method, alike, prof, n, compression=ratio, sub_group_size=sub_group, params_on_storage=params_on_storage
+            )
+        ]
+    }
     return Plan(
         work=work,
         profile=prof,
@@ -120,9 +148,10 @@ def make_plan(
         baseline_saturation_devices=saturation,
         sub_group_size=sub_group,
         buffer_count=16,
-        recommend_compression=compression is not None or gain >= COMPRESSION_WORTH,
+        recommend_compression=method == "su_o_c",
         compression_gain=gain,
         params_on_storage=params_on_storage,
+        precisions=precisions,
     )
 
 
@@ -159,6 +188,8 @@ def format_plan(plan: Plan) -> str:
         f"tokens per second (at most {w.step_tokens:,} a step): "
         + ", ".join(f"{SHORT_LABELS[m]} {w.step_tokens / b.total:,.0f}" for m, b in plan.breakdowns.items())
     )
+    method = SHORT_LABELS["su_o_c" if plan.recommend_compression else "su_o"]
+    lines += precision_lines(plan.precisions, w.state_precision, f"{method} step")
     if plan.baseline.gpu_link_bytes:
         b = plan.breakdowns
         dense, compressed = b["su_o"].gpu_gradient_bytes, b["su_o_c"].gpu_gradient_bytes
@@ -233,7 +264,30 @@ def strategy_args(plan: Plan) -> dict[str, Any]:
         args["compression"] = plan.compression
         # The strategy starts updates during backward only for dense gradients; say so instead of ignoring it.
         args["overlap_backward"] = False
+    if plan.work.state_precision != "fp32":
+        args["state_precision"] = plan.work.state_precision
     return args
+
+
+def precisions_json(precisions: dict[str, tuple[float, float]]) -> dict[str, dict[str, float]]:
+    """Each ``state_precision``'s state bytes and step seconds, as ``smartinf plan --json`` writes them."""
+    return {name: {"state_bytes": nbytes, "step_s": seconds} for name, (nbytes, seconds) in precisions.items()}
+
+
+def precision_lines(precisions: dict[str, tuple[float, float]], chosen: str, step: str) -> list[str]:
+    """The table of each ``state_precision``: the optimizer state's size and the step it gives, ``chosen`` marked
+    (nothing when ``precisions`` is empty)."""
+    if len(precisions) < 2:
+        return []
+    fp32_s = precisions["fp32"][1]
+    lines = ["", f"state_precision (Adam's moments on the devices; the master weights stay fp32; {step}):"]
+    for name, (nbytes, seconds) in precisions.items():
+        mark = "  <- this plan" if name == chosen else ""
+        lines.append(
+            f"  {name:<6}{nbytes / 1e9:>9.1f} GB of state{seconds:>10.2f} s{fp32_s / seconds:>8.2f}x fp32's{mark}"
+        )
+    lines.append("  (their training quality against fp32's: docs/benchmarks.md; plan with one: --state-precision)")
+    return lines
 
 
 #: What each strategy argument of a snippet does, written above it (a planner adds or replaces what depends on its
@@ -243,6 +297,7 @@ ARGUMENT_COMMENTS = {
     "buffer_count": "chunk buffers per device",
     "state_memory_budget": "host RAM for fp32 master and optimizer state (the memory tier)",
     "state_accelerator_budget": "GPU memory for optimizer state (the accelerator tier), filled first",
+    "state_precision": "Adam's moments in fewer bytes on the devices (the master weights stay fp32)",
 }
 #: ``offload_parameters="storage"``'s comment.
 PARAMETERS_ON_STORAGE = "16-bit parameters in files on the first storage path, read a layer ahead"

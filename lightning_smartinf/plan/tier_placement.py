@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_smartinf.core.placement import memory_share
-from lightning_smartinf.plan.cost_model import FP32_STATE_BYTES, GB, PlanError, Profile, Workload, fwd_bwd_time
+from lightning_smartinf.plan.cost_model import GB, PlanError, Profile, Workload, fwd_bwd_time
 
 __all__ = ["TierPlacement", "memory_share", "place_state"]
 
@@ -97,18 +97,20 @@ def place_state(
     weights = tuple(weights) if weights is not None else (1.0,) * devices
     if len(weights) != devices or any(w <= 0 for w in weights):
         raise PlanError(f"`--device-weights` needs {devices} positive numbers (one per device), got {list(weights)}.")
-    total = FP32_STATE_BYTES * work.params
+    per_param = work.state_bytes
+    total = per_param * work.params
     accelerator = min(accelerator_budget, total)
-    # The GPU link carries the 16-bit gradient in and parameter out: 2 * transfer_bytes per 12 B of state.
-    accelerator_rate = (prof.gpu_link_gbps or 0) * GB * FP32_STATE_BYTES / (2 * prof.transfer_bytes)
+    # The GPU link carries the 16-bit gradient in and parameter out: 2 * transfer_bytes per parameter's state.
+    accelerator_rate = (prof.gpu_link_gbps or 0) * GB * per_param / (2 * prof.transfer_bytes)
     state = total - accelerator
     ceiling = math.inf if prof.device_storage_ceiling_gbps is None else prof.device_storage_ceiling_gbps * GB / devices
     read, write = min(prof.ssd_read_gbps * GB, ceiling), min(prof.ssd_write_gbps * GB, ceiling)
-    update = prof.device_update_gparams_per_s * 1e9 * FP32_STATE_BYTES
+    cost = prof.update_cost(work.state_precision)
+    update = prof.device_update_gparams_per_s * 1e9 / cost * per_param
     # State bytes per second each device updates: its I/O at its weight's share of the nominal speed.
     unit = 1 / max(1 / read + 1 / write, 1 / update)
     rates = [unit * w / max(weights) for w in weights]
-    memory_rate = prof.host_update_gparams_per_s * 1e9 * FP32_STATE_BYTES
+    memory_rate = prof.host_update_gparams_per_s * 1e9 / cost * per_param
     emulated = not prof.gradient_staged_on_ssd and prof.network_gbps is None
     # Emulated devices beside a GPU update during the step's last backward (2 of 3 parts of forward + backward).
     with_gpu = emulated and prof.gpu_peak_tflops is not None
