@@ -25,14 +25,17 @@ Formats (``state_precision``):
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import numpy
 import torch
 from torch import Tensor
 
+from lightning_smartinf.core.native import int8_kernels
 from lightning_smartinf.core.rules import StepParams, UpdateRule
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "NON_NEGATIVE",
     "StateFormat",
     "check_format_for_rule",
+    "reference_format",
     "state_format",
     "update_chunk",
 ]
@@ -118,9 +122,19 @@ class Bf16(StateFormat):
 
 class Int8(StateFormat):
     """The codes of whole blocks first (one byte per element; zero past the last element), then one fp32 scale per
-    block of :data:`BLOCK` elements."""
+    block of :data:`BLOCK` elements.
+
+    ``native``: convert with the C kernels of :mod:`lightning_smartinf.core.native` where they build (one pass over
+    memory, the same bytes); ``False``: the plain-torch reference, always.
+    """
 
     name = "int8"
+
+    def __init__(self, native: bool = True) -> None:
+        self.native = native
+
+    def _kernels(self) -> ctypes.CDLL | None:
+        return int8_kernels() if self.native else None
 
     def stored_bytes(self, numel: int) -> int:
         return _blocks(numel) * (BLOCK + 4)
@@ -129,11 +143,27 @@ class Int8(StateFormat):
         return nbytes // (BLOCK + 4) * BLOCK
 
     def store(self, values: Tensor, out: Tensor, state: str, *, consume: bool = False) -> None:
+        kernels = self._kernels()
+        if kernels is not None and values.is_contiguous() and out.is_contiguous():
+            n = values.numel()
+            codes = out.data_ptr()
+            scales = codes + _blocks(n) * BLOCK
+            kernels.smartinf_int8_store(
+                _pointer(values.data_ptr(), ctypes.c_float),
+                n,
+                int(state in NON_NEGATIVE),
+                _pointer(codes, ctypes.c_uint8),
+                _pointer(scales, ctypes.c_float),
+            )
+            return
         n, blocks = values.numel(), _blocks(values.numel())
         work = values if consume and n == blocks * BLOCK else _scratch(blocks * BLOCK, "store")
         work[n:].zero_()
         if state in NON_NEGATIVE:
-            torch.sqrt(values, out=work[:n])
+            # IEEE 754's square root, correctly rounded, as numpy and C's sqrtf give it: torch's vectorised CPU
+            # kernel is an approximation (one in six results differs in the last bit), which no other device
+            # could reproduce.
+            numpy.sqrt(values.numpy(), out=work[:n].numpy())
         elif work is not values:
             work[:n].copy_(values)
         rows = work.view(blocks, BLOCK)
@@ -144,6 +174,19 @@ class Int8(StateFormat):
         out[blocks * BLOCK :].view(torch.float32).copy_(scale)
 
     def load(self, raw: Tensor, out: Tensor, state: str) -> None:
+        kernels = self._kernels()
+        if kernels is not None and raw.is_contiguous() and out.is_contiguous():
+            n = out.numel()
+            codes = raw.data_ptr()
+            kernels.smartinf_int8_load(
+                _pointer(codes, ctypes.c_uint8),
+                _pointer(codes + _blocks(n) * BLOCK, ctypes.c_float),
+                n,
+                int(state in NON_NEGATIVE),
+                _pointer(_E4M3_VALUES.data_ptr(), ctypes.c_float),
+                _pointer(out.data_ptr(), ctypes.c_float),
+            )
+            return
         n, blocks = out.numel(), _blocks(out.numel())
         scale = raw[blocks * BLOCK :].view(torch.float32)
         values = out if n == blocks * BLOCK else _scratch(blocks * BLOCK, "load")
@@ -164,11 +207,16 @@ FORMATS = tuple(_FORMATS)
 
 
 def state_format(name: str) -> StateFormat:
-    """The format called ``name`` (one of :data:`FORMATS`)."""
+    """The format called ``name`` (one of :data:`FORMATS`), as the devices run it."""
     try:
         return _FORMATS[name]
     except KeyError:
         raise ValueError(f"`state_precision={name!r}` is not a state format; choose one of {FORMATS}.") from None
+
+
+def reference_format(name: str) -> StateFormat:
+    """The plain-torch reference of format ``name``: the bytes every device must give."""
+    return Int8(native=False) if state_format(name).name == "int8" else state_format(name)
 
 
 def check_format_for_rule(name: str, rule: UpdateRule) -> None:
@@ -198,6 +246,10 @@ def update_chunk(
 
 def _blocks(numel: int) -> int:
     return -(-numel // BLOCK)
+
+
+def _pointer(address: int, ctype: type) -> Any:
+    return ctypes.cast(address, ctypes.POINTER(ctype))
 
 
 _local = threading.local()

@@ -15,7 +15,7 @@ from lightning_smartinf.core.build import tiers_over
 from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.format.state_files import MANIFEST, read_manifest, shard_file_name
 from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdam, StepParams, UpdateRule
-from lightning_smartinf.core.state_formats import state_format, update_chunk
+from lightning_smartinf.core.state_formats import reference_format, state_format, update_chunk
 from lightning_smartinf.devices.cpu import CpuBackend
 from lightning_smartinf.devices.remote.client import RemoteBackend
 from lightning_smartinf.devices.remote.tokens import read_token
@@ -65,7 +65,8 @@ class Reference:
             if spec.state_format == "fp32":  # the states as fp32 views: the rule itself
                 spec.rule.apply(record[:n], g, states, hp)
             else:
-                update_chunk(spec.rule, layout.format, record[:n], g, states, hp)
+                # The plain-torch reference, whatever kernels the devices convert with.
+                update_chunk(spec.rule, reference_format(spec.state_format), record[:n], g, states, hp)
 
     def file_bytes(self, index: int) -> bytes:
         layout = self.layouts[index]

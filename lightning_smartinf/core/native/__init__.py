@@ -1,0 +1,124 @@
+"""Kernels in C for host cores, built with the system's C compiler on first use and loaded with :mod:`ctypes`.
+
+Each kernel gives the bytes of its plain-torch reference bit for bit (its tests compare them); it exists because the
+reference takes several passes over memory where one does. Without a C compiler the reference runs instead (the
+same bytes, slower), and :func:`int8_kernels` says why once.
+
+A library is built once per machine into :func:`kernels_dir` (``$SMARTINF_KERNELS_DIR``, by default
+``$XDG_CACHE_HOME/lightning_smartinf/kernels``), named by a hash of its source, the compiler and its flags; a build
+is written beside its final name and renamed into place, so processes building at once never load half a file.
+The C functions take raw pointers; ctypes releases the GIL around each call, so device workers run them at once.
+
+``set-up`` (``scripts/setup.sh``) builds them; ``python -m lightning_smartinf.core.native`` builds them and prints
+where.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from importlib import resources
+from pathlib import Path
+
+from lightning_smartinf.core.io.leftovers import remove_entry, temporary_path
+
+__all__ = ["KernelBuildError", "build", "int8_kernels", "kernels_dir"]
+
+log = logging.getLogger(__name__)
+
+#: Flags of every build: fast, for this machine's CPU (its vector units; the library's name changes with the CPU's
+#: features, so a home directory shared by other machines never loads another's), position-independent, and no
+#: contraction of a multiplication and an addition into one rounding (the references round each operation).
+CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-std=c99")
+
+
+class KernelBuildError(RuntimeError):
+    """A kernel library could not be built (no compiler, or the compiler failed)."""
+
+
+def kernels_dir() -> Path:
+    """Where the kernel libraries are built: ``$SMARTINF_KERNELS_DIR``, else
+    ``$XDG_CACHE_HOME/lightning_smartinf/kernels`` (by default under ``~/.cache``)."""
+    if os.environ.get("SMARTINF_KERNELS_DIR"):
+        return Path(os.environ["SMARTINF_KERNELS_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning_smartinf" / "kernels"
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    raise KernelBuildError("no C compiler on PATH (cc, gcc or clang; or set CC): `apt-get install gcc`")
+
+
+def _cpu_features() -> bytes:
+    """What ``-march=native`` builds for: the CPU's feature flags (Linux), else its name."""
+    try:
+        with open("/proc/cpuinfo", "rb") as info:
+            for line in info:
+                if line.startswith((b"flags", b"Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor().encode()
+
+
+def build(name: str) -> Path:
+    """The library of kernel ``name`` (``<name>.c`` in this package), built if this machine has not built it yet."""
+    source = resources.files(__package__).joinpath(f"{name}.c").read_bytes()
+    compiler = _compiler()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelBuildError(f"`{compiler} --version` failed: {exc}") from exc
+    identity = [source, version, " ".join(CFLAGS).encode(), platform.machine().encode(), _cpu_features()]
+    key = hashlib.sha256(b"\0".join(identity))
+    library = kernels_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+    if library.is_file():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    staged = temporary_path(library)
+    source_file = temporary_path(library.with_suffix(".c"))
+    try:
+        source_file.write_bytes(source)
+        compiled = subprocess.run(
+            [compiler, *CFLAGS, "-x", "c", str(source_file), "-o", str(staged), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        if compiled.returncode != 0:
+            raise KernelBuildError(f"`{compiler}` failed to build {name}.c:\n{compiled.stderr[-4000:]}")
+        os.replace(staged, library)  # whole, or not there: a process building at once replaces it with the same
+    finally:
+        remove_entry(source_file, missing_ok=True)
+        remove_entry(staged, missing_ok=True)
+    return library
+
+
+@functools.cache
+def int8_kernels() -> ctypes.CDLL | None:
+    """The ``"int8"`` state format's conversions (``int8_state.c``), or ``None`` (said once) where they cannot be
+    built: the plain-torch reference then runs."""
+    try:
+        library = ctypes.CDLL(str(build("int8_state")))
+    except (KernelBuildError, OSError) as exc:
+        log.warning(
+            "The int8 optimizer state is converted by its slower plain-torch reference (the same bytes): its C "
+            "kernels did not build here (%s).",
+            exc,
+        )
+        return None
+    f32, u8, i64 = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint8), ctypes.c_int64
+    library.smartinf_int8_store.argtypes = [f32, i64, ctypes.c_int, u8, f32]
+    library.smartinf_int8_store.restype = None
+    library.smartinf_int8_load.argtypes = [u8, f32, i64, ctypes.c_int, f32, f32]
+    library.smartinf_int8_load.restype = None
+    return library

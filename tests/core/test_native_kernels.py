@@ -1,0 +1,152 @@
+"""The C kernels of the ``"int8"`` state format give the plain-torch reference's bytes, bit for bit; they build on a
+fresh machine (set-up installs a compiler), and where they cannot, the reference runs with one warning."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO_ROOT
+
+from lightning_smartinf.core.native import build, int8_kernels, kernels_dir
+from lightning_smartinf.core.state_formats import BLOCK, E4M3_MAX, NON_NEGATIVE, reference_format, state_format
+
+#: Every float8_e4m3fn code's value, non-negative and finite (0x7F is NaN).
+_CODES = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def test_the_kernels_build_here_and_the_devices_use_them():
+    """A fresh CI machine has a compiler: the devices convert with the kernels, not the slower reference."""
+    assert int8_kernels() is not None
+    assert state_format("int8").native and not reference_format("int8").native
+    assert build("int8_state").parent == kernels_dir()
+
+
+def _both(values: torch.Tensor, state: str) -> tuple[torch.Tensor, torch.Tensor]:
+    fast, ref = state_format("int8"), reference_format("int8")
+    a = torch.full((fast.stored_bytes(values.numel()),), 0xAB, dtype=torch.uint8)
+    b = a.clone()
+    fast.store(values, a, state)
+    ref.store(values.clone(), b, state, consume=True)
+    return a, b
+
+
+def _loaded(raw: torch.Tensor, n: int, state: str, native: bool) -> torch.Tensor:
+    fmt = state_format("int8") if native else reference_format("int8")
+    out = torch.full((n,), float("nan"))
+    fmt.load(raw, out, state)
+    return out
+
+
+def _edges() -> torch.Tensor:
+    """Every code's value, the midpoints between neighbouring codes (where rounding ties go to the even code) and
+    the floats one step either side of each, with both signs: the values a block whose largest element is 448 (scale
+    1) codes as they are."""
+    ups, downs = torch.nextafter(_CODES, torch.tensor(1e9)), torch.nextafter(_CODES, torch.tensor(-1.0))
+    mids = (_CODES[:-1].double() + _CODES[1:].double()).div(2).float()  # exact: one more bit than a code
+    mid_ups, mid_downs = torch.nextafter(mids, torch.tensor(1e9)), torch.nextafter(mids, torch.tensor(-1.0))
+    above = torch.tensor([448.0, 450.0, 463.9, float(torch.nextafter(torch.tensor(464.0), torch.tensor(0.0)))])
+    values = torch.cat([_CODES, ups, downs.clamp(min=0), mids, mid_ups, mid_downs, above]).clamp(max=463.9)
+    return torch.cat([values, -values])
+
+
+@pytest.mark.parametrize("state", ["exp_avg", "exp_avg_sq"])
+def test_every_rounding_edge_codes_as_torch_does(state):
+    """Each value in a block of its own whose largest element is 448: its code is E4M3's round-to-nearest-even code
+    of the value (of its square root for a state that is never negative), as the reference gives it."""
+    values = _edges()
+    if state in NON_NEGATIVE:
+        values = values.abs().square()  # stored as their square roots: the same codes after rounding
+    blocks = torch.zeros(values.numel(), BLOCK)
+    blocks[:, 0] = E4M3_MAX**2 if state in NON_NEGATIVE else E4M3_MAX
+    blocks[:, 1] = values
+    a, b = _both(blocks.flatten(), state)
+    assert torch.equal(a, b)
+    if state not in NON_NEGATIVE:  # the scale is 1: the codes are torch's float8 conversion of the values
+        codes = a[: values.numel() * BLOCK].view(-1, BLOCK)[:, 1]
+        assert torch.equal(codes, values.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def _moments(n: int, seed: int, non_negative: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 6)  # 1e-15 .. 1e15
+    x[torch.rand(n, generator=g) < 0.05] = 0.0
+    x[torch.rand(n, generator=g) < 0.01] = -0.0
+    if non_negative:
+        x = x.abs()
+    x[-BLOCK:] = 0.0  # an all-zero block: scale 0
+    return x
+
+
+@pytest.mark.parametrize("n", [1 << 20, 1000 * BLOCK + 17, BLOCK, 1])
+@pytest.mark.parametrize("state", ["exp_avg", "exp_avg_sq", "momentum_buffer", "sum"])
+def test_store_and_load_match_the_reference_bit_for_bit(n, state):
+    """Moments over thirty orders of magnitude, zeros of both signs, whole and partial blocks: the same bytes, and
+    the same fp32 values read back (the bits compared, so -0.0 and 0.0 differ)."""
+    values = _moments(max(n, BLOCK + 1), n, state in NON_NEGATIVE)[:n]
+    a, b = _both(values, state)
+    assert torch.equal(a, b)
+    native, reference = _loaded(a, n, state, True), _loaded(b, n, state, False)
+    assert torch.equal(native.view(torch.int32), reference.view(torch.int32))
+
+
+def test_the_values_are_only_read_and_non_contiguous_input_takes_the_reference():
+    values = _moments(4 * BLOCK, 3, True)
+    kept = values.clone()
+    a, b = _both(values, "exp_avg_sq")
+    assert torch.equal(values, kept) and torch.equal(a, b)
+    strided = torch.stack([values, values], dim=1)[:, 0]  # not contiguous: the reference's way
+    c = torch.empty_like(a)
+    state_format("int8").store(strided, c, "exp_avg_sq")
+    assert torch.equal(c, a)
+
+
+def _python(script: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **env},
+        timeout=300,
+    )
+
+
+def test_without_a_compiler_the_reference_runs_and_says_so_once(tmp_path):
+    script = (
+        "import torch\n"
+        "from lightning_smartinf.core.state_formats import state_format, reference_format\n"
+        "x = torch.rand(3000)\n"
+        "for _ in range(2):\n"
+        "    a = torch.empty(state_format('int8').stored_bytes(3000), dtype=torch.uint8); b = a.clone()\n"
+        "    state_format('int8').store(x, a, 'exp_avg'); reference_format('int8').store(x, b, 'exp_avg')\n"
+        "    assert torch.equal(a, b)\n"
+        "print('same bytes')\n"
+    )
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    os.symlink(sys.executable, bin_dir / "python")
+    run = _python(script, {"PATH": str(bin_dir), "CC": "", "SMARTINF_KERNELS_DIR": str(tmp_path / "k")})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "same bytes"
+    said = [line for line in run.stderr.splitlines() if "its C kernels did not build here" in line]
+    assert len(said) == 1 and "no C compiler on PATH" in said[0], run.stderr
+    assert not (tmp_path / "k").exists()
+
+
+def test_processes_building_at_once_all_load_one_whole_library(tmp_path):
+    """Two processes on a fresh directory: each builds and renames into place; both load, and only the library is
+    left (no temporaries)."""
+    script = "from lightning_smartinf.core.native import int8_kernels\nassert int8_kernels() is not None\n"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "SMARTINF_KERNELS_DIR": str(tmp_path)}
+    runs = [
+        subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    for run in runs:
+        _, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err
+    assert [p.suffix for p in tmp_path.iterdir()] == [".so"]
