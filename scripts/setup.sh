@@ -4,6 +4,7 @@
 #   - .venv with torch (CPU wheel on machines without nvidia-smi), the package in editable mode, test extras
 #   - pre-built DeepSpeed ops (cpu_adam, async_io, shm comm on CPU) under .venv/torch_extensions so tests skip the JIT compile
 #   - the HLS kernels' C simulation (hls_kernels/build), which the xrt backend's software model runs
+#   - the package's C kernels (lightning_smartinf/core/native) in ~/.cache/lightning_smartinf/kernels
 # Env knobs: SMARTINF_VENV (venv path, default <repo>/.venv), SMARTINF_TORCH_CPU_VERSION (default 2.13.0),
 #            SMARTINF_FORCE_INSTALL=1 (ignore the stamp and reinstall the python packages),
 #            SMARTINF_BUILD_AIO=0 (do not pre-build DeepSpeed's async_io op, the slowest one).
@@ -177,5 +178,10 @@ if command -v make >/dev/null 2>&1 && command -v g++ >/dev/null 2>&1; then
     "$PY" -c "from lightning_smartinf.devices.xrt import build_csim_library; print('[setup] HLS C simulation:', build_csim_library())" \
         || log "NOTE: the HLS C simulation did not build; the xrt backend's tests will fail"
 fi
+
+# --- 6. the package's C kernels (the int8 optimizer state's conversions) -----------------------------------
+# Built on first use otherwise; here once, so that the first training step does not wait for the compiler.
+"$PY" -c "from lightning_smartinf.core.native import build; print('[setup] C kernels:', build('int8_state'))" \
+    || log "NOTE: the C kernels did not build (no C compiler?); the int8 state converts with its slower reference"
 
 log "done in $((SECONDS - t0)) s"
