@@ -2,9 +2,10 @@
 
 Two measurements, side by side for ``fp32``, ``bf16`` and ``int8``:
 
-1. The update of one chunk (``--chunk`` elements of AdamW state) through the format's reference, the code the
-   ``cpu`` devices run, on one thread: milliseconds per chunk and elements per second, best of ``--rounds``
-   alternating rounds. Where it is slower than the disk delivers the state, the update, not the disk, sets the step.
+1. The update of one chunk (``--chunk`` elements of AdamW state) through each format as the ``cpu`` devices run it
+   (int8 with its C kernels, and with its plain-torch reference beside them), on one thread: milliseconds per chunk
+   and elements per second, best of ``--rounds`` alternating rounds. Where it is slower than the disk delivers the
+   state, the update, not the disk, sets the step.
 2. A short fit of a small GPT (``--steps`` steps, prefetch off, updates after backward) on one storage path: the
    storage bytes read and written per parameter per step, from the backend's exact counters.
 
@@ -40,7 +41,11 @@ def cpu_model() -> str:
 
 def update_rates(chunk: int, rounds: int, repeats: int) -> dict[str, dict[str, float]]:
     from lightning_smartinf.core.rules import Adam, StepParams
-    from lightning_smartinf.core.state_formats import state_format, update_chunk
+    from lightning_smartinf.core.state_formats import reference_format, state_format, update_chunk
+
+    # The devices' formats, and int8's plain-torch reference beside its C kernels (the same bytes).
+    formats = {name: state_format(name) for name in FORMATS[1:]}
+    formats["int8-reference"] = reference_format("int8")
 
     torch.set_num_threads(1)
     rule, hp = Adam(decoupled_weight_decay=True), StepParams(step=5, lr=1e-3, weight_decay=0.01)
@@ -48,21 +53,20 @@ def update_rates(chunk: int, rounds: int, repeats: int) -> dict[str, dict[str, f
     master, grad = torch.randn(chunk, generator=gen), torch.randn(chunk, generator=gen)
     fp32_states = [torch.randn(chunk, generator=gen) * 1e-3, torch.rand(chunk, generator=gen) * 1e-6]
     stored = {}
-    for name in FORMATS[1:]:
-        fmt = state_format(name)
+    for name, fmt in formats.items():
         stored[name] = [torch.empty(fmt.stored_bytes(chunk), dtype=torch.uint8) for _ in fp32_states]
         for state, raw, value in zip(rule.state_names, stored[name], fp32_states):
             fmt.store(value, raw, state)
-    best = dict.fromkeys(FORMATS, float("inf"))
+    best = dict.fromkeys(["fp32", *formats], float("inf"))
     for _ in range(rounds):  # alternating: each round runs every format once
-        for name in FORMATS:
+        for name in best:
             start = time.perf_counter()
             for _ in range(repeats):
                 g = grad.clone()
                 if name == "fp32":
                     rule.apply(master, g, fp32_states, hp)
                 else:
-                    update_chunk(rule, state_format(name), master, g, stored[name], hp)
+                    update_chunk(rule, formats[name], master, g, stored[name], hp)
             best[name] = min(best[name], (time.perf_counter() - start) / repeats)
     return {name: {"ms_per_chunk": s * 1e3, "elements_per_s": chunk / s} for name, s in best.items()}
 
@@ -134,6 +138,11 @@ def main(argv: list[str] | None = None) -> None:
             f"written per step ({traffic['read_per_param_step'] / fp32_bytes:.3f}x fp32's), "
             f"{traffic['on_disk_per_param']:.3f} B/param on disk"
         )
+    reference = record["update"]["int8-reference"]
+    print(
+        f"int8 with its plain-torch reference instead of the C kernels: {reference['ms_per_chunk']:.1f} ms per chunk "
+        f"({reference['elements_per_s'] / 1e6:.0f} M elements/s)"
+    )
     if args.out is not None:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
 
