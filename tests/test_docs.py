@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO_ROOT
+from helpers.hf_hub import cache_model, offline_cache
 from helpers.launch import worker_env
 
 README = REPO_ROOT / "README.md"
@@ -64,9 +65,10 @@ def tiny_llama(out: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_the_readme_python_snippets_run(tmp_path):
+def test_the_readme_python_snippets_run(tmp_path, monkeypatch):
     """Every Python snippet of the README runs, each in a fresh process and directory; the fine-tuning snippet on a
-    tiny Llama from the README's own `from_pretrained` path, then the README's export command on its checkpoint."""
+    tiny Llama under the README's own Hub id (in an offline Hub cache), then the README's export command on its
+    checkpoint."""
     snippets = blocks(README, ("python",))
     quick = [s for s in snippets if "class Regression" in s]
     finetune = [s for s in snippets if "class MyLM" in s]
@@ -76,12 +78,12 @@ def test_the_readme_python_snippets_run(tmp_path):
     run_python(substitute(quick[0], {"max_steps=100": "max_steps=3"}), tmp_path / "quick")
 
     model_dir = tiny_llama(tmp_path / "models")
+    cache_model(offline_cache(tmp_path / "hub-cache", monkeypatch), "meta-llama/Llama-3.1-8B", model_dir)
     work = tmp_path / "finetune"
     work.mkdir()
     code = substitute(
         finetune[0],
         {
-            '"/models/Llama-3.1-8B"': repr(str(model_dir)),
             '["/mnt/nvme0/state", "/mnt/nvme1/state"]': '["state0", "state1"]',
             'state_memory_budget="64GiB"': 'state_memory_budget="16KiB"',
             "max_steps=1000": "max_steps=2",
@@ -98,7 +100,7 @@ def test_the_readme_python_snippets_run(tmp_path):
         if "--save-pretrained out/my-lm" in line
     ]
     assert len(export) == 1
-    command = substitute(export[0], {"step=1000": "step=2", "/models/Llama-3.1-8B": str(model_dir)})
+    command = substitute(export[0], {"step=1000": "step=2"})
     argv = shlex.split(command)
     assert argv[0] == "smartinf"
     done = subprocess.run(

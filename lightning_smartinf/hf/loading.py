@@ -28,8 +28,8 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_smartinf.hf.data import resolve_path
 from lightning_smartinf.hf.pretrained import auto_class as find_auto_class
+from lightning_smartinf.hf.sources import model_files
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -43,13 +43,21 @@ WEIGHT_FILES = (
 )
 
 
-def check_model_dir(path: str | os.PathLike, argument: str = "model_path") -> Path:
-    """``path`` as a local Hugging Face model directory with a config and weights, or a clear error."""
-    directory = resolve_path(path, argument)
+def check_model_dir(
+    path: str | os.PathLike,
+    argument: str = "model_path",
+    *,
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> Path:
+    """The local directory of a Hugging Face model with a config and weights: ``path`` itself, or the snapshot of the
+    Hub id ``path`` in the Hub's cache (:mod:`lightning_smartinf.hf.sources`); or a clear error."""
+    directory = model_files(path, argument, revision=revision, token=token)
     if not directory.is_dir():
         raise FileNotFoundError(
-            f"`{argument}={str(path)!r}` is not a directory. Give a local directory written by `save_pretrained` "
-            "(config.json + weights + tokenizer); models are never downloaded from the Hugging Face Hub."
+            f"`{argument}={str(path)!r}` is neither a directory nor a Hugging Face Hub id. Give a local directory "
+            "written by `save_pretrained` (config.json + weights + tokenizer), or a Hub id such as 'gpt2' or "
+            "'meta-llama/Llama-3.1-8B'."
         )
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(
@@ -120,6 +128,8 @@ def from_pretrained(
     *,
     auto_class: str | type = "AutoModelForCausalLM",
     dtype: torch.dtype = torch.float32,
+    revision: str | None = None,
+    token: str | bool | None = None,
     **kwargs: Any,
 ) -> PreTrainedModel:
     """Load the pretrained model in ``model_path`` for ``module``, partitioned while it loads; call it in
@@ -130,7 +140,7 @@ def from_pretrained(
         class MyLM(L.LightningModule):
             def configure_model(self):
                 if self.model is None:
-                    self.model = from_pretrained(self, "/models/llama-3-8b")
+                    self.model = from_pretrained(self, "meta-llama/Llama-3.1-8B")  # or a local directory
 
     Under ``strategy="smart_infinity"`` the weights go from the checkpoint's files into each rank's partitions (and
     into the parameter files with ``offload_parameters="storage"``): the whole model is never in host memory, and
@@ -141,7 +151,10 @@ def from_pretrained(
     Args:
         module: the LightningModule the model is for (its trainer's strategy decides how the model is built).
         model_path: a local directory written by ``save_pretrained`` (config, weights: ``model.safetensors``, or
-            shards with an index). Nothing is downloaded.
+            shards with an index), or a Hugging Face Hub id, resolved as transformers does through the Hub's cache
+            (only the config, tokenizer and weight files are fetched; ``HF_HUB_OFFLINE`` is honoured).
+        revision: with a Hub id: the branch, tag or commit to load (default: the main branch).
+        token: with a Hub id: the Hub token (default: the one ``hf auth login`` saved, or ``HF_TOKEN``).
         auto_class: the transformers class to load with, or its name (``"AutoModelForSequenceClassification"``).
         dtype: the dtype of the parameters built; fp32 (the default) keeps the masters exact, and the strategy's
             precision decides what the forward pass computes in.
@@ -156,7 +169,7 @@ def from_pretrained(
             f"`from_pretrained(module={type(module).__name__})`: `module` must be the LightningModule the model is "
             "for (call `from_pretrained(self, path)` in its `configure_model`)."
         )
-    directory = check_model_dir(model_path)
+    directory = check_model_dir(model_path, revision=revision, token=token)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(
             f"`from_pretrained(dtype={dtype!r})`: `dtype` must be a floating-point torch.dtype "

