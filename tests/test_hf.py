@@ -284,7 +284,7 @@ def test_minilm_sequence_classification_finetune(tmp_path, minilm_dir):
 
 
 def test_model_dir_errors(tmp_path, gpt2_dir):
-    with pytest.raises(FileNotFoundError, match=r"`model_path='.*nope'` is not a directory.*never downloaded"):
+    with pytest.raises(FileNotFoundError, match=r"`model_path='.*nope'` is neither a directory nor a Hugging Face Hub"):
         HFCausalLM(str(tmp_path / "nope"))
     no_weights = tmp_path / "no_weights"
     no_weights.mkdir()

@@ -135,7 +135,7 @@ def test_bad_arguments_are_refused_before_anything_loads(tmp_path):
     module = OwnModule(path)
     with pytest.raises(TypeError, match=r"`module` must be the LightningModule.*configure_model"):
         from_pretrained(torch.nn.Linear(1, 1), path)
-    with pytest.raises(FileNotFoundError, match=r"`model_path='.*nope'` is not a directory"):
+    with pytest.raises(FileNotFoundError, match=r"`model_path='.*nope'` is neither a directory nor a Hugging Face Hub"):
         from_pretrained(module, tmp_path / "nope")
     with pytest.raises(TypeError, match=r"`from_pretrained\(dtype='bf16'\)`.*torch.dtype"):
         from_pretrained(module, path, dtype="bf16")
