@@ -51,6 +51,7 @@ from lightning_smartinf.core.format.rank_state import SavedTensor, load_host_ten
 from lightning_smartinf.core.format.reshard import Reshard, same_layout
 from lightning_smartinf.core.format.state_files import MANIFEST, read_manifest, require_state_files
 from lightning_smartinf.core.host_buffer import HostBuffer
+from lightning_smartinf.core.progress import Progress
 from lightning_smartinf.core.rules import EFAdafactor, StepParams
 from lightning_smartinf.core.settings import SmartUpdateSettings
 from lightning_smartinf.core.torch_optim import rule_for_group, step_params
@@ -223,6 +224,7 @@ class SmartUpdate:
         #: That second moment, on the host; ``None`` when no shard runs ``ef_adafactor``.
         self.moments = FactoredMoments(partitions.layout(), partitions.rank) if self._normalised else None
         backend.open(specs)
+        self._specs = tuple(specs)
 
     # ------------------------------------------------------------------------------------------------- views
 
@@ -300,6 +302,19 @@ class SmartUpdate:
     def initialize(self, sub_group: int, master: Tensor) -> Handle:
         """Write the initial master weights of ``sub_group`` to its device (states start from the rule's values)."""
         return self.backend.initialize(sub_group, master)
+
+    def initialize_all(self, masters: Sequence[tuple[int, Tensor]]) -> None:
+        """Write the initial master weights of each ``(sub_group, master)`` and wait for every write, showing the
+        progress in the state's bytes (announced first: before a large run's first step, this is its wait)."""
+        total = sum(self._specs[i].state_bytes for i, _ in masters)
+        devices = self.backend.num_devices
+        what = f"writing the initial optimizer state on {devices} device{'s' if devices != 1 else ''}"
+        with Progress(what, total, announce=True) as progress:
+            handles = [(i, self.backend.initialize(i, master)) for i, master in masters]
+            for i, handle in handles:
+                self.backend.result(handle)
+                progress.update(self._specs[i].state_bytes)
+            self.backend.wait()
 
     def note_reduced(self, sub_group: int, param: Hashable) -> None:
         """Backward reduced ``param``'s gradient partition into ``sub_group`` (only with overlap in effect)."""

@@ -28,6 +28,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_smartinf.core.progress import Progress
 from lightning_smartinf.hf.pretrained import auto_class as find_auto_class
 from lightning_smartinf.hf.sources import model_files
 
@@ -374,16 +375,19 @@ def _stream_weights(plan: list[TensorFile], targets: Targets) -> None:
     import deepspeed
 
     reads = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    for file in plan:
-        for key in file.entries:
-            if key not in targets:
-                continue
-            target, is_param = targets[key]
-            if not is_param:
-                with torch.no_grad():
-                    target.copy_(file.read(key))
-                continue
-            with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
-                if reads:
+    size = {key: end - begin for file in plan for key, (_, _, begin, end) in file.entries.items() if key in targets}
+    with Progress(f"loading the pretrained weights of {plan[0].path.parent}", sum(size.values())) as progress:
+        for file in plan:
+            for key in file.entries:
+                if key not in targets:
+                    continue
+                target, is_param = targets[key]
+                if not is_param:
                     with torch.no_grad():
-                        target.data.copy_(file.read(key))
+                        target.copy_(file.read(key))
+                else:
+                    with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
+                        if reads:
+                            with torch.no_grad():
+                                target.data.copy_(file.read(key))
+                progress.update(size[key])

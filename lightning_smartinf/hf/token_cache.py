@@ -30,6 +30,7 @@ import numpy as np
 
 from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
 from lightning_smartinf.core.io.storage import disk_full_error, fsync_dir, is_disk_full
+from lightning_smartinf.core.progress import Progress
 
 #: Bump when the layout or the tokenisation of an entry changes: entries of other versions are never read.
 FORMAT_VERSION = 1
@@ -178,7 +179,8 @@ def cached_tokens(
     staging = temporary_path(entry)
     staging.mkdir(mode=0o700)
     try:
-        meta = _write(staging, batches(), dtype, vocab_size)
+        with Progress(f"tokenising {source.name} into the token cache", None, unit="tokens") as progress:
+            meta = _write(staging, batches(), dtype, vocab_size, progress)
         if (source.stat().st_size, source.stat().st_mtime_ns) != (stat.st_size, stat.st_mtime_ns):
             raise RuntimeError(
                 f"{str(source)!r} changed while it was being tokenised; its token cache was not kept. Run again once "
@@ -232,7 +234,9 @@ class _DiskFull(Exception):
         self.written = written
 
 
-def _write(directory: Path, batches: Iterable[Batch], dtype: np.dtype, vocab_size: int) -> dict[str, Any]:
+def _write(
+    directory: Path, batches: Iterable[Batch], dtype: np.dtype, vocab_size: int, progress: Progress
+) -> dict[str, Any]:
     total, examples, top = 0, None, np.iinfo(dtype).max
     attempted = 0
     with open(directory / TOKENS, "wb") as tokens, open(directory / EXAMPLES, "wb") as index:
@@ -255,6 +259,7 @@ def _write(directory: Path, batches: Iterable[Batch], dtype: np.dtype, vocab_siz
                     index.write(rows.astype(np.int64).tobytes())
                     examples = (examples or 0) + len(records)
                 total += int(lengths.sum())
+                progress.update(int(lengths.sum()))
             for f in (tokens, index):
                 f.flush()
                 os.fsync(f.fileno())

@@ -33,6 +33,7 @@ from lightning_smartinf.core.io.storage import (
     fsync_file,
     is_disk_full,
 )
+from lightning_smartinf.core.progress import Progress
 
 #: Room a save counts beyond its tensors' bytes (safetensors headers, config, index).
 HEADROOM = 1 << 20
@@ -170,6 +171,7 @@ def write_weight_files(
         remove_leftovers(out, "weights")  # left by an export that was killed
         stage.mkdir(mode=0o700)
     weight_map: dict[str, str] = {}
+    progress = Progress(f"writing the weights to {out}", total) if write else None
     try:
         for file, names in split.filename_to_tensors.items():
             shard: dict[str, Tensor] = {}
@@ -182,12 +184,16 @@ def write_weight_files(
             if write:
                 _save_file(shard, stage / file, {"format": "pt"})
                 fsync_file(stage / file)
+                assert progress is not None
+                progress.update(sum(sizes[name] for name in names))
             del shard
         if write and split.is_sharded:
             index = {"metadata": {"total_parameters": parameters, **split.metadata}, "weight_map": weight_map}
             (stage / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
             fsync_file(stage / INDEX_NAME)
     except BaseException as exc:
+        if progress is not None:
+            progress.close(failed=True)
         shutil.rmtree(stage, ignore_errors=True)
         if write and is_disk_full(exc):
             raise disk_full_error(
@@ -195,6 +201,8 @@ def write_weight_files(
             ) from None
         raise
     if write:
+        assert progress is not None
+        progress.close()
         _install(stage, out, set(split.filename_to_tensors))
     return WrittenWeights(
         files=list(split.filename_to_tensors),

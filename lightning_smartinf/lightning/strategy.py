@@ -30,7 +30,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_smartinf.core import Backend, TrafficSnapshot, registry
+from lightning_smartinf.core import Backend, TrafficSnapshot, progress, registry
 from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.clocks import PhaseClocks
 from lightning_smartinf.core.compression import TopKCompression, check_ratio
@@ -341,7 +341,10 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
             self._silenced = quiet.silence()
         super().setup_environment()
         if self.lightning_module is not None:
-            add_strategy_callbacks(self.lightning_module.trainer, self._offload_activations)
+            trainer = self.lightning_module.trainer
+            add_strategy_callbacks(trainer, self._offload_activations)
+            # Long operations (the initial state, checkpoints, re-sharding) show bars as the Trainer shows its own.
+            progress.configure(bars=trainer.progress_bar_callback is not None)
 
     @override
     def _format_config(self) -> None:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_smartinf.core.progress import Progress
 from lightning_smartinf.plan.cost_model import PlanError
 from lightning_smartinf.plan.machine import MACHINE_KIND
 
@@ -291,19 +292,31 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
         raise PlanError("\n".join(problems))
     work = [Path(tempfile.mkdtemp(prefix="smartinf-calibrate-", dir=root)) for root in roots]
     probes: list[_Probe] = []
+    # Each path alone, all at once, the update rates (fp32, fused AdamW, each precision), a backend step.
+    measure = Progress("measuring this machine", len(work) + 5, unit="measurements", announce=True)
     try:
         probes = [_Probe(directory, megabytes * MiB) for directory in work]
-        alone = [_alone(probe) for probe in probes]
+        alone = []
+        for probe in probes:
+            alone.append(_alone(probe))
+            measure.update(1)
         together_s = _at_once([stream for probe in probes for stream in probe.streams()])
         together = 2 * megabytes * MiB * len(probes) / together_s / 1e9
+        measure.update(1)
         for probe in probes:
             probe.close()
         probes = []
         update = _update_rate_best(8 << 20)
+        measure.update(1)
         fused = _host_adam_rate(8 << 20)
+        measure.update(1)
         costs = _update_costs()
+        measure.update(1)
         step_s_per_gparam = _backend_step(work, megabytes * MiB // 12)
+        measure.update(1)
+        measure.close()
     finally:
+        measure.close(failed=True)  # after `close()`, nothing more
         for probe in probes:
             probe.close()
         for directory in work:

@@ -181,11 +181,11 @@ class DeviceSwapper:
 
     def initialize_parameters(self, parameters: list[Tensor], src_tensors: list[Tensor]) -> None:
         placeholders = self._optimizer.fp32_partitioned_groups_flat
-        smart_update = self._optimizer.smart_update
-        for placeholder, src in zip(parameters, src_tensors):
-            sub_group = next(i for i, p in enumerate(placeholders) if p is placeholder)
-            smart_update.initialize(sub_group, src)
-        smart_update.backend.wait()
+        masters = [
+            (next(i for i, p in enumerate(placeholders) if p is placeholder), src)
+            for placeholder, src in zip(parameters, src_tensors)
+        ]
+        self._optimizer.smart_update.initialize_all(masters)
 
     def init_timers(self) -> None: ...
 

@@ -42,6 +42,7 @@ from lightning_smartinf.core.format.state_files import (
     shard_file_name,
     verify_state_file,
 )
+from lightning_smartinf.core.progress import Progress
 
 __all__ = ["Fetch", "Piece", "Reshard", "SavedRank", "plan_reshard", "same_layout"]
 
@@ -240,11 +241,14 @@ class Reshard:
             except ValueError as exc:
                 raise CheckpointError(str(exc)) from None
         files: dict[tuple[int, int], BinaryIO] = {}
+        total = sum(s.layout.file_bytes for s in shards)
         try:
-            for shard, pieces in zip(shards, self.plan):
-                self._write_shard(shard, pieces, files)
-                if then is not None:
-                    then(shard)
+            with Progress("re-sharding the optimizer state", total) as progress:
+                for shard, pieces in zip(shards, self.plan):
+                    self._write_shard(shard, pieces, files)
+                    if then is not None:
+                        then(shard)
+                    progress.update(shard.layout.file_bytes)
         finally:
             for f in files.values():
                 f.close()

@@ -64,6 +64,7 @@ from lightning_smartinf.core.io.storage import (
     is_disk_full,
     write_file_atomic,  # looked up here at each call: tests/scripts/crash_worker.py replaces it in this module
 )
+from lightning_smartinf.core.progress import Progress
 from lightning_smartinf.core.state_formats import FORMATS
 
 MANIFEST = "manifest.json"
@@ -308,12 +309,21 @@ def _by_device(shards: Sequence[ShardState]) -> list[list[ShardState]]:
     return list(groups.values())
 
 
-def _per_device(shards: Sequence[ShardState], work: Callable[[ShardState], object]) -> dict[int, object]:
-    """Run ``work`` for every shard, the shards of each device one after another, devices in parallel."""
+def _per_device(
+    shards: Sequence[ShardState], work: Callable[[ShardState], object], progress: Progress | None = None
+) -> dict[int, object]:
+    """Run ``work`` for every shard, the shards of each device one after another, devices in parallel; each shard
+    done adds its file's bytes to ``progress``."""
     groups = _by_device(shards)
 
+    def one(shard: ShardState) -> object:
+        result = work(shard)
+        if progress is not None:
+            progress.update(shard.layout.file_bytes)
+        return result
+
     def run(group: list[ShardState]) -> list[tuple[int, object]]:
-        return [(shard.spec.index, work(shard)) for shard in group]
+        return [(shard.spec.index, one(shard)) for shard in group]
 
     if len(groups) <= 1:
         return dict(run(groups[0])) if groups else {}
@@ -371,7 +381,8 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
                 return crc, clone_file(shard.path, dst, size, fsync=False)
             return copy_with_crc(shard.path, dst, expected_bytes=size, fsync=False), "checksummed " + COPY
 
-        done = _per_device(shards, copy)
+        with Progress("saving the optimizer state", sum(s.layout.file_bytes for s in shards)) as progress:
+            done = _per_device(shards, copy, progress)
         # Forced to disk once all are copied (before the manifest): a flush per file would idle the disk between them.
         _per_device(shards, lambda shard: fsync_file(tmp / shard_file_name(shard.spec.index)))
         manifest = manifest_of(shards, chunk_elems=chunk_elems, crcs={i: crc for i, (crc, _) in done.items()})
@@ -519,7 +530,8 @@ def load_state(
                 f"{recorded:#010x}); the live state is now invalid. Load again."
             )
 
-    _per_device(shards, copy_back)
+    with Progress("loading the optimizer state", sum(s.layout.file_bytes for s in shards)) as progress:
+        _per_device(shards, copy_back, progress)
 
 
 def _loadable(found: list[dict], expected: list[dict]) -> bool:
