@@ -1,0 +1,48 @@
+"""The prepared run for a lent GPU (``scripts/gpu_run.py``) runs here on the CPU with small sizes, so that it cannot
+rot between the sessions that have a GPU. Its single-GPU checks run in the main suite already (``tests/cuda``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO_ROOT
+from helpers.launch import worker_env
+
+SCRIPT = REPO_ROOT / "scripts" / "gpu_run.py"
+
+
+@pytest.mark.slow
+def test_the_journey_the_step_and_activation_offload_run_small_on_a_cpu(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu", "--parts", "journey,step,activations"],
+        env=worker_env(), capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert done.returncode == 0, json.dumps(record, indent=1)[-6000:] + done.stderr[-3000:]
+    parts = record["parts"]
+    assert [parts[name]["status"] for name in ("journey", "step", "activations")] == ["passed"] * 3
+    journey = parts["journey"]
+    # Killed (SIGKILL) after step 4's checkpoint, resumed from last.ckpt for steps 5 and 6, exported, reloaded.
+    assert len(journey["killed"]["losses"]) == 4 and len(journey["resumed"]["losses"]) == 2
+    assert journey["reloaded"]["dtype"] == "torch.bfloat16" and journey["reloaded"]["generated"]
+    assert journey["killed"]["peak_rss_bytes"] > 0 and journey["killed"]["peak_gpu_bytes"] is None
+    results = parts["step"]["bench_step"]["results"]
+    assert {"smart_infinity", "zero_infinity_pipelined", "smart_infinity_mem50"} <= set(results)
+    assert "chosen" in json.dumps(parts["activations"]["bench_activations"])
+    assert record["machine"]["gpu"] is None and record["size"] == "tiny"
+
+
+def test_without_a_gpu_the_gpu_run_is_refused_with_the_reason(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path)], env=worker_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "--device cuda: this machine has no CUDA GPU" in done.stderr and "use --device cpu" in done.stderr
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu", "--parts", "journey,nope"],
+        env=worker_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 2 and "unknown ['nope']" in done.stderr
