@@ -15,8 +15,9 @@ from helpers.leftovers import dead_pid, left_over
 from helpers.models import SEQ, VOCAB, LMModule, TinyGPT, adamw_factory, fit
 from torch import nn
 
-from lightning_smartinf.activations import ActivationOffloader, find_layers
+from lightning_smartinf.activations import ActivationOffloader, find_layers, tuning
 from lightning_smartinf.activations import offload as offload_mod
+from lightning_smartinf.activations.costs import PREDICTION_MARGIN
 from lightning_smartinf.activations.spill import SPILL_FILE_NAME
 from lightning_smartinf.core.io.direct import StateFile
 from lightning_smartinf.core.io.storage import StorageError
@@ -471,11 +472,13 @@ def test_settings_left_to_none_are_chosen_from_measurements(tmp_path, caplog):
         chosen.threshold_bytes,
         chosen.max_inflight_bytes,
     )
-    assert 0 <= chosen.keep_last <= 1  # at most a quarter of the layers stay
+    # Within the budget's margin (10% x 0.8): offloading all it can there, or less (said as a warning) or nothing.
+    assert chosen.predicted.share <= chosen.budget * PREDICTION_MARGIN + 1e-12 and not chosen.given
     assert chosen.threshold_bytes >= tuning.MIN_THRESHOLD and chosen.max_inflight_bytes >= tuning.MIN_BUDGET
     assert chosen.io.compute_on_host and chosen.io.write_bytes_per_s > 0 and chosen.io.cpu_s_per_byte > 0
-    assert chosen.predicted.offloaded_bytes > 0
-    assert any("keep_last=" in r.getMessage() and "predicted" in r.getMessage() for r in caplog.records)
+    assert chosen.predicted.offloaded_bytes > 0 or chosen.held_back
+    said = [r for r in caplog.records if "keep_last=" in r.getMessage() and "predicted" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == ("WARNING" if chosen.held_back else "INFO")
     assert off.stats.tensors_offloaded > 0
     _assert_clean(off)
     off.close()
@@ -485,10 +488,11 @@ def test_settings_left_to_none_are_chosen_from_measurements(tmp_path, caplog):
     run(off)
     assert off.tuning is not None and off.keep_last == 3 and off.tuning.keep_last == 3
     off.close()
-    # All given: nothing is measured.
+    # All given: kept as given, measured against the budget (a warning where they are predicted to break it).
     off = ActivationOffloader([tmp_path], threshold_bytes=1 << 20, keep_last=1, max_inflight_bytes=1 << 26)
     run(off)
-    assert off.tuning is None and (off.threshold_bytes, off.keep_last) == (1 << 20, 1)
+    assert off.tuning is not None and off.tuning.given and (off.threshold_bytes, off.keep_last) == (1 << 20, 1)
+    assert off.max_inflight_bytes == 1 << 26 and off.measured_overhead is None  # given settings are not re-checked
     off.close()
 
 
@@ -530,3 +534,67 @@ def test_callback_with_temporary_strategy_storage(tmp_path):
     root = os.path.join(tempfile.gettempdir(), offload_mod.ROOT_DIR_NAME)
     mine = [d for d in os.listdir(root) if d.split("-")[-2] == str(os.getpid())]
     assert mine == []
+
+
+def _measured_run(off: ActivationOffloader, batches: int) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(dim=256, layers=4)
+    off.attach(model)
+    for i in range(batches):
+        model.zero_grad()
+        with off:
+            _loss(model, _batch(seed=i, batch=64)).backward()
+
+
+def test_given_settings_that_break_the_budget_are_kept_and_said(tmp_path, caplog):
+    """A budget no offload can keep (0.01%), settings given: they stay, with one warning naming the budget."""
+    off = ActivationOffloader(
+        [tmp_path], threshold_bytes=4096, keep_last=0, max_inflight_bytes=1 << 20, overhead_budget=1e-4
+    )
+    with caplog.at_level("INFO", logger="lightning_smartinf.activations.offload"):
+        _measured_run(off, tuning.MEASURE_AT + tuning.MEASURE_COUNT)
+    assert (off.threshold_bytes, off.keep_last, off.max_inflight_bytes) == (4096, 0, 1 << 20)
+    warned = [r for r in caplog.records if "over its 0% budget" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelname == "WARNING" and "Kept as given" in warned[0].getMessage()
+    off.close()
+
+
+def test_a_budget_nothing_can_keep_offloads_nothing_and_says_so(tmp_path, caplog):
+    off = ActivationOffloader([tmp_path], overhead_budget=1e-9)
+    with caplog.at_level("INFO", logger="lightning_smartinf.activations.offload"):
+        _measured_run(off, tuning.MEASURE_AT + tuning.MEASURE_COUNT + 1)
+    assert off.tuning is not None and off.tuning.offloads_nothing and off.keep_last == len(off.layers)
+    said = [r for r in caplog.records if "offloads nothing" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING"
+    written = off.stats.bytes_written
+    _measured_run(off, 1)  # from here on every activation stays in memory
+    assert off.stats.bytes_written == written
+    off.close()
+
+
+def test_the_choice_is_rechecked_once_against_the_measured_step(tmp_path, caplog):
+    """After the choice, the median of the next micro-batches' times against the model's step: a step measured far
+    slower than predicted makes the choice again with the difference charged to each offloaded byte (less leaves
+    memory), once; the measured overhead is kept."""
+    off = ActivationOffloader([tmp_path], overhead_budget=10.0)  # a budget any machine keeps while offloading
+    _measured_run(off, tuning.MEASURE_AT + tuning.MEASURE_COUNT - 1)
+    chosen = off.tuning
+    assert chosen is not None and off.measured_overhead is None and chosen.predicted.offloaded_bytes > 0
+    # The step as measured over the next micro-batches, made slower than the model by a whole budget.
+    off._walls = [chosen.predicted.step_s * (1 + chosen.predicted.share + chosen.budget)] * (tuning.RECHECK_COUNT - 1)
+    with caplog.at_level("INFO", logger="lightning_smartinf.activations.offload"):
+        off._walls.append(off._walls[-1])
+        off._recheck()
+    assert off.measured_overhead == pytest.approx(chosen.predicted.share + chosen.budget)
+    assert off.tuning is not chosen and off.tuning.held_bytes > chosen.held_bytes
+    assert any("re-checked" in r.getMessage() for r in caplog.records)
+    again = off.tuning
+    _measured_run(off, tuning.RECHECK_COUNT + 1)  # no second re-check
+    assert off.tuning is again
+    off.close()
+
+
+@pytest.mark.parametrize("budget", [0, -0.1, "10%", None, float("nan"), True])
+def test_a_bad_overhead_budget_is_refused_naming_it(tmp_path, budget):
+    with pytest.raises(ValueError, match=r"overhead_budget=.*\(the share of the step activation offload may add"):
+        ActivationOffloader([tmp_path], overhead_budget=budget)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_smartinf.activations.costs import AUTO_OVERHEAD, HOST_CPU_FACTOR, IOCosts, offload_overhead
+from lightning_smartinf.activations.costs import (
+    AUTO_OVERHEAD,
+    HOST_CPU_FACTOR,
+    PREDICTION_MARGIN,
+    IOCosts,
+    offload_overhead,
+)
 from lightning_smartinf.activations.tuning import MIN_BUDGET, MIN_THRESHOLD, tune
 
 MB = 1 << 20
@@ -74,15 +80,49 @@ def test_tune_derives_threshold_and_budget_from_the_model():
 def test_tune_keeps_layers_when_io_costs_cpu_and_respects_given_settings():
     costly = IOCosts(write_bytes_per_s=3e9, read_bytes_per_s=2e9, cpu_s_per_byte=1e-10, compute_on_host=True)
     t = tune(FORWARD, 0.01, _sizes(), costly, None, None, None)
-    assert t.keep_last > 0 and t.predicted.share <= AUTO_OVERHEAD
-    cheaper = tune(FORWARD, 0.01, _sizes(), costly, None, None, None, target=0.5)
-    assert cheaper.keep_last <= t.keep_last
+    # Less than everything leaves (layers kept or only the larger tensors), within the margin of the budget.
+    assert t.held_back and (t.keep_last > 0 or t.threshold_bytes > 6 * MB // 16)
+    assert 0 < t.predicted.offloaded_bytes < LAYERS * 16 * MB and t.predicted.share <= AUTO_OVERHEAD
+    cheaper = tune(FORWARD, 0.01, _sizes(), costly, None, None, None, budget=0.6)
+    assert cheaper.held_bytes <= t.held_bytes
     given = tune(FORWARD, 0.01, _sizes(), costly, 1 << 20, 2, 1 << 30)
     assert (given.threshold_bytes, given.keep_last, given.max_inflight_bytes) == (1 << 20, 2, 1 << 30)
-    # When no setting meets the target, the cheapest one wins, keeping at most a quarter of the layers.
+    assert given.given and not given.held_back
+
+
+def test_where_nothing_can_hide_nothing_is_offloaded():
+    """Writes and reads far slower than compute: no setting keeps the budget but offloading nothing."""
     hopeless = IOCosts(write_bytes_per_s=1e6, read_bytes_per_s=1e6, cpu_s_per_byte=1e-6, compute_on_host=True)
     worst = tune(FORWARD, 0.01, _sizes(), hopeless, None, None, None)
-    assert worst.keep_last == LAYERS // 4 and worst.predicted.share > AUTO_OVERHEAD
+    assert worst.offloads_nothing and worst.held_back and worst.predicted.share == 0
+    assert worst.held_bytes == worst.saved_bytes and worst.saving == 0
+
+
+@pytest.mark.parametrize("write_gbps", [0.02, 0.05, 0.2, 1.0, 10.0])
+def test_the_budget_holds_and_a_larger_one_saves_more(write_gbps):
+    """From a disk that hides almost nothing to one that hides everything: the prediction stays within the margin of
+    each budget, the memory left falls as the budget grows, and the choice is held back where the budget binds."""
+    io = IOCosts(write_bytes_per_s=write_gbps * 1e9, read_bytes_per_s=write_gbps * 1e9, cpu_s_per_byte=2e-11)
+    held = []
+    for budget in (0.02, 0.1, 0.3):
+        t = tune(FORWARD, 0.01, _sizes(), io, None, None, None, budget=budget)
+        assert t.predicted.share <= budget * PREDICTION_MARGIN + 1e-12
+        held.append(t.held_bytes)
+    assert held == sorted(held, reverse=True)
+    most = tune(FORWARD, 0.01, _sizes(), IOCosts(1e15, 1e15), None, None, None)
+    assert held[-1] >= most.held_bytes
+
+
+def test_a_measured_step_slower_than_predicted_offloads_less():
+    """The re-check's correction: seconds per offloaded byte the step took beyond the model make every offloading
+    option dearer, so the choice leaves more in memory."""
+    io = IOCosts(write_bytes_per_s=0.5e9, read_bytes_per_s=0.5e9, cpu_s_per_byte=1e-11)
+    first = tune(FORWARD, 0.01, _sizes(), io, None, None, None)
+    assert first.predicted.offloaded_bytes > 0
+    extra = 0.05 * first.predicted.step_s / first.predicted.offloaded_bytes  # 5% more than predicted
+    again = tune(FORWARD, 0.01, _sizes(), io, None, None, None, extra_s_per_byte=extra)
+    assert again.held_bytes > first.held_bytes
+    assert tune(FORWARD, 0.01, _sizes(), io, None, None, None, extra_s_per_byte=-extra).held_bytes <= first.held_bytes
 
 
 def test_tune_with_nothing_big_enough_offloads_nothing():

@@ -24,11 +24,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["IOCosts", "Overhead", "offload_overhead", "AUTO_OVERHEAD", "BACKWARD_FACTOR", "HOST_CPU_FACTOR"]
+__all__ = [
+    "AUTO_OVERHEAD",
+    "BACKWARD_FACTOR",
+    "HOST_CPU_FACTOR",
+    "OVERHEAD_BUDGET",
+    "PREDICTION_MARGIN",
+    "IOCosts",
+    "Overhead",
+    "offload_overhead",
+]
 
-#: The share of the step that automatic offload settings may be predicted to cost: 8%, so that with the model's
-#: error (measured on the 2-core VM: the step's overhead 0.8 to 1.2 times the prediction) it stays within 10%.
-AUTO_OVERHEAD = 0.08
+#: The share of the step activation offload may add (``overhead_budget``'s default).
+OVERHEAD_BUDGET = 0.10
+#: The share of the budget the automatic settings may be predicted to cost, so that with the model's error (measured
+#: on the 2-core VM: the step's overhead 0.8 to 1.2 times the prediction) the step stays within the budget.
+PREDICTION_MARGIN = 0.8
+#: The predicted share the automatic settings aim at under the default budget (8%).
+AUTO_OVERHEAD = OVERHEAD_BUDGET * PREDICTION_MARGIN
 #: Backward over forward time of a layer (two matrix products per forward one).
 BACKWARD_FACTOR = 2.0
 #: Step seconds the I/O adds per CPU second of the I/O threads, where compute shares the cores. Measured on the

@@ -55,9 +55,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_smartinf.activations.costs import IOCosts
+from lightning_smartinf.activations.costs import OVERHEAD_BUDGET, IOCosts
 from lightning_smartinf.activations.spill import SpillFiles
-from lightning_smartinf.activations.tuning import DEFAULTS, MEASURE_AT, MEASURE_COUNT, LayerMeter, Tuning, tune
+from lightning_smartinf.activations.tuning import (
+    DEFAULTS,
+    MEASURE_AT,
+    MEASURE_COUNT,
+    RECHECK_COUNT,
+    LayerMeter,
+    Tuning,
+    tune,
+)
 from lightning_smartinf.core.accelerator import SideStreams, bind_thread, on_cuda, pinned_empty, record_fence
 from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.io.direct import IO_ALIGN, IOEngine, ThreadedIO, aligned_empty, round_up
@@ -230,6 +238,9 @@ def check_arguments(problems: Problems, arguments: Mapping[str, Any]) -> None:
         problems.integer("io_threads", arguments["io_threads"], low=1, high=1024, example=4)
     if "log_stats" in arguments:
         problems.flag("log_stats", arguments["log_stats"])
+    if "overhead_budget" in arguments:
+        why = "the share of the step activation offload may add, e.g. 0.1 for 10%"
+        problems.number("overhead_budget", arguments["overhead_budget"], low=0, high=10, above=True, why=why)
 
 
 class ActivationOffloader:
@@ -268,6 +279,7 @@ class ActivationOffloader:
         io_threads: int = 4,
         io: IOEngine | None = None,
         enabled: bool = True,
+        overhead_budget: float = OVERHEAD_BUDGET,
     ) -> None:
         problems = Problems("ActivationOffloader")
         paths = problems.paths("storage_paths", storage_paths) or []  # `[]` only when a line was added
@@ -276,8 +288,9 @@ class ActivationOffloader:
             "keep_last": keep_last,
             "max_inflight_bytes": max_inflight_bytes,
         }
-        check_arguments(problems, {**self._requested, "io_threads": io_threads})
+        check_arguments(problems, {**self._requested, "io_threads": io_threads, "overhead_budget": overhead_budget})
         problems.raise_if_any()
+        self.overhead_budget = float(overhead_budget)
         self.threshold_bytes: int = DEFAULTS["threshold_bytes"] if threshold_bytes is None else threshold_bytes
         self.keep_last: int = DEFAULTS["keep_last"] if keep_last is None else keep_last
         self.max_inflight_bytes: int = (
@@ -285,6 +298,12 @@ class ActivationOffloader:
         )
         #: The settings chosen after measuring (``None`` before, or when every setting was given).
         self.tuning: Tuning | None = None
+        #: The step's overhead measured once after the choice (``None`` before): see :meth:`_recheck`.
+        self.measured_overhead: float | None = None
+        self._tuned_io: IOCosts | None = None
+        self._walls: list[float] = []
+        self._rechecked = False
+        self._began_at = 0.0
         self._meter: LayerMeter | None = None
         self._micro_batches = 0
         self._measured_from: OffloadStats | None = None  # the counters when the micro-batch being measured began
@@ -346,8 +365,8 @@ class ActivationOffloader:
                 UserWarning,
                 stacklevel=2,
             )
-        wanted = any(v is None for v in self._requested.values())
-        self._meter = LayerMeter(len(self._layers)) if wanted and self._layers and self.enabled else None
+        # Measured whether or not settings were given: given ones are checked against the overhead budget.
+        self._meter = LayerMeter(len(self._layers)) if self._layers and self.enabled else None
         for i, layer in enumerate(self._layers):
             self._hook_handles.append(layer.register_forward_pre_hook(self._make_pre_hook(i)))
             if self._meter is not None:
@@ -414,6 +433,7 @@ class ActivationOffloader:
                 self._spill.rewind()  # nothing of earlier micro-batches is in the files: start again at offset 0
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._ctx.__enter__()
+        self._began_at = time.perf_counter()
 
     def end(self, failed: bool = False) -> None:
         """End the micro-batch: remove the hooks; on failure (or leftovers) drop every record and file."""
@@ -443,6 +463,10 @@ class ActivationOffloader:
         self._micro_batches += 1
         if self._meter is not None and self.tuning is None and self._micro_batches == MEASURE_AT + MEASURE_COUNT - 1:
             self._tune()
+        elif self.tuning is not None and not self.tuning.given and not self._rechecked:
+            self._walls.append(time.perf_counter() - self._began_at)
+            if len(self._walls) == RECHECK_COUNT:
+                self._recheck()
 
     def settle_writes(self) -> None:
         """Block until every write started so far has finished: the activations it offloaded are then in their files
@@ -476,13 +500,63 @@ class ActivationOffloader:
             cpu_s_per_byte=statistics.median(c.cpu_s_per_byte for c in samples),
             compute_on_host=samples[-1].compute_on_host,
         )
+        self._tuned_io = io
+        self._apply(self._choose(io))
+
+    def _choose(self, io: IOCosts, extra_s_per_byte: float = 0.0) -> Tuning:
         meter = self._meter
         assert meter is not None
-        self.tuning = tune(meter.forward_s, meter.tail_s, meter.sizes, io, **self._requested)
-        self.threshold_bytes = self.tuning.threshold_bytes
-        self.keep_last = self.tuning.keep_last
-        self.max_inflight_bytes = self.tuning.max_inflight_bytes
-        log.info("Activation offload: %s.", self.tuning.describe(len(self._layers)))
+        return tune(
+            meter.forward_s, meter.tail_s, meter.sizes, io, **self._requested, budget=self.overhead_budget,
+            extra_s_per_byte=extra_s_per_byte,
+        )  # fmt: skip
+
+    def _apply(self, tuning: Tuning, why: str = "") -> None:
+        """Put ``tuning``'s settings in force and say once what was chosen and why."""
+        self.tuning = tuning
+        self.threshold_bytes, self.keep_last = tuning.threshold_bytes, tuning.keep_last
+        self.max_inflight_bytes = tuning.max_inflight_bytes
+        layers, described = len(self._layers), tuning.describe(len(self._layers))
+        if tuning.given and tuning.predicted.share > tuning.budget:
+            log.warning(
+                "Activation offload: the settings given (%s) are predicted to add %.1f%% to the step, over its "
+                "%.0f%% budget (`overhead_budget`). Kept as given; leave them to None to stay within the budget.",
+                described, 100 * tuning.predicted.share, 100 * tuning.budget,
+            )  # fmt: skip
+        elif tuning.offloads_nothing and not tuning.given:
+            log.warning(
+                "Activation offload offloads nothing%s: on this machine no activation's write and read can hide "
+                "behind compute within the %.0f%% overhead budget (`overhead_budget`); every activation stays in "
+                "memory (%s).",
+                why, 100 * tuning.budget, described,
+            )  # fmt: skip
+        elif tuning.held_back:
+            log.warning(
+                "Activation offload offloads less%s to stay within its %.0f%% overhead budget (`overhead_budget`): "
+                "%s. A larger budget saves more memory: %d of %d layers kept.",
+                why, 100 * tuning.budget, described, tuning.keep_last, layers,
+            )  # fmt: skip
+        else:
+            log.info("Activation offload%s: %s.", why, described)
+
+    def _recheck(self) -> None:
+        """Once, after the first micro-batches under the chosen settings: their measured time against the model's
+        step without offload. Off by more than half the budget from the prediction, the choice is made again with the
+        difference charged to each offloaded byte (a step that took longer offloads less; one that took less, more)."""
+        self._rechecked = True
+        tuning = self.tuning
+        assert tuning is not None and self._tuned_io is not None
+        step_s = tuning.predicted.step_s
+        measured = statistics.median(self._walls) / step_s - 1 if step_s > 0 else 0.0
+        self.measured_overhead = measured
+        off_by = measured - tuning.predicted.share
+        if abs(off_by) <= tuning.budget / 2 or tuning.predicted.offloaded_bytes == 0:
+            return
+        extra = off_by * step_s / tuning.predicted.offloaded_bytes
+        self._apply(
+            self._choose(self._tuned_io, extra_s_per_byte=extra),
+            f" (re-checked: the step measured {measured:.1%} over the model's, predicted {tuning.predicted.share:.1%})",
+        )
 
     def close(self) -> None:
         """Remove the hooks, every file and the run directories; stop the I/O threads."""

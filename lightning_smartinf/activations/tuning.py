@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from lightning_smartinf.activations.costs import AUTO_OVERHEAD, IOCosts, Overhead, offload_overhead
+from lightning_smartinf.activations.costs import OVERHEAD_BUDGET, PREDICTION_MARGIN, IOCosts, Overhead, offload_overhead
 
 __all__ = [
     "LayerMeter",
@@ -18,6 +18,7 @@ __all__ = [
     "tune",
     "MEASURE_AT",
     "MEASURE_COUNT",
+    "RECHECK_COUNT",
     "MOST_KEPT",
     "DEFAULTS",
     "MIN_THRESHOLD",
@@ -28,6 +29,8 @@ __all__ = [
 #: warm-up: the spill files grow, the allocator settles), this many; layer times averaged, I/O costs their median.
 MEASURE_AT = 3
 MEASURE_COUNT = 4
+#: The micro-batches after the choice whose median time re-checks it once against the model.
+RECHECK_COUNT = 3
 #: The largest share of the layers the automatic ``keep_last`` keeps in memory.
 MOST_KEPT = 0.25
 #: Candidate in-flight budgets, in multiples of the largest layer's offloaded bytes.
@@ -90,22 +93,41 @@ class LayerMeter:
 
 @dataclass(frozen=True)
 class Tuning:
-    """The settings in force after measuring, and what the model predicts for them."""
+    """The settings in force after measuring, what the model predicts for them, and why they were chosen."""
 
     threshold_bytes: int
     keep_last: int
     max_inflight_bytes: int
     predicted: Overhead
     io: IOCosts
+    #: The share of the step offload may add (``overhead_budget``).
+    budget: float = OVERHEAD_BUDGET
+    #: Bytes of saved activations per micro-batch, and those the settings leave in memory (the in-flight budget
+    #: counted where anything is offloaded).
+    saved_bytes: int = 0
+    held_bytes: int = 0
+    #: The settings were held back from the most memory-saving ones to keep the budget (more layers kept, a higher
+    #: threshold), or offload nothing; ``given``: the user gave every setting.
+    held_back: bool = False
+    given: bool = False
+
+    @property
+    def saving(self) -> float:
+        """The share of the saved activations' bytes that leaves memory."""
+        return 1 - self.held_bytes / self.saved_bytes if self.saved_bytes else 0.0
+
+    @property
+    def offloads_nothing(self) -> bool:
+        return self.predicted.offloaded_bytes == 0
 
     def describe(self, layers: int) -> str:
         p = self.predicted
         return (
             f"keep_last={self.keep_last} of {layers} layers, threshold_bytes={self.threshold_bytes}, "
             f"max_inflight_bytes={self.max_inflight_bytes}: {p.offloaded_bytes / 1e6:.1f} MB per micro-batch leave "
-            f"memory at a predicted {p.share:.1%} of a {p.step_s:.3f} s step (writes "
-            f"{self.io.write_bytes_per_s / 1e9:.2f} GB/s, reads {self.io.read_bytes_per_s / 1e9:.2f} GB/s, "
-            f"{self.io.cpu_s_per_byte * 1e12:.0f} ms of CPU per GB"
+            f"memory ({self.saving:.0%} of the saved activations) at a predicted {p.share:.1%} of a {p.step_s:.3f} s "
+            f"step, budget {self.budget:.0%} (writes {self.io.write_bytes_per_s / 1e9:.2f} GB/s, reads "
+            f"{self.io.read_bytes_per_s / 1e9:.2f} GB/s, {self.io.cpu_s_per_byte * 1e12:.0f} ms of CPU per GB"
             + (", on the cores compute uses)" if self.io.compute_on_host else ")")
         )
 
@@ -118,43 +140,60 @@ def tune(
     threshold_bytes: int | None,
     keep_last: int | None,
     max_inflight_bytes: int | None,
-    target: float = AUTO_OVERHEAD,
+    budget: float = OVERHEAD_BUDGET,
+    extra_s_per_byte: float = 0.0,
 ) -> Tuning:
     """The user's settings where given; the others from the layers' forward seconds ``forward_s``, the forward after
-    them ``tail_s``, the sizes of the tensors each layer saves ``sizes`` (a :class:`LayerMeter`'s), and ``io``.
+    them ``tail_s``, the sizes of the tensors each layer saves ``sizes`` (a :class:`LayerMeter`'s), and ``io``, so
+    that offload adds at most ``budget`` of the step.
 
-    * ``threshold_bytes``: a sixteenth of the largest tensor a layer saves (at least :data:`MIN_THRESHOLD`), so a
-      layer's activations leave memory and its small statistics (norm means, softmax sums) stay.
-    * ``keep_last`` and ``max_inflight_bytes``: of the kept layers (at most a quarter of them, :data:`MOST_KEPT`:
-      offload is on because memory is short, and the last layers and the head already stay) and the budgets of
-      :data:`BUDGET_LAYERS` (at least :data:`MIN_BUDGET`), the pair that leaves the least in memory (the kept
-      layers' bytes plus the budget) among those the model predicts to cost at most ``target`` of the step; the
-      cheapest pair when none does.
+    Candidates: ``threshold_bytes`` a sixteenth of the largest tensor a layer saves (its activations leave memory,
+    its small statistics stay), a quarter, a half, or all of it (each higher one offloads fewer tensors), at least
+    :data:`MIN_THRESHOLD`; ``keep_last`` from none of the layers to a quarter of them (:data:`MOST_KEPT`), then a
+    half, three quarters and all of them (nothing offloaded); ``max_inflight_bytes`` the budgets of
+    :data:`BUDGET_LAYERS` (at least :data:`MIN_BUDGET`). The choice: of those predicted to cost at most
+    :data:`~lightning_smartinf.activations.costs.PREDICTION_MARGIN` of ``budget``, the one that leaves the least in
+    memory; where none does (only when the user fixed some settings), the cheapest. ``extra_s_per_byte``: seconds a
+    step was measured to add per offloaded byte beyond the model's prediction (:meth:`ActivationOffloader` re-checks
+    its choice once against the measured step).
     """
     largest = max((n for layer in sizes for n in layer), default=0)
-    threshold = threshold_bytes if threshold_bytes is not None else max(MIN_THRESHOLD, largest // 16)
-    nbytes = [sum(n for n in layer if n >= threshold) for layer in sizes]
-    layer = max(nbytes, default=0)
-    budgets = (
-        [max_inflight_bytes]
-        if max_inflight_bytes is not None
-        else sorted({max(MIN_BUDGET, int(k * layer)) for k in BUDGET_LAYERS})
+    saved = sum(sum(layer) for layer in sizes)
+    layers = len(sizes)
+    thresholds = (
+        [threshold_bytes]
+        if threshold_bytes is not None
+        else sorted({max(MIN_THRESHOLD, largest // k) for k in (16, 4, 2, 1)})
     )
-    keeps = [keep_last] if keep_last is not None else range(int(len(nbytes) * MOST_KEPT) + 1)
+    keeps = (
+        [keep_last]
+        if keep_last is not None
+        else sorted(set(range(int(layers * MOST_KEPT) + 1)) | {layers // 2, 3 * layers // 4, layers})
+    )
+    target = budget * PREDICTION_MARGIN
     options = []
-    for budget in budgets:
-        for keep in keeps:
-            predicted = offload_overhead(forward_s, nbytes, keep, io, budget, tail_s)
-            held = sum(nbytes[len(nbytes) - keep :]) + budget
-            options.append(
-                (
-                    predicted.share > target,
-                    held if predicted.share <= target else predicted.share,
-                    predicted.share,
-                    keep,
-                    budget,
-                    predicted,
+    for threshold in thresholds:
+        nbytes = [sum(n for n in layer if n >= threshold) for layer in sizes]
+        biggest = max(nbytes, default=0)
+        budgets = (
+            [max_inflight_bytes]
+            if max_inflight_bytes is not None
+            else sorted({max(MIN_BUDGET, int(k * biggest)) for k in BUDGET_LAYERS})
+        )
+        for in_flight in budgets:
+            for keep in keeps:
+                predicted = offload_overhead(forward_s, nbytes, keep, io, in_flight, tail_s)
+                share = predicted.share + (
+                    extra_s_per_byte * predicted.offloaded_bytes / predicted.step_s if predicted.step_s > 0 else 0.0
                 )
-            )
-    *_, keep, budget, predicted = min(options, key=lambda o: o[:3])
-    return Tuning(threshold, keep, budget, predicted, io)
+                offloaded = predicted.offloaded_bytes
+                held = saved - offloaded + (min(in_flight, offloaded) if offloaded else 0)
+                fits = share <= target
+                options.append((not fits, held if fits else share, share, threshold, keep, in_flight, predicted))
+    *_, threshold, keep, in_flight, predicted = min(options, key=lambda o: o[:3])
+    offloaded = predicted.offloaded_bytes
+    held = saved - offloaded + (min(in_flight, offloaded) if offloaded else 0)
+    given = threshold_bytes is not None and keep_last is not None and max_inflight_bytes is not None
+    # Held back: more layers kept than the most-saving range, a threshold above the lowest, or nothing offloaded.
+    held_back = not given and (keep > int(layers * MOST_KEPT) or threshold > thresholds[0] or offloaded == 0)
+    return Tuning(threshold, keep, in_flight, predicted, io, budget, saved, held, held_back, given)

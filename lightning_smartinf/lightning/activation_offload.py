@@ -12,6 +12,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_smartinf.activations.costs import OVERHEAD_BUDGET
 from lightning_smartinf.activations.offload import ActivationOffloader, OffloadStats, check_arguments
 from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.placement import rank_share
@@ -30,8 +31,12 @@ class ActivationOffload(L.Callback):
             or the system's temporary directory where the strategy's are temporary (``storage_paths=None``).
         threshold_bytes, keep_last, max_inflight_bytes, io_threads: see :class:`ActivationOffloader`; ints (byte
             counts in bytes: ``"1MiB"`` is refused, write ``1 << 20``). ``None`` (the default) chooses the first
-            three from the model and from the second micro-batch's measurements (logged at INFO).
+            three from the model and from the first micro-batches' measurements, within ``overhead_budget``.
         log_stats: log ``smartinf/activation_{peak_bytes,write_bytes,read_bytes}`` per batch.
+        overhead_budget: the share of the step offload may add (default 0.1: 10%). The settings left to ``None``
+            are chosen to stay within it from what this machine measures, offloading less (more layers kept, a
+            higher threshold) or nothing where it cannot hold, and said once; the choice is re-checked once against
+            the measured step. Settings given are kept, with a warning where they are predicted to break it.
 
     With DeepSpeed activation checkpointing on, only the checkpoint inputs are saved in forward (those are what
     gets offloaded); the recomputation during backward is kept in memory. With it off, every activation above the
@@ -46,6 +51,7 @@ class ActivationOffload(L.Callback):
         max_inflight_bytes: int | None = None,
         io_threads: int = 4,
         log_stats: bool = True,
+        overhead_budget: float = OVERHEAD_BUDGET,
     ) -> None:
         problems = Problems("ActivationOffload", ValueError)
         check_arguments(
@@ -57,6 +63,7 @@ class ActivationOffload(L.Callback):
                 "max_inflight_bytes": max_inflight_bytes,
                 "io_threads": io_threads,
                 "log_stats": log_stats,
+                "overhead_budget": overhead_budget,
             },
         )
         problems.raise_if_any()
@@ -66,6 +73,7 @@ class ActivationOffload(L.Callback):
             keep_last=keep_last,
             max_inflight_bytes=max_inflight_bytes,
             io_threads=io_threads,
+            overhead_budget=overhead_budget,
         )
         self.log_stats = log_stats
         self.offloader: ActivationOffloader | None = None
