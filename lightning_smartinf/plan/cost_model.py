@@ -46,9 +46,9 @@ COMPRESSED_INDEX_BYTES = 4  # int32 position inside the sub-group
 PARAM_FETCH_BYTES = 2 * LOW_PRECISION_BYTES
 GRADIENT_BUFFERS = ("accelerator", "host")
 #: Each ``state_precision``'s update time per element relative to fp32's (the ``cpu`` backend: load, update and
-#: store a chunk in the format; measured with ``benchmarks/bench_state_formats.py`` on a 2-core AMD EPYC, one thread).
-#: A calibrated machine measures its own.
-UPDATE_COST_BY_PRECISION = {"fp32": 1.0, "bf16": 1.46, "int8": 3.2}
+#: store a chunk in the format, int8 with its C kernels; measured with ``benchmarks/bench_state_formats.py`` on a
+#: 2-core AMD EPYC, one thread). A calibrated machine measures its own.
+UPDATE_COST_BY_PRECISION = {"fp32": 1.0, "bf16": 1.58, "int8": 1.98}
 #: Calls a remote device server serves at once for one session (``MAX_UPDATES_IN_FLIGHT`` of the remote wire protocol).
 REMOTE_CALLS_IN_FLIGHT = 4
 
