@@ -4,6 +4,7 @@ bad input."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import shutil
@@ -572,24 +573,37 @@ def test_a_budget_nothing_can_keep_offloads_nothing_and_says_so(tmp_path, caplog
     off.close()
 
 
-def test_the_choice_is_rechecked_once_against_the_measured_step(tmp_path, caplog):
-    """After the choice, the median of the next micro-batches' times against the model's step: a step measured far
-    slower than predicted makes the choice again with the difference charged to each offloaded byte (less leaves
-    memory), once; the measured overhead is kept."""
-    off = ActivationOffloader([tmp_path], overhead_budget=10.0)  # a budget any machine keeps while offloading
+def test_the_choice_is_rechecked_once_against_the_measured_steps(tmp_path, caplog):
+    """After the choice, the overhead the next micro-batches showed on the offloader's own clocks: above the
+    prediction by more than half the budget, the choice is made again with the difference charged to each offloaded
+    byte (less leaves memory), once; below it, the choice stays (a cheap-looking step is no room to offload more)."""
+    budget = 10.0  # a budget any machine keeps while offloading something
+    off = ActivationOffloader([tmp_path], overhead_budget=budget)
     _measured_run(off, tuning.MEASURE_AT + tuning.MEASURE_COUNT - 1)
     chosen = off.tuning
     assert chosen is not None and off.measured_overhead is None and chosen.predicted.offloaded_bytes > 0
-    # The step as measured over the next micro-batches, made slower than the model by a whole budget.
-    off._walls = [chosen.predicted.step_s * (1 + chosen.predicted.share + chosen.budget)] * (tuning.RECHECK_COUNT - 1)
-    with caplog.at_level("INFO", logger="lightning_smartinf.activations.offload"):
-        off._walls.append(off._walls[-1])
+    assert chosen.io.compute_on_host
+
+    def recheck(measured: float) -> None:
+        """The next micro-batches as measured: the model's step each, with I/O-thread CPU time adding ``measured``."""
+        wall, count = chosen.predicted.step_s, offload_mod.RECHECK_COUNT
+        added = measured * wall / (1 + measured)
+        off._walls = [wall] * count
+        off._recheck_from = dataclasses.replace(
+            off.stats, io_cpu_s=off.stats.io_cpu_s - added * count / offload_mod.HOST_CPU_FACTOR
+        )
+        off._rechecked = False
         off._recheck()
-    assert off.measured_overhead == pytest.approx(chosen.predicted.share + chosen.budget)
+
+    recheck(chosen.predicted.share / 2)  # cheaper than predicted: kept
+    assert off.tuning is chosen and off.measured_overhead == pytest.approx(chosen.predicted.share / 2)
+    with caplog.at_level("INFO", logger="lightning_smartinf.activations.offload"):
+        recheck(chosen.predicted.share + budget)
+    assert off.measured_overhead == pytest.approx(chosen.predicted.share + budget)
     assert off.tuning is not chosen and off.tuning.held_bytes > chosen.held_bytes
     assert any("re-checked" in r.getMessage() for r in caplog.records)
     again = off.tuning
-    _measured_run(off, tuning.RECHECK_COUNT + 1)  # no second re-check
+    _measured_run(off, offload_mod.RECHECK_COUNT + 2)  # once only
     assert off.tuning is again
     off.close()
 

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_smartinf.activations.costs import OVERHEAD_BUDGET, IOCosts
+from lightning_smartinf.activations.costs import HOST_CPU_FACTOR, OVERHEAD_BUDGET, IOCosts
 from lightning_smartinf.activations.spill import SpillFiles
 from lightning_smartinf.activations.tuning import (
     DEFAULTS,
@@ -302,6 +302,7 @@ class ActivationOffloader:
         self.measured_overhead: float | None = None
         self._tuned_io: IOCosts | None = None
         self._walls: list[float] = []
+        self._recheck_from: OffloadStats | None = None
         self._rechecked = False
         self._began_at = 0.0
         self._meter: LayerMeter | None = None
@@ -464,9 +465,12 @@ class ActivationOffloader:
         if self._meter is not None and self.tuning is None and self._micro_batches == MEASURE_AT + MEASURE_COUNT - 1:
             self._tune()
         elif self.tuning is not None and not self.tuning.given and not self._rechecked:
-            self._walls.append(time.perf_counter() - self._began_at)
-            if len(self._walls) == RECHECK_COUNT:
-                self._recheck()
+            if self._recheck_from is None:  # the first micro-batch under the choice: counted from here
+                self._recheck_from = dataclasses.replace(self.stats)
+            else:
+                self._walls.append(time.perf_counter() - self._began_at)
+                if len(self._walls) == RECHECK_COUNT:
+                    self._recheck()
 
     def settle_writes(self) -> None:
         """Block until every write started so far has finished: the activations it offloaded are then in their files
@@ -540,22 +544,31 @@ class ActivationOffloader:
             log.info("Activation offload%s: %s.", why, described)
 
     def _recheck(self) -> None:
-        """Once, after the first micro-batches under the chosen settings: their measured time against the model's
-        step without offload. Off by more than half the budget from the prediction, the choice is made again with the
-        difference charged to each offloaded byte (a step that took longer offloads less; one that took less, more)."""
+        """Once, after the first micro-batches under the chosen settings: the overhead they showed, from the
+        offloader's own clocks (the training thread waiting on offload, and the I/O threads' CPU time where compute
+        shares the cores, weighed as the model weighs it) over the rest of their median time. Above the prediction by
+        more than half the budget, the choice is made again with the difference charged to each offloaded byte, so
+        less leaves memory. Never the other way: a step that seems cheaper is not taken as room to offload more."""
         self._rechecked = True
         tuning = self.tuning
-        assert tuning is not None and self._tuned_io is not None
-        step_s = tuning.predicted.step_s
-        measured = statistics.median(self._walls) / step_s - 1 if step_s > 0 else 0.0
+        assert tuning is not None and self._tuned_io is not None and self._recheck_from is not None
+        s, before = self.stats, self._recheck_from
+        count = len(self._walls)
+        waited = (s.forward_wait_s - before.forward_wait_s + s.backward_wait_s - before.backward_wait_s) / count
+        cpu = (s.io_cpu_s - before.io_cpu_s) / count * (HOST_CPU_FACTOR if tuning.io.compute_on_host else 0.0)
+        wall = statistics.median(self._walls)
+        added = min(waited + cpu, wall)
+        measured = added / (wall - added) if wall > added else float("inf")
         self.measured_overhead = measured
         off_by = measured - tuning.predicted.share
-        if abs(off_by) <= tuning.budget / 2 or tuning.predicted.offloaded_bytes == 0:
+        if off_by <= tuning.budget / 2 or tuning.predicted.offloaded_bytes == 0:
             return
-        extra = off_by * step_s / tuning.predicted.offloaded_bytes
+        # In the model's own step: the chosen settings would then be predicted at what they showed.
+        extra = off_by * tuning.predicted.step_s / tuning.predicted.offloaded_bytes
         self._apply(
             self._choose(self._tuned_io, extra_s_per_byte=extra),
-            f" (re-checked: the step measured {measured:.1%} over the model's, predicted {tuning.predicted.share:.1%})",
+            f" (re-checked: the steps after the choice showed {measured:.1%} where {tuning.predicted.share:.1%} was "
+            "predicted)",
         )
 
     def close(self) -> None:
