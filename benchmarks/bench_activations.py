@@ -36,7 +36,7 @@ from torch import nn
 
 from lightning_smartinf.activations import ActivationOffloader
 from lightning_smartinf.activations.costs import offload_overhead
-from lightning_smartinf.activations.tuning import MEASURE_AT, MEASURE_COUNT, tune
+from lightning_smartinf.activations.tuning import MEASURE_AT, MEASURE_COUNT, RECHECK_COUNT, tune
 from lightning_smartinf.core.io.direct import supports_direct_io
 from lightning_smartinf.plan.cost_model import load_profile
 
@@ -236,9 +236,10 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     runs: dict[str, tuple[nn.Module, ActivationOffloader | None]] = {"plain": (make(), None)}
     runs["resident"] = (m := make(), ActivationOffloader([path], enabled=False).attach(m))
     runs["offload"] = (m := make(), ActivationOffloader([path], **options).attach(m))
-    # Settings left to the offloader are chosen after its first micro-batches: time only what it settles on.
+    # Settings left to the offloader are chosen after its first micro-batches and re-checked once over the next
+    # ones (which pause offload every other micro-batch): time only what it settles on.
     model, off = runs["offload"]
-    for _ in range(MEASURE_AT + MEASURE_COUNT - 1):
+    for _ in range(MEASURE_AT + MEASURE_COUNT - 1 + 2 * RECHECK_COUNT + 1):
         run_step(model, off, x, y)
     settled = dataclasses.replace(runs["offload"][1].stats)
     disk = DiskCounters(path)
@@ -274,7 +275,8 @@ def main() -> None:  # noqa: PLR0915 - one linear script
             "rounds": args.rounds,
             "steps_per_round": args.steps,
             "offloader": {k: getattr(offloader, k) for k in ("threshold_bytes", "keep_last", "max_inflight_bytes")}
-            | {"chosen": offloader.tuning.describe(shape["layers"]) if offloader.tuning else "given"},
+            | {"chosen": offloader.tuning.describe(shape["layers"]) if offloader.tuning else "given"}
+            | {"measured_overhead_at_recheck": offloader.measured_overhead},
         },
         "params_M": round(sum(p.numel() for p in runs["plain"][0].parameters()) / 1e6, 2),
         "peak_saved_bytes_resident": res_stats.peak_resident_bytes,

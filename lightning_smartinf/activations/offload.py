@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from torch import Tensor, nn
 
@@ -301,9 +302,12 @@ class ActivationOffloader:
         #: The step's overhead measured once after the choice (``None`` before): see :meth:`_recheck`.
         self.measured_overhead: float | None = None
         self._tuned_io: IOCosts | None = None
-        self._walls: list[float] = []
+        self._walls: list[float] = []  # micro-batches under the choice, for the re-check
+        self._paused_walls: list[float] = []  # and those with offload paused beside them (see `_recheck`)
         self._recheck_from: OffloadStats | None = None
         self._rechecked = False
+        self._comparing = False  # the re-check alternates paused and offloading micro-batches
+        self._paused = False  # this micro-batch keeps every saved tensor in memory (a re-check's baseline)
         self._began_at = 0.0
         self._meter: LayerMeter | None = None
         self._micro_batches = 0
@@ -432,6 +436,8 @@ class ActivationOffloader:
             self._cursor = len(self._order) - 1
             if all(r.slot is None for r in self._order):
                 self._spill.rewind()  # nothing of earlier micro-batches is in the files: start again at offset 0
+        # A re-check's baseline: every other micro-batch with offload paused, while the other ones offload.
+        self._paused = self._comparing and len(self._paused_walls) <= len(self._walls) and not self._rechecked
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._ctx.__enter__()
         self._began_at = time.perf_counter()
@@ -465,12 +471,17 @@ class ActivationOffloader:
         if self._meter is not None and self.tuning is None and self._micro_batches == MEASURE_AT + MEASURE_COUNT - 1:
             self._tune()
         elif self.tuning is not None and not self.tuning.given and not self._rechecked:
-            if self._recheck_from is None:  # the first micro-batch under the choice: counted from here
+            wall = time.perf_counter() - self._began_at
+            if self._recheck_from is None:  # the first micro-batch under the choice settles it: counted from here
                 self._recheck_from = dataclasses.replace(self.stats)
+                self._comparing = self._room_for_a_paused_micro_batch()
+            elif self._paused:
+                self._paused_walls.append(wall)
             else:
-                self._walls.append(time.perf_counter() - self._began_at)
+                self._walls.append(wall)
                 if len(self._walls) == RECHECK_COUNT:
                     self._recheck()
+        self._paused = False
 
     def settle_writes(self) -> None:
         """Block until every write started so far has finished: the activations it offloaded are then in their files
@@ -543,22 +554,37 @@ class ActivationOffloader:
         else:
             log.info("Activation offload%s: %s.", why, described)
 
+    def _room_for_a_paused_micro_batch(self) -> bool:
+        """Whether memory holds a micro-batch's saved activations twice over (where compute runs): the re-check may
+        then pause offload every other micro-batch to measure the step without it."""
+        tuning = self.tuning
+        assert tuning is not None
+        needed = 2 * tuning.saved_bytes
+        if self._compute_device == "cuda" and torch.cuda.is_available():
+            free, _ = torch.cuda.mem_get_info()
+            return free > needed
+        return psutil.virtual_memory().available > needed
+
     def _recheck(self) -> None:
-        """Once, after the first micro-batches under the chosen settings: the overhead they showed, from the
-        offloader's own clocks (the training thread waiting on offload, and the I/O threads' CPU time where compute
-        shares the cores, weighed as the model weighs it) over the rest of their median time. Above the prediction by
-        more than half the budget, the choice is made again with the difference charged to each offloaded byte, so
-        less leaves memory. Never the other way: a step that seems cheaper is not taken as room to offload more."""
+        """Once, after the first micro-batches under the chosen settings: the overhead they showed against the
+        prediction. Where memory has room (:meth:`_room_for_a_paused_micro_batch`), measured directly: the median
+        micro-batch offloading against the median one beside it with offload paused (every saved tensor in memory,
+        as without offload). Otherwise from the offloader's own clocks: the training thread waiting on offload, and
+        the I/O threads' CPU time where compute shares the cores, weighed as the model weighs it. More than half the
+        budget above the prediction, the choice is made again with the difference charged to each offloaded byte, so
+        less leaves memory. Never the other way: a step that seems cheaper is no room to offload more."""
         self._rechecked = True
         tuning = self.tuning
         assert tuning is not None and self._tuned_io is not None and self._recheck_from is not None
-        s, before = self.stats, self._recheck_from
-        count = len(self._walls)
-        waited = (s.forward_wait_s - before.forward_wait_s + s.backward_wait_s - before.backward_wait_s) / count
-        cpu = (s.io_cpu_s - before.io_cpu_s) / count * (HOST_CPU_FACTOR if tuning.io.compute_on_host else 0.0)
         wall = statistics.median(self._walls)
-        added = min(waited + cpu, wall)
-        measured = added / (wall - added) if wall > added else float("inf")
+        if self._paused_walls:
+            measured = wall / statistics.median(self._paused_walls) - 1
+        else:
+            s, before, count = self.stats, self._recheck_from, len(self._walls)
+            waited = (s.forward_wait_s - before.forward_wait_s + s.backward_wait_s - before.backward_wait_s) / count
+            cpu = (s.io_cpu_s - before.io_cpu_s) / count * (HOST_CPU_FACTOR if tuning.io.compute_on_host else 0.0)
+            added = min(waited + cpu, wall)
+            measured = added / (wall - added) if wall > added else float("inf")
         self.measured_overhead = measured
         off_by = measured - tuning.predicted.share
         if off_by <= tuning.budget / 2 or tuning.predicted.offloaded_bytes == 0:
@@ -650,7 +676,7 @@ class ActivationOffloader:
         return _Handle(self._release, rec)
 
     def _should_offload(self, t: Tensor, nbytes: int) -> bool:
-        if not self.enabled or self._backward or not _dense_span(t):
+        if not self.enabled or self._paused or self._backward or not _dense_span(t):
             return False
         if self._metering:
             self._meter.saved(self._cur_layer, nbytes)
