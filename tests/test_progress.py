@@ -120,3 +120,17 @@ def test_only_the_first_rank_says_anything(tmp_path):
     one rank (rank 0), not two."""
     stderr = journey(tmp_path, "--devices", "2")
     assert ended(stderr) == FIT, stderr[-4000:]
+
+
+def test_calibration_says_what_it_measures_and_when_it_is_done(tmp_path):
+    """`smartinf plan --calibrate` (a minute on a real disk): announced, then one line with its count and time."""
+    (tmp_path / "disk").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_smartinf.plan", "--calibrate", str(tmp_path / "disk"), "--calibrate-mb", "8",
+         "-o", str(tmp_path / "machine.json")],
+        env=worker_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Measuring this machine: 6 measurements ..." in done.stderr
+    assert re.search(r"^Measuring this machine: 6 measurements in [\d.]+ s \([\d.,]+ measurements/s\)$", done.stderr,
+                     re.MULTILINE), done.stderr[-3000:]  # fmt: skip

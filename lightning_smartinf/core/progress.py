@@ -149,7 +149,8 @@ class Progress:
         if failed or seconds < _settings.min_seconds:
             return
         rate = self.done / seconds if seconds > 0 else 0.0
-        per_second = readable_size(rate, decimal=True) if self.unit == "B" else f"{rate:,.0f} {self.unit}"
+        count = f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}"
+        per_second = readable_size(rate, decimal=True) if self.unit == "B" else f"{count} {self.unit}"
         log.info(
             "%s: %s in %.1f s (%s/s)", self.what, self._amount(self.done), seconds,
             per_second,
