@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import resource
+import shutil
 import statistics
 import tempfile
 import time
@@ -306,6 +307,8 @@ def main() -> None:  # noqa: PLR0915 - one linear script
         if o is not None:
             o.close()
     result["files_left"] = [str(f) for f in path.rglob("*") if f.is_file()]
+    if args.path is None:  # the benchmark's own temporary directory
+        shutil.rmtree(path, ignore_errors=True)
     text = json.dumps(result, indent=2)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
