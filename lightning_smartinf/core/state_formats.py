@@ -133,8 +133,18 @@ class Int8(StateFormat):
     def __init__(self, native: bool = True) -> None:
         self.native = native
 
-    def _kernels(self) -> ctypes.CDLL | None:
-        return int8_kernels() if self.native else None
+    def _kernels(self, values: Tensor, raw: Tensor) -> ctypes.CDLL | None:
+        """The C kernels, for fp32 ``values`` and ``uint8`` ``raw`` laid out as they read and write them (contiguous,
+        ``raw`` exactly :meth:`stored_bytes` long: they trust pointers and lengths); else ``None``, and the
+        reference takes the call, with its own errors for what does not fit."""
+        fits = (
+            values.dtype == torch.float32
+            and raw.dtype == torch.uint8
+            and values.is_contiguous()
+            and raw.is_contiguous()
+            and raw.numel() == self.stored_bytes(values.numel())
+        )
+        return int8_kernels() if self.native and fits else None
 
     def stored_bytes(self, numel: int) -> int:
         return _blocks(numel) * (BLOCK + 4)
@@ -143,8 +153,8 @@ class Int8(StateFormat):
         return nbytes // (BLOCK + 4) * BLOCK
 
     def store(self, values: Tensor, out: Tensor, state: str, *, consume: bool = False) -> None:
-        kernels = self._kernels()
-        if kernels is not None and values.is_contiguous() and out.is_contiguous():
+        kernels = self._kernels(values, out)
+        if kernels is not None:
             n = values.numel()
             codes = out.data_ptr()
             scales = codes + _blocks(n) * BLOCK
@@ -174,8 +184,8 @@ class Int8(StateFormat):
         out[blocks * BLOCK :].view(torch.float32).copy_(scale)
 
     def load(self, raw: Tensor, out: Tensor, state: str) -> None:
-        kernels = self._kernels()
-        if kernels is not None and raw.is_contiguous() and out.is_contiguous():
+        kernels = self._kernels(out, raw)
+        if kernels is not None:
             n = out.numel()
             codes = raw.data_ptr()
             kernels.smartinf_int8_load(
