@@ -263,6 +263,8 @@ class ActivationOffloader:
         io_threads: concurrent file transfers (each may be split further by the I/O engine).
         io: the I/O engine (default: positional direct I/O, one request per tensor up to 64 MiB).
         enabled: ``False`` keeps every saved tensor in memory but still counts bytes (a baseline to compare with).
+        overhead_budget: the share of the step offload may add (see :func:`~lightning_smartinf.activations.tuning.tune`
+            and :meth:`_recheck`).
 
     ``None`` for ``threshold_bytes``, ``keep_last`` or ``max_inflight_bytes`` (the default) chooses it from the model
     and from measurements: the first micro-batches run with ``1 MiB``, ``1`` and ``64 MiB``; the micro-batch
@@ -297,7 +299,7 @@ class ActivationOffloader:
         self.max_inflight_bytes: int = (
             DEFAULTS["max_inflight_bytes"] if max_inflight_bytes is None else max_inflight_bytes
         )
-        #: The settings chosen after measuring (``None`` before, or when every setting was given).
+        #: The settings chosen (or given) after measuring, with their prediction (``None`` before).
         self.tuning: Tuning | None = None
         #: The step's overhead measured once after the choice (``None`` before): see :meth:`_recheck`.
         self.measured_overhead: float | None = None
