@@ -63,8 +63,10 @@ def resolve_path(value: str | os.PathLike, argument: str = "model_path") -> Path
 
 def is_hub_id(value: str | os.PathLike) -> bool:
     """Whether ``value`` is read as a Hugging Face Hub id: shaped like one, and no path of that name exists."""
-    text = str(value)
-    if isinstance(value, Path) or text.startswith("pkg:") or Path(text).expanduser().exists():
+    if not isinstance(value, str):  # a Path, or not a name at all (its error comes from the path's check)
+        return False
+    text = value
+    if text.startswith("pkg:") or Path(text).expanduser().exists():
         return False
     return _HUB_ID.fullmatch(text) is not None and "--" not in text and ".." not in text
 
