@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -79,12 +80,29 @@ def build_module(args: argparse.Namespace, run: str) -> Any:
             hidden = self.embed(tokens) + self.pos[: tokens.shape[1]]
             return self.head(self.norm(self.blocks(hidden)))
 
+    def make_model() -> nn.Module:
+        if args.model == "gpt":
+            return GPT(args.dim, args.layers, args.vocab, args.seq)
+        return Llama(llama_config(args))
+
+    class Llama(nn.Module):
+        """A Hugging Face Llama (``LlamaForCausalLM``, random weights): the architecture users fine-tune."""
+
+        def __init__(self, config: Any) -> None:
+            super().__init__()
+            from transformers import LlamaForCausalLM
+
+            self.model = LlamaForCausalLM(config)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=tokens, use_cache=False).logits
+
     class LM(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.model: nn.Module | None = None
             with torch.device("meta"):  # counted without making it
-                self.num_params = sum(p.numel() for p in GPT(args.dim, args.layers, args.vocab, args.seq).parameters())
+                self.num_params = sum(p.numel() for p in make_model().parameters())
             if getattr(args, "build", "init") == "init":
                 self.configure_model()
 
@@ -93,22 +111,60 @@ def build_module(args: argparse.Namespace, run: str) -> Any:
             # cast) as it is made, as a large model must be built; `--build init` makes the whole fp32 model first.
             if self.model is None:
                 torch.manual_seed(0)
-                self.model = GPT(args.dim, args.layers, args.vocab, args.seq)
+                self.model = make_model()
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             tokens, targets = batch
             logits = self.model(tokens)
-            return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            if run.startswith("zero_"):
+                # Lightning divides the loss by the accumulation and stock DeepSpeed's engine divides it again; ours
+                # divides once. Multiplied back once here, every run's gradients (and clipping) are the same.
+                return loss * args.accumulate
+            return loss
 
         def configure_optimizers(self) -> Any:
             if run.startswith("zero_"):
                 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-                return DeepSpeedCPUAdam(self.parameters(), lr=1e-4, adamw_mode=True, weight_decay=0.01)
-            # Fused, like ZeRO-Infinity's DeepSpeedCPUAdam: the devices then run torch's fused CPU kernel.
-            return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.01, fused=not args.unfused)
+                optimizer = DeepSpeedCPUAdam(self.parameters(), lr=args.lr, adamw_mode=True, weight_decay=0.01)
+            else:
+                # Fused, like ZeRO-Infinity's DeepSpeedCPUAdam: the devices then run torch's fused CPU kernel.
+                optimizer = torch.optim.AdamW(self.parameters(), lr=args.lr, weight_decay=0.01, fused=not args.unfused)
+            if args.schedule == "constant":
+                return optimizer
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(args, step))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     return LM()
+
+
+def llama_config(args: argparse.Namespace) -> Any:
+    """``--model llama``: a Llama of ``--dim``, ``--layers``, ``--heads``, ``--kv-heads``, ``--ffn``, ``--vocab``."""
+    from transformers import LlamaConfig
+
+    heads = args.heads or max(1, args.dim // 64)
+    return LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.dim,
+        intermediate_size=args.ffn or 256 * -(-8 * args.dim // 3 // 256),
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=args.kv_heads or max(1, heads // 4),
+        max_position_embeddings=max(args.seq, 2048),
+        tie_word_embeddings=False,
+    )
+
+
+def warmup_cosine(args: argparse.Namespace, step: int) -> float:
+    """The learning rate's factor at optimizer step ``step``: linear warm-up over the first tenth of the run's
+    steps (at least one), then cosine decay to a tenth of the peak at its last step."""
+    total = args.warmup + args.steps
+    warm = max(1, total // 10)
+    if step < warm:
+        return (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 # ------------------------------------------------------------------------------------------------ measuring
@@ -248,6 +304,7 @@ def make_callback(args: argparse.Namespace, rss: RssTrace) -> Any:
             self.dev0: dict[str, float] | None = None
             self.dev1: dict[str, float] | None = None
             self.trace: DiskTrace | None = None
+            self.grad_norms: list[float] = []
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             rss.enter("warm-up steps")
@@ -261,6 +318,8 @@ def make_callback(args: argparse.Namespace, rss: RssTrace) -> Any:
                 out = inner(*a, **k)
                 self._mark("after step")
                 self.calls += 1
+                # The step's gradient norm before clipping (DeepSpeed's and ours alike): clipping fired above the clip.
+                self.grad_norms.append(float(getattr(optimizer, "_global_grad_norm", float("nan"))))
                 if self.calls > args.warmup:
                     self.step_times.append(time.perf_counter() - t0)
                     io1 = proc_io()
@@ -278,19 +337,20 @@ def make_callback(args: argparse.Namespace, rss: RssTrace) -> Any:
             self._mark("backward")
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if batch_idx == args.warmup:
+            first = batch_idx == args.warmup * args.accumulate  # the first micro-batch of the first timed step
+            if first:
                 rss.enter("timed steps")
-            if batch_idx == args.warmup and args.trace:
+            if first and args.trace:
                 self.trace = DiskTrace(args.storage or tempfile.gettempdir())
             self._mark("forward")
-            if batch_idx == args.warmup:
+            if first:
                 self.io0 = proc_io()
                 self.traffic0 = getattr(trainer.strategy, "traffic", None)
                 self.step_wall0 = time.perf_counter()
                 self.dev0 = device_seconds(trainer)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if batch_idx == args.warmup + args.steps - 1:
+            if batch_idx == (args.warmup + args.steps) * args.accumulate - 1:
                 self.io1 = proc_io()
                 self.traffic1 = getattr(trainer.strategy, "traffic", None)
                 self.step_wall1 = time.perf_counter()
@@ -375,7 +435,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                 "state_memory_share": "measured" if args.run.endswith("_measured") else "auto",
             }
             strategy = SmartInfinityStrategy(**{**settings, **dict(args.smartinf)})  # --smartinf overrides
-        n = args.batch * (args.warmup + args.steps)
+        n = args.batch * args.accumulate * (args.warmup + args.steps)
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, args.vocab, (n, args.seq + 1), generator=g)
         loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch)
@@ -386,6 +446,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             precision=args.precision,
             strategy=strategy,
             max_steps=args.warmup + args.steps,
+            accumulate_grad_batches=args.accumulate,
+            gradient_clip_val=args.clip,
             callbacks=[meter],
             logger=False,
             enable_checkpointing=False,
@@ -405,6 +467,14 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             "opt_step_median_s": statistics.median(meter.step_times) if steps else None,
             "opt_step_times_s": meter.step_times,
             "train_step_mean_s": (meter.step_wall1 - meter.step_wall0) / max(args.steps, 1),
+            "tokens_per_s": args.batch
+            * args.accumulate
+            * args.seq
+            * args.steps
+            / (meter.step_wall1 - meter.step_wall0),
+            "grad_norms": meter.grad_norms,
+            # DeepSpeed's test (the norm plus 1e-6 over the clip above 1), on every step, warm-up included.
+            "clip_fired_steps": sum(n + 1e-6 > args.clip for n in meter.grad_norms) if args.clip else 0,
             "fit_s": fit_s,
             "disk_read_bytes_per_param_step": (meter.io1["read_bytes"] - meter.io0["read_bytes"]) / p / args.steps,
             "disk_write_bytes_per_param_step": (meter.io1["write_bytes"] - meter.io0["write_bytes"]) / p / args.steps,
@@ -614,6 +684,9 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     def device(r: dict[str, Any], key: str) -> float | None:
         return r.get("device_s_per_step", {}).get(key)
 
+    def clipped(r: dict[str, Any]) -> str | None:
+        return None if "grad_norms" not in r else f"{r['clip_fired_steps']} / {len(r['grad_norms'])}"
+
     def prefetched(r: dict[str, Any]) -> float | None:
         used = device(r, "prefetch_used_bytes")
         return None if used is None else used / r["params"]
@@ -622,6 +695,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     rows = [
         ("optimizer step, median (s)", lambda r: r.get("opt_step_median_s"), None),
         ("train step, mean (s)", lambda r: r.get("train_step_mean_s"), None),
+        ("tokens/s", lambda r: r.get("tokens_per_s"), None),
+        ("steps where clipping fired / steps", clipped, None),
         ("disk read (B/param/step, /proc/self/io)", lambda r: r.get("disk_read_bytes_per_param_step"), None),
         ("disk write (B/param/step, /proc/self/io)", lambda r: r.get("disk_write_bytes_per_param_step"), None),
         ("of which inside optimizer.step: read", lambda r: r.get("disk_read_bytes_per_param_in_step"), None),
@@ -673,6 +748,10 @@ def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     merged["train_step_mean_s"] = statistics.fmean(r["train_step_mean_s"] for r in good)
     merged["round_opt_step_medians_s"] = [r["opt_step_median_s"] for r in good]
     merged["round_train_step_means_s"] = [r["train_step_mean_s"] for r in good]
+    if all("tokens_per_s" in r for r in good):
+        merged["tokens_per_s"] = statistics.fmean(r["tokens_per_s"] for r in good)
+        merged["grad_norms"] = [n for r in good for n in r["grad_norms"]]
+        merged["clip_fired_steps"] = sum(r["clip_fired_steps"] for r in good)
     merged["peak_rss_mib"] = max(r["peak_rss_mib"] for r in good)
     if all("memory_share_final" in r for r in good):
         merged["round_memory_share_final"] = [r["memory_share_final"] for r in good]
@@ -752,6 +831,29 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--sub-group-size", type=int, default=8_000_000)
+    parser.add_argument(
+        "--model",
+        choices=("gpt", "llama"),
+        default="gpt",
+        help="gpt: this script's small GPT (the default, as the recorded runs); llama: Hugging Face's LlamaForCausalLM "
+        "with random weights, shaped by --dim, --layers, --heads, --kv-heads, --ffn and --vocab",
+    )
+    parser.add_argument("--heads", type=int, default=0, help="llama: attention heads (default --dim / 64)")
+    parser.add_argument("--kv-heads", type=int, default=0, help="llama: key/value heads (default a quarter of --heads)")
+    parser.add_argument(
+        "--ffn", type=int, default=0, help="llama: MLP size (default 8/3 of --dim, to a multiple of 256)"
+    )
+    parser.add_argument(
+        "--accumulate", type=int, default=1, help="micro-batches per optimizer step (accumulate_grad_batches)"
+    )
+    parser.add_argument("--clip", type=float, default=0.0, help="gradient_clip_val (default 0: no clipping)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate of AdamW")
+    parser.add_argument(
+        "--schedule",
+        choices=("constant", "warmup-cosine"),
+        default="constant",
+        help="learning rate per optimizer step: constant, or linear warm-up over a tenth of the steps then cosine decay",
+    )
     parser.add_argument("--storage", default=None, help="directory for both runs' storage (default: /tmp)")
     parser.add_argument(
         "--accelerator",
