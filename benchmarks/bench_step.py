@@ -852,7 +852,7 @@ def main() -> None:
         "--schedule",
         choices=("constant", "warmup-cosine"),
         default="constant",
-        help="learning rate per optimizer step: constant, or linear warm-up over a tenth of the steps then cosine decay",
+        help="per optimizer step: constant, or linear warm-up over a tenth of the steps then cosine decay",
     )
     parser.add_argument("--storage", default=None, help="directory for both runs' storage (default: /tmp)")
     parser.add_argument(
