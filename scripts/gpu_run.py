@@ -17,9 +17,10 @@ Parts (``--parts``, in this order):
     resumed from ``last.ckpt``; ``smartinf export --dtype bf16``; transformers reloading the export and generating.
     Each process's peak GPU memory and host RSS are recorded.
 ``step``
-    ``benchmarks/bench_step.py``: alternating rounds of ours with all of the state on storage, ZeRO-Infinity (its
-    best setting, pipelined), and ours with half of the state in host memory, at the largest model the disk and
-    memory allow.
+    ``benchmarks/bench_step.py``, the step users run: a Llama (1.1B parameters on a GPU, fewer layers where the disk
+    is small), bf16, sequences of 512 tokens, 8 micro-batches accumulated, ``gradient_clip_val=1.0``, AdamW with
+    warm-up and cosine decay; alternating rounds of ours with all of the state on storage, ZeRO-Infinity (its best
+    setting, pipelined), and ours with half of the state in host memory.
 ``activations``
     ``benchmarks/bench_activations.py``: activation offload's chosen settings and measured overhead.
 
@@ -222,24 +223,30 @@ def checks(out: Path, args: argparse.Namespace, deadline: float) -> dict[str, An
 
 
 def step(out: Path, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
-    """Ours all on storage, ZeRO-Infinity pipelined, ours with half of the state in RAM: the largest model whose
-    state (ours 24 B/param with overlap's second copy; ZeRO's 16 B/param swap files) fits in half the free disk."""
+    """The step users run (a Llama in bf16, sequences of 512 tokens, 8 micro-batches accumulated, clipping at 1.0,
+    AdamW with warm-up and cosine decay), in alternating rounds: ours with all of the state on storage,
+    ZeRO-Infinity (its best setting, pipelined), ours with half of the state in host memory. The largest model of
+    1.1B or fewer parameters (fewer layers) whose state (ours 24 B/param with overlap's second copy; ZeRO's 16 B/param
+    swap files) fits in half the free disk."""
     storage = out / "step"
     storage.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(storage).free
-    dim, layers = (2048, 16) if args.size == "gpu" else (64, 2)
-    params = 12 * layers * dim * dim + 2 * 6144 * dim
-    while 40 * params > free / 2 and layers > 2:
+    # TinyLlama's shape (1.1B parameters) on a GPU; on a CPU a small one.
+    dim, mlp, layers, vocab = (2048, 5632, 22, 32000) if args.size == "gpu" else (64, 160, 2, 256)
+    while 40 * llama_params(dim, mlp, layers, vocab) > free / 2 and layers > 2:
         layers //= 2
-        params = 12 * layers * dim * dim + 2 * 6144 * dim
+    params = llama_params(dim, mlp, layers, vocab)
     if 40 * params > free / 2:
         return {"status": "refused", "reason": f"{free / 1e9:.1f} GB free under {out}: too little for a step"}
     runs = ["smart_infinity", "zero_infinity_pipelined", "smart_infinity_mem50"]
-    command = [REPO / "benchmarks" / "bench_step.py", "--dim", str(dim), "--layers", str(layers), "--rounds", "2"]
-    command += ["--storage", storage, "--accelerator", args.device, "--settle", "1", "--raw-gib", "0.25"]
-    command += [item for run in runs for item in ("--only", run)]
-    if args.size == "tiny":
-        command += ["--steps", "2", "--warmup", "1"]
+    heads = max(1, dim // 64)
+    command = [REPO / "benchmarks" / "bench_step.py", "--model", "llama", "--dim", str(dim), "--layers", str(layers)]
+    command += ["--heads", str(heads), "--kv-heads", str(max(1, heads // 8)), "--ffn", str(mlp), "--vocab", str(vocab)]
+    command += ["--seq", "512" if args.size == "gpu" else "32", "--batch", "1", "--accumulate", "8", "--clip", "1.0"]
+    command += ["--schedule", "warmup-cosine", "--lr", "3e-4", "--build", "configure_model"]
+    command += ["--sub-group-size", "100000000", "--rounds", "2", "--storage", storage, "--accelerator", args.device]
+    command += ["--settle", "1", "--raw-gib", "0.25", *(item for run in runs for item in ("--only", run))]
+    command += ["--steps", "3", "--warmup", "1"] if args.size == "gpu" else ["--steps", "1", "--warmup", "1"]
     done = python(*command, timeout=max(60, deadline - time.monotonic()))
     result = REPO / "benchmarks" / "out" / "bench_step.json"
     record: dict[str, Any] = {"dim": dim, "layers": layers, "params": params}

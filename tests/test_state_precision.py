@@ -73,8 +73,6 @@ def test_settings_it_refuses_name_the_argument_and_the_fix(tmp_path):
         SmartInfinityStrategy(state_precision="fp16")
     with pytest.raises(MisconfigurationException, match=r"`state_precision='int8'` with `backend='xrt'`.*'fp32' only"):
         SmartInfinityStrategy(backend="xrt", state_precision="int8", xclbin=str(tmp_path / "x.xclbin"))
-    with pytest.raises(MisconfigurationException, match=r"with `state_accelerator_budget`: the accelerator tier"):
-        SmartInfinityStrategy(state_precision="bf16", state_accelerator_budget=1 << 20)
     for value in ("fp32", "bf16", "int8"):
         assert SmartInfinityStrategy(state_precision=value).settings.state_precision == value
 

@@ -340,7 +340,7 @@ def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _state_precision(problems: Problems, raw: Mapping[str, Any], kind: registry.DeviceKind | None) -> None:
-    """``state_precision``: a format the kind's devices hold, and not in the accelerator tier (fp32 only there)."""
+    """``state_precision``: a format the kind's devices hold."""
     precision = raw["state_precision"]
     if not problems.choice("state_precision", precision, FORMATS) or precision == "fp32":
         return
@@ -349,11 +349,6 @@ def _state_precision(problems: Problems, raw: Mapping[str, Any], kind: registry.
             f"`state_precision={precision!r}` with `backend={kind.name!r}`: its devices hold the state in "
             f"{', '.join(repr(f) for f in kind.state_formats)} only so far. Use `backend='cpu'` or 'remote', or "
             "`state_precision='fp32'`."
-        )
-    if raw["state_accelerator_budget"]:
-        problems.add(
-            f"`state_precision={precision!r}` with `state_accelerator_budget`: the accelerator tier holds fp32 state "
-            "only so far. Drop `state_accelerator_budget`, or use `state_precision='fp32'`."
         )
 
 

@@ -58,6 +58,7 @@ E4M3_MAX = 448.0
 NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "sum"})
 #: The value of each FP8 E4M3 code, by code (0x7F and 0xFF are NaN, which no finite state is stored as).
 _E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+_HOST = torch.device("cpu")
 
 
 class StateFormat(ABC):
@@ -138,7 +139,8 @@ class Int8(StateFormat):
         ``raw`` exactly :meth:`stored_bytes` long: they trust pointers and lengths); else ``None``, and the
         reference takes the call, with its own errors for what does not fit."""
         fits = (
-            values.dtype == torch.float32
+            values.device.type == "cpu"
+            and values.dtype == torch.float32
             and raw.dtype == torch.uint8
             and values.is_contiguous()
             and raw.is_contiguous()
@@ -166,18 +168,16 @@ class Int8(StateFormat):
                 _pointer(scales, ctypes.c_float),
             )
             return
-        n, blocks = values.numel(), _blocks(values.numel())
-        work = values if consume and n == blocks * BLOCK else _scratch(blocks * BLOCK, "store")
+        n, blocks, device = values.numel(), _blocks(values.numel()), values.device
+        work = values if consume and n == blocks * BLOCK else _scratch(blocks * BLOCK, "store", device=device)
         work[n:].zero_()
         if state in NON_NEGATIVE:
-            # IEEE 754's square root, correctly rounded, as numpy and C's sqrtf give it: torch's vectorised CPU
-            # kernel is an approximation (one in six results differs in the last bit), which no other device
-            # could reproduce.
-            numpy.sqrt(values.numpy(), out=work[:n].numpy())
+            _ieee_sqrt(values, work[:n])
         elif work is not values:
             work[:n].copy_(values)
         rows = work.view(blocks, BLOCK)
-        scale = torch.abs(work, out=_scratch(blocks * BLOCK, "abs")).view(blocks, BLOCK).amax(dim=1).div_(E4M3_MAX)
+        magnitudes = torch.abs(work, out=_scratch(blocks * BLOCK, "abs", device=device))
+        scale = magnitudes.view(blocks, BLOCK).amax(dim=1).div_(E4M3_MAX)
         # An all-zero block keeps scale 0 (zeroed bytes are zeros stored), its codes divided by 1.
         rows.div_(scale.masked_fill(scale == 0, 1.0)[:, None])
         out[: blocks * BLOCK].view(torch.float8_e4m3fn).copy_(work)  # round to nearest, ties to even
@@ -197,13 +197,13 @@ class Int8(StateFormat):
                 _pointer(out.data_ptr(), ctypes.c_float),
             )
             return
-        n, blocks = out.numel(), _blocks(out.numel())
+        n, blocks, device = out.numel(), _blocks(out.numel()), out.device
         scale = raw[blocks * BLOCK :].view(torch.float32)
-        values = out if n == blocks * BLOCK else _scratch(blocks * BLOCK, "load")
+        values = out if n == blocks * BLOCK else _scratch(blocks * BLOCK, "load", device=device)
         # Decoded through a table of the 256 codes' values (exact, and faster than torch's float8 conversion).
-        codes = _scratch(blocks * BLOCK, "codes", torch.int32)
+        codes = _scratch(blocks * BLOCK, "codes", torch.int32, device)
         codes.copy_(raw[: blocks * BLOCK])
-        torch.index_select(_E4M3_VALUES, 0, codes, out=values)
+        torch.index_select(_e4m3_values(device), 0, codes, out=values)
         values.view(blocks, BLOCK).mul_(scale[:, None])
         if state in NON_NEGATIVE:
             values.square_()
@@ -246,7 +246,7 @@ def update_chunk(
     least ``fmt.stored_bytes(master.numel())`` each; elements past the master's are padding, kept as they are),
     updated in place with ``master``. ``grad`` may be overwritten."""
     names, n = rule.state_names, master.numel()
-    states = [_scratch(fmt.elements(raw.numel()), f"state{j}") for j, raw in enumerate(stored)]
+    states = [_scratch(fmt.elements(raw.numel()), f"state{j}", device=master.device) for j, raw in enumerate(stored)]
     for name, raw, state in zip(names, stored, states):
         fmt.load(raw, state, name)
     rule.apply(master, grad, [state[:n] for state in states], hp)
@@ -265,11 +265,37 @@ def _pointer(address: int, ctype: type) -> Any:
 _local = threading.local()
 
 
-def _scratch(numel: int, purpose: str, dtype: torch.dtype = torch.float32) -> Tensor:
-    """This thread's buffer for ``purpose``, of ``numel`` elements (its contents are whatever was left there). Kept
-    between calls: a fresh chunk-sized allocation per call costs more than the format's arithmetic."""
-    buffers: dict[str, Tensor] = _local.__dict__.setdefault("buffers", {})
-    buffer = buffers.get(purpose)
+def _scratch(
+    numel: int, purpose: str, dtype: torch.dtype = torch.float32, device: torch.device = _HOST
+) -> Tensor:
+    """This thread's buffer on ``device`` for ``purpose``, of ``numel`` elements (its contents are whatever was left
+    there). Kept between calls: a fresh chunk-sized allocation per call costs more than the format's arithmetic."""
+    buffers: dict[tuple[str, torch.device], Tensor] = _local.__dict__.setdefault("buffers", {})
+    buffer = buffers.get((purpose, device))
     if buffer is None or buffer.numel() < numel:
-        buffer = buffers[purpose] = torch.empty(numel, dtype=dtype)
+        buffer = buffers[(purpose, device)] = torch.empty(numel, dtype=dtype, device=device)
     return buffer[:numel]
+
+
+def _ieee_sqrt(values: Tensor, out: Tensor) -> None:
+    """``out`` = the square root of ``values``, correctly rounded (IEEE 754), on their device.
+
+    On the host through numpy (C's ``sqrtf``): torch's vectorised CPU kernel is an approximation (one in six
+    results differs in the last bit), which no other device could reproduce. CUDA's ``sqrt`` is IEEE's (torch is
+    built without fast math), so there torch's own runs.
+    """
+    if values.device.type == "cpu":
+        numpy.sqrt(values.numpy(), out=out.numpy())
+    else:
+        torch.sqrt(values, out=out)
+
+
+#: The E4M3 code table by device: each device decodes from a copy in its own memory.
+_E4M3_BY_DEVICE: dict[torch.device, Tensor] = {_HOST: _E4M3_VALUES}
+
+
+def _e4m3_values(device: torch.device) -> Tensor:
+    table = _E4M3_BY_DEVICE.get(device)
+    if table is None:
+        table = _E4M3_BY_DEVICE[device] = _E4M3_VALUES.to(device)
+    return table

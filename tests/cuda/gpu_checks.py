@@ -309,6 +309,50 @@ def accelerator_tier(device: str, out: Path) -> dict:
     return {"accelerator_read_bytes": traffic.accelerator_read_bytes}
 
 
+def accelerator_formats(device: str, out: Path) -> dict:
+    """The state in bf16 and int8 in GPU memory: stored and loaded there byte for byte as the host's plain-torch
+    reference of each format (values over forty orders of magnitude, both signs, zeros, partial blocks); and half the
+    state in GPU memory trains as all of it on the storage path, in the same format, within rounding."""
+    from lightning_smartinf.core.state_formats import reference_format, state_format
+
+    generator = torch.Generator().manual_seed(0)
+    n = 3 * 256 * 1024 + 77  # a partial last block
+    values = torch.randn(n, generator=generator) * 10.0 ** torch.randint(-30, 10, (n,), generator=generator)
+    values[::97] = 0.0
+    values[1::89] = -0.0
+    compared = 0
+    for name in ("bf16", "int8"):
+        host, gpu = reference_format(name), state_format(name)
+        for state in ("exp_avg", "exp_avg_sq"):
+            x = values.abs() if state == "exp_avg_sq" else values
+            expected = torch.empty(host.stored_bytes(n), dtype=torch.uint8)
+            host.store(x, expected, state)
+            got = torch.empty(gpu.stored_bytes(n), dtype=torch.uint8, device=device)
+            gpu.store(x.to(device), got, state)
+            assert torch.equal(got.cpu(), expected), f"{name} {state}: the GPU stored other bytes than the reference"
+            back_host, back_gpu = torch.empty(n), torch.empty(n, device=device)
+            host.load(expected, back_host, state)
+            gpu.load(got, back_gpu, state)
+            assert torch.equal(back_gpu.cpu(), back_host), f"{name} {state}: the GPU loaded other values"
+            compared += 1
+    steps, results, trainers = 6, {}, {}
+    for name, budget in (("all_on_storage", None), ("half_in_memory", "half")):
+        if budget == "half":
+            budget = trainers["all_on_storage"].strategy.traffic.storage_read_bytes // steps // 2
+        trainers[name], results[name] = fit(
+            LMModule(adamw),
+            strategy(out, name, state_accelerator_budget=budget, state_precision="int8"),
+            steps=steps,
+            precision="bf16-mixed",
+            accelerator=device,
+        )
+    for name, value in results["all_on_storage"].items():
+        torch.testing.assert_close(results["half_in_memory"][name], value, rtol=1e-3, atol=1e-3)
+    traffic = trainers["half_in_memory"].strategy.traffic
+    assert traffic.accelerator_read_bytes > 0 and traffic.storage_read_bytes > 0, traffic
+    return {"conversions_compared": compared, "accelerator_read_bytes": traffic.accelerator_read_bytes}
+
+
 def activations_zero3(device: str, out: Path) -> dict:
     """``offload_activations=True`` under ZeRO-3, launched by Lightning: bit for bit the run without it."""
     runs = {}
@@ -513,6 +557,7 @@ CHECKS: dict[str, Check] = {
     "params_on_storage": Check(params_on_storage),
     "compression_host_buffer": Check(compression_host_buffer),
     "accelerator_tier": Check(accelerator_tier, on_cpu=False),
+    "accelerator_formats": Check(accelerator_formats, on_cpu=False),
     "activations_zero3": Check(activations_zero3),
     "checkpoint_resume": Check(checkpoint_resume),
     "stream_hazards": Check(stream_hazards, on_cpu=False),

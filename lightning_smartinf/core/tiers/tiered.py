@@ -252,15 +252,6 @@ class TieredBackend(Backend, ABC):
         devices = self._storage_count() + (self.memory_bytes > 0) + (self.accelerator_bytes > 0)
         return check_assignment(tiered, shards, devices)
 
-    def _check_formats(self, shards: Sequence[ShardSpec]) -> None:
-        """Refuse state in another format than fp32 where an accelerator tier may hold it (its update runs on fp32
-        records in accelerator memory)."""
-        if self.accelerator_bytes and (formats := sorted({s.state_format for s in shards} - {"fp32"})):
-            raise ValueError(
-                f"The accelerator tier holds the optimizer state in fp32 only, not in {formats}. Drop "
-                "`state_accelerator_budget`, or use `state_precision='fp32'`."
-            )
-
     def _initial_share(self, shards: Sequence[ShardSpec], beside: int) -> int:
         """Memory's share before anything is measured: beside ``beside`` devices that compute and a share that is
         measured, what one more of them would hold; otherwise the whole budget."""
@@ -415,7 +406,6 @@ class AttachedTiers(TieredBackend):
     def open(self, shards: Sequence[ShardSpec]) -> None:
         if self._where:
             raise RuntimeError("`TieredBackend.open` was already called.")
-        self._check_formats(shards)
         self._memory_share = self._initial_share(shards, self._storage_count())
         self.inner.placement = Fixed(self._split(shards, self._memory_share))
         self.inner.open(shards)
@@ -590,7 +580,6 @@ class BesideTiers(TieredBackend):
     def open(self, shards: Sequence[ShardSpec]) -> None:
         if self._where:
             raise RuntimeError("`TieredBackend.open` was already called.")
-        self._check_formats(shards)
         self._memory_share = self._initial_share(shards, self.inner.num_devices)
         split = self._split(shards, self._memory_share)
         self._local_shards = [spec.index for spec, d in zip(shards, split) if d > 0]
