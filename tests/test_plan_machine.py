@@ -163,10 +163,10 @@ def test_a_bad_machine_profile_is_refused_with_every_problem(tmp_path, capsys):
     for text in (
         '`host_memory_gb` is missing: add e.g. `"host_memory_gb": 256`',
         "`backend='xrt'`",
-        "`storage[0]=",
-        "`storage[1].read_gbps=-1` must be a number > 0",
-        "`gpu=",
-        "unknown key(s) ['colour']",
+        "`storage[0]` lacks the key 'write_gbps'",
+        "`storage[1]['read_gbps']=-1` is out of range: it must be a finite number > 0",
+        "`gpu` lacks the keys 'link_gbps', 'peak_tflops'",
+        "`profile` has unknown key 'colour'",
     ):
         assert text in err, text
     assert main(["--model", "7B", "--profile", EXAMPLE, "--devices", "3"]) == 2

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.state_formats import FORMATS
 from lightning_smartinf.plan.cost_model import PlanError, Profile, read_profile
 
@@ -122,47 +123,39 @@ class Machine:
     @classmethod
     def from_dict(cls, data: dict[str, Any], origin: str = "profile") -> Machine:
         """A machine from its JSON object; one :class:`PlanError` lists every problem."""
-        problems: list[str] = []
+        problems = Problems(f"{origin} ({MACHINE_KIND} profile)", PlanError)
         known = {f.name for f in fields(cls)}
-        _unknown(problems, "", data, known | {"comment"})
+        problems.keys("profile", data, sorted(known | {"comment"}))
         for key, example in _REQUIRED.items():
             if key not in data:
-                problems.append(
+                problems.add(
                     f"`{key}` is missing: add e.g. `{example}`, or write the profile with "
                     "`smartinf plan --calibrate PATH [PATH ...] -o profile.json`."
                 )
-        if data.get("kind", MACHINE_KIND) != MACHINE_KIND:
-            problems.append(f"`kind={data['kind']!r}` is not {MACHINE_KIND!r}.")
+        problems.choice("kind", data.get("kind", MACHINE_KIND), (MACHINE_KIND,))
         if data.get("backend", "cpu") != "cpu":
-            problems.append(
+            problems.add(
                 f"`backend={data['backend']!r}`: a {MACHINE_KIND} profile runs the update on host cores, so it must be "
                 "'cpu'. SmartSSDs are modelled by the paper profiles (--profile paper-a5000)."
             )
         storage = _storage(problems, data.get("storage"))
         gpu = _gpu(problems, data.get("gpu"))
         for key in ("host_memory_gb", "device_update_gparams_per_s", "host_update_gparams_per_s"):
-            _positive(problems, key, data.get(key, 1.0))
-        for key in ("together_read_write_gbps", "state_memory_gb"):
-            if data.get(key) is not None:
-                _positive(problems, key, data[key], zero=key == "state_memory_gb")
-        if data.get("cpu_cores") is not None and (not isinstance(data["cpu_cores"], int) or data["cpu_cores"] < 1):
-            problems.append(f"`cpu_cores={data['cpu_cores']!r}` must be an int >= 1, or null.")
-        _positive(problems, "cpu_step_s_per_gparam", data.get("cpu_step_s_per_gparam", 0.0), zero=True)
+            problems.number(key, data.get(key, 1.0), low=0, above=True)
+        problems.number(
+            "together_read_write_gbps", data.get("together_read_write_gbps"), low=0, above=True, optional=True
+        )
+        problems.number("state_memory_gb", data.get("state_memory_gb"), low=0, optional=True)
+        problems.integer("cpu_cores", data.get("cpu_cores"), low=1, optional=True)
+        problems.number("cpu_step_s_per_gparam", data.get("cpu_step_s_per_gparam", 0.0), low=0)
         costs = data.get("update_cost_by_precision", {})
-        if not isinstance(costs, dict) or any(k not in FORMATS for k in costs):
-            problems.append(
-                f"`update_cost_by_precision={costs!r}` must map state precisions ({', '.join(FORMATS)}) to numbers."
-            )
-        else:
-            for key, value in costs.items():
-                _positive(problems, f"update_cost_by_precision[{key!r}]", value)
-        if data.get("transfer_bytes", 2) not in (2, 4):
-            problems.append(f"`transfer_bytes={data['transfer_bytes']!r}` must be 2 (bf16/fp16) or 4 (fp32).")
-        if problems:
-            raise PlanError(
-                f"{origin}: {len(problems)} problem(s) in the {MACHINE_KIND} profile:\n"
-                + "\n".join(f"- {line}" for line in problems)
-            )
+        if problems.instance("update_cost_by_precision", costs, dict, f"a map of {', '.join(FORMATS)} to numbers"):
+            within = problems.within("update_cost_by_precision")
+            if problems.keys("update_cost_by_precision", costs, FORMATS):
+                for key, value in costs.items():
+                    within.number(key, value, low=0, above=True)
+        problems.choice("transfer_bytes", data.get("transfer_bytes", 2), (2, 4))
+        problems.raise_if_any()
         clean = {k: v for k, v in data.items() if k in known}
         return cls(**{**clean, "storage": storage, "gpu": gpu})
 
@@ -277,24 +270,11 @@ _REQUIRED = {
 }
 
 
-def _unknown(problems: list[str], where: str, data: dict[str, Any], known: set[str]) -> None:
-    extra = sorted(set(data) - known)
-    if extra:
-        problems.append(f"unknown key(s) {extra}{where}; allowed: {sorted(known)}. Check the spelling.")
-
-
-def _positive(problems: list[str], key: str, value: Any, *, zero: bool = False) -> bool:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if zero else value > 0)
-    if not ok:
-        problems.append(f"`{key}={value!r}` must be a number {'>= 0' if zero else '> 0'}.")
-    return ok
-
-
-def _storage(problems: list[str], entries: Any) -> tuple[StoragePath, ...]:
+def _storage(problems: Problems, entries: Any) -> tuple[StoragePath, ...]:
     if entries is None:
         return ()
     if not isinstance(entries, list) or not entries:
-        problems.append(
+        problems.add(
             f"`storage={entries!r}` must be a non-empty list of paths, each "
             '{"path": "/mnt/nvme0", "read_gbps": 3.0, "write_gbps": 2.5}.'
         )
@@ -302,38 +282,33 @@ def _storage(problems: list[str], entries: Any) -> tuple[StoragePath, ...]:
     known = {f.name for f in fields(StoragePath)}
     paths: list[StoragePath] = []
     for i, entry in enumerate(entries):
-        if not isinstance(entry, dict) or not all(k in entry for k in ("path", "read_gbps", "write_gbps")):
-            problems.append(f"`storage[{i}]={entry!r}` needs at least `path`, `read_gbps` and `write_gbps`.")
+        within = problems.within("storage").within(i)
+        if not problems.instance(f"storage[{i}]", entry, dict, "an object with `path`, `read_gbps`, `write_gbps`"):
             continue
-        _unknown(problems, f" in `storage[{i}]`", entry, known)
-        ok = all(_positive(problems, f"storage[{i}].{k}", entry[k]) for k in ("read_gbps", "write_gbps"))
-        if entry.get("read_write_gbps") is not None:
-            ok = _positive(problems, f"storage[{i}].read_write_gbps", entry["read_write_gbps"]) and ok
-        if entry.get("free_gb") is not None:
-            ok = _positive(problems, f"storage[{i}].free_gb", entry["free_gb"], zero=True) and ok
-        if ok and not set(entry) - known:
+        if not problems.keys(f"storage[{i}]", entry, sorted(known), required=("path", "read_gbps", "write_gbps")):
+            continue
+        ok = [within.number(k, entry[k], low=0, above=True) for k in ("read_gbps", "write_gbps")]
+        ok.append(within.number("read_write_gbps", entry.get("read_write_gbps"), low=0, above=True, optional=True))
+        ok.append(within.number("free_gb", entry.get("free_gb"), low=0, optional=True))
+        if all(ok):
             paths.append(StoragePath(**entry))
     names = [p.path for p in paths]
     for name in sorted({n for n in names if names.count(n) > 1}):
-        problems.append(f"storage path {name!r} is listed {names.count(name)} times; name each path once.")
+        problems.add(f"storage path {name!r} is listed {names.count(name)} times; name each path once.")
     return tuple(paths)
 
 
-def _gpu(problems: list[str], entry: Any) -> Gpu | None:
+def _gpu(problems: Problems, entry: Any) -> Gpu | None:
     if entry is None:
         return None
-    known = {f.name for f in fields(Gpu)}
-    if not isinstance(entry, dict) or not all(k in entry for k in ("name", "memory_gb", "link_gbps", "peak_tflops")):
-        problems.append(
-            f"`gpu={entry!r}` must be null (no GPU) or an object with `name`, `memory_gb`, `link_gbps` and "
-            "`peak_tflops` (and optionally `efficiency`)."
-        )
+    required = ("name", "memory_gb", "link_gbps", "peak_tflops")
+    allowed = "null (no GPU) or an object with `name`, `memory_gb`, `link_gbps`, `peak_tflops` (and `efficiency`)"
+    within = problems.within("gpu")
+    known = [f.name for f in fields(Gpu)]
+    if not problems.instance("gpu", entry, dict, allowed) or not problems.keys("gpu", entry, known, required=required):
         return None
-    _unknown(problems, " in `gpu`", entry, known)
-    ok = all(_positive(problems, f"gpu.{k}", entry[k]) for k in ("memory_gb", "link_gbps", "peak_tflops"))
-    if "efficiency" in entry and not (_positive(problems, "gpu.efficiency", entry["efficiency"])):
-        ok = False
-    elif entry.get("efficiency", 0.4) > 1:
-        problems.append(f"`gpu.efficiency={entry['efficiency']!r}` is a share of the peak: it must be <= 1.")
-        ok = False
-    return Gpu(**entry) if ok and not set(entry) - known else None
+    ok = [within.number(k, entry[k], low=0, above=True) for k in required[1:]]
+    ok.append(
+        within.number("efficiency", entry.get("efficiency", 0.4), low=0, high=1, above=True, why="a share of the peak")
+    )
+    return Gpu(**entry) if all(ok) else None
