@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from scripts.ckpt_common import EVERY, adamw_cosine, train
 
 from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.commands.export import consolidate_fp32_state_dict
 from lightning_smartinf.core.format import checkpoint_folder
 from lightning_smartinf.core.format.state_files import read_manifest
 from lightning_smartinf.core.state_formats import state_format
@@ -39,6 +40,10 @@ def test_a_fit_keeps_its_state_in_the_format_and_resumes_bit_identically(tmp_pat
             fmt.store(value, raw, name)
             fmt.load(raw, again, name)
             assert torch.equal(again, value), name
+    # `smartinf export`'s reader takes every master out of the records in the format, exactly as they were saved.
+    exported = torch.cat([w.flatten() for w in consolidate_fp32_state_dict(half).values()])
+    saved = torch.cat([states["master"] for states in device_states(half).values()])
+    assert exported.dtype == torch.float32 and torch.equal(exported.sort().values, saved.sort().values)
     # Near the fp32 run after a few steps, and not the same.
     assert any(not torch.equal(whole[n], fp32[n]) for n in fp32)
     initial = LMModule(adamw_cosine).state_dict()
