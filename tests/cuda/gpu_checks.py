@@ -282,16 +282,17 @@ def compression_host_buffer(device: str, out: Path) -> dict:
     return {"link_write_bytes": runs["host"][0], "max_relative_error": error}
 
 
-def accelerator_tier(device: str, out: Path) -> dict:
-    """Half the state in GPU memory against all of it on the storage path: the same training within rounding, the
-    GPU shards' traffic counted apart; a budget beyond the GPU's free memory is refused at set-up, on its own GPU."""
+def half_in_gpu_memory(device: str, out: Path, **kwargs: Any) -> Any:
+    """Train with all of the state on the storage path, then with half of it in GPU memory (``kwargs``: the
+    strategy's other settings, the same in both): the same parameters within rounding; returns the second run's
+    traffic, which counted the GPU shards apart."""
     steps, results, trainers = 6, {}, {}
     for name, budget in (("all_on_storage", None), ("half_in_memory", "half")):
         if budget == "half":  # of the state the first run read per step (the whole model's state takes 0.3 MiB)
             budget = trainers["all_on_storage"].strategy.traffic.storage_read_bytes // steps // 2
         trainers[name], results[name] = fit(
             LMModule(adamw),
-            strategy(out, name, state_accelerator_budget=budget),
+            strategy(out, f"{name}-{kwargs.get('state_precision', 'fp32')}", state_accelerator_budget=budget, **kwargs),
             steps=steps,
             precision="bf16-mixed",
             accelerator=device,
@@ -300,6 +301,13 @@ def accelerator_tier(device: str, out: Path) -> dict:
         torch.testing.assert_close(results["half_in_memory"][name], value, rtol=1e-3, atol=1e-3)
     traffic = trainers["half_in_memory"].strategy.traffic
     assert traffic.accelerator_read_bytes > 0 and traffic.storage_read_bytes > 0, traffic
+    return traffic
+
+
+def accelerator_tier(device: str, out: Path) -> dict:
+    """Half the state in GPU memory against all of it on the storage path: the same training within rounding, the
+    GPU shards' traffic counted apart; a budget beyond the GPU's free memory is refused at set-up, on its own GPU."""
+    traffic = half_in_gpu_memory(device, out)
     try:
         fit(LMModule(adamw), strategy(out, "too-much", state_accelerator_budget="100TiB"), steps=1, accelerator=device)
     except Exception as exc:  # noqa: BLE001 - the message is what is checked
@@ -335,21 +343,7 @@ def accelerator_formats(device: str, out: Path) -> dict:
             gpu.load(got, back_gpu, state)
             assert torch.equal(back_gpu.cpu(), back_host), f"{name} {state}: the GPU loaded other values"
             compared += 1
-    steps, results, trainers = 6, {}, {}
-    for name, budget in (("all_on_storage", None), ("half_in_memory", "half")):
-        if budget == "half":
-            budget = trainers["all_on_storage"].strategy.traffic.storage_read_bytes // steps // 2
-        trainers[name], results[name] = fit(
-            LMModule(adamw),
-            strategy(out, name, state_accelerator_budget=budget, state_precision="int8"),
-            steps=steps,
-            precision="bf16-mixed",
-            accelerator=device,
-        )
-    for name, value in results["all_on_storage"].items():
-        torch.testing.assert_close(results["half_in_memory"][name], value, rtol=1e-3, atol=1e-3)
-    traffic = trainers["half_in_memory"].strategy.traffic
-    assert traffic.accelerator_read_bytes > 0 and traffic.storage_read_bytes > 0, traffic
+    traffic = half_in_gpu_memory(device, out, state_precision="int8")
     return {"conversions_compared": compared, "accelerator_read_bytes": traffic.accelerator_read_bytes}
 
 
