@@ -435,6 +435,7 @@ def test_read_buffers_come_back_to_the_pool(tmp_path):
     off.close()
 
 
+@pytest.mark.slow
 def test_settings_left_to_none_are_chosen_from_measurements(tmp_path, caplog):
     """threshold_bytes, keep_last and max_inflight_bytes chosen after the measured micro-batches, logged, and the
     gradients stay bitwise equal through the switch."""

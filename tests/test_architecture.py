@@ -16,6 +16,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from helpers.machine import lacking
 
 REPO = Path(__file__).resolve().parents[1]
@@ -424,6 +425,7 @@ def _assert_prebuilt(loaded: list[Path], cache: Path) -> None:
     assert not (cache / "torch_extensions").exists(), f"an op was built under {cache / 'torch_extensions'}"
 
 
+@pytest.mark.slow
 def test_import_changes_no_environment_variable_and_registers_the_strategy(tmp_path: Path) -> None:
     # Lightning's own import sets variables of its own (PYTORCH_NVML_BASED_CUDA_CHECK, TORCHINDUCTOR_CACHE_DIR);
     # what the package's import changes is measured after it.
@@ -440,6 +442,7 @@ def test_import_changes_no_environment_variable_and_registers_the_strategy(tmp_p
     )
 
 
+@pytest.mark.slow
 def test_the_strategy_is_registered_when_lightning_is_imported_after_the_package(tmp_path: Path) -> None:
     """`import lightning_smartinf` first imports neither Lightning nor DeepSpeed (the server and the planner need
     neither); `Trainer(strategy="smart_infinity")` works once Lightning is imported after it."""
@@ -492,6 +495,7 @@ trainer.fit(LMModule(lambda model: (torch.optim.AdamW(model.parameters(), lr=1e-
 """
 
 
+@pytest.mark.slow
 def test_a_first_fit_loads_every_op_prebuilt(tmp_path: Path) -> None:
     """DeepSpeed loads ops of its own during fit (on the CPU accelerator ``deepspeed.init_distributed`` loads the
     shared-memory comm op); those come from the pre-built ones too."""
@@ -510,6 +514,7 @@ def test_a_first_fit_loads_every_op_prebuilt(tmp_path: Path) -> None:
     assert set(expected) <= set(loaded), f"expected {expected} loaded, found {loaded}"
 
 
+@pytest.mark.slow
 def test_a_moved_module_imports_by_its_old_name_with_a_warning() -> None:
     """Every old name of a moved module imports as the module at its new place, warning once, in a fresh
     interpreter (also ``python -m`` of the old name of the demo)."""
@@ -538,6 +543,7 @@ def test_a_moved_module_imports_by_its_old_name_with_a_warning() -> None:
     assert demo.returncode == 0 and "usage: smartinf demo" in demo.stdout, demo.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_python_m_of_a_moved_name_runs_with_the_modules_file_as_argv0() -> None:
     """``python -m lightning_smartinf.demo`` (the old name) runs with ``sys.argv[0]`` the moved module's file, as
     ``python -m`` of the new name does: runpy takes it from the spec's origin, and a ``None`` there failed the demo

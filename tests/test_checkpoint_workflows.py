@@ -129,6 +129,7 @@ def test_save_last_link_resumes_through_the_link(reference, tmp_path) -> None:
     assert_identical(resumed, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("storage", ["paths", "temporary"])
 def test_trainer_save_checkpoint_after_fit_twice_to_one_path(tmp_path, storage) -> None:
     """`fit` then `trainer.save_checkpoint(path)`, twice; with `storage_paths=None` the state is in a temp dir."""

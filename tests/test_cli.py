@@ -39,6 +39,7 @@ def test_plan_subcommand(capsys):
     assert "ZeRO-Infinity" in out and "SmartInfinityStrategy(" in out
 
 
+@pytest.mark.slow
 def test_demo_trains_and_reports_traffic(demo_run):
     assert "step    6  loss" in demo_run
     assert "less over the shared link" in demo_run
@@ -165,6 +166,7 @@ def test_test_subcommand_runs_the_test_loop(tmp_path):
     assert test_loss == pytest.approx(val_loss, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_python_dash_m_fit_help_lists_recipe_keys():
     result = python("-m", "lightning_smartinf", "fit", "--help", cwd=REPO_ROOT, timeout=300)
     assert "usage: smartinf [options] fit" in result.stdout
@@ -183,6 +185,7 @@ def test_every_recipe_parses_against_the_real_signatures(path, capsys):
     assert printed["monitor"] == {"token_key": "input_ids", "progress_bar": True}
 
 
+@pytest.mark.slow
 def test_print_config_writes_yaml_only_on_stdout():
     """`smartinf fit --print_config > config.yaml` gives a config that loads, also where DeepSpeed picks its
     accelerator itself and logs it (on stdout, were it not moved): its logs go to stderr."""

@@ -45,6 +45,7 @@ class StepMetrics(L.Callback):
         return sum(kept_count(n, ratio) for n in self.segments)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_ratio_one_is_the_uncompressed_path(tmp_path, precision) -> None:
     """Compression on but keeping everything (error feedback on) trains to bit-identical parameters with the
@@ -118,6 +119,7 @@ def test_warmup_dense_then_dgc_schedule_then_target(tmp_path) -> None:
             assert step["smartinf/link_write_bytes"] == metrics.sent(ratio) * (4 + 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
 def test_resume_with_residual_is_bit_identical(tmp_path, clip) -> None:
     """With clipping the residual is held in the units of the step that last added to it; resuming restores them."""
@@ -145,6 +147,7 @@ def test_resume_with_residual_is_bit_identical(tmp_path, clip) -> None:
         train(tmp_path / "corrupt", steps=2 * EVERY, ckpt_path=checkpoint, every=None, **comp)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("rule", ["auto", pytest.param("ef_adafactor", marks=pytest.mark.slow)])
 def test_two_ranks_each_compress_their_own_partition(tmp_path, free_port, rule) -> None:

@@ -292,6 +292,7 @@ def test_resume_is_bit_identical(tmp_path) -> None:
     assert all(torch.equal(resumed[n], expected[n]) for n in expected)
 
 
+@pytest.mark.slow
 def test_resume_from_ef_adam_converts_and_so_does_the_way_back(tmp_path, caplog) -> None:
     """EF-Adam's state loads into EF-Adafactor (its second moment dropped, the host's starting fresh). EF-Adafactor's
     loads into dense AdamW, whose moments start from zero on the devices: their bias correction restarts with them

@@ -95,6 +95,7 @@ def test_state_bytes_follow_the_rule() -> None:
 # ---------------------------------------------------------------------------------------- through the strategy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_ratio_one_is_adamw_without_first_moment_bitwise(tmp_path, precision) -> None:
     """Keeping every entry, EF-Adam through the strategy is the dense run of AdamW(betas=(0, beta2)), bit for bit,
@@ -169,6 +170,7 @@ def test_resume_is_bit_identical(tmp_path) -> None:
     assert all(torch.equal(resumed[n], expected[n]) for n in expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("before", "after"), [("optimizer", "ef_adam"), ("ef_adam", "optimizer")])
 def test_resume_across_rules_converts_the_device_state(tmp_path, caplog, before, after) -> None:
     """A run saved under one rule resumes under the other (compression's rule changed, e.g. a checkpoint from before

@@ -133,6 +133,7 @@ def test_bf16_matches_deepspeed_stage3_cpu_offload(tmp_path):
     assert mean_abs < 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("precision", "compression", "accumulate"),
     [("32-true", None, 2), ("bf16-mixed", 0.05, 1)],

@@ -36,6 +36,7 @@ DIM = 512  # the MLP weights' partitions reach DeepSpeed's 1 MiB and go to stora
 adamw = adamw_factory()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("offload_parameters", "gradient_buffer"),
     [("storage", "host"), (True, "accelerator")],

@@ -240,6 +240,7 @@ def test_two_ranks_save_pretrained_gathers_every_partition(tmp_path, gpt2_dir, f
 # ---------------------------------------------------------------------------------------------- classification
 
 
+@pytest.mark.slow
 def test_minilm_sequence_classification_finetune(tmp_path, minilm_dir):
     """The packaged all-MiniLM-L6-v2 loads into ZeRO-3 partitions (weights are the pretrained ones), fine-tunes
     with a new 2-way head and comes back as a save_pretrained directory with its labels."""

@@ -76,6 +76,7 @@ def test_offline_and_not_cached_is_one_clear_error_naming_the_id_and_the_cache(t
         HFCausalLM(model_path="acme/tiny-gpt2", revision="v9")
 
 
+@pytest.mark.slow
 def test_export_takes_a_hub_id_for_the_config_and_tokenizer(tmp_path, hub):
     """`smartinf export --hf-model-dir <id>` offline without the id cached: one error, exit status 2."""
     checkpoint = tmp_path / "ckpt"

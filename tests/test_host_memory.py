@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import lightning as L
 import psutil
+import pytest
 from helpers.launch import python, worker_env
 from helpers.models import LMModule, adamw_factory, fit
 
@@ -22,6 +23,7 @@ class RssProbe(L.Callback):
 adamw = adamw_factory(lr=1e-3)
 
 
+@pytest.mark.slow
 def test_update_path_memory_is_flat_while_state_grows_4x(tmp_path):
     results = {}
     for dim in (128, 256):  # 4x the parameters of the matrices
@@ -73,6 +75,7 @@ print(own_mapping(2 << 20))
 """
 
 
+@pytest.mark.slow
 def test_large_host_blocks_are_mappings_given_back_when_freed(tmp_path, free_port):
     """glibc raises its mmap threshold as large blocks are freed and keeps later layer-sized blocks on a heap whose
     holes stay in the RSS; from set-up on, the strategy gives every block of 1 MiB or more a mapping of its own."""

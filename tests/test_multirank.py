@@ -16,6 +16,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "train_two_ranks.py"
 STEPS = 8
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_ranks_match_one_rank(tmp_path, free_port):
     storage = [tmp_path / "ssd0", tmp_path / "ssd1"]

@@ -121,6 +121,7 @@ def _snapshot(directory: Path) -> dict[str, tuple[str, int]]:
     }
 
 
+@pytest.mark.slow
 def test_second_trainer_on_a_storage_path_in_use_stops_before_touching_it(tmp_path):
     storage, go = tmp_path / "ssd", tmp_path / "go"
     storage.mkdir(mode=0o755)
@@ -166,6 +167,7 @@ def test_a_symlink_under_the_storage_path_is_refused(tmp_path, planted):
     assert not any(target.iterdir())
 
 
+@pytest.mark.slow
 def test_temporary_storage_of_a_killed_run_is_removed_at_the_next_start(tmp_path, monkeypatch):
     root = tmp_path / "tmp"
     root.mkdir()

@@ -51,6 +51,7 @@ def param_files(root: Path) -> list[Path]:
     return sorted(root.glob("smartinf/rank*/params/**/*.swp"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("precision", "extra"),
     [
@@ -116,6 +117,7 @@ class BuiltInConfigureModel(LMModule):
                     weight.mul_(0.5)
 
 
+@pytest.mark.slow
 def test_a_model_built_in_configure_model_goes_straight_to_storage_and_trains_bit_for_bit(tmp_path) -> None:
     _, reference = fit(
         BuiltInConfigureModel(), strategy(tmp_path / "memory", True), steps=3, accumulate=2, precision="bf16-true"
@@ -163,6 +165,7 @@ def _trainer(path: Path, offload: bool | str, steps: int, callbacks=(), **kwargs
     )
 
 
+@pytest.mark.slow
 def test_save_last_resume_and_evaluation_with_parameters_on_storage(tmp_path) -> None:
     """Stock ``ModelCheckpoint(save_last=True)`` saves over ``last.ckpt``; ``fit(ckpt_path=...)`` resumes bit for bit,
     with the parameters on storage or in memory; validate, test and predict run on the stored parameters."""

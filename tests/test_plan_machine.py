@@ -264,6 +264,7 @@ def test_json_stdout_holds_json_only(tmp_path, capsys, monkeypatch):
     assert answer["calibrated_profile"]["kind"] == "local-nvme" and answer["kind"] == "local-nvme"
 
 
+@pytest.mark.slow
 def test_planning_in_a_fresh_process_imports_neither_deepspeed_nor_lightning():
     """`python -m lightning_smartinf.plan ... --json` prints parseable JSON, and a plan loads no DeepSpeed and no
     Lightning (torch: see docs/planner.md)."""

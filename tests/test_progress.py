@@ -88,6 +88,7 @@ def ended(stderr: str) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.slow
 def test_each_long_operation_says_once_when_it_ends_where_stderr_is_not_a_terminal(tmp_path):
     stderr = journey(tmp_path, "--hf")
     counts = ended(stderr)
@@ -98,6 +99,7 @@ def test_each_long_operation_says_once_when_it_ends_where_stderr_is_not_a_termin
     assert not re.search(r"optimizer state[^\n]*%\|", stderr)  # no bar of ours
 
 
+@pytest.mark.slow
 def test_switched_off_nothing_is_said(tmp_path):
     stderr = journey(tmp_path, env={"SMARTINF_PROGRESS": "0"})
     assert ended(stderr) == {} and "Writing the initial" not in stderr, stderr[-3000:]
@@ -122,6 +124,7 @@ def test_only_the_first_rank_says_anything(tmp_path):
     assert ended(stderr) == FIT, stderr[-4000:]
 
 
+@pytest.mark.slow
 def test_calibration_says_what_it_measures_and_when_it_is_done(tmp_path):
     """`smartinf plan --calibrate` (a minute on a real disk): announced, then one line with its count and time."""
     (tmp_path / "disk").mkdir()

@@ -33,6 +33,7 @@ def warning_lines(output: str) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_the_demo_prints_at_most_5_warning_lines(demo_run) -> None:
     assert re.search(r"^step +\d+  loss \d", demo_run, re.M) and "host link, SmartUpdate" in demo_run
     lines = warning_lines(demo_run)
@@ -40,6 +41,7 @@ def test_the_demo_prints_at_most_5_warning_lines(demo_run) -> None:
     assert not any("reduce_scatter_tensor" in line or "litlogger" in line for line in demo_run.splitlines())
 
 
+@pytest.mark.slow
 def test_smartinf_fit_with_a_cpu_recipe_prints_at_most_5_warning_lines(gpt2_recipe_run) -> None:
     _, output = gpt2_recipe_run
     assert "max_steps=3` reached" in output

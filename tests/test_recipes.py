@@ -58,6 +58,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_cpu_recipes_train_and_save_pretrained(gpt2_recipe_run, monkeypatch):
     """Pre-train the GPT-2 from scratch (with `smartinf fit`), fine-tune the result, fine-tune MiniLM: 3 steps each,
     exported fp32."""
@@ -114,6 +115,7 @@ def test_unknown_key_inside_a_recipe_file(workdir, capsys):
     assert "Option 'max_lenght' is not accepted" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sft_recipe_trains(gpt2_recipe_run, monkeypatch, tmp_path):
     """Supervised fine-tuning of the pre-trained GPT-2 on prompt/response pairs (`SFTDataModule`), 3 steps, exported
     fp32; the tokenised pairs go to the token cache given on the command line, one entry per file."""

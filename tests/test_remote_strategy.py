@@ -61,6 +61,7 @@ def _saved_on(servers, tmp_path):
     return tmp_path / "saved" / "ckpts" / f"step={EVERY}.ckpt"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("precision", "compression"),
     [("32-true", None), ("bf16-mixed", 0.05), ("bf16-mixed", {"ratio": 0.05, "rule": "ef_adafactor"})],
@@ -102,6 +103,7 @@ def test_bad_remote_settings_are_named(tmp_path):
         SmartInfinityStrategy(backend="remote", remote_token_file=str(token))
 
 
+@pytest.mark.slow
 def test_save_last_then_resume_after_the_servers_restart_is_bit_identical(tmp_path, servers):
     import sys
     from pathlib import Path
@@ -366,6 +368,7 @@ def test_two_ranks_share_the_servers_and_match_the_local_run(tmp_path, servers, 
         assert server.log_text(since=mark).count("closed") == 2
 
 
+@pytest.mark.slow
 def test_mutual_tls_through_the_strategy(tmp_path):
     import shutil
 
@@ -401,6 +404,7 @@ class LMWithValidation(LMModule):
         self.log("val_loss", loss)
 
 
+@pytest.mark.slow
 def test_evaluate_and_export_a_checkpoint_kept_on_the_servers(tmp_path, servers, capsys):
     import lightning as L
     from helpers.models import CaptureParams, token_loader
@@ -471,6 +475,7 @@ def test_evaluate_and_export_a_checkpoint_kept_on_the_servers(tmp_path, servers,
     assert "The remote device server" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_memory_tier_beside_the_servers_trains_saves_and_resumes_bit_identically(tmp_path, servers, capsys):
     """What a user with servers and spare RAM writes: `state_memory_budget` beside `backend="remote"`, stock
     `ModelCheckpoint(save_last=True)`, `fit(ckpt_path=...)`, then export. Resumed under another split (all on the

@@ -21,6 +21,7 @@ from lightning_smartinf.core.state_formats import state_format
 STEPS = 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
 def test_a_fit_keeps_its_state_in_the_format_and_resumes_bit_identically(tmp_path, precision):
     kwargs = {"state_precision": precision}
@@ -92,6 +93,7 @@ def test_an_update_without_state_is_refused_before_anything_is_written(tmp_path)
     assert not any((tmp_path / "a").rglob("*.state"))
 
 
+@pytest.mark.slow
 def test_a_resume_onto_other_sub_groups_re_shards_every_format(tmp_path):
     """bf16 is stored element by element, so re-sharded state is the same state: the resume equals the run that
     never stopped. int8's scales belong to blocks of 256 elements, which re-sharding regroups: each element is

@@ -39,6 +39,7 @@ def sgd_momentum(model: torch.nn.Module):
     return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("make_optimizer", "accumulate", "clip", "budget"),
     [
@@ -99,6 +100,7 @@ def test_bad_xrt_settings_fail_at_construction(tmp_path, model_xclbin):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("rule", "runs_as"), [("auto", "EFAdam"), ("ef_adafactor", "EFAdafactor")])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_compressed_adamw_runs_the_ef_kernels_as_the_cpu_backend_runs_the_rule(

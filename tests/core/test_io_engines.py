@@ -196,6 +196,7 @@ print("refused cleanly")
 """
 
 
+@pytest.mark.slow
 def test_deepspeed_aio_without_lockable_memory_is_refused_not_aborted(tmp_path):
     """A user without ``CAP_IPC_LOCK`` and with an 8 MiB ``ulimit -l`` (a common default) had DeepSpeed abort the
     process on the first 12 MiB transfer (a failed ``mlock`` asserted in C++). Now: a clear error, and ``auto``

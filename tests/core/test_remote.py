@@ -288,6 +288,7 @@ def _client_dir(certificates: Path, tmp_path: Path, *, with_certificate: bool) -
     return client
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
 def test_tls_and_mutual_tls(tmp_path, token_file, certificates, mutual) -> None:
     from lightning_smartinf.devices.remote.tokens import read_tls_dir
@@ -384,6 +385,7 @@ def test_resume_with_a_server_missing_names_the_servers(tmp_path, servers, token
     fewer.close()
 
 
+@pytest.mark.slow
 def test_a_second_server_on_the_same_root_or_port_is_refused(tmp_path, servers, token_file) -> None:
     with pytest.raises(RuntimeError, match=r"did not start") as same_root:
         ServerProcess(servers[0].storage, token_file).start()

@@ -126,6 +126,7 @@ def _server_with(tmp_path: Path, *flags: str) -> ServerProcess:
     return ServerProcess([tmp_path / "root"], write_token(tmp_path / "token", TOKEN), extra=list(flags)).start()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "authorization",
     [None, "Bearer not-the-token-at-all", TOKEN, f"Bearer {TOKEN}x", f"bearer {TOKEN}"],
@@ -156,6 +157,7 @@ def test_stalled_calls_without_the_token_do_not_delay_an_authorised_one(server, 
         stranger.close()
 
 
+@pytest.mark.slow
 def test_calls_without_the_token_take_no_call_slot_while_the_workers_are_busy(tmp_path, stalls) -> None:
     """Both workers busy with a token holder's calls, and ten calls without the token arriving: those are ended at
     once, taking none of the server's six call slots, and a trainer's first contact waits for a worker and is
@@ -179,6 +181,7 @@ def test_calls_without_the_token_take_no_call_slot_while_the_workers_are_busy(tm
         server.stop()
 
 
+@pytest.mark.slow
 def test_stalled_calls_with_the_token_are_bounded_and_ended_by_the_server(tmp_path, stalls) -> None:
     """A token holder that stalls as many calls as the server takes at once gets no more: the next call is refused
     at once (``RESOURCE_EXHAUSTED``), and the server ends the stalled ones when its call limit (4 s) is up, whatever
@@ -280,6 +283,7 @@ def test_a_client_holding_calls_open_leaves_workers_to_the_others(tmp_path, stal
         server.stop()
 
 
+@pytest.mark.slow
 def test_one_sessions_calls_in_flight_are_capped_and_a_refused_update_is_sent_again(tmp_path) -> None:
     """A session may have ``--max-session-calls`` calls in flight: with its one slot held by an update whose gradient
     never comes, the trainer's own update (a 1 MiB gradient, four times gRPC's retry buffer) is refused for a busy
@@ -335,6 +339,7 @@ def test_one_sessions_calls_in_flight_are_capped_and_a_refused_update_is_sent_ag
         server.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kwargs", "specs", "refused"),
     [
@@ -354,6 +359,7 @@ def test_what_a_session_may_take_is_the_servers_to_decide(server, tmp_path, kwar
     _opened(server).close()  # the server goes on serving
 
 
+@pytest.mark.slow
 def test_the_sessions_buffers_together_are_bounded(tmp_path) -> None:
     """Each session's transfer buffers fit its own cap; together they fit the server's (`--max-pools`): a session
     that would pass it is refused until another closes."""
@@ -630,6 +636,7 @@ def test_a_session_without_calls_expires_and_its_state_is_removed(tmp_path) -> N
         process.stop()
 
 
+@pytest.mark.slow
 def test_a_killed_servers_sessions_and_saves_are_gone_after_its_restart(tmp_path) -> None:
     token_file = write_token(tmp_path / "token", TOKEN)
     process = ServerProcess([tmp_path / "root"], token_file).start()
@@ -652,6 +659,7 @@ def test_a_killed_servers_sessions_and_saves_are_gone_after_its_restart(tmp_path
         client._closed = True  # its server was killed: nothing to close
 
 
+@pytest.mark.slow
 def test_the_client_closes_its_sessions_on_every_server_when_one_fails(tmp_path) -> None:
     token_file = write_token(tmp_path / "token", TOKEN)
     servers = [ServerProcess([tmp_path / f"root{i}"], token_file).start() for i in range(2)]
@@ -673,6 +681,7 @@ def test_the_client_closes_its_sessions_on_every_server_when_one_fails(tmp_path)
             process.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:0", "10.1.2.3:50051", "storage1.example:50051"])
 def test_a_server_on_a_public_address_without_tls_refuses_to_start(tmp_path, listen) -> None:
     """Checked before anything is bound or read: the message names the fixes."""
@@ -790,6 +799,7 @@ def test_the_session_quota_counts_tentative_copies_and_checkpoints(tmp_path) -> 
         server.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prune", [False, True], ids=["refused", "pruned"])
 def test_a_labels_checkpoints_are_capped_and_pruned_only_when_asked(tmp_path, prune) -> None:
     """``--max-label-checkpoints 2``: the third save of a label is refused before anything is written, or, with
@@ -826,6 +836,7 @@ def _rss(pid: int) -> int:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
+@pytest.mark.slow
 def test_masters_a_client_never_reads_stay_within_the_servers_byte_budget(tmp_path) -> None:
     """Six ``ReadMaster`` calls on a 32 MiB shard whose replies are never read, under ``--update-bytes-in-flight
     64MiB``: at most two shards' masters are held at once (the others wait for room), so the server grows by the

@@ -43,6 +43,7 @@ def _opened(port: int) -> RemoteBackend:
     return client
 
 
+@pytest.mark.slow
 def test_a_server_holds_at_most_its_sessions_and_takes_more_once_one_closes(tmp_path) -> None:
     server, servicer, port = serve([tmp_path / "root"], TOKEN, limits=ServerLimits(max_sessions=2))
     try:
@@ -123,6 +124,7 @@ def test_an_update_larger_than_the_servers_budget_is_refused_and_the_server_keep
         servicer.close()
 
 
+@pytest.mark.slow
 def test_sigterm_removes_the_state_of_open_sessions_and_keeps_checkpoints(tmp_path) -> None:
     """A server stopped as a service manager stops it (SIGTERM) with a session still open: the session's state files
     are gone, its checkpoint stays, and the server gives its root up for the next one."""
