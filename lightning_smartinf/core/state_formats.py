@@ -265,9 +265,7 @@ def _pointer(address: int, ctype: type) -> Any:
 _local = threading.local()
 
 
-def _scratch(
-    numel: int, purpose: str, dtype: torch.dtype = torch.float32, device: torch.device = _HOST
-) -> Tensor:
+def _scratch(numel: int, purpose: str, dtype: torch.dtype = torch.float32, device: torch.device = _HOST) -> Tensor:
     """This thread's buffer on ``device`` for ``purpose``, of ``numel`` elements (its contents are whatever was left
     there). Kept between calls: a fresh chunk-sized allocation per call costs more than the format's arithmetic."""
     buffers: dict[tuple[str, torch.device], Tensor] = _local.__dict__.setdefault("buffers", {})
