@@ -23,7 +23,6 @@ class RssProbe(L.Callback):
 adamw = adamw_factory(lr=1e-3)
 
 
-@pytest.mark.slow
 def test_update_path_memory_is_flat_while_state_grows_4x(tmp_path):
     results = {}
     for dim in (128, 256):  # 4x the parameters of the matrices
