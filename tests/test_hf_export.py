@@ -439,7 +439,6 @@ def deep_gpt2(tmp_path_factory: pytest.TempPathFactory, gpt2_dir: Path) -> tuple
     return root / "model", smart_fine_tune("causal", root / "model", root)
 
 
-@pytest.mark.slow
 def test_export_memory_grows_by_a_weight_file_not_the_model(tmp_path, deep_gpt2):
     """In a process of its own: writing the 38 MB model in files of 2 MB raises the peak RSS by less than a third of
     the model (the 8 MB block the checksums are read in, and a file), while consolidating it all, measured the same
