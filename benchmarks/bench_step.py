@@ -460,6 +460,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         fit_s = time.perf_counter() - t0
         steps = len(meter.step_times)
         p = module.num_params
+        tokens = args.batch * args.accumulate * args.seq * args.steps  # in the timed steps
         result: dict[str, Any] = {
             "run": args.run,
             "params": p,
@@ -467,11 +468,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             "opt_step_median_s": statistics.median(meter.step_times) if steps else None,
             "opt_step_times_s": meter.step_times,
             "train_step_mean_s": (meter.step_wall1 - meter.step_wall0) / max(args.steps, 1),
-            "tokens_per_s": args.batch
-            * args.accumulate
-            * args.seq
-            * args.steps
-            / (meter.step_wall1 - meter.step_wall0),
+            "tokens_per_s": tokens / (meter.step_wall1 - meter.step_wall0),
             "grad_norms": meter.grad_norms,
             # DeepSpeed's test (the norm plus 1e-6 over the clip above 1), on every step, warm-up included.
             "clip_fired_steps": sum(n + 1e-6 > args.clip for n in meter.grad_norms) if args.clip else 0,

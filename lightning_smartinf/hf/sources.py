@@ -65,10 +65,9 @@ def is_hub_id(value: str | os.PathLike) -> bool:
     """Whether ``value`` is read as a Hugging Face Hub id: shaped like one, and no path of that name exists."""
     if not isinstance(value, str):  # a Path, or not a name at all (its error comes from the path's check)
         return False
-    text = value
-    if text.startswith("pkg:") or Path(text).expanduser().exists():
+    if value.startswith("pkg:") or Path(value).expanduser().exists():
         return False
-    return _HUB_ID.fullmatch(text) is not None and "--" not in text and ".." not in text
+    return _HUB_ID.fullmatch(value) is not None and "--" not in value and ".." not in value
 
 
 def model_files(

@@ -395,9 +395,9 @@ def test_a_move_onto_a_full_disk_leaves_the_shard_whole_and_a_replan_goes_on_as_
         monkeypatch.setattr(logger, "level", logging.DEBUG)
         logger.addHandler(handler)
         try:
-            # The re-plan sees equal rates: the step's own depend on the machine's load, and a worker's counters may
-            # still move after the last update (a late write-back), so they are given here. Equal rates against
-            # weights of 100:1 always drift, so every re-plan moves shards onto d1.
+            # The re-plan sees equal rates, given here: it measures them again from the devices' counters, which the
+            # step's load sets and which once moved between a measurement here and the re-plan (a full suite's
+            # failure). Equal rates against weights of 100:1 always drift, so every re-plan moves shards onto d1.
             equal = {d.index: 1e9 for d in inner.storage_devices}
             monkeypatch.setattr(inner, "measure_rates", lambda: dict(equal))
             for _ in range(2):
