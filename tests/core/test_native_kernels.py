@@ -70,6 +70,26 @@ def test_every_rounding_edge_codes_as_torch_does(state):
         assert torch.equal(codes, values.to(torch.float8_e4m3fn).view(torch.uint8))
 
 
+@pytest.mark.parametrize("state", ["exp_avg", "exp_avg_sq"])
+def test_blocks_of_subnormal_scale_saturate_as_torch_does(state):
+    """A block whose largest magnitude is under 448 * 2**-126 has a subnormal scale, rounded enough that an element
+    over it reaches 512: torch's conversion saturates such a quotient to 448's code (an earlier kernel coded it as
+    NaN, which would have poisoned the parameter); infinities saturate too, NaN stays NaN."""
+    tiny = [2.0**-140, -(2.0**-141), 1.5 * 2.0**-139, 2.0**-149, 3 * 2.0**-147, 448 * 2.0**-127]
+    blocks = torch.zeros(len(tiny) + 2, BLOCK)
+    for i, largest in enumerate(tiny):
+        blocks[i, :4] = torch.tensor([largest, largest / 3, -largest / 2, largest / 7])
+    blocks[-2, :3] = torch.tensor([float("inf"), 1.0, -2.0])
+    blocks[-1, :3] = torch.tensor([float("nan"), 1.0, -2.0])
+    values = blocks.flatten().abs() if state in NON_NEGATIVE else blocks.flatten()
+    a, b = _both(values, state)
+    assert torch.equal(a, b)
+    codes = b[: values.numel()].view(-1, BLOCK)
+    assert not ((codes[: len(tiny)] & 0x7F) == 0x7F).any(), "a finite state was coded as NaN"
+    native, reference = _loaded(a, values.numel(), state, True), _loaded(b, values.numel(), state, False)
+    assert torch.equal(native.view(torch.int32), reference.view(torch.int32))
+
+
 def _moments(n: int, seed: int, non_negative: bool) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 6)  # 1e-15 .. 1e15

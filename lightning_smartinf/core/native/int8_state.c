@@ -16,9 +16,11 @@
 #define BLOCK 256
 #define E4M3_MAX 448.0f
 
-/* The E4M3 code of the float with bits `bits`, |x| below 464 (the largest code, 448, is where a block's largest
- * element lands), or NaN's code 0x7F (with x's sign) at and above it, as torch's conversion gives. Without branches
- * (masks instead), so that the compiler vectorises the loop that calls it. */
+/* The E4M3 code of the float with bits `bits`, as torch's conversion gives it: round to nearest, ties to even; 464
+ * and above (and infinity) saturate to 448's code 0x7E; NaN is 0x7F (with x's sign). A block's values over its scale
+ * stay below 464 but where the scale is subnormal (the block's largest magnitude under 448 * 2**-126): there the
+ * quotient can reach 512, which saturates. Without branches (masks instead), so that the compiler vectorises the loop
+ * that calls it. */
 static inline uint8_t e4m3_code(uint32_t bits) {
     uint32_t sign = (bits >> 24) & 0x80u;
     uint32_t magnitude = bits & 0x7FFFFFFFu;
@@ -32,8 +34,10 @@ static inline uint8_t e4m3_code(uint32_t bits) {
     uint32_t subnormal = shifted.u - 0x4B000000u;
     uint32_t small = -(uint32_t)(magnitude < 0x3C800000u);
     uint32_t code = (subnormal & small) | (normal & ~small);
-    uint32_t huge = -(uint32_t)(magnitude >= 0x43E80000u); /* 464 and above, inf and NaN */
-    return (uint8_t)(sign | (0x7Fu & huge) | (code & ~huge));
+    uint32_t huge = -(uint32_t)(magnitude >= 0x43E80000u); /* 464 and above, infinity and NaN */
+    uint32_t nan = -(uint32_t)(magnitude > 0x7F800000u);
+    uint32_t saturated = (0x7Fu & nan) | (0x7Eu & ~nan);
+    return (uint8_t)(sign | (saturated & huge) | (code & ~huge));
 }
 
 /* Store n fp32 values as int8: codes[ceil(n / 256) * 256], then scales[ceil(n / 256)]. The values are read, never
