@@ -336,7 +336,219 @@ drain:  // pairs past the last tile (idx >= n) must still leave the stream
     }
 }
 
+// ---- state formats: how a state tensor (not the master, always fp32) is kept in DDR -------------
+// The formats of lightning_smartinf/core/state_formats.py, byte for byte (see README.md, "State formats"):
+//   StF32   4 bytes per element, as is;
+//   StBf16  2 bytes per element, rounded to nearest even (float_to_bf16);
+//   StInt8  blocks of kBlock elements: one FP8 E4M3 code per element (the element over its block's scale,
+//           round to nearest even), then one fp32 scale per block (the block's largest magnitude / 448, in a
+//           port of its own). A never-negative state (`root`) is stored by its square root.
+// A process handles whole beats (bf16) or whole blocks (int8): State<S>::vecs(n) vectors. Lanes at or past n
+// are loaded and stored back as they were (the compute process masks them); in int8 they count towards their
+// block's scale, as in the reference, and a last beat of scales is completed with 0 (the scales of blocks
+// holding padding only, which stays zero).
+struct StF32 {};
+struct StBf16 {};
+struct StInt8 {};
+
+constexpr int kBlock = 256;                        // elements per int8 scale
+constexpr int kBlockVecs = kBlock / kLanes;        // 16 compute vectors per block
+constexpr int kCodesPerBeat = 64;                  // E4M3 codes per 512-bit beat: 4 vectors
+constexpr int kScalesPerBeat = 16;                 // fp32 scales per beat: 16 blocks
+constexpr float kE4M3Max = 448.0f;                 // a block's largest magnitude maps here
+using beat_u8 = hls::vector<uint8_t, kCodesPerBeat>;
+
+// The E4M3 (float8_e4m3fn) code of x as torch's conversion gives it: round to nearest even; 464 and above (and
+// infinity) saturate to 448's code 0x7E; NaN is 0x7F (with x's sign). A block's values over its scale reach 464
+// only where the scale is subnormal (the block's largest magnitude under 448 * 2^-126).
+inline uint8_t e4m3_code(float x) {
+    const uint32_t u = float_bits(x);
+    const uint32_t sign = (u >> 24) & 0x80u;
+    const uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return static_cast<uint8_t>(sign | 0x7Fu);  // NaN
+    if (a >= 0x43E80000u) return static_cast<uint8_t>(sign | 0x7Eu);  // 464 and above, infinity: 448
+    if (a < 0x3C800000u) {  // below 2^-6, the smallest normal: multiples of 2^-9, code 8 is 2^-6
+        // |x| * 2^9 is exact (a power of two); adding 2^23 rounds it to an integer (nearest even) in the low bits.
+        const float shifted = bits_float(a) * 512.0f + 8388608.0f;
+        return static_cast<uint8_t>(sign | (float_bits(shifted) - 0x4B000000u));
+    }
+    // Normal: keep 3 of the 23 mantissa bits, the 20 dropped rounded to nearest even; a carry runs into the
+    // exponent, which the codes continue. Biases: fp32 127, E4M3 7.
+    const uint32_t code = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+    return static_cast<uint8_t>(sign | code);
+}
+
+// The value of E4M3 code c (exact in fp32); 0x7F and 0xFF are NaN.
+inline float e4m3_value(uint8_t c) {
+    const uint32_t sign = static_cast<uint32_t>(c & 0x80u) << 24;
+    const uint32_t exp = (c >> 3) & 0xFu;
+    const uint32_t mant = c & 0x7u;
+    if (exp == 0xFu && mant == 0x7u) return bits_float(sign | 0x7FC00000u);
+    if (exp == 0) {
+        const float mag = static_cast<float>(mant) * 0.001953125f;  // mant * 2^-9, exact
+        return sign ? -mag : mag;
+    }
+    return bits_float(sign | ((exp + 120u) << 23) | (mant << 20));
+}
+
+template <typename S>
+struct State;
+
+template <>
+struct State<StF32> {
+    using port = fvec;
+    static uint32_t vecs(uint32_t n) { return (n + kLanes - 1) / kLanes; }
+    static void load(const port* src, const beat_f32*, hls::stream<fvec>& out, uint32_t nvec, bool enable, bool) {
+        load_vec(src, out, nvec, enable);
+    }
+    static void store(hls::stream<fvec>& in, port* dst, beat_f32*, uint32_t nvec, bool enable, bool) {
+        store_vec(in, dst, nvec, enable);
+    }
+};
+
+template <>
+struct State<StBf16> {
+    using port = beat_u16;
+    static constexpr int kVecsPerBeat = 2;
+    static uint32_t vecs(uint32_t n) { return (n + 31) / 32 * kVecsPerBeat; }
+    static void load(const port* src, const beat_f32*, hls::stream<fvec>& out, uint32_t nvec, bool enable, bool) {
+        port b;
+    load_bf16_loop:
+        for (uint32_t i = 0; i < nvec; ++i) {
+            SMARTINF_PRAGMA(HLS PIPELINE II = 1)
+            SMARTINF_PRAGMA(HLS LOOP_TRIPCOUNT min = kTripMinVecs avg = kTripAvgVecs max = kTripMaxVecs)
+            const uint32_t part = i % kVecsPerBeat;
+            if (part == 0 && enable) b = src[i / kVecsPerBeat];
+            fvec v;
+        load_bf16_lanes:
+            for (int l = 0; l < kLanes; ++l) {
+                SMARTINF_PRAGMA(HLS UNROLL)
+                v[l] = enable ? bf16_to_float(b[part * kLanes + l]) : 0.0f;
+            }
+            out.write(v);
+        }
+    }
+    static void store(hls::stream<fvec>& in, port* dst, beat_f32*, uint32_t nvec, bool enable, bool) {
+        port b;
+    store_bf16_loop:
+        for (uint32_t i = 0; i < nvec; ++i) {
+            SMARTINF_PRAGMA(HLS PIPELINE II = 1)
+            SMARTINF_PRAGMA(HLS LOOP_TRIPCOUNT min = kTripMinVecs avg = kTripAvgVecs max = kTripMaxVecs)
+            const uint32_t part = i % kVecsPerBeat;
+            const fvec v = in.read();
+        store_bf16_lanes:
+            for (int l = 0; l < kLanes; ++l) {
+                SMARTINF_PRAGMA(HLS UNROLL)
+                b[part * kLanes + l] = float_to_bf16(v[l]);
+            }
+            if (part == kVecsPerBeat - 1 && enable) dst[i / kVecsPerBeat] = b;  // nvec is whole beats
+        }
+    }
+};
+
+template <>
+struct State<StInt8> {
+    using port = beat_u8;
+    static constexpr int kVecsPerBeat = kCodesPerBeat / kLanes;  // 4
+    static uint32_t vecs(uint32_t n) { return (n + kBlock - 1) / kBlock * kBlockVecs; }
+    // codes * scale, squared for a `root` state (each one fp32 rounding, as the reference).
+    static void load(const port* codes, const beat_f32* scales, hls::stream<fvec>& out, uint32_t nvec, bool enable,
+                     bool root) {
+        port cb;
+        beat_f32 sb;
+    load_int8_loop:
+        for (uint32_t i = 0; i < nvec; ++i) {
+            SMARTINF_PRAGMA(HLS PIPELINE II = 1)
+            SMARTINF_PRAGMA(HLS LOOP_TRIPCOUNT min = kTripMinVecs avg = kTripAvgVecs max = kTripMaxVecs)
+            const uint32_t part = i % kVecsPerBeat;
+            const uint32_t block = i / kBlockVecs;
+            if (part == 0 && enable) cb = codes[i / kVecsPerBeat];
+            if (i % (kBlockVecs * kScalesPerBeat) == 0 && enable) sb = scales[block / kScalesPerBeat];
+            const float scale = sb[block % kScalesPerBeat];
+            fvec v;
+        load_int8_lanes:
+            for (int l = 0; l < kLanes; ++l) {
+                SMARTINF_PRAGMA(HLS UNROLL)
+                const float x = e4m3_value(cb[part * kLanes + l]) * scale;
+                v[l] = !enable ? 0.0f : root ? x * x : x;
+            }
+            out.write(v);
+        }
+    }
+    // One block at a time: its largest magnitude sets the scale before any of its codes can be written.
+    static void store(hls::stream<fvec>& in, port* codes, beat_f32* scales, uint32_t nvec, bool enable, bool root) {
+        const uint32_t nblocks = nvec / kBlockVecs;
+        beat_f32 sb(0.0f);
+    store_int8_blocks:
+        for (uint32_t b = 0; b < nblocks; ++b) {
+            SMARTINF_PRAGMA(HLS LOOP_TRIPCOUNT min = 1 max = kTripMaxVecs / kBlockVecs)
+            float block[kBlockVecs][kLanes];
+            SMARTINF_PRAGMA(HLS ARRAY_PARTITION variable = block dim = 2 type = complete)
+            uint32_t top = 0;  // the largest magnitude's bits: non-negative floats order as their bits (NaN last)
+        store_int8_gather:
+            for (int v = 0; v < kBlockVecs; ++v) {
+                SMARTINF_PRAGMA(HLS PIPELINE II = 1)
+                const fvec x = in.read();
+                for (int l = 0; l < kLanes; ++l) {
+                    SMARTINF_PRAGMA(HLS UNROLL)
+                    const float y = root ? hls::sqrt(x[l]) : x[l];
+                    block[v][l] = y;
+                    const uint32_t mag = float_bits(y) & 0x7FFFFFFFu;
+                    top = mag > top ? mag : top;
+                }
+            }
+            const float scale = bits_float(top) / kE4M3Max;
+            const float divisor = scale == 0.0f ? 1.0f : scale;  // an all-zero block: scale 0, codes 0
+        store_int8_codes:
+            for (int q = 0; q < kBlockVecs / kVecsPerBeat; ++q) {
+                SMARTINF_PRAGMA(HLS PIPELINE II = 1)
+                port cb;
+                for (int l = 0; l < kCodesPerBeat; ++l) {
+                    SMARTINF_PRAGMA(HLS UNROLL)
+                    cb[l] = e4m3_code(block[q * kVecsPerBeat + l / kLanes][l % kLanes] / divisor);
+                }
+                if (enable) codes[b * (kBlockVecs / kVecsPerBeat) + q] = cb;
+            }
+            if (b % kScalesPerBeat == 0) sb = beat_f32(0.0f);
+            sb[b % kScalesPerBeat] = scale;
+            if ((b % kScalesPerBeat == kScalesPerBeat - 1 || b == nblocks - 1) && enable) scales[b / kScalesPerBeat] = sb;
+        }
+    }
+};
+
 }  // namespace smartinf
+
+// ---- state ports of the extern "C" entry points, per format suffix -----------------------------
+// SMARTINF_STATE_PORT_<F>(name): the port(s) of one state; an int8 state has a second, `name_scales`.
+// SMARTINF_STATE_SCALES_<F>(name): that second port, or a null pointer.
+// SMARTINF_STATE_AXI_<F>(name, bundle): its interface pragmas.
+#define SMARTINF_STATE_PORT_fp32(name) smartinf::fvec* name
+#define SMARTINF_STATE_PORT_bf16(name) smartinf::beat_u16* name
+#define SMARTINF_STATE_PORT_int8(name) smartinf::beat_u8 *name, smartinf::beat_f32 *name##_scales
+#define SMARTINF_STATE_SCALES_fp32(name) nullptr
+#define SMARTINF_STATE_SCALES_bf16(name) nullptr
+#define SMARTINF_STATE_SCALES_int8(name) name##_scales
+#define SMARTINF_STATE_AXI_fp32(name, bundle) SMARTINF_AXI(name, bundle)
+#define SMARTINF_STATE_AXI_bf16(name, bundle) SMARTINF_AXI(name, bundle)
+#define SMARTINF_STATE_AXI_int8(name, bundle) SMARTINF_AXI(name, bundle) SMARTINF_AXI(name##_scales, bundle##_scales)
+// The state type of each suffix.
+#define SMARTINF_STATE_TYPE_fp32 smartinf::StF32
+#define SMARTINF_STATE_TYPE_bf16 smartinf::StBf16
+#define SMARTINF_STATE_TYPE_int8 smartinf::StInt8
+
+// Every entry point's name suffix, gradient/parameter type and state format: X(NAME, T, F) for each of the nine
+// kernel types. With fp32 state the suffix is the type alone (smartinf_adam_bf16); else <T>_state_<F>
+// (smartinf_adam_bf16_state_int8).
+#define SMARTINF_FOR_EACH_KERNEL_TYPE(X)                                                           \
+    X(bf16, smartinf::bf16_t, fp32)                                                                \
+    X(fp16, smartinf::fp16_t, fp32)                                                                \
+    X(fp32, float, fp32)                                                                           \
+    X(bf16_state_bf16, smartinf::bf16_t, bf16)                                                     \
+    X(fp16_state_bf16, smartinf::fp16_t, bf16)                                                     \
+    X(fp32_state_bf16, float, bf16)                                                                \
+    X(bf16_state_int8, smartinf::bf16_t, int8)                                                     \
+    X(fp16_state_int8, smartinf::fp16_t, int8)                                                     \
+    X(fp32_state_int8, float, int8)
 
 // ---- interface pragmas for the extern "C" entry points -----------------------------------------
 // State (master and moments) and gradient/parameter traffic use separate AXI bundles so their

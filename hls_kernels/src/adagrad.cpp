@@ -73,8 +73,8 @@ adagrad_compute_loop:
     }
 }
 
-template <typename T>
-void adagrad_dense(fvec* master, fvec* state_sum, const typename Elem<T>::beat* grad,
+template <typename T, typename S>
+void adagrad_dense(fvec* master, typename State<S>::port* state_sum, beat_f32* state_sum_scales, const typename Elem<T>::beat* grad,
                    typename Elem<T>::beat* param_out, uint32_t nvec, uint32_t n, AdagradScalars s) {
     SMARTINF_PRAGMA(HLS DATAFLOW)
     hls::stream<fvec> p_s("p_in"), s_s("sum_in"), g_s("grad"), p2_s("p_out"), s2_s("sum_out");
@@ -83,16 +83,16 @@ void adagrad_dense(fvec* master, fvec* state_sum, const typename Elem<T>::beat* 
     SMARTINF_PRAGMA(HLS STREAM variable = s_s depth = kStreamDepth)
     SMARTINF_PRAGMA(HLS STREAM variable = g_s depth = kStreamDepth)
     load_vec(master, p_s, nvec, true);
-    load_vec(state_sum, s_s, nvec, true);
+    State<S>::load(state_sum, state_sum_scales, s_s, nvec, true, true);
     load_grad<T>(grad, g_s, nvec, n);
     adagrad_compute<T>(p_s, s_s, g_s, p2_s, s2_s, q_s, nvec, n, s);
     store_vec(p2_s, master, nvec, true);
-    store_vec(s2_s, state_sum, nvec, true);
+    State<S>::store(s2_s, state_sum, state_sum_scales, nvec, true, true);
     store_param<T>(q_s, param_out, nvec);
 }
 
-template <typename T>
-void adagrad_topk(fvec* master, fvec* state_sum, const beat_u32* grad_idx, const typename Elem<T>::beat* grad_val,
+template <typename T, typename S>
+void adagrad_topk(fvec* master, typename State<S>::port* state_sum, beat_f32* state_sum_scales, const beat_u32* grad_idx, const typename Elem<T>::beat* grad_val,
                   typename Elem<T>::beat* param_out, uint32_t nvec, uint32_t n, uint32_t k, AdagradScalars s) {
     SMARTINF_PRAGMA(HLS DATAFLOW)
     hls::stream<fvec> p_s("p_in"), s_s("sum_in"), g_s("grad"), p2_s("p_out"), s2_s("sum_out");
@@ -102,12 +102,12 @@ void adagrad_topk(fvec* master, fvec* state_sum, const beat_u32* grad_idx, const
     SMARTINF_PRAGMA(HLS STREAM variable = s_s depth = kStreamDepth)
     SMARTINF_PRAGMA(HLS STREAM variable = pair_s depth = kStreamDepth)
     load_vec(master, p_s, nvec, true);
-    load_vec(state_sum, s_s, nvec, true);
+    State<S>::load(state_sum, state_sum_scales, s_s, nvec, true, true);
     load_pairs<T>(grad_idx, grad_val, pair_s, k);
     decompress(pair_s, g_s, nvec, n, k);
     adagrad_compute<T>(p_s, s_s, g_s, p2_s, s2_s, q_s, nvec, n, s);
     store_vec(p2_s, master, nvec, true);
-    store_vec(s2_s, state_sum, nvec, true);
+    State<S>::store(s2_s, state_sum, state_sum_scales, nvec, true, true);
     store_param<T>(q_s, param_out, nvec);
 }
 
@@ -117,34 +117,33 @@ void adagrad_topk(fvec* master, fvec* state_sum, const beat_u32* grad_idx, const
 #define SMARTINF_ADAGRAD_SCALAR_PRAGMAS                                                                \
     SMARTINF_LITE(n) SMARTINF_LITE(grad_scale) SMARTINF_LITE(l2_wd) SMARTINF_LITE(eps)                \
     SMARTINF_LITE(neg_clr) SMARTINF_LITE(flags) SMARTINF_LITE(return)
-#define SMARTINF_ADAGRAD_STATE_PRAGMAS                                                                 \
-    SMARTINF_AXI(master, gmem_master) SMARTINF_AXI(state_sum, gmem_sum) SMARTINF_AXI(param_out, gmem_param)
+#define SMARTINF_ADAGRAD_STATE_PRAGMAS(F)                                                               \
+    SMARTINF_AXI(master, gmem_master) SMARTINF_STATE_AXI_##F(state_sum, gmem_sum) SMARTINF_AXI(param_out, gmem_param)
 #define SMARTINF_ADAGRAD_SCALARS const smartinf::AdagradScalars s = {grad_scale, l2_wd, eps, neg_clr, flags}
 
-#define SMARTINF_ADAGRAD_ENTRIES(SUFFIX, T)                                                             \
-    extern "C" void smartinf_adagrad_##SUFFIX(smartinf::fvec* master, smartinf::fvec* state_sum,         \
+// One dense and one top-k entry point: gradient and parameters in T, the state stored in format F.
+#define SMARTINF_ADAGRAD_ENTRIES(NAME, T, F)                                                             \
+    extern "C" void smartinf_adagrad_##NAME(smartinf::fvec* master, SMARTINF_STATE_PORT_##F(state_sum),         \
                                               const smartinf::Elem<T>::beat* grad,                      \
                                               smartinf::Elem<T>::beat* param_out, uint32_t n,           \
                                               SMARTINF_ADAGRAD_SCALAR_ARGS) {                           \
-        SMARTINF_ADAGRAD_STATE_PRAGMAS                                                                  \
+        SMARTINF_ADAGRAD_STATE_PRAGMAS(F)                                                                \
         SMARTINF_AXI(grad, gmem_grad)                                                                   \
         SMARTINF_ADAGRAD_SCALAR_PRAGMAS                                                                 \
         SMARTINF_ADAGRAD_SCALARS;                                                                       \
-        smartinf::adagrad_dense<T>(master, state_sum, grad, param_out, (n + 15) / 16, n, s);            \
+        smartinf::adagrad_dense<T, SMARTINF_STATE_TYPE_##F>(master, state_sum, SMARTINF_STATE_SCALES_##F(state_sum), grad, param_out, smartinf::State<SMARTINF_STATE_TYPE_##F>::vecs(n), n, s);            \
     }                                                                                                   \
-    extern "C" void smartinf_adagrad_topk_##SUFFIX(                                                     \
-        smartinf::fvec* master, smartinf::fvec* state_sum, const smartinf::beat_u32* grad_idx,          \
+    extern "C" void smartinf_adagrad_topk_##NAME(                                                     \
+        smartinf::fvec* master, SMARTINF_STATE_PORT_##F(state_sum), const smartinf::beat_u32* grad_idx,          \
         const smartinf::Elem<T>::beat* grad_val, smartinf::Elem<T>::beat* param_out, uint32_t n,        \
         uint32_t k, SMARTINF_ADAGRAD_SCALAR_ARGS) {                                                     \
-        SMARTINF_ADAGRAD_STATE_PRAGMAS                                                                  \
+        SMARTINF_ADAGRAD_STATE_PRAGMAS(F)                                                                \
         SMARTINF_AXI(grad_idx, gmem_grad_idx)                                                           \
         SMARTINF_AXI(grad_val, gmem_grad)                                                               \
         SMARTINF_LITE(k)                                                                                \
         SMARTINF_ADAGRAD_SCALAR_PRAGMAS                                                                 \
         SMARTINF_ADAGRAD_SCALARS;                                                                       \
-        smartinf::adagrad_topk<T>(master, state_sum, grad_idx, grad_val, param_out, (n + 15) / 16, n, k, s); \
+        smartinf::adagrad_topk<T, SMARTINF_STATE_TYPE_##F>(master, state_sum, SMARTINF_STATE_SCALES_##F(state_sum), grad_idx, grad_val, param_out, smartinf::State<SMARTINF_STATE_TYPE_##F>::vecs(n), n, k, s); \
     }
 
-SMARTINF_ADAGRAD_ENTRIES(bf16, smartinf::bf16_t)
-SMARTINF_ADAGRAD_ENTRIES(fp16, smartinf::fp16_t)
-SMARTINF_ADAGRAD_ENTRIES(fp32, float)
+SMARTINF_FOR_EACH_KERNEL_TYPE(SMARTINF_ADAGRAD_ENTRIES)

@@ -83,8 +83,10 @@ adam_compute_loop:
     }
 }
 
-template <typename T>
-void adam_dense(fvec* master, fvec* exp_avg, fvec* exp_avg_sq, const typename Elem<T>::beat* grad,
+// S: how both moments are stored (State<S>); exp_avg_sq is never negative (stored by its root in int8).
+template <typename T, typename S>
+void adam_dense(fvec* master, typename State<S>::port* exp_avg, beat_f32* exp_avg_scales,
+                typename State<S>::port* exp_avg_sq, beat_f32* exp_avg_sq_scales, const typename Elem<T>::beat* grad,
                 typename Elem<T>::beat* param_out, uint32_t nvec, uint32_t n, AdamScalars s) {
     SMARTINF_PRAGMA(HLS DATAFLOW)
     hls::stream<fvec> p_s("p_in"), m_s("m_in"), v_s("v_in"), g_s("grad"), p2_s("p_out"), m2_s("m_out"),
@@ -95,18 +97,19 @@ void adam_dense(fvec* master, fvec* exp_avg, fvec* exp_avg_sq, const typename El
     SMARTINF_PRAGMA(HLS STREAM variable = v_s depth = kStreamDepth)
     SMARTINF_PRAGMA(HLS STREAM variable = g_s depth = kStreamDepth)
     load_vec(master, p_s, nvec, true);
-    load_vec(exp_avg, m_s, nvec, true);
-    load_vec(exp_avg_sq, v_s, nvec, true);
+    State<S>::load(exp_avg, exp_avg_scales, m_s, nvec, true, false);
+    State<S>::load(exp_avg_sq, exp_avg_sq_scales, v_s, nvec, true, true);
     load_grad<T>(grad, g_s, nvec, n);
     adam_compute<T>(p_s, m_s, v_s, g_s, p2_s, m2_s, v2_s, q_s, nvec, n, s);
     store_vec(p2_s, master, nvec, true);
-    store_vec(m2_s, exp_avg, nvec, true);
-    store_vec(v2_s, exp_avg_sq, nvec, true);
+    State<S>::store(m2_s, exp_avg, exp_avg_scales, nvec, true, false);
+    State<S>::store(v2_s, exp_avg_sq, exp_avg_sq_scales, nvec, true, true);
     store_param<T>(q_s, param_out, nvec);
 }
 
-template <typename T>
-void adam_topk(fvec* master, fvec* exp_avg, fvec* exp_avg_sq, const beat_u32* grad_idx,
+template <typename T, typename S>
+void adam_topk(fvec* master, typename State<S>::port* exp_avg, beat_f32* exp_avg_scales,
+               typename State<S>::port* exp_avg_sq, beat_f32* exp_avg_sq_scales, const beat_u32* grad_idx,
                const typename Elem<T>::beat* grad_val, typename Elem<T>::beat* param_out, uint32_t nvec, uint32_t n,
                uint32_t k, AdamScalars s) {
     SMARTINF_PRAGMA(HLS DATAFLOW)
@@ -119,14 +122,14 @@ void adam_topk(fvec* master, fvec* exp_avg, fvec* exp_avg_sq, const beat_u32* gr
     SMARTINF_PRAGMA(HLS STREAM variable = v_s depth = kStreamDepth)
     SMARTINF_PRAGMA(HLS STREAM variable = pair_s depth = kStreamDepth)
     load_vec(master, p_s, nvec, true);
-    load_vec(exp_avg, m_s, nvec, true);
-    load_vec(exp_avg_sq, v_s, nvec, true);
+    State<S>::load(exp_avg, exp_avg_scales, m_s, nvec, true, false);
+    State<S>::load(exp_avg_sq, exp_avg_sq_scales, v_s, nvec, true, true);
     load_pairs<T>(grad_idx, grad_val, pair_s, k);
     decompress(pair_s, g_s, nvec, n, k);
     adam_compute<T>(p_s, m_s, v_s, g_s, p2_s, m2_s, v2_s, q_s, nvec, n, s);
     store_vec(p2_s, master, nvec, true);
-    store_vec(m2_s, exp_avg, nvec, true);
-    store_vec(v2_s, exp_avg_sq, nvec, true);
+    State<S>::store(m2_s, exp_avg, exp_avg_scales, nvec, true, false);
+    State<S>::store(v2_s, exp_avg_sq, exp_avg_sq_scales, nvec, true, true);
     store_param<T>(q_s, param_out, nvec);
 }
 
@@ -139,39 +142,43 @@ void adam_topk(fvec* master, fvec* exp_avg, fvec* exp_avg_sq, const beat_u32* gr
     SMARTINF_LITE(n) SMARTINF_LITE(grad_scale) SMARTINF_LITE(decay_mul) SMARTINF_LITE(l2_wd)         \
     SMARTINF_LITE(lerp_w) SMARTINF_LITE(beta2) SMARTINF_LITE(one_minus_beta2) SMARTINF_LITE(bc2_sqrt) \
     SMARTINF_LITE(eps) SMARTINF_LITE(neg_step_size) SMARTINF_LITE(flags) SMARTINF_LITE(return)
-#define SMARTINF_ADAM_STATE_PRAGMAS                                                                  \
-    SMARTINF_AXI(master, gmem_master) SMARTINF_AXI(exp_avg, gmem_exp_avg)                           \
-    SMARTINF_AXI(exp_avg_sq, gmem_exp_avg_sq) SMARTINF_AXI(param_out, gmem_param)
+#define SMARTINF_ADAM_STATE_PRAGMAS(F)                                                               \
+    SMARTINF_AXI(master, gmem_master) SMARTINF_STATE_AXI_##F(exp_avg, gmem_exp_avg)                 \
+    SMARTINF_STATE_AXI_##F(exp_avg_sq, gmem_exp_avg_sq) SMARTINF_AXI(param_out, gmem_param)
 #define SMARTINF_ADAM_SCALARS                                                                         \
     const smartinf::AdamScalars s = {grad_scale, decay_mul, l2_wd,   lerp_w,        beta2,            \
                                      one_minus_beta2, bc2_sqrt, eps, neg_step_size, flags}
 
-#define SMARTINF_ADAM_ENTRIES(SUFFIX, T)                                                                \
-    extern "C" void smartinf_adam_##SUFFIX(smartinf::fvec* master, smartinf::fvec* exp_avg,            \
-                                           smartinf::fvec* exp_avg_sq,                                  \
-                                           const smartinf::Elem<T>::beat* grad,                         \
-                                           smartinf::Elem<T>::beat* param_out, uint32_t n,              \
-                                           SMARTINF_ADAM_SCALAR_ARGS) {                                 \
-        SMARTINF_ADAM_STATE_PRAGMAS                                                                     \
+// One dense and one top-k entry point: gradient and parameters in T, moments stored in format F.
+#define SMARTINF_ADAM_ENTRIES(NAME, T, F)                                                               \
+    extern "C" void smartinf_adam_##NAME(smartinf::fvec* master, SMARTINF_STATE_PORT_##F(exp_avg),       \
+                                         SMARTINF_STATE_PORT_##F(exp_avg_sq),                            \
+                                         const smartinf::Elem<T>::beat* grad,                            \
+                                         smartinf::Elem<T>::beat* param_out, uint32_t n,                 \
+                                         SMARTINF_ADAM_SCALAR_ARGS) {                                    \
+        SMARTINF_ADAM_STATE_PRAGMAS(F)                                                                  \
         SMARTINF_AXI(grad, gmem_grad)                                                                   \
         SMARTINF_ADAM_SCALAR_PRAGMAS                                                                    \
         SMARTINF_ADAM_SCALARS;                                                                          \
-        smartinf::adam_dense<T>(master, exp_avg, exp_avg_sq, grad, param_out, (n + 15) / 16, n, s);     \
+        using S = SMARTINF_STATE_TYPE_##F;                                                              \
+        smartinf::adam_dense<T, S>(master, exp_avg, SMARTINF_STATE_SCALES_##F(exp_avg), exp_avg_sq,     \
+                                   SMARTINF_STATE_SCALES_##F(exp_avg_sq), grad, param_out,              \
+                                   smartinf::State<S>::vecs(n), n, s);                                  \
     }                                                                                                   \
-    extern "C" void smartinf_adam_topk_##SUFFIX(                                                        \
-        smartinf::fvec* master, smartinf::fvec* exp_avg, smartinf::fvec* exp_avg_sq,                    \
+    extern "C" void smartinf_adam_topk_##NAME(                                                          \
+        smartinf::fvec* master, SMARTINF_STATE_PORT_##F(exp_avg), SMARTINF_STATE_PORT_##F(exp_avg_sq),  \
         const smartinf::beat_u32* grad_idx, const smartinf::Elem<T>::beat* grad_val,                    \
         smartinf::Elem<T>::beat* param_out, uint32_t n, uint32_t k, SMARTINF_ADAM_SCALAR_ARGS) {        \
-        SMARTINF_ADAM_STATE_PRAGMAS                                                                     \
+        SMARTINF_ADAM_STATE_PRAGMAS(F)                                                                  \
         SMARTINF_AXI(grad_idx, gmem_grad_idx)                                                           \
         SMARTINF_AXI(grad_val, gmem_grad)                                                               \
         SMARTINF_LITE(k)                                                                                \
         SMARTINF_ADAM_SCALAR_PRAGMAS                                                                    \
         SMARTINF_ADAM_SCALARS;                                                                          \
-        smartinf::adam_topk<T>(master, exp_avg, exp_avg_sq, grad_idx, grad_val, param_out, (n + 15) / 16, n, \
-                               k, s);                                                                   \
+        using S = SMARTINF_STATE_TYPE_##F;                                                              \
+        smartinf::adam_topk<T, S>(master, exp_avg, SMARTINF_STATE_SCALES_##F(exp_avg), exp_avg_sq,      \
+                                  SMARTINF_STATE_SCALES_##F(exp_avg_sq), grad_idx, grad_val, param_out, \
+                                  smartinf::State<S>::vecs(n), n, k, s);                                \
     }
 
-SMARTINF_ADAM_ENTRIES(bf16, smartinf::bf16_t)
-SMARTINF_ADAM_ENTRIES(fp16, smartinf::fp16_t)
-SMARTINF_ADAM_ENTRIES(fp32, float)
+SMARTINF_FOR_EACH_KERNEL_TYPE(SMARTINF_ADAM_ENTRIES)

@@ -80,8 +80,8 @@ efadam_compute_loop:
     }
 }
 
-template <typename T>
-void efadam_dense(fvec* master, fvec* exp_avg_sq, const typename Elem<T>::beat* grad,
+template <typename T, typename S>
+void efadam_dense(fvec* master, typename State<S>::port* exp_avg_sq, beat_f32* exp_avg_sq_scales, const typename Elem<T>::beat* grad,
                   typename Elem<T>::beat* param_out, uint32_t nvec, uint32_t n, EfAdamScalars s) {
     SMARTINF_PRAGMA(HLS DATAFLOW)
     hls::stream<fvec> p_s("p_in"), v_s("v_in"), g_s("grad"), p2_s("p_out"), v2_s("v_out");
@@ -90,16 +90,16 @@ void efadam_dense(fvec* master, fvec* exp_avg_sq, const typename Elem<T>::beat* 
     SMARTINF_PRAGMA(HLS STREAM variable = v_s depth = kStreamDepth)
     SMARTINF_PRAGMA(HLS STREAM variable = g_s depth = kStreamDepth)
     load_vec(master, p_s, nvec, true);
-    load_vec(exp_avg_sq, v_s, nvec, true);
+    State<S>::load(exp_avg_sq, exp_avg_sq_scales, v_s, nvec, true, true);
     load_grad<T>(grad, g_s, nvec, n);
     efadam_compute<T>(p_s, v_s, g_s, p2_s, v2_s, q_s, nvec, n, s);
     store_vec(p2_s, master, nvec, true);
-    store_vec(v2_s, exp_avg_sq, nvec, true);
+    State<S>::store(v2_s, exp_avg_sq, exp_avg_sq_scales, nvec, true, true);
     store_param<T>(q_s, param_out, nvec);
 }
 
-template <typename T>
-void efadam_topk(fvec* master, fvec* exp_avg_sq, const beat_u32* grad_idx, const typename Elem<T>::beat* grad_val,
+template <typename T, typename S>
+void efadam_topk(fvec* master, typename State<S>::port* exp_avg_sq, beat_f32* exp_avg_sq_scales, const beat_u32* grad_idx, const typename Elem<T>::beat* grad_val,
                  typename Elem<T>::beat* param_out, uint32_t nvec, uint32_t n, uint32_t k, EfAdamScalars s) {
     SMARTINF_PRAGMA(HLS DATAFLOW)
     hls::stream<fvec> p_s("p_in"), v_s("v_in"), g_s("grad"), p2_s("p_out"), v2_s("v_out");
@@ -109,12 +109,12 @@ void efadam_topk(fvec* master, fvec* exp_avg_sq, const beat_u32* grad_idx, const
     SMARTINF_PRAGMA(HLS STREAM variable = v_s depth = kStreamDepth)
     SMARTINF_PRAGMA(HLS STREAM variable = pair_s depth = kStreamDepth)
     load_vec(master, p_s, nvec, true);
-    load_vec(exp_avg_sq, v_s, nvec, true);
+    State<S>::load(exp_avg_sq, exp_avg_sq_scales, v_s, nvec, true, true);
     load_pairs<T>(grad_idx, grad_val, pair_s, k);
     decompress(pair_s, g_s, nvec, n, k);
     efadam_compute<T>(p_s, v_s, g_s, p2_s, v2_s, q_s, nvec, n, s);
     store_vec(p2_s, master, nvec, true);
-    store_vec(v2_s, exp_avg_sq, nvec, true);
+    State<S>::store(v2_s, exp_avg_sq, exp_avg_sq_scales, nvec, true, true);
     store_param<T>(q_s, param_out, nvec);
 }
 
@@ -127,36 +127,35 @@ void efadam_topk(fvec* master, fvec* exp_avg_sq, const beat_u32* grad_idx, const
     SMARTINF_LITE(n) SMARTINF_LITE(grad_scale) SMARTINF_LITE(decay_mul) SMARTINF_LITE(l2_wd)            \
     SMARTINF_LITE(beta2) SMARTINF_LITE(one_minus_beta2) SMARTINF_LITE(bc2_sqrt) SMARTINF_LITE(eps)      \
     SMARTINF_LITE(neg_lr) SMARTINF_LITE(flags) SMARTINF_LITE(return)
-#define SMARTINF_EFADAM_STATE_PRAGMAS                                                                   \
-    SMARTINF_AXI(master, gmem_master) SMARTINF_AXI(exp_avg_sq, gmem_exp_avg_sq) SMARTINF_AXI(param_out, gmem_param)
+#define SMARTINF_EFADAM_STATE_PRAGMAS(F)                                                                 \
+    SMARTINF_AXI(master, gmem_master) SMARTINF_STATE_AXI_##F(exp_avg_sq, gmem_exp_avg_sq) SMARTINF_AXI(param_out, gmem_param)
 #define SMARTINF_EFADAM_SCALARS                                                                          \
     const smartinf::EfAdamScalars s = {grad_scale, decay_mul, l2_wd, beta2, one_minus_beta2, bc2_sqrt, \
                                        eps,        neg_lr,    flags}
 
-#define SMARTINF_EFADAM_ENTRIES(SUFFIX, T)                                                              \
-    extern "C" void smartinf_efadam_##SUFFIX(smartinf::fvec* master, smartinf::fvec* exp_avg_sq,         \
+// One dense and one top-k entry point: gradient and parameters in T, the state stored in format F.
+#define SMARTINF_EFADAM_ENTRIES(NAME, T, F)                                                              \
+    extern "C" void smartinf_efadam_##NAME(smartinf::fvec* master, SMARTINF_STATE_PORT_##F(exp_avg_sq),         \
                                              const smartinf::Elem<T>::beat* grad,                       \
                                              smartinf::Elem<T>::beat* param_out, uint32_t n,            \
                                              SMARTINF_EFADAM_SCALAR_ARGS) {                             \
-        SMARTINF_EFADAM_STATE_PRAGMAS                                                                   \
+        SMARTINF_EFADAM_STATE_PRAGMAS(F)                                                                 \
         SMARTINF_AXI(grad, gmem_grad)                                                                   \
         SMARTINF_EFADAM_SCALAR_PRAGMAS                                                                  \
         SMARTINF_EFADAM_SCALARS;                                                                        \
-        smartinf::efadam_dense<T>(master, exp_avg_sq, grad, param_out, (n + 15) / 16, n, s);            \
+        smartinf::efadam_dense<T, SMARTINF_STATE_TYPE_##F>(master, exp_avg_sq, SMARTINF_STATE_SCALES_##F(exp_avg_sq), grad, param_out, smartinf::State<SMARTINF_STATE_TYPE_##F>::vecs(n), n, s);            \
     }                                                                                                   \
-    extern "C" void smartinf_efadam_topk_##SUFFIX(                                                      \
-        smartinf::fvec* master, smartinf::fvec* exp_avg_sq, const smartinf::beat_u32* grad_idx,         \
+    extern "C" void smartinf_efadam_topk_##NAME(                                                      \
+        smartinf::fvec* master, SMARTINF_STATE_PORT_##F(exp_avg_sq), const smartinf::beat_u32* grad_idx,         \
         const smartinf::Elem<T>::beat* grad_val, smartinf::Elem<T>::beat* param_out, uint32_t n,        \
         uint32_t k, SMARTINF_EFADAM_SCALAR_ARGS) {                                                      \
-        SMARTINF_EFADAM_STATE_PRAGMAS                                                                   \
+        SMARTINF_EFADAM_STATE_PRAGMAS(F)                                                                 \
         SMARTINF_AXI(grad_idx, gmem_grad_idx)                                                           \
         SMARTINF_AXI(grad_val, gmem_grad)                                                               \
         SMARTINF_LITE(k)                                                                                \
         SMARTINF_EFADAM_SCALAR_PRAGMAS                                                                  \
         SMARTINF_EFADAM_SCALARS;                                                                        \
-        smartinf::efadam_topk<T>(master, exp_avg_sq, grad_idx, grad_val, param_out, (n + 15) / 16, n, k, s); \
+        smartinf::efadam_topk<T, SMARTINF_STATE_TYPE_##F>(master, exp_avg_sq, SMARTINF_STATE_SCALES_##F(exp_avg_sq), grad_idx, grad_val, param_out, smartinf::State<SMARTINF_STATE_TYPE_##F>::vecs(n), n, k, s); \
     }
 
-SMARTINF_EFADAM_ENTRIES(bf16, smartinf::bf16_t)
-SMARTINF_EFADAM_ENTRIES(fp16, smartinf::fp16_t)
-SMARTINF_EFADAM_ENTRIES(fp32, float)
+SMARTINF_FOR_EACH_KERNEL_TYPE(SMARTINF_EFADAM_ENTRIES)

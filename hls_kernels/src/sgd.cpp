@@ -78,8 +78,8 @@ sgd_compute_loop:
     }
 }
 
-template <typename T>
-void sgd_dense(fvec* master, fvec* momentum_buf, const typename Elem<T>::beat* grad,
+template <typename T, typename S>
+void sgd_dense(fvec* master, typename State<S>::port* momentum_buf, beat_f32* momentum_buf_scales, const typename Elem<T>::beat* grad,
                typename Elem<T>::beat* param_out, uint32_t nvec, uint32_t n, SgdScalars s) {
     SMARTINF_PRAGMA(HLS DATAFLOW)
     const bool use_buf = (s.flags & kFlagMomentum) != 0;
@@ -89,16 +89,16 @@ void sgd_dense(fvec* master, fvec* momentum_buf, const typename Elem<T>::beat* g
     SMARTINF_PRAGMA(HLS STREAM variable = b_s depth = kStreamDepth)
     SMARTINF_PRAGMA(HLS STREAM variable = g_s depth = kStreamDepth)
     load_vec(master, p_s, nvec, true);
-    load_vec(momentum_buf, b_s, nvec, use_buf);
+    State<S>::load(momentum_buf, momentum_buf_scales, b_s, nvec, use_buf, false);
     load_grad<T>(grad, g_s, nvec, n);
     sgd_compute<T>(p_s, b_s, g_s, p2_s, b2_s, q_s, nvec, n, s);
     store_vec(p2_s, master, nvec, true);
-    store_vec(b2_s, momentum_buf, nvec, use_buf);
+    State<S>::store(b2_s, momentum_buf, momentum_buf_scales, nvec, use_buf, false);
     store_param<T>(q_s, param_out, nvec);
 }
 
-template <typename T>
-void sgd_topk(fvec* master, fvec* momentum_buf, const beat_u32* grad_idx, const typename Elem<T>::beat* grad_val,
+template <typename T, typename S>
+void sgd_topk(fvec* master, typename State<S>::port* momentum_buf, beat_f32* momentum_buf_scales, const beat_u32* grad_idx, const typename Elem<T>::beat* grad_val,
               typename Elem<T>::beat* param_out, uint32_t nvec, uint32_t n, uint32_t k, SgdScalars s) {
     SMARTINF_PRAGMA(HLS DATAFLOW)
     const bool use_buf = (s.flags & kFlagMomentum) != 0;
@@ -109,12 +109,12 @@ void sgd_topk(fvec* master, fvec* momentum_buf, const beat_u32* grad_idx, const 
     SMARTINF_PRAGMA(HLS STREAM variable = b_s depth = kStreamDepth)
     SMARTINF_PRAGMA(HLS STREAM variable = pair_s depth = kStreamDepth)
     load_vec(master, p_s, nvec, true);
-    load_vec(momentum_buf, b_s, nvec, use_buf);
+    State<S>::load(momentum_buf, momentum_buf_scales, b_s, nvec, use_buf, false);
     load_pairs<T>(grad_idx, grad_val, pair_s, k);
     decompress(pair_s, g_s, nvec, n, k);
     sgd_compute<T>(p_s, b_s, g_s, p2_s, b2_s, q_s, nvec, n, s);
     store_vec(p2_s, master, nvec, true);
-    store_vec(b2_s, momentum_buf, nvec, use_buf);
+    State<S>::store(b2_s, momentum_buf, momentum_buf_scales, nvec, use_buf, false);
     store_param<T>(q_s, param_out, nvec);
 }
 
@@ -125,36 +125,35 @@ void sgd_topk(fvec* master, fvec* momentum_buf, const beat_u32* grad_idx, const 
 #define SMARTINF_SGD_SCALAR_PRAGMAS                                                                   \
     SMARTINF_LITE(n) SMARTINF_LITE(grad_scale) SMARTINF_LITE(l2_wd) SMARTINF_LITE(momentum)           \
     SMARTINF_LITE(one_minus_dampening) SMARTINF_LITE(neg_lr) SMARTINF_LITE(flags) SMARTINF_LITE(return)
-#define SMARTINF_SGD_STATE_PRAGMAS                                                                    \
-    SMARTINF_AXI(master, gmem_master) SMARTINF_AXI(momentum_buf, gmem_momentum)                      \
+#define SMARTINF_SGD_STATE_PRAGMAS(F)                                                                  \
+    SMARTINF_AXI(master, gmem_master) SMARTINF_STATE_AXI_##F(momentum_buf, gmem_momentum)                      \
     SMARTINF_AXI(param_out, gmem_param)
 #define SMARTINF_SGD_SCALARS \
     const smartinf::SgdScalars s = {grad_scale, l2_wd, momentum, one_minus_dampening, neg_lr, flags}
 
-#define SMARTINF_SGD_ENTRIES(SUFFIX, T)                                                                 \
-    extern "C" void smartinf_sgd_##SUFFIX(smartinf::fvec* master, smartinf::fvec* momentum_buf,          \
+// One dense and one top-k entry point: gradient and parameters in T, the state stored in format F.
+#define SMARTINF_SGD_ENTRIES(NAME, T, F)                                                                 \
+    extern "C" void smartinf_sgd_##NAME(smartinf::fvec* master, SMARTINF_STATE_PORT_##F(momentum_buf),          \
                                           const smartinf::Elem<T>::beat* grad,                          \
                                           smartinf::Elem<T>::beat* param_out, uint32_t n,               \
                                           SMARTINF_SGD_SCALAR_ARGS) {                                   \
-        SMARTINF_SGD_STATE_PRAGMAS                                                                      \
+        SMARTINF_SGD_STATE_PRAGMAS(F)                                                                    \
         SMARTINF_AXI(grad, gmem_grad)                                                                   \
         SMARTINF_SGD_SCALAR_PRAGMAS                                                                     \
         SMARTINF_SGD_SCALARS;                                                                           \
-        smartinf::sgd_dense<T>(master, momentum_buf, grad, param_out, (n + 15) / 16, n, s);             \
+        smartinf::sgd_dense<T, SMARTINF_STATE_TYPE_##F>(master, momentum_buf, SMARTINF_STATE_SCALES_##F(momentum_buf), grad, param_out, smartinf::State<SMARTINF_STATE_TYPE_##F>::vecs(n), n, s);             \
     }                                                                                                   \
-    extern "C" void smartinf_sgd_topk_##SUFFIX(                                                         \
-        smartinf::fvec* master, smartinf::fvec* momentum_buf, const smartinf::beat_u32* grad_idx,       \
+    extern "C" void smartinf_sgd_topk_##NAME(                                                         \
+        smartinf::fvec* master, SMARTINF_STATE_PORT_##F(momentum_buf), const smartinf::beat_u32* grad_idx,       \
         const smartinf::Elem<T>::beat* grad_val, smartinf::Elem<T>::beat* param_out, uint32_t n,        \
         uint32_t k, SMARTINF_SGD_SCALAR_ARGS) {                                                         \
-        SMARTINF_SGD_STATE_PRAGMAS                                                                      \
+        SMARTINF_SGD_STATE_PRAGMAS(F)                                                                    \
         SMARTINF_AXI(grad_idx, gmem_grad_idx)                                                           \
         SMARTINF_AXI(grad_val, gmem_grad)                                                               \
         SMARTINF_LITE(k)                                                                                \
         SMARTINF_SGD_SCALAR_PRAGMAS                                                                     \
         SMARTINF_SGD_SCALARS;                                                                           \
-        smartinf::sgd_topk<T>(master, momentum_buf, grad_idx, grad_val, param_out, (n + 15) / 16, n, k, s); \
+        smartinf::sgd_topk<T, SMARTINF_STATE_TYPE_##F>(master, momentum_buf, SMARTINF_STATE_SCALES_##F(momentum_buf), grad_idx, grad_val, param_out, smartinf::State<SMARTINF_STATE_TYPE_##F>::vecs(n), n, k, s); \
     }
 
-SMARTINF_SGD_ENTRIES(bf16, smartinf::bf16_t)
-SMARTINF_SGD_ENTRIES(fp16, smartinf::fp16_t)
-SMARTINF_SGD_ENTRIES(fp32, float)
+SMARTINF_FOR_EACH_KERNEL_TYPE(SMARTINF_SGD_ENTRIES)

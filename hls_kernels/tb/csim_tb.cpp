@@ -534,6 +534,212 @@ void conversion_check() {
     g_failures += bad;
 }
 
+// ---- state formats: the kernels that keep their states in bf16 or int8 ---------------------------
+// Reference, written from the formats' definitions (lightning_smartinf/core/state_formats.py), not from the
+// kernels: bf16 widens exactly and rounds with the nearest-value search above; an int8 state is blocks of 256
+// FP8 E4M3 codes (value by ldexp) times the block's fp32 scale (its largest magnitude / 448), a never-negative
+// state by its square root; a code is found by a nearest-value search over the finite E4M3 values, ties to the
+// even code, 464 and above saturating to 448 (torch's conversion). Every element the kernel touches (whole beats,
+// whole blocks) is decoded, the live ones stepped by ref_step, all encoded again.
+enum class StateFmt { kBf16, kInt8 };
+const char* name(StateFmt f) { return f == StateFmt::kBf16 ? "bf16" : "int8"; }
+
+double e4m3_decode(uint32_t code) {
+    const uint32_t e = (code >> 3) & 0xFu, m = code & 0x7u;
+    if (e == 0xF && m == 0x7) return NAN;
+    const double mag = e == 0 ? std::ldexp(static_cast<double>(m), -9) : std::ldexp(8.0 + m, static_cast<int>(e) - 10);
+    return (code & 0x80u) ? -mag : mag;
+}
+
+uint8_t e4m3_encode(float x) {
+    const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+    if (std::isnan(x)) return sign | 0x7F;
+    const double a = std::fabs(static_cast<double>(x));
+    if (a >= 464.0) return sign | 0x7E;
+    uint32_t best = 0;
+    for (uint32_t c = 1; c <= 0x7E; ++c) {
+        const double d = std::fabs(e4m3_decode(c) - a), dbest = std::fabs(e4m3_decode(best) - a);
+        if (d < dbest || (d == dbest && (c & 1u) == 0)) best = c;
+    }
+    return static_cast<uint8_t>(sign | best);
+}
+
+// One state in a format, in buffers sized for `elems` (whole beats or blocks) elements.
+struct FmtState {
+    StateFmt fmt;
+    uint32_t elems;
+    Buf data, scales;  // bf16: data holds the bit patterns; int8: data the codes, scales one float per block
+    FmtState(StateFmt f, uint32_t e)
+        : fmt(f), elems(e), data(f == StateFmt::kBf16 ? e : e / 4, f == StateFmt::kBf16 ? 2 : 4),
+          scales(e / 256 + 1, 4) {}
+    uint8_t* codes() { return data.p; }
+    float* scale_ptr() { return reinterpret_cast<float*>(scales.p); }
+    std::vector<float> decode_all(bool root) {
+        std::vector<float> out(elems);
+        for (uint32_t i = 0; i < elems; ++i) {
+            if (fmt == StateFmt::kBf16) {
+                out[i] = from_bits(data.get(i) << 16);
+            } else {
+                const float x = static_cast<float>(e4m3_decode(codes()[i])) * scales.getf(i / 256);
+                out[i] = root ? x * x : x;
+            }
+        }
+        return out;
+    }
+    // The reference's bytes of `values`, as a separate buffer set (compared with what the kernel wrote).
+    void encode_all(const std::vector<float>& values, bool root) {
+        for (uint32_t b = 0; b * 256 < elems || (fmt == StateFmt::kBf16 && b * 256 < elems); ++b) {
+            const uint32_t lo = b * 256, hi = std::min(elems, lo + 256);
+            if (fmt == StateFmt::kBf16) {
+                for (uint32_t i = lo; i < hi; ++i) data.set(i, encode(kBf16, values[i]));
+                continue;
+            }
+            std::vector<float> y(hi - lo);
+            float top = 0.0f;
+            bool nan = false;
+            for (uint32_t i = lo; i < hi; ++i) {
+                y[i - lo] = root ? std::sqrt(values[i]) : values[i];
+                if (std::isnan(y[i - lo])) nan = true;
+                top = std::max(top, std::fabs(y[i - lo]));
+            }
+            const float scale = nan ? NAN : top / 448.0f;
+            const float divisor = scale == 0.0f ? 1.0f : scale;
+            for (uint32_t i = lo; i < hi; ++i) codes()[i] = e4m3_encode(y[i - lo] / divisor);
+            scales.setf(b, scale);
+        }
+    }
+};
+
+void* port(FmtState& s) { return s.data.p; }
+
+#define ST_bf16(x) reinterpret_cast<uint16_t*>(port(x))
+#define ST_int8(x) reinterpret_cast<uint8_t*>(port(x)), (x).scale_ptr()
+#define SMARTINF_FORMAT_DISPATCH(NAME, T, FMT)                                                           \
+    if (rule == Rule::kAdam) {                                                                           \
+        const smartinf::AdamScalars s = smartinf::adam_scalars(step, h.lr, h.beta1, h.beta2, h.eps, h.wd, \
+                                                               h.decoupled, h.maximize, h.grad_scale);    \
+        smartinf_adam_##NAME(F(&master), ST_##FMT(*st[0]), ST_##FMT(*st[1]), (const T*)grad.p, (T*)param.p, \
+                             n, s.grad_scale, s.decay_mul, s.l2_wd, s.lerp_w, s.beta2, s.one_minus_beta2,   \
+                             s.bc2_sqrt, s.eps, s.neg_step_size, s.flags);                                \
+    } else if (rule == Rule::kSgd) {                                                                     \
+        const smartinf::SgdScalars s = smartinf::sgd_scalars(step, h.lr, h.momentum, h.dampening,        \
+                                                             h.nesterov, h.wd, h.maximize, h.grad_scale); \
+        smartinf_sgd_##NAME(F(&master), ST_##FMT(*st[0]), (const T*)grad.p, (T*)param.p, n, s.grad_scale, \
+                            s.l2_wd, s.momentum, s.one_minus_dampening, s.neg_lr, s.flags);               \
+    } else if (rule == Rule::kEfAdam) {                                                                  \
+        const smartinf::EfAdamScalars s = smartinf::efadam_scalars(step, h.lr, h.beta2, h.eps, h.wd,     \
+                                                                   h.decoupled, h.maximize, h.grad_scale); \
+        smartinf_efadam_##NAME(F(&master), ST_##FMT(*st[0]), (const T*)grad.p, (T*)param.p, n,           \
+                               s.grad_scale, s.decay_mul, s.l2_wd, s.beta2, s.one_minus_beta2, s.bc2_sqrt, \
+                               s.eps, s.neg_lr, s.flags);                                                \
+    } else {                                                                                             \
+        const smartinf::AdagradScalars s = smartinf::adagrad_scalars(step, h.lr, h.lr_decay, h.eps, h.wd, \
+                                                                     h.maximize, h.grad_scale);           \
+        smartinf_adagrad_##NAME(F(&master), ST_##FMT(*st[0]), (const T*)grad.p, (T*)param.p, n,          \
+                                s.grad_scale, s.l2_wd, s.eps, s.neg_clr, s.flags);                        \
+    }
+
+// Several steps of one dense entry point smartinf_<rule>_<bf16|fp32>_state_<fmt> against the reference. SGD without
+// momentum runs with the buffer's port in place but must leave it as it was.
+void run_format_case(Rule rule, DType dt, StateFmt fmt, uint32_t n, Data kind, const Hyper& h, uint32_t seed) {
+    const TypeInfo t = info(dt);
+    std::mt19937 rng(seed);
+    const uint32_t unit = fmt == StateFmt::kBf16 ? 32 : 256;
+    const uint32_t elems = std::max(1u, (n + unit - 1) / unit) * unit;  // what the kernel touches
+    const int nstates = rule == Rule::kAdam ? 2 : 1;
+    const bool root[2] = {rule == Rule::kAdagrad || rule == Rule::kEfAdam, true};  // never-negative states
+    const bool untouched = rule == Rule::kSgd && h.momentum == 0.0;
+    Buf master(elems, 4), grad(elems, t.bytes), param(elems, t.bytes);
+    FmtState s0(fmt, elems), s1(fmt, elems), want0(fmt, elems), want1(fmt, elems);
+    FmtState* st[2] = {&s0, &s1};
+    FmtState* want[2] = {&want0, &want1};
+    std::vector<float> rp(elems), init(elems);
+    for (uint32_t i = 0; i < elems; ++i) rp[i] = draw(rng, kind == Data::kZero ? Data::kRandom : kind, dt, false);
+    for (uint32_t i = 0; i < elems; ++i) master.setf(i, rp[i]);
+    for (int j = 0; j < nstates; ++j) {
+        for (uint32_t i = 0; i < elems; ++i) {
+            const float x = draw(rng, kind, dt, false) * (j == 0 ? 0.1f : 0.01f);
+            init[i] = root[j] ? x * x : x;  // a never-negative state
+        }
+        st[j]->encode_all(init, root[j]);
+    }
+    char where_buf[200];
+    for (uint32_t step = 1; step <= 3; ++step) {
+        std::snprintf(where_buf, sizeof where_buf, "%s_%s_state_%s n=%u data=%s cfg=%s step=%u", name(rule), name(dt),
+                      name(fmt), n, name(kind), h.label.c_str(), step);
+        const std::string where = where_buf;
+        std::vector<float> g(elems, 0.0f);
+        for (uint32_t i = 0; i < elems; ++i) {
+            grad.set(i, i < n ? to_t(t, draw(rng, kind, dt, true)) : (t.bytes == 2 ? 0x7FFFu : 0x7FC00001u));
+            if (i < n) g[i] = from_t(t, grad.get(i));
+        }
+        std::vector<float> r[2], zero(elems, 0.0f);
+        for (int j = 0; j < 2; ++j) r[j] = j < nstates ? st[j]->decode_all(root[j]) : zero;
+        for (int j = 0; j < nstates; ++j) {  // the bytes before the step: what an untouched state keeps
+            std::memcpy(want[j]->data.p, st[j]->data.p, st[j]->data.count * st[j]->data.elem);
+            std::memcpy(want[j]->scales.p, st[j]->scales.p, st[j]->scales.count * st[j]->scales.elem);
+        }
+        for (uint32_t i = 0; i < n; ++i) ref_step(rule, h, static_cast<int>(step), rp[i], r[0][i], r[1][i], g[i]);
+        for (int j = 0; j < nstates && !untouched; ++j) want[j]->encode_all(r[j], root[j]);
+        for (size_t i = 0; i < param.count; ++i) param.set(i, 0xABCDu);
+        if (dt == DType::kBf16) {
+            if (fmt == StateFmt::kBf16) { SMARTINF_FORMAT_DISPATCH(bf16_state_bf16, uint16_t, bf16) }
+            else { SMARTINF_FORMAT_DISPATCH(bf16_state_int8, uint16_t, int8) }
+        } else {
+            if (fmt == StateFmt::kBf16) { SMARTINF_FORMAT_DISPATCH(fp32_state_bf16, float, bf16) }
+            else { SMARTINF_FORMAT_DISPATCH(fp32_state_int8, float, int8) }
+        }
+        for (uint32_t i = 0; i < elems; ++i) {
+            ++g_checks;
+            if (!same_float(master.getf(i), rp[i])) fail("master", where, i, master.getf(i), rp[i]);
+            const uint32_t wp = i < n ? to_t(t, rp[i]) : 0u, gp = param.get(i);
+            if (gp != wp && !(i < n && std::isnan(rp[i]) && std::isnan(from_t(t, gp))))
+                fail("param", where, i, from_t(t, gp), from_t(t, wp));
+        }
+        // Codes and scales compared exactly, but NaN by class only (its sign and payload are the hardware's).
+        for (int j = 0; j < nstates; ++j) {
+            for (uint32_t i = 0; i < elems; ++i) {
+                ++g_checks;
+                if (fmt == StateFmt::kBf16) {
+                    const uint32_t got = st[j]->data.get(i), exp = want[j]->data.get(i);
+                    const bool nans = (got & 0x7FFFu) > 0x7F80u && (exp & 0x7FFFu) > 0x7F80u;
+                    if (got != exp && !nans) fail("bf16 state", where, i, from_bits(got << 16), from_bits(exp << 16));
+                } else {
+                    const uint8_t got = st[j]->codes()[i], exp = want[j]->codes()[i];
+                    if (got != exp && !((got & 0x7F) == 0x7F && (exp & 0x7F) == 0x7F))
+                        fail("int8 code", where, i, got, exp);
+                }
+            }
+            if (fmt == StateFmt::kInt8)
+                for (uint32_t b = 0; b < elems / 256; ++b)
+                    if (!same_float(st[j]->scales.getf(b), want[j]->scales.getf(b)))
+                        fail("int8 scale", where, b, st[j]->scales.getf(b), want[j]->scales.getf(b));
+        }
+    }
+}
+
+// The kernels' E4M3 codec against the reference's on every code and every rounding edge.
+void e4m3_check() {
+    int bad = 0;
+    for (uint32_t c = 0; c < 256; ++c) {
+        const double want = e4m3_decode(c);
+        const float got = smartinf::e4m3_value(static_cast<uint8_t>(c));
+        if (!(std::isnan(want) ? std::isnan(got) : bits(got) == bits(static_cast<float>(want)))) ++bad;
+    }
+    for (uint32_t c = 0; c < 0x7E; ++c) {
+        const float lo = static_cast<float>(e4m3_decode(c)), hi = static_cast<float>(e4m3_decode(c + 1));
+        const float mid = (lo + hi) / 2;  // exact
+        for (float x : {lo, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, INFINITY), hi})
+            for (float y : {x, -x})
+                if (smartinf::e4m3_code(y) != e4m3_encode(y)) ++bad;
+    }
+    for (float y : {448.0f, 460.0f, 464.0f, 500.0f, 1.0e30f, INFINITY, NAN, 1.0e-45f, 1.0e-3f})
+        for (float z : {y, -y})
+            if (smartinf::e4m3_code(z) != e4m3_encode(z)) ++bad;
+    if (bad) std::printf("E4M3 codec check: %d mismatches\n", bad);
+    g_failures += bad;
+}
+
 }  // namespace
 
 int main() {
@@ -560,6 +766,18 @@ int main() {
                             ++cases;
                         }
                     }
+    e4m3_check();
+    const uint32_t format_lengths[] = {1, 17, 255, 256, 257, 1000, 4099};
+    for (Rule rule : rules)
+        for (const Hyper& h : configs(rule))
+            for (DType dt : {DType::kBf16, DType::kFp32})
+                for (StateFmt fmt : {StateFmt::kBf16, StateFmt::kInt8})
+                    for (uint32_t n : format_lengths)
+                        for (Data kind : kinds) {
+                            if (n > 1000 && kind != Data::kRandom) continue;
+                            run_format_case(rule, dt, fmt, n, kind, h, seed++);
+                            ++cases;
+                        }
     std::printf("%d cases, %ld element checks, %d mismatches\n", cases, g_checks, g_failures);
     if (g_failures) {
         std::printf("TEST FAILED\n");
