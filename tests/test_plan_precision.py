@@ -1,5 +1,5 @@
 """The planner knows each ``state_precision``: the state's bytes on the devices and on disk, the update's cost, the
-table it prints, and the snippets it writes; SmartSSD profiles, which hold fp32 only, refuse the others."""
+table it prints, and the snippets it writes, for the ``cpu`` backend's machines and the SmartSSDs' alike."""
 
 from __future__ import annotations
 
@@ -92,13 +92,18 @@ def test_the_plan_compares_every_format_and_marks_the_one_asked_for(capsys):
     assert "state_precision" not in answer["strategy"]  # fp32, the default, is not written out
 
 
-def test_smartssd_profiles_hold_fp32_only_and_say_so(capsys):
-    plan = make_plan(Workload(8_000_000_000), load_profile("paper-a5000"))
-    assert list(plan.precisions) == ["fp32"]
-    with pytest.raises(PlanError, match=r"SmartSSDs \(the `xrt` backend\), whose kernels hold fp32 state only"):
-        make_plan(Workload(8_000_000_000, state_precision="int8"), load_profile("paper-a5000"))
-    assert main(["--model", "8B", "--profile", "paper-a5000"]) == 0
-    assert "state_precision (" not in capsys.readouterr().out
+def test_smartssd_profiles_plan_every_format_with_fewer_bytes_through_the_ssds(capsys):
+    """The kernels hold every format; a SmartSSD's updater is bound by its state traffic, so fewer bytes of state
+    give a shorter step there too."""
+    prof = load_profile("paper-a5000")
+    plan = make_plan(Workload(8_000_000_000, state_precision="int8"), prof)
+    assert list(plan.precisions) == list(FORMATS)
+    steps = [plan.precisions[name][1] for name in FORMATS]
+    assert steps[0] > steps[1] > steps[2]
+    assert prof.update_cost("int8") < prof.update_cost("bf16") < prof.update_cost("fp32")
+    assert main(["--model", "8B", "--profile", "paper-a5000", "--state-precision", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "state_precision (" in out and 'state_precision="int8"' in out
     with pytest.raises(SystemExit) as exited:  # argparse's own choice check
         main(["--model", "8B", "--state-precision", "int4"])
     assert exited.value.code == 2

@@ -8,10 +8,12 @@ sqrt), which moves an Adam update by ~1e-7 of itself; SGD is bitwise.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
 from helpers.models import LMModule, adamw_factory, fit, max_relative_error, param_groups, streaming_backend
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -127,5 +129,34 @@ def test_compressed_adamw_runs_the_ef_kernels_as_the_cpu_backend_runs_the_rule(
         assert rules == {runs_as}
     errors = max_relative_error(runs["xrt"], runs["cpu"])
     assert max(errors.values()) < 1e-5, errors
+    initial = {n: p.detach().clone() for n, p in LMModule(adamw_cosine).named_parameters()}
+    assert min(max_relative_error(runs["cpu"], initial).values()) > 2e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state_precision", ["bf16", "int8"])
+def test_a_smaller_state_trains_on_the_smartssds_as_on_host_cores(tmp_path, model_xclbin, state_precision):
+    """``state_precision`` with ``backend="xrt"``: the `*_state_<format>` kernels convert next to the SSD and train
+    to the parameters the ``cpu`` backend gives, bit for bit once both take the square root IEEE's way (torch's
+    vectorised CPU sqrt may be 1 ulp off, which a rounding of the state to bf16 or E4M3 can then amplify)."""
+    runs = {}
+    for backend in ("cpu", "xrt"):
+        paths = [tmp_path / backend / "ssd0", tmp_path / backend / "ssd1"]
+        for path in paths:
+            path.mkdir(parents=True)
+        extra = {"xclbin": model_xclbin} if backend == "xrt" else {}
+        strategy = SmartInfinityStrategy(
+            backend=backend,
+            storage_paths=paths,
+            sub_group_size=3000,
+            chunk_size=2048,
+            state_precision=state_precision,
+            **extra,
+        )
+        with ieee_sqrt() if backend == "cpu" and not TORCH_SQRT_IS_IEEE else contextlib.nullcontext():
+            trainer, runs[backend] = fit(LMModule(adamw_cosine), strategy, steps=STEPS, accumulate=2, clip=0.5)
+        formats = {s.spec.state_format for s in streaming_backend(trainer).shards}
+        assert formats == {state_precision}
+    assert all(torch.equal(runs["xrt"][name], runs["cpu"][name]) for name in runs["cpu"])
     initial = {n: p.detach().clone() for n, p in LMModule(adamw_cosine).named_parameters()}
     assert min(max_relative_error(runs["cpu"], initial).values()) > 2e-4

@@ -347,8 +347,7 @@ def _state_precision(problems: Problems, raw: Mapping[str, Any], kind: registry.
     if kind is not None and precision not in kind.state_formats:
         problems.add(
             f"`state_precision={precision!r}` with `backend={kind.name!r}`: its devices hold the state in "
-            f"{', '.join(repr(f) for f in kind.state_formats)} only so far. Use `backend='cpu'` or 'remote', or "
-            "`state_precision='fp32'`."
+            f"{', '.join(repr(f) for f in kind.state_formats)} only. Use `state_precision='fp32'` with it."
         )
 
 

@@ -70,13 +70,6 @@ def _best_method(work: Workload, prof: Profile, n: int, compression: float, sub_
     )
 
 
-def held_formats(prof: Profile) -> tuple[str, ...]:
-    """The ``state_precision`` values the profile's devices hold: SmartSSDs (the gradient staged on their SSD, the
-    ``xrt`` backend) fp32 only; host cores (``cpu`` backend, remote servers) every format."""
-    smartssd = prof.gradient_staged_on_ssd and prof.network_gbps is None
-    return ("fp32",) if smartssd else FORMATS
-
-
 def choose_sub_group(work: Workload, prof: Profile, devices: int, *, largest: int | None = None) -> int:
     """Largest candidate (up to ``largest``) that gives every device >= 8 sub-groups (pipeline fill and drain under
     ~1/8 of a device's work) and whose buffers fit in half the device memory (room for the next sub-group's)."""
@@ -107,13 +100,6 @@ def make_plan(
     ratio = 0.01 if compression is None else compression
     if not 0 < ratio <= 1:
         raise PlanError(f"`--compression {ratio}` must be in (0, 1]: the fraction of gradient elements kept.")
-    formats = held_formats(prof)
-    if work.state_precision not in formats:
-        raise PlanError(
-            f"`--state-precision {work.state_precision}`: profile {prof.name!r} models SmartSSDs (the `xrt` "
-            "backend), whose kernels hold fp32 state only. Leave --state-precision at fp32, or plan the `cpu` "
-            "backend with a machine profile (`smartinf plan --calibrate PATH ...`)."
-        )
     top = max(prof.max_devices, devices or 1)
     times = {n: _best_method(work, prof, n, ratio, choose_sub_group(work, prof, n)) for n in range(1, top + 1)}
     best = min(times.values())
@@ -130,7 +116,7 @@ def make_plan(
     method = "su_o_c" if compression is not None or gain >= COMPRESSION_WORTH else "su_o"
     precisions = {
         name: (alike.state_bytes * work.params, step.total)
-        for name in formats
+        for name in FORMATS
         for alike in [replace(work, state_precision=name)]
         for step in [
             iteration(

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import format_reference
 from helpers.hang_guard import run_with_timeout
 from helpers.ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
 from helpers.unwritable import unwritable_dir
@@ -249,6 +250,23 @@ def test_sparse_grads_match_torch_optim_on_the_dense_scatter(tmp_path, make_back
     pairs = sum(int(n * r) for n in sizes for r in (0.3, 0.0, 1.0, 0.01))
     link = (backend.traffic_snapshot() - before).link_write_bytes
     assert link == pairs * (4 + grad_dtype.itemsize)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "topk"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_state_formats_are_their_reference_byte_for_byte(tmp_path, make_backend, backend_kind, fmt, sparse) -> None:
+    """Each rule's state in bf16 and int8 on the odd sizes, over two devices: the parameters each step returns and
+    the saved records are :func:`~lightning_smartinf.core.state_formats.update_chunk`'s over the same records (xrt:
+    the kernels' own conversions; cpu: the host's C kernels and torch)."""
+    names = ["adamw", "sgd_nesterov", "adagrad", "ef_adamw"]
+    specs = [ShardSpec(i, n, OPTIMIZERS[names[i % len(names)]][0], state_format=fmt) for i, n in enumerate(ODD_SIZES)]
+    backend = make_backend(_dirs(tmp_path, 2), buffer_count=2)
+    with ieee_sqrt() if backend_kind == "xrt" and not TORCH_SQRT_IS_IEEE else contextlib.nullcontext():
+        reference = format_reference.train(backend, specs, CHUNK, seed=5, sparse=sparse)
+    backend.save(tmp_path / "ckpt")
+    for spec in specs:
+        saved = (tmp_path / "ckpt" / shard_file_name(spec.index)).read_bytes()
+        assert saved == reference.file_bytes(spec.index), f"shard {spec.index} ({spec.rule.name}, {fmt})"
 
 
 def test_training_changes_parameters(tmp_path, make_backend) -> None:

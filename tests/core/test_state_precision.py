@@ -1,21 +1,25 @@
-"""State kept in bf16 and int8 on the ``cpu`` backend and its memory tier: bit for bit the reference of each format
+"""State kept in bf16 and int8 on the ``cpu`` backend, its memory and accelerator tiers, remote servers and the
+SmartSSD kernels (``xrt``): bit for bit the reference of each format
 (:func:`~lightning_smartinf.core.state_formats.update_chunk` over the records), saved, loaded and converted."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.format_reference import train
 from helpers.hang_guard import run_with_timeout
+from helpers.ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
 
 from lightning_smartinf.core.backend import Backend, ShardSpec
 from lightning_smartinf.core.build import tiers_over
 from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.format.state_files import MANIFEST, read_manifest, shard_file_name
-from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdam, StepParams, UpdateRule
-from lightning_smartinf.core.state_formats import reference_format, state_format, update_chunk
+from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdam, UpdateRule
+from lightning_smartinf.core.state_formats import state_format
 from lightning_smartinf.devices.cpu import CpuBackend
 from lightning_smartinf.devices.remote.client import RemoteBackend
 from lightning_smartinf.devices.remote.tokens import read_token
@@ -29,74 +33,10 @@ RULES: list[UpdateRule] = [
     Adagrad(initial_accumulator_value=0.1),
     EFAdam(),
 ]
-STEPS = 3
-
-
-def _hp(step: int) -> StepParams:
-    return StepParams(step=step, lr=1e-2 / step, grad_scale=0.5, weight_decay=0.01, momentum=0.9)
-
-
-class Reference:
-    """Each shard as records in memory, stepped by the reference of its format."""
-
-    def __init__(self, specs: list[ShardSpec], masters: list[torch.Tensor]) -> None:
-        self.specs = specs
-        self.layouts = [ChunkLayout(s.numel, CHUNK, len(s.rule.state_names), s.state_format) for s in specs]
-        self.records: list[list[torch.Tensor]] = []
-        for spec, layout, master in zip(specs, self.layouts, masters):
-            records = []
-            for k in range(layout.num_chunks):
-                start, n = layout.chunk_range(k)
-                padded = layout.padded_len(k)
-                tensors = [torch.zeros(padded)]
-                tensors[0][:n] = master[start : start + n]
-                for name in spec.rule.state_names:
-                    tensors.append(torch.zeros(padded))
-                    tensors[-1][:n] = spec.rule.initial_state_value(name)
-                records.append(layout.pack(tensors, k, spec.rule.state_names).view(torch.float32))
-            self.records.append(records)
-
-    def step(self, index: int, grad: torch.Tensor, hp: StepParams) -> None:
-        spec, layout = self.specs[index], self.layouts[index]
-        for k, record in enumerate(self.records[index]):
-            start, n = layout.chunk_range(k)
-            g = grad[start : start + n].float() * hp.grad_scale
-            states = layout.states_of(record, k, n)
-            if spec.state_format == "fp32":  # the states as fp32 views: the rule itself
-                spec.rule.apply(record[:n], g, states, hp)
-            else:
-                # The plain-torch reference, whatever kernels the devices convert with.
-                update_chunk(spec.rule, reference_format(spec.state_format), record[:n], g, states, hp)
-
-    def file_bytes(self, index: int) -> bytes:
-        layout = self.layouts[index]
-        out = bytearray(layout.file_bytes)
-        for k, record in enumerate(self.records[index]):
-            raw = record.view(torch.uint8).numpy().tobytes()
-            out[layout.record_offset(k) : layout.record_offset(k) + len(raw)] = raw
-        return bytes(out)
 
 
 def _specs(fmt: str) -> list[ShardSpec]:
     return [ShardSpec(i, n, rule, state_format=fmt) for i, (n, rule) in enumerate(zip(SIZES + [2048], RULES))]
-
-
-def _train(backend: Backend, specs: list[ShardSpec], seed: int = 0) -> Reference:
-    gen = torch.Generator().manual_seed(seed)
-    masters = [torch.randn(s.numel, generator=gen) for s in specs]
-    backend.open(specs)
-    for i, master in enumerate(masters):
-        backend.initialize(i, master)
-    backend.wait()
-    reference = Reference(specs, masters)
-    for step in range(1, STEPS + 1):
-        for spec in specs:
-            grad = torch.randn(spec.numel, generator=gen).to(torch.bfloat16)
-            out = torch.empty(spec.numel, dtype=torch.bfloat16)
-            backend.submit(spec.index, grad, _hp(step), out)
-            reference.step(spec.index, grad, _hp(step))
-        backend.wait()
-    return reference
 
 
 def _cpu(tmp_path: Path, name: str = "run", **kwargs) -> Backend:
@@ -116,7 +56,7 @@ def test_devices_and_each_tier_hold_the_reference_bytes(tmp_path, fmt, tier):
         backend = tiers_over(backend, accelerator_bytes=held, accelerator_device="cpu", chunk_elems=CHUNK)
     specs = _specs(fmt)
     try:
-        reference = _train(backend, specs)
+        reference = train(backend, specs, CHUNK)
         if tier != "devices":
             assert getattr(backend.traffic_snapshot(), f"{tier}_write_bytes") > 0, f"the {tier} tier held nothing"
         backend.save(tmp_path / "ckpt")
@@ -141,13 +81,12 @@ def test_remote_servers_update_as_the_reference(servers, token_file, fmt):
     )
     specs = _specs(fmt)
     try:
-        reference = _train(backend, specs)
-        for spec, layout, records in zip(specs, reference.layouts, reference.records):
+        reference = train(backend, specs, CHUNK)
+        for spec in specs:
             master = torch.empty(spec.numel)
             backend.read_master(spec.index, master)
             backend.wait()
-            expected = torch.cat([r[: layout.chunk_range(k)[1]] for k, r in enumerate(records)])
-            assert torch.equal(master, expected), (fmt, spec.rule.name)
+            assert torch.equal(master, reference.master(spec.index)), (fmt, spec.rule.name)
     finally:
         run_with_timeout(backend.close)
 
@@ -155,7 +94,7 @@ def test_remote_servers_update_as_the_reference(servers, token_file, fmt):
 def test_fp32_manifests_read_as_before_formats_existed(tmp_path):
     backend = _cpu(tmp_path)
     try:
-        _train(backend, _specs("fp32"))
+        train(backend, _specs("fp32"), CHUNK)
         backend.save(tmp_path / "ckpt")
     finally:
         run_with_timeout(backend.close)
@@ -166,7 +105,7 @@ def test_fp32_manifests_read_as_before_formats_existed(tmp_path):
 def test_resume_in_the_same_format_is_bitwise_and_another_converts(tmp_path, caplog, saved, wanted):
     first = _cpu(tmp_path, "first")
     try:
-        _train(first, _specs(saved))
+        train(first, _specs(saved), CHUNK)
         first.save(tmp_path / "ckpt")
     finally:
         run_with_timeout(first.close)
@@ -217,7 +156,7 @@ def _record(data: bytes, layout: ChunkLayout, k: int) -> torch.Tensor:
 def test_an_unknown_saved_format_is_refused(tmp_path):
     backend = _cpu(tmp_path, "first")
     try:
-        _train(backend, _specs("int8"))
+        train(backend, _specs("int8"), CHUNK)
         backend.save(tmp_path / "ckpt")
     finally:
         run_with_timeout(backend.close)
@@ -262,13 +201,43 @@ def xclbin(csim_library, tmp_path_factory):
     forget_platform(path)
 
 
-def test_a_backend_that_holds_fp32_only_refuses_other_formats_before_anything_is_written(tmp_path, xclbin):
-    """Built directly (the strategy's settings refuse it earlier), an xrt backend is not handed records it would
-    update as fp32."""
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "topk"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_the_smartssd_kernels_hold_the_reference_bytes(tmp_path, xclbin, fmt, sparse, grad_dtype):
+    """The ``xrt`` backend on the software model of pyxrt runs the C simulation of the HLS kernels: their records
+    (saved, and read back through the P2P buffers every step) are the reference's, byte for byte, and so are the
+    parameters they return."""
     xrt = XrtBackend([tmp_path / "ssd0"], xclbin=xclbin, chunk_elems=CHUNK, buffer_count=2)
+    specs = _specs(fmt)
     try:
-        with pytest.raises(ValueError, match=r"`XrtBackend` holds the optimizer state in fp32 only.*\['int8'\]"):
-            xrt.open(_specs("int8"))
+        with contextlib.nullcontext() if TORCH_SQRT_IS_IEEE else ieee_sqrt():  # the kernels' sqrt is IEEE's
+            reference = train(xrt, specs, CHUNK, grad_dtype=grad_dtype, sparse=sparse)
+        xrt.save(tmp_path / "ckpt")
+        for spec in specs:
+            saved = (tmp_path / "ckpt" / shard_file_name(spec.index)).read_bytes()
+            assert saved == reference.file_bytes(spec.index), f"shard {spec.index} ({spec.rule.name})"
     finally:
         run_with_timeout(xrt.close)
+
+
+def test_an_xclbin_without_the_formats_kernels_is_refused_before_anything_is_written(tmp_path, csim_library):
+    path = write_model_xclbin(
+        tmp_path / "fp32-only.json",
+        csim_library,
+        kernels=["smartinf_adam_bf16", "smartinf_adam_topk_bf16"],
+        devices=1,
+        dram_root=tmp_path / "ddr",
+    )
+    xrt = XrtBackend([tmp_path / "ssd0"], xclbin=path, chunk_elems=CHUNK, buffer_count=2)
+    try:
+        with pytest.raises(
+            ValueError,
+            match=r"no `smartinf_adam_\*` kernel with the state in int8.*"
+            r'KERNELS="smartinf_adam_bf16_state_int8 smartinf_adam_topk_bf16_state_int8"',
+        ):
+            xrt.open([ShardSpec(0, CHUNK, Adam(), state_format="int8")])
+    finally:
+        run_with_timeout(xrt.close)
+        forget_platform(path)
     assert not list(tmp_path.rglob("*.state"))

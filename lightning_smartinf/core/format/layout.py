@@ -79,14 +79,20 @@ class ChunkLayout:
         """Bytes between the starts of two states of a record: a state's bytes, rounded up to ``IO_ALIGN``."""
         return round_up(self.format.stored_bytes(padded), IO_ALIGN)
 
+    def state_extents(self, k: int) -> list[tuple[int, int]]:
+        """``(byte offset, bytes)`` of each state inside record ``k`` (the master is its first ``padded_len(k) * 4``
+        bytes)."""
+        padded = self.padded_len(k)
+        size, span = self.format.stored_bytes(padded), self._state_span(padded)
+        return [(padded * 4 + j * span, size) for j in range(self.num_states)]
+
     def states_of(self, record: Tensor, k: int, n: int) -> list[Tensor]:
         """The states inside ``record`` (chunk ``k``'s, of ``n`` elements): fp32 views of their ``n`` elements in the
         fp32 format, else the ``uint8`` bytes of each whole padded state, to load and store through the format."""
-        padded = self.padded_len(k)
         if self.state_format == "fp32":
-            return [record[(j + 1) * padded : (j + 1) * padded + n] for j in range(self.num_states)]
-        raw, size, span = record.view(torch.uint8), self.format.stored_bytes(padded), self._state_span(padded)
-        return [raw[padded * 4 + j * span :][:size] for j in range(self.num_states)]
+            return [record[offset // 4 :][:n] for offset, _ in self.state_extents(k)]
+        raw = record.view(torch.uint8)
+        return [raw[offset:][:size] for offset, size in self.state_extents(k)]
 
     def unpack(self, record: Tensor, k: int, names: Sequence[str]) -> list[Tensor]:
         """The master and the states (called ``names``) of record ``k``, given as its bytes (``uint8``), as fp32

@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 
 from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdam, StepParams, UpdateRule
+from lightning_smartinf.core.state_formats import BLOCK, FORMATS, state_format
 
 # ---- `flags` bits (smartinf_abi.h) -----------------------------------------------------------------------------
 FLAG_MAXIMIZE = 1 << 0
@@ -37,8 +38,10 @@ KERNEL_TYPES: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "
 RULE_KERNELS = ("adam", "sgd", "adagrad", "efadam")
 #: Scalar arguments (before ``flags``) of each rule's kernels.
 SCALAR_COUNT = {"adam": 9, "sgd": 5, "adagrad": 4, "efadam": 8}
-#: fp32 state ports after ``master`` of each rule's kernels.
+#: States after ``master`` of each rule's kernels.
 STATE_PORTS = {"adam": 2, "sgd": 1, "adagrad": 1, "efadam": 1}
+#: Ports of one state in each state format: an ``"int8"`` state has its codes and, in a second port, its scales.
+PORTS_PER_STATE = {"fp32": 1, "bf16": 1, "int8": 2}
 
 ArgKind = Literal["ptr", "u32", "f32"]
 
@@ -49,10 +52,44 @@ def padded_elems(n: int, itemsize: int) -> int:
     return max(1, -(-n // per_beat)) * per_beat
 
 
+def kernel_elems(n: int, state_precision: str) -> int:
+    """Elements a kernel call over ``n`` elements touches in every port of one element per lane (master, states,
+    dense gradient, parameters): whole 16-lane vectors in fp32, whole beats of a bf16 state, whole 256-element
+    blocks of an int8 one (``State<S>::vecs`` in ``smartinf_kernel.h``, times 16)."""
+    unit = {"fp32": 16, "bf16": 32, "int8": BLOCK}[state_format(state_precision).name]
+    return max(1, -(-n // unit)) * unit
+
+
+def state_port_extents(state_precision: str, offset: int, padded: int) -> list[tuple[int, int]]:
+    """``(byte offset, bytes)`` of each kernel port of one state stored at ``offset`` of a record whose tensors are
+    ``padded`` elements long: the state's bytes, or an ``"int8"`` state's codes and then its scales (in whole beats;
+    the record's 4 KiB alignment leaves room for them)."""
+    fmt = state_format(state_precision)
+    if fmt.name != "int8":
+        return [(offset, fmt.stored_bytes(padded))]
+    blocks = -(-padded // BLOCK)
+    return [(offset, blocks * BLOCK), (offset + blocks * BLOCK, padded_elems(blocks, 4) * 4)]
+
+
+def state_port_bytes(state_precision: str, n: int) -> list[int]:
+    """Bytes a kernel call over ``n`` elements touches in the port(s) of one state (the extents the software model
+    checks)."""
+    elems = kernel_elems(n, state_precision)
+    if state_precision == "int8":
+        return [elems, padded_elems(elems // BLOCK, 4) * 4]
+    return [elems * state_format(state_precision).stored_bytes(1)]
+
+
+def _state_suffix(state_precision: str) -> str:
+    return "" if state_precision == "fp32" else f"_state_{state_precision}"
+
+
 def all_kernel_names() -> list[str]:
-    """The twenty-four entry points ``smartinf_<rule>[_topk]_<T>``."""
+    """The seventy-two entry points ``smartinf_<rule>[_topk]_<T>[_state_<F>]``: four rules, dense or top-k, three
+    gradient types, three state formats (fp32 state: no ``_state_`` part)."""
     return [
-        f"smartinf_{rule}{'_topk' if topk else ''}_{suffix}"
+        f"smartinf_{rule}{'_topk' if topk else ''}_{suffix}{_state_suffix(fmt)}"
+        for fmt in FORMATS
         for rule in RULE_KERNELS
         for topk in (False, True)
         for suffix in KERNEL_TYPES.values()
@@ -89,25 +126,33 @@ def kernel_type(dtype: torch.dtype) -> str:
     return KERNEL_TYPES[dtype]
 
 
-def kernel_name(rule: UpdateRule, dtype: torch.dtype, *, topk: bool) -> str:
-    """The entry point that updates ``rule``'s state with a gradient (and parameter output) of ``dtype``."""
-    return f"smartinf_{rule_kernel(rule)}{'_topk' if topk else ''}_{kernel_type(dtype)}"
+def kernel_name(rule: UpdateRule, dtype: torch.dtype, *, topk: bool, state_precision: str = "fp32") -> str:
+    """The entry point that updates ``rule``'s state, stored in ``state_precision``, with a gradient (and parameter
+    output) of ``dtype``."""
+    state_format(state_precision)
+    return f"smartinf_{rule_kernel(rule)}{'_topk' if topk else ''}_{kernel_type(dtype)}{_state_suffix(state_precision)}"
 
 
-def parse_kernel_name(name: str) -> tuple[str, bool, str]:
-    """``(rule, topk, type suffix)`` of an entry point name; ``ValueError`` for anything else."""
+def parse_kernel_name(name: str) -> tuple[str, bool, str, str]:
+    """``(rule, topk, type suffix, state format)`` of an entry point name; ``ValueError`` for anything else."""
     parts = name.split("_")
+    fmt = "fp32"
+    if len(parts) >= 5 and parts[-2] == "state" and parts[-1] in FORMATS and parts[-1] != "fp32":
+        fmt, parts = parts[-1], parts[:-2]
     topk = len(parts) == 4 and parts[2] == "topk"
     shape_ok = (len(parts) == 3 or topk) and parts[0] == "smartinf"
     if shape_ok and parts[1] in RULE_KERNELS and parts[-1] in KERNEL_TYPES.values():
-        return parts[1], topk, parts[-1]
-    raise ValueError(f"{name!r} is not a smartinf kernel name (one of {', '.join(all_kernel_names())}).")
+        return parts[1], topk, parts[-1], fmt
+    raise ValueError(
+        f"{name!r} is not a smartinf kernel name (smartinf_<rule>[_topk]_<type>[_state_<format>], rule one of "
+        f"{RULE_KERNELS}, type one of {tuple(KERNEL_TYPES.values())}, format one of {FORMATS[1:]})."
+    )
 
 
 def kernel_signature(name: str) -> list[ArgKind]:
     """Argument kinds of an entry point, in order (see ``smartinf_kernels.h``)."""
-    rule, topk, _ = parse_kernel_name(name)
-    ptrs: list[ArgKind] = ["ptr"] * (1 + STATE_PORTS[rule] + (2 if topk else 1) + 1)
+    rule, topk, _, fmt = parse_kernel_name(name)
+    ptrs: list[ArgKind] = ["ptr"] * (1 + STATE_PORTS[rule] * PORTS_PER_STATE[fmt] + (2 if topk else 1) + 1)
     counts: list[ArgKind] = ["u32", "u32"] if topk else ["u32"]
     return ptrs + counts + ["f32"] * SCALAR_COUNT[rule] + ["u32"]
 

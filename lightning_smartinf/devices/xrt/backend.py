@@ -29,6 +29,7 @@ device-internal SSD <-> FPGA path only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Sequence
@@ -41,7 +42,7 @@ from torch import Tensor
 
 from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.compression import SparseGrad
-from lightning_smartinf.core.format.layout import pool_bytes
+from lightning_smartinf.core.format.layout import ChunkLayout, pool_bytes
 from lightning_smartinf.core.io.direct import ThreadedIO
 from lightning_smartinf.core.io.storage import GIB
 from lightning_smartinf.core.rules import StepParams
@@ -55,7 +56,9 @@ from lightning_smartinf.devices.xrt.abi import (
     kernel_name,
     kernel_type,
     padded_elems,
+    parse_kernel_name,
     rule_kernel,
+    state_port_extents,
     u32_arg,
 )
 from lightning_smartinf.devices.xrt.software_xrt import SoftwarePyxrt, is_model_xclbin, platform_for
@@ -213,7 +216,7 @@ class XrtDevice(StreamingDevice):
         self._kernels: dict[str, Any] = {}
         #: data_ptr of each pool buffer -> the P2P bo it maps (the pool hands out tensors over the mappings).
         self._records: dict[int, Any] = {}
-        #: (record data_ptr, padded length, tensor j) -> sub-bo of tensor j of that record.
+        #: (record data_ptr, byte offset, bytes) -> the sub-bo of that extent of the record.
         self._subs: dict[tuple[int, int, int], Any] = {}
         self._staging: dict[str, tuple[Any, Tensor]] = {}
 
@@ -244,16 +247,17 @@ class XrtDevice(StreamingDevice):
             self._staging[name] = (bo, torch.frombuffer(bo.map(), dtype=torch.uint8))
         self.allocated_bytes = self.device_bytes(tensors_per_record)
 
-    def _record_bos(self, record: Tensor, padded: int, tensors: int) -> list[Any]:
+    def _record_bos(self, record: Tensor, extents: list[tuple[int, int]]) -> list[Any]:
+        """Sub-buffers of ``record``'s P2P buffer at ``extents`` (``(byte offset, bytes)`` each), made once."""
         key = record.data_ptr()
         parent = self._records[key]
         if len(self._subs) > 64 * self.buffer_count:
             self._subs.clear()
         bos = []
-        for j in range(tensors):
-            sub = self._subs.get((key, padded, j))
+        for offset, size in extents:
+            sub = self._subs.get((key, offset, size))
             if sub is None:
-                sub = self._subs[(key, padded, j)] = self.pyxrt.bo(parent, padded * 4, j * padded * 4)
+                sub = self._subs[(key, offset, size)] = self.pyxrt.bo(parent, size, offset)
             bos.append(sub)
         return bos
 
@@ -268,8 +272,7 @@ class XrtDevice(StreamingDevice):
         name: str,
         scalars: list[int],
         record: Tensor,
-        padded: int,
-        num_states: int,
+        ports: list[tuple[int, int]],
         grad: Tensor | SparseGrad,
         link_dtype: torch.dtype,
         kind: torch.dtype,
@@ -277,11 +280,14 @@ class XrtDevice(StreamingDevice):
         start: int,
         n: int,
     ) -> None:
-        """One kernel call on chunk ``[start, start + n)``: gradient in, state updated in place in DDR, params out."""
+        """One kernel call on chunk ``[start, start + n)``: gradient in, state updated in place in DDR, params out.
+
+        ``ports``: ``(byte offset, bytes)`` in ``record`` of the master and of each state port.
+        """
         sync = self.pyxrt.xclBOSyncDirection
         itemsize = kind.itemsize
-        state_bos = self._record_bos(record, padded, 1 + num_states)
-        if name.startswith("smartinf_sgd") and num_states == 0:
+        state_bos = self._record_bos(record, ports)
+        if name.startswith("smartinf_sgd") and len(ports) == 1:
             state_bos.append(state_bos[0])  # no momentum buffer: the kernel never touches the port (flag bit 3 off)
         grad_host = self._staging["grad"][1]
         if isinstance(grad, SparseGrad):
@@ -331,21 +337,26 @@ class XrtDevice(StreamingDevice):
         kernel_type(out.dtype)
         kind = link_dtype if link_dtype == out.dtype else torch.float32
         rule = shard.spec.rule
-        name = kernel_name(rule, kind, topk=sparse)
+        layout = shard.layout
+        name = kernel_name(rule, kind, topk=sparse, state_precision=layout.state_format)
         if name not in self.kernel_names:
             raise ValueError(
                 f"Kernel `{name}` (shard {shard.spec.index}: {rule.name}, {'top-k' if sparse else 'dense'} gradient "
-                f"and parameters in {kind}) is not in `xclbin={str(self.xclbin_path)!r}`, which has: "
+                f"and parameters in {kind}, state in {layout.state_format}) is not in "
+                f"`xclbin={str(self.xclbin_path)!r}`, which has: "
                 f"{', '.join(sorted(self.kernel_names))}. Rebuild it with "
                 f'`make -C hls_kernels xclbin KERNELS="{name} ..."`, or train in a precision it has.'
             )
         scalars, flags = derive_scalars(rule, hp)
         args = [f32_arg(s) for s in scalars] + [u32_arg(flags)]
-        layout, num_states = shard.layout, len(rule.state_names)
 
         def update(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
-            padded = record.numel() // layout.tensors_per_record
-            self.run_update(name, args, record, padded, num_states, grad, link_dtype, kind, out, start, n)
+            k = start // layout.chunk_elems
+            padded = layout.padded_len(k)
+            ports = [(0, padded * 4)]
+            for offset, _ in layout.state_extents(k):
+                ports += state_port_extents(layout.state_format, offset, padded)
+            self.run_update(name, args, record, ports, grad, link_dtype, kind, out, start, n)
 
         link_write = grad.link_bytes(kind) if sparse else grad.numel() * kind.itemsize
         return ChunkWork(compute=update, link_write=link_write, link_read=out.numel() * kind.itemsize)
@@ -476,28 +487,35 @@ class XrtBackend(StreamingBackend):
         return list(pair_by_pcie(device_dirs, bdfs))
 
     def open(self, shards: Sequence[ShardSpec]) -> None:
-        if formats := sorted({s.state_format for s in shards} - {"fp32"}):
+        needed = {(rule_kernel(s.rule), s.state_format) for s in shards}  # ValueError for rules without a kernel
+        held = set()
+        for name in self.kernel_names:
+            with contextlib.suppress(ValueError):  # an xclbin may hold kernels of its own beside ours
+                rule, _, _, fmt = parse_kernel_name(name)
+                held.add((rule, fmt))
+        for rule, fmt in sorted(needed - held):
+            example = f"smartinf_{rule}_bf16" + ("" if fmt == "fp32" else f"_state_{fmt}")
             raise ValueError(
-                f"`XrtBackend` holds the optimizer state in fp32 only (its HLS kernels' records), not in {formats}. "
-                "Use `state_precision='fp32'` with `backend='xrt'`."
+                f"`xclbin={str(self.xclbin_path)!r}` has no `smartinf_{rule}_*` kernel with the state in {fmt}, "
+                f"needed by the optimizer's {rule!r} param groups with `state_precision={fmt!r}` (it has: "
+                f"{', '.join(sorted(self.kernel_names))}). Rebuild it with "
+                f'`make -C hls_kernels xclbin KERNELS="{example} {example.replace(rule, rule + "_topk", 1)}"` '
+                "(one kernel per training dtype)."
             )
-        rules = {rule_kernel(s.rule) for s in shards}  # ValueError for amsgrad and other rules without a kernel
-        for rule in sorted(rules):
-            if not any(name.startswith(f"smartinf_{rule}_") for name in self.kernel_names):
-                raise ValueError(
-                    f"`xclbin={str(self.xclbin_path)!r}` has no `smartinf_{rule}_*` kernel, needed by the "
-                    f"optimizer's {rule!r} param groups (it has: {', '.join(sorted(self.kernel_names))}). Rebuild "
-                    f'it with `make -C hls_kernels xclbin KERNELS="smartinf_{rule}_bf16 smartinf_{rule}_topk_bf16"` '
-                    "(one kernel per training dtype)."
-                )
-        tensors = max((1 + len(s.rule.state_names) for s in shards), default=1)
+        tensors = max(
+            (
+                ChunkLayout(s.numel, self.chunk_elems, len(s.rule.state_names), s.state_format).pool_tensors
+                for s in shards
+            ),
+            default=1,
+        )
         need = self.devices[0].device_bytes(tensors)
         if need > self.ddr_bytes:
             fit = (self.ddr_bytes // (4 * (self.buffer_count * tensors + STAGING_BUFFERS))) // 1024 * 1024
             raise ValueError(
                 f"`chunk_elems={self.chunk_elems}` with `buffer_count={self.buffer_count}` needs "
-                f"{need / MIB:.0f} MiB of device memory per SmartSSD ({self.buffer_count} P2P records of "
-                f"{tensors} fp32 tensors + {STAGING_BUFFERS} staging buffers of one chunk each), but the memory banks "
+                f"{need / MIB:.0f} MiB of device memory per SmartSSD ({self.buffer_count} P2P records the size of "
+                f"{tensors} fp32 chunks + {STAGING_BUFFERS} staging buffers of one chunk each), but the memory banks "
                 f"of `xclbin={str(self.xclbin_path)!r}` hold {self.ddr_bytes / GIB:.2f} GiB. Lower `chunk_size` "
                 f"(at most {fit} here) or `buffer_count`."
             )

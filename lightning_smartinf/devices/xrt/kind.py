@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.placement import rank_share
 from lightning_smartinf.core.registry import BuildContext, DeviceKind, register
+from lightning_smartinf.core.state_formats import FORMATS
 
 if TYPE_CHECKING:
     from lightning_smartinf.core.backend import Backend
@@ -22,6 +23,7 @@ class XrtKind(DeviceKind):
     name = "xrt"
     arguments = ("xclbin", "xrt_devices")
     devices_compute = True
+    state_formats = FORMATS
 
     def check(self, problems: Problems, options: Mapping[str, Any], storage_paths: Sequence[Path] | None) -> Any:
         from lightning_smartinf.devices.xrt.backend import check_xrt_settings

@@ -50,12 +50,15 @@ from filelock import FileLock
 
 from lightning_smartinf.devices.xrt.abi import (
     KERNEL_TYPES,
+    STATE_PORTS,
     all_kernel_names,
     arg_to_f32,
+    kernel_elems,
     kernel_signature,
     load_csim_library,
     padded_elems,
     parse_kernel_name,
+    state_port_bytes,
 )
 
 #: ``format`` of a model xclbin manifest.
@@ -84,7 +87,8 @@ def write_model_xclbin(
     Args:
         path: where to write it (must end in ``.json``).
         library: the C-simulation build of ``hls_kernels/`` (``make -C hls_kernels csim``).
-        kernels: entry points the xclbin contains (default: all eighteen).
+        kernels: entry points the xclbin contains (default: all of them,
+            :func:`~lightning_smartinf.devices.xrt.abi.all_kernel_names`).
         devices: number of modelled SmartSSDs, or their PCIe BDFs (default BDFs ``0000:<i+1>:00.1``).
         ddr_bytes: device memory (one DDR bank) of each device.
         dram_root: where the files backing P2P buffers live (default: a fresh temporary directory per device).
@@ -616,21 +620,24 @@ class _Run:
 
     def _check_extents(self) -> None:
         """Every buffer must hold the whole beats the kernel touches (see hls_kernels/README.md, "Buffers")."""
-        rule, topk, suffix = parse_kernel_name(self._kernel.name)
+        rule, topk, suffix, fmt = parse_kernel_name(self._kernel.name)
         itemsize = _ITEMSIZE[suffix]
         ptrs = [i for i, kind in enumerate(self._kernel.signature) if kind == "ptr"]
         n = int(self._args[len(ptrs)]) & 0xFFFFFFFF
         k = int(self._args[len(ptrs) + 1]) & 0xFFFFFFFF if topk else 0
         flags = int(self._args[len(self._kernel.signature) - 1])
-        needs = [padded_elems(n, 4) * 4] * (len(ptrs) - (4 if topk else 3) + 1)  # master and states
+        elems = kernel_elems(n, fmt)
+        states = STATE_PORTS[rule] * state_port_bytes(fmt, n)
         if rule == "sgd" and not flags & (1 << 3):
-            needs[1] = 0  # no momentum buffer: the kernel never touches it
+            states = [0] * len(states)  # no momentum buffer: the kernel never touches it
+        needs = [elems * 4, *states]
         needs += (
             [padded_elems(k, 4) * 4, padded_elems(k, itemsize) * itemsize]
             if topk
-            else [padded_elems(n, itemsize) * itemsize]
+            else [padded_elems(elems, itemsize) * itemsize]
         )
-        needs.append(padded_elems(n, itemsize) * itemsize)  # param_out
+        needs.append(padded_elems(elems, itemsize) * itemsize)  # param_out
+        assert len(needs) == len(ptrs)
         for i, need in zip(ptrs, needs):
             if self._args[i].size() < need:
                 raise RuntimeError(
