@@ -102,6 +102,17 @@ def test_bad_xrt_settings_fail_at_construction(tmp_path, model_xclbin):
         )
 
 
+def _strategy(tmp_path: Path, backend: str, model_xclbin: Path, **settings) -> SmartInfinityStrategy:
+    """The strategy of one of two runs to compare: two storage paths of its own, small sub-groups and chunks."""
+    paths = [tmp_path / backend / "ssd0", tmp_path / backend / "ssd1"]
+    for path in paths:
+        path.mkdir(parents=True)
+    extra = {"xclbin": model_xclbin} if backend == "xrt" else {}
+    return SmartInfinityStrategy(
+        backend=backend, storage_paths=paths, sub_group_size=3000, chunk_size=2048, **extra, **settings
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("rule", "runs_as"), [("auto", "EFAdam"), ("ef_adafactor", "EFAdafactor")])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
@@ -112,18 +123,7 @@ def test_compressed_adamw_runs_the_ef_kernels_as_the_cpu_backend_runs_the_rule(
     `smartinf_sgd_topk_*` ones for EF-Adafactor's device half), to the same parameters."""
     runs = {}
     for backend in ("cpu", "xrt"):
-        paths = [tmp_path / backend / "ssd0", tmp_path / backend / "ssd1"]
-        for path in paths:
-            path.mkdir(parents=True)
-        extra = {"xclbin": model_xclbin} if backend == "xrt" else {}
-        strategy = SmartInfinityStrategy(
-            backend=backend,
-            storage_paths=paths,
-            sub_group_size=3000,
-            chunk_size=2048,
-            compression={"ratio": 0.01, "rule": rule},
-            **extra,
-        )
+        strategy = _strategy(tmp_path, backend, model_xclbin, compression={"ratio": 0.01, "rule": rule})
         trainer, runs[backend] = fit(LMModule(adamw_cosine), strategy, steps=STEPS, precision=precision)
         rules = {type(s.spec.rule).__name__ for s in streaming_backend(trainer).shards}
         assert rules == {runs_as}
@@ -141,18 +141,7 @@ def test_a_smaller_state_trains_on_the_smartssds_as_on_host_cores(tmp_path, mode
     vectorised CPU sqrt may be 1 ulp off, which a rounding of the state to bf16 or E4M3 can then amplify)."""
     runs = {}
     for backend in ("cpu", "xrt"):
-        paths = [tmp_path / backend / "ssd0", tmp_path / backend / "ssd1"]
-        for path in paths:
-            path.mkdir(parents=True)
-        extra = {"xclbin": model_xclbin} if backend == "xrt" else {}
-        strategy = SmartInfinityStrategy(
-            backend=backend,
-            storage_paths=paths,
-            sub_group_size=3000,
-            chunk_size=2048,
-            state_precision=state_precision,
-            **extra,
-        )
+        strategy = _strategy(tmp_path, backend, model_xclbin, state_precision=state_precision)
         with ieee_sqrt() if backend == "cpu" and not TORCH_SQRT_IS_IEEE else contextlib.nullcontext():
             trainer, runs[backend] = fit(LMModule(adamw_cosine), strategy, steps=STEPS, accumulate=2, clip=0.5)
         formats = {s.spec.state_format for s in streaming_backend(trainer).shards}

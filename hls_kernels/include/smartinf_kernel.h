@@ -412,7 +412,7 @@ struct State<StBf16> {
     static constexpr int kVecsPerBeat = 2;
     static uint32_t vecs(uint32_t n) { return (n + 31) / 32 * kVecsPerBeat; }
     static void load(const port* src, const beat_f32*, hls::stream<fvec>& out, uint32_t nvec, bool enable, bool) {
-        port b;
+        port b(0);
     load_bf16_loop:
         for (uint32_t i = 0; i < nvec; ++i) {
             SMARTINF_PRAGMA(HLS PIPELINE II = 1)
@@ -454,8 +454,8 @@ struct State<StInt8> {
     // codes * scale, squared for a `root` state (each one fp32 rounding, as the reference).
     static void load(const port* codes, const beat_f32* scales, hls::stream<fvec>& out, uint32_t nvec, bool enable,
                      bool root) {
-        port cb;
-        beat_f32 sb;
+        port cb(0);
+        beat_f32 sb(0.0f);
     load_int8_loop:
         for (uint32_t i = 0; i < nvec; ++i) {
             SMARTINF_PRAGMA(HLS PIPELINE II = 1)
