@@ -184,6 +184,7 @@ def train(
     init: dict[str, torch.Tensor] | None = None,
     gpt2: tuple[int, int, float] | None = None,
     precision: str = "bf16-mixed",
+    state_precision: str = "fp32",
 ) -> tuple[Record, int]:
     L.seed_everything(0, verbose=False)
     if gpt2 is not None:
@@ -206,6 +207,7 @@ def train(
             sub_group_size=100_000,
             chunk_size=1 << 16,
             compression=None if ratio is None else {"ratio": ratio, "error_feedback": error_feedback, "rule": rule},
+            state_precision=state_precision,
         ),
         precision=precision,
         max_steps=steps,

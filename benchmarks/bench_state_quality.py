@@ -1,12 +1,23 @@
-"""Training quality of each ``state_precision``: the demo's character GPT from scratch, in fp32, bf16 and int8.
+"""Training quality of each ``state_precision``: fp32, bf16 and int8 on the project's convergence tasks.
 
-Three runs in one process, from the same seed and data order: the character GPT of ``smartinf demo`` (real English:
-the documentation that ships with CPython, 90% to train on, the last 10% held out), ``bf16-mixed``, AdamW with
-one-cycle LR, on two emulated devices; only ``state_precision`` differs. Validation loss is taken every
-``--val-every`` steps; the script prints each format's final validation loss and its ratio to fp32's, and writes
-a JSON record (and a plot with ``--out``).
+Each format trains once, in one process, from the same seed and data order; only ``state_precision`` differs.
+The tasks are ``bench_compression.py``'s, dense (no top-k), on two emulated devices, ``bf16-mixed`` (``--precision``):
+
+- ``char`` (default): the demo's character GPT from scratch on real English (the documentation that ships with
+  CPython, 10% held out), AdamW with one-cycle LR;
+- ``finetune``: that model pre-trained densely on the English text (``--pretrain-steps``, plain Lightning), then
+  fine-tuned on Python source (the standard library's first 60 modules, 10% held out), peak LR ``--finetune-lr``;
+- ``gpt2``: the GPT-2 pre-training recipe's model (``HFCausalLM``, its byte-level BPE tokenizer) widened to 6 layers
+  of 384 (12.3M parameters), from scratch on Python source, AdamW with warm-up and cosine decay, clipping at 1.0.
+
+Validation loss is taken every ``--val-every`` steps; the script prints each format's final validation loss and its
+ratio to fp32's, and writes a JSON record (and a plot with ``--out``).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_state_quality.py --steps 400 --out docs/state-quality
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_state_quality.py --task finetune --steps 200 --val-every 25 \
+        --out docs/state-quality-finetune
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_state_quality.py --task gpt2 --steps 2000 --val-every 250 \
+        --out docs/state-quality-gpt2
 """
 
 from __future__ import annotations
@@ -17,58 +28,22 @@ import sys
 import tempfile
 from pathlib import Path
 
-import lightning as L
-import torch
-from torch.utils.data import DataLoader
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_compression import SEQ, Record, ValidatedCharGPT, split  # noqa: E402
+from bench_compression import Record, pretrain, python_source, split, train  # noqa: E402
 from bench_state_formats import cpu_model  # noqa: E402
 
-from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
 from lightning_smartinf.commands.demo import english_text  # noqa: E402
 
 FORMATS = ("fp32", "bf16", "int8")
+TASKS = {
+    "char": "character GPT from scratch on English",
+    "finetune": "character GPT pre-trained on English, fine-tuned on Python source",
+    "gpt2": "GPT-2 recipe model (12.3M) from scratch on Python source",
+}
 
 
-def train(precision: str, *, steps: int, val_every: int, root: Path, vocab: list[str], data: tuple) -> Record:
-    L.seed_everything(0, verbose=False)
-    model = ValidatedCharGPT(len(vocab), seq=SEQ)
-    storage = [root / precision / f"csd{i}" for i in range(2)]
-    for path in storage:
-        path.mkdir(parents=True)
-    record = Record()
-    record.params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=SmartInfinityStrategy(
-            storage_paths=storage, sub_group_size=100_000, chunk_size=1 << 16, state_precision=precision
-        ),
-        precision="bf16-mixed",
-        max_steps=steps,
-        val_check_interval=val_every,
-        check_val_every_n_epoch=None,
-        limit_val_batches=16,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[record],
-    )
-    train_set, val_set = data
-    generator = torch.Generator().manual_seed(0)
-    trainer.fit(
-        model,
-        DataLoader(train_set, batch_size=16, shuffle=True, generator=generator),
-        DataLoader(val_set, batch_size=32),
-    )
-    return record
-
-
-def plot(records: dict[str, Record], out: Path) -> None:
+def plot(records: dict[str, Record], out: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,7 +54,7 @@ def plot(records: dict[str, Record], out: Path) -> None:
         ax.plot(*zip(*record.val), label=name, marker="o", markersize=3)
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss")
-    ax.set_title("character GPT, AdamW: optimizer state precision")
+    ax.set_title(f"{title}, AdamW: optimizer state precision", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
@@ -87,29 +62,58 @@ def plot(records: dict[str, Record], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=list(TASKS), default="char")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--val-every", type=int, default=50)
+    parser.add_argument("--pretrain-steps", type=int, default=400, help="dense pre-training steps (--task finetune)")
+    parser.add_argument("--finetune-lr", type=float, default=1e-3, help="AdamW peak LR (--task finetune)")
+    parser.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        choices=("bf16-mixed", "32-true"),
+        help="Lightning precision of every run; 32-true where the CPU multiplies bf16 matrices slowly",
+    )
     parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS), help="fp32 always runs, first")
     parser.add_argument("--out", type=Path, default=None, help="write <out>.json and <out>.png")
     args = parser.parse_args(argv)
-    text = english_text()
-    vocab = sorted(set(text))
-    data = split(text, vocab)
+    gpt2 = (384, 6, 4.0) if args.task == "gpt2" else None
+    english = english_text() if args.task != "gpt2" else ""
+    code = python_source() if args.task == "finetune" else ""
+    vocab = sorted(set(english) | set(code))
+    init = pretrain(vocab, args.pretrain_steps) if args.task == "finetune" else None
+    data = split(code if args.task == "finetune" else english, vocab) if gpt2 is None else None
+    max_lr = args.finetune_lr if args.task == "finetune" else 3e-3
     formats = sorted(set(args.formats) | {"fp32"}, key=FORMATS.index)
-    print(f"CPU: {cpu_model()}; {args.steps} steps", flush=True)
+    print(f"CPU: {cpu_model()}; {TASKS[args.task]}; {args.steps} steps", flush=True)
     records: dict[str, Record] = {}
+    params = 0
     with tempfile.TemporaryDirectory(prefix="smartinf-quality-") as tmp:
         for name in formats:  # each result printed as it comes: a run stopped early keeps what it had
-            records[name] = train(
-                name, steps=args.steps, val_every=args.val_every, root=Path(tmp), vocab=vocab, data=data
+            records[name], params = train(
+                name,
+                steps=args.steps,
+                ratio=None,
+                warmup=None,
+                val_every=args.val_every,
+                root=Path(tmp),
+                data=data,
+                vocab=vocab,
+                max_lr=max_lr,
+                init=init,
+                gpt2=gpt2,
+                precision=args.precision,
+                state_precision=name,
             )
             loss, reference = records[name].val[-1][1], records["fp32"].val[-1][1]
             print(f"{name}: final validation loss {loss:.4f} ({loss / reference:.4f}x fp32's)", flush=True)
     final = {name: record.val[-1][1] for name, record in records.items()}
     result = {
         "cpu": cpu_model(),
-        "params": records["fp32"].params,
+        "task": TASKS[args.task],
+        "params": params,
         "steps": args.steps,
+        "precision": args.precision,
+        "pretrain_steps": args.pretrain_steps if args.task == "finetune" else 0,
         "final_val_loss": final,
         "ratio_to_fp32": {name: final[name] / final["fp32"] for name in records},
         "val": {name: record.val for name, record in records.items()},
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.out is not None:
         args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        plot(records, args.out)
+        plot(records, args.out, TASKS[args.task])
 
 
 if __name__ == "__main__":

@@ -39,7 +39,9 @@ TIER_RUNS = (
     "zero_offload",
     "zero_twinflow",
 )
-ALL_RUNS = RUNS + TIER_RUNS
+#: Ours with the optimizer state in fewer bytes (``state_precision``), all of it on storage or half in host memory.
+FORMAT_RUNS = ("smart_infinity_bf16", "smart_infinity_int8", "smart_infinity_mem50_bf16", "smart_infinity_mem50_int8")
+ALL_RUNS = RUNS + TIER_RUNS + FORMAT_RUNS
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
@@ -421,11 +423,15 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             strategy = DeepSpeedCPUStrategy(config={**zero3_config(args, offload_optimizer), "aio": aio})
         else:
             from lightning_smartinf import SmartInfinityStrategy
+            from lightning_smartinf.core.state_formats import state_format
 
             share = int(args.run.partition("_mem")[2].partition("_")[0] or 0) / 100
-            # fp32 master + two Adam states, plus each sub-group's last-chunk padding (at most 3 x 4 KiB).
-            state = 12 * module.num_params + 12 * 4096 * (module.num_params // args.sub_group_size + 1)
+            precision = args.run.rpartition("_")[2] if args.run in FORMAT_RUNS else "fp32"
+            # fp32 master + two Adam states in the format, plus each sub-group's last-chunk padding (at most 3 x 4 KiB).
+            per_param = state_format(precision).bytes_per_element(2)
+            state = int(per_param * module.num_params) + 12 * 4096 * (module.num_params // args.sub_group_size + 1)
             settings = {
+                "state_precision": precision,
                 "state_memory_budget": int(share * state) or None,
                 "storage_paths": [storage],
                 "sub_group_size": args.sub_group_size,
@@ -642,6 +648,58 @@ def raw_bandwidth(directory: Path, gib: float) -> dict[str, float]:
 
 def fmt(x: Any, digits: int = 3) -> str:
     return "—" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def formats_table(results: dict[str, dict[str, Any]]) -> str:
+    """Markdown: ours in each ``state_precision``, all of the state on storage and half of it in host memory, beside
+    ZeRO-Infinity's best (the faster train step of its two settings)."""
+    zis = [
+        results[k] for k in ("zero_infinity", "zero_infinity_pipelined") if "train_step_mean_s" in results.get(k, {})
+    ]
+    best = min(zis, key=lambda r: r["train_step_mean_s"]) if zis else {}
+    fp32 = results.get("smart_infinity", {})
+    columns = [
+        ("fp32", fp32),
+        ("bf16", results.get("smart_infinity_bf16", {})),
+        ("int8", results.get("smart_infinity_int8", {})),
+        ("fp32, half in memory", results.get("smart_infinity_mem50", {})),
+        ("bf16, half in memory", results.get("smart_infinity_mem50_bf16", {})),
+        ("int8, half in memory", results.get("smart_infinity_mem50_int8", {})),
+        ("ZeRO-Infinity best", best),
+    ]
+    columns = [(name, r) for name, r in columns if "train_step_mean_s" in r]
+
+    def traffic(r: dict[str, Any], *keys: str) -> float | None:
+        t = r.get("traffic_bytes_per_param_step")
+        return None if not t else sum(t.get(key, 0.0) for key in keys)
+
+    def disk(r: dict[str, Any]) -> float | None:
+        if r is best:  # ZeRO-Infinity's swap traffic is its disk's
+            return r.get("disk_read_bytes_per_param_step", 0.0) + r.get("disk_write_bytes_per_param_step", 0.0)
+        return traffic(r, "storage_read_bytes", "storage_write_bytes")
+
+    rows: list[tuple[str, Any]] = [
+        ("optimizer step, median (s)", lambda r: r.get("opt_step_median_s")),
+        ("train step, mean (s)", lambda r: r.get("train_step_mean_s")),
+        (
+            "train step: this / fp32 all on storage",
+            lambda r: _ratio(r["train_step_mean_s"], fp32.get("train_step_mean_s")),
+        ),
+        (
+            "train step: this / ZeRO-Infinity best",
+            lambda r: _ratio(r["train_step_mean_s"], best.get("train_step_mean_s")),
+        ),
+        ("storage read + write (B/param/step)", disk),
+        (
+            "host memory tier read + write (B/param/step)",
+            lambda r: traffic(r, "memory_read_bytes", "memory_write_bytes"),
+        ),
+        ("peak RSS (GiB)", lambda r: r["peak_rss_mib"] / 1024 if "peak_rss_mib" in r else None),
+    ]
+    lines = ["| metric | " + " | ".join(name for name, _ in columns) + " |", "|---|" + "---:|" * len(columns)]
+    for name, get in rows:
+        lines.append(f"| {name} | " + " | ".join(fmt(get(r), 2) for _, r in columns) + " |")
+    return "\n".join(lines)
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -869,7 +927,7 @@ def main() -> None:
         "--only",
         choices=ALL_RUNS,
         action="append",
-        help=f"run only these configurations (tiers: {', '.join(TIER_RUNS)})",
+        help=f"run only these configurations (tiers: {', '.join(TIER_RUNS)}; state formats: {', '.join(FORMAT_RUNS)})",
     )
     parser.add_argument(
         "--io-engine",
@@ -959,6 +1017,8 @@ def main() -> None:
     md = table(results)
     if any(name in results for name in TIER_RUNS):
         md += "\n\n" + tiers_table(results)
+    if any(name in results for name in FORMAT_RUNS):
+        md += "\n\n" + formats_table(results)
     ours = results.get("smart_infinity", {})
     if "disk_read_bytes_per_param_in_step" in ours and ours.get("opt_step_median_s"):
         # Only what the devices still had to move when the step began counts: with overlap_backward the rest
