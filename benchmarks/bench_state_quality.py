@@ -54,7 +54,7 @@ def plot(records: dict[str, Record], out: Path, title: str) -> None:
         ax.plot(*zip(*record.val), label=name, marker="o", markersize=3)
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss")
-    ax.set_title(f"{title}, AdamW: optimizer state precision", fontsize=9)
+    ax.set_title(f"{title}\nAdamW: optimizer state precision", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
