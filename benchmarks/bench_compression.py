@@ -123,6 +123,19 @@ def pretrain(vocab: list[str], steps: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def task_inputs(
+    *, finetune: bool, gpt2: tuple[int, int, float] | None, pretrain_steps: int
+) -> tuple[list[str], dict[str, torch.Tensor] | None, tuple[Subset, Subset] | None]:
+    """The character vocabulary, the pre-trained weights (``finetune``) and the train/held-out split of a task (the
+    GPT-2 task brings its own data module: no split)."""
+    english = english_text() if gpt2 is None else ""
+    code = python_source() if finetune else ""
+    vocab = sorted(set(english) | set(code))
+    init = pretrain(vocab, pretrain_steps) if finetune else None
+    data = split(code if finetune else english, vocab) if gpt2 is None else None
+    return vocab, init, data
+
+
 def gpt2_task(root: Path, dim: int, layers: int, text_mb: float) -> tuple[Any, Any]:
     """The GPT-2 recipe's module and data module, on Python source (see the module docstring)."""
     from lightning_smartinf.hf import HFCausalLM, TextDataModule
@@ -339,11 +352,7 @@ def main(argv: list[str] | None = None) -> int:
 
     warmup = CompressionWarmup(dense_steps=args.dense_steps, schedule="dgc", steps_per_stage=args.steps_per_stage)
     gpt2 = (args.gpt2_dim, args.gpt2_layers, args.gpt2_text_mb) if args.task == "gpt2" else None
-    english = english_text() if gpt2 is None else ""
-    code = python_source() if args.finetune else ""
-    vocab = sorted(set(english) | set(code))
-    init = pretrain(vocab, args.pretrain_steps) if args.finetune else None
-    data = split(code if args.finetune else english, vocab) if gpt2 is None else None
+    vocab, init, data = task_inputs(finetune=args.finetune, gpt2=gpt2, pretrain_steps=args.pretrain_steps)
     dense_run = {"ratio": None, "warmup": None}
     with tempfile.TemporaryDirectory(prefix="smartinf-comp-") as root:
         common = dict(

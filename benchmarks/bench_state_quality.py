@@ -30,10 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_compression import Record, pretrain, python_source, split, train  # noqa: E402
+from bench_compression import Record, task_inputs, train  # noqa: E402
 from bench_state_formats import cpu_model  # noqa: E402
-
-from lightning_smartinf.commands.demo import english_text  # noqa: E402
 
 FORMATS = ("fp32", "bf16", "int8")
 TASKS = {
@@ -77,12 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="write <out>.json and <out>.png")
     args = parser.parse_args(argv)
     gpt2 = (384, 6, 4.0) if args.task == "gpt2" else None
-    english = english_text() if args.task != "gpt2" else ""
-    code = python_source() if args.task == "finetune" else ""
-    vocab = sorted(set(english) | set(code))
-    init = pretrain(vocab, args.pretrain_steps) if args.task == "finetune" else None
-    data = split(code if args.task == "finetune" else english, vocab) if gpt2 is None else None
-    max_lr = args.finetune_lr if args.task == "finetune" else 3e-3
+    finetune = args.task == "finetune"
+    vocab, init, data = task_inputs(finetune=finetune, gpt2=gpt2, pretrain_steps=args.pretrain_steps)
+    max_lr = args.finetune_lr if finetune else 3e-3
     formats = sorted(set(args.formats) | {"fp32"}, key=FORMATS.index)
     print(f"CPU: {cpu_model()}; {TASKS[args.task]}; {args.steps} steps", flush=True)
     records: dict[str, Record] = {}
@@ -113,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         "params": params,
         "steps": args.steps,
         "precision": args.precision,
-        "pretrain_steps": args.pretrain_steps if args.task == "finetune" else 0,
+        "pretrain_steps": args.pretrain_steps if finetune else 0,
         "final_val_loss": final,
         "ratio_to_fp32": {name: final[name] / final["fp32"] for name in records},
         "val": {name: record.val for name, record in records.items()},
