@@ -60,24 +60,24 @@ def kernel_elems(n: int, state_precision: str) -> int:
     return max(1, -(-n // unit)) * unit
 
 
-def state_port_extents(state_precision: str, offset: int, padded: int) -> list[tuple[int, int]]:
-    """``(byte offset, bytes)`` of each kernel port of one state stored at ``offset`` of a record whose tensors are
-    ``padded`` elements long: the state's bytes, or an ``"int8"`` state's codes and then its scales (in whole beats;
-    the record's 4 KiB alignment leaves room for them)."""
-    fmt = state_format(state_precision)
-    if fmt.name != "int8":
-        return [(offset, fmt.stored_bytes(padded))]
-    blocks = -(-padded // BLOCK)
-    return [(offset, blocks * BLOCK), (offset + blocks * BLOCK, padded_elems(blocks, 4) * 4)]
-
-
 def state_port_bytes(state_precision: str, n: int) -> list[int]:
-    """Bytes a kernel call over ``n`` elements touches in the port(s) of one state (the extents the software model
-    checks)."""
+    """Bytes a kernel call over ``n`` elements touches in the port(s) of one state: the state's, or an ``"int8"``
+    state's codes and then its scales in whole beats (the extents the software model checks)."""
     elems = kernel_elems(n, state_precision)
-    if state_precision == "int8":
+    if state_format(state_precision).name == "int8":
         return [elems, padded_elems(elems // BLOCK, 4) * 4]
     return [elems * state_format(state_precision).stored_bytes(1)]
+
+
+def state_port_extents(state_precision: str, offset: int, padded: int) -> list[tuple[int, int]]:
+    """``(byte offset, bytes)`` of each kernel port of one state stored at ``offset`` of a record whose tensors are
+    ``padded`` elements long (a multiple of 1024, so a call over them touches the state's bytes exactly; the record's
+    4 KiB alignment leaves room for an int8 state's last beat of scales)."""
+    extents = []
+    for size in state_port_bytes(state_precision, padded):
+        extents.append((offset, size))
+        offset += size
+    return extents
 
 
 def _state_suffix(state_precision: str) -> str:
