@@ -36,7 +36,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.commands.demo import CharDataset, CharGPT, english_text
@@ -47,17 +47,25 @@ SEQ = 64
 
 
 class ValidatedCharGPT(CharGPT):
-    def __init__(self, *args: Any, optimizer: str = "adamw", max_lr: float = 3e-3, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        optimizer: str = "adamw",
+        max_lr: float = 3e-3,
+        adamw_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.optimizer_name = optimizer
         self.max_lr = max_lr
+        self.adamw_class = adamw_class
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_name == "adamw":
             decay = [p for p in self.parameters() if p.ndim >= 2]
             no_decay = [p for p in self.parameters() if p.ndim < 2]
             groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-            optimizer = torch.optim.AdamW(groups, lr=self.max_lr)
+            optimizer = self.adamw_class(groups, lr=self.max_lr)
             total = self.trainer.max_steps
             scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.max_lr, total_steps=total)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -87,6 +95,8 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
         m = trainer.callback_metrics
         self.train.append((trainer.global_step, float(m["loss"] if "loss" in m else m["train_loss"])))
+        if "smartinf/link_write_bytes" not in m:  # a baseline without this project's strategy
+            return
         self.link_per_step.append(float(m["smartinf/link_write_bytes"]) + float(m["smartinf/link_read_bytes"]))
         self.storage_per_step.append(float(m["smartinf/storage_read_bytes"]) + float(m["smartinf/storage_write_bytes"]))
 
@@ -198,13 +208,19 @@ def train(
     gpt2: tuple[int, int, float] | None = None,
     precision: str = "bf16-mixed",
     state_precision: str = "fp32",
+    baseline_adamw: type[torch.optim.Optimizer] | None = None,
 ) -> tuple[Record, int]:
+    """Train one run and record it. With ``baseline_adamw`` (char and fine-tuning tasks), the run is a baseline:
+    Lightning's own single-device strategy and that AdamW class instead of this project's strategy."""
     L.seed_everything(0, verbose=False)
+    if gpt2 is not None and baseline_adamw is not None:
+        raise ValueError("`baseline_adamw` runs the character tasks only, not the GPT-2 task")
     if gpt2 is not None:
         model, datamodule = gpt2_task(root, *gpt2)
         model.configure_model()
     else:
-        model = ValidatedCharGPT(len(vocab), seq=SEQ, optimizer=optimizer, max_lr=max_lr)
+        adamw_class = baseline_adamw or torch.optim.AdamW
+        model = ValidatedCharGPT(len(vocab), seq=SEQ, optimizer=optimizer, max_lr=max_lr, adamw_class=adamw_class)
     if init is not None:
         model.load_state_dict(init)
     params = sum(p.numel() for p in model.parameters())
@@ -212,16 +228,19 @@ def train(
     for path in storage:
         path.mkdir(parents=True)
     record = Record()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=SmartInfinityStrategy(
+    strategy = "auto"  # a baseline: Lightning's own single-device strategy
+    if baseline_adamw is None:
+        strategy = SmartInfinityStrategy(
             storage_paths=storage,
             sub_group_size=100_000,
             chunk_size=1 << 16,
             compression=None if ratio is None else {"ratio": ratio, "error_feedback": error_feedback, "rule": rule},
             state_precision=state_precision,
-        ),
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
         precision=precision,
         max_steps=steps,
         val_check_interval=val_every,
@@ -240,11 +259,12 @@ def train(
         return record, params
     train_set, val_set = data
     generator = torch.Generator().manual_seed(0)
-    trainer.fit(
-        model,
-        DataLoader(train_set, batch_size=16, shuffle=True, generator=generator),
-        DataLoader(val_set, batch_size=32),
-    )
+    loader = DataLoader(train_set, batch_size=16, shuffle=True, generator=generator)
+    if baseline_adamw is not None:
+        # This project's strategy is distributed: Lightning swaps the shuffle for a DistributedSampler (seed 0) even
+        # on one device. A baseline takes the same sampler, so that every run sees the same batches in the same order.
+        loader = DataLoader(train_set, batch_size=16, sampler=DistributedSampler(train_set, num_replicas=1, rank=0))
+    trainer.fit(model, loader, DataLoader(val_set, batch_size=32))
     return record, params
 
 
