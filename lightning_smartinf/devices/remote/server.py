@@ -54,7 +54,7 @@ from torch import Tensor
 
 from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.compression import SparseGrad
-from lightning_smartinf.core.format.layout import ChunkLayout, pool_bytes
+from lightning_smartinf.core.format.layout import pool_bytes
 from lightning_smartinf.core.format.state_files import (
     MANIFEST,
     ShardState,
@@ -219,6 +219,13 @@ class CallError(Exception):
         self.final = final
 
 
+class OverLimit(CallError):
+    """A call past a limit of this server (``RESOURCE_EXHAUSTED``); ``final`` unless room may come by itself."""
+
+    def __init__(self, message: str, *, final: bool = True) -> None:
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message, final=final)
+
+
 @dataclass
 class Session:
     """One trainer rank's devices on this server; ``name`` is the id the server issued (its key), ``tag`` what the
@@ -366,10 +373,10 @@ class DeviceServer:
         cap = self.limits.max_session_calls
         with self._lock:
             if session.calls >= cap:
-                raise CallError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                raise OverLimit(
                     f"This session has {cap} calls in flight, the most this server takes of one session "
                     "(`smartinf serve --max-session-calls`).",
+                    final=False,
                 )
             session.calls += 1
         try:
@@ -491,11 +498,9 @@ class DeviceServer:
         if not isinstance(shards_in, list) or not shards_in:
             raise WireError("`shards` must be a non-empty list.")
         if len(shards_in) > limits.max_shards:
-            raise CallError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise OverLimit(
                 f"{len(shards_in)} shards asked for; this server takes at most {limits.max_shards} per session "
                 "(`smartinf serve --max-shards`).",
-                final=True,
             )
         options = {key: header.get(key) for key in ("chunk_elems", "buffer_count", "io_threads")}
         for key, value in options.items():
@@ -507,59 +512,48 @@ class DeviceServer:
             if not isinstance(numel, int) or isinstance(numel, bool):
                 raise WireError(f"shard {index}: needs an integer `numel` and a `rule`.")
             if not 0 < numel <= limits.max_shard_numel:
-                raise CallError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                raise OverLimit(
                     f"shard {index} has {numel} elements; this server takes at most {limits.max_shard_numel}.",
-                    final=True,
                 )
             specs.append(shard_from_wire(index, entry))
         if options["io_threads"] > limits.max_io_threads:
-            raise CallError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise OverLimit(
                 f"`io_threads={options['io_threads']}`: this server gives a session at most {limits.max_io_threads} "
                 "per device (`smartinf serve --max-io-threads`).",
-                final=True,
             )
         try:
-            layouts = [
-                ChunkLayout(spec.numel, options["chunk_elems"], len(spec.rule.state_names), spec.state_format)
-                for spec in specs
-            ]
+            layouts = [spec.layout(options["chunk_elems"]) for spec in specs]
         except ValueError as exc:
             raise WireError(str(exc)) from None
         tensors = max(layout.pool_tensors for layout in layouts)
         pool = pool_bytes(len(self.roots), options["buffer_count"], options["chunk_elems"], tensors)
         if pool > limits.max_session_pool_bytes:
-            raise CallError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise OverLimit(
                 f"`chunk_elems={options['chunk_elems']}` x `buffer_count={options['buffer_count']}` needs "
                 f"{pool / 2**20:.0f} MiB of transfer buffers on {len(self.roots)} device(s); this server gives a "
                 f"session at most {limits.max_session_pool_bytes / 2**20:.0f} MiB (`smartinf serve "
                 "--max-session-pool`). Lower `chunk_size` or `buffer_count`.",
-                final=True,
             )
         state = sum(layout.file_bytes for layout in layouts)
         copies = 2 if header.get("tentative", False) else 1
         if limits.max_session_state_bytes is not None and copies * state > limits.max_session_state_bytes:
             both = " in two copies (tentative updates)" if copies == 2 else ""
-            raise CallError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise OverLimit(
                 f"The session's state takes {readable_size(copies * state)}{both}; this server gives a session at "
                 f"most {readable_size(limits.max_session_state_bytes)} of disk, its checkpoints included "
                 "(`smartinf serve --max-session-state`).",
-                final=True,
             )
         name = secrets.token_urlsafe(32)
         tag = session_tag(name)
         with self._lock:  # reserve the session's slot and buffers; build it outside, no other call waiting on it
             if len(self._sessions) + len(self._opening) >= limits.max_sessions:
-                raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{limits.max_sessions} sessions are open already.")
+                raise OverLimit(f"{limits.max_sessions} sessions are open already.", final=False)
             held = sum(session.pool for session in self._sessions.values()) + sum(self._opening.values())
             if held + pool > self.pools_bytes:
-                raise CallError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                raise OverLimit(
                     f"The session's transfer buffers ({pool / 2**20:.0f} MiB) do not fit beside the open sessions' "
                     f"({held / 2**20:.0f} MiB of {self.pools_bytes / 2**20:.0f} MiB, `smartinf serve --max-pools`).",
+                    final=False,
                 )
             self._opening[name] = pool
         dirs = [root / "sessions" / tag for root in self.roots]
@@ -636,8 +630,7 @@ class DeviceServer:
                 sparse = bool(header.get("sparse"))
                 nbytes = numel * (link_dtype.itemsize + (4 if sparse else 0) + out_dtype.itemsize)
                 if not self._bytes_budget.reserve(nbytes, timeout=self.limits.call_timeout_s):
-                    raise CallError(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    raise OverLimit(
                         f"An update of {nbytes / 2**20:.1f} MiB does not fit in the server's "
                         f"{self.limits.update_bytes_in_flight / 2**20:.0f} MiB for updates in flight "
                         "(`smartinf serve --update-bytes-in-flight`).",
@@ -655,7 +648,7 @@ class DeviceServer:
                 else:
                     grad = _read_tensor(requests, "grad", numel, (link_dtype,))
                 if not session.updates.acquire(timeout=self.limits.call_timeout_s):
-                    raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Too many updates in flight for this session.")
+                    raise OverLimit("Too many updates in flight for this session.", final=False)
                 try:
                     out = torch.empty(numel, dtype=out_dtype)
                     with session.lock:
@@ -754,16 +747,14 @@ class DeviceServer:
         they read. Waits for room up to the call limit."""
         budget = self._bytes_budget
         if nbytes > budget.total:
-            raise CallError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise OverLimit(
                 f"{what.capitalize()} take {readable_size(nbytes)}, more than this server holds for all calls at once "
                 f"({readable_size(budget.total)}, `smartinf serve --update-bytes-in-flight`).",
-                final=True,
             )
         if not budget.reserve(nbytes, timeout=self.limits.call_timeout_s):
-            raise CallError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise OverLimit(
                 f"No room for {what} ({readable_size(nbytes)}) in the server's budget before the call limit.",
+                final=False,
             )
         try:
             yield
@@ -777,10 +768,8 @@ class DeviceServer:
         for frame in requests:
             received += frame.ByteSize()  # every field counts: a frame's header is bytes received too
             if received > self.limits.max_echo_bytes:
-                raise CallError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                raise OverLimit(
                     f"A calibration call may send at most {self.limits.max_echo_bytes} bytes.",
-                    final=True,
                 )
         return header_frame(bytes=received)
 
@@ -843,37 +832,31 @@ class DeviceServer:
         if limits.max_session_state_bytes is not None:
             held = session.on_disk + sum(_tree_bytes(c) for c in session.saved)
             if held + session.state > limits.max_session_state_bytes:
-                raise CallError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                raise OverLimit(
                     f"A checkpoint of this session takes {readable_size(session.state)}; with its state files and "
                     f"the {len(session.saved)} checkpoint(s) it saved ({readable_size(held)}) that is more than the "
                     f"{readable_size(limits.max_session_state_bytes)} this server gives a session "
                     "(`smartinf serve --max-session-state`). Nothing was written.",
-                    final=True,
                 )
         if limits.max_label_checkpoints is None and limits.max_label_checkpoint_bytes is None:
             return
         kept = self._label_checkpoints(session.label, session.owner)  # oldest first
         while kept and not self._label_has_room(kept, session.state):
             if not limits.prune_checkpoints:
-                raise CallError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                raise OverLimit(
                     f"Label {session.label!r} holds {len(kept)} checkpoint(s) ({readable_size(sum(kept.values()))}) "
                     f"on this server; another of {readable_size(session.state)} passes its cap (`smartinf serve "
                     "--max-label-checkpoints`, `--max-label-checkpoint-bytes`). Nothing was written: remove some "
                     "(`--prune-checkpoints` lets the server remove the oldest).",
-                    final=True,
                 )
             oldest = next(iter(kept))
             shutil.rmtree(oldest.parent, ignore_errors=True)
             log.info("label %s: removed its oldest checkpoint to make room (--prune-checkpoints)", session.label)
             del kept[oldest]
         if not self._label_has_room(kept, session.state):
-            raise CallError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise OverLimit(
                 f"A checkpoint of {readable_size(session.state)} is larger than label {session.label!r}'s cap on this "
                 "server (`smartinf serve --max-label-checkpoint-bytes`). Nothing was written.",
-                final=True,
             )
 
     def _label_has_room(self, kept: dict[Path, int], nbytes: int) -> bool:
