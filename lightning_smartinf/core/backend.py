@@ -27,6 +27,7 @@ from torch import Tensor
 
 from lightning_smartinf.core.accelerator import Fence
 from lightning_smartinf.core.compression import SparseGrad
+from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.rules import StepParams, UpdateRule
 from lightning_smartinf.core.state_formats import state_format
@@ -62,6 +63,10 @@ class ShardSpec:
         if self.state_format == "fp32":
             return self.numel * self.rule.bytes_per_element
         return 4 * self.numel + len(self.rule.state_names) * state_format(self.state_format).stored_bytes(self.numel)
+
+    def layout(self, chunk_elems: int) -> ChunkLayout:
+        """The shard's chunk records in chunks of ``chunk_elems`` (``ValueError`` if that is not a valid size)."""
+        return ChunkLayout(self.numel, chunk_elems, len(self.rule.state_names), self.state_format)
 
 
 @dataclass(frozen=True)

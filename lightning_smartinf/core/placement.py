@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from torch import Tensor
 
-from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.io.direct import IOEngine, StateFile
 from lightning_smartinf.core.io.ownership import check_unclaimed, make_temp_device_dir, remove_stale_temp_dirs
 from lightning_smartinf.core.io.storage import create_storage_path, make_private_dirs
@@ -180,7 +179,7 @@ class Tiered:
 
     def state_bytes(self, shard: ShardSpec) -> int:
         """Bytes ``shard``'s state takes on any device: its record file."""
-        return ChunkLayout(shard.numel, self.chunk_elems, len(shard.rule.state_names), shard.state_format).file_bytes
+        return shard.layout(self.chunk_elems).file_bytes
 
     def assign(self, shards: Sequence[ShardSpec], num_devices: int) -> list[int]:
         storage = len(self.weights)

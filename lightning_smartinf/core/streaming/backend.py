@@ -306,7 +306,7 @@ class StreamingBackend(LatchingBackend):
             raise ValueError(
                 f"`ShardSpec.index` values must be 0..{len(shards) - 1} in order, got {[s.index for s in shards]}."
             )
-        layouts = [ChunkLayout(s.numel, self._chunk_elems, len(s.rule.state_names), s.state_format) for s in shards]
+        layouts = [s.layout(self._chunk_elems) for s in shards]
         placement = self.placement or self._default_placement()
         self._assignment = check_assignment(placement, shards, self.num_devices)
         self._check_capacity(repr(placement), layouts, self.assignment)

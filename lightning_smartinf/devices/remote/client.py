@@ -41,9 +41,8 @@ import torch
 from torch import Tensor
 
 from lightning_smartinf.core.accelerator import AcceleratorCopies, Fence, current_accelerator, thread_pool
-from lightning_smartinf.core.backend import BackendStats, Handle, LatchingBackend, ShardSpec
+from lightning_smartinf.core.backend import Handle, LatchingBackend, ShardSpec
 from lightning_smartinf.core.compression import SparseGrad
-from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.format.rank_state import HOST_STATE
 from lightning_smartinf.core.format.reshard import Fetch, Reshard
 from lightning_smartinf.core.format.state_files import (
@@ -679,9 +678,7 @@ class RemoteBackend(LatchingBackend):
             server = self.servers[index]
             self._where.append((server, len(server.shards)))
             server.shards.append(spec.index)
-        for server in self.servers:
-            if not server.shards:
-                continue
+        for server in self._holding:
             header = header_frame(
                 label=self.label,
                 chunk_elems=self.chunk_elems,
@@ -843,6 +840,11 @@ class RemoteBackend(LatchingBackend):
         request = header_frame(session=server.session, op=op, **args)
         return server.reply(server.call(server.control, request, what, timeout=timeout), what, required)
 
+    @property
+    def _holding(self) -> list[_Server]:
+        """The servers that hold shards of this rank (each has a session)."""
+        return [server for server in self.servers if server.shards]
+
     def _by_server(self, shards: Iterable[int]) -> dict[_Server, list[int]]:
         grouped: dict[_Server, list[int]] = {}
         for shard in shards:
@@ -871,15 +873,13 @@ class RemoteBackend(LatchingBackend):
         if self.failure is not None or not self.prefetch_state:
             return
         grouped = self._by_server(i for i in shards if i not in self.tentative_updates)
-        for server in self.servers:
-            if server.shards:
-                self._control(server, "prefetch", "prefetch advice", shards=grouped.get(server, []))
+        for server in self._holding:
+            self._control(server, "prefetch", "prefetch advice", shards=grouped.get(server, []))
 
     def check_storage(self) -> None:
         self.check_usable("check_storage")
-        for server in self.servers:
-            if server.shards:
-                self._control(server, "check_storage", "a storage check")
+        for server in self._holding:
+            self._control(server, "check_storage", "a storage check")
 
     def wait(self) -> None:
         pending = self.pending_work.take()
@@ -890,12 +890,11 @@ class RemoteBackend(LatchingBackend):
             except BaseException as exc:  # noqa: BLE001 - the first is raised below
                 errors.append(exc)
         if not errors:
-            for server in self.servers:
-                if server.shards:
-                    try:
-                        self._control(server, "wait", "waiting for write-back")
-                    except StorageError as exc:
-                        errors.append(exc)
+            for server in self._holding:
+                try:
+                    self._control(server, "wait", "waiting for write-back")
+                except StorageError as exc:
+                    errors.append(exc)
         if errors:
             raise self.latch_error(errors[0])
 
@@ -906,9 +905,7 @@ class RemoteBackend(LatchingBackend):
         self.check_usable("save")
         self.wait()
         entries = []
-        for server in self.servers:
-            if not server.shards:
-                continue
+        for server in self._holding:
             what = "saving a checkpoint"
             reply = self._control(server, "save", what)
             if not isinstance(reply.get("checkpoint"), str) or not isinstance(reply.get("digest"), str):
@@ -942,7 +939,7 @@ class RemoteBackend(LatchingBackend):
         entries = manifest["servers"]
         if not isinstance(entries, list):
             raise CheckpointError(f"{REMOTE_MANIFEST} in {str(directory)!r} is not a remote device-state manifest.")
-        mine = [server for server in self.servers if server.shards]
+        mine = self._holding
         if len(entries) != len(mine):
             saved = ", ".join(
                 f"{entry.get('address')} ({str(entry.get('server_id'))[:12]})"
@@ -987,7 +984,7 @@ class RemoteBackend(LatchingBackend):
         if not path.is_file():
             return False
         entries = read_json(path, "the remote device state", ("checkpoint", "servers"))["servers"]
-        mine = [(server.server_id, server.shards) for server in self.servers if server.shards]
+        mine = [(server.server_id, server.shards) for server in self._holding]
         return (
             isinstance(entries, list)
             and [
@@ -1030,18 +1027,17 @@ class RemoteBackend(LatchingBackend):
             states = [
                 ShardState(
                     spec,
-                    ChunkLayout(spec.numel, self.chunk_elems, len(spec.rule.state_names), spec.state_format),
+                    spec.layout(self.chunk_elems),
                     Path(tmp) / f"{i}",
                 )
                 for i, spec in enumerate(self._specs)
             ]
             reshard.write(states, then=send)  # a failure here changed nothing on the servers
-        for server in self.servers:
-            if server.shards:
-                try:  # a server that fails here may have replaced some shards: the state is torn
-                    self._control(server, "load_upload", "loading a checkpoint")
-                except StorageError as exc:
-                    raise self.latch_error(exc) from None
+        for server in self._holding:
+            try:  # a server that fails here may have replaced some shards: the state is torn
+                self._control(server, "load_upload", "loading a checkpoint")
+            except StorageError as exc:
+                raise self.latch_error(exc) from None
 
     def close(self, *, keep_claims: bool = False) -> None:
         """Finish outstanding work; with ``keep_claims`` the sessions (and the state in them) stay open on the servers
@@ -1080,22 +1076,18 @@ class RemoteBackend(LatchingBackend):
         """Link bytes as this rank sent and received them; storage bytes as the servers counted them (the last
         figures they gave once the sessions are closed or a server failed)."""
         if not self._released and self.failure is None:
-            for server in self.servers:
-                if server.shards:
-                    counters = ("storage_read_bytes", "storage_write_bytes")
-                    try:
-                        reply = self._control(server, "traffic", "reading the traffic counters", required=counters)
-                    except StorageError:
-                        continue  # reported by the next call that needs the server
-                    figures = tuple(reply[name] for name in counters)
-                    if all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in figures):
-                        server.storage_bytes = figures  # a malformed reply keeps the last figures, like a failed one
+            for server in self._holding:
+                counters = ("storage_read_bytes", "storage_write_bytes")
+                try:
+                    reply = self._control(server, "traffic", "reading the traffic counters", required=counters)
+                except StorageError:
+                    continue  # reported by the next call that needs the server
+                figures = tuple(reply[name] for name in counters)
+                if all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in figures):
+                    server.storage_bytes = figures  # a malformed reply keeps the last figures, like a failed one
         link = self.traffic.snapshot()
         return dataclasses.replace(
             link,
             storage_read_bytes=sum(server.storage_bytes[0] for server in self.servers),
             storage_write_bytes=sum(server.storage_bytes[1] for server in self.servers),
         )
-
-    def stats(self, *, reset_peaks: bool = False) -> BackendStats:
-        return BackendStats(traffic=self.traffic_snapshot())

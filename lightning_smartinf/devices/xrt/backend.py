@@ -42,7 +42,7 @@ from torch import Tensor
 
 from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.compression import SparseGrad
-from lightning_smartinf.core.format.layout import ChunkLayout, pool_bytes
+from lightning_smartinf.core.format.layout import pool_bytes
 from lightning_smartinf.core.io.direct import ThreadedIO
 from lightning_smartinf.core.io.storage import GIB
 from lightning_smartinf.core.rules import StepParams
@@ -503,10 +503,7 @@ class XrtBackend(StreamingBackend):
                 "(one kernel per training dtype)."
             )
         tensors = max(
-            (
-                ChunkLayout(s.numel, self.chunk_elems, len(s.rule.state_names), s.state_format).pool_tensors
-                for s in shards
-            ),
+            (s.layout(self.chunk_elems).pool_tensors for s in shards),
             default=1,
         )
         need = self.devices[0].device_bytes(tensors)
