@@ -382,11 +382,6 @@ class _Device:
         self._state.xclbin = xbin
         return xbin.get_uuid()
 
-    def get_xclbin_uuid(self) -> _Uuid:
-        if self._state.xclbin is None:
-            raise RuntimeError("no xclbin loaded")
-        return self._state.xclbin.get_uuid()
-
     def get_info(self, key: xrt_info_device) -> str:
         if key == xrt_info_device.bdf:
             return self._state.bdf
@@ -412,34 +407,22 @@ class _Uuid:
 
 
 class _Named:
-    def __init__(self, name: str, num_args: int) -> None:
-        self._name, self._num_args = name, num_args
+    def __init__(self, name: str) -> None:
+        self._name = name
 
     def get_name(self) -> str:
         return self._name
-
-    def get_num_args(self) -> int:
-        return self._num_args
 
 
 class _Mem:
     def __init__(self, entry: dict) -> None:
         self._entry = entry
 
-    def get_tag(self) -> str:
-        return str(self._entry.get("tag", "DDR[0]"))
-
     def get_size_kb(self) -> int:
         return int(self._entry["size_kb"])
 
     def get_used(self) -> bool:
         return bool(self._entry.get("used", True))
-
-    def get_base_address(self) -> int:
-        return 0
-
-    def get_index(self) -> int:
-        return 0
 
 
 class _Xclbin:
@@ -450,19 +433,15 @@ class _Xclbin:
         self._kernels = list(manifest["kernels"])
         self._mems = list(manifest["mems"])
         self._uuid = _Uuid(hashlib.sha256(Path(filename).read_bytes()).hexdigest()[:32])
-        self._xsa = str(manifest.get("platform", SMARTSSD_PLATFORM))
 
     def get_kernels(self) -> list[_Named]:
-        return [_Named(name, len(kernel_signature(name))) for name in self._kernels]
+        return [_Named(name) for name in self._kernels]
 
     def get_mems(self) -> list[_Mem]:
         return [_Mem(m) for m in self._mems]
 
     def get_uuid(self) -> _Uuid:
         return self._uuid
-
-    def get_xsa_name(self) -> str:
-        return self._xsa
 
 
 class _Kernel:
@@ -545,10 +524,6 @@ class _Bo:
         src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
         self._check(len(src), seek)
         self._root._host[self._offset + seek : self._offset + seek + len(src)] = src
-
-    def read(self, size: int, skip: int) -> np.ndarray:
-        self._check(size, skip)
-        return self._root._host[self._offset + skip : self._offset + skip + size].view(np.int8).copy()
 
     def sync(self, direction: xclBOSyncDirection, size: int | None = None, offset: int = 0) -> None:
         size = self._size - offset if size is None else size
@@ -646,9 +621,6 @@ class _Run:
                 )
 
     def wait(self, timeout_ms: int = 0) -> ert_cmd_state:
-        return self._state
-
-    def state(self) -> ert_cmd_state:
         return self._state
 
 
