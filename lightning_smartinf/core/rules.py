@@ -83,9 +83,9 @@ class UpdateRule(ABC):
         return 4 * (1 + len(self.state_names))
 
 
-def _adam_sign_and_decay(master: Tensor, grad: Tensor, hp: StepParams, decoupled: bool) -> None:
-    """torch's Adam/AdamW before the moments: negate for ``maximize``, then decoupled decay of ``master`` (AdamW) or
-    L2 decay into ``grad`` (Adam)."""
+def _sign_and_decay(master: Tensor, grad: Tensor, hp: StepParams, decoupled: bool = False) -> None:
+    """torch's rules before their states: negate for ``maximize``, then decoupled decay of ``master`` (AdamW) or
+    L2 decay into ``grad`` (Adam, SGD, Adagrad)."""
     if hp.maximize:
         grad.neg_()
     if hp.weight_decay != 0.0:
@@ -137,7 +137,7 @@ class Adam(UpdateRule):
                 maximize=hp.maximize,
             )
             return
-        _adam_sign_and_decay(master, grad, hp, self.decoupled_weight_decay)
+        _sign_and_decay(master, grad, hp, self.decoupled_weight_decay)
         exp_avg.lerp_(grad, 1.0 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         bias_correction1 = 1.0 - beta1**hp.step
@@ -178,7 +178,7 @@ class EFAdam(UpdateRule):
     def apply(self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams) -> None:
         exp_avg_sq = states[0]
         beta2 = hp.betas[1]
-        _adam_sign_and_decay(master, grad, hp, self.decoupled_weight_decay)
+        _sign_and_decay(master, grad, hp, self.decoupled_weight_decay)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         bias_correction2_sqrt = math.sqrt(1.0 - beta2**hp.step)
         denom = exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(hp.eps)
@@ -200,10 +200,7 @@ class SGD(UpdateRule):
         return ("momentum_buffer",) if self.with_momentum else ()
 
     def apply(self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams) -> None:
-        if hp.maximize:
-            grad.neg_()
-        if hp.weight_decay != 0.0:
-            grad.add_(master, alpha=hp.weight_decay)
+        _sign_and_decay(master, grad, hp)
         update = grad
         if self.with_momentum and hp.momentum != 0.0:
             buf = states[0]
@@ -257,10 +254,7 @@ class Adagrad(UpdateRule):
 
     def apply(self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams) -> None:
         state_sum = states[0]
-        if hp.maximize:
-            grad.neg_()
-        if hp.weight_decay != 0.0:
-            grad.add_(master, alpha=hp.weight_decay)
+        _sign_and_decay(master, grad, hp)
         clr = hp.lr / (1.0 + (hp.step - 1) * hp.lr_decay)
         state_sum.addcmul_(grad, grad, value=1.0)
         std = state_sum.sqrt().add_(hp.eps)

@@ -29,7 +29,7 @@ import ctypes
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy
 import torch
@@ -65,7 +65,7 @@ class StateFormat(ABC):
     """How a state tensor is stored on a device (see the module docstring)."""
 
     #: The format's name: the strategy's ``state_precision``.
-    name: ClassVar[str]
+    name: str
 
     @abstractmethod
     def stored_bytes(self, numel: int) -> int:
@@ -89,36 +89,23 @@ class StateFormat(ABC):
         return 4 + num_states * self.stored_bytes(1 << 20) / (1 << 20)
 
 
-class Fp32(StateFormat):
-    name = "fp32"
+class FloatFormat(StateFormat):
+    """A state in a float ``dtype``: fp32 as it is, bf16 rounded to nearest, ties to even (and loaded back exactly)."""
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name, self.dtype = name, dtype
 
     def stored_bytes(self, numel: int) -> int:
-        return 4 * numel
+        return self.dtype.itemsize * numel
 
     def elements(self, nbytes: int) -> int:
-        return nbytes // 4
+        return nbytes // self.dtype.itemsize
 
     def store(self, values: Tensor, out: Tensor, state: str, *, consume: bool = False) -> None:
-        out.view(torch.float32).copy_(values)
+        out.view(self.dtype).copy_(values)
 
     def load(self, raw: Tensor, out: Tensor, state: str) -> None:
-        out.copy_(raw.view(torch.float32))
-
-
-class Bf16(StateFormat):
-    name = "bf16"
-
-    def stored_bytes(self, numel: int) -> int:
-        return 2 * numel
-
-    def elements(self, nbytes: int) -> int:
-        return nbytes // 2
-
-    def store(self, values: Tensor, out: Tensor, state: str, *, consume: bool = False) -> None:
-        out.view(torch.bfloat16).copy_(values)  # round to nearest, ties to even
-
-    def load(self, raw: Tensor, out: Tensor, state: str) -> None:
-        out.copy_(raw.view(torch.bfloat16))  # exact
+        out.copy_(raw.view(self.dtype))
 
 
 class Int8(StateFormat):
@@ -211,7 +198,9 @@ class Int8(StateFormat):
             out.copy_(values[:n])
 
 
-_FORMATS: dict[str, StateFormat] = {f.name: f for f in (Fp32(), Bf16(), Int8())}
+_FORMATS: dict[str, StateFormat] = {
+    f.name: f for f in (FloatFormat("fp32", torch.float32), FloatFormat("bf16", torch.bfloat16), Int8())
+}
 #: The names ``state_precision`` takes.
 FORMATS = tuple(_FORMATS)
 
