@@ -34,7 +34,7 @@ import tempfile
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -538,11 +538,15 @@ class SmartUpdate:
         self.backend.rollback(shards)
         self.early_rolled_back += len(shards)
         if restore_params:
-            for i in shards:
-                self.backend.read_master(i, self.partitions.params(i))
-            self.backend.wait()
-            for i in shards:
-                self.partitions.params_changed(i)
+            self._read_params(shards)
+
+    def _read_params(self, shards: Iterable[int]) -> None:
+        """Copy the fp32 masters of ``shards`` into their low-precision partitions."""
+        for i in shards:
+            self.backend.read_master(i, self.partitions.params(i))
+        self.backend.wait()
+        for i in shards:
+            self.partitions.params_changed(i)
 
     def refresh_params(self) -> None:
         """Copy every shard's fp32 master weights into the low-precision partitions (after a load)."""
@@ -550,12 +554,7 @@ class SmartUpdate:
         count = len(self.sub_groups)
         batch = self.partitions.staged_limit or count
         for start in range(0, count, batch):
-            shards = range(start, min(count, start + batch))
-            for i in shards:
-                self.backend.read_master(i, self.partitions.params(i))
-            self.backend.wait()
-            for i in shards:
-                self.partitions.params_changed(i)
+            self._read_params(range(start, min(count, start + batch)))
         self.partitions.finish_update()
 
     # ------------------------------------------------------------------------------------------ checkpoints

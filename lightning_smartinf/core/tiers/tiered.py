@@ -182,24 +182,15 @@ class TieredBackend(Backend, ABC):
 
     def make_memory_device(self, index: int, backend: StreamingBackend) -> StreamingDevice:
         """The memory tier's device, device ``index`` of ``backend``: state in host RAM, updated on a host core."""
-        chunk_elems, buffer_count = self._tier_options
-        return MemoryDevice(
-            index,
-            backend.traffic,
-            chunk_elems=chunk_elems,
-            buffer_count=min(buffer_count, TIER_BUFFERS),
-            capacity=self.memory_bytes,
-        )
+        return MemoryDevice(index, backend.traffic, **self._tier_buffers, capacity=self.memory_bytes)
 
     def make_accelerator_device(self, index: int, backend: StreamingBackend) -> StreamingDevice:
         """The accelerator tier's device, device ``index`` of ``backend``: state in accelerator memory, updated there
         with the rule's own torch code."""
-        chunk_elems, buffer_count = self._tier_options
         return AcceleratorDevice(
             index,
             backend.traffic,
-            chunk_elems=chunk_elems,
-            buffer_count=min(buffer_count, TIER_BUFFERS),
+            **self._tier_buffers,
             device=self._accelerator_device,
             capacity=self.accelerator_bytes,
         )
@@ -221,6 +212,12 @@ class TieredBackend(Backend, ABC):
     def chunk_elems(self) -> int:
         """Elements per streamed chunk of the tiers' devices."""
         return self._tier_options[0]
+
+    @property
+    def _tier_buffers(self) -> dict[str, int]:
+        """The tiers' devices' chunk size and buffer count (at most ``TIER_BUFFERS``)."""
+        chunk_elems, buffer_count = self._tier_options
+        return {"chunk_elems": chunk_elems, "buffer_count": min(buffer_count, TIER_BUFFERS)}
 
     @property
     def num_devices(self) -> int:
