@@ -454,11 +454,7 @@ class ActivationOffloader:
             return
         # Records already consumed but still being written are freed by their write; wait for those writes, so
         # no file of this micro-batch outlives it.
-        with self._cond:
-            pending = [r.future for r in self._records.values() if r.refs <= 0 and r.future is not None]
-        for future in pending:
-            with contextlib.suppress(BaseException):  # a write error is recorded in `_error`, raised below
-                future.result()
+        self._wait_for(lambda r: r.refs <= 0)  # a write error is recorded in `_error`, raised below
         try:
             self._raise_pending_error()
         except BaseException:
@@ -488,12 +484,16 @@ class ActivationOffloader:
     def settle_writes(self) -> None:
         """Block until every write started so far has finished: the activations it offloaded are then in their files
         and out of memory, and backward reads each of them back (raises a write's error, if any)."""
-        with self._cond:
-            pending = [r.future for r in self._records.values() if r.state == _WRITING and r.future is not None]
-        for future in pending:
-            with contextlib.suppress(BaseException):  # a write error is recorded in `_error`, raised below
-                future.result()
+        self._wait_for(lambda r: r.state == _WRITING)  # a write error is recorded in `_error`, raised below
         self._raise_pending_error()
+
+    def _wait_for(self, which: Callable[[_Record], bool]) -> None:
+        """Wait for the I/O in flight of the records ``which`` picks now; its errors are the caller's to raise."""
+        with self._cond:
+            pending = [r.future for r in self._records.values() if r.future is not None and which(r)]
+        for future in pending:
+            with contextlib.suppress(BaseException):
+                future.result()
 
     def _io_costs(self) -> IOCosts:
         """The I/O's bandwidths and CPU time per byte in the micro-batch that just ended."""
@@ -616,11 +616,7 @@ class ActivationOffloader:
 
     def clear(self) -> None:
         """Wait for I/O, then forget every record and delete its file (handles still alive become invalid)."""
-        with self._cond:
-            futures = [r.future for r in self._records.values() if r.future is not None]
-        for f in futures:
-            with contextlib.suppress(BaseException):  # we are cleaning up
-                f.result()
+        self._wait_for(lambda r: True)  # errors too: we are cleaning up
         with self._cond:
             for rec in list(self._records.values()):
                 self._free(rec)

@@ -53,21 +53,7 @@ class ActivationOffload(L.Callback):
         log_stats: bool = True,
         overhead_budget: float = OVERHEAD_BUDGET,
     ) -> None:
-        problems = Problems("ActivationOffload", ValueError)
-        check_arguments(
-            problems,
-            {
-                "storage_paths": storage_paths,
-                "threshold_bytes": threshold_bytes,
-                "keep_last": keep_last,
-                "max_inflight_bytes": max_inflight_bytes,
-                "io_threads": io_threads,
-                "log_stats": log_stats,
-                "overhead_budget": overhead_budget,
-            },
-        )
-        problems.raise_if_any()
-        self.storage_paths = storage_paths
+        #: The offloader's own arguments.
         self.kwargs = dict(
             threshold_bytes=threshold_bytes,
             keep_last=keep_last,
@@ -75,6 +61,10 @@ class ActivationOffload(L.Callback):
             io_threads=io_threads,
             overhead_budget=overhead_budget,
         )
+        problems = Problems("ActivationOffload", ValueError)
+        check_arguments(problems, {"storage_paths": storage_paths, "log_stats": log_stats, **self.kwargs})
+        problems.raise_if_any()
+        self.storage_paths = storage_paths
         self.log_stats = log_stats
         self.offloader: ActivationOffloader | None = None
         self.stats: OffloadStats | None = None  # the last run's counters, kept after teardown
@@ -82,12 +72,8 @@ class ActivationOffload(L.Callback):
 
     def _paths(self, trainer: L.Trainer) -> list[Path]:
         if self.storage_paths is not None:
-            return [
-                Path(p)
-                for p in (
-                    [self.storage_paths] if isinstance(self.storage_paths, (str, os.PathLike)) else self.storage_paths
-                )
-            ]
+            paths = self.storage_paths
+            return [Path(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
         strategy = trainer.strategy
         if isinstance(strategy, SmartUpdateStrategy) and strategy.settings.storage_paths is None:
             # The strategy keeps its state in temporary directories: activations go to the temporary directory too.
@@ -145,13 +131,14 @@ class ActivationOffload(L.Callback):
             )
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if self.offloader is not None:  # the run is over: remove every file and the run directories now
-            self.stats = self.offloader.stats
-            self.offloader.close()
-            self.offloader = None
+        self._close()  # the run is over: remove every file and the run directories now
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == "fit" and self.offloader is not None:
+        if stage == "fit":
+            self._close()
+
+    def _close(self) -> None:
+        if self.offloader is not None:
             self.stats = self.offloader.stats
             self.offloader.close()
             self.offloader = None
