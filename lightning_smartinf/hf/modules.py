@@ -196,11 +196,22 @@ class _HFModule(L.LightningModule):
         self._tokens_seen = self._tokens_seen + tokens
         self.log("tokens", tokens.float(), on_step=True, on_epoch=False, reduce_fx="sum", sync_dist=True)
 
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, **inputs: Tensor) -> Tensor:
+        assert self.model is not None
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, **inputs).logits
+
     def _metric(self, key: str, factory: Any, device: torch.device) -> Any:
+        """The validation metric logged as ``key`` at the epoch's end, built by ``factory`` on first use."""
         metric = self._metrics.get(key)
         if metric is None:
             metric = self._metrics[key] = factory()
         return metric.to(device)
+
+    def on_validation_epoch_end(self) -> None:
+        for key, metric in self._metrics.items():
+            if metric.update_called:
+                self.log(key, metric.compute(), prog_bar=True, sync_dist=True)  # equal on every rank
+                metric.reset()
 
     # ------------------------------------------------------------------------------------------ export
 
@@ -309,10 +320,6 @@ class HFCausalLM(_HFModule):
                 f"{self.hf_config.vocab_size}. Use the model's own tokenizer, or a larger `config.vocab_size`."
             )
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        assert self.model is not None
-        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-
     @staticmethod
     def _labels(batch: dict[str, Tensor]) -> Tensor:
         """The batch's ``labels`` (-100 where no loss is taken, as on an SFT prompt), else its ``input_ids`` with
@@ -341,12 +348,6 @@ class HFCausalLM(_HFModule):
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         perplexity = self._metric("val_ppl", lambda: Perplexity(ignore_index=-100), shifted.device)
         perplexity.update(shifted, self._labels(batch)[:, 1:])
-
-    def on_validation_epoch_end(self) -> None:
-        perplexity = self._metrics.get("val_ppl")
-        if perplexity is not None and perplexity.update_called:
-            self.log("val_ppl", perplexity.compute(), prog_bar=True, sync_dist=True)  # equal on every rank
-            perplexity.reset()
 
 
 class HFSequenceClassifier(_HFModule):
@@ -412,10 +413,6 @@ class HFSequenceClassifier(_HFModule):
         self.hf_config.problem_type = "single_label_classification"
         self.num_labels = num_labels
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, **inputs: Tensor) -> Tensor:
-        assert self.model is not None
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, **inputs).logits
-
     def _logits(self, batch: dict[str, Tensor]) -> Tensor:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         return self(**inputs).float()
@@ -435,9 +432,3 @@ class HFSequenceClassifier(_HFModule):
             "val_acc", lambda: MulticlassAccuracy(num_classes=self.num_labels, average="micro"), logits.device
         )
         accuracy.update(logits.argmax(-1), batch["labels"])
-
-    def on_validation_epoch_end(self) -> None:
-        accuracy = self._metrics.get("val_acc")
-        if accuracy is not None and accuracy.update_called:
-            self.log("val_acc", accuracy.compute(), prog_bar=True, sync_dist=True)  # equal on every rank
-            accuracy.reset()
