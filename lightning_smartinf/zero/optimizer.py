@@ -406,19 +406,19 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             for group in self.fp16_groups
         ]
 
+    def _clip_divisor(self, total_norm: Tensor) -> float:
+        """What clipping divides this step's gradient by (1 without clipping); ``unscale_and_clip_grads``'s formula."""
+        if self.clip_grad <= 0.0:
+            return 1.0
+        return max(((float(total_norm) / self.loss_scale) + 1e-6) / self.clip_grad, 1.0)
+
     def _combined_scale(self, total_norm: Tensor) -> float:
-        """Loss scale times the clipping factor; same formula as ``unscale_and_clip_grads``."""
-        combined = float(self.loss_scale)
-        if self.clip_grad > 0.0:
-            clip = ((float(total_norm) / self.loss_scale) + 1e-6) / self.clip_grad
-            combined *= max(clip, 1.0)
-        return combined
+        """Loss scale times the clipping divisor."""
+        return float(self.loss_scale) * self._clip_divisor(total_norm)
 
     def _clip_factor(self, total_norm: Tensor) -> float:
         """The clipping factor alone (1 without clipping): what scales this step's gradient and no other step's."""
-        if self.clip_grad <= 0.0:
-            return 1.0
-        return 1.0 / max(((float(total_norm) / self.loss_scale) + 1e-6) / self.clip_grad, 1.0)
+        return 1.0 / self._clip_divisor(total_norm)
 
     def _link_overflows(self, clip_factor: float) -> bool:
         """Whether this step's gradient plus the error-feedback residual overflows the link on any rank.
