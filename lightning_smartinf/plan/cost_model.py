@@ -111,6 +111,15 @@ class Workload:
         return self.tokens * self.accumulate
 
 
+def check_update_costs(problems: Problems, costs: Any) -> None:
+    """Check ``update_cost_by_precision``: a mapping of state formats to their update time per element over fp32's."""
+    if problems.instance("update_cost_by_precision", costs, dict, f"a map of {', '.join(FORMATS)} to numbers"):
+        within = problems.within("update_cost_by_precision")
+        if problems.keys("update_cost_by_precision", costs, FORMATS):
+            for name, value in costs.items():
+                within.number(name, value, low=0, above=True, why="time per element relative to fp32's")
+
+
 @dataclass(frozen=True)
 class Profile:
     """Hardware numbers the model needs. Bandwidths in GB/s, rates in parameters per second.
@@ -175,12 +184,7 @@ class Profile:
             if name.endswith(("_gbps", "_per_s", "_tflops", "_ms")) and value is not None:
                 rate = not name.endswith("_ms")  # a rate or bandwidth > 0 (null: no limit); a latency >= 0
                 problems.number(name, value, low=0, above=rate, why="null: no limit" if rate else "")
-        costs = clean.get("update_cost_by_precision", {})
-        if problems.instance("update_cost_by_precision", costs, dict, "a mapping of state precision to a number"):
-            sub = problems.within("update_cost_by_precision")
-            if problems.keys("update_cost_by_precision", costs, FORMATS):
-                for name, value in costs.items():
-                    sub.number(name, value, low=0, above=True, why="time per element relative to fp32's")
+        check_update_costs(problems, clean.get("update_cost_by_precision", {}))
         problems.raise_if_any()
         return cls(**clean)
 

@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_smartinf.core.arguments import Problems
-from lightning_smartinf.core.state_formats import FORMATS
-from lightning_smartinf.plan.cost_model import PlanError, Profile, read_profile
+from lightning_smartinf.plan.cost_model import PlanError, Profile, check_update_costs, read_profile
 
 __all__ = ["MACHINE_KIND", "Gpu", "Machine", "StoragePath", "is_machine", "load_any"]
 
@@ -148,12 +147,7 @@ class Machine:
         problems.number("state_memory_gb", data.get("state_memory_gb"), low=0, optional=True)
         problems.integer("cpu_cores", data.get("cpu_cores"), low=1, optional=True)
         problems.number("cpu_step_s_per_gparam", data.get("cpu_step_s_per_gparam", 0.0), low=0)
-        costs = data.get("update_cost_by_precision", {})
-        if problems.instance("update_cost_by_precision", costs, dict, f"a map of {', '.join(FORMATS)} to numbers"):
-            within = problems.within("update_cost_by_precision")
-            if problems.keys("update_cost_by_precision", costs, FORMATS):
-                for key, value in costs.items():
-                    within.number(key, value, low=0, above=True)
+        check_update_costs(problems, data.get("update_cost_by_precision", {}))
         problems.choice("transfer_bytes", data.get("transfer_bytes", 2), (2, 4))
         problems.raise_if_any()
         clean = {k: v for k, v in data.items() if k in known}
