@@ -128,7 +128,8 @@ class SmartUpdateSettings:
     io_block_size: int = 1 << 20
     """Bytes per I/O request: a multiple of 4096, at most 1 GiB."""
     io_queue_depth: int = 8
-    """I/O requests in flight per chunk transfer."""
+    """I/O requests in flight: per chunk transfer with ``"aio"`` (each transfer thread's own queue), per device with
+    ``"threads"`` (one pool of this many threads, shared by the device's reads and writes)."""
     io_threads: int = 3
     """Chunk transfers each emulated device keeps in flight per direction."""
     device_timeout_s: float | None = 300.0

@@ -108,7 +108,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
             direct I/O), ``"threads"`` (``pread``/``pwrite`` on a thread pool) or ``"auto"`` (aio where it
             loads and the filesystem allows ``O_DIRECT``, else threads; the choice is logged).
         io_block_size: bytes per I/O request: an int, a multiple of 4096, at most 1 GiB (``1 << 30``).
-        io_queue_depth: I/O requests in flight per chunk transfer.
+        io_queue_depth: I/O requests in flight: per chunk transfer with ``"aio"``, per device with ``"threads"``.
         io_threads: chunk transfers each emulated device keeps in flight per direction (reads: ``buffer_count - 1``).
         device_timeout_s: seconds a device may take to answer before the run fails with a
             :class:`~lightning_smartinf.core.StorageError` (a positive finite number); ``None`` waits forever.
