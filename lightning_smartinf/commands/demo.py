@@ -98,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-
     L.seed_everything(0, verbose=False)
     dataset = CharDataset(english_text(), seq=64)
     model = CharGPT(len(dataset.vocab), seq=64)
@@ -146,6 +145,7 @@ def _run(args: argparse.Namespace) -> int:
         f"  host link, ZeRO-Infinity     : {ZERO_INFINITY_LINK_BYTES_PER_PARAM:5.2f} B "
         f"(SmartUpdate moves {ZERO_INFINITY_LINK_BYTES_PER_PARAM / link:.1f}x less over the shared link)"
     )
+    return 0
 
 
 if __name__ == "__main__":
