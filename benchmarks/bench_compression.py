@@ -224,12 +224,12 @@ def train(
     if init is not None:
         model.load_state_dict(init)
     params = sum(p.numel() for p in model.parameters())
-    storage = [root / name / f"csd{i}" for i in range(2)]
-    for path in storage:
-        path.mkdir(parents=True)
     record = Record()
     strategy = "auto"  # a baseline: Lightning's own single-device strategy
     if baseline_adamw is None:
+        storage = [root / name / f"csd{i}" for i in range(2)]
+        for path in storage:
+            path.mkdir(parents=True)
         strategy = SmartInfinityStrategy(
             storage_paths=storage,
             sub_group_size=100_000,
