@@ -25,6 +25,7 @@ from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.placement import memory_share
 from lightning_smartinf.core.rules import Adam, StepParams
 from lightning_smartinf.core.tiers.host_memory import MemoryDevice
+from lightning_smartinf.core.tiers.update_model import TIE, update_tail
 from lightning_smartinf.devices.xrt import XrtBackend, forget_platform, write_model_xclbin
 from tests.core.backends import SlowMemoryTiers, split_tier_arguments, with_tiers
 
@@ -118,12 +119,13 @@ def test_memory_beside_smartssds_updates_bitwise_like_them_and_checkpoints_move_
 
 @pytest.mark.parametrize("cls", [tiers_over, SlowMemoryTiers], ids=["measured", "slow-memory"])
 def test_replan_gives_memory_the_share_that_finishes_with_the_smartssds(tmp_path, xclbin, backends, cls) -> None:
-    """Memory's new share is :func:`memory_share` of the rates measured (to the nearest shard), capped by the budget;
-    every shard that moves moves exactly."""
+    """Memory's new share is the one the update model predicts shortest at the rates measured (no longer than the
+    pooled balance of :func:`memory_share`, to the nearest shard), capped by the budget; every shard that moves
+    moves exactly."""
     budget = 6 * _bytes(SIZES[0])
     backend = _open(backends, tmp_path / "tier", xclbin, cls, memory_bytes=budget)
     reference = _open(backends, tmp_path / "ref", xclbin)
-    before = backend.assignment.count(2)
+    before, placement = backend.assignment.count(2), backend.assignment
     assert before == 3
     outs, expected = (
         [torch.empty(n, dtype=torch.bfloat16) for n in SIZES],
@@ -136,16 +138,22 @@ def test_replan_gives_memory_the_share_that_finishes_with_the_smartssds(tmp_path
     held = backend.assignment.count(2) * _bytes(SIZES[0])
     plan = backend.last_replan
     assert plan is not None and plan.ready == {}, "SmartSSDs take no hand-offs: nothing hides behind backward"
-    # The share whose update phase the model predicts shortest is the balance of the rates, to the nearest shard;
-    # memory takes it when that is predicted more than 10% shorter, and otherwise keeps what it holds (CI measured
-    # rates whose balance was 4.2 shards, a prediction within 10% of the 3 held: nothing moved, rightly).
+    # Memory takes the share whose update phase the model predicts shortest when that is predicted more than 10%
+    # shorter than the current placement's, and otherwise keeps what it holds (CI measured rates whose balance was
+    # 4.2 shards, a prediction within 10% of the 3 held: nothing moved, rightly).
     if plan.predicted_s < 0.9 * plan.current_s:
         assert moved and held <= plan.memory_share, (rates, backend.assignment)
-        # The pooled balance stands for the model's optimum only while the two SmartSSDs update alike: the model
-        # times each device's own shards. Seen once under a concurrent benchmark: rates of 19.9M and 46.6M B/s
-        # beside memory's 79.8M, and a share more than one shard from the pool's balance.
-        if max(rates[0], rates[1]) <= 1.5 * min(rates[0], rates[1]):
-            assert abs(held - share) < _bytes(SIZES[0]), (rates, backend.assignment)
+        # The pooled balance of the rates, to the nearest shard, is the optimum only where the SmartSSDs split the
+        # rest exactly; the model times each device's own whole shards, so its choice may lie further from the
+        # balance (CI: rates of 73M and 49M B/s beside memory's 98M, a balance of 4.0 shards, 5 chosen). What holds
+        # at any rates: the choice is predicted no longer than the balance placed the same way (up to the tie).
+        nearest = min(round(share / _bytes(SIZES[0])), 6) * _bytes(SIZES[0])
+        specs = [s.spec for s in backend.inner.shards]
+        early = [backend.inner.tentative_slots and not d.in_memory for d in backend.inner.devices]
+        device_rates = [plan.rates[d] for d in range(3)]
+        balanced = backend._split(specs, nearest, keep=placement)
+        balanced_s = update_tail(balanced, [_bytes(n) for n in SIZES], device_rates, early, plan.ready)
+        assert plan.predicted_s <= balanced_s * (1 + TIE) + 1e-9, (rates, balanced, backend.assignment)
     else:
         assert held == before * _bytes(SIZES[0]), (rates, plan, backend.assignment)
     # The measured and the slowed memory tier go opposite ways.
