@@ -1,0 +1,185 @@
+"""Why a state format trains as it does: AdamW's moments passed through candidate 8-bit codecs, simulated in torch.
+
+The GPT-2 task of ``bench_state_quality.py`` (the recipe's model, 6 layers of 384, from scratch on Python source;
+AdamW 1e-3, betas (0.9, 0.95), weight decay 0.1, warm-up and cosine, clipping 1.0) trained by plain Lightning on one
+CPU device, with torch's ``AdamW``. After every optimizer step a callback replaces each moment by what a codec would
+store and load back, exactly as a device that holds the moments in that codec hands them to the next step. So one
+codec's effect on quality is measured apart from everything else, a variant at a time:
+
+- ``e4m3``: this project's ``state_precision="int8"`` (FP8 E4M3 codes of the element over its block's largest
+  magnitude, blocks of 256, the second moment stored by its square root); ``e4m3-m`` and ``e4m3-v`` quantize one
+  moment only; ``e4m3-b64`` uses blocks of 64; ``e4m3-direct`` stores the second moment itself;
+- ``dynamic``: bitsandbytes' dynamic map (signed for the first moment, unsigned for the second, stored directly, as
+  its 8-bit AdamW does), blocks of 256; ``dynamic-sqrt`` stores the second moment by its square root.
+
+Every codec here rounds to the nearest code (ties to the lower), which for ``e4m3`` gives the format's reference's
+values (compared on random data: equal but at exact ties). Each codec runs once per ``--seeds`` (the seed draws the
+initial weights and the batch order); each run prints its final validation loss against ``fp32``'s (no codec) of the
+same seed, and the summary gives each codec's mean over the seeds against ``fp32``'s mean, beside the spread of
+``fp32`` between seeds: the run-to-run noise any codec's difference must be read against.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_state_codecs.py --steps 400 --codecs fp32 e4m3 --seeds 0 1 2 \\
+        --out docs/state-codecs-gpt2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_compression import Record, gpt2_task  # noqa: E402
+from bench_state_formats import cpu_model  # noqa: E402
+
+E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+E4M3 = torch.unique(E4M3[torch.isfinite(E4M3)])  # the codes' values, sorted (largest 448)
+
+
+def dynamic_map(signed: bool) -> torch.Tensor:
+    """bitsandbytes' dynamic quantization map (its 8-bit optimizers' code), sorted; written out here so that the
+    benchmark runs without bitsandbytes: sign, a run of zero bits giving the exponent, then a linear fraction."""
+    values, max_exp = [], 7
+    bits = 7 if signed else 8
+    additional = bits - max_exp + (0 if signed else 1)  # as bitsandbytes' create_dynamic_map
+    for i in range(max_exp):
+        fractions = 2 ** (i + additional - 1) + 1 if not signed else 2 ** (i + additional) + 1
+        boundaries = torch.linspace(0.1, 1, fractions)
+        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        values += (10 ** (-(max_exp - 1) + i) * means).tolist()
+        if signed:
+            values += (-(10 ** (-(max_exp - 1) + i)) * means).tolist()
+    values += [0.0, 1.0]
+    return torch.unique(torch.tensor(values, dtype=torch.float32))
+
+
+@dataclass(frozen=True)
+class Codec:
+    """Blockwise absmax quantization to the nearest value of ``table``: a block's scale is its largest magnitude over
+    the table's largest value (as the ``int8`` format's reference computes it)."""
+
+    table: torch.Tensor
+    block: int = 256
+    sqrt: bool = False  # store the square root (a never-negative state)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_mid", (self.table[1:] + self.table[:-1]) / 2)
+
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.detach().flatten().float()
+        n = flat.numel()
+        pad = -n % self.block
+        work = torch.nn.functional.pad(flat.sqrt() if self.sqrt else flat, (0, pad)).view(-1, self.block)
+        scale = work.abs().amax(dim=1, keepdim=True).div_(self.table.max())
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        codes = torch.bucketize(work / safe, self._mid)  # type: ignore[attr-defined]
+        out = (self.table[codes] * scale).flatten()[:n]
+        return (out.square() if self.sqrt else out).view_as(x)
+
+
+E4M3_SIGNED = E4M3
+E4M3_UNSIGNED = E4M3[E4M3 >= 0]
+#: Each variant: the codec of the first moment and of the second (``None``: kept in fp32).
+CODECS: dict[str, tuple[Codec | None, Codec | None]] = {
+    "fp32": (None, None),
+    "e4m3": (Codec(E4M3_SIGNED), Codec(E4M3_UNSIGNED, sqrt=True)),
+    "e4m3-m": (Codec(E4M3_SIGNED), None),
+    "e4m3-v": (None, Codec(E4M3_UNSIGNED, sqrt=True)),
+    "e4m3-b64": (Codec(E4M3_SIGNED, 64), Codec(E4M3_UNSIGNED, 64, sqrt=True)),
+    "e4m3-direct": (Codec(E4M3_SIGNED), Codec(E4M3_UNSIGNED)),
+    "dynamic": (Codec(dynamic_map(True)), Codec(dynamic_map(False))),
+    "dynamic-sqrt": (Codec(dynamic_map(True)), Codec(dynamic_map(False), sqrt=True)),
+}
+
+
+class QuantizedMoments(L.Callback):
+    """After each optimizer step, each AdamW moment becomes what ``codecs`` store and load back."""
+
+    def __init__(self, codecs: tuple[Codec | None, Codec | None]) -> None:
+        self.codecs = codecs
+
+    def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
+        for state in trainer.optimizers[0].state.values():
+            for key, codec in zip(("exp_avg", "exp_avg_sq"), self.codecs):
+                if codec is not None and key in state:
+                    state[key].copy_(codec.round_trip(state[key]))
+
+
+def run(name: str, seed: int, steps: int, val_every: int, root: Path) -> Record:
+    L.seed_everything(seed, verbose=False)
+    model, datamodule = gpt2_task(root, 384, 6, 4.0)
+    model.configure_model()
+    record = Record()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="32-true",
+        max_steps=steps,
+        val_check_interval=val_every,
+        check_val_every_n_epoch=None,
+        limit_val_batches=32,
+        gradient_clip_val=1.0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record, QuantizedMoments(CODECS[name])],
+    )
+    trainer.fit(model, datamodule=datamodule)
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--val-every", type=int, default=50)
+    parser.add_argument("--codecs", nargs="+", choices=list(CODECS), default=["fp32", "e4m3", "dynamic"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--out", type=Path, default=None, help="write <out>.json")
+    args = parser.parse_args(argv)
+    names = ["fp32"] + [c for c in args.codecs if c != "fp32"]
+    print(f"CPU: {cpu_model()}; {args.steps} steps; seeds {args.seeds}", flush=True)
+    final: dict[str, dict[int, float]] = {name: {} for name in names}
+    val: dict[str, dict[int, list]] = {name: {} for name in names}
+    seconds: dict[str, float] = {name: 0.0 for name in names}
+    with tempfile.TemporaryDirectory(prefix="smartinf-codecs-") as tmp:
+        for seed in args.seeds:  # a seed's codecs one after another: a run stopped early keeps whole seeds
+            for name in names:
+                start = time.perf_counter()
+                record = run(name, seed, args.steps, args.val_every, Path(tmp))
+                seconds[name] += time.perf_counter() - start
+                val[name][seed], final[name][seed] = record.val, record.val[-1][1]
+                ratio = final[name][seed] / final["fp32"][seed]
+                print(f"seed {seed}, {name}: final validation loss {final[name][seed]:.4f} ({ratio:.4f}x fp32's)")
+    means = {name: statistics.fmean(losses.values()) for name, losses in final.items()}
+    spread = max(final["fp32"].values()) / min(final["fp32"].values())
+    for name in names:
+        print(f"{name}: mean final validation loss {means[name]:.4f} ({means[name] / means['fp32']:.4f}x fp32's)")
+    print(f"fp32 between seeds: the largest final loss is {spread:.4f}x the smallest", flush=True)
+    if args.out is not None:
+        result = {
+            "cpu": cpu_model(),
+            "steps": args.steps,
+            "seeds": args.seeds,
+            "final_val_loss": final,
+            "mean_final_val_loss": means,
+            "mean_ratio_to_fp32": {name: mean / means["fp32"] for name, mean in means.items()},
+            "fp32_spread_between_seeds": spread,
+            "val": val,
+            "seconds": seconds,
+        }
+        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
