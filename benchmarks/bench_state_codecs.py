@@ -14,9 +14,9 @@ codec's effect on quality is measured apart from everything else, a variant at a
 
 Every codec here rounds to the nearest code (ties to the lower), which for ``e4m3`` gives the format's reference's
 values (compared on random data: equal but at exact ties). Each codec runs once per ``--seeds`` (the seed draws the
-initial weights and the batch order); each run prints its final validation loss against ``fp32``'s (no codec) of the
-same seed, and the summary gives each codec's mean over the seeds against ``fp32``'s mean, beside the spread of
-``fp32`` between seeds: the run-to-run noise any codec's difference must be read against.
+initial weights; the batch order is the data module's own); each run prints its final validation loss against
+``fp32``'s (no codec) of the same seed, and the summary gives each codec's mean over the seeds against ``fp32``'s
+mean, beside the spread of ``fp32`` between seeds: the run-to-run noise any codec's difference must be read against.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_state_codecs.py --steps 400 --codecs fp32 e4m3 --seeds 0 1 2 \\
         --out docs/state-codecs-gpt2
@@ -41,18 +41,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_compression import Record, gpt2_task  # noqa: E402
 from bench_state_formats import cpu_model  # noqa: E402
 
-E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-E4M3 = torch.unique(E4M3[torch.isfinite(E4M3)])  # the codes' values, sorted (largest 448)
+_CODES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+#: The finite E4M3 codes' values, sorted (largest 448), and the non-negative ones (a square root's codes).
+E4M3_SIGNED = torch.unique(_CODES[torch.isfinite(_CODES)])
+E4M3_UNSIGNED = E4M3_SIGNED[E4M3_SIGNED >= 0]
 
 
 def dynamic_map(signed: bool) -> torch.Tensor:
     """bitsandbytes' dynamic quantization map (its 8-bit optimizers' code), sorted; written out here so that the
     benchmark runs without bitsandbytes: sign, a run of zero bits giving the exponent, then a linear fraction."""
     values, max_exp = [], 7
-    bits = 7 if signed else 8
-    additional = bits - max_exp + (0 if signed else 1)  # as bitsandbytes' create_dynamic_map
+    bits = 7 if signed else 8  # the bits after the sign
     for i in range(max_exp):
-        fractions = 2 ** (i + additional - 1) + 1 if not signed else 2 ** (i + additional) + 1
+        fractions = 2 ** (i + bits - max_exp) + 1  # the fraction's steps double with each decade
         boundaries = torch.linspace(0.1, 1, fractions)
         means = (boundaries[:-1] + boundaries[1:]) / 2.0
         values += (10 ** (-(max_exp - 1) + i) * means).tolist()
@@ -71,9 +72,6 @@ class Codec:
     block: int = 256
     sqrt: bool = False  # store the square root (a never-negative state)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_mid", (self.table[1:] + self.table[:-1]) / 2)
-
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.detach().flatten().float()
         n = flat.numel()
@@ -81,13 +79,12 @@ class Codec:
         work = torch.nn.functional.pad(flat.sqrt() if self.sqrt else flat, (0, pad)).view(-1, self.block)
         scale = work.abs().amax(dim=1, keepdim=True).div_(self.table.max())
         safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-        codes = torch.bucketize(work / safe, self._mid)  # type: ignore[attr-defined]
+        midpoints = (self.table[1:] + self.table[:-1]) / 2
+        codes = torch.bucketize(work / safe, midpoints)
         out = (self.table[codes] * scale).flatten()[:n]
         return (out.square() if self.sqrt else out).view_as(x)
 
 
-E4M3_SIGNED = E4M3
-E4M3_UNSIGNED = E4M3[E4M3 >= 0]
 #: Each variant: the codec of the first moment and of the second (``None``: kept in fp32).
 CODECS: dict[str, tuple[Codec | None, Codec | None]] = {
     "fp32": (None, None),
