@@ -41,7 +41,13 @@ TIER_RUNS = (
 )
 #: Ours with the optimizer state in fewer bytes (``state_precision``), all of it on storage or half in host memory.
 FORMAT_RUNS = ("smart_infinity_bf16", "smart_infinity_int8", "smart_infinity_mem50_bf16", "smart_infinity_mem50_int8")
-ALL_RUNS = RUNS + TIER_RUNS + FORMAT_RUNS
+#: DeepSpeed's own smaller state with NVMe offload: bf16 master weights, gradients and Adam moments
+#: (``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``, 6 B/param on storage), with the pipelined swapper:
+#: 0.19.8's non-pipelined one asserts on swap-in that its buffers are fp32.
+#: DeepSpeed allows it only with bf16 forward and backward (``--precision bf16-mixed``). Its masters are bf16, so it
+#: trains other numbers than ours (fp32 masters in every format): a baseline for the bytes, not for the arithmetic.
+ZERO_FORMAT_RUNS = ("zero_infinity_bf16_states",)
+ALL_RUNS = RUNS + TIER_RUNS + FORMAT_RUNS + ZERO_FORMAT_RUNS
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
@@ -129,7 +135,14 @@ def build_module(args: argparse.Namespace, run: str) -> Any:
             if run.startswith("zero_"):
                 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-                optimizer = DeepSpeedCPUAdam(self.parameters(), lr=args.lr, adamw_mode=True, weight_decay=0.01)
+                # DeepSpeed's bf16 states need the CPU Adam to keep its moments in the parameters' dtype.
+                optimizer = DeepSpeedCPUAdam(
+                    self.parameters(),
+                    lr=args.lr,
+                    adamw_mode=True,
+                    weight_decay=0.01,
+                    fp32_optimizer_states=run not in ZERO_FORMAT_RUNS,
+                )
             else:
                 # Fused, like ZeRO-Infinity's DeepSpeedCPUAdam: the devices then run torch's fused CPU kernel.
                 optimizer = torch.optim.AdamW(self.parameters(), lr=args.lr, weight_decay=0.01, fused=not args.unfused)
@@ -402,7 +415,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             from lightning_smartinf.lightning.cpu_support import DeepSpeedCPUStrategy
 
             # The pipelined swapper overlaps reads and writes; it needs buffer_count >= 16 with several sub-groups.
-            pipelined = args.run == "zero_infinity_pipelined"
+            # DeepSpeed 0.19.8's non-pipelined swapper refuses bf16 states (its buffer pool asserts fp32 on swap-in).
+            pipelined = args.run in ("zero_infinity_pipelined", "zero_infinity_bf16_states")
 
             offload_optimizer: dict[str, Any] = {
                 "device": "nvme",
@@ -420,7 +434,14 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             }
             for name, value in args.zero:
                 (aio if name in aio else offload_optimizer)[name] = value
-            strategy = DeepSpeedCPUStrategy(config={**zero3_config(args, offload_optimizer), "aio": aio})
+            config = {**zero3_config(args, offload_optimizer), "aio": aio}
+            if args.run == "zero_infinity_bf16_states":
+                if args.precision != "bf16-mixed":
+                    raise SystemExit(
+                        f"{args.run} needs --precision bf16-mixed (DeepSpeed's bf16 states need bf16 masters)"
+                    )
+                config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+            strategy = DeepSpeedCPUStrategy(config=config)
         else:
             from lightning_smartinf import SmartInfinityStrategy
             from lightning_smartinf.core.state_formats import state_format
@@ -666,6 +687,7 @@ def formats_table(results: dict[str, dict[str, Any]]) -> str:
         ("bf16, half in memory", results.get("smart_infinity_mem50_bf16", {})),
         ("int8, half in memory", results.get("smart_infinity_mem50_int8", {})),
         ("ZeRO-Infinity best", best),
+        ("ZeRO-Infinity, bf16 states", results.get("zero_infinity_bf16_states", {})),
     ]
     columns = [(name, r) for name, r in columns if "train_step_mean_s" in r]
 
@@ -674,7 +696,7 @@ def formats_table(results: dict[str, dict[str, Any]]) -> str:
         return None if not t else sum(t.get(key, 0.0) for key in keys)
 
     def disk(r: dict[str, Any]) -> float | None:
-        if r is best:  # ZeRO-Infinity's swap traffic is its disk's
+        if r.get("run", "").startswith("zero_"):  # ZeRO-Infinity's swap traffic is its disk's
             return r.get("disk_read_bytes_per_param_step", 0.0) + r.get("disk_write_bytes_per_param_step", 0.0)
         return traffic(r, "storage_read_bytes", "storage_write_bytes")
 
@@ -1017,7 +1039,7 @@ def main() -> None:
     md = table(results)
     if any(name in results for name in TIER_RUNS):
         md += "\n\n" + tiers_table(results)
-    if any(name in results for name in FORMAT_RUNS):
+    if any(name in results for name in FORMAT_RUNS + ZERO_FORMAT_RUNS):
         md += "\n\n" + formats_table(results)
     ours = results.get("smart_infinity", {})
     if "disk_read_bytes_per_param_in_step" in ours and ours.get("opt_step_median_s"):
