@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import gc
 
 import lightning as L
@@ -12,6 +11,7 @@ from helpers.launch import python, worker_env
 from helpers.models import LMModule, adamw_factory, fit
 
 from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.zero.host_heap import return_free_heap
 
 
 class RssProbe(L.Callback):
@@ -23,7 +23,7 @@ class RssProbe(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *_: object) -> None:
         gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return_free_heap()
         self.samples.append(psutil.Process().memory_info().rss)
         self.pool_bytes = trainer.strategy.backend.buffer_bytes
 
