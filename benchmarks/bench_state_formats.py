@@ -3,9 +3,10 @@
 Two measurements, side by side for ``fp32``, ``bf16`` and ``int8``:
 
 1. The update of one chunk (``--chunk`` elements of AdamW state) through each format as the ``cpu`` devices run it
-   (int8 with its C kernels, and with its plain-torch reference beside them), on one thread: milliseconds per chunk
-   and elements per second, best of ``--rounds`` alternating rounds. Where it is slower than the disk delivers the
-   state, the update, not the disk, sets the step.
+   (int8 with its C kernels, and with its plain-torch reference beside them), on one thread, then on all of torch's
+   intra-op threads (a memory tier's one device updates with them all): milliseconds per chunk and elements per
+   second, best of ``--rounds`` alternating rounds. Where it is slower than the disk delivers the state, the update,
+   not the disk, sets the step.
 2. A short fit of a small GPT (``--steps`` steps, prefetch off, updates after backward) on one storage path: the
    storage bytes read and written per parameter per step, from the backend's exact counters.
 
@@ -39,7 +40,7 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def update_rates(chunk: int, rounds: int, repeats: int) -> dict[str, dict[str, float]]:
+def update_rates(chunk: int, rounds: int, repeats: int, threads: int) -> dict[str, dict[str, float]]:
     from lightning_smartinf.core.rules import Adam, StepParams
     from lightning_smartinf.core.state_formats import reference_format, state_format, update_chunk
 
@@ -47,7 +48,7 @@ def update_rates(chunk: int, rounds: int, repeats: int) -> dict[str, dict[str, f
     formats = {name: state_format(name) for name in FORMATS[1:]}
     formats["int8-reference"] = reference_format("int8")
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     rule, hp = Adam(decoupled_weight_decay=True), StepParams(step=5, lr=1e-3, weight_decay=0.01)
     gen = torch.Generator().manual_seed(0)
     master, grad = torch.randn(chunk, generator=gen), torch.randn(chunk, generator=gen)
@@ -120,10 +121,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=4, help="training steps of the traffic count")
     parser.add_argument("--out", type=Path, default=None, help="write the record as JSON here")
     args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
     record = {
         "cpu": cpu_model(),
         "torch": torch.__version__,
-        "update": update_rates(args.chunk, args.rounds, args.repeats),
+        "update": update_rates(args.chunk, args.rounds, args.repeats, 1),
+        "threads": threads,
+        "update_all_threads": update_rates(args.chunk, args.rounds, args.repeats, threads),
         "traffic": step_traffic(args.steps),
     }
     print(f"CPU: {record['cpu']}")
@@ -137,6 +141,12 @@ def main(argv: list[str] | None = None) -> None:
             f"storage {traffic['read_per_param_step']:.3f} B/param read + {traffic['written_per_param_step']:.3f} "
             f"written per step ({traffic['read_per_param_step'] / fp32_bytes:.3f}x fp32's), "
             f"{traffic['on_disk_per_param']:.3f} B/param on disk"
+        )
+    for name, rate in record["update_all_threads"].items():
+        speedup = rate["elements_per_s"] / record["update"][name]["elements_per_s"]
+        print(
+            f"{name} on {threads} threads: {rate['ms_per_chunk']:.1f} ms per chunk "
+            f"({rate['elements_per_s'] / 1e6:.0f} M elements/s, {speedup:.2f}x one thread's)"
         )
     reference = record["update"]["int8-reference"]
     print(
