@@ -173,6 +173,22 @@ def test_a_bad_machine_profile_is_refused_with_every_problem(tmp_path, capsys):
     assert "has 2 storage path(s). Pass 1 to 2" in capsys.readouterr().err
 
 
+def test_zero_infinitys_update_runs_at_its_own_rate_and_ours_at_the_memory_tiers():
+    """DeepSpeed's CPU-Adam, not this project's rule code, updates ZeRO-Infinity's state: a profile that measured both
+    predicts each side's step from its own rate (the comparison was ZeRO-Infinity's at the memory tier's rate)."""
+    work = workload_from_model("7B")
+    machine = example(gpu=None, state_memory_gb=0.0)
+    fast = replace(machine, baseline_update_gparams_per_s=10 * machine.host_update_gparams_per_s)
+    plan, faster_baseline = plan_machine(work, machine), plan_machine(work, fast)
+    assert machine.baseline_update_gparams_per_s is None  # unset: the memory tier's rate, as before
+    saved = work.params / (machine.host_update_gparams_per_s * 1e9) * (1 - 1 / 10)
+    assert plan.zero_infinity_s - faster_baseline.zero_infinity_s == pytest.approx(saved)
+    assert faster_baseline.total_s == plan.total_s and faster_baseline.all_on_disk_s == plan.all_on_disk_s
+    data = {**machine.to_dict(), "baseline_update_gparams_per_s": 0}
+    with pytest.raises(PlanError, match=r"`baseline_update_gparams_per_s=0` is out of range"):
+        Machine.from_dict(data)
+
+
 def test_the_gradient_share_is_the_strategys():
     from lightning_smartinf.zero.gradient_buffer import AUTO_ACCELERATOR_SHARE, AUTO_ACCUMULATING_SHARE
 
@@ -235,6 +251,9 @@ def test_calibrate_measures_every_path_alone_and_together(tmp_path, capsys):
     assert machine.update_cost_by_precision["fp32"] == 1.0 and machine.update_cost_by_precision["int8"] > 0
     assert machine.to_profile([0]).update_cost("int8") == machine.update_cost_by_precision["int8"]
     assert machine.gpu is None and data["measured"]["gpu"].startswith("none")  # this machine has no GPU
+    # ZeRO-Infinity's host Adam is measured apart from the memory tier's rule code: fused, on every thread.
+    assert machine.baseline_update_gparams_per_s == data["measured"]["fused_adamw_gparams_per_s"] > 0
+    assert machine.to_profile([0]).baseline_update_gparams_per_s == machine.baseline_update_gparams_per_s
     assert data["measured"]["shared_bandwidth"] is True
     assert not list(paths[0].iterdir())  # the test files are gone
     assert main(["--model", "100M", "--profile", str(out)]) == 0

@@ -137,8 +137,12 @@ class Profile:
     gpu_link_gbps: float | None = None  # GPU <-> host (ZeRO-3 parameter fetch, gradient offload, top-k copy)
     gpu_topk_gelems_per_s: float | None = None  # top-k selection (sort) throughput on the GPU
     cpu_step_s_per_gparam: float = 0.0  # forward+backward time per 1e9 params when there is no GPU
-    # host update (ZeRO-Infinity baseline)
+    # host update: the memory tier's (SmartUpdate) and, unless ``baseline_update_gparams_per_s`` says otherwise,
+    # ZeRO-Infinity's
     host_update_gparams_per_s: float = 1.0
+    #: ZeRO-Infinity's host Adam (DeepSpeed's CPU-Adam), where it differs from the memory tier's rule code (``None``:
+    #: ``host_update_gparams_per_s``, as the paper profiles are fitted).
+    baseline_update_gparams_per_s: float | None = None
     # storage
     ssd_read_gbps: float = 3.2  # one SSD, sequential direct read
     ssd_write_gbps: float = 2.0  # one SSD, sequential direct write
@@ -321,7 +325,7 @@ def zero_infinity(work: Workload, prof: Profile, devices: int, *, params_on_stor
     grad_out = FP32_GRAD_BYTES * p / write_bw
     state_in = (FP32_STATE_BYTES + FP32_GRAD_BYTES) * p / read_bw
     state_out = FP32_STATE_BYTES * p / write_bw
-    update = p / (prof.host_update_gparams_per_s * 1e9)
+    update = p / ((prof.baseline_update_gparams_per_s or prof.host_update_gparams_per_s) * 1e9)
     pcie = gpu_link_bytes("zero_infinity", round_trip=prof.gradient_round_trip, accumulate=work.accumulate)
     # An SSD's reads and writes share its bandwidth, so pipelining hides the host update behind the I/O, not
     # reads behind writes.

@@ -107,6 +107,9 @@ class Machine:
     state_memory_gb: float | None = None
     cpu_cores: int | None = None
     gpu: Gpu | None = None
+    #: ZeRO-Infinity's host Adam (DeepSpeed's CPU-Adam: fused, vectorised, on every core) for the comparison;
+    #: ``None``: ``host_update_gparams_per_s``.
+    baseline_update_gparams_per_s: float | None = None
     #: Forward and backward time per 1e9 parameters when there is no GPU (CPU training).
     cpu_step_s_per_gparam: float = 0.0
     #: Bytes per element of the gradient and parameter copies (2: bf16/fp16).
@@ -146,6 +149,9 @@ class Machine:
         )
         problems.number("state_memory_gb", data.get("state_memory_gb"), low=0, optional=True)
         problems.integer("cpu_cores", data.get("cpu_cores"), low=1, optional=True)
+        problems.number(
+            "baseline_update_gparams_per_s", data.get("baseline_update_gparams_per_s"), low=0, above=True, optional=True
+        )
         problems.number("cpu_step_s_per_gparam", data.get("cpu_step_s_per_gparam", 0.0), low=0)
         check_update_costs(problems, data.get("update_cost_by_precision", {}))
         problems.choice("transfer_bytes", data.get("transfer_bytes", 2), (2, 4))
@@ -229,6 +235,7 @@ class Machine:
             gpu_link_gbps=gpu.link_gbps if gpu else None,
             cpu_step_s_per_gparam=self.cpu_step_s_per_gparam,
             host_update_gparams_per_s=self.host_update_gparams_per_s,
+            baseline_update_gparams_per_s=self.baseline_update_gparams_per_s,
             ssd_read_gbps=fastest.read_gbps * k,
             ssd_write_gbps=fastest.write_gbps * k,
             raid_read_ceiling_gbps=sum(reads.values()) * scale,
