@@ -20,7 +20,8 @@ Parts (``--parts``, in this order):
     ``benchmarks/bench_step.py``, the step users run: a Llama (1.1B parameters on a GPU, fewer layers where the disk
     is small), bf16, sequences of 512 tokens, 8 micro-batches accumulated, ``gradient_clip_val=1.0``, AdamW with
     warm-up and cosine decay; alternating rounds of ours with all of the state on storage, ZeRO-Infinity (its best
-    setting, pipelined), and ours with half of the state in host memory.
+    setting, pipelined), and ours with half of the state in host memory. Before them, ``smartinf plan --calibrate``
+    on the same path and the plan of the same model: its predicted steps beside the measured ones.
 ``activations``
     ``benchmarks/bench_activations.py``: activation offload's chosen settings and measured overhead.
 
@@ -240,19 +241,62 @@ def step(out: Path, args: argparse.Namespace, deadline: float) -> dict[str, Any]
         return {"status": "refused", "reason": f"{free / 1e9:.1f} GB free under {out}: too little for a step"}
     runs = ["smart_infinity", "zero_infinity_pipelined", "smart_infinity_mem50"]
     heads = max(1, dim // 64)
+    seq = 512 if args.size == "gpu" else 32
+    planner = predicted_step(out, storage, dim, mlp, layers, vocab, heads, seq, deadline)
     command = [REPO / "benchmarks" / "bench_step.py", "--model", "llama", "--dim", str(dim), "--layers", str(layers)]
     command += ["--heads", str(heads), "--kv-heads", str(max(1, heads // 8)), "--ffn", str(mlp), "--vocab", str(vocab)]
-    command += ["--seq", "512" if args.size == "gpu" else "32", "--batch", "1", "--accumulate", "8", "--clip", "1.0"]
+    command += ["--seq", str(seq), "--batch", "1", "--accumulate", "8", "--clip", "1.0"]
     command += ["--schedule", "warmup-cosine", "--lr", "3e-4", "--build", "configure_model"]
     command += ["--sub-group-size", "100000000", "--rounds", "2", "--storage", storage, "--accelerator", args.device]
     command += ["--settle", "1", "--raw-gib", "0.25", *(item for run in runs for item in ("--only", run))]
     command += ["--steps", "3", "--warmup", "1"] if args.size == "gpu" else ["--steps", "1", "--warmup", "1"]
     done = python(*command, timeout=max(60, deadline - time.monotonic()))
     result = REPO / "benchmarks" / "out" / "bench_step.json"
-    record: dict[str, Any] = {"dim": dim, "layers": layers, "params": params}
+    record: dict[str, Any] = {"dim": dim, "layers": layers, "params": params, "planner": planner}
     if done.returncode != 0 or not result.is_file():
         return {**record, "status": "failed", "output": done.stderr[-4000:]}
-    return {**record, "status": "passed", "bench_step": json.loads(result.read_text())}
+    measured = json.loads(result.read_text())
+    record["planner_over_measured"] = {
+        run: planner["step"][key] / measured["results"][run]["train_step_mean_s"]
+        for run, key in (("smart_infinity", "all_state_on_paths"), ("zero_infinity_pipelined", "zero_infinity"))
+        if "step" in planner and "train_step_mean_s" in measured["results"].get(run, {})
+    }
+    return {**record, "status": "passed", "bench_step": measured}
+
+
+def predicted_step(
+    out: Path, storage: Path, dim: int, mlp: int, layers: int, vocab: int, heads: int, seq: int, deadline: float
+) -> dict[str, Any]:
+    """What ``smartinf plan`` predicts for the step part's model, from a profile calibrated on its storage path just
+    before the runs: the step with all of the state there (``all_state_on_paths``) and ZeRO-Infinity's
+    (``zero_infinity``), to set beside the measured train steps."""
+    profile, config = out / "step-machine.json", out / "step-llama-config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": dim,
+                "intermediate_size": mlp,
+                "num_hidden_layers": layers,
+                "num_attention_heads": heads,
+                "num_key_value_heads": max(1, heads // 8),
+                "vocab_size": vocab,
+                "hidden_act": "silu",
+                "tie_word_embeddings": False,
+                "max_position_embeddings": max(seq, 2048),
+            }
+        )
+    )
+    timeout = max(60, min(180, deadline - time.monotonic()))
+    calibrated = python("-m", "lightning_smartinf.plan", "--calibrate", storage, "--calibrate-mb", "256", "-o", profile,
+                        timeout=timeout)  # fmt: skip
+    if calibrated.returncode != 0:
+        return {"status": "failed", "stage": "calibrate", "output": calibrated.stderr[-2000:]}
+    planned = python("-m", "lightning_smartinf.plan", "--model", config, "--profile", profile, "--batch", "1",
+                     "--seq", str(seq), "--accumulate", "8", "--devices", "1", "--json", timeout=timeout)  # fmt: skip
+    if planned.returncode != 0:
+        return {"status": "failed", "stage": "plan", "output": planned.stderr[-2000:]}
+    return {"status": "passed", "calibrated": json.loads(profile.read_text()), **json.loads(planned.stdout)}
 
 
 def activations(out: Path, args: argparse.Namespace, deadline: float) -> dict[str, Any]:

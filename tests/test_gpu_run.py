@@ -31,6 +31,11 @@ def test_the_journey_the_step_and_activation_offload_run_small_on_a_cpu(tmp_path
     assert journey["killed"]["peak_rss_bytes"] > 0 and journey["killed"]["peak_gpu_bytes"] is None
     results = parts["step"]["bench_step"]["results"]
     assert {"smart_infinity", "zero_infinity_pipelined", "smart_infinity_mem50"} <= set(results)
+    # The planner's prediction from a profile calibrated on the same path, beside each measured step it models.
+    planner = parts["step"]["planner"]
+    assert planner["status"] == "passed" and planner["params"] == pytest.approx(parts["step"]["params"], rel=0.01)
+    assert planner["calibrated"]["storage"][0]["read_gbps"] > 0 and planner["profile"] == "step-machine"
+    assert set(parts["step"]["planner_over_measured"]) == {"smart_infinity", "zero_infinity_pipelined"}
     assert "chosen" in json.dumps(parts["activations"]["bench_activations"])
     assert record["machine"]["gpu"] is None and record["size"] == "tiny"
 
