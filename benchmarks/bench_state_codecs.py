@@ -111,11 +111,26 @@ class QuantizedMoments(L.Callback):
                     state[key].copy_(codec.round_trip(state[key]))
 
 
+class PrintedRecord(Record):
+    """:class:`Record`, printing each validation loss as it comes: a run of an hour shows where it stands, and one cut
+    short leaves its evaluations in the log."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__()
+        self.label = label
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not trainer.sanity_checking:
+            step, loss = self.val[-1]
+            print(f"{self.label}: step {step}, validation loss {loss:.4f}", flush=True)
+
+
 def run(name: str, seed: int, steps: int, val_every: int, root: Path) -> Record:
     L.seed_everything(seed, verbose=False)
     model, datamodule = gpt2_task(root, 384, 6, 4.0)
     model.configure_model()
-    record = Record()
+    record = PrintedRecord(f"seed {seed}, {name}")
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
