@@ -8,7 +8,8 @@ Per iteration, for ``P`` trainable parameters, ``N`` storage devices (``docs/pla
   GPU <-> host bytes per parameter that method's code copies, :func:`gpu_link_bytes`: ZeRO-3's parameter fetches
   for forward and backward, then the gradient).
 * ZeRO-Infinity (RAID-0, host update), read ``16P`` (fp32 master, m, v, grad) and write ``16P`` at
-  ``min(N·b_ssd, raid ceiling)``, host update at ``host_update`` param/s, serialised (DeepSpeed's default).
+  ``min(N·b_ssd, raid ceiling)``, host update at ``baseline_update`` param/s (DeepSpeed's CPU-Adam; unset:
+  ``host_update``), serialised (DeepSpeed's default).
 * SmartUpdate (SU): the shared link carries ``t·P`` gradient down (written to each device's SSD) and ``t·P``
   updated parameters up (``t`` = ``transfer_bytes``: 2 here, 4 in the paper); each device reads ``12 + t`` B
   (state + gradient) and writes ``12`` B per own parameter at its own SSD's bandwidth, and updates at
