@@ -178,13 +178,51 @@ def run(name: str, seed: int, steps: int, val_every: int, root: Path) -> Record:
     return record
 
 
+def plot(records: list[dict[str, Any]], out: Path) -> None:
+    """``out``: each codec's validation loss by step for every seed of ``records`` (this script's records), and each
+    one's ratio to ``fp32``'s of the same seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (losses, ratios) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    for record in records:
+        fp32 = record["val"]["fp32"]
+        for name, by_seed in record["val"].items():
+            for seed, points in by_seed.items():
+                label = f"{name}, seed {seed}"
+                losses.plot(*zip(*points), label=label, marker="o", markersize=3)
+                if name != "fp32" and seed in fp32:
+                    base = dict(map(tuple, fp32[seed]))
+                    steps = [step for step, _ in points if step in base]
+                    ratios.plot(steps, [loss / base[step] for step, loss in points if step in base], label=label)
+    ratios.axhline(1.01, color="grey", linestyle="--", linewidth=0.8, label="the bound, 1.01")
+    losses.set_ylabel("validation loss")
+    ratios.set_ylabel("against fp32, same seed")
+    ratios.set_xlabel("step")
+    losses.set_title("GPT-2 task, AdamW with its moments through each codec", fontsize=9)
+    losses.legend(fontsize=7)
+    ratios.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--val-every", type=int, default=50)
     parser.add_argument("--codecs", nargs="+", choices=list(CODECS), default=["fp32", "e4m3", "dynamic"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--out", type=Path, default=None, help="write <out>.json")
+    parser.add_argument("--out", type=Path, default=None, help="write <out>.json and <out>.png")
+    parser.add_argument(
+        "--plot",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="RECORD",
+        help="run nothing: plot these records of this script together into <out>.png",
+    )
     parser.add_argument(
         "--fp32-from",
         type=Path,
@@ -193,6 +231,11 @@ def main(argv: list[str] | None = None) -> None:
         "of the seeds it has instead of running them again",
     )
     args = parser.parse_args(argv)
+    if args.plot:
+        if args.out is None:
+            parser.error("--plot needs --out: the plot goes to <out>.png")
+        plot([json.loads(path.read_text()) for path in args.plot], args.out.with_suffix(".png"))
+        return
     names = ["fp32"] + [c for c in args.codecs if c != "fp32"]
     print(f"CPU: {cpu_model()}; {args.steps} steps; seeds {args.seeds}", flush=True)
     final: dict[str, dict[int, float]] = {name: {} for name in names}
@@ -239,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
             "seconds": seconds,
         }
         args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        plot([json.loads(json.dumps(result))], args.out.with_suffix(".png"))  # (the seeds as the record's keys)
 
 
 if __name__ == "__main__":
