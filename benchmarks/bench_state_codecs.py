@@ -187,10 +187,14 @@ def plot(records: list[dict[str, Any]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (losses, ratios) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    drawn: set[tuple[str, str]] = set()  # a run two records hold (fp32 taken with --fp32-from) is drawn once
     for record in records:
         fp32 = record["val"]["fp32"]
         for name, by_seed in record["val"].items():
             for seed, points in by_seed.items():
+                if (name, seed) in drawn:
+                    continue
+                drawn.add((name, seed))
                 label = f"{name}, seed {seed}"
                 losses.plot(*zip(*points), label=label, marker="o", markersize=3)
                 if name != "fp32" and seed in fp32:
@@ -227,8 +231,8 @@ def main(argv: list[str] | None = None) -> None:
         "--fp32-from",
         type=Path,
         default=None,
-        help="a record of this script with the same --steps and --val-every on this kind of CPU: take its fp32 runs "
-        "of the seeds it has instead of running them again",
+        help="a record of this script with the same --steps (checked) and --val-every, made on this kind of CPU: take "
+        "its fp32 runs of the seeds it has instead of running them again",
     )
     args = parser.parse_args(argv)
     if args.plot:
