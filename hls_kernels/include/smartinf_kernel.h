@@ -340,9 +340,10 @@ drain:  // pairs past the last tile (idx >= n) must still leave the stream
 // The formats of lightning_smartinf/core/state_formats.py, byte for byte (see README.md, "State formats"):
 //   StF32   4 bytes per element, as is;
 //   StBf16  2 bytes per element, rounded to nearest even (float_to_bf16);
-//   StInt8  blocks of kBlock elements: one FP8 E4M3 code per element (the element over its block's scale,
-//           round to nearest even), then one fp32 scale per block (the block's largest magnitude / 448, in a
-//           port of its own). A never-negative state (`root`) is stored by its square root.
+//   StInt8  blocks of kBlock elements: one 8-bit code per element (the element over its block's scale, round to
+//           nearest even), then one fp32 scale per block (the block's largest magnitude over the code's largest
+//           value, in a port of its own). A signed state's code is FP8 E4M3 (largest 448); a never-negative state
+//           (`root`) is stored by its square root in the root code (root_code below, largest kRootMax).
 // A process handles whole beats (bf16) or whole blocks (int8): State<S>::vecs(n) vectors. Lanes at or past n
 // are loaded and stored back as they were (the compute process masks them); in int8 they count towards their
 // block's scale, as in the reference, and a last beat of scales is completed with 0 (the scales of blocks
@@ -376,6 +377,41 @@ inline uint8_t e4m3_code(float x) {
     // exponent, which the codes continue. Biases: fp32 127, E4M3 7.
     const uint32_t code = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
     return static_cast<uint8_t>(sign | code);
+}
+
+// The root code (state_formats.ROOT_CODE): an unsigned 8-bit float of kRootExponentBits exponent bits (bias
+// kRootBias) and kRootMantissaBits mantissa bits, with subnormals and no infinity or NaN. kRootMax: code 255's value;
+// kRootSubnormalSteps: the inverse of the smallest code, 2^(1 - bias - mantissa bits).
+constexpr int kRootExponentBits = 4;
+constexpr int kRootMantissaBits = 8 - kRootExponentBits;
+constexpr int kRootBias = (1 << (kRootExponentBits - 1)) - 1;
+constexpr float kRootMax = 496.0f;
+constexpr float kRootSubnormalSteps = 1024.0f;
+
+// The root code of x (not negative, or NaN): round to nearest even; from half a step above kRootMax, infinity and
+// NaN saturate to code 255; a non-zero value below the smallest code takes that code, never zero.
+inline uint8_t root_code(float x) {
+    const uint32_t a = float_bits(x) & 0x7FFFFFFFu;
+    if (a >= 0x7F800000u) return 0xFFu;  // infinity, NaN
+    if (a < (static_cast<uint32_t>(128 - kRootBias) << 23)) {  // below the smallest normal, 2^(1 - bias)
+        // |x| * kRootSubnormalSteps is exact (a power of two); adding 2^23 rounds it to an integer (nearest even).
+        const uint32_t c = float_bits(bits_float(a) * kRootSubnormalSteps + 8388608.0f) - 0x4B000000u;
+        return static_cast<uint8_t>(c == 0 && a != 0 ? 1u : c);
+    }
+    // Normal: keep kRootMantissaBits of the 23 mantissa bits, the dropped ones rounded to nearest even; a carry runs
+    // into the exponent, which the codes continue. fp32's bias is 127.
+    constexpr uint32_t dropped = 23 - kRootMantissaBits;
+    const uint32_t code = ((a + ((1u << (dropped - 1)) - 1u) + ((a >> dropped) & 1u)) >> dropped) -
+                          (static_cast<uint32_t>(127 - kRootBias) << kRootMantissaBits);
+    return static_cast<uint8_t>(code > 0xFFu ? 0xFFu : code);
+}
+
+// The value of root code c (exact in fp32).
+inline float root_value(uint8_t c) {
+    const uint32_t exp = static_cast<uint32_t>(c) >> kRootMantissaBits;
+    const uint32_t mant = c & ((1u << kRootMantissaBits) - 1u);
+    if (exp == 0) return static_cast<float>(mant) / kRootSubnormalSteps;  // exact: a power of two
+    return bits_float(((exp + 127u - kRootBias) << 23) | (mant << (23 - kRootMantissaBits)));
 }
 
 // The value of E4M3 code c (exact in fp32); 0x7F and 0xFF are NaN.
@@ -469,7 +505,8 @@ struct State<StInt8> {
         load_int8_lanes:
             for (int l = 0; l < kLanes; ++l) {
                 SMARTINF_PRAGMA(HLS UNROLL)
-                const float x = e4m3_value(cb[part * kLanes + l]) * scale;
+                const uint8_t c = cb[part * kLanes + l];
+                const float x = (root ? root_value(c) : e4m3_value(c)) * scale;
                 v[l] = !enable ? 0.0f : root ? x * x : x;
             }
             out.write(v);
@@ -497,7 +534,7 @@ struct State<StInt8> {
                     top = mag > top ? mag : top;
                 }
             }
-            const float scale = bits_float(top) / kE4M3Max;
+            const float scale = bits_float(top) / (root ? kRootMax : kE4M3Max);
             const float divisor = scale == 0.0f ? 1.0f : scale;  // an all-zero block: scale 0, codes 0
         store_int8_codes:
             for (int q = 0; q < kBlockVecs / kVecsPerBeat; ++q) {
@@ -505,7 +542,8 @@ struct State<StInt8> {
                 port cb;
                 for (int l = 0; l < kCodesPerBeat; ++l) {
                     SMARTINF_PRAGMA(HLS UNROLL)
-                    cb[l] = e4m3_code(block[q * kVecsPerBeat + l / kLanes][l % kLanes] / divisor);
+                    const float y = block[q * kVecsPerBeat + l / kLanes][l % kLanes] / divisor;
+                    cb[l] = root ? root_code(y) : e4m3_code(y);
                 }
                 if (enable) codes[b * (kBlockVecs / kVecsPerBeat) + q] = cb;
             }

@@ -537,10 +537,13 @@ void conversion_check() {
 // ---- state formats: the kernels that keep their states in bf16 or int8 ---------------------------
 // Reference, written from the formats' definitions (lightning_smartinf/core/state_formats.py), not from the
 // kernels: bf16 widens exactly and rounds with the nearest-value search above; an int8 state is blocks of 256
-// FP8 E4M3 codes (value by ldexp) times the block's fp32 scale (its largest magnitude / 448), a never-negative
-// state by its square root; a code is found by a nearest-value search over the finite E4M3 values, ties to the
-// even code, 464 and above saturating to 448 (torch's conversion). Every element the kernel touches (whole beats,
-// whole blocks) is decoded, the live ones stepped by ref_step, all encoded again.
+// 8-bit codes (value by ldexp) times the block's fp32 scale (its largest magnitude over the code's largest value).
+// A signed state's code is FP8 E4M3, found by a nearest-value search over its finite values, ties to the even
+// code, 464 and above saturating to 448 (torch's conversion); a never-negative state is stored by its square root
+// in the root code, an unsigned 8-bit float (kTbRootExponentBits of exponent, bias 2^(bits - 1) - 1, the rest
+// mantissa, subnormals), found by the same search, saturating from half a step above its largest, a non-zero
+// value never coded zero. Every element the kernel touches (whole beats, whole blocks) is decoded, the live ones
+// stepped by ref_step, all encoded again.
 enum class StateFmt { kBf16, kInt8 };
 const char* name(StateFmt f) { return f == StateFmt::kBf16 ? "bf16" : "int8"; }
 
@@ -564,6 +567,27 @@ uint8_t e4m3_encode(float x) {
     return static_cast<uint8_t>(sign | best);
 }
 
+constexpr int kTbRootExponentBits = 4;  // state_formats.ROOT_CODE
+
+double root_decode(uint32_t code) {
+    const int mbits = 8 - kTbRootExponentBits, bias = (1 << (kTbRootExponentBits - 1)) - 1;
+    const uint32_t e = code >> mbits, m = code & ((1u << mbits) - 1u);
+    if (e == 0) return std::ldexp(static_cast<double>(m), 1 - bias - mbits);
+    return std::ldexp(static_cast<double>((1u << mbits) + m), static_cast<int>(e) - bias - mbits);
+}
+
+uint8_t root_encode(float x) {
+    if (std::isnan(x)) return 0xFF;
+    const double a = std::fabs(static_cast<double>(x));
+    if (a >= root_decode(0xFF) + (root_decode(0xFF) - root_decode(0xFE)) / 2) return 0xFF;
+    uint32_t best = 0;
+    for (uint32_t c = 1; c <= 0xFF; ++c) {
+        const double d = std::fabs(root_decode(c) - a), dbest = std::fabs(root_decode(best) - a);
+        if (d < dbest || (d == dbest && (c & 1u) == 0)) best = c;
+    }
+    return static_cast<uint8_t>(best == 0 && a != 0 ? 1 : best);
+}
+
 // One state in a format, in buffers sized for `elems` (whole beats or blocks) elements.
 struct FmtState {
     StateFmt fmt;
@@ -580,7 +604,8 @@ struct FmtState {
             if (fmt == StateFmt::kBf16) {
                 out[i] = from_bits(data.get(i) << 16);
             } else {
-                const float x = static_cast<float>(e4m3_decode(codes()[i])) * scales.getf(i / 256);
+                const uint8_t c = codes()[i];
+                const float x = static_cast<float>(root ? root_decode(c) : e4m3_decode(c)) * scales.getf(i / 256);
                 out[i] = root ? x * x : x;
             }
         }
@@ -602,9 +627,12 @@ struct FmtState {
                 if (std::isnan(y[i - lo])) nan = true;
                 top = std::max(top, std::fabs(y[i - lo]));
             }
-            const float scale = nan ? NAN : top / 448.0f;
+            const float scale = nan ? NAN : top / static_cast<float>(root ? root_decode(0xFF) : 448.0);
             const float divisor = scale == 0.0f ? 1.0f : scale;
-            for (uint32_t i = lo; i < hi; ++i) codes()[i] = e4m3_encode(y[i - lo] / divisor);
+            for (uint32_t i = lo; i < hi; ++i) {
+                const float q = y[i - lo] / divisor;
+                codes()[i] = root ? root_encode(q) : e4m3_encode(q);
+            }
             scales.setf(b, scale);
         }
     }
@@ -740,6 +768,26 @@ void e4m3_check() {
     g_failures += bad;
 }
 
+// The kernels' root code against the reference's on every code and every rounding edge, saturation and the floor.
+void root_code_check() {
+    int bad = 0;
+    for (uint32_t c = 0; c < 256; ++c)
+        if (bits(smartinf::root_value(static_cast<uint8_t>(c))) != bits(static_cast<float>(root_decode(c)))) ++bad;
+    for (uint32_t c = 0; c < 0xFF; ++c) {
+        const float lo = static_cast<float>(root_decode(c)), hi = static_cast<float>(root_decode(c + 1));
+        const float mid = (lo + hi) / 2;  // exact
+        for (float x : {lo, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, INFINITY), hi})
+            if (smartinf::root_code(x) != root_encode(x)) ++bad;
+    }
+    const float top = static_cast<float>(root_decode(0xFF)), step = top - static_cast<float>(root_decode(0xFE));
+    for (float y : {top, top + step / 4, top + step / 2, std::nextafter(top + step / 2, 0.0f), 1.0e30f, INFINITY,
+                    NAN, 1.0e-45f, 1.0e-20f, static_cast<float>(root_decode(1)) / 2, 0.0f})
+        if (smartinf::root_code(y) != root_encode(y)) ++bad;
+    if (smartinf::root_code(1.0e-45f) != 1 || smartinf::root_code(0.0f) != 0) ++bad;
+    if (bad) std::printf("root code check: %d mismatches\n", bad);
+    g_failures += bad;
+}
+
 }  // namespace
 
 int main() {
@@ -767,6 +815,7 @@ int main() {
                         }
                     }
     e4m3_check();
+    root_code_check();
     const uint32_t format_lengths[] = {1, 17, 255, 256, 257, 1000, 4099};
     for (Rule rule : rules)
         for (const Hyper& h : configs(rule))

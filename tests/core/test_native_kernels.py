@@ -7,15 +7,36 @@ import os
 import subprocess
 import sys
 
+import numpy
 import pytest
 import torch
 from conftest import REPO_ROOT
 
 from lightning_smartinf.core.native import build, int8_kernels, kernels_dir
-from lightning_smartinf.core.state_formats import BLOCK, E4M3_MAX, NON_NEGATIVE, reference_format, state_format
+from lightning_smartinf.core.state_formats import (
+    BLOCK,
+    E4M3_MAX,
+    NON_NEGATIVE,
+    ROOT_CODE,
+    reference_format,
+    state_format,
+)
 
-#: Every float8_e4m3fn code's value, non-negative and finite (0x7F is NaN).
-_CODES = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+#: Every float8_e4m3fn code's value, non-negative and finite (0x7F is NaN): a signed state's codes.
+_E4M3 = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+_E, _M = ROOT_CODE.exponent_bits, ROOT_CODE.mantissa_bits
+_BIAS = 2 ** (_E - 1) - 1
+#: Every value of the root code (the codes of a state stored by its square root), written from an unsigned 8-bit
+#: float's definition: _E exponent bits, bias 2**(_E - 1) - 1, _M mantissa bits, subnormals.
+_ROOT = torch.tensor(
+    [
+        m * 2.0 ** (1 - _BIAS - _M) if e == 0 else (1 + m / 2**_M) * 2.0 ** (e - _BIAS)
+        for e in range(2**_E)
+        for m in range(2**_M)
+    ]
+)
+#: Half a step above the largest code: from here on a value saturates (the tie included: it would round up, to even).
+_ROOT_SATURATES = float(_ROOT[-1] + (_ROOT[-1] - _ROOT[-2]) / 2)
 
 
 def test_the_kernels_build_here_and_the_devices_use_them():
@@ -41,40 +62,62 @@ def _loaded(raw: torch.Tensor, n: int, state: str, native: bool) -> torch.Tensor
     return out
 
 
-def _edges() -> torch.Tensor:
+def _edges(codes: torch.Tensor, top: float, saturating: float) -> torch.Tensor:
     """Every code's value, the midpoints between neighbouring codes (where rounding ties go to the even code) and
-    the floats one step either side of each, with both signs: the values a block whose largest element is 448 (scale
-    1) codes as they are."""
-    ups, downs = torch.nextafter(_CODES, torch.tensor(1e9)), torch.nextafter(_CODES, torch.tensor(-1.0))
-    mids = (_CODES[:-1].double() + _CODES[1:].double()).div(2).float()  # exact: one more bit than a code
+    the floats one step either side of each, and values between the largest code ``top`` and ``saturating``: the
+    values a block whose largest element is ``top`` (scale 1) codes as they are."""
+    ups, downs = torch.nextafter(codes, torch.tensor(1e9)), torch.nextafter(codes, torch.tensor(-1.0))
+    mids = (codes[:-1].double() + codes[1:].double()).div(2).float()  # exact: one more bit than a code
     mid_ups, mid_downs = torch.nextafter(mids, torch.tensor(1e9)), torch.nextafter(mids, torch.tensor(-1.0))
-    above = torch.tensor([448.0, 450.0, 463.9, float(torch.nextafter(torch.tensor(464.0), torch.tensor(0.0)))])
-    values = torch.cat([_CODES, ups, downs.clamp(min=0), mids, mid_ups, mid_downs, above]).clamp(max=463.9)
-    return torch.cat([values, -values])
+    below = float(torch.nextafter(torch.tensor(saturating), torch.tensor(0.0)))
+    above = torch.tensor([top, (top + saturating) / 2, below])
+    return torch.cat([codes, ups, downs.clamp(min=0), mids, mid_ups, mid_downs, above]).clamp(max=below)
 
 
-@pytest.mark.parametrize("state", ["exp_avg", "exp_avg_sq"])
-def test_every_rounding_edge_codes_as_torch_does(state):
-    """Each value in a block of its own whose largest element is 448: its code is E4M3's round-to-nearest-even code
-    of the value (of its square root for a state that is never negative), as the reference gives it."""
-    values = _edges()
-    if state in NON_NEGATIVE:
-        values = values.abs().square()  # stored as their square roots: the same codes after rounding
+def test_every_rounding_edge_codes_as_torch_does_for_a_signed_state():
+    """Each value in a block of its own whose largest element is 448: its code is torch's float8_e4m3fn conversion
+    of the value (round to nearest, ties to even), in the kernels as in the reference."""
+    values = _edges(_E4M3, E4M3_MAX, 464.0)
+    values = torch.cat([values, -values])
     blocks = torch.zeros(values.numel(), BLOCK)
-    blocks[:, 0] = E4M3_MAX**2 if state in NON_NEGATIVE else E4M3_MAX
-    blocks[:, 1] = values
-    a, b = _both(blocks.flatten(), state)
+    blocks[:, 0], blocks[:, 1] = E4M3_MAX, values
+    a, b = _both(blocks.flatten(), "exp_avg")
     assert torch.equal(a, b)
-    if state not in NON_NEGATIVE:  # the scale is 1: the codes are torch's float8 conversion of the values
-        codes = a[: values.numel() * BLOCK].view(-1, BLOCK)[:, 1]
-        assert torch.equal(codes, values.to(torch.float8_e4m3fn).view(torch.uint8))
+    codes = a[: values.numel() * BLOCK].view(-1, BLOCK)[:, 1]
+    assert torch.equal(codes, values.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def test_every_rounding_edge_codes_to_the_nearest_root_code_for_a_never_negative_state():
+    """Each square root in a block of its own whose largest square root is the root code's largest (scale 1): its
+    code is the nearest, ties to the even code, from half a step above the largest saturating, in the kernels as in
+    the reference; and a non-zero value below the smallest code takes that code, never zero."""
+    assert torch.equal(_ROOT, ROOT_CODE.values)
+    tiny = torch.tensor([float(_ROOT[1]) / 2, float(_ROOT[1]) / 3, 2.0**-20, 2.0**-60, 0.0])
+    roots = torch.cat([_edges(_ROOT, ROOT_CODE.largest, _ROOT_SATURATES), tiny])
+    blocks = torch.zeros(roots.numel(), BLOCK)
+    blocks[:, 0], blocks[:, 1] = ROOT_CODE.largest, roots
+    blocks = blocks.square()  # the state: codes and midpoints square exactly (at most 14 significant bits) ...
+    roots = torch.from_numpy(numpy.sqrt(blocks[:, 1].numpy()))  # ... the floats beside them within a step
+    assert torch.equal(blocks[:, 0].sqrt(), torch.full_like(roots, ROOT_CODE.largest))
+    a, b = _both(blocks.flatten(), "exp_avg_sq")
+    assert torch.equal(a, b)
+    codes = a[: roots.numel() * BLOCK].view(-1, BLOCK)[:, 1].long()
+    distance = (_ROOT[None, :].double() - roots[:, None].double()).abs()
+    nearest = distance.min(dim=1, keepdim=True).values
+    tied = distance == nearest  # the nearest codes; of two, the even one
+    expected = torch.where(
+        tied.sum(dim=1) > 1, (tied * (torch.arange(256) % 2 == 0)).int().argmax(dim=1), tied.int().argmax(dim=1)
+    )
+    expected = torch.where((expected == 0) & (roots > 0), 1, expected)
+    assert torch.equal(codes, expected)
 
 
 @pytest.mark.parametrize("state", ["exp_avg", "exp_avg_sq"])
 def test_blocks_of_subnormal_scale_saturate_as_torch_does(state):
     """A block whose largest magnitude is under 448 * 2**-126 has a subnormal scale, rounded enough that an element
     over it reaches 512: torch's conversion saturates such a quotient to 448's code (an earlier kernel coded it as
-    NaN, which would have poisoned the parameter); infinities saturate too, NaN stays NaN."""
+    NaN, which would have poisoned the parameter), the root code to its largest; infinities saturate too, and a NaN
+    makes its block's scale NaN. Every finite block loads back finite."""
     tiny = [2.0**-140, -(2.0**-141), 1.5 * 2.0**-139, 2.0**-149, 3 * 2.0**-147, 448 * 2.0**-127]
     blocks = torch.zeros(len(tiny) + 2, BLOCK)
     for i, largest in enumerate(tiny):
@@ -84,10 +127,9 @@ def test_blocks_of_subnormal_scale_saturate_as_torch_does(state):
     values = blocks.flatten().abs() if state in NON_NEGATIVE else blocks.flatten()
     a, b = _both(values, state)
     assert torch.equal(a, b)
-    codes = b[: values.numel()].view(-1, BLOCK)
-    assert not ((codes[: len(tiny)] & 0x7F) == 0x7F).any(), "a finite state was coded as NaN"
     native, reference = _loaded(a, values.numel(), state, True), _loaded(b, values.numel(), state, False)
     assert torch.equal(native.view(torch.int32), reference.view(torch.int32))
+    assert bool(native.view(-1, BLOCK)[: len(tiny)].isfinite().all()), "a finite state loaded as NaN or infinity"
 
 
 def _moments(n: int, seed: int, non_negative: bool) -> torch.Tensor:

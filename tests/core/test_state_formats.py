@@ -11,6 +11,7 @@ from lightning_smartinf.core.state_formats import (
     E4M3_MAX,
     FORMATS,
     NON_NEGATIVE,
+    ROOT_CODE,
     check_format_for_rule,
     state_format,
     update_chunk,
@@ -67,14 +68,53 @@ def test_int8_non_negative_state_is_stored_by_its_square_root():
     stored = _round_trip("int8", v, "exp_avg_sq")
     assert bool((stored >= 0).all())
     root = v.sqrt().view(-1, BLOCK)
-    floor = (root.amax(dim=1, keepdim=True) / E4M3_MAX * 2**-6).square().expand_as(root).reshape(-1)
-    normal = v >= floor
+    scale = (root.amax(dim=1, keepdim=True) / ROOT_CODE.largest).expand_as(root).reshape(-1)
+    bias, m = ROOT_CODE.bias, ROOT_CODE.mantissa_bits
+    normal = v >= (scale * 2.0 ** (1 - bias)).square()  # the square root in the code's normal range
+    assert 0.05 < float(normal.float().mean()) < 1  # (both ranges taken)
     relative = ((stored - v).abs() / v)[normal]
-    assert float(relative.max()) <= 2 * 2**-4 + 2**-8
+    half_step = 2.0 ** -(m + 1)  # of a normal square root, relative
+    assert float(relative.max()) <= 2 * half_step + half_step**2
+    # Below it the codes count multiples of the smallest code; a non-zero element never becomes zero.
+    smallest = scale * 2.0 ** (1 - bias - m)
+    below, error = ~normal & (v > 0), (stored.sqrt() - v.sqrt()).abs()
+    rounded = below & (v.sqrt() >= smallest / 2)  # else taken up to the smallest code
+    assert bool((error[rounded] <= smallest[rounded] / 2 * (1 + 2**-10)).all())
+    assert bool((error[below] <= smallest[below] * (1 + 2**-10)).all())
+    assert bool((stored[v > 0] > 0).all())
     # A block of zeros (a parameter that never had a gradient) stays zeros, not NaN.
     zeros = torch.zeros(2 * BLOCK)
     assert torch.equal(_round_trip("int8", zeros, "exp_avg_sq"), zeros)
     assert torch.equal(_round_trip("int8", zeros, "exp_avg"), zeros)
+
+
+def _e4m3_root_round_trip(v: torch.Tensor) -> torch.Tensor:
+    """``v`` stored by its square root in E4M3 codes, blocks of :data:`BLOCK` (the ``int8`` format's earlier code)."""
+    root = v.sqrt().view(-1, BLOCK)
+    scale = root.amax(dim=1, keepdim=True) / E4M3_MAX
+    return ((root / scale).to(torch.float8_e4m3fn).float() * scale).square().flatten()
+
+
+def test_a_second_moment_kept_in_int8_follows_the_exact_one():
+    """What the root code's precision is for. Adam's exponential average of squared gradients (beta2 0.95), each element's
+    gradient noise of its own scale, 300 steps, stored and loaded back after each: kept in int8, 90% of the elements
+    stay within 2**0.25 of the exact average; kept by its square root in E4M3 (3 mantissa bits: a change of 2.5%
+    rounds away), the changes that round away compound, and a tenth of the elements drift beyond 2**0.3."""
+    n, beta2 = 16 * BLOCK, 0.95
+    generator = torch.Generator().manual_seed(9)
+    sigma = torch.exp(torch.randn(n, generator=generator))
+    fmt = state_format("int8")
+    raw = torch.empty(fmt.stored_bytes(n), dtype=torch.uint8)
+    exact, kept, e4m3 = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    for _ in range(300):
+        grad2 = (sigma * torch.randn(n, generator=generator)).square()
+        exact = exact * beta2 + (1 - beta2) * grad2
+        kept = kept * beta2 + (1 - beta2) * grad2
+        fmt.store(kept, raw, "exp_avg_sq")
+        fmt.load(raw, kept, "exp_avg_sq")
+        e4m3 = _e4m3_root_round_trip(e4m3 * beta2 + (1 - beta2) * grad2)
+    assert float(torch.quantile(torch.log2(kept / exact).abs(), 0.9)) < 0.25
+    assert float(torch.quantile(torch.log2(e4m3 / exact).abs(), 0.9)) > 0.3
 
 
 def test_the_fp32_update_is_the_rule_itself_bit_for_bit():
@@ -100,7 +140,9 @@ def test_the_fp32_update_is_the_rule_itself_bit_for_bit():
 @pytest.mark.parametrize("name", ["bf16", "int8"])
 def test_adamw_through_a_smaller_format_stays_near_fp32(name):
     """Not a quality figure (the convergence benchmarks give those): AdamW steps on a quadratic through each format
-    track the fp32 run's parameters to within a few percent of their movement."""
+    track the fp32 run's parameters to within a few percent of their movement (5% in bf16, 6% in int8: the targets
+    span e**-9 to e**9 within a block, wider than an optimizer's moments do, and int8's square roots there take the
+    root code's subnormal range)."""
     rule, n = Adam(decoupled_weight_decay=True), 4 * BLOCK
     target = _values(n, 7)
     runs = {}
@@ -112,7 +154,7 @@ def test_adamw_through_a_smaller_format_stays_near_fp32(name):
             update_chunk(rule, fmt, master, master - target, stored, StepParams(step=step, lr=1e-2))
         runs[fmt_name] = master
     moved = runs["fp32"].abs().mean()
-    assert float((runs[name] - runs["fp32"]).abs().mean()) < 0.05 * float(moved)
+    assert float((runs[name] - runs["fp32"]).abs().mean()) < {"bf16": 0.05, "int8": 0.06}[name] * float(moved)
 
 
 def test_formats_and_refusals():

@@ -5,6 +5,7 @@ SmartSSD kernels (``xrt``): bit for bit the reference of each format
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from helpers.ieee import TORCH_SQRT_IS_IEEE, ieee_sqrt
 from lightning_smartinf.core.backend import Backend, ShardSpec
 from lightning_smartinf.core.build import tiers_over
 from lightning_smartinf.core.format.layout import ChunkLayout
-from lightning_smartinf.core.format.state_files import MANIFEST, read_manifest, shard_file_name
+from lightning_smartinf.core.format.state_files import FORMAT, MANIFEST, read_manifest, shard_file_name
 from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdam, UpdateRule
 from lightning_smartinf.core.state_formats import state_format
 from lightning_smartinf.devices.cpu import CpuBackend
@@ -99,6 +100,33 @@ def test_fp32_manifests_read_as_before_formats_existed(tmp_path):
     finally:
         run_with_timeout(backend.close)
     assert all("state_format" not in e for e in read_manifest(tmp_path / "ckpt")["shards"])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_int8_state_saved_in_the_earlier_code_is_refused_and_other_formats_still_load(tmp_path, fmt):
+    """Manifests before ``state/4`` coded int8's second moment in E4M3: read as today's codes it would be wrong, so
+    such a checkpoint is refused, naming the way over; its fp32 and bf16 state loads as it did."""
+    first = _cpu(tmp_path, "first")
+    try:
+        train(first, _specs(fmt), CHUNK)
+        first.save(tmp_path / "ckpt")
+    finally:
+        run_with_timeout(first.close)
+    manifest_path = tmp_path / "ckpt" / MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["format"] == FORMAT == "lightning_smartinf.state/4"
+    manifest["format"] = "lightning_smartinf.state/3"
+    manifest_path.write_text(json.dumps(manifest))
+    second = _cpu(tmp_path, "second")
+    try:
+        second.open(_specs(fmt))
+        if fmt == "int8":
+            with pytest.raises(ValueError, match=r"saved by an earlier version .*'lightning_smartinf.state/3'.*E4M3"):
+                second.load(tmp_path / "ckpt")
+        else:
+            second.load(tmp_path / "ckpt")
+    finally:
+        run_with_timeout(second.close)
 
 
 @pytest.mark.parametrize(("saved", "wanted"), [("int8", "int8"), ("fp32", "int8"), ("int8", "fp32"), ("bf16", "int8")])

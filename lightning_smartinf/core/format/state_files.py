@@ -65,12 +65,14 @@ from lightning_smartinf.core.io.storage import (
     write_file_atomic,  # looked up here at each call: tests/scripts/crash_worker.py replaces it in this module
 )
 from lightning_smartinf.core.progress import Progress
-from lightning_smartinf.core.state_formats import FORMATS
+from lightning_smartinf.core.state_formats import FORMATS, ROOT_CODE
 
 MANIFEST = "manifest.json"
-FORMAT = "lightning_smartinf.state/3"
-#: Formats this version loads: ``state/2`` differs only in its checksum, zlib's CRC-32 under ``crc32``.
-READABLE_FORMATS = ("lightning_smartinf.state/2", FORMAT)
+FORMAT = "lightning_smartinf.state/4"
+#: Formats this version loads: ``state/2`` differs only in its checksum (zlib's CRC-32 under ``crc32``), ``state/3``
+#: and ``state/2`` in their ``"int8"`` state, whose second moment they hold in another code (square roots in E4M3, not
+#: :data:`~lightning_smartinf.core.state_formats.ROOT_CODE`): a manifest of theirs that has any is refused.
+READABLE_FORMATS = ("lightning_smartinf.state/2", "lightning_smartinf.state/3", FORMAT)
 #: Bytes per read/write/checksum block when copying state files (CRC-32 runs at ~4 GB/s, above the disk).
 BLOCK = 8 << 20
 #: Keys of a manifest's shard entry that hold its checksum (one of them), not a property of the shard.
@@ -441,6 +443,19 @@ def parse_manifest(data: bytes, manifest_path: Path) -> dict:
             f"Device-state manifest {manifest_path} has format {found!r}; this version reads "
             f"{' and '.join(map(repr, READABLE_FORMATS))}. "
             "Resume with the lightning_smartinf version that saved it."
+        )
+    shards = manifest.get("shards")
+    if (
+        manifest["format"] != FORMAT
+        and isinstance(shards, list)
+        and any(isinstance(entry, dict) and entry.get("state_format") == "int8" for entry in shards)
+    ):
+        raise ValueError(
+            f"Device-state manifest {manifest_path} holds `state_precision='int8'` state saved by an earlier "
+            f"version ({manifest['format']!r}), which coded the second moment in E4M3; this version codes it "
+            f"in {ROOT_CODE.name}, and reading the old codes as new ones would be wrong. Resume with the version "
+            "that saved it, and to carry the state over, save it there with `state_precision='fp32'` or "
+            "`'bf16'` (a resume converts between formats), then resume here."
         )
     return manifest
 

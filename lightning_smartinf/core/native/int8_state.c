@@ -2,9 +2,11 @@
  * (lightning_smartinf/core/state_formats.py, class Int8) gives, bit for bit.
  *
  * A state of n elements is stored as ceil(n / 256) blocks: the blocks' codes (one byte per element, zero past the
- * last element), then one fp32 scale per block. An element's code is the FP8 E4M3 (float8_e4m3fn) code, rounded to
- * nearest with ties to even, of the element divided by its block's scale, the block's largest magnitude over 448
- * (an all-zero block: scale 0, divided by 1). A state that is never negative is stored by its square root.
+ * last element), then one fp32 scale per block. An element's code is an 8-bit float code, rounded to nearest with
+ * ties to even, of the element divided by its block's scale, the block's largest magnitude over the code's largest
+ * value (an all-zero block: scale 0, divided by 1). A signed state takes FP8 E4M3 (float8_e4m3fn, largest 448); a
+ * state that is never negative is stored by its square root in the format's ROOT_CODE, an unsigned 8-bit float (see
+ * ROOT_EXPONENT_BITS), where a non-zero value never becomes zero.
  *
  * Every operation is one IEEE-754 single-precision operation as torch does it (sqrt, division, multiplication, each
  * correctly rounded; no two fused: built with -ffp-contract=off), so the bytes match the reference's.
@@ -15,6 +17,14 @@
 
 #define BLOCK 256
 #define E4M3_MAX 448.0f
+/* The root code (state_formats.ROOT_CODE): an unsigned 8-bit float of ROOT_EXPONENT_BITS exponent bits (bias
+ * ROOT_BIAS) and ROOT_MANTISSA_BITS mantissa bits, with subnormals, no infinity or NaN; ROOT_MAX is code 255's value,
+ * ROOT_SUBNORMAL_STEPS the subnormal codes per unit (the inverse of the smallest code, 2**(1 - bias - mantissa)). */
+#define ROOT_EXPONENT_BITS 4
+#define ROOT_MANTISSA_BITS (8 - ROOT_EXPONENT_BITS)
+#define ROOT_BIAS ((1 << (ROOT_EXPONENT_BITS - 1)) - 1)
+#define ROOT_MAX 496.0f
+#define ROOT_SUBNORMAL_STEPS 1024.0f
 
 /* The E4M3 code of the float with bits `bits`, as torch's conversion gives it: round to nearest, ties to even; 464
  * and above (and infinity) saturate to 448's code 0x7E; NaN is 0x7F (with x's sign). A block's values over its scale
@@ -40,8 +50,30 @@ static inline uint8_t e4m3_code(uint32_t bits) {
     return (uint8_t)(sign | (saturated & huge) | (code & ~huge));
 }
 
+/* The root code of the non-negative float (or NaN) with bits `bits`: round to nearest, ties to even; from half a step
+ * above ROOT_MAX, infinity and NaN saturate to code 255; a non-zero value below the smallest code takes that code,
+ * never zero. Without branches, as e4m3_code. */
+static inline uint8_t root_code(uint32_t bits) {
+    const uint32_t dropped = 23 - ROOT_MANTISSA_BITS;
+    uint32_t magnitude = bits & 0x7FFFFFFFu;
+    /* A normal: keep ROOT_MANTISSA_BITS of fp32's 23 mantissa bits, the dropped ones rounded to nearest, ties to even;
+     * a carry moves into the exponent, which the codes continue. fp32's exponent bias is 127. */
+    uint32_t normal = ((magnitude + ((1u << (dropped - 1)) - 1u) + ((magnitude >> dropped) & 1u)) >> dropped)
+                      - ((uint32_t)(127 - ROOT_BIAS) << ROOT_MANTISSA_BITS);
+    /* Below the smallest normal, 2**(1 - bias), the codes count multiples of the smallest code: |x| over it is exact
+     * (a power of two), and adding 2**23 rounds it to an integer, to nearest with ties to even, into the low bits. */
+    union { uint32_t u; float f; } value = {magnitude}, shifted;
+    shifted.f = value.f * ROOT_SUBNORMAL_STEPS + 8388608.0f;
+    uint32_t subnormal = shifted.u - 0x4B000000u;
+    uint32_t small = -(uint32_t)(magnitude < ((uint32_t)(128 - ROOT_BIAS) << 23));
+    uint32_t code = (subnormal & small) | (normal & ~small);
+    uint32_t huge = -(uint32_t)(code > 255u); /* half a step above ROOT_MAX and beyond, infinity and NaN */
+    code = (255u & huge) | (code & ~huge);
+    return (uint8_t)(code | (uint32_t)((code == 0u) & (magnitude != 0u)));
+}
+
 /* Store n fp32 values as int8: codes[ceil(n / 256) * 256], then scales[ceil(n / 256)]. The values are read, never
- * written; sqrt_first: store their square roots (a state that is never negative). */
+ * written; sqrt_first: store their square roots in the root code (a state that is never negative), else E4M3 codes. */
 void smartinf_int8_store(const float *values, int64_t n, int sqrt_first, uint8_t *codes, float *scales) {
     union { float f[BLOCK]; uint32_t u[BLOCK]; } block;
     int64_t blocks = (n + BLOCK - 1) / BLOCK;
@@ -63,17 +95,22 @@ void smartinf_int8_store(const float *values, int64_t n, int sqrt_first, uint8_t
             largest = magnitude > largest ? magnitude : largest;
         }
         union { uint32_t u; float f; } top = {largest};
-        float scale = top.f / E4M3_MAX;
+        float scale = top.f / (sqrt_first ? ROOT_MAX : E4M3_MAX);
         float divisor = scale == 0.0f ? 1.0f : scale;
         for (int i = 0; i < BLOCK; ++i) block.f[i] = block.f[i] / divisor;
         uint8_t *out = codes + start;
-        for (int i = 0; i < BLOCK; ++i) out[i] = e4m3_code(block.u[i]);
+        if (sqrt_first) {
+            for (int i = 0; i < BLOCK; ++i) out[i] = root_code(block.u[i]);
+        } else {
+            for (int i = 0; i < BLOCK; ++i) out[i] = e4m3_code(block.u[i]);
+        }
         scales[b] = scale;
     }
 }
 
 /* Load n fp32 values from int8 codes and scales (laid out as smartinf_int8_store writes them); value_of_code: the
- * 256 codes' values; square: the state was stored by its square root. */
+ * 256 codes' values (the root code's for a state stored by its square root, else E4M3's); square: the state was stored by its
+ * square root. */
 void smartinf_int8_load(
     const uint8_t *codes, const float *scales, int64_t n, int square, const float *value_of_code, float *out
 ) {
