@@ -9,6 +9,8 @@ codec's effect on quality is measured apart from everything else, a variant at a
 - ``e4m3``: this project's ``state_precision="int8"`` (FP8 E4M3 codes of the element over its block's largest
   magnitude, blocks of 256, the second moment stored by its square root); ``e4m3-m`` and ``e4m3-v`` quantize one
   moment only; ``e4m3-b64`` uses blocks of 64; ``e4m3-direct`` stores the second moment itself;
+- ``e4m3-ue3m5`` and ``e4m3-ue4m4``: the first moment as ``e4m3`` does, the second by its square root in an unsigned
+  8-bit float (the sign bit given to the mantissa: 3 exponent and 5 mantissa bits, or 4 and 4), blocks of 256;
 - ``dynamic``: bitsandbytes' dynamic map (signed for the first moment, unsigned for the second, stored directly, as
   its 8-bit AdamW does), blocks of 256; ``dynamic-sqrt`` stores the second moment by its square root.
 
@@ -46,12 +48,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_compression import Record, gpt2_task  # noqa: E402
 from bench_state_formats import cpu_model  # noqa: E402
 
-from lightning_smartinf.core.state_formats import state_format  # noqa: E402
+from lightning_smartinf.core.state_formats import ROOT_CODE, Int8, UnsignedFloat8, state_format  # noqa: E402
 
 _CODES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 #: The finite E4M3 codes' values, sorted (largest 448), and the non-negative ones (a square root's codes).
 E4M3_SIGNED = torch.unique(_CODES[torch.isfinite(_CODES)])
 E4M3_UNSIGNED = E4M3_SIGNED[E4M3_SIGNED >= 0]
+
+
+def unsigned_float_values(exponent_bits: int, mantissa_bits: int) -> torch.Tensor:
+    """The 256 values of an unsigned 8-bit float (no sign bit: ``exponent_bits + mantissa_bits == 8``) with
+    subnormals and no infinity or NaN, sorted, up to a common factor (a codec scales by its table's largest)."""
+    values = []
+    for exponent in range(2**exponent_bits):
+        for mantissa in range(2**mantissa_bits):
+            fraction = mantissa / 2**mantissa_bits
+            values.append(2 * fraction if exponent == 0 else (1 + fraction) * 2.0**exponent)
+    return torch.tensor(sorted(values), dtype=torch.float32)
 
 
 def dynamic_map(signed: bool) -> torch.Tensor:
@@ -101,9 +114,11 @@ class FormatCodec:
     correctly rounded: 0.4% of elements, at most 5e-7 apart, on random data); six times faster."""
 
     state: str
+    #: The code of the second moment's square root (another than the format's: its plain-torch reference runs).
+    root_code: UnsignedFloat8 = ROOT_CODE
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        fmt = state_format("int8")
+        fmt = state_format("int8") if self.root_code is ROOT_CODE else Int8(native=False, root_code=self.root_code)
         flat = x.detach().flatten().float().contiguous()
         raw = torch.empty(fmt.stored_bytes(flat.numel()), dtype=torch.uint8)
         fmt.store(flat, raw, self.state)
@@ -120,6 +135,8 @@ CODECS: dict[str, tuple[Codec | FormatCodec | None, Codec | FormatCodec | None]]
     "e4m3-v": (None, FormatCodec("exp_avg_sq")),
     "e4m3-b64": (Codec(E4M3_SIGNED, 64), Codec(E4M3_UNSIGNED, 64, sqrt=True)),
     "e4m3-direct": (Codec(E4M3_SIGNED), Codec(E4M3_UNSIGNED)),
+    "e4m3-ue3m5": (FormatCodec("exp_avg"), FormatCodec("exp_avg_sq", UnsignedFloat8(3))),
+    "e4m3-ue4m4": (FormatCodec("exp_avg"), FormatCodec("exp_avg_sq", UnsignedFloat8(4))),
     "dynamic": (Codec(dynamic_map(True)), Codec(dynamic_map(False))),
     "dynamic-sqrt": (Codec(dynamic_map(True)), Codec(dynamic_map(False), sqrt=True)),
 }
