@@ -6,18 +6,22 @@ CPU device, with torch's ``AdamW``. After every optimizer step a callback replac
 store and load back, exactly as a device that holds the moments in that codec hands them to the next step. So one
 codec's effect on quality is measured apart from everything else, a variant at a time:
 
-- ``e4m3``: this project's ``state_precision="int8"`` (FP8 E4M3 codes of the element over its block's largest
-  magnitude, blocks of 256, the second moment stored by its square root); ``e4m3-m`` and ``e4m3-v`` quantize one
-  moment only; ``e4m3-b64`` uses blocks of 64; ``e4m3-direct`` stores the second moment itself;
-- ``e4m3-ue3m5`` and ``e4m3-ue4m4``: the first moment as ``e4m3`` does, the second by its square root in an unsigned
-  8-bit float (the sign bit given to the mantissa: 3 exponent and 5 mantissa bits, or 4 and 4), blocks of 256;
+- ``e4m3-ue4m4``: this project's ``state_precision="int8"`` as it is (blocks of 256; the first moment in FP8 E4M3
+  codes of the element over its block's largest magnitude, the second by its square root in UE4M4, an unsigned 8-bit
+  float: the sign bit given to the mantissa); ``e4m3-ue3m5``: the second moment's square root in UE3M5 instead (3
+  exponent bits, 5 mantissa bits);
+- ``e4m3``: ``int8`` as it was before, both moments in E4M3 (the second by its square root); ``e4m3-m`` and
+  ``e4m3-v`` quantize one moment only; ``e4m3-b64`` uses blocks of 64; ``e4m3-direct`` stores the second moment
+  itself;
 - ``dynamic``: bitsandbytes' dynamic map (signed for the first moment, unsigned for the second, stored directly, as
   its 8-bit AdamW does), blocks of 256; ``dynamic-sqrt`` stores the second moment by its square root.
 
-``e4m3`` and its one-moment variants run the ``int8`` format's own conversions (its C kernels): the values a device
-keeps. Every other codec rounds to the nearest code of a table (ties to the lower). The records made before ``e4m3``
-took the format's own code (``docs/state-codecs-gpt2.json``, ``docs/state-codecs-gpt2-2000.json``) took E4M3's table
-for it, whose values are the format's but at exact ties and within 5e-7 (see :class:`FormatCodec`).
+``e4m3-ue4m4`` runs the ``int8`` format's own conversions (its C kernels): the values a device keeps; ``e4m3-ue3m5``
+and the first moment of ``e4m3`` and ``e4m3-m`` its plain-torch reference, of the same bytes; the second moment of
+``e4m3`` and ``e4m3-v`` :class:`EarlierRootCodec`, the bytes the format stored before. Every other codec rounds to
+the nearest code of a table (ties to the lower). The records made before ``e4m3`` took the format's own code
+(``docs/state-codecs-gpt2.json``, ``docs/state-codecs-gpt2-2000.json``) took E4M3's table for it, whose values are
+the format's but at exact ties and within 5e-7 (see :class:`FormatCodec`).
 
 Each codec runs once per ``--seeds`` (the seed draws the initial weights; the batch order is the data module's own);
 each run prints its validation losses as they come and its final one against ``fp32``'s (no codec) of the same seed,
@@ -42,13 +46,21 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_compression import Record, gpt2_task  # noqa: E402
 from bench_state_formats import cpu_model  # noqa: E402
 
-from lightning_smartinf.core.state_formats import ROOT_CODE, Int8, UnsignedFloat8, state_format  # noqa: E402
+from lightning_smartinf.core.state_formats import (  # noqa: E402
+    BLOCK,
+    E4M3_MAX,
+    ROOT_CODE,
+    Int8,
+    UnsignedFloat8,
+    state_format,
+)
 
 _CODES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 #: The finite E4M3 codes' values, sorted (largest 448), and the non-negative ones (a square root's codes).
@@ -118,7 +130,8 @@ class FormatCodec:
     root_code: UnsignedFloat8 = ROOT_CODE
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        fmt = state_format("int8") if self.root_code is ROOT_CODE else Int8(native=False, root_code=self.root_code)
+        native = self.root_code.exponent_bits == ROOT_CODE.exponent_bits
+        fmt = state_format("int8") if native else Int8(native=False, root_code=self.root_code)
         flat = x.detach().flatten().float().contiguous()
         raw = torch.empty(fmt.stored_bytes(flat.numel()), dtype=torch.uint8)
         fmt.store(flat, raw, self.state)
@@ -127,16 +140,32 @@ class FormatCodec:
         return out.view_as(x)
 
 
+@dataclass(frozen=True)
+class EarlierRootCodec:
+    """A second moment as ``int8`` stored it before it took :data:`ROOT_CODE`: its IEEE square root over the block's
+    largest / 448, in FP8 E4M3 (torch's conversion: round to nearest, ties to even), blocks of 256, the bytes the
+    format's reference gave then."""
+
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.detach().flatten().float().contiguous()
+        n = flat.numel()
+        root = torch.from_numpy(numpy.sqrt(torch.nn.functional.pad(flat, (0, -n % BLOCK)).numpy()))
+        rows = root.view(-1, BLOCK)
+        scale = rows.amax(dim=1, keepdim=True) / E4M3_MAX
+        codes = (rows / scale.masked_fill(scale == 0, 1.0)).to(torch.float8_e4m3fn)
+        return (codes.float() * scale).square().flatten()[:n].view_as(x)
+
+
 #: Each variant: the codec of the first moment and of the second (``None``: kept in fp32).
 CODECS: dict[str, tuple[Codec | FormatCodec | None, Codec | FormatCodec | None]] = {
     "fp32": (None, None),
-    "e4m3": (FormatCodec("exp_avg"), FormatCodec("exp_avg_sq")),
+    "e4m3-ue4m4": (FormatCodec("exp_avg"), FormatCodec("exp_avg_sq")),
+    "e4m3-ue3m5": (FormatCodec("exp_avg"), FormatCodec("exp_avg_sq", UnsignedFloat8(3))),
+    "e4m3": (FormatCodec("exp_avg"), EarlierRootCodec()),
     "e4m3-m": (FormatCodec("exp_avg"), None),
-    "e4m3-v": (None, FormatCodec("exp_avg_sq")),
+    "e4m3-v": (None, EarlierRootCodec()),
     "e4m3-b64": (Codec(E4M3_SIGNED, 64), Codec(E4M3_UNSIGNED, 64, sqrt=True)),
     "e4m3-direct": (Codec(E4M3_SIGNED), Codec(E4M3_UNSIGNED)),
-    "e4m3-ue3m5": (FormatCodec("exp_avg"), FormatCodec("exp_avg_sq", UnsignedFloat8(3))),
-    "e4m3-ue4m4": (FormatCodec("exp_avg"), FormatCodec("exp_avg_sq", UnsignedFloat8(4))),
     "dynamic": (Codec(dynamic_map(True)), Codec(dynamic_map(False))),
     "dynamic-sqrt": (Codec(dynamic_map(True)), Codec(dynamic_map(False), sqrt=True)),
 }
