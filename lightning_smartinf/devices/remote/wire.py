@@ -64,8 +64,9 @@ SERVICE = "smartinf.remote.Device"
 #: uploads state files (`Upload`, then the `load_upload` control) to resume a checkpoint of another backend or layout.
 #: 4: `ReadCheckpoint` also sends a saved checkpoint's manifest and state files (`part`), so that a checkpoint kept
 #: on servers resumes under another layout. 5: a shard of ``Open`` may name its state format (``state_format``), which
-#: a server of version 4 would ignore.
-PROTOCOL_VERSION = 5
+#: a server of version 4 would ignore. 6: an ``"int8"`` state's second moment is coded in UE4M4 (a server of version 5
+#: codes it in E4M3: the same bytes would read as other values).
+PROTOCOL_VERSION = 6
 #: Updates one session has in flight on a server (the server admits no more; a client sends no more).
 MAX_UPDATES_IN_FLIGHT = 4
 #: Trailing metadata by which a server tells gRPC's retry policy, and the client, not to retry (a negative pushback).
