@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_compression import gpt2_task  # noqa: E402
-from bench_state_codecs import E4M3_UNSIGNED, Codec, FormatCodec, dynamic_map  # noqa: E402
+from bench_state_codecs import E4M3_UNSIGNED, Codec, FormatCodec, dynamic_map, plain_trainer  # noqa: E402
 from bench_state_formats import cpu_model  # noqa: E402
 
 from lightning_smartinf.core.state_formats import BLOCK, ROOT_CODE, UnsignedFloat8  # noqa: E402
@@ -143,20 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="smartinf-drift-") as tmp:
         model, datamodule = gpt2_task(Path(tmp), 384, 6, 4.0)
         model.configure_model()
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=1,
-            precision="32-true",
-            max_steps=args.steps,
-            limit_val_batches=0,
-            gradient_clip_val=1.0,
-            num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[drift],
-        )
+        trainer = plain_trainer(args.steps, [drift])
         trainer.fit(model, datamodule=datamodule)
     if args.out is not None:
         record = {

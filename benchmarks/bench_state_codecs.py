@@ -199,27 +199,36 @@ class PrintedRecord(Record):
             print(f"{self.label}: step {step}, validation loss {loss:.4f}", flush=True)
 
 
-def run(name: str, seed: int, steps: int, val_every: int, root: Path) -> Record:
-    L.seed_everything(seed, verbose=False)
-    model, datamodule = gpt2_task(root, 384, 6, 4.0)
-    model.configure_model()
-    record = PrintedRecord(f"seed {seed}, {name}")
-    trainer = L.Trainer(
+def plain_trainer(steps: int, callbacks: list[L.Callback], val_every: int | None = None) -> L.Trainer:
+    """How this script's runs train: plain Lightning on one CPU device, fp32, clipping at 1.0, quiet; ``val_every``:
+    32 validation batches every that many steps (``None``: no validation)."""
+    validation: dict[str, Any] = (
+        {"val_check_interval": val_every, "check_val_every_n_epoch": None, "limit_val_batches": 32}
+        if val_every
+        else {"limit_val_batches": 0}
+    )
+    return L.Trainer(
         accelerator="cpu",
         devices=1,
         precision="32-true",
         max_steps=steps,
-        val_check_interval=val_every,
-        check_val_every_n_epoch=None,
-        limit_val_batches=32,
         gradient_clip_val=1.0,
         num_sanity_val_steps=0,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[record, QuantizedMoments(CODECS[name])],
+        callbacks=callbacks,
+        **validation,
     )
+
+
+def run(name: str, seed: int, steps: int, val_every: int, root: Path) -> Record:
+    L.seed_everything(seed, verbose=False)
+    model, datamodule = gpt2_task(root, 384, 6, 4.0)
+    model.configure_model()
+    record = PrintedRecord(f"seed {seed}, {name}")
+    trainer = plain_trainer(steps, [record, QuantizedMoments(CODECS[name])], val_every)
     trainer.fit(model, datamodule=datamodule)
     return record
 
