@@ -356,8 +356,9 @@ def _ieee_sqrt(values: Tensor, out: Tensor) -> None:
         torch.sqrt(values, out=out)
 
 
-#: Code tables copied to other devices, by (table, device): each device decodes from a copy in its own memory.
-_TABLES_ON_DEVICES: dict[tuple[int, torch.device], Tensor] = {}
+#: Code tables copied to other devices, by (table, device): each device decodes from a copy in its own memory. Each
+#: entry keeps its host table too, so that its ``id`` cannot be reused by another table while the entry stands.
+_TABLES_ON_DEVICES: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
 
 
 def _on_device(table: Tensor, device: torch.device) -> Tensor:
@@ -365,6 +366,7 @@ def _on_device(table: Tensor, device: torch.device) -> Tensor:
     if device == _HOST:
         return table
     key = (id(table), device)
-    if key not in _TABLES_ON_DEVICES:
-        _TABLES_ON_DEVICES[key] = table.to(device)
-    return _TABLES_ON_DEVICES[key]
+    entry = _TABLES_ON_DEVICES.get(key)
+    if entry is None or entry[0] is not table:
+        entry = _TABLES_ON_DEVICES[key] = (table, table.to(device))
+    return entry[1]
