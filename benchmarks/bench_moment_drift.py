@@ -29,13 +29,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_compression import gpt2_task  # noqa: E402
-from bench_state_codecs import E4M3_UNSIGNED, Codec, FormatCodec, dynamic_map, plain_trainer  # noqa: E402
+from bench_state_codecs import (  # noqa: E402
+    E4M3_UNSIGNED,
+    Codec,
+    FormatCodec,
+    MomentCodec,
+    dynamic_map,
+    plain_trainer,
+)
 from bench_state_formats import cpu_model  # noqa: E402
 
 from lightning_smartinf.core.state_formats import BLOCK, ROOT_CODE, UnsignedFloat8  # noqa: E402
 
 #: The codes a second moment is kept in: each stores the square root, blocks of 256.
-CODES: dict[str, Codec | FormatCodec] = {
+CODES: dict[str, MomentCodec] = {
     "e4m3 (int8 before)": Codec(E4M3_UNSIGNED, sqrt=True),
     f"{ROOT_CODE.name.lower()} (int8)": FormatCodec("exp_avg_sq"),
     "ue3m5": FormatCodec("exp_avg_sq", UnsignedFloat8(3)),

@@ -68,17 +68,6 @@ E4M3_SIGNED = torch.unique(_CODES[torch.isfinite(_CODES)])
 E4M3_UNSIGNED = E4M3_SIGNED[E4M3_SIGNED >= 0]
 
 
-def unsigned_float_values(exponent_bits: int, mantissa_bits: int) -> torch.Tensor:
-    """The 256 values of an unsigned 8-bit float (no sign bit: ``exponent_bits + mantissa_bits == 8``) with
-    subnormals and no infinity or NaN, sorted, up to a common factor (a codec scales by its table's largest)."""
-    values = []
-    for exponent in range(2**exponent_bits):
-        for mantissa in range(2**mantissa_bits):
-            fraction = mantissa / 2**mantissa_bits
-            values.append(2 * fraction if exponent == 0 else (1 + fraction) * 2.0**exponent)
-    return torch.tensor(sorted(values), dtype=torch.float32)
-
-
 def dynamic_map(signed: bool) -> torch.Tensor:
     """bitsandbytes' dynamic quantization map (its 8-bit optimizers' code), sorted; written out here so that the
     benchmark runs without bitsandbytes: sign, a run of zero bits giving the exponent, then a linear fraction."""
@@ -156,8 +145,10 @@ class EarlierRootCodec:
         return (codes.float() * scale).square().flatten()[:n].view_as(x)
 
 
+#: A codec of one moment: what a device stores and loads back.
+MomentCodec = Codec | FormatCodec | EarlierRootCodec
 #: Each variant: the codec of the first moment and of the second (``None``: kept in fp32).
-CODECS: dict[str, tuple[Codec | FormatCodec | None, Codec | FormatCodec | None]] = {
+CODECS: dict[str, tuple[MomentCodec | None, MomentCodec | None]] = {
     "fp32": (None, None),
     "e4m3-ue4m4": (FormatCodec("exp_avg"), FormatCodec("exp_avg_sq")),
     "e4m3-ue3m5": (FormatCodec("exp_avg"), FormatCodec("exp_avg_sq", UnsignedFloat8(3))),
@@ -174,7 +165,7 @@ CODECS: dict[str, tuple[Codec | FormatCodec | None, Codec | FormatCodec | None]]
 class QuantizedMoments(L.Callback):
     """After each optimizer step, each AdamW moment becomes what ``codecs`` store and load back."""
 
-    def __init__(self, codecs: tuple[Codec | FormatCodec | None, Codec | FormatCodec | None]) -> None:
+    def __init__(self, codecs: tuple[MomentCodec | None, MomentCodec | None]) -> None:
         self.codecs = codecs
 
     def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:

@@ -109,8 +109,8 @@ void smartinf_int8_store(const float *values, int64_t n, int sqrt_first, uint8_t
 }
 
 /* Load n fp32 values from int8 codes and scales (laid out as smartinf_int8_store writes them); value_of_code: the
- * 256 codes' values (the root code's for a state stored by its square root, else E4M3's); square: the state was stored by its
- * square root. */
+ * 256 codes' values (the root code's for a state stored by its square root, else E4M3's); square: the state was
+ * stored by its square root. */
 void smartinf_int8_load(
     const uint8_t *codes, const float *scales, int64_t n, int square, const float *value_of_code, float *out
 ) {
