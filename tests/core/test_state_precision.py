@@ -102,16 +102,21 @@ def test_fp32_manifests_read_as_before_formats_existed(tmp_path):
     assert all("state_format" not in e for e in read_manifest(tmp_path / "ckpt")["shards"])
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bf16"])
-def test_int8_state_saved_in_the_earlier_code_is_refused_and_other_formats_still_load(tmp_path, fmt):
-    """Manifests before ``state/4`` coded int8's second moment in E4M3: read as today's codes it would be wrong, so
-    such a checkpoint is refused, naming the way over; its fp32 and bf16 state loads as it did."""
+def _train_and_save(tmp_path: Path, fmt: str) -> None:
+    """Train a first ``cpu`` backend in format ``fmt`` and save its state to ``tmp_path / "ckpt"``."""
     first = _cpu(tmp_path, "first")
     try:
         train(first, _specs(fmt), CHUNK)
         first.save(tmp_path / "ckpt")
     finally:
         run_with_timeout(first.close)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_int8_state_saved_in_the_earlier_code_is_refused_and_other_formats_still_load(tmp_path, fmt):
+    """Manifests before ``state/4`` coded int8's second moment in E4M3: read as today's codes it would be wrong, so
+    such a checkpoint is refused, naming the way over; its fp32 and bf16 state loads as it did."""
+    _train_and_save(tmp_path, fmt)
     manifest_path = tmp_path / "ckpt" / MANIFEST
     manifest = json.loads(manifest_path.read_text())
     assert manifest["format"] == FORMAT == "lightning_smartinf.state/4"
@@ -131,12 +136,7 @@ def test_int8_state_saved_in_the_earlier_code_is_refused_and_other_formats_still
 
 @pytest.mark.parametrize(("saved", "wanted"), [("int8", "int8"), ("fp32", "int8"), ("int8", "fp32"), ("bf16", "int8")])
 def test_resume_in_the_same_format_is_bitwise_and_another_converts(tmp_path, caplog, saved, wanted):
-    first = _cpu(tmp_path, "first")
-    try:
-        train(first, _specs(saved), CHUNK)
-        first.save(tmp_path / "ckpt")
-    finally:
-        run_with_timeout(first.close)
+    _train_and_save(tmp_path, saved)
     specs = _specs(wanted)
     second = _cpu(tmp_path, "second")
     try:
