@@ -36,6 +36,7 @@ from lightning_smartinf.core.accelerator import Fence, PinnedRing, record_fence
 from lightning_smartinf.core.controller import SmartUpdate, SubGroup
 from lightning_smartinf.core.host_buffer import HostBuffer, InMemoryBuffer
 from lightning_smartinf.core.traffic import Traffic
+from lightning_smartinf.zero.grad_norm import PartitionNorm
 from lightning_smartinf.zero.gradient_buffer import gradient_buffer_device
 from lightning_smartinf.zero.host_heap import return_free_heap
 from lightning_smartinf.zero.param_storage import FileBuffer, check_parameter_files, prepare_swapper
@@ -223,6 +224,10 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     #: Bytes of parameter partitions moved into ZeRO's flat buffer since the heap's free pages last went back.
     _moved_bytes = 0
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._partition_norm = PartitionNorm()
+        super().__init__(*args, **kwargs)
+
     def _configure_tensor_swapping(self, offload_optimizer_config: Any, aio_config: Any) -> None:
         # Only the parameters' own swapper moves them to and from storage from here on.
         param_traffic = None
@@ -383,6 +388,10 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             param.grad = None
         self._swap_out_offload_fp32_gradients(offload_fp32_gradients, offload_fp32_offsets)
         return buffers
+
+    def _constant_buffered_norm2(self, input: Tensor, buffer_size: int = 0) -> Tensor:
+        # Every gradient norm ZeRO takes: the same float64 sum of squares without a float64 copy of the partition.
+        return self._partition_norm(input)
 
     def _offload_grad_partition_at_boundary(
         self, param: Tensor, grad_buffer: Tensor, offload_fp32_gradients: dict, offload_fp32_offsets: dict
