@@ -15,7 +15,6 @@ from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.lightning.cpu_support import DeepSpeedCPUStrategy
 from lightning_smartinf.zero.grad_norm import HOST_PIECE, PartitionNorm
 
-
 #: Both sum exact float64 squares in float64 and differ from the exact norm only by the additions' rounding: ours
 #: measured within 1e-15 of it here, ZeRO's own (a float64 copy, then ``norm``) within 5e-14. A float32 sum is ~1e-7.
 TOLERANCE = 1e-13
@@ -102,4 +101,3 @@ def test_the_strategy_clips_by_the_norm_stock_zero_takes(tmp_path):
     assert len(ours.norms) == len(stock.norms) == 1
     assert ours.norms[0] > 1e-3  # the clip fired: the norm was used
     assert math.isclose(ours.norms[0], stock.norms[0], rel_tol=1e-6), (ours.norms, stock.norms)
-
