@@ -1,5 +1,5 @@
-"""The reduced gradient partitions' norms against stock ZeRO-3's: the float64 norm taken in pieces
-(``zero/grad_norm.py``)."""
+"""The reduced gradient partitions and their norms against stock ZeRO-3's: the float64 norm taken in pieces
+(``zero/grad_norm.py``) and the reduce-scatter over one rank, which is the gradients themselves."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import lightning as L
 import pytest
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from helpers.models import LMModule, adamw_factory, fit
 
 from lightning_smartinf import SmartInfinityStrategy
@@ -101,3 +102,39 @@ def test_the_strategy_clips_by_the_norm_stock_zero_takes(tmp_path):
     assert len(ours.norms) == len(stock.norms) == 1
     assert ours.norms[0] > 1e-3  # the clip fired: the norm was used
     assert math.isclose(ours.norms[0], stock.norms[0], rel_tol=1e-6), (ours.norms, stock.norms)
+
+
+class CompareReduceScatter(L.Callback):
+    """During training (the process group live), reduces made-up gradients of some parameters both ways."""
+
+    def __init__(self, communication_dtype: torch.dtype) -> None:
+        self.communication_dtype = communication_dtype
+        self.compared = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        optimizer = trainer.strategy.deepspeed_engine.optimizer
+        params = [p for group in optimizer.fp16_groups for p in group][:4]
+        generator = torch.Generator().manual_seed(batch_idx)
+        for p in params:
+            p.grad = torch.randn(p.ds_shape, generator=generator).to(p.dtype)
+        expected = [p.grad.clone() for p in params]
+        ours = optimizer._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(params, self.communication_dtype)
+        ours = [t.clone() for t in ours]  # ZeRO's in-place division by one may write where ours point
+        stock = DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(
+            optimizer, params, self.communication_dtype
+        )
+        for p, grad, mine, theirs in zip(params, expected, ours, stock, strict=True):
+            assert mine.dtype == theirs.dtype == optimizer.gradient_accumulation_dtype
+            assert mine.shape == theirs.shape == (p.ds_numel,)
+            assert torch.equal(mine, theirs)
+            assert torch.equal(mine, grad.reshape(-1).to(self.communication_dtype).to(mine.dtype))
+            p.grad = None
+        self.compared += len(params)
+
+
+@pytest.mark.parametrize("communication_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_one_rank_reduce_scatter_returns_zeros_values_without_its_passes(tmp_path, communication_dtype):
+    probe = CompareReduceScatter(communication_dtype)
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000)
+    fit(LMModule(adamw_factory()), strategy, steps=2, precision="bf16-mixed", callbacks=[probe])
+    assert probe.compared == 8

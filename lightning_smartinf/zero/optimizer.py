@@ -343,6 +343,28 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             # no memory. `_setup_for_real_optimizer` puts the device back and the buffer in a file.
             self.device = "meta"
 
+    def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(  # noqa: N802 (ZeRO's private method, by its mangled name)
+        self, params_to_reduce: list[Tensor], communication_data_type: torch.dtype
+    ) -> list[Tensor]:
+        """ZeRO's averaging reduce-scatter of a bucket of gradients; with one rank in the group, the gradients.
+
+        Over one rank the reduce-scatter is the identity and the average a division by one, yet ZeRO copies the bucket
+        into a new flat tensor, divides it in place and passes it through the collective: three passes over every
+        gradient, a third of backward on a CPU. The same values come back here without them: each gradient (a view of
+        ZeRO's bucket, which ZeRO's own path also returns when the bucket is one tensor), cast as ZeRO casts it. Any
+        scaling ZeRO would apply (a pre-divide factor, an expert group's averaging) takes ZeRO's path.
+        """
+        group = self._get_param_partition_group(params_to_reduce[0])
+        one_rank = dist.get_world_size(group=group) == 1
+        scaled = self.postscale_gradients and self.gradient_predivide_factor != 1.0
+        if not one_rank or scaled or self._gradient_averaging_world_size(params_to_reduce, 1) != 1:
+            return super()._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(params_to_reduce, communication_data_type)
+        self._assert_same_partition_group(params_to_reduce)
+        return [
+            p.grad.to(communication_data_type).to(self.gradient_accumulation_dtype).reshape(-1)
+            for p in params_to_reduce
+        ]
+
     def partition_grads(self, params_to_release: list[Tensor], grad_partitions: list[Tensor]) -> list[Tensor]:
         """ZeRO's copy of each reduced gradient partition into the gradient buffer, without a copy training does not
         need where the buffer is host memory (ZeRO's pinned buffer, or a file through :attr:`gradient_ring`).
