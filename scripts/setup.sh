@@ -179,9 +179,9 @@ if command -v make >/dev/null 2>&1 && command -v g++ >/dev/null 2>&1; then
         || log "NOTE: the HLS C simulation did not build; the xrt backend's tests will fail"
 fi
 
-# --- 6. the package's C kernels (the int8 optimizer state's conversions) -----------------------------------
+# --- 6. the package's C kernels (the int8 optimizer state's conversions, the gradient norms' sums) -----------
 # Built on first use otherwise; here once, so that the first training step does not wait for the compiler.
-"$PY" -c "from lightning_smartinf.core.native import build; print('[setup] C kernels:', build('int8_state'))" \
-    || log "NOTE: the C kernels did not build (no C compiler?); the int8 state converts with its slower reference"
+"$PY" -m lightning_smartinf.core.native | sed 's/^/[setup] C kernels: /' \
+    || log "NOTE: the C kernels did not build (no C compiler?); their slower plain-torch references run instead"
 
 log "done in $((SECONDS - t0)) s"

@@ -1,5 +1,5 @@
 """The reduced gradient partitions and their norms against stock ZeRO-3's: the float64 norm taken in pieces
-(``zero/grad_norm.py``) and the reduce-scatter over one rank, which is the gradients themselves."""
+(``core/float64_norm.py``) and the reduce-scatter over one rank, which is the gradients themselves."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from helpers.models import LMModule, adamw_factory, fit
 
 from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.core.float64_norm import HOST_PIECE, LANES, PartitionNorm, lane_sums
+from lightning_smartinf.core.native import sum_squares_kernels
 from lightning_smartinf.lightning.cpu_support import DeepSpeedCPUStrategy
-from lightning_smartinf.zero.grad_norm import HOST_PIECE, PartitionNorm
 
 #: Both sum exact float64 squares in float64 and differ from the exact norm only by the additions' rounding: ours
 #: measured within 1e-15 of it here, ZeRO's own (a float64 copy, then ``norm``) within 5e-14. A float32 sum is ~1e-7.
@@ -38,14 +39,40 @@ def heavy_tailed(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return values.to(dtype)
 
 
+def test_the_kernels_build_here():
+    # Set-up builds them; without them every host norm takes the (slower) reference, which a skip would hide.
+    assert sum_squares_kernels() is not None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("numel", [1, 1000, HOST_PIECE - 1, HOST_PIECE, HOST_PIECE + 1, 3 * HOST_PIECE + 7])
+@pytest.mark.parametrize("numel", [1, 7, 1000, HOST_PIECE - 1, HOST_PIECE, HOST_PIECE + 1, 3 * HOST_PIECE + 7])
 def test_norm_is_the_exact_one_to_float64_rounding_as_zeros_is(dtype, numel):
     values = heavy_tailed(numel, dtype)
     norm = PartitionNorm()(values)
     assert norm.dtype == torch.float64 and norm.dim() == 0 and norm.device == values.device
     assert math.isclose(float(norm), exact_norm(values), rel_tol=TOLERANCE)
     assert math.isclose(zero_norm(values), exact_norm(values), rel_tol=TOLERANCE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("numel", [0, 1, LANES - 1, LANES, LANES + 1, 1000, HOST_PIECE + 3, 2 * HOST_PIECE + 9])
+def test_kernel_gives_the_references_bytes(dtype, numel):
+    values = heavy_tailed(numel, dtype, seed=numel)
+    if numel > LANES + 1:
+        values[LANES + 1] = 0.0
+        values[-1] = torch.finfo(dtype).max  # the largest square, exact in float64
+    assert torch.equal(PartitionNorm()(values), PartitionNorm(native=False)(values))
+
+
+def test_reference_adds_each_lane_in_the_elements_order():
+    values = torch.tensor([1.0, 2.0, 3.0] + [0.0] * (LANES - 3) + [1e-8, 1e8], dtype=torch.float64)
+    lanes = lane_sums(values, torch.zeros(LANES, dtype=torch.float64))
+    expected = [1.0 + 1e-16, 4.0 + 1e16, 9.0] + [0.0] * (LANES - 3)
+    assert lanes.tolist() == expected
+    # Chained over pieces, a lane goes on from where the last piece left it.
+    assert torch.equal(
+        lane_sums(values[LANES:], lane_sums(values[:LANES], torch.zeros(LANES, dtype=torch.float64))), lanes
+    )
 
 
 def test_one_instance_takes_many_norms_of_any_size():
@@ -73,9 +100,11 @@ def test_a_non_finite_element_reaches_the_overflow_check(bad, expected):
 
 
 def test_squares_beyond_float32_do_not_overflow():
-    # 3e38 squared is 9e76: infinite in float32, exact in float64.
+    # 3e38 squared is 9e76: infinite in float32, exact in float64. Equal squares are sequential summation's worst
+    # case: each lane's running sum may be off by one rounding per addition, (numel / LANES) * 2**-53 in all.
     values = torch.full((HOST_PIECE + 5,), 3e38, dtype=torch.float32)
-    assert math.isclose(float(PartitionNorm()(values)), exact_norm(values), rel_tol=TOLERANCE)
+    bound = values.numel() / LANES * 2.0**-53
+    assert math.isclose(float(PartitionNorm()(values)), exact_norm(values), rel_tol=bound)
 
 
 class GradNorms(L.Callback):

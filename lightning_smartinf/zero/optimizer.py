@@ -34,9 +34,9 @@ from torch import Tensor
 
 from lightning_smartinf.core.accelerator import Fence, PinnedRing, record_fence
 from lightning_smartinf.core.controller import SmartUpdate, SubGroup
+from lightning_smartinf.core.float64_norm import PartitionNorm
 from lightning_smartinf.core.host_buffer import HostBuffer, InMemoryBuffer
 from lightning_smartinf.core.traffic import Traffic
-from lightning_smartinf.zero.grad_norm import PartitionNorm
 from lightning_smartinf.zero.gradient_buffer import gradient_buffer_device
 from lightning_smartinf.zero.host_heap import return_free_heap
 from lightning_smartinf.zero.param_storage import FileBuffer, check_parameter_files, prepare_swapper

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from lightning_smartinf.core.io.leftovers import remove_entry, temporary_path
 
-__all__ = ["KernelBuildError", "build", "int8_kernels", "kernels_dir"]
+__all__ = ["KernelBuildError", "build", "int8_kernels", "kernels_dir", "sum_squares_kernels"]
 
 log = logging.getLogger(__name__)
 
@@ -121,4 +121,23 @@ def int8_kernels() -> ctypes.CDLL | None:
     library.smartinf_int8_store.restype = None
     library.smartinf_int8_load.argtypes = [u8, f32, i64, ctypes.c_int, f32, f32]
     library.smartinf_int8_load.restype = None
+    return library
+
+
+@functools.cache
+def sum_squares_kernels() -> ctypes.CDLL | None:
+    """The float64 sums of squares of a gradient's norm (``sum_squares.c``), or ``None`` (said once) where they cannot
+    be built: the plain-torch reference then runs."""
+    try:
+        library = ctypes.CDLL(str(build("sum_squares")))
+    except (KernelBuildError, OSError) as exc:
+        log.warning(
+            "Gradient norms are taken by their slower plain-torch reference (the same values): the C kernels did "
+            "not build here (%s).",
+            exc,
+        )
+        return None
+    for kernel in (library.smartinf_sum_squares_f32, library.smartinf_sum_squares_bf16):
+        kernel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]  # values, their number, the lanes
+        kernel.restype = None
     return library

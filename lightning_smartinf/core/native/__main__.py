@@ -8,6 +8,7 @@ from lightning_smartinf.core.native import KernelBuildError, build
 
 if __name__ == "__main__":
     try:
-        print(build("int8_state"))
+        for name in ("int8_state", "sum_squares"):
+            print(build(name))
     except KernelBuildError as exc:
         sys.exit(f"error: {exc}")

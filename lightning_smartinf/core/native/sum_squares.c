@@ -1,0 +1,54 @@
+/* Sums of squares in float64 of a float32 or bfloat16 tensor, for a gradient's norm: one pass over it, no copy, the
+ * bytes the plain-torch reference (lightning_smartinf/core/float64_norm.py, lane_sums) gives, bit for bit.
+ *
+ * Element i's square goes to lane i % LANES, and each lane adds its squares in the order of the elements: lanes[j]
+ * holds the sum so far on entry (zeros for a new tensor) and after the call, so that pieces of one tensor chain.
+ * A float32 or bfloat16 value's square is exact in float64 (24 significant bits squared are 48 of 53), so each step
+ * rounds once, in the addition, with or without contraction. Infinity and NaN propagate to their lane.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 8
+
+void smartinf_sum_squares_f32(const float *x, int64_t n, double *lanes) {
+    double sums[LANES];
+    for (int j = 0; j < LANES; j++) sums[j] = lanes[j];
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        for (int j = 0; j < LANES; j++) {
+            double v = (double)x[i + j];
+            sums[j] += v * v;
+        }
+    }
+    for (int j = 0; i + j < n; j++) {
+        double v = (double)x[i + j];
+        sums[j] += v * v;
+    }
+    for (int j = 0; j < LANES; j++) lanes[j] = sums[j];
+}
+
+/* bfloat16 is float32's high half: its bits shifted left by 16 are the float32 of the same value. */
+static inline double bf16_value(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &wide, sizeof value);
+    return (double)value;
+}
+
+void smartinf_sum_squares_bf16(const uint16_t *x, int64_t n, double *lanes) {
+    double sums[LANES];
+    for (int j = 0; j < LANES; j++) sums[j] = lanes[j];
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        for (int j = 0; j < LANES; j++) {
+            double v = bf16_value(x[i + j]);
+            sums[j] += v * v;
+        }
+    }
+    for (int j = 0; i + j < n; j++) {
+        double v = bf16_value(x[i + j]);
+        sums[j] += v * v;
+    }
+    for (int j = 0; j < LANES; j++) lanes[j] = sums[j];
+}
