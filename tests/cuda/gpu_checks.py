@@ -449,6 +449,30 @@ def stream_hazards(device: str, out: Path) -> dict:
     return {}
 
 
+def gradient_norms(device: str, out: Path) -> dict:
+    """ZeRO's float64 norm of a gradient partition as taken where the partition is (in pieces of
+    ``ACCELERATOR_PIECE`` on a GPU, by the C kernel on a host) against the exact norm; an infinite element reaches it
+    from a later piece."""
+    import math
+
+    from lightning_smartinf.core.float64_norm import ACCELERATOR_PIECE, PartitionNorm
+
+    norm, errors = PartitionNorm(), {}
+    generator = torch.Generator().manual_seed(0)
+    numel = 2 * ACCELERATOR_PIECE + 5
+    for dtype in (torch.float32, torch.bfloat16):
+        values = (torch.randn(numel, generator=generator) * torch.rand(numel, generator=generator) ** 8).to(dtype)
+        wide = values.double()
+        exact = math.sqrt(math.fsum((wide * wide).tolist()))
+        taken = norm(values.to(device))
+        assert taken.dtype == torch.float64 and taken.device.type == torch.device(device).type
+        errors[str(dtype)] = abs(float(taken) - exact) / exact
+        assert errors[str(dtype)] < 1e-13, errors
+        values[ACCELERATOR_PIECE + 1] = math.inf
+        assert float(norm(values.to(device))) == math.inf
+    return {"relative_error": errors}
+
+
 # ------------------------------------------------------------------------------------------------ two GPUs
 
 
@@ -555,6 +579,7 @@ CHECKS: dict[str, Check] = {
     "activations_zero3": Check(activations_zero3),
     "checkpoint_resume": Check(checkpoint_resume),
     "stream_hazards": Check(stream_hazards, on_cpu=False),
+    "gradient_norms": Check(gradient_norms),
     "one_gpu": Check(one_gpu),
     "two_gpus": Check(two_gpus, gpus=2, after="one_gpu"),
     "overflow_on_one_rank": Check(overflow_on_one_rank, gpus=2, verify=same_on_every_rank),

@@ -67,6 +67,7 @@ COVERED_ON_CPU = {
     "checkpoint_resume",  # test_checkpoint, test_checkpoint_workflows; the save's collective: test_collectives
     "overflow_on_one_rank",  # not covered elsewhere on the CPU, but two processes for 35 s: with the slow suite
     "activations",  # test_activation_offload.py
+    "gradient_norms",  # test_gradient_reduction.py
 }
 
 
