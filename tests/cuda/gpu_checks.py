@@ -455,7 +455,7 @@ def gradient_norms(device: str, out: Path) -> dict:
     from a later piece."""
     import math
 
-    from lightning_smartinf.core.float64_norm import ACCELERATOR_PIECE, PartitionNorm
+    from lightning_smartinf.core.float64_norm import ACCELERATOR_PIECE, LANES, PartitionNorm
 
     norm, errors = PartitionNorm(), {}
     generator = torch.Generator().manual_seed(0)
@@ -467,7 +467,7 @@ def gradient_norms(device: str, out: Path) -> dict:
         taken = norm(values.to(device))
         assert taken.dtype == torch.float64 and taken.device.type == torch.device(device).type
         errors[str(dtype)] = abs(float(taken) - exact) / exact
-        assert errors[str(dtype)] < 1e-13, errors
+        assert errors[str(dtype)] < numel / LANES * 2.0**-53, errors  # the documented bound (float32's sum: 1e-7)
         values[ACCELERATOR_PIECE + 1] = math.inf
         assert float(norm(values.to(device))) == math.inf
     return {"relative_error": errors}
