@@ -177,17 +177,31 @@ def _python(script: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     )
 
 
-def test_without_a_compiler_the_reference_runs_and_says_so_once(tmp_path):
-    script = (
-        "import torch\n"
+#: What each kernel library's user computes twice without a compiler, against its reference; and what it says.
+WITHOUT_A_COMPILER = {
+    "int8": (
         "from lightning_smartinf.core.state_formats import state_format, reference_format\n"
         "x = torch.rand(3000)\n"
         "for _ in range(2):\n"
         "    a = torch.empty(state_format('int8').stored_bytes(3000), dtype=torch.uint8); b = a.clone()\n"
         "    state_format('int8').store(x, a, 'exp_avg'); reference_format('int8').store(x, b, 'exp_avg')\n"
-        "    assert torch.equal(a, b)\n"
-        "print('same bytes')\n"
-    )
+        "    assert torch.equal(a, b)\n",
+        "The int8 optimizer state",
+    ),
+    "norm": (
+        "from lightning_smartinf.core.float64_norm import PartitionNorm\n"
+        "x = torch.randn(3000)\n"
+        "for _ in range(2):\n"
+        "    assert torch.equal(PartitionNorm()(x), PartitionNorm(native=False)(x))\n",
+        "Gradient norms",
+    ),
+}
+
+
+@pytest.mark.parametrize("kernels", sorted(WITHOUT_A_COMPILER))
+def test_without_a_compiler_the_reference_runs_and_says_so_once(tmp_path, kernels):
+    computes, subject = WITHOUT_A_COMPILER[kernels]
+    script = "import torch\n" + computes + "print('same bytes')\n"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     os.symlink(sys.executable, bin_dir / "python")
@@ -195,7 +209,7 @@ def test_without_a_compiler_the_reference_runs_and_says_so_once(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "same bytes"
     said = [line for line in run.stderr.splitlines() if "its C kernels did not build here" in line]
-    assert len(said) == 1 and "no C compiler on PATH" in said[0], run.stderr
+    assert len(said) == 1 and "no C compiler on PATH" in said[0] and subject in said[0], run.stderr
     assert not (tmp_path / "k").exists()
 
 

@@ -103,18 +103,23 @@ def build(name: str) -> Path:
     return library
 
 
+def _load(name: str, without: str) -> ctypes.CDLL | None:
+    """Kernel library ``name``, or ``None`` where it cannot be built, said with ``without`` (what runs instead)."""
+    try:
+        return ctypes.CDLL(str(build(name)))
+    except (KernelBuildError, OSError) as exc:
+        log.warning("%s: its C kernels did not build here (%s).", without, exc)
+        return None
+
+
 @functools.cache
 def int8_kernels() -> ctypes.CDLL | None:
     """The ``"int8"`` state format's conversions (``int8_state.c``), or ``None`` (said once) where they cannot be
     built: the plain-torch reference then runs."""
-    try:
-        library = ctypes.CDLL(str(build("int8_state")))
-    except (KernelBuildError, OSError) as exc:
-        log.warning(
-            "The int8 optimizer state is converted by its slower plain-torch reference (the same bytes): its C "
-            "kernels did not build here (%s).",
-            exc,
-        )
+    library = _load(
+        "int8_state", "The int8 optimizer state is converted by its slower plain-torch reference (the same bytes)"
+    )
+    if library is None:
         return None
     f32, u8, i64 = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint8), ctypes.c_int64
     library.smartinf_int8_store.argtypes = [f32, i64, ctypes.c_int, u8, f32]
@@ -128,14 +133,8 @@ def int8_kernels() -> ctypes.CDLL | None:
 def sum_squares_kernels() -> ctypes.CDLL | None:
     """The float64 sums of squares of a gradient's norm (``sum_squares.c``), or ``None`` (said once) where they cannot
     be built: the plain-torch reference then runs."""
-    try:
-        library = ctypes.CDLL(str(build("sum_squares")))
-    except (KernelBuildError, OSError) as exc:
-        log.warning(
-            "Gradient norms are taken by their slower plain-torch reference (the same values): the C kernels did "
-            "not build here (%s).",
-            exc,
-        )
+    library = _load("sum_squares", "Gradient norms are taken by their slower plain-torch reference (the same bytes)")
+    if library is None:
         return None
     for kernel in (library.smartinf_sum_squares_f32, library.smartinf_sum_squares_bf16):
         kernel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]  # values, their number, the lanes
