@@ -11,44 +11,36 @@
 
 #define LANES 8
 
-void smartinf_sum_squares_f32(const float *x, int64_t n, double *lanes) {
-    double sums[LANES];
-    for (int j = 0; j < LANES; j++) sums[j] = lanes[j];
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        for (int j = 0; j < LANES; j++) {
-            double v = (double)x[i + j];
-            sums[j] += v * v;
-        }
-    }
-    for (int j = 0; i + j < n; j++) {
-        double v = (double)x[i + j];
-        sums[j] += v * v;
-    }
-    for (int j = 0; j < LANES; j++) lanes[j] = sums[j];
-}
+typedef double (*value_at)(const void *x, int64_t i);
+
+static inline double f32_at(const void *x, int64_t i) { return (double)((const float *)x)[i]; }
 
 /* bfloat16 is float32's high half: its bits shifted left by 16 are the float32 of the same value. */
-static inline double bf16_value(uint16_t bits) {
-    uint32_t wide = (uint32_t)bits << 16;
+static inline double bf16_at(const void *x, int64_t i) {
+    uint32_t wide = (uint32_t)((const uint16_t *)x)[i] << 16;
     float value;
     memcpy(&value, &wide, sizeof value);
     return (double)value;
 }
 
-void smartinf_sum_squares_bf16(const uint16_t *x, int64_t n, double *lanes) {
+/* Inlined into each entry point with its `value`, so that the compiler vectorises the loop over the lanes. */
+static inline void sum_squares(const void *x, int64_t n, double *lanes, value_at value) {
     double sums[LANES];
     for (int j = 0; j < LANES; j++) sums[j] = lanes[j];
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES) {
         for (int j = 0; j < LANES; j++) {
-            double v = bf16_value(x[i + j]);
+            double v = value(x, i + j);
             sums[j] += v * v;
         }
     }
     for (int j = 0; i + j < n; j++) {
-        double v = bf16_value(x[i + j]);
+        double v = value(x, i + j);
         sums[j] += v * v;
     }
     for (int j = 0; j < LANES; j++) lanes[j] = sums[j];
 }
+
+void smartinf_sum_squares_f32(const float *x, int64_t n, double *lanes) { sum_squares(x, n, lanes, f32_at); }
+
+void smartinf_sum_squares_bf16(const uint16_t *x, int64_t n, double *lanes) { sum_squares(x, n, lanes, bf16_at); }
