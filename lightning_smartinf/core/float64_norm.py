@@ -65,7 +65,7 @@ class PartitionNorm:
     """
 
     def __init__(self, *, native: bool = True) -> None:
-        self._kernels = sum_squares_kernels() if native else None
+        self._native = native  # the kernels are looked for at the first host tensor: a GPU run never needs them
 
     def __call__(self, values: Tensor) -> Tensor:
         flat = values.detach().reshape(-1)
@@ -86,10 +86,11 @@ class PartitionNorm:
         return torch.tensor(math.sqrt(combined(lanes.tolist())), dtype=torch.float64)
 
     def _kernel(self, dtype: torch.dtype) -> Callable[[int, int, int], None] | None:
-        if self._kernels is None:
+        kernels = sum_squares_kernels() if self._native else None
+        if kernels is None:
             return None
         if dtype == torch.float32:
-            return self._kernels.smartinf_sum_squares_f32
+            return kernels.smartinf_sum_squares_f32
         if dtype == torch.bfloat16:
-            return self._kernels.smartinf_sum_squares_bf16
+            return kernels.smartinf_sum_squares_bf16
         return None
