@@ -1,4 +1,4 @@
-"""The reduced gradient partitions and their norms against stock ZeRO-3's: the float64 norm taken in pieces
+"""The reduced gradient partitions and their norms against stock ZeRO-3's: the float64 norm in one pass on a host
 (``core/float64_norm.py``) and the reduce-scatter over one rank, which is the gradients themselves."""
 
 from __future__ import annotations
