@@ -17,7 +17,13 @@ from conftest import REPO_ROOT
 
 from lightning_smartinf.plan import PlanError, workload_from_model
 from lightning_smartinf.plan.__main__ import main
-from lightning_smartinf.plan.cost_model import Workload, fwd_bwd_time, gpu_link_bytes, gradient_link_bytes
+from lightning_smartinf.plan.cost_model import (
+    Workload,
+    fwd_bwd_time,
+    gpu_link_bytes,
+    gradient_link_bytes,
+    zero_infinity,
+)
 from lightning_smartinf.plan.machine import Machine, load_any
 from lightning_smartinf.plan.machine_plan import GRADIENT_ACCUMULATING_SHARE, GRADIENT_GPU_SHARE, plan_machine
 
@@ -256,8 +262,71 @@ def test_calibrate_measures_every_path_alone_and_together(tmp_path, capsys):
     assert machine.to_profile([0]).baseline_update_gparams_per_s == machine.baseline_update_gparams_per_s
     assert data["measured"]["shared_bandwidth"] is True
     assert not list(paths[0].iterdir())  # the test files are gone
+    # CPU training: the host's matrix products (the faster precision) and ZeRO-3's passes over each gradient.
+    assert machine.cpu_matmul_tflops == max(data["measured"]["matmul_tflops"].values()) > 0
+    passes = {k: v for k, v in data.items() if "cpu_reduce" in k}
+    assert len(passes) == 4 and all(v > 0 for v in passes.values())
+    assert machine.to_profile([0]).baseline_cpu_reduce_s_per_gparam == passes["baseline_cpu_reduce_s_per_gparam"]
     assert main(["--model", "100M", "--profile", str(out)]) == 0
-    assert f'storage_paths=["{paths[0]}"' in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f'storage_paths=["{paths[0]}"' in printed and "not modelled" not in printed
+
+
+def cpu_machine(**changes) -> Machine:
+    """The example server without its GPU, with made-up CPU training figures (one number each, to check the sums)."""
+    figures = {
+        "cpu_matmul_tflops": 0.5,
+        "cpu_efficiency": 0.5,
+        "cpu_reduce_s_per_gparam": 3.0,
+        "cpu_reduce_accumulating_s_per_gparam": 2.0,
+        "baseline_cpu_reduce_s_per_gparam": 9.0,
+        "baseline_cpu_reduce_accumulating_s_per_gparam": 5.0,
+    }
+    return example(gpu=None, **{**figures, **changes})
+
+
+def test_cpu_training_is_the_products_and_each_methods_gradient_passes():
+    """Without a GPU, forward and backward are the matrix products at the host's rate times the efficiency, plus
+    ZeRO-3's host passes over each gradient: the last micro-batch's once, each earlier one's, and stock ZeRO-3's
+    (its averaging and float64 norm) for ZeRO-Infinity."""
+    machine = cpu_machine()
+    prof = machine.to_profile((0,))
+    work = Workload(1_000_000_000, batch=1, seq=512, accumulate=8)
+    products = 8 * 1e9 * 8 * 512 / (0.5e12 * 0.5)  # 8 FLOPs per parameter and token (recompute), 4096 tokens
+    assert fwd_bwd_time(work, prof) == pytest.approx(products + 3.0 + 7 * 2.0)
+    assert zero_infinity(work, prof, 1).fwd_bwd == pytest.approx(products + 9.0 + 7 * 5.0)
+    without_recompute = replace(work, flops_per_param_token=6.0)
+    assert fwd_bwd_time(without_recompute, prof) == pytest.approx(products * 6 / 8 + 3.0 + 7 * 2.0)
+    # An extra per-micro-batch term (a profile written by hand) adds to every micro-batch.
+    extra = cpu_machine(cpu_step_s_per_gparam=1.0).to_profile((0,))
+    assert fwd_bwd_time(work, extra) == pytest.approx(products + 3.0 + 7 * 2.0 + 8 * 1.0)
+    plan = plan_machine(work, machine)
+    assert plan.fwd_bwd_s == pytest.approx(fwd_bwd_time(work, prof))
+    # Without the rate the products are not modelled: only the passes (none here) count.
+    assert fwd_bwd_time(work, example(gpu=None).to_profile((0,))) == 0
+
+
+def test_the_plan_says_when_cpu_training_is_not_modelled_and_what_it_assumed(tmp_path, capsys):
+    measured, unmeasured = tmp_path / "measured.json", tmp_path / "unmeasured.json"
+    measured.write_text(json.dumps(cpu_machine().to_dict()))
+    unmeasured.write_text(json.dumps(example(gpu=None).to_dict()))
+    assert main(["--model", "1B", "--profile", str(unmeasured), "--batch", "1", "--seq", "512"]) == 0
+    assert "no `cpu_matmul_tflops` in the profile: forward and backward's matrix products are not modelled" in (
+        capsys.readouterr().out
+    )
+    assert main(["--model", "1B", "--profile", str(measured), "--batch", "1", "--seq", "512", "--no-recompute"]) == 0
+    printed = capsys.readouterr().out
+    assert "not modelled" not in printed and "batch 1 x seq 512, 6 FLOPs per parameter and token" in printed
+    for key, value, allowed in (
+        ("cpu_efficiency", 1.5, "> 0 and <= 1"),
+        ("cpu_efficiency", 0, "> 0 and <= 1"),
+        ("cpu_matmul_tflops", -1, "> 0"),
+        ("baseline_cpu_reduce_accumulating_s_per_gparam", -2, ">= 0"),
+    ):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({**cpu_machine().to_dict(), key: value}))
+        assert main(["--model", "1B", "--profile", str(bad)]) == 2
+        assert f"`{key}={value}` is out of range: it must be a finite number {allowed}" in capsys.readouterr().err
     assert main(["--calibrate", str(tmp_path / "missing")]) == 2
     assert f"`--calibrate {tmp_path / 'missing'}`: not a directory" in capsys.readouterr().err
 

@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="micro-batches per optimizer step, as the Trainer's accumulate_grad_batches (default 1)",
     )
     parser.add_argument(
+        "--no-recompute",
+        action="store_true",
+        help="forward and backward without activation checkpointing: 6 FLOPs per parameter and token instead of 8",
+    )
+    parser.add_argument(
         "--calibrate",
         metavar="PATH",
         nargs="+",
@@ -164,6 +169,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | dic
         parser.error("--model is required (a config.json or a size like 7B), unless --calibrate is given")
     work = workload_from_model(args.model, batch=args.batch, seq=args.seq, accumulate=args.accumulate)
     work = replace(work, state_precision=args.state_precision)
+    if args.no_recompute:
+        work = replace(work, flops_per_param_token=6.0)
     prof = measured or load_any(args.profile)
     plan = _machine_plan(work, prof, args) if isinstance(prof, Machine) else _testbed_plan(work, prof, args)
     if calibrated is None or args.output:

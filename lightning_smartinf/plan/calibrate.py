@@ -32,6 +32,8 @@ from lightning_smartinf.plan.cost_model import PlanError
 from lightning_smartinf.plan.machine import MACHINE_KIND
 
 MiB = 1 << 20
+#: The share of the host's matrix-product rate a CPU training step reaches (see the profile's ``sources``).
+CPU_EFFICIENCY = 0.6
 #: Bytes of each request of the measurements (the strategy's chunk records are 12 MiB, streamed in 1 MiB requests).
 BLOCK = 4 * MiB
 
@@ -146,6 +148,81 @@ def _gpu() -> dict[str, Any] | None:
         "host_to_device_gbps": to_gpu,
         "device_to_host_gbps": to_host,
         "matmul_bf16_tflops": tflops,
+    }
+
+
+def _matmul_tflops(dtype: Any, tokens: int = 512, hidden: int = 2048, inner: int = 5632, products: int = 8) -> float:
+    """The host's rate (TFLOPS) of ``dtype`` matrix products on torch's threads, at a transformer MLP's shape: a
+    micro-batch of ``tokens`` through a ``hidden`` x ``inner`` projection (a 1B Llama's), best of three."""
+    import torch
+
+    a = torch.randn(tokens, hidden, dtype=dtype)
+    b = torch.randn(hidden, inner, dtype=dtype)
+    a @ b  # the first product chooses its kernel
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        for _ in range(products):
+            a @ b
+        best = min(best, time.perf_counter() - started)
+    return products * 2 * tokens * hidden * inner / best / 1e12
+
+
+def _reduce_passes(numel: int = 32 << 20) -> dict[str, float]:
+    """Seconds per 1e9 parameters of ZeRO-3's host passes over each gradient element in one micro-batch of CPU
+    training (bf16 gradients, one rank), replayed on ``numel`` elements, best of three; the step's last micro-batch
+    (which takes the norm) and one before it (which adds to the fp32 sum), this project's and stock ZeRO-3's.
+
+    Both: autograd writes the gradient into a fresh tensor, ZeRO copies it into its reduce bucket, then into the
+    accumulation buffer (the first micro-batch) or adds it there in fp32 (later ones, through a fresh fp32 copy).
+    Stock ZeRO-3 also averages over the ranks, one or more (a flat copy into fresh memory, a division, the
+    collective's pass into its output), and at the end takes each partition's norm through a fresh float64 copy of
+    it and copies it for the swap-out; this project hands the gradient through with one rank and reads it once for
+    the norm (:class:`~lightning_smartinf.core.float64_norm.PartitionNorm`). Allocations this large are fresh mappings
+    on a host, whose pages fault in as they are first written: that is most of the cost, and why it is replayed, not
+    counted in bytes.
+    """
+    import torch
+
+    from lightning_smartinf.core.float64_norm import PartitionNorm
+
+    norm = PartitionNorm()
+    gradient = torch.randn(numel).to(torch.bfloat16)
+    bucket = torch.empty(numel, dtype=torch.bfloat16)
+    summed = torch.empty(numel)
+    swap_out = torch.empty(numel)
+    collective = torch.empty_like(bucket)
+
+    def micro_batch(*, stock: bool, last: bool) -> None:
+        bucket.copy_(torch.empty_like(gradient).copy_(gradient))
+        reduced = bucket
+        if stock:
+            flat = torch.empty_like(bucket).copy_(bucket)
+            flat.div_(1)
+            reduced = collective.copy_(flat)
+        if last:
+            summed.copy_(reduced)
+            if stock:
+                summed.to(torch.float64).norm()
+                swap_out.copy_(summed)
+            else:
+                norm(summed)
+        else:
+            summed.add_(reduced.to(torch.float32))
+
+    def seconds_per_gparam(**kind: bool) -> float:
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            micro_batch(**kind)
+            best = min(best, time.perf_counter() - started)
+        return round(best / numel * 1e9, 3)
+
+    return {
+        "cpu_reduce_s_per_gparam": seconds_per_gparam(stock=False, last=True),
+        "cpu_reduce_accumulating_s_per_gparam": seconds_per_gparam(stock=False, last=False),
+        "baseline_cpu_reduce_s_per_gparam": seconds_per_gparam(stock=True, last=True),
+        "baseline_cpu_reduce_accumulating_s_per_gparam": seconds_per_gparam(stock=True, last=False),
     }
 
 
@@ -296,7 +373,7 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
     work = [Path(tempfile.mkdtemp(prefix="smartinf-calibrate-", dir=root)) for root in roots]
     probes: list[_Probe] = []
     # Each path alone, all at once, the update rates (fp32, fused AdamW, each precision), a backend step.
-    measure = Progress("measuring this machine", len(work) + 5, unit="measurements", announce=True)
+    measure = Progress("measuring this machine", len(work) + 7, unit="measurements", announce=True)
     try:
         probes = [_Probe(directory, megabytes * MiB) for directory in work]
         alone = []
@@ -316,6 +393,10 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
         costs = _update_costs()
         measure.update(1)
         step_s_per_gparam = _backend_step(work, megabytes * MiB // 12)
+        measure.update(1)
+        matmul = {"bf16": _matmul_tflops(torch.bfloat16), "fp32": _matmul_tflops(torch.float32)}
+        measure.update(1)
+        reduce_passes = _reduce_passes()
         measure.update(1)
         measure.close()
     finally:
@@ -369,6 +450,9 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             "peak_tflops": round(gpu["matmul_bf16_tflops"], 1),
             "efficiency": 0.4,
         },
+        "cpu_matmul_tflops": round(max(matmul.values()), 3),
+        "cpu_efficiency": CPU_EFFICIENCY,
+        **reduce_passes,
         "cpu_step_s_per_gparam": 0.0,
         "transfer_bytes": 2,
         "sources": {
@@ -385,6 +469,15 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             "memory tier has no I/O, not a faster update)",
             "baseline_update_gparams_per_s": "measured: torch's fused AdamW over 8M in-memory elements, on torch's "
             "threads, standing in for DeepSpeed's CPU-Adam (ZeRO-Infinity's host update; also fused and vectorised)",
+            "cpu_matmul_tflops": "measured: 512 x 2048 by 2048 x 5632 matrix products (a 1B Llama's MLP over a "
+            "512-token micro-batch) on torch's threads, the faster of bf16 and fp32 (each under measured); on a CPU "
+            "without bf16 matrix units train in 32-true",
+            "cpu_efficiency": "fitted: the share of cpu_matmul_tflops that makes forward and backward of a 1.1B Llama "
+            "(8 micro-batches of 512 tokens, bf16, no recompute) what they measured on a 2-core VM with AMX, once "
+            "the replayed gradient passes are taken out",
+            "cpu_reduce_s_per_gparam": "measured: ZeRO-3's host passes over each gradient element of one micro-batch "
+            "(this project's and, as baseline_*, stock ZeRO-3's: the last micro-batch of a step, and each one "
+            "before it as *_accumulating_*), replayed on 32M elements, best of three",
             "gpu": "measured: pinned copies of 256 MiB each way (the slower), 8192^2 bf16 matmuls; efficiency "
             "assumed: the share of that rate a training step reaches"
             if gpu
@@ -397,6 +490,7 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             "host_memory_available_gb": round(memory.available / 1e9, 1),
             "torch_threads": torch.get_num_threads(),
             "fused_adamw_gparams_per_s": round(fused / 1e9, 4),
+            "matmul_tflops": {name: round(rate, 3) for name, rate in matmul.items()},
             "cpu_backend_step_s_per_gparam": round(step_s_per_gparam, 3),
             "gpu": gpu or "none: torch.cuda.is_available() is False",
             "date": when,

@@ -137,7 +137,15 @@ class Profile:
     gpu_efficiency: float = 0.4
     gpu_link_gbps: float | None = None  # GPU <-> host (ZeRO-3 parameter fetch, gradient offload, top-k copy)
     gpu_topk_gelems_per_s: float | None = None  # top-k selection (sort) throughput on the GPU
-    cpu_step_s_per_gparam: float = 0.0  # forward+backward time per 1e9 params when there is no GPU
+    # CPU training (no GPU): forward and backward are the matrix products at the host's rate, ZeRO-3's passes over each
+    # gradient (:func:`fwd_bwd_time`), and ``cpu_step_s_per_gparam`` more per micro-batch and 1e9 parameters.
+    cpu_matmul_tflops: float | None = None  # the host's dense matrix-product rate; None: the products not modelled
+    cpu_efficiency: float = 0.6  # share of ``cpu_matmul_tflops`` a CPU training step reaches
+    cpu_reduce_s_per_gparam: float = 0.0  # SmartUpdate: the step's last micro-batch (its gradient norm)
+    cpu_reduce_accumulating_s_per_gparam: float = 0.0  # SmartUpdate: each micro-batch before it
+    baseline_cpu_reduce_s_per_gparam: float = 0.0  # stock ZeRO-3 (ZeRO-Infinity), the last micro-batch
+    baseline_cpu_reduce_accumulating_s_per_gparam: float = 0.0  # stock ZeRO-3, each micro-batch before it
+    cpu_step_s_per_gparam: float = 0.0
     # host update: the memory tier's (SmartUpdate) and, unless ``baseline_update_gparams_per_s`` says otherwise,
     # ZeRO-Infinity's
     host_update_gparams_per_s: float = 1.0
@@ -189,6 +197,10 @@ class Profile:
             if name.endswith(("_gbps", "_per_s", "_tflops", "_ms")) and value is not None:
                 rate = not name.endswith("_ms")  # a rate or bandwidth > 0 (null: no limit); a latency >= 0
                 problems.number(name, value, low=0, above=rate, why="null: no limit" if rate else "")
+            elif name.endswith("_s_per_gparam"):
+                problems.number(name, value, low=0, why="seconds per 1e9 parameters")
+            elif name.endswith("_efficiency"):
+                problems.number(name, value, low=0, high=1, above=True, why="a share of the peak rate")
         check_update_costs(problems, clean.get("update_cost_by_precision", {}))
         problems.raise_if_any()
         return cls(**clean)
@@ -309,11 +321,29 @@ def parameter_io(work: Workload, prof: Profile, compute: float) -> tuple[float, 
     return max(compute, read_s), write_s, reads
 
 
-def fwd_bwd_time(work: Workload, prof: Profile, link_bytes_per_param: float = 3 * LOW_PRECISION_BYTES) -> float:
+def fwd_bwd_time(
+    work: Workload, prof: Profile, link_bytes_per_param: float = 3 * LOW_PRECISION_BYTES, *, method: str = "su_o"
+) -> float:
     """Forward and backward, and the GPU <-> host copies of ``link_bytes_per_param`` (not overlapped: an upper
-    bound)."""
+    bound).
+
+    Without a GPU: the matrix products at ``cpu_matmul_tflops * cpu_efficiency``, plus ZeRO-3's host passes over each
+    gradient element in every micro-batch (autograd's fresh gradient, the reduce bucket, the accumulation buffer; the
+    last micro-batch takes the norm), which ``method``'s code makes: stock ZeRO-3's for ``"zero_infinity"`` (with its
+    averaging reduce-scatter and float64 norm), this project's for the others.
+    """
     if prof.gpu_peak_tflops is None:
-        return prof.cpu_step_s_per_gparam * work.params / 1e9 * work.accumulate
+        products = work.flops_per_param_token * work.params * work.step_tokens
+        compute = products / (prof.cpu_matmul_tflops * 1e12 * prof.cpu_efficiency) if prof.cpu_matmul_tflops else 0.0
+        if method == "zero_infinity":
+            last, accumulating = (
+                prof.baseline_cpu_reduce_s_per_gparam,
+                prof.baseline_cpu_reduce_accumulating_s_per_gparam,
+            )
+        else:
+            last, accumulating = prof.cpu_reduce_s_per_gparam, prof.cpu_reduce_accumulating_s_per_gparam
+        per_gparam = last + accumulating * (work.accumulate - 1) + prof.cpu_step_s_per_gparam * work.accumulate
+        return compute + per_gparam * work.params / 1e9
     flops = work.flops_per_param_token * work.params * work.step_tokens
     compute = flops / (prof.gpu_peak_tflops * 1e12 * prof.gpu_efficiency)
     return compute + link_bytes_per_param * work.params / _limit(prof.gpu_link_gbps)
@@ -332,7 +362,7 @@ def zero_infinity(work: Workload, prof: Profile, devices: int, *, params_on_stor
     # reads behind writes.
     if prof.baseline_pipelined:
         update = max(0.0, update - (state_in + state_out))
-    fwd_bwd, param_write, param_reads = fwd_bwd_time(work, prof, pcie), 0.0, 0.0
+    fwd_bwd, param_write, param_reads = fwd_bwd_time(work, prof, pcie, method="zero_infinity"), 0.0, 0.0
     if params_on_storage:
         fwd_bwd, param_write, param_reads = parameter_io(work, prof, fwd_bwd)
     return Breakdown(
@@ -409,7 +439,7 @@ def smart_update(
     on_gpu = prof.gpu_peak_tflops is not None
     # The gradient partitions (fp32 while a step accumulates), plus the fp32 error-feedback residual with compression.
     kept_on_gpu = (accumulation_bytes(work.accumulate, compression) + (4 if compression is not None else 0)) * p
-    fwd_bwd, param_write, param_reads = fwd_bwd_time(work, prof, pcie), 0.0, 0.0
+    fwd_bwd, param_write, param_reads = fwd_bwd_time(work, prof, pcie, method=method), 0.0, 0.0
     if params_on_storage:
         fwd_bwd, param_write, param_reads = parameter_io(work, prof, fwd_bwd)
     return Breakdown(

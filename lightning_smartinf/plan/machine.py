@@ -110,7 +110,18 @@ class Machine:
     #: ZeRO-Infinity's host Adam (DeepSpeed's CPU-Adam: fused, vectorised, on every core) for the comparison;
     #: ``None``: ``host_update_gparams_per_s``.
     baseline_update_gparams_per_s: float | None = None
-    #: Forward and backward time per 1e9 parameters when there is no GPU (CPU training).
+    #: CPU training (no GPU): the host's dense matrix-product rate at a transformer layer's shape, the faster of bf16
+    #: and fp32 (``None``: not measured, and the products not modelled), and the share of it a step reaches.
+    cpu_matmul_tflops: float | None = None
+    cpu_efficiency: float = 0.6
+    #: CPU training: seconds per 1e9 parameters of ZeRO-3's host passes over each gradient in the step's last
+    #: micro-batch and in each one before it, this project's (``cpu_reduce_*``) and stock ZeRO-3's
+    #: (``baseline_cpu_reduce_*``), as ``--calibrate`` replays them.
+    cpu_reduce_s_per_gparam: float = 0.0
+    cpu_reduce_accumulating_s_per_gparam: float = 0.0
+    baseline_cpu_reduce_s_per_gparam: float = 0.0
+    baseline_cpu_reduce_accumulating_s_per_gparam: float = 0.0
+    #: CPU training: any more forward and backward time per micro-batch and 1e9 parameters.
     cpu_step_s_per_gparam: float = 0.0
     #: Bytes per element of the gradient and parameter copies (2: bf16/fp16).
     transfer_bytes: int = 2
@@ -152,7 +163,12 @@ class Machine:
         problems.number(
             "baseline_update_gparams_per_s", data.get("baseline_update_gparams_per_s"), low=0, above=True, optional=True
         )
-        problems.number("cpu_step_s_per_gparam", data.get("cpu_step_s_per_gparam", 0.0), low=0)
+        for key in [k for k in sorted(known) if k.endswith("_s_per_gparam")]:
+            problems.number(key, data.get(key, 0.0), low=0, why="seconds per 1e9 parameters")
+        problems.number("cpu_matmul_tflops", data.get("cpu_matmul_tflops"), low=0, above=True, optional=True)
+        problems.number(
+            "cpu_efficiency", data.get("cpu_efficiency", 0.6), low=0, high=1, above=True, why="a share of the peak"
+        )
         check_update_costs(problems, data.get("update_cost_by_precision", {}))
         problems.choice("transfer_bytes", data.get("transfer_bytes", 2), (2, 4))
         problems.raise_if_any()
@@ -233,6 +249,12 @@ class Machine:
             gpu_peak_tflops=gpu.peak_tflops if gpu else None,
             gpu_efficiency=gpu.efficiency if gpu else 0.4,
             gpu_link_gbps=gpu.link_gbps if gpu else None,
+            cpu_matmul_tflops=self.cpu_matmul_tflops,
+            cpu_efficiency=self.cpu_efficiency,
+            cpu_reduce_s_per_gparam=self.cpu_reduce_s_per_gparam,
+            cpu_reduce_accumulating_s_per_gparam=self.cpu_reduce_accumulating_s_per_gparam,
+            baseline_cpu_reduce_s_per_gparam=self.baseline_cpu_reduce_s_per_gparam,
+            baseline_cpu_reduce_accumulating_s_per_gparam=self.baseline_cpu_reduce_accumulating_s_per_gparam,
             cpu_step_s_per_gparam=self.cpu_step_s_per_gparam,
             host_update_gparams_per_s=self.host_update_gparams_per_s,
             baseline_update_gparams_per_s=self.baseline_update_gparams_per_s,

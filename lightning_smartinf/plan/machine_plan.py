@@ -560,8 +560,11 @@ def format_machine_plan(plan: MachinePlan, python_header: str, yaml_header: str)
         f"tokens per second (at most {w.step_tokens:,} a step): this plan {w.step_tokens / plan.total_s:,.0f}, "
         f"ZeRO-Infinity {w.step_tokens / plan.zero_infinity_s:,.0f}",
         *(
-            ["(no GPU and `cpu_step_s_per_gparam: 0` in the profile: forward and backward are not modelled)"]
-            if not m.gpu and not m.cpu_step_s_per_gparam
+            [
+                "(no GPU and no `cpu_matmul_tflops` in the profile: forward and backward's matrix products are not "
+                "modelled; `smartinf plan --calibrate` measures them)"
+            ]
+            if not m.gpu and m.cpu_matmul_tflops is None
             else []
         ),
         *precision_lines(plan.precisions, w.state_precision, "this plan"),

@@ -151,7 +151,10 @@ def _fmt_params(p: int) -> str:
 def workload_text(work: Workload) -> str:
     """``batch 2 x seq 2048 x 16 micro-batches a step``: what one step trains."""
     micro = f"batch {work.batch} x seq {work.seq}"
-    return micro + (f" x {work.accumulate} micro-batches a step" if work.accumulate > 1 else "")
+    recompute = (
+        "" if work.flops_per_param_token == 8.0 else f", {work.flops_per_param_token:g} FLOPs per parameter and token"
+    )
+    return micro + (f" x {work.accumulate} micro-batches a step" if work.accumulate > 1 else "") + recompute
 
 
 def format_plan(plan: Plan) -> str:
