@@ -262,8 +262,17 @@ def test_calibrate_measures_every_path_alone_and_together(tmp_path, capsys):
     assert machine.to_profile([0]).baseline_update_gparams_per_s == machine.baseline_update_gparams_per_s
     assert data["measured"]["shared_bandwidth"] is True
     assert not list(paths[0].iterdir())  # the test files are gone
-    # CPU training: the host's matrix products (the faster precision) and ZeRO-3's passes over each gradient.
-    assert machine.cpu_matmul_tflops == max(data["measured"]["matmul_tflops"].values()) > 0
+    # A fused optimizer's rates, measured apart: the planner takes them with --fused.
+    assert machine.fused_update_gparams_per_s > 0 and set(machine.fused_update_cost_by_precision) == {
+        "fp32",
+        "bf16",
+        "int8",
+    }
+    fused = machine.to_profile([0], fused=True)
+    assert fused.device_update_gparams_per_s == fused.host_update_gparams_per_s == machine.fused_update_gparams_per_s
+    assert fused.update_cost("int8") == machine.fused_update_cost_by_precision["int8"]
+    # CPU training: the host's training rate (the faster precision) and ZeRO-3's passes over each gradient.
+    assert machine.cpu_training_tflops == max(data["measured"]["training_tflops"].values()) > 0
     passes = {k: v for k, v in data.items() if "cpu_reduce" in k}
     assert len(passes) == 4 and all(v > 0 for v in passes.values())
     assert machine.to_profile([0]).baseline_cpu_reduce_s_per_gparam == passes["baseline_cpu_reduce_s_per_gparam"]
@@ -275,8 +284,7 @@ def test_calibrate_measures_every_path_alone_and_together(tmp_path, capsys):
 def cpu_machine(**changes) -> Machine:
     """The example server without its GPU, with made-up CPU training figures (one number each, to check the sums)."""
     figures = {
-        "cpu_matmul_tflops": 0.5,
-        "cpu_efficiency": 0.5,
+        "cpu_training_tflops": 0.25,
         "cpu_reduce_s_per_gparam": 3.0,
         "cpu_reduce_accumulating_s_per_gparam": 2.0,
         "baseline_cpu_reduce_s_per_gparam": 9.0,
@@ -286,13 +294,13 @@ def cpu_machine(**changes) -> Machine:
 
 
 def test_cpu_training_is_the_products_and_each_methods_gradient_passes():
-    """Without a GPU, forward and backward are the matrix products at the host's rate times the efficiency, plus
+    """Without a GPU, forward and backward are their FLOPs at the host's measured training rate, plus
     ZeRO-3's host passes over each gradient: the last micro-batch's once, each earlier one's, and stock ZeRO-3's
     (its averaging and float64 norm) for ZeRO-Infinity."""
     machine = cpu_machine()
     prof = machine.to_profile((0,))
     work = Workload(1_000_000_000, batch=1, seq=512, accumulate=8)
-    products = 8 * 1e9 * 8 * 512 / (0.5e12 * 0.5)  # 8 FLOPs per parameter and token (recompute), 4096 tokens
+    products = 8 * 1e9 * 8 * 512 / 0.25e12  # 8 FLOPs per parameter and token (recompute), 4096 tokens
     assert fwd_bwd_time(work, prof) == pytest.approx(products + 3.0 + 7 * 2.0)
     assert zero_infinity(work, prof, 1).fwd_bwd == pytest.approx(products + 9.0 + 7 * 5.0)
     without_recompute = replace(work, flops_per_param_token=6.0)
@@ -302,7 +310,7 @@ def test_cpu_training_is_the_products_and_each_methods_gradient_passes():
     assert fwd_bwd_time(work, extra) == pytest.approx(products + 3.0 + 7 * 2.0 + 8 * 1.0)
     plan = plan_machine(work, machine)
     assert plan.fwd_bwd_s == pytest.approx(fwd_bwd_time(work, prof))
-    # Without the rate the products are not modelled: only the passes (none here) count.
+    # Without the rate the FLOPs are not modelled: only the passes (none here) count.
     assert fwd_bwd_time(work, example(gpu=None).to_profile((0,))) == 0
 
 
@@ -311,22 +319,29 @@ def test_the_plan_says_when_cpu_training_is_not_modelled_and_what_it_assumed(tmp
     measured.write_text(json.dumps(cpu_machine().to_dict()))
     unmeasured.write_text(json.dumps(example(gpu=None).to_dict()))
     assert main(["--model", "1B", "--profile", str(unmeasured), "--batch", "1", "--seq", "512"]) == 0
-    assert "no `cpu_matmul_tflops` in the profile: forward and backward's matrix products are not modelled" in (
+    assert "no `cpu_training_tflops` in the profile: forward and backward's FLOPs are not modelled" in (
         capsys.readouterr().out
     )
     assert main(["--model", "1B", "--profile", str(measured), "--batch", "1", "--seq", "512", "--no-recompute"]) == 0
     printed = capsys.readouterr().out
     assert "not modelled" not in printed and "batch 1 x seq 512, 6 FLOPs per parameter and token" in printed
-    for key, value, allowed in (
-        ("cpu_efficiency", 1.5, "> 0 and <= 1"),
-        ("cpu_efficiency", 0, "> 0 and <= 1"),
-        ("cpu_matmul_tflops", -1, "> 0"),
-        ("baseline_cpu_reduce_accumulating_s_per_gparam", -2, ">= 0"),
+    for key, value, message in (
+        ("cpu_training_tflops", 0, "`cpu_training_tflops=0` is out of range: it must be a finite number > 0"),
+        (
+            "cpu_reduce_s_per_gparam",
+            "fast",
+            "`cpu_reduce_s_per_gparam='fast'` is a str: it must be a finite number >= 0",
+        ),
+        (
+            "baseline_cpu_reduce_accumulating_s_per_gparam",
+            -2,
+            "`baseline_cpu_reduce_accumulating_s_per_gparam=-2` is out of range: it must be a finite number >= 0",
+        ),
     ):
         bad = tmp_path / "bad.json"
         bad.write_text(json.dumps({**cpu_machine().to_dict(), key: value}))
         assert main(["--model", "1B", "--profile", str(bad)]) == 2
-        assert f"`{key}={value}` is out of range: it must be a finite number {allowed}" in capsys.readouterr().err
+        assert message in capsys.readouterr().err
     assert main(["--calibrate", str(tmp_path / "missing")]) == 2
     assert f"`--calibrate {tmp_path / 'missing'}`: not a directory" in capsys.readouterr().err
 
@@ -386,3 +401,28 @@ def test_the_docs_show_what_the_planner_prints(capsys):
         assert main(["--model", size, "--profile", EXAMPLE]) == 0
         report = capsys.readouterr().out.split(PYTHON_HEADER)[0].rstrip()
         assert f"$ smartinf plan --model {size} --profile {EXAMPLE}\n{report}\n```" in doc, size
+
+
+def test_a_fused_optimizer_is_planned_at_its_own_update_rates(capsys):
+    """`AdamW(fused=True)` runs torch's fused kernel on the devices and in the memory tier, several times the rate of
+    the single-tensor rule: `--fused` plans with the rates the profile measured for it, each format's cost too."""
+    machine = example(
+        gpu=None,
+        state_memory_gb=0.0,
+        device_update_gparams_per_s=0.01,  # slow enough that the update, not the disk, is each device's time
+        fused_update_gparams_per_s=0.1,
+        fused_update_cost_by_precision={"fp32": 1.0, "bf16": 1.5, "int8": 4.0},
+    )
+    unfused, fused = machine.to_profile((0, 1)), machine.to_profile((0, 1), fused=True)
+    assert (unfused.device_update_gparams_per_s, unfused.host_update_gparams_per_s) == (0.01, 1.5)
+    assert (fused.device_update_gparams_per_s, fused.host_update_gparams_per_s) == (0.1, 0.1)
+    assert fused.update_cost("int8") == 4.0 and unfused.update_cost("int8") == machine.update_cost_by_precision.get(
+        "int8", 1.98
+    )
+    work = Workload(1_000_000_000, batch=1, seq=16)
+    slow, fast = plan_machine(work, machine, devices=2), plan_machine(replace(work, fused=True), machine, devices=2)
+    assert fast.placement.update_s == pytest.approx(slow.placement.update_s / 10)  # 10x the rate, update-bound
+    # A profile that measured no fused rate plans a fused optimizer as it plans any other.
+    assert example(gpu=None).to_profile((0,), fused=True) == example(gpu=None).to_profile((0,))
+    assert main(["--model", "1B", "--profile", EXAMPLE, "--batch", "1", "--fused"]) == 0
+    assert "batch 1 x seq 1024, a fused optimizer" in capsys.readouterr().out

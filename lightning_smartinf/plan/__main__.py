@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="micro-batches per optimizer step, as the Trainer's accumulate_grad_batches (default 1)",
     )
     parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="the optimizer is built with fused=True (Adam/AdamW): a machine profile's devices update at the rate "
+        "it measured for torch's fused kernel",
+    )
+    parser.add_argument(
         "--no-recompute",
         action="store_true",
         help="forward and backward without activation checkpointing: 6 FLOPs per parameter and token instead of 8",
@@ -171,6 +177,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | dic
     work = replace(work, state_precision=args.state_precision)
     if args.no_recompute:
         work = replace(work, flops_per_param_token=6.0)
+    if args.fused:
+        work = replace(work, fused=True)
     prof = measured or load_any(args.profile)
     plan = _machine_plan(work, prof, args) if isinstance(prof, Machine) else _testbed_plan(work, prof, args)
     if calibrated is None or args.output:

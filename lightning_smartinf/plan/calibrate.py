@@ -8,6 +8,8 @@
 - which disk each path is on (``/sys/dev/block``), its free space, host RAM and cores;
 - the ``cpu`` backend's Adam(W) update rates (a device's, and the memory tier's over state in RAM), and one
   end-to-end ``CpuBackend`` step over all paths (recorded under ``measured``);
+- for CPU training, the host's rate of forward and backward through a Llama block, and ZeRO-3's host passes over
+  each gradient replayed (this project's and stock ZeRO-3's);
 - the GPU when CUDA is available: its memory, pinned host <-> device copies and a bf16 matmul rate.
 
 Imports torch (the model does not). The I/O is the project's own path (:class:`~lightning_smartinf.core.io.direct
@@ -32,8 +34,6 @@ from lightning_smartinf.plan.cost_model import PlanError
 from lightning_smartinf.plan.machine import MACHINE_KIND
 
 MiB = 1 << 20
-#: The share of the host's matrix-product rate a CPU training step reaches (see the profile's ``sources``).
-CPU_EFFICIENCY = 0.6
 #: Bytes of each request of the measurements (the strategy's chunk records are 12 MiB, streamed in 1 MiB requests).
 BLOCK = 4 * MiB
 
@@ -151,21 +151,38 @@ def _gpu() -> dict[str, Any] | None:
     }
 
 
-def _matmul_tflops(dtype: Any, tokens: int = 512, hidden: int = 2048, inner: int = 5632, products: int = 8) -> float:
-    """The host's rate (TFLOPS) of ``dtype`` matrix products on torch's threads, at a transformer MLP's shape: a
-    micro-batch of ``tokens`` through a ``hidden`` x ``inner`` projection (a 1B Llama's), best of three."""
+def _training_tflops(dtype: Any, tokens: int = 512, hidden: int = 2048, inner: int = 5632, heads: int = 32) -> float:
+    """The host's rate (TFLOPS) of training in ``dtype`` on torch's threads: forward and backward of one Llama block
+    (a 1B Llama's: ``hidden`` 2048, MLP ``inner`` 5632, causal attention, RMS norms) over a micro-batch of ``tokens``,
+    counted as 6 FLOPs per parameter and token; best of three, each with fresh gradients as training makes them."""
     import torch
+    from torch.nn import Linear, RMSNorm
+    from torch.nn.functional import scaled_dot_product_attention, silu
 
-    a = torch.randn(tokens, hidden, dtype=dtype)
-    b = torch.randn(hidden, inner, dtype=dtype)
-    a @ b  # the first product chooses its kernel
+    torch.manual_seed(0)
+    qkv, out = Linear(hidden, 3 * hidden, bias=False), Linear(hidden, hidden, bias=False)
+    gate_up, down = Linear(hidden, 2 * inner, bias=False), Linear(inner, hidden, bias=False)
+    norms = (RMSNorm(hidden), RMSNorm(hidden))
+    modules = (qkv, out, gate_up, down, *norms)
+    params = [p for module in modules for p in module.to(dtype).parameters()]
+    x = torch.randn(1, tokens, hidden, dtype=dtype, requires_grad=True)
+
+    def forward_backward() -> None:
+        for p in (*params, x):
+            p.grad = None
+        q, k, v = qkv(norms[0](x)).view(1, tokens, 3, heads, hidden // heads).transpose(1, 3).unbind(2)
+        attended = scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, tokens, hidden)
+        y = x + out(attended)
+        gate, up = gate_up(norms[1](y)).chunk(2, dim=-1)
+        (y + down(silu(gate) * up)).float().square().mean().backward()
+
+    forward_backward()  # the first pass chooses the kernels
     best = float("inf")
     for _ in range(3):
         started = time.perf_counter()
-        for _ in range(products):
-            a @ b
+        forward_backward()
         best = min(best, time.perf_counter() - started)
-    return products * 2 * tokens * hidden * inner / best / 1e12
+    return 6 * sum(p.numel() for p in params) * tokens / best / 1e12
 
 
 def _reduce_passes(numel: int = 32 << 20) -> dict[str, float]:
@@ -226,13 +243,14 @@ def _reduce_passes(numel: int = 32 << 20) -> dict[str, float]:
     }
 
 
-def _update_rate(numel: int, chunk: int = 1 << 20, repeats: int = 3) -> float:
-    """Elements per second of the ``cpu`` backend's Adam(W) update, in its 1M-element chunks, without I/O."""
+def _update_rate(numel: int, chunk: int = 1 << 20, repeats: int = 3, *, fused: bool = False) -> float:
+    """Elements per second of the ``cpu`` backend's Adam(W) update, in its 1M-element chunks, without I/O (``fused``:
+    the rule of an optimizer built with ``fused=True``)."""
     import torch
 
     from lightning_smartinf.core import Adam, StepParams
 
-    rule = Adam(decoupled_weight_decay=True)
+    rule = Adam(decoupled_weight_decay=True, fused=fused)
     master, m, v, g = (torch.randn(numel) for _ in range(4))
     scratch = torch.empty(chunk)
     best = float("inf")
@@ -247,30 +265,31 @@ def _update_rate(numel: int, chunk: int = 1 << 20, repeats: int = 3) -> float:
     return numel / best
 
 
-def _update_rate_best(numel: int) -> float:
+def _update_rate_best(numel: int, *, fused: bool = False) -> float:
     """Best of the update rate with torch's intra-op threads and with one thread (a device worker is one
     thread, and intra-op threads collapse when the cores are oversubscribed)."""
     import torch
 
     threads = torch.get_num_threads()
-    rates = [_update_rate(numel)]
+    rates = [_update_rate(numel, fused=fused)]
     try:
         torch.set_num_threads(1)
-        rates.append(_update_rate(numel))
+        rates.append(_update_rate(numel, fused=fused))
     finally:
         torch.set_num_threads(threads)
     return max(rates)
 
 
-def _update_costs(numel: int = 4 << 20, chunk: int = 1 << 20) -> dict[str, float]:
+def _update_costs(numel: int = 4 << 20, chunk: int = 1 << 20, *, fused: bool = False) -> dict[str, float]:
     """Each ``state_precision``'s Adam(W) update time per element over fp32's: the ``cpu`` backend's chunk update in
-    that format (load, update, store), one thread, best of three passes over ``numel`` in-memory elements."""
+    that format (load, update, store), one thread, best of three passes over ``numel`` in-memory elements
+    (``fused``: the rule of an optimizer built with ``fused=True``, against its own fp32 time)."""
     import torch
 
     from lightning_smartinf.core import Adam, StepParams
     from lightning_smartinf.core.state_formats import FORMATS, state_format, update_chunk
 
-    rule = Adam(decoupled_weight_decay=True)
+    rule = Adam(decoupled_weight_decay=True, fused=fused)
     threads = torch.get_num_threads()
     seconds: dict[str, float] = {}
     try:
@@ -391,10 +410,11 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
         fused = _host_adam_rate(8 << 20)
         measure.update(1)
         costs = _update_costs()
+        fused_update, fused_costs = _update_rate_best(8 << 20, fused=True), _update_costs(fused=True)
         measure.update(1)
         step_s_per_gparam = _backend_step(work, megabytes * MiB // 12)
         measure.update(1)
-        matmul = {"bf16": _matmul_tflops(torch.bfloat16), "fp32": _matmul_tflops(torch.float32)}
+        training = {"bf16": _training_tflops(torch.bfloat16), "fp32": _training_tflops(torch.float32)}
         measure.update(1)
         reduce_passes = _reduce_passes()
         measure.update(1)
@@ -441,6 +461,8 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
         "host_update_gparams_per_s": round(update / 1e9, 4),
         "baseline_update_gparams_per_s": round(fused / 1e9, 4),
         "update_cost_by_precision": costs,
+        "fused_update_gparams_per_s": round(fused_update / 1e9, 4),
+        "fused_update_cost_by_precision": fused_costs,
         "gpu": None
         if gpu is None
         else {
@@ -450,8 +472,7 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             "peak_tflops": round(gpu["matmul_bf16_tflops"], 1),
             "efficiency": 0.4,
         },
-        "cpu_matmul_tflops": round(max(matmul.values()), 3),
-        "cpu_efficiency": CPU_EFFICIENCY,
+        "cpu_training_tflops": round(max(training.values()), 3),
         **reduce_passes,
         "cpu_step_s_per_gparam": 0.0,
         "transfer_bytes": 2,
@@ -465,16 +486,15 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             "elements (best of all threads / 1 thread)",
             "update_cost_by_precision": "measured: each state_precision's chunk update (load, Adam(W), store) "
             "over fp32's, 1M-element chunks of 4M in-memory elements, one thread",
+            "fused_update_gparams_per_s": "measured: as device_update_gparams_per_s and update_cost_by_precision, with "
+            "the rule of an optimizer built with fused=True (torch's fused kernel; `smartinf plan --fused`)",
             "host_update_gparams_per_s": "measured: as a device's, the same rule code on one worker thread (the "
             "memory tier has no I/O, not a faster update)",
             "baseline_update_gparams_per_s": "measured: torch's fused AdamW over 8M in-memory elements, on torch's "
             "threads, standing in for DeepSpeed's CPU-Adam (ZeRO-Infinity's host update; also fused and vectorised)",
-            "cpu_matmul_tflops": "measured: 512 x 2048 by 2048 x 5632 matrix products (a 1B Llama's MLP over a "
-            "512-token micro-batch) on torch's threads, the faster of bf16 and fp32 (each under measured); on a CPU "
-            "without bf16 matrix units train in 32-true",
-            "cpu_efficiency": "fitted: the share of cpu_matmul_tflops that makes forward and backward of a 1.1B Llama "
-            "(8 micro-batches of 512 tokens, bf16, no recompute) what they measured on a 2-core VM with AMX, once "
-            "the replayed gradient passes are taken out",
+            "cpu_training_tflops": "measured: forward and backward of one block of a 1B Llama over a 512-token "
+            "micro-batch on torch's threads, 6 FLOPs per parameter and token, the faster of bf16 and fp32 (each under "
+            "measured; on a CPU without bf16 matrix units train in 32-true)",
             "cpu_reduce_s_per_gparam": "measured: ZeRO-3's host passes over each gradient element of one micro-batch "
             "(this project's and, as baseline_*, stock ZeRO-3's: the last micro-batch of a step, and each one "
             "before it as *_accumulating_*), replayed on 32M elements, best of three",
@@ -490,7 +510,7 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             "host_memory_available_gb": round(memory.available / 1e9, 1),
             "torch_threads": torch.get_num_threads(),
             "fused_adamw_gparams_per_s": round(fused / 1e9, 4),
-            "matmul_tflops": {name: round(rate, 3) for name, rate in matmul.items()},
+            "training_tflops": {name: round(rate, 3) for name, rate in training.items()},
             "cpu_backend_step_s_per_gparam": round(step_s_per_gparam, 3),
             "gpu": gpu or "none: torch.cuda.is_available() is False",
             "date": when,

@@ -86,6 +86,9 @@ class Workload:
     #: The strategy's ``state_precision``: what the optimizer state on the devices takes (SmartUpdate only;
     #: ZeRO-Infinity keeps fp32).
     state_precision: str = "fp32"
+    #: The optimizer is built with ``fused=True`` (Adam/AdamW): the devices run torch's fused kernel, at the rate a
+    #: machine profile measured for it.
+    fused: bool = False
 
     def __post_init__(self) -> None:
         problems = Problems("Workload", PlanError)
@@ -112,11 +115,12 @@ class Workload:
         return self.tokens * self.accumulate
 
 
-def check_update_costs(problems: Problems, costs: Any) -> None:
-    """Check ``update_cost_by_precision``: a mapping of state formats to their update time per element over fp32's."""
-    if problems.instance("update_cost_by_precision", costs, dict, f"a map of {', '.join(FORMATS)} to numbers"):
-        within = problems.within("update_cost_by_precision")
-        if problems.keys("update_cost_by_precision", costs, FORMATS):
+def check_update_costs(problems: Problems, costs: Any, key: str = "update_cost_by_precision") -> None:
+    """Check ``update_cost_by_precision`` (or ``key``): a mapping of state formats to their update time per element
+    over fp32's."""
+    if problems.instance(key, costs, dict, f"a map of {', '.join(FORMATS)} to numbers"):
+        within = problems.within(key)
+        if problems.keys(key, costs, FORMATS):
             for name, value in costs.items():
                 within.number(name, value, low=0, above=True, why="time per element relative to fp32's")
 
@@ -139,8 +143,7 @@ class Profile:
     gpu_topk_gelems_per_s: float | None = None  # top-k selection (sort) throughput on the GPU
     # CPU training (no GPU): forward and backward are the matrix products at the host's rate, ZeRO-3's passes over each
     # gradient (:func:`fwd_bwd_time`), and ``cpu_step_s_per_gparam`` more per micro-batch and 1e9 parameters.
-    cpu_matmul_tflops: float | None = None  # the host's dense matrix-product rate; None: the products not modelled
-    cpu_efficiency: float = 0.6  # share of ``cpu_matmul_tflops`` a CPU training step reaches
+    cpu_training_tflops: float | None = None  # forward + backward FLOPs per second on the host; None: not modelled
     cpu_reduce_s_per_gparam: float = 0.0  # SmartUpdate: the step's last micro-batch (its gradient norm)
     cpu_reduce_accumulating_s_per_gparam: float = 0.0  # SmartUpdate: each micro-batch before it
     baseline_cpu_reduce_s_per_gparam: float = 0.0  # stock ZeRO-3 (ZeRO-Infinity), the last micro-batch
@@ -327,14 +330,14 @@ def fwd_bwd_time(
     """Forward and backward, and the GPU <-> host copies of ``link_bytes_per_param`` (not overlapped: an upper
     bound).
 
-    Without a GPU: the matrix products at ``cpu_matmul_tflops * cpu_efficiency``, plus ZeRO-3's host passes over each
-    gradient element in every micro-batch (autograd's fresh gradient, the reduce bucket, the accumulation buffer; the
-    last micro-batch takes the norm), which ``method``'s code makes: stock ZeRO-3's for ``"zero_infinity"`` (with its
-    averaging reduce-scatter and float64 norm), this project's for the others.
+    Without a GPU: the FLOPs at the host's measured training rate ``cpu_training_tflops``, plus ZeRO-3's host passes
+    over each gradient element in every micro-batch (autograd's fresh gradient, the reduce bucket, the accumulation
+    buffer; the last micro-batch takes the norm), which ``method``'s code makes: stock ZeRO-3's for
+    ``"zero_infinity"`` (with its averaging reduce-scatter and float64 norm), this project's for the others.
     """
     if prof.gpu_peak_tflops is None:
-        products = work.flops_per_param_token * work.params * work.step_tokens
-        compute = products / (prof.cpu_matmul_tflops * 1e12 * prof.cpu_efficiency) if prof.cpu_matmul_tflops else 0.0
+        flops = work.flops_per_param_token * work.params * work.step_tokens
+        compute = flops / (prof.cpu_training_tflops * 1e12) if prof.cpu_training_tflops else 0.0
         if method == "zero_infinity":
             last, accumulating = (
                 prof.baseline_cpu_reduce_s_per_gparam,

@@ -110,10 +110,9 @@ class Machine:
     #: ZeRO-Infinity's host Adam (DeepSpeed's CPU-Adam: fused, vectorised, on every core) for the comparison;
     #: ``None``: ``host_update_gparams_per_s``.
     baseline_update_gparams_per_s: float | None = None
-    #: CPU training (no GPU): the host's dense matrix-product rate at a transformer layer's shape, the faster of bf16
-    #: and fp32 (``None``: not measured, and the products not modelled), and the share of it a step reaches.
-    cpu_matmul_tflops: float | None = None
-    cpu_efficiency: float = 0.6
+    #: CPU training (no GPU): the host's rate of forward and backward, FLOPs per second in TFLOPS, the faster of bf16
+    #: and fp32 (``--calibrate`` times a Llama block; ``None``: not measured, and the FLOPs not modelled).
+    cpu_training_tflops: float | None = None
     #: CPU training: seconds per 1e9 parameters of ZeRO-3's host passes over each gradient in the step's last
     #: micro-batch and in each one before it, this project's (``cpu_reduce_*``) and stock ZeRO-3's
     #: (``baseline_cpu_reduce_*``), as ``--calibrate`` replays them.
@@ -128,6 +127,10 @@ class Machine:
     #: Each ``state_precision``'s update time per element relative to fp32's, as calibration measured it (a format
     #: left out: the planner's default).
     update_cost_by_precision: dict[str, float] = field(default_factory=dict)
+    #: A device's and the memory tier's Adam(W) update with an optimizer built with ``fused=True`` (torch's fused
+    #: kernel), and each format's cost with it over its fp32's; ``None`` / empty: as without.
+    fused_update_gparams_per_s: float | None = None
+    fused_update_cost_by_precision: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     measured: dict[str, Any] = field(default_factory=dict)
 
@@ -165,11 +168,12 @@ class Machine:
         )
         for key in [k for k in sorted(known) if k.endswith("_s_per_gparam")]:
             problems.number(key, data.get(key, 0.0), low=0, why="seconds per 1e9 parameters")
-        problems.number("cpu_matmul_tflops", data.get("cpu_matmul_tflops"), low=0, above=True, optional=True)
-        problems.number(
-            "cpu_efficiency", data.get("cpu_efficiency", 0.6), low=0, high=1, above=True, why="a share of the peak"
-        )
+        problems.number("cpu_training_tflops", data.get("cpu_training_tflops"), low=0, above=True, optional=True)
         check_update_costs(problems, data.get("update_cost_by_precision", {}))
+        check_update_costs(problems, data.get("fused_update_cost_by_precision", {}), "fused_update_cost_by_precision")
+        problems.number(
+            "fused_update_gparams_per_s", data.get("fused_update_gparams_per_s"), low=0, above=True, optional=True
+        )
         problems.choice("transfer_bytes", data.get("transfer_bytes", 2), (2, 4))
         problems.raise_if_any()
         clean = {k: v for k, v in data.items() if k in known}
@@ -222,8 +226,9 @@ class Machine:
         alone = [self.storage[i].state_gbps for i in indices]
         return [total * a / sum(alone) for a in alone]
 
-    def to_profile(self, indices: Sequence[int]) -> Profile:
-        """The analytic model's :class:`Profile` for this machine training with the paths ``indices``.
+    def to_profile(self, indices: Sequence[int], *, fused: bool = False) -> Profile:
+        """The analytic model's :class:`Profile` for this machine training with the paths ``indices`` (``fused``: an
+        optimizer built with ``fused=True``, whose update rates the profile measured apart).
 
         A device's state streams in and out at once; the model reads then writes (``12n/r + 12n/w``), so each path's
         read and write bandwidths are scaled to give its measured reads-plus-writes figure that way. Paths that share
@@ -242,6 +247,9 @@ class Machine:
             reads[disk] = max(reads.get(disk, 0.0), self.storage[i].read_gbps)
             writes[disk] = max(writes.get(disk, 0.0), self.storage[i].write_gbps)
         gpu = self.gpu
+        # Devices and the memory tier run the same rule code: with a fused optimizer, both at its measured rate.
+        fused_rates = fused and self.fused_update_gparams_per_s is not None
+        update_rate = self.fused_update_gparams_per_s if fused_rates else self.host_update_gparams_per_s
         return Profile(
             name=self.name,
             description=self.description,
@@ -249,14 +257,13 @@ class Machine:
             gpu_peak_tflops=gpu.peak_tflops if gpu else None,
             gpu_efficiency=gpu.efficiency if gpu else 0.4,
             gpu_link_gbps=gpu.link_gbps if gpu else None,
-            cpu_matmul_tflops=self.cpu_matmul_tflops,
-            cpu_efficiency=self.cpu_efficiency,
+            cpu_training_tflops=self.cpu_training_tflops,
             cpu_reduce_s_per_gparam=self.cpu_reduce_s_per_gparam,
             cpu_reduce_accumulating_s_per_gparam=self.cpu_reduce_accumulating_s_per_gparam,
             baseline_cpu_reduce_s_per_gparam=self.baseline_cpu_reduce_s_per_gparam,
             baseline_cpu_reduce_accumulating_s_per_gparam=self.baseline_cpu_reduce_accumulating_s_per_gparam,
             cpu_step_s_per_gparam=self.cpu_step_s_per_gparam,
-            host_update_gparams_per_s=self.host_update_gparams_per_s,
+            host_update_gparams_per_s=update_rate,
             baseline_update_gparams_per_s=self.baseline_update_gparams_per_s,
             ssd_read_gbps=fastest.read_gbps * k,
             ssd_write_gbps=fastest.write_gbps * k,
@@ -266,8 +273,10 @@ class Machine:
             device_storage_ceiling_gbps=aggregate if shared else None,
             gradient_staged_on_ssd=False,
             transfer_bytes=self.transfer_bytes,
-            device_update_gparams_per_s=self.device_update_gparams_per_s,
-            update_cost_by_precision=dict(self.update_cost_by_precision),
+            device_update_gparams_per_s=update_rate if fused_rates else self.device_update_gparams_per_s,
+            update_cost_by_precision=dict(
+                self.fused_update_cost_by_precision if fused_rates else self.update_cost_by_precision
+            ),
             max_devices=len(paths),
             # A device streams 1M-element chunks whatever the sub-group; its pool and staging are host memory.
             device_memory_gb=self.host_memory_gb,

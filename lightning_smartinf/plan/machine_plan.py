@@ -385,7 +385,7 @@ def _plan_paths(
     checkpoint_dir: str | None,
     keep_checkpoints: int,
 ) -> MachinePlan:
-    prof, n = machine.to_profile(paths), len(paths)
+    prof, n = machine.to_profile(paths, fused=work.fused), len(paths)
     state = work.state_bytes * work.params
     residual = FP32_GRAD_BYTES * work.params if compression is not None else 0
     model = _place_model(work, machine, n, compression, params_on_storage, accelerator_budget)
@@ -561,10 +561,10 @@ def format_machine_plan(plan: MachinePlan, python_header: str, yaml_header: str)
         f"ZeRO-Infinity {w.step_tokens / plan.zero_infinity_s:,.0f}",
         *(
             [
-                "(no GPU and no `cpu_matmul_tflops` in the profile: forward and backward's matrix products are not "
-                "modelled; `smartinf plan --calibrate` measures them)"
+                "(no GPU and no `cpu_training_tflops` in the profile: forward and backward's FLOPs are not modelled; "
+                "`smartinf plan --calibrate` measures the rate)"
             ]
-            if not m.gpu and m.cpu_matmul_tflops is None
+            if not m.gpu and m.cpu_training_tflops is None
             else []
         ),
         *precision_lines(plan.precisions, w.state_precision, "this plan"),

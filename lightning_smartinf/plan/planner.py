@@ -154,7 +154,8 @@ def workload_text(work: Workload) -> str:
     recompute = (
         "" if work.flops_per_param_token == 8.0 else f", {work.flops_per_param_token:g} FLOPs per parameter and token"
     )
-    return micro + (f" x {work.accumulate} micro-batches a step" if work.accumulate > 1 else "") + recompute
+    fused = ", a fused optimizer" if work.fused else ""
+    return micro + (f" x {work.accumulate} micro-batches a step" if work.accumulate > 1 else "") + recompute + fused
 
 
 def format_plan(plan: Plan) -> str:
