@@ -141,8 +141,8 @@ class Profile:
     gpu_efficiency: float = 0.4
     gpu_link_gbps: float | None = None  # GPU <-> host (ZeRO-3 parameter fetch, gradient offload, top-k copy)
     gpu_topk_gelems_per_s: float | None = None  # top-k selection (sort) throughput on the GPU
-    # CPU training (no GPU): forward and backward are the matrix products at the host's rate, ZeRO-3's passes over each
-    # gradient (:func:`fwd_bwd_time`), and ``cpu_step_s_per_gparam`` more per micro-batch and 1e9 parameters.
+    # CPU training (no GPU): forward and backward are their FLOPs at the host's measured training rate, ZeRO-3's passes
+    # over each gradient (:func:`fwd_bwd_time`), and ``cpu_step_s_per_gparam`` more per micro-batch and 1e9 parameters.
     cpu_training_tflops: float | None = None  # forward + backward FLOPs per second on the host; None: not modelled
     cpu_reduce_s_per_gparam: float = 0.0  # SmartUpdate: the step's last micro-batch (its gradient norm)
     cpu_reduce_accumulating_s_per_gparam: float = 0.0  # SmartUpdate: each micro-batch before it
