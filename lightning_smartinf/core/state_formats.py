@@ -258,7 +258,6 @@ class Int8(StateFormat):
                 _pointer(codes + _blocks(n) * BLOCK, ctypes.c_float),
                 n,
                 int(state in NON_NEGATIVE),
-                _pointer((ROOT_CODE.values if state in NON_NEGATIVE else _E4M3_VALUES).data_ptr(), ctypes.c_float),
                 _pointer(out.data_ptr(), ctypes.c_float),
             )
             return

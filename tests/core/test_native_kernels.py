@@ -155,6 +155,20 @@ def test_store_and_load_match_the_reference_bit_for_bit(n, state):
     assert torch.equal(native.view(torch.int32), reference.view(torch.int32))
 
 
+@pytest.mark.parametrize("state", ["exp_avg", "exp_avg_sq"])
+def test_every_code_loads_as_the_references_table_gives_it(state):
+    """The kernel decodes each code from its bits (the reference reads a table of the 256 values): every code, NaN's
+    included, under scales from zero and subnormal to the largest finite, gives the reference's bits."""
+    scales = torch.tensor([0.0, 1.0, 1e-40, 2.0**-126, 0.3, 3.4e38, float("inf")], dtype=torch.float32)
+    blocks = scales.numel()
+    raw = torch.cat([torch.arange(256, dtype=torch.uint8).repeat(blocks), scales.view(torch.uint8)])
+    n = blocks * BLOCK
+    native, reference = _loaded(raw, n, state, True), _loaded(raw, n, state, False)
+    assert torch.equal(native.view(torch.int32), reference.view(torch.int32))
+    if state in NON_NEGATIVE:  # the root code's values, squared, under scale 1
+        assert torch.equal(native[BLOCK : 2 * BLOCK], _ROOT.square())
+
+
 def test_the_values_are_only_read_and_non_contiguous_input_takes_the_reference():
     values = _moments(4 * BLOCK, 3, True)
     kept = values.clone()

@@ -124,7 +124,7 @@ def int8_kernels() -> ctypes.CDLL | None:
     f32, u8, i64 = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint8), ctypes.c_int64
     library.smartinf_int8_store.argtypes = [f32, i64, ctypes.c_int, u8, f32]
     library.smartinf_int8_store.restype = None
-    library.smartinf_int8_load.argtypes = [u8, f32, i64, ctypes.c_int, f32, f32]
+    library.smartinf_int8_load.argtypes = [u8, f32, i64, ctypes.c_int, f32]
     library.smartinf_int8_load.restype = None
     return library
 

@@ -108,12 +108,37 @@ void smartinf_int8_store(const float *values, int64_t n, int sqrt_first, uint8_t
     }
 }
 
-/* Load n fp32 values from int8 codes and scales (laid out as smartinf_int8_store writes them); value_of_code: the
- * 256 codes' values (the root code's for a state stored by its square root, else E4M3's); square: the state was
- * stored by its square root. */
-void smartinf_int8_load(
-    const uint8_t *codes, const float *scales, int64_t n, int square, const float *value_of_code, float *out
-) {
+/* The value of E4M3 code `code`, exact in fp32, as the reference's table holds it: a normal's exponent and mantissa
+ * move into fp32's (bias 7 to 127), a subnormal is its mantissa times 2**-9, and the NaN codes (0x7F, 0xFF) take
+ * torch's float8 conversion's bits, 0x7FF00000 with the code's sign. Without branches, so the loop vectorises. */
+static inline float e4m3_value(uint32_t code) {
+    uint32_t sign = (code & 0x80u) << 24;
+    uint32_t exponent = (code >> 3) & 0xFu, mantissa = code & 7u;
+    union { uint32_t u; float f; } normal = {sign | ((exponent + 120u) << 23) | (mantissa << 20)}, small;
+    small.f = (float)mantissa * 0.001953125f; /* exact: an integer below 8 times a power of two */
+    uint32_t subnormal = -(uint32_t)(exponent == 0u);
+    uint32_t nan = -(uint32_t)((code & 0x7Fu) == 0x7Fu);
+    uint32_t bits = ((sign | small.u) & subnormal) | (normal.u & ~subnormal);
+    union { uint32_t u; float f; } value = {((sign | 0x7FF00000u) & nan) | (bits & ~nan)};
+    return value.f;
+}
+
+/* The value of root code `code`, exact in fp32: a normal's exponent and mantissa move into fp32's, a subnormal is its
+ * mantissa over ROOT_SUBNORMAL_STEPS. No infinity or NaN. Without branches, as e4m3_value. */
+static inline float root_value(uint32_t code) {
+    uint32_t exponent = code >> ROOT_MANTISSA_BITS, mantissa = code & ((1u << ROOT_MANTISSA_BITS) - 1u);
+    union { uint32_t u; float f; } normal = {((exponent + (uint32_t)(127 - ROOT_BIAS)) << 23)
+                                            | (mantissa << (23 - ROOT_MANTISSA_BITS))}, small;
+    small.f = (float)mantissa * (1.0f / ROOT_SUBNORMAL_STEPS); /* exact, as above */
+    uint32_t subnormal = -(uint32_t)(exponent == 0u);
+    union { uint32_t u; float f; } value = {(small.u & subnormal) | (normal.u & ~subnormal)};
+    return value.f;
+}
+
+/* Load n fp32 values from int8 codes and scales (laid out as smartinf_int8_store writes them); square: the state was
+ * stored by its square root in the root code, else in E4M3. Each code's value is decoded from its bits (the values of
+ * the reference's table, exactly), then multiplied by its block's scale (and squared), one IEEE operation each. */
+void smartinf_int8_load(const uint8_t *codes, const float *scales, int64_t n, int square, float *out) {
     int64_t blocks = (n + BLOCK - 1) / BLOCK;
     for (int64_t b = 0; b < blocks; ++b) {
         int64_t start = b * BLOCK;
@@ -123,11 +148,11 @@ void smartinf_int8_load(
         float *dst = out + start;
         if (square) {
             for (int64_t i = 0; i < count; ++i) {
-                float value = value_of_code[in[i]] * scale;
+                float value = root_value(in[i]) * scale;
                 dst[i] = value * value;
             }
         } else {
-            for (int64_t i = 0; i < count; ++i) dst[i] = value_of_code[in[i]] * scale;
+            for (int64_t i = 0; i < count; ++i) dst[i] = e4m3_value(in[i]) * scale;
         }
     }
 }
