@@ -248,8 +248,11 @@ class Machine:
             writes[disk] = max(writes.get(disk, 0.0), self.storage[i].write_gbps)
         gpu = self.gpu
         # Devices and the memory tier run the same rule code: with a fused optimizer, both at its measured rate.
-        fused_rates = fused and self.fused_update_gparams_per_s is not None
-        update_rate = self.fused_update_gparams_per_s if fused_rates else self.host_update_gparams_per_s
+        device_rate, memory_rate, costs = (
+            (self.fused_update_gparams_per_s, self.fused_update_gparams_per_s, self.fused_update_cost_by_precision)
+            if fused and self.fused_update_gparams_per_s is not None
+            else (self.device_update_gparams_per_s, self.host_update_gparams_per_s, self.update_cost_by_precision)
+        )
         return Profile(
             name=self.name,
             description=self.description,
@@ -263,7 +266,7 @@ class Machine:
             baseline_cpu_reduce_s_per_gparam=self.baseline_cpu_reduce_s_per_gparam,
             baseline_cpu_reduce_accumulating_s_per_gparam=self.baseline_cpu_reduce_accumulating_s_per_gparam,
             cpu_step_s_per_gparam=self.cpu_step_s_per_gparam,
-            host_update_gparams_per_s=update_rate,
+            host_update_gparams_per_s=memory_rate,
             baseline_update_gparams_per_s=self.baseline_update_gparams_per_s,
             ssd_read_gbps=fastest.read_gbps * k,
             ssd_write_gbps=fastest.write_gbps * k,
@@ -273,10 +276,8 @@ class Machine:
             device_storage_ceiling_gbps=aggregate if shared else None,
             gradient_staged_on_ssd=False,
             transfer_bytes=self.transfer_bytes,
-            device_update_gparams_per_s=update_rate if fused_rates else self.device_update_gparams_per_s,
-            update_cost_by_precision=dict(
-                self.fused_update_cost_by_precision if fused_rates else self.update_cost_by_precision
-            ),
+            device_update_gparams_per_s=device_rate,
+            update_cost_by_precision=dict(costs),
             max_devices=len(paths),
             # A device streams 1M-element chunks whatever the sub-group; its pool and staging are host memory.
             device_memory_gb=self.host_memory_gb,
