@@ -181,7 +181,7 @@ def test_loading_grows_host_memory_by_a_shard_not_by_the_model(tmp_path):
 
 
 def test_tensor_files_read_as_safetensors_does_and_refuse_what_is_not_one(tmp_path):
-    from lightning_smartinf.hf.loading import TensorFile
+    from lightning_smartinf.hf.loading import tensor_file
 
     tensors = {
         "a": torch.randn(3, 5).to(torch.bfloat16),
@@ -191,14 +191,14 @@ def test_tensor_files_read_as_safetensors_does_and_refuse_what_is_not_one(tmp_pa
         "e": torch.randn(()),
     }
     save_file(tensors, tmp_path / "x.safetensors", metadata={"format": "pt"})
-    file = TensorFile(tmp_path / "x.safetensors")
-    assert file.entries.keys() == tensors.keys()
+    file = tensor_file(tmp_path / "x.safetensors")
+    assert file.keys() == tensors.keys()
     for name, value in tensors.items():
-        read = file.read(name)
+        read = file[name].load()
         assert read.dtype == value.dtype and read.shape == value.shape and torch.equal(read, value), name
     (tmp_path / "short.safetensors").write_bytes((tmp_path / "x.safetensors").read_bytes()[:-8])
-    with pytest.raises(ValueError, match=r"short.safetensors'.*does not fit the file"):
-        TensorFile(tmp_path / "short.safetensors")
+    with pytest.raises(ValueError, match=r"short.safetensors' is not a safetensors file .*end at byte"):
+        tensor_file(tmp_path / "short.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(ValueError, match=r"junk.safetensors' is not a safetensors file"):
-        TensorFile(tmp_path / "junk.safetensors")
+        tensor_file(tmp_path / "junk.safetensors")

@@ -47,8 +47,9 @@ from lightning_smartinf.core.accelerator import Fence
 from lightning_smartinf.core.backend import Backend, BackendStats, Handle, ShardSpec
 from lightning_smartinf.core.compression import SparseGrad, compress_topk, has_narrower_range, link_overflows
 from lightning_smartinf.core.factored import FactoredMoments, device_step_params
-from lightning_smartinf.core.format.rank_state import SavedTensor, load_host_tensors, save_device_state
+from lightning_smartinf.core.format.rank_state import load_host_tensors, save_device_state
 from lightning_smartinf.core.format.reshard import Reshard, same_layout
+from lightning_smartinf.core.format.safetensors_stream import SavedTensor
 from lightning_smartinf.core.format.state_files import MANIFEST, read_manifest, require_state_files
 from lightning_smartinf.core.host_buffer import HostBuffer
 from lightning_smartinf.core.progress import Progress

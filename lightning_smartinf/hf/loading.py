@@ -6,7 +6,7 @@ created, and with ``offload_parameters="storage"`` its partition lives in a file
 exists to train models that do not fit there. :func:`from_pretrained`, called in ``configure_model``, builds the
 model partitioned (transformers' own ZeRO-3 construction, without its random initialisation of weights the
 checkpoint fills) and copies the weights from the safetensors files into the partitions one tensor at a time, read
-with plain reads (:class:`TensorFile`): host memory grows by the largest tensor, not by a shard or the model.
+with plain reads (:func:`tensor_file`): host memory grows by the largest tensor, not by a shard or the model.
 Checkpoints whose names or shapes transformers must convert, and ``pytorch_model.bin`` weights, take transformers'
 own ZeRO-3 loading, which maps every file at once. :class:`~lightning_smartinf.hf.HFCausalLM` and
 :class:`~lightning_smartinf.hf.HFSequenceClassifier` load through the same call.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import re
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_smartinf.core.format.safetensors_stream import SavedTensor, read_safetensors_header
 from lightning_smartinf.core.progress import Progress
 from lightning_smartinf.hf.pretrained import auto_class as find_auto_class
 from lightning_smartinf.hf.sources import model_files
@@ -206,7 +206,7 @@ def from_pretrained(
     if targets is None:  # names or shapes transformers must convert (the model built here is dropped)
         del model
         return transformers_loading()
-    _stream_weights(plan, targets)
+    _stream_weights(directory, plan, targets)
     loaded = {id(target) for target, _ in targets.values()}
     missing = [n for n, p in model.named_parameters() if id(p) not in loaded]
     if missing:  # a new head: initialised as transformers would, every loaded weight left as it is
@@ -250,66 +250,20 @@ def is_zero3(strategy: Any) -> bool:
     return isinstance(config, dict) and config.get("zero_optimization", {}).get("stage") == 3
 
 
-#: safetensors' dtype names (the format's header) and the torch dtypes they hold.
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
-#: The largest header a safetensors file may have (the format's own bound).
-MAX_HEADER_BYTES = 100_000_000
+def tensor_file(path: Path) -> dict[str, SavedTensor]:
+    """The tensors of the safetensors weight file at ``path``, by name, each read when asked with plain reads.
 
-
-class TensorFile:
-    """One safetensors file, read one tensor at a time with plain reads: never mapped.
-
-    ``safetensors.safe_open`` maps the file, and every page a read touches stays in this process until the file is
-    closed, so reading a 5 GB shard tensor by tensor still grows the process by 5 GB. Plain reads bound what this
-    process holds by the tensor being copied; the file's pages stay in the kernel's page cache, which it can evict.
-    The layout read here is the format's documented one: an 8-byte little-endian header length, a JSON header of
-    ``{name: {"dtype", "shape", "data_offsets": [begin, end]}}``, then the data.
+    Raises:
+        ValueError: ``path`` is not a safetensors file this loader reads (the reason in the message).
     """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        size = path.stat().st_size
-        with path.open("rb") as file:
-            length = int.from_bytes(file.read(8), "little")
-            if not 2 <= length <= min(MAX_HEADER_BYTES, size - 8):
-                raise ValueError(f"{str(path)!r} is not a safetensors file (its header length is {length}).")
-            header = json.loads(file.read(length))
-        self.data_start = 8 + length
-        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))
-            begin, end = entry["data_offsets"]
-            shape = tuple(int(n) for n in entry["shape"])
-            numel = math.prod(shape)
-            if dtype is None or end - begin != numel * dtype.itemsize or not 0 <= begin <= end <= size - 8 - length:
-                raise ValueError(
-                    f"{str(path)!r}: the tensor {name!r} ({entry.get('dtype')}, shape {list(shape)}, bytes "
-                    f"{begin}..{end}) does not fit the file or has a dtype this loader does not read."
-                )
-            self.entries[name] = (dtype, shape, begin, end)
-
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor ``name``, in a buffer of its own."""
-        dtype, shape, begin, end = self.entries[name]
-        data = torch.empty(end - begin, dtype=torch.uint8)
-        with self.path.open("rb", buffering=0) as file:
-            file.seek(self.data_start + begin)
-            view, done = memoryview(data.numpy()), 0
-            while done < len(view):
-                got = file.readinto(view[done:])
-                if not got:
-                    raise ValueError(f"{str(self.path)!r} ended inside the tensor {name!r}.")
-                done += got
-        return data.view(dtype).reshape(shape)
+    try:
+        return read_safetensors_header(path)
+    except ValueError as exc:
+        raise ValueError(f"{str(path)!r} is not a safetensors file this loader reads ({exc}).") from None
 
 
-def _weight_plan(directory: Path) -> list[TensorFile] | None:
-    """The safetensors files of ``directory``; ``None`` for ``pytorch_model.bin`` weights."""
+def _weight_plan(directory: Path) -> dict[str, SavedTensor] | None:
+    """The tensors of ``directory``'s safetensors files, file by file; ``None`` for ``pytorch_model.bin`` weights."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -317,7 +271,7 @@ def _weight_plan(directory: Path) -> list[TensorFile] | None:
         files = ["model.safetensors"]
     else:
         return None
-    return [TensorFile(directory / name) for name in files]
+    return {name: tensor for file in files for name, tensor in tensor_file(directory / file).items()}
 
 
 def _config(directory: Path, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -339,7 +293,7 @@ def _config(directory: Path, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any
 Targets = dict[str, tuple[torch.nn.Parameter | torch.Tensor, bool]]
 
 
-def _targets(model: torch.nn.Module, plan: list[TensorFile]) -> Targets | None:
+def _targets(model: torch.nn.Module, plan: dict[str, SavedTensor]) -> Targets | None:
     """Each checkpoint tensor's parameter or buffer in ``model``, or ``None`` when one has no place of its shape.
 
     Names match as transformers writes them, with or without the base model's prefix (``model.`` in Llama); tied
@@ -350,22 +304,21 @@ def _targets(model: torch.nn.Module, plan: list[TensorFile]) -> Targets | None:
     prefix = getattr(model, "base_model_prefix", "")
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
     targets: Targets = {}
-    for file in plan:
-        for key, (_, shape, _, _) in file.entries.items():
-            candidates = [key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")] if prefix else [key]
-            name = next((c for c in candidates if c in params or c in buffers), None)
-            if name is None and any(p.search(key) for p in ignored):  # e.g. masks older checkpoints saved
-                continue
-            if name is None:
-                return None
-            target = params.get(name, buffers.get(name))
-            if shape != tuple(getattr(target, "ds_shape", target.shape)):
-                return None
-            targets[key] = (target, name in params)
+    for key, saved in plan.items():
+        candidates = [key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")] if prefix else [key]
+        name = next((c for c in candidates if c in params or c in buffers), None)
+        if name is None and any(p.search(key) for p in ignored):  # e.g. masks older checkpoints saved
+            continue
+        if name is None:
+            return None
+        target = params.get(name, buffers.get(name))
+        if saved.shape != tuple(getattr(target, "ds_shape", target.shape)):
+            return None
+        targets[key] = (target, name in params)
     return targets
 
 
-def _stream_weights(plan: list[TensorFile], targets: Targets) -> None:
+def _stream_weights(directory: Path, plan: dict[str, SavedTensor], targets: Targets) -> None:
     """Copy every tensor of the checkpoint into its partitioned parameter, one parameter at a time.
 
     Invariant: one tensor is read and one parameter gathered at once, so host memory grows by the largest parameter
@@ -375,19 +328,15 @@ def _stream_weights(plan: list[TensorFile], targets: Targets) -> None:
     import deepspeed
 
     reads = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    size = {key: end - begin for file in plan for key, (_, _, begin, end) in file.entries.items() if key in targets}
-    with Progress(f"loading the pretrained weights of {plan[0].path.parent}", sum(size.values())) as progress:
-        for file in plan:
-            for key in file.entries:
-                if key not in targets:
-                    continue
-                target, is_param = targets[key]
-                if not is_param:
-                    with torch.no_grad():
-                        target.copy_(file.read(key))
-                else:
-                    with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
-                        if reads:
-                            with torch.no_grad():
-                                target.data.copy_(file.read(key))
-                progress.update(size[key])
+    total = sum(saved.nbytes for key, saved in plan.items() if key in targets)
+    with Progress(f"loading the pretrained weights of {directory}", total) as progress:
+        for key, (target, is_param) in targets.items():
+            if not is_param:
+                with torch.no_grad():
+                    target.copy_(plan[key].load())
+            else:
+                with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
+                    if reads:
+                        with torch.no_grad():
+                            target.data.copy_(plan[key].load())
+            progress.update(plan[key].nbytes)

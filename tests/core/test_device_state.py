@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lightning_smartinf.core.format.rank_state import BLOCK_BYTES, read_safetensors_header, safetensors_blocks
+from lightning_smartinf.core.format.rank_state import HOST_DTYPES, read_host_tensors
+from lightning_smartinf.core.format.safetensors_stream import BLOCK_BYTES, safetensors_blocks
 from lightning_smartinf.core.format.state_files import CheckpointError, write_file_atomic
 from lightning_smartinf.core.host_buffer import InMemoryBuffer
 
@@ -52,7 +53,7 @@ def test_the_blocks_are_a_safetensors_file_and_a_host_buffer_is_released_block_b
 def test_a_file_written_by_the_library_is_read_range_by_range(tmp_path) -> None:
     path = tmp_path / "residual.safetensors"
     save_file(TENSORS, str(path), metadata={"by": "safetensors"})
-    saved = read_safetensors_header(path)
+    saved = read_host_tensors(path)
     assert saved.keys() == TENSORS.keys()
     for name, tensor in TENSORS.items():
         assert saved[name].shape == tuple(tensor.shape) and saved[name].numel() == tensor.numel()
@@ -79,16 +80,16 @@ def test_a_header_that_does_not_describe_the_file_is_a_checkpoint_error(tmp_path
     path = tmp_path / "residual.safetensors"
     path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + bytes(8))
     with pytest.raises(CheckpointError, match=rf"is not a safetensors file of the host's tensors \(.*{why}"):
-        read_safetensors_header(path)
+        read_host_tensors(path)
 
 
 def test_a_header_longer_than_the_file_is_a_checkpoint_error(tmp_path) -> None:
     path = tmp_path / "residual.safetensors"
     path.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
     with pytest.raises(CheckpointError, match="a header of 1099511627776 bytes in a file of 10"):
-        read_safetensors_header(path)
+        read_host_tensors(path)
 
 
 def test_a_dtype_the_host_does_not_save_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match=r"Cannot save 'x' of dtype torch.float64"):
-        list(safetensors_blocks({"x": torch.zeros(2, dtype=torch.float64)}))
+        list(safetensors_blocks({"x": torch.zeros(2, dtype=torch.float64)}, HOST_DTYPES))

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-import struct
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_smartinf.core.backend import Backend
+from lightning_smartinf.core.format.safetensors_stream import SavedTensor, read_safetensors_header, safetensors_blocks
 from lightning_smartinf.core.format.state_files import CheckpointError, file_crc32, read_json, write_file_atomic
 from lightning_smartinf.core.host_buffer import HostBuffer
 
@@ -55,7 +54,7 @@ def save_device_state(
     kept = {name: tensor for name, tensor in tensors.items() if tensor is not None}
     if kept:
         path = directory / RESIDUAL
-        write_file_atomic(path, safetensors_blocks(kept))
+        write_file_atomic(path, safetensors_blocks(kept, HOST_DTYPES))
         size, crc = file_crc32(path)
         host_state["residual"] = {"file": RESIDUAL, "bytes": size, "crc32": crc}
     write_file_atomic(directory / HOST_STATE, json.dumps(host_state).encode())
@@ -97,125 +96,26 @@ def load_host_tensors(directory: Path, entry: dict[str, Any] | None) -> dict[str
             f"The compression residual {path} is corrupt ({size} bytes, CRC-32 {crc:#010x}; the checkpoint "
             f"recorded {entry['bytes']} bytes, CRC-32 {entry['crc32']:#010x}). Resume from another checkpoint."
         )
-    return read_safetensors_header(path)
+    return read_host_tensors(path)
 
 
-#: safetensors' names of the dtypes the host saves.
-SAFETENSORS_DTYPES = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-}
-#: Bytes of a tensor written or read at a time.
-BLOCK_BYTES = 64 << 20
+#: The dtypes the host saves.
+HOST_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)
 
 
-def safetensors_blocks(tensors: Mapping[str, Tensor | HostBuffer]) -> Iterator[bytes | memoryview]:
-    """``tensors`` in the safetensors format, a block at a time: the header, then each tensor's bytes in order.
-
-    Written by hand because ``safetensors.torch.save`` copies every tensor into one ``bytes`` object first, which for
-    a residual as large as the model's gradients would need that much memory again. A :class:`HostBuffer`'s blocks
-    are released once written (see ``host_buffer.py``).
-    """
-    flats: dict[str, Tensor] = {}
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, value in tensors.items():
-        tensor = (value if isinstance(value, Tensor) else value.tensor).detach().cpu().contiguous()
-        if tensor.dtype not in SAFETENSORS_DTYPES:
-            raise TypeError(f"Cannot save {name!r} of dtype {tensor.dtype}: the host saves {list(SAFETENSORS_DTYPES)}.")
-        flats[name] = tensor.reshape(-1).view(torch.uint8)
-        nbytes = flats[name].numel()
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    yield struct.pack("<Q", len(encoded)) + encoded
-    for name, value in tensors.items():
-        flat = flats[name]
-        for start in range(0, flat.numel(), BLOCK_BYTES):
-            end = min(start + BLOCK_BYTES, flat.numel())
-            yield flat[start:end].numpy().data
-            if not isinstance(value, Tensor):
-                size = value.tensor.element_size()
-                value.release(start // size, -(-end // size))
-
-
-@dataclass(frozen=True)
-class SavedTensor:
-    """One tensor of a safetensors file, read from the file when asked."""
-
-    path: Path
-    #: Where its bytes start in the file.
-    offset: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    def numel(self) -> int:
-        """Its number of elements."""
-        return math.prod(self.shape)
-
-    def read(self, start: int = 0, end: int | None = None) -> Tensor:
-        """Elements ``[start, end)`` (default: all) of the flattened tensor, read from the file into a new tensor."""
-        end = self.numel() if end is None else end
-        out = torch.empty(max(0, end - start), dtype=self.dtype)
-        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
-        with open(self.path, "rb", buffering=0) as file:
-            file.seek(self.offset + start * out.element_size())
-            done = 0
-            while done < len(view):
-                got = file.readinto(view[done:])
-                if not got:
-                    raise CheckpointError(f"{self.path} ended before the tensor it describes. Resume from another one.")
-                done += got
-        return out
-
-    def load(self) -> Tensor:
-        """The whole tensor."""
-        return self.read().view(self.shape)
-
-
-def read_safetensors_header(path: Path) -> dict[str, SavedTensor]:
-    """The tensors of the safetensors file at ``path``, by name, each read when asked.
+def read_host_tensors(path: Path) -> dict[str, SavedTensor]:
+    """The tensors of the host's safetensors file at ``path``, by name, each read when asked.
 
     Raises:
         CheckpointError: the header is not a safetensors header of the dtypes the host saves, or its tensors do not
             tile the file.
     """
-    names = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
-    size = path.stat().st_size
     try:
-        with open(path, "rb") as file:
-            (length,) = struct.unpack("<Q", file.read(8))
-            if length > size - 8:
-                raise ValueError(f"a header of {length} bytes in a file of {size}")
-            header = json.loads(file.read(length))
-        tensors: dict[str, SavedTensor] = {}
-        end = 0
-        for name, info in sorted(
-            ((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0]
-        ):
-            start, stop = (int(x) for x in info["data_offsets"])
-            shape = tuple(int(n) for n in info["shape"])
-            dtype = names[info["dtype"]]
-            if start != end or stop - start != math.prod(shape) * dtype.itemsize:
-                raise ValueError(f"{name!r} at bytes {start}..{stop} does not follow byte {end} or fit its shape")
-            tensors[name] = SavedTensor(path, 8 + length + start, dtype, shape)
-            end = stop
-        if 8 + length + end != size:
-            raise ValueError(f"the tensors end at byte {8 + length + end} of {size}")
-    except (ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
+        return read_safetensors_header(path, HOST_DTYPES)
+    except ValueError as exc:
         raise CheckpointError(
             f"{path} is not a safetensors file of the host's tensors ({exc}). Resume from another checkpoint."
         ) from None
-    return tensors
 
 
 def full_parameter(name: str, partitions: Sequence[Tensor], shape: Sequence[int]) -> Tensor:
