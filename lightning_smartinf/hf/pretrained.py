@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.format.masters import Weights
-from lightning_smartinf.core.format.rank_state import full_parameter
+from lightning_smartinf.core.format.rank_state import PartitionIndex, full_parameter
 from lightning_smartinf.hf.weight_files import (
     MAX_SHARD_SIZE,
     WrittenWeights,
@@ -70,18 +70,8 @@ def _device_masters(strategy: Any, prefix: str) -> Weights:
     backend = smart_update.backend
     backend.wait()
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    where: dict[str, tuple[int, int, int]] = {}  # name -> (device shard, offset in it, partition numel)
-    shapes: dict[str, tuple[int, ...]] = {}
-    numels: list[int] = []
-    for index, params in enumerate(smart_update.layout()):
-        offset = 0
-        for param in params:  # a shard holds its parameters' partitions back to back
-            numel = int(param["partition_numel"])
-            if param["name"].startswith(prefix):
-                where[param["name"][len(prefix) :]] = (index, offset, numel)
-                shapes[param["name"][len(prefix) :]] = tuple(param["shape"])
-            offset += numel
-        numels.append(offset)
+    partitions = PartitionIndex.of(smart_update.layout(), prefix)
+    where, shapes, numels = partitions.where, partitions.shapes, partitions.numels
 
     def gathered(part: Tensor) -> list[Tensor]:
         if world == 1:

@@ -17,7 +17,7 @@ from pathlib import Path
 from torch import Tensor
 
 from lightning_smartinf.core.format.layout import ChunkLayout
-from lightning_smartinf.core.format.rank_state import HOST_STATE, full_parameter
+from lightning_smartinf.core.format.rank_state import HOST_STATE, PartitionIndex, full_parameter
 from lightning_smartinf.core.format.state_files import (
     MANIFEST,
     read_json,
@@ -147,18 +147,15 @@ def saved_masters(rank_dirs: Sequence[Path], *, verify: bool = True, elsewhere: 
                 f"{directory / HOST_STATE} belongs to rank {host.get('rank')} of {host.get('world_size')}."
             )
         ranks.append(_RankMasters(directory, len(host["shards"]), verify=verify, elsewhere=elsewhere))
-        where.append({})
-        for index, params in enumerate(host["shards"]):
-            offset = 0
-            for param in params:
-                numel = int(param["partition_numel"])
-                where[rank][param["name"]] = (index, offset, numel)
-                shapes.setdefault(param["name"], tuple(int(n) for n in param["shape"]))
-                offset += numel
-            if offset != ranks[rank].numels[index]:
+        index = PartitionIndex.of(host["shards"])
+        where.append(index.where)
+        for name, shape in index.shapes.items():
+            shapes.setdefault(name, shape)
+        for shard, (covered, held) in enumerate(zip(index.numels, ranks[rank].numels)):
+            if covered != held:
                 raise ValueError(
-                    f"{directory / shard_file_name(index)}: its parameters cover {offset} elements, the shard holds "
-                    f"{ranks[rank].numels[index]}."
+                    f"{directory / shard_file_name(shard)}: its parameters cover {covered} elements, the shard holds "
+                    f"{held}."
                 )
     for name in shapes:
         missing = [rank for rank in range(size) if name not in where[rank]]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,36 @@ def read_host_tensors(path: Path) -> dict[str, SavedTensor]:
         raise CheckpointError(
             f"{path} is not a safetensors file of the host's tensors ({exc}). Resume from another checkpoint."
         ) from None
+
+
+@dataclass(frozen=True)
+class PartitionIndex:
+    """Where each parameter's partition lies in one rank's shards, from their parameter lists (``host_state.json``'s
+    ``shards``, or a live controller's layout): each shard holds its parameters' partitions back to back."""
+
+    #: parameter name -> (shard, offset in the shard, partition_numel)
+    where: dict[str, tuple[int, int, int]]
+    #: parameter name -> the whole parameter's shape
+    shapes: dict[str, tuple[int, ...]]
+    #: the elements each shard's parameters cover
+    numels: list[int]
+
+    @classmethod
+    def of(cls, shards: Sequence[Sequence[Mapping[str, Any]]], prefix: str = "") -> PartitionIndex:
+        """The index of ``shards``; with ``prefix``, only the parameters named ``prefix...``, named without it (the
+        numels still count every parameter)."""
+        index = cls({}, {}, [])
+        for shard, params in enumerate(shards):
+            offset = 0
+            for param in params:
+                numel = int(param["partition_numel"])
+                if param["name"].startswith(prefix):
+                    name = param["name"][len(prefix) :]
+                    index.where[name] = (shard, offset, numel)
+                    index.shapes[name] = tuple(int(n) for n in param["shape"])
+                offset += numel
+            index.numels.append(offset)
+        return index
 
 
 def full_parameter(name: str, partitions: Sequence[Tensor], shape: Sequence[int]) -> Tensor:

@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 import torch
 
 from lightning_smartinf.core.format.layout import ChunkLayout
-from lightning_smartinf.core.format.rank_state import HOST_STATE
+from lightning_smartinf.core.format.rank_state import HOST_STATE, PartitionIndex
 from lightning_smartinf.core.format.state_files import (
     MANIFEST,
     CheckpointError,
@@ -86,23 +86,19 @@ class SavedRank:
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
         entries = {int(e["index"]): e for e in manifest["shards"]}
-        saved = cls(directory, host, [], [], [])
+        partitions = PartitionIndex.of(host["shards"])
+        saved = cls(directory, host, [], [], [], partitions.where)
         chunk = int(manifest["chunk_elems"])
-        for index, params in enumerate(host["shards"]):
+        for index, covered in enumerate(partitions.numels):
             entry = entries.get(index)
             if entry is None:
                 raise CheckpointError(f"{directory / MANIFEST} has no shard {index}; its host state lists it.")
             saved.entries.append(entry)
             saved.layouts.append(saved_layout(entry, chunk))
             saved.states.append(list(entry["states"]))
-            offset = 0
-            for param in params:
-                numel = int(param["partition_numel"])
-                saved.where[param["name"]] = (index, offset, numel)
-                offset += numel
-            if offset != int(entry["numel"]):
+            if covered != int(entry["numel"]):
                 raise CheckpointError(
-                    f"{directory / shard_file_name(index)}: its parameters cover {offset} elements, the manifest "
+                    f"{directory / shard_file_name(index)}: its parameters cover {covered} elements, the manifest "
                     f"says the shard holds {entry['numel']}."
                 )
         return saved

@@ -43,7 +43,7 @@ from torch import Tensor
 from lightning_smartinf.core.accelerator import AcceleratorCopies, Fence, current_accelerator, thread_pool
 from lightning_smartinf.core.backend import Handle, LatchingBackend, ShardSpec
 from lightning_smartinf.core.compression import SparseGrad
-from lightning_smartinf.core.format.rank_state import HOST_STATE
+from lightning_smartinf.core.format.rank_state import HOST_STATE, PartitionIndex
 from lightning_smartinf.core.format.reshard import Fetch, Reshard
 from lightning_smartinf.core.format.state_files import (
     MANIFEST,
@@ -400,13 +400,11 @@ def _recorded_numels(directory: Path, shards: Sequence[int]) -> list[int]:
     """The elements of each of ``shards`` as this rank recorded them beside its ``remote.json`` (``host_state.json``:
     the parameters each shard holds): what a server may send for them. A ``remote.json`` of format 1 records no
     sizes, and a server's word is no bound."""
-    host = read_json(directory / HOST_STATE, "the device state", ("shards",))["shards"]
-    numels = []
+    recorded = PartitionIndex.of(read_json(directory / HOST_STATE, "the device state", ("shards",))["shards"]).numels
     for shard in shards:
-        if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard < len(host):
+        if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard < len(recorded):
             raise CheckpointError(f"{directory / REMOTE_MANIFEST} names shard {shard!r}, which {HOST_STATE} lacks.")
-        numels.append(sum(int(param["partition_numel"]) for param in host[shard]))
-    return numels
+    return [recorded[shard] for shard in shards]
 
 
 def _greeted(
