@@ -19,6 +19,7 @@ Imports torch (the model does not). The I/O is the project's own path (:class:`~
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import platform
 import shutil
@@ -73,6 +74,20 @@ class _Probe:
         self.io.close()
 
 
+def _best_seconds(
+    run: Callable[[int], object], repeats: int = 3, *, after: Callable[[], object] = lambda: None
+) -> float:
+    """The fastest of ``repeats`` timed calls ``run(1)``, ``run(2)``, ... (``after`` ends each timed call: a device's
+    synchronisation)."""
+    best = math.inf
+    for number in range(1, repeats + 1):
+        started = time.perf_counter()
+        run(number)
+        after()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
 def _at_once(work: Sequence[Callable[[], None]]) -> float:
     """Seconds to run every callable of ``work``, each on its own thread, all started together."""
     threads = [threading.Thread(target=fn) for fn in work]
@@ -125,16 +140,9 @@ def _gpu() -> dict[str, Any] | None:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     on_gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-    def best(fn: Callable[[], object], repeats: int = 5) -> float:
-        fn()
-        torch.cuda.synchronize(device)
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            fn()
-            torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - started)
-        return min(times)
+    def best(fn: Callable[[], object]) -> float:
+        fn()  # the first call chooses the kernels
+        return _best_seconds(lambda _: fn(), 5, after=lambda: torch.cuda.synchronize(device))
 
     to_gpu = nbytes / best(lambda: on_gpu.copy_(host, non_blocking=True)) / 1e9
     to_host = nbytes / best(lambda: host.copy_(on_gpu, non_blocking=True)) / 1e9
@@ -177,11 +185,7 @@ def _training_tflops(dtype: Any, tokens: int = 512, hidden: int = 2048, inner: i
         (y + down(silu(gate) * up)).float().square().mean().backward()
 
     forward_backward()  # the first pass chooses the kernels
-    best = float("inf")
-    for _ in range(3):
-        started = time.perf_counter()
-        forward_backward()
-        best = min(best, time.perf_counter() - started)
+    best = _best_seconds(lambda _: forward_backward())
     return 6 * sum(p.numel() for p in params) * tokens / best / 1e12
 
 
@@ -228,12 +232,7 @@ def _reduce_passes(numel: int = 32 << 20) -> dict[str, float]:
             summed.add_(reduced.to(torch.float32))
 
     def seconds_per_gparam(**kind: bool) -> float:
-        best = float("inf")
-        for _ in range(3):
-            started = time.perf_counter()
-            micro_batch(**kind)
-            best = min(best, time.perf_counter() - started)
-        return round(best / numel * 1e9, 3)
+        return round(_best_seconds(lambda _: micro_batch(**kind)) / numel * 1e9, 3)
 
     return {
         "cpu_reduce_s_per_gparam": seconds_per_gparam(stock=False, last=True),
@@ -243,26 +242,30 @@ def _reduce_passes(numel: int = 32 << 20) -> dict[str, float]:
     }
 
 
-def _update_rate(numel: int, chunk: int = 1 << 20, repeats: int = 3, *, fused: bool = False) -> float:
-    """Elements per second of the ``cpu`` backend's Adam(W) update, in its 1M-element chunks, without I/O (``fused``:
-    the rule of an optimizer built with ``fused=True``)."""
+def _chunk_update_seconds(precision: str, numel: int, chunk: int = 1 << 20, *, fused: bool = False) -> float:
+    """Best of three passes of the ``cpu`` backend's Adam(W) update over ``numel`` in-memory elements (a whole number
+    of chunks) with ``state_precision=precision``, chunk by chunk as a device runs it, without I/O: fp32 in place,
+    another format loaded, updated and stored (``fused``: the rule of an optimizer built with ``fused=True``)."""
     import torch
 
     from lightning_smartinf.core import Adam, StepParams
+    from lightning_smartinf.core.state_formats import state_format, update_chunk
 
-    rule = Adam(decoupled_weight_decay=True, fused=fused)
-    master, m, v, g = (torch.randn(numel) for _ in range(4))
-    scratch = torch.empty(chunk)
-    best = float("inf")
-    for step in range(1, repeats + 1):
+    rule, fmt = Adam(decoupled_weight_decay=True, fused=fused), state_format(precision)
+    master, g = torch.randn(numel), torch.randn(numel)
+    stored = [torch.zeros(numel // chunk, fmt.stored_bytes(chunk), dtype=torch.uint8) for _ in range(2)]
+    grad = torch.empty(chunk)
+
+    def run(step: int) -> None:
         hp = StepParams(step=step, lr=1e-3, weight_decay=0.01)
-        t0 = time.perf_counter()
-        for start in range(0, numel, chunk):
-            sl = slice(start, start + chunk)
-            grad = scratch[: master[sl].numel()].copy_(g[sl])
-            rule.apply(master[sl], grad, [m[sl], v[sl]], hp)
-        best = min(best, time.perf_counter() - t0)
-    return numel / best
+        for i, start in enumerate(range(0, numel, chunk)):
+            sl, states = slice(start, start + chunk), [s[i] for s in stored]
+            if precision == "fp32":  # no format to load or store
+                rule.apply(master[sl], grad.copy_(g[sl]), [s.view(torch.float32) for s in states], hp)
+            else:
+                update_chunk(rule, fmt, master[sl], grad.copy_(g[sl]), states, hp)
+
+    return _best_seconds(run)
 
 
 def _update_rate_best(numel: int, *, fused: bool = False) -> float:
@@ -271,46 +274,27 @@ def _update_rate_best(numel: int, *, fused: bool = False) -> float:
     import torch
 
     threads = torch.get_num_threads()
-    rates = [_update_rate(numel, fused=fused)]
+    rates = [numel / _chunk_update_seconds("fp32", numel, fused=fused)]
     try:
         torch.set_num_threads(1)
-        rates.append(_update_rate(numel, fused=fused))
+        rates.append(numel / _chunk_update_seconds("fp32", numel, fused=fused))
     finally:
         torch.set_num_threads(threads)
     return max(rates)
 
 
-def _update_costs(numel: int = 4 << 20, chunk: int = 1 << 20, *, fused: bool = False) -> dict[str, float]:
+def _update_costs(numel: int = 4 << 20, *, fused: bool = False) -> dict[str, float]:
     """Each ``state_precision``'s Adam(W) update time per element over fp32's: the ``cpu`` backend's chunk update in
     that format (load, update, store), one thread, best of three passes over ``numel`` in-memory elements
     (``fused``: the rule of an optimizer built with ``fused=True``, against its own fp32 time)."""
     import torch
 
-    from lightning_smartinf.core import Adam, StepParams
-    from lightning_smartinf.core.state_formats import FORMATS, state_format, update_chunk
+    from lightning_smartinf.core.state_formats import FORMATS
 
-    rule = Adam(decoupled_weight_decay=True, fused=fused)
     threads = torch.get_num_threads()
-    seconds: dict[str, float] = {}
     try:
         torch.set_num_threads(1)
-        for name in FORMATS:
-            fmt = state_format(name)
-            master, g = torch.randn(numel), torch.randn(numel)
-            stored = [torch.zeros(numel // chunk, fmt.stored_bytes(chunk), dtype=torch.uint8) for _ in range(2)]
-            grad = torch.empty(chunk)
-            best = float("inf")
-            for step in range(1, 4):
-                hp = StepParams(step=step, lr=1e-3, weight_decay=0.01)
-                t0 = time.perf_counter()
-                for i, start in enumerate(range(0, numel, chunk)):
-                    sl, states = slice(start, start + chunk), [s[i] for s in stored]
-                    if name == "fp32":  # as a device updates fp32: in place, no format to load or store
-                        rule.apply(master[sl], grad.copy_(g[sl]), [s.view(torch.float32) for s in states], hp)
-                    else:
-                        update_chunk(rule, fmt, master[sl], grad.copy_(g[sl]), states, hp)
-                best = min(best, time.perf_counter() - t0)
-            seconds[name] = best
+        seconds = {name: _chunk_update_seconds(name, numel, fused=fused) for name in FORMATS}
     finally:
         torch.set_num_threads(threads)
     return {name: round(t / seconds["fp32"], 3) for name, t in seconds.items()}
@@ -327,12 +311,7 @@ def _host_adam_rate(numel: int) -> float:
     except (RuntimeError, TypeError):  # older torch without fused CPU Adam
         opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
     opt.step()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        opt.step()
-        best = min(best, time.perf_counter() - t0)
-    return numel / best
+    return numel / _best_seconds(lambda _: opt.step())
 
 
 def _backend_step(paths: Sequence[Path], numel: int) -> float:
