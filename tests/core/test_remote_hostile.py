@@ -24,6 +24,7 @@ from helpers.remote_servers import ServerProcess, write_token
 
 from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.format.layout import ChunkLayout
+from lightning_smartinf.core.format.state_files import CheckpointError
 from lightning_smartinf.core.io.checksum import crc32c
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.rules import Adam, StepParams
@@ -548,6 +549,20 @@ def test_uploads_are_checked_and_loaded_only_whole(server, tmp_path) -> None:
     assert torch.equal(now, record[0, :CHUNK])
     assert not list((tmp_path / "root").rglob(".upload"))
     client.close()
+
+
+@pytest.mark.parametrize("servers", ["x", ["x"], {"0": {}}])
+def test_a_remote_manifest_whose_servers_are_not_entries_is_refused_by_name(server, tmp_path, servers) -> None:
+    client = _opened(server)
+    client.save(tmp_path / "saved")
+    path = tmp_path / "saved" / "remote.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "servers": servers}))
+    try:
+        for attempt in (client.loads_as_saved, client.load):
+            with pytest.raises(CheckpointError, match=rf"{path} is not a remote device-state manifest"):
+                attempt(tmp_path / "saved")
+    finally:
+        client.close()
 
 
 def test_a_saved_checkpoint_is_sent_only_for_its_digest_and_only_when_its_file_checks(server, tmp_path) -> None:

@@ -373,13 +373,12 @@ def checkpoint_masters(
     """
 
     def read(directory: Path) -> list[Tensor]:
-        manifest = read_json(Path(directory) / REMOTE_MANIFEST, "the remote device state", ("checkpoint", "servers"))
+        manifest, entries = _remote_manifest(directory)
         with contextlib.ExitStack() as connected:
             servers = _greeted(addresses, token, timeout, tls, allow_plaintext, connected)
             by_id = {server.server_id: server for server in servers}
-            entries = manifest["servers"]
             masters: dict[int, Tensor] = {}
-            for entry in entries if isinstance(entries, list) else []:
+            for entry in entries:
                 server = _keeper(by_id, entry, Path(directory))
                 numels = entry.get("numels") or _recorded_numels(Path(directory), entry["shards"])
                 for local, (shard, numel) in enumerate(zip(entry["shards"], numels)):
@@ -394,6 +393,15 @@ def checkpoint_masters(
             return [masters[i] for i in range(len(masters))]
 
     return read
+
+
+def _remote_manifest(directory: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The ``remote.json`` of a rank's device state in ``directory``, and its servers' entries."""
+    manifest = read_json(Path(directory) / REMOTE_MANIFEST, "the remote device state", ("checkpoint", "servers"))
+    entries = manifest["servers"]
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise CheckpointError(f"{Path(directory) / REMOTE_MANIFEST} is not a remote device-state manifest.")
+    return manifest, entries
 
 
 def _recorded_numels(directory: Path, shards: Sequence[int]) -> list[int]:
@@ -498,10 +506,7 @@ def _kept_on_servers(
 ) -> list[tuple[dict[str, Any], list[_SavedShard]]]:
     """Each server's manifest of the rank whose ``remote.json`` is in ``directory`` (checked against the digest the
     trainer recorded), with that server's shards; ``numbers[i]``: the trainer's index of the servers' shard ``i``."""
-    saved = read_json(directory / REMOTE_MANIFEST, "the remote device state", ("checkpoint", "servers"))
-    entries = saved["servers"]
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise CheckpointError(f"{directory / REMOTE_MANIFEST} is not a remote device-state manifest.")
+    saved, entries = _remote_manifest(directory)
     found = []
     for entry in entries:
         server = _keeper(by_id, entry, directory)
@@ -933,17 +938,10 @@ class RemoteBackend(LatchingBackend):
         self.check_usable("load")
         self.tentative_updates.refuse_held("loading a checkpoint")
         self.wait()
-        manifest = read_json(Path(directory) / REMOTE_MANIFEST, "the remote device state", ("checkpoint", "servers"))
-        entries = manifest["servers"]
-        if not isinstance(entries, list):
-            raise CheckpointError(f"{REMOTE_MANIFEST} in {str(directory)!r} is not a remote device-state manifest.")
+        manifest, entries = _remote_manifest(directory)
         mine = self._holding
         if len(entries) != len(mine):
-            saved = ", ".join(
-                f"{entry.get('address')} ({str(entry.get('server_id'))[:12]})"
-                for entry in entries
-                if isinstance(entry, dict)
-            )
+            saved = ", ".join(f"{entry.get('address')} ({str(entry.get('server_id'))[:12]})" for entry in entries)
             current = ", ".join(f"{server.address} ({server.server_id[:12]})" for server in mine)
             raise CheckpointError(
                 f"The checkpoint's device state is on {len(entries)} remote server(s): {saved}; this run has "
@@ -951,11 +949,11 @@ class RemoteBackend(LatchingBackend):
                 "strategy, which re-shards it onto these servers."
             )
         for server, entry in zip(mine, entries):
-            if not isinstance(entry, dict) or entry.get("shards") != server.shards:
+            if entry.get("shards") != server.shards:
                 raise CheckpointError(
-                    f"The checkpoint placed other shards on {entry.get('address') if isinstance(entry, dict) else '?'} "
-                    f"than this run places on {server.address}. Load it with the same `remote_devices` in order, or "
-                    "through the strategy, which re-shards it."
+                    f"The checkpoint placed other shards on {entry.get('address')} than this run places on "
+                    f"{server.address}. Load it with the same `remote_devices` in order, or through the strategy, "
+                    "which re-shards it."
                 )
             if entry.get("server_id") != server.server_id:
                 raise CheckpointError(
@@ -978,18 +976,12 @@ class RemoteBackend(LatchingBackend):
         servers, by identity, each with the same shards. Any other goes through :meth:`load_resharded`, which sends
         each shard to the server this run places it on: state files on this host (saved by ``cpu`` or ``xrt``, or
         before a change of layout), or state kept on these servers in another order or partly on others."""
-        path = Path(directory) / REMOTE_MANIFEST
-        if not path.is_file():
+        if not (Path(directory) / REMOTE_MANIFEST).is_file():
             return False
-        entries = read_json(path, "the remote device state", ("checkpoint", "servers"))["servers"]
-        mine = [(server.server_id, server.shards) for server in self._holding]
-        return (
-            isinstance(entries, list)
-            and [
-                (entry.get("server_id"), entry.get("shards")) if isinstance(entry, dict) else None for entry in entries
-            ]
-            == mine
-        )
+        _, entries = _remote_manifest(directory)
+        return [(e.get("server_id"), e.get("shards")) for e in entries] == [
+            (s.server_id, s.shards) for s in self._holding
+        ]
 
     def fetch_saved_state(self, rank_dirs: Sequence[Path], into: Path) -> tuple[list[Path], Fetch] | None:
         """A checkpoint kept on servers, made readable for re-sharding (:func:`fetch_saved_state`, from this run's
