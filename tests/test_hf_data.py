@@ -169,6 +169,21 @@ def test_cache_is_reused_and_rebuilt_when_the_file_changes(tmp_path, tokenizer):
     assert calls > 0
 
 
+def test_a_cache_dir_is_made_private_where_missing_and_refused_by_name_where_it_cannot_be(tmp_path):
+    from lightning_smartinf.hf.token_cache import make_cache_dir
+
+    (tmp_path / "kept").mkdir(mode=0o755)
+    nested = tmp_path / "kept" / "a" / "b"
+    assert make_cache_dir(nested, "cache_dir", "TextDataModule") == nested
+    assert [stat.S_IMODE(p.stat().st_mode) for p in (nested.parent, nested)] == [0o700, 0o700]
+    assert stat.S_IMODE((tmp_path / "kept").stat().st_mode) == 0o755  # an existing directory is used as it is
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"`TextDataModule\(cache_dir='.*file/c'\)`: cannot create the token cache"):
+        make_cache_dir(tmp_path / "file" / "c", "cache_dir", "TextDataModule")
+    with pytest.raises(ValueError, match=r"`SFTDataModule\(cache_dir='.*file'\)` is not a directory"):
+        make_cache_dir(tmp_path / "file", "cache_dir", "SFTDataModule")
+
+
 def test_default_cache_dir_is_private_under_xdg_cache_home(tmp_path, monkeypatch, tokenizer):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     old = os.umask(0o022)  # the common umask, which would leave new directories readable by all

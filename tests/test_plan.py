@@ -266,8 +266,16 @@ def test_cli_errors(argv, message, capsys):
 
 
 def test_calibrate_writes_a_usable_profile(tmp_path, capsys):
+    from helpers.leftovers import left_over
+
     out = tmp_path / "mine.json"
+    killed, live = left_over(tmp_path / "smartinf-calibrate", "run"), left_over(tmp_path / "mine", pid=1)
+    for directory in (killed, live):
+        directory.mkdir()
+        (directory / "bw-a.bin").write_bytes(bytes(4096))
     assert main(["--calibrate", str(tmp_path), "--calibrate-mb", "8", "-o", str(out), "--model", "1B"]) == 0
+    # The probe files of a calibration that was killed are gone; nothing else is touched, and nothing is left.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, out.name])
     machine = load_any(out)
     assert isinstance(machine, Machine) and machine.name == "mine"
     assert machine.storage[0].read_gbps > 0 and machine.device_update_gparams_per_s > 0

@@ -8,8 +8,6 @@ documentation of Python's keywords and topics, which ships with every CPython (`
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
 import lightning as L
 import torch
@@ -17,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_smartinf import SmartInfinityStrategy
+from lightning_smartinf.core.io.leftovers import scratch_directory
 from lightning_smartinf.lightning import quiet
 from lightning_smartinf.lightning.monitor import ZERO_INFINITY_LINK_BYTES_PER_PARAM
 
@@ -102,8 +101,8 @@ def _run(args: argparse.Namespace) -> int:
     dataset = CharDataset(english_text(), seq=64)
     model = CharGPT(len(dataset.vocab), seq=64)
     params = sum(p.numel() for p in model.parameters())
-    with tempfile.TemporaryDirectory(prefix="smartinf-demo-") as root:
-        paths = [Path(root) / f"csd{i}" for i in range(args.devices)]
+    with scratch_directory("smartinf-demo") as root:
+        paths = [root / f"csd{i}" for i in range(args.devices)]
         for path in paths:
             path.mkdir()
         strategy = SmartInfinityStrategy(storage_paths=paths, sub_group_size=100_000, chunk_size=1 << 16)

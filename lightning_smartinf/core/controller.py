@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import tempfile
 import time
 import warnings
 from collections import deque
@@ -52,6 +51,7 @@ from lightning_smartinf.core.format.reshard import Reshard, same_layout
 from lightning_smartinf.core.format.safetensors_stream import SavedTensor
 from lightning_smartinf.core.format.state_files import MANIFEST, read_manifest, require_state_files
 from lightning_smartinf.core.host_buffer import HostBuffer
+from lightning_smartinf.core.io.leftovers import scratch_directory
 from lightning_smartinf.core.progress import Progress
 from lightning_smartinf.core.rules import EFAdafactor, StepParams
 from lightning_smartinf.core.settings import SmartUpdateSettings
@@ -626,7 +626,7 @@ class SmartUpdate:
             )
         if all((Path(d) / MANIFEST).is_file() for d in rank_dirs):
             return Reshard.of(rank_dirs, layout, rank, world)
-        into = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="smartinf-saved-state-")))
+        into = scratch.enter_context(scratch_directory("smartinf-saved-state"))
         kept = self.backend.fetch_saved_state(rank_dirs, into)
         source = self.settings.saved_state_from
         if kept is None and source is not None:  # kept on devices of another kind (remote servers for a `cpu` run)

@@ -22,7 +22,6 @@ import functools
 import json
 import os
 import shutil
-import tempfile
 import warnings
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
@@ -35,6 +34,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
 from lightning_smartinf.hf.sources import tokenizer_files
 from lightning_smartinf.hf.token_cache import (
     Batch,
@@ -139,7 +139,9 @@ def train_bpe_tokenizer(
     )
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    remove_leftovers(out.parent, out.name)  # staged by a run that was killed
+    staging = temporary_path(out)
+    staging.mkdir(mode=0o700)
     try:
         fast.save_pretrained(str(staging))
         try:

@@ -29,7 +29,14 @@ from typing import Any
 import numpy as np
 
 from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
-from lightning_smartinf.core.io.storage import disk_full_error, fsync_dir, is_disk_full
+from lightning_smartinf.core.io.storage import (
+    StorageError,
+    disk_full_error,
+    fsync_dir,
+    is_disk_full,
+    make_private_dirs,
+    write_file_atomic,
+)
 from lightning_smartinf.core.progress import Progress
 
 #: Bump when the layout or the tokenisation of an entry changes: entries of other versions are never read.
@@ -55,21 +62,16 @@ def make_cache_dir(path: Path, argument: str, owner: str) -> Path:
     Raises:
         ValueError: ``path`` cannot be created or is not a directory; the message names ``argument``.
     """
-    missing = []
-    here = path
-    while not here.exists() and here != here.parent:
-        missing.append(here)
-        here = here.parent
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
     try:
-        for directory in reversed(missing):
-            try:
-                directory.mkdir(mode=0o700)
-            except FileExistsError:
-                continue  # another rank made it meanwhile
-            os.chmod(directory, 0o700)  # mkdir's mode is masked by the umask
-    except OSError as exc:
+        if existing != path:
+            make_private_dirs(existing, path.relative_to(existing).parts)
+    except StorageError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
         raise ValueError(
-            f"`{owner}({argument}={str(path)!r})`: cannot create the token cache directory ({exc.strerror}). Give a "
+            f"`{owner}({argument}={str(path)!r})`: cannot create the token cache directory ({reason}). Give a "
             f"writable directory as `{argument}`."
         ) from None
     if not path.is_dir():
@@ -188,8 +190,7 @@ def cached_tokens(
             )
         meta |= {"version": FORMAT_VERSION, "source": str(source.resolve()), "size": stat.st_size}
         meta |= {"mtime_ns": stat.st_mtime_ns, "tokenizer": fingerprint, "settings": settings}
-        _write_synced(staging / META, json.dumps(meta, indent=1).encode())
-        fsync_dir(staging)
+        write_file_atomic(staging / META, json.dumps(meta, indent=1).encode())  # then the directory is synced
         try:
             os.rename(staging, entry)
         except OSError:
@@ -270,10 +271,3 @@ def _write(
     if examples is None:
         (directory / EXAMPLES).unlink()
     return {"dtype": dtype.name, "tokens": total, "examples": examples}
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())

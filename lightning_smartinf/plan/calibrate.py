@@ -23,13 +23,13 @@ import math
 import os
 import platform
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
 from lightning_smartinf.core.progress import Progress
 from lightning_smartinf.plan.cost_model import PlanError
 from lightning_smartinf.plan.machine import MACHINE_KIND
@@ -368,7 +368,11 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
         problems.append(f"`--calibrate {' '.join(map(str, roots))}`: a directory is named twice; name each once.")
     if problems:
         raise PlanError("\n".join(problems))
-    work = [Path(tempfile.mkdtemp(prefix="smartinf-calibrate-", dir=root)) for root in roots]
+    work = []
+    for root in roots:
+        remove_leftovers(root, "smartinf-calibrate")  # the probe files of a calibration that was killed
+        work.append(temporary_path(root / "smartinf-calibrate", "run"))
+        work[-1].mkdir(mode=0o700)
     probes: list[_Probe] = []
     # Each path alone, all at once, the update rates (fp32, fused AdamW, each precision), a backend step.
     measure = Progress("measuring this machine", len(work) + 7, unit="measurements", announce=True)

@@ -54,3 +54,31 @@ def test_remove_leftovers_removes_what_dead_processes_left_and_nothing_else(tmp_
     assert live.exists() and other_host.exists() and (tmp_path / "ckpt").exists()
     assert (tmp_path / ".ckpt.tmp-notours").exists()
     assert remove_leftovers(tmp_path / "missing") == []
+
+
+def test_a_scratch_directory_is_private_gone_on_leaving_and_its_killed_twin_is_a_leftover(tmp_path):
+    from lightning_smartinf.core.io.leftovers import scratch_directory
+
+    with scratch_directory("smartinf-upload", tmp_path) as scratch:
+        assert scratch.parent == tmp_path and scratch.name.startswith(".smartinf-upload.run-")
+        assert scratch.stat().st_mode & 0o777 == 0o700
+        (scratch / "0").write_bytes(b"state")
+    assert not scratch.exists()
+    with pytest.raises(RuntimeError, match="failed"), scratch_directory("smartinf-upload", tmp_path) as scratch:
+        raise RuntimeError("failed")
+    assert list(tmp_path.iterdir()) == []
+    killed = left_over(tmp_path / "smartinf-upload", "run")
+    killed.mkdir()
+    assert remove_leftovers(tmp_path) == [killed]
+
+
+def test_a_tokenizer_trained_again_removes_what_a_killed_training_staged(tmp_path):
+    from lightning_smartinf.hf.data import train_bpe_tokenizer
+
+    killed = left_over(tmp_path / "tokenizer")
+    killed.mkdir()
+    (killed / "tokenizer.json").write_text("{")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text to learn a vocabulary from.\n" * 40)
+    train_bpe_tokenizer([str(corpus)], tmp_path / "tokenizer", vocab_size=300)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "tokenizer"]

@@ -18,6 +18,9 @@ import re
 import secrets
 import shutil
 import socket
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -59,6 +62,20 @@ def remove_leftovers(directory: str | os.PathLike, name: str | None = None) -> l
             if not os.path.lexists(entry.path):
                 removed.append(Path(entry.path))
     return removed
+
+
+@contextmanager
+def scratch_directory(name: str, within: str | os.PathLike | None = None) -> Iterator[Path]:
+    """A new private (0700) directory of this process for ``name``'s scratch work in ``within`` (default: the system
+    temporary directory), named as :func:`temporary_path` names a run's; removed with everything in it on leaving.
+    One that a killed process left is removed by :func:`remove_leftovers` of ``within``: for the system temporary
+    directory, every run of the strategy does it (``remove_stale_temp_dirs``)."""
+    directory = temporary_path(Path(tempfile.gettempdir() if within is None else within) / name, "run")
+    directory.mkdir(mode=0o700)
+    try:
+        yield directory
+    finally:
+        remove_entry(directory, missing_ok=True)
 
 
 def remove_entry(path: str | os.PathLike, *, missing_ok: bool = False) -> None:

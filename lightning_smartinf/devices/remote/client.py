@@ -28,7 +28,6 @@ import os
 import random
 import shutil
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -57,6 +56,7 @@ from lightning_smartinf.core.format.state_files import (
 )
 from lightning_smartinf.core.io.checksum import CRC32C, file_checksum
 from lightning_smartinf.core.io.clone import clone_file
+from lightning_smartinf.core.io.leftovers import scratch_directory
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.placement import Placement, RoundRobin, check_assignment
 from lightning_smartinf.core.rules import StepParams
@@ -1013,14 +1013,9 @@ class RemoteBackend(LatchingBackend):
             self.traffic.add(link_write_bytes=size)
             state.path.unlink()
 
-        with tempfile.TemporaryDirectory(prefix="smartinf-upload-") as tmp:
+        with scratch_directory("smartinf-upload") as tmp:
             states = [
-                ShardState(
-                    spec,
-                    spec.layout(self.chunk_elems),
-                    Path(tmp) / f"{i}",
-                )
-                for i, spec in enumerate(self._specs)
+                ShardState(spec, spec.layout(self.chunk_elems), tmp / f"{i}") for i, spec in enumerate(self._specs)
             ]
             reshard.write(states, then=send)  # a failure here changed nothing on the servers
         for server in self._holding:

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 from filelock import FileLock
 
+from lightning_smartinf.core.io.leftovers import temporary_path
 from lightning_smartinf.devices.xrt.abi import (
     KERNEL_TYPES,
     STATE_PORTS,
@@ -216,7 +217,8 @@ class _DeviceState:
         self.ddr_bytes = ddr_bytes
         if dram_root is not None:
             Path(dram_root).mkdir(parents=True, exist_ok=True)
-        self.dram_dir = Path(tempfile.mkdtemp(prefix=f"smartinf-xrt-model-dev{index}-", dir=dram_root))
+        self.dram_dir = temporary_path(Path(dram_root or tempfile.gettempdir()) / f"smartinf-xrt-dev{index}", "run")
+        self.dram_dir.mkdir(mode=0o700)
         self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.dram_dir), True)
         self.ddr_used = 0
         self.counters = PathCounters()
