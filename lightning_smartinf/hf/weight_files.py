@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_smartinf.core.arguments import Problems
+from lightning_smartinf.core.format.safetensors_stream import safetensors_blocks
 from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
 from lightning_smartinf.core.io.storage import (
     disk_full_error,
@@ -32,6 +33,7 @@ from lightning_smartinf.core.io.storage import (
     fsync_dir,
     fsync_file,
     is_disk_full,
+    write_file_atomic,
 )
 from lightning_smartinf.core.progress import Progress
 
@@ -182,8 +184,7 @@ def write_weight_files(
                 shard = convert(shard)
             weight_map.update(dict.fromkeys(shard, file))
             if write:
-                _save_file(shard, stage / file, {"format": "pt"})
-                fsync_file(stage / file)
+                write_file_atomic(stage / file, safetensors_blocks(shard, metadata={"format": "pt"}))
                 assert progress is not None
                 progress.update(sum(sizes[name] for name in names))
             del shard
@@ -221,32 +222,9 @@ def require_room(directory: Path, what: str, nbytes: int, fix: str) -> None:
 
 
 def save_safetensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """``safetensors.torch.save_file`` through a temporary sibling renamed into place once forced to disk: ``path``
-    is the whole file or not there (a full disk leaves no truncated file to load)."""
-    tmp = temporary_path(path)
-    try:
-        _save_file(tensors, tmp, metadata)
-        fsync_file(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def _save_file(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """``safetensors.torch.save_file``, whose full disk (a ``SafetensorError`` naming the OS error) is an
-    ``OSError`` with its errno here, as every other write's."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
-    try:
-        save_file(tensors, str(path), metadata=metadata)
-    except SafetensorError as exc:
-        code = re.search(r"\(os error (\d+)\)", str(exc))
-        if code is None:
-            raise
-        raise OSError(int(code.group(1)), str(exc), str(path)) from exc
+    """``tensors`` as a safetensors file at ``path``, a block at a time through a temporary sibling renamed into place
+    once forced to disk: ``path`` is the whole file or not there (a full disk leaves no truncated file to load)."""
+    write_file_atomic(path, safetensors_blocks(tensors, metadata=metadata))
 
 
 def _install(stage: Path, out: Path, files: set[str]) -> None:

@@ -38,16 +38,19 @@ BLOCK_BYTES = 64 << 20
 
 
 def safetensors_blocks(
-    tensors: Mapping[str, Tensor | HostBuffer], dtypes: Collection[torch.dtype] = tuple(CODES)
+    tensors: Mapping[str, Tensor | HostBuffer],
+    dtypes: Collection[torch.dtype] = tuple(CODES),
+    metadata: Mapping[str, str] | None = None,
 ) -> Iterator[bytes | memoryview]:
-    """``tensors`` in the safetensors format, a block at a time: the header, then each tensor's bytes in order. A
-    :class:`HostBuffer`'s blocks are released once written (see ``host_buffer.py``).
+    """``tensors`` (and the header's ``__metadata__``, if given) in the safetensors format, a block at a time: the
+    header, then each tensor's bytes in order. A :class:`HostBuffer`'s blocks are released once written (see
+    ``host_buffer.py``).
 
     Raises:
         TypeError: a tensor's dtype is not one of ``dtypes``.
     """
     flats: dict[str, Tensor] = {}
-    header: dict[str, Any] = {}
+    header: dict[str, Any] = {} if metadata is None else {"__metadata__": dict(metadata)}
     offset = 0
     for name, value in tensors.items():
         tensor = (value if isinstance(value, Tensor) else value.tensor).detach().cpu().contiguous()
