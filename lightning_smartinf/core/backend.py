@@ -410,6 +410,7 @@ class LatchingBackend(Backend):
         #: Whether :meth:`submit` takes ``tentative=True``.
         self.tentative_slots = tentative_slots
         self._latched = FailureLatch()
+        self._closed = False
         #: Requests whose errors the host has not been told yet.
         self.pending_work = PendingWork()
         #: Shards holding a tentative update not yet committed or rolled back.
@@ -439,3 +440,24 @@ class LatchingBackend(Backend):
     def check_usable(self, method: str) -> None:
         """Raise before ``method`` runs if a device error stopped this backend (:attr:`failure`)."""
         self._latched.refuse(f"{type(self).__name__}.{method}")
+
+    def close(self, *, keep_claims: bool = False) -> None:
+        """Finish outstanding work (after a device error, :attr:`failure`, only release: that error is not raised
+        again), stop talking to the devices (:meth:`_close_devices`), then, without ``keep_claims``, release the
+        storage (:meth:`release_storage`). Closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.failure is None:
+                self.wait()
+        finally:
+            try:
+                self._close_devices()
+            finally:
+                if not keep_claims:
+                    self.release_storage()
+
+    def _close_devices(self) -> None:
+        """Release the threads and open files that serve the devices, once their work is done or given up on
+        (default: nothing to release)."""

@@ -71,9 +71,10 @@ def rank_device_dirs(
 ) -> tuple[list[Path], list[Path]]:
     """Create this rank's device directories (0700); return them and those the backend must remove at the end.
 
-    With ``settings.storage_paths=None`` that is one new temporary directory, owned (temporary directories of runs
-    that died are removed first, and logged). Otherwise this rank's storage paths (:func:`rank_share`) that do not
-    exist yet are created first (0700; logged), then ``smartinf/rank<global rank>`` in each, owned by none.
+    With ``settings.storage_paths=None`` that is one new temporary directory, owned (temporary and scratch
+    directories of processes that died are removed first, and logged). Otherwise this rank's storage paths
+    (:func:`rank_share`) that do not exist yet are created first (0700; logged), then ``smartinf/rank<global rank>``
+    in each, owned by none.
 
     Raises:
         ValueError: this rank gets no storage path (fewer paths than ranks per node).
@@ -82,7 +83,7 @@ def rank_device_dirs(
     """
     if settings.storage_paths is None:
         for stale in remove_stale_temp_dirs():
-            log.info(f"SmartUpdate removed {str(stale)!r}, the temporary device directory of a run that died")
+            log.info(f"SmartUpdate removed {str(stale)!r}, a temporary of a process that died")
         directory = make_temp_device_dir(global_rank)
         return [directory], [directory]
     mine = rank_share(settings.storage_paths, local_rank, ranks_per_node)

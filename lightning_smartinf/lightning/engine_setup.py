@@ -28,7 +28,6 @@ from lightning_smartinf.core.build import build_backend
 from lightning_smartinf.core.compression import check_sparse_supported
 from lightning_smartinf.core.controller import Partitions, SmartUpdate, SubGroup
 from lightning_smartinf.core.io.direct import IOEngine
-from lightning_smartinf.core.io.ownership import check_unclaimed
 from lightning_smartinf.core.io.storage import StorageError, make_private_dirs
 from lightning_smartinf.core.placement import rank_device_dirs
 from lightning_smartinf.core.registry import BuildContext
@@ -114,8 +113,6 @@ def rank_devices(place: RankPlace) -> tuple[list[Path], list[Path]]:
         )
     except ValueError as exc:  # a StorageError is no ValueError: it propagates as it is
         raise MisconfigurationException(str(exc)) from None
-    # Fails before DeepSpeed's set-up; the backend's claim, taken when it is built, is what holds them.
-    check_unclaimed(directories)
     check_node_memory_budget(place.settings, place.ranks_per_node)
     try:  # on this rank's own GPU, now that Lightning chose it
         check_accelerator_budget(place.settings.state_accelerator_budget, place.device)

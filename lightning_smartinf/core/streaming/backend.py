@@ -169,7 +169,6 @@ class StreamingBackend(LatchingBackend):
         self._owned_dirs = [Path(d) for d in owned_dirs]
         self._shards: list[Shard] = []
         self.devices: list[StreamingDevice] = []
-        self._closed = False
         #: How the last :meth:`save` moved the state files (bytes cloned, copied, checksummed); ``None`` before one.
         self.last_save: SaveStats | None = None
         # One owner per directory: claimed before any file in them is created or truncated, held until `close`.
@@ -826,35 +825,18 @@ class StreamingBackend(LatchingBackend):
             for shard in on_disk:
                 shard.files = tuple(StateFile(f.path, shard.layout.file_bytes, create=False) for f in shard.files)
 
-    def close(self, *, keep_claims: bool = False) -> None:
-        """Finish outstanding work and release buffers, threads and temporary storage.
-
-        After a device error (:attr:`failure`) it only releases: it does not raise that error again, and waits at
-        most ``device_timeout_s`` per device for threads a hung transfer holds (then leaves them behind).
-
-        ``keep_claims``: keep owning the device directories (and the temporary ones, with the state in them) until
-        :meth:`release_storage`, so that :meth:`save` can still copy the final state. Without it they are released
-        now, and a later :meth:`save` claims them again for the copy. Closing again does nothing.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self.failure is None:
-                self.wait()
-        finally:
-            try:
-                # A device whose transfer still hangs keeps its files open: a piece not yet started must not reach
-                # another file through a reused descriptor.
-                hung = {device.index for device in self.devices if not device.close(self.device_timeout_s)}
-                for shard in self._shards:
-                    if self.assignment[shard.spec.index] in hung:
-                        continue
-                    for file in shard.files:
-                        file.close()
-            finally:
-                if not keep_claims:
-                    self.release_storage()
+    def _close_devices(self) -> None:
+        """Stop the devices' threads, waiting at most ``device_timeout_s`` per device for threads a hung transfer holds
+        (then leaving them behind), and close the state files. (``close(keep_claims=True)`` keeps the device
+        directories, and temporary ones with the state in them, until :meth:`release_storage`; a later :meth:`save`
+        without it claims them again for the copy.)"""
+        # A device whose transfer still hangs keeps its files open: a piece not yet started must not reach another
+        # file through a reused descriptor.
+        hung = {device.index for device in self.devices if not device.close(self.device_timeout_s)}
+        for shard in self._shards:
+            if self.assignment[shard.spec.index] not in hung:
+                for file in shard.files:
+                    file.close()
 
     def release_storage(self) -> None:
         """Give up the device directories: the owned (temporary) ones are removed first, while still held.

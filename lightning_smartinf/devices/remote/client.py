@@ -651,7 +651,6 @@ class RemoteBackend(LatchingBackend):
         # One AcceleratorCopies per calling thread: a link's staging slots belong to one worker.
         self._links = threading.local()
         self._all_links: list[AcceleratorCopies] = []
-        self._closed = False
         self._released = False
 
     # ---------------------------------------------------------------------------------------------- views
@@ -1024,21 +1023,9 @@ class RemoteBackend(LatchingBackend):
             except StorageError as exc:
                 raise self.latch_error(exc) from None
 
-    def close(self, *, keep_claims: bool = False) -> None:
-        """Finish outstanding work; with ``keep_claims`` the sessions (and the state in them) stay open on the servers
-        until :meth:`release_storage`, so that :meth:`save` can still copy the final state."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self.failure is None:
-                self.wait()
-        finally:
-            if not keep_claims:
-                self.release_storage()
-
     def release_storage(self) -> None:
-        """Close the sessions (their state is removed from the servers; checkpoints stay) and the channels."""
+        """Close the sessions (their state is removed from the servers; checkpoints stay) and the channels:
+        ``close(keep_claims=True)`` leaves them open until this, so that :meth:`save` can still copy the final state."""
         if self._released:
             return
         self._released = True
