@@ -441,6 +441,11 @@ class LatchingBackend(Backend):
         """Raise before ``method`` runs if a device error stopped this backend (:attr:`failure`)."""
         self._latched.refuse(f"{type(self).__name__}.{method}")
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (the storage may still be claimed: ``keep_claims``)."""
+        return self._closed
+
     def close(self, *, keep_claims: bool = False) -> None:
         """Finish outstanding work (after a device error, :attr:`failure`, only release: that error is not raised
         again), stop talking to the devices (:meth:`_close_devices`), then, without ``keep_claims``, release the

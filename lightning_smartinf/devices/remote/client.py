@@ -666,7 +666,7 @@ class RemoteBackend(LatchingBackend):
 
     def check_usable(self, what: str) -> None:
         super().check_usable(what)
-        if self._released or (self._closed and what not in ("save", "read_master")):
+        if self._released or (self.closed and what not in ("save", "read_master")):
             raise RuntimeError(f"`{what}` on a closed RemoteBackend.")
 
     # ---------------------------------------------------------------------------------------------- set-up
