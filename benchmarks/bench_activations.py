@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_smartinf.activations import ActivationOffloader
+from lightning_smartinf.activations import SavedTensorOffloader
 from lightning_smartinf.activations.costs import offload_overhead
 from lightning_smartinf.activations.tuning import MEASURE_AT, MEASURE_COUNT, RECHECK_COUNT, tune
 from lightning_smartinf.core.io.direct import supports_direct_io
@@ -125,7 +125,7 @@ _CLOCKS = (
 )
 
 
-def run_step(model: nn.Module, off: ActivationOffloader | None, x: torch.Tensor, y: torch.Tensor) -> None:
+def run_step(model: nn.Module, off: SavedTensorOffloader | None, x: torch.Tensor, y: torch.Tensor) -> None:
     model.zero_grad(set_to_none=True)
     if off is None:
         nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
@@ -138,7 +138,7 @@ def run_step(model: nn.Module, off: ActivationOffloader | None, x: torch.Tensor,
 
 
 def profile_step(
-    model: nn.Module, off: ActivationOffloader | None, x: torch.Tensor, y: torch.Tensor, disk: DiskCounters
+    model: nn.Module, off: SavedTensorOffloader | None, x: torch.Tensor, y: torch.Tensor, disk: DiskCounters
 ) -> dict[str, float]:
     """One timed step: wall seconds, and what the process, the disk and the offloader did during it."""
     clocks = {k: getattr(off.stats, k) for k in _CLOCKS} if off is not None else {}
@@ -164,7 +164,7 @@ def summarize(rows: list[dict[str, float]], cores: int) -> dict[str, float]:
     return out
 
 
-def gpu_prediction(shape: dict[str, int], off: ActivationOffloader, profile_name: str) -> dict[str, Any]:
+def gpu_prediction(shape: dict[str, int], off: SavedTensorOffloader, profile_name: str) -> dict[str, Any]:
     """What the cost model predicts for this model on a GPU: layer times from its FLOPs at the profile's sustained
     rate, the layers' saved bytes and the disk rates measured here, and no CPU cost (compute is not on the host)."""
     profile = load_profile(profile_name)
@@ -234,9 +234,9 @@ def main() -> None:  # noqa: PLR0915 - one linear script
         options["threshold_bytes"] = args.threshold
     if args.budget_mib is not None:
         options["max_inflight_bytes"] = args.budget_mib << 20
-    runs: dict[str, tuple[nn.Module, ActivationOffloader | None]] = {"plain": (make(), None)}
-    runs["resident"] = (m := make(), ActivationOffloader([path], enabled=False).attach(m))
-    runs["offload"] = (m := make(), ActivationOffloader([path], **options).attach(m))
+    runs: dict[str, tuple[nn.Module, SavedTensorOffloader | None]] = {"plain": (make(), None)}
+    runs["resident"] = (m := make(), SavedTensorOffloader([path], enabled=False).attach(m))
+    runs["offload"] = (m := make(), SavedTensorOffloader([path], **options).attach(m))
     # Settings left to the offloader are chosen after its first micro-batches and re-checked once over the next
     # ones (which pause offload every other micro-batch): time only what it settles on.
     model, off = runs["offload"]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_smartinf.core import Backend, StepParams, TrafficSnapshot
-    from lightning_smartinf.core.controller import SmartUpdate
+    from lightning_smartinf.core.controller import SmartUpdateController
     from lightning_smartinf.core.settings import SmartUpdateSettings
     from lightning_smartinf.devices.cpu import CpuBackend
     from lightning_smartinf.lightning.activation_offload import ActivationOffload
@@ -44,7 +44,7 @@ _PUBLIC = {
     "CpuBackend": "lightning_smartinf.devices.cpu",
     "SmartInfinityPrecision": "lightning_smartinf.lightning.precision",
     "SmartInfinityStrategy": "lightning_smartinf.lightning.strategy",
-    "SmartUpdate": "lightning_smartinf.core.controller",
+    "SmartUpdateController": "lightning_smartinf.core.controller",
     "SmartUpdateMonitor": "lightning_smartinf.lightning.callbacks",
     "SmartUpdateSettings": "lightning_smartinf.core.settings",
     "StepParams": "lightning_smartinf.core",
@@ -60,7 +60,7 @@ __all__ = [
     "CpuBackend",
     "SmartInfinityPrecision",
     "SmartInfinityStrategy",
-    "SmartUpdate",
+    "SmartUpdateController",
     "SmartUpdateMonitor",
     "SmartUpdateSettings",
     "StepParams",
@@ -89,11 +89,21 @@ _MOVED = {
     "lightning_smartinf.devices.xrt.model": "lightning_smartinf.devices.xrt.software_xrt",
 }
 
+#: Public names that were renamed -> their names now (the old ones still resolve, with a ``DeprecationWarning``).
+_RENAMED = {"SmartUpdate": "SmartUpdateController"}
+
 #: Where Lightning keeps its strategy registry.
 _REGISTRY_MODULE = "lightning.pytorch.strategies"
 
 
 def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        warnings.warn(
+            f"`lightning_smartinf.{name}` is now `{_RENAMED[name]}`; the old name will be removed in a later version.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return __getattr__(_RENAMED[name])
     module = _PUBLIC.get(name)
     if module is not None:
         value = getattr(importlib.import_module(module), name)

@@ -16,7 +16,7 @@ from helpers.leftovers import dead_pid, left_over
 from helpers.models import SEQ, VOCAB, LMModule, TinyGPT, adamw_factory, fit
 from torch import nn
 
-from lightning_smartinf.activations import ActivationOffloader, find_layers, tuning
+from lightning_smartinf.activations import SavedTensorOffloader, find_layers, tuning
 from lightning_smartinf.activations import offload as offload_mod
 from lightning_smartinf.activations.costs import PREDICTION_MARGIN
 from lightning_smartinf.activations.spill import SPILL_FILE_NAME
@@ -41,7 +41,7 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
 
 
-def _grads(offloader: ActivationOffloader | None, micro_batches: int = 2, **model_kwargs) -> dict[str, torch.Tensor]:
+def _grads(offloader: SavedTensorOffloader | None, micro_batches: int = 2, **model_kwargs) -> dict[str, torch.Tensor]:
     """Gradient accumulation over ``micro_batches`` forward/backward passes, with or without offload."""
     torch.manual_seed(0)
     model = TinyGPT(**model_kwargs)
@@ -57,7 +57,7 @@ def _grads(offloader: ActivationOffloader | None, micro_batches: int = 2, **mode
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _assert_clean(offloader: ActivationOffloader) -> None:
+def _assert_clean(offloader: SavedTensorOffloader) -> None:
     """No record is left: nothing in memory, nothing in the spill files (which stay, for the next micro-batch)."""
     assert {f.name for f in offloader.files()} <= {SPILL_FILE_NAME}
     assert offloader.stats.resident_bytes == 0
@@ -68,7 +68,7 @@ def _assert_clean(offloader: ActivationOffloader) -> None:
 def test_gradients_bitwise_identical_with_accumulation(tmp_path, budget):
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     reference = _grads(None, dim=64, layers=4)
-    off = ActivationOffloader(
+    off = SavedTensorOffloader(
         [tmp_path / "a", tmp_path / "b"], threshold_bytes=4096, keep_last=1, max_inflight_bytes=budget
     )
     parents = set()
@@ -94,7 +94,7 @@ def test_memory_reduced_and_keep_last_ordering(tmp_path):
         "k1": dict(keep_last=1),
         "k4": dict(keep_last=4),
     }.items():
-        off = ActivationOffloader([tmp_path], threshold_bytes=4096, max_inflight_bytes=1 << 16, **kwargs)
+        off = SavedTensorOffloader([tmp_path], threshold_bytes=4096, max_inflight_bytes=1 << 16, **kwargs)
         _grads(off, micro_batches=1, dim=64, layers=4)
         peaks[label], offloaded[label] = off.stats.peak_resident_bytes, off.stats.tensors_offloaded
         _assert_clean(off)
@@ -106,7 +106,7 @@ def test_memory_reduced_and_keep_last_ordering(tmp_path):
 
 def test_dedup_by_storage_and_forwarding(tmp_path):
     """One tensor saved by two nodes (and through a view) is written once; a pending write is forwarded, not read."""
-    off = ActivationOffloader([tmp_path], threshold_bytes=0)
+    off = SavedTensorOffloader([tmp_path], threshold_bytes=0)
     gate = threading.Event()
     real_write = off._io.write
 
@@ -131,7 +131,7 @@ def test_dedup_by_storage_and_forwarding(tmp_path):
 
 def test_backpressure_bounds_inflight_bytes(tmp_path):
     budget = 1 << 15
-    off = ActivationOffloader([tmp_path], threshold_bytes=4096, max_inflight_bytes=budget)
+    off = SavedTensorOffloader([tmp_path], threshold_bytes=4096, max_inflight_bytes=budget)
     seen = []
     real_write, real_read = off._io.write, off._io.read
     off._io.write = lambda f, b, o: (seen.append(off._inflight), real_write(f, b, o))
@@ -146,7 +146,7 @@ def test_backpressure_bounds_inflight_bytes(tmp_path):
 def test_no_file_left_after_exception_in_backward(tmp_path):
     torch.manual_seed(0)
     model = TinyGPT(dim=64, layers=4)
-    off = ActivationOffloader([tmp_path], threshold_bytes=4096, keep_last=0).attach(model)
+    off = SavedTensorOffloader([tmp_path], threshold_bytes=4096, keep_last=0).attach(model)
 
     def boom(grad):
         raise RuntimeError("boom in backward")
@@ -172,7 +172,7 @@ def test_stale_dir_of_dead_process_removed(tmp_path):
     for d in (stale, alive, other_host):
         d.mkdir(parents=True)
         (d / "3.act").write_bytes(b"x" * 10)
-    off = ActivationOffloader([tmp_path])
+    off = SavedTensorOffloader([tmp_path])
     assert not stale.exists() and alive.exists() and other_host.exists()
     assert oct(os.stat(off.run_dirs[0]).st_mode & 0o777) == "0o700"
     assert oct(os.stat(root).st_mode & 0o777) == "0o700"
@@ -182,7 +182,7 @@ def test_stale_dir_of_dead_process_removed(tmp_path):
 @pytest.mark.parametrize(("arg", "value"), [("threshold_bytes", -1), ("keep_last", -2), ("max_inflight_bytes", 0)])
 def test_bad_arguments_name_the_argument(tmp_path, arg, value):
     with pytest.raises(ValueError, match=arg):
-        ActivationOffloader([tmp_path], **{arg: value})
+        SavedTensorOffloader([tmp_path], **{arg: value})
     with pytest.raises(ValueError, match=arg):
         ActivationOffload(storage_paths=[tmp_path], **{arg: value})
 
@@ -202,7 +202,7 @@ def test_model_without_layers_falls_back_to_size_only(tmp_path):
         return [p.grad for p in model.parameters()]
 
     assert find_layers(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == []
-    off = ActivationOffloader([tmp_path], threshold_bytes=4096, keep_last=3)
+    off = SavedTensorOffloader([tmp_path], threshold_bytes=4096, keep_last=3)
     ours = run(off)
     assert all(torch.equal(a, b) for a, b in zip(ours, run(None)))
     assert off.stats.tensors_offloaded >= 2  # keep_last is ignored without layers
@@ -221,7 +221,7 @@ def test_storage_full_is_a_clear_error_and_leaves_nothing(tmp_path, monkeypatch)
     torch.manual_seed(0)
     model = TinyGPT(dim=64, layers=4)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    off = ActivationOffloader([tmp_path], threshold_bytes=4096, keep_last=0).attach(model)
+    off = SavedTensorOffloader([tmp_path], threshold_bytes=4096, keep_last=0).attach(model)
     with pytest.raises(StorageError, match="No space left on the filesystem"), off:
         _loss(model, _batch()).backward()
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
@@ -238,7 +238,7 @@ def test_a_real_full_disk_stops_the_step_with_one_error(tmp_path, ext4_fs):
     torch.manual_seed(0)
     model = TinyGPT(dim=64, layers=4)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    off = ActivationOffloader([fs / "spill"], threshold_bytes=4096, keep_last=0).attach(model)
+    off = SavedTensorOffloader([fs / "spill"], threshold_bytes=4096, keep_last=0).attach(model)
     with (
         pytest.raises(
             StorageError,
@@ -300,7 +300,7 @@ def test_with_activation_checkpointing(tmp_path, reentrant):
         return {n: p.grad for n, p in model.named_parameters()}
 
     reference = run(None)
-    off = ActivationOffloader([tmp_path], threshold_bytes=4096, keep_last=0)
+    off = SavedTensorOffloader([tmp_path], threshold_bytes=4096, keep_last=0)
     ours = run(off)
     assert all(torch.equal(ours[n], reference[n]) for n in reference)
     assert off.stats.tensors_offloaded > 0
@@ -313,7 +313,7 @@ def test_with_activation_checkpointing(tmp_path, reentrant):
 
 def test_spill_file_reused_every_micro_batch_and_bounded(tmp_path):
     """Records of every micro-batch go to one spill file per path, from offset 0 again: its size stops growing."""
-    off = ActivationOffloader([tmp_path], threshold_bytes=4096, keep_last=0, max_inflight_bytes=1 << 16)
+    off = SavedTensorOffloader([tmp_path], threshold_bytes=4096, keep_last=0, max_inflight_bytes=1 << 16)
     torch.manual_seed(0)
     model = TinyGPT(dim=64, layers=4)
     off.attach(model)
@@ -349,7 +349,7 @@ def test_graph_kept_across_micro_batches_is_not_overwritten(tmp_path):
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
     reference = losses(None)
-    off = ActivationOffloader([tmp_path], threshold_bytes=4096, keep_last=0, max_inflight_bytes=1 << 16)
+    off = SavedTensorOffloader([tmp_path], threshold_bytes=4096, keep_last=0, max_inflight_bytes=1 << 16)
     ours = losses(off)
     assert all(torch.equal(ours[n], reference[n]) for n in reference)
     assert off.stats.bytes_read > 0
@@ -381,7 +381,7 @@ def test_unaligned_and_permuted_tensors_come_back_exactly(tmp_path, dtype):
     base = torch.randn(3 * 4096 + 7).to(dtype)
     cube = torch.randn(8, 16, 33).to(dtype)
     cases = [(base, base[5:]), (base, base[: 4096 + 3]), (cube, cube.permute(2, 0, 1))]
-    off = ActivationOffloader([tmp_path], threshold_bytes=0, keep_last=0)
+    off = SavedTensorOffloader([tmp_path], threshold_bytes=0, keep_last=0)
     heads = set()
     for whole, part in cases:
         leaf = whole.clone().requires_grad_()
@@ -401,7 +401,7 @@ def test_unaligned_and_permuted_tensors_come_back_exactly(tmp_path, dtype):
 
 def test_write_overtaken_by_backward_is_skipped(tmp_path):
     """A write that has not started when backward begins is never done: the tensor stays in memory for backward."""
-    off = ActivationOffloader([tmp_path], threshold_bytes=4096, keep_last=0, io_threads=1)
+    off = SavedTensorOffloader([tmp_path], threshold_bytes=4096, keep_last=0, io_threads=1)
     gate = threading.Event()
     real_write = off._io.write
 
@@ -426,7 +426,7 @@ def test_write_overtaken_by_backward_is_skipped(tmp_path):
 
 
 def test_read_buffers_come_back_to_the_pool(tmp_path):
-    off = ActivationOffloader([tmp_path], threshold_bytes=4096, keep_last=0, max_inflight_bytes=1 << 20)
+    off = SavedTensorOffloader([tmp_path], threshold_bytes=4096, keep_last=0, max_inflight_bytes=1 << 20)
     _grads(off, micro_batches=3, dim=64, layers=4)
     s = off.stats
     assert s.pooled_reads > 0
@@ -463,7 +463,7 @@ def test_settings_left_to_none_are_chosen_from_measurements(tmp_path, caplog):
         return grads
 
     reference = run(None)
-    off = ActivationOffloader([tmp_path])
+    off = SavedTensorOffloader([tmp_path])
     with caplog.at_level("INFO", logger="lightning_smartinf.activations.offload"):
         ours = run(off)
     for mine, theirs in zip(ours, reference):
@@ -489,12 +489,12 @@ def test_settings_left_to_none_are_chosen_from_measurements(tmp_path, caplog):
     off.close()
 
     # A setting the user gives is kept; the others are still chosen.
-    off = ActivationOffloader([tmp_path], keep_last=3)
+    off = SavedTensorOffloader([tmp_path], keep_last=3)
     run(off)
     assert off.tuning is not None and off.keep_last == 3 and off.tuning.keep_last == 3
     off.close()
     # All given: kept as given, measured against the budget (a warning where they are predicted to break it).
-    off = ActivationOffloader([tmp_path], threshold_bytes=1 << 20, keep_last=1, max_inflight_bytes=1 << 26)
+    off = SavedTensorOffloader([tmp_path], threshold_bytes=1 << 20, keep_last=1, max_inflight_bytes=1 << 26)
     run(off)
     assert off.tuning is not None and off.tuning.given and (off.threshold_bytes, off.keep_last) == (1 << 20, 1)
     assert off.max_inflight_bytes == 1 << 26 and off.measured_overhead is None  # given settings are not re-checked
@@ -512,13 +512,13 @@ def test_settings_left_to_none_are_chosen_from_measurements(tmp_path, caplog):
 )
 def test_automatic_settings_bad_input(tmp_path, arg, value, match):
     with pytest.raises(ValueError, match=match):
-        ActivationOffloader([tmp_path], **{arg: value})
+        SavedTensorOffloader([tmp_path], **{arg: value})
     with pytest.raises(ValueError, match=arg):
         ActivationOffload(storage_paths=[tmp_path], **{arg: value})
 
 
 def test_huge_settings_keep_everything_in_memory(tmp_path):
-    off = ActivationOffloader([tmp_path], threshold_bytes=2**62, keep_last=2**40, max_inflight_bytes=2**62)
+    off = SavedTensorOffloader([tmp_path], threshold_bytes=2**62, keep_last=2**40, max_inflight_bytes=2**62)
     reference = _grads(None, micro_batches=1, dim=64, layers=4)
     ours = _grads(off, micro_batches=1, dim=64, layers=4)
     assert all(torch.equal(ours[n], reference[n]) for n in reference)
@@ -541,7 +541,7 @@ def test_callback_with_temporary_strategy_storage(tmp_path):
     assert mine == []
 
 
-def _measured_run(off: ActivationOffloader, batches: int) -> None:
+def _measured_run(off: SavedTensorOffloader, batches: int) -> None:
     torch.manual_seed(0)
     model = TinyGPT(dim=256, layers=4)
     off.attach(model)
@@ -553,7 +553,7 @@ def _measured_run(off: ActivationOffloader, batches: int) -> None:
 
 def test_given_settings_that_break_the_budget_are_kept_and_said(tmp_path, caplog):
     """A budget no offload can keep (0.01%), settings given: they stay, with one warning naming the budget."""
-    off = ActivationOffloader(
+    off = SavedTensorOffloader(
         [tmp_path], threshold_bytes=4096, keep_last=0, max_inflight_bytes=1 << 20, overhead_budget=1e-4
     )
     with caplog.at_level("INFO", logger="lightning_smartinf.activations.offload"):
@@ -565,7 +565,7 @@ def test_given_settings_that_break_the_budget_are_kept_and_said(tmp_path, caplog
 
 
 def test_a_budget_nothing_can_keep_offloads_nothing_and_says_so(tmp_path, caplog):
-    off = ActivationOffloader([tmp_path], overhead_budget=1e-9)
+    off = SavedTensorOffloader([tmp_path], overhead_budget=1e-9)
     with caplog.at_level("INFO", logger="lightning_smartinf.activations.offload"):
         _measured_run(off, tuning.MEASURE_AT + tuning.MEASURE_COUNT + 1)
     assert off.tuning is not None and off.tuning.offloads_nothing and off.keep_last == len(off.layers)
@@ -582,7 +582,7 @@ def test_the_choice_is_rechecked_once_against_the_measured_steps(tmp_path, caplo
     prediction by more than half the budget, the choice is made again with the difference charged to each offloaded
     byte (less leaves memory), once; below it, the choice stays (a cheap-looking step is no room to offload more)."""
     budget = 10.0  # a budget any machine keeps while offloading something
-    off = ActivationOffloader([tmp_path], overhead_budget=budget)
+    off = SavedTensorOffloader([tmp_path], overhead_budget=budget)
     _measured_run(off, tuning.MEASURE_AT + tuning.MEASURE_COUNT - 1)
     chosen = off.tuning
     assert chosen is not None and off.measured_overhead is None and chosen.predicted.offloaded_bytes > 0
@@ -620,4 +620,4 @@ def test_the_choice_is_rechecked_once_against_the_measured_steps(tmp_path, caplo
 @pytest.mark.parametrize("budget", [0, -0.1, "10%", None, float("nan"), True])
 def test_a_bad_overhead_budget_is_refused_naming_it(tmp_path, budget):
     with pytest.raises(ValueError, match=r"overhead_budget=.*\(the share of the step activation offload may add"):
-        ActivationOffloader([tmp_path], overhead_budget=budget)
+        SavedTensorOffloader([tmp_path], overhead_budget=budget)

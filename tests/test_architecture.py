@@ -543,6 +543,38 @@ def test_a_moved_module_imports_by_its_old_name_with_a_warning() -> None:
     assert demo.returncode == 0 and "usage: smartinf demo" in demo.stdout, demo.stderr[-2000:]
 
 
+#: Renamed public names: (module, old name, new name).
+RENAMED = [
+    ("lightning_smartinf", "SmartUpdate", "SmartUpdateController"),
+    ("lightning_smartinf.core.controller", "SmartUpdate", "SmartUpdateController"),
+    ("lightning_smartinf.core.placement", "Tiered", "TieredPlacement"),
+    ("lightning_smartinf.activations", "ActivationOffloader", "SavedTensorOffloader"),
+    ("lightning_smartinf.activations.offload", "ActivationOffloader", "SavedTensorOffloader"),
+]
+
+
+def test_a_renamed_public_name_imports_by_its_old_name_with_a_warning() -> None:
+    """``from module import Old`` gives the object named ``New`` now, with a warning naming both, in a fresh
+    interpreter; a name that never was is still an ImportError."""
+    code = (
+        "import importlib, warnings\n"
+        f"for module, old, new in {RENAMED!r}:\n"
+        "    with warnings.catch_warnings(record=True) as caught:\n"
+        "        warnings.simplefilter('always', DeprecationWarning)\n"
+        "        value = getattr(importlib.import_module(module), old)\n"
+        "    assert value is getattr(importlib.import_module(module), new), (module, old)\n"
+        "    assert [str(w.message) for w in caught if new in str(w.message) and old in str(w.message)], caught\n"
+        "    try:\n"
+        "        exec(f'from {module} import NeverWas')\n"
+        "    except ImportError:\n"
+        "        pass\n"
+        "    else:\n"
+        "        raise AssertionError(module)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_python_m_of_a_moved_name_runs_with_the_modules_file_as_argv0() -> None:
     """``python -m lightning_smartinf.demo`` (the old name) runs with ``sys.argv[0]`` the moved module's file, as

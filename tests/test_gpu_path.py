@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.overrides import TorchFunctionMode
 
 from lightning_smartinf import SmartInfinityStrategy
-from lightning_smartinf.activations import ActivationOffloader
+from lightning_smartinf.activations import SavedTensorOffloader
 from lightning_smartinf.core.accelerator import PinnedRing, bind_thread, thread_device
 from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.io.direct import StateFile, ThreadedIO
@@ -232,7 +232,7 @@ def test_every_thread_of_a_device_runs_on_the_device_of_the_thread_that_built_it
 def test_activation_offload_threads_run_on_the_device_of_each_tensor(tmp_path) -> None:
     """One pool serves every tensor: each write and read binds its thread to the tensor's own device first."""
     model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(3)))
-    offloader = ActivationOffloader([tmp_path], threshold_bytes=1024, keep_last=0).attach(model)
+    offloader = SavedTensorOffloader([tmp_path], threshold_bytes=1024, keep_last=0).attach(model)
     bound: set[torch.device | None] = set()
     write, read = offloader._write, offloader._read
 

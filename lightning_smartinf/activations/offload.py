@@ -1,6 +1,6 @@
 """Activation offload to storage (after SSDTrain): the Lightning-free core.
 
-:class:`ActivationOffloader` installs ``torch.autograd.graph.saved_tensors_hooks``. During forward, the pack
+:class:`SavedTensorOffloader` installs ``torch.autograd.graph.saved_tensors_hooks``. During forward, the pack
 hook hands every saved activation above ``threshold_bytes`` to a writer thread, which writes it into the spill file
 of one of the storage paths (striped round-robin; :mod:`~lightning_smartinf.activations.spill`). A CPU tensor is
 written from where it lies, with ``O_DIRECT`` over the whole pages it spans (no copy); a GPU tensor goes through a
@@ -78,8 +78,9 @@ from lightning_smartinf.core.io.storage import (
     is_disk_full,
     validate_storage_path,
 )
+from lightning_smartinf.core.renamed import old_names
 
-__all__ = ["ActivationOffloader", "OffloadStats", "find_layers", "cleanup_stale_dirs", "ROOT_DIR_NAME"]
+__all__ = ["SavedTensorOffloader", "OffloadStats", "find_layers", "cleanup_stale_dirs", "ROOT_DIR_NAME"]
 
 ROOT_DIR_NAME = "smartinf-activations"
 log = logging.getLogger(__name__)
@@ -224,7 +225,7 @@ def cleanup_stale_dirs(storage_path: str | os.PathLike) -> list[Path]:
 
 
 def check_arguments(problems: Problems, arguments: Mapping[str, Any]) -> None:
-    """Check those of the offload settings (of :class:`ActivationOffloader` and of the Lightning callback
+    """Check those of the offload settings (of :class:`SavedTensorOffloader` and of the Lightning callback
     ``ActivationOffload``) that ``arguments`` holds. ``None`` leaves ``threshold_bytes``, ``keep_last`` and
     ``max_inflight_bytes`` to :func:`~lightning_smartinf.activations.tuning.tune`, and ``storage_paths`` to the
     callback, which takes the strategy's."""
@@ -244,12 +245,12 @@ def check_arguments(problems: Problems, arguments: Mapping[str, Any]) -> None:
         problems.number("overhead_budget", arguments["overhead_budget"], low=0, high=10, above=True, why=why)
 
 
-class ActivationOffloader:
+class SavedTensorOffloader:
     """Offload saved activations to files on ``storage_paths`` during forward, read them back during backward.
 
     Use as a context manager around forward *and* backward of one micro-batch::
 
-        off = ActivationOffloader([path], threshold_bytes=1 << 20).attach(model)
+        off = SavedTensorOffloader([path], threshold_bytes=1 << 20).attach(model)
         with off:
             loss = model(x).sum()
             loss.backward()
@@ -284,7 +285,7 @@ class ActivationOffloader:
         enabled: bool = True,
         overhead_budget: float = OVERHEAD_BUDGET,
     ) -> None:
-        problems = Problems("ActivationOffloader")
+        problems = Problems("SavedTensorOffloader")
         paths = problems.paths("storage_paths", storage_paths) or []  # `[]` only when a line was added
         self._requested = {
             "threshold_bytes": threshold_bytes,
@@ -359,13 +360,13 @@ class ActivationOffloader:
         self._closed = False
 
     # ----------------------------------------------------------------------------------------------- setup
-    def attach(self, model: nn.Module, layers: Sequence[nn.Module] | None = None) -> ActivationOffloader:
+    def attach(self, model: nn.Module, layers: Sequence[nn.Module] | None = None) -> SavedTensorOffloader:
         """Find (or take) the model's layers and register forward hooks that track which layer is running."""
         self.detach()
         self._layers = list(layers) if layers is not None else find_layers(model)
         if not self._layers:
             warnings.warn(
-                f"ActivationOffloader found no repeated layers in {type(model).__name__} (a ModuleList/Sequential of "
+                f"SavedTensorOffloader found no repeated layers in {type(model).__name__} (a ModuleList/Sequential of "
                 "same-type modules with parameters); falling back to a size-only policy: every saved tensor of at "
                 f"least `threshold_bytes={self.threshold_bytes}` is offloaded and `keep_last` is ignored. Pass "
                 "`layers=` to attach() to name the layers.",
@@ -415,7 +416,7 @@ class ActivationOffloader:
         return list(self._dirs)
 
     # ------------------------------------------------------------------------------------ context manager
-    def __enter__(self) -> ActivationOffloader:
+    def __enter__(self) -> SavedTensorOffloader:
         self.begin()
         return self
 
@@ -425,7 +426,7 @@ class ActivationOffloader:
     def begin(self) -> None:
         """Start one micro-batch: install the hooks (forward and backward must both run before :meth:`end`)."""
         if self._closed:
-            raise RuntimeError("This ActivationOffloader is closed; create a new one.")
+            raise RuntimeError("This SavedTensorOffloader is closed; create a new one.")
         if self._ctx is not None:
             return
         self._cur_layer = -1
@@ -864,7 +865,7 @@ class ActivationOffloader:
         if handle.used:
             raise RuntimeError(
                 "A saved activation was unpacked twice (backward with `retain_graph=True`, or double backward); "
-                "ActivationOffloader frees each activation after its first use. Disable activation offload for "
+                "SavedTensorOffloader frees each activation after its first use. Disable activation offload for "
                 "this model or run backward once per forward."
             )
         with self._cond:
@@ -995,3 +996,7 @@ class ActivationOffloader:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+#: Renamed; the old name still resolves, with a ``DeprecationWarning``.
+__getattr__ = old_names(__name__, {"ActivationOffloader": "SavedTensorOffloader"})

@@ -154,7 +154,7 @@ def tune(
     :data:`BUDGET_LAYERS` (at least :data:`MIN_BUDGET`). The choice: of those predicted to cost at most
     :data:`~lightning_smartinf.activations.costs.PREDICTION_MARGIN` of ``budget``, the one that leaves the least in
     memory; where none does (only when the user fixed some settings), the cheapest. ``extra_s_per_byte``: seconds a
-    step was measured to add per offloaded byte beyond the model's prediction (:meth:`ActivationOffloader` re-checks
+    step was measured to add per offloaded byte beyond the model's prediction (:meth:`SavedTensorOffloader` re-checks
     its choice once against the measured step).
     """
     largest = max((n for layer in sizes for n in layer), default=0)

@@ -1,4 +1,4 @@
-"""``SmartUpdate``: the optimizer step of a data-parallel engine, run by near-storage devices.
+"""``SmartUpdateController``: the optimizer step of a data-parallel engine, run by near-storage devices.
 
 The controller owns what the devices' update needs beyond one request: the backend and where shards live, the
 hyperparameters of each step, the compression residual, the bookkeeping of updates handed off during backward, the
@@ -10,14 +10,15 @@ Invariants:
 
 - Sub-group ``i`` is backend shard ``i``; its gradient is the slice of :attr:`Partitions.grad_buffer` that starts at
   the sum of the earlier sub-groups' sizes.
-- An overflowing or non-finite step (:meth:`SmartUpdate.skip_step`) submits nothing: device state is untouched, and
-  so is the residual.
+- An overflowing or non-finite step (:meth:`SmartUpdateController.skip_step`) submits nothing: device state is
+  untouched, and so is the residual.
 - With compression and error feedback, ``residual + what was sent`` equals the sum of all gradients so far (in the
   current loss scale's units): the residual is added before selection and cleared where sent.
 - Early hand-off: a sub-group whose every gradient partition on this rank is final goes to its device during backward
-  as a *tentative* update, with the hyperparameters as they stand and no clipping. :meth:`SmartUpdate.step` keeps it
-  only if it is exactly the update the step would submit (same hyperparameters and scale, no gradient reduced again);
-  otherwise it is rolled back and redone, so the result is always the one a step without hand-off gives.
+  as a *tentative* update, with the hyperparameters as they stand and no clipping. :meth:`SmartUpdateController.step`
+  keeps it only if it is exactly the update the step would submit (same hyperparameters and scale, no gradient
+  reduced again); otherwise it is rolled back and redone, so the result is always the one a step without hand-off
+  gives.
 - A hand-off is a speculation that the step will not clip or rescale, and a miss costs a second pass over the state.
   So a backward hands off only while that speculation has held recently (:class:`_Speculation`): a miss stops it
   for twice as many steps as the last one did (up to :data:`MAX_PAUSE`), and a step that does not hand off updates
@@ -53,6 +54,7 @@ from lightning_smartinf.core.format.state_files import MANIFEST, read_manifest, 
 from lightning_smartinf.core.host_buffer import HostBuffer
 from lightning_smartinf.core.io.leftovers import scratch_directory
 from lightning_smartinf.core.progress import Progress
+from lightning_smartinf.core.renamed import old_names
 from lightning_smartinf.core.rules import EFAdafactor, StepParams
 from lightning_smartinf.core.settings import SmartUpdateSettings
 from lightning_smartinf.core.torch_optim import rule_for_group, step_params
@@ -165,7 +167,7 @@ def _group_hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class SmartUpdate:
+class SmartUpdateController:
     """The optimizer step of one rank, run by the devices of ``backend``.
 
     Args:
@@ -798,3 +800,7 @@ class _HandOffs:
             reduced.clear()
         self.touched.clear()
         return early, stale
+
+
+#: Renamed; the old name still resolves, with a ``DeprecationWarning``.
+__getattr__ = old_names(__name__, {"SmartUpdate": "SmartUpdateController"})

@@ -5,9 +5,9 @@ The paths (and XRT devices) given to a node are shared out among its ranks by on
 rank ``r`` of ``n`` takes every ``n``-th entry from ``r``. A rank's device directories are
 ``<storage path>/smartinf/rank<global rank>``, so ranks of different nodes that share a filesystem never meet.
 Within a rank, a :class:`Placement` assigns shards to devices when the backend opens them (:class:`RoundRobin` by
-default). :class:`Tiered` puts shards in host memory up to a budget and spreads the rest over storage devices in
-proportion to their speed (given, or measured by :func:`measure_write_read`). Checkpoints do not depend on
-placement: a shard's saved record is the same on whichever device it lived.
+default). :class:`TieredPlacement` puts shards in host memory up to a budget and spreads the rest over storage
+devices in proportion to their speed (given, or measured by :func:`measure_write_read`). Checkpoints do not depend
+on placement: a shard's saved record is the same on whichever device it lived.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch import Tensor
 from lightning_smartinf.core.io.direct import IOEngine, StateFile
 from lightning_smartinf.core.io.ownership import check_unclaimed, make_temp_device_dir, remove_stale_temp_dirs
 from lightning_smartinf.core.io.storage import create_storage_path, make_private_dirs
+from lightning_smartinf.core.renamed import old_names
 from lightning_smartinf.core.settings import SmartUpdateSettings
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ __all__ = [
     "Fixed",
     "Placement",
     "RoundRobin",
-    "Tiered",
+    "TieredPlacement",
     "check_assignment",
     "measure_write_read",
     "memory_share",
@@ -145,7 +146,7 @@ def check_assignment(placement: Placement, shards: Sequence[ShardSpec], num_devi
 
 
 @dataclass(frozen=True)
-class Tiered:
+class TieredPlacement:
     """Shards in accelerator memory up to ``accelerator_bytes`` of state, then in host memory up to ``memory_bytes``,
     the others over the storage devices by ``weights``.
 
@@ -271,3 +272,7 @@ def _transfer_records(
     """``transfer`` one record of ``file`` through ``buf`` at each of ``offsets``, in order."""
     for offset in offsets:
         transfer(file, buf, offset)
+
+
+#: Renamed; the old name still resolves, with a ``DeprecationWarning``.
+__getattr__ = old_names(__name__, {"Tiered": "TieredPlacement"})

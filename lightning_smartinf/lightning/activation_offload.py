@@ -1,4 +1,5 @@
-"""``ActivationOffload``: the Lightning callback around :class:`~lightning_smartinf.activations.ActivationOffloader`."""
+"""``ActivationOffload``: the Lightning callback around
+:class:`~lightning_smartinf.activations.SavedTensorOffloader`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import lightning as L
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_smartinf.activations.costs import OVERHEAD_BUDGET
-from lightning_smartinf.activations.offload import ActivationOffloader, OffloadStats, check_arguments
+from lightning_smartinf.activations.offload import OffloadStats, SavedTensorOffloader, check_arguments
 from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.placement import rank_share
 from lightning_smartinf.lightning.contract import SmartUpdateStrategy
@@ -29,7 +30,7 @@ class ActivationOffload(L.Callback):
     Args:
         storage_paths: where to write. ``None``: this rank's share of ``SmartInfinityStrategy(storage_paths=...)``,
             or the system's temporary directory where the strategy's are temporary (``storage_paths=None``).
-        threshold_bytes, keep_last, max_inflight_bytes, io_threads: see :class:`ActivationOffloader`; ints (byte
+        threshold_bytes, keep_last, max_inflight_bytes, io_threads: see :class:`SavedTensorOffloader`; ints (byte
             counts in bytes: ``"1MiB"`` is refused, write ``1 << 20``). ``None`` (the default) chooses the first
             three from the model and from the first micro-batches' measurements, within ``overhead_budget``.
         log_stats: log ``smartinf/activation_{peak_bytes,write_bytes,read_bytes}`` per batch.
@@ -66,7 +67,7 @@ class ActivationOffload(L.Callback):
         problems.raise_if_any()
         self.storage_paths = storage_paths
         self.log_stats = log_stats
-        self.offloader: ActivationOffloader | None = None
+        self.offloader: SavedTensorOffloader | None = None
         self.stats: OffloadStats | None = None  # the last run's counters, kept after teardown
         self._last = (0, 0)
 
@@ -90,7 +91,7 @@ class ActivationOffload(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" or self.offloader is not None:
             return
-        self.offloader = ActivationOffloader(self._paths(trainer), **self.kwargs)
+        self.offloader = SavedTensorOffloader(self._paths(trainer), **self.kwargs)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Here, not in `setup`: a module that builds its model in `configure_model` (the Hugging Face modules) has

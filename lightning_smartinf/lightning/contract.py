@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from lightning_smartinf.core import TrafficSnapshot
     from lightning_smartinf.core.clocks import PhaseClocks
-    from lightning_smartinf.core.controller import SmartUpdate
+    from lightning_smartinf.core.controller import SmartUpdateController
     from lightning_smartinf.core.settings import SmartUpdateSettings
 
 __all__ = ["SmartUpdateStrategy"]
@@ -35,7 +35,7 @@ class SmartUpdateStrategy(ABC):
 
     @property
     @abstractmethod
-    def smart_update(self) -> SmartUpdate:
+    def smart_update(self) -> SmartUpdateController:
         """This rank's SmartUpdate controller, from engine set-up on."""
 
     @property

@@ -26,7 +26,7 @@ from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.backend import Backend
 from lightning_smartinf.core.build import build_backend
 from lightning_smartinf.core.compression import check_sparse_supported
-from lightning_smartinf.core.controller import Partitions, SmartUpdate, SubGroup
+from lightning_smartinf.core.controller import Partitions, SmartUpdateController, SubGroup
 from lightning_smartinf.core.io.direct import IOEngine
 from lightning_smartinf.core.io.storage import StorageError, make_private_dirs
 from lightning_smartinf.core.placement import rank_device_dirs
@@ -167,10 +167,10 @@ def controller_factory(
         accelerator_training=place.device.type != "cpu",
     )
 
-    def build(optimizer: Optimizer, sub_groups: Sequence[SubGroup], partitions: Partitions) -> SmartUpdate:
+    def build(optimizer: Optimizer, sub_groups: Sequence[SubGroup], partitions: Partitions) -> SmartUpdateController:
         backend = build_backend(settings, context)
         on_backend(backend)
-        smart_update = SmartUpdate(settings, backend, optimizer, sub_groups, partitions)
+        smart_update = SmartUpdateController(settings, backend, optimizer, sub_groups, partitions)
         smart_update.kept_ratio = kept_ratio()
         return smart_update
 

@@ -1,7 +1,7 @@
 """``SmartInfinityStrategy``: DeepSpeed ZeRO-3 with the optimizer update run next to the storage.
 
 The Lightning layer only: its hooks turn Lightning's calls into calls on the core (the settings, the
-:class:`~lightning_smartinf.core.controller.SmartUpdate` controller) and on the ZeRO adapter; docs/architecture.md.
+:class:`~lightning_smartinf.core.controller.SmartUpdateController`) and on the ZeRO adapter; docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from lightning_smartinf.core import Backend, TrafficSnapshot, progress, registry
 from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.clocks import PhaseClocks
 from lightning_smartinf.core.compression import TopKCompression, check_ratio
-from lightning_smartinf.core.controller import SmartUpdate
+from lightning_smartinf.core.controller import SmartUpdateController
 from lightning_smartinf.core.format import checkpoint_folder
 from lightning_smartinf.core.placement import rank_share
 from lightning_smartinf.core.settings import SettingsError, SmartUpdateSettings
@@ -240,7 +240,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
         self.room_watch = checkpoints.RoomWatch()
         super().__init__(config=config, **{name: arguments[name] for name in LIGHTNING})
 
-    _smart_update: SmartUpdate | None = None  # the run's controller and backend (None before set-up)
+    _smart_update: SmartUpdateController | None = None  # the run's controller and backend (None before set-up)
     _backend: Backend | None = None
     #: The known-harmless warnings silenced from set-up to teardown (:mod:`lightning_smartinf.lightning.quiet`).
     _silenced: quiet.Silenced | None = None
@@ -400,7 +400,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
         return self._backend is not None
 
     @property
-    def smart_update(self) -> SmartUpdate:
+    def smart_update(self) -> SmartUpdateController:
         """This rank's SmartUpdate controller, from engine set-up on; after teardown it can still save the final state
         (``trainer.save_checkpoint``) though its backend is closed."""
         if self._smart_update is None:

@@ -1,9 +1,10 @@
 """Where the planner puts the optimizer state: GPU memory and host memory up to their budgets, the rest over the
 devices by speed.
 
-The same rules as the strategy's placement (:class:`~lightning_smartinf.core.placement.Tiered`), in the planner's
-units. The accelerator tier fills its budget first: its update is bound by the GPU link, which carries only the 16-bit
-gradient in and the 16-bit parameter out (4 B per 12 B of state). Then, as ``state_memory_share="auto"`` decides:
+The same rules as the strategy's placement (:class:`~lightning_smartinf.core.placement.TieredPlacement`), in the
+planner's units. The accelerator tier fills its budget first: its update is bound by the GPU link, which carries only
+the 16-bit gradient in and the 16-bit parameter out (4 B per 12 B of state). Then, as ``state_memory_share="auto"``
+decides:
 
 - Emulated devices (the ``cpu`` backend: the update runs on the host cores, plus storage I/O) training on the CPU share
   the host cores with forward and backward, so the memory tier fills its budget.

@@ -13,10 +13,11 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from lightning_utilities.core.imports import RequirementCache
 
-from lightning_smartinf.core.controller import Partitions, SmartUpdate, SubGroup
+from lightning_smartinf.core.controller import Partitions, SmartUpdateController, SubGroup
 
-#: Builds the controller of a ZeRO optimizer: ``(torch optimizer, its sub-groups, its partitions) -> SmartUpdate``.
-ControllerFactory = Callable[[torch.optim.Optimizer, Sequence[SubGroup], Partitions], SmartUpdate]
+#: Builds the controller of a ZeRO optimizer: ``(torch optimizer, its sub-groups, its partitions) ->
+#: SmartUpdateController``.
+ControllerFactory = Callable[[torch.optim.Optimizer, Sequence[SubGroup], Partitions], SmartUpdateController]
 
 
 #: DeepSpeed releases whose private ZeRO-3 methods the adapter was tested against.

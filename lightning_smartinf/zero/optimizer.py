@@ -2,7 +2,7 @@
 
 Stock ZeRO-3 with ``offload_optimizer: nvme`` keeps an empty fp32 placeholder per sub-group and swaps master
 weights, moments and gradients between host and disk around a host-side update. This subclass keeps the
-placeholders but never swaps: the :class:`~lightning_smartinf.core.controller.SmartUpdate` controller's devices own
+placeholders but never swaps: the :class:`~lightning_smartinf.core.controller.SmartUpdateController`'s devices own
 master weights and states, receive each sub-group's reduced gradient in the training dtype, and write the updated
 low-precision partition straight into ZeRO's flat parameter buffer.
 
@@ -13,7 +13,7 @@ This is the one module that uses DeepSpeed's private ZeRO-3 methods; everything 
   and ``grad_partitions_flat_buffer`` in the same order.
 - The host never holds fp32 master weights or states, nor extra gradient copies: devices read each gradient straight
   from ZeRO's buffer and round it to the training dtype as it crosses the link.
-- An overflowing (fp16) or non-finite step returns before any submission (:meth:`SmartUpdate.skip_step`).
+- An overflowing (fp16) or non-finite step returns before any submission (:meth:`SmartUpdateController.skip_step`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from torch import Tensor
 
 from lightning_smartinf.core.accelerator import Fence, PinnedRing, record_fence
-from lightning_smartinf.core.controller import SmartUpdate, SubGroup
+from lightning_smartinf.core.controller import SmartUpdateController, SubGroup
 from lightning_smartinf.core.float64_norm import PartitionNorm
 from lightning_smartinf.core.host_buffer import HostBuffer, InMemoryBuffer
 from lightning_smartinf.core.traffic import Traffic
@@ -206,7 +206,7 @@ class DeviceSwapper:
 
 
 class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
-    """ZeRO-3 optimizer whose every sub-group update is delegated to the :class:`SmartUpdate` controller.
+    """ZeRO-3 optimizer whose every sub-group update is delegated to the :class:`SmartUpdateController`.
 
     Not built directly: :func:`lightning_smartinf.zero.install.smart_update_optimizer` binds the controller factory
     and installs a subclass for the duration of ``deepspeed.initialize``.
@@ -215,7 +215,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     #: Set on the subclass that :func:`smart_update_optimizer` installs.
     controller_factory: ControllerFactory
     #: The controller that runs this optimizer's steps on the devices (built with the optimizer).
-    smart_update: SmartUpdate
+    smart_update: SmartUpdateController
     #: With parameters on storage and gradients in host memory: their buffer, in a file on the storage path.
     gradient_file: FileBuffer | None = None
     #: With that file beside an accelerator: how the reduced partitions reach it (:meth:`partition_grads`).
@@ -491,7 +491,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def reset_swap_buffers(self) -> None:
         # `engine.load_checkpoint` calls this (NVMe-offload path) to swap restored state back in. The device state is
-        # restored by the controller instead (`SmartUpdate.restore`): nothing to swap.
+        # restored by the controller instead (`SmartUpdateController.restore`): nothing to swap.
         return None
 
     def destroy(self) -> None:

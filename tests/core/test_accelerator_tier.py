@@ -17,7 +17,7 @@ from lightning_smartinf.core.backend import Backend, ShardSpec
 from lightning_smartinf.core.compression import compress_topk
 from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.format.state_files import shard_file_name
-from lightning_smartinf.core.placement import Tiered
+from lightning_smartinf.core.placement import TieredPlacement
 from lightning_smartinf.core.rules import Adam, StepParams
 from lightning_smartinf.core.tiers.accelerator_memory import AcceleratorStateFile
 from lightning_smartinf.core.tiers.host_memory import MemoryStateFile
@@ -80,12 +80,12 @@ def test_the_accelerator_fills_first_then_memory_then_the_disks() -> None:
     accelerator = _bytes(SIZES[0]) + _bytes(SIZES[3])  # shard 1 no longer fits beside 0, 3 does
     memory = _bytes(SIZES[1]) + _bytes(SIZES[2])
     # Devices: two disks (0, 1), host memory (2), the accelerator (3).
-    assert Tiered((1.0, 1.0), memory, CHUNK, accelerator).assign(specs, 4) == [3, 2, 2, 3, 0]
-    assert Tiered((1.0, 1.0), 0, CHUNK, accelerator).assign(specs, 3) == [2, 0, 1, 2, 0]
+    assert TieredPlacement((1.0, 1.0), memory, CHUNK, accelerator).assign(specs, 4) == [3, 2, 2, 3, 0]
+    assert TieredPlacement((1.0, 1.0), 0, CHUNK, accelerator).assign(specs, 3) == [2, 0, 1, 2, 0]
     with pytest.raises(ValueError, match=r"2 storage device\(s\) and accelerator memory, but the backend has 4"):
-        Tiered((1.0, 1.0), 0, CHUNK, accelerator).assign(specs, 4)
+        TieredPlacement((1.0, 1.0), 0, CHUNK, accelerator).assign(specs, 4)
     with pytest.raises(ValueError, match="`accelerator_bytes=-1` must be >= 0"):
-        Tiered((1.0,), 0, CHUNK, -1)
+        TieredPlacement((1.0,), 0, CHUNK, -1)
 
 
 @pytest.mark.parametrize("sparse, fused", [(False, False), (False, True), (True, False)])

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_smartinf.core.controller import SmartUpdate, SubGroup
+from lightning_smartinf.core.controller import SmartUpdateController, SubGroup
 from lightning_smartinf.core.settings import SmartUpdateSettings
 from lightning_smartinf.devices.cpu import CpuBackend
 from tests.core.backends import FlatPartitions
@@ -19,12 +19,12 @@ from tests.core.backends import FlatPartitions
 SEGMENT = 200  # elements per parameter: top-1% keeps 2 of each
 
 
-def _controller(tmp_path, sizes: list[int], **settings: Any) -> tuple[SmartUpdate, FlatPartitions]:
+def _controller(tmp_path, sizes: list[int], **settings: Any) -> tuple[SmartUpdateController, FlatPartitions]:
     partitions = FlatPartitions(sizes, torch.float16, loss_scale=65536.0)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
     backend = CpuBackend([tmp_path / "dev0"], chunk_elems=1024, buffer_count=3)
     sub_groups = [SubGroup(numel=n, param_group=0, segments=(SEGMENT,) * (n // SEGMENT)) for n in sizes]
-    smart_update = SmartUpdate(SmartUpdateSettings(**settings), backend, optimizer, sub_groups, partitions)
+    smart_update = SmartUpdateController(SmartUpdateSettings(**settings), backend, optimizer, sub_groups, partitions)
     for i, n in enumerate(sizes):
         smart_update.initialize(i, torch.zeros(n))
     backend.wait()

@@ -19,7 +19,7 @@ from lightning_smartinf.core.build import tiers_over
 from lightning_smartinf.core.compression import compress_topk
 from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.format.state_files import CheckpointError
-from lightning_smartinf.core.placement import Tiered
+from lightning_smartinf.core.placement import TieredPlacement
 from lightning_smartinf.core.rules import SGD, Adagrad, Adam, StepParams
 from lightning_smartinf.core.tiers.tiered import LOCAL_TIERS_MANIFEST, TieredBackend, masters_with_tiers
 from lightning_smartinf.devices.cpu import CpuBackend
@@ -44,7 +44,7 @@ STATE = sum(_record_bytes(i) for i in range(len(SIZES)))
 
 
 def _tiers(servers, token_file, *, memory: int = STATE, accelerator: int = 0, weights=None, **kwargs) -> TieredBackend:
-    placement = Tiered(tuple(weights), 0, CHUNK) if weights else None
+    placement = TieredPlacement(tuple(weights), 0, CHUNK) if weights else None
     remote = RemoteBackend(
         [s.address for s in servers],
         read_token(token_file),

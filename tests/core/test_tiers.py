@@ -18,7 +18,7 @@ from lightning_smartinf.core.build import tiers_over
 from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.format.state_files import shard_file_name
 from lightning_smartinf.core.io.storage import StorageError
-from lightning_smartinf.core.placement import RoundRobin, Tiered
+from lightning_smartinf.core.placement import RoundRobin, TieredPlacement
 from lightning_smartinf.core.rules import Adam, StepParams
 from lightning_smartinf.core.tiers.host_memory import MemoryStateFile
 from lightning_smartinf.core.tiers.tiered import TieredBackend
@@ -63,20 +63,20 @@ def test_tiered_placement_fills_memory_in_index_order_then_weighs_the_disks() ->
     specs = _specs()
     # Room for shards 0 and 1 (shard 2 no longer fits, 3 does): backward reduces the first sub-groups last.
     room = _bytes(SIZES[0]) + _bytes(SIZES[1]) + _bytes(SIZES[3])
-    assert Tiered((1.0, 1.0), room, CHUNK).assign(specs, 3) == [2, 2, 0, 2, 1]
+    assert TieredPlacement((1.0, 1.0), room, CHUNK).assign(specs, 3) == [2, 2, 0, 2, 1]
     # Equal weights and equal shards: round-robin.
     equal = _specs((CHUNK,) * 6)
-    assert Tiered((1.0, 1.0), 0, CHUNK).assign(equal, 2) == RoundRobin().assign(equal, 2)
+    assert TieredPlacement((1.0, 1.0), 0, CHUNK).assign(equal, 2) == RoundRobin().assign(equal, 2)
     # Re-placing: shards stay where they are on ties, and move only where the shares need it.
-    assert Tiered((1.0, 1.0), 0, CHUNK, keep=(1, 0, 1, 0, 1, 0)).assign(equal, 2) == [1, 0, 1, 0, 1, 0]
-    assert Tiered((1.0, 1.0), 0, CHUNK, keep=(0,) * 6).assign(equal, 2) == [0, 1, 0, 1, 0, 1]
+    assert TieredPlacement((1.0, 1.0), 0, CHUNK, keep=(1, 0, 1, 0, 1, 0)).assign(equal, 2) == [1, 0, 1, 0, 1, 0]
+    assert TieredPlacement((1.0, 1.0), 0, CHUNK, keep=(0,) * 6).assign(equal, 2) == [0, 1, 0, 1, 0, 1]
     # A 3x faster device takes 3 of every 4 equal shards.
-    assert Tiered((3.0, 1.0), 0, CHUNK).assign(_specs((CHUNK,) * 8), 2).count(0) == 6
+    assert TieredPlacement((3.0, 1.0), 0, CHUNK).assign(_specs((CHUNK,) * 8), 2).count(0) == 6
     with pytest.raises(ValueError, match="2 storage device\\(s\\) and host memory, but the backend has 2 devices"):
-        Tiered((1.0, 1.0), 1, CHUNK).assign(specs, 2)
+        TieredPlacement((1.0, 1.0), 1, CHUNK).assign(specs, 2)
     for weights in [(), (0.0,), (float("inf"),), (-1.0, 1.0)]:
         with pytest.raises(ValueError, match="positive, finite"):
-            Tiered(weights)
+            TieredPlacement(weights)
 
 
 def test_memory_tier_updates_bitwise_like_the_devices_and_counts_its_own_traffic(tmp_path) -> None:
@@ -168,7 +168,7 @@ def test_an_overflow_skip_leaves_both_tiers_untouched_and_the_next_step_updates_
     """The controller with fp16 partitions: backward hands off only the storage shards (memory shards wait for the
     step), an overflow skip rolls those back, and neither tier's state changes; the next step updates all of them."""
 
-    from lightning_smartinf.core.controller import SmartUpdate, SubGroup
+    from lightning_smartinf.core.controller import SmartUpdateController, SubGroup
     from lightning_smartinf.core.settings import SmartUpdateSettings
 
     sizes = [2048] * 4
@@ -178,7 +178,7 @@ def test_an_overflow_skip_leaves_both_tiers_untouched_and_the_next_step_updates_
     devices = CpuBackend([tmp_path / "d0"], chunk_elems=1024, buffer_count=3, tentative_slots=True)
     backend = tiers_over(devices, memory_bytes=memory)
     sub_groups = [SubGroup(numel=n, param_group=0, segments=(n,)) for n in sizes]
-    smart_update = SmartUpdate(SmartUpdateSettings(), backend, optimizer, sub_groups, partitions)
+    smart_update = SmartUpdateController(SmartUpdateSettings(), backend, optimizer, sub_groups, partitions)
     initial = torch.randn(sizes[0], generator=torch.Generator().manual_seed(0))
     for i in range(len(sizes)):
         smart_update.initialize(i, initial)  # the same masters and gradients everywhere: every tier must agree

@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.models import CaptureParams, LMModule, adamw_factory, fit, max_relative_error, token_loader  # noqa: E402
 
 from lightning_smartinf import SmartInfinityStrategy  # noqa: E402
-from lightning_smartinf.activations import ActivationOffloader  # noqa: E402
+from lightning_smartinf.activations import SavedTensorOffloader  # noqa: E402
 from lightning_smartinf.activations.spill import SPILL_FILE_NAME  # noqa: E402
 from lightning_smartinf.core.accelerator import AcceleratorCopies, on_cuda  # noqa: E402
-from lightning_smartinf.core.controller import SmartUpdate  # noqa: E402
+from lightning_smartinf.core.controller import SmartUpdateController  # noqa: E402
 
 STEPS = 8
 #: fp32 on a GPU: cuBLAS may pick other reduction orders inside ZeRO's gathered layers than in a plain module.
@@ -194,7 +194,7 @@ def activations(device: str, out: Path) -> dict:
     if user_stream is not None:
         user_stream.wait_stream(torch.cuda.current_stream())  # the model and inputs were made on the default stream
 
-    def grads(offloader: ActivationOffloader | None) -> dict[str, torch.Tensor]:
+    def grads(offloader: SavedTensorOffloader | None) -> dict[str, torch.Tensor]:
         model.zero_grad(set_to_none=True)
         with torch.cuda.stream(user_stream) if user_stream is not None else nullcontext():
             if offloader is None:
@@ -210,7 +210,7 @@ def activations(device: str, out: Path) -> dict:
 
     reference = grads(None)
     (out / "act").mkdir(parents=True, exist_ok=True)
-    offloader = ActivationOffloader([out / "act"], threshold_bytes=4096, keep_last=1).attach(model)
+    offloader = SavedTensorOffloader([out / "act"], threshold_bytes=4096, keep_last=1).attach(model)
     grads(offloader)  # warm-up: staging buffers and side streams exist from here on
     before = dataclasses.replace(offloader.stats)
     ours = grads(offloader)
@@ -504,7 +504,7 @@ class OverflowOnRankZero(L.Callback):
         self.steps: list[int] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
-        smart_update: SmartUpdate = trainer.strategy.smart_update
+        smart_update: SmartUpdateController = trainer.strategy.smart_update
         check, state = smart_update.link_overflows, {"armed": trainer.global_rank == 0}
 
         def overflows_once(clip_factor: float = 1.0) -> torch.Tensor:

@@ -26,7 +26,7 @@ A state saved by any of ``adam``, ``ef_adam`` and ``ef_adafactor`` loads into th
 off, or changing its rule, between runs): the records are rewritten chunk by chunk, states of the same name carried
 over, a state the saved rule lacks starting at its initial value (:data:`CONVERSIONS`). ``ef_adafactor`` keeps its
 second moment on the host, so a rule that keeps one on the device starts it from zero; the controller then restarts
-the bias correction of those param groups (``SmartUpdate.restore``).
+the bias correction of those param groups (``SmartUpdateController.restore``).
 """
 
 from __future__ import annotations

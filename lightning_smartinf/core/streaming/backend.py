@@ -56,7 +56,14 @@ from lightning_smartinf.core.io.storage import (
     ensure_private_dir,
     is_disk_full,
 )
-from lightning_smartinf.core.placement import Fixed, Placement, RoundRobin, Tiered, check_assignment, measure_write_read
+from lightning_smartinf.core.placement import (
+    Fixed,
+    Placement,
+    RoundRobin,
+    TieredPlacement,
+    check_assignment,
+    measure_write_read,
+)
 from lightning_smartinf.core.rules import StepParams
 from lightning_smartinf.core.streaming.device import StreamingDevice
 from lightning_smartinf.core.streaming.pipeline import (
@@ -106,7 +113,7 @@ class StreamingBackend(LatchingBackend):
         device_timeout_s: seconds a device may show no progress (no chunk read, written or updated) while the host
             waits for it, before :meth:`result`, :meth:`wait` and the others raise :class:`StorageError` and the
             backend stops (see :attr:`failure`). ``None`` waits forever.
-        placement: which device holds each shard, decided at :meth:`open`. ``None``: :class:`Tiered` over the
+        placement: which device holds each shard, decided at :meth:`open`. ``None``: :class:`TieredPlacement` over the
             storage devices by their weights (:meth:`storage_weights`); with none to weigh, shard ``s`` on device
             ``s mod N``.
         device_weights: relative speed of each storage device (``None``: equal, or measured, see ``placement``).
@@ -386,10 +393,10 @@ class StreamingBackend(LatchingBackend):
         return self._measured_weights
 
     def _default_placement(self) -> Placement:
-        """:class:`Tiered` over the storage devices by :meth:`storage_weights`; round-robin when there is nothing to
-        weigh."""
+        """:class:`TieredPlacement` over the storage devices by :meth:`storage_weights`; round-robin when there is
+        nothing to weigh."""
         weights = self.storage_weights()
-        return RoundRobin() if weights is None else Tiered(weights, chunk_elems=self._chunk_elems)
+        return RoundRobin() if weights is None else TieredPlacement(weights, chunk_elems=self._chunk_elems)
 
     def log_shares(self) -> None:
         """Log each device's shards and state bytes."""
@@ -427,7 +434,9 @@ class StreamingBackend(LatchingBackend):
         self._measured_weights = measured
         specs = [s.spec for s in self._shards]
         placed = [i for i, d in enumerate(self.assignment) if not self.devices[d].in_memory]
-        spread = Tiered(measured, chunk_elems=self._chunk_elems, keep=tuple(self.assignment[i] for i in placed))
+        spread = TieredPlacement(
+            measured, chunk_elems=self._chunk_elems, keep=tuple(self.assignment[i] for i in placed)
+        )
         assignment = list(self.assignment)
         for i, device in zip(placed, spread.assign([specs[i] for i in placed], len(storage))):
             assignment[i] = device

@@ -18,8 +18,9 @@ Two designs, chosen once when the backend is built (:func:`~lightning_smartinf.c
 Invariants:
 
 - The split: the accelerator takes shards in index order while they fit its budget, then memory its share of its
-  budget the same way (:class:`~lightning_smartinf.core.placement.Tiered`), the wrapped backend the rest. The first
-  sub-groups are the last whose gradients backward reduces, so the devices get those that can start during backward.
+  budget the same way (:class:`~lightning_smartinf.core.placement.TieredPlacement`), the wrapped backend the rest.
+  The first sub-groups are the last whose gradients backward reduces, so the devices get those that can start during
+  backward.
 - Memory's share: its whole budget, unless the share is measured (``measure_memory_share``, by default where the
   wrapped backend's devices compute): then it starts as one more of those devices (``1 / (N + 1)`` of the state beside
   ``N``), and :meth:`TieredBackend.replan` moves it to the share whose update phase
@@ -65,7 +66,7 @@ from lightning_smartinf.core.format.state_files import (
     write_file_atomic,
 )
 from lightning_smartinf.core.io.storage import StorageError, is_disk_full
-from lightning_smartinf.core.placement import Fixed, Tiered, check_assignment, memory_share
+from lightning_smartinf.core.placement import Fixed, TieredPlacement, check_assignment, memory_share
 from lightning_smartinf.core.rules import StepParams
 from lightning_smartinf.core.streaming.backend import REPLAN_DRIFT, StreamingBackend
 from lightning_smartinf.core.streaming.device import StreamingDevice
@@ -245,7 +246,7 @@ class TieredBackend(Backend, ABC):
     def _split(self, shards: Sequence[ShardSpec], share: int, keep: tuple[int, ...] = ()) -> tuple[int, ...]:
         """Each shard's device under memory share ``share``: ``inner``'s (by its weights), memory, the accelerator."""
         held = max(1, share) if self.memory_bytes else 0  # (the tier exists, holding what fits)
-        tiered = Tiered(self._weights(), held, self.chunk_elems, self.accelerator_bytes, keep=keep)
+        tiered = TieredPlacement(self._weights(), held, self.chunk_elems, self.accelerator_bytes, keep=keep)
         devices = self._storage_count() + (self.memory_bytes > 0) + (self.accelerator_bytes > 0)
         return check_assignment(tiered, shards, devices)
 
@@ -254,7 +255,7 @@ class TieredBackend(Backend, ABC):
         measured, what one more of them would hold; otherwise the whole budget."""
         if not (self.memory_bytes and self.measures_memory_share and self.devices_compute and beside):
             return self.memory_bytes
-        sizing = Tiered((1.0,), 0, self.chunk_elems)
+        sizing = TieredPlacement((1.0,), 0, self.chunk_elems)
         state = sum(sizing.state_bytes(spec) for spec in shards)
         return int(memory_share(self.memory_bytes, max(0, state - self.accelerator_bytes), 1.0, beside))
 
@@ -597,7 +598,7 @@ class BesideTiers(TieredBackend):
             place.update({i: (self.local, j) for j, i in enumerate(self._local_shards)})
         self._where = [place[spec.index] for spec in shards]
         if self._local_shards:
-            sizing = Tiered((1.0,), 0, self.chunk_elems)
+            sizing = TieredPlacement((1.0,), 0, self.chunk_elems)
             state = sum(sizing.state_bytes(spec) for spec in shards)
             here = sum(sizing.state_bytes(shards[i]) for i in self._local_shards)
             log.info(

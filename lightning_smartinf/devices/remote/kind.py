@@ -103,7 +103,7 @@ class RemoteKind(DeviceKind):
         return len(devices) if isinstance(devices, (list, tuple)) else None
 
     def build(self, settings: SmartUpdateSettings, context: BuildContext) -> Backend:
-        from lightning_smartinf.core.placement import RoundRobin, Tiered
+        from lightning_smartinf.core.placement import RoundRobin, TieredPlacement
         from lightning_smartinf.devices.remote.client import RemoteBackend
 
         addresses, token, tls, plaintext = _access(settings.option)
@@ -118,7 +118,7 @@ class RemoteKind(DeviceKind):
             tentative_slots=settings.overlap,
             prefetch_state=settings.prefetch_state,
             device_timeout_s=settings.device_timeout_s,
-            placement=RoundRobin() if weights is None else Tiered(tuple(weights), 0, settings.chunk_size),
+            placement=RoundRobin() if weights is None else TieredPlacement(tuple(weights), 0, settings.chunk_size),
             tls=tls,
             allow_plaintext=plaintext,
         )
