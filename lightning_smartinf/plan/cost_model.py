@@ -115,6 +115,20 @@ class Workload:
         return self.tokens * self.accumulate
 
 
+def check_rates(problems: Problems, values: dict[str, Any]) -> None:
+    """Check each of a profile's ``values`` by what its name says it is: a rate or bandwidth (``*_gbps``, ``*_per_s``,
+    ``*_tflops``) > 0, ``null`` meaning no limit; a latency (``*_ms``) or seconds per 1e9 parameters
+    (``*_s_per_gparam``) >= 0; a share of a peak rate (``*_efficiency``) in (0, 1]."""
+    for name, value in values.items():
+        if name.endswith(("_gbps", "_per_s", "_tflops", "_ms")) and value is not None:
+            rate = not name.endswith("_ms")
+            problems.number(name, value, low=0, above=rate, why="null: no limit" if rate else "")
+        elif name.endswith("_s_per_gparam"):
+            problems.number(name, value, low=0, why="seconds per 1e9 parameters")
+        elif name.endswith("_efficiency"):
+            problems.number(name, value, low=0, high=1, above=True, why="a share of the peak rate")
+
+
 def check_update_costs(problems: Problems, costs: Any, key: str = "update_cost_by_precision") -> None:
     """Check ``update_cost_by_precision`` (or ``key``): a mapping of state formats to their update time per element
     over fp32's."""
@@ -196,14 +210,7 @@ class Profile:
         problems.keys("profile", data, [*known, "measured", "comment"], required=["name"])
         clean = {k: v for k, v in data.items() if k in known}
         # The fields left out keep their defaults, all valid: only the values given are checked.
-        for name, value in clean.items():
-            if name.endswith(("_gbps", "_per_s", "_tflops", "_ms")) and value is not None:
-                rate = not name.endswith("_ms")  # a rate or bandwidth > 0 (null: no limit); a latency >= 0
-                problems.number(name, value, low=0, above=rate, why="null: no limit" if rate else "")
-            elif name.endswith("_s_per_gparam"):
-                problems.number(name, value, low=0, why="seconds per 1e9 parameters")
-            elif name.endswith("_efficiency"):
-                problems.number(name, value, low=0, high=1, above=True, why="a share of the peak rate")
+        check_rates(problems, clean)
         check_update_costs(problems, clean.get("update_cost_by_precision", {}))
         problems.raise_if_any()
         return cls(**clean)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_smartinf.core.arguments import Problems
-from lightning_smartinf.plan.cost_model import PlanError, Profile, check_update_costs, read_profile
+from lightning_smartinf.plan.cost_model import PlanError, Profile, check_rates, check_update_costs, read_profile
 
 __all__ = ["MACHINE_KIND", "Gpu", "Machine", "StoragePath", "is_machine", "load_any"]
 
@@ -156,24 +156,14 @@ class Machine:
             )
         storage = _storage(problems, data.get("storage"))
         gpu = _gpu(problems, data.get("gpu"))
-        for key in ("host_memory_gb", "device_update_gparams_per_s", "host_update_gparams_per_s"):
+        # These must be numbers (a machine's own, not a limit); the other rates may be null (not measured).
+        for key in _NUMBERS:
             problems.number(key, data.get(key, 1.0), low=0, above=True)
-        problems.number(
-            "together_read_write_gbps", data.get("together_read_write_gbps"), low=0, above=True, optional=True
-        )
+        check_rates(problems, {k: v for k, v in data.items() if k in known and k not in _NUMBERS})
         problems.number("state_memory_gb", data.get("state_memory_gb"), low=0, optional=True)
         problems.integer("cpu_cores", data.get("cpu_cores"), low=1, optional=True)
-        problems.number(
-            "baseline_update_gparams_per_s", data.get("baseline_update_gparams_per_s"), low=0, above=True, optional=True
-        )
-        for key in [k for k in sorted(known) if k.endswith("_s_per_gparam")]:
-            problems.number(key, data.get(key, 0.0), low=0, why="seconds per 1e9 parameters")
-        problems.number("cpu_training_tflops", data.get("cpu_training_tflops"), low=0, above=True, optional=True)
         check_update_costs(problems, data.get("update_cost_by_precision", {}))
         check_update_costs(problems, data.get("fused_update_cost_by_precision", {}), "fused_update_cost_by_precision")
-        problems.number(
-            "fused_update_gparams_per_s", data.get("fused_update_gparams_per_s"), low=0, above=True, optional=True
-        )
         problems.choice("transfer_bytes", data.get("transfer_bytes", 2), (2, 4))
         problems.raise_if_any()
         clean = {k: v for k, v in data.items() if k in known}
@@ -293,6 +283,8 @@ class Machine:
 
 # ---------------------------------------------------------------------------------------------------- checks
 
+#: A machine profile's figures that must be numbers > 0 (others may be null: not measured).
+_NUMBERS = ("host_memory_gb", "device_update_gparams_per_s", "host_update_gparams_per_s")
 #: The keys a machine profile must have, each with an example value for the message that asks for it.
 _REQUIRED = {
     "name": '"name": "my-server"',
