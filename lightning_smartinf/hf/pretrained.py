@@ -235,12 +235,8 @@ def find_head(shapes: Shapes, config: PretrainedConfig, head: str | None = None)
     Raises:
         ValueError: no head (or not ``head``) fits, or several fit and nothing tells them apart.
     """
-    import transformers
-
     tried = [auto_class(head).__name__] if head is not None else list(HEAD_CLASSES)
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # each build warns about weights it did not initialize
-    try:
+    with _transformers_errors_only():  # each build warns about weights it did not initialize
         fits = {name: _fit_head(shapes, config, name) for name in tried}
         matches = [name for name, (fitted, _) in fits.items() if fitted is not None]
         if len(matches) > 1:
@@ -250,8 +246,6 @@ def find_head(shapes: Shapes, config: PretrainedConfig, head: str | None = None)
                 matches = named
             elif set(matches) == {"AutoModelForCausalLM", "AutoModelForMaskedLM"}:
                 matches = ["AutoModelForCausalLM" if getattr(config, "is_decoder", False) else "AutoModelForMaskedLM"]
-    finally:
-        transformers.logging.set_verbosity(verbosity)
     if not matches:
         reasons = "".join(f"\n  {name}: {fits[name][1]}" for name in tried)
         raise ValueError(
@@ -269,6 +263,19 @@ def find_head(shapes: Shapes, config: PretrainedConfig, head: str | None = None)
     return matches[0], fitted
 
 
+@contextlib.contextmanager
+def _transformers_errors_only() -> Iterator[None]:
+    """transformers logs errors only in the block (its model builds warn about every weight they leave)."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
 def find_attribute(names: Iterable[str], config: PretrainedConfig) -> str:
     """The module attribute (a dotted path) holding the Hugging Face model, from the module's parameter names.
 
@@ -281,14 +288,8 @@ def find_attribute(names: Iterable[str], config: PretrainedConfig) -> str:
     Raises:
         ValueError: no attribute, or more than one (a teacher and a student), holds a model of this config.
     """
-    import transformers
-
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
+    with _transformers_errors_only():
         base = build_model(config, "AutoModel", device="meta")
-    finally:
-        transformers.logging.set_verbosity(verbosity)
     groups = _alias_groups(base)
     base_names = {n for group in groups for n in group}
     headed = {f"{base.base_model_prefix}.{n}" for n in base_names}

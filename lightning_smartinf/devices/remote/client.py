@@ -292,39 +292,47 @@ def _chained(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
     yield from rest
 
 
+@contextlib.contextmanager
+def _from_server(server: _Server, name: str, what: str, complete: Callable[[], bool]) -> Iterator[None]:
+    """Receive ``name`` from ``server`` during ``what`` in the block: a malformed frame, a failed call or, once the
+    block ends, ``complete()`` false fails with a :class:`StorageError` naming the server."""
+    try:
+        yield
+    except WireError as exc:
+        malformed = f"The remote device server {server.address} sent a malformed {name} during {what}: {exc}"
+        raise StorageError(malformed) from None
+    except grpc.RpcError as exc:
+        raise server.error(exc, what) from None
+    if not complete():
+        raise StorageError(f"The remote device server {server.address} sent an incomplete {name} during {what}.")
+
+
 def _receive(
     name: str, frames: Iterable[Any], *, numel: int, dtype: torch.dtype, server: _Server, what: str, exact: bool = True
 ) -> Tensor:
     """The tensor ``name`` of ``numel`` ``dtype`` elements (at most, unless ``exact``) that ``frames`` carry, read as
     they arrive; a server that sends more, less or something malformed fails, named."""
     reader = TensorReader(name, max_numel=numel, dtypes=(dtype,))
-    try:
+
+    def complete() -> bool:
+        return reader.done and reader.tensor is not None and (not exact or reader.tensor.numel() == numel)
+
+    with _from_server(server, name, what, complete):
         for frame in frames:
             reader.add(frame)
-    except WireError as exc:
-        malformed = f"The remote device server {server.address} sent a malformed {name} during {what}: {exc}"
-        raise StorageError(malformed) from None
-    except grpc.RpcError as exc:
-        raise server.error(exc, what) from None
-    if not reader.done or reader.tensor is None or (exact and reader.tensor.numel() != numel):
-        raise StorageError(f"The remote device server {server.address} sent an incomplete {name} during {what}.")
+    assert reader.tensor is not None
     return reader.tensor
 
 
 def _receive_file(name: str, frames: Iterable[Any], path: Path, *, numel: int, server: _Server, what: str) -> None:
     """Write the ``numel`` float32 elements of ``name`` that ``frames`` carry to a new private file at ``path``, as
     they arrive (never held whole); a server that sends more, less or something malformed fails, named."""
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as out:
-        try:
-            filled, _ = write_frames(frames, out, name=name, numel=numel)
-        except WireError as exc:
-            raise StorageError(
-                f"The remote device server {server.address} sent a malformed {name} during {what}: {exc}"
-            ) from None
-        except grpc.RpcError as exc:
-            raise server.error(exc, what) from None
-    if filled != numel:
-        raise StorageError(f"The remote device server {server.address} sent an incomplete {name} during {what}.")
+    filled = 0
+    with (
+        open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as out,
+        _from_server(server, name, what, lambda: filled == numel),
+    ):
+        filled, _ = write_frames(frames, out, name=name, numel=numel)
 
 
 def measure_network(
