@@ -265,7 +265,13 @@ def _chunk_update_seconds(precision: str, numel: int, chunk: int = 1 << 20, *, f
             else:
                 update_chunk(rule, fmt, master[sl], grad.copy_(g[sl]), states, hp)
 
-    return _best_seconds(run)
+    seconds = _best_seconds(run)
+    # Timed on real values: a NaN (a negative second moment's square root) runs several times slower.
+    if not bool(torch.isfinite(master).all()):
+        raise RuntimeError(
+            f"The timed {precision} update made non-finite weights; its timing would not be the update's."
+        )
+    return seconds
 
 
 def _update_rate_best(numel: int, *, fused: bool = False) -> float:
