@@ -18,6 +18,7 @@ Imports torch (the model does not). The I/O is the project's own path (:class:`~
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import math
 import os
@@ -29,7 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
+from lightning_smartinf.core.io.leftovers import remove_leftovers, scratch_directory
 from lightning_smartinf.core.progress import Progress
 from lightning_smartinf.plan.cost_model import PlanError
 from lightning_smartinf.plan.machine import MACHINE_KIND
@@ -374,46 +375,43 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
         problems.append(f"`--calibrate {' '.join(map(str, roots))}`: a directory is named twice; name each once.")
     if problems:
         raise PlanError("\n".join(problems))
-    work = []
     for root in roots:
         remove_leftovers(root, "smartinf-calibrate")  # the probe files of a calibration that was killed
-        work.append(temporary_path(root / "smartinf-calibrate", "run"))
-        work[-1].mkdir(mode=0o700)
     probes: list[_Probe] = []
     # Each path alone, all at once, the update rates (fp32, fused AdamW, each precision), a backend step.
-    measure = Progress("measuring this machine", len(work) + 7, unit="measurements", announce=True)
-    try:
-        probes = [_Probe(directory, megabytes * MiB) for directory in work]
-        alone = []
-        for probe in probes:
-            alone.append(_alone(probe))
+    measure = Progress("measuring this machine", len(roots) + 7, unit="measurements", announce=True)
+    with contextlib.ExitStack() as scratch:
+        work = [scratch.enter_context(scratch_directory("smartinf-calibrate", root)) for root in roots]
+        try:
+            probes = [_Probe(directory, megabytes * MiB) for directory in work]
+            alone = []
+            for probe in probes:
+                alone.append(_alone(probe))
+                measure.update(1)
+            together_s = _at_once([stream for probe in probes for stream in probe.streams()])
+            together = 2 * megabytes * MiB * len(probes) / together_s / 1e9
             measure.update(1)
-        together_s = _at_once([stream for probe in probes for stream in probe.streams()])
-        together = 2 * megabytes * MiB * len(probes) / together_s / 1e9
-        measure.update(1)
-        for probe in probes:
-            probe.close()
-        probes = []
-        update = _update_rate_best(8 << 20)
-        measure.update(1)
-        fused = _host_adam_rate(8 << 20)
-        measure.update(1)
-        costs = _update_costs()
-        fused_update, fused_costs = _update_rate_best(8 << 20, fused=True), _update_costs(fused=True)
-        measure.update(1)
-        step_s_per_gparam = _backend_step(work, megabytes * MiB // 12)
-        measure.update(1)
-        training = {"bf16": _training_tflops(torch.bfloat16), "fp32": _training_tflops(torch.float32)}
-        measure.update(1)
-        reduce_passes = _reduce_passes()
-        measure.update(1)
-        measure.close()
-    finally:
-        measure.close(failed=True)  # after `close()`, nothing more
-        for probe in probes:
-            probe.close()
-        for directory in work:
-            shutil.rmtree(directory, ignore_errors=True)
+            for probe in probes:
+                probe.close()
+            probes = []
+            update = _update_rate_best(8 << 20)
+            measure.update(1)
+            fused = _host_adam_rate(8 << 20)
+            measure.update(1)
+            costs = _update_costs()
+            fused_update, fused_costs = _update_rate_best(8 << 20, fused=True), _update_costs(fused=True)
+            measure.update(1)
+            step_s_per_gparam = _backend_step(work, megabytes * MiB // 12)
+            measure.update(1)
+            training = {"bf16": _training_tflops(torch.bfloat16), "fp32": _training_tflops(torch.float32)}
+            measure.update(1)
+            reduce_passes = _reduce_passes()
+            measure.update(1)
+            measure.close()
+        finally:
+            measure.close(failed=True)  # after `close()`, nothing more
+            for probe in probes:
+                probe.close()
     gpu = _gpu()
     memory = psutil.virtual_memory()
     disks = [_disk(root) for root in roots]
