@@ -555,6 +555,7 @@ RENAMED = [
     ("lightning_smartinf.core.placement", "Tiered", "TieredPlacement"),
     ("lightning_smartinf.activations", "ActivationOffloader", "SavedTensorOffloader"),
     ("lightning_smartinf.activations.offload", "ActivationOffloader", "SavedTensorOffloader"),
+    ("lightning_smartinf.core.native", "int8_kernels", "state_format_kernels"),
 ]
 
 

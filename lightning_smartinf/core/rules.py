@@ -3,6 +3,12 @@
 Each rule reproduces the arithmetic of the matching ``torch.optim`` class (single-tensor path), so a
 model trained through a device ends with the parameters a plain ``torch.optim`` run would give.
 Rules are stateless descriptions; the state tensors live on the device and are passed in per chunk.
+
+Square roots are torch's own by default (torch.optim's, rounding for rounding). With ``ieee_sqrt=True`` a rule
+takes them correctly rounded (IEEE 754) instead, as every device does for a state kept in fewer bytes
+(:func:`lightning_smartinf.core.state_formats.update_chunk`): torch's vectorised CPU sqrt is 1 ulp off for some inputs
+on some builds (0.7% of them on an AVX-512 build), which no other device reproduces, while an IEEE sqrt is the same
+on every host, accelerator and FPGA kernel.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy
 import torch
 from torch import Tensor
 
@@ -67,7 +74,9 @@ class UpdateRule(ABC):
         return 0.0
 
     @abstractmethod
-    def apply(self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams) -> None:
+    def apply(
+        self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams, *, ieee_sqrt: bool = False
+    ) -> None:
         """Update ``master`` and ``states`` in place.
 
         Args:
@@ -75,12 +84,34 @@ class UpdateRule(ABC):
             grad: fp32 gradient of the chunk, already multiplied by ``hp.grad_scale``; may be overwritten.
             states: fp32 state tensors of the chunk, in :attr:`state_names` order.
             hp: hyper-parameters of this step.
+            ieee_sqrt: take square roots correctly rounded instead of torch's (see the module docstring). A fused
+                :class:`Adam` runs torch's fused kernel, with its own square roots, either way.
         """
 
     @property
     def bytes_per_element(self) -> int:
         """Bytes of fp32 master plus state per trainable element held on the device."""
         return 4 * (1 + len(self.state_names))
+
+
+def correctly_rounded_sqrt(values: Tensor, out: Tensor) -> Tensor:
+    """``out`` = the square root of ``values``, correctly rounded (IEEE 754), on their device; returns ``out``.
+
+    On the host through numpy (C's ``sqrtf``): torch's vectorised CPU kernel is an approximation. CUDA's ``sqrt`` is
+    IEEE's (torch is built without fast math), so there torch's own runs.
+    """
+    if values.device.type == "cpu":
+        numpy.sqrt(values.numpy(), out=out.numpy())
+        return out
+    return torch.sqrt(values, out=out)
+
+
+def _sqrt(values: Tensor, *, ieee: bool, into: Tensor | None = None) -> Tensor:
+    """The square root of ``values``, correctly rounded where ``ieee``, else torch's (as torch.optim takes it): in
+    ``into`` (a tensor of their shape, overwritten) or a new tensor."""
+    if ieee:
+        return correctly_rounded_sqrt(values, torch.empty_like(values) if into is None else into)
+    return values.sqrt() if into is None else into.copy_(values).sqrt_()
 
 
 def _sign_and_decay(master: Tensor, grad: Tensor, hp: StepParams, decoupled: bool = False) -> None:
@@ -115,7 +146,9 @@ class Adam(UpdateRule):
     def state_names(self) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if self.amsgrad else ("exp_avg", "exp_avg_sq")
 
-    def apply(self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams) -> None:
+    def apply(
+        self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams, *, ieee_sqrt: bool = False
+    ) -> None:
         exp_avg, exp_avg_sq = states[0], states[1]
         beta1, beta2 = hp.betas
         if self.fused:
@@ -147,7 +180,7 @@ class Adam(UpdateRule):
             second = states[2]
             second.copy_(second.maximum(exp_avg_sq))
         # ``grad`` is dead from here on: reuse it as the denominator to avoid an allocation.
-        denom = grad.copy_(second).sqrt_().div_(bias_correction2_sqrt).add_(hp.eps)
+        denom = _sqrt(second, ieee=ieee_sqrt, into=grad).div_(bias_correction2_sqrt).add_(hp.eps)
         master.addcdiv_(exp_avg, denom, value=-hp.lr / bias_correction1)
 
 
@@ -175,13 +208,15 @@ class EFAdam(UpdateRule):
     def state_names(self) -> tuple[str, ...]:
         return ("exp_avg_sq",)
 
-    def apply(self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams) -> None:
+    def apply(
+        self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams, *, ieee_sqrt: bool = False
+    ) -> None:
         exp_avg_sq = states[0]
         beta2 = hp.betas[1]
         _sign_and_decay(master, grad, hp, self.decoupled_weight_decay)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         bias_correction2_sqrt = math.sqrt(1.0 - beta2**hp.step)
-        denom = exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(hp.eps)
+        denom = _sqrt(exp_avg_sq, ieee=ieee_sqrt).div_(bias_correction2_sqrt).add_(hp.eps)
         master.addcdiv_(grad, denom, value=-hp.lr)
 
 
@@ -199,7 +234,9 @@ class SGD(UpdateRule):
     def state_names(self) -> tuple[str, ...]:
         return ("momentum_buffer",) if self.with_momentum else ()
 
-    def apply(self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams) -> None:
+    def apply(
+        self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams, *, ieee_sqrt: bool = False
+    ) -> None:
         _sign_and_decay(master, grad, hp)
         update = grad
         if self.with_momentum and hp.momentum != 0.0:
@@ -252,10 +289,12 @@ class Adagrad(UpdateRule):
     def initial_state_value(self, state: str) -> float:
         return self.initial_accumulator_value
 
-    def apply(self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams) -> None:
+    def apply(
+        self, master: Tensor, grad: Tensor, states: Sequence[Tensor], hp: StepParams, *, ieee_sqrt: bool = False
+    ) -> None:
         state_sum = states[0]
         _sign_and_decay(master, grad, hp)
         clr = hp.lr / (1.0 + (hp.step - 1) * hp.lr_decay)
         state_sum.addcmul_(grad, grad, value=1.0)
-        std = state_sum.sqrt().add_(hp.eps)
+        std = _sqrt(state_sum, ieee=ieee_sqrt).add_(hp.eps)
         master.addcdiv_(grad, std, value=-clr)

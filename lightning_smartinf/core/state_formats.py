@@ -3,8 +3,11 @@
 A format says how a state tensor of ``n`` elements is stored (:meth:`StateFormat.stored_bytes`), how fp32 values
 become those bytes (:meth:`StateFormat.store`) and back (:meth:`StateFormat.load`). :func:`update_chunk` is the
 reference of an update in a format: load every state to fp32, run the rule's fp32 arithmetic
-(:mod:`lightning_smartinf.core.rules`), store every state back. Every device that holds a format must give the
-bytes this module gives on the same inputs. Master weights are fp32 in every format.
+(:mod:`lightning_smartinf.core.rules`; in ``"bf16"`` and ``"int8"`` with square roots correctly rounded, as every
+device takes them), store every state back. Every device that holds a format must give the bytes this module gives
+on the same inputs. Master weights are fp32 in every format. On host cores, Adam and AdamW (the single-tensor
+arithmetic) run fused with ``"bf16"`` and ``"int8"`` in C kernels (:meth:`StateFormat.fused_update`): one pass over a
+chunk instead of the reference's dozen, the same bytes.
 
 Formats (``state_precision``):
 
@@ -38,17 +41,17 @@ Formats (``state_precision``):
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
-import numpy
 import torch
 from torch import Tensor
 
-from lightning_smartinf.core.native import int8_kernels
-from lightning_smartinf.core.rules import StepParams, UpdateRule
+from lightning_smartinf.core.native import state_format_kernels
+from lightning_smartinf.core.rules import Adam, StepParams, UpdateRule, correctly_rounded_sqrt
 
 __all__ = [
     "BLOCK",
@@ -158,12 +161,23 @@ class StateFormat(ABC):
         """Bytes per element on the device of an fp32 master and ``num_states`` states in this format."""
         return 4 + num_states * self.stored_bytes(1 << 20) / (1 << 20)
 
+    def fused_update(
+        self, rule: UpdateRule, master: Tensor, grad: Tensor, stored: Sequence[Tensor], hp: StepParams
+    ) -> bool:
+        """Run :func:`update_chunk` as one native pass where this format has a kernel for ``rule`` and the tensors
+        (see :func:`_fused_adam_arguments`); ``False`` where it has none and nothing was done: the reference runs."""
+        return False
+
 
 class FloatFormat(StateFormat):
-    """A state in a float ``dtype``: fp32 as it is, bf16 rounded to nearest, ties to even (and loaded back exactly)."""
+    """A state in a float ``dtype``: fp32 as it is, bf16 rounded to nearest, ties to even (and loaded back exactly).
 
-    def __init__(self, name: str, dtype: torch.dtype) -> None:
-        self.name, self.dtype = name, dtype
+    ``native``: bf16 updates Adam with the C kernel of :mod:`lightning_smartinf.core.native` where it applies (the
+    same bytes); ``False``: the plain-torch reference, always.
+    """
+
+    def __init__(self, name: str, dtype: torch.dtype, native: bool = True) -> None:
+        self.name, self.dtype, self.native = name, dtype, native
 
     def stored_bytes(self, numel: int) -> int:
         return self.dtype.itemsize * numel
@@ -176,6 +190,26 @@ class FloatFormat(StateFormat):
 
     def load(self, raw: Tensor, out: Tensor, state: str) -> None:
         out.copy_(raw.view(self.dtype))
+
+    def fused_update(
+        self, rule: UpdateRule, master: Tensor, grad: Tensor, stored: Sequence[Tensor], hp: StepParams
+    ) -> bool:
+        if self.dtype != torch.bfloat16 or not self.native:
+            return False
+        arguments = _fused_adam_arguments(rule, master, grad, stored, hp, self.stored_bytes(master.numel()))
+        if arguments is None:
+            return False
+        kernels, scalars, flags = arguments
+        kernels.smartinf_adam_bf16(
+            _pointer(master.data_ptr(), ctypes.c_float),
+            _pointer(grad.data_ptr(), ctypes.c_float),
+            master.numel(),
+            _pointer(stored[0].data_ptr(), ctypes.c_uint16),
+            _pointer(stored[1].data_ptr(), ctypes.c_uint16),
+            _pointer(scalars.data_ptr(), ctypes.c_float),
+            flags,
+        )
+        return True
 
 
 class Int8(StateFormat):
@@ -207,7 +241,7 @@ class Int8(StateFormat):
             and raw.is_contiguous()
             and raw.numel() == self.stored_bytes(values.numel())
         )
-        return int8_kernels() if self.native and fits else None
+        return state_format_kernels() if self.native and fits else None
 
     def stored_bytes(self, numel: int) -> int:
         return _blocks(numel) * (BLOCK + 4)
@@ -234,7 +268,7 @@ class Int8(StateFormat):
         work[n:].zero_()
         root = state in NON_NEGATIVE
         if root:
-            _ieee_sqrt(values, work[:n])
+            correctly_rounded_sqrt(values, work[:n])
         elif work is not values:
             work[:n].copy_(values)
         rows = work.view(blocks, BLOCK)
@@ -275,6 +309,28 @@ class Int8(StateFormat):
         if values is not out:
             out.copy_(values[:n])
 
+    def fused_update(
+        self, rule: UpdateRule, master: Tensor, grad: Tensor, stored: Sequence[Tensor], hp: StepParams
+    ) -> bool:
+        if not self.native:
+            return False
+        padded = self.elements(stored[0].numel()) if stored else 0
+        arguments = _fused_adam_arguments(rule, master, grad, stored, hp, self.stored_bytes(padded))
+        if arguments is None or padded < master.numel():
+            return False
+        kernels, scalars, flags = arguments
+        kernels.smartinf_adam_int8(
+            _pointer(master.data_ptr(), ctypes.c_float),
+            _pointer(grad.data_ptr(), ctypes.c_float),
+            master.numel(),
+            padded,
+            _pointer(stored[0].data_ptr(), ctypes.c_uint8),
+            _pointer(stored[1].data_ptr(), ctypes.c_uint8),
+            _pointer(scalars.data_ptr(), ctypes.c_float),
+            flags,
+        )
+        return True
+
 
 _FORMATS: dict[str, StateFormat] = {
     f.name: f for f in (FloatFormat("fp32", torch.float32), FloatFormat("bf16", torch.bfloat16), Int8())
@@ -293,7 +349,10 @@ def state_format(name: str) -> StateFormat:
 
 def reference_format(name: str) -> StateFormat:
     """The plain-torch reference of format ``name``: the bytes every device must give."""
-    return Int8(native=False) if state_format(name).name == "int8" else state_format(name)
+    fmt = state_format(name)
+    if isinstance(fmt, FloatFormat):
+        return FloatFormat(fmt.name, fmt.dtype, native=False)
+    return Int8(native=False)
 
 
 def check_format_for_rule(name: str, rule: UpdateRule) -> None:
@@ -309,16 +368,75 @@ def check_format_for_rule(name: str, rule: UpdateRule) -> None:
 def update_chunk(
     rule: UpdateRule, fmt: StateFormat, master: Tensor, grad: Tensor, stored: Sequence[Tensor], hp: StepParams
 ) -> None:
-    """The reference update of one chunk in format ``fmt``: ``stored`` holds each of ``rule``'s states (``uint8``, at
-    least ``fmt.stored_bytes(master.numel())`` each; elements past the master's are padding, kept as they are),
-    updated in place with ``master``. ``grad`` may be overwritten."""
+    """The update of one chunk in format ``fmt``: ``stored`` holds each of ``rule``'s states (``uint8``, at least
+    ``fmt.stored_bytes(master.numel())`` each; elements past the master's are padding, kept as they are), updated in
+    place with ``master``. ``grad`` may be overwritten.
+
+    The reference loads every state to fp32, runs the rule (square roots correctly rounded in a format other than
+    ``"fp32"``: see :mod:`lightning_smartinf.core.rules`) and stores every state back; a format with a native kernel
+    for the rule (:meth:`StateFormat.fused_update`) does the same in one pass, giving the same bytes."""
+    if fmt.fused_update(rule, master, grad, stored, hp):
+        return
     names, n = rule.state_names, master.numel()
     states = [_scratch(fmt.elements(raw.numel()), f"state{j}", device=master.device) for j, raw in enumerate(stored)]
     for name, raw, state in zip(names, stored, states):
         fmt.load(raw, state, name)
-    rule.apply(master, grad, [state[:n] for state in states], hp)
+    rule.apply(master, grad, [state[:n] for state in states], hp, ieee_sqrt=fmt.name != "fp32")
     for name, raw, state in zip(names, stored, states):
         fmt.store(state, raw, name, consume=True)
+
+
+#: torch's CPU kernels that round as the native Adam does: they fuse ``lerp``, ``addcmul`` and ``add(alpha=)`` into one
+#: rounding each (an FMA); its ``"default"`` kernels do not, and there the reference runs.
+_FMA_CAPABILITIES = frozenset({"AVX2", "AVX512"})
+
+
+def _fused_adam_arguments(
+    rule: UpdateRule, master: Tensor, grad: Tensor, stored: Sequence[Tensor], hp: StepParams, state_bytes: int
+) -> tuple[ctypes.CDLL, Tensor, int] | None:
+    """The kernels, fp32 scalars and flags of a native fused Adam over these tensors, or ``None`` where it does not
+    apply: a rule other than the single-tensor Adam or AdamW without ``amsgrad`` (torch's fused kernel has an
+    arithmetic of its own), a torch whose CPU kernels round otherwise, tensors that are not contiguous host fp32
+    (``master``, ``grad`` of as many elements) and ``uint8`` (each state at least ``state_bytes``), or no kernels."""
+    applies = (
+        type(rule) is Adam
+        and not rule.fused
+        and not rule.amsgrad
+        and len(stored) == 2
+        and master.device.type == "cpu"
+        and master.dtype == grad.dtype == torch.float32
+        and master.is_contiguous()
+        and grad.is_contiguous()
+        and grad.device.type == "cpu"
+        and grad.numel() >= master.numel()
+        and all(
+            raw.device.type == "cpu" and raw.dtype == torch.uint8 and raw.is_contiguous() and raw.numel() >= state_bytes
+            for raw in stored
+        )
+        and torch.backends.cpu.get_cpu_capability() in _FMA_CAPABILITIES
+    )
+    kernels = state_format_kernels() if applies else None
+    if kernels is None:
+        return None
+    beta1, beta2 = hp.betas
+    decay = hp.weight_decay != 0.0
+    decoupled = decay and rule.decoupled_weight_decay  # type: ignore[attr-defined]
+    # As torch rounds a Python number for an fp32 tensor's operation: computed in double, then rounded once.
+    scalars = torch.tensor(
+        [
+            1.0 - hp.lr * hp.weight_decay if decoupled else 1.0,
+            hp.weight_decay if decay and not decoupled else 0.0,
+            1.0 - beta1,
+            beta2,
+            1.0 - beta2,
+            math.sqrt(1.0 - beta2**hp.step),
+            hp.eps,
+            -hp.lr / (1.0 - beta1**hp.step),
+        ],
+        dtype=torch.float32,
+    )
+    flags = (1 if hp.maximize else 0) | (2 if decay and not decoupled else 0) | (4 if decoupled else 0)
+    return kernels, scalars, flags
 
 
 def _blocks(numel: int) -> int:
@@ -340,19 +458,6 @@ def _scratch(numel: int, purpose: str, dtype: torch.dtype = torch.float32, devic
     if buffer is None or buffer.numel() < numel:
         buffer = buffers[(purpose, device)] = torch.empty(numel, dtype=dtype, device=device)
     return buffer[:numel]
-
-
-def _ieee_sqrt(values: Tensor, out: Tensor) -> None:
-    """``out`` = the square root of ``values``, correctly rounded (IEEE 754), on their device.
-
-    On the host through numpy (C's ``sqrtf``): torch's vectorised CPU kernel is an approximation (one in six
-    results differs in the last bit), which no other device could reproduce. CUDA's ``sqrt`` is IEEE's (torch is
-    built without fast math), so there torch's own runs.
-    """
-    if values.device.type == "cpu":
-        numpy.sqrt(values.numpy(), out=out.numpy())
-    else:
-        torch.sqrt(values, out=out)
 
 
 #: Code tables copied to other devices, by (table, device): each device decodes from a copy in its own memory. Each

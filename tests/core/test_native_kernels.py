@@ -1,8 +1,10 @@
-"""The C kernels of the ``"int8"`` state format give the plain-torch reference's bytes, bit for bit; they build on a
-fresh machine (set-up installs a compiler), and where they cannot, the reference runs with one warning."""
+"""The C kernels of the state formats (the ``"int8"`` conversions, Adam fused with ``"int8"`` and ``"bf16"``) give the
+plain-torch reference's bytes, bit for bit; they build on a fresh machine (set-up installs a compiler), and where
+they cannot, the reference runs with one warning."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -12,7 +14,8 @@ import pytest
 import torch
 from conftest import REPO_ROOT
 
-from lightning_smartinf.core.native import build, int8_kernels, kernels_dir
+from lightning_smartinf.core.native import build, kernels_dir, state_format_kernels
+from lightning_smartinf.core.rules import Adagrad, Adam, EFAdam, StepParams
 from lightning_smartinf.core.state_formats import (
     BLOCK,
     E4M3_MAX,
@@ -20,6 +23,7 @@ from lightning_smartinf.core.state_formats import (
     ROOT_CODE,
     reference_format,
     state_format,
+    update_chunk,
 )
 
 #: Every float8_e4m3fn code's value, non-negative and finite (0x7F is NaN): a signed state's codes.
@@ -41,9 +45,96 @@ _ROOT_SATURATES = float(_ROOT[-1] + (_ROOT[-1] - _ROOT[-2]) / 2)
 
 def test_the_kernels_build_here_and_the_devices_use_them():
     """A fresh CI machine has a compiler: the devices convert with the kernels, not the slower reference."""
-    assert int8_kernels() is not None
+    assert state_format_kernels() is not None
     assert state_format("int8").native and not reference_format("int8").native
-    assert build("int8_state").parent == kernels_dir()
+    assert build("state_formats").parent == kernels_dir()
+
+
+def _gradient(n: int, generator: torch.Generator) -> torch.Tensor:
+    """Gradients over twelve orders of magnitude, with zeros, as a chunk of a real one has."""
+    g = torch.randn(n, generator=generator) * 10.0 ** torch.randint(-9, 3, (n,), generator=generator).float()
+    g[::97] = 0.0
+    return g
+
+
+#: The variants of Adam's arithmetic: AdamW and Adam (L2 decay), with and without decay, maximizing.
+ADAM_VARIANTS = {
+    "adamw": (Adam(decoupled_weight_decay=True), {"weight_decay": 0.1}),
+    "adamw-no-decay": (Adam(decoupled_weight_decay=True), {}),
+    "adam-l2": (Adam(), {"weight_decay": 0.01}),
+    "adam-maximize": (Adam(), {"weight_decay": 0.01, "maximize": True, "betas": (0.8, 0.95), "eps": 1e-6}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(ADAM_VARIANTS))
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize("n", [1, BLOCK + 3, 5 * 1024 + 17])
+def test_adam_fused_with_a_format_is_the_reference_byte_for_byte(fmt, variant, n):
+    """Six steps of one chunk, padded as a record pads it (to 1024 elements; the padding holds earlier values that
+    must come back unchanged): the kernel's masters and stored states are the reference's (load, the rule with IEEE
+    square roots, store), bit for bit, at every step."""
+    rule, settings = ADAM_VARIANTS[variant]
+    fast, ref = state_format(fmt), reference_format(fmt)
+    generator = torch.Generator().manual_seed(n)
+    padded = -(-n // 1024) * 1024
+    master = torch.randn(n, generator=generator)
+    stored = []
+    for name in rule.state_names:  # a state that is not zero past the chunk's elements too
+        values = _gradient(padded, generator).abs() if name in NON_NEGATIVE else _gradient(padded, generator)
+        raw = torch.empty(fast.stored_bytes(padded), dtype=torch.uint8)
+        ref.store(values, raw, name)
+        stored.append(raw)
+    want_master, want = master.clone(), [raw.clone() for raw in stored]
+    for step in range(1, 7):
+        hp = StepParams(step=step, lr=1e-3 * step, **settings)
+        grad = _gradient(n, generator)
+        assert fast.fused_update(rule, master, grad.clone(), stored, hp), "the kernel must take this update"
+        update_chunk(rule, ref, want_master, grad.clone(), want, hp)
+        assert torch.equal(master, want_master), f"masters differ at step {step}"
+        for name, got, expected in zip(rule.state_names, stored, want):
+            assert torch.equal(got, expected), f"{name} differs at step {step}"
+
+
+def test_the_reference_of_a_format_takes_ieee_square_roots_and_fp32_torchs():
+    """A stored format's reference is the rule with IEEE square roots (what every device computes); ``"fp32"`` is the
+    rule as it stands, whose square roots are torch's, as torch.optim's are."""
+    rule, n = Adam(decoupled_weight_decay=True), 1 << 14
+    generator = torch.Generator().manual_seed(3)
+    # exp_avg_sq values whose torch square root is off by one ulp somewhere on this build, or IEEE already
+    second = torch.rand(n, generator=generator) * 10
+    grad = torch.zeros(n)
+    hp = StepParams(step=1, lr=1e-3)
+    for ieee in (False, True):
+        master, states = torch.ones(n), [torch.ones(n), second.clone()]
+        rule.apply(master, grad.clone(), states, hp, ieee_sqrt=ieee)
+        denom = torch.from_numpy(numpy.sqrt((second * 0.999).numpy())) if ieee else (second * 0.999).sqrt()
+        denom = denom.div_(math.sqrt(1 - 0.999)).add_(1e-8)
+        assert torch.equal(master, torch.ones(n).addcdiv_(torch.ones(n) * 0.9, denom, value=-1e-3 / 0.1))
+    fp32 = state_format("fp32")
+    raw = [torch.ones(n).view(torch.uint8), (second.clone()).view(torch.uint8)]
+    master = torch.ones(n)
+    update_chunk(rule, fp32, master, grad.clone(), raw, hp)
+    expected = torch.ones(n)
+    rule.apply(expected, grad.clone(), [torch.ones(n), second.clone()], hp)
+    assert torch.equal(master, expected)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [Adam(fused=True), Adam(amsgrad=True), EFAdam(), Adagrad()],
+    ids=["fused", "amsgrad", "ef_adam", "adagrad"],
+)
+def test_a_rule_the_kernels_do_not_have_runs_the_reference(rule):
+    """The kernels hold the single-tensor Adam and AdamW only: torch's fused kernel rounds otherwise, and the other
+    rules run the reference, on every format."""
+    n = 1000
+    for fmt in ("int8", "bf16"):
+        fast = state_format(fmt)
+        stored = [torch.zeros(fast.stored_bytes(1024), dtype=torch.uint8) for _ in rule.state_names]
+        assert not fast.fused_update(rule, torch.zeros(n), torch.ones(n), stored, StepParams(1, 0.1))
+    assert not reference_format("int8").fused_update(
+        Adam(), torch.zeros(n), torch.ones(n), [torch.zeros(1040, dtype=torch.uint8)] * 2, StepParams(1, 0.1)
+    )
 
 
 def _both(values: torch.Tensor, state: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,14 +284,16 @@ def _python(script: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 
 #: What each kernel library's user computes twice without a compiler, against its reference; and what it says.
 WITHOUT_A_COMPILER = {
-    "int8": (
-        "from lightning_smartinf.core.state_formats import state_format, reference_format\n"
+    "state_formats": (
+        "from lightning_smartinf.core.rules import Adam, StepParams\n"
+        "from lightning_smartinf.core.state_formats import state_format, reference_format, update_chunk\n"
         "x = torch.rand(3000)\n"
         "for _ in range(2):\n"
         "    a = torch.empty(state_format('int8').stored_bytes(3000), dtype=torch.uint8); b = a.clone()\n"
         "    state_format('int8').store(x, a, 'exp_avg'); reference_format('int8').store(x, b, 'exp_avg')\n"
-        "    assert torch.equal(a, b)\n",
-        "The int8 optimizer state",
+        "    assert torch.equal(a, b)\n"
+        "    assert not state_format('int8').fused_update(Adam(), x.clone(), x.clone(), [a, b], StepParams(1, 0.1))\n",
+        "The optimizer state's formats",
     ),
     "norm": (
         "from lightning_smartinf.core.float64_norm import PartitionNorm\n"
@@ -230,7 +323,9 @@ def test_without_a_compiler_the_reference_runs_and_says_so_once(tmp_path, kernel
 def test_processes_building_at_once_all_load_one_whole_library(tmp_path):
     """Two processes on a fresh directory: each builds and renames into place; both load, and only the library is
     left (no temporaries)."""
-    script = "from lightning_smartinf.core.native import int8_kernels\nassert int8_kernels() is not None\n"
+    script = (
+        "from lightning_smartinf.core.native import state_format_kernels\nassert state_format_kernels() is not None\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "SMARTINF_KERNELS_DIR": str(tmp_path)}
     runs = [
         subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)

@@ -2,7 +2,7 @@
 
 Each kernel gives the bytes of its plain-torch reference bit for bit (its tests compare them); it exists because the
 reference takes several passes over memory where one does. Without a C compiler the reference runs instead (the
-same bytes, slower), and :func:`int8_kernels` says why once.
+same bytes, slower), and :func:`state_format_kernels` says why once.
 
 A library is built once per machine into :func:`kernels_dir` (``$SMARTINF_KERNELS_DIR``, by default
 ``$XDG_CACHE_HOME/lightning_smartinf/kernels``), named by a hash of its source, the compiler and its flags; a build
@@ -27,8 +27,9 @@ from importlib import resources
 from pathlib import Path
 
 from lightning_smartinf.core.io.leftovers import remove_entry, temporary_path
+from lightning_smartinf.core.renamed import old_names
 
-__all__ = ["KernelBuildError", "build", "int8_kernels", "kernels_dir", "sum_squares_kernels"]
+__all__ = ["KernelBuildError", "build", "kernels_dir", "state_format_kernels", "sum_squares_kernels"]
 
 log = logging.getLogger(__name__)
 
@@ -113,19 +114,29 @@ def _load(name: str, without: str) -> ctypes.CDLL | None:
 
 
 @functools.cache
-def int8_kernels() -> ctypes.CDLL | None:
-    """The ``"int8"`` state format's conversions (``int8_state.c``), or ``None`` (said once) where they cannot be
-    built: the plain-torch reference then runs."""
+def state_format_kernels() -> ctypes.CDLL | None:
+    """The state formats' kernels (``state_formats.c``: the ``"int8"`` conversions, Adam fused with ``"int8"`` and
+    ``"bf16"``), or ``None`` (said once) where they cannot be built: the plain-torch reference then runs."""
     library = _load(
-        "int8_state", "The int8 optimizer state is converted by its slower plain-torch reference (the same bytes)"
+        "state_formats", "The optimizer state's formats run their slower plain-torch reference (the same bytes)"
     )
     if library is None:
         return None
-    f32, u8, i64 = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint8), ctypes.c_int64
+    f32, u8, u16 = (ctypes.POINTER(t) for t in (ctypes.c_float, ctypes.c_uint8, ctypes.c_uint16))
+    i64 = ctypes.c_int64
     library.smartinf_int8_store.argtypes = [f32, i64, ctypes.c_int, u8, f32]
-    library.smartinf_int8_store.restype = None
     library.smartinf_int8_load.argtypes = [u8, f32, i64, ctypes.c_int, f32]
-    library.smartinf_int8_load.restype = None
+    # masters, gradient, n, padded, exp_avg, exp_avg_sq, scalars, flags
+    library.smartinf_adam_int8.argtypes = [f32, f32, i64, i64, u8, u8, f32, ctypes.c_int]
+    # masters, gradient, n, exp_avg, exp_avg_sq, scalars, flags
+    library.smartinf_adam_bf16.argtypes = [f32, f32, i64, u16, u16, f32, ctypes.c_int]
+    for kernel in (
+        library.smartinf_int8_store,
+        library.smartinf_int8_load,
+        library.smartinf_adam_int8,
+        library.smartinf_adam_bf16,
+    ):
+        kernel.restype = None
     return library
 
 
@@ -140,3 +151,6 @@ def sum_squares_kernels() -> ctypes.CDLL | None:
         kernel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]  # values, their number, the lanes
         kernel.restype = None
     return library
+
+
+__getattr__ = old_names(__name__, {"int8_kernels": "state_format_kernels"})

@@ -8,7 +8,7 @@ from lightning_smartinf.core.native import KernelBuildError, build
 
 if __name__ == "__main__":
     try:
-        for name in ("int8_state", "sum_squares"):
+        for name in ("state_formats", "sum_squares"):
             print(build(name))
     except KernelBuildError as exc:
         sys.exit(f"error: {exc}")

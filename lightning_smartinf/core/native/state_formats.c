@@ -1,15 +1,18 @@
-/* The "int8" state format's conversions on host cores: one pass over a chunk, the bytes the plain-torch reference
- * (lightning_smartinf/core/state_formats.py, class Int8) gives, bit for bit.
+/* The state formats on host cores (lightning_smartinf/core/state_formats.py): the "int8" format's conversions, one
+ * pass over a chunk, and Adam's update fused with the "int8" and "bf16" formats, one pass over a chunk instead of a
+ * load, the rule's nine passes and a store. Each gives the bytes of its plain-torch reference, bit for bit.
  *
- * A state of n elements is stored as ceil(n / 256) blocks: the blocks' codes (one byte per element, zero past the
- * last element), then one fp32 scale per block. An element's code is an 8-bit float code, rounded to nearest with
- * ties to even, of the element divided by its block's scale, the block's largest magnitude over the code's largest
- * value (an all-zero block: scale 0, divided by 1). A signed state takes FP8 E4M3 (float8_e4m3fn, largest 448); a
- * state that is never negative is stored by its square root in the format's ROOT_CODE, an unsigned 8-bit float (see
- * ROOT_EXPONENT_BITS), where a non-zero value never becomes zero.
+ * A state of n elements is stored in "int8" as ceil(n / 256) blocks: the blocks' codes (one byte per element, zero
+ * past the last element), then one fp32 scale per block. An element's code is an 8-bit float code, rounded to nearest
+ * with ties to even, of the element divided by its block's scale, the block's largest magnitude over the code's
+ * largest value (an all-zero block: scale 0, divided by 1). A signed state takes FP8 E4M3 (float8_e4m3fn, largest
+ * 448); a state that is never negative is stored by its square root in the format's ROOT_CODE, an unsigned 8-bit
+ * float (see ROOT_EXPONENT_BITS), where a non-zero value never becomes zero. In "bf16" each element is rounded to
+ * bfloat16, to nearest with ties to even, as torch rounds.
  *
  * Every operation is one IEEE-754 single-precision operation as torch does it (sqrt, division, multiplication, each
- * correctly rounded; no two fused: built with -ffp-contract=off), so the bytes match the reference's.
+ * correctly rounded; no two fused but where torch's vectorised kernels fuse them, written fmaf: built with
+ * -ffp-contract=off), so the bytes match the reference's.
  */
 #include <math.h>
 #include <stdint.h>
@@ -153,6 +156,104 @@ void smartinf_int8_load(const uint8_t *codes, const float *scales, int64_t n, in
             }
         } else {
             for (int64_t i = 0; i < count; ++i) dst[i] = e4m3_value(in[i]) * scale;
+        }
+    }
+}
+
+/* ---- Adam and AdamW fused with a state format -------------------------------------------------------------------
+ *
+ * torch.optim.Adam/AdamW's single-tensor arithmetic, rounding for rounding as torch's AVX2 and AVX-512 kernels round
+ * (they fuse `lerp`, `addcmul` and `add(alpha=)` into one rounding each: fmaf here), with square roots correctly
+ * rounded (the reference of a stored format takes them so; torch's vectorised CPU sqrt is 1 ulp off for some inputs).
+ * The gradient comes already multiplied by the gradient scale. Per element, in the reference's order:
+ *
+ *     if maximize: g = -g
+ *     AdamW: p = p * decay_mul            Adam (L2): g = g + l2_decay * p
+ *     m = lerp(m, g, lerp_weight)         v = v * beta2 + one_minus_beta2 * g * g
+ *     p = p + (neg_step_size * m) / (sqrt(v) / bias_correction2_sqrt + eps)
+ *
+ * The scalars come as torch rounds them to fp32, in ADAM_SCALARS order; a block of BLOCK elements is loaded from its
+ * format, updated and stored, in memory on the stack. */
+
+#define ADAM_MAXIMIZE 1
+#define ADAM_L2_DECAY 2
+#define ADAM_DECOUPLED_DECAY 4
+/* decay_mul, l2_decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size */
+#define ADAM_SCALARS 8
+
+/* torch.lerp(start, end, weight) for a scalar weight, as its vectorised kernel computes it. */
+static inline float lerp(float start, float end, float weight) {
+    float diff = end - start;
+    return (weight < 0.5f && weight > -0.5f) ? fmaf(weight, diff, start) : fmaf(weight - 1.0f, diff, end);
+}
+
+/* Update `count` elements of p (masters), m and v (fp32) with the gradient g. Branches on the flags outside the loop,
+ * so that each variant vectorises. */
+static void adam_block(float *p, const float *g, float *m, float *v, int64_t count, const float *s, int flags) {
+    const float decay_mul = s[0], l2_decay = s[1], lerp_weight = s[2], beta2 = s[3], one_minus_beta2 = s[4];
+    const float bias_correction2_sqrt = s[5], eps = s[6], neg_step_size = s[7];
+    const float sign = (flags & ADAM_MAXIMIZE) ? -1.0f : 1.0f; /* exact: a negation */
+    const int decoupled = (flags & ADAM_DECOUPLED_DECAY) != 0, l2 = (flags & ADAM_L2_DECAY) != 0;
+    for (int64_t i = 0; i < count; ++i) {
+        float ge = g[i] * sign, pe = p[i];
+        if (decoupled) pe = pe * decay_mul;
+        if (l2) ge = fmaf(pe, l2_decay, ge);
+        float me = lerp(m[i], ge, lerp_weight);
+        float ve = fmaf(one_minus_beta2 * ge, ge, v[i] * beta2);
+        float denom = sqrtf(ve) / bias_correction2_sqrt + eps;
+        p[i] = pe + (neg_step_size * me) / denom;
+        m[i] = me;
+        v[i] = ve;
+    }
+}
+
+/* One chunk of `padded` elements (its records' padding included), of which the first n are updated: masters and
+ * gradient fp32; exp_avg and exp_avg_sq in "int8", each its codes then its scales, as smartinf_int8_store lays them
+ * out for `padded` elements. Padding blocks are loaded and stored again, as the reference does. */
+void smartinf_adam_int8(float *master, const float *grad, int64_t n, int64_t padded, uint8_t *exp_avg,
+                        uint8_t *exp_avg_sq, const float *scalars, int flags) {
+    float m[BLOCK], v[BLOCK];
+    int64_t blocks = (padded + BLOCK - 1) / BLOCK;
+    float *m_scales = (float *)(exp_avg + blocks * BLOCK), *v_scales = (float *)(exp_avg_sq + blocks * BLOCK);
+    for (int64_t b = 0; b < blocks; ++b) {
+        int64_t start = b * BLOCK;
+        int64_t count = n - start >= BLOCK ? BLOCK : (n > start ? n - start : 0);
+        smartinf_int8_load(exp_avg + start, m_scales + b, BLOCK, 0, m);
+        smartinf_int8_load(exp_avg_sq + start, v_scales + b, BLOCK, 1, v);
+        adam_block(master + start, grad + start, m, v, count, scalars, flags);
+        smartinf_int8_store(m, BLOCK, 0, exp_avg + start, m_scales + b);
+        smartinf_int8_store(v, BLOCK, 1, exp_avg_sq + start, v_scales + b);
+    }
+}
+
+static inline float bf16_value(uint16_t bits) {
+    union { uint32_t u; float f; } value = {(uint32_t)bits << 16};
+    return value.f;
+}
+
+/* Round to nearest, ties to even, as torch's conversion to bfloat16 does: NaN becomes 0x7FC0. Without branches. */
+static inline uint16_t bf16_bits(float x) {
+    union { float f; uint32_t u; } value = {x};
+    uint32_t rounded = (value.u + 0x7FFFu + ((value.u >> 16) & 1u)) >> 16;
+    uint32_t nan = -(uint32_t)((value.u & 0x7FFFFFFFu) > 0x7F800000u);
+    return (uint16_t)((0x7FC0u & nan) | (rounded & ~nan));
+}
+
+/* As smartinf_adam_int8, with exp_avg and exp_avg_sq in "bf16" (`padded` elements each; the padding is left as it
+ * is: a bf16 value loads and stores back unchanged). */
+void smartinf_adam_bf16(float *master, const float *grad, int64_t n, uint16_t *exp_avg, uint16_t *exp_avg_sq,
+                        const float *scalars, int flags) {
+    float m[BLOCK], v[BLOCK];
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        int64_t count = n - start >= BLOCK ? BLOCK : n - start;
+        for (int64_t i = 0; i < count; ++i) {
+            m[i] = bf16_value(exp_avg[start + i]);
+            v[i] = bf16_value(exp_avg_sq[start + i]);
+        }
+        adam_block(master + start, grad + start, m, v, count, scalars, flags);
+        for (int64_t i = 0; i < count; ++i) {
+            exp_avg[start + i] = bf16_bits(m[i]);
+            exp_avg_sq[start + i] = bf16_bits(v[i]);
         }
     }
 }
