@@ -3,10 +3,12 @@
 Two measurements, side by side for ``fp32``, ``bf16`` and ``int8``:
 
 1. The update of one chunk (``--chunk`` elements of AdamW state) through each format as the ``cpu`` devices run it
-   (int8 with its C kernels, and with its plain-torch reference beside them), on one thread, then on all of torch's
-   intra-op threads (a memory tier's one device updates with them all): milliseconds per chunk and elements per
-   second, best of ``--rounds`` alternating rounds. Where it is slower than the disk delivers the state, the update,
-   not the disk, sets the step.
+   (bf16 and int8 with their C kernels, and with their plain-torch references beside them), on one thread, then on
+   all of torch's intra-op threads (a memory tier's one device updates with them all): milliseconds per chunk and
+   elements per second, best of ``--rounds`` alternating rounds; for ``torch.optim.AdamW`` as users build it (the
+   single-tensor arithmetic, which the kernels fuse with the formats) and built with ``fused=True`` (torch's fused
+   kernel, then the formats' conversions). Where it is slower than the disk delivers the state, the update, not the
+   disk, sets the step.
 2. A short fit of a small GPT (``--steps`` steps, prefetch off, updates after backward) on one storage path: the
    storage bytes read and written per parameter per step, from the backend's exact counters.
 
@@ -40,16 +42,17 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def update_rates(chunk: int, rounds: int, repeats: int, threads: int) -> dict[str, dict[str, float]]:
+def update_rates(chunk: int, rounds: int, repeats: int, threads: int, fused: bool) -> dict[str, dict[str, float]]:
     from lightning_smartinf.core.rules import Adam, StepParams
     from lightning_smartinf.core.state_formats import reference_format, state_format, update_chunk
 
-    # The devices' formats, and int8's plain-torch reference beside its C kernels (the same bytes).
+    # The devices' formats, and their plain-torch references beside their C kernels (the same bytes).
     formats = {name: state_format(name) for name in FORMATS[1:]}
-    formats["int8-reference"] = reference_format("int8")
+    formats.update({f"{name}-reference": reference_format(name) for name in FORMATS[1:]})
 
     torch.set_num_threads(threads)
-    rule, hp = Adam(decoupled_weight_decay=True), StepParams(step=5, lr=1e-3, weight_decay=0.01)
+    rule = Adam(decoupled_weight_decay=True, fused=fused)
+    hp = StepParams(step=5, lr=1e-3, weight_decay=0.01)
     gen = torch.Generator().manual_seed(0)
     master, grad = torch.randn(chunk, generator=gen), torch.randn(chunk, generator=gen)
     fp32_states = [torch.randn(chunk, generator=gen) * 1e-3, torch.rand(chunk, generator=gen) * 1e-6]
@@ -125,9 +128,11 @@ def main(argv: list[str] | None = None) -> None:
     record = {
         "cpu": cpu_model(),
         "torch": torch.__version__,
-        "update": update_rates(args.chunk, args.rounds, args.repeats, 1),
+        "update": update_rates(args.chunk, args.rounds, args.repeats, 1, fused=False),
         "threads": threads,
-        "update_all_threads": update_rates(args.chunk, args.rounds, args.repeats, threads),
+        "update_all_threads": update_rates(args.chunk, args.rounds, args.repeats, threads, fused=False),
+        "update_fused_rule": update_rates(args.chunk, args.rounds, args.repeats, 1, fused=True),
+        "update_fused_rule_all_threads": update_rates(args.chunk, args.rounds, args.repeats, threads, fused=True),
         "traffic": step_traffic(args.steps),
     }
     print(f"CPU: {record['cpu']}")
@@ -148,11 +153,18 @@ def main(argv: list[str] | None = None) -> None:
             f"{name} on {threads} threads: {rate['ms_per_chunk']:.1f} ms per chunk "
             f"({rate['elements_per_s'] / 1e6:.0f} M elements/s, {speedup:.2f}x one thread's)"
         )
-    reference = record["update"]["int8-reference"]
-    print(
-        f"int8 with its plain-torch reference instead of the C kernels: {reference['ms_per_chunk']:.1f} ms per chunk "
-        f"({reference['elements_per_s'] / 1e6:.0f} M elements/s)"
-    )
+    for name in FORMATS[1:]:
+        reference = record["update"][f"{name}-reference"]
+        print(
+            f"{name} with its plain-torch reference instead of the C kernels: {reference['ms_per_chunk']:.1f} ms per "
+            f"chunk ({reference['elements_per_s'] / 1e6:.0f} M elements/s)"
+        )
+    for name, rate in record["update_fused_rule"].items():
+        every = record["update_fused_rule_all_threads"][name]
+        print(
+            f"{name} with AdamW(fused=True): {rate['ms_per_chunk']:.1f} ms per chunk on one thread, "
+            f"{every['ms_per_chunk']:.1f} on {threads}"
+        )
     if args.out is not None:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
 
