@@ -18,6 +18,7 @@ from conftest import REPO_ROOT
 from lightning_smartinf.plan import PlanError, workload_from_model
 from lightning_smartinf.plan.__main__ import main
 from lightning_smartinf.plan.cost_model import (
+    UPDATE_COST_BY_PRECISION,
     Workload,
     fwd_bwd_time,
     gpu_link_bytes,
@@ -417,7 +418,7 @@ def test_a_fused_optimizer_is_planned_at_its_own_update_rates(capsys):
     assert (unfused.device_update_gparams_per_s, unfused.host_update_gparams_per_s) == (0.01, 1.5)
     assert (fused.device_update_gparams_per_s, fused.host_update_gparams_per_s) == (0.1, 0.1)
     assert fused.update_cost("int8") == 4.0 and unfused.update_cost("int8") == machine.update_cost_by_precision.get(
-        "int8", 1.98
+        "int8", UPDATE_COST_BY_PRECISION["int8"]
     )
     work = Workload(1_000_000_000, batch=1, seq=16)
     slow, fast = plan_machine(work, machine, devices=2), plan_machine(replace(work, fused=True), machine, devices=2)

@@ -55,7 +55,7 @@ INVOCATIONS = {
         2,
         None,
     ),
-    "350M-devvm-int8": (["--model", "350M", "--profile", "devvm-2cpu", "--state-precision", "int8"], 2, None),
+    "350M-devvm-int8": (["--model", "350M", "--profile", "devvm-2cpu", "--state-precision", "int8"], 1, None),
 }
 #: Settings beyond paths, sub-group size, buffer count and compression that an invocation asked for.
 EXTRA = {

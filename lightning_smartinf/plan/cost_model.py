@@ -46,10 +46,11 @@ COMPRESSED_INDEX_BYTES = 4  # int32 position inside the sub-group
 #: ZeRO-3 with parameters offloaded to host memory fetches each 16-bit parameter to the GPU twice per step.
 PARAM_FETCH_BYTES = 2 * LOW_PRECISION_BYTES
 GRADIENT_BUFFERS = ("accelerator", "host")
-#: Each ``state_precision``'s update time per element relative to fp32's (the ``cpu`` backend: load, update and
-#: store a chunk in the format, int8 with its C kernels; measured with ``benchmarks/bench_state_formats.py`` on a
-#: 2-core AMD EPYC, one thread). A calibrated machine measures its own.
-UPDATE_COST_BY_PRECISION = {"fp32": 1.0, "bf16": 1.58, "int8": 1.98}
+#: Each ``state_precision``'s update time per element relative to fp32's (the ``cpu`` backend's AdamW as users build
+#: it: fp32 by torch's ops, bf16 and int8 by the C kernels that fuse it with the format; measured with
+#: ``benchmarks/bench_state_formats.py`` on a 2-core Intel Xeon, one thread, ``docs/state-formats-native-adam.json``).
+#: A calibrated machine measures its own.
+UPDATE_COST_BY_PRECISION = {"fp32": 1.0, "bf16": 0.51, "int8": 0.99}
 #: Calls a remote device server serves at once for one session (``MAX_UPDATES_IN_FLIGHT`` of the remote wire protocol).
 REMOTE_CALLS_IN_FLIGHT = 4
 
