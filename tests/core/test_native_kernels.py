@@ -20,6 +20,7 @@ from lightning_smartinf.core.state_formats import (
     BLOCK,
     E4M3_MAX,
     NON_NEGATIVE,
+    PIECE,
     ROOT_CODE,
     reference_format,
     state_format,
@@ -68,11 +69,12 @@ ADAM_VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(ADAM_VARIANTS))
 @pytest.mark.parametrize("fmt", ["int8", "bf16"])
-@pytest.mark.parametrize("n", [1, BLOCK + 3, 5 * 1024 + 17])
-def test_adam_fused_with_a_format_is_the_reference_byte_for_byte(fmt, variant, n):
+@pytest.mark.parametrize(("n", "threads"), [(1, 1), (BLOCK + 3, 1), (5 * 1024 + 17, 1), (3 * PIECE + 1000, 3)])
+def test_adam_fused_with_a_format_is_the_reference_byte_for_byte(fmt, variant, n, threads, monkeypatch):
     """Six steps of one chunk, padded as a record pads it (to 1024 elements; the padding holds earlier values that
     must come back unchanged): the kernel's masters and stored states are the reference's (load, the rule with IEEE
-    square roots, store), bit for bit, at every step."""
+    square roots, store), bit for bit, at every step; split among three threads as among one."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the pieces follow torch's thread count
     rule, settings = ADAM_VARIANTS[variant]
     fast, ref = state_format(fmt), reference_format(fmt)
     generator = torch.Generator().manual_seed(n)

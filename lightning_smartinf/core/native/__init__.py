@@ -126,8 +126,8 @@ def state_format_kernels() -> ctypes.CDLL | None:
     i64 = ctypes.c_int64
     library.smartinf_int8_store.argtypes = [f32, i64, ctypes.c_int, u8, f32]
     library.smartinf_int8_load.argtypes = [u8, f32, i64, ctypes.c_int, f32]
-    # masters, gradient, n, padded, exp_avg, exp_avg_sq, scalars, flags
-    library.smartinf_adam_int8.argtypes = [f32, f32, i64, i64, u8, u8, f32, ctypes.c_int]
+    # masters, gradient, n, padded, exp_avg's codes and scales, exp_avg_sq's codes and scales, scalars, flags
+    library.smartinf_adam_int8.argtypes = [f32, f32, i64, i64, u8, f32, u8, f32, f32, ctypes.c_int]
     # masters, gradient, n, exp_avg, exp_avg_sq, scalars, flags
     library.smartinf_adam_bf16.argtypes = [f32, f32, i64, u16, u16, f32, ctypes.c_int]
     for kernel in (

@@ -207,22 +207,23 @@ static void adam_block(float *p, const float *g, float *m, float *v, int64_t cou
     }
 }
 
-/* One chunk of `padded` elements (its records' padding included), of which the first n are updated: masters and
- * gradient fp32; exp_avg and exp_avg_sq in "int8", each its codes then its scales, as smartinf_int8_store lays them
- * out for `padded` elements. Padding blocks are loaded and stored again, as the reference does. */
-void smartinf_adam_int8(float *master, const float *grad, int64_t n, int64_t padded, uint8_t *exp_avg,
-                        uint8_t *exp_avg_sq, const float *scalars, int flags) {
+/* Elements [0, padded) of a chunk, whole blocks (its records' padding included), of which the first n are updated:
+ * masters and gradient fp32; exp_avg and exp_avg_sq in "int8", each given by its codes (padded bytes) and its scales
+ * (one per block), as smartinf_int8_store lays them out. Padding blocks are loaded and stored again, as the reference
+ * does. Blocks are independent: a chunk may be updated in pieces of whole blocks, at once on several threads. */
+void smartinf_adam_int8(float *master, const float *grad, int64_t n, int64_t padded, uint8_t *exp_avg_codes,
+                        float *exp_avg_scales, uint8_t *exp_avg_sq_codes, float *exp_avg_sq_scales,
+                        const float *scalars, int flags) {
     float m[BLOCK], v[BLOCK];
-    int64_t blocks = (padded + BLOCK - 1) / BLOCK;
-    float *m_scales = (float *)(exp_avg + blocks * BLOCK), *v_scales = (float *)(exp_avg_sq + blocks * BLOCK);
+    int64_t blocks = padded / BLOCK;
     for (int64_t b = 0; b < blocks; ++b) {
         int64_t start = b * BLOCK;
         int64_t count = n - start >= BLOCK ? BLOCK : (n > start ? n - start : 0);
-        smartinf_int8_load(exp_avg + start, m_scales + b, BLOCK, 0, m);
-        smartinf_int8_load(exp_avg_sq + start, v_scales + b, BLOCK, 1, v);
+        smartinf_int8_load(exp_avg_codes + start, exp_avg_scales + b, BLOCK, 0, m);
+        smartinf_int8_load(exp_avg_sq_codes + start, exp_avg_sq_scales + b, BLOCK, 1, v);
         adam_block(master + start, grad + start, m, v, count, scalars, flags);
-        smartinf_int8_store(m, BLOCK, 0, exp_avg + start, m_scales + b);
-        smartinf_int8_store(v, BLOCK, 1, exp_avg_sq + start, v_scales + b);
+        smartinf_int8_store(m, BLOCK, 0, exp_avg_codes + start, exp_avg_scales + b);
+        smartinf_int8_store(v, BLOCK, 1, exp_avg_sq_codes + start, exp_avg_sq_scales + b);
     }
 }
 
@@ -239,8 +240,8 @@ static inline uint16_t bf16_bits(float x) {
     return (uint16_t)((0x7FC0u & nan) | (rounded & ~nan));
 }
 
-/* As smartinf_adam_int8, with exp_avg and exp_avg_sq in "bf16" (`padded` elements each; the padding is left as it
- * is: a bf16 value loads and stores back unchanged). */
+/* As smartinf_adam_int8, with exp_avg and exp_avg_sq in "bf16": the first n elements (the padding past them is left
+ * as it is: a bf16 value loads and stores back unchanged). */
 void smartinf_adam_bf16(float *master, const float *grad, int64_t n, uint16_t *exp_avg, uint16_t *exp_avg_sq,
                         const float *scalars, int flags) {
     float m[BLOCK], v[BLOCK];
