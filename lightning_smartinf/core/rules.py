@@ -94,6 +94,36 @@ class UpdateRule(ABC):
         return 4 * (1 + len(self.state_names))
 
 
+#: Bits of the flags Adam's kernels take with :func:`adam_kernel_scalars` (the host's C kernels and the SmartSSD
+#: kernels' ``smartinf_abi.h`` alike).
+FLAG_MAXIMIZE = 1 << 0
+FLAG_WEIGHT_DECAY = 1 << 1
+FLAG_DECOUPLED_DECAY = 1 << 2
+
+
+def adam_kernel_scalars(hp: StepParams, decoupled: bool) -> tuple[list[float], int]:
+    """Adam's per-step numbers as a kernel takes them, each computed in double as torch computes the Python number it
+    gives an fp32 tensor's operation (a kernel rounds each to fp32 once): the decoupled decay's multiplier, the L2
+    decay, the ``lerp`` weight, ``beta2``, ``1 - beta2``, the square root of the second bias correction, ``eps`` and
+    minus the step size; and the flags (:data:`FLAG_MAXIMIZE`, :data:`FLAG_WEIGHT_DECAY` for L2 decay,
+    :data:`FLAG_DECOUPLED_DECAY`). ``decoupled``: AdamW."""
+    beta1, beta2 = hp.betas
+    decay = hp.weight_decay != 0.0
+    scalars = [
+        1.0 - hp.lr * hp.weight_decay if decay and decoupled else 1.0,
+        hp.weight_decay if decay and not decoupled else 0.0,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        math.sqrt(1.0 - beta2**hp.step),
+        hp.eps,
+        -hp.lr / (1.0 - beta1**hp.step),
+    ]
+    flags = (FLAG_MAXIMIZE if hp.maximize else 0) | (FLAG_WEIGHT_DECAY if decay and not decoupled else 0)
+    flags |= FLAG_DECOUPLED_DECAY if decay and decoupled else 0
+    return scalars, flags
+
+
 def correctly_rounded_sqrt(values: Tensor, out: Tensor) -> Tensor:
     """``out`` = the square root of ``values``, correctly rounded (IEEE 754), on their device; returns ``out``.
 

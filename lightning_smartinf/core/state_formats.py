@@ -41,7 +41,6 @@ Formats (``state_precision``):
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -53,7 +52,7 @@ import torch
 from torch import Tensor
 
 from lightning_smartinf.core.native import state_format_kernels
-from lightning_smartinf.core.rules import Adam, StepParams, UpdateRule, correctly_rounded_sqrt
+from lightning_smartinf.core.rules import Adam, StepParams, UpdateRule, adam_kernel_scalars, correctly_rounded_sqrt
 
 __all__ = [
     "BLOCK",
@@ -437,24 +436,8 @@ def _fused_adam_arguments(
     kernels = state_format_kernels() if applies else None
     if kernels is None:
         return None
-    beta1, beta2 = hp.betas
-    decay = hp.weight_decay != 0.0
-    decoupled = decay and rule.decoupled_weight_decay  # type: ignore[attr-defined]
-    # As torch rounds a Python number for an fp32 tensor's operation: computed in double, then rounded once.
-    scalars = torch.tensor(
-        [
-            1.0 - hp.lr * hp.weight_decay if decoupled else 1.0,
-            hp.weight_decay if decay and not decoupled else 0.0,
-            1.0 - beta1,
-            beta2,
-            1.0 - beta2,
-            math.sqrt(1.0 - beta2**hp.step),
-            hp.eps,
-            -hp.lr / (1.0 - beta1**hp.step),
-        ],
-        dtype=torch.float32,
-    )
-    flags = (1 if hp.maximize else 0) | (2 if decay and not decoupled else 0) | (4 if decoupled else 0)
+    numbers, flags = adam_kernel_scalars(hp, rule.decoupled_weight_decay)  # type: ignore[attr-defined]
+    scalars = torch.tensor(numbers, dtype=torch.float32)  # each rounded once, as torch rounds them
     return kernels, scalars, flags
 
 

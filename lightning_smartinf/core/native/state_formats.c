@@ -172,14 +172,14 @@ void smartinf_int8_load(const uint8_t *codes, const float *scales, int64_t n, in
  *     m = lerp(m, g, lerp_weight)         v = v * beta2 + one_minus_beta2 * g * g
  *     p = p + (neg_step_size * m) / (sqrt(v) / bias_correction2_sqrt + eps)
  *
- * The scalars come as torch rounds them to fp32, in ADAM_SCALARS order; a block of BLOCK elements is loaded from its
- * format, updated and stored, in memory on the stack. */
+ * The scalars come as torch rounds them to fp32, in this order (lightning_smartinf.core.rules.adam_kernel_scalars):
+ * decay_mul, l2_decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size. A block of
+ * BLOCK elements is loaded from its format, updated and stored, in memory on the stack. */
 
+/* The flags' bits (rules.FLAG_MAXIMIZE, FLAG_WEIGHT_DECAY, FLAG_DECOUPLED_DECAY). */
 #define ADAM_MAXIMIZE 1
 #define ADAM_L2_DECAY 2
 #define ADAM_DECOUPLED_DECAY 4
-/* decay_mul, l2_decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size */
-#define ADAM_SCALARS 8
 
 /* torch.lerp(start, end, weight) for a scalar weight, as its vectorised kernel computes it. */
 static inline float lerp(float start, float end, float weight) {
@@ -187,8 +187,8 @@ static inline float lerp(float start, float end, float weight) {
     return (weight < 0.5f && weight > -0.5f) ? fmaf(weight, diff, start) : fmaf(weight - 1.0f, diff, end);
 }
 
-/* Update `count` elements of p (masters), m and v (fp32) with the gradient g. Branches on the flags outside the loop,
- * so that each variant vectorises. */
+/* Update `count` elements of p (masters), m and v (fp32) with the gradient g. The flags do not change within the loop:
+ * the compiler takes their branches out of it and vectorises each variant. */
 static void adam_block(float *p, const float *g, float *m, float *v, int64_t count, const float *s, int flags) {
     const float decay_mul = s[0], l2_decay = s[1], lerp_weight = s[2], beta2 = s[3], one_minus_beta2 = s[4];
     const float bias_correction2_sqrt = s[5], eps = s[6], neg_step_size = s[7];

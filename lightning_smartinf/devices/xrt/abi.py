@@ -11,7 +11,6 @@ fp32 once (by ``struct``/``ctypes``), where ``torch.optim`` rounds a Python floa
 from __future__ import annotations
 
 import ctypes
-import math
 import struct
 from dataclasses import replace
 from pathlib import Path
@@ -19,13 +18,20 @@ from typing import Literal
 
 import torch
 
-from lightning_smartinf.core.rules import SGD, Adagrad, Adam, EFAdam, StepParams, UpdateRule
+from lightning_smartinf.core.rules import (
+    FLAG_MAXIMIZE,
+    FLAG_WEIGHT_DECAY,
+    SGD,
+    Adagrad,
+    Adam,
+    EFAdam,
+    StepParams,
+    UpdateRule,
+    adam_kernel_scalars,
+)
 from lightning_smartinf.core.state_formats import BLOCK, FORMATS, state_format
 
-# ---- `flags` bits (smartinf_abi.h) -----------------------------------------------------------------------------
-FLAG_MAXIMIZE = 1 << 0
-FLAG_WEIGHT_DECAY = 1 << 1
-FLAG_DECOUPLED_DECAY = 1 << 2
+# ---- `flags` bits (smartinf_abi.h; Adam's three are the core's) -------------------------------------------------
 FLAG_MOMENTUM = 1 << 3
 FLAG_FIRST_STEP = 1 << 4
 FLAG_NESTEROV = 1 << 5
@@ -161,22 +167,8 @@ def kernel_signature(name: str) -> list[ArgKind]:
 
 
 def adam_scalars(hp: StepParams, decoupled: bool) -> tuple[list[float], int]:
-    beta1, beta2 = hp.betas
-    decay = hp.weight_decay != 0.0
-    scalars = [
-        hp.grad_scale,
-        1.0 - hp.lr * hp.weight_decay if decay and decoupled else 1.0,
-        hp.weight_decay if decay and not decoupled else 0.0,
-        1.0 - beta1,
-        beta2,
-        1.0 - beta2,
-        math.sqrt(1.0 - beta2**hp.step),
-        hp.eps,
-        -hp.lr / (1.0 - beta1**hp.step),
-    ]
-    flags = (FLAG_MAXIMIZE if hp.maximize else 0) | (FLAG_WEIGHT_DECAY if decay and not decoupled else 0)
-    flags |= FLAG_DECOUPLED_DECAY if decay and decoupled else 0
-    return scalars, flags
+    scalars, flags = adam_kernel_scalars(hp, decoupled)
+    return [hp.grad_scale, *scalars], flags
 
 
 def efadam_scalars(hp: StepParams, decoupled: bool) -> tuple[list[float], int]:
