@@ -453,6 +453,8 @@ def _in_pieces(run: Callable[[int, int], None], numel: int) -> None:
     (``torch.get_num_threads()``, as the reference's torch operations would use), the calling thread taking the first;
     returns when every piece is done, raising the first piece's error. The pieces are independent (each block is
     loaded, updated and stored on its own), so the bytes do not depend on how the chunk is split."""
+    if numel <= 0:
+        return
     pieces = max(1, min(torch.get_num_threads(), numel // PIECE))
     step = -(-_blocks(numel) // pieces) * BLOCK
     bounds = [(first, min(first + step, numel)) for first in range(0, numel, step)]

@@ -69,7 +69,7 @@ ADAM_VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(ADAM_VARIANTS))
 @pytest.mark.parametrize("fmt", ["int8", "bf16"])
-@pytest.mark.parametrize(("n", "threads"), [(1, 1), (BLOCK + 3, 1), (5 * 1024 + 17, 1), (3 * PIECE + 1000, 3)])
+@pytest.mark.parametrize(("n", "threads"), [(0, 1), (1, 1), (BLOCK + 3, 1), (5 * 1024 + 17, 1), (3 * PIECE + 1000, 3)])
 def test_adam_fused_with_a_format_is_the_reference_byte_for_byte(fmt, variant, n, threads, monkeypatch):
     """Six steps of one chunk, padded as a record pads it (to 1024 elements; the padding holds earlier values that
     must come back unchanged): the kernel's masters and stored states are the reference's (load, the rule with IEEE
