@@ -514,13 +514,13 @@ def test_a_first_fit_loads_every_op_prebuilt(tmp_path: Path) -> None:
     assert set(expected) <= set(loaded), f"expected {expected} loaded, found {loaded}"
 
 
-@pytest.mark.slow
 def in_a_fresh_interpreter(code: str) -> None:
     """Run ``code`` with this Python in a new process; it must succeed."""
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_moved_module_imports_by_its_old_name_with_a_warning() -> None:
     """Every old name of a moved module imports as the module at its new place, warning once, in a fresh
     interpreter (also ``python -m`` of the old name of the demo)."""
