@@ -16,7 +16,7 @@ the last good checkpoint.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,23 +50,30 @@ class ShardSpec:
         numel: number of trainable elements.
         rule: the update rule (and so the state tensors) of the shard's param group.
         state_format: how the states are stored (:data:`~lightning_smartinf.core.state_formats.FORMATS`).
+        master_format: how the masters are stored (:data:`~lightning_smartinf.core.format.layout.MASTER_FORMATS`):
+            ``"split"`` keeps half of each in the shard's bf16 parameters
+            (:mod:`~lightning_smartinf.core.split_masters`).
     """
 
     index: int
     numel: int
     rule: UpdateRule
     state_format: str = "fp32"
+    master_format: str = "fp32"
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of fp32 master plus states, before any on-disk alignment."""
+        """Bytes of master plus states on the device, before any on-disk alignment."""
+        master = -(-self.numel * 17 // 8) if self.master_format == "split" else 4 * self.numel
         if self.state_format == "fp32":
-            return self.numel * self.rule.bytes_per_element
-        return 4 * self.numel + len(self.rule.state_names) * state_format(self.state_format).stored_bytes(self.numel)
+            return master + self.numel * 4 * len(self.rule.state_names)
+        return master + len(self.rule.state_names) * state_format(self.state_format).stored_bytes(self.numel)
 
     def layout(self, chunk_elems: int) -> ChunkLayout:
         """The shard's chunk records in chunks of ``chunk_elems`` (``ValueError`` if that is not a valid size)."""
-        return ChunkLayout(self.numel, chunk_elems, len(self.rule.state_names), self.state_format)
+        return ChunkLayout(
+            self.numel, chunk_elems, len(self.rule.state_names), self.state_format, master_format=self.master_format
+        )
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,16 @@ class Backend(ABC):
     @abstractmethod
     def open(self, shards: Sequence[ShardSpec]) -> None:
         """Place the shards on the devices and allocate their storage; checks free space first."""
+
+    def bind_parameters(self, params_of: Callable[[int], Tensor]) -> None:
+        """Give the shards that split their masters (``ShardSpec.master_format == "split"``) their other halves:
+        ``params_of(shard)`` is the shard's flat bf16 parameter partition in host memory, which every read of its
+        masters takes and every update writes. Called after :meth:`open`, before the first request. A backend whose
+        devices cannot reach host memory keeps whole masters and refuses."""
+        raise ValueError(
+            f"{type(self).__name__} keeps whole fp32 masters on its devices: `split_masters=True` is not available "
+            "with it. Drop `split_masters`."
+        )
 
     @abstractmethod
     def initialize(self, shard: int, master: Tensor) -> Handle:

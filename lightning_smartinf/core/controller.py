@@ -219,6 +219,7 @@ class SmartUpdateController:
                 numel=s.numel,
                 rule=rule_for_group(optimizer, optimizer.param_groups[s.param_group], settings.compression),
                 state_format=settings.state_precision,
+                master_format="split" if settings.split_masters else "fp32",
             )
             for i, s in enumerate(self.sub_groups)
         ]
@@ -228,6 +229,28 @@ class SmartUpdateController:
         self.moments = FactoredMoments(partitions.layout(), partitions.rank) if self._normalised else None
         backend.open(specs)
         self._specs = tuple(specs)
+        #: With split masters, the parameters of each sub-group handed off during backward as they were before: the
+        #: committed half of its masters, put back if the hand-off is rolled back.
+        self._params_before: dict[int, Tensor] | None = None
+        if settings.split_masters:
+            self._bind_split_masters()
+
+    def _bind_split_masters(self) -> None:
+        """Give the backend the parameters that hold half of each split master; refuse parameters that cannot."""
+        partitions = self.partitions
+        where = "on storage" if partitions.staged_limit is not None else None
+        if where is None and partitions.param_dtype != torch.bfloat16:
+            where = f"in {partitions.param_dtype}"
+        if where is None and self.sub_groups and partitions.params(0).device.type != "cpu":
+            where = f"on {partitions.params(0).device}"
+        if where is not None:
+            raise ValueError(
+                f"`split_masters=True` keeps half of each master in the bf16 parameters in host memory, but they are "
+                f"{where}. Train with `precision='bf16-mixed'` and the parameters in host memory "
+                "(`offload_parameters=True` beside an accelerator, not `'storage'`), or drop `split_masters`."
+            )
+        self.backend.bind_parameters(partitions.params)
+        self._params_before = {}
 
     # ------------------------------------------------------------------------------------------------- views
 
@@ -349,8 +372,11 @@ class SmartUpdateController:
         for i in ready:
             steps = self.group_steps.get(self.sub_groups[i].param_group, 0) + 1
             hp = self.step_params(i, steps, grad_scale)
+            params = self.partitions.params(i)
+            if self._params_before is not None:
+                self._params_before[i] = params.clone()
             handle = self.backend.submit(
-                i, self.grad(i), hp, self.partitions.params(i), link_dtype=self.link_dtype, tentative=True, ready=fence
+                i, self.grad(i), hp, params, link_dtype=self.link_dtype, tentative=True, ready=fence
             )
             self._hand_offs.add(i, handle, hp)
 
@@ -435,6 +461,9 @@ class SmartUpdateController:
             pending.extend(itertools.islice(submissions, 1))
         if kept_early:
             self.backend.commit(kept_early)
+            if self._params_before is not None:
+                for i in kept_early:
+                    del self._params_before[i]
         if max(self.group_steps.values()) % REPLAN_EVERY == 0:
             self.backend.replan()
         # No backend.wait(): state write-back trails into the next forward; the devices order it before re-reads.
@@ -540,7 +569,13 @@ class SmartUpdateController:
             return
         self.backend.rollback(shards)
         self.early_rolled_back += len(shards)
-        if restore_params:
+        if self._params_before is not None:  # half of each committed master: back before any other read of them
+            for i in shards:
+                self.partitions.params(i).copy_(self._params_before.pop(i))
+            if restore_params:
+                for i in shards:
+                    self.partitions.params_changed(i)
+        elif restore_params:
             self._read_params(shards)
 
     def _read_params(self, shards: Iterable[int]) -> None:
@@ -692,6 +727,8 @@ class SmartUpdateController:
             )
             residual = None
         self.discard_early()
+        if self._params_before is not None:  # the load sets the parameters, the other half of the masters
+            self.partitions.prepare_for_update()
         if reshard is None:
             self.backend.load(directory)
         else:

@@ -85,6 +85,9 @@ class DeviceKind(ABC):
     keeps_checkpoint_state: bool = False
     #: The state formats its devices hold (``state_precision``; :mod:`lightning_smartinf.core.state_formats`).
     state_formats: tuple[str, ...] = ("fp32",)
+    #: Whether its devices run on this host's cores and memory, so that they can keep half of each master in the bf16
+    #: parameters there (``split_masters``; :mod:`lightning_smartinf.core.split_masters`).
+    splits_masters: bool = False
     #: What one entry of ``device_weights`` weighs.
     weighs: str = "storage path"
 

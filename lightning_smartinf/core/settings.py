@@ -144,6 +144,12 @@ class SmartUpdateSettings:
     keeps it, bit for bit. ``"bf16"``: rounded to bfloat16, half the bytes. ``"int8"``: one byte per element and one
     fp32 scale per block of 256, a quarter of the bytes. Adam's state on disk, and its traffic per step, shrink from 12
     to 8 (bf16) or 6.03 (int8) bytes per parameter."""
+    split_masters: bool = False
+    """Keep on the devices only the 17 bits of each fp32 master weight that its bf16 parameter in host memory lacks
+    (:mod:`lightning_smartinf.core.split_masters`): exactly the same masters, 2.125 bytes each instead of 4, so
+    Adam's state and its traffic per step shrink by 1.875 bytes per parameter each way. Needs bf16 parameters in
+    host memory and a kind whose devices run on this host (``backend="cpu"``), without an accelerator tier; the
+    parameters of sub-groups updated during backward are copied aside (2 bytes each) until the step keeps them."""
     gradient_buffer: Literal["auto", "accelerator", "host"] = "auto"
     """Where this rank's reduced gradient partitions (and the compression residual) wait for their devices.
     ``"accelerator"``: in accelerator memory, so the norm, the overflow check and top-k run there and only what the
@@ -312,8 +318,13 @@ def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
             f"network). Drop it; `state_memory_budget` alone keeps the share one more {kind.weighs} would hold."
         )
     sub_group_valid, chunk_valid, buffers_valid = _check_counts(problems, raw)
-    for name in ("overlap_backward", "prefetch_state"):
+    for name in ("overlap_backward", "prefetch_state", "split_masters"):
         problems.flag(name, raw[name])
+    if raw["split_masters"] is True and kind is not None and not kind.splits_masters:
+        problems.add(
+            f"`split_masters=True` with `backend={kind.name!r}`: its devices do not reach this host's parameters, "
+            "which hold half of each split master. Use `backend='cpu'`, or drop `split_masters`."
+        )
     storage_paths = _storage_paths(problems, raw["storage_paths"])
     device = _device(problems, raw, kind, storage_paths)
     compression = _compression(problems, raw["compression"])
@@ -321,6 +332,12 @@ def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
     accelerator_budget = _accelerator_budget(problems, raw)
     weights = _device_weights(problems, raw, kind, device, storage_paths)
     saved_state_from = _saved_state_from(problems, raw["saved_state_from"])
+    if raw["split_masters"] is True and accelerator_budget:
+        problems.add(
+            f"`split_masters=True` with `state_accelerator_budget={show(raw['state_accelerator_budget'])}`: the "
+            "accelerator tier updates its state in accelerator memory, away from the host parameters that hold half "
+            "of each split master. Drop one of them."
+        )
     if sub_group_valid and chunk_valid and buffers_valid and kind is not None and kind.host_pools:
         _check_pool_memory(problems, raw)
     if sub_group_valid and compression is not None:

@@ -86,6 +86,29 @@ def check_optimizer(settings: SmartUpdateSettings, optimizer: Optimizer) -> None
         raise MisconfigurationException(str(exc)) from None
 
 
+def check_split_masters(
+    settings: SmartUpdateSettings, precision: str, config: dict[str, Any], device: torch.device
+) -> None:
+    """``split_masters=True`` keeps half of each master in the bf16 parameter partitions in host memory: refuse, before
+    anything is built, a run whose parameters are in another precision or elsewhere."""
+    if not settings.split_masters:
+        return
+    offload_param = (config["zero_optimization"].get("offload_param") or {}).get("device")
+    where = None
+    if precision not in ("bf16-mixed", "bf16-true", "bf16"):
+        where = f"in the precision of `precision={precision!r}`"
+    elif offload_param == "nvme":
+        where = "on storage (`offload_parameters='storage'`)"
+    elif device.type != "cpu" and offload_param != "cpu":
+        where = f"in {device.type} memory (`offload_parameters=False`)"
+    if where is not None:
+        raise MisconfigurationException(
+            "`SmartInfinityStrategy(split_masters=True)` keeps half of each master weight in the bf16 parameters in "
+            f"host memory, but this run keeps its parameters {where}. Train with `precision='bf16-mixed'` and the "
+            "parameters in host memory (`offload_parameters=True` beside an accelerator), or drop `split_masters`."
+        )
+
+
 def release_at_next_run(owner: object, release: Callable[[], None]) -> weakref.finalize:
     """Keep a finished run's temporary device state until the next run starts, ``owner`` is collected, or exit."""
     finalizer = weakref.finalize(owner, release)
@@ -312,7 +335,9 @@ def initialize(
     # The memory tiers' state is in memory; a kind may keep its state elsewhere than `device_dirs` (remote servers).
     settings = place.settings
     in_memory = (settings.state_memory_budget or 0) + (settings.state_accelerator_budget or 0)
-    on_storage = state_bytes(optimizer, settings.compression, settings.state_precision) // place.world_size - in_memory
+    check_split_masters(settings, precision, config, place.device)
+    whole = state_bytes(optimizer, settings.compression, settings.state_precision, split_masters=settings.split_masters)
+    on_storage = whole // place.world_size - in_memory
     if (
         place.is_global_zero
         and settings.kind.state_in_storage_paths

@@ -122,6 +122,11 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
             ``torch.optim``, bit for bit), ``"bf16"`` or ``"int8"`` (blockwise, one fp32 scale per 256 elements);
             master weights stay fp32. Adam: 12, 8 or 6.03 bytes per parameter on disk and per step each way
             (docs/arguments.md). ``backend="cpu"`` and ``"remote"`` so far.
+        split_masters: keep on the devices only the 17 bits of each fp32 master that its bf16 parameter in host memory
+            lacks: the same masters bit for bit, 2.125 bytes each instead of 4 (Adam: 10.125 bytes per parameter on
+            disk and per step each way in fp32, 4.16 in int8). Needs ``precision="bf16-mixed"`` with the parameters in
+            host memory (``offload_parameters=True`` beside a GPU) and ``backend="cpu"``; checkpoints hold whole
+            masters, so they load with it on or off (docs/arguments.md).
         gradient_buffer: where gradients wait for devices: ``"accelerator"``, ``"host"`` or ``"auto"`` (docs/gpu.md).
         state_memory_budget, state_accelerator_budget, device_weights, state_memory_share: tiers (docs/tiers.md).
         saved_state_from: where a checkpoint's state is read from when the devices that saved it kept it and this
@@ -174,6 +179,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
         overlap_backward: bool = True,
         prefetch_state: bool = True,
         state_precision: Literal["fp32", "bf16", "int8"] = "fp32",
+        split_masters: bool = False,
         gradient_buffer: Literal["auto", "accelerator", "host"] = "auto",
         state_memory_budget: int | str | None = None,
         device_weights: list[float] | None = None,

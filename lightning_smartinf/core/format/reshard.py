@@ -284,8 +284,9 @@ class Reshard:
                         break
                     low, high = max(piece.dest, start), min(piece.dest + piece.count, start + n)
                     self._fill(record, low - start, high - low, piece, piece.src + low - piece.dest, names, files)
+                params = None if shard.params is None else shard.params[start : start + n]
                 out.seek(layout.record_offset(k))
-                out.write(memoryview(layout.pack(list(record), k, names).numpy()).cast("B"))
+                out.write(memoryview(layout.pack(list(record), k, names, params_out=params).numpy()).cast("B"))
 
     def _fill(
         self,

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from lightning_smartinf.core.backend import ShardSpec
-from lightning_smartinf.core.format.layout import ChunkLayout
+from lightning_smartinf.core.format.layout import ChunkLayout, saved_form
 from lightning_smartinf.core.io import checksum
 from lightning_smartinf.core.io.checksum import CRC32C, checksum_of, combine, file_checksum
 from lightning_smartinf.core.io.clone import CLONE, COPY, KERNEL_COPY, clone_file
@@ -68,6 +68,8 @@ from lightning_smartinf.core.progress import Progress
 from lightning_smartinf.core.state_formats import FORMATS, ROOT_CODE
 
 MANIFEST = "manifest.json"
+#: How :func:`save_state` moved a file whose masters it rebuilt whole from split ones (:class:`SaveStats`).
+REBUILT = "rebuilt"
 FORMAT = "lightning_smartinf.state/4"
 #: Formats this version loads: ``state/2`` differs only in its checksum (zlib's CRC-32 under ``crc32``), ``state/3``
 #: and ``state/2`` in their ``"int8"`` state, whose second moment they hold in another code (square roots in E4M3, not
@@ -117,13 +119,15 @@ class ShardState:
     """Where one shard's live state file is, and what it holds.
 
     ``checksums``: the CRC-32C of each record by byte offset as the device wrote it, where the file keeps them
-    (``StateFile.checksums``); ``None`` for state in memory.
+    (``StateFile.checksums``); ``None`` for state in memory. ``params``: the shard's bf16 parameters where its
+    layout splits the masters (the other half of each): a save rebuilds whole masters from them, a load sets them.
     """
 
     spec: ShardSpec
     layout: ChunkLayout
     path: Path
     checksums: Mapping[int, int] | None = None
+    params: Tensor | None = None
 
     def file_crc32c(self) -> int | None:
         """The whole file's CRC-32C, combined from its records' (``None`` unless every record's is known)."""
@@ -141,8 +145,9 @@ class ShardState:
 
 @dataclass
 class SaveStats:
-    """How a save moved the state files: bytes by method (``clone``, ``kernel copy``, ``copy``) and files read to be
-    checksummed (``checksummed_bytes``: state whose records' CRCs were not known)."""
+    """How a save moved the state files: bytes by method (``clone``, ``kernel copy``, ``copy``, ``rebuilt``: whole
+    masters from split ones) and files read to be checksummed (``checksummed_bytes``: state whose records' CRCs were
+    not known)."""
 
     by_method: dict[str, int]
     checksummed_bytes: int = 0
@@ -153,7 +158,7 @@ class SaveStats:
 
     @property
     def copied_bytes(self) -> int:
-        return self.by_method.get(KERNEL_COPY, 0) + self.by_method.get(COPY, 0)
+        return self.by_method.get(KERNEL_COPY, 0) + self.by_method.get(COPY, 0) + self.by_method.get(REBUILT, 0)
 
 
 def manifest_of(shards: Sequence[ShardState], *, chunk_elems: int, crcs: Mapping[int, int]) -> dict:
@@ -164,6 +169,7 @@ def manifest_of(shards: Sequence[ShardState], *, chunk_elems: int, crcs: Mapping
 
 
 def _describe(shard: ShardState) -> dict:
+    """The manifest entry of ``shard``'s file as saved (with whole masters: a saved file never splits them)."""
     # fp32 is recorded by leaving the format out: manifests of fp32 state read as they did before formats existed.
     fmt = {"state_format": shard.spec.state_format} if shard.spec.state_format != "fp32" else {}
     return {
@@ -172,7 +178,7 @@ def _describe(shard: ShardState) -> dict:
         "rule": shard.spec.rule.name,
         "states": list(shard.spec.rule.state_names),
         **fmt,
-        "bytes": shard.layout.file_bytes,
+        "bytes": saved_form(shard.layout).file_bytes,
     }
 
 
@@ -359,7 +365,8 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
     parent = directory.parent
     parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(parent, directory.name)  # left by a save that was killed
-    needed = sum(s.layout.file_bytes for s in shards) + 4096 * (len(shards) + 2)
+    sizes = {s.spec.index: saved_form(s.layout).file_bytes for s in shards}
+    needed = sum(sizes.values()) + 4096 * (len(shards) + 2)
 
     def full(when: str) -> StorageError:
         return disk_full_error(
@@ -378,12 +385,14 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
 
         def copy(shard: ShardState) -> tuple[int, str]:
             dst, size = tmp / shard_file_name(shard.spec.index), shard.layout.file_bytes
+            if shard.layout.split_masters:
+                return _write_whole_masters(shard, dst), "checksummed " + REBUILT
             crc = shard.file_crc32c()
             if crc is not None:  # known from the writes: the bytes need not pass through this process
                 return crc, clone_file(shard.path, dst, size, fsync=False)
             return copy_with_crc(shard.path, dst, expected_bytes=size, fsync=False), "checksummed " + COPY
 
-        with Progress("saving the optimizer state", sum(s.layout.file_bytes for s in shards)) as progress:
+        with Progress("saving the optimizer state", sum(sizes.values())) as progress:
             done = _per_device(shards, copy, progress)
         # Forced to disk once all are copied (before the manifest): a flush per file would idle the disk between them.
         _per_device(shards, lambda shard: fsync_file(tmp / shard_file_name(shard.spec.index)))
@@ -397,12 +406,33 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
         raise
     stats = SaveStats(by_method={})
     for shard in shards:
-        how, size = done[shard.spec.index][1], shard.layout.file_bytes
+        how, size = done[shard.spec.index][1], sizes[shard.spec.index]
         if how.startswith("checksummed "):
             how = how.removeprefix("checksummed ")
             stats.checksummed_bytes += size
         stats.by_method[how] = stats.by_method.get(how, 0) + size
     return stats
+
+
+def _write_whole_masters(shard: ShardState, dst: Path) -> int:
+    """Write ``shard``'s live file, whose masters are split, to ``dst`` (new, 0600) with whole masters rebuilt from
+    its parameters, record by record; return the CRC-32C of what was written."""
+    assert shard.params is not None, "split masters are saved with their parameters"
+    layout, saved, names = shard.layout, saved_form(shard.layout), shard.spec.rule.state_names
+    update, crc = checksum.updater(CRC32C), 0
+    out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with open(shard.path, "rb", buffering=0) as fin, open(out, "wb", buffering=0) as fout:
+        for k in range(layout.num_chunks):
+            start, n = layout.chunk_range(k)
+            raw = bytearray(layout.record_bytes(k))
+            fin.seek(layout.record_offset(k))
+            if fin.readinto(raw) != len(raw):
+                raise ValueError(f"State file {shard.path} ended early in chunk {k}.")
+            tensors = layout.unpack(torch.frombuffer(raw, dtype=torch.uint8), k, names, shard.params[start : start + n])
+            record = memoryview(saved.pack(tensors, k, names).numpy()).cast("B")
+            fout.write(record)
+            crc = update(record, crc)
+    return crc
 
 
 class MissingStateFiles(CheckpointError, FileNotFoundError):
@@ -528,7 +558,7 @@ def load_state(
         saved = entries[shard.spec.index]
         algorithm, recorded = checksum_of(saved, directory / MANIFEST)
         layout = saved_layout(saved, chunk_elems)
-        if saved["states"] != list(shard.spec.rule.state_names) or layout.state_format != shard.layout.state_format:
+        if layout != shard.layout or saved["states"] != list(shard.spec.rule.state_names):
             crc = convert_state_file(src, layout, saved["states"], shard, algorithm=algorithm)
         else:
             crc = copy_with_crc(
@@ -572,7 +602,8 @@ def convert_state_file(
     ``src``.
 
     Record by record: the master and every state ``shard``'s rule shares by name are copied (read in the saved
-    format, stored in the live one), the others are set to the rule's initial value (padding stays zero).
+    format, stored in the live one), the others are set to the rule's initial value (padding stays zero). Where the
+    live layout splits the masters, ``shard``'s parameters are set to their rounding (the masters' other half).
     """
     rule, layout = shard.spec.rule, shard.layout
     update = checksum.updater(algorithm)
@@ -592,8 +623,10 @@ def convert_state_file(
                 else:
                     new.append(torch.zeros(layout.padded_len(k)))
                     new[-1][: layout.chunk_range(k)[1]] = rule.initial_state_value(name)
+            start, n = layout.chunk_range(k)
+            params = None if shard.params is None else shard.params[start : start + n]
             fout.seek(layout.record_offset(k))
-            fout.write(layout.pack(new, k, rule.state_names).numpy().tobytes())
+            fout.write(layout.pack(new, k, rule.state_names, params_out=params).numpy().tobytes())
     return crc
 
 

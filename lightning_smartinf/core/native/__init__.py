@@ -116,7 +116,8 @@ def _load(name: str, without: str) -> ctypes.CDLL | None:
 @functools.cache
 def state_format_kernels() -> ctypes.CDLL | None:
     """The state formats' kernels (``state_formats.c``: the ``"int8"`` conversions, Adam fused with ``"int8"`` and
-    ``"bf16"``), or ``None`` (said once) where they cannot be built: the plain-torch reference then runs."""
+    ``"bf16"``, split masters' conversions), or ``None`` (said once) where they cannot be built: the plain-torch
+    reference then runs."""
     library = _load(
         "state_formats", "The optimizer state's formats run their slower plain-torch reference (the same bytes)"
     )
@@ -130,11 +131,16 @@ def state_format_kernels() -> ctypes.CDLL | None:
     library.smartinf_adam_int8.argtypes = [f32, f32, i64, i64, u8, f32, u8, f32, f32, ctypes.c_int]
     # masters, gradient, n, exp_avg, exp_avg_sq, scalars, flags
     library.smartinf_adam_bf16.argtypes = [f32, f32, i64, u16, u16, f32, ctypes.c_int]
+    # split masters: masters, n, low halves, carry bits; parameters, low halves, carry bits, n, masters
+    library.smartinf_split_encode.argtypes = [f32, i64, u16, u8]
+    library.smartinf_split_decode.argtypes = [u16, u16, u8, i64, f32]
     for kernel in (
         library.smartinf_int8_store,
         library.smartinf_int8_load,
         library.smartinf_adam_int8,
         library.smartinf_adam_bf16,
+        library.smartinf_split_encode,
+        library.smartinf_split_decode,
     ):
         kernel.restype = None
     return library

@@ -258,3 +258,46 @@ void smartinf_adam_bf16(float *master, const float *grad, int64_t n, uint16_t *e
         }
     }
 }
+
+/* Split masters (lightning_smartinf/core/split_masters.py): an fp32 master kept as its bf16 rounding (the parameter,
+ * held elsewhere), its low 16 bits and one bit saying whether the rounding carried into the high half. Carry bits
+ * are packed eight to a byte, element i in bit i % 8 of byte i / 8; a last byte's bits past n are written zero. Both
+ * go a span at a time: the carry bits one per byte (or word) in a local array, so the loops over elements vectorise. */
+#define SPAN 256
+
+void smartinf_split_encode(const float *master, int64_t n, uint16_t *low, uint8_t *carry) {
+    uint8_t carried[SPAN];
+    for (int64_t start = 0; start < n; start += SPAN) {
+        int64_t count = n - start >= SPAN ? SPAN : n - start, bytes = (count + 7) / 8;
+        for (int64_t i = 0; i < count; ++i) {
+            uint32_t bits;
+            memcpy(&bits, master + start + i, 4);
+            low[start + i] = (uint16_t)bits;
+            carried[i] = bf16_bits(master[start + i]) != (uint16_t)(bits >> 16);
+        }
+        for (int64_t i = count; i < 8 * bytes; ++i) carried[i] = 0;
+        for (int64_t b = 0; b < bytes; ++b) {
+            const uint8_t *c = carried + 8 * b;
+            carry[start / 8 + b] =
+                (uint8_t)(c[0] | c[1] << 1 | c[2] << 2 | c[3] << 3 | c[4] << 4 | c[5] << 5 | c[6] << 6 | c[7] << 7);
+        }
+    }
+}
+
+/* The n masters whose bf16 roundings are params (as bits) and whose low halves and carry bits smartinf_split_encode
+ * wrote: ((param - carry) << 16) | low, as 32-bit patterns. */
+void smartinf_split_decode(const uint16_t *params, const uint16_t *low, const uint8_t *carry, int64_t n,
+                           float *master) {
+    uint32_t carried[SPAN];
+    for (int64_t start = 0; start < n; start += SPAN) {
+        int64_t count = n - start >= SPAN ? SPAN : n - start, bytes = (count + 7) / 8;
+        for (int64_t b = 0; b < bytes; ++b) {
+            uint32_t byte = carry[start / 8 + b];
+            for (int j = 0; j < 8; ++j) carried[8 * b + j] = (byte >> j) & 1u;
+        }
+        for (int64_t i = 0; i < count; ++i) {
+            uint32_t bits = (((uint32_t)params[start + i] << 16) | low[start + i]) - (carried[i] << 16);
+            memcpy(master + start + i, &bits, 4);
+        }
+    }
+}

@@ -37,7 +37,7 @@ from lightning_smartinf.core.backend import (
     ShardSpec,
 )
 from lightning_smartinf.core.compression import SparseGrad
-from lightning_smartinf.core.format.layout import ChunkLayout
+from lightning_smartinf.core.format.layout import ChunkLayout, saved_form
 from lightning_smartinf.core.format.reshard import Reshard
 from lightning_smartinf.core.format.state_files import (
     MANIFEST,
@@ -178,6 +178,8 @@ class StreamingBackend(LatchingBackend):
         self.devices: list[StreamingDevice] = []
         #: How the last :meth:`save` moved the state files (bytes cloned, copied, checksummed); ``None`` before one.
         self.last_save: SaveStats | None = None
+        # Each shard's bf16 parameters, where its masters are split (:meth:`bind_parameters`).
+        self._params_of: Callable[[int], Tensor] | None = None
         # One owner per directory: claimed before any file in them is created or truncated, held until `close`.
         self._claims = claim_directories([ensure_private_dir(d) for d in device_dirs])
         #: The device directories, in device order.
@@ -345,6 +347,39 @@ class StreamingBackend(LatchingBackend):
         tensors = max((lay.pool_tensors for lay in layouts), default=1)
         for device in self.devices:
             device.allocate(tensors)
+
+    def bind_parameters(self, params_of: Callable[[int], Tensor]) -> None:
+        """See :meth:`Backend.bind_parameters`. Every device here runs on this host; the parameters must be bf16 host
+        tensors of their shard's size (``ValueError`` otherwise)."""
+        for shard in self._shards:
+            if not shard.layout.split_masters:
+                continue
+            params = params_of(shard.spec.index)
+            if params.dtype != torch.bfloat16 or params.device.type != "cpu" or params.numel() != shard.spec.numel:
+                raise ValueError(
+                    f"Shard {shard.spec.index} splits its masters, so its parameters must be a bf16 host tensor of "
+                    f"{shard.spec.numel} elements; got {params.numel()} {params.dtype} on {params.device}. Split "
+                    "masters need bf16 parameters in host memory (`precision='bf16-mixed'` with the parameters "
+                    "offloaded to host memory)."
+                )
+            if self.device_of(shard.spec.index).tier == "accelerator":
+                raise ValueError(
+                    f"Shard {shard.spec.index} is in accelerator memory, whose updates do not read host memory: split "
+                    "masters are for state on storage and in host memory. Drop `state_accelerator_budget` or "
+                    "`split_masters`."
+                )
+        self._params_of = params_of
+
+    def _split_params(self, shard: Shard) -> Tensor | None:
+        """``shard``'s parameters where it splits its masters; ``None`` where it keeps them whole."""
+        if not shard.layout.split_masters:
+            return None
+        if self._params_of is None:
+            raise RuntimeError(
+                f"Shard {shard.spec.index} splits its masters but has no parameters: call `bind_parameters` after "
+                "`open`."
+            )
+        return self._params_of(shard.spec.index)
 
     def _full(self, device: StreamingDevice, layouts: Sequence[ChunkLayout]) -> StorageError:
         """The error of a state file of ``device`` a full filesystem refused while :meth:`open` made them."""
@@ -607,6 +642,12 @@ class StreamingBackend(LatchingBackend):
 
         copies = self.device_of(shard).copies
         written = record_fence(master.device) if on_cuda(master) else None  # by the caller's stream, maybe not yet
+        params = self._split_params(entry)
+        if params is not None and not torch.equal(master.to(torch.bfloat16).view(-1), params):
+            raise ValueError(
+                f"Shard {shard}'s initial masters do not round to its parameters, which hold half of each split "
+                "master: the parameters must be the masters' bf16 rounding when training starts."
+            )
 
         def fill(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
             m.copy_(copies.to_host(master[start : start + n], after=written))
@@ -669,8 +710,22 @@ class StreamingBackend(LatchingBackend):
             link_write=work.link_write,
             link_read=work.link_read,
             ready=ready,
+            params=self._checked_out(entry, out),
         )
         return self._enqueue(request, tentative)
+
+    def _checked_out(self, shard: Shard, out: Tensor) -> Tensor | None:
+        """``out``, where ``shard`` splits its masters: an update rebuilds them from the parameters it writes, so
+        ``out`` must be those parameters."""
+        params = self._split_params(shard)
+        if params is None:
+            return None
+        if out.data_ptr() != params.data_ptr() or out.numel() != params.numel():
+            raise ValueError(
+                f"Shard {shard.spec.index} splits its masters: an update of it writes its own parameters (`out` must "
+                "be the tensor `bind_parameters` gave)."
+            )
+        return params
 
     def prefetch(self, shards: Sequence[int]) -> None:
         """Advice: each device's next requests are for its ``shards``, in this order.
@@ -709,7 +764,10 @@ class StreamingBackend(LatchingBackend):
             copies.put(out[start : start + n], m)
 
         link = out.numel() * 4
-        return self._enqueue(Request(shard=entry, read=True, write=False, compute=copy_out, link_read=link))
+        request = Request(
+            shard=entry, read=True, write=False, compute=copy_out, link_read=link, params=self._split_params(entry)
+        )
+        return self._enqueue(request)
 
     def commit(self, shards: Iterable[int]) -> None:
         """Make the tentative updates of ``shards`` the current state (their handles need not be done yet)."""
@@ -751,7 +809,13 @@ class StreamingBackend(LatchingBackend):
 
     def _state_files(self) -> list[ShardState]:
         return [
-            ShardState(s.spec, s.layout, s.file.path, dict(s.file.checksums) if s.file.keeps_checksums else None)
+            ShardState(
+                s.spec,
+                s.layout,
+                s.file.path,
+                dict(s.file.checksums) if s.file.keeps_checksums else None,
+                params=self._split_params(s),
+            )
             for s in self._shards
         ]
 
@@ -760,8 +824,8 @@ class StreamingBackend(LatchingBackend):
         return [file for shard in self._shards for file in shard.files if file.needs_host_copy]
 
     def checkpoint_bytes(self) -> int:
-        """Bytes of every shard's state file, which :meth:`save` clones or copies."""
-        return sum(shard.layout.file_bytes for shard in self._shards)
+        """Bytes of every shard's state file as :meth:`save` writes it (clones, copies, or rebuilds whole masters)."""
+        return sum(saved_form(shard.layout).file_bytes for shard in self._shards)
 
     def save(self, directory: Path) -> None:
         """Write every shard's state under ``directory`` (waits first); refused after a device error.

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lightning_smartinf.core import split_masters
 from lightning_smartinf.core.accelerator import (
     AcceleratorCopies,
     current_accelerator,
@@ -140,6 +141,7 @@ class StreamingDevice(ABC):
         self._chunk_elems = chunk_elems
         self._buffer_count = buffer_count
         self._trailing: list[Future] = []
+        self._master_chunk: Tensor | None = None
         self._link_chunks: dict[torch.dtype, Tensor] = {}
         self._requests: queue.SimpleQueue[Request | PrefetchAdvice | DropPrefetch | None] = queue.SimpleQueue()
         self._transfers: dict[int, _Transfer] = {}
@@ -565,7 +567,10 @@ class StreamingDevice(ABC):
                 master, states = record[:n], layout.states_of(record, k, n)
                 t0 = time.perf_counter()
                 try:
-                    self.run_compute(functools.partial(request.compute, record, master, states, start, n))
+                    if layout.split_masters:
+                        master = self._split_compute(request, record, k, start, n)
+                    else:
+                        self.run_compute(functools.partial(request.compute, record, master, states, start, n))
                 except BaseException:
                     self.pool.release(buf)
                     raise
@@ -588,6 +593,32 @@ class StreamingDevice(ABC):
                 read = reads.popleft()
                 read.pending.exception()
                 self.pool.release(read.buf)
+
+    def _split_compute(self, request: Request, record: Tensor, k: int, start: int, n: int) -> Tensor:
+        """Run ``request``'s compute on chunk ``k`` of a layout of split masters: its masters rebuilt in scratch from
+        the record and the parameters before, stored back into the record after (where the request writes it)."""
+        layout = request.shard.layout
+        region = layout.master_region(record, k)
+        master = self.master_chunk(n)
+        states = layout.states_of(record, k, n)
+
+        def work() -> None:
+            if request.read:
+                assert request.params is not None, "a read of split masters needs their parameters"
+                split_masters.decode(request.params[start : start + n], region, master)
+            request.compute(record, master, states, start, n)
+            if request.write:
+                split_masters.encode(master, region)
+
+        self.run_compute(work)
+        return master
+
+    def master_chunk(self, n: int) -> Tensor:
+        """Scratch fp32 masters of the chunk being computed, where a layout splits them (one per device, made on
+        first use)."""
+        if self._master_chunk is None or self._master_chunk.numel() < n:
+            self._master_chunk = torch.empty(max(n, self.chunk_elems), dtype=torch.float32)
+        return self._master_chunk[:n]
 
 
 def link_bytes(grad: Tensor | SparseGrad, link_dtype: torch.dtype) -> int:

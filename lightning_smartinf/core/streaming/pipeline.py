@@ -153,6 +153,9 @@ class Request:
     #: Completes when the request's inputs (the gradient) have landed; the worker waits for it before the first
     #: compute (state reads start earlier).
     ready: Fence | None = None
+    #: The shard's bf16 parameters, where its layout splits the masters: the other half of each master read (a
+    #: chunk's are read before its compute, which may write them).
+    params: Tensor | None = None
 
     @property
     def kind(self) -> str:

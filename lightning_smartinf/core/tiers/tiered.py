@@ -409,6 +409,10 @@ class AttachedTiers(TieredBackend):
         self.inner.open(shards)
         self._where = [(self.inner, spec.index) for spec in shards]
 
+    def bind_parameters(self, params_of: Callable[[int], Tensor]) -> None:
+        """``inner``'s, whose shard table holds the tiers' shards too (in the same numbering)."""
+        self.inner.bind_parameters(params_of)
+
     # ---------------------------------------------------------------------------------------------- re-planning
 
     def note_backward(self, ready: Mapping[int, float]) -> None:

@@ -21,6 +21,7 @@ class CpuKind(DeviceKind):
     uses_io_engine = True
     host_pools = True
     state_formats = FORMATS
+    splits_masters = True
 
     def build(self, settings: SmartUpdateSettings, context: BuildContext) -> Backend:
         from lightning_smartinf.core.io.direct import ThreadedIO

@@ -1,0 +1,102 @@
+"""Split masters: an fp32 master weight kept as the bf16 parameter the host holds plus a 17-bit correction.
+
+Under round to nearest, ties to even (torch's conversion, and the devices'), the bf16 rounding ``p`` of an fp32
+master ``m`` has the bits of ``m``'s high half ``h``, or ``h + 1`` where the rounding carried (as 16-bit patterns: the
+sign stays, the magnitude carries into the exponent, up to infinity). So every master that is not NaN is, bit for bit,
+
+    m = ((p - carry) << 16) | low
+
+with ``low`` its low 16 bits and ``carry`` one bit. Sixteen bits alone are not enough: an even ``p`` is the rounding
+of both ties at its edges, whose high halves differ. Where the parameters live in host memory in bf16, a device then
+keeps 2.125 bytes per master instead of 4, and reads and writes 3.75 bytes fewer per parameter and step.
+
+A record's split master region of ``padded`` elements (a multiple of 8) holds ``padded`` low halves (``uint16``), then
+``padded / 8`` bytes of carry bits, element ``i`` in bit ``i % 8`` of byte ``i // 8`` (:func:`region_bytes`). The
+C kernels (``native/state_formats.c``) and the plain-torch reference here write the same bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_smartinf.core.native import state_format_kernels
+
+__all__ = ["BYTES_PER_ELEMENT", "decode", "encode", "region_bytes"]
+
+#: Bytes per master on the devices: a low half and a carry bit.
+BYTES_PER_ELEMENT = 2.125
+
+_BIT_WEIGHTS = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8)
+
+
+def region_bytes(padded: int) -> int:
+    """Bytes of the split masters of ``padded`` elements (a multiple of 8)."""
+    if padded % 8:
+        raise ValueError(f"A split master region holds a multiple of 8 elements, got {padded}.")
+    return padded * 2 + padded // 8
+
+
+def _parts(region: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """The low halves (``int16``) and carry bytes (``uint8``) of the first ``n`` elements of ``region`` (``uint8``,
+    :func:`region_bytes` of its padded length)."""
+    padded = region.numel() * 8 // 17
+    if region.dtype != torch.uint8 or region_bytes(padded) != region.numel() or n > padded:
+        raise ValueError(f"Not a split master region of at least {n} elements: {region.numel()} {region.dtype} bytes.")
+    return region[: 2 * padded].view(torch.int16)[:n], region[2 * padded :][: -(-n // 8)]
+
+
+def _native(*tensors: Tensor) -> ctypes.CDLL | None:
+    if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return state_format_kernels()
+    return None
+
+
+def _pointer(tensor: Tensor, ctype: type) -> Any:
+    return ctypes.cast(tensor.data_ptr(), ctypes.POINTER(ctype))
+
+
+def encode(master: Tensor, region: Tensor) -> None:
+    """Store the low halves and carry bits of ``master`` (fp32, ``n`` elements) in the first ``n`` elements of
+    ``region``; a last carry byte's bits past ``n`` become zero, the rest of the region is left as it is."""
+    n = master.numel()
+    low, carry = _parts(region, n)
+    kernels = _native(master, region)
+    if kernels is not None:
+        kernels.smartinf_split_encode(
+            _pointer(master, ctypes.c_float), n, _pointer(low, ctypes.c_uint16), _pointer(carry, ctypes.c_uint8)
+        )
+        return
+    bits = master.reshape(-1).view(torch.int32)
+    low.copy_(bits.to(torch.int16))  # the low 16 bits (a narrowing conversion wraps)
+    rounded = master.reshape(-1).to(torch.bfloat16).view(torch.int16)
+    carried = (rounded != (bits >> 16).to(torch.int16)).to(torch.uint8)
+    padded = torch.zeros(carry.numel() * 8, dtype=torch.uint8)
+    padded[:n] = carried
+    carry.copy_((padded.view(-1, 8) * _BIT_WEIGHTS).sum(1, dtype=torch.uint8))
+
+
+def decode(params: Tensor, region: Tensor, out: Tensor) -> None:
+    """Rebuild ``out`` (fp32, ``n`` elements), the masters whose bf16 roundings are ``params`` and whose low halves and
+    carry bits are the first ``n`` of ``region``."""
+    n = out.numel()
+    if params.dtype != torch.bfloat16 or params.numel() != n:
+        raise ValueError(f"Split masters are rebuilt from {n} bf16 parameters, got {params.numel()} {params.dtype}.")
+    low, carry = _parts(region, n)
+    kernels = _native(params, region, out)
+    if kernels is not None:
+        kernels.smartinf_split_decode(
+            _pointer(params, ctypes.c_uint16),
+            _pointer(low, ctypes.c_uint16),
+            _pointer(carry, ctypes.c_uint8),
+            n,
+            _pointer(out, ctypes.c_float),
+        )
+        return
+    carried = ((carry.unsqueeze(1) & _BIT_WEIGHTS) != 0).reshape(-1)[:n].to(torch.int32)
+    high = (params.reshape(-1).view(torch.int16).to(torch.int32) - carried) & 0xFFFF
+    bits = (high << 16) | (low.to(torch.int32) & 0xFFFF)
+    out.copy_(bits.view(torch.float32).reshape(out.shape))
