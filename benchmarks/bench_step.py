@@ -47,7 +47,10 @@ FORMAT_RUNS = ("smart_infinity_bf16", "smart_infinity_int8", "smart_infinity_mem
 #: DeepSpeed allows it only with bf16 forward and backward (``--precision bf16-mixed``). Its masters are bf16, so it
 #: trains other numbers than ours (fp32 masters in every format): a baseline for the bytes, not for the arithmetic.
 ZERO_FORMAT_RUNS = ("zero_infinity_bf16_states",)
-ALL_RUNS = RUNS + TIER_RUNS + FORMAT_RUNS + ZERO_FORMAT_RUNS
+#: Ours with split masters (``split_masters=True``: 2.125 bytes per master on storage, the rest in the bf16 parameter
+#: in host memory), in each state format; needs ``--precision bf16-mixed``.
+SPLIT_RUNS = ("smart_infinity_split", "smart_infinity_bf16_split", "smart_infinity_int8_split")
+ALL_RUNS = RUNS + TIER_RUNS + FORMAT_RUNS + ZERO_FORMAT_RUNS + SPLIT_RUNS
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
@@ -443,12 +446,15 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             from lightning_smartinf.core.state_formats import state_format
 
             share = int(args.run.partition("_mem")[2].partition("_")[0] or 0) / 100
-            precision = args.run.rpartition("_")[2] if args.run in FORMAT_RUNS else "fp32"
+            split = args.run in SPLIT_RUNS
+            base = args.run.removesuffix("_split")
+            precision = base.rpartition("_")[2] if base in FORMAT_RUNS else "fp32"
             # fp32 master + two Adam states in the format, plus each sub-group's last-chunk padding (at most 3 x 4 KiB).
-            per_param = state_format(precision).bytes_per_element(2)
+            per_param = state_format(precision).bytes_per_element(2) - (1.875 if split else 0.0)
             state = int(per_param * module.num_params) + 12 * 4096 * (module.num_params // args.sub_group_size + 1)
             settings = {
                 "state_precision": precision,
+                "split_masters": split,
                 "state_memory_budget": int(share * state) or None,
                 "storage_paths": [storage],
                 "sub_group_size": args.sub_group_size,
@@ -679,6 +685,9 @@ def formats_table(results: dict[str, dict[str, Any]]) -> str:
         ("fp32", fp32),
         ("bf16", results.get("smart_infinity_bf16", {})),
         ("int8", results.get("smart_infinity_int8", {})),
+        ("fp32, split masters", results.get("smart_infinity_split", {})),
+        ("bf16, split masters", results.get("smart_infinity_bf16_split", {})),
+        ("int8, split masters", results.get("smart_infinity_int8_split", {})),
         ("fp32, half in memory", results.get("smart_infinity_mem50", {})),
         ("bf16, half in memory", results.get("smart_infinity_mem50_bf16", {})),
         ("int8, half in memory", results.get("smart_infinity_mem50_int8", {})),
@@ -945,7 +954,8 @@ def main() -> None:
         "--only",
         choices=ALL_RUNS,
         action="append",
-        help=f"run only these configurations (tiers: {', '.join(TIER_RUNS)}; state formats: {', '.join(FORMAT_RUNS)})",
+        help=f"run only these configurations (tiers: {', '.join(TIER_RUNS)}; state formats: {', '.join(FORMAT_RUNS)}; "
+        f"split masters: {', '.join(SPLIT_RUNS)})",
     )
     parser.add_argument(
         "--io-engine",
@@ -1003,6 +1013,11 @@ def main() -> None:
     parser.add_argument("--run", choices=ALL_RUNS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     chosen = set(args.only or RUNS) | {args.run}
+    if chosen & set(SPLIT_RUNS) and args.precision != "bf16-mixed":
+        parser.error(
+            f"--only {sorted(chosen & set(SPLIT_RUNS))[0]} needs --precision bf16-mixed (split masters keep half of "
+            f"each master in the bf16 parameters); got --precision {args.precision}"
+        )
     if chosen & set(ZERO_FORMAT_RUNS) and args.precision != "bf16-mixed":
         parser.error(
             f"--only {ZERO_FORMAT_RUNS[0]} needs --precision bf16-mixed (DeepSpeed's bf16 states need bf16 masters, "
@@ -1041,7 +1056,7 @@ def main() -> None:
     md = table(results)
     if any(name in results for name in TIER_RUNS):
         md += "\n\n" + tiers_table(results)
-    if any(name in results for name in FORMAT_RUNS + ZERO_FORMAT_RUNS):
+    if any(name in results for name in FORMAT_RUNS + ZERO_FORMAT_RUNS + SPLIT_RUNS):
         md += "\n\n" + formats_table(results)
     ours = results.get("smart_infinity", {})
     if "disk_read_bytes_per_param_in_step" in ours and ours.get("opt_step_median_s"):

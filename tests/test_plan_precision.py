@@ -126,3 +126,27 @@ def test_a_machine_plan_sizes_its_disks_and_checkpoints_by_the_format(tmp_path, 
     out = capsys.readouterr().out
     assert "disk (GB; state: 6.03 B/param, fp32 master, exp_avg, exp_avg_sq in int8" in out
     assert "<- this plan" in out
+
+
+def test_split_masters_plan_2_125_bytes_per_master_and_whole_checkpoints(tmp_path, capsys):
+    """``--split-masters``: 1.875 bytes fewer per parameter on the devices in every format, the parameters kept in
+    host memory (and set aside during backward), checkpoints of whole masters, and the argument in the snippets."""
+    for name in FORMATS:
+        assert state_bytes_per_param(name, split_masters=True) == EXPECTED_BYTES[name] - 1.875
+    machine = Machine.from_dict(json.loads(machine_profile(tmp_path, {}).read_text()))
+    work = Workload(4_000_000_000, state_precision="int8")
+    whole, split = plan_machine(work, machine), plan_machine(replace(work, split_masters=True), machine)
+    assert split.placement.state_bytes == (EXPECTED_BYTES["int8"] - 1.875) * work.params
+    assert split.checkpoint_bytes == whole.checkpoint_bytes == EXPECTED_BYTES["int8"] * work.params
+    # Beside the GPU the 16-bit parameters would stay there; split masters keep them in host memory, twice.
+    assert whole.offload_parameters is False and split.offload_parameters is True
+    assert split.strategy_args()["split_masters"] is True and "split_masters" not in whole.strategy_args()
+    profile = machine_profile(tmp_path, {})
+    assert main(["--model", "4B", "--profile", str(profile), "--state-precision", "int8", "--split-masters"]) == 0
+    out = capsys.readouterr().out
+    assert "disk (GB; state: 4.16 B/param, split master (2.125 B), exp_avg, exp_avg_sq in int8" in out
+    assert "split_masters=True" in out and "split_masters: true" in out
+    with pytest.raises(PlanError, match="`--params-on-storage` puts them on storage"):
+        plan_machine(replace(work, split_masters=True), machine, params_on_storage=True)
+    assert main(["--model", "8B", "--profile", "paper-a5000", "--split-masters"]) == 2
+    assert "describes SmartSSDs or remote servers, which keep whole masters" in capsys.readouterr().err

@@ -4,8 +4,11 @@ must equal, bit for bit, the same run with whole masters."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from helpers.launch import SCRIPTS, python, worker_env
 from helpers.models import assert_identical
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from scripts.ckpt_common import EVERY, train
@@ -48,11 +51,18 @@ def test_a_bf16_fit_equals_whole_masters_bit_for_bit_and_moves_fewer_bytes(tmp_p
     # Both kept their hand-offs without clipping, and rolled them back and redid them where clipping fired.
     assert [c.early_kept > 0 for c in controllers] == [clip is None] * 2
     assert [c.early_rolled_back > 0 for c in controllers] == [clip is not None] * 2
-    assert controllers[0]._params_before == {}  # nothing left aside after the steps
     per_step = [t.callback_metrics["smartinf/storage_read_bytes"] for t in trainers]
     assert per_step == [_storage_bytes_per_step(trainers[0], True), _storage_bytes_per_step(trainers[1], False)]
     assert per_step[0] < per_step[1]
     assert trainers[0].callback_metrics["smartinf/storage_write_bytes"] == per_step[0]
+
+
+def test_compressed_gradients_update_split_masters_as_whole_ones(tmp_path):
+    """With top-k compression the devices take sparse gradients after backward: the same masters either way."""
+    kwargs = {"compression": 0.3}
+    split = train(tmp_path / "a", steps=4, every=None, precision="bf16-mixed", strategy_kwargs={**kwargs, **SPLIT})
+    whole = train(tmp_path / "b", steps=4, every=None, precision="bf16-mixed", strategy_kwargs=kwargs)
+    assert_identical(split, whole)
 
 
 def test_checkpoints_hold_whole_masters_and_resume_with_split_masters_on_or_off(tmp_path):
@@ -80,6 +90,26 @@ def test_checkpoints_hold_whole_masters_and_resume_with_split_masters_on_or_off(
             strategy_kwargs=kwargs,
         )
         assert_identical(resumed, whole)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_ranks_launched_by_lightning_crash_and_resume_with_split_masters(tmp_path, free_port):
+    """`Trainer(devices=2)`, `save_last=True`: a run with split masters and part of each rank's state in host memory
+    crashes, resumes with split masters all on the storage paths, and ends where a run with whole masters ends."""
+    bf16 = {"precision": "bf16-mixed"}
+    for mode, settings in (
+        ("full", bf16),
+        ("crash", {**bf16, **SPLIT, "state_memory_budget": 40_000}),
+        ("resume", {**bf16, **SPLIT}),
+    ):
+        env = worker_env(MASTER_PORT=str(free_port()))
+        done = python(
+            SCRIPTS / "train_two_ranks_save_last.py", tmp_path, mode, json.dumps(settings), env=env, check=False
+        )
+        assert done.returncode == (3 if mode == "crash" else 0), done.stdout[-2000:] + done.stderr[-4000:]
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert_identical(torch.load(tmp_path / "resumed.pt", weights_only=True), full)
 
 
 @pytest.mark.slow

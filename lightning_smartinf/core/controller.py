@@ -229,9 +229,6 @@ class SmartUpdateController:
         self.moments = FactoredMoments(partitions.layout(), partitions.rank) if self._normalised else None
         backend.open(specs)
         self._specs = tuple(specs)
-        #: With split masters, the parameters of each sub-group handed off during backward as they were before: the
-        #: committed half of its masters, put back if the hand-off is rolled back.
-        self._params_before: dict[int, Tensor] | None = None
         if settings.split_masters:
             self._bind_split_masters()
 
@@ -250,7 +247,6 @@ class SmartUpdateController:
                 "(`offload_parameters=True` beside an accelerator, not `'storage'`), or drop `split_masters`."
             )
         self.backend.bind_parameters(partitions.params)
-        self._params_before = {}
 
     # ------------------------------------------------------------------------------------------------- views
 
@@ -372,11 +368,8 @@ class SmartUpdateController:
         for i in ready:
             steps = self.group_steps.get(self.sub_groups[i].param_group, 0) + 1
             hp = self.step_params(i, steps, grad_scale)
-            params = self.partitions.params(i)
-            if self._params_before is not None:
-                self._params_before[i] = params.clone()
             handle = self.backend.submit(
-                i, self.grad(i), hp, params, link_dtype=self.link_dtype, tentative=True, ready=fence
+                i, self.grad(i), hp, self.partitions.params(i), link_dtype=self.link_dtype, tentative=True, ready=fence
             )
             self._hand_offs.add(i, handle, hp)
 
@@ -461,9 +454,6 @@ class SmartUpdateController:
             pending.extend(itertools.islice(submissions, 1))
         if kept_early:
             self.backend.commit(kept_early)
-            if self._params_before is not None:
-                for i in kept_early:
-                    del self._params_before[i]
         if max(self.group_steps.values()) % REPLAN_EVERY == 0:
             self.backend.replan()
         # No backend.wait(): state write-back trails into the next forward; the devices order it before re-reads.
@@ -569,12 +559,9 @@ class SmartUpdateController:
             return
         self.backend.rollback(shards)
         self.early_rolled_back += len(shards)
-        if self._params_before is not None:  # half of each committed master: back before any other read of them
+        if restore_params and self.settings.split_masters:  # half of the committed state: the backend put them back
             for i in shards:
-                self.partitions.params(i).copy_(self._params_before.pop(i))
-            if restore_params:
-                for i in shards:
-                    self.partitions.params_changed(i)
+                self.partitions.params_changed(i)
         elif restore_params:
             self._read_params(shards)
 
@@ -727,7 +714,7 @@ class SmartUpdateController:
             )
             residual = None
         self.discard_early()
-        if self._params_before is not None:  # the load sets the parameters, the other half of the masters
+        if self.settings.split_masters:  # the load sets the parameters, the other half of the masters
             self.partitions.prepare_for_update()
         if reshard is None:
             self.backend.load(directory)

@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the strategy's state_precision: Adam's moments on the devices in fp32 (default), bf16 or int8",
     )
     parser.add_argument(
+        "--split-masters",
+        action="store_true",
+        help="the strategy's split_masters: 2.125 bytes per fp32 master on the devices, the rest in the bf16 "
+        "parameters, kept in host memory (bf16 training, backend cpu)",
+    )
+    parser.add_argument(
         "--transfer-bytes",
         type=int,
         choices=(2, 4),
@@ -174,7 +180,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | dic
     if not args.model:
         parser.error("--model is required (a config.json or a size like 7B), unless --calibrate is given")
     work = workload_from_model(args.model, batch=args.batch, seq=args.seq, accumulate=args.accumulate)
-    work = replace(work, state_precision=args.state_precision)
+    work = replace(work, state_precision=args.state_precision, split_masters=args.split_masters)
     if args.no_recompute:
         work = replace(work, flops_per_param_token=6.0)
     if args.fused:
@@ -241,6 +247,12 @@ def _testbed_plan(work: Workload, prof: Profile, args: argparse.Namespace) -> st
     """The comparison with ZeRO-Infinity and the recommendation (or JSON object) for a testbed profile."""
     if args.transfer_bytes:
         prof = replace(prof, transfer_bytes=args.transfer_bytes)
+    if work.split_masters and (prof.gradient_staged_on_ssd or prof.network_gbps is not None):
+        raise PlanError(
+            f"`--split-masters` is for devices on this host's cores (`backend='cpu'`), but profile {prof.name!r} "
+            "describes SmartSSDs or remote servers, which keep whole masters. Drop it, or plan with a profile of "
+            "emulated devices (`gradient_staged_on_ssd: false`) or a machine profile."
+        )
     plan = make_plan(
         work, prof, devices=args.devices, compression=args.compression, params_on_storage=args.params_on_storage
     )

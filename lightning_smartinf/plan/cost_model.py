@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_smartinf.core.arguments import Problems
+from lightning_smartinf.core.split_masters import BYTES_PER_ELEMENT as split_masters_bytes
 from lightning_smartinf.core.state_formats import FORMATS, state_format
 
 GB = 1e9
@@ -57,10 +58,12 @@ REMOTE_CALLS_IN_FLIGHT = 4
 METHODS = ("zero_infinity", "su", "su_o", "su_o_c")
 
 
-def state_bytes_per_param(state_precision: str = "fp32") -> float:
+def state_bytes_per_param(state_precision: str = "fp32", *, split_masters: bool = False) -> float:
     """Bytes per parameter of Adam's state on a device in ``state_precision``: the fp32 master and its two moments
-    (12 in fp32, 8 in bf16, about 6.03 in int8). Read and written once each per step."""
-    return state_format(state_precision).bytes_per_element(2)
+    (12 in fp32, 8 in bf16, about 6.03 in int8), 1.875 fewer with ``split_masters``. Read and written once each per
+    step."""
+    whole = state_format(state_precision).bytes_per_element(2)
+    return whole - (4 - split_masters_bytes) if split_masters else whole
 
 
 class PlanError(ValueError):
@@ -90,6 +93,9 @@ class Workload:
     #: The optimizer is built with ``fused=True`` (Adam/AdamW): the devices run torch's fused kernel, at the rate a
     #: machine profile measured for it.
     fused: bool = False
+    #: The strategy's ``split_masters``: 2.125 bytes per master on the devices, the rest in the bf16 parameters, which
+    #: then live in host memory.
+    split_masters: bool = False
 
     def __post_init__(self) -> None:
         problems = Problems("Workload", PlanError)
@@ -103,7 +109,7 @@ class Workload:
     @property
     def state_bytes(self) -> float:
         """Bytes per parameter of the optimizer state on the devices (:func:`state_bytes_per_param`)."""
-        return state_bytes_per_param(self.state_precision)
+        return state_bytes_per_param(self.state_precision, split_masters=self.split_masters)
 
     @property
     def tokens(self) -> int:

@@ -150,8 +150,9 @@ class MachinePlan:
 
     @property
     def checkpoint_bytes(self) -> float:
-        """One checkpoint: the whole state (and the error-feedback residual with compression)."""
-        per_param = self.work.state_bytes + (FP32_GRAD_BYTES if self.compression is not None else 0)
+        """One checkpoint: the whole state, with whole masters (and the error-feedback residual with compression)."""
+        saved = replace(self.work, split_masters=False).state_bytes
+        per_param = saved + (FP32_GRAD_BYTES if self.compression is not None else 0)
         return per_param * self.work.params
 
     def strategy_args(self) -> dict[str, Any]:
@@ -177,6 +178,8 @@ class MachinePlan:
         args["overlap_backward"] = self.overlap_backward
         if self.work.state_precision != "fp32":
             args["state_precision"] = self.work.state_precision
+        if self.work.split_masters:
+            args["split_masters"] = True
         return args
 
 
@@ -274,9 +277,17 @@ def _place_model(
     }
     reasons: dict[str, str] = {}
     offload: bool | str
+    if work.split_masters:
+        if params_on_storage:
+            raise PlanError(
+                "`--split-masters` keeps half of each master in the 16-bit parameters in host memory; "
+                "`--params-on-storage` puts them on storage. Drop one of them."
+            )
+        # The parameters of the sub-groups updated during backward are set aside until the step keeps them.
+        host["16-bit parameters set aside during backward (split masters)"] = p16
     if params_on_storage:
         offload, reasons["offload_parameters"] = "storage", "as asked (--params-on-storage)"
-    elif gpu and p16 <= GPU_PARAMS_SHARE * gpu_bytes:
+    elif gpu and p16 <= GPU_PARAMS_SHARE * gpu_bytes and not work.split_masters:
         offload = False
         reasons["offload_parameters"] = (
             f"the 16-bit parameters ({p16 / GB:.1f} GB) take {p16 / gpu_bytes:.0%} of the GPU's {gpu.memory_gb:g} GB: "
@@ -284,9 +295,22 @@ def _place_model(
         )
     elif ram - sum(host.values()) >= p16 + summed + residual:
         offload = bool(gpu)  # without a GPU, "on the accelerator" is host memory too
-        where = "more than half the GPU's memory" if gpu else "CPU training"
+        where = (
+            (
+                "split masters keep half of each master in them"
+                if work.split_masters
+                else "more than half the GPU's memory"
+            )
+            if gpu
+            else "CPU training"
+        )
         reasons["offload_parameters"] = (
             f"{where}: host RAM holds the 16-bit parameters and their gradients ({(p16 + summed) / GB:.1f} GB)"
+        )
+    elif work.split_masters:
+        raise PlanError(
+            f"`--split-masters` keeps half of each master in the 16-bit parameters in host memory, but host RAM does "
+            f"not hold them and their gradients ({(p16 + summed) / GB:.1f} GB beside the rest): plan without it."
         )
     else:
         offload = "storage"
@@ -606,7 +630,8 @@ def format_machine_plan(plan: MachinePlan, python_header: str, yaml_header: str)
 def _disk_table(plan: MachinePlan) -> list[str]:
     precision = plan.work.state_precision
     moments = "exp_avg, exp_avg_sq" + (f" in {precision}" if precision != "fp32" else "")
-    per = f"fp32 master, {moments}" + (", x2 with overlap_backward" if plan.overlap_backward else "")
+    master = "split master (2.125 B)" if plan.work.split_masters else "fp32 master"
+    per = f"{master}, {moments}" + (", x2 with overlap_backward" if plan.overlap_backward else "")
     width = max(12, *(len(s.path) for s in plan.space))
     lines = [
         "",

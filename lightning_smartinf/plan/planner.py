@@ -256,6 +256,8 @@ def strategy_args(plan: Plan) -> dict[str, Any]:
         args["overlap_backward"] = False
     if plan.work.state_precision != "fp32":
         args["state_precision"] = plan.work.state_precision
+    if plan.work.split_masters:
+        args["split_masters"] = True
     return args
 
 
@@ -288,6 +290,7 @@ ARGUMENT_COMMENTS = {
     "state_memory_budget": "host RAM for fp32 master and optimizer state (the memory tier)",
     "state_accelerator_budget": "GPU memory for optimizer state (the accelerator tier), filled first",
     "state_precision": "Adam's moments in fewer bytes on the devices (the master weights stay fp32)",
+    "split_masters": "2.125 bytes per fp32 master on the devices, the rest in the bf16 parameters in host memory",
 }
 #: ``offload_parameters="storage"``'s comment.
 PARAMETERS_ON_STORAGE = "16-bit parameters in files on the first storage path, read a layer ahead"

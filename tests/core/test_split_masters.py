@@ -175,19 +175,28 @@ def test_updates_commits_and_rollbacks_match_whole_masters(tmp_path):
         pair.step()
         pair.assert_same()
         # Hand-offs kept: the new parameters and records stand together.
-        before = [[p.clone() for p in params] for params in pair.params]
         held = pair.step(tentative=True)
         assert held == list(range(len(SIZES)))
         for backend in pair.backends:
             backend.commit(held)
         pair.assert_same()
-        # Hand-offs rolled back: the parameters go back (the controller keeps them aside), the masters with them.
-        before = [[p.clone() for p in params] for params in pair.params]
+        # Hand-offs rolled back: split masters put their parameters back (half of the committed state); whole ones
+        # leave the discarded parameters, which their masters restore.
+        before = [p.clone() for p in pair.params[0]]
         held = pair.step(tentative=True)
-        for backend, params, kept in zip(pair.backends, pair.params, before):
+        assert not all(torch.equal(p, old) for p, old in zip(pair.params[0], before))
+        for backend in pair.backends:
             backend.rollback(held)
-            for p, old in zip(params, kept):
-                p.copy_(old)
+        assert all(torch.equal(p, old) for p, old in zip(pair.params[0], before))
+        for i, master in enumerate(pair.masters(1)):
+            pair.params[1][i].copy_(master)
+        pair.assert_same()
+        # Rolled back again, then redone with the same shards: the aside copies are reused.
+        held = pair.step(tentative=True)
+        for backend in pair.backends:
+            backend.rollback(held)
+        for i, master in enumerate(pair.masters(1)):
+            pair.params[1][i].copy_(master)
         pair.assert_same()
         pair.step()
         pair.assert_same()

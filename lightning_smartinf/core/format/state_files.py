@@ -321,13 +321,13 @@ def _per_device(
     shards: Sequence[ShardState], work: Callable[[ShardState], object], progress: Progress | None = None
 ) -> dict[int, object]:
     """Run ``work`` for every shard, the shards of each device one after another, devices in parallel; each shard
-    done adds its file's bytes to ``progress``."""
+    done adds its file's bytes as saved to ``progress``."""
     groups = _by_device(shards)
 
     def one(shard: ShardState) -> object:
         result = work(shard)
         if progress is not None:
-            progress.update(shard.layout.file_bytes)
+            progress.update(saved_form(shard.layout).file_bytes)
         return result
 
     def run(group: list[ShardState]) -> list[tuple[int, object]]:
@@ -575,7 +575,7 @@ def load_state(
                 f"{recorded:#010x}); the live state is now invalid. Load again."
             )
 
-    with Progress("loading the optimizer state", sum(s.layout.file_bytes for s in shards)) as progress:
+    with Progress("loading the optimizer state", sum(saved_form(s.layout).file_bytes for s in shards)) as progress:
         _per_device(shards, copy_back, progress)
 
 

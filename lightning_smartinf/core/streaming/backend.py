@@ -178,8 +178,10 @@ class StreamingBackend(LatchingBackend):
         self.devices: list[StreamingDevice] = []
         #: How the last :meth:`save` moved the state files (bytes cloned, copied, checksummed); ``None`` before one.
         self.last_save: SaveStats | None = None
-        # Each shard's bf16 parameters, where its masters are split (:meth:`bind_parameters`).
+        # Each shard's bf16 parameters, where its masters are split (:meth:`bind_parameters`), and per shard that took
+        # a tentative update, the copy of them it overwrote (made at the first, reused: up to 2 bytes per parameter).
         self._params_of: Callable[[int], Tensor] | None = None
+        self._params_aside: dict[int, Tensor] = {}
         # One owner per directory: claimed before any file in them is created or truncated, held until `close`.
         self._claims = claim_directories([ensure_private_dir(d) for d in device_dirs])
         #: The device directories, in device order.
@@ -712,6 +714,10 @@ class StreamingBackend(LatchingBackend):
             ready=ready,
             params=self._checked_out(entry, out),
         )
+        if tentative and request.params is not None:
+            request.params_aside = self._params_aside.get(shard)
+            if request.params_aside is None:
+                request.params_aside = self._params_aside[shard] = torch.empty_like(request.params)
         return self._enqueue(request, tentative)
 
     def _checked_out(self, shard: Shard, out: Tensor) -> Tensor | None:
@@ -781,11 +787,15 @@ class StreamingBackend(LatchingBackend):
     def rollback(self, shards: Iterable[int]) -> None:
         """Forget the tentative updates of ``shards``: waits for every request, then the committed state is as it was.
 
-        The ``out`` tensors of those updates hold the discarded parameters; :meth:`read_master` restores them.
+        The ``out`` tensors of those updates hold the discarded parameters; :meth:`read_master` restores them. Where
+        a shard splits its masters the parameters are half of its committed state: they are put back here.
         """
         shards = list(shards)
         try:
             self.wait()
+            for index in shards:
+                if index in self.tentative_updates and (params := self._split_params(self._shards[index])) is not None:
+                    params.copy_(self._params_aside[index])
         finally:
             self.tentative_updates.end(shards)
 

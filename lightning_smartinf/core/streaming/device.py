@@ -564,12 +564,12 @@ class StreamingDevice(ABC):
                 if k == 0 and request.ready is not None:
                     request.ready.synchronize()
                 start, n = layout.chunk_range(k)
-                master, states = record[:n], layout.states_of(record, k, n)
                 t0 = time.perf_counter()
                 try:
                     if layout.split_masters:
-                        master = self._split_compute(request, record, k, start, n)
+                        self._split_compute(request, record, k, start, n)
                     else:
+                        master, states = record[:n], layout.states_of(record, k, n)
                         self.run_compute(functools.partial(request.compute, record, master, states, start, n))
                 except BaseException:
                     self.pool.release(buf)
@@ -594,7 +594,7 @@ class StreamingDevice(ABC):
                 read.pending.exception()
                 self.pool.release(read.buf)
 
-    def _split_compute(self, request: Request, record: Tensor, k: int, start: int, n: int) -> Tensor:
+    def _split_compute(self, request: Request, record: Tensor, k: int, start: int, n: int) -> None:
         """Run ``request``'s compute on chunk ``k`` of a layout of split masters: its masters rebuilt in scratch from
         the record and the parameters before, stored back into the record after (where the request writes it)."""
         layout = request.shard.layout
@@ -605,13 +605,15 @@ class StreamingDevice(ABC):
         def work() -> None:
             if request.read:
                 assert request.params is not None, "a read of split masters needs their parameters"
-                split_masters.decode(request.params[start : start + n], region, master)
+                params = request.params[start : start + n]
+                split_masters.decode(params, region, master)
+                if request.params_aside is not None:
+                    request.params_aside[start : start + n].copy_(params)
             request.compute(record, master, states, start, n)
             if request.write:
                 split_masters.encode(master, region)
 
         self.run_compute(work)
-        return master
 
     def master_chunk(self, n: int) -> Tensor:
         """Scratch fp32 masters of the chunk being computed, where a layout splits them (one per device, made on

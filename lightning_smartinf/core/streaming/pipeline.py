@@ -156,6 +156,9 @@ class Request:
     #: The shard's bf16 parameters, where its layout splits the masters: the other half of each master read (a
     #: chunk's are read before its compute, which may write them).
     params: Tensor | None = None
+    #: Where a tentative update of split masters copies the parameters it overwrites, chunk by chunk before its
+    #: compute: the committed half of the masters, which a roll-back puts back.
+    params_aside: Tensor | None = None
 
     @property
     def kind(self) -> str:
