@@ -79,14 +79,16 @@ def encode(master: Tensor, region: Tensor) -> None:
     carry.copy_((padded.view(-1, 8) * _BIT_WEIGHTS).sum(1, dtype=torch.uint8))
 
 
-def decode(params: Tensor, region: Tensor, out: Tensor) -> None:
+def decode(params: Tensor, region: Tensor, out: Tensor, aside: Tensor | None = None) -> None:
     """Rebuild ``out`` (fp32, ``n`` elements), the masters whose bf16 roundings are ``params`` and whose low halves and
-    carry bits are the first ``n`` of ``region``."""
+    carry bits are the first ``n`` of ``region``; copy ``params`` into ``aside`` too, if given (the same pass)."""
     n = out.numel()
     if params.dtype != torch.bfloat16 or params.numel() != n:
         raise ValueError(f"Split masters are rebuilt from {n} bf16 parameters, got {params.numel()} {params.dtype}.")
+    if aside is not None and (aside.dtype != torch.bfloat16 or aside.numel() != n):
+        raise ValueError(f"`aside` must hold {n} bf16 parameters, got {aside.numel()} {aside.dtype}.")
     low, carry = _parts(region, n)
-    kernels = _native(params, region, out)
+    kernels = _native(params, region, out, *([] if aside is None else [aside]))
     if kernels is not None:
         kernels.smartinf_split_decode(
             _pointer(params, ctypes.c_uint16),
@@ -94,8 +96,11 @@ def decode(params: Tensor, region: Tensor, out: Tensor) -> None:
             _pointer(carry, ctypes.c_uint8),
             n,
             _pointer(out, ctypes.c_float),
+            None if aside is None else _pointer(aside, ctypes.c_uint16),
         )
         return
+    if aside is not None:
+        aside.copy_(params)
     carried = ((carry.unsqueeze(1) & _BIT_WEIGHTS) != 0).reshape(-1)[:n].to(torch.int32)
     high = (params.reshape(-1).view(torch.int16).to(torch.int32) - carried) & 0xFFFF
     bits = (high << 16) | (low.to(torch.int32) & 0xFFFF)

@@ -49,9 +49,10 @@ def test_every_master_is_rebuilt_bit_for_bit_from_its_rounding(n, native, monkey
     padded = round_up(n, 1024)
     region = torch.zeros(split_masters.region_bytes(padded), dtype=torch.uint8)
     split_masters.encode(masters, region)
-    rebuilt = torch.full((n,), float("nan"))
-    split_masters.decode(masters.to(torch.bfloat16), region, rebuilt)
+    rebuilt, aside = torch.full((n,), float("nan")), torch.zeros(n, dtype=torch.bfloat16)
+    split_masters.decode(masters.to(torch.bfloat16), region, rebuilt, aside)
     assert torch.equal(rebuilt.view(torch.int32), masters.view(torch.int32))
+    assert torch.equal(aside.view(torch.int16), masters.to(torch.bfloat16).view(torch.int16))  # copied on the way
     # The bytes past the masters stay zero, a last carry byte's unused bits too.
     low, carry = region[: 2 * padded], region[2 * padded :]
     assert not low[2 * n :].any() and not carry[-(-n // 8) :].any()

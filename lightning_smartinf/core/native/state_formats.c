@@ -285,9 +285,9 @@ void smartinf_split_encode(const float *master, int64_t n, uint16_t *low, uint8_
 }
 
 /* The n masters whose bf16 roundings are params (as bits) and whose low halves and carry bits smartinf_split_encode
- * wrote: ((param - carry) << 16) | low, as 32-bit patterns. */
+ * wrote: ((param - carry) << 16) | low, as 32-bit patterns; the params are also copied to aside unless it is NULL. */
 void smartinf_split_decode(const uint16_t *params, const uint16_t *low, const uint8_t *carry, int64_t n,
-                           float *master) {
+                           float *master, uint16_t *aside) {
     uint32_t carried[SPAN];
     for (int64_t start = 0; start < n; start += SPAN) {
         int64_t count = n - start >= SPAN ? SPAN : n - start, bytes = (count + 7) / 8;
@@ -299,5 +299,6 @@ void smartinf_split_decode(const uint16_t *params, const uint16_t *low, const ui
             uint32_t bits = (((uint32_t)params[start + i] << 16) | low[start + i]) - (carried[i] << 16);
             memcpy(master + start + i, &bits, 4);
         }
+        if (aside != NULL) memcpy(aside + start, params + start, (size_t)count * 2);
     }
 }

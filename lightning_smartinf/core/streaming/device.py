@@ -605,10 +605,8 @@ class StreamingDevice(ABC):
         def work() -> None:
             if request.read:
                 assert request.params is not None, "a read of split masters needs their parameters"
-                params = request.params[start : start + n]
-                split_masters.decode(params, region, master)
-                if request.params_aside is not None:
-                    request.params_aside[start : start + n].copy_(params)
+                aside = None if request.params_aside is None else request.params_aside[start : start + n]
+                split_masters.decode(request.params[start : start + n], region, master, aside)
             request.compute(record, master, states, start, n)
             if request.write:
                 split_masters.encode(master, region)
