@@ -57,6 +57,23 @@ def test_a_bf16_fit_equals_whole_masters_bit_for_bit_and_moves_fewer_bytes(tmp_p
     assert trainers[0].callback_metrics["smartinf/storage_write_bytes"] == per_step[0]
 
 
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_each_state_format_over_split_masters_equals_whole_masters(tmp_path, precision):
+    """Users' AdamW (not fused) in bf16 and int8 state: the devices' kernels read and write the split masters in
+    their one pass, and hand-offs kept and rolled back (clipping that fires at the end) give the same bits."""
+    kwargs = {"state_precision": precision}
+    for clip in (None, 1e-3):
+        split = train(
+            tmp_path / f"a{clip}", steps=4, every=None, precision="bf16-mixed", gradient_clip_val=clip,
+            strategy_kwargs={**kwargs, **SPLIT},
+        )  # fmt: skip
+        whole = train(
+            tmp_path / f"b{clip}", steps=4, every=None, precision="bf16-mixed", gradient_clip_val=clip,
+            strategy_kwargs=kwargs,
+        )  # fmt: skip
+        assert_identical(split, whole)
+
+
 def test_compressed_gradients_update_split_masters_as_whole_ones(tmp_path):
     """With top-k compression the devices take sparse gradients after backward: the same masters either way."""
     kwargs = {"compression": 0.3}

@@ -18,6 +18,7 @@ C kernels (``native/state_formats.c``) and the plain-torch reference here write 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,12 +26,31 @@ from torch import Tensor
 
 from lightning_smartinf.core.native import state_format_kernels
 
-__all__ = ["BYTES_PER_ELEMENT", "decode", "encode", "region_bytes"]
+__all__ = ["BYTES_PER_ELEMENT", "SplitChunk", "decode", "encode", "region_bytes"]
 
 #: Bytes per master on the devices: a low half and a carry bit.
 BYTES_PER_ELEMENT = 2.125
 
 _BIT_WEIGHTS = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8)
+
+
+@dataclass(frozen=True)
+class SplitChunk:
+    """One chunk's split masters: its bf16 ``params`` (the high halves, near enough), the record's ``region`` of low
+    halves and carry bits, and ``aside``, where a tentative update copies the parameters it overwrites (or ``None``)."""
+
+    params: Tensor
+    region: Tensor
+    aside: Tensor | None = None
+
+    def load(self, out: Tensor) -> None:
+        """The masters into ``out`` (fp32), the parameters aside on the way."""
+        decode(self.params, self.region, out, self.aside)
+
+    def store(self, master: Tensor) -> None:
+        """``master`` (fp32) back: its low halves and carry bits into the region, its rounding into the parameters."""
+        encode(master, self.region)
+        self.params.copy_(master)
 
 
 def region_bytes(padded: int) -> int:

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_smartinf.core import split_masters
 from lightning_smartinf.core.native import state_format_kernels
 from lightning_smartinf.core.rules import Adam, StepParams, UpdateRule, adam_kernel_scalars, correctly_rounded_sqrt
 
@@ -164,10 +165,17 @@ class StateFormat(ABC):
         return 4 + num_states * self.stored_bytes(1 << 20) / (1 << 20)
 
     def fused_update(
-        self, rule: UpdateRule, master: Tensor, grad: Tensor, stored: Sequence[Tensor], hp: StepParams
+        self,
+        rule: UpdateRule,
+        master: Tensor,
+        grad: Tensor,
+        stored: Sequence[Tensor],
+        hp: StepParams,
+        split: split_masters.SplitChunk | None = None,
     ) -> bool:
         """Run :func:`update_chunk` as one native pass where this format has a kernel for ``rule`` and the tensors
-        (see :func:`_fused_adam_arguments`); ``False`` where it has none and nothing was done: the reference runs."""
+        (see :func:`_fused_adam_arguments`); ``False`` where it has none and nothing was done: the reference runs.
+        With ``split`` the masters are read from and written to it (``master`` is only scratch of their size)."""
         return False
 
 
@@ -194,11 +202,17 @@ class FloatFormat(StateFormat):
         out.copy_(raw.view(self.dtype))
 
     def fused_update(
-        self, rule: UpdateRule, master: Tensor, grad: Tensor, stored: Sequence[Tensor], hp: StepParams
+        self,
+        rule: UpdateRule,
+        master: Tensor,
+        grad: Tensor,
+        stored: Sequence[Tensor],
+        hp: StepParams,
+        split: split_masters.SplitChunk | None = None,
     ) -> bool:
         if self.dtype != torch.bfloat16 or not self.native:
             return False
-        arguments = _fused_adam_arguments(rule, master, grad, stored, hp, self.stored_bytes(master.numel()))
+        arguments = _fused_adam_arguments(rule, master, grad, stored, hp, self.stored_bytes(master.numel()), split)
         if arguments is None:
             return False
         kernels, scalars, flags = arguments
@@ -207,8 +221,7 @@ class FloatFormat(StateFormat):
         m_at, v_at = stored[0].data_ptr(), stored[1].data_ptr()
 
         def piece(first: int, end: int) -> None:  # elements [first, end), 2 bytes each in a state
-            kernels.smartinf_adam_bf16(
-                _pointer(master_at + 4 * first, ctypes.c_float),
+            states = (
                 _pointer(grad_at + 4 * first, ctypes.c_float),
                 end - first,
                 _pointer(m_at + 2 * first, ctypes.c_uint16),
@@ -216,6 +229,10 @@ class FloatFormat(StateFormat):
                 _pointer(scalars_at, ctypes.c_float),
                 flags,
             )
+            if split is None:
+                kernels.smartinf_adam_bf16(_pointer(master_at + 4 * first, ctypes.c_float), *states)
+            else:
+                kernels.smartinf_adam_bf16_split(*_split_pointers(split, first), *states)
 
         _in_pieces(piece, n)
         return True
@@ -319,12 +336,18 @@ class Int8(StateFormat):
             out.copy_(values[:n])
 
     def fused_update(
-        self, rule: UpdateRule, master: Tensor, grad: Tensor, stored: Sequence[Tensor], hp: StepParams
+        self,
+        rule: UpdateRule,
+        master: Tensor,
+        grad: Tensor,
+        stored: Sequence[Tensor],
+        hp: StepParams,
+        split: split_masters.SplitChunk | None = None,
     ) -> bool:
         if not self.native:
             return False
         padded = self.elements(stored[0].numel()) if stored else 0
-        arguments = _fused_adam_arguments(rule, master, grad, stored, hp, self.stored_bytes(padded))
+        arguments = _fused_adam_arguments(rule, master, grad, stored, hp, self.stored_bytes(padded), split)
         if arguments is None or padded < master.numel():
             return False
         kernels, scalars, flags = arguments
@@ -333,8 +356,7 @@ class Int8(StateFormat):
         m_at, v_at = stored[0].data_ptr(), stored[1].data_ptr()
 
         def piece(first: int, end: int) -> None:  # elements [first, end), whole blocks: codes, then the scales
-            kernels.smartinf_adam_int8(
-                _pointer(master_at + 4 * first, ctypes.c_float),
+            states = (
                 _pointer(grad_at + 4 * first, ctypes.c_float),
                 min(max(n - first, 0), end - first),
                 end - first,
@@ -345,6 +367,10 @@ class Int8(StateFormat):
                 _pointer(scalars_at, ctypes.c_float),
                 flags,
             )
+            if split is None:
+                kernels.smartinf_adam_int8(_pointer(master_at + 4 * first, ctypes.c_float), *states)
+            else:
+                kernels.smartinf_adam_int8_split(*_split_pointers(split, first), *states)
 
         _in_pieces(piece, padded)
         return True
@@ -384,17 +410,26 @@ def check_format_for_rule(name: str, rule: UpdateRule) -> None:
 
 
 def update_chunk(
-    rule: UpdateRule, fmt: StateFormat, master: Tensor, grad: Tensor, stored: Sequence[Tensor], hp: StepParams
+    rule: UpdateRule,
+    fmt: StateFormat,
+    master: Tensor,
+    grad: Tensor,
+    stored: Sequence[Tensor],
+    hp: StepParams,
+    split: split_masters.SplitChunk | None = None,
 ) -> None:
     """The update of one chunk in format ``fmt``: ``stored`` holds each of ``rule``'s states (``uint8``, at least
     ``fmt.stored_bytes(master.numel())`` each; elements past the master's are padding, kept as they are), updated in
-    place with ``master``. ``grad`` may be overwritten.
+    place with ``master``. ``grad`` may be overwritten. With ``split`` the masters are split
+    (:mod:`lightning_smartinf.core.split_masters`): loaded from it into ``master`` (scratch) and stored back to it.
 
     The reference loads every state to fp32, runs the rule (square roots correctly rounded in a format other than
     ``"fp32"``: see :mod:`lightning_smartinf.core.rules`) and stores every state back; a format with a native kernel
     for the rule (:meth:`StateFormat.fused_update`) does the same in one pass, giving the same bytes."""
-    if fmt.fused_update(rule, master, grad, stored, hp):
+    if fmt.fused_update(rule, master, grad, stored, hp, split):
         return
+    if split is not None:
+        split.load(master)
     names, n = rule.state_names, master.numel()
     states = [_scratch(fmt.elements(raw.numel()), f"state{j}", device=master.device) for j, raw in enumerate(stored)]
     for name, raw, state in zip(names, stored, states):
@@ -402,6 +437,8 @@ def update_chunk(
     rule.apply(master, grad, [state[:n] for state in states], hp, ieee_sqrt=fmt.name != "fp32")
     for name, raw, state in zip(names, stored, states):
         fmt.store(state, raw, name, consume=True)
+    if split is not None:
+        split.store(master)
 
 
 #: torch's CPU kernels that round as the native Adam does: they fuse ``lerp``, ``addcmul`` and ``add(alpha=)`` into one
@@ -410,12 +447,19 @@ _FMA_CAPABILITIES = frozenset({"AVX2", "AVX512"})
 
 
 def _fused_adam_arguments(
-    rule: UpdateRule, master: Tensor, grad: Tensor, stored: Sequence[Tensor], hp: StepParams, state_bytes: int
+    rule: UpdateRule,
+    master: Tensor,
+    grad: Tensor,
+    stored: Sequence[Tensor],
+    hp: StepParams,
+    state_bytes: int,
+    split: split_masters.SplitChunk | None = None,
 ) -> tuple[ctypes.CDLL, Tensor, int] | None:
     """The kernels, fp32 scalars and flags of a native fused Adam over these tensors, or ``None`` where it does not
     apply: a rule other than the single-tensor Adam or AdamW without ``amsgrad`` (torch's fused kernel has an
     arithmetic of its own), a torch whose CPU kernels round otherwise, tensors that are not contiguous host fp32
-    (``master``, ``grad`` of as many elements) and ``uint8`` (each state at least ``state_bytes``), or no kernels."""
+    (``master``, ``grad`` of as many elements) and ``uint8`` (each state at least ``state_bytes``), split masters
+    whose tensors are not contiguous host ones of as many elements, or no kernels."""
     applies = (
         type(rule) is Adam
         and not rule.fused
@@ -431,6 +475,7 @@ def _fused_adam_arguments(
             raw.device.type == "cpu" and raw.dtype == torch.uint8 and raw.is_contiguous() and raw.numel() >= state_bytes
             for raw in stored
         )
+        and (split is None or _split_applies(split, master.numel()))
         and torch.backends.cpu.get_cpu_capability() in _FMA_CAPABILITIES
     )
     kernels = state_format_kernels() if applies else None
@@ -439,6 +484,32 @@ def _fused_adam_arguments(
     numbers, flags = adam_kernel_scalars(hp, rule.decoupled_weight_decay)  # type: ignore[attr-defined]
     scalars = torch.tensor(numbers, dtype=torch.float32)  # each rounded once, as torch rounds them
     return kernels, scalars, flags
+
+
+def _split_applies(split: split_masters.SplitChunk, numel: int) -> bool:
+    """Whether a native kernel can take ``split``'s tensors for a chunk of ``numel`` elements."""
+    tensors = [split.params, split.region] + ([] if split.aside is None else [split.aside])
+    return (
+        all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        and split.params.dtype == torch.bfloat16
+        and split.params.numel() == numel
+        and (split.aside is None or (split.aside.dtype == torch.bfloat16 and split.aside.numel() == numel))
+        and split.region.dtype == torch.uint8
+        and split_masters.region_bytes(-(-numel // 8) * 8) <= split.region.numel()
+    )
+
+
+def _split_pointers(split: split_masters.SplitChunk, first: int) -> tuple[Any, Any, Any, Any]:
+    """The kernel's pointers to ``split``'s parameters, low halves, carry bits and aside copy from element ``first``
+    (a multiple of 8: whole carry bytes)."""
+    padded = split.region.numel() * 8 // 17
+    region_at = split.region.data_ptr()
+    return (
+        _pointer(split.params.data_ptr() + 2 * first, ctypes.c_uint16),
+        _pointer(region_at + 2 * first, ctypes.c_uint16),
+        _pointer(region_at + 2 * padded + first // 8, ctypes.c_uint8),
+        None if split.aside is None else _pointer(split.aside.data_ptr() + 2 * first, ctypes.c_uint16),
+    )
 
 
 #: Elements of the smallest piece a fused update is split into: below it, handing a piece to a thread costs more than

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import REPO_ROOT
 
+from lightning_smartinf.core import split_masters
 from lightning_smartinf.core.native import build, kernels_dir, state_format_kernels
 from lightning_smartinf.core.rules import Adagrad, Adam, EFAdam, StepParams
 from lightning_smartinf.core.state_formats import (
@@ -95,6 +96,43 @@ def test_adam_fused_with_a_format_is_the_reference_byte_for_byte(fmt, variant, n
         assert torch.equal(master, want_master), f"masters differ at step {step}"
         for name, got, expected in zip(rule.state_names, stored, want):
             assert torch.equal(got, expected), f"{name} differs at step {step}"
+
+
+@pytest.mark.parametrize("variant", ["adamw", "adam-maximize"])
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize(("n", "threads"), [(1, 1), (BLOCK + 3, 1), (5 * 1024 + 17, 1), (3 * PIECE + 1000, 3)])
+def test_adam_fused_over_split_masters_is_the_reference_byte_for_byte(fmt, variant, n, threads, monkeypatch):
+    """The kernels reading and writing split masters (:mod:`lightning_smartinf.core.split_masters`) in their pass:
+    the parameters, the low halves and carry bits, the stored states and the copy of the parameters set aside are the
+    reference's (rebuild the masters, update, store them back), bit for bit, at every step."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    rule, settings = ADAM_VARIANTS[variant]
+    fast, ref = state_format(fmt), reference_format(fmt)
+    generator = torch.Generator().manual_seed(n)
+    padded = -(-n // 1024) * 1024
+    masters = torch.randn(n, generator=generator)
+    region = torch.zeros(split_masters.region_bytes(padded), dtype=torch.uint8)
+    split_masters.encode(masters, region)
+    params = masters.to(torch.bfloat16)
+    stored = []
+    for name in rule.state_names:
+        values = _gradient(padded, generator).abs() if name in NON_NEGATIVE else _gradient(padded, generator)
+        raw = torch.empty(fast.stored_bytes(padded), dtype=torch.uint8)
+        ref.store(values, raw, name)
+        stored.append(raw)
+    want = [params.clone(), region.clone(), *(raw.clone() for raw in stored)]
+    for step in range(1, 5):
+        hp = StepParams(step=step, lr=1e-3 * step, **settings)
+        grad = _gradient(n, generator)
+        before = params.clone()
+        aside, want_aside = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+        split = split_masters.SplitChunk(params, region, aside)
+        assert fast.fused_update(rule, torch.empty(n), grad.clone(), stored, hp, split), "the kernel must take it"
+        reference = split_masters.SplitChunk(want[0], want[1], want_aside)
+        update_chunk(rule, ref, torch.empty(n), grad.clone(), want[2:], hp, split=reference)
+        for name, got, expected in zip(["params", "region", *rule.state_names], [params, region, *stored], want):
+            assert torch.equal(got, expected), f"{name} differs at step {step}"
+        assert torch.equal(aside, before) and torch.equal(want_aside, before)
 
 
 def test_the_reference_of_a_format_takes_ieee_square_roots_and_fp32_torchs():

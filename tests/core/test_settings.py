@@ -72,6 +72,7 @@ def test_defaults_are_the_strategy_defaults_and_the_object_is_frozen_and_keyword
         "overlap_backward": True,
         "prefetch_state": True,
         "state_precision": "fp32",
+        "split_masters": False,
         "gradient_buffer": "auto",
         "state_memory_budget": None,
         "device_weights": None,

@@ -134,6 +134,9 @@ def state_format_kernels() -> ctypes.CDLL | None:
     # split masters: masters, n, low halves, carry bits; parameters, low halves, carry bits, n, masters, aside
     library.smartinf_split_encode.argtypes = [f32, i64, u16, u8]
     library.smartinf_split_decode.argtypes = [u16, u16, u8, i64, f32, u16]
+    # Adam over split masters: parameters, low halves, carry bits, aside; then as the kernels above from the gradient
+    library.smartinf_adam_int8_split.argtypes = [u16, u16, u8, u16, f32, i64, i64, u8, f32, u8, f32, f32, ctypes.c_int]
+    library.smartinf_adam_bf16_split.argtypes = [u16, u16, u8, u16, f32, i64, u16, u16, f32, ctypes.c_int]
     for kernel in (
         library.smartinf_int8_store,
         library.smartinf_int8_load,
@@ -141,6 +144,8 @@ def state_format_kernels() -> ctypes.CDLL | None:
         library.smartinf_adam_bf16,
         library.smartinf_split_encode,
         library.smartinf_split_decode,
+        library.smartinf_adam_int8_split,
+        library.smartinf_adam_bf16_split,
     ):
         kernel.restype = None
     return library

@@ -207,26 +207,6 @@ static void adam_block(float *p, const float *g, float *m, float *v, int64_t cou
     }
 }
 
-/* Elements [0, padded) of a chunk, whole blocks (its records' padding included), of which the first n are updated:
- * masters and gradient fp32; exp_avg and exp_avg_sq in "int8", each given by its codes (padded bytes) and its scales
- * (one per block), as smartinf_int8_store lays them out. Padding blocks are loaded and stored again, as the reference
- * does. Blocks are independent: a chunk may be updated in pieces of whole blocks, at once on several threads. */
-void smartinf_adam_int8(float *master, const float *grad, int64_t n, int64_t padded, uint8_t *exp_avg_codes,
-                        float *exp_avg_scales, uint8_t *exp_avg_sq_codes, float *exp_avg_sq_scales,
-                        const float *scalars, int flags) {
-    float m[BLOCK], v[BLOCK];
-    int64_t blocks = padded / BLOCK;
-    for (int64_t b = 0; b < blocks; ++b) {
-        int64_t start = b * BLOCK;
-        int64_t count = n - start >= BLOCK ? BLOCK : (n > start ? n - start : 0);
-        smartinf_int8_load(exp_avg_codes + start, exp_avg_scales + b, BLOCK, 0, m);
-        smartinf_int8_load(exp_avg_sq_codes + start, exp_avg_sq_scales + b, BLOCK, 1, v);
-        adam_block(master + start, grad + start, m, v, count, scalars, flags);
-        smartinf_int8_store(m, BLOCK, 0, exp_avg_codes + start, exp_avg_scales + b);
-        smartinf_int8_store(v, BLOCK, 1, exp_avg_sq_codes + start, exp_avg_sq_scales + b);
-    }
-}
-
 static inline float bf16_value(uint16_t bits) {
     union { uint32_t u; float f; } value = {(uint32_t)bits << 16};
     return value.f;
@@ -238,25 +218,6 @@ static inline uint16_t bf16_bits(float x) {
     uint32_t rounded = (value.u + 0x7FFFu + ((value.u >> 16) & 1u)) >> 16;
     uint32_t nan = -(uint32_t)((value.u & 0x7FFFFFFFu) > 0x7F800000u);
     return (uint16_t)((0x7FC0u & nan) | (rounded & ~nan));
-}
-
-/* As smartinf_adam_int8, with exp_avg and exp_avg_sq in "bf16": the first n elements (the padding past them is left
- * as it is: a bf16 value loads and stores back unchanged). */
-void smartinf_adam_bf16(float *master, const float *grad, int64_t n, uint16_t *exp_avg, uint16_t *exp_avg_sq,
-                        const float *scalars, int flags) {
-    float m[BLOCK], v[BLOCK];
-    for (int64_t start = 0; start < n; start += BLOCK) {
-        int64_t count = n - start >= BLOCK ? BLOCK : n - start;
-        for (int64_t i = 0; i < count; ++i) {
-            m[i] = bf16_value(exp_avg[start + i]);
-            v[i] = bf16_value(exp_avg_sq[start + i]);
-        }
-        adam_block(master + start, grad + start, m, v, count, scalars, flags);
-        for (int64_t i = 0; i < count; ++i) {
-            exp_avg[start + i] = bf16_bits(m[i]);
-            exp_avg_sq[start + i] = bf16_bits(v[i]);
-        }
-    }
 }
 
 /* Split masters (lightning_smartinf/core/split_masters.py): an fp32 master kept as its bf16 rounding (the parameter,
@@ -301,4 +262,102 @@ void smartinf_split_decode(const uint16_t *params, const uint16_t *low, const ui
         }
         if (aside != NULL) memcpy(aside + start, params + start, (size_t)count * 2);
     }
+}
+
+/* Where a kernel finds the masters of a chunk: whole (fp32, `whole`), or split (`params`, `low` and `carry` as
+ * smartinf_split_encode lays them out; the parameters also copied to `aside` unless it is NULL). A split block is
+ * rebuilt into a local array before its update, and stored back, with its parameters rounded, after it. */
+struct masters {
+    float *whole;
+    uint16_t *params, *low;
+    uint8_t *carry;
+    uint16_t *aside;
+};
+
+static float *masters_in(const struct masters *at, int64_t start, int64_t count, float *local) {
+    if (at->whole != NULL) return at->whole + start;
+    if (count > 0)
+        smartinf_split_decode(at->params + start, at->low + start, at->carry + start / 8, count, local,
+                              at->aside != NULL ? at->aside + start : NULL);
+    return local;
+}
+
+static void masters_out(const struct masters *at, int64_t start, int64_t count, const float *p) {
+    if (at->whole != NULL || count == 0) return;
+    smartinf_split_encode(p, count, at->low + start, at->carry + start / 8);
+    for (int64_t i = 0; i < count; ++i) at->params[start + i] = bf16_bits(p[i]);
+}
+
+/* Elements [0, padded) of a chunk, whole blocks (its records' padding included), of which the first n are updated:
+ * masters (see struct masters) and gradient fp32; exp_avg and exp_avg_sq in "int8", each given by its codes (padded
+ * bytes) and its scales (one per block), as smartinf_int8_store lays them out. Padding blocks are loaded and stored
+ * again, as the reference does. Blocks are independent: a chunk may be updated in pieces of whole blocks, at once on
+ * several threads. */
+static void adam_int8(const struct masters *at, const float *grad, int64_t n, int64_t padded, uint8_t *exp_avg_codes,
+                      float *exp_avg_scales, uint8_t *exp_avg_sq_codes, float *exp_avg_sq_scales,
+                      const float *scalars, int flags) {
+    float m[BLOCK], v[BLOCK], local[BLOCK];
+    int64_t blocks = padded / BLOCK;
+    for (int64_t b = 0; b < blocks; ++b) {
+        int64_t start = b * BLOCK;
+        int64_t count = n - start >= BLOCK ? BLOCK : (n > start ? n - start : 0);
+        float *p = masters_in(at, start, count, local);
+        smartinf_int8_load(exp_avg_codes + start, exp_avg_scales + b, BLOCK, 0, m);
+        smartinf_int8_load(exp_avg_sq_codes + start, exp_avg_sq_scales + b, BLOCK, 1, v);
+        adam_block(p, grad + start, m, v, count, scalars, flags);
+        smartinf_int8_store(m, BLOCK, 0, exp_avg_codes + start, exp_avg_scales + b);
+        smartinf_int8_store(v, BLOCK, 1, exp_avg_sq_codes + start, exp_avg_sq_scales + b);
+        masters_out(at, start, count, p);
+    }
+}
+
+void smartinf_adam_int8(float *master, const float *grad, int64_t n, int64_t padded, uint8_t *exp_avg_codes,
+                        float *exp_avg_scales, uint8_t *exp_avg_sq_codes, float *exp_avg_sq_scales,
+                        const float *scalars, int flags) {
+    struct masters at = {master, NULL, NULL, NULL, NULL};
+    adam_int8(&at, grad, n, padded, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales, scalars,
+              flags);
+}
+
+/* smartinf_adam_int8 over split masters; the chunk's first element is the first of a block (so of a carry byte). */
+void smartinf_adam_int8_split(uint16_t *params, uint16_t *low, uint8_t *carry, uint16_t *aside, const float *grad,
+                              int64_t n, int64_t padded, uint8_t *exp_avg_codes, float *exp_avg_scales,
+                              uint8_t *exp_avg_sq_codes, float *exp_avg_sq_scales, const float *scalars, int flags) {
+    struct masters at = {NULL, params, low, carry, aside};
+    adam_int8(&at, grad, n, padded, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales, scalars,
+              flags);
+}
+
+/* As adam_int8, with exp_avg and exp_avg_sq in "bf16": the first n elements (the padding past them is left as it is:
+ * a bf16 value loads and stores back unchanged). */
+static void adam_bf16(const struct masters *at, const float *grad, int64_t n, uint16_t *exp_avg, uint16_t *exp_avg_sq,
+                      const float *scalars, int flags) {
+    float m[BLOCK], v[BLOCK], local[BLOCK];
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        int64_t count = n - start >= BLOCK ? BLOCK : n - start;
+        float *p = masters_in(at, start, count, local);
+        for (int64_t i = 0; i < count; ++i) {
+            m[i] = bf16_value(exp_avg[start + i]);
+            v[i] = bf16_value(exp_avg_sq[start + i]);
+        }
+        adam_block(p, grad + start, m, v, count, scalars, flags);
+        for (int64_t i = 0; i < count; ++i) {
+            exp_avg[start + i] = bf16_bits(m[i]);
+            exp_avg_sq[start + i] = bf16_bits(v[i]);
+        }
+        masters_out(at, start, count, p);
+    }
+}
+
+void smartinf_adam_bf16(float *master, const float *grad, int64_t n, uint16_t *exp_avg, uint16_t *exp_avg_sq,
+                        const float *scalars, int flags) {
+    struct masters at = {master, NULL, NULL, NULL, NULL};
+    adam_bf16(&at, grad, n, exp_avg, exp_avg_sq, scalars, flags);
+}
+
+/* smartinf_adam_bf16 over split masters; the chunk's first element is the first of a carry byte. */
+void smartinf_adam_bf16_split(uint16_t *params, uint16_t *low, uint8_t *carry, uint16_t *aside, const float *grad,
+                              int64_t n, uint16_t *exp_avg, uint16_t *exp_avg_sq, const float *scalars, int flags) {
+    struct masters at = {NULL, params, low, carry, aside};
+    adam_bf16(&at, grad, n, exp_avg, exp_avg_sq, scalars, flags);
 }

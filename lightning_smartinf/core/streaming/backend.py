@@ -713,6 +713,7 @@ class StreamingBackend(LatchingBackend):
             link_read=work.link_read,
             ready=ready,
             params=self._checked_out(entry, out),
+            compute_split=work.compute_split,
         )
         if tentative and request.params is not None:
             request.params_aside = self._params_aside.get(shard)

@@ -46,6 +46,7 @@ from lightning_smartinf.core.io.clone import can_clone
 from lightning_smartinf.core.io.direct import IOEngine, StateFile
 from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.rules import StepParams
+from lightning_smartinf.core.split_masters import SplitChunk
 from lightning_smartinf.core.state_formats import update_chunk
 from lightning_smartinf.core.streaming.pipeline import (
     ChunkPool,
@@ -595,18 +596,25 @@ class StreamingDevice(ABC):
                 self.pool.release(read.buf)
 
     def _split_compute(self, request: Request, record: Tensor, k: int, start: int, n: int) -> None:
-        """Run ``request``'s compute on chunk ``k`` of a layout of split masters: its masters rebuilt in scratch from
-        the record and the parameters before, stored back into the record after (where the request writes it)."""
+        """Run ``request``'s compute on chunk ``k`` of a layout of split masters: its own split compute where it has
+        one, else its compute on the masters rebuilt in scratch from the record and the parameters before, stored
+        back into the record after (where the request writes it)."""
         layout = request.shard.layout
-        region = layout.master_region(record, k)
+        region, states = layout.master_region(record, k), layout.states_of(record, k, n)
+        chunk = None
+        if request.params is not None:  # (an initialize writes masters, and reads no parameters)
+            aside = None if request.params_aside is None else request.params_aside[start : start + n]
+            chunk = SplitChunk(request.params[start : start + n], region, aside)
+        if request.compute_split is not None:
+            assert chunk is not None, "an update of split masters writes their parameters"
+            self.run_compute(functools.partial(request.compute_split, record, chunk, states, start, n))
+            return
         master = self.master_chunk(n)
-        states = layout.states_of(record, k, n)
 
         def work() -> None:
             if request.read:
-                assert request.params is not None, "a read of split masters needs their parameters"
-                aside = None if request.params_aside is None else request.params_aside[start : start + n]
-                split_masters.decode(request.params[start : start + n], region, master, aside)
+                assert chunk is not None, "a read of split masters needs their parameters"
+                chunk.load(master)
             request.compute(record, master, states, start, n)
             if request.write:
                 split_masters.encode(master, region)
@@ -652,19 +660,35 @@ class HostCoreDevice(StreamingDevice):
         rule = shard.spec.rule
         fmt = None if shard.layout.state_format == "fp32" else shard.layout.format
 
-        def update(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
+        def gradient(start: int, n: int) -> Tensor:
             g = self.grad_chunk(n)
             self.load_gradient(g, grad, start, link_dtype)
             if hp.grad_scale != 1.0:
                 g.mul_(hp.grad_scale)
+            return g
+
+        def update(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
+            g = gradient(start, n)
             if fmt is None:
                 rule.apply(m, g, states, hp)
             else:
                 update_chunk(rule, fmt, m, g, states, hp)
             self.copies.put(out[start : start + n], m)
 
+        def update_split(record: Tensor, chunk: SplitChunk, states: list[Tensor], start: int, n: int) -> None:
+            g, m = gradient(start, n), self.master_chunk(n)
+            if fmt is None:
+                chunk.load(m)
+                rule.apply(m, g, states, hp)
+                chunk.store(m)
+            else:
+                update_chunk(rule, fmt, m, g, states, hp, split=chunk)
+
         return ChunkWork(
-            compute=update, link_write=link_bytes(grad, link_dtype), link_read=out.numel() * out.element_size()
+            compute=update,
+            link_write=link_bytes(grad, link_dtype),
+            link_read=out.numel() * out.element_size(),
+            compute_split=update_split if shard.layout.split_masters else None,
         )
 
     def load_gradient(self, g: Tensor, grad: Tensor | SparseGrad, start: int, link_dtype: torch.dtype) -> None:

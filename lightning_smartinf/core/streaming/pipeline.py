@@ -25,6 +25,7 @@ from lightning_smartinf.core.accelerator import Fence
 from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.io.direct import StateFile
+from lightning_smartinf.core.split_masters import SplitChunk
 
 if TYPE_CHECKING:
     from lightning_smartinf.core.streaming.device import StreamingDevice
@@ -32,6 +33,10 @@ if TYPE_CHECKING:
 #: The work of a request on one chunk, called with (record view, master, states, chunk start, chunk length); the
 #: master and state views lie inside the record, which is written back after the call when the request writes.
 ChunkCompute = Callable[[Tensor, Tensor, list[Tensor], int, int], None]
+#: The same work on a chunk whose masters are split, called with (record view, its :class:`SplitChunk`, states, chunk
+#: start, chunk length): it reads and writes the masters through the split chunk itself (a fused kernel can do both in
+#: its pass).
+SplitChunkCompute = Callable[[Tensor, SplitChunk, list[Tensor], int, int], None]
 
 
 class ChunkPool:
@@ -133,6 +138,8 @@ class ChunkWork:
     compute: ChunkCompute
     link_write: int
     link_read: int
+    #: The work on a chunk of split masters, where it handles them itself (``None``: ``compute`` on rebuilt masters).
+    compute_split: SplitChunkCompute | None = None
 
 
 @dataclass(eq=False, kw_only=True)
@@ -159,6 +166,8 @@ class Request:
     #: Where a tentative update of split masters copies the parameters it overwrites, chunk by chunk before its
     #: compute: the committed half of the masters, which a roll-back puts back.
     params_aside: Tensor | None = None
+    #: See :attr:`ChunkWork.compute_split`.
+    compute_split: SplitChunkCompute | None = None
 
     @property
     def kind(self) -> str:
