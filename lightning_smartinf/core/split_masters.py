@@ -25,11 +25,14 @@ import torch
 from torch import Tensor
 
 from lightning_smartinf.core.native import state_format_kernels
+from lightning_smartinf.core.native.pieces import in_pieces
 
 __all__ = ["BYTES_PER_ELEMENT", "SplitChunk", "decode", "encode", "region_bytes"]
 
 #: Bytes per master on the devices: a low half and a carry bit.
 BYTES_PER_ELEMENT = 2.125
+#: Elements of the smallest part of a chunk the kernels take on one thread (whole carry bytes, and 1 KiB of them).
+UNIT = 8192
 
 _BIT_WEIGHTS = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8)
 
@@ -49,8 +52,7 @@ class SplitChunk:
 
     def store(self, master: Tensor) -> None:
         """``master`` (fp32) back: its low halves and carry bits into the region, its rounding into the parameters."""
-        encode(master, self.region)
-        self.params.copy_(master)
+        encode(master, self.region, self.params)
 
 
 def region_bytes(padded: int) -> int:
@@ -75,49 +77,62 @@ def _native(*tensors: Tensor) -> ctypes.CDLL | None:
     return None
 
 
-def _pointer(tensor: Tensor, ctype: type) -> Any:
-    return ctypes.cast(tensor.data_ptr(), ctypes.POINTER(ctype))
-
-
-def encode(master: Tensor, region: Tensor) -> None:
+def encode(master: Tensor, region: Tensor, params: Tensor | None = None) -> None:
     """Store the low halves and carry bits of ``master`` (fp32, ``n`` elements) in the first ``n`` elements of
-    ``region``; a last carry byte's bits past ``n`` become zero, the rest of the region is left as it is."""
+    ``region``, and its bf16 rounding in ``params`` if given; a last carry byte's bits past ``n`` become zero, the rest
+    of the region is left as it is."""
     n = master.numel()
     low, carry = _parts(region, n)
-    kernels = _native(master, region)
+    _check_params("params", params, n)
+    kernels = _native(master, region, *_given(params))
     if kernels is not None:
-        kernels.smartinf_split_encode(
-            _pointer(master, ctypes.c_float), n, _pointer(low, ctypes.c_uint16), _pointer(carry, ctypes.c_uint8)
-        )
+        at = (master.data_ptr(), low.data_ptr(), carry.data_ptr(), None if params is None else params.data_ptr())
+
+        def piece(first: int, end: int) -> None:
+            kernels.smartinf_split_encode(
+                _at(at[0], 4 * first, ctypes.c_float),
+                end - first,
+                _at(at[1], 2 * first, ctypes.c_uint16),
+                _at(at[2], first // 8, ctypes.c_uint8),
+                _at(at[3], 2 * first, ctypes.c_uint16),
+            )
+
+        in_pieces(piece, n, UNIT)
         return
     bits = master.reshape(-1).view(torch.int32)
     low.copy_(bits.to(torch.int16))  # the low 16 bits (a narrowing conversion wraps)
-    rounded = master.reshape(-1).to(torch.bfloat16).view(torch.int16)
-    carried = (rounded != (bits >> 16).to(torch.int16)).to(torch.uint8)
+    rounded = master.reshape(-1).to(torch.bfloat16)
+    carried = (rounded.view(torch.int16) != (bits >> 16).to(torch.int16)).to(torch.uint8)
     padded = torch.zeros(carry.numel() * 8, dtype=torch.uint8)
     padded[:n] = carried
     carry.copy_((padded.view(-1, 8) * _BIT_WEIGHTS).sum(1, dtype=torch.uint8))
+    if params is not None:
+        params.copy_(rounded.reshape(params.shape))
 
 
 def decode(params: Tensor, region: Tensor, out: Tensor, aside: Tensor | None = None) -> None:
     """Rebuild ``out`` (fp32, ``n`` elements), the masters whose bf16 roundings are ``params`` and whose low halves and
     carry bits are the first ``n`` of ``region``; copy ``params`` into ``aside`` too, if given (the same pass)."""
     n = out.numel()
-    if params.dtype != torch.bfloat16 or params.numel() != n:
-        raise ValueError(f"Split masters are rebuilt from {n} bf16 parameters, got {params.numel()} {params.dtype}.")
-    if aside is not None and (aside.dtype != torch.bfloat16 or aside.numel() != n):
-        raise ValueError(f"`aside` must hold {n} bf16 parameters, got {aside.numel()} {aside.dtype}.")
+    _check_params("params", params, n)
+    _check_params("aside", aside, n)
     low, carry = _parts(region, n)
-    kernels = _native(params, region, out, *([] if aside is None else [aside]))
+    kernels = _native(params, region, out, *_given(aside))
     if kernels is not None:
-        kernels.smartinf_split_decode(
-            _pointer(params, ctypes.c_uint16),
-            _pointer(low, ctypes.c_uint16),
-            _pointer(carry, ctypes.c_uint8),
-            n,
-            _pointer(out, ctypes.c_float),
-            None if aside is None else _pointer(aside, ctypes.c_uint16),
-        )
+        at = (params.data_ptr(), low.data_ptr(), carry.data_ptr(), out.data_ptr())
+        aside_at = None if aside is None else aside.data_ptr()
+
+        def piece(first: int, end: int) -> None:
+            kernels.smartinf_split_decode(
+                _at(at[0], 2 * first, ctypes.c_uint16),
+                _at(at[1], 2 * first, ctypes.c_uint16),
+                _at(at[2], first // 8, ctypes.c_uint8),
+                end - first,
+                _at(at[3], 4 * first, ctypes.c_float),
+                _at(aside_at, 2 * first, ctypes.c_uint16),
+            )
+
+        in_pieces(piece, n, UNIT)
         return
     if aside is not None:
         aside.copy_(params)
@@ -125,3 +140,17 @@ def decode(params: Tensor, region: Tensor, out: Tensor, aside: Tensor | None = N
     high = (params.reshape(-1).view(torch.int16).to(torch.int32) - carried) & 0xFFFF
     bits = (high << 16) | (low.to(torch.int32) & 0xFFFF)
     out.copy_(bits.view(torch.float32).reshape(out.shape))
+
+
+def _check_params(name: str, tensor: Tensor | None, n: int) -> None:
+    if tensor is not None and (tensor.dtype != torch.bfloat16 or tensor.numel() != n):
+        raise ValueError(f"`{name}` must hold {n} bf16 parameters, got {tensor.numel()} {tensor.dtype}.")
+
+
+def _given(*tensors: Tensor | None) -> list[Tensor]:
+    return [t for t in tensors if t is not None]
+
+
+def _at(address: int | None, offset: int, ctype: type) -> Any:
+    """A pointer ``offset`` bytes past ``address`` (``None``: a null pointer)."""
+    return None if address is None else ctypes.cast(address + offset, ctypes.POINTER(ctype))

@@ -41,11 +41,9 @@ Formats (``state_precision``):
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -53,6 +51,7 @@ from torch import Tensor
 
 from lightning_smartinf.core import split_masters
 from lightning_smartinf.core.native import state_format_kernels
+from lightning_smartinf.core.native.pieces import PIECE, in_pieces
 from lightning_smartinf.core.rules import Adam, StepParams, UpdateRule, adam_kernel_scalars, correctly_rounded_sqrt
 
 __all__ = [
@@ -234,7 +233,7 @@ class FloatFormat(StateFormat):
             else:
                 kernels.smartinf_adam_bf16_split(*_split_pointers(split, first), *states)
 
-        _in_pieces(piece, n)
+        in_pieces(piece, n, BLOCK)
         return True
 
 
@@ -372,7 +371,7 @@ class Int8(StateFormat):
             else:
                 kernels.smartinf_adam_int8_split(*_split_pointers(split, first), *states)
 
-        _in_pieces(piece, padded)
+        in_pieces(piece, padded, BLOCK)
         return True
 
 
@@ -510,47 +509,6 @@ def _split_pointers(split: split_masters.SplitChunk, first: int) -> tuple[Any, A
         _pointer(region_at + 2 * padded + first // 8, ctypes.c_uint8),
         None if split.aside is None else _pointer(split.aside.data_ptr() + 2 * first, ctypes.c_uint16),
     )
-
-
-#: Elements of the smallest piece a fused update is split into: below it, handing a piece to a thread costs more than
-#: its update (about 0.2 ms per 64K elements on one core).
-PIECE = 1 << 16
-_pool: tuple[int, ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
-
-
-def _in_pieces(run: Callable[[int, int], None], numel: int) -> None:
-    """``run(first, end)`` over ``[0, numel)`` in pieces of whole blocks, at once on up to torch's intra-op threads
-    (``torch.get_num_threads()``, as the reference's torch operations would use), the calling thread taking the first;
-    returns when every piece is done, raising the first piece's error. The pieces are independent (each block is
-    loaded, updated and stored on its own), so the bytes do not depend on how the chunk is split."""
-    if numel <= 0:
-        return
-    pieces = max(1, min(torch.get_num_threads(), numel // PIECE))
-    step = -(-_blocks(numel) // pieces) * BLOCK
-    bounds = [(first, min(first + step, numel)) for first in range(0, numel, step)]
-    if len(bounds) == 1:
-        run(*bounds[0])
-        return
-    pool = _helpers()
-    others = [pool.submit(run, first, end) for first, end in bounds[1:]]
-    try:
-        run(*bounds[0])
-    finally:
-        for future in others:
-            future.exception()  # every piece has finished before the chunk's buffers can be reused
-    for future in others:
-        future.result()
-
-
-def _helpers() -> ThreadPoolExecutor:
-    """The process's helper threads for pieces of fused updates (made again in a forked child, whose copy has none)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            workers = max(1, (os.cpu_count() or 2) - 1)
-            _pool = (os.getpid(), ThreadPoolExecutor(workers, thread_name_prefix="smartinf-state-update"))
-        return _pool[1]
 
 
 def _blocks(numel: int) -> int:

@@ -16,6 +16,7 @@ from lightning_smartinf.core.format.layout import ChunkLayout
 from lightning_smartinf.core.format.state_files import MANIFEST, read_manifest, shard_file_name
 from lightning_smartinf.core.io.direct import IO_ALIGN, round_up
 from lightning_smartinf.core.native import state_format_kernels
+from lightning_smartinf.core.native.pieces import PIECE
 from lightning_smartinf.core.rules import Adam, StepParams
 from lightning_smartinf.devices.cpu import CpuBackend
 
@@ -39,8 +40,9 @@ def _masters(n: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["C", "reference"])
-@pytest.mark.parametrize("n", [1, 7, 8, 259, 100_003])
-def test_every_master_is_rebuilt_bit_for_bit_from_its_rounding(n, native, monkeypatch):
+@pytest.mark.parametrize(("n", "threads"), [(1, 1), (7, 1), (8, 1), (259, 1), (100_003, 1), (3 * PIECE + 13, 3)])
+def test_every_master_is_rebuilt_bit_for_bit_from_its_rounding(n, threads, native, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the kernels' pieces follow torch's threads
     if not native:
         monkeypatch.setattr(split_masters, "state_format_kernels", lambda: None)
     elif state_format_kernels() is None:
@@ -48,7 +50,9 @@ def test_every_master_is_rebuilt_bit_for_bit_from_its_rounding(n, native, monkey
     masters = _masters(n)
     padded = round_up(n, 1024)
     region = torch.zeros(split_masters.region_bytes(padded), dtype=torch.uint8)
-    split_masters.encode(masters, region)
+    params = torch.zeros(n, dtype=torch.bfloat16)
+    split_masters.encode(masters, region, params)
+    assert torch.equal(params.view(torch.int16), masters.to(torch.bfloat16).view(torch.int16))  # the roundings
     rebuilt, aside = torch.full((n,), float("nan")), torch.zeros(n, dtype=torch.bfloat16)
     split_masters.decode(masters.to(torch.bfloat16), region, rebuilt, aside)
     assert torch.equal(rebuilt.view(torch.int32), masters.view(torch.int32))

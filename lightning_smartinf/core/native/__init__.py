@@ -131,8 +131,9 @@ def state_format_kernels() -> ctypes.CDLL | None:
     library.smartinf_adam_int8.argtypes = [f32, f32, i64, i64, u8, f32, u8, f32, f32, ctypes.c_int]
     # masters, gradient, n, exp_avg, exp_avg_sq, scalars, flags
     library.smartinf_adam_bf16.argtypes = [f32, f32, i64, u16, u16, f32, ctypes.c_int]
-    # split masters: masters, n, low halves, carry bits; parameters, low halves, carry bits, n, masters, aside
-    library.smartinf_split_encode.argtypes = [f32, i64, u16, u8]
+    # split masters: masters, n, low halves, carry bits, parameters; parameters, low halves, carry bits, n, masters,
+    # aside
+    library.smartinf_split_encode.argtypes = [f32, i64, u16, u8, u16]
     library.smartinf_split_decode.argtypes = [u16, u16, u8, i64, f32, u16]
     # Adam over split masters: parameters, low halves, carry bits, aside; then as the kernels above from the gradient
     library.smartinf_adam_int8_split.argtypes = [u16, u16, u8, u16, f32, i64, i64, u8, f32, u8, f32, f32, ctypes.c_int]

@@ -222,20 +222,24 @@ static inline uint16_t bf16_bits(float x) {
 
 /* Split masters (lightning_smartinf/core/split_masters.py): an fp32 master kept as its bf16 rounding (the parameter,
  * held elsewhere), its low 16 bits and one bit saying whether the rounding carried into the high half. Carry bits
- * are packed eight to a byte, element i in bit i % 8 of byte i / 8; a last byte's bits past n are written zero. Both
+ * are packed eight to a byte, element i in bit i % 8 of byte i / 8; a last byte's bits past n are written zero. The
+ * encoder also writes the parameters (the roundings) unless params is NULL. Both
  * go a span at a time: the carry bits one per byte (or word) in a local array, so the loops over elements vectorise. */
 #define SPAN 256
 
-void smartinf_split_encode(const float *master, int64_t n, uint16_t *low, uint8_t *carry) {
+void smartinf_split_encode(const float *master, int64_t n, uint16_t *low, uint8_t *carry, uint16_t *params) {
     uint8_t carried[SPAN];
+    uint16_t rounded[SPAN];
     for (int64_t start = 0; start < n; start += SPAN) {
         int64_t count = n - start >= SPAN ? SPAN : n - start, bytes = (count + 7) / 8;
         for (int64_t i = 0; i < count; ++i) {
             uint32_t bits;
             memcpy(&bits, master + start + i, 4);
             low[start + i] = (uint16_t)bits;
-            carried[i] = bf16_bits(master[start + i]) != (uint16_t)(bits >> 16);
+            rounded[i] = bf16_bits(master[start + i]);
+            carried[i] = rounded[i] != (uint16_t)(bits >> 16);
         }
+        if (params != NULL) memcpy(params + start, rounded, (size_t)count * 2);
         for (int64_t i = count; i < 8 * bytes; ++i) carried[i] = 0;
         for (int64_t b = 0; b < bytes; ++b) {
             const uint8_t *c = carried + 8 * b;
@@ -284,8 +288,7 @@ static float *masters_in(const struct masters *at, int64_t start, int64_t count,
 
 static void masters_out(const struct masters *at, int64_t start, int64_t count, const float *p) {
     if (at->whole != NULL || count == 0) return;
-    smartinf_split_encode(p, count, at->low + start, at->carry + start / 8);
-    for (int64_t i = 0; i < count; ++i) at->params[start + i] = bf16_bits(p[i]);
+    smartinf_split_encode(p, count, at->low + start, at->carry + start / 8, at->params + start);
 }
 
 /* Elements [0, padded) of a chunk, whole blocks (its records' padding included), of which the first n are updated:
