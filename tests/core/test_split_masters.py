@@ -278,6 +278,7 @@ def test_parameters_that_cannot_hold_half_a_master_are_refused(tmp_path):
         backend.bind_parameters(lambda i: params)
         with pytest.raises(ValueError, match="do not round to its parameters"):
             backend.initialize(0, torch.ones(1029))
+        params[-1] = float("nan")  # ZeRO pads the last partition with whatever its memory held: NaN rounds to NaN
         backend.initialize(0, params)
         with pytest.raises(ValueError, match="writes its own parameters"):
             backend.submit(0, torch.zeros(1029), StepParams(step=1, lr=0.1), torch.zeros(1029, dtype=torch.bfloat16))

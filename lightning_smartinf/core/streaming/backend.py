@@ -645,7 +645,7 @@ class StreamingBackend(LatchingBackend):
         copies = self.device_of(shard).copies
         written = record_fence(master.device) if on_cuda(master) else None  # by the caller's stream, maybe not yet
         params = self._split_params(entry)
-        if params is not None and not torch.equal(master.to(torch.bfloat16).view(-1), params):
+        if params is not None and not _rounds_to(master, params):
             raise ValueError(
                 f"Shard {shard}'s initial masters do not round to its parameters, which hold half of each split "
                 "master: the parameters must be the masters' bf16 rounding when training starts."
@@ -938,6 +938,13 @@ class StreamingBackend(LatchingBackend):
             for file in shard.files:
                 if file.in_memory:
                     file.discard()
+
+
+def _rounds_to(master: Tensor, params: Tensor) -> bool:
+    """Whether ``params`` are the bf16 roundings of ``master``: NaN for NaN (ZeRO's partitions pad with whatever the
+    memory held, which a split master keeps as some NaN, never read as a parameter)."""
+    rounded = master.to(params.device, torch.bfloat16).view(-1)
+    return bool(((rounded == params) | (rounded.isnan() & params.isnan())).all())
 
 
 def _shares(values: Sequence[float]) -> list[float]:
