@@ -27,7 +27,7 @@ from torch import Tensor
 from lightning_smartinf.core.native import state_format_kernels
 from lightning_smartinf.core.native.pieces import in_pieces
 
-__all__ = ["BYTES_PER_ELEMENT", "SplitChunk", "decode", "encode", "region_bytes"]
+__all__ = ["BYTES_PER_ELEMENT", "SplitChunk", "decode", "encode", "parts", "region_bytes"]
 
 #: Bytes per master on the devices: a low half and a carry bit.
 BYTES_PER_ELEMENT = 2.125
@@ -62,7 +62,7 @@ def region_bytes(padded: int) -> int:
     return padded * 2 + padded // 8
 
 
-def _parts(region: Tensor, n: int) -> tuple[Tensor, Tensor]:
+def parts(region: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """The low halves (``int16``) and carry bytes (``uint8``) of the first ``n`` elements of ``region`` (``uint8``,
     :func:`region_bytes` of its padded length)."""
     padded = region.numel() * 8 // 17
@@ -82,7 +82,7 @@ def encode(master: Tensor, region: Tensor, params: Tensor | None = None) -> None
     ``region``, and its bf16 rounding in ``params`` if given; a last carry byte's bits past ``n`` become zero, the rest
     of the region is left as it is."""
     n = master.numel()
-    low, carry = _parts(region, n)
+    low, carry = parts(region, n)
     _check_params("params", params, n)
     kernels = _native(master, region, *_given(params))
     if kernels is not None:
@@ -116,7 +116,7 @@ def decode(params: Tensor, region: Tensor, out: Tensor, aside: Tensor | None = N
     n = out.numel()
     _check_params("params", params, n)
     _check_params("aside", aside, n)
-    low, carry = _parts(region, n)
+    low, carry = parts(region, n)
     kernels = _native(params, region, out, *_given(aside))
     if kernels is not None:
         at = (params.data_ptr(), low.data_ptr(), carry.data_ptr(), out.data_ptr())

@@ -501,12 +501,11 @@ def _split_applies(split: split_masters.SplitChunk, numel: int) -> bool:
 def _split_pointers(split: split_masters.SplitChunk, first: int) -> tuple[Any, Any, Any, Any]:
     """The kernel's pointers to ``split``'s parameters, low halves, carry bits and aside copy from element ``first``
     (a multiple of 8: whole carry bytes)."""
-    padded = split.region.numel() * 8 // 17
-    region_at = split.region.data_ptr()
+    low, carry = split_masters.parts(split.region, split.params.numel())
     return (
         _pointer(split.params.data_ptr() + 2 * first, ctypes.c_uint16),
-        _pointer(region_at + 2 * first, ctypes.c_uint16),
-        _pointer(region_at + 2 * padded + first // 8, ctypes.c_uint8),
+        _pointer(low.data_ptr() + 2 * first, ctypes.c_uint16),
+        _pointer(carry.data_ptr() + first // 8, ctypes.c_uint8),
         None if split.aside is None else _pointer(split.aside.data_ptr() + 2 * first, ctypes.c_uint16),
     )
 
