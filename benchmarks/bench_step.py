@@ -48,8 +48,14 @@ FORMAT_RUNS = ("smart_infinity_bf16", "smart_infinity_int8", "smart_infinity_mem
 #: trains other numbers than ours (fp32 masters in every format): a baseline for the bytes, not for the arithmetic.
 ZERO_FORMAT_RUNS = ("zero_infinity_bf16_states",)
 #: Ours with split masters (``split_masters=True``: 2.125 bytes per master on storage, the rest in the bf16 parameter
-#: in host memory), in each state format; needs ``--precision bf16-mixed``.
-SPLIT_RUNS = ("smart_infinity_split", "smart_infinity_bf16_split", "smart_infinity_int8_split")
+#: in host memory), in each state format, and in int8 with half of the state in host memory; needs
+#: ``--precision bf16-mixed``.
+SPLIT_RUNS = (
+    "smart_infinity_split",
+    "smart_infinity_bf16_split",
+    "smart_infinity_int8_split",
+    "smart_infinity_mem50_int8_split",
+)
 ALL_RUNS = RUNS + TIER_RUNS + FORMAT_RUNS + ZERO_FORMAT_RUNS + SPLIT_RUNS
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
@@ -691,6 +697,7 @@ def formats_table(results: dict[str, dict[str, Any]]) -> str:
         ("fp32, half in memory", results.get("smart_infinity_mem50", {})),
         ("bf16, half in memory", results.get("smart_infinity_mem50_bf16", {})),
         ("int8, half in memory", results.get("smart_infinity_mem50_int8", {})),
+        ("int8, half in memory, split masters", results.get("smart_infinity_mem50_int8_split", {})),
         ("ZeRO-Infinity best", best),
         ("ZeRO-Infinity, bf16 states", results.get("zero_infinity_bf16_states", {})),
     ]

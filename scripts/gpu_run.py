@@ -25,6 +25,14 @@ Parts (``--parts``, in this order):
 ``activations``
     ``benchmarks/bench_activations.py``: activation offload's chosen settings and measured overhead.
 
+Asked for by name only (``--parts formats``; run it in a second call when the first left device time):
+
+``formats``
+    ``benchmarks/bench_step.py`` at the shape of the state formats' step benchmark (a GPT of 1.54B parameters, fewer
+    layers where the disk is small; bf16; 16 tokens; sub-groups of 100M): one round each of ours in fp32, in int8, in
+    int8 with split masters, in int8 with half of the state in host memory (whole and split masters), and
+    ZeRO-Infinity pipelined. Where forward and backward are a GPU's, the step is the state's.
+
 Each part sizes itself to the disk and memory it finds and is refused, with the reason in the record, where the
 machine cannot run it. The record's format: ``{"machine": {...}, "parts": {name: {"status": "passed" | "failed" |
 "refused" | "timed out", "seconds": s, ...figures}}}``.
@@ -47,6 +55,17 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("checks", "journey", "step", "activations")
+#: Parts run only when named in ``--parts``.
+EXTRA_PARTS = ("formats",)
+#: The state formats' runs of ``bench_step.py`` (the ``formats`` part).
+FORMAT_RUNS = (
+    "smart_infinity",
+    "smart_infinity_int8",
+    "smart_infinity_int8_split",
+    "smart_infinity_mem50_int8",
+    "smart_infinity_mem50_int8_split",
+    "zero_infinity_pipelined",
+)
 #: Model shapes by ``--size``: Llama hidden size, MLP size, layers, vocabulary (``gpu``: 0.95B parameters).
 SIZES = {"gpu": (2048, 5632, 16, 32000), "tiny": (64, 160, 2, 256)}
 #: Bytes of disk per parameter the journey needs: the bf16 model and its export (2 + 2), the state with its second
@@ -264,6 +283,32 @@ def step(out: Path, args: argparse.Namespace, deadline: float) -> dict[str, Any]
     return {**record, "status": "passed", "bench_step": measured}
 
 
+def formats(out: Path, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    """The state formats' step (:data:`FORMAT_RUNS`, one round each): a GPT of 1.54B parameters (2048 wide, 30 layers;
+    fewer layers where half the free disk cannot hold ours in fp32 with overlap's second copy and ZeRO's swap files,
+    40 B/param), bf16, 16 tokens a step, sub-groups of 100M."""
+    storage = out / "formats"
+    storage.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(storage).free
+    dim, layers = (2048, 30) if args.size == "gpu" else (64, 2)
+    params = lambda n: n * 12 * dim * dim + 2 * 6144 * dim  # noqa: E731 - bench_step's GPT (vocabulary 6144)
+    while 40 * params(layers) > free / 2 and layers > 2:
+        layers //= 2
+    if 40 * params(layers) > free / 2:
+        return {"status": "refused", "reason": f"{free / 1e9:.1f} GB free under {out}: too little for a step"}
+    command = [REPO / "benchmarks" / "bench_step.py", "--dim", str(dim), "--layers", str(layers)]
+    command += ["--seq", "16", "--batch", "1", "--warmup", "1", "--steps", "2", "--precision", "bf16-mixed"]
+    command += ["--sub-group-size", str(100_000_000 if args.size == "gpu" else 100_000), "--rounds", "1"]
+    command += ["--storage", storage, "--accelerator", args.device, "--settle", "1", "--raw-gib", "0.25"]
+    command += [item for run in FORMAT_RUNS for item in ("--only", run)]
+    done = python(*command, timeout=max(60, deadline - time.monotonic()))
+    result = REPO / "benchmarks" / "out" / "bench_step.json"
+    record: dict[str, Any] = {"dim": dim, "layers": layers, "params": params(layers)}
+    if done.returncode != 0 or not result.is_file():
+        return {**record, "status": "failed", "output": done.stderr[-4000:]}
+    return {**record, "status": "passed", "bench_step": json.loads(result.read_text())}
+
+
 def predicted_step(
     out: Path, storage: Path, dim: int, mlp: int, layers: int, vocab: int, heads: int, seq: int, deadline: float
 ) -> dict[str, Any]:
@@ -332,7 +377,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="where the record and every part's files go")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--size", choices=tuple(SIZES), default=None, help="default: gpu on cuda, tiny on cpu")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS + EXTRA_PARTS)}"
+    )
     parser.add_argument("--budget-s", type=float, default=570.0, help="seconds for all parts together")
     parser.add_argument("--seq", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--sub-group-size", type=int, default=None, help=argparse.SUPPRESS)
@@ -349,9 +396,9 @@ def main() -> None:
     if args.out is None:
         parser.error("--out is required")
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = [p for p in parts if p not in PARTS]
+    unknown = [p for p in parts if p not in PARTS + EXTRA_PARTS]
     if unknown:
-        parser.error(f"--parts {args.parts!r}: unknown {unknown}; choose from {', '.join(PARTS)}")
+        parser.error(f"--parts {args.parts!r}: unknown {unknown}; choose from {', '.join(PARTS + EXTRA_PARTS)}")
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -368,9 +415,8 @@ def main() -> None:
             record["parts"][name] = {"status": "refused", "reason": "no time left in --budget-s"}
             continue
         try:
-            result = {"checks": checks, "journey": journey, "step": step, "activations": activations}[name](
-                args.out, args, deadline
-            )
+            run = {"checks": checks, "journey": journey, "step": step, "activations": activations, "formats": formats}
+            result = run[name](args.out, args, deadline)
         except subprocess.TimeoutExpired:
             result = {"status": "timed out"}
         record["parts"][name] = {**result, "seconds": round(time.monotonic() - began, 1)}

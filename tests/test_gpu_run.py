@@ -40,6 +40,35 @@ def test_the_journey_the_step_and_activation_offload_run_small_on_a_cpu(tmp_path
     assert record["machine"]["gpu"] is None and record["size"] == "tiny"
 
 
+@pytest.mark.slow
+def test_the_state_formats_step_runs_small_on_a_cpu(tmp_path):
+    """The part a GPU run does only when asked (``--parts formats``): every state format's run of the step, once."""
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu", "--parts", "formats"],
+        env=worker_env(), capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert done.returncode == 0, json.dumps(record, indent=1)[-6000:] + done.stderr[-3000:]
+    part = record["parts"]["formats"]
+    results = part["bench_step"]["results"]
+    assert set(results) == {
+        "smart_infinity",
+        "smart_infinity_int8",
+        "smart_infinity_int8_split",
+        "smart_infinity_mem50_int8",
+        "smart_infinity_mem50_int8_split",
+        "zero_infinity_pipelined",
+    }
+    assert all("train_step_mean_s" in r for r in results.values())
+
+    def disk(run: str) -> float:
+        return results[run]["disk_read_bytes_per_param_step"] + results[run]["disk_write_bytes_per_param_step"]
+
+    # Each smaller form of the state moves fewer bytes (the counts themselves are tested elsewhere).
+    assert disk("smart_infinity_int8_split") < disk("smart_infinity_int8") < disk("smart_infinity")
+    assert disk("smart_infinity_mem50_int8_split") < disk("smart_infinity_mem50_int8") < disk("smart_infinity_int8")
+
+
 def test_without_a_gpu_the_gpu_run_is_refused_with_the_reason(tmp_path):
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(tmp_path)], env=worker_env(), capture_output=True, text=True
