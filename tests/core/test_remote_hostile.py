@@ -213,8 +213,9 @@ def test_stalled_calls_with_the_token_are_bounded_and_ended_by_the_server(tmp_pa
         server.stop()
 
 
-def _steps(client: RemoteBackend, steps: int = 3) -> torch.Tensor:
-    """Open, initialize and update one shard ``steps`` times with seeded gradients; its masters after them."""
+def _steps(client: RemoteBackend, steps: int = 3, params: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Open, initialize and update one shard ``steps`` times with seeded gradients; its masters after them (and each
+    step's parameters appended to ``params``)."""
     generator = torch.Generator().manual_seed(0)
     client.open(SPECS)
     client.initialize(0, torch.randn(CHUNK, generator=generator))
@@ -223,6 +224,8 @@ def _steps(client: RemoteBackend, steps: int = 3) -> torch.Tensor:
     for step in range(1, steps + 1):
         grad = torch.randn(CHUNK, generator=generator).bfloat16()
         client.result(client.submit(0, grad, StepParams(step=step, lr=1e-2), out, link_dtype=torch.bfloat16))
+        if params is not None:
+            params.append(out.clone())
     masters = torch.empty(CHUNK)
     client.read_master(0, masters)
     client.wait()
@@ -239,17 +242,37 @@ def test_a_busy_moment_is_retried_and_the_run_ends_as_without_it(tmp_path, stall
     )
     channel = _channel(server.address)
     try:
-        reference = _steps(_client(server))
+        reference_params: list[torch.Tensor] = []
+        reference = _steps(_client(server), params=reference_params)
         stalled = [stalls.call(channel, "Open") for _ in range(4)]
         time.sleep(0.5)  # each holds a slot
         busy_at_start = _stream(channel, "Control")(iter([header_frame(session="x", op="wait")]), timeout=PROMPT_S)
         assert _status(busy_at_start) == grpc.StatusCode.RESOURCE_EXHAUSTED  # (a channel without retries)
-        assert torch.equal(_steps(_client(server)), reference)
+        busy_params: list[torch.Tensor] = []
+        busy = _steps(_client(server), params=busy_params)
+        assert torch.equal(busy, reference), _unequal(busy, reference, busy_params, reference_params, server)
         assert all(_status(call) == grpc.StatusCode.CANCELLED for call in stalled)
     finally:
         stalls.release()
         channel.close()
         server.stop()
+
+
+def _unequal(
+    masters: torch.Tensor,
+    reference: torch.Tensor,
+    params: list[torch.Tensor],
+    reference_params: list[torch.Tensor],
+    server: ServerProcess,
+) -> str:
+    """What differs between two runs of :func:`_steps`, for a failure's message: the masters, each step's
+    parameters, and the end of the server's log."""
+    steps = [int((a != b).sum()) for a, b in zip(params, reference_params)]
+    return (
+        f"{int((masters != reference).sum())} of {masters.numel()} masters differ (largest by "
+        f"{float((masters - reference).abs().max()):.3g}); parameters differing after each step: {steps}\n"
+        f"server log:\n{server.log_text()[-4000:]}"
+    )
 
 
 def _own_connection(address: str) -> grpc.Channel:
