@@ -55,7 +55,9 @@ def test_norm_is_the_exact_one_to_float64_rounding_as_zeros_is(dtype, numel):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("numel", [0, 1, LANES - 1, LANES, LANES + 1, 1000, HOST_PIECE + 3, 2 * HOST_PIECE + 9])
+@pytest.mark.parametrize(
+    "numel", [0, 1, LANES - 1, LANES, LANES + 1, 31, 32, 33, 41, 1000, HOST_PIECE + 3, 2 * HOST_PIECE + 9]
+)  # the kernel's blocks are 32 elements, then lanes of 8, then the tail
 def test_kernel_gives_the_references_bytes(dtype, numel):
     values = heavy_tailed(numel, dtype, seed=numel)
     if numel > LANES + 1:

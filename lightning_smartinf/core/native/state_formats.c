@@ -29,6 +29,20 @@
 #define ROOT_MAX 496.0f
 #define ROOT_SUBNORMAL_STEPS 1024.0f
 
+/* How far ahead of the element in hand a streaming loop asks for memory (`ahead`): a block's loads arrive too late
+ * for the hardware's prefetcher on some machines (a 2-core VM read a gradient three times faster with it). */
+#define AHEAD_ELEMENTS 1024
+
+/* Ask for the cache lines of [p, p + bytes) to be brought in (`write`: to be written too); never faults. */
+static inline void ahead(const void *p, int64_t bytes, int write) {
+    for (int64_t line = 0; line < bytes; line += 64) {
+        if (write)
+            __builtin_prefetch((const char *)p + line, 1, 0);
+        else
+            __builtin_prefetch((const char *)p + line, 0, 0);
+    }
+}
+
 /* The E4M3 code of the float with bits `bits`, as torch's conversion gives it: round to nearest, ties to even; 464
  * and above (and infinity) saturate to 448's code 0x7E; NaN is 0x7F (with x's sign). A block's values over its scale
  * stay below 464 but where the scale is subnormal (the block's largest magnitude under 448 * 2**-126): there the
@@ -232,6 +246,7 @@ void smartinf_split_encode(const float *master, int64_t n, uint16_t *low, uint8_
     uint16_t rounded[SPAN];
     for (int64_t start = 0; start < n; start += SPAN) {
         int64_t count = n - start >= SPAN ? SPAN : n - start, bytes = (count + 7) / 8;
+        if (start + AHEAD_ELEMENTS < n) ahead(master + start + AHEAD_ELEMENTS, 4 * SPAN, 0);
         for (int64_t i = 0; i < count; ++i) {
             uint32_t bits;
             memcpy(&bits, master + start + i, 4);
@@ -256,6 +271,11 @@ void smartinf_split_decode(const uint16_t *params, const uint16_t *low, const ui
     uint32_t carried[SPAN];
     for (int64_t start = 0; start < n; start += SPAN) {
         int64_t count = n - start >= SPAN ? SPAN : n - start, bytes = (count + 7) / 8;
+        if (start + AHEAD_ELEMENTS < n) {
+            ahead(params + start + AHEAD_ELEMENTS, 2 * SPAN, 0);
+            ahead(low + start + AHEAD_ELEMENTS, 2 * SPAN, 0);
+            ahead(carry + (start + AHEAD_ELEMENTS) / 8, SPAN / 8, 0);
+        }
         for (int64_t b = 0; b < bytes; ++b) {
             uint32_t byte = carry[start / 8 + b];
             for (int j = 0; j < 8; ++j) carried[8 * b + j] = (byte >> j) & 1u;
@@ -277,6 +297,18 @@ struct masters {
     uint8_t *carry;
     uint16_t *aside;
 };
+
+/* Ask for the masters of the block AHEAD_ELEMENTS on from start, which the kernels' loops come to later. */
+static void masters_ahead(const struct masters *at, int64_t start) {
+    int64_t next = start + AHEAD_ELEMENTS;
+    if (at->whole != NULL) {
+        ahead(at->whole + next, 4 * BLOCK, 1);
+    } else {
+        ahead(at->params + next, 2 * BLOCK, 1);
+        ahead(at->low + next, 2 * BLOCK, 1);
+        ahead(at->carry + next / 8, BLOCK / 8, 1);
+    }
+}
 
 static float *masters_in(const struct masters *at, int64_t start, int64_t count, float *local) {
     if (at->whole != NULL) return at->whole + start;
@@ -304,6 +336,12 @@ static void adam_int8(const struct masters *at, const float *grad, int64_t n, in
     for (int64_t b = 0; b < blocks; ++b) {
         int64_t start = b * BLOCK;
         int64_t count = n - start >= BLOCK ? BLOCK : (n > start ? n - start : 0);
+        if (start + AHEAD_ELEMENTS < padded) {
+            masters_ahead(at, start);
+            ahead(grad + start + AHEAD_ELEMENTS, 4 * BLOCK, 0);
+            ahead(exp_avg_codes + start + AHEAD_ELEMENTS, BLOCK, 1);
+            ahead(exp_avg_sq_codes + start + AHEAD_ELEMENTS, BLOCK, 1);
+        }
         float *p = masters_in(at, start, count, local);
         smartinf_int8_load(exp_avg_codes + start, exp_avg_scales + b, BLOCK, 0, m);
         smartinf_int8_load(exp_avg_sq_codes + start, exp_avg_sq_scales + b, BLOCK, 1, v);
@@ -338,6 +376,12 @@ static void adam_bf16(const struct masters *at, const float *grad, int64_t n, ui
     float m[BLOCK], v[BLOCK], local[BLOCK];
     for (int64_t start = 0; start < n; start += BLOCK) {
         int64_t count = n - start >= BLOCK ? BLOCK : n - start;
+        if (start + AHEAD_ELEMENTS < n) {
+            masters_ahead(at, start);
+            ahead(grad + start + AHEAD_ELEMENTS, 4 * BLOCK, 0);
+            ahead(exp_avg + start + AHEAD_ELEMENTS, 2 * BLOCK, 1);
+            ahead(exp_avg_sq + start + AHEAD_ELEMENTS, 2 * BLOCK, 1);
+        }
         float *p = masters_in(at, start, count, local);
         for (int64_t i = 0; i < count; ++i) {
             m[i] = bf16_value(exp_avg[start + i]);
