@@ -171,10 +171,17 @@ class StateFormat(ABC):
         stored: Sequence[Tensor],
         hp: StepParams,
         split: split_masters.SplitChunk | None = None,
+        *,
+        params: Tensor | None = None,
+        grad_scale: float = 1.0,
     ) -> bool:
         """Run :func:`update_chunk` as one native pass where this format has a kernel for ``rule`` and the tensors
         (see :func:`_fused_adam_arguments`); ``False`` where it has none and nothing was done: the reference runs.
-        With ``split`` the masters are read from and written to it (``master`` is only scratch of their size)."""
+        With ``split`` the masters are read from and written to it (``master`` is only scratch of their size).
+
+        The pass can also take what a device does around the update: ``grad`` in bf16 as it crossed the link
+        (``grad.float()``), times ``grad_scale`` (one fp32 rounding, as ``g.mul_(grad_scale)``), and the updated
+        masters' bf16 roundings written to ``params`` (whole masters only: split ones write their parameters)."""
         return False
 
 
@@ -208,20 +215,24 @@ class FloatFormat(StateFormat):
         stored: Sequence[Tensor],
         hp: StepParams,
         split: split_masters.SplitChunk | None = None,
+        *,
+        params: Tensor | None = None,
+        grad_scale: float = 1.0,
     ) -> bool:
         if self.dtype != torch.bfloat16 or not self.native:
             return False
-        arguments = _fused_adam_arguments(rule, master, grad, stored, hp, self.stored_bytes(master.numel()), split)
+        state_bytes = self.stored_bytes(master.numel())
+        arguments = _fused_adam_arguments(rule, master, grad, stored, hp, state_bytes, split, params)
         if arguments is None:
             return False
         kernels, scalars, flags = arguments
         n = master.numel()
-        master_at, grad_at, scalars_at = master.data_ptr(), grad.data_ptr(), scalars.data_ptr()
+        master_at, scalars_at = master.data_ptr(), scalars.data_ptr()
         m_at, v_at = stored[0].data_ptr(), stored[1].data_ptr()
 
         def piece(first: int, end: int) -> None:  # elements [first, end), 2 bytes each in a state
             states = (
-                _pointer(grad_at + 4 * first, ctypes.c_float),
+                *_gradient_pointers(grad, first, grad_scale),
                 end - first,
                 _pointer(m_at + 2 * first, ctypes.c_uint16),
                 _pointer(v_at + 2 * first, ctypes.c_uint16),
@@ -229,7 +240,8 @@ class FloatFormat(StateFormat):
                 flags,
             )
             if split is None:
-                kernels.smartinf_adam_bf16(_pointer(master_at + 4 * first, ctypes.c_float), *states)
+                masters = _pointer(master_at + 4 * first, ctypes.c_float), _params_pointer(params, first)
+                kernels.smartinf_adam_bf16(*masters, *states)
             else:
                 kernels.smartinf_adam_bf16_split(*_split_pointers(split, first), *states)
 
@@ -342,21 +354,24 @@ class Int8(StateFormat):
         stored: Sequence[Tensor],
         hp: StepParams,
         split: split_masters.SplitChunk | None = None,
+        *,
+        params: Tensor | None = None,
+        grad_scale: float = 1.0,
     ) -> bool:
         if not self.native:
             return False
         padded = self.elements(stored[0].numel()) if stored else 0
-        arguments = _fused_adam_arguments(rule, master, grad, stored, hp, self.stored_bytes(padded), split)
+        arguments = _fused_adam_arguments(rule, master, grad, stored, hp, self.stored_bytes(padded), split, params)
         if arguments is None or padded < master.numel():
             return False
         kernels, scalars, flags = arguments
         n, blocks = master.numel(), padded // BLOCK
-        master_at, grad_at, scalars_at = master.data_ptr(), grad.data_ptr(), scalars.data_ptr()
+        master_at, scalars_at = master.data_ptr(), scalars.data_ptr()
         m_at, v_at = stored[0].data_ptr(), stored[1].data_ptr()
 
         def piece(first: int, end: int) -> None:  # elements [first, end), whole blocks: codes, then the scales
             states = (
-                _pointer(grad_at + 4 * first, ctypes.c_float),
+                *_gradient_pointers(grad, first, grad_scale),
                 min(max(n - first, 0), end - first),
                 end - first,
                 _pointer(m_at + first, ctypes.c_uint8),
@@ -367,7 +382,8 @@ class Int8(StateFormat):
                 flags,
             )
             if split is None:
-                kernels.smartinf_adam_int8(_pointer(master_at + 4 * first, ctypes.c_float), *states)
+                masters = _pointer(master_at + 4 * first, ctypes.c_float), _params_pointer(params, first)
+                kernels.smartinf_adam_int8(*masters, *states)
             else:
                 kernels.smartinf_adam_int8_split(*_split_pointers(split, first), *states)
 
@@ -453,19 +469,30 @@ def _fused_adam_arguments(
     hp: StepParams,
     state_bytes: int,
     split: split_masters.SplitChunk | None = None,
+    params: Tensor | None = None,
 ) -> tuple[ctypes.CDLL, Tensor, int] | None:
     """The kernels, fp32 scalars and flags of a native fused Adam over these tensors, or ``None`` where it does not
     apply: a rule other than the single-tensor Adam or AdamW without ``amsgrad`` (torch's fused kernel has an
-    arithmetic of its own), a torch whose CPU kernels round otherwise, tensors that are not contiguous host fp32
-    (``master``, ``grad`` of as many elements) and ``uint8`` (each state at least ``state_bytes``), split masters
-    whose tensors are not contiguous host ones of as many elements, or no kernels."""
+    arithmetic of its own), a torch whose CPU kernels round otherwise, tensors that are not contiguous host ones
+    (``master`` fp32, ``grad`` fp32 or bf16 of as many elements, ``params`` bf16 of as many, beside whole masters
+    only) and ``uint8`` (each state at least ``state_bytes``), split masters whose tensors are not contiguous host ones
+    of as many elements, or no kernels."""
     applies = (
         type(rule) is Adam
         and not rule.fused
         and not rule.amsgrad
         and len(stored) == 2
         and master.device.type == "cpu"
-        and master.dtype == grad.dtype == torch.float32
+        and master.dtype == torch.float32
+        and grad.dtype in (torch.float32, torch.bfloat16)
+        and (
+            params is None
+            or split is None
+            and params.device.type == "cpu"
+            and params.dtype == torch.bfloat16
+            and params.is_contiguous()
+            and params.numel() == master.numel()
+        )
         and master.is_contiguous()
         and grad.is_contiguous()
         and grad.device.type == "cpu"
@@ -508,6 +535,18 @@ def _split_pointers(split: split_masters.SplitChunk, first: int) -> tuple[Any, A
         _pointer(carry.data_ptr() + first // 8, ctypes.c_uint8),
         None if split.aside is None else _pointer(split.aside.data_ptr() + 2 * first, ctypes.c_uint16),
     )
+
+
+def _gradient_pointers(grad: Tensor, first: int, scale: float) -> tuple[Any, Any, ctypes.c_float]:
+    """The kernels' gradient from element ``first``: fp32 or (the other ``NULL``) bf16, and its factor in fp32."""
+    at = grad.data_ptr() + grad.element_size() * first
+    if grad.dtype == torch.float32:
+        return _pointer(at, ctypes.c_float), None, ctypes.c_float(scale)
+    return None, _pointer(at, ctypes.c_uint16), ctypes.c_float(scale)
+
+
+def _params_pointer(params: Tensor | None, first: int) -> Any:
+    return None if params is None else _pointer(params.data_ptr() + 2 * first, ctypes.c_uint16)
 
 
 def _blocks(numel: int) -> int:

@@ -98,6 +98,73 @@ def test_adam_fused_with_a_format_is_the_reference_byte_for_byte(fmt, variant, n
             assert torch.equal(got, expected), f"{name} differs at step {step}"
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+@pytest.mark.parametrize("grad_scale", [1.0, 1 / 3, 1024.0])
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize(("n", "threads"), [(1, 1), (BLOCK + 3, 1), (3 * PIECE + 1000, 3)])
+def test_adam_fused_takes_the_gradient_as_it_crossed_and_writes_the_parameters(
+    fmt, grad_scale, split, n, threads, monkeypatch
+):
+    """What a device does around the update, inside the kernels' pass: the bf16 gradient as it crossed the link,
+    times the gradient scale, and (beside whole masters) the parameters written out: the same bytes as converting the
+    gradient to fp32, ``mul_(grad_scale)``, the reference's update and ``params.copy_(masters)``."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    rule, settings = ADAM_VARIANTS["adamw"]
+    fast, ref = state_format(fmt), reference_format(fmt)
+    generator = torch.Generator().manual_seed(n)
+    padded = -(-n // 1024) * 1024
+    masters = torch.randn(n, generator=generator)
+    region = torch.zeros(split_masters.region_bytes(padded), dtype=torch.uint8)
+    split_masters.encode(masters, region)
+    params, want_params = masters.to(torch.bfloat16), masters.to(torch.bfloat16)
+    stored = []
+    for name in rule.state_names:
+        values = _gradient(padded, generator).abs() if name in NON_NEGATIVE else _gradient(padded, generator)
+        raw = torch.empty(fast.stored_bytes(padded), dtype=torch.uint8)
+        ref.store(values, raw, name)
+        stored.append(raw)
+    want_masters, want_region, want = masters.clone(), region.clone(), [raw.clone() for raw in stored]
+    for step in range(1, 4):
+        hp = StepParams(step=step, lr=1e-3 * step, **settings)
+        link = _gradient(n, generator).to(torch.bfloat16)
+        scaled = link.float()
+        if grad_scale != 1.0:
+            scaled.mul_(grad_scale)  # as a device scales the gradient it loaded
+        if split:
+            chunk = split_masters.SplitChunk(params, region)
+            assert fast.fused_update(rule, torch.empty(n), link, stored, hp, chunk, grad_scale=grad_scale)
+            reference = split_masters.SplitChunk(want_params, want_region)
+            update_chunk(rule, ref, torch.empty(n), scaled, want, hp, split=reference)
+            assert torch.equal(region, want_region), f"low halves or carry bits differ at step {step}"
+        else:
+            assert fast.fused_update(rule, masters, link, stored, hp, params=params, grad_scale=grad_scale)
+            update_chunk(rule, ref, want_masters, scaled, want, hp)
+            want_params.copy_(want_masters)
+            assert torch.equal(masters, want_masters), f"masters differ at step {step}"
+        assert torch.equal(params, want_params), f"parameters differ at step {step}"
+        for name, got, expected in zip(rule.state_names, stored, want):
+            assert torch.equal(got, expected), f"{name} differs at step {step}"
+
+
+def test_parameters_written_by_the_kernel_must_be_host_bf16_of_the_chunks_size():
+    """Where the parameters cannot take the kernel's writes (another dtype or size, beside split masters), the kernel
+    does not run and nothing is written: the caller runs the reference and copies them itself."""
+    rule, fast = ADAM_VARIANTS["adamw"][0], state_format("int8")
+    n = 2 * BLOCK
+    stored = [torch.zeros(fast.stored_bytes(n), dtype=torch.uint8) for _ in range(2)]
+    master, grad, hp = torch.ones(n), torch.ones(n), StepParams(1, 0.1)
+    for params in (
+        torch.zeros(n),
+        torch.zeros(n - 1, dtype=torch.bfloat16),
+        torch.zeros(2 * n, dtype=torch.bfloat16)[::2],
+    ):
+        assert not fast.fused_update(rule, master, grad, stored, hp, params=params)
+        assert torch.equal(master, torch.ones(n)) and not params.any()
+    region = torch.zeros(split_masters.region_bytes(n), dtype=torch.uint8)
+    chunk = split_masters.SplitChunk(master.bfloat16(), region)
+    assert not fast.fused_update(rule, master, grad, stored, hp, chunk, params=torch.zeros(n, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("variant", ["adamw", "adam-maximize"])
 @pytest.mark.parametrize("fmt", ["int8", "bf16"])
 @pytest.mark.parametrize(("n", "threads"), [(1, 1), (BLOCK + 3, 1), (5 * 1024 + 17, 1), (3 * PIECE + 1000, 3)])

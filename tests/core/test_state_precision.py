@@ -74,6 +74,30 @@ def test_devices_and_each_tier_hold_the_reference_bytes(tmp_path, fmt, tier):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_the_devices_take_the_link_gradient_and_write_the_parameters_in_the_formats_pass(tmp_path, fmt, monkeypatch):
+    """Adam over a bf16 gradient into bf16 parameters in host memory (bf16 training): the device hands the format's
+    native pass the gradient as it crossed the link and the parameters to write, so neither takes a pass of its own;
+    the bytes are the reference's (``train`` checks the parameters and the saved state)."""
+    seen = []
+    kind = type(state_format(fmt))
+    fused_update = kind.fused_update
+
+    def spy(self, rule, master, grad, stored, hp, split=None, **kwargs):  # noqa: ANN001, ANN202 - passes through
+        ran = fused_update(self, rule, master, grad, stored, hp, split, **kwargs)
+        if self.native:  # the device's format (the reference's runs its plain-torch update)
+            seen.append((grad.dtype, kwargs.get("params") is not None, kwargs.get("grad_scale"), ran))
+        return ran
+
+    monkeypatch.setattr(kind, "fused_update", spy)
+    backend = _cpu(tmp_path)
+    try:
+        train(backend, [ShardSpec(0, 3 * CHUNK + 5, Adam(decoupled_weight_decay=True), state_format=fmt)], CHUNK)
+    finally:
+        run_with_timeout(backend.close)
+    assert seen and set(seen) == {(torch.bfloat16, True, 0.5, True)}
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
 def test_remote_servers_update_as_the_reference(servers, token_file, fmt):
     """The servers hold the state (their checkpoints stay with them): the masters they return after every step are
     the reference's, bit for bit, so their arithmetic on the stored state is."""

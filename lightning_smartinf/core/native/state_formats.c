@@ -288,9 +288,10 @@ void smartinf_split_decode(const uint16_t *params, const uint16_t *low, const ui
     }
 }
 
-/* Where a kernel finds the masters of a chunk: whole (fp32, `whole`), or split (`params`, `low` and `carry` as
- * smartinf_split_encode lays them out; the parameters also copied to `aside` unless it is NULL). A split block is
- * rebuilt into a local array before its update, and stored back, with its parameters rounded, after it. */
+/* Where a kernel finds the masters of a chunk: whole (fp32, `whole`; their bf16 roundings, the parameters, written
+ * to `params` after the update unless it is NULL), or split (`params`, `low` and `carry` as smartinf_split_encode lays
+ * them out; the parameters also copied to `aside` unless it is NULL). A split block is rebuilt into a local array
+ * before its update, and stored back, with its parameters rounded, after it. */
 struct masters {
     float *whole;
     uint16_t *params, *low;
@@ -298,11 +299,39 @@ struct masters {
     uint16_t *aside;
 };
 
+/* Where a kernel finds the gradient of a chunk: fp32 (`f32`), or bf16 (`bf16`, when `f32` is NULL); either is
+ * multiplied by `scale` unless it is 1, one fp32 rounding, as torch's `g.mul_(scale)` of the fp32 gradient does. */
+struct gradient {
+    const float *f32;
+    const uint16_t *bf16;
+    float scale;
+};
+
+static const float *gradient_in(const struct gradient *g, int64_t start, int64_t count, float *local) {
+    if (g->f32 != NULL && g->scale == 1.0f) return g->f32 + start;
+    if (g->f32 != NULL) {
+        for (int64_t i = 0; i < count; ++i) local[i] = g->f32[start + i] * g->scale;
+    } else if (g->scale == 1.0f) {
+        for (int64_t i = 0; i < count; ++i) local[i] = bf16_value(g->bf16[start + i]);
+    } else {
+        for (int64_t i = 0; i < count; ++i) local[i] = bf16_value(g->bf16[start + i]) * g->scale;
+    }
+    return local;
+}
+
+static void gradient_ahead(const struct gradient *g, int64_t start) {
+    if (g->f32 != NULL)
+        ahead(g->f32 + start + AHEAD_ELEMENTS, 4 * BLOCK, 0);
+    else
+        ahead(g->bf16 + start + AHEAD_ELEMENTS, 2 * BLOCK, 0);
+}
+
 /* Ask for the masters of the block AHEAD_ELEMENTS on from start, which the kernels' loops come to later. */
 static void masters_ahead(const struct masters *at, int64_t start) {
     int64_t next = start + AHEAD_ELEMENTS;
     if (at->whole != NULL) {
         ahead(at->whole + next, 4 * BLOCK, 1);
+        if (at->params != NULL) ahead(at->params + next, 2 * BLOCK, 1);
     } else {
         ahead(at->params + next, 2 * BLOCK, 1);
         ahead(at->low + next, 2 * BLOCK, 1);
@@ -319,8 +348,12 @@ static float *masters_in(const struct masters *at, int64_t start, int64_t count,
 }
 
 static void masters_out(const struct masters *at, int64_t start, int64_t count, const float *p) {
-    if (at->whole != NULL || count == 0) return;
-    smartinf_split_encode(p, count, at->low + start, at->carry + start / 8, at->params + start);
+    if (count == 0) return;
+    if (at->whole == NULL) {
+        smartinf_split_encode(p, count, at->low + start, at->carry + start / 8, at->params + start);
+    } else if (at->params != NULL) {
+        for (int64_t i = 0; i < count; ++i) at->params[start + i] = bf16_bits(p[i]);
+    }
 }
 
 /* Elements [0, padded) of a chunk, whole blocks (its records' padding included), of which the first n are updated:
@@ -328,57 +361,62 @@ static void masters_out(const struct masters *at, int64_t start, int64_t count, 
  * bytes) and its scales (one per block), as smartinf_int8_store lays them out. Padding blocks are loaded and stored
  * again, as the reference does. Blocks are independent: a chunk may be updated in pieces of whole blocks, at once on
  * several threads. */
-static void adam_int8(const struct masters *at, const float *grad, int64_t n, int64_t padded, uint8_t *exp_avg_codes,
-                      float *exp_avg_scales, uint8_t *exp_avg_sq_codes, float *exp_avg_sq_scales,
-                      const float *scalars, int flags) {
-    float m[BLOCK], v[BLOCK], local[BLOCK];
+static void adam_int8(const struct masters *at, const struct gradient *grad, int64_t n, int64_t padded,
+                      uint8_t *exp_avg_codes, float *exp_avg_scales, uint8_t *exp_avg_sq_codes,
+                      float *exp_avg_sq_scales, const float *scalars, int flags) {
+    float m[BLOCK], v[BLOCK], local[BLOCK], g[BLOCK];
     int64_t blocks = padded / BLOCK;
     for (int64_t b = 0; b < blocks; ++b) {
         int64_t start = b * BLOCK;
         int64_t count = n - start >= BLOCK ? BLOCK : (n > start ? n - start : 0);
         if (start + AHEAD_ELEMENTS < padded) {
             masters_ahead(at, start);
-            ahead(grad + start + AHEAD_ELEMENTS, 4 * BLOCK, 0);
+            gradient_ahead(grad, start);
             ahead(exp_avg_codes + start + AHEAD_ELEMENTS, BLOCK, 1);
             ahead(exp_avg_sq_codes + start + AHEAD_ELEMENTS, BLOCK, 1);
         }
         float *p = masters_in(at, start, count, local);
         smartinf_int8_load(exp_avg_codes + start, exp_avg_scales + b, BLOCK, 0, m);
         smartinf_int8_load(exp_avg_sq_codes + start, exp_avg_sq_scales + b, BLOCK, 1, v);
-        adam_block(p, grad + start, m, v, count, scalars, flags);
+        adam_block(p, gradient_in(grad, start, count, g), m, v, count, scalars, flags);
         smartinf_int8_store(m, BLOCK, 0, exp_avg_codes + start, exp_avg_scales + b);
         smartinf_int8_store(v, BLOCK, 1, exp_avg_sq_codes + start, exp_avg_sq_scales + b);
         masters_out(at, start, count, p);
     }
 }
 
-void smartinf_adam_int8(float *master, const float *grad, int64_t n, int64_t padded, uint8_t *exp_avg_codes,
-                        float *exp_avg_scales, uint8_t *exp_avg_sq_codes, float *exp_avg_sq_scales,
-                        const float *scalars, int flags) {
-    struct masters at = {master, NULL, NULL, NULL, NULL};
-    adam_int8(&at, grad, n, padded, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales, scalars,
+/* The gradient of every entry point: fp32 (`grad`), or bf16 (`grad_bf16`, when `grad` is NULL), times `grad_scale`
+ * (see struct gradient). */
+void smartinf_adam_int8(float *master, uint16_t *params, const float *grad, const uint16_t *grad_bf16,
+                        float grad_scale, int64_t n, int64_t padded, uint8_t *exp_avg_codes, float *exp_avg_scales,
+                        uint8_t *exp_avg_sq_codes, float *exp_avg_sq_scales, const float *scalars, int flags) {
+    struct masters at = {master, params, NULL, NULL, NULL};
+    struct gradient g = {grad, grad_bf16, grad_scale};
+    adam_int8(&at, &g, n, padded, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales, scalars,
               flags);
 }
 
 /* smartinf_adam_int8 over split masters; the chunk's first element is the first of a block (so of a carry byte). */
 void smartinf_adam_int8_split(uint16_t *params, uint16_t *low, uint8_t *carry, uint16_t *aside, const float *grad,
-                              int64_t n, int64_t padded, uint8_t *exp_avg_codes, float *exp_avg_scales,
-                              uint8_t *exp_avg_sq_codes, float *exp_avg_sq_scales, const float *scalars, int flags) {
+                              const uint16_t *grad_bf16, float grad_scale, int64_t n, int64_t padded,
+                              uint8_t *exp_avg_codes, float *exp_avg_scales, uint8_t *exp_avg_sq_codes,
+                              float *exp_avg_sq_scales, const float *scalars, int flags) {
     struct masters at = {NULL, params, low, carry, aside};
-    adam_int8(&at, grad, n, padded, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales, scalars,
+    struct gradient g = {grad, grad_bf16, grad_scale};
+    adam_int8(&at, &g, n, padded, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales, scalars,
               flags);
 }
 
 /* As adam_int8, with exp_avg and exp_avg_sq in "bf16": the first n elements (the padding past them is left as it is:
  * a bf16 value loads and stores back unchanged). */
-static void adam_bf16(const struct masters *at, const float *grad, int64_t n, uint16_t *exp_avg, uint16_t *exp_avg_sq,
-                      const float *scalars, int flags) {
-    float m[BLOCK], v[BLOCK], local[BLOCK];
+static void adam_bf16(const struct masters *at, const struct gradient *grad, int64_t n, uint16_t *exp_avg,
+                      uint16_t *exp_avg_sq, const float *scalars, int flags) {
+    float m[BLOCK], v[BLOCK], local[BLOCK], g[BLOCK];
     for (int64_t start = 0; start < n; start += BLOCK) {
         int64_t count = n - start >= BLOCK ? BLOCK : n - start;
         if (start + AHEAD_ELEMENTS < n) {
             masters_ahead(at, start);
-            ahead(grad + start + AHEAD_ELEMENTS, 4 * BLOCK, 0);
+            gradient_ahead(grad, start);
             ahead(exp_avg + start + AHEAD_ELEMENTS, 2 * BLOCK, 1);
             ahead(exp_avg_sq + start + AHEAD_ELEMENTS, 2 * BLOCK, 1);
         }
@@ -387,7 +425,7 @@ static void adam_bf16(const struct masters *at, const float *grad, int64_t n, ui
             m[i] = bf16_value(exp_avg[start + i]);
             v[i] = bf16_value(exp_avg_sq[start + i]);
         }
-        adam_block(p, grad + start, m, v, count, scalars, flags);
+        adam_block(p, gradient_in(grad, start, count, g), m, v, count, scalars, flags);
         for (int64_t i = 0; i < count; ++i) {
             exp_avg[start + i] = bf16_bits(m[i]);
             exp_avg_sq[start + i] = bf16_bits(v[i]);
@@ -396,15 +434,19 @@ static void adam_bf16(const struct masters *at, const float *grad, int64_t n, ui
     }
 }
 
-void smartinf_adam_bf16(float *master, const float *grad, int64_t n, uint16_t *exp_avg, uint16_t *exp_avg_sq,
-                        const float *scalars, int flags) {
-    struct masters at = {master, NULL, NULL, NULL, NULL};
-    adam_bf16(&at, grad, n, exp_avg, exp_avg_sq, scalars, flags);
+void smartinf_adam_bf16(float *master, uint16_t *params, const float *grad, const uint16_t *grad_bf16,
+                        float grad_scale, int64_t n, uint16_t *exp_avg, uint16_t *exp_avg_sq, const float *scalars,
+                        int flags) {
+    struct masters at = {master, params, NULL, NULL, NULL};
+    struct gradient g = {grad, grad_bf16, grad_scale};
+    adam_bf16(&at, &g, n, exp_avg, exp_avg_sq, scalars, flags);
 }
 
 /* smartinf_adam_bf16 over split masters; the chunk's first element is the first of a carry byte. */
 void smartinf_adam_bf16_split(uint16_t *params, uint16_t *low, uint8_t *carry, uint16_t *aside, const float *grad,
-                              int64_t n, uint16_t *exp_avg, uint16_t *exp_avg_sq, const float *scalars, int flags) {
+                              const uint16_t *grad_bf16, float grad_scale, int64_t n, uint16_t *exp_avg,
+                              uint16_t *exp_avg_sq, const float *scalars, int flags) {
     struct masters at = {NULL, params, low, carry, aside};
-    adam_bf16(&at, grad, n, exp_avg, exp_avg_sq, scalars, flags);
+    struct gradient g = {grad, grad_bf16, grad_scale};
+    adam_bf16(&at, &g, n, exp_avg, exp_avg_sq, scalars, flags);
 }

@@ -659,6 +659,10 @@ class HostCoreDevice(StreamingDevice):
         """Load the chunk's gradient as it crosses the link (scattering a top-k one), apply the rule, copy out."""
         rule = shard.spec.rule
         fmt = None if shard.layout.state_format == "fp32" else shard.layout.format
+        # A format's native pass can take the gradient in bf16 as it crosses the link, and write the parameters to
+        # host memory, saving a pass over each (a chunk's gradient in fp32 and its parameters copied out).
+        raw_grad = fmt is not None and not isinstance(grad, SparseGrad) and grad.dtype == link_dtype == torch.bfloat16
+        host_out = out.device.type == "cpu" and out.dtype == torch.bfloat16 and out.is_contiguous()
 
         def gradient(start: int, n: int) -> Tensor:
             g = self.grad_chunk(n)
@@ -667,7 +671,21 @@ class HostCoreDevice(StreamingDevice):
                 g.mul_(hp.grad_scale)
             return g
 
+        def fused(m: Tensor, states: list[Tensor], start: int, n: int, split: SplitChunk | None = None) -> bool:
+            """The update in the format's native pass from the gradient as it crossed the link; ``False``: none ran."""
+            if not raw_grad:
+                return False
+            params = out[start : start + n] if host_out and split is None else None
+            link = self.copies.to_host(grad[start : start + n])
+            if not fmt.fused_update(rule, m, link, states, hp, split, params=params, grad_scale=hp.grad_scale):
+                return False
+            if split is None and params is None:
+                self.copies.put(out[start : start + n], m)
+            return True
+
         def update(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
+            if fused(m, states, start, n):
+                return
             g = gradient(start, n)
             if fmt is None:
                 rule.apply(m, g, states, hp)
@@ -676,7 +694,10 @@ class HostCoreDevice(StreamingDevice):
             self.copies.put(out[start : start + n], m)
 
         def update_split(record: Tensor, chunk: SplitChunk, states: list[Tensor], start: int, n: int) -> None:
-            g, m = gradient(start, n), self.master_chunk(n)
+            m = self.master_chunk(n)
+            if fused(m, states, start, n, chunk):
+                return
+            g = gradient(start, n)
             if fmt is None:
                 chunk.load(m)
                 rule.apply(m, g, states, hp)
