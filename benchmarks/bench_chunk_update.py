@@ -7,6 +7,10 @@ stream), best of ``--rounds``. It uses only names every version of the package h
 run it once per tree and thread count, alternating, to compare two versions on one machine::
 
     PYTHONPATH=TREE .venv/bin/python benchmarks/bench_chunk_update.py --threads 1
+
+``--device`` also times what a device does around the update of a bf16 run (AdamW as users build it): the chunk's
+bf16 gradient loaded to fp32 and scaled, the update, the parameters copied out to bf16 (``{format}-device``), and, in
+``bf16`` and ``int8``, the same in the format's one native pass (``{format}-device-one-pass``, where the tree has it).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--chunks", type=int, default=16, help="distinct chunks cycled (default 16)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, the best kept (default 3)")
+    parser.add_argument("--device", action="store_true", help="also the device's work around the update")
     args = parser.parse_args(argv)
 
     from lightning_smartinf.core.rules import Adam, StepParams
@@ -57,7 +62,48 @@ def main(argv: list[str] | None = None) -> None:
                         update_chunk(rule, fmt, masters[i], g, stored[i], hp)
                 best = min(best, time.perf_counter() - start)
             out[f"{name}-{'fused' if fused else 'single'}"] = round(best / args.chunks / n * 1e9, 3)
+            if args.device and not fused:
+                out.update(_device_work(rule, fmt, name, masters, grads, stored, hp, args.rounds))
     print(json.dumps(out))
+
+
+def _device_work(rule, fmt, name, masters, grads, stored, hp, rounds) -> dict[str, float]:  # noqa: ANN001
+    """Nanoseconds per element of a device's chunk work from a bf16 gradient (scaled by 0.5) to bf16 parameters."""
+    from lightning_smartinf.core.state_formats import update_chunk
+
+    n, chunks = masters[0].numel(), len(masters)
+    links = [grad.to(torch.bfloat16) for grad in grads]
+    params, g = torch.empty(n, dtype=torch.bfloat16), torch.empty(n)
+
+    def separate(i: int) -> None:
+        g.copy_(links[i])
+        g.mul_(0.5)
+        if name == "fp32":
+            rule.apply(masters[i], g, [raw.view(torch.float32) for raw in stored[i]], hp)
+        else:
+            update_chunk(rule, fmt, masters[i], g, stored[i], hp)
+        params.copy_(masters[i])
+
+    def one_pass(i: int) -> None:
+        fmt.fused_update(rule, masters[i], links[i], stored[i], hp, params=params, grad_scale=0.5)
+
+    timed = {f"{name}-device": separate}
+    if name != "fp32":
+        try:
+            if fmt.fused_update(rule, masters[0], links[0], stored[0], hp, params=params, grad_scale=0.5):
+                timed[f"{name}-device-one-pass"] = one_pass
+        except TypeError:  # a tree whose kernels take an fp32 gradient only
+            pass
+    out = {}
+    for key, work in timed.items():
+        best = float("inf")
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for i in range(chunks):
+                work(i)
+            best = min(best, time.perf_counter() - start)
+        out[key] = round(best / chunks / n * 1e9, 3)
+    return out
 
 
 if __name__ == "__main__":
