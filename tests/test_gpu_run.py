@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT
@@ -14,14 +15,20 @@ from helpers.launch import worker_env
 SCRIPT = REPO_ROOT / "scripts" / "gpu_run.py"
 
 
-@pytest.mark.slow
-def test_the_journey_the_step_and_activation_offload_run_small_on_a_cpu(tmp_path):
+def _run_small_on_a_cpu(out: Path, parts: str) -> dict:
+    """``parts`` of the GPU run, small, on this CPU, into ``out``: the record, once the run passed."""
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu", "--parts", "journey,step,activations"],
+        [sys.executable, str(SCRIPT), "--out", str(out), "--device", "cpu", "--parts", parts],
         env=worker_env(), capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
-    record = json.loads((tmp_path / "record.json").read_text())
+    record = json.loads((out / "record.json").read_text())
     assert done.returncode == 0, json.dumps(record, indent=1)[-6000:] + done.stderr[-3000:]
+    return record
+
+
+@pytest.mark.slow
+def test_the_journey_the_step_and_activation_offload_run_small_on_a_cpu(tmp_path):
+    record = _run_small_on_a_cpu(tmp_path, "journey,step,activations")
     parts = record["parts"]
     assert [parts[name]["status"] for name in ("journey", "step", "activations")] == ["passed"] * 3
     journey = parts["journey"]
@@ -43,13 +50,7 @@ def test_the_journey_the_step_and_activation_offload_run_small_on_a_cpu(tmp_path
 @pytest.mark.slow
 def test_the_state_formats_step_runs_small_on_a_cpu(tmp_path):
     """The part a GPU run does only when asked (``--parts formats``): every state format's run of the step, once."""
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu", "--parts", "formats"],
-        env=worker_env(), capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    record = json.loads((tmp_path / "record.json").read_text())
-    assert done.returncode == 0, json.dumps(record, indent=1)[-6000:] + done.stderr[-3000:]
-    part = record["parts"]["formats"]
+    part = _run_small_on_a_cpu(tmp_path, "formats")["parts"]["formats"]
     results = part["bench_step"]["results"]
     assert set(results) == {
         "smart_infinity",

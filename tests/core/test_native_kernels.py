@@ -59,6 +59,26 @@ def _gradient(n: int, generator: torch.Generator) -> torch.Tensor:
     return g
 
 
+def _stored_states(rule, fmt: str, padded: int, generator: torch.Generator) -> list[torch.Tensor]:  # noqa: ANN001
+    """Each of ``rule``'s states over ``padded`` elements, stored in ``fmt`` by its reference (non-zero throughout)."""
+    stored = []
+    for name in rule.state_names:
+        values = _gradient(padded, generator).abs() if name in NON_NEGATIVE else _gradient(padded, generator)
+        raw = torch.empty(state_format(fmt).stored_bytes(padded), dtype=torch.uint8)
+        reference_format(fmt).store(values, raw, name)
+        stored.append(raw)
+    return stored
+
+
+def _split_record(n: int, generator: torch.Generator) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """A chunk of ``n`` random masters padded as a record pads it (to 1024 elements), and its split masters' region."""
+    padded = -(-n // 1024) * 1024
+    masters = torch.randn(n, generator=generator)
+    region = torch.zeros(split_masters.region_bytes(padded), dtype=torch.uint8)
+    split_masters.encode(masters, region)
+    return padded, masters, region
+
+
 #: The variants of Adam's arithmetic: AdamW and Adam (L2 decay), with and without decay, maximizing.
 ADAM_VARIANTS = {
     "adamw": (Adam(decoupled_weight_decay=True), {"weight_decay": 0.1}),
@@ -81,12 +101,7 @@ def test_adam_fused_with_a_format_is_the_reference_byte_for_byte(fmt, variant, n
     generator = torch.Generator().manual_seed(n)
     padded = -(-n // 1024) * 1024
     master = torch.randn(n, generator=generator)
-    stored = []
-    for name in rule.state_names:  # a state that is not zero past the chunk's elements too
-        values = _gradient(padded, generator).abs() if name in NON_NEGATIVE else _gradient(padded, generator)
-        raw = torch.empty(fast.stored_bytes(padded), dtype=torch.uint8)
-        ref.store(values, raw, name)
-        stored.append(raw)
+    stored = _stored_states(rule, fmt, padded, generator)  # not zero past the chunk's elements too
     want_master, want = master.clone(), [raw.clone() for raw in stored]
     for step in range(1, 7):
         hp = StepParams(step=step, lr=1e-3 * step, **settings)
@@ -112,17 +127,9 @@ def test_adam_fused_takes_the_gradient_as_it_crossed_and_writes_the_parameters(
     rule, settings = ADAM_VARIANTS["adamw"]
     fast, ref = state_format(fmt), reference_format(fmt)
     generator = torch.Generator().manual_seed(n)
-    padded = -(-n // 1024) * 1024
-    masters = torch.randn(n, generator=generator)
-    region = torch.zeros(split_masters.region_bytes(padded), dtype=torch.uint8)
-    split_masters.encode(masters, region)
+    padded, masters, region = _split_record(n, generator)
     params, want_params = masters.to(torch.bfloat16), masters.to(torch.bfloat16)
-    stored = []
-    for name in rule.state_names:
-        values = _gradient(padded, generator).abs() if name in NON_NEGATIVE else _gradient(padded, generator)
-        raw = torch.empty(fast.stored_bytes(padded), dtype=torch.uint8)
-        ref.store(values, raw, name)
-        stored.append(raw)
+    stored = _stored_states(rule, fmt, padded, generator)
     want_masters, want_region, want = masters.clone(), region.clone(), [raw.clone() for raw in stored]
     for step in range(1, 4):
         hp = StepParams(step=step, lr=1e-3 * step, **settings)
@@ -176,17 +183,9 @@ def test_adam_fused_over_split_masters_is_the_reference_byte_for_byte(fmt, varia
     rule, settings = ADAM_VARIANTS[variant]
     fast, ref = state_format(fmt), reference_format(fmt)
     generator = torch.Generator().manual_seed(n)
-    padded = -(-n // 1024) * 1024
-    masters = torch.randn(n, generator=generator)
-    region = torch.zeros(split_masters.region_bytes(padded), dtype=torch.uint8)
-    split_masters.encode(masters, region)
+    padded, masters, region = _split_record(n, generator)
     params = masters.to(torch.bfloat16)
-    stored = []
-    for name in rule.state_names:
-        values = _gradient(padded, generator).abs() if name in NON_NEGATIVE else _gradient(padded, generator)
-        raw = torch.empty(fast.stored_bytes(padded), dtype=torch.uint8)
-        ref.store(values, raw, name)
-        stored.append(raw)
+    stored = _stored_states(rule, fmt, padded, generator)
     want = [params.clone(), region.clone(), *(raw.clone() for raw in stored)]
     for step in range(1, 5):
         hp = StepParams(step=step, lr=1e-3 * step, **settings)
