@@ -487,11 +487,13 @@ def _fused_adam_arguments(
         and grad.dtype in (torch.float32, torch.bfloat16)
         and (
             params is None
-            or split is None
-            and params.device.type == "cpu"
-            and params.dtype == torch.bfloat16
-            and params.is_contiguous()
-            and params.numel() == master.numel()
+            or (
+                split is None
+                and params.device.type == "cpu"
+                and params.dtype == torch.bfloat16
+                and params.is_contiguous()
+                and params.numel() == master.numel()
+            )
         )
         and master.is_contiguous()
         and grad.is_contiguous()

@@ -129,32 +129,20 @@ def state_format_kernels() -> ctypes.CDLL | None:
     library.smartinf_int8_load.argtypes = [u8, f32, i64, ctypes.c_int, f32]
     # The gradient of the Adam kernels: fp32 or (when that is NULL) bf16, and the factor it is multiplied by.
     grad = [f32, u16, ctypes.c_float]
-    # masters, parameters written (or NULL), the gradient, n, padded, exp_avg's codes and scales, exp_avg_sq's codes
-    # and scales, scalars, flags
-    library.smartinf_adam_int8.argtypes = [f32, u16, *grad, i64, i64, u8, f32, u8, f32, f32, ctypes.c_int]
-    # masters, parameters written (or NULL), the gradient, n, exp_avg, exp_avg_sq, scalars, flags
-    library.smartinf_adam_bf16.argtypes = [f32, u16, *grad, i64, u16, u16, f32, ctypes.c_int]
+    # After the gradient, in "int8": n, padded, exp_avg's codes and scales, exp_avg_sq's codes and scales, scalars,
+    # flags; in "bf16": n, exp_avg, exp_avg_sq, scalars, flags.
+    int8_states = [i64, i64, u8, f32, u8, f32, f32, ctypes.c_int]
+    bf16_states = [i64, u16, u16, f32, ctypes.c_int]
+    # Whole masters first: the masters and the parameters written (or NULL).
+    library.smartinf_adam_int8.argtypes = [f32, u16, *grad, *int8_states]
+    library.smartinf_adam_bf16.argtypes = [f32, u16, *grad, *bf16_states]
     # split masters: masters, n, low halves, carry bits, parameters; parameters, low halves, carry bits, n, masters,
     # aside
     library.smartinf_split_encode.argtypes = [f32, i64, u16, u8, u16]
     library.smartinf_split_decode.argtypes = [u16, u16, u8, i64, f32, u16]
-    # Adam over split masters: parameters, low halves, carry bits, aside; then as the kernels above from the gradient
-    library.smartinf_adam_int8_split.argtypes = [
-        u16,
-        u16,
-        u8,
-        u16,
-        *grad,
-        i64,
-        i64,
-        u8,
-        f32,
-        u8,
-        f32,
-        f32,
-        ctypes.c_int,
-    ]
-    library.smartinf_adam_bf16_split.argtypes = [u16, u16, u8, u16, *grad, i64, u16, u16, f32, ctypes.c_int]
+    # Adam over split masters first: parameters, low halves, carry bits, aside.
+    library.smartinf_adam_int8_split.argtypes = [u16, u16, u8, u16, *grad, *int8_states]
+    library.smartinf_adam_bf16_split.argtypes = [u16, u16, u8, u16, *grad, *bf16_states]
     for kernel in (
         library.smartinf_int8_store,
         library.smartinf_int8_load,

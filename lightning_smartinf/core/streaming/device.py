@@ -664,19 +664,30 @@ class HostCoreDevice(StreamingDevice):
         raw_grad = fmt is not None and not isinstance(grad, SparseGrad) and grad.dtype == link_dtype == torch.bfloat16
         host_out = out.device.type == "cpu" and out.dtype == torch.bfloat16 and out.is_contiguous()
 
-        def gradient(start: int, n: int) -> Tensor:
+        def staged(m: Tensor, start: int, n: int) -> Tensor | None:
+            """The gradient's chunk on the host as it crossed the link, where the format's native pass may take it (a
+            dense bf16 gradient, masters in host memory): staged once, for whichever path then runs."""
+            if not raw_grad or m.device.type != "cpu":
+                return None
+            return self.copies.to_host(grad[start : start + n])
+
+        def gradient(start: int, n: int, link: Tensor | None) -> Tensor:
+            """The chunk's gradient in fp32, scaled; from ``link`` where :func:`staged` brought it over already."""
             g = self.grad_chunk(n)
-            self.load_gradient(g, grad, start, link_dtype)
+            if link is None:
+                self.load_gradient(g, grad, start, link_dtype)
+            else:
+                g.copy_(link)
             if hp.grad_scale != 1.0:
                 g.mul_(hp.grad_scale)
             return g
 
-        def fused(m: Tensor, states: list[Tensor], start: int, n: int, split: SplitChunk | None = None) -> bool:
-            """The update in the format's native pass from the gradient as it crossed the link; ``False``: none ran."""
-            if not raw_grad:
+        def fused(m: Tensor, link: Tensor | None, states: list[Tensor], start: int, split: SplitChunk | None) -> bool:
+            """The update in the format's native pass from the staged ``link``; ``False``: none ran."""
+            if link is None:
                 return False
+            n = link.numel()
             params = out[start : start + n] if host_out and split is None else None
-            link = self.copies.to_host(grad[start : start + n])
             if not fmt.fused_update(rule, m, link, states, hp, split, params=params, grad_scale=hp.grad_scale):
                 return False
             if split is None and params is None:
@@ -684,9 +695,10 @@ class HostCoreDevice(StreamingDevice):
             return True
 
         def update(record: Tensor, m: Tensor, states: list[Tensor], start: int, n: int) -> None:
-            if fused(m, states, start, n):
+            link = staged(m, start, n)
+            if fused(m, link, states, start, None):
                 return
-            g = gradient(start, n)
+            g = gradient(start, n, link)
             if fmt is None:
                 rule.apply(m, g, states, hp)
             else:
@@ -695,9 +707,10 @@ class HostCoreDevice(StreamingDevice):
 
         def update_split(record: Tensor, chunk: SplitChunk, states: list[Tensor], start: int, n: int) -> None:
             m = self.master_chunk(n)
-            if fused(m, states, start, n, chunk):
+            link = staged(m, start, n)
+            if fused(m, link, states, start, chunk):
                 return
-            g = gradient(start, n)
+            g = gradient(start, n, link)
             if fmt is None:
                 chunk.load(m)
                 rule.apply(m, g, states, hp)
