@@ -17,6 +17,7 @@ from conftest import REPO_ROOT
 
 from lightning_smartinf.plan import PlanError, workload_from_model
 from lightning_smartinf.plan.__main__ import main
+from lightning_smartinf.plan.calibrate import TRAINING_TOKENS, training_fit
 from lightning_smartinf.plan.cost_model import (
     UPDATE_COST_BY_PRECISION,
     Workload,
@@ -272,8 +273,18 @@ def test_calibrate_measures_every_path_alone_and_together(tmp_path, capsys):
     fused = machine.to_profile([0], fused=True)
     assert fused.device_update_gparams_per_s == fused.host_update_gparams_per_s == machine.fused_update_gparams_per_s
     assert fused.update_cost("int8") == machine.fused_update_cost_by_precision["int8"]
-    # CPU training: the host's training rate (the faster precision) and ZeRO-3's passes over each gradient.
-    assert machine.cpu_training_tflops == max(data["measured"]["training_tflops"].values()) > 0
+    # CPU training timed over a short and a long micro-batch, in the precision faster over the long one: the rate
+    # and the time per parameter whatever the tokens give both timings back.
+    measured, block = data["measured"]["training_seconds"], data["measured"]["training_block_params"]
+    fastest = min(measured.values(), key=lambda seconds: seconds["512"])
+    assert machine.cpu_training_tflops > 0 and machine.cpu_step_s_per_gparam >= 0
+    for tokens, seconds in fastest.items():
+        modelled = 6 * block * int(tokens) / (machine.cpu_training_tflops * 1e12)
+        modelled += machine.cpu_step_s_per_gparam * block / 1e9
+        assert modelled == pytest.approx(seconds, rel=0.05, abs=2e-3)
+    rates = data["measured"]["training_tflops"]  # over the long micro-batch alone: the faster is the one fitted
+    assert min(measured, key=lambda name: measured[name]["512"]) == max(rates, key=rates.get)
+    # ZeRO-3's passes over each gradient.
     passes = {k: v for k, v in data.items() if "cpu_reduce" in k}
     assert len(passes) == 4 and all(v > 0 for v in passes.values())
     assert machine.to_profile([0]).baseline_cpu_reduce_s_per_gparam == passes["baseline_cpu_reduce_s_per_gparam"]
@@ -313,6 +324,16 @@ def test_cpu_training_is_the_products_and_each_methods_gradient_passes():
     assert plan.fwd_bwd_s == pytest.approx(fwd_bwd_time(work, prof))
     # Without the rate the FLOPs are not modelled: only the passes (none here) count.
     assert fwd_bwd_time(work, example(gpu=None).to_profile((0,))) == 0
+
+
+def test_the_training_fit_splits_a_micro_batch_into_its_flops_and_a_time_per_parameter():
+    """Two timings of one block, 16 and 512 tokens: the rate of what the longer one adds, and the rest per 1e9
+    parameters; timings whose noise would make the rest negative leave it 0."""
+    params, rate, fixed = 50_000_000, 0.5, 0.2  # TFLOPS, seconds per 1e9 parameters
+    seconds = [6 * params * tokens / (rate * 1e12) + fixed * params / 1e9 for tokens in TRAINING_TOKENS]
+    assert training_fit(params, seconds) == pytest.approx((rate, fixed))
+    flat = training_fit(params, [0.001, 0.1])  # the short one faster than its tokens' share: nothing left over
+    assert flat[1] == 0 and flat[0] == pytest.approx(6 * params * 496 / 0.099 / 1e12)
 
 
 def test_the_plan_says_when_cpu_training_is_not_modelled_and_what_it_assumed(tmp_path, capsys):

@@ -9,7 +9,8 @@ import pytest
 
 from lightning_smartinf.plan import PlanError, load_profile, workload_from_model
 from lightning_smartinf.plan.__main__ import main
-from lightning_smartinf.plan.tier_placement import memory_share, place_state
+from lightning_smartinf.plan.cost_model import Workload, cpu_backward_time
+from lightning_smartinf.plan.tier_placement import cpu_overlap, memory_share, place_state
 
 
 def test_emulated_devices_fill_the_budget_and_halve_the_update_at_half_the_state() -> None:
@@ -21,6 +22,45 @@ def test_emulated_devices_fill_the_budget_and_halve_the_update_at_half_the_state
     none = place_state(work, prof, 1, 0)
     assert none.memory_bytes == 0 and none.update_s == none.all_on_device_s
     assert place_state(work, prof, 1, 10 * state).memory_bytes == state  # a budget beyond the state holds all of it
+
+
+def test_cpu_overlap_stretches_backward_by_the_devices_share_of_the_cores() -> None:
+    # Two cores; the devices stream 1 GB/s of state at 0.5 ns of one core per byte: a quarter of the cores.
+    assert cpu_overlap(3.0, 100e9, 1e9, 0.5e-9, 2) == pytest.approx((4.0, 1.0))
+    # State they finish within backward: all of their arithmetic, over the cores.
+    assert cpu_overlap(3.0, 2e9, 1e9, 0.5e-9, 2) == pytest.approx((3.5, 0.5))
+    # Devices that would take every core: all of their arithmetic stretches backward too.
+    assert cpu_overlap(3.0, 10e9, 4e9, 0.5e-9, 2) == pytest.approx((5.5, 2.5))
+    # Cores not known, or no backward to overlap: nothing stretches.
+    assert cpu_overlap(3.0, 100e9, 1e9, 0.5e-9, None) == (3.0, 0.0)
+    assert cpu_overlap(0.0, 100e9, 1e9, 0.5e-9, 2) == (0.0, 0.0)
+
+
+def test_training_on_the_cpu_the_devices_stream_during_backward_on_its_cores() -> None:
+    """CPU training with ``overlap_backward``: the devices stream their state from the start of the last
+    micro-batch's backward, and their arithmetic there lengthens it by their share of the cores."""
+    prof = replace(load_profile("devvm-2cpu"), cpu_training_tflops=0.5, cpu_reduce_s_per_gparam=1.0, cpu_cores=2)
+    work = Workload(1.5e9, batch=1, seq=16, flops_per_param_token=6, accumulate=4)
+    state = 12 * work.params
+    backward = cpu_backward_time(work, prof)
+    assert backward == pytest.approx(4 * 1.5e9 * 16 / 0.5e12 + 1.5)  # the last micro-batch's: its FLOPs and passes
+    after = place_state(work, prof, 1, 0, overlap_backward=False)
+    assert after.backward_s == after.shared_cores_s == 0
+    rate = state / after.update_s  # state bytes per second
+    seconds_per_byte = 1 / (prof.device_update_gparams_per_s * 1e9 * 12)
+    overlapped = place_state(work, prof, 1, 0)
+    expected = cpu_overlap(backward, state, rate, seconds_per_byte, 2)
+    assert (overlapped.backward_s, overlapped.shared_cores_s) == pytest.approx(expected)
+    assert overlapped.shared_cores_s == pytest.approx(overlapped.backward_s - backward)
+    assert overlapped.shared_cores_s > 0
+    assert overlapped.update_s == pytest.approx(after.update_s - overlapped.backward_s + overlapped.shared_cores_s)
+    assert overlapped.all_on_device_s == pytest.approx(overlapped.update_s)
+    assert "backward's longer on the cores the devices share" in overlapped.describe("none")
+    # Half of the state in memory (filled on the CPU): the devices hide the same backward behind less state.
+    half = place_state(work, prof, 1, state / 2)
+    assert half.memory_bytes == state / 2 and half.backward_s == pytest.approx(overlapped.backward_s)
+    # Cores not in the profile: their sharing is not modelled.
+    assert place_state(work, replace(prof, cpu_cores=None), 1, 0).shared_cores_s == 0
 
 
 def test_devices_with_compute_of_their_own_get_the_share_that_finishes_with_memory() -> None:

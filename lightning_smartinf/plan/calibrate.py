@@ -160,10 +160,16 @@ def _gpu() -> dict[str, Any] | None:
     }
 
 
-def _training_tflops(dtype: Any, tokens: int = 512, hidden: int = 2048, inner: int = 5632, heads: int = 32) -> float:
-    """The host's rate (TFLOPS) of training in ``dtype`` on torch's threads: forward and backward of one Llama block
-    (a 1B Llama's: ``hidden`` 2048, MLP ``inner`` 5632, causal attention, RMS norms) over a micro-batch of ``tokens``,
-    counted as 6 FLOPs per parameter and token; best of three, each with fresh gradients as training makes them."""
+#: Tokens of the two micro-batches CPU training is timed over: a long one gives the rate of its FLOPs, a short one the
+#: time forward and backward take per parameter whatever the tokens (reading the weights, starting each kernel),
+#: which is most of a short micro-batch's.
+TRAINING_TOKENS = (16, 512)
+
+
+def _training_seconds(dtype: Any, hidden: int = 2048, inner: int = 5632, heads: int = 32) -> tuple[int, list[float]]:
+    """Forward and backward of one Llama block (a 1B Llama's: ``hidden`` 2048, MLP ``inner`` 5632, causal attention,
+    RMS norms) in ``dtype`` on torch's threads, over a micro-batch of each of :data:`TRAINING_TOKENS`: the block's
+    parameters and the best of three seconds for each, each pass with fresh gradients as training makes them."""
     import torch
     from torch.nn import Linear, RMSNorm
     from torch.nn.functional import scaled_dot_product_attention, silu
@@ -174,9 +180,8 @@ def _training_tflops(dtype: Any, tokens: int = 512, hidden: int = 2048, inner: i
     norms = (RMSNorm(hidden), RMSNorm(hidden))
     modules = (qkv, out, gate_up, down, *norms)
     params = [p for module in modules for p in module.to(dtype).parameters()]
-    x = torch.randn(1, tokens, hidden, dtype=dtype, requires_grad=True)
 
-    def forward_backward() -> None:
+    def forward_backward(tokens: int, x: Any) -> None:
         for p in (*params, x):
             p.grad = None
         q, k, v = qkv(norms[0](x)).view(1, tokens, 3, heads, hidden // heads).transpose(1, 3).unbind(2)
@@ -185,9 +190,21 @@ def _training_tflops(dtype: Any, tokens: int = 512, hidden: int = 2048, inner: i
         gate, up = gate_up(norms[1](y)).chunk(2, dim=-1)
         (y + down(silu(gate) * up)).float().square().mean().backward()
 
-    forward_backward()  # the first pass chooses the kernels
-    best = _best_seconds(lambda _: forward_backward())
-    return 6 * sum(p.numel() for p in params) * tokens / best / 1e12
+    seconds = []
+    for tokens in TRAINING_TOKENS:
+        x = torch.randn(1, tokens, hidden, dtype=dtype, requires_grad=True)
+        forward_backward(tokens, x)  # the first pass chooses the kernels
+        seconds.append(_best_seconds(lambda _, t=tokens, x=x: forward_backward(t, x)))
+    return sum(p.numel() for p in params), seconds
+
+
+def training_fit(params: int, seconds: Sequence[float]) -> tuple[float, float]:
+    """A micro-batch's forward and backward as ``6·params·tokens / rate + fixed·params``, through the two timings of
+    :func:`_training_seconds`: the rate in TFLOPS (6 FLOPs per parameter and token) and ``fixed`` in seconds per 1e9
+    parameters (0 where the timings' noise would make it negative)."""
+    (short, long), (short_s, long_s) = TRAINING_TOKENS, seconds
+    per_token = max(long_s - short_s, 1e-3 * long_s) / (long - short)
+    return 6 * params / per_token / 1e12, max(0.0, short_s - short * per_token) / params * 1e9
 
 
 def _reduce_passes(numel: int = 32 << 20) -> dict[str, float]:
@@ -403,7 +420,7 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             measure.update(1)
             step_s_per_gparam = _backend_step(work, megabytes * MiB // 12)
             measure.update(1)
-            training = {"bf16": _training_tflops(torch.bfloat16), "fp32": _training_tflops(torch.float32)}
+            training = {"bf16": _training_seconds(torch.bfloat16), "fp32": _training_seconds(torch.float32)}
             measure.update(1)
             reduce_passes = _reduce_passes()
             measure.update(1)
@@ -414,6 +431,8 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
                 probe.close()
     gpu = _gpu()
     memory = psutil.virtual_memory()
+    # The faster of bf16 and fp32 over the long micro-batch: the precision to train in on this CPU.
+    training_rate, fixed_s = training_fit(*min(training.values(), key=lambda timed: timed[1][-1]))
     disks = [_disk(root) for root in roots]
     when = _dt.date.today().isoformat()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -459,9 +478,9 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             "peak_tflops": round(gpu["matmul_bf16_tflops"], 1),
             "efficiency": 0.4,
         },
-        "cpu_training_tflops": round(max(training.values()), 3),
+        "cpu_training_tflops": round(training_rate, 3),
         **reduce_passes,
-        "cpu_step_s_per_gparam": 0.0,
+        "cpu_step_s_per_gparam": round(fixed_s, 3),
         "transfer_bytes": 2,
         "sources": {
             "storage": f"measured: O_DIRECT={alone[0]['direct_io']} StateFile+ThreadedIO, {megabytes} MiB per path, "
@@ -479,9 +498,12 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             "memory tier has no I/O, not a faster update)",
             "baseline_update_gparams_per_s": "measured: torch's fused AdamW over 8M in-memory elements, on torch's "
             "threads, standing in for DeepSpeed's CPU-Adam (ZeRO-Infinity's host update; also fused and vectorised)",
-            "cpu_training_tflops": "measured: forward and backward of one block of a 1B Llama over a 512-token "
-            "micro-batch on torch's threads, 6 FLOPs per parameter and token, the faster of bf16 and fp32 (each under "
-            "measured; on a CPU without bf16 matrix units train in 32-true)",
+            "cpu_training_tflops": "measured: forward and backward of one block of a 1B Llama over micro-batches of "
+            "16 and 512 tokens on torch's threads, in the faster of bf16 and fp32 over 512 (each under measured; on a "
+            "CPU without bf16 matrix units train in 32-true): the rate of what the longer one adds, 6 FLOPs per "
+            "parameter and token",
+            "cpu_step_s_per_gparam": "measured: the same two timings, what a micro-batch takes per 1e9 parameters "
+            "whatever its tokens (reading the weights, starting each kernel)",
             "cpu_reduce_s_per_gparam": "measured: ZeRO-3's host passes over each gradient element of one micro-batch "
             "(this project's and, as baseline_*, stock ZeRO-3's: the last micro-batch of a step, and each one "
             "before it as *_accumulating_*), replayed on 32M elements, best of three",
@@ -497,7 +519,14 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             "host_memory_available_gb": round(memory.available / 1e9, 1),
             "torch_threads": torch.get_num_threads(),
             "fused_adamw_gparams_per_s": round(fused / 1e9, 4),
-            "training_tflops": {name: round(rate, 3) for name, rate in training.items()},
+            "training_tflops": {  # over the long micro-batch alone
+                name: round(6 * n * TRAINING_TOKENS[-1] / timed[-1] / 1e12, 3) for name, (n, timed) in training.items()
+            },
+            "training_block_params": training["fp32"][0],
+            "training_seconds": {
+                name: dict(zip(map(str, TRAINING_TOKENS), (round(t, 5) for t in seconds)))
+                for name, (_, seconds) in training.items()
+            },
             "cpu_backend_step_s_per_gparam": round(step_s_per_gparam, 3),
             "gpu": gpu or "none: torch.cuda.is_available() is False",
             "date": when,

@@ -170,6 +170,9 @@ class Profile:
     baseline_cpu_reduce_s_per_gparam: float = 0.0  # stock ZeRO-3 (ZeRO-Infinity), the last micro-batch
     baseline_cpu_reduce_accumulating_s_per_gparam: float = 0.0  # stock ZeRO-3, each micro-batch before it
     cpu_step_s_per_gparam: float = 0.0
+    #: The host's cores, which forward and backward share with the emulated devices' update during backward (CPU
+    #: training); ``None``: not known, and the sharing is not modelled.
+    cpu_cores: int | None = None
     # host update: the memory tier's (SmartUpdate) and, unless ``baseline_update_gparams_per_s`` says otherwise,
     # ZeRO-Infinity's
     host_update_gparams_per_s: float = 1.0
@@ -364,6 +367,19 @@ def fwd_bwd_time(
     flops = work.flops_per_param_token * work.params * work.step_tokens
     compute = flops / (prof.gpu_peak_tflops * 1e12 * prof.gpu_efficiency)
     return compute + link_bytes_per_param * work.params / _limit(prof.gpu_link_gbps)
+
+
+def cpu_backward_time(work: Workload, prof: Profile) -> float:
+    """Without a GPU: the backward of the step's last micro-batch, while which the gradients complete and the
+    emulated devices take their hand-offs (``overlap_backward``): its FLOPs (4 of the 6 per parameter and token, 6 of
+    the 8 with recompute), its share of ``cpu_step_s_per_gparam``, and this project's ZeRO-3 passes over the last
+    micro-batch's gradients (the norm's among them), all in :func:`fwd_bwd_time` too."""
+    if not prof.cpu_training_tflops:
+        return 0.0
+    backward_share = (work.flops_per_param_token - 2) / work.flops_per_param_token
+    flops = work.flops_per_param_token * work.params * work.tokens
+    per_micro_batch = flops / (prof.cpu_training_tflops * 1e12) + prof.cpu_step_s_per_gparam * work.params / 1e9
+    return backward_share * per_micro_batch + prof.cpu_reduce_s_per_gparam * work.params / 1e9
 
 
 def zero_infinity(work: Workload, prof: Profile, devices: int, *, params_on_storage: bool = False) -> Breakdown:

@@ -256,6 +256,7 @@ class Machine:
             baseline_cpu_reduce_s_per_gparam=self.baseline_cpu_reduce_s_per_gparam,
             baseline_cpu_reduce_accumulating_s_per_gparam=self.baseline_cpu_reduce_accumulating_s_per_gparam,
             cpu_step_s_per_gparam=self.cpu_step_s_per_gparam,
+            cpu_cores=self.cpu_cores,
             host_update_gparams_per_s=memory_rate,
             baseline_update_gparams_per_s=self.baseline_update_gparams_per_s,
             ssd_read_gbps=fastest.read_gbps * k,

@@ -456,7 +456,7 @@ def _plan_paths(
     if overlap:
         reasons["overlap_backward"] = (
             "devices start each sub-group's update as backward completes its gradient, "
-            + ("on host cores the GPU leaves free" if machine.gpu else "sharing the cores with backward (not credited)")
+            + ("on host cores the GPU leaves free" if machine.gpu else "on the cores backward shares with them")
             + "; a second copy of their state on the paths"
         )
     elif compression is not None:
@@ -579,8 +579,9 @@ def format_machine_plan(plan: MachinePlan, python_header: str, yaml_header: str)
         f"{base - plan.fwd_bwd_s - plan.param_write_s:>8.2f}{plan.param_write_s:>8.2f}{base:>8.2f}{1:>7.2f}x",
         f"{'ZeRO-Infinity, state on the same paths':<44}{'':>32}{plan.zero_infinity_s:>8.2f}"
         f"{base / plan.zero_infinity_s:>7.2f}x",
-        "('update' runs after backward: the part the devices do during backward is hidden in fwd/bwd; 'params' writes"
-        " the 16-bit parameters to storage)",
+        "('update' runs after backward: the part the devices do during backward is hidden in fwd/bwd"
+        + (", except what sharing the CPU's cores adds to backward, counted here" if placed.shared_cores_s else "")
+        + "; 'params' writes the 16-bit parameters to storage)",
         f"tokens per second (at most {w.step_tokens:,} a step): this plan {w.step_tokens / plan.total_s:,.0f}, "
         f"ZeRO-Infinity {w.step_tokens / plan.zero_infinity_s:,.0f}",
         *(

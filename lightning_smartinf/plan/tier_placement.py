@@ -7,7 +7,10 @@ the 16-bit gradient in and the 16-bit parameter out (4 B per 12 B of state). The
 decides:
 
 - Emulated devices (the ``cpu`` backend: the update runs on the host cores, plus storage I/O) training on the CPU share
-  the host cores with forward and backward, so the memory tier fills its budget.
+  the host cores with forward and backward, so the memory tier fills its budget. With ``overlap_backward`` they
+  stream their state during the last micro-batch's backward, whose gradients complete as it runs, and their update's
+  arithmetic there takes its share of the host's cores from backward, which lasts that much longer
+  (:func:`cpu_overlap`).
 - Emulated devices beside a GPU start each sub-group's update as backward completes its gradient
   (``overlap_backward``) on host cores the GPU leaves free, so ``backward_s * rate`` bytes of their update hide behind
   backward. Memory takes the share that finishes with what is left of theirs after backward:
@@ -28,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_smartinf.core.placement import memory_share
-from lightning_smartinf.plan.cost_model import GB, PlanError, Profile, Workload, fwd_bwd_time
+from lightning_smartinf.plan.cost_model import GB, PlanError, Profile, Workload, cpu_backward_time, fwd_bwd_time
 
-__all__ = ["TierPlacement", "memory_share", "place_state"]
+__all__ = ["TierPlacement", "cpu_overlap", "memory_share", "place_state"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ class TierPlacement:
     accelerator_bytes: float = 0.0
     #: Seconds of backward the devices' update overlaps (0: it starts after backward).
     backward_s: float = 0.0
+    #: Seconds the devices' update adds to backward by sharing the host's cores with it (CPU training), inside
+    #: ``update_s``.
+    shared_cores_s: float = 0.0
 
     def describe(self, budget_text: str, accelerator_text: str | None = None) -> str:
         """One paragraph for ``smartinf plan``."""
@@ -56,6 +62,8 @@ class TierPlacement:
                 f"({self.accelerator_bytes / max(self.state_bytes, 1):.0%}),"
             )
         after = f" after backward (the devices' update overlaps its {self.backward_s:.2f} s)" if self.backward_s else ""
+        if self.shared_cores_s:
+            after += f", {self.shared_cores_s:.2f} s of it backward's longer on the cores the devices share"
         ratio = f" ({self.all_on_device_s / self.update_s:.2f}x)" if self.update_s > 0 else ""
         return (
             f"placement with state_memory_budget={budget_text}{gpu} {self.memory_bytes / GB:.1f} of "
@@ -115,10 +123,11 @@ def place_state(
     emulated = not prof.gradient_staged_on_ssd and prof.network_gbps is None
     # Emulated devices beside a GPU update during the step's last backward (2 of 3 parts of forward + backward).
     with_gpu = emulated and prof.gpu_peak_tflops is not None
+    on_cpu = emulated and not with_gpu
     fwd_bwd_s = fwd_bwd_time(work, prof) if fwd_bwd_s is None else fwd_bwd_s
     # Only the last micro-batch's backward completes gradients: the ones before it only add to them.
     backward_s = 2 / 3 * fwd_bwd_s / work.accumulate if with_gpu and overlap_backward else 0.0
-    if fill or (emulated and not with_gpu):  # on the CPU, devices and memory share the host cores: fill the budget
+    if fill or on_cpu:  # on the CPU, devices and memory share the host cores: fill the budget
         memory = min(memory_budget, state)
     elif prof.network_gbps is not None:  # beside remote servers the strategy keeps one more server's share
         memory = memory_share(memory_budget, state, sum(rates) / len(rates), sum(rates))
@@ -126,9 +135,35 @@ def place_state(
         memory = memory_share(memory_budget, max(0.0, state - backward_s * sum(rates)), memory_rate, sum(rates))
     rest = state - memory
     device_bytes = tuple(rest * r / sum(rates) for r in rates)
+    seconds_per_byte = 1 / update  # one device's arithmetic, seconds of one core per state byte
+
+    def overlapped(on_devices: float) -> tuple[float, float]:
+        if not (on_cpu and overlap_backward):
+            return backward_s, 0.0
+        return cpu_overlap(cpu_backward_time(work, prof), on_devices, sum(rates), seconds_per_byte, prof.cpu_cores)
+
+    backward_s, shared_s = overlapped(rest)
     device_s = max(max(0.0, b / r - backward_s) for b, r in zip(device_bytes, rates))
     # The tiers run at once; the step waits for the slowest.
     accelerator_s = accelerator / accelerator_rate if accelerator else 0.0
-    update_s = max(device_s, memory / memory_rate, accelerator_s)
-    all_on_device_s = max(0.0, total / sum(rates) - backward_s)
-    return TierPlacement(total, memory, device_bytes, update_s, all_on_device_s, accelerator, backward_s)
+    update_s = max(device_s, memory / memory_rate, accelerator_s) + shared_s
+    all_backward_s, all_shared_s = overlapped(total)
+    all_on_device_s = max(0.0, total / sum(rates) - all_backward_s) + all_shared_s
+    return TierPlacement(total, memory, device_bytes, update_s, all_on_device_s, accelerator, backward_s, shared_s)
+
+
+def cpu_overlap(
+    backward_s: float, state_bytes: float, rate: float, seconds_per_byte: float, cores: int | None
+) -> tuple[float, float]:
+    """CPU training with ``overlap_backward``: how long the devices' update overlaps backward, and how much longer
+    backward takes for it. The devices stream ``state_bytes`` at ``rate`` state bytes per second from the start of
+    the last micro-batch's backward (``backward_s`` alone); their arithmetic, ``seconds_per_byte`` of one core per
+    state byte, runs on the ``cores`` backward uses, so backward stretches by the devices' core-seconds over the cores
+    (all of their update when it finishes within backward). ``cores=None``: not modelled, nothing stretches."""
+    if cores is None or backward_s <= 0:
+        return backward_s, 0.0
+    share = rate * seconds_per_byte / cores  # of the cores the devices take while they stream
+    stretched = backward_s / (1 - share) if share < 1 else math.inf
+    if stretched * rate > state_bytes:  # the devices finish within backward: all of their arithmetic stretches it
+        stretched = backward_s + state_bytes * seconds_per_byte / cores
+    return stretched, stretched - backward_s
