@@ -62,14 +62,18 @@ class TierPlacement:
                 f"({self.accelerator_bytes / max(self.state_bytes, 1):.0%}),"
             )
         after = f" after backward (the devices' update overlaps its {self.backward_s:.2f} s)" if self.backward_s else ""
-        if self.shared_cores_s:
-            after += f", {self.shared_cores_s:.2f} s of it backward's longer on the cores the devices share"
+        shared = (
+            f" (of which {self.shared_cores_s:.2f} s is backward's longer on the cores the devices share with it)"
+            if self.shared_cores_s
+            else ""
+        )
         ratio = f" ({self.all_on_device_s / self.update_s:.2f}x)" if self.update_s > 0 else ""
         return (
             f"placement with state_memory_budget={budget_text}{gpu} {self.memory_bytes / GB:.1f} of "
             f"{self.state_bytes / GB:.1f} GB of optimizer state in host memory "
             f"({self.memory_bytes / max(self.state_bytes, 1):.0%}), devices hold {shares} GB; optimizer update{after} "
-            f"{self.update_s:.2f} s per step against {self.all_on_device_s:.2f} s with all of it on the devices{ratio}"
+            f"{self.update_s:.2f} s per step{shared} against {self.all_on_device_s:.2f} s with all of it on the "
+            f"devices{ratio}"
         )
 
 
