@@ -9,7 +9,7 @@ import pytest
 
 from lightning_smartinf.plan import PlanError, load_profile, workload_from_model
 from lightning_smartinf.plan.__main__ import main
-from lightning_smartinf.plan.cost_model import Workload, cpu_backward_time
+from lightning_smartinf.plan.cost_model import Profile, Workload, cpu_backward_time
 from lightning_smartinf.plan.tier_placement import cpu_overlap, memory_share, place_state
 
 
@@ -61,6 +61,10 @@ def test_training_on_the_cpu_the_devices_stream_during_backward_on_its_cores() -
     assert half.memory_bytes == state / 2 and half.backward_s == pytest.approx(overlapped.backward_s)
     # Cores not in the profile: their sharing is not modelled.
     assert place_state(work, replace(prof, cpu_cores=None), 1, 0).shared_cores_s == 0
+    # A profile's cores that are not a count: refused with the key, before anything is planned.
+    for bad, said in (("two", "is a str"), (0, "is too small")):
+        with pytest.raises(PlanError, match=rf"`cpu_cores={bad!r}` {said}: it must be an int >= 1, or None"):
+            Profile.from_dict({**prof.to_dict(), "cpu_cores": bad})
 
 
 def test_devices_with_compute_of_their_own_get_the_share_that_finishes_with_memory() -> None:

@@ -221,6 +221,7 @@ class Profile:
         clean = {k: v for k, v in data.items() if k in known}
         # The fields left out keep their defaults, all valid: only the values given are checked.
         check_rates(problems, clean)
+        problems.integer("cpu_cores", clean.get("cpu_cores"), low=1, optional=True)
         check_update_costs(problems, clean.get("update_cost_by_precision", {}))
         problems.raise_if_any()
         return cls(**clean)
