@@ -348,14 +348,13 @@ def fwd_bwd_time(
     """Forward and backward, and the GPU <-> host copies of ``link_bytes_per_param`` (not overlapped: an upper
     bound).
 
-    Without a GPU: the FLOPs at the host's measured training rate ``cpu_training_tflops``, plus ZeRO-3's host passes
+    Without a GPU: each micro-batch's :func:`_cpu_micro_batch_time` (its FLOPs at the host's measured training rate
+    ``cpu_training_tflops`` and ``cpu_step_s_per_gparam``), plus ZeRO-3's host passes
     over each gradient element in every micro-batch (autograd's fresh gradient, the reduce bucket, the accumulation
     buffer; the last micro-batch takes the norm), which ``method``'s code makes: stock ZeRO-3's for
     ``"zero_infinity"`` (with its averaging reduce-scatter and float64 norm), this project's for the others.
     """
     if prof.gpu_peak_tflops is None:
-        flops = work.flops_per_param_token * work.params * work.step_tokens
-        compute = flops / (prof.cpu_training_tflops * 1e12) if prof.cpu_training_tflops else 0.0
         if method == "zero_infinity":
             last, accumulating = (
                 prof.baseline_cpu_reduce_s_per_gparam,
@@ -363,24 +362,31 @@ def fwd_bwd_time(
             )
         else:
             last, accumulating = prof.cpu_reduce_s_per_gparam, prof.cpu_reduce_accumulating_s_per_gparam
-        per_gparam = last + accumulating * (work.accumulate - 1) + prof.cpu_step_s_per_gparam * work.accumulate
-        return compute + per_gparam * work.params / 1e9
+        passes = (last + accumulating * (work.accumulate - 1)) * work.params / 1e9
+        return work.accumulate * _cpu_micro_batch_time(work, prof) + passes
     flops = work.flops_per_param_token * work.params * work.step_tokens
     compute = flops / (prof.gpu_peak_tflops * 1e12 * prof.gpu_efficiency)
     return compute + link_bytes_per_param * work.params / _limit(prof.gpu_link_gbps)
 
 
+def _cpu_micro_batch_time(work: Workload, prof: Profile) -> float:
+    """Without a GPU: one micro-batch's forward and backward but for ZeRO-3's passes over its gradients: its FLOPs at
+    ``cpu_training_tflops`` (none where that is not measured) and ``cpu_step_s_per_gparam``."""
+    flops = work.flops_per_param_token * work.params * work.tokens
+    compute = flops / (prof.cpu_training_tflops * 1e12) if prof.cpu_training_tflops else 0.0
+    return compute + prof.cpu_step_s_per_gparam * work.params / 1e9
+
+
 def cpu_backward_time(work: Workload, prof: Profile) -> float:
     """Without a GPU: the backward of the step's last micro-batch, while which the gradients complete and the
-    emulated devices take their hand-offs (``overlap_backward``): its FLOPs (4 of the 6 per parameter and token, 6 of
-    the 8 with recompute), its share of ``cpu_step_s_per_gparam``, and this project's ZeRO-3 passes over the last
-    micro-batch's gradients (the norm's among them), all in :func:`fwd_bwd_time` too."""
+    emulated devices take their hand-offs (``overlap_backward``): its share of :func:`_cpu_micro_batch_time` (4 of
+    the 6 FLOPs per parameter and token, 6 of the 8 with recompute) and this project's ZeRO-3 passes over the last
+    micro-batch's gradients (the norm's among them), all in :func:`fwd_bwd_time` too. 0 where the FLOPs' rate is not
+    measured: backward is not known then."""
     if not prof.cpu_training_tflops:
         return 0.0
     backward_share = (work.flops_per_param_token - 2) / work.flops_per_param_token
-    flops = work.flops_per_param_token * work.params * work.tokens
-    per_micro_batch = flops / (prof.cpu_training_tflops * 1e12) + prof.cpu_step_s_per_gparam * work.params / 1e9
-    return backward_share * per_micro_batch + prof.cpu_reduce_s_per_gparam * work.params / 1e9
+    return backward_share * _cpu_micro_batch_time(work, prof) + prof.cpu_reduce_s_per_gparam * work.params / 1e9
 
 
 def zero_infinity(work: Workload, prof: Profile, devices: int, *, params_on_storage: bool = False) -> Breakdown:
