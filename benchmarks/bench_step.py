@@ -258,6 +258,19 @@ class DiskTrace:
         return out
 
 
+def busy_rate_gbps(phases: dict[str, dict[str, float]] | None) -> float | None:
+    """GB/s the storage read and wrote while it had I/O in flight, over every traced phase (``None``: not traced).
+
+    The rate the disk gave this run, to set beside a calibration's: a virtual disk's rate changes by tens of percent
+    from one minute to the next under the same requests.
+    """
+    if not phases:
+        return None
+    moved = sum((p["read_mb_s"] + p["write_mb_s"]) * p["s"] for p in phases.values()) / 1e3
+    busy = sum(p["busy"] * p["s"] for p in phases.values())
+    return moved / busy if busy > 0 else None
+
+
 class RssTrace:
     """Samples this process's RSS every ``period_s`` and keeps its peak per stage of the run (building the model,
     setting up the strategy, the warm-up steps, the timed steps), to show which stage sets the peak."""
@@ -540,6 +553,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             result["device_s_per_step"] = {k: (meter.dev1[k] - meter.dev0[k]) / args.steps for k in meter.dev0}
         if meter.trace is not None:
             result["disk_phases"] = meter.trace.phases()
+            result["disk_busy_gbps"] = busy_rate_gbps(result["disk_phases"])
         if meter.traffic0 is not None and meter.traffic1 is not None:
             delta = (meter.traffic1 - meter.traffic0).as_dict()
             result["traffic_bytes_per_param_step"] = {k: v / p / args.steps for k, v in delta.items()}
@@ -795,6 +809,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         ("link total (B/param/step)", lambda r: link(r, None), lambda r: ours_link(r, None)),
         ("in-device storage read (B/param/step)", lambda r: None, lambda r: traffic(r, "storage_read_bytes")),
         ("in-device storage write (B/param/step)", lambda r: None, lambda r: traffic(r, "storage_write_bytes")),
+        ("storage's rate while busy, read + write (GB/s, --trace)", lambda r: r.get("disk_busy_gbps"), None),
         ("peak RSS (MiB)", lambda r: r.get("peak_rss_mib"), None),
         ("sub-groups updated in backward: kept / rolled back", lambda r: None, early),
         ("forward, host (s/step)", lambda r: None, lambda r: device(r, "forward_s")),
@@ -847,6 +862,9 @@ def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("disk_read_bytes_per_param_in_step", "disk_write_bytes_per_param_in_step"):
         if all(key in r for r in good):
             merged[key] = statistics.fmean(r[key] for r in good)
+    if all(r.get("disk_busy_gbps") is not None for r in good):
+        merged["round_disk_busy_gbps"] = [r["disk_busy_gbps"] for r in good]
+        merged["disk_busy_gbps"] = statistics.fmean(merged["round_disk_busy_gbps"])
     if all("device_s_per_step" in r for r in good):
         merged["device_s_per_step"] = {
             k: statistics.fmean(r["device_s_per_step"][k] for r in good) for k in good[-1]["device_s_per_step"]
