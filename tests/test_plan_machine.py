@@ -273,6 +273,11 @@ def test_calibrate_measures_every_path_alone_and_together(tmp_path, capsys):
     fused = machine.to_profile([0], fused=True)
     assert fused.device_update_gparams_per_s == fused.host_update_gparams_per_s == machine.fused_update_gparams_per_s
     assert fused.update_cost("int8") == machine.fused_update_cost_by_precision["int8"]
+    # A device's step and the memory tier's, run for real per format: the planner takes them for the rule as recipes
+    # build it, not for a fused one (measured without it).
+    for key in ("device_step_cpu_s_per_gparam_by_precision", "memory_step_s_per_gparam_by_precision"):
+        assert set(getattr(machine, key)) == {"fp32", "bf16", "int8"} and all(v > 0 for v in data[key].values())
+        assert getattr(machine.to_profile([0]), key) == data[key] and getattr(fused, key) == {}
     # CPU training timed over a short and a long micro-batch, in the precision faster over the long one: the rate
     # and the time per parameter whatever the tokens give both timings back.
     measured, block = data["measured"]["training_seconds"], data["measured"]["training_block_params"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -65,6 +66,45 @@ def test_training_on_the_cpu_the_devices_stream_during_backward_on_its_cores() -
     for bad, said in (("two", "is a str"), (0, "is too small")):
         with pytest.raises(PlanError, match=rf"`cpu_cores={bad!r}` {said}: it must be an int >= 1, or None"):
             Profile.from_dict({**prof.to_dict(), "cpu_cores": bad})
+
+
+def test_steps_measured_end_to_end_set_the_devices_share_of_the_cores_and_the_memory_tiers_time() -> None:
+    """A profile with a real device step's CPU time and the memory tier's step time per format uses them: the
+    devices' arithmetic beside backward is the step's CPU time, the memory tier's update its measured time; a format
+    the profile does not list, or a profile without them, falls back to the update rates, as before."""
+    base = replace(load_profile("devvm-2cpu"), cpu_training_tflops=0.5, cpu_reduce_s_per_gparam=1.0, cpu_cores=2)
+    work = Workload(1.5e9, batch=1, seq=16, flops_per_param_token=6, state_precision="int8")
+    per_param = work.state_bytes
+    # Without the measured steps, the fallbacks are the update rates' figures.
+    cost = base.update_cost("int8")
+    assert base.device_cpu_seconds("int8") == pytest.approx(cost / (base.device_update_gparams_per_s * 1e9))
+    assert base.memory_update_rate("int8") == pytest.approx(base.host_update_gparams_per_s * 1e9 / cost)
+    # A real step costs the cores more than its update alone (I/O calls, hand-offs): here twice as much.
+    device_s = 2 * base.device_cpu_seconds("int8") * 1e9
+    measured = replace(
+        base,
+        device_step_cpu_s_per_gparam_by_precision={"int8": device_s, "fp32": 7.0},
+        memory_step_s_per_gparam_by_precision={"int8": 2.0},
+    )
+    assert measured.device_cpu_seconds("int8") == pytest.approx(device_s / 1e9)
+    assert measured.memory_update_rate("int8") == pytest.approx(0.5e9)
+    assert measured.memory_update_rate("bf16") == base.memory_update_rate("bf16")  # not listed: the fallback
+    state = per_param * work.params
+    before, after = place_state(work, base, 1, 0), place_state(work, measured, 1, 0)
+    rate = state / place_state(work, measured, 1, 0, overlap_backward=False).update_s
+    expected = cpu_overlap(cpu_backward_time(work, measured), state, rate, device_s / 1e9 / per_param, 2)
+    assert (after.backward_s, after.shared_cores_s) == pytest.approx(expected)
+    assert after.shared_cores_s > before.shared_cores_s
+    # Half of the state in memory: the tier's update takes its measured time (and the devices' half hides behind
+    # backward, which it stretches).
+    half = place_state(work, measured, 1, state / 2)
+    memory_s = work.params / 2 * 2.0 / 1e9
+    assert half.update_s - half.shared_cores_s == pytest.approx(memory_s)
+    # A profile's measured steps that are not a map of formats to positive numbers: refused with the key.
+    for key in ("device_step_cpu_s_per_gparam_by_precision", "memory_step_s_per_gparam_by_precision"):
+        for bad, said in (({"fp64": 1.0}, "fp64"), ({"int8": -1.0}, "['int8']=-1.0` is out of range"), ("x", "a str")):
+            with pytest.raises(PlanError, match=re.escape(key) + ".*" + re.escape(said)):
+                Profile.from_dict({**measured.to_dict(), key: bad})
 
 
 def test_devices_with_compute_of_their_own_get_the_share_that_finishes_with_memory() -> None:

@@ -371,6 +371,57 @@ def _backend_step(paths: Sequence[Path], numel: int) -> float:
     return min(times) / (per * shards_n) * 1e9
 
 
+def _step_seconds(directory: Path, precision: str, numel: int = 32 << 20, *, in_memory: bool) -> tuple[float, float]:
+    """Wall and CPU seconds (every thread of this process) per 1e9 elements of one real optimizer step: a ``cpu``
+    device's with its state in ``directory``, or the memory tier's (``in_memory``); Adam(W) as recipes build it, the
+    state in ``precision``, bf16 gradients in and parameters out. The best of two steps after the first."""
+    import torch
+
+    from lightning_smartinf.core import Adam, ShardSpec, StepParams
+    from lightning_smartinf.core.build import tiers_over
+    from lightning_smartinf.devices.cpu import CpuBackend
+
+    dirs = [directory / f"step-{precision}"]
+    shards, per = 4, numel // 4 // 1024 * 1024
+    backend: Any = CpuBackend(dirs, owned_dirs=dirs)
+    if in_memory:  # every shard fits the budget: the tier holds them all
+        backend = tiers_over(
+            backend, memory_bytes=1 << 50, devices_compute=True, measure_memory_share=False, chunk_elems=1 << 20
+        )
+    try:
+        rule = Adam(decoupled_weight_decay=True)
+        backend.open([ShardSpec(i, per, rule, state_format=precision) for i in range(shards)])
+        for i in range(shards):
+            backend.initialize(i, torch.randn(per))
+        backend.wait()
+        grads = [torch.randn(per).to(torch.bfloat16) for _ in range(shards)]
+        params = [torch.empty(per, dtype=torch.bfloat16) for _ in range(shards)]
+        timed = []
+        for step in (1, 2, 3):
+            wall, cpu = time.perf_counter(), time.process_time()
+            for i in range(shards):
+                backend.submit(i, grads[i], StepParams(step=step, lr=1e-3), params[i])
+            backend.wait()
+            timed.append((time.perf_counter() - wall, time.process_time() - cpu))
+    finally:
+        backend.close()
+    wall_s, cpu_s = min(timed[1:])
+    return wall_s / (per * shards) * 1e9, cpu_s / (per * shards) * 1e9
+
+
+def _step_costs(directory: Path) -> dict[str, dict[str, float]]:
+    """Each state format's real steps (:func:`_step_seconds`): a device's CPU seconds and the memory tier's seconds,
+    per 1e9 elements, as the profile's ``*_by_precision`` fields."""
+    from lightning_smartinf.core.state_formats import FORMATS
+
+    device = {name: _step_seconds(directory, name, in_memory=False)[1] for name in FORMATS}
+    memory = {name: _step_seconds(directory, name, in_memory=True)[0] for name in FORMATS}
+    return {
+        "device_step_cpu_s_per_gparam_by_precision": {name: round(s, 3) for name, s in device.items()},
+        "memory_step_s_per_gparam_by_precision": {name: round(s, 3) for name, s in memory.items()},
+    }
+
+
 def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | None = None) -> dict[str, Any]:
     """Measure ``paths`` (each alone, then all at once), this host and its GPU; return a machine profile
     (``"kind": "local-nvme"``, :class:`~lightning_smartinf.plan.machine.Machine`) as a dict."""
@@ -396,7 +447,7 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
         remove_leftovers(root, "smartinf-calibrate")  # the probe files of a calibration that was killed
     probes: list[_Probe] = []
     # Each path alone, all at once, the update rates (fp32, fused AdamW, each precision), a backend step.
-    measure = Progress("measuring this machine", len(roots) + 7, unit="measurements", announce=True)
+    measure = Progress("measuring this machine", len(roots) + 8, unit="measurements", announce=True)
     with contextlib.ExitStack() as scratch:
         work = [scratch.enter_context(scratch_directory("smartinf-calibrate", root)) for root in roots]
         try:
@@ -419,6 +470,8 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             fused_update, fused_costs = _update_rate_best(8 << 20, fused=True), _update_costs(fused=True)
             measure.update(1)
             step_s_per_gparam = _backend_step(work, megabytes * MiB // 12)
+            measure.update(1)
+            step_costs = _step_costs(work[0])
             measure.update(1)
             training = {"bf16": _training_seconds(torch.bfloat16), "fp32": _training_seconds(torch.float32)}
             measure.update(1)
@@ -469,6 +522,7 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
         "update_cost_by_precision": costs,
         "fused_update_gparams_per_s": round(fused_update / 1e9, 4),
         "fused_update_cost_by_precision": fused_costs,
+        **step_costs,
         "gpu": None
         if gpu is None
         else {
@@ -496,6 +550,11 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             "the rule of an optimizer built with fused=True (torch's fused kernel; `smartinf plan --fused`)",
             "host_update_gparams_per_s": "measured: as a device's, the same rule code on one worker thread (the "
             "memory tier has no I/O, not a faster update)",
+            "device_step_cpu_s_per_gparam_by_precision": "measured: the CPU time (every thread) of a real cpu "
+            "device's Adam(W) step over 32M elements on the first path, bf16 gradients in and parameters out, per "
+            "state_precision, best of two steps after the first",
+            "memory_step_s_per_gparam_by_precision": "measured: the same steps with the state in the memory tier, "
+            "their wall time",
             "baseline_update_gparams_per_s": "measured: torch's fused AdamW over 8M in-memory elements, on torch's "
             "threads, standing in for DeepSpeed's CPU-Adam (ZeRO-Infinity's host update; also fused and vectorised)",
             "cpu_training_tflops": "measured: forward and backward of one block of a 1B Llama over micro-batches of "

@@ -136,14 +136,26 @@ def check_rates(problems: Problems, values: dict[str, Any]) -> None:
             problems.number(name, value, low=0, high=1, above=True, why="a share of the peak rate")
 
 
-def check_update_costs(problems: Problems, costs: Any, key: str = "update_cost_by_precision") -> None:
-    """Check ``update_cost_by_precision`` (or ``key``): a mapping of state formats to their update time per element
-    over fp32's."""
+def check_update_costs(
+    problems: Problems,
+    costs: Any,
+    key: str = "update_cost_by_precision",
+    why: str = "time per element relative to fp32's",
+) -> None:
+    """Check ``update_cost_by_precision`` (or ``key``, another figure per format, ``why`` saying what): a mapping of
+    state formats to numbers > 0."""
     if problems.instance(key, costs, dict, f"a map of {', '.join(FORMATS)} to numbers"):
         within = problems.within(key)
         if problems.keys(key, costs, FORMATS):
             for name, value in costs.items():
-                within.number(name, value, low=0, above=True, why="time per element relative to fp32's")
+                within.number(name, value, low=0, above=True, why=why)
+
+
+#: The figures per state format a profile may carry besides ``update_cost_by_precision``, with what each number is.
+STEP_SECONDS_BY_PRECISION = {
+    "device_step_cpu_s_per_gparam_by_precision": "CPU seconds per 1e9 elements",
+    "memory_step_s_per_gparam_by_precision": "seconds per 1e9 elements",
+}
 
 
 @dataclass(frozen=True)
@@ -211,6 +223,12 @@ class Profile:
     #: Each ``state_precision``'s update time per element relative to fp32's (a format left out:
     #: :data:`UPDATE_COST_BY_PRECISION`).
     update_cost_by_precision: dict[str, float] = field(default_factory=dict)
+    #: Measured through a real step of the ``cpu`` backend, per ``state_precision`` (a format left out: from the
+    #: update rates above). What one device's step costs the host's cores, its update, hand-offs and I/O calls (CPU
+    #: seconds per 1e9 elements, every thread together): what the devices take from backward on a CPU.
+    device_step_cpu_s_per_gparam_by_precision: dict[str, float] = field(default_factory=dict)
+    #: What the memory tier's step takes (seconds per 1e9 elements, on all the threads it runs on).
+    memory_step_s_per_gparam_by_precision: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -223,12 +241,30 @@ class Profile:
         check_rates(problems, clean)
         problems.integer("cpu_cores", clean.get("cpu_cores"), low=1, optional=True)
         check_update_costs(problems, clean.get("update_cost_by_precision", {}))
+        for key, why in STEP_SECONDS_BY_PRECISION.items():
+            check_update_costs(problems, clean.get(key, {}), key, why)
         problems.raise_if_any()
         return cls(**clean)
 
     def update_cost(self, state_precision: str) -> float:
         """``state_precision``'s update time per element relative to fp32's on this machine."""
         return self.update_cost_by_precision.get(state_precision, UPDATE_COST_BY_PRECISION[state_precision])
+
+    def device_cpu_seconds(self, state_precision: str) -> float:
+        """CPU seconds one device spends per element of its step in ``state_precision``: measured through a real
+        step where the profile has it, else its update at ``device_update_gparams_per_s`` on one core."""
+        measured = self.device_step_cpu_s_per_gparam_by_precision.get(state_precision)
+        if measured is not None:
+            return measured / 1e9
+        return self.update_cost(state_precision) / (self.device_update_gparams_per_s * 1e9)
+
+    def memory_update_rate(self, state_precision: str) -> float:
+        """Elements per second the memory tier updates in ``state_precision``: measured through a real step where the
+        profile has it, else ``host_update_gparams_per_s`` over the format's cost."""
+        measured = self.memory_step_s_per_gparam_by_precision.get(state_precision)
+        if measured is not None:
+            return 1e9 / measured
+        return self.host_update_gparams_per_s * 1e9 / self.update_cost(state_precision)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from lightning_smartinf.core.arguments import Problems
-from lightning_smartinf.plan.cost_model import PlanError, Profile, check_rates, check_update_costs, read_profile
+from lightning_smartinf.plan.cost_model import (
+    STEP_SECONDS_BY_PRECISION,
+    PlanError,
+    Profile,
+    check_rates,
+    check_update_costs,
+    read_profile,
+)
 
 __all__ = ["MACHINE_KIND", "Gpu", "Machine", "StoragePath", "is_machine", "load_any"]
 
@@ -131,6 +138,12 @@ class Machine:
     #: kernel), and each format's cost with it over its fp32's; ``None`` / empty: as without.
     fused_update_gparams_per_s: float | None = None
     fused_update_cost_by_precision: dict[str, float] = field(default_factory=dict)
+    #: One device's step and the memory tier's, each run for real by ``--calibrate`` with the rule as recipes build it
+    #: (not fused), per ``state_precision``: the CPU seconds per 1e9 elements a device's step costs the cores (its
+    #: update, hand-offs and I/O calls), and the seconds per 1e9 elements the memory tier's step takes. Empty: from
+    #: the update rates above; with a fused optimizer they are not used.
+    device_step_cpu_s_per_gparam_by_precision: dict[str, float] = field(default_factory=dict)
+    memory_step_s_per_gparam_by_precision: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     measured: dict[str, Any] = field(default_factory=dict)
 
@@ -164,6 +177,8 @@ class Machine:
         problems.integer("cpu_cores", data.get("cpu_cores"), low=1, optional=True)
         check_update_costs(problems, data.get("update_cost_by_precision", {}))
         check_update_costs(problems, data.get("fused_update_cost_by_precision", {}), "fused_update_cost_by_precision")
+        for key, why in STEP_SECONDS_BY_PRECISION.items():
+            check_update_costs(problems, data.get(key, {}), key, why)
         problems.choice("transfer_bytes", data.get("transfer_bytes", 2), (2, 4))
         problems.raise_if_any()
         clean = {k: v for k, v in data.items() if k in known}
@@ -237,11 +252,18 @@ class Machine:
             reads[disk] = max(reads.get(disk, 0.0), self.storage[i].read_gbps)
             writes[disk] = max(writes.get(disk, 0.0), self.storage[i].write_gbps)
         gpu = self.gpu
-        # Devices and the memory tier run the same rule code: with a fused optimizer, both at its measured rate.
+        # Devices and the memory tier run the same rule code: with a fused optimizer, both at its measured rate (the
+        # steps measured end to end ran the rule without it).
+        fused = fused and self.fused_update_gparams_per_s is not None
         device_rate, memory_rate, costs = (
             (self.fused_update_gparams_per_s, self.fused_update_gparams_per_s, self.fused_update_cost_by_precision)
-            if fused and self.fused_update_gparams_per_s is not None
+            if fused
             else (self.device_update_gparams_per_s, self.host_update_gparams_per_s, self.update_cost_by_precision)
+        )
+        device_step, memory_step = (
+            ({}, {})
+            if fused
+            else (self.device_step_cpu_s_per_gparam_by_precision, self.memory_step_s_per_gparam_by_precision)
         )
         return Profile(
             name=self.name,
@@ -269,6 +291,8 @@ class Machine:
             transfer_bytes=self.transfer_bytes,
             device_update_gparams_per_s=device_rate,
             update_cost_by_precision=dict(costs),
+            device_step_cpu_s_per_gparam_by_precision=dict(device_step),
+            memory_step_s_per_gparam_by_precision=dict(memory_step),
             max_devices=len(paths),
             # A device streams 1M-element chunks whatever the sub-group; its pool and staging are host memory.
             device_memory_gb=self.host_memory_gb,

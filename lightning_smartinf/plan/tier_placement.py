@@ -123,7 +123,7 @@ def place_state(
     # State bytes per second each device updates: its I/O at its weight's share of the nominal speed.
     unit = 1 / max(1 / read + 1 / write, 1 / update)
     rates = [unit * w / max(weights) for w in weights]
-    memory_rate = prof.host_update_gparams_per_s * 1e9 / cost * per_param
+    memory_rate = prof.memory_update_rate(work.state_precision) * per_param
     emulated = not prof.gradient_staged_on_ssd and prof.network_gbps is None
     # Emulated devices beside a GPU update during the step's last backward (2 of 3 parts of forward + backward).
     with_gpu = emulated and prof.gpu_peak_tflops is not None
@@ -139,7 +139,8 @@ def place_state(
         memory = memory_share(memory_budget, max(0.0, state - backward_s * sum(rates)), memory_rate, sum(rates))
     rest = state - memory
     device_bytes = tuple(rest * r / sum(rates) for r in rates)
-    seconds_per_byte = 1 / update  # one device's arithmetic, seconds of one core per state byte
+    # What the devices' step costs the cores, seconds of one core per state byte (their update, hand-offs, I/O calls).
+    seconds_per_byte = prof.device_cpu_seconds(work.state_precision) / per_param
 
     def overlapped(on_devices: float) -> tuple[float, float]:
         if not (on_cpu and overlap_backward):
