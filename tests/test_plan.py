@@ -288,6 +288,22 @@ def test_calibrate_writes_a_usable_profile(tmp_path, capsys):
         load_profile(out)
 
 
+def test_calibrate_asks_for_the_space_it_will_write_before_writing_any(tmp_path, small_fs, capsys):
+    """Each path takes three files of `--calibrate-mb`; the first also holds the real steps' state (12 bytes each of
+    its elements): a path with less free space is refused, by name and size, and nothing is written there."""
+    from lightning_smartinf.plan.calibrate import STEP_ELEMENTS
+
+    small = small_fs("64m")  # room for the probe files of 8 MiB, not for the steps' state
+    assert main(["--calibrate", str(small), str(tmp_path), "--calibrate-mb", "8"]) == 2
+    need = (3 * 8 * 2**20 + 12 * STEP_ELEMENTS) / 1e9
+    assert f"`--calibrate {small}`: needs {need:.2f} GB free, has 0.07 GB" in capsys.readouterr().err
+    assert not list(small.iterdir())
+    # Second, it holds the probe files only.
+    out = tmp_path / "profile.json"
+    assert main(["--calibrate", str(tmp_path), str(small), "--calibrate-mb", "8", "-o", str(out)]) == 0
+    assert not list(small.iterdir())
+
+
 # ------------------------------------------------------------------------------------------ remote device servers
 
 

@@ -36,6 +36,9 @@ from lightning_smartinf.plan.cost_model import PlanError
 from lightning_smartinf.plan.machine import MACHINE_KIND
 
 MiB = 1 << 20
+#: Elements of the real device and memory-tier steps timed per state format (fp32 state: 12 bytes each, on the first
+#: path).
+STEP_ELEMENTS = 32 << 20
 #: Bytes of each request of the measurements (the strategy's chunk records are 12 MiB, streamed in 1 MiB requests).
 BLOCK = 4 * MiB
 
@@ -371,7 +374,9 @@ def _backend_step(paths: Sequence[Path], numel: int) -> float:
     return min(times) / (per * shards_n) * 1e9
 
 
-def _step_seconds(directory: Path, precision: str, numel: int = 32 << 20, *, in_memory: bool) -> tuple[float, float]:
+def _step_seconds(
+    directory: Path, precision: str, numel: int = STEP_ELEMENTS, *, in_memory: bool
+) -> tuple[float, float]:
     """Wall and CPU seconds (every thread of this process) per 1e9 elements of one real optimizer step: a ``cpu``
     device's with its state in ``directory``, or the memory tier's (``in_memory``); Adam(W) as recipes build it, the
     state in ``precision``, bf16 gradients in and parameters out. The best of two steps after the first."""
@@ -429,9 +434,9 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
     import torch
 
     roots = [Path(os.path.abspath(p)) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
-    need = 3 * megabytes * MiB
     problems = []
-    for root in roots:
+    for index, root in enumerate(roots):
+        need = 3 * megabytes * MiB + (12 * STEP_ELEMENTS if index == 0 else 0)  # the steps run on the first path
         if not root.is_dir():
             problems.append(f"`--calibrate {root}`: not a directory. Pass directories on the storage to measure.")
         elif (free := shutil.disk_usage(root).free) < need:
