@@ -341,48 +341,51 @@ def _host_adam_rate(numel: int) -> float:
     return numel / _best_seconds(lambda _: opt.step())
 
 
-def _backend_step(paths: Sequence[Path], numel: int) -> float:
-    """Seconds per 1e9 parameters of one ``CpuBackend`` optimizer step, one device per path (O_DIRECT)."""
+def _timed_steps(backend: Any, shards: int, per: int, steps: int, precision: str = "fp32") -> list[tuple[float, float]]:
+    """Open ``shards`` shards of ``per`` elements on ``backend`` (Adam(W) as recipes build it, the state in
+    ``precision``) and run ``steps`` optimizer steps, bf16 gradients in and parameters out; each step's wall and CPU
+    seconds (every thread of this process). Closes ``backend``."""
     import torch
 
     from lightning_smartinf.core import Adam, ShardSpec, StepParams
+
+    try:
+        rule = Adam(decoupled_weight_decay=True)
+        backend.open([ShardSpec(i, per, rule, state_format=precision) for i in range(shards)])
+        for i in range(shards):
+            backend.initialize(i, torch.randn(per))
+        backend.wait()
+        grads = [torch.randn(per).to(torch.bfloat16) for _ in range(shards)]
+        params = [torch.empty(per, dtype=torch.bfloat16) for _ in range(shards)]
+        timed = []
+        for step in range(1, steps + 1):
+            wall, cpu = time.perf_counter(), time.process_time()
+            for i in range(shards):
+                backend.submit(i, grads[i], StepParams(step=step, lr=1e-3), params[i])
+            backend.wait()  # every update and write-back done
+            timed.append((time.perf_counter() - wall, time.process_time() - cpu))
+        return timed
+    finally:
+        backend.close()
+
+
+def _backend_step(paths: Sequence[Path], numel: int) -> float:
+    """Seconds per 1e9 parameters of one ``CpuBackend`` optimizer step, one device per path (O_DIRECT)."""
     from lightning_smartinf.devices.cpu import CpuBackend
 
     dirs = [path / "device" for path in paths]
-    shards_n = 4 * len(dirs)
-    per = numel // shards_n // 1024 * 1024
-    backend = CpuBackend(dirs, owned_dirs=dirs)
-    try:
-        rule = Adam(decoupled_weight_decay=True)
-        backend.open([ShardSpec(i, per, rule) for i in range(shards_n)])
-        for i in range(shards_n):
-            backend.initialize(i, torch.randn(per))
-        backend.wait()
-        grads = [torch.randn(per).to(torch.bfloat16) for _ in range(shards_n)]
-        outs = [torch.empty(per, dtype=torch.bfloat16) for _ in range(shards_n)]
-        times = []
-        for step in (1, 2):
-            t0 = time.perf_counter()
-            for i in range(shards_n):
-                backend.submit(i, grads[i], StepParams(step=step, lr=1e-3), outs[i])
-            backend.wait()
-            for device in backend.devices:
-                device.drain()
-            times.append(time.perf_counter() - t0)
-    finally:
-        backend.close()
-    return min(times) / (per * shards_n) * 1e9
+    shards = 4 * len(dirs)
+    per = numel // shards // 1024 * 1024
+    wall_s, _ = min(_timed_steps(CpuBackend(dirs, owned_dirs=dirs), shards, per, steps=2))
+    return wall_s / (per * shards) * 1e9
 
 
 def _step_seconds(
     directory: Path, precision: str, numel: int = STEP_ELEMENTS, *, in_memory: bool
 ) -> tuple[float, float]:
     """Wall and CPU seconds (every thread of this process) per 1e9 elements of one real optimizer step: a ``cpu``
-    device's with its state in ``directory``, or the memory tier's (``in_memory``); Adam(W) as recipes build it, the
-    state in ``precision``, bf16 gradients in and parameters out. The best of two steps after the first."""
-    import torch
-
-    from lightning_smartinf.core import Adam, ShardSpec, StepParams
+    device's with its state in ``directory``, or the memory tier's (``in_memory``); the state in ``precision``. The
+    best of two steps after the first."""
     from lightning_smartinf.core.build import tiers_over
     from lightning_smartinf.devices.cpu import CpuBackend
 
@@ -393,24 +396,7 @@ def _step_seconds(
         backend = tiers_over(
             backend, memory_bytes=1 << 50, devices_compute=True, measure_memory_share=False, chunk_elems=1 << 20
         )
-    try:
-        rule = Adam(decoupled_weight_decay=True)
-        backend.open([ShardSpec(i, per, rule, state_format=precision) for i in range(shards)])
-        for i in range(shards):
-            backend.initialize(i, torch.randn(per))
-        backend.wait()
-        grads = [torch.randn(per).to(torch.bfloat16) for _ in range(shards)]
-        params = [torch.empty(per, dtype=torch.bfloat16) for _ in range(shards)]
-        timed = []
-        for step in (1, 2, 3):
-            wall, cpu = time.perf_counter(), time.process_time()
-            for i in range(shards):
-                backend.submit(i, grads[i], StepParams(step=step, lr=1e-3), params[i])
-            backend.wait()
-            timed.append((time.perf_counter() - wall, time.process_time() - cpu))
-    finally:
-        backend.close()
-    wall_s, cpu_s = min(timed[1:])
+    wall_s, cpu_s = min(_timed_steps(backend, shards, per, steps=3, precision=precision)[1:])
     return wall_s / (per * shards) * 1e9, cpu_s / (per * shards) * 1e9
 
 
