@@ -263,6 +263,9 @@ def test_calibrate_measures_every_path_alone_and_together(tmp_path, capsys):
     assert machine.baseline_update_gparams_per_s == data["measured"]["fused_adamw_gparams_per_s"] > 0
     assert machine.to_profile([0]).baseline_update_gparams_per_s == machine.baseline_update_gparams_per_s
     assert data["measured"]["shared_bandwidth"] is True
+    # All paths at once, at the start and at the end: the profile takes their mean.
+    start, end = data["measured"]["together_gbps_start"], data["measured"]["together_gbps_end"]
+    assert start > 0 and end > 0 and machine.together_read_write_gbps == pytest.approx((start + end) / 2, abs=1e-3)
     assert not list(paths[0].iterdir())  # the test files are gone
     # A fused optimizer's rates, measured apart: the planner takes them with --fused.
     assert machine.fused_update_gparams_per_s > 0 and set(machine.fused_update_cost_by_precision) == {
@@ -296,6 +299,21 @@ def test_calibrate_measures_every_path_alone_and_together(tmp_path, capsys):
     assert main(["--model", "100M", "--profile", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f'storage_paths=["{paths[0]}"' in printed and "not modelled" not in printed
+
+
+def test_a_disk_whose_rate_moved_while_calibrating_is_named_in_the_plan(tmp_path, capsys):
+    """A calibration that measured the paths at once 1.0 then 1.5 GB/s: the plan says so beside the paths, and that a
+    disk-bound step may move as much; a rate that held, or a profile without the two measurements, says nothing."""
+    said = "note: the paths' rate at once moved from 1.00 to 1.50 GB/s (+50%) while calibrating"
+    for measured, shown in (({"together_gbps_start": 1.0, "together_gbps_end": 1.5}, True),
+                            ({"together_gbps_start": 1.0, "together_gbps_end": 1.1}, False),
+                            ({}, False)):  # fmt: skip
+        profile = tmp_path / "machine.json"
+        profile.write_text(json.dumps({**cpu_machine().to_dict(), "measured": measured}))
+        assert main(["--model", "1B", "--profile", str(profile), "--batch", "1"]) == 0
+        out = capsys.readouterr().out
+        assert (said in out) is shown and ("calibrate again near the run" in out) is shown
+    assert cpu_machine(measured={"together_gbps_start": 2.0, "together_gbps_end": 1.0}).disk_swing() == (2.0, 1.0)
 
 
 def cpu_machine(**changes) -> Machine:

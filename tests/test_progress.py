@@ -134,6 +134,6 @@ def test_calibration_says_what_it_measures_and_when_it_is_done(tmp_path):
         env=worker_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "Measuring this machine: 9 measurements ..." in done.stderr
-    assert re.search(r"^Measuring this machine: 9 measurements in [\d.]+ s \([\d.,]+ measurements/s\)$", done.stderr,
+    assert "Measuring this machine: 10 measurements ..." in done.stderr
+    assert re.search(r"^Measuring this machine: 10 measurements in [\d.]+ s \([\d.,]+ measurements/s\)$", done.stderr,
                      re.MULTILINE), done.stderr[-3000:]  # fmt: skip

@@ -103,6 +103,12 @@ def _at_once(work: Sequence[Callable[[], None]]) -> float:
     return time.perf_counter() - started
 
 
+def _together(probes: Sequence[_Probe]) -> float:
+    """GB/s of reads plus writes with every path reading one file and writing another, all at once."""
+    seconds = _at_once([stream for probe in probes for stream in probe.streams()])
+    return 2 * sum(probe.nbytes for probe in probes) / seconds / 1e9
+
+
 def _alone(probe: _Probe) -> dict[str, Any]:
     """One path by itself: write, read, then reads and writes at once (GB/s; the last counts both)."""
     t0 = time.perf_counter()
@@ -437,8 +443,9 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
     for root in roots:
         remove_leftovers(root, "smartinf-calibrate")  # the probe files of a calibration that was killed
     probes: list[_Probe] = []
-    # Each path alone, all at once, the update rates (fp32, fused AdamW, each precision), a backend step.
-    measure = Progress("measuring this machine", len(roots) + 8, unit="measurements", announce=True)
+    # Each path alone, all at once, the update rates (fp32, fused AdamW, each precision), real steps, CPU training,
+    # and all paths at once again.
+    measure = Progress("measuring this machine", len(roots) + 9, unit="measurements", announce=True)
     with contextlib.ExitStack() as scratch:
         work = [scratch.enter_context(scratch_directory("smartinf-calibrate", root)) for root in roots]
         try:
@@ -447,12 +454,8 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             for probe in probes:
                 alone.append(_alone(probe))
                 measure.update(1)
-            together_s = _at_once([stream for probe in probes for stream in probe.streams()])
-            together = 2 * megabytes * MiB * len(probes) / together_s / 1e9
+            together_start = _together(probes)
             measure.update(1)
-            for probe in probes:
-                probe.close()
-            probes = []
             update = _update_rate_best(8 << 20)
             measure.update(1)
             fused = _host_adam_rate(8 << 20)
@@ -468,6 +471,9 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             measure.update(1)
             reduce_passes = _reduce_passes()
             measure.update(1)
+            # All paths at once again, half a minute later: a disk whose rate moves by the minute shows it here.
+            together_end = _together(probes)
+            measure.update(1)
             measure.close()
         finally:
             measure.close(failed=True)  # after `close()`, nothing more
@@ -481,6 +487,7 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
     when = _dt.date.today().isoformat()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     sum_alone = sum(a["read_write_gbps"] for a in alone)
+    together = (together_start + together_end) / 2
     shared = len(set(disks)) < len(disks) or (len(roots) > 1 and together < 0.75 * sum_alone)
     described = f"{len(roots)} path(s) on {len(set(disks))} disk(s)" + (
         f", sharing bandwidth: {together:.2f} GB/s at once, {sum_alone:.2f} alone summed" if shared else ""
@@ -530,7 +537,8 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
         "sources": {
             "storage": f"measured: O_DIRECT={alone[0]['direct_io']} StateFile+ThreadedIO, {megabytes} MiB per path, "
             "4 MiB requests: written then read, then one file read while another is written (read_write_gbps)",
-            "together_read_write_gbps": "measured: every path reading one file and writing another, all at once",
+            "together_read_write_gbps": "measured: every path reading one file and writing another, all at once, "
+            "at the start and at the end of the calibration (measured.together_gbps_start, _end): their mean",
             "disk": "/sys/dev/block of each path's filesystem; paths on one disk share its bandwidth",
             "host_memory_gb": "psutil: total RAM",
             "device_update_gparams_per_s": "measured: cpu backend Adam(W), 1M-element chunks of 8M in-memory fp32 "
@@ -565,6 +573,8 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
         "measured": {
             "paths": [{"path": str(root), **a} for root, a in zip(roots, alone)],
             "together_gbps": together,
+            "together_gbps_start": round(together_start, 3),
+            "together_gbps_end": round(together_end, 3),
             "shared_bandwidth": shared,
             "host_memory_available_gb": round(memory.available / 1e9, 1),
             "torch_threads": torch.get_num_threads(),

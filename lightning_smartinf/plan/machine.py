@@ -34,6 +34,8 @@ from lightning_smartinf.plan.cost_model import (
 
 __all__ = ["MACHINE_KIND", "Gpu", "Machine", "StoragePath", "is_machine", "load_any"]
 
+#: How far the paths' rate may move between the start and the end of a calibration before the plan says so.
+DISK_SWING = 0.2
 #: The ``kind`` of a machine profile in its JSON.
 MACHINE_KIND = "local-nvme"
 
@@ -219,6 +221,14 @@ class Machine:
             disk = self.disk_of(i)
             best[disk] = max(best.get(disk, 0.0), self.storage[i].state_gbps)
         return sum(best.values())
+
+    def disk_swing(self) -> tuple[float, float] | None:
+        """The paths' rate at once (GB/s) at the start and at the end of the calibration that wrote this profile,
+        where they differ by more than :data:`DISK_SWING` of the start's; ``None`` otherwise or unmeasured."""
+        start, end = self.measured.get("together_gbps_start"), self.measured.get("together_gbps_end")
+        if not (isinstance(start, (int, float)) and isinstance(end, (int, float)) and start > 0):
+            return None
+        return (start, end) if abs(end / start - 1) > DISK_SWING else None
 
     def aggregate_gbps(self, indices: Sequence[int]) -> float:
         """State bytes per second (GB/s, reads plus writes) the paths ``indices`` stream together: their disks' sum,

@@ -569,6 +569,13 @@ def format_machine_plan(plan: MachinePlan, python_header: str, yaml_header: str)
             f"disk {m.disk_of(i)}; {_gb(_free(m, i))} GB free{used}"
         )
     lines.append(f"  the {len(plan.paths)} path(s) used, together: {m.aggregate_gbps(plan.paths):.2f} GB/s read+write")
+    if (swing := m.disk_swing()) is not None:
+        start, end = swing
+        lines += [
+            f"  note: the paths' rate at once moved from {start:.2f} to {end:.2f} GB/s ({end / start - 1:+.0%}) "
+            "while calibrating (the plan takes their mean):",
+            "        a step the disk bounds may move as much; calibrate again near the run",
+        ]
     base = plan.all_on_disk_s
     lines += [
         "",
