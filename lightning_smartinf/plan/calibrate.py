@@ -117,12 +117,11 @@ def _alone(probe: _Probe) -> dict[str, Any]:
     t0 = time.perf_counter()
     probe.read(probe.a)
     read_s = time.perf_counter() - t0
-    both_s = _at_once(probe.streams())
     return {
         "direct_io": probe.a.direct,
         "read_gbps": probe.nbytes / read_s / 1e9,
         "write_gbps": probe.nbytes / write_s / 1e9,
-        "read_write_gbps": 2 * probe.nbytes / both_s / 1e9,
+        "read_write_gbps": _together([probe]),
         "bytes": probe.nbytes,
     }
 
