@@ -136,26 +136,26 @@ def check_rates(problems: Problems, values: dict[str, Any]) -> None:
             problems.number(name, value, low=0, high=1, above=True, why="a share of the peak rate")
 
 
-def check_update_costs(
-    problems: Problems,
-    costs: Any,
-    key: str = "update_cost_by_precision",
-    why: str = "time per element relative to fp32's",
-) -> None:
-    """Check ``update_cost_by_precision`` (or ``key``, another figure per format, ``why`` saying what): a mapping of
-    state formats to numbers > 0."""
-    if problems.instance(key, costs, dict, f"a map of {', '.join(FORMATS)} to numbers"):
-        within = problems.within(key)
-        if problems.keys(key, costs, FORMATS):
-            for name, value in costs.items():
-                within.number(name, value, low=0, above=True, why=why)
-
-
-#: The figures per state format a profile may carry besides ``update_cost_by_precision``, with what each number is.
-STEP_SECONDS_BY_PRECISION = {
+#: A profile's figures per state format, with what each number is.
+BY_PRECISION = {
+    "update_cost_by_precision": "time per element relative to fp32's",
+    "fused_update_cost_by_precision": "time per element relative to fp32's",
     "device_step_cpu_s_per_gparam_by_precision": "CPU seconds per 1e9 elements",
     "memory_step_s_per_gparam_by_precision": "seconds per 1e9 elements",
 }
+
+
+def check_by_precision(problems: Problems, values: dict[str, Any]) -> None:
+    """Check each of a profile's figures per state format (:data:`BY_PRECISION`) among ``values``: a mapping of state
+    formats to numbers > 0."""
+    for key, why in BY_PRECISION.items():
+        if key not in values:
+            continue
+        if problems.instance(key, values[key], dict, f"a map of {', '.join(FORMATS)} to numbers"):
+            within = problems.within(key)
+            if problems.keys(key, values[key], FORMATS):
+                for name, value in values[key].items():
+                    within.number(name, value, low=0, above=True, why=why)
 
 
 @dataclass(frozen=True)
@@ -240,9 +240,7 @@ class Profile:
         # The fields left out keep their defaults, all valid: only the values given are checked.
         check_rates(problems, clean)
         problems.integer("cpu_cores", clean.get("cpu_cores"), low=1, optional=True)
-        check_update_costs(problems, clean.get("update_cost_by_precision", {}))
-        for key, why in STEP_SECONDS_BY_PRECISION.items():
-            check_update_costs(problems, clean.get(key, {}), key, why)
+        check_by_precision(problems, clean)
         problems.raise_if_any()
         return cls(**clean)
 

@@ -23,14 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_smartinf.core.arguments import Problems
-from lightning_smartinf.plan.cost_model import (
-    STEP_SECONDS_BY_PRECISION,
-    PlanError,
-    Profile,
-    check_rates,
-    check_update_costs,
-    read_profile,
-)
+from lightning_smartinf.plan.cost_model import PlanError, Profile, check_by_precision, check_rates, read_profile
 
 __all__ = ["MACHINE_KIND", "Gpu", "Machine", "StoragePath", "is_machine", "load_any"]
 
@@ -177,10 +170,7 @@ class Machine:
         check_rates(problems, {k: v for k, v in data.items() if k in known and k not in _NUMBERS})
         problems.number("state_memory_gb", data.get("state_memory_gb"), low=0, optional=True)
         problems.integer("cpu_cores", data.get("cpu_cores"), low=1, optional=True)
-        check_update_costs(problems, data.get("update_cost_by_precision", {}))
-        check_update_costs(problems, data.get("fused_update_cost_by_precision", {}), "fused_update_cost_by_precision")
-        for key, why in STEP_SECONDS_BY_PRECISION.items():
-            check_update_costs(problems, data.get(key, {}), key, why)
+        check_by_precision(problems, data)
         problems.choice("transfer_bytes", data.get("transfer_bytes", 2), (2, 4))
         problems.raise_if_any()
         clean = {k: v for k, v in data.items() if k in known}
