@@ -89,39 +89,48 @@ static inline uint8_t root_code(uint32_t bits) {
     return (uint8_t)(code | (uint32_t)((code == 0u) & (magnitude != 0u)));
 }
 
+/* Store one block of BLOCK values as int8 codes[BLOCK] and *scale: `coded` holds the values the codes encode (a state
+ * that is never negative: its values' square roots, then root codes; else the values, then E4M3 codes). Read, never
+ * written. */
+static void int8_store_block(const float *coded, int root, uint8_t *codes, float *scale) {
+    /* The largest magnitude: non-negative floats order as their bits do (and a NaN, above infinity, makes the scale
+     * NaN, as torch's amax does). */
+    uint32_t largest = 0;
+    for (int i = 0; i < BLOCK; ++i) {
+        uint32_t bits;
+        memcpy(&bits, coded + i, 4);
+        uint32_t magnitude = bits & 0x7FFFFFFFu;
+        largest = magnitude > largest ? magnitude : largest;
+    }
+    union { uint32_t u; float f; } top = {largest};
+    float step = top.f / (root ? ROOT_MAX : E4M3_MAX);
+    float divisor = step == 0.0f ? 1.0f : step;
+    union { float f[BLOCK]; uint32_t u[BLOCK]; } quotient;
+    for (int i = 0; i < BLOCK; ++i) quotient.f[i] = coded[i] / divisor;
+    if (root) {
+        for (int i = 0; i < BLOCK; ++i) codes[i] = root_code(quotient.u[i]);
+    } else {
+        for (int i = 0; i < BLOCK; ++i) codes[i] = e4m3_code(quotient.u[i]);
+    }
+    *scale = step;
+}
+
 /* Store n fp32 values as int8: codes[ceil(n / 256) * 256], then scales[ceil(n / 256)]. The values are read, never
  * written; sqrt_first: store their square roots in the root code (a state that is never negative), else E4M3 codes. */
 void smartinf_int8_store(const float *values, int64_t n, int sqrt_first, uint8_t *codes, float *scales) {
-    union { float f[BLOCK]; uint32_t u[BLOCK]; } block;
+    float block[BLOCK];
     int64_t blocks = (n + BLOCK - 1) / BLOCK;
     for (int64_t b = 0; b < blocks; ++b) {
         int64_t start = b * BLOCK;
         int64_t count = n - start < BLOCK ? n - start : BLOCK;
         const float *in = values + start;
         if (sqrt_first) {
-            for (int64_t i = 0; i < count; ++i) block.f[i] = sqrtf(in[i]);
+            for (int64_t i = 0; i < count; ++i) block[i] = sqrtf(in[i]);
         } else {
-            for (int64_t i = 0; i < count; ++i) block.f[i] = in[i];
+            for (int64_t i = 0; i < count; ++i) block[i] = in[i];
         }
-        for (int64_t i = count; i < BLOCK; ++i) block.f[i] = 0.0f;
-        /* The largest magnitude: non-negative floats order as their bits do (and a NaN, above infinity, makes the
-         * scale NaN, as torch's amax does). */
-        uint32_t largest = 0;
-        for (int i = 0; i < BLOCK; ++i) {
-            uint32_t magnitude = block.u[i] & 0x7FFFFFFFu;
-            largest = magnitude > largest ? magnitude : largest;
-        }
-        union { uint32_t u; float f; } top = {largest};
-        float scale = top.f / (sqrt_first ? ROOT_MAX : E4M3_MAX);
-        float divisor = scale == 0.0f ? 1.0f : scale;
-        for (int i = 0; i < BLOCK; ++i) block.f[i] = block.f[i] / divisor;
-        uint8_t *out = codes + start;
-        if (sqrt_first) {
-            for (int i = 0; i < BLOCK; ++i) out[i] = root_code(block.u[i]);
-        } else {
-            for (int i = 0; i < BLOCK; ++i) out[i] = e4m3_code(block.u[i]);
-        }
-        scales[b] = scale;
+        for (int64_t i = count; i < BLOCK; ++i) block[i] = 0.0f;
+        int8_store_block(block, sqrt_first, codes + start, scales + b);
     }
 }
 
@@ -201,9 +210,11 @@ static inline float lerp(float start, float end, float weight) {
     return (weight < 0.5f && weight > -0.5f) ? fmaf(weight, diff, start) : fmaf(weight - 1.0f, diff, end);
 }
 
-/* Update `count` elements of p (masters), m and v (fp32) with the gradient g. The flags do not change within the loop:
- * the compiler takes their branches out of it and vectorises each variant. */
-static void adam_block(float *p, const float *g, float *m, float *v, int64_t count, const float *s, int flags) {
+/* Update `count` elements of p (masters), m and v (fp32) with the gradient g; roots (unless NULL) takes each new v's
+ * square root, the one its update divides by, which the "int8" format stores. The flags and roots do not change within
+ * the loop: the compiler takes their branches out of it and vectorises each variant. */
+static void adam_block(float *p, const float *g, float *m, float *v, float *roots, int64_t count, const float *s,
+                       int flags) {
     const float decay_mul = s[0], l2_decay = s[1], lerp_weight = s[2], beta2 = s[3], one_minus_beta2 = s[4];
     const float bias_correction2_sqrt = s[5], eps = s[6], neg_step_size = s[7];
     const float sign = (flags & ADAM_MAXIMIZE) ? -1.0f : 1.0f; /* exact: a negation */
@@ -214,10 +225,12 @@ static void adam_block(float *p, const float *g, float *m, float *v, int64_t cou
         if (l2) ge = fmaf(pe, l2_decay, ge);
         float me = lerp(m[i], ge, lerp_weight);
         float ve = fmaf(one_minus_beta2 * ge, ge, v[i] * beta2);
-        float denom = sqrtf(ve) / bias_correction2_sqrt + eps;
+        float root = sqrtf(ve);
+        float denom = root / bias_correction2_sqrt + eps;
         p[i] = pe + (neg_step_size * me) / denom;
         m[i] = me;
         v[i] = ve;
+        if (roots != NULL) roots[i] = root;
     }
 }
 
@@ -364,7 +377,7 @@ static void masters_out(const struct masters *at, int64_t start, int64_t count, 
 static void adam_int8(const struct masters *at, const struct gradient *grad, int64_t n, int64_t padded,
                       uint8_t *exp_avg_codes, float *exp_avg_scales, uint8_t *exp_avg_sq_codes,
                       float *exp_avg_sq_scales, const float *scalars, int flags) {
-    float m[BLOCK], v[BLOCK], local[BLOCK], g[BLOCK];
+    float m[BLOCK], v[BLOCK], roots[BLOCK], local[BLOCK], g[BLOCK];
     int64_t blocks = padded / BLOCK;
     for (int64_t b = 0; b < blocks; ++b) {
         int64_t start = b * BLOCK;
@@ -378,9 +391,10 @@ static void adam_int8(const struct masters *at, const struct gradient *grad, int
         float *p = masters_in(at, start, count, local);
         smartinf_int8_load(exp_avg_codes + start, exp_avg_scales + b, BLOCK, 0, m);
         smartinf_int8_load(exp_avg_sq_codes + start, exp_avg_sq_scales + b, BLOCK, 1, v);
-        adam_block(p, gradient_in(grad, start, count, g), m, v, count, scalars, flags);
-        smartinf_int8_store(m, BLOCK, 0, exp_avg_codes + start, exp_avg_scales + b);
-        smartinf_int8_store(v, BLOCK, 1, exp_avg_sq_codes + start, exp_avg_sq_scales + b);
+        adam_block(p, gradient_in(grad, start, count, g), m, v, roots, count, scalars, flags);
+        for (int64_t i = count; i < BLOCK; ++i) roots[i] = sqrtf(v[i]); /* padding: loaded, stored again */
+        int8_store_block(m, 0, exp_avg_codes + start, exp_avg_scales + b);
+        int8_store_block(roots, 1, exp_avg_sq_codes + start, exp_avg_sq_scales + b);
         masters_out(at, start, count, p);
     }
 }
@@ -425,7 +439,7 @@ static void adam_bf16(const struct masters *at, const struct gradient *grad, int
             m[i] = bf16_value(exp_avg[start + i]);
             v[i] = bf16_value(exp_avg_sq[start + i]);
         }
-        adam_block(p, gradient_in(grad, start, count, g), m, v, count, scalars, flags);
+        adam_block(p, gradient_in(grad, start, count, g), m, v, NULL, count, scalars, flags);
         for (int64_t i = 0; i < count; ++i) {
             exp_avg[start + i] = bf16_bits(m[i]);
             exp_avg_sq[start + i] = bf16_bits(v[i]);
