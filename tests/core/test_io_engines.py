@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ from helpers.machine import aio_op, lacking
 from torch.testing import assert_close
 
 from lightning_smartinf.core import Adam, ShardSpec, StepParams
-from lightning_smartinf.core.io.direct import IOEngine, StateFile, ThreadedIO, aligned_empty
+from lightning_smartinf.core.io.direct import HUGE_PAGE, IO_ALIGN, IOEngine, StateFile, ThreadedIO, aligned_empty
 from lightning_smartinf.devices.cpu import CpuBackend
 
 
@@ -30,6 +31,43 @@ def _round_trip(engine: IOEngine, tmp_path) -> None:
     assert torch.equal(src, dst)
     file.close()
     engine.close()
+
+
+def _mapping_flags(address: int) -> list[str] | None:
+    """The ``VmFlags`` of the mapping of this process that holds ``address`` (``/proc/self/smaps``), or ``None``."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return None
+
+
+def test_a_large_buffer_is_aligned_to_huge_pages_asks_for_them_and_goes_with_its_tensor():
+    """Direct transfers from huge pages are one segment each, not a 4 KiB page's: a buffer of at least a huge page
+    starts on one and its mapping carries the advice (``hg``: ``MADV_HUGEPAGE``); its memory lives as long as any view
+    of it and no longer. A smaller buffer is ordinary memory, ``IO_ALIGN``-aligned."""
+    nbytes = 3 * HUGE_PAGE + IO_ALIGN
+    buf = aligned_empty(nbytes, torch.float32)
+    address = buf.data_ptr()
+    assert address % HUGE_PAGE == 0 and buf.numel() * 4 == nbytes
+    assert "hg" in _mapping_flags(address)
+    buf.fill_(1.5)
+    view = buf[-4:]
+    del buf
+    gc.collect()
+    assert view.tolist() == [1.5] * 4  # the mapping stays while a view does
+    del view
+    gc.collect()
+    assert _mapping_flags(address) is None, "the buffer's memory outlived its tensor"
+
+    small = aligned_empty(HUGE_PAGE - IO_ALIGN)
+    assert small.data_ptr() % IO_ALIGN == 0 and small.numel() == HUGE_PAGE - IO_ALIGN
+    assert "hg" not in (_mapping_flags(small.data_ptr()) or [])
 
 
 @pytest.mark.parametrize(("block", "depth"), [(4096, 1), (1 << 16, 4), (1 << 20, 8)])
