@@ -24,6 +24,7 @@ from lightning_smartinf.plan.cost_model import (
     fwd_bwd_time,
     gpu_link_bytes,
     gradient_link_bytes,
+    iteration,
     zero_infinity,
 )
 from lightning_smartinf.plan.machine import Machine, load_any
@@ -266,6 +267,13 @@ def test_calibrate_measures_every_path_alone_and_together(tmp_path, capsys):
     # All paths at once, at the start and at the end: the profile takes their mean.
     start, end = data["measured"]["together_gbps_start"], data["measured"]["together_gbps_end"]
     assert start > 0 and end > 0 and machine.together_read_write_gbps == pytest.approx((start + end) / 2, abs=1e-3)
+    # And beside each, from buffers of ordinary pages (ZeRO-Infinity's): the comparison's disk rates scale by it.
+    start, end = data["measured"]["baseline_together_gbps_start"], data["measured"]["baseline_together_gbps_end"]
+    assert start > 0 and end > 0
+    assert machine.baseline_together_read_write_gbps == pytest.approx((start + end) / 2, abs=1e-3)
+    assert machine.to_profile([0]).baseline_storage_scale == pytest.approx(
+        machine.baseline_together_read_write_gbps / machine.together_read_write_gbps
+    )
     assert not list(paths[0].iterdir())  # the test files are gone
     # A fused optimizer's rates, measured apart: the planner takes them with --fused.
     assert machine.fused_update_gparams_per_s > 0 and set(machine.fused_update_cost_by_precision) == {
@@ -314,6 +322,23 @@ def test_a_disk_whose_rate_moved_while_calibrating_is_named_in_the_plan(tmp_path
         out = capsys.readouterr().out
         assert (said in out) is shown and ("calibrate again near the run" in out) is shown
     assert cpu_machine(measured={"together_gbps_start": 2.0, "together_gbps_end": 1.0}).disk_swing() == (2.0, 1.0)
+
+
+def test_zero_infinitys_disk_is_what_its_buffers_of_ordinary_pages_reached():
+    """ZeRO-Infinity swaps its state through buffers of ordinary pages; the devices' are huge pages. Where calibration
+    saw the paths at once reach 60% as much from ordinary pages, the comparison's state traffic takes 1/0.6 as long,
+    and nothing of ours changes; a profile without that measurement compares at the devices' rate, as before."""
+    work = workload_from_model("7B")
+    same = cpu_machine(together_read_write_gbps=2.0)
+    slower = replace(same, baseline_together_read_write_gbps=1.2)
+    assert same.to_profile([0]).baseline_storage_scale == 1.0
+    assert slower.to_profile([0]).baseline_storage_scale == pytest.approx(0.6)
+    ours = [iteration("su_o", work, m.to_profile([0]), 1) for m in (same, slower)]
+    assert ours[0] == ours[1]
+    base = [iteration("zero_infinity", work, m.to_profile([0]), 1) for m in (same, slower)]
+    assert base[1].storage_io == pytest.approx(base[0].storage_io / 0.6)
+    assert base[1].grad_transfer == pytest.approx(base[0].grad_transfer / 0.6)
+    assert base[1].fwd_bwd == base[0].fwd_bwd and base[1].update == base[0].update
 
 
 def cpu_machine(**changes) -> Machine:

@@ -44,7 +44,9 @@ BLOCK = 4 * MiB
 
 
 class _Probe:
-    """Two state files on one path, ``a`` and ``b``, moved through the project's I/O path in 4 MiB requests."""
+    """Two state files on one path, ``a`` and ``b``, moved through the project's I/O path in 4 MiB requests: from
+    its own buffers (huge pages where the OS gives them), or from buffers of ordinary pages, as ZeRO-Infinity's swap
+    buffers are (``ordinary``)."""
 
     def __init__(self, directory: Path, nbytes: int) -> None:
         import torch
@@ -53,24 +55,28 @@ class _Probe:
 
         self.nbytes = nbytes
         self.io = ThreadedIO(block_size=1 * MiB, queue_depth=8)
-        self.out = aligned_empty(BLOCK)
-        self.out.view(torch.uint8).random_(0, 255)
-        self.into = aligned_empty(BLOCK)
+        # (out, into): the project's buffers, and (ordinary=True) buffers of ordinary pages
+        self.buffers = {
+            ordinary: (aligned_empty(BLOCK, huge_pages=not ordinary), aligned_empty(BLOCK, huge_pages=not ordinary))
+            for ordinary in (False, True)
+        }
+        for out, _ in self.buffers.values():
+            out.view(torch.uint8).random_(0, 255)
         self.a = StateFile(directory / "bw-a.bin", nbytes, create=True)
         self.b = StateFile(directory / "bw-b.bin", nbytes, create=True)
 
-    def write(self, file: Any) -> None:
+    def write(self, file: Any, ordinary: bool = False) -> None:
         for offset in range(0, self.nbytes, BLOCK):
-            self.io.write(file, self.out, offset)
+            self.io.write(file, self.buffers[ordinary][0], offset)
         file.sync()
 
-    def read(self, file: Any) -> None:
+    def read(self, file: Any, ordinary: bool = False) -> None:
         for offset in range(0, self.nbytes, BLOCK):
-            self.io.read(file, self.into, offset)
+            self.io.read(file, self.buffers[ordinary][1], offset)
 
-    def streams(self) -> list[Callable[[], None]]:
+    def streams(self, ordinary: bool = False) -> list[Callable[[], None]]:
         """Read ``a`` and write ``b``: the two halves of a device streaming its state, to run at once."""
-        return [lambda: self.read(self.a), lambda: self.write(self.b)]
+        return [lambda: self.read(self.a, ordinary), lambda: self.write(self.b, ordinary)]
 
     def close(self) -> None:
         self.a.close()
@@ -103,9 +109,10 @@ def _at_once(work: Sequence[Callable[[], None]]) -> float:
     return time.perf_counter() - started
 
 
-def _together(probes: Sequence[_Probe]) -> float:
-    """GB/s of reads plus writes with every path reading one file and writing another, all at once."""
-    seconds = _at_once([stream for probe in probes for stream in probe.streams()])
+def _together(probes: Sequence[_Probe], ordinary: bool = False) -> float:
+    """GB/s of reads plus writes with every path reading one file and writing another, all at once (``ordinary``:
+    from buffers of ordinary pages)."""
+    seconds = _at_once([stream for probe in probes for stream in probe.streams(ordinary)])
     return 2 * sum(probe.nbytes for probe in probes) / seconds / 1e9
 
 
@@ -453,7 +460,7 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             for probe in probes:
                 alone.append(_alone(probe))
                 measure.update(1)
-            together_start = _together(probes)
+            together_start, baseline_start = _together(probes), _together(probes, ordinary=True)
             measure.update(1)
             update = _update_rate_best(8 << 20)
             measure.update(1)
@@ -471,7 +478,7 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             reduce_passes = _reduce_passes()
             measure.update(1)
             # All paths at once again, half a minute later: a disk whose rate moves by the minute shows it here.
-            together_end = _together(probes)
+            together_end, baseline_end = _together(probes), _together(probes, ordinary=True)
             measure.update(1)
             measure.close()
         finally:
@@ -486,7 +493,7 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
     when = _dt.date.today().isoformat()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     sum_alone = sum(a["read_write_gbps"] for a in alone)
-    together = (together_start + together_end) / 2
+    together, baseline_together = (together_start + together_end) / 2, (baseline_start + baseline_end) / 2
     shared = len(set(disks)) < len(disks) or (len(roots) > 1 and together < 0.75 * sum_alone)
     described = f"{len(roots)} path(s) on {len(set(disks))} disk(s)" + (
         f", sharing bandwidth: {together:.2f} GB/s at once, {sum_alone:.2f} alone summed" if shared else ""
@@ -510,6 +517,7 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             for root, a, disk in zip(roots, alone, disks)
         ],
         "together_read_write_gbps": round(together, 3),
+        "baseline_together_read_write_gbps": round(baseline_together, 3),
         "host_memory_gb": round(memory.total / 1e9, 1),
         "state_memory_gb": None,
         "cpu_cores": cores,
@@ -538,6 +546,9 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             "4 MiB requests: written then read, then one file read while another is written (read_write_gbps)",
             "together_read_write_gbps": "measured: every path reading one file and writing another, all at once, "
             "at the start and at the end of the calibration (measured.together_gbps_start, _end): their mean",
+            "baseline_together_read_write_gbps": "measured: as together_read_write_gbps, from buffers of ordinary "
+            "pages (ZeRO-Infinity's swap buffers; the project's are huge pages where the OS gives them), next to each "
+            "of those (measured.baseline_together_gbps_start, _end): their mean",
             "disk": "/sys/dev/block of each path's filesystem; paths on one disk share its bandwidth",
             "host_memory_gb": "psutil: total RAM",
             "device_update_gparams_per_s": "measured: cpu backend Adam(W), 1M-element chunks of 8M in-memory fp32 "
@@ -574,6 +585,8 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             "together_gbps": together,
             "together_gbps_start": round(together_start, 3),
             "together_gbps_end": round(together_end, 3),
+            "baseline_together_gbps_start": round(baseline_start, 3),
+            "baseline_together_gbps_end": round(baseline_end, 3),
             "shared_bandwidth": shared,
             "host_memory_available_gb": round(memory.available / 1e9, 1),
             "torch_threads": torch.get_num_threads(),

@@ -196,6 +196,9 @@ class Profile:
     ssd_write_gbps: float = 2.0  # one SSD, sequential direct write
     raid_read_ceiling_gbps: float | None = 8.0  # aggregate the host reaches over RAID-0 (shared switch)
     raid_write_ceiling_gbps: float | None = 8.0
+    #: ZeRO-Infinity's disk rates over the ones above, which are the devices' (a calibrated machine: its buffers are
+    #: ordinary pages, the devices' huge pages, and a disk that splits requests of 4 KiB pages moves less).
+    baseline_storage_scale: float = 1.0
     shared_link_gbps: float | None = 8.0  # host <-> devices link the SmartUpdate transfers share
     #: Aggregate ceiling of the devices' *internal* storage traffic: None for independent CSDs; the one disk's
     #: bandwidth when emulated devices share it (``cpu`` backend).
@@ -425,8 +428,9 @@ def cpu_backward_time(work: Workload, prof: Profile) -> float:
 
 def zero_infinity(work: Workload, prof: Profile, devices: int, *, params_on_storage: bool = False) -> Breakdown:
     p = work.params
-    read_bw = min(devices * prof.ssd_read_gbps * GB, _limit(prof.raid_read_ceiling_gbps))
-    write_bw = min(devices * prof.ssd_write_gbps * GB, _limit(prof.raid_write_ceiling_gbps))
+    io_scale = prof.baseline_storage_scale
+    read_bw = min(devices * prof.ssd_read_gbps * GB, _limit(prof.raid_read_ceiling_gbps)) * io_scale
+    write_bw = min(devices * prof.ssd_write_gbps * GB, _limit(prof.raid_write_ceiling_gbps)) * io_scale
     grad_out = FP32_GRAD_BYTES * p / write_bw
     state_in = (FP32_STATE_BYTES + FP32_GRAD_BYTES) * p / read_bw
     state_out = FP32_STATE_BYTES * p / write_bw

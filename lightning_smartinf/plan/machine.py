@@ -105,6 +105,10 @@ class Machine:
     backend: str = "cpu"
     #: All paths streaming state at once, reads plus writes; ``None``: the sum over their disks.
     together_read_write_gbps: float | None = None
+    #: The same from buffers of ordinary pages, as ZeRO-Infinity's swap buffers are (the devices' are huge pages where
+    #: the OS gives them; a disk that splits a request of 4 KiB pages moves less): the comparison's disk rates are
+    #: scaled by it over ``together_read_write_gbps``. ``None``: the same rates as the devices'.
+    baseline_together_read_write_gbps: float | None = None
     #: Host RAM that may hold optimizer state; ``None``: what the run leaves free (the planner's count).
     state_memory_gb: float | None = None
     cpu_cores: int | None = None
@@ -212,6 +216,13 @@ class Machine:
             best[disk] = max(best.get(disk, 0.0), self.storage[i].state_gbps)
         return sum(best.values())
 
+    def _baseline_storage_scale(self) -> float:
+        """ZeRO-Infinity's disk rates over the devices': what all paths at once reached from buffers of ordinary pages
+        over what they reached from the devices' (1 without both measurements)."""
+        if not self.baseline_together_read_write_gbps or not self.together_read_write_gbps:
+            return 1.0
+        return self.baseline_together_read_write_gbps / self.together_read_write_gbps
+
     def disk_swing(self) -> tuple[float, float] | None:
         """The paths' rate at once (GB/s) at the start and at the end of the calibration that wrote this profile,
         where they differ by more than :data:`DISK_SWING` of the start's; ``None`` otherwise or unmeasured."""
@@ -285,6 +296,7 @@ class Machine:
             ssd_write_gbps=fastest.write_gbps * k,
             raid_read_ceiling_gbps=sum(reads.values()) * scale,
             raid_write_ceiling_gbps=sum(writes.values()) * scale,
+            baseline_storage_scale=self._baseline_storage_scale(),
             shared_link_gbps=None,
             device_storage_ceiling_gbps=aggregate if shared else None,
             gradient_staged_on_ssd=False,

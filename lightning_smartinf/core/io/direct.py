@@ -26,19 +26,20 @@ IO_ALIGN = 4096
 HUGE_PAGE = 2 << 20
 
 
-def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> Tensor:
+def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8, *, huge_pages: bool = True) -> Tensor:
     """An uninitialised CPU tensor of ``nbytes`` bytes whose data pointer is ``IO_ALIGN``-aligned.
 
-    One of at least :data:`HUGE_PAGE` bytes is ``HUGE_PAGE``-aligned memory of its own, which Linux is asked to back
+    Unless ``huge_pages`` is ``False`` (ordinary memory, as other programs' buffers are: calibration measures both), one
+    of at least :data:`HUGE_PAGE` bytes is ``HUGE_PAGE``-aligned memory of its own, which Linux is asked to back
     with transparent huge pages (``MADV_HUGEPAGE``; honoured where THP is ``madvise`` or ``always``, the distributions'
     defaults). A direct transfer takes one segment per physically contiguous piece of its buffer: from 4 KiB pages a
     1 MiB request needs 256, more than many disks take in one request (``/sys/block/<disk>/queue/max_segments``: 254
     on a virtio disk, fewer on NVMe drives), so the kernel splits it, and pins every page on every transfer. From huge
     pages it is one segment: a device's step on a virtio disk moved its state 1.6x as fast, for a little less CPU.
-    Where huge pages are not given the buffer is ordinary pages, as before. Its memory is the tensor's: it is returned
+    Where huge pages are not given, the buffer is ordinary pages. Its memory is the tensor's: it is returned
     to the system when the last view of the tensor goes (up to a huge page more than ``nbytes`` is in use meanwhile).
     """
-    if nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge_pages and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         with contextlib.suppress(OSError):  # a kernel built without THP: ordinary pages
             mapping.madvise(mmap.MADV_HUGEPAGE)
