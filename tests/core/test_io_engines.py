@@ -47,12 +47,15 @@ def _mapping_flags(address: int) -> list[str] | None:
     return None
 
 
-def test_a_large_buffer_is_aligned_to_huge_pages_asks_for_them_and_goes_with_its_tensor():
-    """Direct transfers from huge pages are one segment each, not a 4 KiB page's: a buffer of at least a huge page
-    starts on one and its mapping carries the advice (``hg``: ``MADV_HUGEPAGE``); its memory lives as long as any view
-    of it and no longer. A smaller buffer is ordinary memory, ``IO_ALIGN``-aligned."""
+def test_an_engines_large_buffer_is_aligned_to_huge_pages_asks_for_them_and_goes_with_its_tensor():
+    """Direct transfers from huge pages are one segment each, not a 4 KiB page's: a buffer an engine gives of at least
+    a huge page (a device's pool) starts on one and its mapping carries the advice (``hg``: ``MADV_HUGEPAGE``); its
+    memory lives as long as any view of it and no longer. A smaller buffer, or one not asked for huge pages (short-
+    lived ones), is ordinary memory, ``IO_ALIGN``-aligned."""
     nbytes = 3 * HUGE_PAGE + IO_ALIGN
-    buf = aligned_empty(nbytes, torch.float32)
+    engine = ThreadedIO()
+    buf = engine.empty(nbytes).view(torch.float32)
+    engine.close()
     address = buf.data_ptr()
     assert address % HUGE_PAGE == 0 and buf.numel() * 4 == nbytes
     assert "hg" in _mapping_flags(address)
@@ -65,9 +68,10 @@ def test_a_large_buffer_is_aligned_to_huge_pages_asks_for_them_and_goes_with_its
     gc.collect()
     assert _mapping_flags(address) is None, "the buffer's memory outlived its tensor"
 
-    small = aligned_empty(HUGE_PAGE - IO_ALIGN)
-    assert small.data_ptr() % IO_ALIGN == 0 and small.numel() == HUGE_PAGE - IO_ALIGN
-    assert "hg" not in (_mapping_flags(small.data_ptr()) or [])
+    small, ordinary = aligned_empty(HUGE_PAGE - IO_ALIGN, huge_pages=True), aligned_empty(nbytes)
+    for buf, size in ((small, HUGE_PAGE - IO_ALIGN), (ordinary, nbytes)):
+        assert buf.data_ptr() % IO_ALIGN == 0 and buf.numel() == size
+        assert "hg" not in (_mapping_flags(buf.data_ptr()) or [])
 
 
 @pytest.mark.parametrize(("block", "depth"), [(4096, 1), (1 << 16, 4), (1 << 20, 8)])

@@ -26,18 +26,18 @@ IO_ALIGN = 4096
 HUGE_PAGE = 2 << 20
 
 
-def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8, *, huge_pages: bool = True) -> Tensor:
+def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8, *, huge_pages: bool = False) -> Tensor:
     """An uninitialised CPU tensor of ``nbytes`` bytes whose data pointer is ``IO_ALIGN``-aligned.
 
-    Unless ``huge_pages`` is ``False`` (ordinary memory, as other programs' buffers are: calibration measures both), one
-    of at least :data:`HUGE_PAGE` bytes is ``HUGE_PAGE``-aligned memory of its own, which Linux is asked to back
-    with transparent huge pages (``MADV_HUGEPAGE``; honoured where THP is ``madvise`` or ``always``, the distributions'
-    defaults). A direct transfer takes one segment per physically contiguous piece of its buffer: from 4 KiB pages a
-    1 MiB request needs 256, more than many disks take in one request (``/sys/block/<disk>/queue/max_segments``: 254
-    on a virtio disk, fewer on NVMe drives), so the kernel splits it, and pins every page on every transfer. From huge
-    pages it is one segment: a device's step on a virtio disk moved its state 1.6x as fast, for a little less CPU.
-    Where huge pages are not given, the buffer is ordinary pages. Its memory is the tensor's: it is returned
-    to the system when the last view of the tensor goes (up to a huge page more than ``nbytes`` is in use meanwhile).
+    ``huge_pages``: one of at least :data:`HUGE_PAGE` bytes is then ``HUGE_PAGE``-aligned memory of its own, which
+    Linux is asked to back with transparent huge pages (``MADV_HUGEPAGE``; honoured where THP is ``madvise`` or
+    ``always``, the distributions' defaults). A direct transfer takes one segment per physically contiguous piece of
+    its buffer: from 4 KiB pages a 1 MiB request needs 256, more than many disks take in one request
+    (``/sys/block/<disk>/queue/max_segments``: 254 on a virtio disk, fewer on NVMe drives), so the kernel splits it,
+    and pins every page on every transfer. From huge pages it is one segment: a device's step on a virtio disk moved
+    its state 1.6x as fast, for a little less CPU. For buffers kept for a run (a device's pool): the first touch of a
+    huge page may wait for the kernel to compact memory, and up to a huge page more than ``nbytes`` is in use. Where
+    huge pages are not given, the buffer is ordinary pages. Its memory goes with the last view of the tensor.
     """
     if huge_pages and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -177,8 +177,9 @@ class IOEngine(ABC):
         self.queue_depth = queue_depth
 
     def empty(self, nbytes: int) -> Tensor:
-        """An aligned ``uint8`` buffer this engine transfers without an extra copy; valid until :meth:`close`."""
-        return aligned_empty(nbytes)
+        """An aligned ``uint8`` buffer this engine transfers without an extra copy, on huge pages where the OS gives
+        them (:func:`aligned_empty`); valid until :meth:`close`."""
+        return aligned_empty(nbytes, huge_pages=True)
 
     @abstractmethod
     def read(self, file: StateFile, buf: Tensor, offset: int) -> None:
