@@ -35,7 +35,7 @@ def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8, *, huge_pages: 
     its buffer: from 4 KiB pages a 1 MiB request needs 256, more than many disks take in one request
     (``/sys/block/<disk>/queue/max_segments``: 254 on a virtio disk, fewer on NVMe drives), so the kernel splits it,
     and pins every page on every transfer. From huge pages it is one segment: a device's step on a virtio disk moved
-    its state 1.6x as fast, for a little less CPU. For buffers kept for a run (a device's pool): the first touch of a
+    its state 1.6x as fast. For buffers kept for a run (a device's pool): the first touch of a
     huge page may wait for the kernel to compact memory, and up to a huge page more than ``nbytes`` is in use. Where
     huge pages are not given, the buffer is ordinary pages. Its memory goes with the last view of the tensor.
     """
