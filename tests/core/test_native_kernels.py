@@ -15,7 +15,7 @@ import torch
 from conftest import REPO_ROOT
 
 from lightning_smartinf.core import split_masters
-from lightning_smartinf.core.native import build, kernels_dir, state_format_kernels
+from lightning_smartinf.core.native import build, compiler_flags, kernels_dir, state_format_kernels
 from lightning_smartinf.core.rules import Adagrad, Adam, EFAdam, StepParams
 from lightning_smartinf.core.state_formats import (
     BLOCK,
@@ -43,6 +43,17 @@ _ROOT = torch.tensor(
 )
 #: Half a step above the largest code: from here on a value saturates (the tie included: it would round up, to even).
 _ROOT_SATURATES = float(_ROOT[-1] + (_ROOT[-1] - _ROOT[-2]) / 2)
+
+
+def test_only_x86_builds_ask_for_the_full_vector_width():
+    """``-mprefer-vector-width`` is an x86 flag: an arm64 compiler refuses it, which would leave those machines on the
+    slower reference. Every architecture keeps the flags that make the bytes the reference's."""
+    for machine in ("x86_64", "AMD64"):
+        assert "-mprefer-vector-width=512" in compiler_flags(machine)
+    for machine in ("aarch64", "arm64", "ppc64le"):
+        assert not any(flag.startswith("-mprefer-vector-width") for flag in compiler_flags(machine))
+    for machine in ("x86_64", "aarch64"):
+        assert {"-ffp-contract=off", "-march=native", "-O3"} <= set(compiler_flags(machine))
 
 
 def test_the_kernels_build_here_and_the_devices_use_them():
