@@ -20,6 +20,7 @@ from lightning_smartinf.plan.__main__ import main
 from lightning_smartinf.plan.calibrate import TRAINING_TOKENS, training_fit
 from lightning_smartinf.plan.cost_model import (
     UPDATE_COST_BY_PRECISION,
+    Profile,
     Workload,
     fwd_bwd_time,
     gpu_link_bytes,
@@ -339,6 +340,11 @@ def test_zero_infinitys_disk_is_what_its_buffers_of_ordinary_pages_reached():
     assert base[1].storage_io == pytest.approx(base[0].storage_io / 0.6)
     assert base[1].grad_transfer == pytest.approx(base[0].grad_transfer / 0.6)
     assert base[1].fwd_bwd == base[0].fwd_bwd and base[1].update == base[0].update
+    # A profile written by hand is checked: the scale is a number above 0.
+    for bad in (-1, 0, "fast"):
+        with pytest.raises(PlanError, match="baseline_storage_scale"):
+            Profile.from_dict({"name": "x", "baseline_storage_scale": bad})
+    assert Profile.from_dict({"name": "x", "baseline_storage_scale": 0.6}).baseline_storage_scale == 0.6
 
 
 def cpu_machine(**changes) -> Machine:

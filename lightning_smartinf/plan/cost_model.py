@@ -243,6 +243,13 @@ class Profile:
         # The fields left out keep their defaults, all valid: only the values given are checked.
         check_rates(problems, clean)
         problems.integer("cpu_cores", clean.get("cpu_cores"), low=1, optional=True)
+        problems.number(
+            "baseline_storage_scale",
+            clean.get("baseline_storage_scale", 1.0),
+            low=0,
+            above=True,
+            why="ZeRO-Infinity's disk rates over the devices'",
+        )
         check_by_precision(problems, clean)
         problems.raise_if_any()
         return cls(**clean)
