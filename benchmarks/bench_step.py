@@ -912,6 +912,7 @@ def machine_info(args: argparse.Namespace, storage: str) -> dict[str, Any]:
     import deepspeed
     import lightning
     import torch
+    from held_disk import current_hold
 
     disk = subprocess.run(["df", "-h", storage], capture_output=True, text=True).stdout.strip().splitlines()
     return {
@@ -924,6 +925,8 @@ def machine_info(args: argparse.Namespace, storage: str) -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name(0) if args.accelerator == "cuda" else None,
         "storage_dir": storage,
         "disk": disk[-1] if disk else None,
+        # Limits of benchmarks/held_disk.py where it runs this benchmark, by disk (major:minor), in bytes/s.
+        "held_disk": current_hold(),
         "args": {k: v for k, v in vars(args).items() if k != "run"},
     }
 

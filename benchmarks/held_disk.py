@@ -1,0 +1,166 @@
+"""Run a command with the disk under a directory held to a steady rate, so that two runs minutes apart see the
+same disk.
+
+A cloud VM's disk changes its rate from one minute to the next (this project's own VM: reads and writes at once
+1.9 to 3.1 GB/s within one calibration), which moves a disk-bound step by as much, so that a ratio of two steps
+timed minutes apart, or a prediction from a calibration taken before the run, measures the disk's minute as much as
+the software. Linux's block throttling caps the bytes per second a group of processes may read and write on one
+disk; held below the disk's slowest minute, the disk is the same for every run::
+
+    sudo .venv/bin/python benchmarks/held_disk.py --path /mnt/nvme/bench --read-mbps 600 --write-mbps 600 -- \\
+        .venv/bin/python benchmarks/bench_step.py --storage /mnt/nvme/bench ...
+
+The command and every process it starts run in a cgroup of their own (cgroup v1's ``blkio`` controller where it is
+mounted, else v2's ``io``), removed when the command ends. Rates are in MB/s (10^6 bytes per second, as ``dd``
+prints them) and apply to the whole disk the directory lives on (a partition's disk; a loop or device-mapper device
+as it is). Direct I/O and reads are held; on cgroup v1 buffered writes are not (the kernel writes them back from
+its own threads): the devices' and ZeRO-Infinity's swap traffic is direct. Needs root. The throttle is the
+kernel's; this script only finds the disk and writes the cgroup's files (``systemd-run -p IOReadBandwidthMax=...``
+does the same where systemd runs the machine and cgroup v2 is mounted; on machines without it, such as this
+project's VMs, nothing else is needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+class HoldError(RuntimeError):
+    """The disk cannot be held here (not a block device, no throttling controller, not root)."""
+
+
+def whole_disk(path: Path) -> tuple[int, int]:
+    """``(major, minor)`` of the disk ``path`` lives on: a partition's parent disk, any other block device as is."""
+    dev = os.stat(path).st_dev
+    major, minor = os.major(dev), os.minor(dev)
+    sysfs = Path(f"/sys/dev/block/{major}:{minor}")
+    if not sysfs.exists():
+        raise HoldError(
+            f"--path {path} is on device {major}:{minor}, which is not a block device (a tmpfs, overlay or network "
+            "filesystem): only a disk's rate can be held; point --path at a directory on the disk you benchmark"
+        )
+    if (sysfs / "partition").exists():
+        parent = sysfs.resolve().parent / "dev"
+        major, minor = (int(x) for x in parent.read_text().split(":"))
+    return major, minor
+
+
+def controller() -> tuple[str, Path]:
+    """``("v1", blkio mount)`` where cgroup v1's blkio controller is mounted, else ``("v2", unified root)`` where
+    v2's io controller is available."""
+    blkio = CGROUP_ROOT / "blkio"
+    if (blkio / "blkio.throttle.read_bps_device").exists():
+        return "v1", blkio
+    controllers = CGROUP_ROOT / "cgroup.controllers"
+    if controllers.exists() and "io" in controllers.read_text().split():
+        return "v2", CGROUP_ROOT
+    raise HoldError(
+        "no block throttling here: neither cgroup v1's blkio controller (/sys/fs/cgroup/blkio) nor v2's io "
+        "controller (/sys/fs/cgroup/cgroup.controllers) is available"
+    )
+
+
+def hold(disk: tuple[int, int], read_bps: int, write_bps: int, *, name: str | None = None) -> Path:
+    """Create a cgroup that holds ``disk`` to ``read_bps`` and ``write_bps`` bytes per second and move this process
+    into it (processes it starts from now on inherit it); returns the cgroup's directory for :func:`release`."""
+    if os.geteuid() != 0:
+        raise HoldError("holding a disk's rate writes the kernel's cgroup files, which needs root: run with sudo")
+    version, root = controller()
+    group = root / (name or f"smartinf-held-{os.getpid()}")
+    device = f"{disk[0]}:{disk[1]}"
+    if version == "v2":
+        # The root's children get the io controller only once the root hands it down.
+        (root / "cgroup.subtree_control").write_text("+io")
+    group.mkdir(exist_ok=True)
+    if version == "v1":
+        (group / "blkio.throttle.read_bps_device").write_text(f"{device} {read_bps}")
+        (group / "blkio.throttle.write_bps_device").write_text(f"{device} {write_bps}")
+    else:
+        (group / "io.max").write_text(f"{device} rbps={read_bps} wbps={write_bps}")
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+    return group
+
+
+def release(group: Path) -> None:
+    """Move this process back to the parent cgroup and remove ``group`` (left in place, with a warning, while a
+    process the command started still runs in it)."""
+    (group.parent / "cgroup.procs").write_text(str(os.getpid()))
+    try:
+        group.rmdir()
+    except OSError as exc:
+        print(f"held_disk: left {group} in place: {exc}", file=sys.stderr)
+
+
+def held_rates(group: Path) -> dict[str, str]:
+    """The limits ``group`` holds, as the kernel reports them."""
+    names = ("blkio.throttle.read_bps_device", "blkio.throttle.write_bps_device", "io.max")
+    return {n: (group / n).read_text().strip() for n in names if (group / n).exists()}
+
+
+def current_hold() -> dict[str, str] | None:
+    """The limits this process runs under (as :func:`held_rates` gives them), or ``None`` where its disk is not
+    held: what a benchmark records beside its figures."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "blkio":
+            group = CGROUP_ROOT / "blkio" / path.lstrip("/")
+        elif controllers == "" and not (CGROUP_ROOT / "blkio").exists():
+            group = CGROUP_ROOT / path.lstrip("/")
+        else:
+            continue
+        limits = {name: text for name, text in held_rates(group).items() if text}
+        return limits or None
+    return None
+
+
+def positive_mbps(text: str) -> float:
+    """An argparse type: a rate in MB/s above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a rate in MB/s (e.g. 600), got {text!r}") from None
+    if not 0 < value < 1e7:
+        raise argparse.ArgumentTypeError(f"expected a rate in MB/s above 0 and below 10,000,000, got {text}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="the command follows --")
+    parser.add_argument("--path", type=Path, required=True, help="a directory on the disk to hold")
+    parser.add_argument("--read-mbps", type=positive_mbps, required=True, help="reads, MB/s (10^6 bytes/s)")
+    parser.add_argument("--write-mbps", type=positive_mbps, help="writes, MB/s (default: --read-mbps)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command to run after --, e.g. -- python benchmarks/bench_step.py ...")
+    if not args.path.is_dir():
+        parser.error(f"--path {args.path} is not a directory: give a directory on the disk to hold")
+    read_bps = int(args.read_mbps * 1e6)
+    write_bps = int((args.write_mbps or args.read_mbps) * 1e6)
+    try:
+        disk = whole_disk(args.path)
+        group = hold(disk, read_bps, write_bps)
+    except (HoldError, OSError) as exc:
+        print(f"held_disk: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"held_disk: disk {disk[0]}:{disk[1]} held to {read_bps / 1e6:g} MB/s read, {write_bps / 1e6:g} MB/s "
+        f"write ({group})",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        return subprocess.run(command).returncode
+    finally:
+        release(group)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
