@@ -66,13 +66,25 @@ def controller() -> tuple[str, Path]:
     )
 
 
-def hold(disk: tuple[int, int], read_bps: int, write_bps: int, *, name: str | None = None) -> Path:
+def own_group() -> Path | None:
+    """This process's cgroup in the throttling controller's hierarchy (``None`` where there is none)."""
+    v1 = (CGROUP_ROOT / "blkio").exists()
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if (v1 and "blkio" in controllers.split(",")) or (not v1 and controllers == ""):
+            return (CGROUP_ROOT / "blkio" if v1 else CGROUP_ROOT) / path.lstrip("/")
+    return None
+
+
+def hold(disk: tuple[int, int], read_bps: int, write_bps: int) -> tuple[Path, Path]:
     """Create a cgroup that holds ``disk`` to ``read_bps`` and ``write_bps`` bytes per second and move this process
-    into it (processes it starts from now on inherit it); returns the cgroup's directory for :func:`release`."""
+    into it (processes it starts from now on inherit it); returns the cgroup and the one this process left, for
+    :func:`release`."""
     if os.geteuid() != 0:
         raise HoldError("holding a disk's rate writes the kernel's cgroup files, which needs root: run with sudo")
     version, root = controller()
-    group = root / (name or f"smartinf-held-{os.getpid()}")
+    home = own_group() or root
+    group = root / f"smartinf-held-{os.getpid()}"
     device = f"{disk[0]}:{disk[1]}"
     if version == "v2":
         # The root's children get the io controller only once the root hands it down.
@@ -84,13 +96,13 @@ def hold(disk: tuple[int, int], read_bps: int, write_bps: int, *, name: str | No
     else:
         (group / "io.max").write_text(f"{device} rbps={read_bps} wbps={write_bps}")
     (group / "cgroup.procs").write_text(str(os.getpid()))
-    return group
+    return group, home
 
 
-def release(group: Path) -> None:
-    """Move this process back to the parent cgroup and remove ``group`` (left in place, with a warning, while a
-    process the command started still runs in it)."""
-    (group.parent / "cgroup.procs").write_text(str(os.getpid()))
+def release(group: Path, home: Path) -> None:
+    """Move this process back to ``home`` and remove ``group`` (left in place, with a warning, while a process the
+    command started still runs in it)."""
+    (home / "cgroup.procs").write_text(str(os.getpid()))
     try:
         group.rmdir()
     except OSError as exc:
@@ -106,17 +118,9 @@ def held_rates(group: Path) -> dict[str, str]:
 def current_hold() -> dict[str, str] | None:
     """The limits this process runs under (as :func:`held_rates` gives them), or ``None`` where its disk is not
     held: what a benchmark records beside its figures."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if controllers == "blkio":
-            group = CGROUP_ROOT / "blkio" / path.lstrip("/")
-        elif controllers == "" and not (CGROUP_ROOT / "blkio").exists():
-            group = CGROUP_ROOT / path.lstrip("/")
-        else:
-            continue
-        limits = {name: text for name, text in held_rates(group).items() if text}
-        return limits or None
-    return None
+    group = own_group()
+    limits = {name: text for name, text in held_rates(group).items() if text} if group else {}
+    return limits or None
 
 
 def positive_mbps(text: str) -> float:
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     write_bps = int((args.write_mbps or args.read_mbps) * 1e6)
     try:
         disk = whole_disk(args.path)
-        group = hold(disk, read_bps, write_bps)
+        group, home = hold(disk, read_bps, write_bps)
     except (HoldError, OSError) as exc:
         print(f"held_disk: {exc}", file=sys.stderr)
         return 2
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return subprocess.run(command).returncode
     finally:
-        release(group)
+        release(group, home)
 
 
 if __name__ == "__main__":
