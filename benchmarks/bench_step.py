@@ -656,7 +656,7 @@ def raw_bandwidth(directory: Path, gib: float) -> dict[str, float]:
     from lightning_smartinf.core.io.direct import StateFile, ThreadedIO, aligned_empty
 
     req = 12 << 20
-    size = int(gib * 2**30) // req * req
+    size = max(req, int(gib * 2**30) // req * req)  # at least one request: a smaller --raw-gib times nothing
     engine = ThreadedIO(1 << 20, 8)
     work = Path(tempfile.mkdtemp(prefix="bench_raw_", dir=directory))
     try:
@@ -1119,6 +1119,7 @@ def main() -> None:
     print(
         f"machine: {info['cpu_count']} CPUs, torch {info['torch']}, deepspeed {info['deepspeed']}, "
         f"lightning {info['lightning']}, disk: {info['disk']}"
+        + (f", held by benchmarks/held_disk.py to {info['held_disk']}" if info["held_disk"] else "")
     )
     print()
     print(md)
