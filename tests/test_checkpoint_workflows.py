@@ -75,6 +75,18 @@ def test_save_last_overwrites_last_and_resumes_bit_identically(reference, tmp_pa
     assert_identical(consolidate_fp32_state_dict(ckpts / "last.ckpt"), expected)
 
 
+def test_dataloader_workers_forked_while_the_devices_run_change_nothing(reference, tmp_path) -> None:
+    """`DataLoader(num_workers=2)`, as most recipes write it: each epoch forks two workers while the devices' threads,
+    their chunk buffers (huge pages where the OS gives them, in the middle of direct transfers) and the state files are
+    live. Training, its checkpoints and a resume from one give the uninterrupted run's numbers bit for bit."""
+    _, expected = reference
+    run = tmp_path / "workers"
+    assert_identical(train(run, num_workers=2), expected)
+    assert visible(run / "ckpts") == sorted(f"step={n}.ckpt" for n in (EVERY, 2 * EVERY, TOTAL))
+    resumed = train(tmp_path / "resumed", ckpt_path=run / "ckpts" / f"step={EVERY}.ckpt", num_workers=2)
+    assert_identical(resumed, expected)
+
+
 def test_save_last_every_epoch_saves_over_last_ckpt(reference, tmp_path) -> None:
     """The set-up that crashed at its second save: `ModelCheckpoint(save_last=True, every_n_epochs=1)`.
 

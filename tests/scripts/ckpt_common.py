@@ -45,9 +45,12 @@ def train(
     checkpoint_callback: ModelCheckpoint | None = None,
     trainers: list[L.Trainer] | None = None,
     strategy_kwargs: dict[str, Any] | None = None,
+    num_workers: int = 0,
     **trainer_kwargs: Any,
 ) -> dict[str, torch.Tensor]:
     """Train (or resume) to ``steps``, checkpointing into ``<root>/ckpts``; return the gathered params.
+
+    ``num_workers``: the DataLoader's worker processes, forked at each epoch's start (the same batches either way).
 
     ``checkpointing="all"``: ``step=N.ckpt`` every ``every`` steps, all kept. ``"last"``: what users write,
     ``ModelCheckpoint(save_last=True, every_n_train_steps=every)`` with its defaults (the newest
@@ -94,7 +97,10 @@ def train(
     )
     if trainers is not None:
         trainers.append(trainer)
-    trainer.fit(LMModule(adamw_cosine), token_loader(EVERY), ckpt_path=str(ckpt_path) if ckpt_path else None)
+    loader = token_loader(EVERY)
+    if num_workers:
+        loader = DataLoader(loader.dataset, batch_size=loader.batch_size, num_workers=num_workers)
+    trainer.fit(LMModule(adamw_cosine), loader, ckpt_path=str(ckpt_path) if ckpt_path else None)
     return capture.params
 
 
