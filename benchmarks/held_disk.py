@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return subprocess.run(command).returncode
+    except OSError as exc:  # not found, not executable
+        print(f"held_disk: cannot run {command[0]!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 127
     finally:
         release(group, home)
 
