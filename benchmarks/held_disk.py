@@ -68,7 +68,7 @@ def controller() -> tuple[str, Path]:
 
 def own_group() -> Path | None:
     """This process's cgroup in the throttling controller's hierarchy (``None`` where there is none)."""
-    v1 = (CGROUP_ROOT / "blkio").exists()
+    v1 = (CGROUP_ROOT / "blkio" / "blkio.throttle.read_bps_device").exists()  # as :func:`controller` decides
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         if (v1 and "blkio" in controllers.split(",")) or (not v1 and controllers == ""):
