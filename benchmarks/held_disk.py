@@ -28,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lightning_smartinf.core.io.storage import disk_of
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -36,19 +38,18 @@ class HoldError(RuntimeError):
 
 
 def whole_disk(path: Path) -> tuple[int, int]:
-    """``(major, minor)`` of the disk ``path`` lives on: a partition's parent disk, any other block device as is."""
-    dev = os.stat(path).st_dev
-    major, minor = os.major(dev), os.minor(dev)
-    sysfs = Path(f"/sys/dev/block/{major}:{minor}")
-    if not sysfs.exists():
+    """``(major, minor)`` of the disk ``path`` lives on (:func:`~lightning_smartinf.core.io.storage.disk_of`: a
+    partition's whole disk, any other block device as is)."""
+    disk = disk_of(path)
+    if disk is None:
+        dev = os.stat(path).st_dev
         raise HoldError(
-            f"--path {path} is on device {major}:{minor}, which is not a block device (a tmpfs, overlay or network "
-            "filesystem): only a disk's rate can be held; point --path at a directory on the disk you benchmark"
+            f"--path {path} is on device {os.major(dev)}:{os.minor(dev)}, which is not a block device (a tmpfs, "
+            "overlay or network filesystem): only a disk's rate can be held; point --path at a directory on the disk "
+            "you benchmark"
         )
-    if (sysfs / "partition").exists():
-        parent = sysfs.resolve().parent / "dev"
-        major, minor = (int(x) for x in parent.read_text().split(":"))
-    return major, minor
+    major, minor = (disk / "dev").read_text().split(":")
+    return int(major), int(minor)
 
 
 def controller() -> tuple[str, Path]:

@@ -10,12 +10,11 @@ one from set-up to teardown, and the ``smartinf`` entry points one for the whole
 from __future__ import annotations
 
 import logging
-import os
 import re
 import warnings
 from dataclasses import dataclass
 
-from lightning_smartinf.core.io.storage import readable_size
+from lightning_smartinf.core.io.storage import disk_of, readable_size
 
 
 @dataclass(frozen=True)
@@ -135,7 +134,7 @@ _endurance_said = False
 def endurance_note(paths: list[str], bytes_per_step: int) -> str | None:
     """The SSD write-endurance note, once per process, if a path is on a block device (not tmpfs); else ``None``."""
     global _endurance_said
-    if _endurance_said or not any(_on_block_device(p) for p in paths):
+    if _endurance_said or not any(disk_of(p) is not None for p in paths):
         return None
     _endurance_said = True
     per_step, per_1000 = (readable_size(n * bytes_per_step, decimal=True) for n in (1, 1000))
@@ -144,11 +143,3 @@ def endurance_note(paths: list[str], bytes_per_step: int) -> str | None:
         f"1000 steps) on {', '.join(paths)}. Consumer SSDs are rated for a few hundred TB written (TBW); prefer "
         "datacenter SSDs for long runs."
     )
-
-
-def _on_block_device(path: str) -> bool:
-    try:
-        device = os.stat(path).st_dev
-    except OSError:
-        return False
-    return os.path.exists(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}")

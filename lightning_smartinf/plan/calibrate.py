@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_smartinf.core.io.leftovers import remove_leftovers, scratch_directory
+from lightning_smartinf.core.io.storage import disk_of
 from lightning_smartinf.core.progress import Progress
 from lightning_smartinf.plan.cost_model import PlanError
 from lightning_smartinf.plan.machine import MACHINE_KIND
@@ -134,15 +135,12 @@ def _alone(probe: _Probe) -> dict[str, Any]:
 
 
 def _disk(path: Path) -> str:
-    """The physical disk holding ``path`` (``nvme0n1``), from ``/sys/dev/block``; its device numbers where that
-    names none (overlay and network filesystems)."""
+    """The physical disk holding ``path`` (``nvme0n1``, :func:`disk_of`); its device numbers where that names none
+    (overlay and network filesystems)."""
+    if (disk := disk_of(path)) is not None:
+        return disk.name
     dev = os.stat(path).st_dev
-    major, minor = os.major(dev), os.minor(dev)
-    try:
-        block = Path(f"/sys/dev/block/{major}:{minor}").resolve(strict=True)
-    except OSError:
-        return f"device {major}:{minor}"
-    return block.parent.name if (block / "partition").exists() else block.name
+    return f"device {os.major(dev)}:{os.minor(dev)}"
 
 
 def _gpu() -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""Storage paths: checks and preparation (existence or creation, permissions, free space), fsyncs, atomic writes."""
+"""Storage paths: checks and preparation (existence or creation, permissions, free space), the disk they are on,
+fsyncs, atomic writes."""
 
 from __future__ import annotations
 
@@ -327,6 +328,18 @@ def check_free_space(directory: Path, needed: int, reusable: Sequence[Path] = ()
 def is_disk_full(exc: BaseException) -> bool:
     """Whether ``exc`` is a filesystem out of space (or of the user's quota)."""
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_of(path: str | os.PathLike) -> Path | None:
+    """The ``/sys/dev/block`` directory of the disk holding ``path``: a partition's whole disk, any other block device
+    (a loop or device-mapper device) as it is; ``None`` where its filesystem is on none (tmpfs, overlay, network) or
+    ``path`` cannot be read. The disk's name is the directory's, its ``major:minor`` in its ``dev`` file."""
+    try:
+        device = os.stat(path).st_dev
+        block = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}").resolve(strict=True)
+    except OSError:
+        return None
+    return block.parent if (block / "partition").exists() else block
 
 
 def free_bytes(path: str | os.PathLike) -> int | None:
