@@ -91,12 +91,16 @@ def hold(disk: tuple[int, int], read_bps: int, write_bps: int) -> tuple[Path, Pa
         # The root's children get the io controller only once the root hands it down.
         (root / "cgroup.subtree_control").write_text("+io")
     group.mkdir(exist_ok=True)
-    if version == "v1":
-        (group / "blkio.throttle.read_bps_device").write_text(f"{device} {read_bps}")
-        (group / "blkio.throttle.write_bps_device").write_text(f"{device} {write_bps}")
-    else:
-        (group / "io.max").write_text(f"{device} rbps={read_bps} wbps={write_bps}")
-    (group / "cgroup.procs").write_text(str(os.getpid()))
+    try:
+        if version == "v1":
+            (group / "blkio.throttle.read_bps_device").write_text(f"{device} {read_bps}")
+            (group / "blkio.throttle.write_bps_device").write_text(f"{device} {write_bps}")
+        else:
+            (group / "io.max").write_text(f"{device} rbps={read_bps} wbps={write_bps}")
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError:
+        group.rmdir()  # the kernel refused a limit (e.g. a device it cannot throttle): no empty cgroup left behind
+        raise
     return group, home
 
 
