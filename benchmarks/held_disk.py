@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,8 @@ from pathlib import Path
 from lightning_smartinf.core.io.storage import disk_of
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: Signals this script passes on to the command it holds, then waits for it.
+FORWARDED = (signal.SIGTERM, signal.SIGHUP)
 
 
 class HoldError(RuntimeError):
@@ -159,19 +162,45 @@ def main(argv: list[str] | None = None) -> int:
     except (HoldError, OSError) as exc:
         print(f"held_disk: {exc}", file=sys.stderr)
         return 2
-    print(
-        f"held_disk: disk {disk[0]}:{disk[1]} held to {read_bps / 1e6:g} MB/s read, {write_bps / 1e6:g} MB/s "
-        f"write ({group})",
-        file=sys.stderr,
-        flush=True,
+    started = (
+        f"held_disk: disk {disk[0]}:{disk[1]} held to {read_bps / 1e6:g} MB/s read, {write_bps / 1e6:g} MB/s write "
+        f"({group})"
     )
     try:
-        return subprocess.run(command).returncode
+        return run_held(command, started)
     except OSError as exc:  # not found, not executable
         print(f"held_disk: cannot run {command[0]!r}: {exc.strerror or exc}", file=sys.stderr)
         return 127
     finally:
         release(group, home)
+
+
+def run_held(command: list[str], started: str) -> int:
+    """Run ``command`` to its end and return its exit status, printing ``started`` once it runs. ``kill``,
+    ``timeout`` or a scheduler's SIGTERM (and SIGHUP) are passed on to it, and Ctrl-C, which the terminal sends it
+    too, is left to it: either way this process outlives it, so the hold is removed."""
+    child: subprocess.Popen[bytes] | None = None
+    early: list[int] = []  # signals from before the command started: passed on once it has
+
+    def forward(signum: int, _frame: object) -> None:
+        if child is None:
+            early.append(signum)
+        else:
+            child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        child = subprocess.Popen(command)
+        # Ignored only now: an ignored signal would stay ignored in the command across exec.
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for signum in early:
+            child.send_signal(signum)
+        print(started, file=sys.stderr, flush=True)
+        status = child.wait()
+        return 128 - status if status < 0 else status  # killed by a signal: as a shell says it (SIGTERM: 143)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

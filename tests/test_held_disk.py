@@ -110,3 +110,21 @@ def test_bad_arguments_are_refused_naming_the_fix(tmp_path: Path, args: list[str
     )
     assert done.returncode == 2
     assert message in done.stderr
+
+
+def test_a_kill_of_the_wrapper_ends_the_command_and_removes_the_hold(tmp_path: Path) -> None:
+    """``kill``, ``timeout`` or a scheduler stop the wrapper with SIGTERM: it passes it on, the command ends, the
+    wrapper exits as a shell would say (143) and no cgroup is left holding the disk."""
+    if os.geteuid() != 0:
+        lacking("holding a disk's rate needs root (CI runs as root)")
+    with small_ext4(tmp_path / "disk", "64m") as mounted:
+        wrapper = subprocess.Popen(
+            [sys.executable, str(HELD_DISK), "--path", str(mounted), "--read-mbps", "50", "--", "sleep", "60"],
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        line = wrapper.stderr.readline()  # "held_disk: disk M:m held to ... (<cgroup>)": the command has started
+        group = Path(line.rsplit("(", 1)[1].rstrip(")\n"))
+        assert group.is_dir(), line
+        wrapper.terminate()
+        assert wrapper.wait(timeout=30) == 143
+        assert not group.exists(), "the hold outlived its killed wrapper"
