@@ -10,12 +10,13 @@ import pytest
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-from helpers.models import LMModule, adamw_factory, fit
+from helpers.models import LMModule, adamw_factory, assert_identical, fit
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.core.float64_norm import HOST_PIECE, LANES, PartitionNorm, lane_sums
 from lightning_smartinf.core.native import sum_squares_kernels
 from lightning_smartinf.lightning.cpu_support import DeepSpeedCPUStrategy
+from lightning_smartinf.zero.optimizer import SmartUpdateZeroOptimizer
 
 #: Both sum exact float64 squares in float64 and differ from the exact norm only by the additions' rounding: ours
 #: measured within 1e-15 of it here, ZeRO's own (a float64 copy, then ``norm``) within 5e-14. A float32 sum is ~1e-7.
@@ -169,3 +170,49 @@ def test_one_rank_reduce_scatter_returns_zeros_values_without_its_passes(tmp_pat
     strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000)
     fit(LMModule(adamw_factory()), strategy, steps=2, precision="bf16-mixed", callbacks=[probe])
     assert probe.compared == 8
+
+
+class WatchBucket(L.Callback):
+    """Records, for every gradient ZeRO adds to its bucket during training, whether it stayed where autograd put it
+    (the hook wrapped on the optimizer instance, where ZeRO's own call finds it)."""
+
+    def __init__(self) -> None:
+        self.stayed: list[bool] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        optimizer = trainer.strategy.deepspeed_engine.optimizer
+        add = optimizer._DeepSpeedZeroOptimizer_Stage3__add_grad_to_ipg_bucket
+
+        def watched(param) -> None:
+            before = param.grad.data_ptr()
+            add(param)
+            self.stayed.append(param.grad.data_ptr() == before)
+
+        optimizer._DeepSpeedZeroOptimizer_Stage3__add_grad_to_ipg_bucket = watched
+
+
+@pytest.mark.parametrize("reduce_scatter", [True, False], ids=["reduce_scatter", "contiguous_reduce"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_one_host_rank_reduces_gradients_where_autograd_left_them(tmp_path, monkeypatch, reduce_scatter, precision):
+    """Over one rank on a host, ZeRO's bucket serves no collective: no gradient is copied into it, and training (two
+    micro-batches a step, so accumulation reads them too) ends bit for bit where ZeRO's copying path ends."""
+
+    def run(directory, watch):
+        strategy = SmartInfinityStrategy(
+            storage_paths=[directory],
+            sub_group_size=3000,
+            config={"zero_optimization": {"reduce_scatter": reduce_scatter}},
+        )
+        _, params = fit(
+            LMModule(adamw_factory()), strategy, steps=3, accumulate=2, precision=precision, callbacks=[watch]
+        )
+        return params
+
+    ours = WatchBucket()
+    mine = run(tmp_path / "ours", ours)
+    monkeypatch.setattr(SmartUpdateZeroOptimizer, "_gradients_stay_put", lambda self, params: False)
+    zeros = WatchBucket()
+    theirs = run(tmp_path / "zero", zeros)
+    assert ours.stayed and all(ours.stayed), "a gradient was copied into ZeRO's bucket"
+    assert zeros.stayed and not any(zeros.stayed), "ZeRO's path no longer copies: the comparison proves nothing"
+    assert_identical(mine, theirs)

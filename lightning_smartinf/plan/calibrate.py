@@ -225,14 +225,14 @@ def _reduce_passes(numel: int = 32 << 20) -> dict[str, float]:
     training (bf16 gradients, one rank), replayed on ``numel`` elements, best of three; the step's last micro-batch
     (which takes the norm) and one before it (which adds to the fp32 sum), this project's and stock ZeRO-3's.
 
-    Both: autograd writes the gradient into a fresh tensor, ZeRO copies it into its reduce bucket, then into the
-    accumulation buffer (the first micro-batch) or adds it there in fp32 (later ones, through a fresh fp32 copy).
-    Stock ZeRO-3 also averages over the ranks, one or more (a flat copy into fresh memory, a division, the
+    Both: autograd writes the gradient into a fresh tensor, which goes into the accumulation buffer (the first
+    micro-batch) or is added there in fp32 (later ones, through a fresh fp32 copy). Stock ZeRO-3 first copies it into
+    its reduce bucket and averages over the ranks, one or more (a flat copy into fresh memory, a division, the
     collective's pass into its output), and at the end takes each partition's norm through a fresh float64 copy of
-    it and copies it for the swap-out; this project hands the gradient through with one rank and reads it once for
-    the norm (:class:`~lightning_smartinf.core.float64_norm.PartitionNorm`). Allocations this large are fresh mappings
-    on a host, whose pages fault in as they are first written: that is most of the cost, and why it is replayed, not
-    counted in bytes.
+    it and copies it for the swap-out; this project, with one rank, leaves the gradient where autograd put it and
+    reads it once for the norm (:class:`~lightning_smartinf.core.float64_norm.PartitionNorm`). Allocations this
+    large are fresh mappings on a host, whose pages fault in as they are first written: that is most of the cost, and
+    why it is replayed, not counted in bytes.
     """
     import torch
 
@@ -246,9 +246,9 @@ def _reduce_passes(numel: int = 32 << 20) -> dict[str, float]:
     collective = torch.empty_like(bucket)
 
     def micro_batch(*, stock: bool, last: bool) -> None:
-        bucket.copy_(torch.empty_like(gradient).copy_(gradient))
-        reduced = bucket
+        reduced = torch.empty_like(gradient).copy_(gradient)
         if stock:
+            bucket.copy_(reduced)
             flat = torch.empty_like(bucket).copy_(bucket)
             flat.div_(1)
             reduced = collective.copy_(flat)
