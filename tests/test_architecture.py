@@ -70,6 +70,9 @@ PRIVATE_NAME_EXCEPTIONS: dict[str, frozenset[str] | None] = {
     # A rank added since a checkpoint was saved loads rank 0's module states: DeepSpeed names the file it looks for
     # in these two methods of its engine, which the load wraps.
     "zero/safe_load.py": frozenset({"_get_all_ckpt_names", "_get_ckpt_name"}),
+    # ZeRO's linear function records on its autograd context whether forward ran under autocast; the subclass whose
+    # backward computes weight gradients in the gradient buffer reads it to do so only where ZeRO's would not cast.
+    "zero/linear.py": frozenset({"_fwd_used_autocast"}),
     # The Lightning adapter that runs Lightning's DeepSpeedStrategy on DeepSpeed's CPU accelerator replaces exactly
     # the private steps that refuse CPUs; this one module calls them.
     "lightning/cpu_support.py": frozenset({"_init_deepspeed_distributed"}),

@@ -10,7 +10,7 @@ import pytest
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-from helpers.models import LMModule, adamw_factory, assert_identical, fit
+from helpers.models import LMModule, TinyGPT, adamw_factory, assert_identical, fit
 
 from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.core.float64_norm import HOST_PIECE, LANES, PartitionNorm, lane_sums
@@ -215,4 +215,82 @@ def test_one_host_rank_reduces_gradients_where_autograd_left_them(tmp_path, monk
     theirs = run(tmp_path / "zero", zeros)
     assert ours.stayed and all(ours.stayed), "a gradient was copied into ZeRO's bucket"
     assert zeros.stayed and not any(zeros.stayed), "ZeRO's path no longer copies: the comparison proves nothing"
+    assert_identical(mine, theirs)
+
+
+class WatchDestinations(L.Callback):
+    """Counts the weight-gradient places the optimizer hands out (wrapped on the instance, which the offer calls),
+    and records, for every gradient ZeRO partitions at the first micro-batch, whether it already lay in its place in
+    the gradient buffer."""
+
+    def __init__(self) -> None:
+        self.handed_out = 0
+        self.in_place: list[bool] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        optimizer = trainer.strategy.deepspeed_engine.optimizer
+        destination, partition = optimizer.gradient_destination, optimizer.partition_grads
+        views = optimizer._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+
+        def counted(param, dtype, device):
+            place = destination(param, dtype, device)
+            self.handed_out += place is not None
+            return place
+
+        def watched(params, grads):
+            if optimizer.micro_step_id == 0:
+                self.in_place += [g.data_ptr() == views[p.ds_id].data_ptr() for p, g in zip(params, grads)]
+            return partition(params, grads)
+
+        optimizer.gradient_destination, optimizer.partition_grads = counted, watched
+
+
+class TiedAndTwice(TinyGPT):
+    """TinyGPT with the output head tied to the embedding (its weight gets two gradients: the head's product and the
+    embedding's scatter) and one projection applied twice (two products for one weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.blocks(self.embed(tokens) + self.pos[: tokens.shape[1]])
+        proj = self.blocks[0].proj
+        hidden = hidden + proj(torch.tanh(proj(hidden)))
+        return self.head(self.norm(hidden))
+
+
+class TiedModule(LMModule):
+    def __init__(self) -> None:
+        super().__init__(adamw_factory())
+        torch.manual_seed(0)
+        self.model = TiedAndTwice()
+
+
+@pytest.mark.parametrize(
+    ("precision", "accumulate", "model"),
+    [("bf16-mixed", 1, "gpt"), ("32-true", 1, "gpt"), ("32-true", 2, "gpt"), ("bf16-mixed", 1, "tied_and_twice")],
+)
+def test_linear_weight_gradients_are_computed_in_the_gradient_buffer(
+    tmp_path, monkeypatch, precision, accumulate, model
+):
+    """Over one host rank each linear weight's gradient of a step's first micro-batch is computed in its place in
+    ZeRO's gradient buffer, once per weight even where the weight has several gradients (tied to the embedding, or
+    applied twice), and training ends bit for bit where computing it in a tensor of its own and copying it ends."""
+
+    def run(directory):
+        watch = WatchDestinations()
+        strategy = SmartInfinityStrategy(storage_paths=[directory], sub_group_size=3000)
+        module = TiedModule() if model == "tied_and_twice" else LMModule(adamw_factory())
+        _, params = fit(module, strategy, steps=3, accumulate=accumulate, precision=precision, callbacks=[watch])
+        return watch, params
+
+    ours, mine = run(tmp_path / "ours")
+    monkeypatch.setattr(SmartUpdateZeroOptimizer, "gradient_destination", lambda self, param, dtype, device: None)
+    zeros, theirs = run(tmp_path / "copied")
+    linears = 13  # 2 blocks of 6, and the head (tied: the embedding's weight, still one linear weight)
+    assert ours.handed_out == 3 * linears, "one place per linear weight and step"
+    assert zeros.handed_out == 0 and not any(zeros.in_place), "the comparison's path computes no gradient in place"
+    summed = 0 if model == "gpt" else 2  # the weights whose place autograd may have added another gradient to
+    assert sum(ours.in_place) >= 3 * (linears - summed), "a gradient computed in place was moved"
     assert_identical(mine, theirs)

@@ -19,6 +19,7 @@ This is the one module that uses DeepSpeed's private ZeRO-3 methods; everything 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Hashable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ from lightning_smartinf.core.host_buffer import HostBuffer, InMemoryBuffer
 from lightning_smartinf.core.traffic import Traffic
 from lightning_smartinf.zero.gradient_buffer import gradient_buffer_device
 from lightning_smartinf.zero.host_heap import return_free_heap
+from lightning_smartinf.zero.linear import install, offer_gradient_buffer, withdraw_gradient_buffer
 from lightning_smartinf.zero.param_storage import FileBuffer, check_parameter_files, prepare_swapper
 
 if TYPE_CHECKING:
@@ -226,6 +228,8 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._partition_norm = PartitionNorm()
+        #: The parameters whose gradient place :meth:`gradient_destination` handed out this micro-batch.
+        self._destinations_out: set[int] = set()
         super().__init__(*args, **kwargs)
 
     def _configure_tensor_swapping(self, offload_optimizer_config: Any, aio_config: Any) -> None:
@@ -296,6 +300,47 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 # Backward's partitions reach the file through pinned staging and a thread of its own: a copy into
                 # the file's pageable pages would block the thread that launches backward, once per partition.
                 self.gradient_ring = PinnedRing(device=torch.device(accelerator.current_device_name()))
+        self._offer_gradient_buffer()
+
+    def _offer_gradient_buffer(self) -> None:
+        """Offer linear layers the buffer's places for their weight gradients (:mod:`~lightning_smartinf.zero.linear`)
+        where the buffer is plain host memory that the reduce leaves each gradient in as it is: there, ZeRO's copy of
+        a new gradient tensor into the buffer is a pass over memory and a fresh mapping's page faults per gradient."""
+        buffer = self.grad_partitions_flat_buffer
+        if buffer.device.type != "cpu" or self.gradient_file is not None or self.gradient_ring is not None:
+            return
+        params = [p for p in itertools.chain.from_iterable(self.fp16_groups) if p.requires_grad]
+        if not params or self.zenflow or not self._reduce_is_identity(params[:1]):
+            return
+        install()
+        optimizer = weakref.ref(self)
+
+        def destination(param: Tensor, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+            owner = optimizer()
+            return None if owner is None else owner.gradient_destination(param, dtype, device)
+
+        offer_gradient_buffer(params, destination)
+
+    def gradient_destination(self, param: Tensor, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+        """``param``'s place in the gradient buffer, shaped like it, for its gradient of this micro-batch in ``dtype``
+        computed on ``device``; ``None`` where it must come as a tensor of its own: after the first micro-batch
+        (accumulation adds to the place), in another dtype or on another device than the buffer's, where the reduce
+        is not the identity, where this rank holds part of it, or when its place was handed out already this
+        micro-batch (a weight used twice in the graph)."""
+        views = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        place = views.get(param.ds_id)
+        if (
+            place is None
+            or self.micro_step_id != 0
+            or dtype != self.gradient_accumulation_dtype
+            or place.device != device
+            or param.ds_id in self._destinations_out
+            or param.partition_numel() != param.ds_numel
+            or not self._reduce_is_identity([param])
+        ):
+            return None
+        self._destinations_out.add(param.ds_id)
+        return place.narrow(0, 0, param.ds_numel).view(param.ds_shape)
 
     def _replace_gradient_buffer(self, buffer: Tensor) -> None:
         """Keep the reduced gradient partitions in ``buffer`` instead of ZeRO's pinned host buffer: the per-parameter
@@ -446,9 +491,10 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             buffers.append(grad_buffer)
             # In the buffer's dtype on the accelerator (what ZeRO's copy would round it to), queued on this stream.
             on_device = grad_partition.to(self.gradient_accumulation_dtype).view(grad_buffer.shape)
+            self._destinations_out.discard(param.ds_id)
             if ring is not None:
                 ring.copy(grad_buffer, on_device)
-            else:
+            elif on_device.data_ptr() != grad_buffer.data_ptr():  # (computed in its place: `gradient_destination`)
                 grad_buffer.copy_(on_device, non_blocking=True)
             if self.is_gradient_accumulation_boundary():
                 self._offload_grad_partition_at_boundary(param, on_device, offload_fp32_gradients, offload_fp32_offsets)
@@ -515,6 +561,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
+        self._destinations_out.clear()  # places handed out to a backward that reduced nothing (it raised)
         if self.gradient_ring is not None:
             self.gradient_ring.flush()  # ZeRO's overflow check and the compression read the buffer on the host
         self._pre_step()
@@ -542,6 +589,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         return None
 
     def destroy(self) -> None:
+        withdraw_gradient_buffer(itertools.chain.from_iterable(self.fp16_groups))
         try:
             if self.gradient_ring is not None:
                 self.gradient_ring.close()
