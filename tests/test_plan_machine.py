@@ -303,7 +303,7 @@ def test_calibrate_measures_every_path_alone_and_together(tmp_path, capsys):
     assert min(measured, key=lambda name: measured[name]["512"]) == max(rates, key=rates.get)
     # ZeRO-3's passes over each gradient.
     passes = {k: v for k, v in data.items() if "cpu_reduce" in k}
-    assert len(passes) == 4 and all(v > 0 for v in passes.values())
+    assert len(passes) == 5 and all(v > 0 for v in passes.values())
     assert machine.to_profile([0]).baseline_cpu_reduce_s_per_gparam == passes["baseline_cpu_reduce_s_per_gparam"]
     assert main(["--model", "100M", "--profile", str(out)]) == 0
     printed = capsys.readouterr().out

@@ -232,7 +232,9 @@ def _reduce_passes(numel: int = 32 << 20) -> dict[str, float]:
     it and copies it for the swap-out; this project, with one rank, leaves the gradient where autograd put it and
     reads it once for the norm (:class:`~lightning_smartinf.core.float64_norm.PartitionNorm`). Allocations this
     large are fresh mappings on a host, whose pages fault in as they are first written: that is most of the cost, and
-    why it is replayed, not counted in bytes.
+    why it is replayed, not counted in bytes. In this project's step of one micro-batch, a linear weight's gradient is
+    computed in the buffer itself (:mod:`lightning_smartinf.zero.linear`): the norm's read is all that is left
+    (``cpu_reduce_in_place_s_per_gparam``).
     """
     import torch
 
@@ -245,7 +247,10 @@ def _reduce_passes(numel: int = 32 << 20) -> dict[str, float]:
     swap_out = torch.empty(numel)
     collective = torch.empty_like(bucket)
 
-    def micro_batch(*, stock: bool, last: bool) -> None:
+    def micro_batch(*, stock: bool, last: bool, in_place: bool = False) -> None:
+        if in_place:  # the buffer, in the training dtype, holds the gradient already
+            norm(gradient)
+            return
         reduced = torch.empty_like(gradient).copy_(gradient)
         if stock:
             bucket.copy_(reduced)
@@ -267,6 +272,7 @@ def _reduce_passes(numel: int = 32 << 20) -> dict[str, float]:
 
     return {
         "cpu_reduce_s_per_gparam": seconds_per_gparam(stock=False, last=True),
+        "cpu_reduce_in_place_s_per_gparam": seconds_per_gparam(stock=False, last=True, in_place=True),
         "cpu_reduce_accumulating_s_per_gparam": seconds_per_gparam(stock=False, last=False),
         "baseline_cpu_reduce_s_per_gparam": seconds_per_gparam(stock=True, last=True),
         "baseline_cpu_reduce_accumulating_s_per_gparam": seconds_per_gparam(stock=True, last=False),
@@ -572,7 +578,8 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             "whatever its tokens (reading the weights, starting each kernel)",
             "cpu_reduce_s_per_gparam": "measured: ZeRO-3's host passes over each gradient element of one micro-batch "
             "(this project's and, as baseline_*, stock ZeRO-3's: the last micro-batch of a step, and each one "
-            "before it as *_accumulating_*), replayed on 32M elements, best of three",
+            "before it as *_accumulating_*; *_in_place_*: this project's step of one micro-batch, whose linear "
+            "weights' gradients are computed in ZeRO's buffer), replayed on 32M elements, best of three",
             "gpu": "measured: pinned copies of 256 MiB each way (the slower), 8192^2 bf16 matmuls; efficiency "
             "assumed: the share of that rate a training step reaches"
             if gpu

@@ -178,6 +178,9 @@ class Profile:
     # over each gradient (:func:`fwd_bwd_time`), and ``cpu_step_s_per_gparam`` more per micro-batch and 1e9 parameters.
     cpu_training_tflops: float | None = None  # forward + backward FLOPs per second on the host; None: not modelled
     cpu_reduce_s_per_gparam: float = 0.0  # SmartUpdate: the step's last micro-batch (its gradient norm)
+    # SmartUpdate: a step of one micro-batch, whose linear weights' gradients are computed in ZeRO's buffer (0: not
+    # measured, ``cpu_reduce_s_per_gparam`` stands in)
+    cpu_reduce_in_place_s_per_gparam: float = 0.0
     cpu_reduce_accumulating_s_per_gparam: float = 0.0  # SmartUpdate: each micro-batch before it
     baseline_cpu_reduce_s_per_gparam: float = 0.0  # stock ZeRO-3 (ZeRO-Infinity), the last micro-batch
     baseline_cpu_reduce_accumulating_s_per_gparam: float = 0.0  # stock ZeRO-3, each micro-batch before it
@@ -405,7 +408,7 @@ def fwd_bwd_time(
                 prof.baseline_cpu_reduce_accumulating_s_per_gparam,
             )
         else:
-            last, accumulating = prof.cpu_reduce_s_per_gparam, prof.cpu_reduce_accumulating_s_per_gparam
+            last, accumulating = _last_reduce_s_per_gparam(work, prof), prof.cpu_reduce_accumulating_s_per_gparam
         passes = (last + accumulating * (work.accumulate - 1)) * work.params / 1e9
         return work.accumulate * _cpu_micro_batch_time(work, prof) + passes
     flops = work.flops_per_param_token * work.params * work.step_tokens
@@ -430,7 +433,17 @@ def cpu_backward_time(work: Workload, prof: Profile) -> float:
     if not prof.cpu_training_tflops:
         return 0.0
     backward_share = (work.flops_per_param_token - 2) / work.flops_per_param_token
-    return backward_share * _cpu_micro_batch_time(work, prof) + prof.cpu_reduce_s_per_gparam * work.params / 1e9
+    passes = _last_reduce_s_per_gparam(work, prof) * work.params / 1e9
+    return backward_share * _cpu_micro_batch_time(work, prof) + passes
+
+
+def _last_reduce_s_per_gparam(work: Workload, prof: Profile) -> float:
+    """This project's passes over each gradient of the step's last micro-batch per 1e9 parameters: where it is the
+    only one, its linear weights' gradients are computed in ZeRO's buffer (the buffer then has the training dtype), so
+    only the norm reads them, where measured."""
+    if work.accumulate == 1 and prof.cpu_reduce_in_place_s_per_gparam > 0:
+        return prof.cpu_reduce_in_place_s_per_gparam
+    return prof.cpu_reduce_s_per_gparam
 
 
 def zero_infinity(work: Workload, prof: Profile, devices: int, *, params_on_storage: bool = False) -> Breakdown:

@@ -121,8 +121,10 @@ class Machine:
     cpu_training_tflops: float | None = None
     #: CPU training: seconds per 1e9 parameters of ZeRO-3's host passes over each gradient in the step's last
     #: micro-batch and in each one before it, this project's (``cpu_reduce_*``) and stock ZeRO-3's
-    #: (``baseline_cpu_reduce_*``), as ``--calibrate`` replays them.
+    #: (``baseline_cpu_reduce_*``), as ``--calibrate`` replays them; ``cpu_reduce_in_place_*``: this project's in a
+    #: step of one micro-batch, whose linear weights' gradients are computed in ZeRO's buffer (0: not measured).
     cpu_reduce_s_per_gparam: float = 0.0
+    cpu_reduce_in_place_s_per_gparam: float = 0.0
     cpu_reduce_accumulating_s_per_gparam: float = 0.0
     baseline_cpu_reduce_s_per_gparam: float = 0.0
     baseline_cpu_reduce_accumulating_s_per_gparam: float = 0.0
@@ -285,6 +287,7 @@ class Machine:
             gpu_link_gbps=gpu.link_gbps if gpu else None,
             cpu_training_tflops=self.cpu_training_tflops,
             cpu_reduce_s_per_gparam=self.cpu_reduce_s_per_gparam,
+            cpu_reduce_in_place_s_per_gparam=self.cpu_reduce_in_place_s_per_gparam,
             cpu_reduce_accumulating_s_per_gparam=self.cpu_reduce_accumulating_s_per_gparam,
             baseline_cpu_reduce_s_per_gparam=self.baseline_cpu_reduce_s_per_gparam,
             baseline_cpu_reduce_accumulating_s_per_gparam=self.baseline_cpu_reduce_accumulating_s_per_gparam,
