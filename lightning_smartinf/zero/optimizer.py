@@ -304,10 +304,12 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def _offer_gradient_buffer(self) -> None:
         """Offer linear layers the buffer's places for their weight gradients (:mod:`~lightning_smartinf.zero.linear`)
-        where the buffer is plain host memory that the reduce leaves each gradient in as it is: there, ZeRO's copy of
-        a new gradient tensor into the buffer is a pass over memory and a fresh mapping's page faults per gradient."""
+        where training runs on the host, the buffer is plain host memory and the reduce leaves each gradient as it
+        is: there, ZeRO's copy of a new gradient tensor into the buffer is a pass over memory and a fresh mapping's
+        page faults per gradient. (Beside an accelerator the gradients are computed there, not in the buffer.)"""
         buffer = self.grad_partitions_flat_buffer
-        if buffer.device.type != "cpu" or self.gradient_file is not None or self.gradient_ring is not None:
+        training_on = torch.device(get_accelerator().current_device_name()).type
+        if training_on != "cpu" or buffer.device.type != "cpu" or self.gradient_file is not None:
             return
         params = [p for p in itertools.chain.from_iterable(self.fp16_groups) if p.requires_grad]
         if not params or self.zenflow or not self._reduce_is_identity(params[:1]):
