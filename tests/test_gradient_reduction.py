@@ -16,6 +16,12 @@ from lightning_smartinf import SmartInfinityStrategy
 from lightning_smartinf.core.float64_norm import HOST_PIECE, LANES, PartitionNorm, lane_sums
 from lightning_smartinf.core.native import sum_squares_kernels
 from lightning_smartinf.lightning.cpu_support import DeepSpeedCPUStrategy
+from lightning_smartinf.zero.linear import (
+    LinearIntoGradientBuffer,
+    ZeroLinear,
+    offer_gradient_buffer,
+    withdraw_gradient_buffer,
+)
 from lightning_smartinf.zero.optimizer import SmartUpdateZeroOptimizer
 
 #: Both sum exact float64 squares in float64 and differ from the exact norm only by the additions' rounding: ours
@@ -294,3 +300,68 @@ def test_linear_weight_gradients_are_computed_in_the_gradient_buffer(
     summed = 0 if model == "gpt" else 2  # the weights whose place autograd may have added another gradient to
     assert sum(ours.in_place) >= 3 * (linears - summed), "a gradient computed in place was moved"
     assert_identical(mine, theirs)
+
+
+@pytest.mark.parametrize("offered", [True, False], ids=["offered", "not_offered"])
+@pytest.mark.parametrize("shape", [(5, 8), (3, 5, 8)], ids=["2d", "3d"])
+def test_the_linear_function_computes_an_offered_gradient_in_its_place(offered, shape):
+    """ZeRO's linear function with a place offered for its weight's gradient: the gradient is computed there (autograd
+    then hands that very tensor to ``weight.grad``), to the bit what ZeRO's own backward computes; each saved tensor
+    is unpacked once either way (activation offload frees it at its first unpacking)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=generator).to(torch.bfloat16).requires_grad_()
+    weight = torch.nn.Parameter(torch.randn(6, 8, generator=generator).to(torch.bfloat16))
+    bias = torch.nn.Parameter(torch.randn(6, generator=generator).to(torch.bfloat16))
+    place = torch.full((6, 8), float("nan"), dtype=torch.bfloat16)
+    handed: list[tuple] = []
+
+    def destination(param, dtype, device):
+        handed.append((param, dtype, device))
+        return place.view(6, 8)  # a view of its own, as the optimizer hands out: autograd takes it as the gradient
+
+    def reference(function):
+        inputs = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
+        function.apply(*inputs).float().square().sum().backward()
+        return [t.grad for t in inputs]
+
+    unpacked: list[int] = []
+
+    def unpack_once(saved):
+        assert id(saved) not in unpacked, "a saved tensor unpacked twice"
+        unpacked.append(id(saved))
+        return saved
+
+    if offered:
+        offer_gradient_buffer([weight], destination)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack_once):
+            LinearIntoGradientBuffer.apply(x, weight, bias).float().square().sum().backward()
+    finally:
+        withdraw_gradient_buffer([weight], destination)
+    expected = reference(ZeroLinear)
+    assert [torch.equal(a, b) for a, b in zip((x.grad, weight.grad, bias.grad), expected)] == [True] * 3
+    assert (weight.grad.data_ptr() == place.data_ptr()) is offered
+    assert handed == ([(weight, torch.bfloat16, x.device)] if offered else [])
+    assert len(unpacked) == len(set(unpacked)) > 0
+
+
+def test_an_offer_is_withdrawn_only_by_whoever_made_it():
+    weight = torch.nn.Parameter(torch.zeros(2, 2))
+    first, second = torch.zeros(2, 2), torch.ones(2, 2)
+
+    def first_offer(param, dtype, device):
+        return first.view(2, 2)
+
+    def second_offer(param, dtype, device):
+        return second.view(2, 2)
+
+    offer_gradient_buffer([weight], first_offer)
+    offer_gradient_buffer([weight], second_offer)  # a later engine over the same model
+    withdraw_gradient_buffer([weight], first_offer)  # the earlier one's teardown
+    x = torch.ones(1, 2)
+    LinearIntoGradientBuffer.apply(x, weight, None).sum().backward()
+    assert weight.grad.data_ptr() == second.data_ptr()
+    withdraw_gradient_buffer([weight], second_offer)
+    weight.grad = None
+    LinearIntoGradientBuffer.apply(x, weight, None).sum().backward()
+    assert weight.grad.data_ptr() not in (first.data_ptr(), second.data_ptr())

@@ -53,10 +53,12 @@ def offer_gradient_buffer(params: Iterable[Tensor], destination: Destination) ->
         _offers[param] = destination
 
 
-def withdraw_gradient_buffer(params: Iterable[Tensor]) -> None:
-    """End the offers of ``params`` (their gradients are computed as ZeRO does from now on)."""
+def withdraw_gradient_buffer(params: Iterable[Tensor], destination: Destination) -> None:
+    """End ``destination``'s offers of ``params`` (their gradients are computed as ZeRO does from now on); an offer
+    another has made since stays."""
     for param in params:
-        _offers.pop(param, None)
+        if _offers.get(param) is destination:
+            del _offers[param]
 
 
 def install() -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -225,6 +225,8 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     _gradients_in_file = False
     #: Bytes of parameter partitions moved into ZeRO's flat buffer since the heap's free pages last went back.
     _moved_bytes = 0
+    #: What this optimizer offered linear layers for their weight gradients (:meth:`_offer_gradient_buffer`).
+    _gradient_offer: Callable[[Tensor, torch.dtype, torch.device], Tensor | None] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._partition_norm = PartitionNorm()
@@ -322,6 +324,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             return None if owner is None else owner.gradient_destination(param, dtype, device)
 
         offer_gradient_buffer(params, destination)
+        self._gradient_offer = destination
 
     def gradient_destination(self, param: Tensor, dtype: torch.dtype, device: torch.device) -> Tensor | None:
         """``param``'s place in the gradient buffer, shaped like it, for its gradient of this micro-batch in ``dtype``
@@ -591,7 +594,8 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         return None
 
     def destroy(self) -> None:
-        withdraw_gradient_buffer(itertools.chain.from_iterable(self.fp16_groups))
+        if self._gradient_offer is not None:
+            withdraw_gradient_buffer(itertools.chain.from_iterable(self.fp16_groups), self._gradient_offer)
         try:
             if self.gradient_ring is not None:
                 self.gradient_ring.close()
