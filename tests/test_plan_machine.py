@@ -287,17 +287,28 @@ def test_calibrate_measures_every_path_alone_and_together(tmp_path, capsys):
     assert fused.update_cost("int8") == machine.fused_update_cost_by_precision["int8"]
     # A device's step and the memory tier's, run for real per format: the planner takes them for the rule as recipes
     # build it, not for a fused one (measured without it).
-    for key in ("device_step_cpu_s_per_gparam_by_precision", "memory_step_s_per_gparam_by_precision"):
+    for key in (
+        "device_step_cpu_s_per_gparam_by_precision",
+        "device_rate_share_training_by_precision",
+        "memory_step_s_per_gparam_by_precision",
+        "memory_step_cpu_s_per_gparam_by_precision",
+    ):
         assert set(getattr(machine, key)) == {"fp32", "bf16", "int8"} and all(v > 0 for v in data[key].values())
         assert getattr(machine.to_profile([0]), key) == data[key] and getattr(fused, key) == {}
+    # Beside training a device keeps at most its rate alone.
+    assert all(share <= 1 for share in machine.device_rate_share_training_by_precision.values())
     # CPU training timed over a short and a long micro-batch, in the precision faster over the long one: the rate
     # and the time per parameter whatever the tokens give both timings back.
-    measured, block = data["measured"]["training_seconds"], data["measured"]["training_block_params"]
-    fastest = min(measured.values(), key=lambda seconds: seconds["512"])
+    measured, stacked = data["measured"]["training_seconds"], data["measured"]["training_params"]
+    faster = min(measured, key=lambda name: measured[name]["512"])
     assert machine.cpu_training_tflops > 0 and machine.cpu_step_s_per_gparam >= 0
-    for tokens, seconds in fastest.items():
-        modelled = 6 * block * int(tokens) / (machine.cpu_training_tflops * 1e12)
-        modelled += machine.cpu_step_s_per_gparam * block / 1e9
+    # The replay's weights and gradients are at least twice the CPU's largest cache, as a large model's are.
+    element = {"bf16": 2, "fp32": 4}
+    cache = data["measured"]["cpu_cache_bytes"]
+    assert cache > 0 and all(2 * element[name] * n >= 2 * cache for name, n in stacked.items())
+    for tokens, seconds in measured[faster].items():
+        modelled = 6 * stacked[faster] * int(tokens) / (machine.cpu_training_tflops * 1e12)
+        modelled += machine.cpu_step_s_per_gparam * stacked[faster] / 1e9
         assert modelled == pytest.approx(seconds, rel=0.05, abs=2e-3)
     rates = data["measured"]["training_tflops"]  # over the long micro-batch alone: the faster is the one fitted
     assert min(measured, key=lambda name: measured[name]["512"]) == max(rates, key=rates.get)

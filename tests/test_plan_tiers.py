@@ -107,6 +107,77 @@ def test_steps_measured_end_to_end_set_the_devices_share_of_the_cores_and_the_me
                 Profile.from_dict({**measured.to_dict(), key: bad})
 
 
+def test_beside_backward_the_devices_keep_the_share_of_their_rate_calibration_measured() -> None:
+    """CPU training: the devices' step run beside a training replay kept a measured share of its rate alone; during
+    backward the devices stream at that share (and take that much less of the cores), and after it at their full
+    rate. A format the profile does not list, no overlap, or a share of 1 leave the plan as it was."""
+    prof = replace(load_profile("devvm-2cpu"), cpu_training_tflops=0.5, cpu_reduce_s_per_gparam=1.0, cpu_cores=2)
+    work = Workload(1.5e9, batch=1, seq=16, flops_per_param_token=6, state_precision="int8")
+    state = work.state_bytes * work.params
+    full = place_state(work, prof, 1, 0)
+    slowed_prof = replace(prof, device_rate_share_training_by_precision={"int8": 0.8, "fp32": 0.5})
+    assert slowed_prof.device_rate_share_training("int8") == 0.8 and prof.device_rate_share_training("int8") == 1
+    slowed = place_state(work, slowed_prof, 1, 0)
+    rate = state / place_state(work, slowed_prof, 1, 0, overlap_backward=False).update_s
+    seconds_per_byte = prof.device_cpu_seconds("int8") / work.state_bytes
+    expected = cpu_overlap(cpu_backward_time(work, prof), state, 0.8 * rate, seconds_per_byte, 2)
+    assert (slowed.backward_s, slowed.shared_cores_s) == pytest.approx(expected)
+    assert slowed.backward_rate_share == 0.8 and full.backward_rate_share == 1
+    assert slowed.update_s == pytest.approx(state / rate - 0.8 * slowed.backward_s + slowed.shared_cores_s)
+    assert slowed.update_s > full.update_s and slowed.all_on_device_s == pytest.approx(slowed.update_s)
+    assert "at 80% of their rate" in slowed.describe("none") and "of their rate" not in full.describe("none")
+    # Not this format's share, a share of 1, or no overlap with backward: as before.
+    assert place_state(work, replace(prof, device_rate_share_training_by_precision={"fp32": 0.5}), 1, 0) == full
+    assert place_state(work, replace(prof, device_rate_share_training_by_precision={"int8": 1.0}), 1, 0) == full
+    after = place_state(work, slowed_prof, 1, 0, overlap_backward=False)
+    assert after == place_state(work, prof, 1, 0, overlap_backward=False) and after.backward_rate_share == 1
+    # A share above 1 or not above 0: refused with the key.
+    for bad in (1.5, 0.0):
+        with pytest.raises(PlanError, match=r"device_rate_share_training_by_precision.*int8.*out of range"):
+            Profile.from_dict({**slowed_prof.to_dict(), "device_rate_share_training_by_precision": {"int8": bad}})
+
+
+def test_after_backward_the_devices_and_the_memory_tier_wait_for_the_cores_they_share() -> None:
+    """After backward the devices' arithmetic left and the memory tier's step run on the same cores: where their CPU
+    seconds over the cores exceed the slower tier's time, the update takes that long. The memory tier's CPU seconds are
+    measured (else its update on one core); SmartSSDs compute on their own and are not bound by the host's cores."""
+    prof = replace(
+        load_profile("devvm-2cpu"),
+        cpu_training_tflops=0.5,
+        cpu_reduce_s_per_gparam=0.05,
+        cpu_cores=2,
+        device_update_gparams_per_s=10.0,
+        ssd_read_gbps=20.0,
+        ssd_write_gbps=20.0,
+        device_storage_ceiling_gbps=None,
+        memory_step_s_per_gparam_by_precision={"int8": 1.0},
+    )
+    work = Workload(1.5e9, batch=1, seq=16, flops_per_param_token=6, state_precision="int8")
+    state = work.state_bytes * work.params
+    assert prof.memory_cpu_seconds("int8") == pytest.approx(1e-9)  # not measured: its wall time on one core
+    cheap = place_state(work, prof, 1, state / 2, overlap_backward=False)
+    assert cheap.update_s == pytest.approx(work.params / 2 * 1.0 / 1e9)  # the memory tier's wall time: no cores bound
+    # A memory tier that costs 3 CPU seconds per 1e9 elements and devices at 2: the cores bound the update, the two
+    # tiers' CPU seconds over 2 cores.
+    busy = replace(
+        prof,
+        memory_step_cpu_s_per_gparam_by_precision={"int8": 3.0},
+        device_step_cpu_s_per_gparam_by_precision={"int8": 2.0},
+    )
+    bound = place_state(work, busy, 1, state / 2, overlap_backward=False)
+    cores_s = (work.params / 2 * 2.0 + work.params / 2 * 3.0) / 1e9 / 2
+    assert bound.update_s == pytest.approx(cores_s) and cores_s > cheap.update_s
+    # The devices streaming during backward finish within it here: only the memory tier's CPU seconds are left.
+    overlapped = place_state(work, busy, 1, state / 2)
+    assert overlapped.update_s == pytest.approx(work.params / 2 * 3.0 / 1e9 / 2 + overlapped.shared_cores_s)
+    # SmartSSDs (their gradient staged on their own SSD) compute on their own: no cores bound.
+    smart = place_state(work, replace(busy, gradient_staged_on_ssd=True), 1, state / 2, overlap_backward=False)
+    assert smart.update_s < cores_s
+    # A profile's memory CPU seconds that are not positive numbers per format: refused with the key.
+    with pytest.raises(PlanError, match=r"memory_step_cpu_s_per_gparam_by_precision.*int8.*out of range"):
+        Profile.from_dict({**busy.to_dict(), "memory_step_cpu_s_per_gparam_by_precision": {"int8": 0.0}})
+
+
 def test_devices_with_compute_of_their_own_get_the_share_that_finishes_with_memory() -> None:
     work, prof = workload_from_model("7B"), load_profile("paper-a5000")  # SmartSSDs: gradients staged on their SSD
     placed = place_state(work, prof, 9, 1e15)

@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import shutil
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -179,42 +180,101 @@ def _gpu() -> dict[str, Any] | None:
 TRAINING_TOKENS = (16, 512)
 
 
-def _training_seconds(dtype: Any, hidden: int = 2048, inner: int = 5632, heads: int = 32) -> tuple[int, list[float]]:
-    """Forward and backward of one Llama block (a 1B Llama's: ``hidden`` 2048, MLP ``inner`` 5632, causal attention,
-    RMS norms) in ``dtype`` on torch's threads, over a micro-batch of each of :data:`TRAINING_TOKENS`: the block's
-    parameters and the best of three seconds for each, each pass with fresh gradients as training makes them."""
-    import torch
-    from torch.nn import Linear, RMSNorm
-    from torch.nn.functional import scaled_dot_product_attention, silu
+#: Bytes of the host's largest CPU cache where ``/sys`` does not say.
+DEFAULT_CACHE_BYTES = 32 * MiB
+#: Most Llama blocks a training replay stacks, whatever the cache.
+MAX_TRAINING_BLOCKS = 16
 
-    torch.manual_seed(0)
-    qkv, out = Linear(hidden, 3 * hidden, bias=False), Linear(hidden, hidden, bias=False)
-    gate_up, down = Linear(hidden, 2 * inner, bias=False), Linear(inner, hidden, bias=False)
-    norms = (RMSNorm(hidden), RMSNorm(hidden))
-    modules = (qkv, out, gate_up, down, *norms)
-    params = [p for module in modules for p in module.to(dtype).parameters()]
 
-    def forward_backward(tokens: int, x: Any) -> None:
-        for p in (*params, x):
+def _cache_bytes() -> int:
+    """Bytes of the host's largest CPU cache, from ``/sys/devices/system/cpu/cpu0/cache`` (``DEFAULT_CACHE_BYTES``
+    where it does not say)."""
+    largest = 0
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError):
+            text = size.read_text().strip()
+            largest = max(largest, int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return largest or DEFAULT_CACHE_BYTES
+
+
+class _TrainingReplay:
+    """Forward and backward through a stack of Llama blocks (a 1B Llama's: ``hidden`` 2048, MLP ``inner`` 5632,
+    causal attention, RMS norms) in ``dtype`` on torch's threads, each pass with fresh gradients as training makes
+    them.
+
+    Invariant: the stack's weights and gradients take at least twice the host's largest cache (``cache_bytes``), as a
+    large model's are far beyond it; a stack that fits the cache would time its weights read from there.
+    """
+
+    def __init__(self, dtype: Any, cache_bytes: int, hidden: int = 2048, inner: int = 5632, heads: int = 32) -> None:
+        import torch
+        from torch.nn import Linear, RMSNorm
+
+        torch.manual_seed(0)
+        block_params = 4 * hidden * hidden + 3 * hidden * inner + 2 * hidden
+        weights_and_gradients = 2 * block_params * torch.empty(0, dtype=dtype).element_size()
+        count = min(MAX_TRAINING_BLOCKS, max(1, math.ceil(2 * cache_bytes / weights_and_gradients)))
+        self.blocks = [
+            tuple(
+                module.to(dtype)
+                for module in (
+                    Linear(hidden, 3 * hidden, bias=False),
+                    Linear(hidden, hidden, bias=False),
+                    Linear(hidden, 2 * inner, bias=False),
+                    Linear(inner, hidden, bias=False),
+                    RMSNorm(hidden),
+                    RMSNorm(hidden),
+                )
+            )
+            for _ in range(count)
+        ]
+        self.parameters = [p for block in self.blocks for module in block for p in module.parameters()]
+        self.params = sum(p.numel() for p in self.parameters)
+        self.dtype, self.hidden, self.heads = dtype, hidden, heads
+
+    def run(self, tokens: int) -> None:
+        """One forward and backward over a micro-batch of ``tokens``."""
+        import torch
+        from torch.nn.functional import scaled_dot_product_attention, silu
+
+        for p in self.parameters:
             p.grad = None
-        q, k, v = qkv(norms[0](x)).view(1, tokens, 3, heads, hidden // heads).transpose(1, 3).unbind(2)
-        attended = scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, tokens, hidden)
-        y = x + out(attended)
-        gate, up = gate_up(norms[1](y)).chunk(2, dim=-1)
-        (y + down(silu(gate) * up)).float().square().mean().backward()
+        hidden, heads = self.hidden, self.heads
+        y = torch.randn(1, tokens, hidden, dtype=self.dtype, requires_grad=True)
+        for qkv, out, gate_up, down, attention_norm, mlp_norm in self.blocks:
+            q, k, v = qkv(attention_norm(y)).view(1, tokens, 3, heads, hidden // heads).transpose(1, 3).unbind(2)
+            attended = scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, tokens, hidden)
+            y = y + out(attended)
+            gate, up = gate_up(mlp_norm(y)).chunk(2, dim=-1)
+            y = y + down(silu(gate) * up)
+        y.float().square().mean().backward()
 
-    seconds = []
-    for tokens in TRAINING_TOKENS:
-        x = torch.randn(1, tokens, hidden, dtype=dtype, requires_grad=True)
-        forward_backward(tokens, x)  # the first pass chooses the kernels
-        seconds.append(_best_seconds(lambda _, t=tokens, x=x: forward_backward(t, x)))
-    return sum(p.numel() for p in params), seconds
+    def seconds(self, repeats: int = 3) -> list[float]:
+        """Seconds of a pass over a micro-batch of each of :data:`TRAINING_TOKENS`: the median of ``repeats`` after
+        one that chooses the kernels (a typical pass, as a run's steps are, not the luckiest)."""
+        timed = []
+        for tokens in TRAINING_TOKENS:
+            self.run(tokens)
+            passes = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                self.run(tokens)
+                passes.append(time.perf_counter() - started)
+            timed.append(statistics.median(passes))
+        return timed
+
+    def until(self, stop: threading.Event) -> None:
+        """Passes over the short micro-batch until ``stop`` is set: the cores busy as a short micro-batch's
+        training keeps them."""
+        while not stop.is_set():
+            self.run(TRAINING_TOKENS[0])
 
 
 def training_fit(params: int, seconds: Sequence[float]) -> tuple[float, float]:
     """A micro-batch's forward and backward as ``6·params·tokens / rate + fixed·params``, through the two timings of
-    :func:`_training_seconds`: the rate in TFLOPS (6 FLOPs per parameter and token) and ``fixed`` in seconds per 1e9
-    parameters (0 where the timings' noise would make it negative)."""
+    :meth:`_TrainingReplay.seconds`: the rate in TFLOPS (6 FLOPs per parameter and token) and ``fixed`` in seconds
+    per 1e9 parameters (0 where the timings' noise would make it negative)."""
     (short, long), (short_s, long_s) = TRAINING_TOKENS, seconds
     per_token = max(long_s - short_s, 1e-3 * long_s) / (long - short)
     return 6 * params / per_token / 1e12, max(0.0, short_s - short * per_token) / params * 1e9
@@ -398,11 +458,16 @@ def _backend_step(paths: Sequence[Path], numel: int) -> float:
 
 
 def _step_seconds(
-    directory: Path, precision: str, numel: int = STEP_ELEMENTS, *, in_memory: bool
+    directory: Path,
+    precision: str,
+    numel: int = STEP_ELEMENTS,
+    *,
+    in_memory: bool,
+    beside: _TrainingReplay | None = None,
 ) -> tuple[float, float]:
     """Wall and CPU seconds (every thread of this process) per 1e9 elements of one real optimizer step: a ``cpu``
     device's with its state in ``directory``, or the memory tier's (``in_memory``); the state in ``precision``. The
-    best of two steps after the first."""
+    best of two steps after the first; ``beside``: while that training replay keeps the cores busy."""
     from lightning_smartinf.core.build import tiers_over
     from lightning_smartinf.devices.cpu import CpuBackend
 
@@ -413,20 +478,35 @@ def _step_seconds(
         backend = tiers_over(
             backend, memory_bytes=1 << 50, devices_compute=True, measure_memory_share=False, chunk_elems=1 << 20
         )
-    wall_s, cpu_s = min(_timed_steps(backend, shards, per, steps=3, precision=precision)[1:])
+    stop = threading.Event()
+    training = threading.Thread(target=beside.until, args=(stop,), daemon=True) if beside is not None else None
+    if training is not None:
+        training.start()
+    try:
+        wall_s, cpu_s = min(_timed_steps(backend, shards, per, steps=3, precision=precision)[1:])
+    finally:
+        stop.set()
+        if training is not None:
+            training.join()
     return wall_s / (per * shards) * 1e9, cpu_s / (per * shards) * 1e9
 
 
-def _step_costs(directory: Path) -> dict[str, dict[str, float]]:
-    """Each state format's real steps (:func:`_step_seconds`): a device's CPU seconds and the memory tier's seconds,
-    per 1e9 elements, as the profile's ``*_by_precision`` fields."""
+def _step_costs(directory: Path, training: _TrainingReplay) -> dict[str, dict[str, float]]:
+    """Each state format's real steps (:func:`_step_seconds`), per 1e9 elements, as the profile's ``*_by_precision``
+    fields: a device's CPU seconds, the share of its rate it keeps while ``training`` runs on the cores (at most 1),
+    and the memory tier's seconds and CPU seconds."""
     from lightning_smartinf.core.state_formats import FORMATS
 
-    device = {name: _step_seconds(directory, name, in_memory=False)[1] for name in FORMATS}
-    memory = {name: _step_seconds(directory, name, in_memory=True)[0] for name in FORMATS}
+    device = {name: _step_seconds(directory, name, in_memory=False) for name in FORMATS}
+    beside = {name: _step_seconds(directory, name, in_memory=False, beside=training)[0] for name in FORMATS}
+    memory = {name: _step_seconds(directory, name, in_memory=True) for name in FORMATS}
     return {
-        "device_step_cpu_s_per_gparam_by_precision": {name: round(s, 3) for name, s in device.items()},
-        "memory_step_s_per_gparam_by_precision": {name: round(s, 3) for name, s in memory.items()},
+        "device_step_cpu_s_per_gparam_by_precision": {name: round(s[1], 3) for name, s in device.items()},
+        "device_rate_share_training_by_precision": {
+            name: round(min(1.0, device[name][0] / beside[name]), 3) for name in FORMATS
+        },
+        "memory_step_s_per_gparam_by_precision": {name: round(s[0], 3) for name, s in memory.items()},
+        "memory_step_cpu_s_per_gparam_by_precision": {name: round(s[1], 3) for name, s in memory.items()},
     }
 
 
@@ -476,9 +556,14 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             measure.update(1)
             step_s_per_gparam = _backend_step(work, megabytes * MiB // 12)
             measure.update(1)
-            step_costs = _step_costs(work[0])
+            cache = _cache_bytes()
+            replays = {"bf16": _TrainingReplay(torch.bfloat16, cache), "fp32": _TrainingReplay(torch.float32, cache)}
+            training = {name: (replay.params, replay.seconds()) for name, replay in replays.items()}
+            # Training in the faster of bf16 and fp32 over the long micro-batch: the precision to train in on this CPU.
+            faster = min(training, key=lambda name: training[name][1][-1])
             measure.update(1)
-            training = {"bf16": _training_seconds(torch.bfloat16), "fp32": _training_seconds(torch.float32)}
+            step_costs = _step_costs(work[0], replays[faster])
+            del replays
             measure.update(1)
             reduce_passes = _reduce_passes()
             measure.update(1)
@@ -492,8 +577,7 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
                 probe.close()
     gpu = _gpu()
     memory = psutil.virtual_memory()
-    # The faster of bf16 and fp32 over the long micro-batch: the precision to train in on this CPU.
-    training_rate, fixed_s = training_fit(*min(training.values(), key=lambda timed: timed[1][-1]))
+    training_rate, fixed_s = training_fit(*training[faster])
     disks = [_disk(root) for root in roots]
     when = _dt.date.today().isoformat()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -567,14 +651,20 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             "device_step_cpu_s_per_gparam_by_precision": "measured: the CPU time (every thread) of a real cpu "
             "device's Adam(W) step over 32M elements on the first path, bf16 gradients in and parameters out, per "
             "state_precision, best of two steps after the first",
+            "device_rate_share_training_by_precision": "measured: the same steps' wall time alone over theirs while "
+            "the training replay below runs passes of its short micro-batch on torch's threads (at most 1): the "
+            "share of its rate a device keeps while backward runs on the cores it shares",
             "memory_step_s_per_gparam_by_precision": "measured: the same steps with the state in the memory tier, "
             "their wall time",
+            "memory_step_cpu_s_per_gparam_by_precision": "measured: the memory tier's steps, their CPU time (every "
+            "thread): what the tier takes of the cores after backward, beside the devices",
             "baseline_update_gparams_per_s": "measured: torch's fused AdamW over 8M in-memory elements, on torch's "
             "threads, standing in for DeepSpeed's CPU-Adam (ZeRO-Infinity's host update; also fused and vectorised)",
-            "cpu_training_tflops": "measured: forward and backward of one block of a 1B Llama over micro-batches of "
-            "16 and 512 tokens on torch's threads, in the faster of bf16 and fp32 over 512 (each under measured; on a "
-            "CPU without bf16 matrix units train in 32-true): the rate of what the longer one adds, 6 FLOPs per "
-            "parameter and token",
+            "cpu_training_tflops": "measured: forward and backward of a stack of a 1B Llama's blocks (their weights "
+            "and gradients at least twice the largest CPU cache, as a large model's are beyond it) over micro-batches "
+            "of 16 and 512 tokens on torch's threads, the median of three passes, in the faster of bf16 and fp32 over "
+            "512 (each under measured; on a CPU without bf16 matrix units train in 32-true): the rate of what the "
+            "longer one adds, 6 FLOPs per parameter and token",
             "cpu_step_s_per_gparam": "measured: the same two timings, what a micro-batch takes per 1e9 parameters "
             "whatever its tokens (reading the weights, starting each kernel)",
             "cpu_reduce_s_per_gparam": "measured: ZeRO-3's host passes over each gradient element of one micro-batch "
@@ -600,7 +690,8 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             "training_tflops": {  # over the long micro-batch alone
                 name: round(6 * n * TRAINING_TOKENS[-1] / timed[-1] / 1e12, 3) for name, (n, timed) in training.items()
             },
-            "training_block_params": training["fp32"][0],
+            "training_params": {name: n for name, (n, _) in training.items()},
+            "cpu_cache_bytes": cache,
             "training_seconds": {
                 name: dict(zip(map(str, TRAINING_TOKENS), (round(t, 5) for t in seconds)))
                 for name, (_, seconds) in training.items()

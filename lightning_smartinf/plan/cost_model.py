@@ -136,26 +136,28 @@ def check_rates(problems: Problems, values: dict[str, Any]) -> None:
             problems.number(name, value, low=0, high=1, above=True, why="a share of the peak rate")
 
 
-#: A profile's figures per state format, with what each number is.
-BY_PRECISION = {
-    "update_cost_by_precision": "time per element relative to fp32's",
-    "fused_update_cost_by_precision": "time per element relative to fp32's",
-    "device_step_cpu_s_per_gparam_by_precision": "CPU seconds per 1e9 elements",
-    "memory_step_s_per_gparam_by_precision": "seconds per 1e9 elements",
+#: A profile's figures per state format: what each number is, and its most (``None``: unbounded).
+BY_PRECISION: dict[str, tuple[str, float | None]] = {
+    "update_cost_by_precision": ("time per element relative to fp32's", None),
+    "fused_update_cost_by_precision": ("time per element relative to fp32's", None),
+    "device_step_cpu_s_per_gparam_by_precision": ("CPU seconds per 1e9 elements", None),
+    "device_rate_share_training_by_precision": ("a share of a device's rate alone", 1),
+    "memory_step_s_per_gparam_by_precision": ("seconds per 1e9 elements", None),
+    "memory_step_cpu_s_per_gparam_by_precision": ("CPU seconds per 1e9 elements", None),
 }
 
 
 def check_by_precision(problems: Problems, values: dict[str, Any]) -> None:
     """Check each of a profile's figures per state format (:data:`BY_PRECISION`) among ``values``: a mapping of state
     formats to numbers > 0."""
-    for key, why in BY_PRECISION.items():
+    for key, (why, most) in BY_PRECISION.items():
         if key not in values:
             continue
         if problems.instance(key, values[key], dict, f"a map of {', '.join(FORMATS)} to numbers"):
             within = problems.within(key)
             if problems.keys(key, values[key], FORMATS):
                 for name, value in values[key].items():
-                    within.number(name, value, low=0, above=True, why=why)
+                    within.number(name, value, low=0, high=most, above=True, why=why)
 
 
 @dataclass(frozen=True)
@@ -233,8 +235,13 @@ class Profile:
     #: update rates above). What one device's step costs the host's cores, its update, hand-offs and I/O calls (CPU
     #: seconds per 1e9 elements, every thread together): what the devices take from backward on a CPU.
     device_step_cpu_s_per_gparam_by_precision: dict[str, float] = field(default_factory=dict)
+    #: Measured the same way, per ``state_precision``: the share of its rate alone a device's step keeps while
+    #: training's forward and backward run on the host's cores (CPU training; a format left out: 1).
+    device_rate_share_training_by_precision: dict[str, float] = field(default_factory=dict)
     #: What the memory tier's step takes (seconds per 1e9 elements, on all the threads it runs on).
     memory_step_s_per_gparam_by_precision: dict[str, float] = field(default_factory=dict)
+    #: What it costs the host's cores (CPU seconds per 1e9 elements, every thread together).
+    memory_step_cpu_s_per_gparam_by_precision: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -269,6 +276,11 @@ class Profile:
             return measured / 1e9
         return self.update_cost(state_precision) / (self.device_update_gparams_per_s * 1e9)
 
+    def device_rate_share_training(self, state_precision: str) -> float:
+        """The share of its rate alone a device keeps in ``state_precision`` while CPU training's backward runs on
+        the cores it shares: measured where the profile has it, else 1."""
+        return self.device_rate_share_training_by_precision.get(state_precision, 1.0)
+
     def memory_update_rate(self, state_precision: str) -> float:
         """Elements per second the memory tier updates in ``state_precision``: measured through a real step where the
         profile has it, else ``host_update_gparams_per_s`` over the format's cost."""
@@ -276,6 +288,14 @@ class Profile:
         if measured is not None:
             return 1e9 / measured
         return self.host_update_gparams_per_s * 1e9 / self.update_cost(state_precision)
+
+    def memory_cpu_seconds(self, state_precision: str) -> float:
+        """CPU seconds the memory tier spends per element of its step in ``state_precision``: measured through a
+        real step where the profile has it, else its update on one core."""
+        measured = self.memory_step_cpu_s_per_gparam_by_precision.get(state_precision)
+        if measured is not None:
+            return measured / 1e9
+        return 1 / self.memory_update_rate(state_precision)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

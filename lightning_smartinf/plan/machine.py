@@ -141,10 +141,13 @@ class Machine:
     fused_update_cost_by_precision: dict[str, float] = field(default_factory=dict)
     #: One device's step and the memory tier's, each run for real by ``--calibrate`` with the rule as recipes build it
     #: (not fused), per ``state_precision``: the CPU seconds per 1e9 elements a device's step costs the cores (its
-    #: update, hand-offs and I/O calls), and the seconds per 1e9 elements the memory tier's step takes. Empty: from
-    #: the update rates above; with a fused optimizer they are not used.
+    #: update, hand-offs and I/O calls), the share of its rate a device's step keeps while CPU training runs on the
+    #: cores, and the seconds and CPU seconds per 1e9 elements the memory tier's step takes. Empty: from the update
+    #: rates above (a share of 1); with a fused optimizer they are not used.
     device_step_cpu_s_per_gparam_by_precision: dict[str, float] = field(default_factory=dict)
+    device_rate_share_training_by_precision: dict[str, float] = field(default_factory=dict)
     memory_step_s_per_gparam_by_precision: dict[str, float] = field(default_factory=dict)
+    memory_step_cpu_s_per_gparam_by_precision: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     measured: dict[str, Any] = field(default_factory=dict)
 
@@ -273,10 +276,15 @@ class Machine:
             if fused
             else (self.device_update_gparams_per_s, self.host_update_gparams_per_s, self.update_cost_by_precision)
         )
-        device_step, memory_step = (
-            ({}, {})
+        device_step, device_share, memory_step, memory_cpu = (
+            ({}, {}, {}, {})
             if fused
-            else (self.device_step_cpu_s_per_gparam_by_precision, self.memory_step_s_per_gparam_by_precision)
+            else (
+                self.device_step_cpu_s_per_gparam_by_precision,
+                self.device_rate_share_training_by_precision,
+                self.memory_step_s_per_gparam_by_precision,
+                self.memory_step_cpu_s_per_gparam_by_precision,
+            )
         )
         return Profile(
             name=self.name,
@@ -307,7 +315,9 @@ class Machine:
             device_update_gparams_per_s=device_rate,
             update_cost_by_precision=dict(costs),
             device_step_cpu_s_per_gparam_by_precision=dict(device_step),
+            device_rate_share_training_by_precision=dict(device_share),
             memory_step_s_per_gparam_by_precision=dict(memory_step),
+            memory_step_cpu_s_per_gparam_by_precision=dict(memory_cpu),
             max_devices=len(paths),
             # A device streams 1M-element chunks whatever the sub-group; its pool and staging are host memory.
             device_memory_gb=self.host_memory_gb,

@@ -8,9 +8,11 @@ decides:
 
 - Emulated devices (the ``cpu`` backend: the update runs on the host cores, plus storage I/O) training on the CPU share
   the host cores with forward and backward, so the memory tier fills its budget. With ``overlap_backward`` they
-  stream their state during the last micro-batch's backward, whose gradients complete as it runs, and their update's
-  arithmetic there takes its share of the host's cores from backward, which lasts that much longer
-  (:func:`cpu_overlap`).
+  stream their state during the last micro-batch's backward, whose gradients complete as it runs, at the share of
+  their rate calibration measured them keep beside training (``device_rate_share_training_by_precision``), and their
+  update's arithmetic there takes its share of the host's cores from backward, which lasts that much longer
+  (:func:`cpu_overlap`). After backward the devices and the memory tier share the cores: the CPU seconds they have
+  left, over the cores, bound the update too (beside a GPU as well).
 - Emulated devices beside a GPU start each sub-group's update as backward completes its gradient
   (``overlap_backward``) on host cores the GPU leaves free, so ``backward_s * rate`` bytes of their update hide behind
   backward. Memory takes the share that finishes with what is left of theirs after backward:
@@ -51,6 +53,8 @@ class TierPlacement:
     #: Seconds the devices' update adds to backward by sharing the host's cores with it (CPU training), inside
     #: ``update_s``.
     shared_cores_s: float = 0.0
+    #: The share of their rate alone the devices keep during those seconds of backward (CPU training: measured).
+    backward_rate_share: float = 1.0
 
     def describe(self, budget_text: str, accelerator_text: str | None = None) -> str:
         """One paragraph for ``smartinf plan``."""
@@ -61,7 +65,10 @@ class TierPlacement:
                 f" and state_accelerator_budget={accelerator_text}: {self.accelerator_bytes / GB:.1f} GB in GPU memory "
                 f"({self.accelerator_bytes / max(self.state_bytes, 1):.0%}),"
             )
-        after = f" after backward (the devices' update overlaps its {self.backward_s:.2f} s)" if self.backward_s else ""
+        at = f" at {self.backward_rate_share:.0%} of their rate" if self.backward_rate_share < 1 else ""
+        after = (
+            f" after backward (the devices' update overlaps its {self.backward_s:.2f} s{at})" if self.backward_s else ""
+        )
         shared = (
             f" (of which {self.shared_cores_s:.2f} s is backward's longer on the cores the devices share with it)"
             if self.shared_cores_s
@@ -142,19 +149,39 @@ def place_state(
     # What the devices' step costs the cores, seconds of one core per state byte (their update, hand-offs, I/O calls).
     seconds_per_byte = prof.device_cpu_seconds(work.state_precision) / per_param
 
+    # Backward's threads and the devices' share the cores: the devices keep a measured share of their rate there.
+    share = prof.device_rate_share_training(work.state_precision) if on_cpu and overlap_backward else 1.0
+
     def overlapped(on_devices: float) -> tuple[float, float]:
         if not (on_cpu and overlap_backward):
             return backward_s, 0.0
-        return cpu_overlap(cpu_backward_time(work, prof), on_devices, sum(rates), seconds_per_byte, prof.cpu_cores)
+        streaming = share * sum(rates)
+        return cpu_overlap(cpu_backward_time(work, prof), on_devices, streaming, seconds_per_byte, prof.cpu_cores)
+
+    def cores_after_backward(on_devices: Sequence[float], backward: float, in_memory: float) -> float:
+        """Emulated devices and the memory tier run on the host's cores after backward: their arithmetic there over
+        the cores (0 where the cores are not known)."""
+        if not emulated or prof.cpu_cores is None:
+            return 0.0
+        left = sum(max(0.0, b - r * share * backward) for b, r in zip(on_devices, rates))
+        memory_cpu = in_memory / per_param * prof.memory_cpu_seconds(work.state_precision)
+        return (left * seconds_per_byte + memory_cpu) / prof.cpu_cores
 
     backward_s, shared_s = overlapped(rest)
-    device_s = max(max(0.0, b / r - backward_s) for b, r in zip(device_bytes, rates))
-    # The tiers run at once; the step waits for the slowest.
+    device_s = max(max(0.0, b / r - share * backward_s) for b, r in zip(device_bytes, rates))
+    # The tiers run at once, on the cores they share; the step waits for the slowest, or for the cores.
     accelerator_s = accelerator / accelerator_rate if accelerator else 0.0
-    update_s = max(device_s, memory / memory_rate, accelerator_s) + shared_s
+    cores_s = cores_after_backward(device_bytes, backward_s, memory)
+    update_s = max(device_s, memory / memory_rate, accelerator_s, cores_s) + shared_s
     all_backward_s, all_shared_s = overlapped(total)
-    all_on_device_s = max(0.0, total / sum(rates) - all_backward_s) + all_shared_s
-    return TierPlacement(total, memory, device_bytes, update_s, all_on_device_s, accelerator, backward_s, shared_s)
+    all_on_device = tuple(total * r / sum(rates) for r in rates)
+    all_on_device_s = max(
+        max(0.0, total / sum(rates) - share * all_backward_s), cores_after_backward(all_on_device, all_backward_s, 0.0)
+    )
+    all_on_device_s += all_shared_s
+    return TierPlacement(
+        total, memory, device_bytes, update_s, all_on_device_s, accelerator, backward_s, shared_s, share
+    )
 
 
 def cpu_overlap(
