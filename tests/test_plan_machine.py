@@ -391,6 +391,35 @@ def test_cpu_training_is_the_products_and_each_methods_gradient_passes():
     assert fwd_bwd_time(work, example(gpu=None).to_profile((0,))) == 0
 
 
+def test_the_replayed_reduce_scatter_runs_over_a_group_of_its_own_and_leaves_a_callers_group_alone(tmp_path):
+    """Stock ZeRO-3's reduce-scatter over one rank is replayed with torch.distributed's own call over a gloo group
+    made for it and destroyed after (summing one rank's bucket leaves it as it was); where the caller has a group of
+    its own, it is neither used nor destroyed, and a copy stands in. In a fresh interpreter: a test before this one in
+    the same process may have left a group."""
+    script = f"""
+import torch
+import torch.distributed as dist
+from lightning_smartinf.plan.calibrate import _one_rank_collective
+
+bucket = torch.randn(1 << 16).to(torch.bfloat16)
+assert not dist.is_initialized()
+with _one_rank_collective() as collective:
+    assert dist.is_initialized() and dist.get_world_size() == 1
+    assert torch.equal(collective(bucket.clone()), bucket)
+assert not dist.is_initialized()
+dist.init_process_group("gloo", init_method="file://{tmp_path / "store"}", rank=0, world_size=1)
+group = dist.group.WORLD
+with _one_rank_collective() as collective:
+    out = collective(bucket)
+    assert torch.equal(out, bucket) and out.data_ptr() != bucket.data_ptr()
+assert dist.is_initialized() and dist.group.WORLD is group
+dist.destroy_process_group()
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 def test_the_training_fit_splits_a_micro_batch_into_its_flops_and_a_time_per_parameter():
     """Two timings of one block, 16 and 512 tokens: the rate of what the longer one adds, and the rest per 1e9
     parameters; timings whose noise would make the rest negative leave it 0."""

@@ -27,7 +27,8 @@ import shutil
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -287,12 +288,14 @@ def _reduce_passes(numel: int = 32 << 20) -> dict[str, float]:
 
     Both: autograd writes the gradient into a fresh tensor, which goes into the accumulation buffer (the first
     micro-batch) or is added there in fp32 (later ones, through a fresh fp32 copy). Stock ZeRO-3 first copies it into
-    its reduce bucket and averages over the ranks, one or more (a flat copy into fresh memory, a division, the
-    collective's pass into its output), and at the end takes each partition's norm through a fresh float64 copy of
-    it and copies it for the swap-out; this project, with one rank, leaves the gradient where autograd put it and
-    reads it once for the norm (:class:`~lightning_smartinf.core.float64_norm.PartitionNorm`). Allocations this
-    large are fresh mappings on a host, whose pages fault in as they are first written: that is most of the cost, and
-    why it is replayed, not counted in bytes. In this project's step of one micro-batch, a linear weight's gradient is
+    its reduce bucket and averages over the ranks, one or more (a flat copy into fresh memory, a division, and
+    ``torch.distributed.reduce_scatter_tensor`` over a group of one gloo rank, as DeepSpeed calls it:
+    :func:`_one_rank_collective`), and at the step's end takes each partition's norm through a fresh float64 copy of
+    it, then makes a fresh fp32 copy of it, which its swapper copies into a swap buffer; this project, with one rank,
+    leaves the gradient where autograd put it and reads it once for the norm
+    (:class:`~lightning_smartinf.core.float64_norm.PartitionNorm`). Allocations this large are fresh mappings on a
+    host, whose pages fault in as they are first written: that is most of the cost, and why it is replayed, not
+    counted in bytes. In this project's step of one micro-batch, a linear weight's gradient is
     computed in the buffer itself (:mod:`lightning_smartinf.zero.linear`): the norm's read is all that is left
     (``cpu_reduce_in_place_s_per_gparam``).
     """
@@ -303,41 +306,69 @@ def _reduce_passes(numel: int = 32 << 20) -> dict[str, float]:
     norm = PartitionNorm()
     gradient = torch.randn(numel).to(torch.bfloat16)
     bucket = torch.empty(numel, dtype=torch.bfloat16)
+    partition = torch.empty_like(bucket)
     summed = torch.empty(numel)
     swap_out = torch.empty(numel)
-    collective = torch.empty_like(bucket)
 
-    def micro_batch(*, stock: bool, last: bool) -> None:
+    def micro_batch(collective: Callable[[Any], Any], *, stock: bool, last: bool) -> None:
         reduced = torch.empty_like(gradient).copy_(gradient)
         if stock:
             bucket.copy_(reduced)
             flat = torch.empty_like(bucket).copy_(bucket)
             flat.div_(1)
-            reduced = collective.copy_(flat)
-        if last:
+            reduced = collective(flat)
+        if last and stock:
+            partition.copy_(reduced)
+            partition.to(torch.float64).norm(2)
+            swap_out.copy_(partition.to(torch.float32))
+        elif last:
             summed.copy_(reduced)
-            if stock:
-                summed.to(torch.float64).norm()
-                swap_out.copy_(summed)
-            else:
-                norm(summed)
+            norm(summed)
         else:
             summed.add_(reduced.to(torch.float32))
 
     def seconds_per_gparam(passes: Callable[[], object]) -> float:
         return round(_best_seconds(lambda _: passes()) / numel * 1e9, 3)
 
-    def micro_batch_passes(**kind: bool) -> float:
-        return seconds_per_gparam(lambda: micro_batch(**kind))
+    with _one_rank_collective() as collective:
 
-    return {
-        "cpu_reduce_s_per_gparam": micro_batch_passes(stock=False, last=True),
-        # The buffer, in the training dtype, holds the gradient already: the norm reads it.
-        "cpu_reduce_in_place_s_per_gparam": seconds_per_gparam(lambda: norm(gradient)),
-        "cpu_reduce_accumulating_s_per_gparam": micro_batch_passes(stock=False, last=False),
-        "baseline_cpu_reduce_s_per_gparam": micro_batch_passes(stock=True, last=True),
-        "baseline_cpu_reduce_accumulating_s_per_gparam": micro_batch_passes(stock=True, last=False),
-    }
+        def micro_batch_passes(**kind: bool) -> float:
+            return seconds_per_gparam(lambda: micro_batch(collective, **kind))
+
+        return {
+            "cpu_reduce_s_per_gparam": micro_batch_passes(stock=False, last=True),
+            # The buffer, in the training dtype, holds the gradient already: the norm reads it.
+            "cpu_reduce_in_place_s_per_gparam": seconds_per_gparam(lambda: norm(gradient)),
+            "cpu_reduce_accumulating_s_per_gparam": micro_batch_passes(stock=False, last=False),
+            "baseline_cpu_reduce_s_per_gparam": micro_batch_passes(stock=True, last=True),
+            "baseline_cpu_reduce_accumulating_s_per_gparam": micro_batch_passes(stock=True, last=False),
+        }
+
+
+@contextlib.contextmanager
+def _one_rank_collective() -> Iterator[Callable[[Any], Any]]:
+    """What stock ZeRO-3's reduce-scatter does to a flat bucket on one rank: ``torch.distributed
+    .reduce_scatter_tensor`` in place over a gloo group of this process alone (made here and destroyed after), as
+    DeepSpeed calls it. Where torch.distributed is unavailable or already initialised (a caller's own group, which
+    this must not touch), a copy into a second buffer stands in."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        yield lambda flat: torch.empty_like(flat).copy_(flat)
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+
+        def reduce_scatter(flat: Any) -> Any:
+            with warnings.catch_warnings():  # deprecated for reduce_scatter_single; DeepSpeed 0.19 calls this one
+                warnings.simplefilter("ignore", FutureWarning)
+                dist.reduce_scatter_tensor(flat, flat)
+            return flat
+
+        yield reduce_scatter
+    finally:
+        dist.destroy_process_group()
 
 
 def _chunk_update_seconds(precision: str, numel: int, chunk: int = 1 << 20, *, fused: bool = False) -> float:
