@@ -349,15 +349,22 @@ def _reduce_passes(numel: int = 32 << 20) -> dict[str, float]:
 def _one_rank_collective() -> Iterator[Callable[[Any], Any]]:
     """What stock ZeRO-3's reduce-scatter does to a flat bucket on one rank: ``torch.distributed
     .reduce_scatter_tensor`` in place over a gloo group of this process alone (made here and destroyed after), as
-    DeepSpeed calls it. Where torch.distributed is unavailable or already initialised (a caller's own group, which
-    this must not touch), a copy into a second buffer stands in."""
+    DeepSpeed calls it. Where torch.distributed is unavailable, has no gloo, or is initialised already (a caller's own
+    group, which this must not touch), a copy into a second buffer stands in."""
     import torch
     import torch.distributed as dist
 
+    def copy(flat: Any) -> Any:
+        return torch.empty_like(flat).copy_(flat)
+
     if not dist.is_available() or dist.is_initialized():
-        yield lambda flat: torch.empty_like(flat).copy_(flat)
+        yield copy
         return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    except (RuntimeError, ValueError):  # a torch built without gloo
+        yield copy
+        return
     try:
 
         def reduce_scatter(flat: Any) -> Any:
