@@ -167,6 +167,9 @@ def test_after_backward_the_devices_and_the_memory_tier_wait_for_the_cores_they_
     bound = place_state(work, busy, 1, state / 2, overlap_backward=False)
     cores_s = (work.params / 2 * 2.0 + work.params / 2 * 3.0) / 1e9 / 2
     assert bound.update_s == pytest.approx(cores_s) and cores_s > cheap.update_s
+    said = "after backward the host's cores bound it"
+    assert bound.cores_after_s == pytest.approx(cores_s) and said in bound.describe("1GB")
+    assert said not in cheap.describe("1GB")
     # The devices streaming during backward finish within it here: only the memory tier's CPU seconds are left.
     overlapped = place_state(work, busy, 1, state / 2)
     assert overlapped.update_s == pytest.approx(work.params / 2 * 3.0 / 1e9 / 2 + overlapped.shared_cores_s)

@@ -55,6 +55,9 @@ class TierPlacement:
     shared_cores_s: float = 0.0
     #: The share of their rate alone the devices keep during those seconds of backward (CPU training: measured).
     backward_rate_share: float = 1.0
+    #: Seconds the CPU work left after backward takes over the host's cores (the devices' arithmetic and the memory
+    #: tier's step; 0: not modelled), inside ``update_s`` where it is the longest.
+    cores_after_s: float = 0.0
 
     def describe(self, budget_text: str, accelerator_text: str | None = None) -> str:
         """One paragraph for ``smartinf plan``."""
@@ -69,11 +72,14 @@ class TierPlacement:
         after = (
             f" after backward (the devices' update overlaps its {self.backward_s:.2f} s{at})" if self.backward_s else ""
         )
-        shared = (
-            f" (of which {self.shared_cores_s:.2f} s is backward's longer on the cores the devices share with it)"
-            if self.shared_cores_s
-            else ""
-        )
+        notes = [f"of which {self.shared_cores_s:.2f} s is backward's longer on the cores the devices share with it"]
+        notes = notes if self.shared_cores_s else []
+        if self.cores_after_s and self.cores_after_s >= self.update_s - self.shared_cores_s - 1e-9:
+            notes.append(
+                f"after backward the host's cores bound it: the devices' and the memory tier's arithmetic takes "
+                f"{self.cores_after_s:.2f} s of them"
+            )
+        shared = f" ({'; '.join(notes)})" if notes else ""
         ratio = f" ({self.all_on_device_s / self.update_s:.2f}x)" if self.update_s > 0 else ""
         return (
             f"placement with state_memory_budget={budget_text}{gpu} {self.memory_bytes / GB:.1f} of "
@@ -180,7 +186,7 @@ def place_state(
     )
     all_on_device_s += all_shared_s
     return TierPlacement(
-        total, memory, device_bytes, update_s, all_on_device_s, accelerator, backward_s, shared_s, share
+        total, memory, device_bytes, update_s, all_on_device_s, accelerator, backward_s, shared_s, share, cores_s
     )
 
 
