@@ -32,6 +32,8 @@ SITES: dict[str, str] = {
     "hf/modules.py:save_pretrained": "tests/test_hf_export.py (a barrier: no tensor)",
     "hf/loading.py:_stream_weights": "tests/test_hf_loading.py (DeepSpeed's gather)",
     "lightning/checkpoints.py:load_trained_weights": "test_masters_are_loaded_for_evaluation_in_bounded_groups",
+    "plan/calibrate.py:reduce_scatter": "tests/test_plan_machine.py (calibration's replay of stock ZeRO-3 on the host, "
+    "over a gloo group of its own process made for it: host tensors by design, never a rank's NCCL group)",
 }
 #: What a collective is called as, and on what: ``dist.all_reduce``, ``strategy.reduce``,
 #: ``deepspeed.zero.GatheredParameters``.

@@ -8,8 +8,9 @@
 - which disk each path is on (``/sys/dev/block``), its free space, host RAM and cores;
 - the ``cpu`` backend's Adam(W) update rates (a device's, and the memory tier's over state in RAM), and one
   end-to-end ``CpuBackend`` step over all paths (recorded under ``measured``);
-- for CPU training, the host's rate of forward and backward through a Llama block, and ZeRO-3's host passes over
-  each gradient replayed (this project's and stock ZeRO-3's);
+- for CPU training, the host's rate of forward and backward through a stack of Llama blocks, and ZeRO-3's host passes
+  over each gradient replayed (this project's and stock ZeRO-3's); each format's device step again beside that
+  training, and the memory tier's step in CPU seconds;
 - the GPU when CUDA is available: its memory, pinned host <-> device copies and a bf16 matmul rate.
 
 Imports torch (the model does not). The I/O is the project's own path (:class:`~lightning_smartinf.core.io.direct
@@ -597,8 +598,9 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             cache = _cache_bytes()
             replays = {"bf16": _TrainingReplay(torch.bfloat16, cache), "fp32": _TrainingReplay(torch.float32, cache)}
             training = {name: (replay.params, replay.seconds()) for name, replay in replays.items()}
-            # Training in the faster of bf16 and fp32 over the long micro-batch: the precision to train in on this CPU.
-            faster = min(training, key=lambda name: training[name][1][-1])
+            # Training in the faster of bf16 and fp32 per parameter over the long micro-batch (their stacks differ):
+            # the precision to train in on this CPU.
+            faster = min(training, key=lambda name: training[name][1][-1] / training[name][0])
             measure.update(1)
             step_costs = _step_costs(work[0], replays[faster])
             del replays

@@ -117,7 +117,7 @@ class Machine:
     #: ``None``: ``host_update_gparams_per_s``.
     baseline_update_gparams_per_s: float | None = None
     #: CPU training (no GPU): the host's rate of forward and backward, FLOPs per second in TFLOPS, the faster of bf16
-    #: and fp32 (``--calibrate`` times a Llama block; ``None``: not measured, and the FLOPs not modelled).
+    #: and fp32 (``--calibrate`` times a stack of Llama blocks; ``None``: not measured, and the FLOPs not modelled).
     cpu_training_tflops: float | None = None
     #: CPU training: seconds per 1e9 parameters of ZeRO-3's host passes over each gradient in the step's last
     #: micro-batch and in each one before it, this project's (``cpu_reduce_*``) and stock ZeRO-3's
