@@ -601,9 +601,11 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
             # Training in the faster of bf16 and fp32 per parameter over the long micro-batch (their stacks differ):
             # the precision to train in on this CPU.
             faster = min(training, key=lambda name: training[name][1][-1] / training[name][0])
+            replay = replays.pop(faster)
+            del replays  # the slower stack's memory, before the steps
             measure.update(1)
-            step_costs = _step_costs(work[0], replays[faster])
-            del replays
+            step_costs = _step_costs(work[0], replay)
+            del replay
             measure.update(1)
             reduce_passes = _reduce_passes()
             measure.update(1)

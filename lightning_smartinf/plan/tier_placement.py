@@ -72,8 +72,11 @@ class TierPlacement:
         after = (
             f" after backward (the devices' update overlaps its {self.backward_s:.2f} s{at})" if self.backward_s else ""
         )
-        notes = [f"of which {self.shared_cores_s:.2f} s is backward's longer on the cores the devices share with it"]
-        notes = notes if self.shared_cores_s else []
+        notes = []
+        if self.shared_cores_s:
+            notes.append(
+                f"of which {self.shared_cores_s:.2f} s is backward's longer on the cores the devices share with it"
+            )
         if self.cores_after_s and self.cores_after_s >= self.update_s - self.shared_cores_s - 1e-9:
             notes.append(
                 f"after backward the host's cores bound it: the devices' and the memory tier's arithmetic takes "
