@@ -138,6 +138,9 @@ def test_split_masters_plan_2_125_bytes_per_master_and_whole_checkpoints(tmp_pat
     whole, split = plan_machine(work, machine), plan_machine(replace(work, split_masters=True), machine)
     assert split.placement.state_bytes == (EXPECTED_BYTES["int8"] - 1.875) * work.params
     assert split.checkpoint_bytes == whole.checkpoint_bytes == EXPECTED_BYTES["int8"] * work.params
+    # The disk table counts the same whole-master checkpoints: the one kept and the one being saved.
+    for plan in (whole, split):
+        assert sum(s.checkpoint_bytes for s in plan.space) == 2 * plan.checkpoint_bytes
     # Beside the GPU the 16-bit parameters would stay there; split masters keep them in host memory, twice.
     assert whole.offload_parameters is False and split.offload_parameters is True
     assert split.strategy_args()["split_masters"] is True and "split_masters" not in whole.strategy_args()

@@ -1,8 +1,8 @@
 """Performance model and planner: ``python -m lightning_smartinf.plan --model 7B --profile paper-a5000``.
 
-The model (:mod:`.model`), machine profiles (:mod:`.machine`) and their plans (:mod:`.machine_plan`) are pure Python;
-only calibration (:mod:`.calibrate`) uses torch (``import lightning_smartinf`` loads it all the same: the device kinds
-it registers import :mod:`lightning_smartinf.core`). Neither imports DeepSpeed nor Lightning.
+The cost model (:mod:`.cost_model`), machine profiles (:mod:`.machine`) and their plans (:mod:`.machine_plan`) are
+pure Python; only calibration (:mod:`.calibrate`) uses torch (``import lightning_smartinf`` loads it all the same: the
+device kinds it registers import :mod:`lightning_smartinf.core`). Neither imports DeepSpeed nor Lightning.
 """
 
 from lightning_smartinf.plan.cost_model import (

@@ -150,10 +150,7 @@ class MachinePlan:
 
     @property
     def checkpoint_bytes(self) -> float:
-        """One checkpoint: the whole state, with whole masters (and the error-feedback residual with compression)."""
-        saved = replace(self.work, split_masters=False).state_bytes
-        per_param = saved + (FP32_GRAD_BYTES if self.compression is not None else 0)
-        return per_param * self.work.params
+        return checkpoint_bytes(self.work, self.compression)
 
     def strategy_args(self) -> dict[str, Any]:
         """Every ``SmartInfinityStrategy`` argument the plan decided, as its snippets print them."""
@@ -377,6 +374,13 @@ def _state_budget(machine: Machine, model: _ModelPlacement, whole: float, asked:
     )
 
 
+def checkpoint_bytes(work: Workload, compression: float | None) -> float:
+    """One checkpoint: the whole state, with whole masters whether or not the run splits them (and the error-feedback
+    residual with compression)."""
+    saved = replace(work, split_masters=False).state_bytes
+    return (saved + (FP32_GRAD_BYTES if compression is not None else 0)) * work.params
+
+
 def _fwd_bwd(work: Workload, prof: Profile, model: _ModelPlacement, compression: float | None) -> tuple[float, float]:
     """Forward and backward with the GPU <-> host copies the settings make, and the parameters' writes after the step
     (``offload_parameters="storage"``)."""
@@ -423,7 +427,7 @@ def _plan_paths(
         weights = tuple(round(r / max(rates), 2) for r in rates)
     share = [w / sum(weights or [1.0] * n) for w in weights or [1.0] * n]
     checkpoint_dir = checkpoint_dir or machine.storage[paths[0]].path
-    checkpoint = (keep_checkpoints + 1) * (state + residual) if keep_checkpoints else 0.0
+    checkpoint = (keep_checkpoints + 1) * checkpoint_bytes(work, compression) if keep_checkpoints else 0.0
     p16 = LOW_PRECISION_BYTES * work.params
     summed = accumulation_bytes(work.accumulate, compression) * work.params
     parameters = (
