@@ -209,10 +209,7 @@ class SmartUpdateController:
         self.early_rolled_back = 0
         self._hand_offs = _HandOffs(len(self.sub_groups))
         self._speculation = _Speculation()
-        offsets = [0]
-        for sub_group in self.sub_groups:
-            offsets.append(offsets[-1] + sub_group.numel)
-        self._offsets = offsets
+        self._offsets = list(itertools.accumulate((s.numel for s in self.sub_groups), initial=0))
         specs = [
             ShardSpec(
                 index=i,
@@ -371,7 +368,7 @@ class SmartUpdateController:
             handle = self.backend.submit(
                 i, self.grad(i), hp, self.partitions.params(i), link_dtype=self.link_dtype, tentative=True, ready=fence
             )
-            self._hand_offs.add(i, handle, hp)
+            self._hand_offs.early[i] = (handle, hp)
 
     def link_overflows(self, clip_factor: float = 1.0) -> Tensor:
         """Whether this step's gradient plus the error-feedback residual, in the units of this step (its loss scale,
@@ -809,9 +806,6 @@ class _HandOffs:
         for i in complete:
             self.ready_at.setdefault(i, now)
         return complete
-
-    def add(self, sub_group: int, handle: Handle, hp: StepParams) -> None:
-        self.early[sub_group] = (handle, hp)
 
     def take(self) -> tuple[dict[int, tuple[Handle, StepParams]], set[int]]:
         """This backward's tentative updates and the stale ones among them; resets the bookkeeping."""

@@ -5,20 +5,6 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, fields
 
-#: Counter names, also the suffixes of the logged metrics ``smartinf/<name>``.
-COUNTERS = (
-    "link_write_bytes",
-    "link_read_bytes",
-    "storage_read_bytes",
-    "storage_write_bytes",
-    "memory_read_bytes",
-    "memory_write_bytes",
-    "accelerator_read_bytes",
-    "accelerator_write_bytes",
-    "param_read_bytes",
-    "param_write_bytes",
-)
-
 
 @dataclass(frozen=True)
 class TrafficSnapshot:
@@ -57,6 +43,10 @@ class TrafficSnapshot:
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+#: Counter names, also the suffixes of the logged metrics ``smartinf/<name>``.
+COUNTERS = tuple(f.name for f in fields(TrafficSnapshot))
 
 
 class Traffic:

@@ -153,8 +153,10 @@ class StreamingBackend(LatchingBackend):
             raise ValueError(f"`buffer_count={buffer_count}` must be at least 2 (one updating, one in I/O).")
         self.device_timeout_s = check_device_timeout(device_timeout_s)
         ChunkLayout(1, chunk_elems, 0)  # validates chunk_elems
-        self._chunk_elems = chunk_elems
-        self._buffer_count = buffer_count
+        #: Elements per streamed chunk.
+        self.chunk_elems = chunk_elems
+        #: Chunk buffers per device.
+        self.buffer_count = buffer_count
         self.prefetch_state = prefetch_state
         self.placement = placement
         if device_weights is not None and len(device_weights) != len(device_dirs):
@@ -215,16 +217,6 @@ class StreamingBackend(LatchingBackend):
                 f"{device.index} ({device.label})."
             )
         self.devices.append(device)
-
-    @property
-    def chunk_elems(self) -> int:
-        """Elements per streamed chunk."""
-        return self._chunk_elems
-
-    @property
-    def buffer_count(self) -> int:
-        """Chunk buffers per device."""
-        return self._buffer_count
 
     @property
     def num_devices(self) -> int:
@@ -316,7 +308,7 @@ class StreamingBackend(LatchingBackend):
             raise ValueError(
                 f"`ShardSpec.index` values must be 0..{len(shards) - 1} in order, got {[s.index for s in shards]}."
             )
-        layouts = [s.layout(self._chunk_elems) for s in shards]
+        layouts = [s.layout(self.chunk_elems) for s in shards]
         placement = self.placement or self._default_placement()
         self._assignment = check_assignment(placement, shards, self.num_devices)
         self._check_capacity(repr(placement), layouts, self.assignment)
@@ -433,7 +425,7 @@ class StreamingBackend(LatchingBackend):
         """:class:`TieredPlacement` over the storage devices by :meth:`storage_weights`; round-robin when there is
         nothing to weigh."""
         weights = self.storage_weights()
-        return RoundRobin() if weights is None else TieredPlacement(weights, chunk_elems=self._chunk_elems)
+        return RoundRobin() if weights is None else TieredPlacement(weights, chunk_elems=self.chunk_elems)
 
     def log_shares(self) -> None:
         """Log each device's shards and state bytes."""
@@ -471,9 +463,7 @@ class StreamingBackend(LatchingBackend):
         self._measured_weights = measured
         specs = [s.spec for s in self._shards]
         placed = [i for i, d in enumerate(self.assignment) if not self.devices[d].in_memory]
-        spread = TieredPlacement(
-            measured, chunk_elems=self._chunk_elems, keep=tuple(self.assignment[i] for i in placed)
-        )
+        spread = TieredPlacement(measured, chunk_elems=self.chunk_elems, keep=tuple(self.assignment[i] for i in placed))
         assignment = list(self.assignment)
         for i, device in zip(placed, spread.assign([specs[i] for i in placed], len(storage))):
             assignment[i] = device
@@ -858,7 +848,7 @@ class StreamingBackend(LatchingBackend):
         try:
             for file in staged:
                 file.stage(copy=True)
-            self.last_save = save_state(self._state_files(), Path(directory), chunk_elems=self._chunk_elems)
+            self.last_save = save_state(self._state_files(), Path(directory), chunk_elems=self.chunk_elems)
         finally:
             for file in staged:
                 file.unstage()
@@ -877,7 +867,7 @@ class StreamingBackend(LatchingBackend):
         storage and its files may be unusable, so the process must restart and resume there.
         """
         self._replace_state(
-            lambda shards: load_state(shards, Path(directory), chunk_elems=self._chunk_elems, manifest=manifest)
+            lambda shards: load_state(shards, Path(directory), chunk_elems=self.chunk_elems, manifest=manifest)
         )
 
     def load_resharded(self, reshard: Reshard) -> None:

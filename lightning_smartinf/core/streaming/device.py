@@ -139,8 +139,10 @@ class StreamingDevice(ABC):
         #: ``time.monotonic()`` of the last sign of life: new work, or a chunk read, written or updated.
         self.progress_at = time.monotonic()
         self._traffic = traffic
-        self._chunk_elems = chunk_elems
-        self._buffer_count = buffer_count
+        #: Elements per streamed chunk.
+        self.chunk_elems = chunk_elems
+        #: Chunk buffers in the pool (at least 2: one updating, one reading or writing).
+        self.buffer_count = buffer_count
         self._trailing: list[Future] = []
         self._master_chunk: Tensor | None = None
         self._link_chunks: dict[torch.dtype, Tensor] = {}
@@ -160,16 +162,6 @@ class StreamingDevice(ABC):
         self._reader = thread_pool(readers, f"csd{index}-read", accelerator, stream)
         self._writer = thread_pool(io_threads, f"csd{index}-write", accelerator, stream)
         self._worker = start_thread(self._serve, f"csd{index}-update", accelerator, stream)
-
-    @property
-    def chunk_elems(self) -> int:
-        """Elements per streamed chunk."""
-        return self._chunk_elems
-
-    @property
-    def buffer_count(self) -> int:
-        """Chunk buffers in the pool (at least 2: one updating, one reading or writing)."""
-        return self._buffer_count
 
     @property
     def label(self) -> str:
@@ -226,7 +218,7 @@ class StreamingDevice(ABC):
         """Scratch for one gradient chunk as it crosses the link (allocated once per dtype)."""
         chunk = self._link_chunks.get(dtype)
         if chunk is None:
-            chunk = self._link_chunks[dtype] = torch.empty(self._chunk_elems, dtype=dtype)
+            chunk = self._link_chunks[dtype] = torch.empty(self.chunk_elems, dtype=dtype)
             self.allocated_bytes += chunk.numel() * chunk.element_size()
         return chunk[:n]
 
@@ -484,7 +476,7 @@ class StreamingDevice(ABC):
         # Prefetched chunks hold buffers too: with them counted (at most the plan's cap), one buffer is always
         # free or being written back, so ``acquire`` cannot wait on reads only the worker itself would consume.
         while (
-            len(window.reads) + len(self.prefetch_plan.held) < self._buffer_count - 1
+            len(window.reads) + len(self.prefetch_plan.held) < self.buffer_count - 1
             and (target := self._next_read()) is not None
         ):
             request, k = target

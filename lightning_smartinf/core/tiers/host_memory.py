@@ -42,23 +42,20 @@ class TensorStateFile(StateFile):
     size = 0
     _bytes: Tensor | None = None
 
-    def _span(self, offset: int, nbytes: int) -> Tensor:
+    def view(self, offset: int, nbytes: int) -> Tensor:
         if self._bytes is None:
             raise OSError(f"the memory of {self.path} was freed")
         if offset < 0 or offset + nbytes > self.size:
             raise OSError(f"bytes {offset}..{offset + nbytes} lie outside {self.path} ({self.size} B)")
         return self._bytes[offset : offset + nbytes]
 
-    def view(self, offset: int, nbytes: int) -> Tensor:
-        return self._span(offset, nbytes)
-
     def read_into(self, buf: Tensor, offset: int) -> None:
         flat = buf.view(torch.uint8)
-        flat.copy_(self._span(offset, flat.numel()))
+        flat.copy_(self.view(offset, flat.numel()))
 
     def write_from(self, buf: Tensor, offset: int) -> None:
         flat = buf.view(torch.uint8)
-        target = self._span(offset, flat.numel())
+        target = self.view(offset, flat.numel())
         if target.data_ptr() != flat.data_ptr():  # a record updated in place (:meth:`view`) is already there
             target.copy_(flat)
 

@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from lightning_smartinf.core.accelerator import Fence
-from lightning_smartinf.core.backend import Backend, BackendStats, DeviceStats, Handle, ShardSpec
+from lightning_smartinf.core.backend import Backend, BackendStats, Handle, ShardSpec
 from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.format.reshard import Fetch, Reshard
 from lightning_smartinf.core.format.state_files import (
@@ -168,7 +168,11 @@ class TieredBackend(Backend, ABC):
         self.devices_compute = devices_compute
         self.measures_memory_share = devices_compute if measure_memory_share is None else measure_memory_share
         self._memory_share = memory_bytes
-        self._tier_options = (chunk_elems, buffer_count)
+        #: Elements per streamed chunk of the tiers' devices.
+        self.chunk_elems = chunk_elems
+        self._buffer_count = buffer_count
+        # The tiers' devices' chunk size and buffer count (at most ``TIER_BUFFERS``).
+        self._tier_buffers = {"chunk_elems": chunk_elems, "buffer_count": min(buffer_count, TIER_BUFFERS)}
         #: Each shard's backend and its index there.
         self._where: list[tuple[Backend, int]] = []
         # Which backend issued each outstanding handle (their `result` differ: device timeouts, server deadlines).
@@ -208,17 +212,6 @@ class TieredBackend(Backend, ABC):
         return (1.0,) * self._storage_count()
 
     # ---------------------------------------------------------------------------------------------- views
-
-    @property
-    def chunk_elems(self) -> int:
-        """Elements per streamed chunk of the tiers' devices."""
-        return self._tier_options[0]
-
-    @property
-    def _tier_buffers(self) -> dict[str, int]:
-        """The tiers' devices' chunk size and buffer count (at most ``TIER_BUFFERS``)."""
-        chunk_elems, buffer_count = self._tier_options
-        return {"chunk_elems": chunk_elems, "buffer_count": min(buffer_count, TIER_BUFFERS)}
 
     @property
     def num_devices(self) -> int:
@@ -587,16 +580,15 @@ class BesideTiers(TieredBackend):
         self._local_shards = [spec.index for spec, d in zip(shards, split) if d > 0]
         self._inner_shards = [spec.index for spec, d in zip(shards, split) if d == 0]
         if self._local_shards:
-            chunk_elems, buffer_count = self._tier_options
             self.local = MemoryTiers(
-                chunk_elems=chunk_elems,
-                buffer_count=buffer_count,
+                chunk_elems=self.chunk_elems,
+                buffer_count=self._buffer_count,
                 device_timeout_s=self._device_timeout_s,
                 placement=Fixed(tuple(split[i] - 1 for i in self._local_shards)),
             )
             self._attach_tiers(self.local)
-            self.local.open([_renumbered(shards[i], j) for j, i in enumerate(self._local_shards)])
-        self.inner.open([_renumbered(shards[i], j) for j, i in enumerate(self._inner_shards)])
+            self.local.open([dataclasses.replace(shards[i], index=j) for j, i in enumerate(self._local_shards)])
+        self.inner.open([dataclasses.replace(shards[i], index=j) for j, i in enumerate(self._inner_shards)])
         place = {i: (self.inner, j) for j, i in enumerate(self._inner_shards)}
         if self.local is not None:
             place.update({i: (self.local, j) for j, i in enumerate(self._local_shards)})
@@ -676,7 +668,7 @@ class BesideTiers(TieredBackend):
         return BackendStats(
             traffic=inner.traffic + local.traffic,
             buffer_bytes=inner.buffer_bytes + local.buffer_bytes,
-            devices=inner.devices + tuple(_shifted(d, offset) for d in local.devices),
+            devices=inner.devices + tuple(dataclasses.replace(d, index=d.index + offset) for d in local.devices),
             prefetch_used_bytes=inner.prefetch_used_bytes + local.prefetch_used_bytes,
             prefetch_dropped_bytes=inner.prefetch_dropped_bytes + local.prefetch_dropped_bytes,
         )
@@ -715,14 +707,6 @@ def masters_with_tiers(read_inner: Callable[[Path], list[Tensor]]) -> Callable[[
         return [master if master is not None else next(others) for master in masters]
 
     return read
-
-
-def _renumbered(spec: ShardSpec, index: int) -> ShardSpec:
-    return dataclasses.replace(spec, index=index)
-
-
-def _shifted(device: DeviceStats, offset: int) -> DeviceStats:
-    return dataclasses.replace(device, index=device.index + offset)
 
 
 def _median_ready(samples: Sequence[Mapping[int, float]]) -> dict[int, float]:

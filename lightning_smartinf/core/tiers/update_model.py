@@ -19,6 +19,7 @@ Example: a device at 2 B/s holding two 1-byte shards completed 3 s and 2 s befor
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -65,12 +66,7 @@ def memory_candidates(sizes: Sequence[int], budget: int, limit: int = MAX_CANDID
     """The memory shares that give different placements when memory fills in index order: none, each prefix of
     ``sizes`` (the shards it may hold, in index order) within ``budget``, and ``budget`` itself; every k-th prefix
     when there are more than ``limit``."""
-    prefixes, held = [], 0
-    for size in sizes:
-        held += size
-        if held > budget:
-            break
-        prefixes.append(held)
+    prefixes = list(itertools.takewhile(lambda held: held <= budget, itertools.accumulate(sizes)))
     step = max(1, math.ceil(len(prefixes) / limit))
     shares = [0, *prefixes[step - 1 :: step]]
     if shares[-1] != budget:
