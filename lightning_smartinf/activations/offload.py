@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -138,30 +139,24 @@ class _Record:
         "state",
         "tensor",
         "refs",
-        "seq",
         "slot",
         "future",
-        "unpacked",
-        "error",
         "charged",
         "produced",
         "side_allocated",
         "head",
     )
 
-    def __init__(self, key: tuple, tensor: Tensor, nbytes: int, seq: int) -> None:
+    def __init__(self, key: tuple, tensor: Tensor, nbytes: int) -> None:
         self.key = key
         self.storage_ref = weakref.ref(tensor.untyped_storage())
         self.nbytes = nbytes
         self.shape, self.stride, self.dtype, self.device = tensor.shape, tensor.stride(), tensor.dtype, tensor.device
         self.state = _KEPT
         self.tensor: Tensor | None = tensor
-        self.refs = 0
-        self.seq = seq
+        self.refs = 1  # the handle of the pack that created it
         self.slot: tuple[int, int] | None = None  # (spill file, offset) while the bytes are in a spill file
         self.future: Future | None = None
-        self.unpacked = 0
-        self.error: BaseException | None = None
         self.charged = 0  # bytes charged to the in-flight budget
         # CUDA only: an event after the kernels of the user's stream that produced the tensor (the write waits for
         # it on a side stream), and whether the tensor read back was allocated on a side stream.
@@ -341,7 +336,6 @@ class SavedTensorOffloader:
         self._order: list[_Record] = []  # offloaded records in pack order
         self._cursor = -1  # next index of _order to prefetch (descending)
         self._inflight = 0
-        self._seq = 0
         self._spill = SpillFiles(self._dirs)
         self._error: BaseException | None = None
         # Reused aligned staging buffers for writes (no page faults on the hot path), at most the budget in total.
@@ -376,25 +370,19 @@ class SavedTensorOffloader:
         # Measured whether or not settings were given: given ones are checked against the overhead budget.
         self._meter = LayerMeter(len(self._layers)) if self._layers and self.enabled else None
         for i, layer in enumerate(self._layers):
-            self._hook_handles.append(layer.register_forward_pre_hook(self._make_pre_hook(i)))
+            self._hook_handles.append(layer.register_forward_pre_hook(functools.partial(self._pre_hook, i)))
             if self._meter is not None:
-                self._hook_handles.append(layer.register_forward_hook(self._make_post_hook(i)))
+                self._hook_handles.append(layer.register_forward_hook(functools.partial(self._post_hook, i)))
         return self
 
-    def _make_pre_hook(self, index: int):  # noqa: ANN202
-        def hook(module: nn.Module, args: Any) -> None:
-            self._cur_layer = index
-            if self._metering and not self._backward:  # not a recomputation (activation checkpointing)
-                self._meter.enter(index)
+    def _pre_hook(self, index: int, module: nn.Module, args: Any) -> None:
+        self._cur_layer = index
+        if self._metering and not self._backward:  # not a recomputation (activation checkpointing)
+            self._meter.enter(index)
 
-        return hook
-
-    def _make_post_hook(self, index: int):  # noqa: ANN202
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self._metering and not self._backward:
-                self._meter.leave(index)
-
-        return hook
+    def _post_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if self._metering and not self._backward:
+            self._meter.leave(index)
 
     @property
     def _metering(self) -> bool:
@@ -662,9 +650,7 @@ class SavedTensorOffloader:
                 self.stats.dedup_hits += 1
                 return _Handle(self._release, rec)
             nbytes = t.numel() * t.element_size()
-            self._seq += 1
-            rec = _Record(key, t, nbytes, self._seq)
-            rec.refs = 1
+            rec = _Record(key, t, nbytes)
             self._records[key] = rec
             self._charge_resident(nbytes)
             if self._should_offload(t, nbytes):
@@ -749,7 +735,6 @@ class SavedTensorOffloader:
                     "storage paths, or raise `threshold_bytes`/`keep_last`.",
                 )
             with self._cond:
-                rec.error = exc
                 self._error = exc
                 rec.state = _KEPT  # the tensor is still held: nothing is lost
                 self._inflight -= rec.charged

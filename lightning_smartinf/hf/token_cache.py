@@ -17,6 +17,7 @@ directory) each finish their own sibling; the first rename wins and the others a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -110,8 +111,6 @@ class TokenCache:
         self.directory = Path(directory)
         self.meta: dict[str, Any] = json.loads((self.directory / META).read_text())
         self.dtype = np.dtype(self.meta["dtype"])
-        self._tokens: np.ndarray | None = None
-        self._examples: np.ndarray | None = None
         self._check(TOKENS, self.meta["tokens"] * self.dtype.itemsize)
         if self.meta["examples"] is not None:
             self._check(EXAMPLES, self.meta["examples"] * len(EXAMPLE_COLUMNS) * 8)
@@ -125,21 +124,17 @@ class TokenCache:
                 f"{expected}. Delete that directory; the next run tokenises the file again."
             )
 
-    @property
+    @functools.cached_property
     def tokens(self) -> np.ndarray:
         """Every token id of the file, in order (1-D, ``uint16`` or ``uint32``)."""
-        if self._tokens is None:
-            self._tokens = _map(self.directory / TOKENS, self.dtype, (self.meta["tokens"],))
-        return self._tokens
+        return _map(self.directory / TOKENS, self.dtype, (self.meta["tokens"],))
 
-    @property
+    @functools.cached_property
     def examples(self) -> np.ndarray:
         """Prompt/response data: one int64 row per example, columns :data:`EXAMPLE_COLUMNS`."""
-        if self._examples is None:
-            count = self.meta["examples"]
-            assert count is not None, f"{self.directory} holds a token stream, not examples"
-            self._examples = _map(self.directory / EXAMPLES, np.dtype(np.int64), (count, len(EXAMPLE_COLUMNS)))
-        return self._examples
+        count = self.meta["examples"]
+        assert count is not None, f"{self.directory} holds a token stream, not examples"
+        return _map(self.directory / EXAMPLES, np.dtype(np.int64), (count, len(EXAMPLE_COLUMNS)))
 
     def __getstate__(self) -> dict[str, Any]:
         return {"directory": self.directory}

@@ -9,6 +9,7 @@ one from set-up to teardown, and the ``smartinf`` entry points one for the whole
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import warnings
@@ -82,14 +83,10 @@ ENTRY_POINT_RECORDS = (
 )
 
 
-class _DropMessages(logging.Filter):
-    def __init__(self, patterns: list[re.Pattern[str]]) -> None:
-        super().__init__()
-        self.patterns = patterns
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not any(p.match(message) for p in self.patterns)
+def _keep(patterns: list[re.Pattern[str]], record: logging.LogRecord) -> bool:
+    """A log filter (``Logger.addFilter`` takes any callable): drops the records whose message a pattern matches."""
+    message = record.getMessage()
+    return not any(p.match(message) for p in patterns)
 
 
 class Silenced:
@@ -100,12 +97,12 @@ class Silenced:
         for entry in WARNINGS:
             warnings.filterwarnings("ignore", message=entry.message, category=entry.category, module=entry.module)
         self._warning_filters = [f for f in warnings.filters if f not in before]
-        self._log_filters: list[tuple[logging.Logger, logging.Filter]] = []
+        self._log_filters: list[tuple[logging.Logger, functools.partial[bool]]] = []
         by_logger: dict[str, list[re.Pattern[str]]] = {}
         for record in records:
             by_logger.setdefault(record.logger, []).append(re.compile(record.message))
         for name, patterns in by_logger.items():
-            logger, drop = logging.getLogger(name), _DropMessages(patterns)
+            logger, drop = logging.getLogger(name), functools.partial(_keep, patterns)
             logger.addFilter(drop)
             self._log_filters.append((logger, drop))
 

@@ -144,34 +144,29 @@ def state_format_kernels() -> ctypes.CDLL | None:
         return None
     f32, u8, u16 = (ctypes.POINTER(t) for t in (ctypes.c_float, ctypes.c_uint8, ctypes.c_uint16))
     i64 = ctypes.c_int64
-    library.smartinf_int8_store.argtypes = [f32, i64, ctypes.c_int, u8, f32]
-    library.smartinf_int8_load.argtypes = [u8, f32, i64, ctypes.c_int, f32]
     # The gradient of the Adam kernels: fp32 or (when that is NULL) bf16, and the factor it is multiplied by.
     grad = [f32, u16, ctypes.c_float]
     # After the gradient, in "int8": n, padded, exp_avg's codes and scales, exp_avg_sq's codes and scales, scalars,
     # flags; in "bf16": n, exp_avg, exp_avg_sq, scalars, flags.
     int8_states = [i64, i64, u8, f32, u8, f32, f32, ctypes.c_int]
     bf16_states = [i64, u16, u16, f32, ctypes.c_int]
-    # Whole masters first: the masters and the parameters written (or NULL).
-    library.smartinf_adam_int8.argtypes = [f32, u16, *grad, *int8_states]
-    library.smartinf_adam_bf16.argtypes = [f32, u16, *grad, *bf16_states]
-    # split masters: masters, n, low halves, carry bits, parameters; parameters, low halves, carry bits, n, masters,
-    # aside
-    library.smartinf_split_encode.argtypes = [f32, i64, u16, u8, u16]
-    library.smartinf_split_decode.argtypes = [u16, u16, u8, i64, f32, u16]
-    # Adam over split masters first: parameters, low halves, carry bits, aside.
-    library.smartinf_adam_int8_split.argtypes = [u16, u16, u8, u16, *grad, *int8_states]
-    library.smartinf_adam_bf16_split.argtypes = [u16, u16, u8, u16, *grad, *bf16_states]
-    for kernel in (
-        library.smartinf_int8_store,
-        library.smartinf_int8_load,
-        library.smartinf_adam_int8,
-        library.smartinf_adam_bf16,
-        library.smartinf_split_encode,
-        library.smartinf_split_decode,
-        library.smartinf_adam_int8_split,
-        library.smartinf_adam_bf16_split,
-    ):
+    argtypes = {
+        "smartinf_int8_store": [f32, i64, ctypes.c_int, u8, f32],
+        "smartinf_int8_load": [u8, f32, i64, ctypes.c_int, f32],
+        # Whole masters first: the masters and the parameters written (or NULL).
+        "smartinf_adam_int8": [f32, u16, *grad, *int8_states],
+        "smartinf_adam_bf16": [f32, u16, *grad, *bf16_states],
+        # split masters: masters, n, low halves, carry bits, parameters; parameters, low halves, carry bits, n,
+        # masters, aside
+        "smartinf_split_encode": [f32, i64, u16, u8, u16],
+        "smartinf_split_decode": [u16, u16, u8, i64, f32, u16],
+        # Adam over split masters first: parameters, low halves, carry bits, aside.
+        "smartinf_adam_int8_split": [u16, u16, u8, u16, *grad, *int8_states],
+        "smartinf_adam_bf16_split": [u16, u16, u8, u16, *grad, *bf16_states],
+    }
+    for name, types in argtypes.items():
+        kernel = getattr(library, name)
+        kernel.argtypes = types
         kernel.restype = None
     return library
 

@@ -8,7 +8,7 @@ of the modelled machine. Passing such a manifest as ``xclbin`` is what selects t
 
 What is modelled, and how faithfully:
 
-- ``device(index | "BDF")``, ``enumerate_devices()``, ``device.load_xclbin``, ``device.get_info(bdf|name|memory)``.
+- ``device(index | "BDF")``, ``enumerate_devices()``, ``device.load_xclbin``, ``device.get_info(bdf)``.
 - ``xclbin(path)`` with ``get_kernels()``/``get_mems()``/``get_uuid()``; ``kernel(device, uuid, name[, mode])``
   raises for a name the xclbin lacks, as XRT does; ``kernel.group_id(i)`` (one DDR bank, as on a SmartSSD).
 - ``bo(device, size, flags, group)``: ``normal`` buffers have a host copy and a separate device copy, so a
@@ -189,9 +189,6 @@ class ert_cmd_state(enum.Enum):  # noqa: N801 - pyxrt's spelling
 
 class xrt_info_device(enum.Enum):  # noqa: N801 - pyxrt's spelling
     bdf = 0
-    name = 5
-    memory = 11
-    platform = 12
 
 
 class _BoFlags(enum.Enum):
@@ -200,9 +197,7 @@ class _BoFlags(enum.Enum):
 
 
 class _CuAccessMode(enum.Enum):
-    exclusive = 0
     shared = 1
-    none = 2
 
 
 # ------------------------------------------------------------------------------------------------- the model
@@ -298,11 +293,7 @@ class SoftwarePyxrt:
         self.xrt_info_device = xrt_info_device
         self.device = type("device", (_Device,), {"_platform": platform})
         self.xclbin = type("xclbin", (_Xclbin,), {"_platform": platform})
-        self.kernel = type(
-            "kernel",
-            (_Kernel,),
-            {"_platform": platform, "shared": _CuAccessMode.shared, "exclusive": _CuAccessMode.exclusive},
-        )
+        self.kernel = type("kernel", (_Kernel,), {"_platform": platform, "shared": _CuAccessMode.shared})
         self.bo = type(
             "bo", (_Bo,), {"_platform": platform, "flags": _BoFlags, "normal": _BoFlags.normal, "p2p": _BoFlags.p2p}
         )
@@ -387,25 +378,15 @@ class _Device:
     def get_info(self, key: xrt_info_device) -> str:
         if key == xrt_info_device.bdf:
             return self._state.bdf
-        if key in (xrt_info_device.name, xrt_info_device.platform):
-            return f"{SMARTSSD_PLATFORM} (software model)"
-        if key == xrt_info_device.memory:
-            return json.dumps({"board": {"memory": {"ddr_bytes": self._state.ddr_bytes}}})
         return "NA"
 
 
+@dataclass(frozen=True)
 class _Uuid:
-    def __init__(self, text: str) -> None:
-        self._text = text
+    _text: str
 
     def to_string(self) -> str:
         return self._text
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Uuid) and other._text == self._text
-
-    def __hash__(self) -> int:
-        return hash(self._text)
 
 
 class _Named:
@@ -521,11 +502,6 @@ class _Bo:
 
     def map(self) -> memoryview:
         return memoryview(self._root._host[self._offset : self._offset + self._size])
-
-    def write(self, data: Any, seek: int) -> None:
-        src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-        self._check(len(src), seek)
-        self._root._host[self._offset + seek : self._offset + seek + len(src)] = src
 
     def sync(self, direction: xclBOSyncDirection, size: int | None = None, offset: int = 0) -> None:
         size = self._size - offset if size is None else size
