@@ -43,6 +43,12 @@ def _opened(port: int) -> RemoteBackend:
     return client
 
 
+def test_a_limit_that_is_on_by_default_cannot_be_turned_off() -> None:
+    with pytest.raises(ValueError, match="`max_sessions=None`: a server limit must be a positive integer."):
+        ServerLimits(max_sessions=None)
+    ServerLimits(max_peer_calls=None)  # off by default, so it may be
+
+
 @pytest.mark.slow
 def test_a_server_holds_at_most_its_sessions_and_takes_more_once_one_closes(tmp_path) -> None:
     server, servicer, port = serve([tmp_path / "root"], TOKEN, limits=ServerLimits(max_sessions=2))

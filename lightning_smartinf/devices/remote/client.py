@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -223,9 +224,9 @@ class _Server:
     def call(self, method: Any, request: Any, what: str, timeout: float | None = None) -> Any:
         """``method(request)`` within ``timeout`` (default: the device timeout); errors name this server.
 
-        A call the server refuses for a busy moment before replying is made again, with a fresh request, for up to
-        :data:`RETRY_WITHIN_S` (see :data:`RETRY_POLICY`): ``request`` is one frame, or a function making the stream
-        of frames (a stream given as such is sent once). A streamed reply is returned once its first frame is in."""
+        A call the server refuses for a busy moment is made again as :data:`RETRY_BACKOFF_S` says (see also
+        :data:`RETRY_POLICY`): ``request`` is one frame, or a function making the stream of frames (a stream given as
+        such is sent once). A streamed reply is returned once its first frame is in."""
         make = request if callable(request) else lambda: request
         again = callable(request) or not isinstance(request, Iterator)
         backoff, most = RETRY_BACKOFF_S
@@ -239,7 +240,7 @@ class _Server:
                     first = next(reply)
                 except StopIteration:
                     return iter(())
-                return _chained(first, reply)
+                return itertools.chain((first,), reply)
             except grpc.RpcError as exc:
                 if not again or time.monotonic() + backoff > give_up or not _refused_for_a_busy_moment(exc):
                     raise self.error(exc, what) from None
@@ -285,11 +286,6 @@ def _refused_for_a_busy_moment(exc: grpc.RpcError) -> bool:
         return False
     trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
     return (RETRY_PUSHBACK, "-1") not in tuple(trailing or ())
-
-
-def _chained(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
-    yield first
-    yield from rest
 
 
 @contextlib.contextmanager

@@ -14,16 +14,6 @@ __all__ = ["MAX_SHARD_NUMEL", "ServerLimits", "check_transport", "is_loopback"]
 MAX_SHARD_NUMEL = (1 << 31) - 1
 
 
-#: Limits that are off (``None``) unless the operator sets them.
-OFF_BY_DEFAULT = (
-    "max_session_state_bytes",
-    "pools_bytes",
-    "max_label_checkpoints",
-    "max_label_checkpoint_bytes",
-    "max_peer_calls",
-)
-
-
 @dataclass(frozen=True)
 class ServerLimits:
     """What one server grants, whatever its clients ask (``smartinf serve --help`` names a flag for each).
@@ -73,7 +63,8 @@ class ServerLimits:
     def __post_init__(self) -> None:
         for item in fields(self):
             value = getattr(self, item.name)
-            if value is None and item.name in OFF_BY_DEFAULT or item.name == "prune_checkpoints":
+            # A limit whose default is ``None`` is off unless the operator sets it.
+            if value is None and item.default is None or item.name == "prune_checkpoints":
                 continue
             whole = not item.name.endswith("_s")
             if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or not value > 0:

@@ -7,11 +7,9 @@ on-disk and checkpoint formats as on the trainer's own machine.
 
 Invariants:
 
-- A call is authenticated before anything of it is read: :class:`TokenCheck` looks at its metadata when gRPC looks
-  up its handler, and a call without ``authorization: Bearer <token>`` (compared in constant time) gets no handler:
-  gRPC ends it in its polling thread (``UNIMPLEMENTED``), before it takes a worker thread or a call slot, so callers
-  without the token cannot crowd out a trainer however many they send. Refusals are logged at most once per
-  :data:`REFUSAL_LOG_EVERY_S`, with how many there were.
+- A call is authenticated before anything of it is read: one without the token gets no handler (:class:`TokenCheck`),
+  so callers without the token cannot crowd out a trainer however many they send. Refusals are logged at most once
+  per :data:`REFUSAL_LOG_EVERY_S`, with how many there were.
 - What a client may take is decided here (:class:`ServerLimits`): sessions, shards per session and their size, each
   session's transfer pool and I/O threads, its state on disk, the bytes of all updates in flight together, and how
   long any call may last (the server cancels it then, whatever deadline the client set). gRPC's own settings bound
@@ -449,8 +447,6 @@ class DeviceServer:
             deadline.cancel()
 
     # ---------------------------------------------------------------------------------------------- calls
-    # `handler` runs each call but `hello` and `update` under `_run` (`_stream` for a streamed reply): they raise
-    # `WireError` or `CallError`, which end the call with a status, never the server.
 
     @contextlib.contextmanager
     def _peer_slot(self, context: grpc.ServicerContext) -> Iterator[None]:
@@ -965,49 +961,43 @@ class DeviceServer:
         """The gRPC handler of the ``smartinf.remote.Device`` service.
 
         Every method reads its request itself, as a stream (the wire is the same for a client's unary call): gRPC would
-        read a unary request on a worker thread before the handler runs, outside the server's own deadline. Each runs
-        guarded here, once (:meth:`_run`; :meth:`_stream` for a streamed reply), but ``Hello``, which reads nothing,
-        and ``Update``, which guards its own reading and computing (its reply streams once the budget is held).
-        Each but ``Hello`` (which reads nothing and returns at once) holds one of its client's call slots
-        (:meth:`_peer_slot`) from before its request is read until its reply is sent.
+        read a unary request on a worker thread before the handler runs, outside the server's own deadline. Each but
+        ``Hello`` (which reads nothing and returns at once) holds one of its client's call slots (:meth:`_peer_slot`)
+        from before its request is read until its reply is sent, and runs guarded within it, once (:meth:`_run`;
+        :meth:`_stream` for a streamed reply; ``Update`` guards itself).
         """
         encode, decode = Frame.SerializeToString, Frame.FromString
         Method = Callable[[Iterator[Any], grpc.ServicerContext], Any]
 
-        def one_reply_slot(call: Method) -> Method:
+        def one_reply(name: str, call: Method) -> grpc.RpcMethodHandler:
             def run(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
                 with self._peer_slot(context):
-                    return call(requests, context)
+                    return self._run(name, context, lambda: call(requests, context))
 
-            return run
+            return grpc.stream_unary_rpc_method_handler(run, decode, encode)
 
-        def streamed_slot(call: Method) -> Method:
+        def streamed(name: str, call: Method, *, guarded: bool = True) -> grpc.RpcMethodHandler:
             def run(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
                 with self._peer_slot(context):
-                    yield from call(requests, context)
+                    if guarded:
+                        yield from self._stream(name, context, lambda: call(requests, context))
+                    else:
+                        yield from call(requests, context)
 
-            return run
-
-        def guarded(name: str, call: Method, guard: Callable[..., Any]) -> Method:
-            return lambda requests, context: guard(name, context, lambda: call(requests, context))
+            return grpc.stream_stream_rpc_method_handler(run, decode, encode)
 
         handlers = {
             "Hello": grpc.stream_unary_rpc_method_handler(self.hello, decode, encode),
-            "Update": grpc.stream_stream_rpc_method_handler(streamed_slot(self.update), decode, encode),
+            # Unguarded here: `update` guards its own reading and computing (its reply streams once the budget is held).
+            "Update": streamed("Update", self.update, guarded=False),
+            "Open": one_reply("Open", self.open),
+            "Initialize": one_reply("Initialize", self.initialize),
+            "Upload": one_reply("Upload", self.upload),
+            "Control": one_reply("Control", self.control),
+            "Echo": one_reply("Echo", self.echo),
+            "ReadMaster": streamed("ReadMaster", self.read_master),
+            "ReadCheckpoint": streamed("ReadCheckpoint", self.read_checkpoint),
         }
-        one_reply = {
-            "Open": self.open,
-            "Initialize": self.initialize,
-            "Upload": self.upload,
-            "Control": self.control,
-            "Echo": self.echo,
-        }
-        for name, call in one_reply.items():
-            handler = one_reply_slot(guarded(name, call, self._run))
-            handlers[name] = grpc.stream_unary_rpc_method_handler(handler, decode, encode)
-        for name, call in {"ReadMaster": self.read_master, "ReadCheckpoint": self.read_checkpoint}.items():
-            handler = streamed_slot(guarded(name, call, self._stream))
-            handlers[name] = grpc.stream_stream_rpc_method_handler(handler, decode, encode)
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 

@@ -251,13 +251,7 @@ class TensorReader:
 
 # ---------------------------------------------------------------------------------------------- rules and steps
 
-_RULES: dict[str, type[UpdateRule]] = {
-    "adam": Adam,
-    "sgd": SGD,
-    "adagrad": Adagrad,
-    "ef_adam": EFAdam,
-    "ef_adafactor": EFAdafactor,
-}
+_RULES: dict[str, type[UpdateRule]] = {rule.name: rule for rule in (Adam, SGD, Adagrad, EFAdam, EFAdafactor)}
 
 
 def rule_to_wire(rule: UpdateRule) -> dict[str, Any]:
