@@ -31,6 +31,13 @@ __all__ = ["MACHINE_KIND", "Gpu", "Machine", "StoragePath", "is_machine", "load_
 DISK_SWING = 0.2
 #: The ``kind`` of a machine profile in its JSON.
 MACHINE_KIND = "local-nvme"
+#: A machine's figures of the steps measured end to end, which ran the rule without a fused optimizer.
+_STEP_BY_PRECISION = (
+    "device_step_cpu_s_per_gparam_by_precision",
+    "device_rate_share_training_by_precision",
+    "memory_step_s_per_gparam_by_precision",
+    "memory_step_cpu_s_per_gparam_by_precision",
+)
 
 
 def is_machine(data: dict[str, Any]) -> bool:
@@ -213,12 +220,13 @@ class Machine:
             return 1.0
         return self.together_read_write_gbps / alone
 
-    def _disks_gbps(self, indices: Sequence[int]) -> float:
-        """Sum over the disks of ``indices`` of each disk's fastest path alone (paths on one disk share it)."""
+    def _disks_gbps(self, indices: Sequence[int], rate: str = "state_gbps") -> float:
+        """Sum over the disks of ``indices`` of each disk's fastest path alone (paths on one disk share it), by the
+        paths' ``rate`` (a :class:`StoragePath` attribute: ``state_gbps``, ``read_gbps`` or ``write_gbps``)."""
         best: dict[str, float] = {}
         for i in indices:
             disk = self.disk_of(i)
-            best[disk] = max(best.get(disk, 0.0), self.storage[i].state_gbps)
+            best[disk] = max(best.get(disk, 0.0), getattr(self.storage[i], rate))
         return sum(best.values())
 
     def _baseline_storage_scale(self) -> float:
@@ -261,63 +269,33 @@ class Machine:
         aggregate = self.aggregate_gbps(indices)
         shared = aggregate < 0.999 * sum(p.state_gbps for p in paths)
         scale = self._scale()
-        reads: dict[str, float] = {}
-        writes: dict[str, float] = {}
-        for i in indices:
-            disk = self.disk_of(i)
-            reads[disk] = max(reads.get(disk, 0.0), self.storage[i].read_gbps)
-            writes[disk] = max(writes.get(disk, 0.0), self.storage[i].write_gbps)
         gpu = self.gpu
+        # The figures the profile names as the machine does carry over (dicts as copies), but for the ones below.
+        same = ({f.name for f in fields(Profile)} & {f.name for f in fields(Machine)}) - {"gpu", "sources"}
+        figures = {name: getattr(self, name) for name in same}
         # Devices and the memory tier run the same rule code: with a fused optimizer, both at its measured rate (the
         # steps measured end to end ran the rule without it).
-        fused = fused and self.fused_update_gparams_per_s is not None
-        device_rate, memory_rate, costs = (
-            (self.fused_update_gparams_per_s, self.fused_update_gparams_per_s, self.fused_update_cost_by_precision)
-            if fused
-            else (self.device_update_gparams_per_s, self.host_update_gparams_per_s, self.update_cost_by_precision)
-        )
-        device_step, device_share, memory_step, memory_cpu = (
-            ({}, {}, {}, {})
-            if fused
-            else (
-                self.device_step_cpu_s_per_gparam_by_precision,
-                self.device_rate_share_training_by_precision,
-                self.memory_step_s_per_gparam_by_precision,
-                self.memory_step_cpu_s_per_gparam_by_precision,
+        if fused and self.fused_update_gparams_per_s is not None:
+            figures.update(
+                device_update_gparams_per_s=self.fused_update_gparams_per_s,
+                host_update_gparams_per_s=self.fused_update_gparams_per_s,
+                update_cost_by_precision=self.fused_update_cost_by_precision,
+                **dict.fromkeys(_STEP_BY_PRECISION, {}),
             )
-        )
         return Profile(
-            name=self.name,
-            description=self.description,
+            **{name: dict(value) if isinstance(value, dict) else value for name, value in figures.items()},
             gpu=gpu.name if gpu else "none",
             gpu_peak_tflops=gpu.peak_tflops if gpu else None,
             gpu_efficiency=gpu.efficiency if gpu else 0.4,
             gpu_link_gbps=gpu.link_gbps if gpu else None,
-            cpu_training_tflops=self.cpu_training_tflops,
-            cpu_reduce_s_per_gparam=self.cpu_reduce_s_per_gparam,
-            cpu_reduce_in_place_s_per_gparam=self.cpu_reduce_in_place_s_per_gparam,
-            cpu_reduce_accumulating_s_per_gparam=self.cpu_reduce_accumulating_s_per_gparam,
-            baseline_cpu_reduce_s_per_gparam=self.baseline_cpu_reduce_s_per_gparam,
-            baseline_cpu_reduce_accumulating_s_per_gparam=self.baseline_cpu_reduce_accumulating_s_per_gparam,
-            cpu_step_s_per_gparam=self.cpu_step_s_per_gparam,
-            cpu_cores=self.cpu_cores,
-            host_update_gparams_per_s=memory_rate,
-            baseline_update_gparams_per_s=self.baseline_update_gparams_per_s,
             ssd_read_gbps=fastest.read_gbps * k,
             ssd_write_gbps=fastest.write_gbps * k,
-            raid_read_ceiling_gbps=sum(reads.values()) * scale,
-            raid_write_ceiling_gbps=sum(writes.values()) * scale,
+            raid_read_ceiling_gbps=self._disks_gbps(indices, "read_gbps") * scale,
+            raid_write_ceiling_gbps=self._disks_gbps(indices, "write_gbps") * scale,
             baseline_storage_scale=self._baseline_storage_scale(),
             shared_link_gbps=None,
             device_storage_ceiling_gbps=aggregate if shared else None,
             gradient_staged_on_ssd=False,
-            transfer_bytes=self.transfer_bytes,
-            device_update_gparams_per_s=device_rate,
-            update_cost_by_precision=dict(costs),
-            device_step_cpu_s_per_gparam_by_precision=dict(device_step),
-            device_rate_share_training_by_precision=dict(device_share),
-            memory_step_s_per_gparam_by_precision=dict(memory_step),
-            memory_step_cpu_s_per_gparam_by_precision=dict(memory_cpu),
             max_devices=len(paths),
             # A device streams 1M-element chunks whatever the sub-group; its pool and staging are host memory.
             device_memory_gb=self.host_memory_gb,

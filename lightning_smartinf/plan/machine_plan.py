@@ -228,17 +228,17 @@ def plan_machine(
     plans = [_plan_paths(work, machine, tuple(order[:n]), **asked) for n in counts]
     best = min(p.total_s for p in plans)
     chosen = next(p for p in plans if p.total_s <= best * ENOUGH)
-    reason = (
-        "as asked (--devices)"
-        if devices is not None
-        else "one per disk"
-        + (
-            f", and {len(chosen.paths) - disks} more on a disk already used: one more update thread is "
+    if devices is not None:
+        reason = "as asked (--devices)"
+    elif len(chosen.paths) > disks:
+        reason = (
+            f"one per disk, and {len(chosen.paths) - disks} more on a disk already used: one more update thread is "
             f">= {int((ENOUGH - 1) * 100)}% faster"
-            if len(chosen.paths) > disks
-            else (" (a second path on a disk adds no bandwidth)" if len(order) > disks else "")
         )
-    )
+    elif len(order) > disks:
+        reason = "one per disk (a second path on a disk adds no bandwidth)"
+    else:
+        reason = "one per disk"
     precisions = {
         name: (plan.work.state_bytes * work.params, plan.total_s)
         for name in FORMATS
@@ -292,15 +292,12 @@ def _place_model(
         )
     elif ram - sum(host.values()) >= p16 + summed + residual:
         offload = bool(gpu)  # without a GPU, "on the accelerator" is host memory too
-        where = (
-            (
-                "split masters keep half of each master in them"
-                if work.split_masters
-                else "more than half the GPU's memory"
-            )
-            if gpu
-            else "CPU training"
-        )
+        if not gpu:
+            where = "CPU training"
+        elif work.split_masters:
+            where = "split masters keep half of each master in them"
+        else:
+            where = "more than half the GPU's memory"
         reasons["offload_parameters"] = (
             f"{where}: host RAM holds the 16-bit parameters and their gradients ({(p16 + summed) / GB:.1f} GB)"
         )

@@ -9,6 +9,7 @@ from typing import Any
 
 from lightning_smartinf.core.state_formats import FORMATS
 from lightning_smartinf.plan.cost_model import (
+    METHODS,
     Breakdown,
     PlanError,
     Profile,
@@ -108,22 +109,14 @@ def make_plan(
     saturation = min(n for n, t in base.items() if t <= min(base.values()) * ENOUGH)
     n = devices or recommended
     sub_group = choose_sub_group(work, prof, n)
-    breakdowns = {
-        m: iteration(m, work, prof, n, compression=ratio, sub_group_size=sub_group, params_on_storage=params_on_storage)
-        for m in ("zero_infinity", "su", "su_o", "su_o_c")
-    }
+    shared = {"compression": ratio, "sub_group_size": sub_group, "params_on_storage": params_on_storage}
+    breakdowns = {m: iteration(m, work, prof, n, **shared) for m in METHODS}
     gain = breakdowns["su_o"].total / breakdowns["su_o_c"].total
     method = "su_o_c" if compression is not None or gain >= COMPRESSION_WORTH else "su_o"
-    precisions = {
-        name: (alike.state_bytes * work.params, step.total)
-        for name in FORMATS
-        for alike in [replace(work, state_precision=name)]
-        for step in [
-            iteration(
-                method, alike, prof, n, compression=ratio, sub_group_size=sub_group, params_on_storage=params_on_storage
-            )
-        ]
-    }
+    precisions: dict[str, tuple[float, float]] = {}
+    for name in FORMATS:
+        alike = replace(work, state_precision=name)
+        precisions[name] = (alike.state_bytes * work.params, iteration(method, alike, prof, n, **shared).total)
     return Plan(
         work=work,
         profile=prof,

@@ -541,14 +541,6 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             return 1.0
         return max(((float(total_norm) / self.loss_scale) + 1e-6) / self.clip_grad, 1.0)
 
-    def _combined_scale(self, total_norm: Tensor) -> float:
-        """Loss scale times the clipping divisor."""
-        return float(self.loss_scale) * self._clip_divisor(total_norm)
-
-    def _clip_factor(self, total_norm: Tensor) -> float:
-        """The clipping factor alone (1 without clipping): what scales this step's gradient and no other step's."""
-        return 1.0 / self._clip_divisor(total_norm)
-
     def _link_overflows(self, clip_factor: float) -> bool:
         """Whether this step's gradient plus the error-feedback residual overflows the link on any rank.
 
@@ -575,15 +567,16 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         total_norm = None
         if not self.overflow:
             total_norm = combine_grad_norm_groups(self._get_norm_groups())
-            # Error feedback may have accumulated beyond the link dtype (fp16): an overflow like any other.
-            if is_invalid_grad_norm(total_norm) or self._link_overflows(self._clip_factor(total_norm)):
+            # Error feedback may have accumulated beyond the link dtype (fp16): an overflow like any other. The
+            # clipping factor alone (1 without clipping) scales this step's gradient and no other step's.
+            if is_invalid_grad_norm(total_norm) or self._link_overflows(1.0 / self._clip_divisor(total_norm)):
                 self.overflow = True
         if self._loss_scale_update_and_overflow_cleanup():
             # Skipped step: nothing was sent, or only tentative updates, now undone; device state is as it was.
             self.smart_update.skip_step()
             return
         self._global_grad_norm = total_norm / self.loss_scale
-        self.smart_update.step(grad_scale=1.0 / self._combined_scale(total_norm))
+        self.smart_update.step(grad_scale=1.0 / (float(self.loss_scale) * self._clip_divisor(total_norm)))
         # torch's LR schedulers warn unless the wrapped optimizer's own step ran; the devices ran it.
         self.optimizer._opt_called = True
         self._post_step(set())

@@ -131,10 +131,7 @@ class ChunkLayout:
             tensors = [record[: padded * 4].view(torch.float32).clone()]
         for name, raw in zip(names, self.states_of(record.view(torch.float32), k, padded), strict=True):
             tensors.append(torch.empty(padded, dtype=torch.float32))
-            if self.state_format == "fp32":
-                tensors[-1].copy_(raw)
-            else:
-                self.format.load(raw, tensors[-1], name)
+            self.format.load(raw, tensors[-1], name)
         return tensors
 
     def pack(self, tensors: Sequence[Tensor], k: int, names: Sequence[str], params_out: Tensor | None = None) -> Tensor:
@@ -152,10 +149,7 @@ class ChunkLayout:
         else:
             record[:padded].copy_(tensors[0])
         for name, raw, value in zip(names, self.states_of(record, k, padded), tensors[1:], strict=True):
-            if self.state_format == "fp32":
-                raw.copy_(value)
-            else:
-                self.format.store(value, raw, name)
+            self.format.store(value, raw, name)
         return record.view(torch.uint8)
 
     @property

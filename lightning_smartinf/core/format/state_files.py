@@ -196,17 +196,11 @@ def _mapped(fd: int, size: int) -> Iterator[memoryview]:
     if size == 0:
         yield memoryview(b"")
         return
-    mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-    try:
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapping:
         if hasattr(mmap, "MADV_SEQUENTIAL"):
             mapping.madvise(mmap.MADV_SEQUENTIAL)
-        view = memoryview(mapping)
-        try:
+        with memoryview(mapping) as view:
             yield view
-        finally:
-            view.release()
-    finally:
-        mapping.close()
 
 
 def copy_with_crc(

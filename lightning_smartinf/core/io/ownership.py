@@ -89,8 +89,6 @@ class DirectoryClaim:
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
         self._lock: UnixFileLock | None = _try_lock(self.directory)
-        if self._lock is None:
-            raise StorageError(_in_use_message(self.directory), path=self.directory, operation="claim")
         try:
             self.owner = Owner.current()
             write_file_atomic(self.directory / OWNER_FILE, json.dumps(asdict(self.owner)).encode())
@@ -169,10 +167,7 @@ def check_unclaimed(directories: Sequence[str | os.PathLike]) -> None:
     For failing fast before expensive set-up; only a :class:`DirectoryClaim` guarantees the directory stays free.
     """
     for directory in directories:
-        lock = _try_lock(Path(directory))
-        if lock is None:
-            raise StorageError(_in_use_message(Path(directory)), path=directory, operation="claim")
-        lock.release(force=True)
+        _try_lock(Path(directory)).release(force=True)
 
 
 def read_owner(directory: str | os.PathLike) -> Owner | None:
@@ -208,13 +203,14 @@ def remove_stale_temp_dirs(root: str | os.PathLike | None = None) -> list[Path]:
 # ---------------------------------------------------------------------------------------------------- internals
 
 
-def _try_lock(directory: Path) -> UnixFileLock | None:
-    """The directory's lock, held; ``None`` if another holder has it. Raises :class:`StorageError` on other errors."""
+def _try_lock(directory: Path) -> UnixFileLock:
+    """The directory's lock, held. Raises :class:`StorageError` if another holder has it (the "in use" error naming
+    the holder) or on other errors."""
     lock = UnixFileLock(directory / LOCK_FILE, timeout=0, thread_local=False, mode=0o600)
     try:
         lock.acquire()
     except Timeout:
-        return None
+        raise StorageError(_in_use_message(directory), path=directory, operation="claim") from None
     except OSError as exc:
         raise StorageError(
             f"Cannot lock {str(directory)!r} to claim it for this training ({exc}). Check the directory exists and is "
