@@ -239,11 +239,10 @@ def plan_machine(
         reason = "one per disk (a second path on a disk adds no bandwidth)"
     else:
         reason = "one per disk"
-    precisions = {
-        name: (plan.work.state_bytes * work.params, plan.total_s)
-        for name in FORMATS
-        for plan in [_plan_paths(replace(work, state_precision=name), machine, chosen.paths, **asked)]
-    }
+    precisions: dict[str, tuple[float, float]] = {}
+    for name in FORMATS:
+        alike = _plan_paths(replace(work, state_precision=name), machine, chosen.paths, **asked)
+        precisions[name] = (alike.work.state_bytes * work.params, alike.total_s)
     return replace(chosen, reasons={**chosen.reasons, "storage_paths": reason}, precisions=precisions)
 
 

@@ -88,7 +88,7 @@ class DirectoryClaim:
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
-        self._lock: UnixFileLock | None = _try_lock(self.directory)
+        self._lock: UnixFileLock | None = _acquire_lock(self.directory)
         try:
             self.owner = Owner.current()
             write_file_atomic(self.directory / OWNER_FILE, json.dumps(asdict(self.owner)).encode())
@@ -167,7 +167,7 @@ def check_unclaimed(directories: Sequence[str | os.PathLike]) -> None:
     For failing fast before expensive set-up; only a :class:`DirectoryClaim` guarantees the directory stays free.
     """
     for directory in directories:
-        _try_lock(Path(directory)).release(force=True)
+        _acquire_lock(Path(directory)).release(force=True)
 
 
 def read_owner(directory: str | os.PathLike) -> Owner | None:
@@ -203,7 +203,7 @@ def remove_stale_temp_dirs(root: str | os.PathLike | None = None) -> list[Path]:
 # ---------------------------------------------------------------------------------------------------- internals
 
 
-def _try_lock(directory: Path) -> UnixFileLock:
+def _acquire_lock(directory: Path) -> UnixFileLock:
     """The directory's lock, held. Raises :class:`StorageError` if another holder has it (the "in use" error naming
     the holder) or on other errors."""
     lock = UnixFileLock(directory / LOCK_FILE, timeout=0, thread_local=False, mode=0o600)
