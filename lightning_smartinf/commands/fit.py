@@ -22,11 +22,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 import lightning_smartinf  # noqa: F401  (registers "smart_infinity")
+from lightning_smartinf.commands.cli import LIGHTNING_COMMANDS
 from lightning_smartinf.lightning import quiet
 from lightning_smartinf.lightning.monitor import TrainingMonitor
-
-#: The LightningCLI subcommands ``smartinf`` exposes.
-SUBCOMMANDS = ("fit", "validate", "test")
 
 
 class SmartInfinityCLI(LightningCLI):
@@ -39,7 +37,7 @@ class SmartInfinityCLI(LightningCLI):
     @staticmethod
     @override
     def subcommands() -> dict[str, set[str]]:
-        return {name: keys for name, keys in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
+        return {name: keys for name, keys in LightningCLI.subcommands().items() if name in LIGHTNING_COMMANDS}
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:

@@ -65,8 +65,6 @@ class ShardSpec:
     def state_bytes(self) -> int:
         """Bytes of master plus states on the device, before any on-disk alignment."""
         master = -(-self.numel * 17 // 8) if self.master_format == "split" else 4 * self.numel
-        if self.state_format == "fp32":
-            return master + self.numel * 4 * len(self.rule.state_names)
         return master + len(self.rule.state_names) * state_format(self.state_format).stored_bytes(self.numel)
 
     def layout(self, chunk_elems: int) -> ChunkLayout:

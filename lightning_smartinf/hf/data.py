@@ -32,6 +32,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
@@ -621,14 +622,12 @@ class _Examples(Dataset):
 def _pad_examples(rows: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest example of the batch: ``pad_id`` in ``input_ids``, 0 in ``attention_mask``,
     :data:`IGNORE_INDEX` in ``labels``."""
-    longest = max(len(row["input_ids"]) for row in rows)
-    ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
-    labels = torch.full_like(ids, IGNORE_INDEX)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        n = len(row["input_ids"])
-        ids[i, :n], labels[i, :n], mask[i, :n] = row["input_ids"], row["labels"], 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    ids = [row["input_ids"] for row in rows]
+    return {
+        "input_ids": pad_sequence(ids, batch_first=True, padding_value=pad_id),
+        "attention_mask": pad_sequence([torch.ones_like(t) for t in ids], batch_first=True),
+        "labels": pad_sequence([row["labels"] for row in rows], batch_first=True, padding_value=IGNORE_INDEX),
+    }
 
 
 class SFTDataModule(_TokenCachedData[_Examples]):

@@ -122,12 +122,8 @@ def _together(probes: Sequence[_Probe], ordinary: bool = False) -> float:
 
 def _alone(probe: _Probe) -> dict[str, Any]:
     """One path by itself: write, read, then reads and writes at once (GB/s; the last counts both)."""
-    t0 = time.perf_counter()
-    probe.write(probe.a)
-    write_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    probe.read(probe.a)
-    read_s = time.perf_counter() - t0
+    write_s = _best_seconds(lambda _: probe.write(probe.a), repeats=1)
+    read_s = _best_seconds(lambda _: probe.read(probe.a), repeats=1)
     return {
         "direct_io": probe.a.direct,
         "read_gbps": probe.nbytes / read_s / 1e9,

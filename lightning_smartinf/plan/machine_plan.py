@@ -28,7 +28,8 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_smartinf.core.io.storage import free_bytes
+from lightning_smartinf.core.arguments import MIB
+from lightning_smartinf.core.io.storage import GIB, free_bytes
 from lightning_smartinf.core.state_formats import FORMATS
 from lightning_smartinf.plan.cost_model import (
     FP32_GRAD_BYTES,
@@ -82,8 +83,6 @@ BUFFER_COUNT = 16
 CHUNK_ELEMS = 1 << 20
 #: Paths whose state bandwidths differ by more than this factor get ``device_weights``.
 WEIGHTS_SPREAD = 1.10
-GIB = 1 << 30
-MIB = 1 << 20
 
 
 @dataclass(frozen=True)

@@ -156,9 +156,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def encode_tensor(name: str, tensor: Tensor, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Any]:
     """Frames carrying the flat ``tensor`` (host memory) in chunks of at most ``chunk_bytes`` bytes."""
-    flat = tensor.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
+    flat = tensor.detach().reshape(-1).cpu()  # the tensor itself when it is in host memory already
     dtype = dtype_name(flat.dtype)
     per_chunk = max(1, chunk_bytes // flat.element_size())
     numel = flat.numel()

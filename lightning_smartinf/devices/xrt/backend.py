@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_smartinf.core.arguments import MIB
 from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.format.layout import pool_bytes
@@ -63,7 +64,6 @@ from lightning_smartinf.devices.xrt.abi import (
 )
 from lightning_smartinf.devices.xrt.software_xrt import SoftwarePyxrt, is_model_xclbin, platform_for
 
-MIB = 1 << 20
 _BDF = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
 #: Normal (host-synced) buffers per device: gradient or top-k values, top-k indices, parameter output.
 STAGING_BUFFERS = 3
