@@ -469,7 +469,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             base = args.run.removesuffix("_split")
             precision = base.rpartition("_")[2] if base in FORMAT_RUNS else "fp32"
             # fp32 master + two Adam states in the format, plus each sub-group's last-chunk padding (at most 3 x 4 KiB).
-            per_param = state_format(precision).bytes_per_element(2) - (1.875 if split else 0.0)
+            per_param = state_format(precision).bytes_per_element(2, split=split)
             state = int(per_param * module.num_params) + 12 * 4096 * (module.num_params // args.sub_group_size + 1)
             settings = {
                 "state_precision": precision,

@@ -159,7 +159,7 @@ HF_ATTRIBUTE = "model"
 
 def hf_metadata(checkpoint_path: str | os.PathLike) -> dict | None:
     """What an HF module recorded in the checkpoint (``task``, ``config``, ``tokenizer_path``), or ``None``."""
-    paths = [Path(checkpoint_path) / "checkpoint" / name for name in CLIENT_STATE]
+    paths = [Path(checkpoint_path) / checkpoint_folder.TAG / name for name in CLIENT_STATE]
     path = next((p for p in paths if p.is_file()), None)
     if path is None:
         raise FileNotFoundError(f"{paths[0]} is missing: {checkpoint_path} is not a DeepSpeed checkpoint directory.")

@@ -159,9 +159,11 @@ class StateFormat(ABC):
     def load(self, raw: Tensor, out: Tensor, state: str) -> None:
         """Read state ``state`` from ``raw`` (``uint8``, :meth:`stored_bytes` long) into fp32 ``out``."""
 
-    def bytes_per_element(self, num_states: int) -> float:
-        """Bytes per element on the device of an fp32 master and ``num_states`` states in this format."""
-        return 4 + num_states * self.stored_bytes(1 << 20) / (1 << 20)
+    def bytes_per_element(self, num_states: int, *, split: bool = False) -> float:
+        """Bytes per element on the device of a master (fp32, or split: :data:`.split_masters.BYTES_PER_ELEMENT`)
+        and ``num_states`` states in this format."""
+        master = split_masters.BYTES_PER_ELEMENT if split else 4
+        return master + num_states * self.stored_bytes(1 << 20) / (1 << 20)
 
     def fused_update(
         self,

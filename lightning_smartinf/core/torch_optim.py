@@ -8,7 +8,6 @@ import torch
 
 from lightning_smartinf.core.compression import TopKCompression, compressed_rule
 from lightning_smartinf.core.rules import SGD, Adagrad, Adam, StepParams, UpdateRule
-from lightning_smartinf.core.split_masters import BYTES_PER_ELEMENT as split_masters_bytes
 from lightning_smartinf.core.state_formats import state_format
 
 #: Optimizers whose update the devices run, as users write them in ``configure_optimizers``.
@@ -80,10 +79,9 @@ def state_bytes(
     A ZeRO-3 parameter counts at its full size (``ds_numel``), not its partition on this rank.
     """
     fmt = state_format(state_precision)
-    master_saved = 4 - split_masters_bytes if split_masters else 0.0
     total = 0.0
     for group in optimizer.param_groups:
         rule = rule_for_group(optimizer, group, compression)
-        per_element = fmt.bytes_per_element(len(rule.state_names)) - master_saved
+        per_element = fmt.bytes_per_element(len(rule.state_names), split=split_masters)
         total += sum(getattr(p, "ds_numel", p.numel()) * per_element for p in group["params"] if p.requires_grad)
     return int(total)

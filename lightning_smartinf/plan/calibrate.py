@@ -13,8 +13,9 @@
   training, and the memory tier's step in CPU seconds;
 - the GPU when CUDA is available: its memory, pinned host <-> device copies and a bf16 matmul rate.
 
-Imports torch (the model does not). The I/O is the project's own path (:class:`~lightning_smartinf.core.io.direct
-.StateFile` + :class:`~lightning_smartinf.core.io.direct.ThreadedIO` on ``aligned_empty`` buffers).
+Measures with torch (the model only counts). The I/O is the project's own path
+(:class:`~lightning_smartinf.core.io.direct.StateFile` + :class:`~lightning_smartinf.core.io.direct.ThreadedIO` on
+``aligned_empty`` buffers).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Analytic model of one training iteration under ZeRO-Infinity and Smart-Infinity (SU, SU+O, SU+O+C).
 
-Pure Python (no torch). Units: bytes, seconds, parameters; bandwidths in GB/s (1e9 B/s) in profiles.
+Arithmetic only: no tensors, no DeepSpeed, no Lightning. Units: bytes, seconds, parameters; bandwidths in GB/s
+(1e9 B/s) in profiles.
 
 Per iteration, for ``P`` trainable parameters, ``N`` storage devices (``docs/planner.md`` has the derivation):
 
@@ -34,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from lightning_smartinf.core.arguments import Problems
-from lightning_smartinf.core.split_masters import BYTES_PER_ELEMENT as split_masters_bytes
 from lightning_smartinf.core.state_formats import FORMATS, state_format
 
 GB = 1e9
@@ -62,8 +62,7 @@ def state_bytes_per_param(state_precision: str = "fp32", *, split_masters: bool 
     """Bytes per parameter of Adam's state on a device in ``state_precision``: the fp32 master and its two moments
     (12 in fp32, 8 in bf16, about 6.03 in int8), 1.875 fewer with ``split_masters``. Read and written once each per
     step."""
-    whole = state_format(state_precision).bytes_per_element(2)
-    return whole - (4 - split_masters_bytes) if split_masters else whole
+    return state_format(state_precision).bytes_per_element(2, split=split_masters)
 
 
 class PlanError(ValueError):
@@ -679,9 +678,8 @@ def params_from_config(cfg: dict[str, Any], origin: str = "config") -> int:
     total = layers * per_layer + vocab * h + 2 * h  # embeddings + final norm
     if not cfg.get("tie_word_embeddings", True) and model_type not in ("bert", "roberta"):
         total += vocab * h
-    positions = _first(cfg, "n_positions") if model_type == "gpt2" else None
-    if model_type in ("bert", "roberta", "opt", "gpt2"):
-        positions = _first(cfg, "max_position_embeddings", "n_positions")
+    learned = model_type in ("bert", "roberta", "opt", "gpt2")  # learned position embeddings
+    positions = _first(cfg, "max_position_embeddings", "n_positions") if learned else None
     if positions:
         total += int(positions) * h
     if model_type in ("bert", "roberta"):

@@ -12,7 +12,7 @@ none), a few hundred GB of RAM and one to four ordinary NVMe SSDs:
 - the GPU: its memory, the pinned host <-> device copy bandwidth and its matmul rate; or none (CPU training).
 
 ``smartinf plan --calibrate PATH [PATH ...]`` measures one (:mod:`~lightning_smartinf.plan.calibrate`);
-:mod:`~lightning_smartinf.plan.machine_plan` turns one into settings. Pure Python, like the model.
+:mod:`~lightning_smartinf.plan.machine_plan` turns one into settings. Arithmetic only, like the model.
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@
    an update thread, not bandwidth). ``sub_group_size``: the largest candidate up to :data:`MACHINE_SUB_GROUP_MAX`
    giving every path and the memory tier 8 sub-groups.
 
-Disk per path: its state (12 B/param, twice with overlap), the 16-bit parameters and gradient file on the first path
-with ``"storage"``, and checkpoints where they are written: a checkpoint copies the whole state (12 B/param, plus the
-4 B/param residual with compression), and saving over one stages the new copy beside it first.
+Disk per path: its state (``Workload.state_bytes`` per parameter, 12 B for fp32 Adam; twice with overlap), the 16-bit
+parameters and gradient file on the first path with ``"storage"``, and checkpoints where they are written: a checkpoint
+copies the whole state (:func:`checkpoint_bytes`: whole masters even when the run splits them, plus the 4 B/param
+residual with compression), and saving over one stages the new copy beside it first.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_smartinf.core.arguments import MIB
+from lightning_smartinf.core.format.layout import pool_bytes
 from lightning_smartinf.core.io.storage import GIB, free_bytes
 from lightning_smartinf.core.state_formats import FORMATS
 from lightning_smartinf.plan.cost_model import (
     FP32_GRAD_BYTES,
-    FP32_STATE_BYTES,
     GB,
     LOW_PRECISION_BYTES,
     PARAM_FETCH_BYTES,
@@ -52,11 +53,11 @@ from lightning_smartinf.plan.planner import (
     ENOUGH,
     PARAMETERS_ON_STORAGE,
     choose_sub_group,
+    model_text,
     precision_lines,
     precisions_json,
     python_code,
     size_text,
-    workload_text,
     yaml_code,
 )
 from lightning_smartinf.plan.tier_placement import TierPlacement, place_state
@@ -268,7 +269,7 @@ def _place_model(
     gpu_bytes, ram = (gpu.memory_gb * GB if gpu else 0.0), machine.host_memory_gb * GB
     host = {
         "reserve": max(HOST_RESERVE_MIN_GB * GB, HOST_RESERVE_SHARE * ram),
-        "device pools": devices * BUFFER_COUNT * CHUNK_ELEMS * FP32_STATE_BYTES,
+        "device pools": pool_bytes(devices, BUFFER_COUNT, CHUNK_ELEMS),  # fp32 records: the most a format pools
     }
     reasons: dict[str, str] = {}
     offload: bool | str
@@ -556,7 +557,7 @@ def format_machine_plan(plan: MachinePlan, python_header: str, yaml_header: str)
         else "no GPU (CPU training)"
     )
     lines = [
-        f"model: {w.name or 'model'} = {w.params / 1e9:.2f}B parameters ({w.params:,}), {workload_text(w)}",
+        model_text(w),
         f"machine: {m.name} ({m.kind}, cpu backend): {gpu}; {m.host_memory_gb:g} GB RAM",
         "storage paths (GB/s alone; read+write = reads and writes at once, as training streams state):",
     ]

@@ -134,11 +134,14 @@ def make_plan(
     )
 
 
-def _fmt_params(p: int) -> str:
+def model_text(work: Workload) -> str:
+    """``model: 7B = 7.00B parameters (7,000,000,000), batch 4 x seq 1024``: each report's first line."""
+    size = str(work.params)
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if p >= scale:
-            return f"{p / scale:.2f}{unit}"
-    return str(p)
+        if work.params >= scale:
+            size = f"{work.params / scale:.2f}{unit}"
+            break
+    return f"model: {work.name or 'model'} = {size} parameters ({work.params:,}), {workload_text(work)}"
 
 
 def workload_text(work: Workload) -> str:
@@ -154,7 +157,7 @@ def workload_text(work: Workload) -> str:
 def format_plan(plan: Plan) -> str:
     w, prof, n = plan.work, plan.profile, plan.devices
     lines = [
-        f"model: {w.name or 'model'} = {_fmt_params(w.params)} parameters ({w.params:,}), {workload_text(w)}",
+        model_text(w),
         f"profile: {prof.name} ({prof.gpu}); {n} device(s)",
         "",
         f"{'method':<22}{'fwd/bwd':>9}{'grad xfer':>10}{'update':>9}{'param ret':>10}{'storage':>9}"

@@ -105,8 +105,8 @@ def place_state(
     overlap_backward: bool = True,
     fwd_bwd_s: float | None = None,
 ) -> TierPlacement:
-    """Place ``work``'s fp32 state (12 B/param) in an ``accelerator_budget`` of GPU memory, a ``memory_budget`` of
-    host memory and over ``devices``.
+    """Place ``work``'s state (:attr:`~.cost_model.Workload.state_bytes` per parameter) in an
+    ``accelerator_budget`` of GPU memory, a ``memory_budget`` of host memory and over ``devices``.
 
     A device's time is its share of the state read and written at its SSD's speeds (the update hides behind that
     I/O, as in the SU+O model), or its update if slower; the memory tier's is its share updated at the host's rate.
