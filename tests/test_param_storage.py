@@ -11,6 +11,7 @@ import json
 import math
 import mmap
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -312,6 +313,32 @@ def test_a_working_set_larger_than_memory_is_refused_with_the_mib_needed_and_ava
         MisconfigurationException, match=r"needs \d+ MiB of host memory .*swap buffers.*\d+ MiB available"
     ):
         fit(Huge(), strategy(tmp_path, "storage"), steps=1, precision="bf16-true", callbacks=[Shrink()])
+    assert not param_files(tmp_path)
+
+
+def test_the_staging_check_uses_the_sub_group_size_deepspeed_will_use(tmp_path) -> None:
+    """A user's config overrides `sub_group_size`; the staging for updated sub-groups is sized by the config's (a
+    trillion elements here: refused), not by the argument's (400,000 elements: it would pass)."""
+
+    class Wide(LMModule):
+        def __init__(self) -> None:
+            super().__init__(adamw, dim=DIM)
+            self.tables = torch.nn.ModuleList()
+
+        def setup(self, stage: str) -> None:
+            # Only their sizes are read before the engine is built: 10**11 elements, one partition of 10**8 per module,
+            # so the swap buffers (about 1 GB) fit and only the staging (3 x 10**11 x 2 bytes) does not.
+            self.tables = torch.nn.ModuleList(torch.nn.Embedding(10**5, 1000, device="meta") for _ in range(1000))
+
+    class Shrink(L.Callback):
+        def on_exception(self, trainer, pl_module, exception) -> None:
+            pl_module.tables = torch.nn.ModuleList()  # Lightning's teardown moves the module to the CPU
+
+    config = {"zero_optimization": {"sub_group_size": 1e12}}
+    with pytest.raises(MisconfigurationException, match=r"needs (\d+) MiB of host memory .*staging") as refused:
+        fit(Wide(), strategy(tmp_path, "storage", config=config), steps=1, precision="bf16-true", callbacks=[Shrink()])
+    needed_mib = int(re.search(r"needs (\d+) MiB", str(refused.value)).group(1))
+    assert needed_mib >= 3 * 10**11 * 2 // (1 << 20)  # the staging of the config's sub-groups
     assert not param_files(tmp_path)
 
 

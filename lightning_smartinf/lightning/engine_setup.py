@@ -248,10 +248,12 @@ def place_parameters(
     state_on_storage: int,
     *,
     aio: dict[str, Any],
+    sub_group_size: int,
 ) -> None:
     """Complete ``offload_param`` for ``offload_parameters="storage"``: this rank's private parameter directory on its
     first storage path and swap buffers sized for ``model``; refuse, before anything is written, a disk without room
-    for the parameters and the state, or a working set larger than the memory available."""
+    for the parameters and the state, or a working set larger than the memory available. ``sub_group_size`` is
+    DeepSpeed's (the config's, which may differ from the argument's)."""
     from deepspeed.accelerator import get_accelerator
 
     require_parameter_swapper()
@@ -271,7 +273,7 @@ def place_parameters(
         element_size=element_size,
         block_size=int(aio.get("block_size", 1 << 20)),
     )
-    largest_sub_group = min(place.settings.sub_group_size, sum(full_numel(p) for p in model.parameters()))
+    largest_sub_group = min(sub_group_size, sum(full_numel(p) for p in model.parameters()))
     # Staging for two sub-groups per device (`ZeroPartitions.staged_limit`), and the swapper's own write buffer.
     staging = 2 * len(device_dirs) * largest_sub_group * element_size + largest_sub_group * element_size
     problems.fits_in_memory(
@@ -351,7 +353,16 @@ def initialize(
     )
     offload_param = config["zero_optimization"].get("offload_param") or {}
     if offload_param.get("device") == "nvme":
-        place_parameters(place, precision, model, offload_param, device_dirs, on_storage, aio=config.get("aio") or {})
+        place_parameters(
+            place,
+            precision,
+            model,
+            offload_param,
+            device_dirs,
+            on_storage,
+            aio=config.get("aio") or {},
+            sub_group_size=int(config["zero_optimization"]["sub_group_size"]),  # the config accepts 1e9
+        )
     try:
         with smart_update_optimizer(controller_factory(place, device_dirs, owned, on_backend, kept_ratio)):
             engine, zero_optimizer, _, _ = deepspeed.initialize(
