@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +38,7 @@ __all__ = [
     "Placement",
     "RoundRobin",
     "TieredPlacement",
+    "by_holder",
     "check_assignment",
     "measure_write_read",
     "memory_share",
@@ -49,6 +50,16 @@ __all__ = [
 STATE_DIR = "smartinf"
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def by_holder(where: Sequence[tuple[T, int]], shards: Iterable[int]) -> dict[T, list[int]]:
+    """``shards`` grouped by what holds each (``where[shard]``: the holder and the shard's index there), in each
+    holder's numbering, in order. Holders are keyed by identity (no backend defines ``__eq__``)."""
+    grouped: dict[T, list[int]] = {}
+    for shard in shards:
+        holder, index = where[shard]
+        grouped.setdefault(holder, []).append(index)
+    return grouped
 
 
 def rank_share(items: Sequence[T], local_rank: int, ranks_per_node: int) -> list[T]:

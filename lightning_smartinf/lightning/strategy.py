@@ -225,8 +225,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
         ):
             if value is not None:
                 problems.instance(name, value, kind, allowed)
-        if not isinstance(offload_activations, bool):
-            check_offload_options(problems, "offload_activations", offload_activations)
+        check_offload_options(problems, "offload_activations", offload_activations)
         problems.raise_if_any()
         assert settings is not None
         #: Every SmartUpdate setting, validated; replaced whole (:meth:`resize_pools`), never changed in place.

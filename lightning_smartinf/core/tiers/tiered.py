@@ -66,7 +66,7 @@ from lightning_smartinf.core.format.state_files import (
     write_file_atomic,
 )
 from lightning_smartinf.core.io.storage import StorageError, is_disk_full
-from lightning_smartinf.core.placement import Fixed, TieredPlacement, check_assignment, memory_share
+from lightning_smartinf.core.placement import Fixed, TieredPlacement, by_holder, check_assignment, memory_share
 from lightning_smartinf.core.rules import StepParams
 from lightning_smartinf.core.streaming.backend import REPLAN_DRIFT, StreamingBackend
 from lightning_smartinf.core.streaming.device import StreamingDevice
@@ -285,28 +285,20 @@ class TieredBackend(Backend, ABC):
     def result(self, handle: Handle) -> None:
         self._issuer.get(handle, self.inner).result(handle)
 
-    def _grouped(self, shards: Iterable[int]) -> list[tuple[Backend, list[int]]]:
-        """``shards`` grouped by backend, in each backend's numbering, in order."""
-        grouped: dict[int, tuple[Backend, list[int]]] = {}
-        for shard in shards:
-            backend, index = self._where[shard]
-            grouped.setdefault(id(backend), (backend, []))[1].append(index)
-        return list(grouped.values())
-
     def commit(self, shards: Iterable[int]) -> None:
-        for backend, indices in self._grouped(shards):
+        for backend, indices in by_holder(self._where, shards).items():
             backend.commit(indices)
 
     def rollback(self, shards: Iterable[int]) -> None:
         shards = list(shards)
         self.wait()
-        for backend, indices in self._grouped(shards):
+        for backend, indices in by_holder(self._where, shards).items():
             backend.rollback(indices)
 
     def prefetch(self, shards: Sequence[int]) -> None:
-        by_backend = {id(backend): indices for backend, indices in self._grouped(shards)}
+        by_backend = by_holder(self._where, shards)
         for backend in self._backends():
-            backend.prefetch(by_backend.get(id(backend), []))
+            backend.prefetch(by_backend.get(backend, []))
 
     def _on_each(self, call: Callable[[Backend], None]) -> None:
         """``call`` on each side, even after one raised; then the first error is raised."""

@@ -59,11 +59,10 @@ from lightning_smartinf.core.io.checksum import CRC32C, file_checksum
 from lightning_smartinf.core.io.clone import clone_file
 from lightning_smartinf.core.io.leftovers import scratch_directory
 from lightning_smartinf.core.io.storage import StorageError
-from lightning_smartinf.core.placement import Placement, RoundRobin, check_assignment
+from lightning_smartinf.core.placement import Placement, RoundRobin, by_holder, check_assignment
 from lightning_smartinf.core.rules import StepParams
 from lightning_smartinf.core.tiers.tiered import LOCAL_DIR, saved_local_shards
 from lightning_smartinf.core.traffic import Traffic, TrafficSnapshot
-from lightning_smartinf.devices.remote.manifest import REMOTE_MANIFEST
 from lightning_smartinf.devices.remote.policy import is_loopback
 from lightning_smartinf.devices.remote.tokens import TlsFiles
 from lightning_smartinf.devices.remote.wire import (
@@ -95,6 +94,8 @@ __all__ = [
 ]
 
 FIRST_CONTACT = "the first contact"
+#: Where the state is (each server's address, identity, session label, shards) and the digest of what each saved.
+REMOTE_MANIFEST = "remote.json"
 #: Seconds a session's close may take once a server of the run has failed.
 CLOSE_AFTER_FAILURE_S = 10.0
 #: The largest checkpoint manifest a server may send (a few hundred bytes per shard; servers take at most 4096).
@@ -213,13 +214,9 @@ class _Server:
         self.server_id = str(reply["server_id"])
 
     def reply(self, frame: Any, what: str, required: Iterable[str] = ()) -> dict[str, Any]:
-        """The header of a reply; a malformed one is this server's failure, named."""
-        try:
+        """The header of a reply; a malformed one is this server's failure, named (:func:`_from_server`)."""
+        with _from_server(self, "reply", what, complete=lambda: True):
             return decode_header(frame, required)
-        except WireError as exc:
-            raise StorageError(
-                f"The remote device server {self.address} sent a malformed reply during {what}: {exc}"
-            ) from None
 
     def call(self, method: Any, request: Any, what: str, timeout: float | None = None) -> Any:
         """``method(request)`` within ``timeout`` (default: the device timeout); errors name this server.
@@ -851,18 +848,11 @@ class RemoteBackend(LatchingBackend):
         """The servers that hold shards of this rank (each has a session)."""
         return [server for server in self.servers if server.shards]
 
-    def _by_server(self, shards: Iterable[int]) -> dict[_Server, list[int]]:
-        grouped: dict[_Server, list[int]] = {}
-        for shard in shards:
-            server, local = self._where[shard]
-            grouped.setdefault(server, []).append(local)
-        return grouped
-
     def commit(self, shards: Iterable[int]) -> None:
         self.check_usable("commit")
         shards = self.tentative_updates.check_commit(shards)
         self.wait()
-        for server, local in self._by_server(shards).items():
+        for server, local in by_holder(self._where, shards).items():
             self._control(server, "commit", "a commit", shards=local)
         self.tentative_updates.end(shards)
 
@@ -870,7 +860,7 @@ class RemoteBackend(LatchingBackend):
         shards = list(shards)
         try:
             self.wait()
-            for server, local in self._by_server(shards).items():
+            for server, local in by_holder(self._where, shards).items():
                 self._control(server, "rollback", "a rollback", shards=local)
         finally:
             self.tentative_updates.end(shards)
@@ -878,7 +868,7 @@ class RemoteBackend(LatchingBackend):
     def prefetch(self, shards: Sequence[int]) -> None:
         if self.failure is not None or not self.prefetch_state:
             return
-        grouped = self._by_server(i for i in shards if i not in self.tentative_updates)
+        grouped = by_holder(self._where, (i for i in shards if i not in self.tentative_updates))
         for server in self._holding:
             self._control(server, "prefetch", "prefetch advice", shards=grouped.get(server, []))
 

@@ -76,9 +76,8 @@ class RemoteKind(DeviceKind):
             except (TypeError, ValueError) as exc:
                 problems.add(f"`remote_tls_dir={options.get('remote_tls_dir')!r}`: {exc}")
         plaintext = options.get("remote_allow_plaintext") or False
-        if not isinstance(plaintext, bool):
-            problems.add(f"`remote_allow_plaintext={plaintext!r}` must be True or False.")
-        elif tls_dir is None and not plaintext and len(problems) == known:
+        problems.flag("remote_allow_plaintext", plaintext)
+        if tls_dir is None and not plaintext and len(problems) == known:
             from lightning_smartinf.devices.remote.policy import is_loopback
 
             for address in devices:
