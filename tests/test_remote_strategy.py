@@ -101,6 +101,11 @@ def test_bad_remote_settings_are_named(tmp_path):
         SmartInfinityStrategy(remote_devices=["h:1"])
     with pytest.raises(Exception, match=r"`remote_devices=None`: `backend='remote'` needs a list"):
         SmartInfinityStrategy(backend="remote", remote_token_file=str(token))
+    token.chmod(0o600)
+    with pytest.raises(Exception, match=r"`remote_allow_plaintext='yes'` is a str: it must be True or False\."):
+        SmartInfinityStrategy(
+            backend="remote", remote_devices=["h:1"], remote_token_file=str(token), remote_allow_plaintext="yes"
+        )
 
 
 @pytest.mark.slow
