@@ -285,3 +285,18 @@ def test_parameters_that_cannot_hold_half_a_master_are_refused(tmp_path):
     finally:
         backend.close()
     assert not (tmp_path / "dev0" / MANIFEST).exists()
+
+
+def test_a_save_whose_live_file_cannot_be_read_leaves_no_descriptor_open(tmp_path) -> None:
+    """Rebuilding whole masters opens the live file before creating the copy: a source that will not open (gone,
+    EIO) fails the save without leaking the copy's descriptor, run after run."""
+    from lightning_smartinf.core.format.state_files import ShardState, save_state
+
+    spec = ShardSpec(0, 1024, Adam(), master_format="split")
+    shard = ShardState(spec, spec.layout(1024), tmp_path / "gone.state", params=torch.zeros(1024, dtype=torch.bfloat16))
+    before = len(list(Path("/proc/self/fd").iterdir()))
+    for _ in range(3):
+        with pytest.raises(FileNotFoundError):
+            save_state([shard], tmp_path / "ckpt", chunk_elems=1024)
+    assert len(list(Path("/proc/self/fd").iterdir())) == before
+    assert not (tmp_path / "ckpt").exists()

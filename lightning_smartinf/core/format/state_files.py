@@ -414,8 +414,10 @@ def _write_whole_masters(shard: ShardState, dst: Path) -> int:
     assert shard.params is not None, "split masters are saved with their parameters"
     layout, saved, names = shard.layout, saved_form(shard.layout), shard.spec.rule.state_names
     update, crc = checksum.updater(CRC32C), 0
-    out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with open(shard.path, "rb", buffering=0) as fin, open(out, "wb", buffering=0) as fout:
+    with (
+        open(shard.path, "rb", buffering=0) as fin,  # first: a source that will not open leaves no descriptor behind
+        open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb", buffering=0) as fout,
+    ):
         for k in range(layout.num_chunks):
             start, n = layout.chunk_range(k)
             raw = bytearray(layout.record_bytes(k))
