@@ -358,6 +358,13 @@ def test_export_pretrained_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         export_main([str(tmp_path)])
     assert "give an output .safetensors file, `--save-pretrained DIR`, or both" in capsys.readouterr().err
+    # A bad output is refused before the checkpoint is read (here there is none to read: no other error).
+    with pytest.raises(SystemExit):
+        export_main([str(tmp_path), str(tmp_path / "missing" / "model.safetensors")])
+    assert f"the output's folder {str(tmp_path / 'missing')!r} does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        export_main([str(tmp_path), str(tmp_path)])
+    assert f"is a directory: name the file, e.g. {str(tmp_path / 'model.safetensors')!r}" in capsys.readouterr().err
 
 
 def test_model_sized_callbacks_see_the_model_configure_model_builds(tmp_path, gpt2_dir) -> None:

@@ -134,16 +134,19 @@ def save_fp32(
 ) -> dict[str, Tensor]:
     """Write the consolidated fp32 weights of ``checkpoint_path`` to ``out_file`` (safetensors); return them.
     ``remote`` reads device state kept on remote servers (see :func:`consolidate_fp32_state_dict`)."""
-    from lightning_smartinf.core.io.storage import disk_full_error, is_disk_full
-    from lightning_smartinf.hf.weight_files import require_room, save_safetensors
+    from lightning_smartinf.core.format.safetensors_stream import safetensors_blocks
+    from lightning_smartinf.core.io.storage import disk_full_error, is_disk_full, write_file_atomic
+    from lightning_smartinf.hf.weight_files import require_room
 
     state = consolidate_fp32_state_dict(checkpoint_path, remote=remote)
     out_file = Path(out_file)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     what, fix = "the fp32 weights", "Free space there, or write them elsewhere."
     require_room(out_file.parent, what, nbytes, fix)
+    metadata = {"format": "pt", "source": str(checkpoint_path)}
     try:
-        save_safetensors(state, out_file, {"format": "pt", "source": str(checkpoint_path)})
+        # Through a temporary renamed into place once on disk: a full disk leaves no truncated file to load.
+        write_file_atomic(out_file, safetensors_blocks(state, metadata=metadata))
     except OSError as exc:
         if is_disk_full(exc):
             raise disk_full_error(out_file.parent, what, nbytes, f"Nothing was kept. {fix}") from None
@@ -372,6 +375,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"`{flag}` goes with `--save-pretrained DIR`")
     if (args.remote_token_file or args.remote_tls_dir) and not args.remote_devices:
         parser.error("`--remote-token-file` and `--remote-tls-dir` go with `--remote-devices HOST:PORT ...`")
+    if args.output is not None:  # refused before the checkpoint is read, which can take minutes
+        out = Path(args.output)
+        if out.is_dir():
+            parser.error(
+                f"the output {args.output!r} is a directory: name the file, e.g. {str(out / 'model.safetensors')!r}"
+            )
+        if not out.parent.is_dir():
+            parser.error(f"the output's folder {str(out.parent)!r} does not exist: create it, or write elsewhere")
     try:
         remote = _remote_masters(
             args.remote_devices, args.remote_token_file, args.remote_tls_dir, args.remote_allow_plaintext

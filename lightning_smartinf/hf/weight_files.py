@@ -221,12 +221,6 @@ def require_room(directory: Path, what: str, nbytes: int, fix: str) -> None:
         raise disk_full_error(directory, what, nbytes + HEADROOM, f"Nothing was written. {fix}")
 
 
-def save_safetensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """``tensors`` as a safetensors file at ``path``, a block at a time through a temporary sibling renamed into place
-    once forced to disk: ``path`` is the whole file or not there (a full disk leaves no truncated file to load)."""
-    write_file_atomic(path, safetensors_blocks(tensors, metadata=metadata))
-
-
 def _install(stage: Path, out: Path, files: set[str]) -> None:
     """Move a whole export from ``stage`` into ``out``: the earlier export's weight files go first, the index (which
     names the shards to load) last, so a crash between leaves no index over a mix of old and new shards."""
