@@ -13,6 +13,7 @@ import numpy
 import pytest
 import torch
 from conftest import REPO_ROOT
+from helpers.leftovers import left_over
 
 from lightning_smartinf.core import split_masters
 from lightning_smartinf.core.native import build, compiler_flags, kernels_dir, state_format_kernels
@@ -438,11 +439,15 @@ def test_without_a_compiler_the_reference_runs_and_says_so_once(tmp_path, kernel
 
 
 def test_processes_building_at_once_all_load_one_whole_library(tmp_path):
-    """Two processes on a fresh directory: each builds and renames into place; both load, and only the library is
-    left (no temporaries)."""
+    """Two processes on a directory where a killed build left its temporaries: each builds and renames into place;
+    both load, and only the library is left, with the temporaries of a build still running (this process's)."""
     script = (
         "from lightning_smartinf.core.native import state_format_kernels\nassert state_format_kernels() is not None\n"
     )
+    killed = [left_over(tmp_path / "state_formats-0123456789abcdef.so"), left_over(tmp_path / "state_formats.c")]
+    running = left_over(tmp_path / "state_formats.c", pid=os.getpid())
+    for path in [*killed, running]:
+        path.write_bytes(b"half a build")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "SMARTINF_KERNELS_DIR": str(tmp_path)}
     runs = [
         subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
@@ -451,4 +456,4 @@ def test_processes_building_at_once_all_load_one_whole_library(tmp_path):
     for run in runs:
         _, err = run.communicate(timeout=300)
         assert run.returncode == 0, err
-    assert [p.suffix for p in tmp_path.iterdir()] == [".so"]
+    assert [p.suffix for p in tmp_path.iterdir() if p != running] == [".so"] and running.exists()

@@ -26,7 +26,7 @@ import subprocess
 from importlib import resources
 from pathlib import Path
 
-from lightning_smartinf.core.io.leftovers import remove_entry, temporary_path
+from lightning_smartinf.core.io.leftovers import remove_entry, remove_leftovers, temporary_path
 from lightning_smartinf.core.renamed import old_names
 
 __all__ = [
@@ -100,6 +100,7 @@ def build(name: str) -> Path:
     identity = [source, version, " ".join(CFLAGS).encode(), platform.machine().encode(), _cpu_features()]
     key = hashlib.sha256(b"\0".join(identity))
     library = kernels_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+    remove_leftovers(library.parent)  # what builds killed midway left (their process is gone)
     if library.is_file():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
