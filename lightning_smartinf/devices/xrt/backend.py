@@ -48,7 +48,7 @@ from lightning_smartinf.core.io.direct import ThreadedIO
 from lightning_smartinf.core.io.storage import GIB
 from lightning_smartinf.core.rules import StepParams
 from lightning_smartinf.core.streaming.backend import StreamingBackend
-from lightning_smartinf.core.streaming.device import StreamingDevice
+from lightning_smartinf.core.streaming.device import StreamingDevice, link_bytes
 from lightning_smartinf.core.streaming.pipeline import ChunkWork, Shard
 from lightning_smartinf.core.traffic import Traffic
 from lightning_smartinf.devices.xrt.abi import (
@@ -358,8 +358,7 @@ class XrtDevice(StreamingDevice):
                 ports += state_port_extents(layout.state_format, offset, padded)
             self.run_update(name, args, record, ports, grad, link_dtype, kind, out, start, n)
 
-        link_write = grad.link_bytes(kind) if sparse else grad.numel() * kind.itemsize
-        return ChunkWork(compute=update, link_write=link_write, link_read=out.numel() * kind.itemsize)
+        return ChunkWork(compute=update, link_write=link_bytes(grad, kind), link_read=out.numel() * kind.itemsize)
 
     def initialize_link_bytes(self, shard: Shard, master: Tensor) -> int:
         """The host writes each whole record (zeros, master, initial states) through the P2P mapping once."""
