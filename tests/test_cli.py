@@ -206,8 +206,15 @@ def test_print_config_writes_yaml_only_on_stdout():
         (lambda c: c["trainer"].update(max_steps="two"), 'Parser key "trainer.max_steps"'),
         (lambda c: c["model"].update(init_args={"dimm": 8}), "Option 'dimm' is not accepted"),
         (lambda c: c["model"].update(init_args={"lr": "fast"}), 'Parser key "lr"'),
+        (lambda c: c.update(monitor={"token_key": ""}), "`TrainingMonitor` got 1 invalid argument"),
+        (
+            lambda c: c["trainer"].update(
+                strategy={"class_path": "lightning_smartinf.SmartInfinityStrategy", "init_args": {"sub_group_size": 0}}
+            ),
+            "`sub_group_size=0` is too small",
+        ),
     ],
-    ids=["unknown-key", "wrong-type", "unknown-model-arg", "wrong-model-arg-type"],
+    ids=["unknown-key", "wrong-type", "unknown-model-arg", "wrong-model-arg-type", "refused-value", "refused-strategy"],
 )
 def test_bad_recipe_is_exit_2_naming_the_key(tmp_path, capsys, edit, message):
     config = recipe(tmp_path)

@@ -10,7 +10,8 @@ Any LightningModule and LightningDataModule can be named; ``data:`` is optional 
 dataloaders). The Trainer's ``strategy`` defaults to ``"smart_infinity"``, and a
 :class:`~lightning_smartinf.lightning.monitor.TrainingMonitor` is always attached (its settings under ``monitor:``). The
 config a run used is saved into its log directory. A recipe with an unknown key or a value of the wrong type is
-refused before anything is built, with jsonargparse's message naming the key (exit status 2).
+refused before anything is built, with jsonargparse's message naming the key (exit status 2); a value of the right type
+that a class refuses (``sub_group_size: 0``) ends the same way, with that class's message.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import warnings
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 import lightning_smartinf  # noqa: F401  (registers "smart_infinity")
@@ -42,6 +44,16 @@ class SmartInfinityCLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(TrainingMonitor, "monitor")
+
+    @override
+    def instantiate_classes(self) -> None:
+        """Build the recipe's classes. A constructor's refusal of a value (a ``ValueError`` or Lightning's
+        ``MisconfigurationException``, naming the argument and the fix) is the recipe's error: its message and exit
+        status 2, as jsonargparse's for a wrong type, not a traceback through jsonargparse and Lightning."""
+        try:
+            super().instantiate_classes()
+        except (MisconfigurationException, ValueError) as exc:
+            self.parser.error(str(exc))
 
 
 def main(argv: list[str] | None = None) -> int:
