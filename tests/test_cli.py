@@ -50,6 +50,9 @@ def test_demo_trains_and_reports_traffic(demo_run):
     [
         (["plan", "--model", "seven"], r"--model.*'seven'"),
         (["demo", "--steps", "x"], r"argument --steps: invalid int value: 'x'"),
+        (["demo", "--steps", "0"], r"--steps 0: the demo trains at least 1 step"),
+        (["demo", "--devices", "0"], r"--devices 0: the demo emulates 1 to 16 CSDs"),
+        (["demo", "--devices", "1000"], r"--devices 1000: the demo emulates 1 to 16 CSDs"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_argument(argv, message, capsys):

@@ -84,11 +84,19 @@ class LossPrinter(L.Callback):
             print(f"step {step:4d}  loss {float(trainer.callback_metrics['loss']):.3f}", flush=True)
 
 
+#: The most emulated CSDs the demo makes (each takes a pool of host memory; 2 show the traffic split).
+MAX_DEVICES = 16
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="smartinf demo", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
     parser.add_argument("--devices", type=int, default=2, help="emulated CSDs (default 2)")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: the demo trains at least 1 step (default 40)")
+    if not 1 <= args.devices <= MAX_DEVICES:
+        parser.error(f"--devices {args.devices}: the demo emulates 1 to {MAX_DEVICES} CSDs (default 2)")
     silenced = quiet.silence(entry_point=True)
     try:
         return _run(args)
