@@ -315,6 +315,46 @@ def test_module_argument_errors(gpt2_dir):
         HFCausalLM(str(gpt2_dir), config={"vocab_size": 100})
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"lr": "3e-4"}, r"`lr='3e-4'` is a str"),
+        ({"lr": None}, r"`lr=None`"),
+        ({"lr": float("inf")}, r"`lr=inf` is not finite"),
+        ({"lr": 0.0}, r"`lr=0.0` is out of range: it must be a finite number > 0.0"),
+        ({"weight_decay": -1.0}, r"`weight_decay=-1.0` is out of range"),
+        ({"momentum": float("nan")}, r"`momentum=nan` is not finite"),
+        (
+            {"betas": (0.9,)},
+            r"`betas=\(0.9,\)` is not a pair of Adam's decay rates: it must be two numbers in \[0, 1\)",
+        ),
+        ({"betas": (1.5, 0.9)}, r"`betas=\(1.5, 0.9\)` is not a pair"),
+        ({"betas": None}, r"`betas=None` is not a pair"),
+        ({"warmup_steps": 2.5}, r"`warmup_steps=2.5` is a float"),
+        ({"warmup_steps": None}, r"`warmup_steps=None`"),
+        ({"gradient_checkpointing": "no"}, r"`gradient_checkpointing='no'` is a str: it must be True or False"),
+        ({"config": [1, 2]}, r"`config=\[1, 2\]` is a list: it must be a dict of config fields"),
+        ({"tokenizer_train_files": "train.txt"}, r"`tokenizer_train_files='train.txt'` is not a list of files"),
+        (
+            {"tokenizer_vocab_size": 0},
+            r"`tokenizer_vocab_size=0` is too small.*Pass `tokenizer_vocab_size=257` or more",
+        ),
+        ({"tokenizer_vocab_size": "8192"}, r"`tokenizer_vocab_size='8192'` is a str"),
+    ],
+)
+def test_hyperparameters_are_refused_by_name_before_anything_loads(tmp_path, arguments, message):
+    """Checked before the model directory is even looked at (none exists here) or a tokenizer trained."""
+    with pytest.raises(ValueError, match=r"`HFCausalLM` got 1 invalid argument:\n- " + message):
+        HFCausalLM(str(tmp_path / "no-model"), tokenizer_path=str(tmp_path / "tok"), **arguments)
+    assert not (tmp_path / "tok").exists()
+
+
+def test_every_wrong_hyperparameter_is_listed_at_once(tmp_path):
+    with pytest.raises(ValueError, match=r"`HFSequenceClassifier` got 3 invalid arguments") as refused:
+        HFSequenceClassifier(str(tmp_path), lr=-1, num_labels=1, optimizer="rmsprop")
+    assert "`num_labels=1` is too small" in str(refused.value)
+
+
 def test_data_file_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"`TextDataModule\(train_file='.*missing.txt'\)`: the file does not"):
         TextDataModule(str(tmp_path / "missing.txt"))._dataset(None, "train_file", str(tmp_path / "missing.txt"))

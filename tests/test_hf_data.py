@@ -391,7 +391,7 @@ def test_sft_errors_name_file_line_and_field(tmp_path, tokenizer_dir, tokenizer)
         data._dataset(tokenizer, "train_file", str(bad))
     with pytest.raises(ValueError, match=r"`SFTDataModule\(train_file='pairs.txt'\)`: unsupported file type '.txt'"):
         SFTDataModule("pairs.txt")._dataset(tokenizer, "train_file", "pairs.txt")
-    with pytest.raises(ValueError, match=r"prompt_field='text', response_field='text'\)` name the same field"):
+    with pytest.raises(ValueError, match=r"`prompt_field='text'` and `response_field='text'` name the same field"):
         SFTDataModule(str(bad), prompt_field="text", response_field="text")
 
 
@@ -467,3 +467,44 @@ def test_an_unknown_label_is_named_by_its_row_in_the_file(tmp_path, tokenizer_di
     data = ClassificationDataModule(str(tmp_path / "rows.csv"), labels=["a", "b"], tokenizer_path=str(tokenizer_dir))
     with pytest.raises(ValueError, match=r"`ClassificationDataModule\(train_file=...\)`: row 10 has label 'c', which"):
         data.setup()
+
+
+def test_a_tokenizer_is_not_trained_from_bad_arguments(tmp_path):
+    """A path given alone (it was read character by character) and a vocabulary below the byte alphabet (it was
+    silently raised to 257 tokens, and the tokenizer saved for later runs) are refused before any training."""
+    one_path = r"`files='.*'` is one path: pass a list of text files, e.g. `files=\['.*train.txt'\]`"
+    with pytest.raises(ValueError, match=one_path):
+        train_bpe_tokenizer(str(tmp_path / "train.txt"), tmp_path / "tok")
+    with pytest.raises(ValueError, match=r"`vocab_size=0` is too small.*Pass `vocab_size=257` or more"):
+        train_bpe_tokenizer([TEXT], tmp_path / "tok", vocab_size=0)
+    assert not (tmp_path / "tok").exists()
+
+
+@pytest.mark.parametrize(
+    ("cls", "arguments", "message"),
+    [
+        (TextDataModule, {"batch_size": 0}, r"`batch_size=0` is too small"),
+        (TextDataModule, {"batch_size": "8"}, r"`batch_size='8'` is a str"),
+        (TextDataModule, {"batch_size": None}, r"`batch_size=None`"),
+        (TextDataModule, {"num_workers": -1}, r"`num_workers=-1` is too small"),
+        (TextDataModule, {"seed": "abc"}, r"`seed='abc'` is a str"),
+        (TextDataModule, {"seed": 2**70}, r"`seed=1180591620717411303424` is too large"),
+        (TextDataModule, {"val_fraction": "0.1"}, r"`val_fraction='0.1'` is not a share to hold out"),
+        (TextDataModule, {"val_fraction": None}, r"`val_fraction=None` is not a share"),
+        (TextDataModule, {"val_fraction": float("nan")}, r"`val_fraction=nan` is not a share"),
+        (TextDataModule, {"shuffle": "no"}, r"`shuffle='no'` is a str: it must be True or False"),
+        (TextDataModule, {"text_field": None}, r"`text_field=None` is not a field name"),
+        (TextDataModule, {"cache_dir": ""}, r"`cache_dir=''` is not a path"),
+        (TextDataModule, {"train_file": None}, r"`train_file=None` is not a path"),
+        (SFTDataModule, {"prompt_field": ""}, r"`prompt_field=''` is not a field name"),
+        (ClassificationDataModule, {"labels": ["pos", "neg", "pos"]}, r"`labels=\['pos', 'neg', 'pos'\]` is not a"),
+        (ClassificationDataModule, {"labels": "pos,neg"}, r"`labels='pos,neg'` is not a list of label names"),
+        (ClassificationDataModule, {"label_field": "text"}, r"`text_field='text'` and `label_field='text'` name the"),
+    ],
+)
+def test_data_module_arguments_are_refused_by_name_when_built(tmp_path, cls, arguments, message):
+    """Refused at construction, with the module's name, where they failed inside torch once the corpus was
+    tokenised, or were taken silently (a truthy 'no' shuffled; JSON lines were tokenised raw; a label was twice)."""
+    arguments = {"train_file": str(tmp_path / "train.jsonl"), **arguments}
+    with pytest.raises(ValueError, match=rf"`{cls.__name__}` got 1 invalid argument:\n- {message}"):
+        cls(**arguments)

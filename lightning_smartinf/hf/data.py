@@ -35,6 +35,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_smartinf.core.arguments import Problems, show
 from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
 from lightning_smartinf.hf.sources import tokenizer_files
 from lightning_smartinf.hf.token_cache import (
@@ -52,6 +53,8 @@ if TYPE_CHECKING:
 #: Files a tokenizer directory may hold; one of them must be there.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model")
 END_OF_TEXT = "<|endoftext|>"
+#: The smallest vocabulary a byte-level BPE tokenizer has: the 256 bytes and :data:`END_OF_TEXT`, before any merge.
+MIN_VOCAB_SIZE = 257
 TEXT_SUFFIXES = (".txt", ".jsonl")
 TABLE_SUFFIXES = (".csv", ".jsonl")
 #: A ``.txt`` file is read and tokenised in pieces of about this many characters (see :func:`_text_pieces`): a
@@ -116,6 +119,13 @@ def train_bpe_tokenizer(
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    problems = Problems("train_bpe_tokenizer")
+    problems.integer("vocab_size", vocab_size, low=MIN_VOCAB_SIZE, example=8192)
+    problems.integer("min_frequency", min_frequency, low=1, example=2)
+    problems.integer("model_max_length", model_max_length, low=1, example=1024)
+    if isinstance(files, (str, os.PathLike)):
+        problems.add(f"`files={show(files)}` is one path: pass a list of text files, e.g. `files=[{str(files)!r}]`.")
+    problems.raise_if_any()
     paths = [str(_check_file(f, "files", TEXT_SUFFIXES, "train_bpe_tokenizer")) for f in files]
     if not paths:
         raise ValueError("`train_bpe_tokenizer(files=[])`: give at least one text file to learn the vocabulary from.")
@@ -282,6 +292,14 @@ def _document_batches(
 # ------------------------------------------------------------------------------------------------ the base
 
 
+def _check_field(problems: Problems, key: str, value: Any) -> bool:
+    """``value`` names a field (a JSON key or a CSV column): a non-empty str."""
+    if isinstance(value, str) and value:
+        return True
+    problems.add(f"`{key}={show(value)}` is not a field name: it must be a non-empty str. Pass e.g. `{key}='text'`.")
+    return False
+
+
 class _FileData(L.LightningDataModule, Generic[D], metaclass=ABCMeta):
     """What the three data modules share: a training file and a validation file or a share held out of the training
     data, the tokenizer, and the two loaders. :meth:`setup` builds the datasets (``D``) ``train_data`` and
@@ -303,7 +321,7 @@ class _FileData(L.LightningDataModule, Generic[D], metaclass=ABCMeta):
     #: The default of those that take a ``shuffle`` argument: Classification always shuffles.
     shuffle: bool = True
 
-    def __init__(  # subclasses pass their arguments of these names, in this order
+    def __init__(  # subclasses pass their arguments of these names, in this order, and the problems of their own
         self,
         train_file: str,
         val_file: str | None,
@@ -312,10 +330,23 @@ class _FileData(L.LightningDataModule, Generic[D], metaclass=ABCMeta):
         tokenizer_path: str | None,
         seed: int,
         num_workers: int,
+        *,
+        problems: Problems,
     ) -> None:
         super().__init__()
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"`{type(self).__name__}(val_fraction={val_fraction})` must be in [0, 1).")
+        problems.path("train_file", train_file)
+        problems.path("val_file", val_file, optional=True)
+        problems.path("tokenizer_path", tokenizer_path, optional=True)
+        problems.integer("batch_size", batch_size, low=1, example=8)
+        share = isinstance(val_fraction, (int, float)) and not isinstance(val_fraction, bool)
+        if not (share and 0.0 <= val_fraction < 1.0):  # also NaN
+            problems.add(
+                f"`val_fraction={show(val_fraction)}` is not a share to hold out: it must be a number in [0, 1) (0: "
+                "none). Pass e.g. `val_fraction=0.05`."
+            )
+        problems.integer("seed", seed, example=42)
+        problems.integer("num_workers", num_workers, example=0)
+        problems.raise_if_any()
         self.train_file, self.val_file, self.tokenizer_path = train_file, val_file, tokenizer_path
         self.batch_size, self.val_fraction, self.seed, self.num_workers = batch_size, val_fraction, seed, num_workers
         # Both None before setup, both set by it (val_data empty with val_fraction=0 and no val_file).
@@ -541,7 +572,13 @@ class TextDataModule(_TokenCachedData[_Blocks]):
         num_workers: int = 0,
         cache_dir: str | None = None,
     ) -> None:
-        super().__init__(train_file, val_file, batch_size, val_fraction, tokenizer_path, seed, num_workers)
+        problems = Problems("TextDataModule")
+        _check_field(problems, "text_field", text_field)
+        problems.flag("shuffle", shuffle)
+        problems.path("cache_dir", cache_dir, optional=True)
+        super().__init__(
+            train_file, val_file, batch_size, val_fraction, tokenizer_path, seed, num_workers, problems=problems
+        )
         self.block_size, self.text_field, self.shuffle, self.cache_dir = block_size, text_field, shuffle, cache_dir
 
     def _cache(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> TokenCache:
@@ -681,12 +718,21 @@ class SFTDataModule(_TokenCachedData[_Examples]):
         num_workers: int = 0,
         cache_dir: str | None = None,
     ) -> None:
-        super().__init__(train_file, val_file, batch_size, val_fraction, tokenizer_path, seed, num_workers)
-        if prompt_field == response_field:
-            raise ValueError(
-                f"`SFTDataModule(prompt_field={prompt_field!r}, response_field={response_field!r})` name the same "
-                "field. Give the field of the prompt and the field of the response."
+        problems = Problems("SFTDataModule")
+        named = [
+            _check_field(problems, key, value)
+            for key, value in [("prompt_field", prompt_field), ("response_field", response_field)]
+        ]
+        if all(named) and prompt_field == response_field:
+            problems.add(
+                f"`prompt_field={prompt_field!r}` and `response_field={response_field!r}` name the same field. Give "
+                "the field of the prompt and the field of the response."
             )
+        problems.flag("shuffle", shuffle)
+        problems.path("cache_dir", cache_dir, optional=True)
+        super().__init__(
+            train_file, val_file, batch_size, val_fraction, tokenizer_path, seed, num_workers, problems=problems
+        )
         self.prompt_field, self.response_field, self.max_length = prompt_field, response_field, max_length
         self.shuffle, self.cache_dir = shuffle, cache_dir
 
@@ -781,7 +827,25 @@ class ClassificationDataModule(_FileData[list[dict[str, Any]]]):
         seed: int = 42,
         num_workers: int = 0,
     ) -> None:
-        super().__init__(train_file, val_file, batch_size, val_fraction, tokenizer_path, seed, num_workers)
+        problems = Problems("ClassificationDataModule")
+        named = [
+            _check_field(problems, key, value)
+            for key, value in [("text_field", text_field), ("label_field", label_field)]
+        ]
+        if all(named) and text_field == label_field:
+            problems.add(
+                f"`text_field={text_field!r}` and `label_field={label_field!r}` name the same column. Give the column "
+                "of the text and the column of the label."
+            )
+        names = isinstance(labels, (list, tuple)) and all(isinstance(label, str) and label for label in labels)
+        if labels is not None and not (names and len(labels) >= 2 and len(set(labels)) == len(labels)):
+            problems.add(
+                f"`labels={show(labels)}` is not a list of label names: it must be two or more distinct non-empty "
+                "str, in index order, or None (derived from the training file). Pass e.g. `labels=['neg', 'pos']`."
+            )
+        super().__init__(
+            train_file, val_file, batch_size, val_fraction, tokenizer_path, seed, num_workers, problems=problems
+        )
         self.text_field, self.label_field, self.labels, self.max_length = text_field, label_field, labels, max_length
         self.label_names: list[str] | None = list(labels) if labels is not None else None
         self._tokenizer: PreTrainedTokenizerBase | None = None

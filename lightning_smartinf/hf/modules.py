@@ -16,7 +16,8 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from lightning_smartinf.hf.data import load_tokenizer, train_bpe_tokenizer
+from lightning_smartinf.core.arguments import Problems, show
+from lightning_smartinf.hf.data import MIN_VOCAB_SIZE, load_tokenizer, train_bpe_tokenizer
 from lightning_smartinf.hf.loading import attached_trainer, check_model_dir, from_pretrained, partitioned_build
 from lightning_smartinf.hf.sources import tokenizer_files
 
@@ -27,6 +28,10 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad")
 SCHEDULERS = ("cosine", "linear", "constant")
 #: The attribute holding the Hugging Face model; parameter names are ``model.<HF name>``.
 MODEL_ATTRIBUTE = "model"
+
+
+def _is_path(value: Any) -> bool:
+    return isinstance(value, os.PathLike) or (isinstance(value, str) and bool(value))
 
 
 def param_ndim(param: Tensor) -> int:
@@ -57,22 +62,6 @@ class _HFModule(L.LightningModule):
         revision: str | None = None,
     ) -> None:
         super().__init__()
-        name = type(self).__name__
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(
-                f"`{name}(optimizer={optimizer!r})` is not supported. `optimizer` must be one of: "
-                f"{', '.join(map(repr, OPTIMIZERS))} (the update rules `smart_infinity` runs on its devices)."
-            )
-        if scheduler not in SCHEDULERS:
-            raise ValueError(
-                f"`{name}(scheduler={scheduler!r})` is not supported. `scheduler` must be one of: "
-                f"{', '.join(map(repr, SCHEDULERS))}."
-            )
-        if lr <= 0 or warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
-            raise ValueError(
-                f"`{name}`: need `lr` > 0 (got {lr}), `warmup_steps` >= 0 (got {warmup_steps}) and `min_lr_ratio` "
-                f"in [0, 1] (got {min_lr_ratio})."
-            )
         # A Hub id becomes its snapshot's directory in the Hub's cache here, once: every later read is local.
         self.model_path = str(check_model_dir(model_path, revision=revision)) if model_path is not None else None
         self.hf_config = self._load_config(self.model_path, dict(config or {}))
@@ -89,6 +78,40 @@ class _HFModule(L.LightningModule):
         self._tokens_seen: Tensor | int = 0
         # Kept out of the module tree so DeepSpeed never casts their states to the training dtype.
         self._metrics: dict[str, Any] = {}
+
+    @staticmethod
+    def check_training(
+        problems: Problems,
+        *,
+        config: Any,
+        optimizer: Any,
+        lr: Any,
+        weight_decay: Any,
+        betas: Any,
+        momentum: Any,
+        warmup_steps: Any,
+        scheduler: Any,
+        min_lr_ratio: Any,
+        gradient_checkpointing: Any,
+    ) -> None:
+        """The arguments every task module takes: a problem for each wrong one (the task modules check them, with
+        their own, before anything is loaded or trained)."""
+        if config is not None:
+            problems.instance("config", config, dict, "a dict of config fields (e.g. GPT2Config's), or None")
+        problems.choice("optimizer", optimizer, OPTIMIZERS)
+        problems.number("lr", lr, low=0.0, above=True, example=3e-4)
+        problems.number("weight_decay", weight_decay, low=0.0, example=0.01)
+        problems.number("momentum", momentum, low=0.0, high=1.0, example=0.9)
+        pair = isinstance(betas, (tuple, list)) and len(betas) == 2
+        if not pair or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
+            problems.add(
+                f"`betas={show(betas)}` is not a pair of Adam's decay rates: it must be two numbers in [0, 1). "
+                "Pass e.g. `betas=(0.9, 0.95)`."
+            )
+        problems.integer("warmup_steps", warmup_steps, example=100)
+        problems.choice("scheduler", scheduler, SCHEDULERS)
+        problems.number("min_lr_ratio", min_lr_ratio, low=0.0, high=1.0, example=0.1)
+        problems.flag("gradient_checkpointing", gradient_checkpointing)
 
     # ------------------------------------------------------------------------------------------ loading
 
@@ -297,6 +320,20 @@ class HFCausalLM(_HFModule):
         gradient_checkpointing: bool = False,
         revision: str | None = None,
     ) -> None:
+        problems = Problems("HFCausalLM")
+        self.check_training(
+            problems, config=config, optimizer=optimizer, lr=lr, weight_decay=weight_decay, betas=betas,
+            momentum=momentum, warmup_steps=warmup_steps, scheduler=scheduler, min_lr_ratio=min_lr_ratio,
+            gradient_checkpointing=gradient_checkpointing,
+        )  # fmt: skip
+        files = tokenizer_train_files
+        if files is not None and not (isinstance(files, (list, tuple)) and all(_is_path(f) for f in files)):
+            problems.add(
+                f"`tokenizer_train_files={show(files)}` is not a list of files: it must be a list of .txt or .jsonl "
+                "files to train the tokenizer on, or None. Pass e.g. `tokenizer_train_files=['train.txt']`."
+            )
+        problems.integer("tokenizer_vocab_size", tokenizer_vocab_size, low=MIN_VOCAB_SIZE, example=8192)
+        problems.raise_if_any()
         if tokenizer_path is not None and tokenizer_train_files and not Path(tokenizer_path).is_dir():
             train_bpe_tokenizer(tokenizer_train_files, tokenizer_path, vocab_size=tokenizer_vocab_size)
         self._scratch_fields = dict(config or {}) if model_path is None else None
@@ -388,8 +425,14 @@ class HFSequenceClassifier(_HFModule):
         gradient_checkpointing: bool = False,
         revision: str | None = None,
     ) -> None:
-        if num_labels is not None and num_labels < 2:
-            raise ValueError(f"`HFSequenceClassifier(num_labels={num_labels})` must be at least 2 (or None).")
+        problems = Problems("HFSequenceClassifier")
+        self.check_training(
+            problems, config=config, optimizer=optimizer, lr=lr, weight_decay=weight_decay, betas=betas,
+            momentum=momentum, warmup_steps=warmup_steps, scheduler=scheduler, min_lr_ratio=min_lr_ratio,
+            gradient_checkpointing=gradient_checkpointing,
+        )  # fmt: skip
+        problems.integer("num_labels", num_labels, low=2, example=2, optional=True)
+        problems.raise_if_any()
         super().__init__(
             model_path, config, tokenizer_path, optimizer, lr, weight_decay, betas, momentum, warmup_steps,
             scheduler, min_lr_ratio, gradient_checkpointing, revision,
