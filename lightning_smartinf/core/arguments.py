@@ -218,8 +218,10 @@ class Problems:
             parsed = _size_in(value)
             if parsed is not None and parsed >= low:
                 return parsed
+            scaled = _scaled(value)
+            wrong = "is not a size" if scaled is None else "is too large" if scaled > INT64_MAX else "is too small"
             self.add(
-                f"`{self.name(key)}={show(value)}` {'is not a size' if parsed is None else 'is too small'}: it must "
+                f"`{self.name(key)}={show(value)}` {wrong}: it must "
                 f"be an int number of bytes >= {low} or a string like '8GiB' (2**30 B), '512MiB' or '2GB' (10**9 B). "
                 f"Pass e.g. `{self.name(key)}={example!r}`."
             )

@@ -225,6 +225,11 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
         ):
             if value is not None:
                 problems.instance(name, value, kind, allowed)
+        if isinstance(timeout, timedelta) and not timeout.total_seconds() > 0:
+            problems.add(
+                f"`timeout={timeout!r}` is not a wait: it must be a positive `datetime.timedelta` (how long a "
+                "collective may wait for the other ranks), or None. Pass e.g. `timeout=timedelta(minutes=30)`."
+            )
         check_offload_options(problems, "offload_activations", offload_activations)
         problems.raise_if_any()
         assert settings is not None

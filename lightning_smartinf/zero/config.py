@@ -177,6 +177,8 @@ def _check_top_level(where: Problems, config: dict[str, Any]) -> None:
     for block in ("fp16", "bf16", "aio", "activation_checkpointing"):
         if block in config:
             where.instance(block, config[block], dict, f"a dict of DeepSpeed `{block}` settings")
+    if "gradient_clipping" in config:  # DeepSpeed clips by it as Lightning's `gradient_clip_val` would
+        where.number("gradient_clipping", config["gradient_clipping"], low=0.0, example=1.0)
     if "train_micro_batch_size_per_gpu" in config:
         where.integer("train_micro_batch_size_per_gpu", config["train_micro_batch_size_per_gpu"], low=1)
     if "gradient_accumulation_steps" in config:
