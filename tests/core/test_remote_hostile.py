@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import re
 import shutil
 import signal
 import threading
@@ -731,6 +733,90 @@ def test_a_server_on_a_public_address_without_tls_refuses_to_start(tmp_path, lis
     assert done.returncode == 2, done.stdout + done.stderr
     assert "without TLS" in done.stderr and "--tls-cert" in done.stderr and "--allow-plaintext" in done.stderr
     assert "serving" not in done.stdout
+
+
+def _serve_main(tmp_path: Path, monkeypatch, *flags: str, storage: tuple[str, ...] = ()) -> int:
+    """``smartinf serve`` in this process (its exit status); a server it gets as far as starting fails the test."""
+    from lightning_smartinf.devices.remote import serve as serve_command
+    from lightning_smartinf.devices.remote import server as server_module
+
+    def bound(*args, **kwargs):
+        raise AssertionError(f"smartinf serve {' '.join(flags)} started a server")
+
+    monkeypatch.setattr(server_module, "serve", bound)
+    monkeypatch.setattr(logging, "basicConfig", lambda **kwargs: None)  # no handler on pytest's captured stream
+    token_file = write_token(tmp_path / "token", TOKEN)
+    roots = storage or (str(tmp_path / "root"),)
+    return serve_command.main(["--storage", *roots, "--token-file", str(token_file), *flags])
+
+
+@pytest.mark.parametrize(
+    ("listen", "said"),
+    [
+        ("127.0.0.1:99999", "the port must be an int 0..65535 (0: any free port), not '99999'"),  # gRPC: mod 65536
+        ("127.0.0.1:-1", "the port must be an int 0..65535 (0: any free port), not '-1'"),  # gRPC: 65535
+        ("127.0.0.1:abc", "the port must be an int 0..65535 (0: any free port), not 'abc'"),
+        ("127.0.0.1:", "the port must be an int 0..65535 (0: any free port), not ''"),  # gRPC: 443
+        ("127.0.0.1", "has no port"),  # said to be no loopback address
+        ("[::1]", "has no port"),
+        (":50051", "names no host"),
+        ("::1:50051", "an IPv6 host is written in brackets"),
+    ],
+)
+def test_serve_refuses_a_listen_address_that_is_not_host_and_port_before_binding(
+    tmp_path, monkeypatch, capsys, listen, said
+) -> None:
+    """gRPC would bind another port than the one given, or fail naming no cause: refused first, with an example."""
+    from lightning_smartinf.devices.remote.policy import check_transport
+
+    assert _serve_main(tmp_path, monkeypatch, "--listen", listen) == 2
+    error = capsys.readouterr().err
+    assert f"`--listen {listen}`" in error and said in error and ":50051`" in error, error
+    assert not (tmp_path / "root").exists()
+    with pytest.raises(ValueError, match=re.escape(said)):  # `serve()` checks it too, before binding
+        check_transport(listen, None, False)
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:0", "127.0.0.1:65535", "localhost:50051", "[::1]:50051", "[::1]:0"])
+def test_a_loopback_address_with_a_port_is_taken_in_either_ip_version(listen) -> None:
+    from lightning_smartinf.devices.remote.policy import check_transport, is_loopback
+
+    check_transport(listen, None, False)
+    assert is_loopback(listen)
+
+
+@pytest.mark.parametrize("seconds", ["nan", "-5", "0", "inf"])
+def test_serve_refuses_a_device_timeout_that_is_not_positive_and_finite(tmp_path, monkeypatch, capsys, seconds) -> None:
+    """Refused at startup, not by every session a client opens."""
+    from lightning_smartinf.devices.remote.server import DeviceServer
+
+    assert _serve_main(tmp_path, monkeypatch, "--device-timeout-s", seconds) == 2
+    error = capsys.readouterr().err
+    assert f"`--device-timeout-s={float(seconds)!r}`" in error, error
+    assert "a finite number of seconds > 0" in error and "`--device-timeout-s=300`" in error, error
+    with pytest.raises(ValueError, match=r"must be a positive, finite number of seconds"):
+        DeviceServer([tmp_path / "root"], TOKEN, device_timeout_s=float(seconds))
+    assert not (tmp_path / "root").exists()
+
+
+def test_serve_refuses_a_storage_folder_named_twice_before_creating_it(tmp_path, monkeypatch, capsys) -> None:
+    """Not "in use by this process": the folder is one, named twice (compared resolved)."""
+    from lightning_smartinf.devices.remote.server import DeviceServer
+
+    root = tmp_path / "root"
+    again = tmp_path / "other" / ".." / "root"
+    assert _serve_main(tmp_path, monkeypatch, storage=(str(root), f"{root}/")) == 2
+    error = capsys.readouterr().err
+    assert f"`--storage` names {root} twice: each device needs a folder of its own" in error, error
+    assert _serve_main(tmp_path, monkeypatch, storage=(str(root), str(again), str(tmp_path / "b"))) == 2
+    assert f"`--storage` names {root} twice (as {str(root)!r}, {str(again)!r})" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"`storage_roots` names .* twice"):
+        DeviceServer([root, again], TOKEN)
+    assert not root.exists() and not (tmp_path / "b").exists()
+    root.mkdir()
+    (tmp_path / "link").symlink_to(root)
+    with pytest.raises(ValueError, match=r"`storage_roots` names .* twice"):
+        DeviceServer([root, tmp_path / "link"], TOKEN)
 
 
 def test_a_trainer_refuses_to_send_its_token_in_clear_to_another_machine(tmp_path) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import math
 import signal
 import threading
 import time
@@ -28,6 +30,8 @@ from lightning_smartinf.devices.remote.wire import MAX_UPDATES_IN_FLIGHT, SERVIC
 TOKEN = "a-token-of-the-limits-tests"
 CHUNK = 4096
 SPECS = [ShardSpec(index=0, numel=CHUNK, rule=Adam(decoupled_weight_decay=True))]
+#: The longest call gRPC counts: 2**31 - 1 milliseconds, in whole seconds.
+LONGEST_CALL_S = 2147483
 
 
 def _client(port: int, **kwargs) -> RemoteBackend:
@@ -47,6 +51,30 @@ def test_a_limit_that_is_on_by_default_cannot_be_turned_off() -> None:
     with pytest.raises(ValueError, match="`max_sessions=None`: a server limit must be a positive integer."):
         ServerLimits(max_sessions=None)
     ServerLimits(max_peer_calls=None)  # off by default, so it may be
+
+
+@pytest.mark.parametrize("seconds", [math.inf, LONGEST_CALL_S + 1, 1e10])
+def test_a_call_limit_longer_than_grpc_counts_is_refused(seconds) -> None:
+    """gRPC takes the call limit in milliseconds in 32 bits: past that it raised OverflowError from its internals."""
+    with pytest.raises(ValueError, match=r"milliseconds in 32 bits, so a call may last at most 2147483 s"):
+        ServerLimits(call_timeout_s=seconds)
+
+
+def test_serve_refuses_a_call_limit_longer_than_grpc_counts(tmp_path, monkeypatch, capsys) -> None:
+    from lightning_smartinf.devices.remote.serve import main
+
+    monkeypatch.setattr(logging, "basicConfig", lambda **kwargs: None)  # no handler on pytest's captured stream
+    token_file = write_token(tmp_path / "token", TOKEN)
+    argv = ["--storage", str(tmp_path / "root"), "--token-file", str(token_file), "--call-timeout-s", "inf"]
+    assert main(argv) == 2
+    assert "`call_timeout_s=inf` (`smartinf serve --call-timeout-s`) is too long" in capsys.readouterr().err
+    assert not (tmp_path / "root").exists()
+
+
+def test_the_longest_call_limit_serves(tmp_path) -> None:
+    server, servicer, port = serve([tmp_path / "root"], TOKEN, limits=ServerLimits(call_timeout_s=LONGEST_CALL_S))
+    server.stop(None).wait()
+    servicer.close()
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from lightning_smartinf.core.arguments import Problems
-from lightning_smartinf.devices.remote.policy import ServerLimits, check_transport
+from lightning_smartinf.devices.remote.policy import ServerLimits, check_listen, check_storage_roots, check_transport
 from lightning_smartinf.devices.remote.tokens import read_server_tls, read_token
 
 #: ``--flag``: the :class:`ServerLimits` field it sets, its type (``str``: a size such as ``2GiB``), what it bounds.
@@ -91,6 +91,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
+        # The flags alone, all reported at once, before any file is read, created or bound.
+        problems = Problems("smartinf serve", ValueError)
+        check_listen(problems, args.listen)
+        check_storage_roots(problems, "--storage", args.storage)
+        # The rule of `check_device_timeout` (positive and finite), named by the flag (None, waiting forever, has none).
+        problems.number("--device-timeout-s", args.device_timeout_s, low=0, above=True, unit="seconds", example=300)
+        given = {}
+        for flag, (field, kind, _) in LIMIT_FLAGS.items():
+            value = getattr(args, flag[2:].replace("-", "_"))
+            if value is not None:
+                given[field] = problems.size(flag, value) if kind is str else value
+        problems.raise_if_any()
+        limits = dataclasses.replace(ServerLimits(), **given, prune_checkpoints=args.prune_checkpoints)
         if args.tls_cert or args.tls_key or args.tls_client_ca:
             if not (args.tls_cert and args.tls_key):
                 raise ValueError("TLS needs both --tls-cert and --tls-key (and --tls-client-ca for mutual TLS).")
@@ -99,14 +112,6 @@ def main(argv: list[str] | None = None) -> int:
             tls = None
         check_transport(args.listen, tls, args.allow_plaintext)  # before the token is read or anything bound
         token = read_token(args.token_file)
-        sizes = Problems("smartinf serve", ValueError)
-        given = {}
-        for flag, (field, kind, _) in LIMIT_FLAGS.items():
-            value = getattr(args, flag[2:].replace("-", "_"))
-            if value is not None:
-                given[field] = sizes.size(flag, value) if kind is str else value
-        sizes.raise_if_any()
-        limits = dataclasses.replace(ServerLimits(), **given, prune_checkpoints=args.prune_checkpoints)
         server, servicer, port = serve(
             args.storage,
             token,

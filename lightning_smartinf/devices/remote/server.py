@@ -50,6 +50,7 @@ import psutil
 import torch
 from torch import Tensor
 
+from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.backend import ShardSpec
 from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.format.layout import pool_bytes
@@ -67,8 +68,9 @@ from lightning_smartinf.core.io.checksum import CRC32C
 from lightning_smartinf.core.io.leftovers import remove_leftovers
 from lightning_smartinf.core.io.ownership import claim_directories, release_claims
 from lightning_smartinf.core.io.storage import ensure_private_dir, readable_size
+from lightning_smartinf.core.streaming.backend import check_device_timeout
 from lightning_smartinf.devices.cpu import CpuBackend
-from lightning_smartinf.devices.remote.policy import ServerLimits, check_transport
+from lightning_smartinf.devices.remote.policy import ServerLimits, check_storage_roots, check_transport
 from lightning_smartinf.devices.remote.tokens import TlsFiles
 from lightning_smartinf.devices.remote.wire import (
     DTYPES,
@@ -290,9 +292,14 @@ class DeviceServer:
     ) -> None:
         if not token:
             raise ValueError("The token is empty: give the server a token file with a non-empty secret.")
+        # Refused here, not by each session's backend: a client would see every open fail.
+        check_device_timeout(device_timeout_s)
         self.roots = [Path(root).resolve() for root in storage_roots]
         if not self.roots:
             raise ValueError("Give the server at least one storage root (`--storage PATH`).")
+        problems = Problems("DeviceServer", ValueError)
+        check_storage_roots(problems, "storage_roots", storage_roots)
+        problems.raise_if_any()  # before any root is created
         for root in self.roots:
             ensure_private_dir(root)
         # One server per storage root at a time, like one training per storage path.
