@@ -267,13 +267,21 @@ class SmartUpdateSettings:
         return _DEFAULT_BUCKET
 
 
-def check_pool_shape(problems: Problems, chunk_size: Any, buffer_count: Any, *, optional: bool = False) -> list[bool]:
+def check_pool_shape(
+    problems: Problems,
+    chunk_size: Any,
+    buffer_count: Any,
+    *,
+    optional: bool = False,
+    names: tuple[str, str] = ("chunk_size", "buffer_count"),
+) -> list[bool]:
     """The one rule for a device pool's shape, wherever it is given: ``chunk_size`` elements per buffer (a positive
     multiple of the direct-I/O unit) and ``buffer_count`` buffers (at least 2: one updating, one in I/O). Returns
-    whether each is valid; ``optional`` accepts ``None`` for either."""
+    whether each is valid; ``optional`` accepts ``None`` for either; ``names`` are the two arguments' names where
+    they are given (the backends' ``chunk_elems``)."""
     return [
         problems.integer(
-            "chunk_size",
+            names[0],
             chunk_size,
             low=ELEM_ALIGN,
             multiple=ELEM_ALIGN,
@@ -282,7 +290,7 @@ def check_pool_shape(problems: Problems, chunk_size: Any, buffer_count: Any, *, 
             optional=optional,
         ),
         problems.integer(
-            "buffer_count", buffer_count, low=2, why="one buffer updating, one in I/O", example=16, optional=optional
+            names[1], buffer_count, low=2, why="one buffer updating, one in I/O", example=16, optional=optional
         ),
     ]
 

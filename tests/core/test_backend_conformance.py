@@ -637,6 +637,16 @@ def test_open_refuses_when_disk_too_small(tmp_path, make_backend) -> None:
     assert not (tmp_path / "dev0" / shard_file_name(0)).exists()
 
 
+def test_bad_arguments_are_listed_in_one_error_before_any_directory_is_claimed(tmp_path, make_backend) -> None:
+    dirs = _dirs(tmp_path, 2)
+    bad = {"buffer_count": 1, "device_timeout_s": float("nan"), "device_weights": [1.0, float("inf")]}
+    with pytest.raises(ValueError, match=r"got 3 invalid arguments") as refused:
+        make_backend(dirs, **bad)
+    for line in ("`buffer_count=1` is too small", "`device_timeout_s=nan`", "`device_weights[1]=inf` is not finite"):
+        assert line in str(refused.value)
+    assert not any(d.exists() for d in dirs)  # nothing was created or claimed
+
+
 def test_validate_storage_path(tmp_path) -> None:
     assert validate_storage_path(tmp_path) == tmp_path.resolve()
     missing = tmp_path / "missing"

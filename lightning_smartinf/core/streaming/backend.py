@@ -29,6 +29,7 @@ from lightning_smartinf.core.accelerator import (
     on_cuda,
     record_fence,
 )
+from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.backend import (
     BackendStats,
     DeviceStats,
@@ -65,6 +66,7 @@ from lightning_smartinf.core.placement import (
     measure_write_read,
 )
 from lightning_smartinf.core.rules import StepParams
+from lightning_smartinf.core.settings import check_pool_shape
 from lightning_smartinf.core.streaming.device import StreamingDevice
 from lightning_smartinf.core.streaming.pipeline import (
     PlanEntry,
@@ -145,25 +147,37 @@ class StreamingBackend(LatchingBackend):
         device_timeout_s: float | None = 300.0,
         placement: Placement | None = None,
         device_weights: Sequence[float] | None = None,
+        problems: Problems | None = None,
     ) -> None:
+        """``problems``: a subclass's findings about its own arguments, reported in the one error with these."""
         super().__init__(tentative_slots)  # a second state file per shard for tentative updates
+        problems = problems or Problems(type(self).__name__)
         if not device_dirs and self.needs_storage:
-            raise ValueError("`device_dirs` must name at least one directory (or give the state a memory tier).")
-        if buffer_count < 2:
-            raise ValueError(f"`buffer_count={buffer_count}` must be at least 2 (one updating, one in I/O).")
-        self.device_timeout_s = check_device_timeout(device_timeout_s)
-        ChunkLayout(1, chunk_elems, 0)  # validates chunk_elems
+            problems.add(
+                "`device_dirs` is empty: it must name at least one directory (or give the state a memory tier)."
+            )
+        check_pool_shape(problems, chunk_elems, buffer_count, names=("chunk_elems", "buffer_count"))
+        try:
+            self.device_timeout_s = check_device_timeout(device_timeout_s)
+        except ValueError as exc:
+            problems.add(str(exc))
+        if device_weights is not None:
+            weights = problems.within("device_weights")
+            if problems.instance("device_weights", device_weights, (list, tuple), "a list of relative speeds, or None"):
+                if len(device_weights) != len(device_dirs):
+                    problems.add(
+                        f"`device_weights` has {len(device_weights)} weight(s) for {len(device_dirs)} storage "
+                        "device(s): give one weight per storage path."
+                    )
+                for i, weight in enumerate(device_weights):
+                    weights.number(i, weight, low=0.0, above=True, example=1.0)
+        problems.raise_if_any()
         #: Elements per streamed chunk.
         self.chunk_elems = chunk_elems
         #: Chunk buffers per device.
         self.buffer_count = buffer_count
         self.prefetch_state = prefetch_state
         self.placement = placement
-        if device_weights is not None and len(device_weights) != len(device_dirs):
-            raise ValueError(
-                f"`device_weights` has {len(device_weights)} weight(s) for {len(device_dirs)} storage device(s); give "
-                "one weight per storage path."
-            )
         self.device_weights = None if device_weights is None else tuple(device_weights)
         # Weights this backend measured for its placement (re-planned by `replan`), and its rate counters then.
         self._measured_weights: tuple[float, ...] | None = None

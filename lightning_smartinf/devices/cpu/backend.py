@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.io.direct import IOEngine, ThreadedIO
 from lightning_smartinf.core.placement import Placement
 from lightning_smartinf.core.streaming.backend import StreamingBackend
@@ -48,8 +49,8 @@ class CpuBackend(StreamingBackend):
         placement: Placement | None = None,
         device_weights: Sequence[float] | None = None,
     ) -> None:
-        if io_threads < 1:
-            raise ValueError(f"`io_threads={io_threads}` must be at least 1 (chunk transfers in flight per device).")
+        problems = Problems(type(self).__name__)
+        problems.integer("io_threads", io_threads, low=1, why="chunk transfers in flight per device", example=3)
         #: Chunk transfers each device keeps in flight per direction.
         self.io_threads = io_threads
         self._io_factory = io_factory
@@ -63,6 +64,7 @@ class CpuBackend(StreamingBackend):
             device_timeout_s=device_timeout_s,
             placement=placement,
             device_weights=device_weights,
+            problems=problems,
         )
 
     def make_device(self, index: int, directory: Path) -> HostCoreDevice:
