@@ -22,6 +22,7 @@ from benchmarks.validate_planner import (
 )
 from lightning_smartinf.plan import (
     PlanError,
+    Profile,
     Workload,
     iteration,
     load_profile,
@@ -258,13 +259,53 @@ def test_cli_hf_config_and_json(tmp_path, capsys):
         (["--model", "7B", "--profile", "nope"], "unknown"),
         (["--model", "lots"], "neither a size"),
         (["--model", "missing/config.json"], "no such file"),
-        (["--model", "7B", "--devices", "0"], "at least 1"),
+        (["--model", "7B", "--devices", "0"], "`--devices=0` is too small: it must be an int >= 1 and <= 1024"),
         (["--model", "7B", "--compression", "2"], "(0, 1]"),
+        # Planned for seq 1024 (`seq or 1024`), where a config.json refused it.
+        (["--model", "7B", "--seq", "0"], "`--seq=0` is too small: it must be an int >= 1 (tokens per sequence"),
+        # Named the Workload's field, `batch=0`, not the flag.
+        (["--model", "7B", "--batch", "0"], "`--batch=0` is too small: it must be an int >= 1 (sequences per micro"),
+        # Compared every count up to it: 100000 took two minutes.
+        (["--model", "7B", "--devices", "1025"], "`--devices=1025` is too large: it must be an int >= 1 and <= 1024"),
     ],
 )
 def test_cli_errors(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_every_bad_number_is_refused_by_its_flag_at_once(capsys):
+    argv = ["--model", "7B", "--batch", "0", "--seq", "-1", "--accumulate", "0", "--devices", "2"]
+    assert main([*argv, "--device-weights", "1", "nan"]) == 2
+    err = capsys.readouterr().err
+    assert "`smartinf plan` got 4 invalid arguments:" in err
+    for flag in ("--batch=0", "--seq=-1", "--accumulate=0", "--device-weights 1 nan"):
+        assert f"- `{flag}`" in err, flag
+    assert "Workload" not in err
+
+
+def test_the_library_refuses_what_the_cli_does():
+    with pytest.raises(PlanError, match=r"`seq=0` is out of range: it must be a finite number > 0"):
+        workload_from_model("7B", seq=0)
+    assert workload_from_model("7B").seq == 1024
+    work, prof = workload_from_model("7B"), load_profile("paper-a5000")
+    with pytest.raises(PlanError, match=r"`--devices 1025` is more than the 1024 the planner compares"):
+        make_plan(work, prof, devices=1025)
+    assert make_plan(work, prof, devices=1024).devices == 1024
+    with pytest.raises(PlanError, match=r"`max_devices=100000` is too large: it must be an int >= 1 and <= 1024"):
+        Profile.from_dict({**prof.to_dict(), "max_devices": 100_000})
+
+
+def test_calibrate_refuses_less_than_a_mebibyte_before_measuring(tmp_path, capsys):
+    """`-1` failed in ftruncate (`OSError: [Errno 22]`) and `0` would have measured everything, then divided by it."""
+    from lightning_smartinf.plan.calibrate import calibrate
+
+    for megabytes in ("-1", "0"):
+        assert main(["--calibrate", str(tmp_path), "--calibrate-mb", megabytes]) == 2
+        assert f"`--calibrate-mb={megabytes}` is too small: it must be an int >= 1" in capsys.readouterr().err
+    with pytest.raises(PlanError, match=r"`--calibrate-mb 0` must be an int >= 1"):
+        calibrate([tmp_path], megabytes=0)
+    assert not list(tmp_path.iterdir())
 
 
 def test_calibrate_writes_a_usable_profile(tmp_path, capsys):

@@ -183,6 +183,22 @@ def test_a_bad_machine_profile_is_refused_with_every_problem(tmp_path, capsys):
     assert "has 2 storage path(s). Pass 1 to 2" in capsys.readouterr().err
 
 
+def test_device_weights_are_finite_numbers_above_0(capsys):
+    """NaN planned `nan` everywhere and put `device_weights=[1.0, nan]` in the snippet (exit 0); a sum of 0 divided by
+    zero."""
+    for weights, said in (
+        (["1", "nan"], "nan is not a finite number > 0"),
+        (["1", "-1"], "-1 is not a finite number > 0"),
+        (["0", "inf"], "0, inf are not finite numbers > 0"),
+    ):
+        assert main(["--model", "7B", "--profile", EXAMPLE, "--device-weights", *weights]) == 2
+        captured = capsys.readouterr()
+        assert f"`--device-weights {' '.join(weights)}`: {said}." in captured.err
+        assert not captured.out  # no plan
+    with pytest.raises(PlanError, match=r"`--device-weights 1 -1`: each weight must be a finite number > 0"):
+        plan_machine(workload_from_model("7B"), example(), devices=2, device_weights=[1.0, -1.0])
+
+
 def test_zero_infinitys_update_runs_at_its_own_rate_and_ours_at_the_memory_tiers():
     """DeepSpeed's CPU-Adam, not this project's rule code, updates ZeRO-Infinity's state: a profile that measured both
     predicts each side's step from its own rate (the comparison was ZeRO-Infinity's at the memory tier's rate)."""
@@ -228,7 +244,7 @@ def test_accumulation_counts_every_micro_batch_and_credits_overlap_to_the_last(c
     assert "16 micro-batches a step" in sixteen["reasons"]["gradient_buffer"]
     assert sixteen["placement"]["backward_s"] < one["placement"]["backward_s"]
     assert main(["--model", "8B", "--profile", EXAMPLE, "--accumulate", "0"]) == 2
-    assert "`accumulate=0` is out of range: it must be a finite number >= 1" in capsys.readouterr().err
+    assert "`--accumulate=0` is too small: it must be an int >= 1" in capsys.readouterr().err
 
 
 def test_the_link_carries_each_micro_batch_once_and_the_sums_where_host_memory_keeps_them():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import replace
 
@@ -208,10 +209,22 @@ def test_weights_share_the_devices_in_proportion() -> None:
     work, prof = workload_from_model("336M"), load_profile("devvm-2cpu")
     placed = place_state(work, replace(prof, device_storage_ceiling_gbps=None), 2, 0, weights=[3, 1])
     assert placed.device_bytes[0] == pytest.approx(3 * placed.device_bytes[1])
-    with pytest.raises(PlanError, match="needs 2 positive numbers"):
+    with pytest.raises(PlanError, match="needs 2 finite numbers > 0"):
         place_state(work, prof, 2, 0, weights=[1])
     with pytest.raises(PlanError, match="must be >= 0"):
         place_state(work, prof, 2, -1)
+
+
+def test_weights_are_finite_numbers_above_0(capsys) -> None:
+    """NaN passed `w <= 0` and placed NaN bytes; inf left the other devices a rate of 0 (`ZeroDivisionError`)."""
+    work, prof = workload_from_model("336M"), load_profile("devvm-2cpu")
+    for bad in (math.nan, math.inf, 0.0, -1.0):
+        with pytest.raises(PlanError, match=r"needs 2 finite numbers > 0 \(one per device\)"):
+            place_state(work, prof, 2, 0, weights=[1.0, bad])
+    assert main(["--model", "7B", "--devices", "2", "--device-weights", "1", "inf"]) == 2
+    err = capsys.readouterr().err
+    assert "`--device-weights 1 inf`: inf is not a finite number > 0." in err
+    assert "Pass finite numbers > 0, e.g. `--device-weights 1 1`." in err
 
 
 def test_cli_shows_the_placement_and_puts_the_budget_in_the_strategy(capsys) -> None:

@@ -5,13 +5,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.state_formats import FORMATS
-from lightning_smartinf.plan.cost_model import PlanError, Profile, Workload, profile_names, workload_from_model
+from lightning_smartinf.plan.cost_model import (
+    MAX_DEVICES,
+    PlanError,
+    Profile,
+    Workload,
+    profile_names,
+    workload_from_model,
+)
 from lightning_smartinf.plan.machine import Machine, load_any
 from lightning_smartinf.plan.machine_plan import format_machine_plan, machine_json, plan_machine
 from lightning_smartinf.plan.planner import (
@@ -160,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | dict[str, Any] | None:
     """Calibrate and/or plan as ``args`` ask: the text or JSON object to print (``None``: nothing)."""
+    _check_numbers(args)
     measured: Profile | Machine | None = None
     calibrated: dict[str, Any] | None = None
     if args.calibrate:
@@ -282,10 +292,38 @@ def _testbed_plan(work: Workload, prof: Profile, args: argparse.Namespace) -> st
     return out
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Refuse every bad number among ``args`` at once, by its flag, before any measurement or plan (the planner's
+    own checks name the fields of :class:`Workload`, ``batch=0``, not the flags)."""
+    problems = Problems("smartinf plan", PlanError)
+    problems.integer("--batch", args.batch, low=1, why="sequences per micro-batch")
+    if args.seq is not None:  # None: the config's context, or 1024
+        problems.integer("--seq", args.seq, low=1, why="tokens per sequence; leave it out for the model's context")
+    problems.integer("--accumulate", args.accumulate, low=1, why="micro-batches per optimizer step")
+    if args.devices is not None:  # None: the planner's recommendation
+        why = (
+            f"{MAX_DEVICES} is more storage devices or servers than a trainer attaches, and the planner compares "
+            "every count from 1 up to the one asked; leave it out for the recommended number"
+        )
+        problems.integer("--devices", args.devices, low=1, high=MAX_DEVICES, why=why, example=10)
+    problems.integer("--calibrate-mb", args.calibrate_mb, low=1, why="MiB of test data per file", example=384)
+    weights = args.device_weights or []
+    # Each device's share of the state is its weight over their sum: NaN, inf, 0 or < 0 gives no plan.
+    wrong = [w for w in weights if not 0 < w < math.inf]
+    if wrong:
+        given = " ".join(f"{w:g}" for w in weights)
+        fixed = " ".join(f"{w:g}" if 0 < w < math.inf else "1" for w in weights)
+        what = "is not a finite number" if len(wrong) == 1 else "are not finite numbers"
+        problems.add(
+            f"`--device-weights {given}`: {', '.join(f'{w:g}' for w in wrong)} {what} > 0. Each weight is a device's "
+            "speed relative to the others' (`2 1`: the first twice as fast as the second). Pass finite numbers > 0, "
+            f"e.g. `--device-weights {fixed}`."
+        )
+    problems.raise_if_any()
+
+
 def _budget(text: str, flag: str = "--memory-budget") -> int:
     """``flag``'s value in bytes (``"8GiB"``, ``"500MB"``, ``"1073741824"``)."""
-    from lightning_smartinf.core.arguments import Problems
-
     problems = Problems("smartinf plan", PlanError)
     budget = problems.size(flag, text)
     problems.raise_if_any()

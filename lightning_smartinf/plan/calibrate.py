@@ -553,6 +553,8 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
     import torch
 
     roots = [Path(os.path.abspath(p)) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+    if isinstance(megabytes, bool) or not isinstance(megabytes, int) or megabytes < 1:  # the space below needs it
+        raise PlanError(f"`--calibrate-mb {megabytes!r}` must be an int >= 1 (MiB of test data per file), e.g. 384.")
     problems = []
     for index, root in enumerate(roots):
         need = 3 * megabytes * MiB + (12 * STEP_ELEMENTS if index == 0 else 0)  # the steps run on the first path

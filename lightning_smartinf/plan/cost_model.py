@@ -56,6 +56,10 @@ UPDATE_COST_BY_PRECISION = {"fp32": 1.0, "bf16": 0.51, "int8": 0.99}
 REMOTE_CALLS_IN_FLIGHT = 4
 
 METHODS = ("zero_infinity", "su", "su_o", "su_o_c")
+#: The most devices a plan is made for (``--devices``, a profile's ``max_devices``): more storage devices or servers
+#: than one trainer attaches, and the planner compares every count from 1 up to the one asked (in time that grows
+#: with its square: 1024 takes 0.03 s, 100000 two minutes).
+MAX_DEVICES = 1024
 
 
 def state_bytes_per_param(state_precision: str = "fp32", *, split_masters: bool = False) -> float:
@@ -252,6 +256,8 @@ class Profile:
         # The fields left out keep their defaults, all valid: only the values given are checked.
         check_rates(problems, clean)
         problems.integer("cpu_cores", clean.get("cpu_cores"), low=1, optional=True)
+        why = "the devices the planner compares, every count from 1 up"
+        problems.integer("max_devices", clean.get("max_devices", 10), low=1, high=MAX_DEVICES, why=why, example=10)
         problems.number(
             "baseline_storage_scale",
             clean.get("baseline_storage_scale", 1.0),
@@ -707,7 +713,9 @@ def workload_from_model(model: str, batch: int = 4, seq: int | None = None, accu
         return Workload(params, batch=batch, seq=seq, name=name, accumulate=accumulate)
     if model.endswith(".json") or "/" in model:
         raise PlanError(f"`--model {model}`: no such file. Pass a Hugging Face config.json or a size like 7B.")
-    return Workload(parse_size(model), batch=batch, seq=seq or 1024, name=model, accumulate=accumulate)
+    # `seq=0` is the Workload's to refuse, as with a config: only `None` means "not given".
+    seq = 1024 if seq is None else seq
+    return Workload(parse_size(model), batch=batch, seq=seq, name=model, accumulate=accumulate)
 
 
 # ---------------------------------------------------------------------------------------------------------------

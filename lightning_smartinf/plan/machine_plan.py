@@ -209,6 +209,12 @@ def plan_machine(
         raise PlanError(f"`--compression {compression}` must be in (0, 1]: the fraction of gradient elements kept.")
     if keep_checkpoints < 0:
         raise PlanError(f"`--keep-checkpoints {keep_checkpoints}` must be >= 0 (0: none on these disks).")
+    # The devices' shares are the weights over their sum: finite and > 0 each, or the sum is 0, inf or NaN.
+    if device_weights is not None and not all(0 < w < math.inf for w in device_weights):
+        raise PlanError(
+            f"`--device-weights {' '.join(f'{w:g}' for w in device_weights)}`: each weight must be a finite number "
+            "> 0 (a device's speed relative to the others')."
+        )
     if accelerator_budget and machine.gpu is None:
         raise PlanError(
             f"`--accelerator-budget` keeps state in GPU memory, but profile {machine.name!r} has no GPU (`gpu: null`). "

@@ -9,6 +9,7 @@ from typing import Any
 
 from lightning_smartinf.core.state_formats import FORMATS
 from lightning_smartinf.plan.cost_model import (
+    MAX_DEVICES,
     METHODS,
     Breakdown,
     PlanError,
@@ -98,9 +99,15 @@ def make_plan(
 ) -> Plan:
     if devices is not None and devices < 1:
         raise PlanError(f"`--devices {devices}` must be at least 1.")
+    if devices is not None and devices > MAX_DEVICES:
+        raise PlanError(
+            f"`--devices {devices}` is more than the {MAX_DEVICES} the planner compares (every count from 1 up to it). "
+            f"Pass {MAX_DEVICES} or fewer, or leave it out for the recommended number."
+        )
     ratio = 0.01 if compression is None else compression
     if not 0 < ratio <= 1:
         raise PlanError(f"`--compression {ratio}` must be in (0, 1]: the fraction of gradient elements kept.")
+    # Every count from 1 to `top` (<= MAX_DEVICES) is compared: the recommendation is the best of them.
     top = max(prof.max_devices, devices or 1)
     times = {n: _best_method(work, prof, n, ratio, choose_sub_group(work, prof, n)) for n in range(1, top + 1)}
     best = min(times.values())

@@ -124,8 +124,9 @@ def place_state(
             "(`gpu_link_gbps`). Choose a profile with one, or drop the budget."
         )
     weights = tuple(weights) if weights is not None else (1.0,) * devices
-    if len(weights) != devices or any(w <= 0 for w in weights):
-        raise PlanError(f"`--device-weights` needs {devices} positive numbers (one per device), got {list(weights)}.")
+    # `0 < w < inf` refuses NaN too: every rate below is a finite share of the fastest device's.
+    if len(weights) != devices or not all(0 < w < math.inf for w in weights):
+        raise PlanError(f"`--device-weights` needs {devices} finite numbers > 0 (one per device), got {list(weights)}.")
     per_param = work.state_bytes
     total = per_param * work.params
     accelerator = min(accelerator_budget, total)
