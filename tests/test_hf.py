@@ -405,6 +405,20 @@ def test_export_pretrained_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         export_main([str(tmp_path), str(tmp_path)])
     assert f"is a directory: name the file, e.g. {str(tmp_path / 'model.safetensors')!r}" in capsys.readouterr().err
+    # So is a `--save-pretrained` directory that cannot be made: it failed once the weights were read (and the output
+    # file, if any, written).
+    (tmp_path / "file").write_text("")
+    for path, said in (
+        ("file", "is a file: it must be a directory"),
+        ("file/hf", f"cannot be created: {str(tmp_path / 'file')!r} is a file"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            export_main([str(tmp_path), "--save-pretrained", str(tmp_path / path)])
+        assert exited.value.code == 2
+        assert f"`--save-pretrained {tmp_path / path}` {said}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        export_main([str(tmp_path), str(tmp_path / "out"), "--save-pretrained", str(tmp_path / "out")])
+    assert "is at or under the output file" in capsys.readouterr().err
 
 
 def test_model_sized_callbacks_see_the_model_configure_model_builds(tmp_path, gpt2_dir) -> None:

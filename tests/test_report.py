@@ -116,6 +116,26 @@ def test_directory_without_metrics_is_a_clear_error(tmp_path, capsys):
     assert "missing does not exist" in capsys.readouterr().err
 
 
+def test_an_output_that_cannot_be_written_is_refused_before_the_logs_are_read(tmp_path, capsys):
+    """A directory failed in PIL (`IsADirectoryError`), a path under a file in `mkdir` (`FileExistsError`), both after
+    the logs were read; a missing folder is still created."""
+    (tmp_path / "file").write_text("")
+    unread = str(tmp_path / "no-logs")  # would be "does not exist", but the output is refused first
+    with pytest.raises(SystemExit) as exited:
+        main(["report", unread, "-o", str(tmp_path)])
+    assert exited.value.code == 2
+    expected = f"the output {str(tmp_path)!r} is a directory: name the PNG file, e.g. `-o {tmp_path / 'report.png'}`"
+    assert expected in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["report", unread, "-o", str(tmp_path / "file" / "report.png")])
+    assert exited.value.code == 2
+    assert f"cannot be written: {str(tmp_path / 'file')!r} is a file, not a folder" in capsys.readouterr().err
+    log_dir = write_log("csv", tmp_path / "logs", monitor_rows())
+    out = tmp_path / "new" / "deeper" / "report.png"
+    assert main(["report", log_dir, "-o", str(out)]) == 0
+    assert out.read_bytes().startswith(PNG_SIGNATURE)
+
+
 def test_log_without_plottable_metrics_names_what_it_has(tmp_path):
     write_log("csv", tmp_path, [(0, {"lr": 0.1})])
     with pytest.raises(ReportError, match=r"has no loss, `smartinf/tokens_per_s` or `smartinf/\*` traffic metrics"):

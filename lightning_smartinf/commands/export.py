@@ -383,6 +383,26 @@ def main(argv: list[str] | None = None) -> int:
             )
         if not out.parent.is_dir():
             parser.error(f"the output's folder {str(out.parent)!r} does not exist: create it, or write elsewhere")
+    if args.save_pretrained is not None:  # a directory, created with its missing folders once the weights are read
+        pretrained = Path(args.save_pretrained)
+        # The nearest existing path at or above it is where the rest is created: a folder (`.` or `/` at worst).
+        existing = next(path for path in (pretrained, *pretrained.parents) if path.exists())
+        if existing == pretrained and not existing.is_dir():
+            parser.error(
+                f"`--save-pretrained {args.save_pretrained}` is a file: it must be a directory (created if missing; "
+                "the files in it are overwritten). Name a new or existing directory."
+            )
+        if not existing.is_dir():
+            parser.error(
+                f"`--save-pretrained {args.save_pretrained}` cannot be created: {str(existing)!r} is a file, not a "
+                "folder. Name a directory elsewhere."
+            )
+        resolved = pretrained.resolve()
+        if args.output is not None and Path(args.output).resolve() in (resolved, *resolved.parents):
+            parser.error(
+                f"`--save-pretrained {args.save_pretrained}` is at or under the output file {args.output!r}, which "
+                "is written first: name different places."
+            )
     try:
         remote = _remote_masters(
             args.remote_devices, args.remote_token_file, args.remote_tls_dir, args.remote_allow_plaintext

@@ -216,6 +216,20 @@ def plot(metrics: Metrics, output: str | Path) -> Path:
     return output
 
 
+def _check_output(parser: argparse.ArgumentParser, output: Path) -> None:
+    """Refuse (``parser.error``, exit 2) a PNG ``output`` that cannot be written, before the logs are read: a
+    directory, or a path under a file. A missing folder is fine: :func:`plot` creates it."""
+    if output.is_dir():
+        parser.error(f"the output {str(output)!r} is a directory: name the PNG file, e.g. `-o {output / 'report.png'}`")
+    # The nearest existing folder above it is where `plot` creates the rest (`.` or `/` at worst, both existing).
+    existing = next(folder for folder in output.parents if folder.exists())
+    if not existing.is_dir():
+        parser.error(
+            f"the output {str(output)!r} cannot be written: {str(existing)!r} is a file, not a folder. Write the PNG "
+            "elsewhere with `-o`."
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="smartinf report",
@@ -226,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     log_dir = Path(args.log_dir)
     output = Path(args.output) if args.output else (log_dir if log_dir.is_dir() else log_dir.parent) / "report.png"
+    if args.output or log_dir.exists():  # (a missing log directory is named by `read_metrics`, not its default PNG)
+        _check_output(parser, output)
     try:
         metrics = read_metrics(log_dir)
         plot(metrics, output)
