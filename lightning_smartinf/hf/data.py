@@ -296,8 +296,22 @@ def _check_field(problems: Problems, key: str, value: Any) -> bool:
     """``value`` names a field (a JSON key or a CSV column): a non-empty str."""
     if isinstance(value, str) and value:
         return True
-    problems.add(f"`{key}={show(value)}` is not a field name: it must be a non-empty str. Pass e.g. `{key}='text'`.")
+    example = key.removesuffix("_field")  # each field argument's default: text_field="text", prompt_field="prompt"
+    problems.add(
+        f"`{key}={show(value)}` is not a field name: it must be a non-empty str. Pass e.g. `{key}={example!r}`."
+    )
     return False
+
+
+def _check_two_fields(problems: Problems, first: tuple[str, Any], second: tuple[str, Any], noun: str) -> None:
+    """Two ``(argument, value)`` pairs that each name a field (a ``noun``: JSON field or CSV column), not the same."""
+    both = [_check_field(problems, *first), _check_field(problems, *second)]  # a list: each is checked
+    if all(both) and first[1] == second[1]:
+        (a, value_a), (b, value_b) = first, second
+        problems.add(
+            f"`{a}={value_a!r}` and `{b}={value_b!r}` name the same {noun}. Give the {noun} of the "
+            f"{a.removesuffix('_field')} and the {noun} of the {b.removesuffix('_field')}."
+        )
 
 
 class _FileData(L.LightningDataModule, Generic[D], metaclass=ABCMeta):
@@ -719,15 +733,7 @@ class SFTDataModule(_TokenCachedData[_Examples]):
         cache_dir: str | None = None,
     ) -> None:
         problems = Problems("SFTDataModule")
-        named = [
-            _check_field(problems, key, value)
-            for key, value in [("prompt_field", prompt_field), ("response_field", response_field)]
-        ]
-        if all(named) and prompt_field == response_field:
-            problems.add(
-                f"`prompt_field={prompt_field!r}` and `response_field={response_field!r}` name the same field. Give "
-                "the field of the prompt and the field of the response."
-            )
+        _check_two_fields(problems, ("prompt_field", prompt_field), ("response_field", response_field), "field")
         problems.flag("shuffle", shuffle)
         problems.path("cache_dir", cache_dir, optional=True)
         super().__init__(
@@ -828,15 +834,7 @@ class ClassificationDataModule(_FileData[list[dict[str, Any]]]):
         num_workers: int = 0,
     ) -> None:
         problems = Problems("ClassificationDataModule")
-        named = [
-            _check_field(problems, key, value)
-            for key, value in [("text_field", text_field), ("label_field", label_field)]
-        ]
-        if all(named) and text_field == label_field:
-            problems.add(
-                f"`text_field={text_field!r}` and `label_field={label_field!r}` name the same column. Give the column "
-                "of the text and the column of the label."
-            )
+        _check_two_fields(problems, ("text_field", text_field), ("label_field", label_field), "column")
         names = isinstance(labels, (list, tuple)) and all(isinstance(label, str) and label for label in labels)
         if labels is not None and not (names and len(labels) >= 2 and len(set(labels)) == len(labels)):
             problems.add(
