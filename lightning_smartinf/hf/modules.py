@@ -60,42 +60,11 @@ class _HFModule(L.LightningModule):
         min_lr_ratio: float,
         gradient_checkpointing: bool,
         revision: str | None = None,
-    ) -> None:
-        super().__init__()
-        # A Hub id becomes its snapshot's directory in the Hub's cache here, once: every later read is local.
-        self.model_path = str(check_model_dir(model_path, revision=revision)) if model_path is not None else None
-        self.hf_config = self._load_config(self.model_path, dict(config or {}))
-        self.tokenizer_path = tokenizer_path
-        self._tokenizer_dir = self._tokenizer_files()
-        self.tokenizer = load_tokenizer(
-            self._tokenizer_dir, argument="tokenizer_path" if tokenizer_path else "model_path"
-        )
-        self.optimizer_name, self.lr, self.weight_decay = optimizer, lr, weight_decay
-        self.betas, self.momentum = (float(betas[0]), float(betas[1])), momentum
-        self.warmup_steps, self.scheduler_name, self.min_lr_ratio = warmup_steps, scheduler, min_lr_ratio
-        self.gradient_checkpointing = gradient_checkpointing
-        self.model: PreTrainedModel | None = None
-        self._tokens_seen: Tensor | int = 0
-        # Kept out of the module tree so DeepSpeed never casts their states to the training dtype.
-        self._metrics: dict[str, Any] = {}
-
-    @staticmethod
-    def check_training(
-        problems: Problems,
         *,
-        config: Any,
-        optimizer: Any,
-        lr: Any,
-        weight_decay: Any,
-        betas: Any,
-        momentum: Any,
-        warmup_steps: Any,
-        scheduler: Any,
-        min_lr_ratio: Any,
-        gradient_checkpointing: Any,
+        problems: Problems,
     ) -> None:
-        """The arguments every task module takes: a problem for each wrong one (the task modules check them, with
-        their own, before anything is loaded or trained)."""
+        """``problems``: the task module's findings about its own arguments, reported in one error with these."""
+        super().__init__()
         if config is not None:
             problems.instance("config", config, dict, "a dict of config fields (e.g. GPT2Config's), or None")
         problems.choice("optimizer", optimizer, OPTIMIZERS)
@@ -112,6 +81,23 @@ class _HFModule(L.LightningModule):
         problems.choice("scheduler", scheduler, SCHEDULERS)
         problems.number("min_lr_ratio", min_lr_ratio, low=0.0, high=1.0, example=0.1)
         problems.flag("gradient_checkpointing", gradient_checkpointing)
+        problems.raise_if_any()  # before anything is looked at, loaded or trained
+        # A Hub id becomes its snapshot's directory in the Hub's cache here, once: every later read is local.
+        self.model_path = str(check_model_dir(model_path, revision=revision)) if model_path is not None else None
+        self.hf_config = self._load_config(self.model_path, dict(config or {}))
+        self.tokenizer_path = tokenizer_path
+        self._tokenizer_dir = self._tokenizer_files()
+        self.tokenizer = load_tokenizer(
+            self._tokenizer_dir, argument="tokenizer_path" if tokenizer_path else "model_path"
+        )
+        self.optimizer_name, self.lr, self.weight_decay = optimizer, lr, weight_decay
+        self.betas, self.momentum = (float(betas[0]), float(betas[1])), momentum
+        self.warmup_steps, self.scheduler_name, self.min_lr_ratio = warmup_steps, scheduler, min_lr_ratio
+        self.gradient_checkpointing = gradient_checkpointing
+        self.model: PreTrainedModel | None = None
+        self._tokens_seen: Tensor | int = 0
+        # Kept out of the module tree so DeepSpeed never casts their states to the training dtype.
+        self._metrics: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------ loading
 
@@ -321,11 +307,6 @@ class HFCausalLM(_HFModule):
         revision: str | None = None,
     ) -> None:
         problems = Problems("HFCausalLM")
-        self.check_training(
-            problems, config=config, optimizer=optimizer, lr=lr, weight_decay=weight_decay, betas=betas,
-            momentum=momentum, warmup_steps=warmup_steps, scheduler=scheduler, min_lr_ratio=min_lr_ratio,
-            gradient_checkpointing=gradient_checkpointing,
-        )  # fmt: skip
         files = tokenizer_train_files
         if files is not None and not (isinstance(files, (list, tuple)) and all(_is_path(f) for f in files)):
             problems.add(
@@ -333,13 +314,11 @@ class HFCausalLM(_HFModule):
                 "files to train the tokenizer on, or None. Pass e.g. `tokenizer_train_files=['train.txt']`."
             )
         problems.integer("tokenizer_vocab_size", tokenizer_vocab_size, low=MIN_VOCAB_SIZE, example=8192)
-        problems.raise_if_any()
-        if tokenizer_path is not None and tokenizer_train_files and not Path(tokenizer_path).is_dir():
-            train_bpe_tokenizer(tokenizer_train_files, tokenizer_path, vocab_size=tokenizer_vocab_size)
+        self._tokenizer_training = (tokenizer_train_files, tokenizer_vocab_size)  # for `_tokenizer_files`
         self._scratch_fields = dict(config or {}) if model_path is None else None
         super().__init__(
             model_path, config, tokenizer_path, optimizer, lr, weight_decay, betas, momentum, warmup_steps,
-            scheduler, min_lr_ratio, gradient_checkpointing, revision,
+            scheduler, min_lr_ratio, gradient_checkpointing, revision, problems=problems,
         )  # fmt: skip
         self.save_hyperparameters()
         if model_path is None:
@@ -356,6 +335,13 @@ class HFCausalLM(_HFModule):
                 f"`HFCausalLM`: the tokenizer has {len(self.tokenizer)} tokens but the model's `vocab_size` is "
                 f"{self.hf_config.vocab_size}. Use the model's own tokenizer, or a larger `config.vocab_size`."
             )
+
+    def _tokenizer_files(self) -> Path:
+        """Train the tokenizer into ``tokenizer_path`` first where ``tokenizer_train_files`` ask and it is not there."""
+        files, vocab_size = self._tokenizer_training
+        if self.tokenizer_path is not None and files and not Path(self.tokenizer_path).is_dir():
+            train_bpe_tokenizer(files, self.tokenizer_path, vocab_size=vocab_size)
+        return super()._tokenizer_files()
 
     @staticmethod
     def _labels(batch: dict[str, Tensor]) -> Tensor:
@@ -426,16 +412,10 @@ class HFSequenceClassifier(_HFModule):
         revision: str | None = None,
     ) -> None:
         problems = Problems("HFSequenceClassifier")
-        self.check_training(
-            problems, config=config, optimizer=optimizer, lr=lr, weight_decay=weight_decay, betas=betas,
-            momentum=momentum, warmup_steps=warmup_steps, scheduler=scheduler, min_lr_ratio=min_lr_ratio,
-            gradient_checkpointing=gradient_checkpointing,
-        )  # fmt: skip
         problems.integer("num_labels", num_labels, low=2, example=2, optional=True)
-        problems.raise_if_any()
         super().__init__(
             model_path, config, tokenizer_path, optimizer, lr, weight_decay, betas, momentum, warmup_steps,
-            scheduler, min_lr_ratio, gradient_checkpointing, revision,
+            scheduler, min_lr_ratio, gradient_checkpointing, revision, problems=problems,
         )  # fmt: skip
         self.save_hyperparameters()
         self.num_labels = num_labels
