@@ -222,6 +222,14 @@ class StreamingDevice(ABC):
             self.allocated_bytes += chunk.numel() * chunk.element_size()
         return chunk[:n]
 
+    def store_link(self, dst: Tensor, src: Tensor, link_dtype: torch.dtype) -> None:
+        """``dst`` (host memory) filled with ``src`` as it arrives after crossing the link in ``link_dtype``."""
+        src = self.copies.to_host(src)
+        if src.dtype == link_dtype or dst.dtype == link_dtype:
+            dst.copy_(src)  # one rounding (or none): copy_ rounds to nearest even like .to()
+        else:
+            dst.copy_(self.link_chunk(src.numel(), link_dtype).copy_(src))  # round to the link, then widen (exact)
+
     # ------------------------------------------------------------------------------------------ host side
 
     def enqueue(self, request: Request) -> Handle:
@@ -720,15 +728,10 @@ class HostCoreDevice(StreamingDevice):
     def load_gradient(self, g: Tensor, grad: Tensor | SparseGrad, start: int, link_dtype: torch.dtype) -> None:
         """Fill ``g`` (fp32, on the host) with elements ``[start, start + len(g))`` of ``grad`` as they cross the link:
         rounded to ``link_dtype``, and scattered (decompressed) for a top-k gradient."""
-        n = g.numel()
         if isinstance(grad, SparseGrad):
             grad.scatter_chunk(g, start, via=link_dtype)  # decompression, inside the transfer pipeline
-            return
-        chunk = self.copies.to_host(grad[start : start + n])
-        if link_dtype != grad.dtype:
-            g.copy_(self.link_chunk(n, link_dtype).copy_(chunk))
         else:
-            g.copy_(chunk)
+            self.store_link(g, grad[start : start + g.numel()], link_dtype)
 
     def close(self, timeout: float | None = None) -> bool:
         settled = super().close(timeout)

@@ -295,14 +295,14 @@ class XrtDevice(StreamingDevice):
             k = hi - lo
             # Indices rebased to the chunk, still strictly ascending (the kernels' precondition).
             self._staging["idx"][1].view(torch.int32)[:k].copy_(grad.indices[lo:hi]).sub_(start)
-            self._store(grad_host.view(kind)[:k], grad.values[lo:hi], link_dtype)
+            self.store_link(grad_host.view(kind)[:k], grad.values[lo:hi], link_dtype)
             grad_args = [
                 self._to_device("idx", padded_elems(k, 4) * 4 if k else 0),
                 self._to_device("grad", padded_elems(k, itemsize) * itemsize if k else 0),
             ]
             counts = [u32_arg(n), u32_arg(k)]
         else:
-            self._store(grad_host.view(kind)[:n], grad[start : start + n], link_dtype)
+            self.store_link(grad_host.view(kind)[:n], grad[start : start + n], link_dtype)
             grad_args = [self._to_device("grad", padded_elems(n, itemsize) * itemsize)]
             counts = [u32_arg(n)]
         param_bo, param_host = self._staging["param"]
@@ -315,14 +315,6 @@ class XrtDevice(StreamingDevice):
             raise RuntimeError(f"Kernel {name} on device {self.index} ({self.bdf}) ended in state {state}.")
         param_bo.sync(sync.XCL_BO_SYNC_BO_FROM_DEVICE, padded_elems(n, itemsize) * itemsize, 0)
         self.copies.put(out[start : start + n], param_host.view(kind)[:n])
-
-    def _store(self, dst: Tensor, src: Tensor, link_dtype: torch.dtype) -> None:
-        """``src`` as it arrives after crossing the link in ``link_dtype``, in the kernel type of ``dst``."""
-        src = self.copies.to_host(src)
-        if src.dtype == link_dtype or dst.dtype == link_dtype:
-            dst.copy_(src)  # one rounding (or none): copy_ rounds to nearest even like .to()
-        else:
-            dst.copy_(self.link_chunk(src.numel(), link_dtype).copy_(src))  # round to the link, then widen (exact)
 
     def update_work(
         self, shard: Shard, grad: Tensor | SparseGrad, hp: StepParams, out: Tensor, link_dtype: torch.dtype
