@@ -102,6 +102,8 @@ def test_bad_remote_settings_are_named(tmp_path):
     with pytest.raises(Exception, match=r"`remote_devices=None`: `backend='remote'` needs a list"):
         SmartInfinityStrategy(backend="remote", remote_token_file=str(token))
     token.chmod(0o600)
+    with pytest.raises(Exception, match=r"`remote_devices` names 'h:1' more than once: each entry is one device"):
+        SmartInfinityStrategy(backend="remote", remote_devices=["h:1", "h:2", "h:1"], remote_token_file=str(token))
     with pytest.raises(Exception, match=r"`remote_allow_plaintext='yes'` is a str: it must be True or False\."):
         SmartInfinityStrategy(
             backend="remote", remote_devices=["h:1"], remote_token_file=str(token), remote_allow_plaintext="yes"

@@ -54,6 +54,11 @@ class RemoteKind(DeviceKind):
                 host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
                 if not host or not port.isdigit() or not 0 < int(port) < 65536:
                     problems.add(f"`remote_devices` entry {address!r} is not 'host:port' (e.g. 'storage1:50051').")
+            if repeated := sorted({a for a in devices if isinstance(a, str) and devices.count(a) > 1}):
+                problems.add(
+                    f"`remote_devices` names {', '.join(map(repr, repeated))} more than once: each entry is one device "
+                    "server, which would hold two shares of the state. Name each server once."
+                )
         if not isinstance(token_file, (str, os.PathLike)):
             problems.add(
                 f"`remote_token_file={token_file!r}`: `backend='remote'` needs the path of a file (mode 0600) holding "
