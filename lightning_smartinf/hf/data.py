@@ -55,6 +55,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voca
 END_OF_TEXT = "<|endoftext|>"
 #: The smallest vocabulary a byte-level BPE tokenizer has: the 256 bytes and :data:`END_OF_TEXT`, before any merge.
 MIN_VOCAB_SIZE = 257
+VOCAB_WHY = "the 256 bytes and <|endoftext|> come first, then the merges"
 TEXT_SUFFIXES = (".txt", ".jsonl")
 TABLE_SUFFIXES = (".csv", ".jsonl")
 #: A ``.txt`` file is read and tokenised in pieces of about this many characters (see :func:`_text_pieces`): a
@@ -120,7 +121,7 @@ def train_bpe_tokenizer(
     from transformers import PreTrainedTokenizerFast
 
     problems = Problems("train_bpe_tokenizer")
-    problems.integer("vocab_size", vocab_size, low=MIN_VOCAB_SIZE, example=8192)
+    problems.integer("vocab_size", vocab_size, low=MIN_VOCAB_SIZE, why=VOCAB_WHY, example=8192)
     problems.integer("min_frequency", min_frequency, low=1, example=2)
     problems.integer("model_max_length", model_max_length, low=1, example=1024)
     if isinstance(files, (str, os.PathLike)):

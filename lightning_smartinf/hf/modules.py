@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_smartinf.core.arguments import Problems, show
-from lightning_smartinf.hf.data import MIN_VOCAB_SIZE, load_tokenizer, train_bpe_tokenizer
+from lightning_smartinf.hf.data import MIN_VOCAB_SIZE, VOCAB_WHY, load_tokenizer, train_bpe_tokenizer
 from lightning_smartinf.hf.loading import attached_trainer, check_model_dir, from_pretrained, partitioned_build
 from lightning_smartinf.hf.sources import tokenizer_files
 
@@ -313,7 +313,7 @@ class HFCausalLM(_HFModule):
                 f"`tokenizer_train_files={show(files)}` is not a list of files: it must be a list of .txt or .jsonl "
                 "files to train the tokenizer on, or None. Pass e.g. `tokenizer_train_files=['train.txt']`."
             )
-        problems.integer("tokenizer_vocab_size", tokenizer_vocab_size, low=MIN_VOCAB_SIZE, example=8192)
+        problems.integer("tokenizer_vocab_size", tokenizer_vocab_size, low=MIN_VOCAB_SIZE, why=VOCAB_WHY, example=8192)
         self._tokenizer_training = (tokenizer_train_files, tokenizer_vocab_size)  # for `_tokenizer_files`
         self._scratch_fields = dict(config or {}) if model_path is None else None
         super().__init__(
