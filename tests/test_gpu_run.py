@@ -21,6 +21,7 @@ def _run_small_on_a_cpu(out: Path, parts: str) -> dict:
         [sys.executable, str(SCRIPT), "--out", str(out), "--device", "cpu", "--parts", parts],
         env=worker_env(), capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
+    assert (out / "record.json").is_file(), f"exit {done.returncode}, no record written:\n{done.stderr[-3000:]}"
     record = json.loads((out / "record.json").read_text())
     assert done.returncode == 0, json.dumps(record, indent=1)[-6000:] + done.stderr[-3000:]
     return record
