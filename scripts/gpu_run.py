@@ -50,6 +50,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -420,6 +421,8 @@ def main() -> None:
             result = run[name](args.out, args, deadline)
         except subprocess.TimeoutExpired:
             result = {"status": "timed out"}
+        except Exception:  # noqa: BLE001 - one part's failure is recorded, and the next parts still run
+            result = {"status": "failed", "stage": "in this script", "output": traceback.format_exc()[-4000:]}
         record["parts"][name] = {**result, "seconds": round(time.monotonic() - began, 1)}
         (args.out / "record.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
         print(f"{name}: {record['parts'][name]['status']} in {record['parts'][name]['seconds']:.0f} s", flush=True)
