@@ -44,6 +44,7 @@ from torch import Tensor
 from lightning_smartinf.core.format import checkpoint_folder
 from lightning_smartinf.core.format.masters import MastersReader, Weights, saved_masters
 from lightning_smartinf.core.format.rank_state import full_parameter
+from lightning_smartinf.core.io.storage import nearest_existing
 
 if TYPE_CHECKING:
     from lightning_smartinf.hf.weight_files import WrittenWeights
@@ -386,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_pretrained is not None:  # a directory, created with its missing folders once the weights are read
         pretrained = Path(args.save_pretrained)
         # The nearest existing path at or above it is where the rest is created: a folder (`.` or `/` at worst).
-        existing = next(path for path in (pretrained, *pretrained.parents) if path.exists())
+        existing = nearest_existing(pretrained)
         if existing == pretrained and not existing.is_dir():
             parser.error(
                 f"`--save-pretrained {args.save_pretrained}` is a file: it must be a directory (created if missing; "

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lightning_smartinf.core.io.storage import nearest_existing
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -222,7 +224,7 @@ def _check_output(parser: argparse.ArgumentParser, output: Path) -> None:
     if output.is_dir():
         parser.error(f"the output {str(output)!r} is a directory: name the PNG file, e.g. `-o {output / 'report.png'}`")
     # The nearest existing folder above it is where `plot` creates the rest (`.` or `/` at worst, both existing).
-    existing = next(folder for folder in output.parents if folder.exists())
+    existing = nearest_existing(output.parent)
     if not existing.is_dir():
         parser.error(
             f"the output {str(output)!r} cannot be written: {str(existing)!r} is a file, not a folder. Write the PNG "

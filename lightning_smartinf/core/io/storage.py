@@ -342,13 +342,17 @@ def disk_of(path: str | os.PathLike) -> Path | None:
     return block.parent if (block / "partition").exists() else block
 
 
+def nearest_existing(path: str | os.PathLike) -> Path:
+    """``path`` if it exists, else its nearest existing parent: where the rest of it would be created (``/``, or
+    ``.`` for a relative path, at worst). A parent this user may not look into counts as missing."""
+    path = Path(path)
+    return next((p for p in (path, *path.parents) if os.path.exists(p)), Path(path.anchor or "."))
+
+
 def free_bytes(path: str | os.PathLike) -> int | None:
     """Free bytes of the filesystem holding ``path`` (or its nearest existing parent); ``None`` when unknown."""
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
-        probe = os.path.dirname(probe)
     try:
-        return shutil.disk_usage(probe).free
+        return shutil.disk_usage(nearest_existing(os.path.abspath(path))).free
     except OSError:
         return None
 
