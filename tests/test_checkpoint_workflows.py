@@ -401,7 +401,7 @@ def test_a_checkpoint_moved_aside_by_an_interrupted_save_is_named(reference, tmp
     """Where `renameat2(RENAME_EXCHANGE)` is missing, a save renames the old checkpoint aside first; a kill right
     then leaves no checkpoint at the name, and loading says where the old one is."""
     root, _ = reference
-    aside = _copy(root, EVERY, tmp_path / ".last.ckpt.old-123-abcd")
+    aside = _copy(root, EVERY, tmp_path / ".last.ckpt.aside-123-abcd")
     with pytest.raises(CheckpointError, match=re.escape(str(aside)) + ".*Rename it back to 'last.ckpt'"):
         train(tmp_path / "resume", ckpt_path=tmp_path / "last.ckpt", every=None)
 

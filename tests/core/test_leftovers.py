@@ -8,15 +8,15 @@ import socket
 import pytest
 from helpers.leftovers import dead_pid, left_over
 
-from lightning_smartinf.core.io.leftovers import is_left_over, remove_leftovers, temporary_path
+from lightning_smartinf.core.io.leftovers import _start_ticks, is_left_over, remove_leftovers, temporary_path
 
 
 def test_a_temporary_is_a_hidden_sibling_naming_its_target_host_and_process(tmp_path):
     first, second = temporary_path(tmp_path / "ckpt"), temporary_path(tmp_path / "ckpt")
     assert first != second and first.parent == tmp_path and not first.exists()
-    assert first.name.startswith(f".ckpt.tmp-{socket.gethostname()}-{os.getpid()}-")
+    assert first.name.startswith(f".ckpt.tmp-{socket.gethostname()}-{os.getpid()}.{_start_ticks(os.getpid())}-")
     assert temporary_path(tmp_path / "ckpt", "old").name.startswith(".ckpt.old-")
-    with pytest.raises(ValueError, match=r"`purpose='scratch'` is not one of \('tmp', 'old', 'run'\)"):
+    with pytest.raises(ValueError, match=r"`purpose='scratch'` is not one of \('tmp', 'old', 'aside', 'run'\)"):
         temporary_path(tmp_path / "ckpt", "scratch")
 
 
@@ -27,6 +27,41 @@ def test_only_a_gone_process_of_this_host_leaves_leftovers(tmp_path):
     assert not is_left_over(left_over(tmp_path / "a", host="other-host.example").name)  # cannot tell: kept
     assert not is_left_over(".a.tmp-host-12-zz")  # not our scheme
     assert not is_left_over("a")
+
+
+def test_a_process_that_took_a_dead_ones_pid_does_not_keep_its_leftovers(tmp_path):
+    """A restarted container's entrypoint is pid 1 again: what its killed predecessor left is still a leftover, told
+    apart by the tick the process started at."""
+    mine = os.getpid()
+    assert not is_left_over(left_over(tmp_path / "a", pid=mine).name)  # this very process
+    predecessor = left_over(tmp_path / "a", pid=mine, start=_start_ticks(mine) - 1)
+    assert is_left_over(predecessor.name)
+    predecessor.mkdir()
+    assert remove_leftovers(tmp_path) == [predecessor]
+    # Names without the start tick (written by earlier versions) are told by the pid alone.
+    host = socket.gethostname()
+    assert not is_left_over(f".a.tmp-{host}-{mine}-0123abcd")
+    assert is_left_over(f".a.tmp-{host}-{dead_pid()}-0123abcd")
+
+
+def test_an_entry_set_aside_by_a_killed_replacement_is_put_back_where_its_name_is_empty(tmp_path):
+    """Without `renameat2(RENAME_EXCHANGE)` a replacement renames the old entry aside, then the new one in: killed in
+    between, the aside entry is the only copy of what stood at the name, and the next clean-up puts it back."""
+    dead = dead_pid()
+    only_copy = left_over(tmp_path / "last.ckpt", "aside", pid=dead)
+    only_copy.mkdir()
+    (only_copy / "state").write_text("step 4")
+    staged = left_over(tmp_path / "last.ckpt", pid=dead)  # the new one, never moved in
+    staged.mkdir()
+    replaced = left_over(tmp_path / "top.ckpt", "aside", pid=dead)  # its replacement did move in
+    replaced.mkdir()
+    (tmp_path / "top.ckpt").mkdir()
+    deleting = left_over(tmp_path / "old.ckpt", "old", pid=dead)  # being deleted (half gone): never put back
+    deleting.mkdir()
+
+    assert sorted(remove_leftovers(tmp_path)) == sorted([staged, replaced, deleting])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "top.ckpt"]
+    assert (tmp_path / "last.ckpt" / "state").read_text() == "step 4"
 
 
 def test_remove_leftovers_removes_what_dead_processes_left_and_nothing_else(tmp_path):
@@ -82,3 +117,79 @@ def test_a_tokenizer_trained_again_removes_what_a_killed_training_staged(tmp_pat
     corpus.write_text("some text to learn a vocabulary from.\n" * 40)
     train_bpe_tokenizer([str(corpus)], tmp_path / "tokenizer", vocab_size=300)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "tokenizer"]
+
+
+KILLED_BETWEEN_RENAMES = """
+import os, sys
+from pathlib import Path
+from lightning_smartinf.core.format import state_files
+
+state_files._exchange = lambda a, b: False  # as on NFS
+renames = []
+real = os.rename
+
+def rename(src, dst):
+    renames.append(dst)
+    if len(renames) == 2:  # the old entry is aside; the new one not yet in
+        os._exit(9)
+    real(src, dst)
+
+os.rename = rename
+state_files.install_directory(Path(sys.argv[1]), Path(sys.argv[2]))
+"""
+
+
+def test_a_replacement_killed_between_its_renames_leaves_the_old_entry_which_is_put_back(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "last.ckpt").mkdir()
+    (tmp_path / "last.ckpt" / "state").write_text("old")
+    new = left_over(tmp_path / "last.ckpt")  # staged by the process killed below
+    new.mkdir()
+    (new / "state").write_text("new")
+    killed = subprocess.run([sys.executable, "-c", KILLED_BETWEEN_RENAMES, str(new), str(tmp_path / "last.ckpt")])
+    assert killed.returncode == 9
+    [aside] = tmp_path.glob(".last.ckpt.aside-*")
+    assert not (tmp_path / "last.ckpt").exists()
+    remove_leftovers(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # the staged new one removed, the old one back
+    assert (tmp_path / "last.ckpt" / "state").read_text() == "old"
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "rename-aside"])
+def test_a_replaced_entry_that_cannot_be_deleted_leaves_the_replacement_standing(tmp_path, monkeypatch, exchange):
+    """Deleting what was replaced is clean-up: failing at it (an immutable file, EIO) warns and the save stands."""
+    from lightning_smartinf.core.format import state_files
+
+    if not exchange:
+        monkeypatch.setattr(state_files, "_exchange", lambda a, b: False)
+
+    def refuse(path, **_):  # noqa: ANN001, ANN202
+        raise PermissionError(1, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(state_files, "remove_entry", refuse)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "state").write_text("old")
+    new = temporary_path(tmp_path / "ckpt")
+    new.mkdir()
+    (new / "state").write_text("new")
+    with pytest.warns(UserWarning, match=r"'.*ckpt' is in place, but the entry it replaced.*could not be deleted"):
+        state_files.install_directory(new, tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "state").read_text() == "new"
+    [left] = [p for p in tmp_path.iterdir() if p.name != "ckpt"]
+    assert ".aside-" not in left.name  # never put back over the new one
+    assert (left / "state").read_text() == "old"
+
+
+def test_an_atomic_write_removes_what_killed_writes_of_that_file_left(tmp_path):
+    """A killed `smartinf export` left a full-size hidden temporary beside the weights; the next write of that file
+    removes it (and no other file's)."""
+    from lightning_smartinf.core.io.storage import write_file_atomic
+
+    killed = left_over(tmp_path / "model.safetensors")
+    killed.write_bytes(b"half of the weights")
+    other = left_over(tmp_path / "config.json")
+    other.write_bytes(b"{")
+    write_file_atomic(tmp_path / "model.safetensors", b"the weights")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([other.name, "model.safetensors"])

@@ -7,7 +7,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from lightning_smartinf.core.io.leftovers import temporary_path
+from lightning_smartinf.core.io.leftovers import _start_ticks, temporary_path
 
 
 def dead_pid() -> int:
@@ -17,11 +17,18 @@ def dead_pid() -> int:
     return process.pid
 
 
-def left_over(target: Path, purpose: str = "tmp", *, pid: int | None = None, host: str | None = None) -> Path:
+def left_over(
+    target: Path, purpose: str = "tmp", *, pid: int | None = None, host: str | None = None, start: int | None = None
+) -> Path:
     """The name :func:`temporary_path` gives a temporary of ``target`` made by process ``pid`` (default: one that is
-    gone) on ``host`` (default: this one). Nothing is created."""
+    gone) started at tick ``start`` (default: that process's own; 0 for one that is gone) on ``host`` (default: this
+    one). Nothing is created."""
+    pid = pid or dead_pid()
+    start = start if start is not None else (_start_ticks(pid) or 0)
     mine = temporary_path(target, purpose)
-    name = mine.name.replace(
-        f"-{socket.gethostname()}-{os.getpid()}-", f"-{host or socket.gethostname()}-{pid or dead_pid()}-"
+    return mine.with_name(
+        mine.name.replace(
+            f"-{socket.gethostname()}-{os.getpid()}.{_start_ticks(os.getpid())}-",
+            f"-{host or socket.gethostname()}-{pid}.{start}-",
+        )
     )
-    return mine.with_name(name)

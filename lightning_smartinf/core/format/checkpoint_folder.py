@@ -135,11 +135,11 @@ def is_sealed(root: str | os.PathLike) -> bool:
 
 def _read_seal(root: Path) -> dict[str, Any]:
     path = root / SEAL
-    if not root.exists() and (aside := sorted(root.parent.glob(f".{glob.escape(root.name)}.old-*"))):
+    if not root.exists() and (aside := sorted(root.parent.glob(f".{glob.escape(root.name)}.aside-*"))):
         raise CheckpointError(
             f"Checkpoint {str(root)!r} is missing, but {str(aside[-1])!r} is the checkpoint that stood there: a save "
             "over it was interrupted on a filesystem without atomic exchange (`renameat2`). Rename it back to "
-            f"{root.name!r} and resume from it."
+            f"{root.name!r} and resume from it (the next save in that folder puts it back itself)."
         )
     if not root.is_dir():
         raise CheckpointError(

@@ -40,6 +40,7 @@ import logging
 import mmap
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -284,23 +285,33 @@ def install_directory(tmp: Path, directory: Path) -> None:
     """Move the complete ``tmp`` directory to ``directory``, atomically replacing whatever is at that name.
 
     An existing entry (directory, file or symlink, never followed) is exchanged with ``tmp`` in one
-    ``renameat2(RENAME_EXCHANGE)`` and then removed. Without that call (not Linux, or a filesystem that refuses it)
-    the old entry is renamed aside first: a kill in between leaves no entry at the name, and the old one survives
-    as ``.<name>.old-*``.
+    ``renameat2(RENAME_EXCHANGE)`` and then removed. Without that call (not Linux, or a filesystem that refuses it,
+    such as NFS) the old entry is renamed aside first: a kill in between leaves no entry at the name, and the old one
+    survives whole as ``.<name>.aside-*``, which the next :func:`remove_leftovers` of the folder puts back. Once the
+    new entry is at the name, an old one that cannot be deleted is left with a warning (a later
+    :func:`remove_leftovers` of the folder deletes it): the replacement has happened, and it stands.
     """
-    if os.path.lexists(directory):
-        if _exchange(tmp, directory):
-            fsync_dir(directory.parent)
-            remove_entry(tmp)  # now holds the previous entry
-            return
-        aside = temporary_path(directory, "old")
-        os.rename(directory, aside)
+    if not os.path.lexists(directory):
         os.rename(tmp, directory)
         fsync_dir(directory.parent)
-        remove_entry(aside)
         return
-    os.rename(tmp, directory)
+    if _exchange(tmp, directory):
+        old = tmp  # now holds the previous entry
+    else:
+        aside = temporary_path(directory, "aside")
+        os.rename(directory, aside)
+        os.rename(tmp, directory)
+        old = temporary_path(directory, "old")
+        os.rename(aside, old)  # no longer the only copy of anything: never to be put back
     fsync_dir(directory.parent)
+    try:
+        remove_entry(old)
+    except OSError as exc:
+        warnings.warn(
+            f"{str(directory)!r} is in place, but the entry it replaced, set aside as {str(old)!r}, could not be "
+            f"deleted ({exc}); a later save in that folder deletes it once this process has ended.",
+            stacklevel=2,
+        )
 
 
 def _by_device(shards: Sequence[ShardState]) -> list[list[ShardState]]:
