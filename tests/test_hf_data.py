@@ -154,12 +154,17 @@ def test_cache_is_reused_and_rebuilt_when_the_file_changes(tmp_path, tokenizer):
     _, calls = blocks(block_size=16)
     assert calls == 0  # blocks are views: another block size needs no new tokens
 
+    shutil.copytree(cache_dir / entry, tmp_path / "previous")
     with open(corpus, "a", encoding="utf-8") as f:
         f.write(json.dumps({"text": "One more document at the end. " * 50}) + "\n")
     changed, calls = blocks()
     assert calls > 0
     [new_entry] = entries(cache_dir)  # the entry of the previous version is gone
     assert new_entry != entry and new_entry.rsplit("-", 1)[0] == entry.rsplit("-", 1)[0]
+    # A build killed right after its entry was renamed in left the previous version's: the next read removes it.
+    shutil.copytree(tmp_path / "previous", cache_dir / entry)
+    _, calls = blocks()
+    assert calls == 0 and entries(cache_dir) == [new_entry]
     assert len(changed) > len(first)
     np.testing.assert_array_equal(changed[: len(first) - 1], first[:-1])
     np.testing.assert_array_equal(changed, blocks_in_memory(tokenizer, corpus, 32).numpy())

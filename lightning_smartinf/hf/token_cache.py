@@ -170,6 +170,7 @@ def cached_tokens(
     name = _entry_name(source, fingerprint, settings, stat)
     entry = cache_dir / name
     if (entry / META).is_file():
+        _remove_earlier_versions(cache_dir, name)  # left if the build that made this entry was killed right after
         return TokenCache(entry)
     remove_leftovers(cache_dir)  # staging directories of builds that were killed
     dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
@@ -205,10 +206,15 @@ def cached_tokens(
         ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; after a failure, the partial entry
-    for old in cache_dir.glob(f"{name.rsplit('-', 1)[0]}-*"):  # entries of earlier versions of the file
+    _remove_earlier_versions(cache_dir, name)
+    return TokenCache(entry)
+
+
+def _remove_earlier_versions(cache_dir: Path, name: str) -> None:
+    """Remove the entries of the same file and settings other than entry ``name`` (those of earlier versions)."""
+    for old in cache_dir.glob(f"{name.rsplit('-', 1)[0]}-*"):
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
-    return TokenCache(entry)
 
 
 def _entry_name(source: Path, fingerprint: str, settings: dict[str, Any], stat: os.stat_result) -> str:

@@ -3,6 +3,7 @@ fsyncs, atomic writes."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -10,7 +11,7 @@ import stat
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from lightning_smartinf.core.io.leftovers import temporary_path
+from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
 
 GIB = 1024**3
 
@@ -308,6 +309,21 @@ def ensure_private_dir(path: str | os.PathLike) -> Path:
     return make_private_dirs(base, missing)
 
 
+def disk_bytes(path: str | os.PathLike) -> int:
+    """The blocks the filesystem holds for ``path`` (a file, a link or a whole directory tree; links are not
+    followed), in bytes: the most that deleting it frees (less where its blocks are shared, as a clone's are)."""
+    try:
+        total = os.lstat(path).st_blocks * 512
+    except OSError:
+        return 0
+    if os.path.isdir(path) and not os.path.islink(path):
+        for directory, dirnames, filenames in os.walk(path):
+            for name in dirnames + filenames:
+                with contextlib.suppress(OSError):  # gone meanwhile
+                    total += os.lstat(os.path.join(directory, name)).st_blocks * 512
+    return total
+
+
 def check_free_space(directory: Path, needed: int, reusable: Sequence[Path] = ()) -> None:
     """Raise :class:`StorageError` unless ``directory``'s filesystem can take ``needed`` more bytes.
 
@@ -397,8 +413,10 @@ def fsync_dir(directory: Path) -> None:
 
 def write_file_atomic(path: Path, data: bytes | Iterable[bytes | memoryview]) -> None:
     """Write ``data`` (bytes, or blocks of them in order) to ``path`` (mode 0600) through a fsynced temporary sibling
-    and a rename: readers see old or new, whole. ``O_EXCL`` creates the sibling, so no link is ever written through."""
+    and a rename: readers see old or new, whole. ``O_EXCL`` creates the sibling, so no link is ever written through.
+    The siblings that killed writes of ``path`` left are removed first."""
     path = Path(path)
+    remove_leftovers(path.parent, path.name)
     tmp = temporary_path(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
