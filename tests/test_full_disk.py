@@ -9,6 +9,7 @@ free. Each test asserts exactly which checkpoints remain, that each verifies, an
 
 from __future__ import annotations
 
+import errno
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -128,6 +129,75 @@ def test_a_full_disk_deletes_no_checkpoint_the_user_kept(tmp_path, ext4_fs, shap
     assert sorted(p.name for p in folder.iterdir()) == left
     for name in left:
         checkpoint_folder.verify(folder / name, checksum_shards=True)
+
+
+class FillBeforeSave(L.Callback):
+    """Fill the filesystem of ``folder`` completely just before save number ``save`` (counting from 1) of the run:
+    with ``save_last=True`` both saves of a step run back to back, so the second can meet a disk the first did not."""
+
+    def __init__(self, folder: Path, save: int) -> None:
+        self.folder, self.save, self.saves = folder, save, 0
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:  # noqa: ANN001
+        self.saves += 1
+        if self.saves == self.save:
+            fill(self.folder.parent / "ballast")
+
+
+def fill(ballast: Path) -> None:
+    """Write ``ballast`` until its filesystem takes no more (the reserve a root process may use included)."""
+    with open(ballast, "ab", buffering=0) as f:
+        for block in (1 << 16, 1 << 12):
+            try:
+                while True:
+                    f.write(b"\0" * block)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+
+
+def test_a_save_that_removing_the_obsolete_would_not_make_room_for_removes_nothing(tmp_path, ext4_fs) -> None:
+    """`last.ckpt`'s save at step 8 meets a disk another job filled right after `epoch=1-step=8.ckpt` was written:
+    removing the `last.ckpt` it replaces would not free enough, so it is kept and the save refused; every checkpoint
+    stands (`fit(ckpt_path="last")` still finds one)."""
+    fs = ext4_fs(SIZE)
+    folder = fs / "ckpts"
+    saves = ModelCheckpoint(dirpath=folder, save_top_k=-1, every_n_train_steps=EVERY, save_last=True)
+    with pytest.raises(StorageError, match=r"Removing '.*last.ckpt'.* would free [\d.]+ [KMG]iB: not enough, so"):
+        train(fs, storage=[tmp_path / "ssd"], checkpoint_callback=saves, callbacks=[FillBeforeSave(folder, 4)])
+    left = ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == left
+    for name in left:
+        checkpoint_folder.verify(folder / name, checksum_shards=True)
+    assert checkpoint_folder.verify(folder / "last.ckpt")["global_step"] == EVERY
+
+
+def test_a_disk_filled_while_deepspeed_writes_is_a_storage_error(tmp_path, ext4_fs, monkeypatch) -> None:
+    """torch.save reports a full disk as a `RuntimeError` without an errno; the save says what it is, removes what
+    it staged and leaves the previous checkpoint."""
+    from lightning_smartinf.lightning import checkpoints
+
+    fs = ext4_fs(SIZE)
+    folder = fs / "ckpts"
+    real = checkpoints._make_room
+    made_room: list[Path] = []
+
+    def room_then_full(strategy, target):  # noqa: ANN001, ANN202 - the check's own
+        freed = real(strategy, target)
+        made_room.append(target)
+        if len(made_room) == 2:  # another job fills the disk between the check and DeepSpeed's writes
+            fill(fs / "ballast")
+        return freed
+
+    monkeypatch.setattr(checkpoints, "_make_room", room_then_full)
+    saves = ModelCheckpoint(dirpath=folder, save_top_k=-1, every_n_train_steps=EVERY)
+    with pytest.raises(
+        StorageError, match=r"Saving checkpoint '.*step=8.ckpt' failed: \[Errno 28\] No space left"
+    ) as raised:
+        train(fs, storage=[tmp_path / "ssd"], checkpoint_callback=saves)
+    assert raised.value.errno == errno.ENOSPC and isinstance(raised.value.__cause__, RuntimeError)
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=4.ckpt"]  # nothing staged is left
+    checkpoint_folder.verify(folder / "epoch=0-step=4.ckpt", checksum_shards=True)
 
 
 class WarningsBefore(L.Callback):

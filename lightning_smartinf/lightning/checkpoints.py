@@ -28,7 +28,7 @@ from lightning_smartinf.core.format.checkpoint_folder import CheckpointError
 from lightning_smartinf.core.format.masters import MastersReader, saved_masters
 from lightning_smartinf.core.format.rank_state import read_host_state
 from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
-from lightning_smartinf.core.io.storage import StorageError, readable_size
+from lightning_smartinf.core.io.storage import StorageError, disk_bytes, readable_size
 from lightning_smartinf.zero.safe_load import (
     ensure_offload_folder,
     load_deepspeed_file,
@@ -95,19 +95,23 @@ def save(
             checkpoint_folder.seal(staging_dir, global_step=global_step, world_size=strategy.world_size)
             checkpoint_folder.install(staging_dir, target)
     except BaseException as exc:
+        error = exc
+        if isinstance(exc, RuntimeError) and (free := _free_bytes(staging_dir)) < SAVE_MARGIN:
+            # torch's writer reports a full disk without an errno ("unexpected pos 128 vs 0"): named for what it is
+            error = OSError(errno.ENOSPC, f"No space left ({readable_size(free)} free; torch.save said: {exc}).")
         if strategy.is_global_zero:
             shutil.rmtree(staging_dir, ignore_errors=True)
-        if isinstance(exc, OSError):  # StorageError included: say which checkpoint, and what stands
+        if isinstance(error, OSError):  # StorageError included: say which checkpoint, and what stands
             before = (
                 f"the checkpoints {_names(freed)} were removed before the save to make room for it"
                 if freed
                 else "the previous checkpoint there, if any, is untouched"
             )
             raise StorageError(
-                f"Saving checkpoint {str(target)!r} failed: {exc} Nothing was written at that name; {before}.",
-                path=getattr(exc, "path", None) or exc.filename,
-                operation=getattr(exc, "operation", None) or "save",
-                errno=exc.errno,
+                f"Saving checkpoint {str(target)!r} failed: {error} Nothing was written at that name; {before}.",
+                path=getattr(error, "path", None) or error.filename or str(target),
+                operation=getattr(error, "operation", None) or "save",
+                errno=error.errno,
             ) from exc
         raise
     strategy.barrier("smartinf_checkpoint_installed")
@@ -233,7 +237,8 @@ def _make_room(strategy: SmartInfinityStrategy, target: Path) -> list[Path]:
     even where it is cloned (a clone's blocks become its own as soon as training rewrites the state). What killed
     saves left in the folder goes first. If that is not enough, the checkpoints this save makes obsolete (the one at
     ``target``, which it replaces, and those ``ModelCheckpoint`` deletes right after it) are removed before it, but
-    only while another complete checkpoint the callbacks keep stands: a kill during the save then leaves that one.
+    only while another complete checkpoint the callbacks keep stands (a kill during the save then leaves that one),
+    and only when their blocks would make room: a save refused for want of space otherwise removes nothing.
     """
     # On the rank's device: NCCL takes no host tensor (gloo does, so a CPU run cannot tell).
     mine = torch.tensor(
@@ -273,7 +278,8 @@ def _make_room_on_rank_zero(
             for path in kept_checkpoints(trainer)
             if path != target and path.resolve() not in gone and checkpoint_folder.is_sealed(path)
         )
-    if obsolete and standing:
+    reclaimable = sum(disk_bytes(path) for path in obsolete)
+    if obsolete and standing and free + reclaimable >= needed:
         for path in obsolete:
             checkpoint_folder.retire(path)
         rank_zero_warn(
@@ -283,23 +289,34 @@ def _make_room_on_rank_zero(
         )
         if (free := _free_bytes(target)) >= needed:
             return None, obsolete
-    if obsolete and not standing:
+        why = (
+            f" Removing {_names(obsolete)}, which this save makes obsolete, freed less than their size "
+            "(blocks shared with other files, or the disk filled meanwhile): not enough. "
+            f"{str(standing[0])!r} stands: resume from it (`fit(ckpt_path={str(standing[0])!r})`)."
+        )
+        removed = obsolete
+    elif obsolete and not standing:
         why = (
             f" This save makes {_names(obsolete)} obsolete, but they were kept: no other complete checkpoint of this "
             "run would stand while it is written (keep one more: `ModelCheckpoint(save_last=True)` or a larger "
             "`save_top_k`)."
         )
+        removed = []
     elif obsolete:
-        why = f" Removing {_names(obsolete)}, which this save makes obsolete, was not enough."
+        why = (
+            f" Removing {_names(obsolete)}, which this save makes obsolete, would free {readable_size(reclaimable)}: "
+            "not enough, so they were kept."
+        )
+        removed = []
     else:
-        why = ""
-    untouched = "" if obsolete and standing else " The previous checkpoint, if any, is untouched."
+        why, removed = "", []
+    untouched = "" if removed else " The previous checkpoint, if any, is untouched."
     return (
         f"Saving checkpoint {str(target)!r} refused before writing anything: it needs {readable_size(needed)} "
         f"(the optimizer state of every rank, even where it is cloned, plus DeepSpeed's files) and its "
         f"filesystem has {readable_size(free)} free.{why} Free space there (e.g. fewer checkpoints: "
         f"`ModelCheckpoint(save_top_k=...)`), or save elsewhere.{untouched}",
-        obsolete if standing else [],
+        removed,
     )
 
 
