@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from torch import Tensor
 
 from lightning_smartinf.core.io.direct import IOEngine, StateFile
+from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
 from lightning_smartinf.core.io.ownership import check_unclaimed, make_temp_device_dir, remove_stale_temp_dirs
 from lightning_smartinf.core.io.storage import create_storage_path, make_private_dirs
 from lightning_smartinf.core.renamed import old_names
@@ -239,6 +240,10 @@ def memory_share(budget: float, state: float, memory_rate: float, storage_rate: 
     return min(budget, state * memory_rate / (memory_rate + storage_rate))
 
 
+#: What the speed probe's file stands for (named by :func:`temporary_path`, so a killed probe's is a leftover).
+SPEED_PROBE = "smartinf-speed-probe"
+
+
 def measure_write_read(directory: Path, io: IOEngine, nbytes: int = 64 << 20, *, in_flight: int = 3) -> float:
     """Bytes per second ``io`` writes then reads back ``nbytes`` in ``directory`` as a device streams: 4 MiB records,
     ``in_flight`` at a time (a probe file, removed after).
@@ -249,7 +254,8 @@ def measure_write_read(directory: Path, io: IOEngine, nbytes: int = 64 << 20, *,
     """
     record = 4 << 20
     offsets = range(0, max(record, nbytes // record * record), record)
-    path = directory / ".smartinf-speed-probe"
+    remove_leftovers(directory, SPEED_PROBE)  # the probe files of processes killed while they measured
+    path = temporary_path(directory / SPEED_PROBE)
     buffers = [io.empty(record) for _ in range(in_flight)]
     for buf in buffers:
         buf.fill_(1)

@@ -193,3 +193,19 @@ def test_an_atomic_write_removes_what_killed_writes_of_that_file_left(tmp_path):
     other.write_bytes(b"{")
     write_file_atomic(tmp_path / "model.safetensors", b"the weights")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([other.name, "model.safetensors"])
+
+
+def test_the_storage_probes_remove_what_killed_probes_left(tmp_path):
+    """The speed probe writes 64 MiB beside the state; a run killed while it measured left it until a later probe."""
+    from lightning_smartinf.core.io.clone import CLONE_PROBE, can_clone
+    from lightning_smartinf.core.io.direct import ThreadedIO
+    from lightning_smartinf.core.placement import SPEED_PROBE, measure_write_read
+
+    speed = left_over(tmp_path / SPEED_PROBE)
+    speed.write_bytes(b"\0" * 4096)
+    clones = [left_over(tmp_path / CLONE_PROBE) for _ in range(2)]
+    for probe in clones:
+        probe.write_bytes(b"")
+    assert measure_write_read(tmp_path, ThreadedIO(), 4 << 20) > 1.0
+    can_clone(tmp_path)
+    assert list(tmp_path.iterdir()) == []

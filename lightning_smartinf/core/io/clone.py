@@ -19,8 +19,9 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import secrets
 from pathlib import Path
+
+from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
 
 #: ``_IOW(0x94, 9, int)``: clone a whole file (Linux >= 4.5).
 FICLONE = 0x40049409
@@ -98,11 +99,16 @@ def _copy(fin: int, out: int, size: int) -> str:
     return COPY
 
 
+#: What the clone probe's files stand for (named by :func:`temporary_path`, so a killed probe's are leftovers).
+CLONE_PROBE = "smartinf-clone-probe"
+
+
 def can_clone(directory: Path) -> bool:
     """Whether files in ``directory`` clone (``FICLONE`` between two files there works); probed with two empty
-    files, removed again. ``False`` where the probe cannot even create them."""
-    stem = Path(directory) / f".smartinf-clone-probe-{os.getpid()}-{secrets.token_hex(4)}"
-    src, dst = stem.with_suffix(".a"), stem.with_suffix(".b")
+    files, removed again (those of a probe that was killed, first). ``False`` where the probe cannot even create
+    them."""
+    remove_leftovers(directory, CLONE_PROBE)
+    src, dst = temporary_path(Path(directory) / CLONE_PROBE), temporary_path(Path(directory) / CLONE_PROBE)
     try:
         fin = os.open(src, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
