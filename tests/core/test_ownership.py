@@ -281,6 +281,25 @@ def test_stale_temporary_directories_are_removed_and_live_ones_kept(tmp_path):
     assert not live_dir.exists()  # the live run removed its own at close
 
 
+def test_a_claimed_temporary_directory_is_kept_whatever_its_name_says(tmp_path):
+    """A run in another PID namespace (a container of the same host name sharing /tmp) names its directory with a pid
+    that here is another process or none: its claim, held, keeps the directory from being removed as a leftover."""
+    root = tmp_path / "tmp"
+    root.mkdir()
+    held = left_over(root / "smartinf-rank0", "run")
+    held.mkdir(mode=0o700)
+    claim = DirectoryClaim(held)
+    released = left_over(root / "smartinf-rank1", "run")
+    released.mkdir(mode=0o700)
+    DirectoryClaim(released).release()  # a killed run's: the lock file stays, nobody holds it
+    try:
+        assert remove_stale_temp_dirs(root) == [released]
+        assert held.exists() and claim.held
+    finally:
+        claim.release()
+    assert remove_stale_temp_dirs(root) == [held]
+
+
 # ----------------------------------------------------------------------------------------- private directories
 
 

@@ -23,7 +23,7 @@ import secrets
 import shutil
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -73,9 +73,12 @@ def is_left_over(name: str) -> bool:
     return start != int(match["start"])  # another process has the pid since
 
 
-def remove_leftovers(directory: str | os.PathLike, name: str | None = None) -> list[Path]:
+def remove_leftovers(
+    directory: str | os.PathLike, name: str | None = None, *, in_use: Callable[[Path], bool] | None = None
+) -> list[Path]:
     """Remove the left-over temporaries in ``directory`` (only those standing for ``name``, if given); return those
-    removed. A link among them is removed itself, never what it points to; one this user may not remove is kept.
+    removed. A link among them is removed itself, never what it points to; one this user may not remove is kept, and
+    so is one for which ``in_use(path)`` holds (a lock a live process holds on it, whatever its name says).
     A left-over ``aside`` entry whose name is empty (a replacement killed between its two renames) is put back."""
     try:
         entries = list(os.scandir(directory))
@@ -85,6 +88,8 @@ def remove_leftovers(directory: str | os.PathLike, name: str | None = None) -> l
     for entry in entries:
         match = _NAME.fullmatch(entry.name)
         if match is None or (name is not None and match["name"] != name) or not is_left_over(entry.name):
+            continue
+        if in_use is not None and in_use(Path(entry.path)):
             continue
         original = os.path.join(directory, match["name"])
         if match["purpose"] == "aside" and not os.path.lexists(original):

@@ -196,8 +196,21 @@ def make_temp_device_dir(rank: int) -> Path:
 
 def remove_stale_temp_dirs(root: str | os.PathLike | None = None) -> list[Path]:
     """Remove the temporaries in ``root`` (default: the system temporary directory) that dead processes of this host
-    left, temporary device directories among them; return those removed."""
-    return remove_leftovers(tempfile.gettempdir() if root is None else root)
+    left, temporary device directories among them; return those removed. A device directory whose claim is held is
+    kept whatever its name says: its holder runs in another PID namespace (a container of the same host name sharing
+    the directory), where its pid names another process or none."""
+    return remove_leftovers(tempfile.gettempdir() if root is None else root, in_use=_claimed)
+
+
+def _claimed(directory: Path) -> bool:
+    """Whether ``directory`` holds a claim's lock file that a process holds now."""
+    if os.path.islink(directory) or not (directory / LOCK_FILE).is_file():
+        return False
+    try:
+        _acquire_lock(directory).release(force=True)
+    except StorageError:
+        return True  # held, or it cannot be locked: left alone either way
+    return False
 
 
 # ---------------------------------------------------------------------------------------------------- internals
