@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers.checkpoints import assert_converted
 from helpers.launch import SCRIPTS, python, worker_env
-from helpers.models import Crash, CrashAt, assert_identical
+from helpers.models import Crash, CrashAt, LMModule, assert_identical, token_loader
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from scripts.ckpt_common import EVERY, SUB_GROUP, TOTAL, adamw_cosine, checkpoint_step, train
 
@@ -159,6 +159,35 @@ def test_trainer_save_checkpoint_after_fit_twice_to_one_path(tmp_path, storage) 
     checkpoint_folder.verify(path, checksum_shards=True)
     assert_identical(consolidate_fp32_state_dict(path), trained)
     train(tmp_path / "resume", ckpt_path=path, every=None)  # and it resumes
+
+
+def test_a_save_after_validate_test_and_predict_is_the_save_after_fit(tmp_path, monkeypatch) -> None:
+    """`fit`, then `validate`, `test` and `predict` on the same trainer, then `trainer.save_checkpoint(path)`: Lightning
+    evaluates through a DeepSpeed inference engine, which has no optimizer and cannot save (it raised an
+    AttributeError from inside DeepSpeed); the save goes through the engine that trained, and holds what it holds."""
+
+    def evaluate(self, batch, batch_idx):  # noqa: ANN001, ANN202 - Lightning's hook
+        tokens, targets = batch
+        self.log("loss", torch.nn.functional.cross_entropy(self.model(tokens).flatten(0, 1), targets.flatten()))
+
+    for hook in ("validation_step", "test_step"):
+        monkeypatch.setattr(LMModule, hook, evaluate, raising=False)
+    monkeypatch.setattr(LMModule, "predict_step", lambda self, batch, i: self.model(batch[0]).argmax(-1), raising=False)
+    trainers: list[L.Trainer] = []
+    trained = train(tmp_path, steps=EVERY + 2, every=None, trainers=trainers)
+    trainer = trainers[0]
+    trainer.save_checkpoint(tmp_path / "fit.ckpt")
+    for evaluation in ("validate", "test", "predict"):
+        getattr(trainer, evaluation)(trainer.lightning_module, token_loader(2))
+        path = tmp_path / f"{evaluation}.ckpt"
+        trainer.save_checkpoint(path)
+        checkpoint_folder.verify(path, checksum_shards=True)
+        assert checkpoint_step(path) == EVERY + 2
+        assert_identical(consolidate_fp32_state_dict(path), trained)
+    assert_identical(
+        train(tmp_path / "resumed", ckpt_path=tmp_path / "predict.ckpt", every=None),
+        train(tmp_path / "reference", ckpt_path=tmp_path / "fit.ckpt", every=None),
+    )
 
 
 @pytest.mark.slow  # the main suite launches `Trainer(devices=2)` in test_param_storage and test_hf_export

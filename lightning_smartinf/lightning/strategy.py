@@ -252,6 +252,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
 
     _smart_update: SmartUpdateController | None = None  # the run's controller and backend (None before set-up)
     _backend: Backend | None = None
+    #: The engine ``fit`` trained with; it writes DeepSpeed's part of every checkpoint (see :meth:`save_checkpoint`).
+    _training_engine: Any = None
     #: The known-harmless warnings silenced from set-up to teardown (:mod:`lightning_smartinf.lightning.quiet`).
     _silenced: quiet.Silenced | None = None
     #: Removes the temporary device directories of the last run (``storage_paths=None``); see :meth:`release_backend`.
@@ -402,6 +404,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
             on_backend=adopt,
         )
         self._smart_update = zero_optimizer.smart_update
+        self._training_engine = deepspeed_engine
         return deepspeed_engine, zero_optimizer
 
     @property
@@ -448,7 +451,16 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
     ) -> None:
         """Save a checkpoint directory at ``filepath``, replacing any there whole and atomically (a kill at any
         instant leaves the previous checkpoint or the new one); see :func:`.checkpoints.save`."""
-        checkpoints.save(self, checkpoint, filepath, storage_options, write_engine=super().save_checkpoint)
+        checkpoints.save(self, checkpoint, filepath, storage_options, write_engine=self._write_engine)
+
+    def _write_engine(self, checkpoint: dict[str, Any], directory: Path) -> None:
+        """DeepSpeed's part of a checkpoint, written by the engine that trained: after ``validate``, ``test`` or
+        ``predict``, Lightning holds the inference engine it evaluated with, which has no optimizer and cannot save."""
+        evaluating, self.model = self.model, self._training_engine or self.model
+        try:
+            super().save_checkpoint(checkpoint, directory)
+        finally:
+            self.model = evaluating
 
     @override
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
