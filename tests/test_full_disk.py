@@ -147,7 +147,7 @@ class FillBeforeSave(L.Callback):
 def fill(ballast: Path) -> None:
     """Write ``ballast`` until its filesystem takes no more (the reserve a root process may use included)."""
     with open(ballast, "ab", buffering=0) as f:
-        for block in (1 << 16, 1 << 12):
+        for block in (1 << 16, 1 << 12, 1 << 10):  # down to ext4's smallest block
             try:
                 while True:
                     f.write(b"\0" * block)
@@ -175,29 +175,51 @@ def test_a_save_that_removing_the_obsolete_would_not_make_room_for_removes_nothi
 def test_a_disk_filled_while_deepspeed_writes_is_a_storage_error(tmp_path, ext4_fs, monkeypatch) -> None:
     """torch.save reports a full disk as a `RuntimeError` without an errno; the save says what it is, removes what
     it staged and leaves the previous checkpoint."""
+    fs = ext4_fs(SIZE)
+    folder = fs / "ckpts"
+    real = SmartInfinityStrategy._write_engine
+    writes: list[Path] = []
+
+    def fill_then_write(strategy, checkpoint, directory):  # noqa: ANN001, ANN202 - the method's own
+        writes.append(directory)
+        if len(writes) == 2:  # another job fills the disk between the check and DeepSpeed's writes
+            fill(fs / "ballast")
+        real(strategy, checkpoint, directory)
+
+    monkeypatch.setattr(SmartInfinityStrategy, "_write_engine", fill_then_write)
+    saves = ModelCheckpoint(dirpath=folder, save_top_k=-1, every_n_train_steps=EVERY)
+    with pytest.raises(StorageError, match=r"'.*step=8.ckpt' failed: \[Errno 28\] No space left \(") as raised:
+        train(fs, storage=[tmp_path / "ssd"], checkpoint_callback=saves)
+    assert raised.value.errno == errno.ENOSPC and isinstance(raised.value.__cause__, RuntimeError)
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=4.ckpt"]  # nothing staged is left
+    checkpoint_folder.verify(folder / "epoch=0-step=4.ckpt", checksum_shards=True)
+
+
+def test_a_disk_filled_before_the_save_starts_is_a_storage_error(tmp_path, ext4_fs, monkeypatch) -> None:
+    """Filled between the check and the staging directory, which cannot then be made: the same error, on every rank
+    (rank 0 makes the directory and tells the others what happened, instead of leaving them waiting)."""
     from lightning_smartinf.lightning import checkpoints
 
     fs = ext4_fs(SIZE)
     folder = fs / "ckpts"
     real = checkpoints._make_room
-    made_room: list[Path] = []
+    checks: list[Path] = []
 
     def room_then_full(strategy, target):  # noqa: ANN001, ANN202 - the check's own
         freed = real(strategy, target)
-        made_room.append(target)
-        if len(made_room) == 2:  # another job fills the disk between the check and DeepSpeed's writes
+        checks.append(target)
+        if len(checks) == 2:
             fill(fs / "ballast")
         return freed
 
     monkeypatch.setattr(checkpoints, "_make_room", room_then_full)
     saves = ModelCheckpoint(dirpath=folder, save_top_k=-1, every_n_train_steps=EVERY)
     with pytest.raises(
-        StorageError, match=r"Saving checkpoint '.*step=8.ckpt' failed: \[Errno 28\] No space left"
+        StorageError, match=r"'.*step=8.ckpt' failed: \[Errno 28\] No space left on device: '"
     ) as raised:
         train(fs, storage=[tmp_path / "ssd"], checkpoint_callback=saves)
-    assert raised.value.errno == errno.ENOSPC and isinstance(raised.value.__cause__, RuntimeError)
-    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=4.ckpt"]  # nothing staged is left
-    checkpoint_folder.verify(folder / "epoch=0-step=4.ckpt", checksum_shards=True)
+    assert raised.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=4.ckpt"]
 
 
 class WarningsBefore(L.Callback):

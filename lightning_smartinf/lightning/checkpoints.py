@@ -81,12 +81,19 @@ def save(
     target = Path(strategy.broadcast(os.path.abspath(filepath)))
     freed = _make_room(strategy, target)
     staging: str | None = None
+    made: tuple[int, str, str] | None = None  # rank 0's error making the staging directory, for every rank
     if strategy.is_global_zero:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging_dir = temporary_path(target)
-        staging_dir.mkdir(mode=0o700)
-        staging = str(staging_dir)
-    staging_dir = Path(strategy.broadcast(staging))
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging_dir = temporary_path(target)
+            staging_dir.mkdir(mode=0o700)
+            staging = str(staging_dir)
+        except OSError as exc:  # errno and all, as `OSError(errno, strerror, filename)` takes them
+            made = (exc.errno or errno.EIO, exc.strerror or str(exc), exc.filename)
+    staging, made = strategy.broadcast((staging, made))
+    if made is not None:
+        raise _failed(target, OSError(*made), freed)
+    staging_dir = Path(staging)
     try:
         write_engine(checkpoint, staging_dir)
         smart_update.save(checkpoint_folder.rank_state_dir(staging_dir, strategy.global_rank), global_step=global_step)
@@ -102,17 +109,7 @@ def save(
         if strategy.is_global_zero:
             shutil.rmtree(staging_dir, ignore_errors=True)
         if isinstance(error, OSError):  # StorageError included: say which checkpoint, and what stands
-            before = (
-                f"the checkpoints {_names(freed)} were removed before the save to make room for it"
-                if freed
-                else "the previous checkpoint there, if any, is untouched"
-            )
-            raise StorageError(
-                f"Saving checkpoint {str(target)!r} failed: {error} Nothing was written at that name; {before}.",
-                path=getattr(error, "path", None) or error.filename or str(target),
-                operation=getattr(error, "operation", None) or "save",
-                errno=error.errno,
-            ) from exc
+            raise _failed(target, error, freed) from exc
         raise
     strategy.barrier("smartinf_checkpoint_installed")
     if (module := strategy.lightning_module) is not None:
@@ -325,6 +322,21 @@ def _free_bytes(target: Path) -> int:
     while not existing.exists():
         existing = existing.parent
     return shutil.disk_usage(existing).free
+
+
+def _failed(target: Path, error: OSError, freed: list[Path]) -> StorageError:
+    """The error of a save that failed once it had started (``error``): which checkpoint, and what stands."""
+    before = (
+        f"the checkpoints {_names(freed)} were removed before the save to make room for it"
+        if freed
+        else "the previous checkpoint there, if any, is untouched"
+    )
+    return StorageError(
+        f"Saving checkpoint {str(target)!r} failed: {error} Nothing was written at that name; {before}.",
+        path=getattr(error, "path", None) or error.filename or str(target),
+        operation=getattr(error, "operation", None) or "save",
+        errno=error.errno,
+    )
 
 
 def _names(paths: list[Path]) -> str:

@@ -454,13 +454,21 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
         checkpoints.save(self, checkpoint, filepath, storage_options, write_engine=self._write_engine)
 
     def _write_engine(self, checkpoint: dict[str, Any], directory: Path) -> None:
-        """DeepSpeed's part of a checkpoint, written by the engine that trained: after ``validate``, ``test`` or
-        ``predict``, Lightning holds the inference engine it evaluated with, which has no optimizer and cannot save."""
-        evaluating, self.model = self.model, self._training_engine or self.model
-        try:
-            super().save_checkpoint(checkpoint, directory)
-        finally:
-            self.model = evaluating
+        """DeepSpeed's part of a checkpoint (its files, Lightning's client state in them), as Lightning's
+        ``DeepSpeedStrategy.save_checkpoint`` writes it, but by the engine that trained: after ``validate``, ``test``
+        or ``predict``, Lightning holds the inference engine it evaluated with, which has no optimizer and cannot
+        save. Without DeepSpeed's conversion scripts, and without Lightning's warning pointing to them: they read
+        DeepSpeed's optimizer files, which hold none of the state here (``smartinf export`` rebuilds the weights)."""
+        engine = self._training_engine or self.deepspeed_engine
+        client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        engine.save_checkpoint(
+            directory,
+            client_state=client_state,
+            tag=checkpoint_folder.TAG,
+            exclude_frozen_parameters=self.exclude_frozen_parameters,
+        )
+        for script in checkpoint_folder.DEEPSPEED_SCRIPTS:  # copied by rank 0 once its own files are written
+            (Path(directory) / script).unlink(missing_ok=True)
 
     @override
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:

@@ -53,6 +53,10 @@ TAG = "checkpoint"
 STATE_DIR = PurePosixPath(TAG) / "smartinf"
 #: DeepSpeed's ZeRO-3 file holding the module and Lightning's client state, under ``TAG``.
 MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+#: Scripts DeepSpeed copies into every checkpoint it saves. They rebuild the weights from DeepSpeed's optimizer
+#: files, which hold none of the state here (it is in the devices' files), and fail on these checkpoints, so a save
+#: removes them; ``smartinf export`` is what rebuilds the weights of a SmartUpdate checkpoint.
+DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 def rank_state_dir(root: str | os.PathLike, rank: int) -> Path:
