@@ -11,6 +11,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 from helpers.machine import lacking
 from helpers.models import LMModule, adamw_factory, fit
 
@@ -73,6 +74,30 @@ def test_only_the_known_messages_are_silenced_and_only_while_the_strategy_runs(t
     assert any("from the user's code" in m for m in messages)
     assert not any(m.startswith("`torch.distributed.reduce_scatter_tensor` is deprecated. Please") for m in messages)
     assert filters_after == filters_before
+
+
+def test_deepspeeds_untested_optimizer_line_is_not_shown_for_a_supported_optimizer(tmp_path) -> None:
+    """SGD is supported (its update is checked against `torch.optim`); DeepSpeed's "untested optimizer, proceed with
+    caution" line, logged for every optimizer outside its own short list, is not shown."""
+    import logging
+
+    def sgd(model):  # noqa: ANN001, ANN202 - LMModule's factory
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), None
+
+    logged: list[str] = []  # what DeepSpeed logs, seen by a filter that runs before the strategy's
+    shown: list[str] = []  # what reaches the handlers
+    catcher = logging.Handler()
+    catcher.emit = lambda record: shown.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("DeepSpeed")
+    logger.addFilter(lambda record: logged.append(record.getMessage()) or True)
+    logger.addHandler(catcher)
+    try:
+        fit(LMModule(sgd), SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=2000), steps=1)
+    finally:
+        logger.removeHandler(catcher)
+        logger.filters.pop(0)
+    assert any("untested optimizer" in message for message in logged)  # DeepSpeed says it
+    assert not any("untested optimizer" in message for message in shown)  # and the user does not see it
 
 
 def test_silence_removes_exactly_its_filters() -> None:

@@ -66,6 +66,13 @@ RECORDS = (
         "DeepSpeed's async_io op says it at its first write, whatever the storage; SmartUpdate says it once, in its "
         "own words and with the bytes per step, when the storage is a real block device (`endurance_note`).",
     ),
+    HarmlessRecord(
+        "DeepSpeed",
+        r"\*+ You are using ZeRO with an untested optimizer, proceed with caution",
+        "DeepSpeed's own list of ZeRO optimizers lacks SGD (among others) that SmartUpdate runs and checks against "
+        "`torch.optim`; the strategy sets `zero_allow_untested_optimizer` itself, so the line says nothing the user "
+        "chose.",
+    ),
 )
 
 #: Silenced by the ``smartinf`` entry points only (a user's own script keeps them: they are about its set-up).
