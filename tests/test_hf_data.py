@@ -127,6 +127,7 @@ def test_blocks_equal_the_in_memory_result(tmp_path, monkeypatch, tokenizer_dir,
     )
     for new_batch, old_batch in zip(data.train_dataloader(), old):
         assert torch.equal(new_batch["input_ids"], old_batch)
+        assert torch.equal(new_batch["attention_mask"], torch.ones_like(old_batch))  # packed: nothing is padding
 
 
 def test_cache_is_reused_and_rebuilt_when_the_file_changes(tmp_path, tokenizer):

@@ -539,7 +539,10 @@ class _Blocks(Dataset):
 
 
 def _stack_blocks(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {"input_ids": torch.stack(rows)}
+    """A batch of blocks, with the attention mask transformers' models expect: all ones, as documents are packed
+    (joined by EOS), never padded. Without it a model warns that its ids may be padded, EOS being the pad token."""
+    ids = torch.stack(rows)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
 class TextDataModule(_TokenCachedData[_Blocks]):
