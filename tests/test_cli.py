@@ -188,6 +188,19 @@ def test_every_recipe_parses_against_the_real_signatures(path, capsys):
     assert printed["monitor"] == {"token_key": "input_ids", "progress_bar": True}
 
 
+def test_a_command_prints_no_accelerator_notice_and_names_itself_as_typed():
+    """Where DeepSpeed picks its accelerator itself (no `DS_ACCELERATOR`), it logs "Setting accelerator to CPU ..."
+    while it is imported, before any command could filter it: every `smartinf` command that imports it printed the
+    line, `--help` included. Each command's usage names it as users type it."""
+    from helpers.launch import worker_env
+
+    env = {k: v for k, v in worker_env().items() if k != "DS_ACCELERATOR"}
+    for command in ("export", "plan"):
+        done = python("-m", "lightning_smartinf", command, "--help", env=env)
+        assert done.stdout.startswith(f"usage: smartinf {command} "), done.stdout[:200]
+        assert "Setting accelerator" not in done.stdout + done.stderr, done.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_print_config_writes_yaml_only_on_stdout():
     """`smartinf fit --print_config > config.yaml` gives a config that loads, also where DeepSpeed picks its
@@ -199,7 +212,7 @@ def test_print_config_writes_yaml_only_on_stdout():
     done = python("-m", "lightning_smartinf", "fit", "--config", recipe, "--print_config", env=env)
     printed = yaml.safe_load(done.stdout)
     assert printed["model"]["class_path"] == yaml.safe_load(recipe.read_text())["model"]["class_path"]
-    assert "Setting accelerator to CPU" in done.stderr  # the notice still shows, where logs belong
+    assert "Setting accelerator to CPU" not in done.stdout + done.stderr  # silenced before DeepSpeed is imported
 
 
 @pytest.mark.parametrize(

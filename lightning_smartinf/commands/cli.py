@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         print(usage(), file=sys.stderr)
         return 2
     if command not in WITHOUT_DEEPSPEED:
+        from lightning_smartinf.lightning import quiet  # not before: `plan` and `report` start without Lightning
+
+        quiet.silence(entry_point=True)  # for the process; before DeepSpeed logs its accelerator while imported
         deepspeed_logs_to_stderr()
     module = importlib.import_module(COMMANDS[command][0])
     return int(module.main(argv if command in LIGHTNING_COMMANDS else rest) or 0)

@@ -305,7 +305,7 @@ def _remote_masters(
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_smartinf.commands.export",
+        prog="smartinf export",
         description="Consolidate the fp32 master weights of a SmartUpdate checkpoint into one safetensors file "
         "and/or a Hugging Face save_pretrained directory.",
     )

@@ -36,7 +36,7 @@ from lightning_smartinf.plan.tier_placement import place_state
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_smartinf.plan",
+        prog="smartinf plan",
         description="Analytic performance model of ZeRO-Infinity vs Smart-Infinity (SU, SU+O, SU+O+C): time "
         "breakdown per iteration, speedups, and a recommended SmartInfinityStrategy configuration.",
     )
