@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers.checkpoints import assert_converted
 from helpers.launch import SCRIPTS, python, worker_env
-from helpers.models import Crash, CrashAt, LMModule, assert_identical, token_loader
+from helpers.models import Crash, CrashAt, LMModule, assert_identical, param_groups, token_loader
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from scripts.ckpt_common import EVERY, SUB_GROUP, TOTAL, adamw_cosine, checkpoint_step, train
 
@@ -361,6 +361,22 @@ def test_damaged_json_names_the_file(reference, tmp_path, victim) -> None:
     with pytest.raises(CheckpointError, match=re.escape(str(path)) + ".*corrupt") as info:
         train(tmp_path / "resume", ckpt_path=copy, every=None)
     assert "JSONDecodeError" not in str(info.value) and "KeyError" not in str(info.value)
+
+
+def test_resuming_with_another_optimizer_is_refused_naming_both(reference, tmp_path, monkeypatch) -> None:
+    """A checkpoint of AdamW resumed with SGD: refused, naming the rule the state is of and this run's, in words (it
+    listed every shard's manifest entry twice, and told the user to keep `chunk_size`, which may change)."""
+    import scripts.ckpt_common as common
+
+    root, _ = reference
+    sgd = lambda model: (torch.optim.SGD(param_groups(model, 0.1), lr=0.1, momentum=0.9), None)  # noqa: E731
+    monkeypatch.setattr(common, "adamw_cosine", sgd)
+    with pytest.raises(ValueError) as refused:
+        train(tmp_path, ckpt_path=ckpt(root, EVERY), every=None)
+    message = str(refused.value)
+    assert re.search(r"the state of the update rule 'adam' \(exp_avg, exp_avg_sq\), this run's optimizer updates "
+                     r"with 'sgd' \(", message), message  # fmt: skip
+    assert "`chunk_size` may change" in message and "'index'" not in message
 
 
 def test_an_unsealed_directory_is_refused_naming_the_seal(reference, tmp_path) -> None:

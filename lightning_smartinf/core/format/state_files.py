@@ -531,9 +531,10 @@ def load_state(
     found_plain = [{k: v for k, v in e.items() if k not in CHECKSUM_KEYS} for e in found if isinstance(e, dict)]
     if manifest.get("chunk_elems") != chunk_elems or not _loadable(found_plain, expected):
         raise ValueError(
-            f"Device state in {directory} does not match this model and optimizer: it holds {found_plain} "
-            f"(chunk_elems={manifest.get('chunk_elems')}), this run needs {expected} "
-            f"(chunk_elems={chunk_elems}). Resume with the same model, optimizer and `chunk_size`."
+            f"Device state in {directory} does not match this model and optimizer: "
+            f"{_difference(found_plain, expected, manifest.get('chunk_elems'), chunk_elems)}. Resume with the model "
+            "and the optimizer it was saved with (through the strategy, the number of ranks, `sub_group_size` and "
+            "`chunk_size` may change)."
         )
     entries = {e["index"]: e for e in found}
     # Files are looked up by index (never by a name from the manifest): the checkpoint cannot point elsewhere.
@@ -584,6 +585,28 @@ def load_state(
 
     with Progress("loading the optimizer state", sum(saved_form(s.layout).file_bytes for s in shards)) as progress:
         _per_device(shards, copy_back, progress)
+
+
+def _difference(found: list[dict], expected: list[dict], saved_chunk: Any, chunk_elems: int) -> str:
+    """The first way saved shards ``found`` differ from this run's ``expected`` ones, in words."""
+    if saved_chunk != chunk_elems:
+        return f"it was saved in chunks of {saved_chunk} elements, this run's are {chunk_elems}"
+    if len(found) != len(expected):
+        return f"it holds {len(found)} shards, this run has {len(expected)}"
+    for saved, wanted in zip(found, expected):
+        if saved.get("numel") != wanted["numel"]:
+            return f"its shard {wanted['index']} holds {saved.get('numel')} elements, this run's {wanted['numel']}"
+        same_rule = saved.get("rule") == wanted["rule"] and saved.get("states") == wanted["states"]
+        if not same_rule and (saved.get("rule"), wanted["rule"]) not in CONVERSIONS:
+            held = ", ".join(map(str, saved.get("states") or ())) or "no state"
+            needed = ", ".join(wanted["states"]) or "no state"
+            return (
+                f"it holds the state of the update rule {saved.get('rule')!r} ({held}), this run's optimizer updates "
+                f"with {wanted['rule']!r} ({needed})"
+            )
+        if saved.get("state_format", "fp32") not in FORMATS:
+            return f"its shard {wanted['index']} is in state format {saved.get('state_format')!r}, unknown here"
+    return f"it holds {found}, this run needs {expected}"
 
 
 def _loadable(found: list[dict], expected: list[dict]) -> bool:
