@@ -91,3 +91,28 @@ def test_a_placement_naming_a_missing_device_is_refused(tmp_path, placement, mat
         assert not list(tmp_path.rglob("*.state")), "no state file was created before the placement was checked"
     finally:
         backend.close()
+
+
+def test_a_storage_path_that_fewer_sub_groups_leave_without_state_is_warned_of(tmp_path: Path) -> None:
+    """Two paths, one sub-group (a small model under the default `sub_group_size`): the second drive would sit idle
+    without a word. Enough sub-groups: no warning."""
+    import re
+    import warnings
+
+    said: dict[int, list[str]] = {}
+    for shards in (1, 2):
+        backend = CpuBackend([tmp_path / f"{shards}a", tmp_path / f"{shards}b"], chunk_elems=CHUNK, buffer_count=2)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                backend.open([ShardSpec(i, 5000, Adam()) for i in range(shards)])
+        finally:
+            backend.close()
+        said[shards] = [str(w.message) for w in caught if "holds no optimizer state" in str(w.message)]
+    assert said[2] == []
+    [warning] = said[1]
+    assert re.match(
+        r"SmartUpdate holds no optimizer state on '.*1b': this rank's 5,000 elements make 1 sub-group\(s\), fewer "
+        r"than its 2 storage paths .* Lower `sub_group_size` to at most 2,500 ",
+        warning,
+    ), warning

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import stat
+import warnings
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -325,6 +326,7 @@ class StreamingBackend(LatchingBackend):
         layouts = [s.layout(self.chunk_elems) for s in shards]
         placement = self.placement or self._default_placement()
         self._assignment = check_assignment(placement, shards, self.num_devices)
+        self._warn_of_idle_paths(shards)
         self._check_capacity(repr(placement), layouts, self.assignment)
         for device in self.storage_devices:
             self._check_space(device, shards, layouts, self._slots(device))
@@ -440,6 +442,21 @@ class StreamingBackend(LatchingBackend):
         nothing to weigh."""
         weights = self.storage_weights()
         return RoundRobin() if weights is None else TieredPlacement(weights, chunk_elems=self.chunk_elems)
+
+    def _warn_of_idle_paths(self, shards: Sequence[ShardSpec]) -> None:
+        """Warn where fewer shards than storage paths leave a path without state: a drive the user gave sits idle."""
+        storage = self.storage_devices
+        idle = [d.label for d in storage if d.index not in self.assignment]
+        if not idle or len(shards) >= len(storage):
+            return
+        numel = sum(s.numel for s in shards)
+        warnings.warn(
+            f"SmartUpdate holds no optimizer state on {', '.join(map(repr, idle))}: this rank's {numel:,} elements "
+            f"make {len(shards)} sub-group(s), fewer than its {len(storage)} storage paths (a sub-group, the unit of "
+            f"work of a device, is not split). Lower `sub_group_size` to at most {max(1, numel // len(storage)):,} "
+            "to use every path, or give fewer paths.",
+            stacklevel=2,
+        )
 
     def log_shares(self) -> None:
         """Log each device's shards and state bytes."""
