@@ -212,6 +212,21 @@ def test_plan_recommendation():
     assert plan.recommend_compression
 
 
+@pytest.mark.parametrize("params", [378_624, 3_000_000])
+def test_a_small_model_is_not_planned_onto_devices_it_leaves_idle(params):
+    """A sub-group (at least a chunk, 1M elements) is the unit of work of a device: a model of fewer sub-groups than
+    devices leaves some idle, so no such count is recommended, and the report says how many sub-groups there are
+    instead of claiming 8 per device."""
+    from lightning_smartinf.plan.planner import format_plan, sub_groups
+
+    for profile in ("devvm-2cpu", "paper-a5000"):
+        plan = make_plan(Workload(params), load_profile(profile))
+        assert plan.recommended_devices <= sub_groups(plan.work, plan.sub_group_size)
+        line = next(line for line in format_plan(plan).splitlines() if "sub_group_size:" in line)
+        assert ">= 8 sub-groups per device" not in line
+        assert f"{sub_groups(plan.work, plan.sub_group_size)} sub-group(s) over {plan.devices} device(s)" in line
+
+
 def test_parameters_on_storage_add_their_reads_and_writes_to_both_methods():
     """4 B per parameter read (forward and backward), 2 written after the step, for ZeRO-Infinity with
     ``offload_param: nvme`` and for ours; never faster than parameters in host memory."""

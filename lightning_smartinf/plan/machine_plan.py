@@ -58,6 +58,7 @@ from lightning_smartinf.plan.planner import (
     precisions_json,
     python_code,
     size_text,
+    sub_groups,
     yaml_code,
 )
 from lightning_smartinf.plan.tier_placement import TierPlacement, place_state
@@ -554,6 +555,14 @@ def _gb(nbytes: float | None) -> str:
     return "?" if nbytes is None else f"{nbytes / GB:.1f}"
 
 
+def _sub_groups_text(plan: MachinePlan) -> str:
+    """How many sub-groups the plan's ``sub_group_size`` makes, and whether each holder of state gets 8 or more."""
+    groups, holders = sub_groups(plan.work, plan.sub_group_size), len(plan.paths) + (plan.memory_budget > 0)
+    if groups >= 8 * holders:
+        return f"{groups} sub-groups; at most {MACHINE_SUB_GROUP_MAX:,}, >= 8 per path and for the memory tier"
+    return f"{groups} sub-group(s) for {holders} holder(s) of state: the model is too small for 8 each"
+
+
 def format_machine_plan(plan: MachinePlan, python_header: str, yaml_header: str) -> str:
     """The report: the machine, the step, each setting with its reason, disk per path, and both snippets."""
     w, m, placed = plan.work, plan.machine, plan.placement
@@ -609,8 +618,7 @@ def format_machine_plan(plan: MachinePlan, python_header: str, yaml_header: str)
         "",
         "recommendation:",
         f"  storage_paths: {', '.join(m.storage[i].path for i in plan.paths)}: {plan.reasons['storage_paths']}",
-        f"  sub_group_size: {plan.sub_group_size:,} elements ({-(-w.params // plan.sub_group_size)} sub-groups; "
-        f"at most {MACHINE_SUB_GROUP_MAX:,}, >= 8 per path and for the memory tier)",
+        f"  sub_group_size: {plan.sub_group_size:,} elements ({_sub_groups_text(plan)})",
     ]
     if plan.device_weights is not None:
         lines.append(f"  device_weights: {list(plan.device_weights)}: the paths' state bandwidths differ")

@@ -89,6 +89,18 @@ def choose_sub_group(work: Workload, prof: Profile, devices: int, *, largest: in
     return max(1 << 20, min(min(SUB_GROUP_CANDIDATES), int(-(-per_device // 8 // (1 << 20)) * (1 << 20))))
 
 
+def _per_device(groups: int, devices: int) -> str:
+    """``>= 8 sub-groups per device``, or how many there are where the model is too small for that."""
+    if groups >= 8 * devices:
+        return ">= 8 sub-groups per device"
+    return f"{groups:,} sub-group(s) over {devices} device(s): the model is too small for 8 per device"
+
+
+def sub_groups(work: Workload, sub_group_size: int) -> int:
+    """How many sub-groups of ``sub_group_size`` elements the model's parameters make."""
+    return -(-work.params // sub_group_size)
+
+
 def make_plan(
     work: Workload,
     prof: Profile,
@@ -107,9 +119,11 @@ def make_plan(
     ratio = 0.01 if compression is None else compression
     if not 0 < ratio <= 1:
         raise PlanError(f"`--compression {ratio}` must be in (0, 1]: the fraction of gradient elements kept.")
-    # Every count from 1 to `top` (<= MAX_DEVICES) is compared: the recommendation is the best of them.
+    # Every count from 1 to `top` (<= MAX_DEVICES) is compared: the recommendation is the best of them. A count with
+    # fewer sub-groups than devices (a model of fewer elements than a sub-group per device) would leave some idle.
     top = max(prof.max_devices, devices or 1)
-    times = {n: _best_method(work, prof, n, ratio, choose_sub_group(work, prof, n)) for n in range(1, top + 1)}
+    counts = [n for n in range(1, top + 1) if n == 1 or sub_groups(work, choose_sub_group(work, prof, n)) >= n]
+    times = {n: _best_method(work, prof, n, ratio, choose_sub_group(work, prof, n)) for n in counts}
     best = min(times.values())
     recommended = min(n for n, t in times.items() if t <= best * ENOUGH)
     base = {n: zero_infinity(work, prof, n).total for n in range(1, top + 1)}
@@ -209,7 +223,7 @@ def format_plan(plan: Plan) -> str:
         f"ZeRO-Infinity's RAID stops scaling at {plan.baseline_saturation_devices}",
         f"  sub_group_size: {plan.sub_group_size:,} elements "
         f"({plan.sub_group_size * DEVICE_BYTES_PER_ELEMENT / 1e9:.2f} GB device buffers per sub-group; "
-        f">= 8 sub-groups per device)",
+        f"{_per_device(sub_groups(w, plan.sub_group_size), n)})",
         f"  buffer pool: buffer_count={plan.buffer_count} chunk buffers per device "
         "(add the BufferPool callback to size them from a host-memory budget)",
     ]
