@@ -363,6 +363,21 @@ def test_damaged_json_names_the_file(reference, tmp_path, victim) -> None:
     assert "JSONDecodeError" not in str(info.value) and "KeyError" not in str(info.value)
 
 
+def test_a_save_after_a_later_run_removed_the_temporary_state_is_refused_saying_so(tmp_path) -> None:
+    """`storage_paths=None`: a run's state lives in temporary directories until the next run in the process starts.
+    `t1.fit(); t2.fit(); t1.save_checkpoint(path)` failed on a missing `engine-swap` directory; it is refused, saying
+    what removed the state and how to keep it, and leaves nothing behind."""
+    trainers: list[L.Trainer] = []
+    temporary = {"strategy_kwargs": {"storage_paths": None}}
+    train(tmp_path / "first", steps=2, every=None, trainers=trainers, **temporary)
+    train(tmp_path / "second", steps=2, every=None, trainers=trainers, **temporary)
+    with pytest.raises(StorageError, match=r"removed when a later run started in this process.*give `storage_paths`"):
+        trainers[0].save_checkpoint(tmp_path / "late.ckpt")
+    assert not [p for p in tmp_path.iterdir() if "late.ckpt" in p.name]
+    trainers[1].save_checkpoint(tmp_path / "latest.ckpt")  # the later run's state is still there
+    checkpoint_folder.verify(tmp_path / "latest.ckpt", checksum_shards=True)
+
+
 def test_resuming_with_another_optimizer_is_refused_naming_both(reference, tmp_path, monkeypatch) -> None:
     """A checkpoint of AdamW resumed with SGD: refused, naming the rule the state is of and this run's, in words (it
     listed every shard's manifest entry twice, and told the user to keep `chunk_size`, which may change)."""

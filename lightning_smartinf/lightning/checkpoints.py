@@ -77,6 +77,14 @@ def save(
             rank_zero_warn(str(refusal))
             return
         raise refusal
+    if strategy.state_released:
+        raise StorageError(
+            f"`save_checkpoint({str(filepath)!r})` refused: this trainer's optimizer state was temporary (kept after "
+            "`fit` in private directories, host memory or remote sessions) and was removed when a later run started "
+            "in this process. Save before starting another run, or give `storage_paths` to keep the state on disk.",
+            path=str(filepath),
+            operation="save",
+        )
     global_step = int(checkpoint["global_step"])
     target = Path(strategy.broadcast(os.path.abspath(filepath)))
     freed = _make_room(strategy, target)

@@ -439,6 +439,12 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
             backend.release_storage()
 
     @property
+    def state_released(self) -> bool:
+        """Whether this run's temporary state (``storage_paths=None``, memory tiers, remote sessions) is gone: a later
+        run started in this process, which ends the after-``fit`` life of every earlier run's."""
+        return self._release_storage is not None and not self._release_storage.alive
+
+    @property
     def traffic(self) -> TrafficSnapshot:
         """Cumulative bytes of this rank: link, storage (inside the devices), parameters; kept after teardown."""
         return self._smart_update.traffic_snapshot() if self._smart_update is not None else TrafficSnapshot()
