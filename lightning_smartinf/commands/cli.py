@@ -70,11 +70,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"smartinf: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}.\n", file=sys.stderr)
         print(usage(), file=sys.stderr)
         return 2
-    if command not in WITHOUT_DEEPSPEED:
-        from lightning_smartinf.lightning import quiet  # not before: `plan` and `report` start without Lightning
+    if command in WITHOUT_DEEPSPEED:
+        return _run(command, argv, rest)
+    from lightning_smartinf.lightning import quiet  # not before: `plan` and `report` start without Lightning
 
-        quiet.silence(entry_point=True)  # for the process; before DeepSpeed logs its accelerator while imported
+    silenced = quiet.silence(entry_point=True)  # before DeepSpeed logs its accelerator while it is imported
+    try:
         deepspeed_logs_to_stderr()
+        return _run(command, argv, rest)
+    finally:
+        silenced.restore()
+
+
+def _run(command: str, argv: list[str], rest: list[str]) -> int:
     module = importlib.import_module(COMMANDS[command][0])
     return int(module.main(argv if command in LIGHTNING_COMMANDS else rest) or 0)
 
