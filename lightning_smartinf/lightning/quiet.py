@@ -4,7 +4,7 @@ Each entry below is a warning or log record that a user of ``smart_infinity`` se
 about their own code or settings, and that they can do nothing about. Each is matched by its exact message (and, for
 warnings, its category and the module it is attributed to), never by a blanket ``ignore``; every other warning still
 shows. :func:`silence` installs the filters and returns a handle that removes exactly them again: the strategy holds
-one from set-up to teardown, and the ``smartinf`` entry points one for the whole process.
+one from set-up to teardown, and the ``smartinf`` entry points one for the whole command.
 """
 
 from __future__ import annotations
