@@ -389,11 +389,15 @@ def test_peak_rss_stays_flat_with_compression_and_a_checkpoint(tmp_path, free_po
 
 
 def test_the_gradients_file_keeps_its_contents_out_of_the_process_and_its_blocks_after_a_punch(tmp_path) -> None:
-    from lightning_smartinf.zero.param_storage import FileBuffer
+    from helpers.leftovers import left_over
 
+    from lightning_smartinf.zero.param_storage import FILE_BUFFER, FileBuffer
+
+    killed = left_over(tmp_path / FILE_BUFFER)  # a process killed between making its file and unlinking it
+    killed.write_bytes(b"")
     numel = 3 << 20
     gradients = FileBuffer(tmp_path, numel, torch.bfloat16)
-    assert not list(tmp_path.iterdir()), "the file is unlinked at once"
+    assert not list(tmp_path.iterdir()), "the file is unlinked at once, and a killed process's is removed"
     reserved = os.fstat(gradients._fd).st_blocks * 512
     assert reserved >= 2 * numel
     gradients.tensor.fill_(1.5)

@@ -23,7 +23,6 @@ import math
 import mmap
 import os
 import shutil
-import tempfile
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 from deepspeed.runtime.swap_tensor.utils import AIO_ALIGNED_BYTES, MIN_AIO_BYTES
 
+from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
 from lightning_smartinf.core.io.storage import (
     GIB,
     StorageError,
@@ -297,6 +297,10 @@ def check_parameter_files(swapper: Any) -> None:
     )
 
 
+#: What a :class:`FileBuffer`'s file stands for (named by :func:`temporary_path`, unlinked as soon as it is open).
+FILE_BUFFER = "smartinf-file-buffer"
+
+
 class FileBuffer:
     """A flat buffer whose pages belong to a file on a storage path: this rank's reduced gradients, or the
     error-feedback residual, where the parameters live on storage.
@@ -321,7 +325,9 @@ class FileBuffer:
         #: The directory the file was made in.
         self.directory = Path(directory)
         nbytes = max(1, numel) * self.element_size
-        fd, name = tempfile.mkstemp(prefix="buffer-", suffix=".bin", dir=directory)
+        remove_leftovers(directory, FILE_BUFFER)  # a process killed between making and unlinking its file
+        name = temporary_path(Path(directory) / FILE_BUFFER)
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.unlink(name)
             os.posix_fallocate(fd, 0, nbytes)
