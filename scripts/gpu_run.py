@@ -67,8 +67,8 @@ FORMAT_RUNS = (
     "smart_infinity_mem50_int8_split",
     "zero_infinity_pipelined",
 )
-#: Model shapes by ``--size``: Llama hidden size, MLP size, layers, vocabulary (``gpu``: 0.95B parameters).
-#: hidden, MLP, layers, vocabulary (at least 257: a byte-level BPE tokenizer's 256 bytes and its end-of-text token).
+#: Model shapes by ``--size``: Llama hidden size, MLP size, layers, vocabulary (``gpu``: 0.95B parameters; at least
+#: 257 tokens: a byte-level BPE tokenizer's 256 bytes and its end-of-text token).
 SIZES = {"gpu": (2048, 5632, 16, 32000), "tiny": (64, 160, 2, 257)}
 #: Bytes of disk per parameter the journey needs: the bf16 model and its export (2 + 2), the state with its second
 #: copy under overlap_backward (24) and two checkpoints of it (24).
