@@ -28,7 +28,7 @@ from lightning_smartinf.core.format.checkpoint_folder import CheckpointError
 from lightning_smartinf.core.format.masters import MastersReader, saved_masters
 from lightning_smartinf.core.format.rank_state import read_host_state
 from lightning_smartinf.core.io.leftovers import remove_leftovers, temporary_path
-from lightning_smartinf.core.io.storage import StorageError, disk_bytes, readable_size
+from lightning_smartinf.core.io.storage import StorageError, disk_bytes, nearest_existing, readable_size
 from lightning_smartinf.zero.safe_load import (
     ensure_offload_folder,
     load_deepspeed_file,
@@ -326,10 +326,8 @@ def _make_room_on_rank_zero(
 
 
 def _free_bytes(target: Path) -> int:
-    existing = target.parent
-    while not existing.exists():
-        existing = existing.parent
-    return shutil.disk_usage(existing).free
+    """Free bytes where ``target`` would be written; raises where they cannot be known (a save then stops)."""
+    return shutil.disk_usage(nearest_existing(target.parent)).free
 
 
 def _failed(target: Path, error: OSError, freed: list[Path]) -> StorageError:
