@@ -122,8 +122,8 @@ def make_plan(
     # Every count from 1 to `top` (<= MAX_DEVICES) is compared: the recommendation is the best of them. A count with
     # fewer sub-groups than devices (a model of fewer elements than a sub-group per device) would leave some idle.
     top = max(prof.max_devices, devices or 1)
-    counts = [n for n in range(1, top + 1) if n == 1 or sub_groups(work, choose_sub_group(work, prof, n)) >= n]
-    times = {n: _best_method(work, prof, n, ratio, choose_sub_group(work, prof, n)) for n in counts}
+    sizes = {n: choose_sub_group(work, prof, n) for n in range(1, top + 1)}
+    times = {n: _best_method(work, prof, n, ratio, s) for n, s in sizes.items() if n == 1 or sub_groups(work, s) >= n}
     best = min(times.values())
     recommended = min(n for n, t in times.items() if t <= best * ENOUGH)
     base = {n: zero_infinity(work, prof, n).total for n in range(1, top + 1)}
