@@ -115,13 +115,13 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
         overlap_backward: hand each sub-group's gradient to its device as soon as backward has reduced it. The update
             is tentative until the step confirms it (same hyperparameters and scale, no clipping, no skipped step),
             else rolled back and redone, so results do not change. Keeps a second copy of the state on the storage
-            paths (2x the disk space, not the traffic). ``backend="cpu"`` without ``compression`` only.
+            paths (2x the disk space, not the traffic). ``backend="cpu"`` and ``"remote"``, without ``compression``.
         prefetch_state: let each device read the state of the sub-groups it updates next into free buffers whenever
             it would idle (at most ``buffer_count - 1 - io_threads`` chunks). Never changes results; ``False`` compares.
         state_precision: how the optimizer's per-element state is stored on the devices: ``"fp32"`` (as
             ``torch.optim``, bit for bit), ``"bf16"`` or ``"int8"`` (blockwise, one fp32 scale per 256 elements);
             master weights stay fp32. Adam: 12, 8 or 6.03 bytes per parameter on disk and per step each way
-            (docs/arguments.md). ``backend="cpu"`` and ``"remote"`` so far.
+            (docs/arguments.md). Every backend.
         split_masters: keep on the devices only the 17 bits of each fp32 master that its bf16 parameter in host memory
             lacks: the same masters bit for bit, 2.125 bytes each instead of 4 (Adam: 10.125 bytes per parameter on
             disk and per step each way in fp32, 4.16 in int8). Needs ``precision="bf16-mixed"`` with the parameters in
