@@ -288,3 +288,53 @@ def test_sixteen_micro_batches_accumulate_in_fp32(tmp_path):
         errors[dtype] = probe.error()
     assert errors["fp32"] < 1e-6, errors
     assert errors["bf16"] > 1e-3, errors
+
+
+class ManualClipping(LMModule):
+    """Manual optimization as Lightning documents it: ``manual_backward``, ``clip_gradients`` by norm, ``step``;
+    clipping only on even steps, so a step without it must not inherit the last step's."""
+
+    def __init__(self, algorithm: str = "norm") -> None:
+        super().__init__(adamw_cosine)
+        self.automatic_optimization = False
+        self.algorithm = algorithm
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        tokens, targets = batch
+        loss = torch.nn.functional.cross_entropy(self.model(tokens).float().flatten(0, 1), targets.flatten())
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        if batch_idx % 2 == 0:
+            self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm=self.algorithm)
+        optimizer.step()
+
+
+class HookClipping(LMModule):
+    """Automatic optimization with ``configure_gradient_clipping`` overridden: a clipping norm that changes."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(
+            optimizer, gradient_clip_val=0.02 * (1 + self.global_step % 3), gradient_clip_algorithm="norm"
+        )
+
+
+@pytest.mark.parametrize("module", [ManualClipping, lambda: HookClipping(adamw_cosine)], ids=["manual", "hook"])
+def test_clip_gradients_clips_as_torch_does(tmp_path, module, recwarn):
+    """``LightningModule.clip_gradients`` (manual optimization, or an overridden ``configure_gradient_clipping``)
+    clips the step as ``clip_grad_norm_`` does with plain torch; DeepSpeed's plugin drops it silently."""
+    _, reference = fit(module(), "auto", steps=8)
+    _, unclipped = fit(LMModule(adamw_cosine), "auto", steps=8)
+    trainer, ours = fit(module(), SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000), steps=8)
+
+    errors = max_relative_error(ours, reference)
+    assert max(errors.values()) < 1e-5, errors
+    assert max(max_relative_error(unclipped, reference).values()) > 1e-3  # the clipping fired
+    assert not [w for w in recwarn if "will not actually clip gradients" in str(w.message)]
+
+
+def test_clip_gradients_by_value_is_refused_with_the_way_out(tmp_path):
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException, match="gradient_clip_algorithm='norm'"):
+        fit(ManualClipping("value"), SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000), steps=2)

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
+from torch.optim import Optimizer
 from typing_extensions import override
+
+from lightning_smartinf.zero.optimizer import SmartUpdateZeroOptimizer
 
 #: The precisions SmartUpdate trains in: those of Lightning's ``DeepSpeedPrecision``, each with a link dtype below.
 PrecisionInput = Literal["32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed"]
@@ -60,3 +66,35 @@ class SmartInfinityPrecision(DeepSpeedPrecision):
         """
         kwargs.setdefault("scale_wrt_gas", not model.automatic_optimization)
         super().backward(tensor, model, optimizer, *args, **kwargs)
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Clip the coming step's gradient to global norm ``clip_val``, as ``torch.nn.utils.clip_grad_norm_`` would.
+
+        ``LightningModule.clip_gradients`` lands here: from ``Trainer(gradient_clip_val=...)``, from an overridden
+        ``configure_gradient_clipping``, and from a manual-optimization ``training_step``. DeepSpeed's plugin ignores
+        it (its engine clips only by its config); here the devices' step takes it as a scale of the whole gradient.
+        Clipping by value is refused: no rank holds the whole gradient to clip element by element before it leaves.
+        """
+        if isinstance(clip_val, float) and math.isnan(clip_val):
+            raise ValueError(f"`gradient_clip_val={clip_val!r}` must be a positive number (or 0 for no clipping).")
+        if clip_val <= 0 or math.isinf(clip_val):  # torch's clip_grad_norm_ leaves the gradient as it is
+            return
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            raise MisconfigurationException(
+                f"`gradient_clip_algorithm='value'` (with `gradient_clip_val={clip_val!r}`): `smart_infinity` clips "
+                "the gradient by its global norm only, as the devices scale it while they update. Use "
+                "`gradient_clip_algorithm='norm'`."
+            )
+        zero = getattr(optimizer, "_optimizer", optimizer)  # manual optimization hands a `LightningOptimizer`
+        if not isinstance(zero, SmartUpdateZeroOptimizer):
+            raise TypeError(
+                f"`clip_gradients` got the optimizer `{type(zero).__name__}`: pass the one `self.optimizers()` returns "
+                "(the strategy's SmartUpdate optimizer)."
+            )
+        zero.clip_next_step(float(clip_val))

@@ -57,6 +57,13 @@ WARNINGS = (
         r"lightning\.pytorch\.utilities\._pytree",
         "Lightning 2.6's own pytree helper uses torch's deprecated `LeafSpec`; only Lightning can change it.",
     ),
+    HarmlessWarning(
+        r"Since DeepSpeed handles gradient clipping internally, the default `LightningModule\.configure_gradient_cl",
+        UserWarning,
+        r"lightning\.pytorch\.strategies\.deepspeed",
+        "Lightning's DeepSpeed strategy says an overridden `configure_gradient_clipping` will not clip; under "
+        "`smart_infinity` its `clip_gradients` does clip (`SmartInfinityPrecision.clip_gradients`).",
+    ),
 )
 
 RECORDS = (

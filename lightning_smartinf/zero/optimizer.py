@@ -225,6 +225,8 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     _gradients_in_file = False
     #: Bytes of parameter partitions moved into ZeRO's flat buffer since the heap's free pages last went back.
     _moved_bytes = 0
+    #: The norm :meth:`clip_next_step` asked the coming step to clip to; ``None``: the config's alone.
+    _next_step_max_norm: float | None = None
     #: What this optimizer offered linear layers for their weight gradients (:meth:`_offer_gradient_buffer`).
     _gradient_offer: Callable[[Tensor, torch.dtype, torch.device], Tensor | None] | None = None
 
@@ -535,11 +537,25 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             for group in self.fp16_groups
         ]
 
-    def _clip_divisor(self, total_norm: Tensor) -> float:
+    def clip_next_step(self, max_norm: float) -> None:
+        """Clip the coming step's gradient to global L2 norm ``max_norm`` (Lightning's ``clip_gradients``).
+
+        As ``torch.nn.utils.clip_grad_norm_`` on the gradients before the step, for that step only. With the config's
+        ``gradient_clipping`` also set, the smaller of the two holds: clipping to one norm and then to another clips to
+        the smaller."""
+        self._next_step_max_norm = max_norm
+
+    def _take_max_norm(self) -> float:
+        """The norm this step's gradient is clipped to (0: none), consuming :meth:`clip_next_step`'s."""
+        limits = [n for n in (self.clip_grad, self._next_step_max_norm) if n is not None and n > 0.0]
+        self._next_step_max_norm = None
+        return min(limits, default=0.0)
+
+    def _clip_divisor(self, total_norm: Tensor, max_norm: float) -> float:
         """What clipping divides this step's gradient by (1 without clipping); ``unscale_and_clip_grads``'s formula."""
-        if self.clip_grad <= 0.0:
+        if max_norm <= 0.0:
             return 1.0
-        return max(((float(total_norm) / self.loss_scale) + 1e-6) / self.clip_grad, 1.0)
+        return max(((float(total_norm) / self.loss_scale) + 1e-6) / max_norm, 1.0)
 
     def _link_overflows(self, clip_factor: float) -> bool:
         """Whether this step's gradient plus the error-feedback residual overflows the link on any rank.
@@ -561,6 +577,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._destinations_out.clear()  # places handed out to a backward that reduced nothing (it raised)
         if self.gradient_ring is not None:
             self.gradient_ring.flush()  # ZeRO's overflow check and the compression read the buffer on the host
+        max_norm = self._take_max_norm()
         self._pre_step()
         self._partition_all_parameters()
         self._overflow_check_and_loss_scale_update(update_scale=False)
@@ -569,14 +586,14 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             total_norm = combine_grad_norm_groups(self._get_norm_groups())
             # Error feedback may have accumulated beyond the link dtype (fp16): an overflow like any other. The
             # clipping factor alone (1 without clipping) scales this step's gradient and no other step's.
-            if is_invalid_grad_norm(total_norm) or self._link_overflows(1.0 / self._clip_divisor(total_norm)):
+            if is_invalid_grad_norm(total_norm) or self._link_overflows(1.0 / self._clip_divisor(total_norm, max_norm)):
                 self.overflow = True
         if self._loss_scale_update_and_overflow_cleanup():
             # Skipped step: nothing was sent, or only tentative updates, now undone; device state is as it was.
             self.smart_update.skip_step()
             return
         self._global_grad_norm = total_norm / self.loss_scale
-        self.smart_update.step(grad_scale=1.0 / (float(self.loss_scale) * self._clip_divisor(total_norm)))
+        self.smart_update.step(grad_scale=1.0 / (float(self.loss_scale) * self._clip_divisor(total_norm, max_norm)))
         # torch's LR schedulers warn unless the wrapped optimizer's own step ran; the devices ran it.
         self.optimizer._opt_called = True
         self._post_step(set())
