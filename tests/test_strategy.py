@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 from helpers.launch import run, worker_env
-from helpers.models import LMModule, adamw_factory, fit, max_relative_error
+from helpers.models import LMModule, adamw_factory, fit, max_relative_error, token_loader
 from helpers.unwritable import unwritable_dir
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -136,6 +136,36 @@ def test_bad_arguments(kwargs, match):
 def test_unsupported_precision():
     with pytest.raises(ValueError, match=r"precision='64-true'.*must be one of"):
         SmartInfinityPrecision("64-true")
+
+
+@pytest.mark.parametrize("shape", ["tuner", "callback"])
+def test_the_learning_rate_finder_is_refused_before_anything_is_built(tmp_path, shape):
+    """Users call ``Tuner(trainer).lr_find(model)`` (or add the callback): refused at set-up, naming the way out,
+    before the engine is built or the finder's checkpoint written (it failed in torch, mid-sweep)."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+    from lightning.pytorch.tuner import Tuner
+
+    module = LMModule(adamw_factory())
+    module.lr = 1e-3
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path / "state"])
+    callbacks = [LearningRateFinder()] if shape == "callback" else []
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+    )
+    loader = token_loader(4)
+    with pytest.raises(MisconfigurationException, match=r"lr_find.*strategy='auto'.*configure_optimizers"):
+        if shape == "tuner":
+            Tuner(trainer).lr_find(module, train_dataloaders=loader)
+        else:
+            trainer.fit(module, loader)
+    assert not strategy.has_smart_update
+    assert not list(tmp_path.glob(".lr_find_*"))
 
 
 def test_unsupported_optimizer_lists_the_supported_ones(tmp_path):

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, LearningRateFinder
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
@@ -193,6 +193,21 @@ def add_strategy_callbacks(trainer: pl.Trainer, offload_activations: bool | dict
     if offload_activations and not any(isinstance(c, ActivationOffload) for c in trainer.callbacks):
         options = {} if offload_activations is True else dict(offload_activations)
         trainer.callbacks.append(ActivationOffload(**options))
+
+
+def refuse_learning_rate_finder(trainer: pl.Trainer) -> None:
+    """Refuse Lightning's learning-rate finder before the engine is built, rather than in the middle of its sweep.
+
+    Its sweep builds a torch LR scheduler over the strategy's optimizer, and under ZeRO-3 that is DeepSpeed's
+    partitioned optimizer, not a ``torch.optim.Optimizer``: torch refuses it with a ``TypeError`` after the finder
+    has saved a full checkpoint (so it fails under Lightning's ``deepspeed`` strategy too)."""
+    if any(isinstance(c, LearningRateFinder) for c in trainer.callbacks):
+        raise MisconfigurationException(
+            "Lightning's learning-rate finder (`Tuner(trainer).lr_find(...)` or the `LearningRateFinder` callback) "
+            "does not run under `strategy='smart_infinity'`: its sweep needs a `torch.optim.Optimizer`, and "
+            "ZeRO-3 trains through DeepSpeed's partitioned optimizer. Find the rate with `strategy='auto'` on a "
+            "smaller configuration of the model, or compare a few short runs, and set it in `configure_optimizers`."
+        )
 
 
 def _smart_strategy(trainer: pl.Trainer, user: str) -> SmartUpdateStrategy:

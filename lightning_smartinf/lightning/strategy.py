@@ -40,7 +40,7 @@ from lightning_smartinf.core.placement import rank_share
 from lightning_smartinf.core.settings import SettingsError, SmartUpdateSettings
 from lightning_smartinf.lightning import checkpoints, engine_setup, quiet
 from lightning_smartinf.lightning.activation_offload import check_offload_options
-from lightning_smartinf.lightning.callbacks import add_strategy_callbacks
+from lightning_smartinf.lightning.callbacks import add_strategy_callbacks, refuse_learning_rate_finder
 from lightning_smartinf.lightning.contract import SmartUpdateStrategy
 from lightning_smartinf.lightning.cpu_support import DeepSpeedOnCPUMixin
 from lightning_smartinf.lightning.precision import SmartInfinityPrecision
@@ -354,6 +354,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
         super().setup_environment()
         if self.lightning_module is not None:
             trainer = self.lightning_module.trainer
+            refuse_learning_rate_finder(trainer)
             add_strategy_callbacks(trainer, self._offload_activations)
             # Long operations (the initial state, checkpoints, re-sharding) show bars as the Trainer shows its own.
             progress.configure(bars=trainer.progress_bar_callback is not None)
