@@ -96,6 +96,30 @@ def test_parameters_on_storage_train_bit_for_bit_like_parameters_in_memory(tmp_p
     assert (memory.param_read_bytes, memory.param_write_bytes) == (0, 0)
 
 
+class LoggedTraffic(L.Callback):
+    """What the strategy logs of the parameters' traffic after each step (its monitor logs first)."""
+
+    def __init__(self) -> None:
+        self.logged: list[tuple[float, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        metrics = trainer.callback_metrics
+        self.logged.append((float(metrics["smartinf/param_read_bytes"]), float(metrics["smartinf/param_write_bytes"])))
+
+
+def test_the_parameters_traffic_is_logged_each_step(tmp_path) -> None:
+    """The per-step ``smartinf/param_*_bytes`` metrics (TensorBoard, ``smartinf report``) are the strategy's own
+    counts: each step writes every stored partition once, and reads them for forward and backward."""
+    logged = LoggedTraffic()
+    module = LMModule(adamw, dim=DIM)
+    trainer, _ = fit(module, strategy(tmp_path, "storage"), steps=2, precision="bf16-true", callbacks=[logged])
+    stored = stored_bytes(module, element_size=2)
+    assert stored > 0
+    assert [written for _, written in logged.logged] == [stored, stored]
+    assert all(stored <= read <= 2 * stored for read, _ in logged.logged)
+    assert sum(read for read, _ in logged.logged) <= trainer.strategy.traffic.param_read_bytes
+
+
 class BuiltInConfigureModel(LMModule):
     """The model is built in ``configure_model``, under ZeRO's ``Init``, as a model larger than memory must be. At
     width 768 its MLP weights (1.2M elements) are larger than the swapper's buffers while the model is built."""

@@ -309,12 +309,17 @@ class SmartUpdateController:
 
     def traffic_snapshot(self) -> TrafficSnapshot:
         """Cumulative bytes moved by this rank's devices, and of its parameters to and from storage."""
-        read, written = self.partitions.param_bytes()
-        return replace(self.backend.traffic_snapshot(), param_read_bytes=read, param_write_bytes=written)
+        return self._with_parameters(self.backend.traffic_snapshot())
 
     def stats(self, *, reset_peaks: bool = False) -> BackendStats:
-        """The backend's figures (traffic, per-device times and pool use); see :meth:`Backend.stats`."""
-        return self.backend.stats(reset_peaks=reset_peaks)
+        """The backend's figures (per-device times and pool use; see :meth:`Backend.stats`), its traffic with the
+        parameters' as in :meth:`traffic_snapshot`."""
+        stats = self.backend.stats(reset_peaks=reset_peaks)
+        return replace(stats, traffic=self._with_parameters(stats.traffic))
+
+    def _with_parameters(self, traffic: TrafficSnapshot) -> TrafficSnapshot:
+        read, written = self.partitions.param_bytes()
+        return replace(traffic, param_read_bytes=read, param_write_bytes=written)
 
     # ------------------------------------------------------------------------------------------ the update
 
