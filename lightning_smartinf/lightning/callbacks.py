@@ -190,7 +190,8 @@ def add_strategy_callbacks(trainer: pl.Trainer, offload_activations: bool | dict
     if not any(isinstance(c, SmartUpdateMonitor) for c in trainer.callbacks):
         # First, so that every other callback's `on_train_batch_end` finds this step's figures logged.
         trainer.callbacks.insert(0, SmartUpdateMonitor())
-    if offload_activations and not any(isinstance(c, ActivationOffload) for c in trainer.callbacks):
+    # `{}` is the callback with its defaults, as `True` is (a recipe writes `offload_activations: {}`).
+    if offload_activations is not False and not any(isinstance(c, ActivationOffload) for c in trainer.callbacks):
         options = {} if offload_activations is True else dict(offload_activations)
         trainer.callbacks.append(ActivationOffload(**options))
 
