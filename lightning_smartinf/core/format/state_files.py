@@ -540,17 +540,24 @@ def load_state(
     # Files are looked up by index (never by a name from the manifest): the checkpoint cannot point elsewhere.
     _per_device(shards, lambda s: verify_state_file(directory / shard_file_name(s.spec.index), entries[s.spec.index]))
 
-    formats = {(e.get("state_format", "fp32"), w.get("state_format", "fp32")) for e, w in zip(found_plain, expected)}
+    # Shards of a rule without per-element state (`ef_adafactor`) hold no state to convert.
+    formats = {
+        (e.get("state_format", "fp32"), w.get("state_format", "fp32"))
+        for e, w in zip(found_plain, expected)
+        if e.get("states")
+    }
     for saved_format, wanted_format in sorted(formats):
         if saved_format == wanted_format:
             continue
-        smaller = FORMATS.index(wanted_format) > FORMATS.index(saved_format)
-        (log.warning if smaller else log.info)(
+        # fp32 holds every value of the other formats as the devices decode them; bf16 does not hold int8's (a code
+        # times an fp32 block scale), so any conversion but into fp32 rounds.
+        exact = wanted_format == "fp32"
+        (log.info if exact else log.warning)(
             "Device state in %s was saved in %s; converting it to %s (%s).",
             directory,
             saved_format,
             wanted_format,
-            "rounded: the optimizer state loses precision" if smaller else "exactly",
+            "exactly" if exact else "rounded: the optimizer state loses precision",
         )
     if converted := sorted({(e["rule"], w["rule"]) for e, w in zip(found_plain, expected) if e["rule"] != w["rule"]}):
         log.warning(
