@@ -92,6 +92,10 @@ def test_an_update_without_state_is_refused_before_anything_is_written(tmp_path)
     with pytest.raises(MisconfigurationException, match=r"'sgd' update keeps no per-element state"):
         fit(SGDModule(adamw_factory()), small_strategy(tmp_path / "a", state_precision="int8"), steps=1)
     assert not any((tmp_path / "a").rglob("*.state"))
+    # A rule the arguments name is known without the optimizer: refused when the strategy is built, before a model
+    # that may take minutes to load.
+    with pytest.raises(MisconfigurationException, match=r"'ef_adafactor' update keeps no per-element state"):
+        SmartInfinityStrategy(compression={"ratio": 0.01, "rule": "ef_adafactor"}, state_precision="int8")
 
 
 @pytest.mark.slow

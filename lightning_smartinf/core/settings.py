@@ -36,7 +36,8 @@ from lightning_smartinf.core.compression import EF_RULES, RULE_CHOICES, TopKComp
 from lightning_smartinf.core.format.layout import ELEM_ALIGN, POOL_TENSORS, pool_bytes
 from lightning_smartinf.core.io.direct import IO_ALIGN
 from lightning_smartinf.core.io.storage import validate_storage_path
-from lightning_smartinf.core.state_formats import FORMATS
+from lightning_smartinf.core.rules import EFAdafactor
+from lightning_smartinf.core.state_formats import FORMATS, check_format_for_rule
 
 if TYPE_CHECKING:
     from lightning_smartinf.core.format.masters import MastersReader
@@ -350,6 +351,12 @@ def _check(problems: Problems, raw: dict[str, Any]) -> dict[str, Any] | None:
         _check_pool_memory(problems, raw)
     if sub_group_valid and compression is not None:
         check_sub_group_indexable(problems, raw["sub_group_size"])
+    if compression is not None and compression.rule == "ef_adafactor" and raw["state_precision"] in FORMATS:
+        # This rule is known without the optimizer; the others are checked against the format once it is.
+        try:
+            check_format_for_rule(raw["state_precision"], EFAdafactor())
+        except ValueError as exc:
+            problems.add(str(exc))
     if len(problems) > known:
         return None
     timeout = raw["device_timeout_s"]

@@ -86,27 +86,41 @@ def check_optimizer(settings: SmartUpdateSettings, optimizer: Optimizer) -> None
         raise MisconfigurationException(str(exc)) from None
 
 
-def check_split_masters(
-    settings: SmartUpdateSettings, precision: str, config: dict[str, Any], device: torch.device
-) -> None:
-    """``split_masters=True`` keeps half of each master in the bf16 parameter partitions in host memory: refuse, before
-    anything is built, a run whose parameters are in another precision or elsewhere."""
+def split_masters_conflict(
+    settings: SmartUpdateSettings,
+    config: dict[str, Any],
+    precision: str | None = None,
+    device: torch.device | None = None,
+) -> str | None:
+    """Why ``split_masters=True`` cannot run, in words, or ``None``: it keeps half of each master in the bf16 parameter
+    partitions in host memory. ``precision`` and ``device`` are known once the Trainer has set the strategy up;
+    without them, what the strategy's own arguments settle (the parameters on storage) is checked."""
     if not settings.split_masters:
-        return
-    offload_param = (config["zero_optimization"].get("offload_param") or {}).get("device")
+        return None
+    offload_param = (config.get("zero_optimization", {}).get("offload_param") or {}).get("device")
     where = None
-    if precision not in ("bf16-mixed", "bf16-true", "bf16"):
+    if precision is not None and precision not in ("bf16-mixed", "bf16-true", "bf16"):
         where = f"in the precision of `precision={precision!r}`"
     elif offload_param == "nvme":
         where = "on storage (`offload_parameters='storage'`)"
-    elif device.type != "cpu" and offload_param != "cpu":
+    elif device is not None and device.type != "cpu" and offload_param != "cpu":
         where = f"in {device.type} memory (`offload_parameters=False`)"
-    if where is not None:
-        raise MisconfigurationException(
-            "`SmartInfinityStrategy(split_masters=True)` keeps half of each master weight in the bf16 parameters in "
-            f"host memory, but this run keeps its parameters {where}. Train with `precision='bf16-mixed'` and the "
-            "parameters in host memory (`offload_parameters=True` beside an accelerator), or drop `split_masters`."
-        )
+    if where is None:
+        return None
+    return (
+        "`SmartInfinityStrategy(split_masters=True)` keeps half of each master weight in the bf16 parameters in "
+        f"host memory, but this run keeps its parameters {where}. Train with `precision='bf16-mixed'` and the "
+        "parameters in host memory (`offload_parameters=True` beside an accelerator), or drop `split_masters`."
+    )
+
+
+def check_split_masters(
+    settings: SmartUpdateSettings, precision: str, config: dict[str, Any], device: torch.device
+) -> None:
+    """Refuse, before anything is built, a ``split_masters=True`` run whose parameters are in another precision or
+    elsewhere (:func:`split_masters_conflict`)."""
+    if (conflict := split_masters_conflict(settings, config, precision, device)) is not None:
+        raise MisconfigurationException(conflict)
 
 
 def release_at_next_run(owner: object, release: Callable[[], None]) -> weakref.finalize:

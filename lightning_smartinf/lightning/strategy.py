@@ -231,6 +231,8 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
                 "collective may wait for the other ranks), or None. Pass e.g. `timeout=timedelta(minutes=30)`."
             )
         check_offload_options(problems, "offload_activations", offload_activations)
+        if settings is not None and (conflict := engine_setup.split_masters_conflict(settings, config)) is not None:
+            problems.add(conflict)
         problems.raise_if_any()
         assert settings is not None
         #: Every SmartUpdate setting, validated; replaced whole (:meth:`resize_pools`), never changed in place.
