@@ -514,6 +514,36 @@ def test_export_refuses_a_corrupt_file(reference, tmp_path) -> None:
     assert export_main([str(copy), str(tmp_path / "x.safetensors")]) == 1
 
 
+def test_export_refuses_to_write_into_a_checkpoint_and_leaves_it_loadable(reference, tmp_path, capsys) -> None:
+    """A file exported into a checkpoint directory made it unloadable (its seal lists every file), and the refusal of
+    a checkpoint given as the output file suggested `<checkpoint>/model.safetensors`."""
+    root, _ = reference
+    source, other = tmp_path / "step=4.ckpt", tmp_path / "step=8.ckpt"
+    shutil.copytree(ckpt(root, EVERY), source)
+    shutil.copytree(ckpt(root, 2 * EVERY), other)
+    (tmp_path / "last.ckpt").symlink_to(other)  # as ModelCheckpoint(save_last="link") makes it
+    cases = {
+        (str(other),): (other, "is", "step=8.safetensors"),
+        (str(other / "model.safetensors"),): (other, "is inside", "step=8.safetensors"),
+        (str(tmp_path / "last.ckpt" / "model.safetensors"),): (other, "is inside", "step=8.safetensors"),
+        ("--save-pretrained", str(source)): (source, "is", "step=4-hf"),
+        ("--save-pretrained", str(source / "checkpoint" / "hf")): (source, "is inside", "step=4-hf"),
+    }
+    for arguments, (checkpoint, where, beside) in cases.items():
+        with pytest.raises(SystemExit) as exited:
+            export_main([str(source), *arguments])
+        assert exited.value.code == 2
+        said = capsys.readouterr().err
+        assert f"{where} the smart_infinity checkpoint {str(checkpoint.resolve())!r}" in said, said
+        assert f"Write beside it, e.g. {str(checkpoint.resolve().with_name(beside))!r}" in said, said
+        assert said.count("e.g.") == 1  # no path inside a checkpoint suggested
+    with pytest.raises(ValueError, match=r"`out_file=.*` is inside the smart_infinity checkpoint"):
+        save_fp32(source, source / "model.safetensors")
+    for checkpoint in (source, other):  # nothing was written into either: both still load and export
+        checkpoint_folder.verify(checkpoint, checksum_shards=True)
+    assert export_main([str(other), str(tmp_path / "step=8.safetensors")]) == 0
+
+
 # ------------------------------------------------------------------------------------- overlap with backward
 
 

@@ -58,6 +58,22 @@ def is_complete(checkpoint_path: str | os.PathLike) -> bool:
     return checkpoint_folder.is_sealed(checkpoint_path)
 
 
+def _inside_checkpoint(out: str | os.PathLike, named: str, suffix: str) -> str | None:
+    """Why ``out`` may not be written, or ``None``: it is at or under a checkpoint directory, which any file added
+    makes unloadable (its seal lists every file: resume and export refuse it). ``named`` is how the message names
+    ``out`` (``"the output 'x'"``); ``suffix`` makes the path suggested beside the checkpoint (``".safetensors"``)."""
+    checkpoint = checkpoint_folder.enclosing(out)
+    if checkpoint is None:
+        return None
+    where = "is" if Path(out).resolve() == checkpoint else "is inside"
+    beside = checkpoint.with_name(checkpoint.stem + suffix)
+    return (
+        f"{named} {where} the smart_infinity checkpoint {str(checkpoint)!r}: a file written there makes the checkpoint "
+        f"unloadable (its seal lists every file, so resume and export would refuse it). Write beside it, e.g. "
+        f"{str(beside)!r}."
+    )
+
+
 #: Reads the fp32 masters of every shard of one rank's device state kept on remote servers (by shard index).
 RemoteMasters = MastersReader
 
@@ -139,6 +155,8 @@ def save_fp32(
     from lightning_smartinf.core.io.storage import disk_full_error, is_disk_full, write_file_atomic
     from lightning_smartinf.hf.weight_files import require_room
 
+    if refused := _inside_checkpoint(out_file, f"`out_file={str(out_file)!r}`", ".safetensors"):
+        raise ValueError(refused)
     state = consolidate_fp32_state_dict(checkpoint_path, remote=remote)
     out_file = Path(out_file)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -211,7 +229,8 @@ def export_pretrained(
         What was written, and where.
 
     Raises:
-        ValueError: a bad ``dtype`` or ``max_shard_size`` (before anything is read or written), no config to build
+        ValueError: ``out_dir`` at or under a checkpoint directory, a bad ``dtype`` or ``max_shard_size`` (before
+            anything is read or written), no config to build
             the model from, or the weights fit no model of it (or several).
     """
     from lightning_smartinf.hf.data import TOKENIZER_FILES, load_tokenizer
@@ -219,6 +238,8 @@ def export_pretrained(
     from lightning_smartinf.hf.sources import tokenizer_files
     from lightning_smartinf.hf.weight_files import export_dtype, shard_bytes
 
+    if refused := _inside_checkpoint(out_dir, f"`out_dir={str(out_dir)!r}`", "-hf"):
+        raise ValueError(refused)
     if dtype is not None:
         export_dtype(dtype)
     shard_bytes(max_shard_size)
@@ -376,6 +397,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"`{flag}` goes with `--save-pretrained DIR`")
     if (args.remote_token_file or args.remote_tls_dir) and not args.remote_devices:
         parser.error("`--remote-token-file` and `--remote-tls-dir` go with `--remote-devices HOST:PORT ...`")
+    for named, path, suffix in (
+        (f"the output {args.output!r}", args.output, ".safetensors"),
+        (f"`--save-pretrained {args.save_pretrained}`", args.save_pretrained, "-hf"),
+    ):
+        if path is not None and (refused := _inside_checkpoint(path, named, suffix)):
+            parser.error(refused)
     if args.output is not None:  # refused before the checkpoint is read, which can take minutes
         out = Path(args.output)
         if out.is_dir():

@@ -137,6 +137,13 @@ def is_sealed(root: str | os.PathLike) -> bool:
     return True
 
 
+def enclosing(path: str | os.PathLike) -> Path | None:
+    """The checkpoint directory at or above ``path`` (resolved: links followed), or ``None``: the nearest directory
+    holding a seal file. Nothing may be written there: the seal lists every file, so one more makes it unloadable."""
+    resolved = Path(path).resolve()
+    return next((p for p in (resolved, *resolved.parents) if os.path.isfile(p / SEAL)), None)
+
+
 def _read_seal(root: Path) -> dict[str, Any]:
     path = root / SEAL
     if not root.exists() and (aside := sorted(root.parent.glob(f".{glob.escape(root.name)}.aside-*"))):
@@ -271,6 +278,7 @@ __all__ = [
     "CheckpointError",
     "fsync_dir",
     "install",
+    "enclosing",
     "is_sealed",
     "rank_state_dir",
     "read_json",
