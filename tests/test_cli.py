@@ -229,8 +229,26 @@ def test_print_config_writes_yaml_only_on_stdout():
             ),
             "`sub_group_size=0` is too small",
         ),
+        (  # refused only once the run meets the precision
+            lambda c: c["trainer"].update(
+                precision="32-true",
+                strategy={
+                    "class_path": "lightning_smartinf.SmartInfinityStrategy",
+                    "init_args": {"split_masters": True},
+                },
+            ),
+            "keeps its parameters in the precision of `precision='32-true'`",
+        ),
     ],
-    ids=["unknown-key", "wrong-type", "unknown-model-arg", "wrong-model-arg-type", "refused-value", "refused-strategy"],
+    ids=[
+        "unknown-key",
+        "wrong-type",
+        "unknown-model-arg",
+        "wrong-model-arg-type",
+        "refused-value",
+        "refused-strategy",
+        "refused-at-fit",
+    ],
 )
 def test_bad_recipe_is_exit_2_naming_the_key(tmp_path, capsys, edit, message):
     config = recipe(tmp_path)

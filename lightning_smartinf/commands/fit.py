@@ -55,6 +55,16 @@ class SmartInfinityCLI(LightningCLI):
         except (MisconfigurationException, ValueError) as exc:
             self.parser.error(str(exc))
 
+    @override
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run the subcommand. A refusal only the run can make (a ``MisconfigurationException`` of the strategy or of
+        Lightning, once the model, its optimizer and the precision meet) is the recipe's error too: its message and exit
+        status 2. Lightning has torn the run down by the time it reaches here."""
+        try:
+            super()._run_subcommand(subcommand)
+        except MisconfigurationException as exc:
+            self.parser.error(str(exc))
+
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``LightningCLI``; ``argv`` starts with the subcommand (``["fit", "--config", "recipe.yaml"]``)."""
