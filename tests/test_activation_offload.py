@@ -255,6 +255,54 @@ def test_a_real_full_disk_stops_the_step_with_one_error(tmp_path, ext4_fs):
     assert sorted(p.name for p in fs.iterdir()) == ["ballast", "spill"] and not list((fs / "spill").rglob("*.bin"))
 
 
+def test_layers_named_where_none_are_found(tmp_path):
+    """A model whose layers the search misses (no repeated list with parameters) names them with `layers=`: no
+    size-only fallback, same gradients; a name that holds no list is refused with the lists there are."""
+    import warnings
+
+    def run(off, layers):
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.net = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        x = torch.randn(32, 64)
+        if off is None:
+            model.net(x).square().sum().backward()
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no size-only warning
+                off.attach(model, layers)
+            with off:
+                model.net(x).square().sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    off = SavedTensorOffloader([tmp_path], threshold_bytes=4096, keep_last=1)
+    assert all(torch.equal(a, b) for a, b in zip(run(off, "net"), run(None, None)))
+    assert off.stats.tensors_offloaded >= 1
+    with pytest.raises(ValueError, match=r"`layers='net.0'`: Module has a Linear, not a list of layers.*'net'"):
+        run(off, "net.0")
+    with pytest.raises(ValueError, match=r"`layers='blocks'`: Module has no such submodule.*found: 'net'"):
+        run(off, "blocks")
+    off.close()
+    with pytest.raises(ValueError, match=r"`layers=3` is an int: it must be the name of the module list"):
+        ActivationOffload(layers=3)
+
+
+@pytest.mark.parametrize("layers", [None, "model.blocks", "model.nowhere"])
+def test_the_callbacks_layers_reach_the_offloader(tmp_path, layers, recwarn):
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_smartinf import SmartInfinityStrategy
+
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], offload_activations={"layers": layers, "keep_last": 0})
+    if layers == "model.nowhere":
+        with pytest.raises(MisconfigurationException, match=r"`ActivationOffload`: `layers='model.nowhere'`"):
+            fit(LMModule(_adamw, dim=64), strategy, steps=1)
+        return
+    trainer, _ = fit(LMModule(_adamw, dim=64), strategy, steps=1)
+    assert trainer.callback_metrics["smartinf/activation_write_bytes"] >= 0
+    assert not [w for w in recwarn if "size-only" in str(w.message)]
+
+
 _adamw = adamw_factory(lr=1e-3)
 
 

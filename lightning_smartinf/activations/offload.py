@@ -214,6 +214,37 @@ def find_layers(model: nn.Module) -> list[nn.Module]:
     return best
 
 
+def named_layers(model: nn.Module, name: str) -> list[nn.Module]:
+    """The children of ``model``'s submodule ``name``, a ``ModuleList`` or ``Sequential`` (``layers="..."``).
+
+    Raises:
+        ValueError: ``model`` has no such submodule, or it holds no layers.
+    """
+    try:
+        holder = model.get_submodule(name)
+    except AttributeError:
+        holder = None
+    if not isinstance(holder, (nn.ModuleList, nn.Sequential)) or len(holder) == 0:
+        found = "no such submodule" if holder is None else f"a {type(holder).__name__}, not a list of layers"
+        raise ValueError(
+            f"`layers={name!r}`: {type(model).__name__} has {found}. Name the ModuleList or Sequential that holds "
+            f"the repeated layers (found: {_layer_lists(model) or 'none'}), or leave `layers=None` to find them."
+        )
+    return list(holder.children())
+
+
+def _layer_lists(model: nn.Module) -> str:
+    """The names of ``model``'s non-empty module lists, for an error message."""
+    names = [
+        repr(n) for n, m in model.named_modules() if n and isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m)
+    ]
+    return ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, UserWarning, stacklevel=3)
+
+
 def cleanup_stale_dirs(storage_path: str | os.PathLike) -> list[Path]:
     """Remove the run directories under ``storage_path/smartinf-activations`` that dead processes left; return them."""
     return remove_leftovers(Path(storage_path) / ROOT_DIR_NAME)
@@ -226,6 +257,8 @@ def check_arguments(problems: Problems, arguments: Mapping[str, Any]) -> None:
     callback, which takes the strategy's."""
     if "storage_paths" in arguments:
         problems.paths("storage_paths", arguments["storage_paths"], optional=True)
+    if arguments.get("layers") is not None:
+        problems.instance("layers", arguments["layers"], str, "the name of the module list of layers, or None")
     for name, low, example in (("threshold_bytes", 0, 1 << 20), ("max_inflight_bytes", 1, 64 << 20)):
         if name in arguments:
             problems.integer(name, arguments[name], low=low, unit="bytes", example=example, optional=True)
@@ -354,18 +387,24 @@ class SavedTensorOffloader:
         self._closed = False
 
     # ----------------------------------------------------------------------------------------------- setup
-    def attach(self, model: nn.Module, layers: Sequence[nn.Module] | None = None) -> SavedTensorOffloader:
-        """Find (or take) the model's layers and register forward hooks that track which layer is running."""
+    def attach(
+        self,
+        model: nn.Module,
+        layers: Sequence[nn.Module] | str | None = None,
+        *,
+        warn: Callable[[str], object] | None = None,
+    ) -> SavedTensorOffloader:
+        """Find the model's layers, or take them (``layers``: the modules, or the name of the ``ModuleList`` or
+        ``Sequential`` in ``model`` that holds them, e.g. ``"model.transformer.h"``), and register forward hooks
+        that track which layer is running. Without layers, says so through ``warn`` (default: a ``UserWarning``)."""
         self.detach()
-        self._layers = list(layers) if layers is not None else find_layers(model)
+        self._layers = named_layers(model, layers) if isinstance(layers, str) else list(layers or find_layers(model))
         if not self._layers:
-            warnings.warn(
-                f"SavedTensorOffloader found no repeated layers in {type(model).__name__} (a ModuleList/Sequential of "
+            (warn or _warn)(
+                f"Activation offload found no repeated layers in {type(model).__name__} (a ModuleList/Sequential of "
                 "same-type modules with parameters); falling back to a size-only policy: every saved tensor of at "
                 f"least `threshold_bytes={self.threshold_bytes}` is offloaded and `keep_last` is ignored. Pass "
-                "`layers=` to attach() to name the layers.",
-                UserWarning,
-                stacklevel=2,
+                "`layers=` (the name of the module list that holds them, e.g. 'model.transformer.h') to name them."
             )
         # Measured whether or not settings were given: given ones are checked against the overhead budget.
         self._meter = LayerMeter(len(self._layers)) if self._layers and self.enabled else None

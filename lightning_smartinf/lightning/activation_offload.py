@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_smartinf.activations.costs import OVERHEAD_BUDGET
@@ -38,6 +39,9 @@ class ActivationOffload(L.Callback):
             are chosen to stay within it from what this machine measures, offloading less (more layers kept, a
             higher threshold) or nothing where it cannot hold, and said once; the choice is re-checked once against
             the measured step. Settings given are kept, with a warning where they are predicted to break it.
+        layers: the name of the ``ModuleList`` or ``Sequential`` in the LightningModule that holds the model's
+            repeated layers (e.g. ``"model.transformer.h"``); ``None`` finds the longest list of same-type layers
+            with parameters, and offloads by size alone (with a warning) where there is none.
 
     With DeepSpeed activation checkpointing on, only the checkpoint inputs are saved in forward (those are what
     gets offloaded); the recomputation during backward is kept in memory. With it off, every activation above the
@@ -53,6 +57,7 @@ class ActivationOffload(L.Callback):
         io_threads: int = 4,
         log_stats: bool = True,
         overhead_budget: float = OVERHEAD_BUDGET,
+        layers: str | None = None,
     ) -> None:
         #: The offloader's own arguments.
         self.kwargs = dict(
@@ -63,9 +68,12 @@ class ActivationOffload(L.Callback):
             overhead_budget=overhead_budget,
         )
         problems = Problems("ActivationOffload", ValueError)
-        check_arguments(problems, {"storage_paths": storage_paths, "log_stats": log_stats, **self.kwargs})
+        check_arguments(
+            problems, {"storage_paths": storage_paths, "log_stats": log_stats, "layers": layers, **self.kwargs}
+        )
         problems.raise_if_any()
         self.storage_paths = storage_paths
+        self.layers = layers
         self.log_stats = log_stats
         self.offloader: SavedTensorOffloader | None = None
         self.stats: OffloadStats | None = None  # the last run's counters, kept after teardown
@@ -97,7 +105,10 @@ class ActivationOffload(L.Callback):
         # Here, not in `setup`: a module that builds its model in `configure_model` (the Hugging Face modules) has
         # no layers before it, and `configure_model` runs after callbacks' `setup`.
         if self.offloader is not None:
-            self.offloader.attach(pl_module)
+            try:
+                self.offloader.attach(pl_module, self.layers, warn=rank_zero_warn)
+            except ValueError as exc:  # `layers` names no list of layers in this module
+                raise MisconfigurationException(f"`ActivationOffload`: {exc}") from None
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
