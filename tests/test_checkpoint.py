@@ -514,6 +514,25 @@ def test_export_refuses_a_corrupt_file(reference, tmp_path) -> None:
     assert export_main([str(copy), str(tmp_path / "x.safetensors")]) == 1
 
 
+def test_export_to_a_file_shows_what_it_reads_and_writes(reference, tmp_path) -> None:
+    """`smartinf export CKPT out.safetensors` said nothing while it read the shard files and wrote the weights
+    (`--save-pretrained` showed its write). Each operation's line is shown here however short (`min_seconds=0`)."""
+    from helpers.launch import run
+    from safetensors.torch import load_file
+
+    from lightning_smartinf.core.io.storage import readable_size
+
+    source, out = ckpt(reference[0], TOTAL), tmp_path / "model.safetensors"
+    forced = "import sys; from lightning_smartinf.core import progress; progress.configure(min_seconds=0.0)"
+    command = "from lightning_smartinf.commands.export import main; sys.exit(main(sys.argv[1:]))"
+    stderr = run([sys.executable, "-c", f"{forced}; {command}", str(source), str(out)]).stderr
+    shard_files = (source / "checkpoint" / "smartinf").glob("rank*/shard*.state")
+    read = readable_size(sum(path.stat().st_size for path in shard_files), decimal=True)
+    written = readable_size(sum(t.numel() * t.element_size() for t in load_file(out).values()), decimal=True)
+    assert re.search(rf"^Reading the optimizer state of {re.escape(str(source))}: {read} in ", stderr, re.M), stderr
+    assert re.search(rf"^Writing the weights to {re.escape(str(out))}: {written} in ", stderr, re.M), stderr
+
+
 def test_export_refuses_to_write_into_a_checkpoint_and_leaves_it_loadable(reference, tmp_path, capsys) -> None:
     """A file exported into a checkpoint directory made it unloadable (its seal lists every file), and the refusal of
     a checkpoint given as the output file suggested `<checkpoint>/model.safetensors`."""

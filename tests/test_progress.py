@@ -32,6 +32,7 @@ FIT = {
 #: Those ``--hf`` adds (with its own fit's initial state and checkpoint).
 HF = {
     "Loading the pretrained weights": 1,  # of <directory>
+    "Reading the optimizer state": 1,  # of the checkpoint exported (its shard files, checked)
     "Writing the weights": 1,  # to <directory>
     "Tokenising python_docs.txt into the token cache": 1,
 }

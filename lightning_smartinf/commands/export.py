@@ -34,7 +34,7 @@ import json
 import os
 import sys
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,7 @@ from lightning_smartinf.core.format import checkpoint_folder
 from lightning_smartinf.core.format.masters import MastersReader, Weights, saved_masters
 from lightning_smartinf.core.format.rank_state import full_parameter
 from lightning_smartinf.core.io.storage import nearest_existing
+from lightning_smartinf.core.progress import Progress
 
 if TYPE_CHECKING:
     from lightning_smartinf.hf.weight_files import WrittenWeights
@@ -88,11 +89,23 @@ def checkpoint_weights(
     ``verify``: check every shard file's size and CRC-32 against its manifest first (reads each file once more).
     ``remote``: reads the masters of a rank whose device state is on remote device servers (``remote.json``); the
     servers send a rank's masters whole, so those are held.
+
+    The checks show their progress (:class:`~lightning_smartinf.core.progress.Progress`, over the shard files' bytes).
     """
     seal = checkpoint_folder.verify(checkpoint_path, checksum_shards=False)  # shards: CRC-checked below if `verify`
     size = seal["world_size"]
     directories = [checkpoint_folder.rank_state_dir(checkpoint_path, rank) for rank in range(size)]
-    return saved_masters(directories, verify=verify, elsewhere=remote).joined(frozen_weights(checkpoint_path, size))
+    # The checks read every shard file whole (none where the devices kept the state): the bulk of the reading.
+    state_bytes = sum(
+        entry["bytes"]
+        for name, entry in seal["files"].items()
+        if verify and name.startswith(f"{checkpoint_folder.STATE_DIR}/") and name.endswith(".state")
+    )
+    if not state_bytes:
+        return saved_masters(directories, verify=verify, elsewhere=remote).joined(frozen_weights(checkpoint_path, size))
+    with Progress(f"reading the optimizer state of {checkpoint_path}", state_bytes) as progress:
+        masters = saved_masters(directories, verify=verify, elsewhere=remote, checked=progress.update)
+    return masters.joined(frozen_weights(checkpoint_path, size))
 
 
 def consolidate_fp32_state_dict(
@@ -163,9 +176,19 @@ def save_fp32(
     what, fix = "the fp32 weights", "Free space there, or write them elsewhere."
     require_room(out_file.parent, what, nbytes, fix)
     metadata = {"format": "pt", "source": str(checkpoint_path)}
+
+    def counted(blocks: Iterable[bytes | memoryview], progress: Progress) -> Iterator[bytes | memoryview]:
+        """``blocks``, each counted once written (the writer asks for the next one then); the header, first, is not
+        counted: the total is the weights'."""
+        for index, block in enumerate(blocks):
+            yield block
+            if index:
+                progress.update(memoryview(block).nbytes)
+
     try:
-        # Through a temporary renamed into place once on disk: a full disk leaves no truncated file to load.
-        write_file_atomic(out_file, safetensors_blocks(state, metadata=metadata))
+        with Progress(f"writing the weights to {out_file}", nbytes) as progress:
+            # Through a temporary renamed into place once on disk: a full disk leaves no truncated file to load.
+            write_file_atomic(out_file, counted(safetensors_blocks(state, metadata=metadata), progress))
     except OSError as exc:
         if is_disk_full(exc):
             raise disk_full_error(out_file.parent, what, nbytes, f"Nothing was kept. {fix}") from None

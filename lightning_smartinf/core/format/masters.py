@@ -91,7 +91,15 @@ class _RankMasters:
     """One rank's saved masters, shard by shard: ranges read from its shard files, or held whole when they come
     from ``elsewhere`` (the only way to get them there)."""
 
-    def __init__(self, directory: Path, shards: int, *, verify: bool, elsewhere: MastersReader | None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        shards: int,
+        *,
+        verify: bool,
+        elsewhere: MastersReader | None,
+        checked: Callable[[int], None] | None = None,
+    ) -> None:
         self.directory = directory
         self.held: list[Tensor] = []
         self.layouts: list[ChunkLayout] = []
@@ -119,6 +127,8 @@ class _RankMasters:
             entry = entries[index]
             if verify:
                 verify_state_file(directory / shard_file_name(index), entry)
+                if checked is not None:
+                    checked(int(entry["bytes"]))
             self.layouts.append(saved_layout(entry, int(manifest["chunk_elems"])))
         self.numels = [layout.numel for layout in self.layouts]
 
@@ -129,12 +139,19 @@ class _RankMasters:
         return read_shard_masters(self.directory / shard_file_name(shard), self.layouts[shard], offset, numel)
 
 
-def saved_masters(rank_dirs: Sequence[Path], *, verify: bool = True, elsewhere: MastersReader | None = None) -> Weights:
+def saved_masters(
+    rank_dirs: Sequence[Path],
+    *,
+    verify: bool = True,
+    elsewhere: MastersReader | None = None,
+    checked: Callable[[int], None] | None = None,
+) -> Weights:
     """The fp32 master weights of every trainable parameter, by name, from each rank's device-state directory (in
     rank order), read a parameter at a time: only the elements of its partitions, from the chunk records they are in.
 
-    ``verify``: check every shard file's size and CRC-32 against its manifest first. A rank whose state was kept
-    on its devices is read whole through ``elsewhere`` and held (remote servers send a rank's masters at once).
+    ``verify``: check every shard file's size and CRC-32 against its manifest first; ``checked(nbytes)`` is called
+    after each file (its size: all of it was read). A rank whose state was kept on its devices is read whole through
+    ``elsewhere`` and held (remote servers send a rank's masters at once).
     """
     size = len(rank_dirs)
     ranks: list[_RankMasters] = []
@@ -146,7 +163,7 @@ def saved_masters(rank_dirs: Sequence[Path], *, verify: bool = True, elsewhere: 
             raise ValueError(
                 f"{directory / HOST_STATE} belongs to rank {host.get('rank')} of {host.get('world_size')}."
             )
-        ranks.append(_RankMasters(directory, len(host["shards"]), verify=verify, elsewhere=elsewhere))
+        ranks.append(_RankMasters(directory, len(host["shards"]), verify=verify, elsewhere=elsewhere, checked=checked))
         index = PartitionIndex.of(host["shards"])
         where.append(index.where)
         for name, shape in index.shapes.items():
