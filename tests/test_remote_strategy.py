@@ -319,6 +319,34 @@ def test_a_checkpoint_on_a_server_restarted_over_another_root_is_refused_naming_
     checkpoint_folder.verify(checkpoint)  # as it was saved
 
 
+def _server_labels(checkpoint: Path) -> set[str]:
+    """The labels under which the servers keep ``checkpoint``'s device state."""
+    found = (checkpoint / "checkpoint" / "smartinf").rglob("remote.json")
+    return {entry["label"] for path in found for entry in json.loads(path.read_text())["servers"]}
+
+
+@pytest.mark.slow
+def test_two_runs_on_a_server_that_prunes_keep_each_others_checkpoints(tmp_path):
+    """Two unrelated trainers on one server that keeps 2 checkpoints a label and prunes the oldest: the second run's
+    saves leave the first run's checkpoints, which it then resumes; its saves after the resume rotate its own."""
+    root = tmp_path / "server"
+    root.mkdir()
+    server = ServerProcess(
+        [root / "srv"], write_token(root / "token"), extra=["--max-label-checkpoints", "2", "--prune-checkpoints"]
+    ).start()
+    try:
+        remote = _remote([server])
+        train(tmp_path / "a", steps=EVERY, checkpointing="last", strategy_kwargs=remote)  # step=4 and last: 2 saves
+        first = _server_labels(tmp_path / "a" / "ckpts" / "last.ckpt")
+        train(tmp_path / "b", steps=3 * EVERY, checkpointing="last", strategy_kwargs=remote)  # 6 saves, 4 pruned
+        last = tmp_path / "a" / "ckpts" / "last.ckpt"
+        train(tmp_path / "a", ckpt_path=last, steps=2 * EVERY, checkpointing="last", strategy_kwargs=remote)
+        assert _server_labels(last) == first, "the resumed run saves in the lineage of the checkpoint it resumed"
+        assert len(list((root / "srv" / "checkpoints").iterdir())) == 4, "each run keeps its newest 2"
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize(
     ("source", "message"),
     [

@@ -936,8 +936,9 @@ def test_a_labels_checkpoints_are_capped_and_pruned_only_when_asked(tmp_path, pr
         if prune:
             client.save(tmp_path / "c")
         else:
-            with pytest.raises(StorageError, match=r"RESOURCE_EXHAUSTED.*Label 'rank000' holds 2 checkpoint\(s\).*"
-                               r"--prune-checkpoints"):  # fmt: skip
+            with pytest.raises(StorageError, match=r"RESOURCE_EXHAUSTED.*Label 'rank000-[0-9a-f]{16}' \(this run's "
+                               r"rank.*\) holds 2 checkpoint\(s\).*`smartinf serve --max-label-checkpoints 2`.*"
+                               r"save_last=True.*--prune-checkpoints"):  # fmt: skip
                 client.save(tmp_path / "c")
         standing = ("b", "c") if prune else ("a", "b")
         saved = {json.loads((tmp_path / n / "remote.json").read_text())["servers"][0]["checkpoint"] for n in standing}
@@ -948,6 +949,43 @@ def test_a_labels_checkpoints_are_capped_and_pruned_only_when_asked(tmp_path, pr
             again.open(SPECS)
             again.load(tmp_path / name)
             again.close()
+    finally:
+        server.stop()
+
+
+def _checkpoint_id(directory: Path) -> str:
+    return json.loads((directory / "remote.json").read_text())["servers"][0]["checkpoint"]
+
+
+@pytest.mark.parametrize("prune", [False, True], ids=["refused", "pruned"])
+def test_a_labels_caps_and_pruning_count_only_its_own_runs_checkpoints(tmp_path, prune) -> None:
+    """Two unrelated runs (both rank 0, one token, no client certificates) share a server capped at 2 checkpoints a
+    label: neither run's saves are refused for, or remove, the other's checkpoints. A run resumed from a checkpoint
+    continues its lineage: its saves prune that run's oldest, still none of the other's."""
+    server = _server_with(tmp_path, "--max-label-checkpoints", "2", *(["--prune-checkpoints"] if prune else []))
+    try:
+        first = _opened(server)
+        first.save(tmp_path / "a1")
+        first.close()
+        other = _opened(server)
+        for name in ("b1", "b2", *(["b3"] if prune else [])):
+            other.save(tmp_path / name)
+        other.close()
+        resumed = _client(server)
+        resumed.open(SPECS)
+        resumed.load(tmp_path / "a1")  # the first run's checkpoint is still there
+        resumed.save(tmp_path / "a2")
+        if prune:
+            resumed.save(tmp_path / "a3")  # the third of the first run's lineage removes its oldest, a1
+            standing = ("a2", "a3", "b2", "b3")
+        else:
+            with pytest.raises(StorageError, match=r"RESOURCE_EXHAUSTED.* holds 2 checkpoint\(s\)"):
+                resumed.save(tmp_path / "a3")  # a1 and a2 count against the resumed run, b1 and b2 do not
+            standing = ("a1", "a2", "b1", "b2")
+        resumed.close()
+        assert {p.name for p in (tmp_path / "root" / "checkpoints").iterdir()} == {
+            _checkpoint_id(tmp_path / n) for n in standing
+        }
     finally:
         server.stop()
 

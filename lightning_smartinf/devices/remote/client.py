@@ -196,6 +196,7 @@ class _Server:
         self.read_checkpoint = method("unary_stream", "ReadCheckpoint")
         self.server_id = ""
         self.session = ""  # issued by the server when this rank opens its shards there
+        self.label = ""  # the session's label, as the server named it (the rank's name and its run's lineage id)
         self.shards: list[int] = []  # global shard indices, in local order
         self.storage_bytes = (0, 0)  # storage read and write bytes of the session, as the server last counted them
         # Calls in flight per server: one shard's gradient crossing while another's update runs (the server admits
@@ -609,7 +610,9 @@ class RemoteBackend(LatchingBackend):
     Args:
         addresses: ``host:port`` of each server.
         token: the servers' bearer token.
-        label: this rank's name on the servers (checkpoints are kept under it), e.g. ``rank000``.
+        label: this rank's name on the servers, e.g. ``rank000``. Each server adds a lineage id of its making: its
+            checkpoints are kept under that label, which a session that loads one of them continues, so that a
+            server's checkpoint caps and pruning only ever count this run's (and the runs it resumed).
         chunk_elems, buffer_count, io_threads, tentative_slots, prefetch_state: the sessions' devices, as for
             :class:`~lightning_smartinf.devices.cpu.CpuBackend`.
         device_timeout_s: deadline of every call; ``None`` waits forever.
@@ -693,8 +696,8 @@ class RemoteBackend(LatchingBackend):
             )
             what = f"opening {len(server.shards)} shards"
             try:
-                reply = server.reply(server.call(server.open, header, what), what, ("session",))
-                server.session = str(reply["session"])
+                reply = server.reply(server.call(server.open, header, what), what, ("session", "label"))
+                server.session, server.label = str(reply["session"]), str(reply["label"])
             except StorageError:
                 server.shards = []  # no session there: `close` has nothing to wait for or close on it
                 raise
@@ -914,7 +917,7 @@ class RemoteBackend(LatchingBackend):
                     "address": server.address,
                     "server_id": server.server_id,
                     "checkpoint": reply["checkpoint"],  # named by the server: each save is a new one
-                    "label": self.label,
+                    "label": server.label,
                     "shards": server.shards,
                     "numels": [self._specs[i].numel for i in server.shards],
                     "digest": reply["digest"],
@@ -956,13 +959,16 @@ class RemoteBackend(LatchingBackend):
                     "root that holds the checkpoint."
                 )
         for server, entry in zip(mine, entries):
-            self._control(
+            reply = self._control(
                 server,
                 "load",
                 "loading a checkpoint",
+                required=("label",),
                 checkpoint=entry.get("checkpoint", manifest.get("checkpoint")),  # format 1: one id for every server
+                label=entry.get("label"),
                 digest=entry.get("digest"),
             )
+            server.label = str(reply["label"])  # the checkpoint's lineage, continued by this run's saves
 
     def loads_as_saved(self, directory: Path) -> bool:
         """Only a checkpoint the servers kept (a ``remote.json``) placed as this run places its shards: the same

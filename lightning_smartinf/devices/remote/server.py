@@ -98,6 +98,12 @@ log = logging.getLogger(__name__)
 #: Session, label and checkpoint names: one path component, no dots at the start.
 #: Matched whole (``fullmatch``): ``$`` alone would let a trailing newline through.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+#: A session's label is the client's name for its rank, ``-`` and a lineage id the server makes at ``Open``; a session
+#: that loads a checkpoint of a lineage label continues that lineage. Checkpoint caps and pruning count one label only,
+#: so they never touch another run's checkpoints (older servers labelled every run's rank ``rank<NNN>`` alike: such
+#: checkpoints are loaded, and never continued).
+LINEAGE_HEX = 16
+LINEAGE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_-]*-[0-9a-f]{{{LINEAGE_HEX}}}")
 IDENTITY_FILE = ".smartinf-server.json"
 #: What `ReadCheckpoint` sends of a saved shard: its fp32 masters, the rank's manifest, or the shard's state file.
 CHECKPOINT_PARTS = ("masters", "manifest", "state")
@@ -497,6 +503,10 @@ class DeviceServer:
         header = decode_header(_first(requests), ("label", "shards"))
         limits = self.limits
         label = self._checked_name(header["label"], "label")
+        longest = 128 - 1 - LINEAGE_HEX  # a NAME is at most 128 characters: the lineage id and its "-" must fit
+        if len(label) > longest:
+            raise WireError(f"`label` has {len(label)} characters; at most {longest} (the server adds a lineage id).")
+        label = f"{label}-{secrets.token_hex(LINEAGE_HEX // 2)}"
         shards_in = header["shards"]
         if not isinstance(shards_in, list) or not shards_in:
             raise WireError("`shards` must be a non-empty list.")
@@ -582,7 +592,7 @@ class DeviceServer:
             with self._lock:
                 del self._opening[name]
         log.info("session %s (%s): %d shards on %d device(s)", tag, label, len(specs), len(dirs))
-        return header_frame(devices=len(dirs), session=name)
+        return header_frame(devices=len(dirs), session=name, label=label)
 
     def _build_session(
         self, dirs: list[Path], specs: list[ShardSpec], options: dict[str, int], header: dict[str, Any]
@@ -847,10 +857,13 @@ class DeviceServer:
         while kept and not self._label_has_room(kept, session.state):
             if not limits.prune_checkpoints:
                 raise OverLimit(
-                    f"Label {session.label!r} holds {len(kept)} checkpoint(s) ({readable_size(sum(kept.values()))}) "
-                    f"on this server; another of {readable_size(session.state)} passes its cap (`smartinf serve "
-                    "--max-label-checkpoints`, `--max-label-checkpoint-bytes`). Nothing was written: remove some "
-                    "(`--prune-checkpoints` lets the server remove the oldest).",
+                    f"Label {session.label!r} (this run's rank, and the runs it resumed) holds {len(kept)} "
+                    f"checkpoint(s) ({readable_size(sum(kept.values()))}) on this server; another of "
+                    f"{readable_size(session.state)} passes its cap ({self._label_caps()}). Nothing was written. Each "
+                    "save of the trainer is one checkpoint here, and `ModelCheckpoint(save_last=True)` saves twice "
+                    "(`last.ckpt` is a second full copy; `save_last='link'` links it instead). Remove some of this "
+                    "label's checkpoints, raise the cap, or start the server with `--prune-checkpoints` to remove "
+                    "the label's oldest.",
                 )
             oldest = next(iter(kept))
             shutil.rmtree(oldest.parent, ignore_errors=True)
@@ -861,6 +874,19 @@ class DeviceServer:
                 f"A checkpoint of {readable_size(session.state)} is larger than label {session.label!r}'s cap on this "
                 "server (`smartinf serve --max-label-checkpoint-bytes`). Nothing was written.",
             )
+
+    def _label_caps(self) -> str:
+        """The label caps in force, as the flags that set them."""
+        limits = self.limits
+        caps = [
+            f"`smartinf serve {flag} {value}`"
+            for flag, value in (
+                ("--max-label-checkpoints", limits.max_label_checkpoints),
+                ("--max-label-checkpoint-bytes", limits.max_label_checkpoint_bytes),
+            )
+            if value is not None
+        ]
+        return " and ".join(caps)
 
     def _label_has_room(self, kept: dict[Path, int], nbytes: int) -> bool:
         limits = self.limits
@@ -919,10 +945,17 @@ class DeviceServer:
         return directory, data, manifest
 
     def _load(self, session: Session, header: dict[str, Any]) -> Any:
-        directory, _, manifest = self._checkpoint(header, session.label, session.owner)
+        """Load the checkpoint saved under ``header["label"]`` (default: the session's own). A session that loads a
+        checkpoint of a lineage label takes that label: its saves count and prune with the checkpoints it resumed, as
+        if the run had never stopped. Only a client holding the checkpoint's id and digest (and, under mutual TLS, its
+        certificate) can continue a lineage."""
+        saved = self._checked_name(header.get("label", session.label), "label")
+        directory, _, manifest = self._checkpoint(header, saved, session.owner)
         session.backend.load(directory, manifest=manifest)  # the very manifest whose digest was checked
-        log.info("session %s: loaded a checkpoint", session.tag)
-        return header_frame(ok=True)
+        if LINEAGE.fullmatch(saved):
+            session.label = saved
+        log.info("session %s (%s): loaded a checkpoint", session.tag, session.label)
+        return header_frame(ok=True, label=session.label)
 
     def _load_upload(self, session: Session) -> Any:
         """Replace the session's state with the uploaded files, once every shard's has arrived; the upload directory

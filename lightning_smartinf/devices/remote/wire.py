@@ -65,8 +65,10 @@ SERVICE = "smartinf.remote.Device"
 #: 4: `ReadCheckpoint` also sends a saved checkpoint's manifest and state files (`part`), so that a checkpoint kept
 #: on servers resumes under another layout. 5: a shard of ``Open`` may name its state format (``state_format``), which
 #: a server of version 4 would ignore. 6: an ``"int8"`` state's second moment is coded in UE4M4 (a server of version 5
-#: codes it in E4M3: the same bytes would read as other values).
-PROTOCOL_VERSION = 6
+#: codes it in E4M3: the same bytes would read as other values). 7: the server adds a lineage id to a session's label
+#: (``Open`` replies with it) and a ``load`` names the checkpoint's label, whose lineage the session continues (a
+#: server of version 6 would look for the checkpoint under the new session's label).
+PROTOCOL_VERSION = 7
 #: Updates one session has in flight on a server (the server admits no more; a client sends no more).
 MAX_UPDATES_IN_FLIGHT = 4
 #: Trailing metadata by which a server tells gRPC's retry policy, and the client, not to retry (a negative pushback).
