@@ -10,7 +10,10 @@ import itertools
 import json
 import logging
 import math
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from helpers.launch import worker_env
 from helpers.remote_servers import ServerProcess, write_token
 
 from lightning_smartinf.core.backend import ShardSpec
@@ -25,7 +29,7 @@ from lightning_smartinf.core.io.storage import StorageError
 from lightning_smartinf.core.rules import Adam, StepParams
 from lightning_smartinf.devices.remote.client import RemoteBackend, channel_credentials
 from lightning_smartinf.devices.remote.server import DeviceServer, ServerLimits, serve, session_tag
-from lightning_smartinf.devices.remote.wire import MAX_UPDATES_IN_FLIGHT, SERVICE, Frame, header_frame
+from lightning_smartinf.devices.remote.wire import MAX_UPDATES_IN_FLIGHT, SERVICE, Frame, header_frame, rule_to_wire
 
 TOKEN = "a-token-of-the-limits-tests"
 CHUNK = 4096
@@ -83,7 +87,7 @@ def test_a_server_holds_at_most_its_sessions_and_takes_more_once_one_closes(tmp_
     try:
         first, second = _opened(port), _opened(port)
         third = _client(port)
-        with pytest.raises(StorageError, match="2 sessions are open already"):
+        with pytest.raises(StorageError, match=r"at most 2 session\(s\) at once \(`smartinf serve --max-sessions 2`\)"):
             third.open(SPECS)
         first.close()
         _opened(port).close()  # the freed place is taken
@@ -92,6 +96,58 @@ def test_a_server_holds_at_most_its_sessions_and_takes_more_once_one_closes(tmp_
     finally:
         server.stop(None).wait()
         servicer.close()
+
+
+#: A trainer's rank that opens its session on the server at ``argv[1]`` (token ``argv[2]``), says so, and waits to be
+#: killed.
+KILLED_TRAINER = f"""
+import sys, time
+from lightning_smartinf.core.backend import ShardSpec
+from lightning_smartinf.core.rules import Adam
+from lightning_smartinf.devices.remote.client import RemoteBackend
+client = RemoteBackend([sys.argv[1]], sys.argv[2], chunk_elems={CHUNK}, buffer_count=2)
+client.open([ShardSpec(index=0, numel={CHUNK}, rule=Adam())])
+print("open", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_trainers_session_refuses_the_next_naming_the_flag_its_idle_time_and_the_lease(tmp_path) -> None:
+    """A trainer killed with SIGKILL leaves its session open. Under ``--max-sessions 1`` the next ``Open`` is refused
+    with a message naming the flag, how long the open session has gone without a call, when its lease ends, and what
+    to do; the server logs the refusal."""
+    token_file = write_token(tmp_path / "token", TOKEN)
+    process = ServerProcess([tmp_path / "root"], token_file, extra=["--max-sessions", "1"]).start()
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", KILLED_TRAINER, process.address, TOKEN],
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert trainer.stdout is not None and trainer.stdout.readline() == "open\n"
+        trainer.kill()
+        trainer.wait()
+        channel = grpc.secure_channel(process.address, channel_credentials(process.address, TOKEN, None, False))
+        open_call = channel.stream_unary(
+            f"/{SERVICE}/Open", request_serializer=Frame.SerializeToString, response_deserializer=Frame.FromString
+        )
+        shards = [{"numel": CHUNK, "rule": rule_to_wire(Adam())}]
+        header = header_frame(label="rank000", shards=shards, chunk_elems=CHUNK, buffer_count=2, io_threads=1)
+        with pytest.raises(grpc.RpcError) as refused:
+            open_call(iter([header]), timeout=30)  # one call: gRPC's retry policy is the client's, not the stub's
+        channel.close()
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        expected = (
+            r"at most 1 session\(s\) at once \(`smartinf serve --max-sessions 1`\), and all are taken: 1 without a "
+            r"call for \d+ s\. The longest idle one's lease ends in \d+ s \(`--session-lease-s 3600`\).*killed.*"
+            r"restart the server.*a higher `--max-sessions` or a shorter `--session-lease-s`"
+        )
+        assert re.search(expected, refused.value.details()), refused.value.details()
+        assert re.search(r"WARNING refused 1 session\(s\) \(the last: This server holds at most 1", process.log_text())
+    finally:
+        trainer.kill()
+        process.stop()
 
 
 def _update_stub(port: int) -> tuple[grpc.Channel, object]:

@@ -329,6 +329,7 @@ class DeviceServer:
         self._stopped = threading.Event()
         self._remove_what_a_dead_server_left()
         self._malformed = _ThrottledLog("%d malformed request(s) (the last: %s from %s: %s)")
+        self._sessions_full = _ThrottledLog("refused %d session(s) (the last: %s)")
         self._reaper = threading.Thread(target=self._expire_sessions, name="smartinf-serve-leases", daemon=True)
         self._reaper.start()
 
@@ -559,16 +560,20 @@ class DeviceServer:
         name = secrets.token_urlsafe(32)
         tag = session_tag(name)
         with self._lock:  # reserve the session's slot and buffers; build it outside, no other call waiting on it
-            if len(self._sessions) + len(self._opening) >= limits.max_sessions:
-                raise OverLimit(f"{limits.max_sessions} sessions are open already.", final=False)
+            full = len(self._sessions) + len(self._opening) >= limits.max_sessions
+            refusal = self._why_sessions_are_full() if full else None
             held = sum(session.pool for session in self._sessions.values()) + sum(self._opening.values())
-            if held + pool > self.pools_bytes:
+            if refusal is None and held + pool > self.pools_bytes:
                 raise OverLimit(
                     f"The session's transfer buffers ({pool / 2**20:.0f} MiB) do not fit beside the open sessions' "
                     f"({held / 2**20:.0f} MiB of {self.pools_bytes / 2**20:.0f} MiB, `smartinf serve --max-pools`).",
                     final=False,
                 )
-            self._opening[name] = pool
+            if refusal is None:
+                self._opening[name] = pool
+        if refusal is not None:  # logged outside the lock: a log handler may block
+            self._sessions_full.note(refusal)
+            raise OverLimit(refusal, final=False)
         dirs = [root / "sessions" / tag for root in self.roots]
         try:
             backend = self._build_session(dirs, specs, options, header)
@@ -593,6 +598,33 @@ class DeviceServer:
                 del self._opening[name]
         log.info("session %s (%s): %d shards on %d device(s)", tag, label, len(specs), len(dirs))
         return header_frame(devices=len(dirs), session=name, label=label)
+
+    def _why_sessions_are_full(self) -> str:
+        """Why ``Open`` is refused while every session slot is taken: the flag, how long the open sessions have gone
+        without a call, when the first lease ends, and what to do. Called under ``self._lock``."""
+        limits, now = self.limits, time.monotonic()
+        idle = sorted((now - s.last_call for s in self._sessions.values() if s.calls == 0), reverse=True)
+        taken = [f"{len(idle)} without a call for {', '.join(f'{t:.0f} s' for t in idle[:8])}"] if idle else []
+        if len(idle) > 8:
+            taken[0] += ", ..."
+        if busy := len(self._sessions) - len(idle):
+            taken.append(f"{busy} with a call in flight")
+        if self._opening:
+            taken.append(f"{len(self._opening)} opening")
+        lease = limits.session_lease_s
+        ends = (
+            f" The longest idle one's lease ends in {max(0.0, lease - idle[0]):.0f} s (`--session-lease-s {lease:g}`); "
+            f"the server closes it within {min(60.0, lease / 4):.0f} s after."
+            if idle
+            else ""
+        )
+        return (
+            f"This server holds at most {limits.max_sessions} session(s) at once (`smartinf serve --max-sessions "
+            f"{limits.max_sessions}`), and all are taken: {'; '.join(taken)}.{ends} A trainer killed before it closed "
+            "its sessions (SIGKILL, out of memory, preemption) holds them until their lease ends. Wait for that, "
+            "restart the server (which closes every session; checkpoints stay), or start it with a higher "
+            "`--max-sessions` or a shorter `--session-lease-s`."
+        )
 
     def _build_session(
         self, dirs: list[Path], specs: list[ShardSpec], options: dict[str, int], header: dict[str, Any]
