@@ -120,9 +120,9 @@ def test_on_a_terminal_each_operation_is_a_bar_and_the_trainers_setting_decides(
 @pytest.mark.slow
 def test_only_the_first_rank_says_anything(tmp_path):
     """Two ranks launched by Lightning, each writing, saving, loading and re-sharding its own state: the lines of
-    one rank (rank 0), not two."""
+    one rank (rank 0), not two, each saying that its bytes are that rank's share."""
     stderr = journey(tmp_path, "--devices", "2")
-    assert ended(stderr) == FIT, stderr[-4000:]
+    assert ended(stderr) == {f"{what}, rank 0's share of 2 ranks": n for what, n in FIT.items()}, stderr[-4000:]
 
 
 @pytest.mark.slow

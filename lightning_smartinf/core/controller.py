@@ -333,7 +333,7 @@ class SmartUpdateController:
         total = sum(self._specs[i].state_bytes for i, _ in masters)
         devices = self.backend.num_devices
         what = f"writing the initial optimizer state on {devices} device{'s' if devices != 1 else ''}"
-        with Progress(what, total, announce=True) as progress:
+        with Progress(what, total, announce=True, per_rank=True) as progress:
             handles = [(i, self.backend.initialize(i, master)) for i, master in masters]
             for i, handle in handles:
                 self.backend.result(handle)

@@ -82,6 +82,14 @@ def _rank() -> int:
     return int(os.environ.get("RANK", 0) or 0)
 
 
+def _world_size() -> int:
+    """The number of ranks: torch.distributed's once it is up, else the launcher's ``WORLD_SIZE``."""
+    torch_distributed = sys.modules.get("torch.distributed")
+    if torch_distributed is not None and torch_distributed.is_available() and torch_distributed.is_initialized():
+        return torch_distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1) or 1)
+
+
 def is_shown() -> bool:
     """Whether this process shows progress at all: switched on, and global rank 0."""
     switched_off = os.environ.get("SMARTINF_PROGRESS", "1").strip().lower() in ("0", "off", "false", "no")
@@ -96,9 +104,14 @@ class Progress:
         total: how much there is to do, in ``unit`` (``None``: not known beforehand).
         unit: ``"B"`` (bytes, shown in decimal units) or a count's unit (``"tensors"``, ``"files"``).
         announce: say before it starts what it prepares and how big it is (in line mode; a bar says it anyway).
+        per_rank: each rank does its own share of it: with several ranks, the one shown (rank 0's) says it is a share.
     """
 
-    def __init__(self, what: str, total: float | None, *, unit: str = "B", announce: bool = False) -> None:
+    def __init__(
+        self, what: str, total: float | None, *, unit: str = "B", announce: bool = False, per_rank: bool = False
+    ) -> None:
+        if per_rank and (ranks := _world_size()) > 1:
+            what = f"{what}, rank 0's share of {ranks} ranks"
         self.what, self.total, self.unit = what[:1].upper() + what[1:], total, unit
         self.done = 0.0
         self._lock = threading.Lock()

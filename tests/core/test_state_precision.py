@@ -161,10 +161,14 @@ def test_int8_state_saved_in_the_earlier_code_is_refused_and_other_formats_still
 @pytest.mark.parametrize(
     ("saved", "wanted"), [("int8", "int8"), ("fp32", "int8"), ("int8", "fp32"), ("bf16", "int8"), ("int8", "bf16")]
 )
-def test_resume_in_the_same_format_is_bitwise_and_another_converts(tmp_path, caplog, saved, wanted):
+def test_resume_in_the_same_format_is_bitwise_and_another_converts(tmp_path, caplog, monkeypatch, saved, wanted):
+    from lightning_smartinf.core import progress
+    from lightning_smartinf.core.io.storage import readable_size
+
     _train_and_save(tmp_path, saved)
     specs = _specs(wanted)
     second = _cpu(tmp_path, "second")
+    monkeypatch.setattr(progress._settings, "min_seconds", 0.0)  # each operation's line, however short
     try:
         second.open(specs)
         with caplog.at_level(logging.INFO, logger="lightning_smartinf"):
@@ -172,6 +176,9 @@ def test_resume_in_the_same_format_is_bitwise_and_another_converts(tmp_path, cap
         second.save(tmp_path / "again")
     finally:
         run_with_timeout(second.close)
+    # The load's progress counts the bytes it read: the saved files, in the format they were saved in.
+    read = sum((tmp_path / "ckpt" / shard_file_name(spec.index)).stat().st_size for spec in specs)
+    assert f"Loading the optimizer state: {readable_size(read, decimal=True)} in" in caplog.text
     converting = [r for r in caplog.records if "converting it to" in r.getMessage()]
     for spec in specs:
         before = (tmp_path / "ckpt" / shard_file_name(spec.index)).read_bytes()

@@ -239,7 +239,7 @@ class Reshard:
         files: dict[tuple[int, int], BinaryIO] = {}
         total = sum(s.layout.file_bytes for s in shards)
         try:
-            with Progress("re-sharding the optimizer state", total) as progress:
+            with Progress("re-sharding the optimizer state", total, per_rank=True) as progress:
                 for shard, pieces in zip(shards, self.plan):
                     self._write_shard(shard, pieces, files)
                     if then is not None:

@@ -323,16 +323,19 @@ def _by_device(shards: Sequence[ShardState]) -> list[list[ShardState]]:
 
 
 def _per_device(
-    shards: Sequence[ShardState], work: Callable[[ShardState], object], progress: Progress | None = None
+    shards: Sequence[ShardState],
+    work: Callable[[ShardState], object],
+    progress: Progress | None = None,
+    file_bytes: Callable[[ShardState], int] = lambda shard: saved_form(shard.layout).file_bytes,
 ) -> dict[int, object]:
     """Run ``work`` for every shard, the shards of each device one after another, devices in parallel; each shard
-    done adds its file's bytes as saved to ``progress``."""
+    done adds ``file_bytes`` of it (its file's as this run saves it) to ``progress``."""
     groups = _by_device(shards)
 
     def one(shard: ShardState) -> object:
         result = work(shard)
         if progress is not None:
-            progress.update(saved_form(shard.layout).file_bytes)
+            progress.update(file_bytes(shard))
         return result
 
     def run(group: list[ShardState]) -> list[tuple[int, object]]:
@@ -397,7 +400,7 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
                 return crc, clone_file(shard.path, dst, size, fsync=False)
             return copy_with_crc(shard.path, dst, expected_bytes=size, fsync=False), "checksummed " + COPY
 
-        with Progress("saving the optimizer state", sum(sizes.values())) as progress:
+        with Progress("saving the optimizer state", sum(sizes.values()), per_rank=True) as progress:
             done = _per_device(shards, copy, progress)
         # Forced to disk once all are copied (before the manifest): a flush per file would idle the disk between them.
         _per_device(shards, lambda shard: fsync_file(tmp / shard_file_name(shard.spec.index)))
@@ -590,8 +593,11 @@ def load_state(
                 f"{recorded:#010x}); the live state is now invalid. Load again."
             )
 
-    with Progress("loading the optimizer state", sum(saved_form(s.layout).file_bytes for s in shards)) as progress:
-        _per_device(shards, copy_back, progress)
+    def read_bytes(shard: ShardState) -> int:  # the saved file's, in its own format (a conversion reads that)
+        return saved_layout(entries[shard.spec.index], chunk_elems).file_bytes
+
+    with Progress("loading the optimizer state", sum(map(read_bytes, shards)), per_rank=True) as progress:
+        _per_device(shards, copy_back, progress, read_bytes)
 
 
 def _difference(found: list[dict], expected: list[dict], saved_chunk: Any, chunk_elems: int) -> str:
