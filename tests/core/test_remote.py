@@ -196,6 +196,25 @@ def test_a_server_killed_mid_step_fails_the_step_naming_it(servers, token_file) 
     remote.close()
 
 
+@pytest.mark.parametrize(
+    "operation",
+    [lambda backend: backend.check_storage(), lambda backend: backend.prefetch([0, 1])],
+    ids=["check_storage", "prefetch"],
+)
+def test_a_server_killed_between_steps_fails_the_next_operation_and_close_raises_nothing_over_it(
+    servers, token_file, operation
+) -> None:
+    """The step's own error is the one the trainer sees: ``close`` (a Trainer's teardown, while that error propagates)
+    releases what it can and raises no second error of its own."""
+    remote = _remote(servers, token_file)
+    _initialize([remote])
+    servers[1].kill()
+    with pytest.raises(StorageError, match=rf"server {servers[1].address}.* unreachable") as failed:
+        operation(remote)
+    remote.close()  # raises nothing
+    assert remote.failure is failed.value
+
+
 def test_a_stalled_server_raises_after_the_timeout(servers, token_file) -> None:
     remote = _remote(servers, token_file, device_timeout_s=3.0)
     _initialize([remote])

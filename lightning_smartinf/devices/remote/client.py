@@ -846,6 +846,15 @@ class RemoteBackend(LatchingBackend):
         request = header_frame(session=server.session, op=op, **args)
         return server.reply(server.call(server.control, request, what, timeout=timeout), what, required)
 
+    def _step_control(self, server: _Server, op: str, what: str, **args: Any) -> dict[str, Any]:
+        """:meth:`_control` for an operation of the step (a commit, a rollback, prefetch advice, a storage check): its
+        failure stops the backend (:attr:`failure`) as an update's does, so that :meth:`close` releases what it can
+        and raises nothing over the step's error."""
+        try:
+            return self._control(server, op, what, **args)
+        except StorageError as exc:
+            raise self.latch_error(exc) from None
+
     @property
     def _holding(self) -> list[_Server]:
         """The servers that hold shards of this rank (each has a session)."""
@@ -856,7 +865,7 @@ class RemoteBackend(LatchingBackend):
         shards = self.tentative_updates.check_commit(shards)
         self.wait()
         for server, local in by_holder(self._where, shards).items():
-            self._control(server, "commit", "a commit", shards=local)
+            self._step_control(server, "commit", "a commit", shards=local)
         self.tentative_updates.end(shards)
 
     def rollback(self, shards: Iterable[int]) -> None:
@@ -864,7 +873,7 @@ class RemoteBackend(LatchingBackend):
         try:
             self.wait()
             for server, local in by_holder(self._where, shards).items():
-                self._control(server, "rollback", "a rollback", shards=local)
+                self._step_control(server, "rollback", "a rollback", shards=local)
         finally:
             self.tentative_updates.end(shards)
 
@@ -873,12 +882,12 @@ class RemoteBackend(LatchingBackend):
             return
         grouped = by_holder(self._where, (i for i in shards if i not in self.tentative_updates))
         for server in self._holding:
-            self._control(server, "prefetch", "prefetch advice", shards=grouped.get(server, []))
+            self._step_control(server, "prefetch", "prefetch advice", shards=grouped.get(server, []))
 
     def check_storage(self) -> None:
         self.check_usable("check_storage")
         for server in self._holding:
-            self._control(server, "check_storage", "a storage check")
+            self._step_control(server, "check_storage", "a storage check")
 
     def wait(self) -> None:
         pending = self.pending_work.take()
