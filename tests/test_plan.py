@@ -323,6 +323,22 @@ def test_calibrate_refuses_less_than_a_mebibyte_before_measuring(tmp_path, capsy
     assert not list(tmp_path.iterdir())
 
 
+def test_calibrate_refuses_an_output_it_cannot_write_before_measuring(tmp_path, capsys):
+    """`-o` was opened only once the calibration (minutes) was over, and failed there with a traceback."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (tmp_path / "file").write_text("")
+    cases = {
+        str(tmp_path): f"`-o {tmp_path}` is a directory: name the profile's JSON file, e.g. `-o {tmp_path}/machine",
+        str(tmp_path / "missing" / "m.json"): f"its folder {str(tmp_path / 'missing')!r} does not exist. Create the",
+        str(tmp_path / "file" / "m.json"): f"its folder {str(tmp_path / 'file')!r} is a file, not a folder. Create the",
+    }  # fmt: skip
+    for output, said in cases.items():
+        assert main(["--calibrate", str(disk), "--calibrate-mb", "1", "-o", output]) == 2
+        assert said in capsys.readouterr().err
+        assert not list(disk.iterdir())  # nothing measured
+
+
 def test_calibrate_writes_a_usable_profile(tmp_path, capsys):
     from helpers.leftovers import left_over
 

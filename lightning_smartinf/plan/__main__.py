@@ -6,12 +6,14 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from lightning_smartinf.core.arguments import Problems
+from lightning_smartinf.core.io.storage import write_file_atomic
 from lightning_smartinf.core.state_formats import FORMATS
 from lightning_smartinf.plan.cost_model import (
     MAX_DEVICES,
@@ -146,8 +148,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_output(output: str) -> None:
+    """Refuse a ``-o`` the profile cannot be written to, before the minutes of measuring: a directory, or a file in
+    a folder that is missing or not writable."""
+    path = Path(output)
+    folder = path.parent  # `.` for a bare file name
+    if path.is_dir():
+        raise PlanError(
+            f"`-o {output}` is a directory: name the profile's JSON file, e.g. `-o {path / 'machine.json'}`."
+        )
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise PlanError(f"`-o {output}`: its folder {str(folder)!r} {what}. Create the folder, or write elsewhere.")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PlanError(
+            f"`-o {output}`: its folder {str(folder)!r} is not writable by this user. Write the profile elsewhere."
+        )
+
+
 def _save_profile(profile: dict[str, Any], output: str) -> None:
-    Path(output).write_text(json.dumps(profile, indent=2) + "\n")
+    # Through a temporary renamed into place: an interrupted write leaves the earlier profile, never half of one.
+    write_file_atomic(Path(output), (json.dumps(profile, indent=2) + "\n").encode())
     print(f"wrote profile {profile['name']!r} to {output}", file=sys.stderr)
 
 
@@ -170,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | dict[str, Any] | None:
     """Calibrate and/or plan as ``args`` ask: the text or JSON object to print (``None``: nothing)."""
     _check_numbers(args)
+    if args.output:
+        _check_output(args.output)
     measured: Profile | Machine | None = None
     calibrated: dict[str, Any] | None = None
     if args.calibrate:
