@@ -123,12 +123,12 @@ class Progress:
         if _settings.bars and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
-            in_bytes = unit == "B"
+            # Decimal prefixes for bytes and counts alike ("5.12MB", "2.81M tokens"); a count's unit is a word apart.
             self._bar = tqdm(
                 total=total,
                 desc=self.what,
-                unit=unit,
-                unit_scale=in_bytes,
+                unit=unit if unit == "B" else f" {unit}",
+                unit_scale=True,
                 unit_divisor=1000,
                 file=sys.stderr,
                 dynamic_ncols=True,
