@@ -224,7 +224,11 @@ def test_sigterm_removes_the_state_of_open_sessions_and_keeps_checkpoints(tmp_pa
     client.save(tmp_path / "ckpt")
     sessions = tmp_path / "root" / "sessions"
     assert [p.name for p in sessions.iterdir()] == [session_tag(client.servers[0].session)]  # no id on the disk
+    mark = process.log_mark()
     process.stop(signal.SIGTERM)
+    stopping = process.log_text(mark)
+    assert re.search(r"session \w+ \(rank000-[0-9a-f]{16}\) closed\n.*INFO stopped device server \w+ on SIGTERM: "
+                     r"sessions closed, checkpoints kept\n$", stopping), stopping  # fmt: skip
     assert not list(sessions.iterdir()), list(sessions.iterdir())
     assert list((tmp_path / "root" / "checkpoints").rglob("*.state")), "the checkpoint stays"
     ServerProcess([tmp_path / "root"], token_file).start().stop()  # the root is free again

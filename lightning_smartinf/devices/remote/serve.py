@@ -129,11 +129,23 @@ def main(argv: list[str] | None = None) -> int:
     # The one line a launcher waits for: where the server listens and who it is.
     print(f"serving {servicer.server_id} on port {port}", flush=True)
     stop = threading.Event()
+    received: list[int] = []
+
+    def stop_on(sig: int, _frame: object) -> None:
+        received.append(sig)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, stop_on)
     stop.wait()
     server.stop(grace=5).wait()
     servicer.close()
+    # The last line of a server's log: it stopped whole (a server killed otherwise never writes it).
+    logging.getLogger(__name__).info(
+        "stopped device server %s on %s: sessions closed, checkpoints kept",
+        servicer.server_id,
+        signal.Signals(received[0]).name,
+    )
     return 0
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import hmac
 import json
@@ -36,6 +37,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import threading
 import time
 import uuid
@@ -1117,6 +1119,52 @@ CHANNEL_LIMITS = (
 )
 
 
+def _port_in_use(listen: str) -> str | None:
+    """Why ``listen`` cannot be bound, where its TCP port is in use on every address it names: the message, naming the
+    processes that listen there (as far as this user may see them). ``None`` where a bind may succeed (or ``listen``
+    is no TCP port of a name here), so gRPC binds it and reports any other failure. Checked by binding as gRPC does
+    (``SO_REUSEADDR``) and closing at once: gRPC's own failure is a raw line of its log that names nobody."""
+    host, _, port_text = listen.rpartition(":")
+    if not port_text.isdigit() or int(port_text) == 0 or listen.startswith(("unix:", "unix-abstract:")):
+        return None
+    port = int(port_text)
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+                return None
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    return None
+    holders = []
+    with contextlib.suppress(psutil.Error, OSError):
+        for connection in psutil.net_connections(kind="tcp"):
+            if connection.status == psutil.CONN_LISTEN and connection.laddr and connection.laddr.port == port:
+                holders.append(_process_named(connection.pid))
+    who = ", ".join(sorted(set(holders))) or "a process this user cannot see"
+    return (
+        f"Cannot listen on {listen!r}: port {port} is in use by {who} (`ss -ltnp 'sport = :{port}'` lists it; as "
+        "root for another user's). Stop it, or give this server another port with `--listen HOST:PORT` (port 0: any "
+        "free one)."
+    )
+
+
+def _process_named(pid: int | None) -> str:
+    """``pid N (its command line)``, shortened; what is known where the process is not this user's."""
+    if pid is None:
+        return "a process of another user"
+    try:
+        command = " ".join(psutil.Process(pid).cmdline()) or psutil.Process(pid).name()
+    except psutil.Error:
+        return f"pid {pid}"
+    return f"pid {pid} ({command if len(command) <= 120 else command[:117] + '...'})"
+
+
 def serve(
     storage_roots: Sequence[Path],
     token: str,
@@ -1150,6 +1198,8 @@ def serve(
     max_calls = limits.max_sessions * limits.max_session_calls if max_calls is None else max_calls
     if isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1:
         raise ValueError(f"`max_calls={max_calls!r}` must be a positive integer.")
+    if in_use := _port_in_use(listen):  # before the roots are claimed: a refused server touches nothing
+        raise OSError(in_use)
     servicer = DeviceServer(storage_roots, token, device_timeout_s=device_timeout_s, limits=limits)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="smartinf-serve"),
@@ -1180,7 +1230,11 @@ def serve(
         port = 0
     if port == 0:
         servicer.close()
-        raise OSError(f"Cannot listen on {listen!r} (in use, or not an address of this machine).")
+        raise OSError(
+            _port_in_use(listen)  # taken since it was checked
+            or f"Cannot listen on {listen!r}: not an address of this machine (or its port is in use). Give this server "
+            "one of its own addresses with `--listen HOST:PORT` (port 0: any free one)."
+        )
     server.start()
     transport = (
         ("mutual TLS" if tls.ca else "TLS")
