@@ -558,3 +558,21 @@ def test_a_fused_optimizer_is_planned_at_its_own_update_rates(capsys):
     assert example(gpu=None).to_profile((0,), fused=True) == example(gpu=None).to_profile((0,))
     assert main(["--model", "1B", "--profile", EXAMPLE, "--batch", "1", "--fused"]) == 0
     assert "batch 1 x seq 1024, a fused optimizer" in capsys.readouterr().out
+
+
+def test_with_compression_the_machine_plan_counts_the_state_of_the_rule_the_strategy_runs():
+    """With `compression`, rule "auto" runs EF-Adam for Adam/AdamW: the master and `exp_avg_sq`, 8 B per parameter
+    in fp32, not Adam's 12. The plan counted 12 (state, disk, checkpoints, update) and named `exp_avg` on the disks."""
+    from lightning_smartinf.plan.machine_plan import format_machine_plan
+
+    work = workload_from_model("7B")
+    compressed = plan_machine(work, example(), compression=0.01)
+    assert compressed.work.state_bytes == 8 and compressed.precisions["fp32"][0] == 8 * work.params
+    assert compressed.checkpoint_bytes == (8 + 4) * work.params  # and the fp32 error-feedback residual
+    text = format_machine_plan(compressed, "python:", "yaml:")
+    assert "state: 8 B/param, fp32 master, exp_avg_sq (EF-Adam)" in text and "exp_avg," not in text
+    dense = plan_machine(work, example(), devices=len(compressed.paths))
+    assert dense.work.state_bytes == 12 and "fp32 master, exp_avg, exp_avg_sq" in format_machine_plan(dense, "", "")
+    assert compressed.placement.update_s < dense.placement.update_s
+    adafactor = replace(work, rule="ef_adafactor").compressed(0.01)
+    assert adafactor.state_bytes == 4  # the master only: the host keeps the factored second moment

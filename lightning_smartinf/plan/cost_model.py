@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -62,11 +62,22 @@ METHODS = ("zero_infinity", "su", "su_o", "su_o_c")
 MAX_DEVICES = 1024
 
 
-def state_bytes_per_param(state_precision: str = "fp32", *, split_masters: bool = False) -> float:
-    """Bytes per parameter of Adam's state on a device in ``state_precision``: the fp32 master and its two moments
-    (12 in fp32, 8 in bf16, about 6.03 in int8), 1.875 fewer with ``split_masters``. Read and written once each per
-    step."""
-    return state_format(state_precision).bytes_per_element(2, split=split_masters)
+#: The update rules the devices run, by name, and their state tensors beside the master: Adam/AdamW's ``exp_avg``
+#: and ``exp_avg_sq``; EF-Adam's ``exp_avg_sq`` (the error-feedback residual carries the first moment); EF-Adafactor's
+#: none (the host keeps the factored second moment). With ``compression``, rule ``"auto"`` runs EF-Adam for Adam.
+RULE_STATES = {"adam": ("exp_avg", "exp_avg_sq"), "ef_adam": ("exp_avg_sq",), "ef_adafactor": ()}
+
+
+def compressed_rule(rule: str = "auto") -> str:
+    """The rule (:data:`RULE_STATES`) the strategy runs for Adam/AdamW under a ``compression`` of ``rule``."""
+    return {"auto": "ef_adam", "optimizer": "adam"}.get(rule, rule)
+
+
+def state_bytes_per_param(state_precision: str = "fp32", *, split_masters: bool = False, rule: str = "adam") -> float:
+    """Bytes per parameter of the state on a device in ``state_precision``: the fp32 master and the states of
+    ``rule`` (Adam's two moments: 12 in fp32, 8 in bf16, about 6.03 in int8; EF-Adam's one: 8 in fp32), 1.875 fewer
+    with ``split_masters``. Read and written once each per step."""
+    return state_format(state_precision).bytes_per_element(len(RULE_STATES[rule]), split=split_masters)
 
 
 class PlanError(ValueError):
@@ -99,6 +110,9 @@ class Workload:
     #: The strategy's ``split_masters``: 2.125 bytes per master on the devices, the rest in the bf16 parameters, which
     #: then live in host memory.
     split_masters: bool = False
+    #: The update rule the devices run (:data:`RULE_STATES`): Adam/AdamW's own, or with ``compression`` the one the
+    #: strategy's rule gives (:func:`compressed_rule`; the planners set it from ``compression``).
+    rule: str = "adam"
 
     def __post_init__(self) -> None:
         problems = Problems("Workload", PlanError)
@@ -107,12 +121,18 @@ class Workload:
         why = "micro-batches per optimizer step, `accumulate_grad_batches`"
         problems.number("accumulate", self.accumulate, low=1, why=why)
         problems.choice("state_precision", self.state_precision, FORMATS)
+        problems.choice("rule", self.rule, RULE_STATES)
         problems.raise_if_any()
 
     @property
     def state_bytes(self) -> float:
         """Bytes per parameter of the optimizer state on the devices (:func:`state_bytes_per_param`)."""
-        return state_bytes_per_param(self.state_precision, split_masters=self.split_masters)
+        return state_bytes_per_param(self.state_precision, split_masters=self.split_masters, rule=self.rule)
+
+    def compressed(self, compression: float | None) -> Workload:
+        """This workload as the strategy runs it: with ``compression``, Adam's rule becomes EF-Adam (rule
+        ``"auto"``), which keeps one state, not two."""
+        return replace(self, rule=compressed_rule()) if compression is not None and self.rule == "adam" else self
 
     @property
     def tokens(self) -> int:

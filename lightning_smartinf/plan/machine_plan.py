@@ -38,6 +38,7 @@ from lightning_smartinf.plan.cost_model import (
     GB,
     LOW_PRECISION_BYTES,
     PARAM_FETCH_BYTES,
+    RULE_STATES,
     PlanError,
     Profile,
     Workload,
@@ -208,6 +209,7 @@ def plan_machine(
         )
     if compression is not None and not 0 < compression <= 1:
         raise PlanError(f"`--compression {compression}` must be in (0, 1]: the fraction of gradient elements kept.")
+    work = work.compressed(compression)  # the rule the strategy runs: its state, traffic and update
     if keep_checkpoints < 0:
         raise PlanError(f"`--keep-checkpoints {keep_checkpoints}` must be >= 0 (0: none on these disks).")
     # The devices' shares are the weights over their sum: finite and > 0 each, or the sum is 0, inf or NaN.
@@ -651,7 +653,11 @@ def format_machine_plan(plan: MachinePlan, python_header: str, yaml_header: str)
 
 def _disk_table(plan: MachinePlan) -> list[str]:
     precision = plan.work.state_precision
-    moments = "exp_avg, exp_avg_sq" + (f" in {precision}" if precision != "fp32" else "")
+    states = RULE_STATES[plan.work.rule]
+    moments = ", ".join(states) + (f" in {precision}" if precision != "fp32" and states else "")
+    moments = {"adam": moments, "ef_adam": f"{moments} (EF-Adam)", "ef_adafactor": "no moments (EF-Adafactor)"}[
+        plan.work.rule
+    ]
     master = "split master (2.125 B)" if plan.work.split_masters else "fp32 master"
     per = f"{master}, {moments}" + (", x2 with overlap_backward" if plan.overlap_backward else "")
     width = max(12, *(len(s.path) for s in plan.space))
