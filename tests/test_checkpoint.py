@@ -514,6 +514,20 @@ def test_export_refuses_a_corrupt_file(reference, tmp_path) -> None:
     assert export_main([str(copy), str(tmp_path / "x.safetensors")]) == 1
 
 
+def test_export_of_a_folder_inside_a_checkpoint_names_the_checkpoint(reference, tmp_path, capsys) -> None:
+    """Exporting a folder that is no checkpoint advised to "Resume from another checkpoint"; one inside a checkpoint
+    (its `checkpoint/` or `rank000`) is now answered with the checkpoint to pass."""
+    source = ckpt(reference[0], EVERY)
+    for inner in (source / "checkpoint", checkpoint_folder.rank_state_dir(source, 0)):
+        assert export_main([str(inner), str(tmp_path / "x.safetensors")]) == 1
+        said = capsys.readouterr().err
+        assert f"is a folder inside the checkpoint {str(source.resolve())!r}: pass the checkpoint directory" in said
+    (tmp_path / "empty").mkdir()
+    assert export_main([str(tmp_path / "empty"), str(tmp_path / "x.safetensors")]) == 1
+    said = capsys.readouterr().err
+    assert "Resume from or export another checkpoint." in said and "Resume from another" not in said
+
+
 def test_export_to_a_file_shows_what_it_reads_and_writes(reference, tmp_path) -> None:
     """`smartinf export CKPT out.safetensors` said nothing while it read the shard files and wrote the weights
     (`--save-pretrained` showed its write). Each operation's line is shown here however short (`min_seconds=0`)."""

@@ -158,9 +158,15 @@ def _read_seal(root: Path) -> dict[str, Any]:
             "(e.g. `epoch=0-step=100.ckpt/`); pass that path."
         )
     if not path.is_file():
+        if (checkpoint := enclosing(root.parent)) is not None:
+            raise CheckpointError(
+                f"{str(root)!r} is a folder inside the checkpoint {str(checkpoint)!r}: pass the checkpoint directory "
+                f"itself, {str(checkpoint)!r}."
+            )
         raise CheckpointError(
             f"{path} is missing: {str(root)!r} is not a complete SmartUpdate checkpoint (its save was interrupted, "
-            "or it was written by another strategy or an earlier lightning_smartinf). Resume from another checkpoint."
+            "or it was written by another strategy or an earlier lightning_smartinf). Resume from or export another "
+            "checkpoint."
         )
     content = read_json(path, "the checkpoint")  # its messages for a corrupt file (not JSON, not an object)
     problems = []
@@ -215,7 +221,7 @@ def verify(root: str | os.PathLike, *, checksum_shards: bool = False) -> dict[st
     if extra := sorted(present - set(listed)):
         raise CheckpointError(
             f"{root / extra[0]} is not part of the checkpoint as it was saved (the seal does not list it). Remove "
-            "it, or resume from an untouched copy."
+            "it, or resume from or export an untouched copy."
         )
     shard_names: set[str] = set()
     for state_dir in sorted({str(PurePosixPath(k).parent) for k in listed if k.endswith("/" + MANIFEST)}):
@@ -236,7 +242,7 @@ def verify(root: str | os.PathLike, *, checksum_shards: bool = False) -> dict[st
         if crc != recorded:
             raise CheckpointError(
                 f"{path} is corrupt or comes from another save: {algorithm.upper()} {crc:#010x}, the seal records "
-                f"{recorded:#010x}. Resume from another checkpoint."
+                f"{recorded:#010x}. Resume from or export another checkpoint."
             )
     latest = root / "latest"
     if latest.is_file() and latest.read_text().strip() != TAG:
