@@ -19,7 +19,9 @@ def drawn(monkeypatch, total: int | None, unit: str) -> str:
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a new one has 0 columns
     with os.fdopen(terminal, "w") as stderr:
         monkeypatch.setattr(sys, "stderr", stderr)
-        monkeypatch.setattr(progress._settings, "min_seconds", 0.0)
+        # Bars on, shown at once (a Trainer built earlier in this process may have switched bars off).
+        monkeypatch.setattr(progress, "_settings", progress._Settings(enabled=True, bars=True, min_seconds=0.0))
+        monkeypatch.delenv("SMARTINF_PROGRESS", raising=False)
         with Progress("tokenising a.txt into the token cache", total, unit=unit) as bar:
             bar.update(2_806_926)
         stderr.flush()
