@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_smartinf.core.arguments import Problems
+from lightning_smartinf.core.compression import TopKCompression, compressed_rule
+from lightning_smartinf.core.rules import Adam, EFAdafactor, EFAdam, UpdateRule
 from lightning_smartinf.core.state_formats import FORMATS, state_format
 
 GB = 1e9
@@ -62,22 +64,18 @@ METHODS = ("zero_infinity", "su", "su_o", "su_o_c")
 MAX_DEVICES = 1024
 
 
-#: The update rules the devices run, by name, and their state tensors beside the master: Adam/AdamW's ``exp_avg``
-#: and ``exp_avg_sq``; EF-Adam's ``exp_avg_sq`` (the error-feedback residual carries the first moment); EF-Adafactor's
-#: none (the host keeps the factored second moment). With ``compression``, rule ``"auto"`` runs EF-Adam for Adam.
-RULE_STATES = {"adam": ("exp_avg", "exp_avg_sq"), "ef_adam": ("exp_avg_sq",), "ef_adafactor": ()}
-
-
-def compressed_rule(rule: str = "auto") -> str:
-    """The rule (:data:`RULE_STATES`) the strategy runs for Adam/AdamW under a ``compression`` of ``rule``."""
-    return {"auto": "ef_adam", "optimizer": "adam"}.get(rule, rule)
+#: The update rules the devices run for AdamW, by name: its own, and those top-k compression runs for it (EF-Adam,
+#: whose error-feedback residual carries the first moment; EF-Adafactor, whose second moment the host keeps).
+RULES: dict[str, UpdateRule] = {
+    rule.name: rule for rule in (Adam(decoupled_weight_decay=True), EFAdam(decoupled_weight_decay=True), EFAdafactor())
+}
 
 
 def state_bytes_per_param(state_precision: str = "fp32", *, split_masters: bool = False, rule: str = "adam") -> float:
     """Bytes per parameter of the state on a device in ``state_precision``: the fp32 master and the states of
     ``rule`` (Adam's two moments: 12 in fp32, 8 in bf16, about 6.03 in int8; EF-Adam's one: 8 in fp32), 1.875 fewer
     with ``split_masters``. Read and written once each per step."""
-    return state_format(state_precision).bytes_per_element(len(RULE_STATES[rule]), split=split_masters)
+    return state_format(state_precision).bytes_per_element(len(RULES[rule].state_names), split=split_masters)
 
 
 class PlanError(ValueError):
@@ -121,7 +119,7 @@ class Workload:
         why = "micro-batches per optimizer step, `accumulate_grad_batches`"
         problems.number("accumulate", self.accumulate, low=1, why=why)
         problems.choice("state_precision", self.state_precision, FORMATS)
-        problems.choice("rule", self.rule, RULE_STATES)
+        problems.choice("rule", self.rule, RULES)
         problems.raise_if_any()
 
     @property
@@ -130,9 +128,11 @@ class Workload:
         return state_bytes_per_param(self.state_precision, split_masters=self.split_masters, rule=self.rule)
 
     def compressed(self, compression: float | None) -> Workload:
-        """This workload as the strategy runs it: with ``compression``, Adam's rule becomes EF-Adam (rule
-        ``"auto"``), which keeps one state, not two."""
-        return replace(self, rule=compressed_rule()) if compression is not None and self.rule == "adam" else self
+        """This workload as the strategy runs it: with ``compression`` (its default rule, ``"auto"``), the rule the
+        strategy picks for AdamW (EF-Adam, which keeps one state, not two)."""
+        if compression is None:
+            return self
+        return replace(self, rule=compressed_rule(RULES[self.rule], TopKCompression(compression)).name)
 
     @property
     def tokens(self) -> int:

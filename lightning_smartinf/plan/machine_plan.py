@@ -38,7 +38,7 @@ from lightning_smartinf.plan.cost_model import (
     GB,
     LOW_PRECISION_BYTES,
     PARAM_FETCH_BYTES,
-    RULE_STATES,
+    RULES,
     PlanError,
     Profile,
     Workload,
@@ -653,7 +653,7 @@ def format_machine_plan(plan: MachinePlan, python_header: str, yaml_header: str)
 
 def _disk_table(plan: MachinePlan) -> list[str]:
     precision = plan.work.state_precision
-    states = RULE_STATES[plan.work.rule]
+    states = RULES[plan.work.rule].state_names
     moments = ", ".join(states) + (f" in {precision}" if precision != "fp32" and states else "")
     moments = {"adam": moments, "ef_adam": f"{moments} (EF-Adam)", "ef_adafactor": "no moments (EF-Adafactor)"}[
         plan.work.rule
