@@ -74,26 +74,19 @@ def configure(
             setattr(_settings, name, value)
 
 
-def _rank() -> int:
-    """This process's global rank: torch.distributed's once it is up, else the launcher's ``RANK``."""
+def _rank_and_world() -> tuple[int, int]:
+    """This process's global rank and the number of ranks: torch.distributed's once it is up (without importing it),
+    else the launcher's ``RANK`` and ``WORLD_SIZE``."""
     torch_distributed = sys.modules.get("torch.distributed")
     if torch_distributed is not None and torch_distributed.is_available() and torch_distributed.is_initialized():
-        return torch_distributed.get_rank()
-    return int(os.environ.get("RANK", 0) or 0)
-
-
-def _world_size() -> int:
-    """The number of ranks: torch.distributed's once it is up, else the launcher's ``WORLD_SIZE``."""
-    torch_distributed = sys.modules.get("torch.distributed")
-    if torch_distributed is not None and torch_distributed.is_available() and torch_distributed.is_initialized():
-        return torch_distributed.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", 1) or 1)
+        return torch_distributed.get_rank(), torch_distributed.get_world_size()
+    return int(os.environ.get("RANK", 0) or 0), int(os.environ.get("WORLD_SIZE", 1) or 1)
 
 
 def is_shown() -> bool:
     """Whether this process shows progress at all: switched on, and global rank 0."""
     switched_off = os.environ.get("SMARTINF_PROGRESS", "1").strip().lower() in ("0", "off", "false", "no")
-    return _settings.enabled and not switched_off and _rank() == 0
+    return _settings.enabled and not switched_off and _rank_and_world()[0] == 0
 
 
 class Progress:
@@ -110,7 +103,7 @@ class Progress:
     def __init__(
         self, what: str, total: float | None, *, unit: str = "B", announce: bool = False, per_rank: bool = False
     ) -> None:
-        if per_rank and (ranks := _world_size()) > 1:
+        if per_rank and (ranks := _rank_and_world()[1]) > 1:
             what = f"{what}, rank 0's share of {ranks} ranks"
         self.what, self.total, self.unit = what[:1].upper() + what[1:], total, unit
         self.done = 0.0
