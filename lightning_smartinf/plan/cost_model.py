@@ -422,16 +422,18 @@ def gpu_link_bytes(
     return fetches + gradient_link_bytes(gradient_buffer, compression=compression, accumulate=accumulate)
 
 
-def parameter_io(work: Workload, prof: Profile, compute: float) -> tuple[float, float, float]:
-    """With the 16-bit parameters on storage (``offload_parameters="storage"``; ZeRO-Infinity's ``offload_param:
-    nvme``): forward and backward time once the reads are counted, the seconds of the writes after the step, and
-    the bytes of each. One storage path holds them, and the reads cross the shared link; DeepSpeed reads a layer
-    ahead, so reads hide behind compute up to their own time."""
+def parameter_io(work: Workload, prof: Profile, compute: float, on_storage: bool) -> tuple[float, float, float, float]:
+    """Forward and backward time once the parameters' reads are counted, the seconds of their writes after the step,
+    and the bytes of each: with the 16-bit parameters on storage (``on_storage``: ``offload_parameters="storage"``;
+    ZeRO-Infinity's ``offload_param: nvme``), else ``compute`` and none. One storage path holds them, and the reads
+    cross the shared link; DeepSpeed reads a layer ahead, so reads hide behind compute up to their own time."""
+    if not on_storage:
+        return compute, 0.0, 0.0, 0.0
     p = work.params
     reads, writes = PARAM_FETCH_BYTES * p * work.accumulate, LOW_PRECISION_BYTES * p
     read_s = reads / min(_limit(prof.shared_link_gbps), prof.ssd_read_gbps * GB)
     write_s = writes / min(_limit(prof.shared_link_gbps), prof.ssd_write_gbps * GB)
-    return max(compute, read_s), write_s, reads
+    return max(compute, read_s), write_s, reads, writes
 
 
 def fwd_bwd_time(
@@ -505,9 +507,8 @@ def zero_infinity(work: Workload, prof: Profile, devices: int, *, params_on_stor
     # reads behind writes.
     if prof.baseline_pipelined:
         update = max(0.0, update - (state_in + state_out))
-    fwd_bwd, param_write, param_reads = fwd_bwd_time(work, prof, pcie, method="zero_infinity"), 0.0, 0.0
-    if params_on_storage:
-        fwd_bwd, param_write, param_reads = parameter_io(work, prof, fwd_bwd)
+    compute = fwd_bwd_time(work, prof, pcie, method="zero_infinity")
+    fwd_bwd, param_write, param_reads, param_writes = parameter_io(work, prof, compute, params_on_storage)
     return Breakdown(
         "zero_infinity",
         devices,
@@ -521,7 +522,7 @@ def zero_infinity(work: Workload, prof: Profile, devices: int, *, params_on_stor
         storage_bytes=32.0 * p,
         gpu_link_bytes=pcie * p if prof.gpu_peak_tflops is not None else 0.0,
         param_read_bytes=param_reads,
-        param_write_bytes=LOW_PRECISION_BYTES * p if params_on_storage else 0.0,
+        param_write_bytes=param_writes,
     )
 
 
@@ -567,11 +568,9 @@ def smart_update(
     state = work.state_bytes
     storage = (state + staged) * n / b_r + state * n / b_w
     update = n / (prof.device_update_gparams_per_s * 1e9) * prof.update_cost(work.state_precision)
-    if overlap or compression is not None:
-        fill = min(storage, update) * min(1.0, sub_group_size / n)
-        hidden_io, exposed_update = (storage, max(0.0, update - storage) + fill)
-    else:
-        hidden_io, exposed_update = storage, update
+    exposed_update = update
+    if overlap or compression is not None:  # the storage traffic hides the update but for one sub-group's fill
+        exposed_update = max(0.0, update - storage) + min(storage, update) * min(1.0, sub_group_size / n)
     pcie = gpu_link_bytes(
         method,
         gradient_buffer=gradient_buffer,
@@ -582,9 +581,8 @@ def smart_update(
     on_gpu = prof.gpu_peak_tflops is not None
     # The gradient partitions (fp32 while a step accumulates), plus the fp32 error-feedback residual with compression.
     kept_on_gpu = (accumulation_bytes(work.accumulate, compression) + (4 if compression is not None else 0)) * p
-    fwd_bwd, param_write, param_reads = fwd_bwd_time(work, prof, pcie, method=method), 0.0, 0.0
-    if params_on_storage:
-        fwd_bwd, param_write, param_reads = parameter_io(work, prof, fwd_bwd)
+    compute = fwd_bwd_time(work, prof, pcie, method=method)
+    fwd_bwd, param_write, param_reads, param_writes = parameter_io(work, prof, compute, params_on_storage)
     return Breakdown(
         method,
         devices,
@@ -592,7 +590,7 @@ def smart_update(
         grad_transfer=grad_link,
         update=exposed_update,
         param_return=param_return + param_write,
-        storage_io=hidden_io,
+        storage_io=storage,
         compression=comp_time,
         link_write_bytes=grad_bytes * p,
         link_read_bytes=float(tb) * p,
@@ -600,7 +598,7 @@ def smart_update(
         gpu_link_bytes=pcie * p if on_gpu else 0.0,
         gpu_gradient_bytes=kept_on_gpu if on_gpu and gradient_buffer == "accelerator" else 0.0,
         param_read_bytes=param_reads,
-        param_write_bytes=LOW_PRECISION_BYTES * p if params_on_storage else 0.0,
+        param_write_bytes=param_writes,
     )
 
 

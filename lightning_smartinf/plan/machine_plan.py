@@ -399,9 +399,7 @@ def _fwd_bwd(work: Workload, prof: Profile, model: _ModelPlacement, compression:
         fetched = model.offload_parameters is not False
         parameter_link = PARAM_FETCH_BYTES * work.accumulate if fetched else LOW_PRECISION_BYTES
         fwd_bwd = fwd_bwd_time(work, prof, parameter_link + gradient_link)
-    if model.offload_parameters != "storage":
-        return fwd_bwd, 0.0
-    fwd_bwd, param_write, _ = parameter_io(work, prof, fwd_bwd)
+    fwd_bwd, param_write, _, _ = parameter_io(work, prof, fwd_bwd, model.offload_parameters == "storage")
     return fwd_bwd, param_write
 
 
