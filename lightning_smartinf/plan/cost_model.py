@@ -615,20 +615,20 @@ def iteration(
 ) -> Breakdown:
     if devices < 1:
         raise PlanError(f"`devices={devices}` must be at least 1.")
+    if method not in METHODS:
+        raise PlanError(f"`method={method!r}` is unknown; choose one of {', '.join(METHODS)}.")
     if method == "zero_infinity":
         return zero_infinity(work, prof, devices, params_on_storage=params_on_storage)
-    shared = {
-        "sub_group_size": sub_group_size,
-        "gradient_buffer": gradient_buffer,
-        "params_on_storage": params_on_storage,
-    }
-    if method == "su":
-        return smart_update(work, prof, devices, **shared)
-    if method == "su_o":
-        return smart_update(work, prof, devices, overlap=True, **shared)
-    if method == "su_o_c":
-        return smart_update(work, prof, devices, overlap=True, compression=compression, **shared)
-    raise PlanError(f"`method={method!r}` is unknown; choose one of {', '.join(METHODS)}.")
+    return smart_update(
+        work,
+        prof,
+        devices,
+        overlap=method != "su",
+        compression=compression if method == "su_o_c" else None,
+        sub_group_size=sub_group_size,
+        gradient_buffer=gradient_buffer,
+        params_on_storage=params_on_storage,
+    )
 
 
 def speedup(method: str, work: Workload, prof: Profile, devices: int, **kw: Any) -> float:
