@@ -261,8 +261,9 @@ class _ModelPlacement:
 
     offload_parameters: bool | str
     gradient_buffer: str | None
-    #: ``offload_parameters="storage"`` with the gradients in host memory: they are a file on the first path.
-    gradient_file: bool
+    #: Bytes on the first path: with ``offload_parameters="storage"`` the 16-bit parameters, and the gradients where
+    #: they are not on the GPU (a file beside them).
+    path_bytes: float
     host: dict[str, float]
     gpu: dict[str, float]
     reasons: dict[str, str]
@@ -350,7 +351,8 @@ def _place_model(
     gradient_file = offload == "storage" and gradient_buffer != "accelerator"
     if gradient_buffer != "accelerator" and not gradient_file:
         host[gradients] = summed + residual
-    return _ModelPlacement(offload, gradient_buffer, gradient_file, host, on_gpu, reasons)
+    on_path = p16 + (summed + residual if gradient_file else 0.0) if offload == "storage" else 0.0
+    return _ModelPlacement(offload, gradient_buffer, on_path, host, on_gpu, reasons)
 
 
 def _state_budget(machine: Machine, model: _ModelPlacement, whole: float, asked: int | None) -> tuple[int, str]:
@@ -418,7 +420,6 @@ def _plan_paths(
 ) -> MachinePlan:
     prof, n = machine.to_profile(paths, fused=work.fused), len(paths)
     state = work.state_bytes * work.params
-    residual = FP32_GRAD_BYTES * work.params if compression is not None else 0
     model = _place_model(work, machine, n, compression, params_on_storage, accelerator_budget)
     whole = state - min(accelerator_budget, state)
     budget, budget_reason = _state_budget(machine, model, whole, memory_budget)
@@ -431,11 +432,6 @@ def _plan_paths(
     share = [w / sum(weights or [1.0] * n) for w in weights or [1.0] * n]
     checkpoint_dir = checkpoint_dir or machine.storage[paths[0]].path
     checkpoint = (keep_checkpoints + 1) * checkpoint_bytes(work, compression) if keep_checkpoints else 0.0
-    p16 = LOW_PRECISION_BYTES * work.params
-    summed = accumulation_bytes(work.accumulate, compression) * work.params
-    parameters = (
-        p16 + (summed + residual if model.gradient_file else 0.0) if model.offload_parameters == "storage" else 0.0
-    )
 
     # Step 4: overlap first (dense gradients only), then "fill" (without a GPU "auto" fills the budget already).
     overlaps = (True, False) if compression is None else (False,)
@@ -450,7 +446,7 @@ def _plan_paths(
                 path=machine.storage[i].path,
                 planned_bytes=copies * placement.device_bytes[j],
                 at_most_bytes=copies * (whole - kept) * share[j],
-                parameter_bytes=parameters if j == 0 else 0.0,
+                parameter_bytes=model.path_bytes if j == 0 else 0.0,
                 checkpoint_bytes=checkpoint if _inside(checkpoint_dir, machine.storage[i].path) else 0.0,
                 free_bytes=_free(machine, i),
             )
