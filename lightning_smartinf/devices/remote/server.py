@@ -163,30 +163,6 @@ def session_tag(session_id: str) -> str:
     return hashlib.sha256(session_id.encode()).hexdigest()[:16]
 
 
-class _Budget:
-    """Bytes of tensors the calls of every session hold for their clients (updates in flight, masters read or sent); a
-    reservation waits for room, up to a timeout."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.used = 0
-        self._room = threading.Condition()
-
-    def reserve(self, nbytes: int, timeout: float) -> bool:
-        if nbytes > self.total:
-            return False
-        with self._room:
-            if not self._room.wait_for(lambda: self.used + nbytes <= self.total, timeout):
-                return False
-            self.used += nbytes
-            return True
-
-    def release(self, nbytes: int) -> None:
-        with self._room:
-            self.used -= nbytes
-            self._room.notify_all()
-
-
 class TokenCheck(grpc.ServerInterceptor):
     """Refuses, when gRPC looks up a call's handler, every call without this server's bearer token.
 
@@ -327,7 +303,9 @@ class DeviceServer:
         #: Calls in flight per client (see :meth:`_peer_slot`).
         self._peer_calls: dict[Any, int] = {}
         self._lock = threading.Lock()
-        self._bytes_budget = _Budget(self.limits.update_bytes_in_flight)
+        #: Bytes of tensors the calls of every session hold for their clients (:meth:`_reserved`), under its condition.
+        self._budget = threading.Condition()
+        self._budget_used = 0
         self._stopped = threading.Event()
         self._remove_what_a_dead_server_left()
         self._malformed = _ThrottledLog("%d malformed request(s) (the last: %s from %s: %s)")
@@ -666,7 +644,7 @@ class DeviceServer:
         """One shard's update: the gradient in, the parameters out (streamed as they are encoded). The bytes of both
         are reserved in the server-wide budget before the gradient is read; the session's update slot is taken only
         once the gradient is in, so a client sending slowly holds no slot."""
-        held: list[int] = []
+        budget = contextlib.ExitStack()  # the update's bytes, held until its reply is sent
 
         def body() -> Tensor:
             with self._shard_call(requests, context, "hp", "link_dtype", "out_dtype") as (header, session, shard):
@@ -676,14 +654,7 @@ class DeviceServer:
                 hp = hp_from_wire(header["hp"])
                 sparse = bool(header.get("sparse"))
                 nbytes = numel * (link_dtype.itemsize + (4 if sparse else 0) + out_dtype.itemsize)
-                if not self._bytes_budget.reserve(nbytes, timeout=self.limits.call_timeout_s):
-                    raise OverLimit(
-                        f"An update of {nbytes / 2**20:.1f} MiB does not fit in the server's "
-                        f"{self.limits.update_bytes_in_flight / 2**20:.0f} MiB for updates in flight "
-                        "(`smartinf serve --update-bytes-in-flight`).",
-                        final=nbytes > self._bytes_budget.total,  # else: no room before the call limit
-                    )
-                held.append(nbytes)
+                budget.enter_context(self._reserved(nbytes, "an update's gradient and parameters"))
                 if sparse:
                     indices = _read_tensor(requests, "indices", numel, (torch.int32,), exact=False)
                     values = _read_tensor(requests, "values", indices.numel(), (link_dtype,))
@@ -708,13 +679,10 @@ class DeviceServer:
                     session.updates.release()
                 return out
 
-        try:
+        with budget:
             out = self._run("Update", context, body)
             if out is not None:
                 yield from encode_tensor("out", out)
-        finally:
-            for nbytes in held:
-                self._bytes_budget.release(nbytes)
 
     def upload(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         """One shard's whole state file (master and states, record by record, as the session's layout has it) from a
@@ -792,21 +760,25 @@ class DeviceServer:
         """Hold ``nbytes`` of the server-wide byte budget (``--update-bytes-in-flight``) while a call keeps a tensor
         its client asked for: every such allocation is bounded together, whatever the clients ask and however slowly
         they read. Waits for room up to the call limit."""
-        budget = self._bytes_budget
-        if nbytes > budget.total:
+        total = self.limits.update_bytes_in_flight
+        if nbytes > total:
             raise OverLimit(
                 f"{what.capitalize()} take {readable_size(nbytes)}, more than this server holds for all calls at once "
-                f"({readable_size(budget.total)}, `smartinf serve --update-bytes-in-flight`).",
+                f"({readable_size(total)}, `smartinf serve --update-bytes-in-flight`).",
             )
-        if not budget.reserve(nbytes, timeout=self.limits.call_timeout_s):
-            raise OverLimit(
-                f"No room for {what} ({readable_size(nbytes)}) in the server's budget before the call limit.",
-                final=False,
-            )
+        with self._budget:
+            if not self._budget.wait_for(lambda: self._budget_used + nbytes <= total, self.limits.call_timeout_s):
+                raise OverLimit(
+                    f"No room for {what} ({readable_size(nbytes)}) in the server's budget before the call limit.",
+                    final=False,
+                )
+            self._budget_used += nbytes
         try:
             yield
         finally:
-            budget.release(nbytes)
+            with self._budget:
+                self._budget_used -= nbytes
+                self._budget.notify_all()
 
     def echo(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         """Counts the bytes of the frames it receives and drops them: the network's bandwidth, for calibration (at
