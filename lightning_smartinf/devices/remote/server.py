@@ -400,21 +400,11 @@ class DeviceServer:
                 raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"`shard={index!r}` is not one of 0..{count - 1}.")
             yield header, session, index
 
-    def _run(self, method: str, context: grpc.ServicerContext, body: Callable[[], Any]) -> Any:
-        """Run ``body`` within the server's own deadline; protocol and call errors end the call with a status, never
-        the server."""
-        with self._guarded(method, context):
-            return body()
-        return None  # cancelled: the client left, or the deadline passed
-
-    def _stream(self, method: str, context: grpc.ServicerContext, body: Callable[[], Iterator[Any]]) -> Iterator[Any]:
-        """The frames of ``body``'s reply, sent within the server's own deadline as for :meth:`_run`: a client that
-        stops reading holds the call no longer than any other."""
-        with self._guarded(method, context):
-            yield from body()
-
     @contextlib.contextmanager
     def _guarded(self, method: str, context: grpc.ServicerContext) -> Iterator[None]:
+        """Run the block within the server's own deadline (a streamed reply's too: a client that stops reading holds
+        the call no longer than any other); protocol and call errors end the call with a status, never the server.
+        A call cancelled meanwhile (the client left, or the deadline passed) ends the block without an error."""
         deadline = threading.Timer(self.limits.call_timeout_s, context.cancel)  # whatever the client's deadline
         deadline.daemon = True
         deadline.start()
@@ -680,7 +670,9 @@ class DeviceServer:
                 return out
 
         with budget:
-            out = self._run("Update", context, body)
+            out = None
+            with self._guarded("Update", context):
+                out = body()
             if out is not None:
                 yield from encode_tensor("out", out)
 
@@ -1009,16 +1001,17 @@ class DeviceServer:
         Every method reads its request itself, as a stream (the wire is the same for a client's unary call): gRPC would
         read a unary request on a worker thread before the handler runs, outside the server's own deadline. Each but
         ``Hello`` (which reads nothing and returns at once) holds one of its client's call slots (:meth:`_peer_slot`)
-        from before its request is read until its reply is sent, and runs guarded within it, once (:meth:`_run`;
-        :meth:`_stream` for a streamed reply; ``Update`` guards itself).
+        from before its request is read until its reply is sent, and runs guarded within it, once (:meth:`_guarded`;
+        ``Update`` guards itself).
         """
         encode, decode = Frame.SerializeToString, Frame.FromString
         Method = Callable[[Iterator[Any], grpc.ServicerContext], Any]
 
         def one_reply(name: str, call: Method) -> grpc.RpcMethodHandler:
             def run(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-                with self._peer_slot(context):
-                    return self._run(name, context, lambda: call(requests, context))
+                with self._peer_slot(context), self._guarded(name, context):
+                    return call(requests, context)
+                return None  # cancelled: the client left, or the deadline passed
 
             return grpc.stream_unary_rpc_method_handler(run, decode, encode)
 
@@ -1026,7 +1019,8 @@ class DeviceServer:
             def run(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
                 with self._peer_slot(context):
                     if guarded:
-                        yield from self._stream(name, context, lambda: call(requests, context))
+                        with self._guarded(name, context):
+                            yield from call(requests, context)
                     else:
                         yield from call(requests, context)
 
