@@ -19,6 +19,7 @@ from torch import Tensor
 from lightning_smartinf.core.arguments import Problems, show
 from lightning_smartinf.hf.data import MIN_VOCAB_SIZE, VOCAB_WHY, load_tokenizer, train_bpe_tokenizer
 from lightning_smartinf.hf.loading import attached_trainer, check_model_dir, from_pretrained, partitioned_build
+from lightning_smartinf.hf.pretrained import auto_class as find_auto_class
 from lightning_smartinf.hf.sources import tokenizer_files
 
 if TYPE_CHECKING:
@@ -137,11 +138,6 @@ class _HFModule(L.LightningModule):
                 return value
         return None
 
-    def _auto_model_class(self) -> Any:
-        import transformers
-
-        return getattr(transformers, self.auto_class)
-
     def _prepare_config(self) -> None:
         """Last changes to ``hf_config`` before the model is built (the data module is set up by then)."""
 
@@ -149,7 +145,7 @@ class _HFModule(L.LightningModule):
         if self.model is not None:
             return
         self._prepare_config()
-        auto = self._auto_model_class()
+        auto = find_auto_class(self.auto_class)
         if self.model_path is not None:
             model = from_pretrained(self, self.model_path, auto_class=auto, config=self.hf_config)
         else:
