@@ -89,38 +89,28 @@ class _ZeRO3Config:
 
 
 @contextmanager
-def hf_zero3(strategy: Any) -> Iterator[None]:
-    """Switch on transformers' ZeRO-3 model construction while ``strategy`` partitions parameters at init.
-
-    Nothing changes when ``strategy`` is ``None`` or does not run ZeRO stage 3.
-    """
-    if not is_zero3(strategy):
-        yield
-        return
-    config = strategy.config
-    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
-
-    # transformers' `HfDeepSpeedConfig` needs `accelerate`; its ZeRO-3 paths read only `.config` and `.is_zero3()`.
-    holder = _ZeRO3Config(config)
-    set_hf_deepspeed_config(holder)  # a weak reference: `holder` must outlive the build
-    try:
-        yield
-    finally:
-        unset_hf_deepspeed_config()
-        del holder
-
-
-@contextmanager
 def partitioned_build(module: L.LightningModule) -> Iterator[None]:
-    """Build Hugging Face models inside this block partitioned, as ``module``'s strategy trains them.
+    """Build Hugging Face models inside this block partitioned, as ``module``'s strategy trains them: transformers'
+    ZeRO-3 model construction is switched on while the strategy partitions parameters at init.
 
     For models :func:`from_pretrained` does not build: ``AutoModelForCausalLM.from_config(config)``, a model class
     called directly, several models in one module. Use it in ``configure_model``; outside a ZeRO-3 strategy (or
     before a trainer is attached) it changes nothing.
     """
     trainer = attached_trainer(module)
-    with hf_zero3(trainer.strategy if trainer is not None else None):
+    if trainer is None or not is_zero3(trainer.strategy):
         yield
+        return
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    # transformers' `HfDeepSpeedConfig` needs `accelerate`; its ZeRO-3 paths read only `.config` and `.is_zero3()`.
+    holder = _ZeRO3Config(trainer.strategy.config)
+    set_hf_deepspeed_config(holder)  # a weak reference: `holder` must outlive the build
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del holder
 
 
 def from_pretrained(
