@@ -25,7 +25,6 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import os
 import random
 import shutil
 import statistics
@@ -72,7 +71,6 @@ from lightning_smartinf.devices.remote.wire import (
     RETRY_PUSHBACK,
     SERVICE,
     Frame,
-    TensorReader,
     WireError,
     decode_header,
     dtype_name,
@@ -80,6 +78,7 @@ from lightning_smartinf.devices.remote.wire import (
     encode_tensor,
     header_frame,
     hp_to_wire,
+    read_tensor,
     shard_to_wire,
     write_frames,
 )
@@ -216,7 +215,7 @@ class _Server:
 
     def reply(self, frame: Any, what: str, required: Iterable[str] = ()) -> dict[str, Any]:
         """The header of a reply; a malformed one is this server's failure, named (:func:`_from_server`)."""
-        with _from_server(self, "reply", what, complete=lambda: True):
+        with _from_server(self, "reply", what):
             return decode_header(frame, required)
 
     def call(self, method: Any, request: Any, what: str, timeout: float | None = None) -> Any:
@@ -287,9 +286,9 @@ def _refused_for_a_busy_moment(exc: grpc.RpcError) -> bool:
 
 
 @contextlib.contextmanager
-def _from_server(server: _Server, name: str, what: str, complete: Callable[[], bool]) -> Iterator[None]:
-    """Receive ``name`` from ``server`` during ``what`` in the block: a malformed frame, a failed call or, once the
-    block ends, ``complete()`` false fails with a :class:`StorageError` naming the server."""
+def _from_server(server: _Server, name: str, what: str) -> Iterator[None]:
+    """Receive ``name`` from ``server`` during ``what`` in the block: a malformed or incomplete frame stream, or a
+    failed call, fails with a :class:`StorageError` naming the server."""
     try:
         yield
     except WireError as exc:
@@ -297,36 +296,19 @@ def _from_server(server: _Server, name: str, what: str, complete: Callable[[], b
         raise StorageError(malformed) from None
     except grpc.RpcError as exc:
         raise server.error(exc, what) from None
-    if not complete():
-        raise StorageError(f"The remote device server {server.address} sent an incomplete {name} during {what}.")
 
 
 def _receive(
     name: str, frames: Iterable[Any], *, numel: int, dtype: torch.dtype, server: _Server, what: str, exact: bool = True
 ) -> Tensor:
     """The tensor ``name`` of ``numel`` ``dtype`` elements (at most, unless ``exact``) that ``frames`` carry, read as
-    they arrive; a server that sends more, less or something malformed fails, named."""
-    reader = TensorReader(name, max_numel=numel, dtypes=(dtype,))
-
-    def complete() -> bool:
-        return reader.done and reader.tensor is not None and (not exact or reader.tensor.numel() == numel)
-
-    with _from_server(server, name, what, complete):
-        for frame in frames:
-            reader.add(frame)
-    assert reader.tensor is not None
-    return reader.tensor
-
-
-def _receive_file(name: str, frames: Iterable[Any], path: Path, *, numel: int, server: _Server, what: str) -> None:
-    """Write the ``numel`` float32 elements of ``name`` that ``frames`` carry to a new private file at ``path``, as
-    they arrive (never held whole); a server that sends more, less or something malformed fails, named."""
-    filled = 0
-    with (
-        open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as out,
-        _from_server(server, name, what, lambda: filled == numel),
-    ):
-        filled, _ = write_frames(frames, out, name=name, numel=numel)
+    they arrive, and nothing after it; a server that sends more, less or something malformed fails, named."""
+    with _from_server(server, name, what):
+        frames = iter(frames)
+        tensor = read_tensor(frames, name, numel, (dtype,), exact=exact)
+        if next(frames, None) is not None:
+            raise WireError(f"More frames followed {name!r}.")
+    return tensor
 
 
 def measure_network(
@@ -486,7 +468,8 @@ def fetch_saved_state(
             return
         what = f"fetching shard {shard} of saved rank {rank}"
         frames = server.call(server.read_checkpoint, header_frame(part="state", **request), what)
-        _receive_file("state", frames, path, numel=int(entry["bytes"]) // 4, server=server, what=what)
+        with _from_server(server, "state", what):  # written as it arrives, never held whole
+            write_frames(frames, path, name="state", numel=int(entry["bytes"]) // 4)
         if traffic is not None:
             traffic.add(link_read_bytes=int(entry["bytes"]))
 

@@ -33,7 +33,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import re
 import secrets
 import shutil
@@ -82,13 +81,13 @@ from lightning_smartinf.devices.remote.wire import (
     RETRY_PUSHBACK,
     SERVICE,
     Frame,
-    TensorReader,
     WireError,
     decode_header,
     encode_file,
     encode_tensor,
     header_frame,
     hp_from_wire,
+    read_tensor,
     shard_from_wire,
     write_frames,
 )
@@ -624,7 +623,7 @@ class DeviceServer:
         with self._shard_call(requests, context) as (_, session, shard):
             numel = session.backend.shards[shard].spec.numel
             with self._reserved(4 * numel, "a shard's initial masters"):
-                master = _read_tensor(requests, "master", numel, (torch.float32,))
+                master = read_tensor(requests, "master", numel, (torch.float32,))
                 with session.lock:
                     handle = session.backend.initialize(shard, master)
                 session.backend.result(handle)
@@ -646,15 +645,15 @@ class DeviceServer:
                 nbytes = numel * (link_dtype.itemsize + (4 if sparse else 0) + out_dtype.itemsize)
                 budget.enter_context(self._reserved(nbytes, "an update's gradient and parameters"))
                 if sparse:
-                    indices = _read_tensor(requests, "indices", numel, (torch.int32,), exact=False)
-                    values = _read_tensor(requests, "values", indices.numel(), (link_dtype,))
+                    indices = read_tensor(requests, "indices", numel, (torch.int32,), exact=False)
+                    values = read_tensor(requests, "values", indices.numel(), (link_dtype,))
                     if indices.numel() and (
                         int(indices[0]) < 0 or int(indices[-1]) >= numel or bool((indices[1:] <= indices[:-1]).any())
                     ):
                         raise WireError("`indices` must be strictly ascending, within the shard.")
                     grad: Any = SparseGrad(indices, values, numel)
                 else:
-                    grad = _read_tensor(requests, "grad", numel, (link_dtype,))
+                    grad = read_tensor(requests, "grad", numel, (link_dtype,))
                 if not session.updates.acquire(timeout=self.limits.call_timeout_s):
                     raise OverLimit("Too many updates in flight for this session.", final=False)
                 try:
@@ -691,11 +690,7 @@ class DeviceServer:
             # Under the session's lock: `load_upload` never reads a file an upload of the session is rewriting.
             with session.lock:
                 session.uploaded.pop(shard, None)
-                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-                with open(os.open(path, flags, 0o600), "wb") as out:
-                    filled, crc = write_frames(requests, out, name="state", numel=numel)
-                if filled != numel:
-                    raise WireError(f"The stream ended after {filled} of {numel} elements of `state`.")
+                crc = write_frames(requests, path, name="state", numel=numel, replace=True)
                 if crc != declared:
                     raise CallError(
                         grpc.StatusCode.DATA_LOSS,
@@ -1046,21 +1041,6 @@ def _dtype(name: Any, what: str) -> torch.dtype:
     if dtype is None or not dtype.is_floating_point:
         raise WireError(f"`{what}={name!r}` is not a floating dtype the wire carries.")
     return dtype
-
-
-def _read_tensor(
-    frames: Iterator[Any], name: str, numel: int, dtypes: tuple[torch.dtype, ...], *, exact: bool = True
-) -> torch.Tensor:
-    """The tensor ``name`` that the next ``frames`` carry, of one of ``dtypes``: ``numel`` elements (at most ``numel``
-    unless ``exact``)."""
-    reader = TensorReader(name, max_numel=numel, dtypes=dtypes)
-    for frame in frames:
-        if reader.add(frame):
-            assert reader.tensor is not None
-            if exact and reader.tensor.numel() != numel:
-                raise WireError(f"`{name}` has {reader.tensor.numel()} elements; {numel} expected.")
-            return reader.tensor
-    raise WireError(f"The stream ended before {name!r} was complete.")
 
 
 def _first(requests: Iterator[Any]) -> Any:

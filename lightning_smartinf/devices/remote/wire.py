@@ -22,9 +22,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy
 import torch
@@ -53,6 +54,7 @@ __all__ = [
     "header_frame",
     "hp_from_wire",
     "hp_to_wire",
+    "read_tensor",
     "rule_from_wire",
     "rule_to_wire",
     "shard_from_wire",
@@ -190,20 +192,25 @@ def encode_file(name: str, path: Path, dtype: torch.dtype, chunk_bytes: int = CH
             yield Frame(tensor=name, dtype=name_of_dtype, numel=numel, offset=start // itemsize, data=data)
 
 
-def write_frames(frames: Iterable[Any], out: BinaryIO, *, name: str, numel: int) -> tuple[int, int]:
-    """Write the chunks of the float32 tensor ``name`` of ``numel`` elements that ``frames`` carry to ``out`` as they
-    arrive (never held whole), checking each against the declared name, dtype, size and order; returns the elements
-    written and their CRC-32C. Raises :class:`WireError` at the first chunk that does not follow."""
+def write_frames(frames: Iterable[Any], path: Path, *, name: str, numel: int, replace: bool = False) -> int:
+    """Write the float32 tensor ``name`` of ``numel`` elements that ``frames`` carry to a new private file at ``path``
+    (``replace``: or over the one there) as they arrive (never held whole), checking each chunk against the declared
+    name, dtype, size and order; returns the CRC-32C of the file. Raises :class:`WireError` at the first chunk that
+    does not follow, or where the frames end before the tensor."""
     crc = filled = 0
-    for frame in frames:
-        if frame.tensor != name or frame.dtype != "float32" or frame.numel != numel:
-            raise WireError(f"Expected chunks of `{name}`, float32, {numel} elements.")
-        if frame.offset != filled or len(frame.data) % 4 or filled + len(frame.data) // 4 > numel:
-            raise WireError(f"A chunk of `{name}` at {frame.offset} does not continue at {filled}.")
-        out.write(frame.data)
-        crc = crc32c(frame.data, crc)
-        filled += len(frame.data) // 4
-    return filled, crc
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if replace else os.O_EXCL)
+    with open(os.open(path, flags, 0o600), "wb") as out:
+        for frame in frames:
+            if frame.tensor != name or frame.dtype != "float32" or frame.numel != numel:
+                raise WireError(f"Expected chunks of `{name}`, float32, {numel} elements.")
+            if frame.offset != filled or len(frame.data) % 4 or filled + len(frame.data) // 4 > numel:
+                raise WireError(f"A chunk of `{name}` at {frame.offset} does not continue at {filled}.")
+            out.write(frame.data)
+            crc = crc32c(frame.data, crc)
+            filled += len(frame.data) // 4
+    if filled != numel:
+        raise WireError(f"The stream ended after {filled} of {numel} elements of `{name}`.")
+    return crc
 
 
 class TensorReader:
@@ -247,6 +254,21 @@ class TensorReader:
     @property
     def done(self) -> bool:
         return self.tensor is not None and self.filled == self.tensor.numel()
+
+
+def read_tensor(
+    frames: Iterator[Any], name: str, numel: int, dtypes: Iterable[torch.dtype], *, exact: bool = True
+) -> Tensor:
+    """The tensor ``name`` that the next ``frames`` carry, of one of ``dtypes``: ``numel`` elements (at most ``numel``
+    unless ``exact``). The frames after it stay in ``frames``."""
+    reader = TensorReader(name, max_numel=numel, dtypes=dtypes)
+    for frame in frames:
+        if reader.add(frame):
+            assert reader.tensor is not None
+            if exact and reader.tensor.numel() != numel:
+                raise WireError(f"`{name}` has {reader.tensor.numel()} elements; {numel} expected.")
+            return reader.tensor
+    raise WireError(f"The stream ended before {name!r} was complete.")
 
 
 # ---------------------------------------------------------------------------------------------- rules and steps
