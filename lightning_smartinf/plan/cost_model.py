@@ -675,11 +675,8 @@ def params_from_config(cfg: dict[str, Any], origin: str = "config") -> int:
     h = _first(cfg, "hidden_size", "n_embd", "d_model")
     layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers")
     vocab = _first(cfg, "vocab_size")
-    missing = [
-        name
-        for name, v in (("hidden_size/n_embd", h), ("num_hidden_layers/n_layer", layers), ("vocab_size", vocab))
-        if v is None
-    ]
+    found = {"hidden_size/n_embd": h, "num_hidden_layers/n_layer": layers, "vocab_size": vocab}
+    missing = [name for name, value in found.items() if value is None]
     if missing:
         raise PlanError(
             f"{origin}: cannot count parameters, missing {', '.join(missing)}. Pass a Hugging Face config.json of a "
