@@ -450,10 +450,8 @@ def fwd_bwd_time(
     """
     if prof.gpu_peak_tflops is None:
         if method == "zero_infinity":
-            last, accumulating = (
-                prof.baseline_cpu_reduce_s_per_gparam,
-                prof.baseline_cpu_reduce_accumulating_s_per_gparam,
-            )
+            last = prof.baseline_cpu_reduce_s_per_gparam
+            accumulating = prof.baseline_cpu_reduce_accumulating_s_per_gparam
         else:
             last, accumulating = _last_reduce_s_per_gparam(work, prof), prof.cpu_reduce_accumulating_s_per_gparam
         passes = (last + accumulating * (work.accumulate - 1)) * work.params / 1e9
