@@ -205,12 +205,8 @@ class Machine:
 
     def path_order(self) -> list[int]:
         """Path indices, the first path of each disk first (in the profile's order), then the others."""
-        seen: set[str] = set()
-        first, extra = [], []
-        for i in range(len(self.storage)):
-            (extra if self.disk_of(i) in seen else first).append(i)
-            seen.add(self.disk_of(i))
-        return first + extra
+        first = {self.disk_of(i): i for i in reversed(range(len(self.storage)))}  # each disk's lowest index
+        return sorted(range(len(self.storage)), key=lambda i: first[self.disk_of(i)] != i)  # stable: profile order
 
     def _scale(self) -> float:
         """What all paths at once reach over the sum of their disks alone (1 without a measurement): below 1 where
