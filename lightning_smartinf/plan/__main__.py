@@ -219,6 +219,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | dic
     if args.fused:
         work = replace(work, fused=True)
     prof = measured or load_any(args.profile)
+    if args.transfer_bytes:
+        prof = replace(prof, transfer_bytes=args.transfer_bytes)
     plan = _machine_plan(work, prof, args) if isinstance(prof, Machine) else _testbed_plan(work, prof, args)
     if calibrated is None or args.output:
         return plan
@@ -259,14 +261,12 @@ def _calibrate_remote(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 def _machine_plan(work: Workload, machine: Machine, args: argparse.Namespace) -> str | dict[str, Any]:
     """The report (or JSON object) for a machine profile."""
-    if args.transfer_bytes:
-        machine = replace(machine, transfer_bytes=args.transfer_bytes)
     plan = plan_machine(
         work,
         machine,
         devices=args.devices,
-        memory_budget=None if args.memory_budget is None else _budget(args.memory_budget),
-        accelerator_budget=_budget(args.accelerator_budget or "0", "--accelerator-budget"),
+        memory_budget=_budget(args.memory_budget),
+        accelerator_budget=_budget(args.accelerator_budget, "--accelerator-budget") or 0,
         compression=args.compression,
         params_on_storage=args.params_on_storage,
         device_weights=args.device_weights,
@@ -278,8 +278,6 @@ def _machine_plan(work: Workload, machine: Machine, args: argparse.Namespace) ->
 
 def _testbed_plan(work: Workload, prof: Profile, args: argparse.Namespace) -> str | dict[str, Any]:
     """The comparison with ZeRO-Infinity and the recommendation (or JSON object) for a testbed profile."""
-    if args.transfer_bytes:
-        prof = replace(prof, transfer_bytes=args.transfer_bytes)
     if work.split_masters and (prof.gradient_staged_on_ssd or prof.network_gbps is not None):
         raise PlanError(
             f"`--split-masters` is for devices on this host's cores (`backend='cpu'`), but profile {prof.name!r} "
@@ -290,8 +288,8 @@ def _testbed_plan(work: Workload, prof: Profile, args: argparse.Namespace) -> st
         work, prof, devices=args.devices, compression=args.compression, params_on_storage=args.params_on_storage
     )
     if args.memory_budget is not None or args.device_weights or args.accelerator_budget is not None:
-        memory = None if args.memory_budget is None else _budget(args.memory_budget)
-        gpu = None if args.accelerator_budget is None else _budget(args.accelerator_budget, "--accelerator-budget")
+        memory = _budget(args.memory_budget)
+        gpu = _budget(args.accelerator_budget, "--accelerator-budget")
         weights = tuple(args.device_weights) if args.device_weights else None
         placement = place_state(work, prof, plan.devices, memory or 0, weights, gpu or 0)
         plan = replace(plan, memory_budget=memory, accelerator_budget=gpu, device_weights=weights, placement=placement)
@@ -345,12 +343,12 @@ def _check_numbers(args: argparse.Namespace) -> None:
     problems.raise_if_any()
 
 
-def _budget(text: str, flag: str = "--memory-budget") -> int:
-    """``flag``'s value in bytes (``"8GiB"``, ``"500MB"``, ``"1073741824"``)."""
+def _budget(text: str | None, flag: str = "--memory-budget") -> int | None:
+    """``flag``'s value in bytes (``"8GiB"``, ``"500MB"``, ``"1073741824"``); ``None`` where it is not given."""
     problems = Problems("smartinf plan", PlanError)
     budget = problems.size(flag, text)
     problems.raise_if_any()
-    return budget or 0
+    return budget
 
 
 if __name__ == "__main__":
