@@ -156,30 +156,23 @@ class MachinePlan:
 
     def strategy_args(self) -> dict[str, Any]:
         """Every ``SmartInfinityStrategy`` argument the plan decided, as its snippets print them."""
-        args: dict[str, Any] = {
+        work = self.work
+        args = {
             "storage_paths": [self.machine.storage[i].path for i in self.paths],
             "sub_group_size": self.sub_group_size,
             "buffer_count": BUFFER_COUNT,
+            "device_weights": None if self.device_weights is None else list(self.device_weights),
+            "state_memory_budget": size_text(self.memory_budget) if self.memory_budget else None,
+            "state_memory_share": "fill" if self.fill else None,
+            "state_accelerator_budget": size_text(self.accelerator_budget) if self.accelerator_budget else None,
+            "offload_parameters": self.offload_parameters,
+            "gradient_buffer": self.gradient_buffer,
+            "compression": self.compression,
+            "overlap_backward": self.overlap_backward,
+            "state_precision": None if work.state_precision == "fp32" else work.state_precision,
+            "split_masters": True if work.split_masters else None,
         }
-        if self.device_weights is not None:
-            args["device_weights"] = list(self.device_weights)
-        if self.memory_budget:
-            args["state_memory_budget"] = size_text(self.memory_budget)
-        if self.fill:
-            args["state_memory_share"] = "fill"
-        if self.accelerator_budget:
-            args["state_accelerator_budget"] = size_text(self.accelerator_budget)
-        args["offload_parameters"] = self.offload_parameters
-        if self.gradient_buffer is not None:
-            args["gradient_buffer"] = self.gradient_buffer
-        if self.compression is not None:
-            args["compression"] = self.compression
-        args["overlap_backward"] = self.overlap_backward
-        if self.work.state_precision != "fp32":
-            args["state_precision"] = self.work.state_precision
-        if self.work.split_masters:
-            args["split_masters"] = True
-        return args
+        return {name: value for name, value in args.items() if value is not None}  # None: left out
 
 
 def plan_machine(

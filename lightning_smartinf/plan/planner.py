@@ -254,28 +254,22 @@ def strategy_args(plan: Plan) -> dict[str, Any]:
 
     ``storage_paths`` are placeholders (:data:`STORAGE_PLACEHOLDER`), one per device of the plan.
     """
-    args: dict[str, Any] = {
+    compressed, work = plan.recommend_compression, plan.work
+    args = {
         "storage_paths": [STORAGE_PLACEHOLDER.format(i) for i in range(plan.devices)],
         "sub_group_size": plan.sub_group_size,
         "buffer_count": plan.buffer_count,
-    }
-    if plan.device_weights is not None:
-        args["device_weights"] = list(plan.device_weights)
-    if plan.memory_budget is not None:
-        args["state_memory_budget"] = size_text(plan.memory_budget)
-    if plan.accelerator_budget is not None:
-        args["state_accelerator_budget"] = size_text(plan.accelerator_budget)
-    if plan.params_on_storage:
-        args["offload_parameters"] = "storage"
-    if plan.recommend_compression:
-        args["compression"] = plan.compression
+        "device_weights": None if plan.device_weights is None else list(plan.device_weights),
+        "state_memory_budget": None if plan.memory_budget is None else size_text(plan.memory_budget),
+        "state_accelerator_budget": None if plan.accelerator_budget is None else size_text(plan.accelerator_budget),
+        "offload_parameters": "storage" if plan.params_on_storage else None,
+        "compression": plan.compression if compressed else None,
         # The strategy starts updates during backward only for dense gradients; say so instead of ignoring it.
-        args["overlap_backward"] = False
-    if plan.work.state_precision != "fp32":
-        args["state_precision"] = plan.work.state_precision
-    if plan.work.split_masters:
-        args["split_masters"] = True
-    return args
+        "overlap_backward": False if compressed else None,
+        "state_precision": None if work.state_precision == "fp32" else work.state_precision,
+        "split_masters": True if work.split_masters else None,
+    }
+    return {name: value for name, value in args.items() if value is not None}  # None: left out
 
 
 def precisions_json(precisions: dict[str, tuple[float, float]]) -> dict[str, dict[str, float]]:
