@@ -951,15 +951,8 @@ class RemoteBackend(LatchingBackend):
                     "root that holds the checkpoint."
                 )
         for server, entry in zip(mine, entries):
-            reply = self._control(
-                server,
-                "load",
-                "loading a checkpoint",
-                required=("label",),
-                checkpoint=entry.get("checkpoint", manifest.get("checkpoint")),  # format 1: one id for every server
-                label=entry.get("label"),
-                digest=entry.get("digest"),
-            )
+            request = _saved_request(entry, manifest)
+            reply = self._control(server, "load", "loading a checkpoint", required=("label",), **request)
             server.label = str(reply["label"])  # the checkpoint's lineage, continued by this run's saves
 
     def loads_as_saved(self, directory: Path) -> bool:
