@@ -36,6 +36,7 @@ from lightning_smartinf.core.io.storage import (
     fsync_dir,
     is_disk_full,
     make_private_dirs,
+    nearest_existing,
     write_file_atomic,
 )
 from lightning_smartinf.core.progress import Progress
@@ -63,9 +64,7 @@ def make_cache_dir(path: Path, argument: str, owner: str) -> Path:
     Raises:
         ValueError: ``path`` cannot be created or is not a directory; the message names ``argument``.
     """
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(path)
     try:
         if existing != path:
             make_private_dirs(existing, path.relative_to(existing).parts)
