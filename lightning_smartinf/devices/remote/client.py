@@ -830,9 +830,9 @@ class RemoteBackend(LatchingBackend):
         return server.reply(server.call(server.control, request, what, timeout=timeout), what, required)
 
     def _step_control(self, server: _Server, op: str, what: str, **args: Any) -> dict[str, Any]:
-        """:meth:`_control` for an operation of the step (a commit, a rollback, prefetch advice, a storage check): its
-        failure stops the backend (:attr:`failure`) as an update's does, so that :meth:`close` releases what it can
-        and raises nothing over the step's error."""
+        """:meth:`_control` for an operation of the step (a commit, a rollback, prefetch advice, a storage check) or
+        one that may leave the state torn (loading uploaded state): its failure stops the backend (:attr:`failure`)
+        as an update's does, so that :meth:`close` releases what it can and raises nothing over the step's error."""
         try:
             return self._control(server, op, what, **args)
         except StorageError as exc:
@@ -1002,11 +1002,8 @@ class RemoteBackend(LatchingBackend):
                 ShardState(spec, spec.layout(self.chunk_elems), tmp / f"{i}") for i, spec in enumerate(self._specs)
             ]
             reshard.write(states, then=send)  # a failure here changed nothing on the servers
-        for server in self._holding:
-            try:  # a server that fails here may have replaced some shards: the state is torn
-                self._control(server, "load_upload", "loading a checkpoint")
-            except StorageError as exc:
-                raise self.latch_error(exc) from None
+        for server in self._holding:  # a server that fails here may have replaced some shards: the state is torn
+            self._step_control(server, "load_upload", "loading a checkpoint")
 
     def release_storage(self) -> None:
         """Close the sessions (their state is removed from the servers; checkpoints stay) and the channels:
