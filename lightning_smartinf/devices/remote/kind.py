@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.core.registry import BuildContext, DeviceKind, register
 from lightning_smartinf.core.state_formats import FORMATS
+from lightning_smartinf.devices.remote.policy import is_loopback
+from lightning_smartinf.devices.remote.tokens import TlsFiles, read_tls_dir, read_token
 
 if TYPE_CHECKING:
     from contextlib import ExitStack
@@ -20,7 +22,6 @@ if TYPE_CHECKING:
     from lightning_smartinf.core.backend import Backend
     from lightning_smartinf.core.format.reshard import Fetch
     from lightning_smartinf.core.settings import SmartUpdateSettings
-    from lightning_smartinf.devices.remote.tokens import TlsFiles
 
 
 class RemoteKind(DeviceKind):
@@ -65,16 +66,12 @@ class RemoteKind(DeviceKind):
                 "the servers' token."
             )
         else:
-            from lightning_smartinf.devices.remote.tokens import read_token
-
             token_file = Path(token_file).expanduser()
             try:
                 read_token(token_file)
             except ValueError as exc:
                 problems.add(f"`remote_token_file`: {exc}")
         if tls_dir is not None:
-            from lightning_smartinf.devices.remote.tokens import read_tls_dir
-
             try:
                 tls_dir = Path(tls_dir).expanduser()
                 read_tls_dir(tls_dir)
@@ -83,8 +80,6 @@ class RemoteKind(DeviceKind):
         plaintext = options.get("remote_allow_plaintext") or False
         problems.flag("remote_allow_plaintext", plaintext)
         if tls_dir is None and not plaintext and len(problems) == known:
-            from lightning_smartinf.devices.remote.policy import is_loopback
-
             for address in devices:
                 if not is_loopback(address):
                     problems.add(
@@ -158,8 +153,6 @@ class RemoteKind(DeviceKind):
 def _access(option: Callable[[str], Any]) -> tuple[tuple[str, ...], str, TlsFiles | None, bool]:
     """From the options ``option`` looks up by name: the servers, the token, the TLS files (``None``: none) and
     whether plain gRPC to another machine is allowed."""
-    from lightning_smartinf.devices.remote.tokens import read_tls_dir, read_token
-
     tls_dir = option("remote_tls_dir")
     tls = None if tls_dir is None else read_tls_dir(tls_dir)
     plaintext = bool(option("remote_allow_plaintext"))
