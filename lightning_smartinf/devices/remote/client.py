@@ -747,14 +747,6 @@ class RemoteBackend(LatchingBackend):
             tentative=tentative,
             sparse=sparse,
         )
-
-        def frames(tensors: list[tuple[str, Tensor]], sent: list[int]) -> Iterator[Any]:
-            # gRPC draws these on a thread of its own: only host tensors are touched here.
-            yield header
-            for name, tensor in tensors:
-                sent[0] += tensor.numel() * tensor.element_size()
-                yield from encode_tensor(name, tensor)
-
         what = f"the update of shard {shard}"
 
         def work() -> None:
@@ -764,15 +756,17 @@ class RemoteBackend(LatchingBackend):
                 tensors = [("indices", grad.indices.cpu()), ("values", grad.values.cpu().to(link))]
             else:
                 tensors = [("grad", self._accelerator_copies().to_host(grad.detach()).to(link))]
-            sent = [0]
 
-            def request() -> Iterator[Any]:
-                sent[0] = 0  # what the attempt that is answered sent
-                return frames(tensors, sent)
+            def request() -> Iterator[Any]:  # each attempt's frames
+                # gRPC draws these on a thread of its own: only host tensors are touched here.
+                yield header
+                for name, tensor in tensors:
+                    yield from encode_tensor(name, tensor)
 
             replies = server.call(server.update, request, what)
             self._deliver(out, _receive("out", replies, numel=out.numel(), dtype=out.dtype, server=server, what=what))
-            self.traffic.add(link_write_bytes=sent[0], link_read_bytes=out.numel() * out.element_size())
+            sent = sum(tensor.numel() * tensor.element_size() for _, tensor in tensors)  # the answered attempt's
+            self.traffic.add(link_write_bytes=sent, link_read_bytes=out.numel() * out.element_size())
 
         return self._start(server, work, what)
 
