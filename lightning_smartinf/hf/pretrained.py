@@ -156,15 +156,18 @@ def auto_class(name: str, argument: str = "auto_class") -> Any:
     return cls
 
 
-def build_model(config: PretrainedConfig, task: str, *, device: str | torch.device = "cpu") -> PreTrainedModel:
-    """An fp32 Hugging Face model of ``task`` (an auto class name or a key of :data:`AUTO_CLASSES`) from ``config``.
+def build_model(
+    config: PretrainedConfig, task: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
+    """A Hugging Face model of ``task`` (an auto class name or a key of :data:`AUTO_CLASSES`) from ``config``, in
+    ``dtype`` (fp32 by default).
 
     ``device="meta"`` builds it without allocating or initializing weights: names and shapes only. ``config`` is
     left as it is (transformers would set its ``dtype`` to the model's).
     """
     cls = auto_class(task, "task")
     with torch.device(device):
-        return cls.from_config(copy.deepcopy(config), dtype=torch.float32)
+        return cls.from_config(copy.deepcopy(config), dtype=dtype)
 
 
 def _alias_groups(model: torch.nn.Module) -> list[list[str]]:
@@ -339,14 +342,6 @@ def _parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def _skeleton(config: PretrainedConfig, task: str, dtype: torch.dtype) -> PreTrainedModel:
-    """The ``task`` model of ``config`` as transformers builds it in ``dtype``, its parameters on the meta device and
-    its buffers real: the names, shapes and dtypes to write, and the values of the buffers."""
-    cls = auto_class(task, "task")
-    with _parameters_on_meta():
-        return cls.from_config(copy.deepcopy(config), dtype=dtype)  # a copy: transformers sets its `dtype`
-
-
 def _written_tensors(model: torch.nn.Module, shapes: Shapes) -> tuple[dict[str, Tensor], dict[str, str]]:
     """What ``save_pretrained`` writes of ``model``: each tensor of its state dict once, in order (of tied weights,
     the name ``named_parameters`` keeps); and for each parameter written, the name it has in ``shapes``."""
@@ -420,7 +415,9 @@ def save_pretrained(
     dtype = config_dtype(config) if dtype is None else export_dtype(dtype)
     if not isinstance(weights, Weights):
         weights = Weights.of(weights)
-    model = _skeleton(config, task, dtype)
+    # Parameters on the meta device and buffers real: the names, shapes and dtypes to write, the buffers' values.
+    with _parameters_on_meta():
+        model = build_model(config, task, dtype=dtype)
     problem = _mismatch(weights.shapes, model)
     if problem:
         raise ValueError(f"The weights do not match a {type(model).__name__} of this config: {problem}.")
