@@ -186,13 +186,12 @@ def tune(
                 share = predicted.share + (
                     extra_s_per_byte * predicted.offloaded_bytes / predicted.step_s if predicted.step_s > 0 else 0.0
                 )
-                offloaded = predicted.offloaded_bytes
-                held = saved - offloaded + (min(in_flight, offloaded) if offloaded else 0)
+                # What stays in memory: the bytes not offloaded, and the in-flight budget (none where nothing is).
+                held = saved - predicted.offloaded_bytes + min(in_flight, predicted.offloaded_bytes)
                 fits = share <= target
-                options.append((not fits, held if fits else share, share, threshold, keep, in_flight, predicted))
-    *_, threshold, keep, in_flight, predicted = min(options, key=lambda o: o[:3])
+                options.append((not fits, held if fits else share, share, threshold, keep, in_flight, predicted, held))
+    *_, threshold, keep, in_flight, predicted, held = min(options, key=lambda o: o[:3])
     offloaded = predicted.offloaded_bytes
-    held = saved - offloaded + (min(in_flight, offloaded) if offloaded else 0)
     given = threshold_bytes is not None and keep_last is not None and max_inflight_bytes is not None
     # Held back: more layers kept than the most-saving range, a threshold above the lowest, or nothing offloaded.
     held_back = not given and (keep > int(layers * MOST_KEPT) or threshold > thresholds[0] or offloaded == 0)
