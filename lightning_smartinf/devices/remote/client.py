@@ -233,11 +233,8 @@ class _Server:
                 reply = method(make(), timeout=timeout or self.timeout, metadata=self.metadata)
                 if not isinstance(reply, Iterator):
                     return reply
-                try:
-                    first = next(reply)
-                except StopIteration:
-                    return iter(())
-                return itertools.chain((first,), reply)
+                first = next(reply, None)  # (a frame is never None)
+                return iter(()) if first is None else itertools.chain((first,), reply)
             except grpc.RpcError as exc:
                 if not again or time.monotonic() + backoff > give_up or not _refused_for_a_busy_moment(exc):
                     raise self.error(exc, what) from None
