@@ -226,19 +226,13 @@ def named_layers(model: nn.Module, name: str) -> list[nn.Module]:
         holder = None
     if not isinstance(holder, (nn.ModuleList, nn.Sequential)) or len(holder) == 0:
         found = "no such submodule" if holder is None else f"a {type(holder).__name__}, not a list of layers"
+        lists = [n for n, m in model.named_modules() if n and isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m)]
+        listed = ", ".join(map(repr, lists[:8])) + (", ..." if len(lists) > 8 else "")
         raise ValueError(
             f"`layers={name!r}`: {type(model).__name__} has {found}. Name the ModuleList or Sequential that holds "
-            f"the repeated layers (found: {_layer_lists(model) or 'none'}), or leave `layers=None` to find them."
+            f"the repeated layers (found: {listed or 'none'}), or leave `layers=None` to find them."
         )
     return list(holder.children())
-
-
-def _layer_lists(model: nn.Module) -> str:
-    """The names of ``model``'s non-empty module lists, for an error message."""
-    names = [
-        repr(n) for n, m in model.named_modules() if n and isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m)
-    ]
-    return ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
 
 
 def _warn(message: str) -> None:
