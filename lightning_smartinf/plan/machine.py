@@ -25,7 +25,7 @@ from typing import Any
 from lightning_smartinf.core.arguments import Problems
 from lightning_smartinf.plan.cost_model import PlanError, Profile, check_by_precision, check_rates, read_profile
 
-__all__ = ["MACHINE_KIND", "Gpu", "Machine", "StoragePath", "is_machine", "load_any"]
+__all__ = ["MACHINE_KIND", "Gpu", "Machine", "StoragePath", "load_any"]
 
 #: How far the paths' rate may move between the start and the end of a calibration before the plan says so.
 DISK_SWING = 0.2
@@ -40,18 +40,13 @@ _STEP_BY_PRECISION = (
 )
 
 
-def is_machine(data: dict[str, Any]) -> bool:
-    """Whether a profile's JSON object describes a :class:`Machine` (``"kind": "local-nvme"``)."""
-    return data.get("kind") == MACHINE_KIND
-
-
 def load_any(name_or_path: str | Path) -> Profile | Machine:
     """A packaged profile or a profile file: a :class:`Machine` for ``"kind": "local-nvme"``, else the model's
     :class:`Profile`."""
     data, origin = read_profile(name_or_path)
     if "kind" not in data:
         return Profile.from_dict(data, origin)
-    if not is_machine(data):
+    if data["kind"] != MACHINE_KIND:
         raise PlanError(
             f"{origin}: `kind={data['kind']!r}` is unknown. A profile's kind is {MACHINE_KIND!r} (a server with local "
             "NVMe paths, written by `--calibrate`) or absent (the model's testbed profiles)."
