@@ -34,8 +34,7 @@ from torch import Tensor
 from lightning_smartinf.core.accelerator import StreamFences, record_fence
 from lightning_smartinf.core.compression import SparseGrad
 from lightning_smartinf.core.io.direct import StateFile
-from lightning_smartinf.core.streaming.device import HostCoreDevice
-from lightning_smartinf.core.tiers.host_memory import MemoryIO, MemoryStateFile, TensorStateFile
+from lightning_smartinf.core.tiers.host_memory import MemoryDevice, MemoryStateFile, TensorStateFile
 from lightning_smartinf.core.traffic import Traffic
 
 __all__ = ["AcceleratorDevice", "AcceleratorStateFile"]
@@ -95,14 +94,13 @@ class AcceleratorStateFile(TensorStateFile):
         self.unstage()
 
 
-class AcceleratorDevice(HostCoreDevice):
-    """The accelerator tier as a device: state in ``device`` memory, updated there.
+class AcceleratorDevice(MemoryDevice):
+    """The accelerator tier as a device: the memory tier's device with its state in ``device`` memory, updated there.
 
     Its chunk buffers and gradient chunk are in accelerator memory too; host memory holds one fp32 gradient chunk,
     where a gradient is rounded and decompressed as it crosses the link.
     """
 
-    in_memory = True
     tier = "accelerator"
     read_counter = "accelerator_read_bytes"
     write_counter = "accelerator_write_bytes"
@@ -121,9 +119,7 @@ class AcceleratorDevice(HostCoreDevice):
         if device.type == "cuda" and device.index is None:  # this rank's GPU, fixed now: worker threads have their own
             device = torch.device("cuda", torch.cuda.current_device())
         self.torch_device = device
-        # Copies within one memory: one transfer in flight per direction (the default) keeps the device busy enough.
-        super().__init__(index, None, traffic, MemoryIO(), chunk_elems=chunk_elems, buffer_count=buffer_count)
-        self.capacity = capacity
+        super().__init__(index, traffic, chunk_elems=chunk_elems, buffer_count=buffer_count, capacity=capacity)
         self._host_grad: Tensor | None = None
 
     @property

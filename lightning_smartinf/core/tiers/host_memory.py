@@ -130,7 +130,8 @@ class MemoryDevice(HostCoreDevice):
     def __init__(
         self, index: int, traffic: Traffic, *, chunk_elems: int, buffer_count: int, capacity: int | None = None
     ) -> None:
-        # Copies are synchronous memcpy: one transfer in flight per direction (the default) keeps a core busy enough.
+        # Copies within one memory: one transfer in flight per direction (the default) keeps a core (or the
+        # accelerator) busy enough.
         super().__init__(index, None, traffic, MemoryIO(), chunk_elems=chunk_elems, buffer_count=buffer_count)
         self.capacity = capacity
 
