@@ -289,10 +289,6 @@ class StreamingDevice(ABC):
         errors = (self.wait_for(f, "the state write-back", timeout) for f in trailing)
         return next((exc for exc in errors if exc is not None), None)
 
-    def stalled_s(self) -> float:
-        """Seconds since this device last showed a sign of life (:attr:`progress_at`)."""
-        return time.monotonic() - self.progress_at
-
     def wait_for(self, future: Future, what: str, timeout: float | None) -> BaseException | None:
         """Block until ``future`` (work of this device, described by ``what``) is done; return its error, if any.
 
@@ -303,10 +299,10 @@ class StreamingDevice(ABC):
         if timeout is None:
             return future.exception()
         while True:
-            try:
-                return future.exception(timeout=max(0.0, timeout - self.stalled_s()))
+            try:  # until ``timeout`` s past the last sign of life (:attr:`progress_at`), which may move meanwhile
+                return future.exception(timeout=max(0.0, self.progress_at + timeout - time.monotonic()))
             except FutureTimeoutError:
-                if self.stalled_s() >= timeout:
+                if time.monotonic() >= self.progress_at + timeout:
                     raise self._timeout_error(what, timeout) from None
 
     def _timeout_error(self, what: str, timeout: float) -> StorageError:
