@@ -725,6 +725,12 @@ class StreamingBackend(LatchingBackend):
         entry = self._shard(shard, grad.numel if sparse else grad.numel(), "`grad`")
         self._shard(shard, out.numel(), "`out`")
         work = self.device_of(shard).update_work(entry, grad, hp, out, link_dtype or grad.dtype)
+        params = self._split_params(entry)  # an update of split masters rebuilds them from the parameters it writes
+        if params is not None and (out.data_ptr() != params.data_ptr() or out.numel() != params.numel()):
+            raise ValueError(
+                f"Shard {shard} splits its masters: an update of it writes its own parameters (`out` must be the "
+                "tensor `bind_parameters` gave)."
+            )
         request = Request(
             shard=entry,
             read=True,
@@ -733,27 +739,14 @@ class StreamingBackend(LatchingBackend):
             link_write=work.link_write,
             link_read=work.link_read,
             ready=ready,
-            params=self._checked_out(entry, out),
+            params=params,
             compute_split=work.compute_split,
         )
-        if tentative and request.params is not None:
+        if tentative and params is not None:
             request.params_aside = self._params_aside.get(shard)
             if request.params_aside is None:
-                request.params_aside = self._params_aside[shard] = torch.empty_like(request.params)
+                request.params_aside = self._params_aside[shard] = torch.empty_like(params)
         return self._enqueue(request, tentative)
-
-    def _checked_out(self, shard: Shard, out: Tensor) -> Tensor | None:
-        """``out``, where ``shard`` splits its masters: an update rebuilds them from the parameters it writes, so
-        ``out`` must be those parameters."""
-        params = self._split_params(shard)
-        if params is None:
-            return None
-        if out.data_ptr() != params.data_ptr() or out.numel() != params.numel():
-            raise ValueError(
-                f"Shard {shard.spec.index} splits its masters: an update of it writes its own parameters (`out` must "
-                "be the tensor `bind_parameters` gave)."
-            )
-        return params
 
     def prefetch(self, shards: Sequence[int]) -> None:
         """Advice: each device's next requests are for its ``shards``, in this order.
