@@ -248,8 +248,7 @@ class TieredBackend(Backend, ABC):
         measured, what one more of them would hold; otherwise the whole budget."""
         if not (self.memory_bytes and self.measures_memory_share and self.devices_compute and beside):
             return self.memory_bytes
-        sizing = TieredPlacement((1.0,), 0, self.chunk_elems)
-        state = sum(sizing.state_bytes(spec) for spec in shards)
+        state = sum(spec.layout(self.chunk_elems).file_bytes for spec in shards)
         return int(memory_share(self.memory_bytes, max(0, state - self.accelerator_bytes), 1.0, beside))
 
     # ---------------------------------------------------------------------------------------------- requests
@@ -586,14 +585,13 @@ class BesideTiers(TieredBackend):
             place.update({i: (self.local, j) for j, i in enumerate(self._local_shards)})
         self._where = [place[spec.index] for spec in shards]
         if self._local_shards:
-            sizing = TieredPlacement((1.0,), 0, self.chunk_elems)
-            state = sum(sizing.state_bytes(spec) for spec in shards)
-            here = sum(sizing.state_bytes(shards[i]) for i in self._local_shards)
+            sizes = [spec.layout(self.chunk_elems).file_bytes for spec in shards]
+            here = sum(sizes[i] for i in self._local_shards)
             log.info(
                 "SmartUpdate keeps %d sub-group(s), %.1f MiB of state (%.0f%%), on this host beside %d server(s)",
                 len(self._local_shards),
                 here / 2**20,
-                100 * here / max(state, 1),
+                100 * here / max(sum(sizes), 1),
                 self.inner.num_devices,
             )
 
