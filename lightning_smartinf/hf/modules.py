@@ -311,7 +311,6 @@ class HFCausalLM(_HFModule):
             )
         problems.integer("tokenizer_vocab_size", tokenizer_vocab_size, low=MIN_VOCAB_SIZE, why=VOCAB_WHY, example=8192)
         self._tokenizer_training = (tokenizer_train_files, tokenizer_vocab_size)  # for `_tokenizer_files`
-        self._scratch_fields = dict(config or {}) if model_path is None else None
         super().__init__(
             model_path, config, tokenizer_path, optimizer, lr, weight_decay, betas, momentum, warmup_steps,
             scheduler, min_lr_ratio, gradient_checkpointing, revision, problems=problems,
@@ -319,7 +318,7 @@ class HFCausalLM(_HFModule):
         self.save_hyperparameters()
         if model_path is None:
             # A new model speaks its tokenizer: vocabulary and special tokens come from it unless given.
-            fields = self._scratch_fields or {}
+            fields = config or {}  # a dict: the base class checked it
             if "vocab_size" not in fields:
                 self.hf_config.vocab_size = len(self.tokenizer)
             for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
