@@ -861,14 +861,13 @@ class ClassificationDataModule(_FileData[list[dict[str, Any]]]):
 
     def _read(self, argument: str, path: str) -> list[dict[str, Any]]:
         file = _check_file(path, argument, TABLE_SUFFIXES, "ClassificationDataModule")
-        fields = [self.text_field, self.label_field]
+        fields = {"text_field": self.text_field, "label_field": self.label_field}
         if file.suffix.lower() == ".jsonl":
-            named = {"text_field": self.text_field, "label_field": self.label_field}
-            rows = [row for _, row in _jsonl_rows(file, named, argument, "ClassificationDataModule")]
+            rows = [row for _, row in _jsonl_rows(file, fields, argument, "ClassificationDataModule")]
         else:
             with open(file, encoding="utf-8", newline="") as f:
                 reader = csv.DictReader(f)
-                missing = [k for k in fields if k not in (reader.fieldnames or [])]
+                missing = [k for k in fields.values() if k not in (reader.fieldnames or [])]
                 if missing:
                     raise ValueError(
                         f"`ClassificationDataModule({argument}={path!r})` has no column {missing[0]!r}; its columns "
