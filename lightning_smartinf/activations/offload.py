@@ -127,42 +127,28 @@ class OffloadStats:
     io_cpu_s: float = 0.0  # CPU seconds of the I/O threads in their transfers (mostly the kernel's block I/O)
 
 
+@dataclass(eq=False, repr=False, slots=True)
 class _Record:
-    __slots__ = (
-        "key",
-        "storage_ref",
-        "nbytes",
-        "shape",
-        "stride",
-        "dtype",
-        "device",
-        "state",
-        "tensor",
-        "refs",
-        "slot",
-        "future",
-        "charged",
-        "produced",
-        "side_allocated",
-        "head",
-    )
+    """One saved tensor (a storage, offset, shape, stride, dtype and device) and where its bytes are."""
 
-    def __init__(self, key: tuple, tensor: Tensor, nbytes: int) -> None:
-        self.key = key
-        self.storage_ref = weakref.ref(tensor.untyped_storage())
-        self.nbytes = nbytes
-        self.shape, self.stride, self.dtype, self.device = tensor.shape, tensor.stride(), tensor.dtype, tensor.device
-        self.state = _KEPT
-        self.tensor: Tensor | None = tensor
-        self.refs = 1  # the handle of the pack that created it
-        self.slot: tuple[int, int] | None = None  # (spill file, offset) while the bytes are in a spill file
-        self.future: Future | None = None
-        self.charged = 0  # bytes charged to the in-flight budget
-        # CUDA only: an event after the kernels of the user's stream that produced the tensor (the write waits for
-        # it on a side stream), and whether the tensor read back was allocated on a side stream.
-        self.produced: Any = None
-        self.side_allocated = False
-        self.head = 0  # where the tensor's bytes start in its file
+    key: tuple
+    storage_ref: weakref.ref
+    nbytes: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    tensor: Tensor | None
+    state: str = _KEPT
+    refs: int = 1  # the handle of the pack that created it
+    slot: tuple[int, int] | None = None  # (spill file, offset) while the bytes are in a spill file
+    future: Future | None = None
+    charged: int = 0  # bytes charged to the in-flight budget
+    # CUDA only: an event after the kernels of the user's stream that produced the tensor (the write waits for it on
+    # a side stream), and whether the tensor read back was allocated on a side stream.
+    produced: Any = None
+    side_allocated: bool = False
+    head: int = 0  # where the tensor's bytes start in its file
 
 
 class _Handle:
@@ -683,7 +669,7 @@ class SavedTensorOffloader:
                 self.stats.dedup_hits += 1
                 return _Handle(self._release, rec)
             nbytes = t.numel() * t.element_size()
-            rec = _Record(key, t, nbytes)
+            rec = _Record(key, weakref.ref(storage), nbytes, t.shape, t.stride(), t.dtype, t.device, t)
             self._records[key] = rec
             self._charge_resident(nbytes)
             if self._should_offload(t, nbytes):
