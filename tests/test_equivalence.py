@@ -85,6 +85,48 @@ def test_fp32_matches_torch_optim(tmp_path, make_optimizer, accumulate, clip):
         assert smart_update.early_rolled_back in (groups, 2 * groups, 3 * groups)
 
 
+class CountSteps(L.Callback):
+    """Counts what happens at each optimizer step: the updates the devices made, Lightning's step hook and the
+    learning rate the scheduler left."""
+
+    def __init__(self) -> None:
+        self.hooks = 0
+        self.lrs: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.hooks += 1
+
+    def on_train_batch_end(self, trainer, pl_module, *_) -> None:
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def test_an_epoch_whose_last_accumulation_window_is_short_steps_as_torch_does(tmp_path):
+    """Seven batches an epoch, three accumulated: Lightning over plain PyTorch steps after batches 3, 6 and 7 of
+    each epoch, the last step over two micro-batches. DeepSpeed's own count of micro-batches carries that window into
+    the next epoch instead (two micro-batches, then one), and every later window with it; Lightning's step count,
+    its scheduler and its checkpoints then fall between the updates, and a checkpoint misses the gradients held."""
+    steps, accumulate, batches = 6, 3, 7  # two epochs
+    reference_steps = CountSteps()
+    _, reference = fit(
+        LMModule(adamw_cosine), "auto", steps=steps, accumulate=accumulate, clip=0.5, batches=batches,
+        callbacks=[reference_steps],
+    )  # fmt: skip
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000, chunk_size=2048, buffer_count=3)
+    our_steps = CountSteps()
+    trainer, ours = fit(
+        LMModule(adamw_cosine), strategy, steps=steps, accumulate=accumulate, clip=0.5, batches=batches,
+        callbacks=[our_steps],
+    )  # fmt: skip
+
+    assert trainer.global_step == steps and trainer.current_epoch == 2
+    smart_update = trainer.strategy.deepspeed_engine.optimizer.smart_update
+    assert set(smart_update.group_steps.values()) == {steps}  # the devices updated once per Lightning step
+    assert our_steps.hooks == reference_steps.hooks == steps  # `on_before_optimizer_step`: once per step too
+    assert our_steps.lrs == reference_steps.lrs
+    errors = max_relative_error(ours, reference)
+    assert max(errors.values()) < 1e-5, errors
+
+
 class HalveLrBeforeStep(L.Callback):
     """Changes the learning rate after backward, before the step: what a hand-off during backward cannot see."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -50,6 +51,8 @@ class SmartInfinityPrecision(DeepSpeedPrecision):
                 f"`precision` must be one of: {', '.join(map(repr, supported))}."
             )
         super().__init__(precision)
+        #: Whether :meth:`optimizer_step` is running: a backward inside it is the last of its accumulation window.
+        self._stepping = False
 
     @property
     def link_dtype(self) -> torch.dtype:
@@ -63,9 +66,26 @@ class SmartInfinityPrecision(DeepSpeedPrecision):
         Lightning's automatic optimization already divides the loss by ``accumulate_grad_batches``; the engine
         would divide it again (``scale_wrt_gas``), training with gradients ``accumulate_grad_batches`` times too
         small. Manual optimization does not divide, so there the engine keeps doing it.
+
+        Under automatic optimization Lightning ends the accumulation windows (the strategy does not handle
+        accumulation): a backward ends one exactly when it runs in the closure of :meth:`optimizer_step`, the
+        micro-batches before it run theirs outside. The engine is told so, or it would end windows by its own count
+        of micro-batches, which runs on across epochs whose last window is shorter.
         """
+        if model.automatic_optimization:
+            engine: Any = model.trainer.model
+            engine.set_gradient_accumulation_boundary(self._stepping)
         kwargs.setdefault("scale_wrt_gas", not model.automatic_optimization)
         super().backward(tensor, model, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """Run the closure (forward and the window's last backward) and the engine's step; see :meth:`backward`."""
+        self._stepping = True
+        try:
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+        finally:
+            self._stepping = False
 
     @override
     def clip_gradients(

@@ -411,6 +411,24 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
         return deepspeed_engine, zero_optimizer
 
     @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        """``False``: Lightning ends each accumulation window, as over plain PyTorch, an epoch's last (shorter) one
+        included, and the precision plugin tells the engine where (:meth:`SmartInfinityPrecision.backward`).
+
+        DeepSpeed's strategy leaves it to the engine's count of micro-batches, which carries an epoch's short last
+        window into the next epoch: the updates then fall between Lightning's steps, so its ``global_step``, its
+        schedulers and its checkpoints (which miss the gradients held) no longer match them."""
+        return False
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Nothing to block while Lightning accumulates: ZeRO-3 reduces each micro-batch's gradients into their
+        partitions (its engine refuses ``no_sync``)."""
+        yield
+
+    @property
     def has_smart_update(self) -> bool:
         """Whether the devices are live: between engine set-up and teardown of ``fit``."""
         return self._backend is not None
