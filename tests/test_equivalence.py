@@ -352,6 +352,41 @@ class ManualClipping(LMModule):
         optimizer.step()
 
 
+class ManualAccumulation(LMModule):
+    """Manual optimization accumulating as Lightning documents it: ``manual_backward`` of the loss over ``N`` on
+    every batch, ``step`` and ``zero_grad`` on every ``N``-th. The forwards before a step must read the parameters of
+    the last step, whatever the backward before them handed to the devices."""
+
+    N = 3
+
+    def __init__(self) -> None:
+        super().__init__(adamw_cosine)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        tokens, targets = batch
+        loss = torch.nn.functional.cross_entropy(self.model(tokens).float().flatten(0, 1), targets.flatten())
+        self.manual_backward(loss / self.N)
+        if (batch_idx + 1) % self.N == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def test_manual_accumulation_trains_as_torch_does(tmp_path):
+    steps = 6
+    _, reference = fit(ManualAccumulation(), "auto", steps=steps, batches=steps * ManualAccumulation.N)
+    strategy = SmartInfinityStrategy(storage_paths=[tmp_path], sub_group_size=3000)
+    trainer, ours = fit(ManualAccumulation(), strategy, steps=steps, batches=steps * ManualAccumulation.N)
+
+    assert trainer.global_step == steps
+    errors = max_relative_error(ours, reference)
+    assert max(errors.values()) < 1e-5, errors
+    # A backward that no step follows hands off once, and then not for twice as many steps as the last time.
+    smart_update = trainer.strategy.deepspeed_engine.optimizer.smart_update
+    assert smart_update.early_rolled_back > 0
+
+
 class HookClipping(LMModule):
     """Automatic optimization with ``configure_gradient_clipping`` overridden: a clipping norm that changes."""
 

@@ -396,6 +396,14 @@ class SmartUpdateController:
         finally:
             self._release_residual()
 
+    def withdraw_hand_offs(self) -> None:
+        """The parameters are about to be read (a forward) while hand-offs of the last backward wait for a step that
+        did not come: manual optimization that accumulates runs several backwards per step. Roll them back, the
+        parameters they wrote restored, and count the speculation as missed; nothing to do when none is out."""
+        if self._hand_offs.early:
+            self._speculation.judge(held=False)
+            self.discard_early()
+
     def skip_step(self) -> None:
         """The step is skipped (overflow): undo this backward's hand-offs; device state stays as it was. A hand-off
         would not have stood: the speculation missed."""

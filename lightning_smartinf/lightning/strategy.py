@@ -526,10 +526,31 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
 
     # ------------------------------------------------------------------------------------------------ phases
 
+    def _before_forward(self) -> None:
+        # A backward of manual optimization may have handed updates to the devices that no step followed yet.
+        if self.has_smart_update:
+            self.smart_update.withdraw_hand_offs()
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
         with self.clocks.phase("forward"):
             return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
+        return super().predict_step(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
