@@ -65,13 +65,6 @@ class Plan:
         return self.breakdowns["zero_infinity"]
 
 
-def _best_method(work: Workload, prof: Profile, n: int, compression: float, sub_group: int) -> float:
-    return min(
-        iteration("su_o", work, prof, n, sub_group_size=sub_group).total,
-        iteration("su_o_c", work, prof, n, compression=compression, sub_group_size=sub_group).total,
-    )
-
-
 def choose_sub_group(work: Workload, prof: Profile, devices: int, *, largest: int | None = None) -> int:
     """Largest candidate (up to ``largest``) that gives every device >= 8 sub-groups (pipeline fill and drain under
     ~1/8 of a device's work) and whose buffers fit in half the device memory (room for the next sub-group's)."""
@@ -123,7 +116,11 @@ def make_plan(
     # fewer sub-groups than devices (a model of fewer elements than a sub-group per device) would leave some idle.
     top = max(prof.max_devices, devices or 1)
     sizes = {n: choose_sub_group(work, prof, n) for n in range(1, top + 1)}
-    times = {n: _best_method(work, prof, n, ratio, s) for n, s in sizes.items() if n == 1 or sub_groups(work, s) >= n}
+    times = {  # the faster of SU+O and SU+O+C
+        n: min(iteration(m, work, prof, n, compression=ratio, sub_group_size=s).total for m in ("su_o", "su_o_c"))
+        for n, s in sizes.items()
+        if n == 1 or sub_groups(work, s) >= n
+    }
     best = min(times.values())
     recommended = min(n for n, t in times.items() if t <= best * ENOUGH)
     base = {n: zero_infinity(work, prof, n).total for n in range(1, top + 1)}
