@@ -178,6 +178,15 @@ def test_unsupported_optimizer_lists_the_supported_ones(tmp_path):
         fit(LMModule(rmsprop), SmartInfinityStrategy(storage_paths=[tmp_path]), steps=1)
 
 
+def test_no_optimizer_is_refused_with_the_way_to_evaluate(tmp_path):
+    """`configure_optimizers` returning None: Lightning trains without an optimizer; this strategy's state is the
+    optimizer's, so it is refused before anything is built (DeepSpeed failed with an IndexError of its own)."""
+    module = LMModule(lambda model: (None, None))  # its `configure_optimizers` returns None
+    with pytest.raises(MisconfigurationException, match=r"returned no optimizer.*torch.optim.Adam.*trainer.validate"):
+        fit(module, SmartInfinityStrategy(storage_paths=[tmp_path]), steps=1)
+    assert not list(tmp_path.rglob("*.state"))
+
+
 def test_not_enough_free_space_is_reported_before_training(tmp_path, monkeypatch):
     import shutil as shutil_module
 

@@ -76,6 +76,12 @@ class RankPlace:
 def check_optimizer(settings: SmartUpdateSettings, optimizer: Optimizer) -> None:
     """Every param group of ``optimizer`` has an update rule the devices run (and a sparse one with compression) that
     keeps its state in ``state_precision``."""
+    if not optimizer.param_groups:  # Lightning's stand-in where `configure_optimizers` returned None
+        raise MisconfigurationException(
+            "`configure_optimizers` returned no optimizer, but `smart_infinity` trains with one whose state it keeps "
+            f"on storage: return one of {', '.join(SUPPORTED_OPTIMIZERS)}. To evaluate without training, call "
+            "`trainer.validate`, `trainer.test` or `trainer.predict`, which need none."
+        )
     try:
         for group in optimizer.param_groups:
             rule = rule_for_group(optimizer, group, settings.compression)
