@@ -75,6 +75,22 @@ def test_save_last_overwrites_last_and_resumes_bit_identically(reference, tmp_pa
     assert_identical(consolidate_fp32_state_dict(ckpts / "last.ckpt"), expected)
 
 
+def test_accumulation_with_a_short_last_window_resumes_bit_identically(tmp_path) -> None:
+    """`accumulate_grad_batches=3` over epochs of 4 batches: each epoch steps after its third batch and after its
+    last, alone in its window, so a checkpoint every 2 steps is saved at each epoch's end. A run that crashes in the
+    second epoch resumes from the first's checkpoint to the uninterrupted run's parameters, bit for bit. (Had the
+    engine counted the windows across epochs, the second step would fall in the second epoch, holding a micro-batch's
+    gradient the checkpoint does not keep.)"""
+    expected = train(tmp_path / "whole", steps=6, every=None, accumulate_grad_batches=3)
+    with pytest.raises(Crash):
+        train(tmp_path / "crashed", steps=6, every=2, accumulate_grad_batches=3, callbacks=[CrashAt(3)])
+    assert checkpoint_step(ckpt(tmp_path / "crashed", 2)) == 2
+    resumed = train(
+        tmp_path / "crashed", steps=6, every=2, accumulate_grad_batches=3, ckpt_path=ckpt(tmp_path / "crashed", 2)
+    )
+    assert_identical(resumed, expected)
+
+
 def test_dataloader_workers_forked_while_the_devices_run_change_nothing(reference, tmp_path) -> None:
     """`DataLoader(num_workers=2)`, as most recipes write it: each epoch forks two workers while the devices' threads,
     their chunk buffers (huge pages where the OS gives them, in the middle of direct transfers) and the state files are
