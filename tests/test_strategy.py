@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 from helpers.launch import run, worker_env
-from helpers.models import LMModule, adamw_factory, fit, max_relative_error, token_loader
+from helpers.models import CaptureParams, LMModule, adamw_factory, fit, max_relative_error, token_loader
 from helpers.unwritable import unwritable_dir
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -184,6 +184,62 @@ def test_no_optimizer_is_refused_with_the_way_to_evaluate(tmp_path):
     module = LMModule(lambda model: (None, None))  # its `configure_optimizers` returns None
     with pytest.raises(MisconfigurationException, match=r"returned no optimizer.*torch.optim.Adam.*trainer.validate"):
         fit(module, SmartInfinityStrategy(storage_paths=[tmp_path]), steps=1)
+    assert not list(tmp_path.rglob("*.state"))
+
+
+class PreBatched(torch.utils.data.IterableDataset):
+    """Batches the dataset makes itself, as streaming LLM pipelines do: loaded with `DataLoader(batch_size=None)`."""
+
+    def __iter__(self):
+        tokens, targets = token_loader(4).dataset.tensors
+        yield from zip(tokens.split(4), targets.split(4))
+
+
+@pytest.mark.parametrize("shape", ["batch_size=None", "batch_sampler"])
+def test_loaders_without_a_batch_size_train_as_torch_does(tmp_path, shape):
+    """A loader with no `batch_size` of its own (batches made by the dataset, or a `batch_sampler` of index lists)
+    trains: the engine's batch size is for its throughput log only (Lightning's DeepSpeed strategy failed with an
+    AttributeError reading it)."""
+    dataset = token_loader(4).dataset
+
+    def loader():
+        if shape == "batch_sampler":
+            return torch.utils.data.DataLoader(dataset, batch_sampler=[list(range(i, i + 4)) for i in (0, 4, 8, 12)])
+        return torch.utils.data.DataLoader(PreBatched(), batch_size=None)
+
+    params = {}
+    for name, strategy in (("auto", "auto"), ("ours", SmartInfinityStrategy(storage_paths=[tmp_path]))):
+        capture = CaptureParams()
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=strategy,
+            max_steps=4,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            callbacks=[capture],
+        )
+        trainer.fit(LMModule(adamw_factory()), loader())
+        assert trainer.global_step == 4
+        params[name] = capture.params
+    assert max(max_relative_error(params["ours"], params["auto"]).values()) < 1e-5
+
+
+@pytest.mark.parametrize("accumulate", [0, -1, 2.5, True])
+def test_accumulating_other_than_a_whole_number_of_batches_is_refused_naming_it(tmp_path, accumulate):
+    with pytest.raises(
+        MisconfigurationException, match=re.escape(f"`Trainer(accumulate_grad_batches={accumulate!r})`")
+    ):
+        fit(
+            LMModule(adamw_factory()),
+            SmartInfinityStrategy(storage_paths=[tmp_path]),
+            steps=1,
+            accumulate=accumulate,
+            batches=4,
+        )
     assert not list(tmp_path.rglob("*.state"))
 
 

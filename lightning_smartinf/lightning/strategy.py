@@ -363,9 +363,27 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
 
     @override
     def _format_config(self) -> None:
+        assert self.lightning_module is not None
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise MisconfigurationException(
+                f"`Trainer(accumulate_grad_batches={accumulate!r})`: accumulate a whole number of micro-batches, 1 or "
+                "more, before each step (1 steps after every batch)."
+            )
         super()._format_config()
         if self.settings.compression is None:  # top-k's error feedback rounds what it sends: see accumulate_in_fp32
             accumulate_in_fp32(self.config)
+
+    @override
+    def _auto_select_batch_size(self) -> int:
+        """The training loader's batch size, for the engine's throughput log only; 1 where the loader has none of its
+        own (``batch_size=None`` for batches the dataset makes, a ``batch_sampler`` of index lists), on which
+        Lightning's DeepSpeed strategy fails with an ``AttributeError``."""
+        try:
+            size = super()._auto_select_batch_size()
+        except AttributeError:  # the loader's `batch_sampler` is None or has no `batch_size`
+            return 1
+        return size if isinstance(size, int) and size > 0 else 1
 
     @contextmanager
     @override
