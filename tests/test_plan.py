@@ -370,7 +370,11 @@ def test_calibrate_asks_for_the_space_it_will_write_before_writing_any(tmp_path,
     need = (3 * 8 * 2**20 + 12 * STEP_ELEMENTS) / 1e9
     assert f"`--calibrate {small}`: needs {need:.2f} GB free, has 0.07 GB" in capsys.readouterr().err
     assert not list(small.iterdir())
-    # Second, it holds the probe files only.
+
+
+@pytest.mark.slow  # a whole calibration (about a minute here); test_calibrate_writes_a_usable_profile runs one too
+def test_calibrate_asks_a_later_path_for_its_probe_files_only(tmp_path, small_fs):
+    small = small_fs("64m")  # room for the probe files of 8 MiB, not for the steps' state
     out = tmp_path / "profile.json"
     assert main(["--calibrate", str(tmp_path), str(small), "--calibrate-mb", "8", "-o", str(out)]) == 0
     assert not list(small.iterdir())

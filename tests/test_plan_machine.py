@@ -478,9 +478,8 @@ def test_the_plan_says_when_cpu_training_is_not_modelled_and_what_it_assumed(tmp
     assert f"`--calibrate {tmp_path / 'missing'}`: not a directory" in capsys.readouterr().err
 
 
-def test_json_stdout_holds_json_only(tmp_path, capsys, monkeypatch):
-    """Whatever is printed while planning (a library's warning) goes to stderr; a calibration without `-o` is part of
-    the one JSON object."""
+def test_json_stdout_holds_json_only(capsys, monkeypatch):
+    """Whatever is printed while planning (a library's warning) goes to stderr."""
     import lightning_smartinf.plan.__main__ as entry
 
     real = entry.workload_from_model
@@ -494,6 +493,10 @@ def test_json_stdout_holds_json_only(tmp_path, capsys, monkeypatch):
     captured = capsys.readouterr()
     assert json.loads(captured.out)["strategy"]["state_memory_budget"] == "80GiB"
     assert "a library's warning" in captured.err
+
+
+@pytest.mark.slow  # a whole calibration (about a minute here)
+def test_a_calibration_without_an_output_file_is_part_of_the_json(tmp_path, capsys):
     assert main(["--calibrate", str(tmp_path), "--calibrate-mb", "8", "--model", "100M", "--json"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert answer["calibrated_profile"]["kind"] == "local-nvme" and answer["kind"] == "local-nvme"
