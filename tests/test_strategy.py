@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 from helpers.launch import run, worker_env
-from helpers.models import CaptureParams, LMModule, adamw_factory, fit, max_relative_error, token_loader
+from helpers.models import LMModule, adamw_factory, fit, max_relative_error, token_loader
 from helpers.unwritable import unwritable_dir
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -207,25 +207,12 @@ def test_loaders_without_a_batch_size_train_as_torch_does(tmp_path, shape):
             return torch.utils.data.DataLoader(dataset, batch_sampler=[list(range(i, i + 4)) for i in (0, 4, 8, 12)])
         return torch.utils.data.DataLoader(PreBatched(), batch_size=None)
 
-    params = {}
-    for name, strategy in (("auto", "auto"), ("ours", SmartInfinityStrategy(storage_paths=[tmp_path]))):
-        capture = CaptureParams()
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=1,
-            strategy=strategy,
-            max_steps=4,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-            callbacks=[capture],
-        )
-        trainer.fit(LMModule(adamw_factory()), loader())
-        assert trainer.global_step == 4
-        params[name] = capture.params
-    assert max(max_relative_error(params["ours"], params["auto"]).values()) < 1e-5
+    _, reference = fit(LMModule(adamw_factory()), "auto", steps=4, loader=loader())
+    trainer, ours = fit(
+        LMModule(adamw_factory()), SmartInfinityStrategy(storage_paths=[tmp_path]), steps=4, loader=loader()
+    )
+    assert trainer.global_step == 4
+    assert max(max_relative_error(ours, reference).values()) < 1e-5
 
 
 @pytest.mark.parametrize("accumulate", [0, -1, 2.5, True])

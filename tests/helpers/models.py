@@ -153,8 +153,11 @@ def fit(
     callbacks: list | None = None,
     accelerator: str = "cpu",
     devices: int = 1,
+    loader: DataLoader | None = None,
     **trainer_kwargs: Any,
 ) -> tuple[L.Trainer, dict[str, torch.Tensor]]:
+    """Train ``module`` for ``steps`` steps on ``loader`` (default: :func:`token_loader` of ``batches``, or of
+    ``steps * accumulate``); return the Trainer and the trained parameters."""
     capture = CaptureParams()
     trainer = L.Trainer(
         accelerator=accelerator,
@@ -173,7 +176,7 @@ def fit(
         callbacks=[capture, *(callbacks or [])],
         **trainer_kwargs,
     )
-    trainer.fit(module, token_loader(batches or steps * accumulate))
+    trainer.fit(module, loader if loader is not None else token_loader(batches or steps * accumulate))
     return trainer, capture.params
 
 
