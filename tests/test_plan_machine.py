@@ -260,6 +260,7 @@ def test_the_link_carries_each_micro_batch_once_and_the_sums_where_host_memory_k
     assert gpu_link_bytes("su_o", gradient_buffer="host", accumulate=4) == 4 * 4 + 4 + 3 * 8
 
 
+@pytest.mark.slow  # a whole calibration of two paths (a minute or more here)
 def test_calibrate_measures_every_path_alone_and_together(tmp_path, capsys):
     paths = [tmp_path / "p0", tmp_path / "p1"]
     for path in paths:
