@@ -184,7 +184,42 @@ class StateFormat(ABC):
         The pass can also take what a device does around the update: ``grad`` in bf16 as it crossed the link
         (``grad.float()``), times ``grad_scale`` (one fp32 rounding, as ``g.mul_(grad_scale)``), and the updated
         masters' bf16 roundings written to ``params`` (whole masters only: split ones write their parameters)."""
-        return False
+        n = master.numel()
+        count = self._fused_elements(n, stored)
+        if count is None:
+            return False
+        arguments = _fused_adam_arguments(rule, master, grad, stored, hp, self.stored_bytes(count), split, params)
+        if arguments is None:
+            return False
+        kernels, scalars, flags = arguments
+        # The format's kernels are named after it: smartinf_adam_bf16, smartinf_adam_int8_split, ...
+        whole, over_split = (getattr(kernels, f"smartinf_adam_{self.name}{suffix}") for suffix in ("", "_split"))
+        master_at, scalars_at = master.data_ptr(), scalars.data_ptr()
+
+        def piece(first: int, end: int) -> None:  # elements [first, end), whole blocks
+            states = (
+                *_gradient_pointers(grad, first, grad_scale),
+                *self._fused_states(stored, first, end, n, count),
+                _pointer(scalars_at, ctypes.c_float),
+                flags,
+            )
+            if split is None:
+                at_params = None if params is None else _pointer(params.data_ptr() + 2 * first, ctypes.c_uint16)
+                whole(_pointer(master_at + 4 * first, ctypes.c_float), at_params, *states)
+            else:
+                over_split(*_split_pointers(split, first), *states)
+
+        in_pieces(piece, count, BLOCK)
+        return True
+
+    def _fused_elements(self, numel: int, stored: Sequence[Tensor]) -> int | None:
+        """Elements :meth:`fused_update`'s kernel runs over for a chunk of ``numel`` (``None``: this format has no
+        kernel, or ``stored`` cannot take one)."""
+        return None
+
+    def _fused_states(self, stored: Sequence[Tensor], first: int, end: int, numel: int, count: int) -> tuple[Any, ...]:
+        """The kernel's arguments for Adam's two ``stored`` states, elements ``[first, end)`` of ``count``."""
+        raise NotImplementedError
 
 
 class FloatFormat(StateFormat):
@@ -209,46 +244,11 @@ class FloatFormat(StateFormat):
     def load(self, raw: Tensor, out: Tensor, state: str) -> None:
         out.copy_(raw.view(self.dtype))
 
-    def fused_update(
-        self,
-        rule: UpdateRule,
-        master: Tensor,
-        grad: Tensor,
-        stored: Sequence[Tensor],
-        hp: StepParams,
-        split: split_masters.SplitChunk | None = None,
-        *,
-        params: Tensor | None = None,
-        grad_scale: float = 1.0,
-    ) -> bool:
-        if self.dtype != torch.bfloat16 or not self.native:
-            return False
-        state_bytes = self.stored_bytes(master.numel())
-        arguments = _fused_adam_arguments(rule, master, grad, stored, hp, state_bytes, split, params)
-        if arguments is None:
-            return False
-        kernels, scalars, flags = arguments
-        n = master.numel()
-        master_at, scalars_at = master.data_ptr(), scalars.data_ptr()
-        m_at, v_at = stored[0].data_ptr(), stored[1].data_ptr()
+    def _fused_elements(self, numel: int, stored: Sequence[Tensor]) -> int | None:
+        return numel if self.dtype == torch.bfloat16 and self.native else None
 
-        def piece(first: int, end: int) -> None:  # elements [first, end), 2 bytes each in a state
-            states = (
-                *_gradient_pointers(grad, first, grad_scale),
-                end - first,
-                _pointer(m_at + 2 * first, ctypes.c_uint16),
-                _pointer(v_at + 2 * first, ctypes.c_uint16),
-                _pointer(scalars_at, ctypes.c_float),
-                flags,
-            )
-            if split is None:
-                masters = _pointer(master_at + 4 * first, ctypes.c_float), _params_pointer(params, first)
-                kernels.smartinf_adam_bf16(*masters, *states)
-            else:
-                kernels.smartinf_adam_bf16_split(*_split_pointers(split, first), *states)
-
-        in_pieces(piece, n, BLOCK)
-        return True
+    def _fused_states(self, stored: Sequence[Tensor], first: int, end: int, numel: int, count: int) -> tuple[Any, ...]:
+        return (end - first, *(_pointer(raw.data_ptr() + 2 * first, ctypes.c_uint16) for raw in stored))
 
 
 class Int8(StateFormat):
@@ -348,49 +348,22 @@ class Int8(StateFormat):
         if values is not out:
             out.copy_(values[:n])
 
-    def fused_update(
-        self,
-        rule: UpdateRule,
-        master: Tensor,
-        grad: Tensor,
-        stored: Sequence[Tensor],
-        hp: StepParams,
-        split: split_masters.SplitChunk | None = None,
-        *,
-        params: Tensor | None = None,
-        grad_scale: float = 1.0,
-    ) -> bool:
-        if not self.native:
-            return False
+    def _fused_elements(self, numel: int, stored: Sequence[Tensor]) -> int | None:
         padded = self.elements(stored[0].numel()) if stored else 0
-        arguments = _fused_adam_arguments(rule, master, grad, stored, hp, self.stored_bytes(padded), split, params)
-        if arguments is None or padded < master.numel():
-            return False
-        kernels, scalars, flags = arguments
-        n, blocks = master.numel(), padded // BLOCK
-        master_at, scalars_at = master.data_ptr(), scalars.data_ptr()
-        m_at, v_at = stored[0].data_ptr(), stored[1].data_ptr()
+        return padded if self.native and padded >= numel else None
 
-        def piece(first: int, end: int) -> None:  # elements [first, end), whole blocks: codes, then the scales
-            states = (
-                *_gradient_pointers(grad, first, grad_scale),
-                min(max(n - first, 0), end - first),
-                end - first,
-                _pointer(m_at + first, ctypes.c_uint8),
-                _pointer(m_at + blocks * BLOCK + 4 * (first // BLOCK), ctypes.c_float),
-                _pointer(v_at + first, ctypes.c_uint8),
-                _pointer(v_at + blocks * BLOCK + 4 * (first // BLOCK), ctypes.c_float),
-                _pointer(scalars_at, ctypes.c_float),
-                flags,
-            )
-            if split is None:
-                masters = _pointer(master_at + 4 * first, ctypes.c_float), _params_pointer(params, first)
-                kernels.smartinf_adam_int8(*masters, *states)
-            else:
-                kernels.smartinf_adam_int8_split(*_split_pointers(split, first), *states)
-
-        in_pieces(piece, padded, BLOCK)
-        return True
+    def _fused_states(self, stored: Sequence[Tensor], first: int, end: int, numel: int, count: int) -> tuple[Any, ...]:
+        # Each state's codes, then its scales (``count`` codes in all, whole blocks).
+        m_at, v_at = (raw.data_ptr() for raw in stored)
+        scales = count + 4 * (first // BLOCK)
+        return (
+            min(max(numel - first, 0), end - first),
+            end - first,
+            _pointer(m_at + first, ctypes.c_uint8),
+            _pointer(m_at + scales, ctypes.c_float),
+            _pointer(v_at + first, ctypes.c_uint8),
+            _pointer(v_at + scales, ctypes.c_float),
+        )
 
 
 _FORMATS: dict[str, StateFormat] = {
@@ -547,10 +520,6 @@ def _gradient_pointers(grad: Tensor, first: int, scale: float) -> tuple[Any, Any
     if grad.dtype == torch.float32:
         return _pointer(at, ctypes.c_float), None, ctypes.c_float(scale)
     return None, _pointer(at, ctypes.c_uint16), ctypes.c_float(scale)
-
-
-def _params_pointer(params: Tensor | None, first: int) -> Any:
-    return None if params is None else _pointer(params.data_ptr() + 2 * first, ctypes.c_uint16)
 
 
 def _blocks(numel: int) -> int:
