@@ -1,7 +1,7 @@
 """The DeepSpeed config SmartUpdate runs with: the user's config, checked, with SmartUpdate's own keys added.
 
 :func:`load_config` reads what the user gave (a dict, a JSON file, or the file named by an environment variable);
-:func:`smart_update_config` checks it against what SmartUpdate needs (ZeRO stage 3, no optimizer offload, no
+:func:`deepspeed_config` checks it against what SmartUpdate needs (ZeRO stage 3, no optimizer offload, no
 DeepSpeed ``optimizer`` block) and adds the keys that make ZeRO hand the optimizer state to the devices. Every
 problem goes to a :class:`~.core.arguments.Problems`, so that one error lists them with the rest of the
 strategy's arguments. Nothing here imports Lightning or DeepSpeed.
@@ -26,14 +26,13 @@ __all__ = [
     "check_engine_arguments",
     "deepspeed_config",
     "load_config",
-    "smart_update_config",
 ]
 
 
 def load_config(
     config: str | os.PathLike | dict[str, Any] | None, problems: Problems, *, env_var: str | None = None
 ) -> dict[str, Any] | None:
-    """The user's DeepSpeed config: ``config``, or the JSON file it names.
+    """A copy of the user's DeepSpeed config: ``config``, or the JSON file it names.
 
     With ``config=None`` and ``env_var`` set in the environment (Lightning's ``PL_DEEPSPEED_CONFIG_PATH``), the file
     that variable names. On a problem (a missing or unreadable file, JSON that is not an object, a value JSON cannot
@@ -45,17 +44,14 @@ def load_config(
     loaded: Any = config
     if isinstance(config, (str, os.PathLike)):
         loaded = _read_json(Path(config), f"`{name}={str(config)!r}`", problems)
-    elif config is not None and not problems.instance(
-        name, config, dict, "a DeepSpeed config dict, the path of a JSON file, or None"
-    ):
-        loaded = None
+    elif config is not None:
+        problems.instance(name, config, dict, "a DeepSpeed config dict, the path of a JSON file, or None")
     if isinstance(loaded, dict):
         try:
-            json.dumps(loaded)
+            return json.loads(json.dumps(loaded))
         except (TypeError, ValueError) as exc:
             problems.add(f"`{name}` holds a value JSON cannot represent ({exc}). Use numbers, strings, lists, dicts.")
-            loaded = None
-    return loaded
+    return None
 
 
 def _read_json(path: Path, shown: str, problems: Problems) -> dict[str, Any] | None:
@@ -79,55 +75,6 @@ def _read_json(path: Path, shown: str, problems: Problems) -> dict[str, Any] | N
         )
         return None
     return loaded
-
-
-def smart_update_config(
-    user_config: dict[str, Any] | None,
-    problems: Problems,
-    settings: SmartUpdateSettings | None,
-    *,
-    offload_parameters: bool | str,
-    reduce_bucket_size: int | None,
-    allgather_bucket_size: int,
-    contiguous_gradients: bool,
-    overlap_comm: bool,
-) -> dict[str, Any]:
-    """``user_config`` (not modified) with SmartUpdate's keys added; a problem for each key that contradicts them.
-
-    Keys the user set win over ``settings.sub_group_size`` and the bucket arguments; ``reduce_bucket_size=None``
-    follows :meth:`SmartUpdateSettings.default_reduce_bucket_size`. ``settings=None`` (refused settings) still
-    checks the user's config, so that one error lists every problem; the config returned is then not for use.
-    """
-    config = json.loads(json.dumps(user_config)) if user_config else {}
-    where = problems.within("config")
-    zero = config.setdefault("zero_optimization", {})
-    if not where.instance("zero_optimization", zero, dict, "a dict of ZeRO settings, or left out"):
-        zero = config["zero_optimization"] = {}
-    _check_zero(where.within("zero_optimization"), zero)
-    _check_top_level(where, config)
-    zero["stage"] = 3
-    if settings is not None:
-        own = zero.setdefault("sub_group_size", settings.sub_group_size)
-        if settings.compression is not None and own != settings.sub_group_size and isinstance(own, (int, float)):
-            check_sub_group_indexable(problems, own)  # the settings checked their own size
-        if reduce_bucket_size is None:
-            reduce_bucket_size = settings.default_reduce_bucket_size()
-    zero.setdefault("reduce_bucket_size", reduce_bucket_size)
-    zero.setdefault("allgather_bucket_size", allgather_bucket_size)
-    zero.setdefault("contiguous_gradients", contiguous_gradients)
-    zero.setdefault("overlap_comm", overlap_comm)
-    # The path is replaced per rank at set-up; "nvme" makes ZeRO keep only empty fp32 placeholders.
-    zero["offload_optimizer"] = {"device": "nvme", "nvme_path": tempfile.gettempdir()}
-    if offload_parameters is True:
-        zero["offload_param"] = {"device": "cpu"}
-    elif offload_parameters == "storage":
-        # The path and the buffers are set per rank at set-up, from the model (`param_storage.swap_buffer_settings`).
-        zero["offload_param"] = {"device": "nvme", "nvme_path": tempfile.gettempdir(), "max_in_cpu": 0}
-        # A parameter kept gathered for reuse would hold its swap buffer: release each module's when it is done.
-        zero.setdefault("stage3_max_reuse_distance", 0)
-    config["zero_allow_untested_optimizer"] = True
-    config["zero_force_ds_cpu_optimizer"] = False
-    return config
 
 
 def _check_zero(inside: Problems, zero: dict[str, Any]) -> None:
@@ -218,22 +165,47 @@ def deepspeed_config(
     env_var: str | None = None,
     **engine: Any,
 ) -> dict[str, Any]:
-    """The DeepSpeed config of a SmartUpdate run: the user's ``config`` (see :func:`load_config`) with SmartUpdate's
-    keys added, after checking the :data:`ENGINE` arguments in ``engine``; every problem goes to ``problems``."""
+    """The DeepSpeed config of a SmartUpdate run: the user's ``config`` (see :func:`load_config`; not modified) with
+    SmartUpdate's keys added, after checking the :data:`ENGINE` arguments in ``engine``. Every problem goes to
+    ``problems``: a key of the user's that contradicts SmartUpdate's is one.
+
+    Keys the user set win over ``settings.sub_group_size`` and the bucket arguments; ``reduce_bucket_size=None``
+    follows :meth:`SmartUpdateSettings.default_reduce_bucket_size`. ``settings=None`` (refused settings) still
+    checks the user's config, so that one error lists every problem; the config returned is then not for use.
+    """
     check_engine_arguments(problems, **engine)
-    assembled = smart_update_config(
-        load_config(config, problems, env_var=env_var),
-        problems,
-        settings,
-        offload_parameters=engine["offload_parameters"],
-        reduce_bucket_size=engine["reduce_bucket_size"],
-        allgather_bucket_size=engine["allgather_bucket_size"],
-        contiguous_gradients=engine["contiguous_gradients"],
-        overlap_comm=engine["overlap_comm"],
-    )
+    config = load_config(config, problems, env_var=env_var) or {}
+    where = problems.within("config")
+    zero = config.setdefault("zero_optimization", {})
+    if not where.instance("zero_optimization", zero, dict, "a dict of ZeRO settings, or left out"):
+        zero = config["zero_optimization"] = {}
+    _check_zero(where.within("zero_optimization"), zero)
+    _check_top_level(where, config)
+    zero["stage"] = 3
+    reduce_bucket_size = engine["reduce_bucket_size"]
+    if settings is not None:
+        own = zero.setdefault("sub_group_size", settings.sub_group_size)
+        if settings.compression is not None and own != settings.sub_group_size and isinstance(own, (int, float)):
+            check_sub_group_indexable(problems, own)  # the settings checked their own size
+        if reduce_bucket_size is None:
+            reduce_bucket_size = settings.default_reduce_bucket_size()
+    zero.setdefault("reduce_bucket_size", reduce_bucket_size)
+    for key in ("allgather_bucket_size", "contiguous_gradients", "overlap_comm"):
+        zero.setdefault(key, engine[key])
+    # The path is replaced per rank at set-up; "nvme" makes ZeRO keep only empty fp32 placeholders.
+    zero["offload_optimizer"] = {"device": "nvme", "nvme_path": tempfile.gettempdir()}
+    if engine["offload_parameters"] is True:
+        zero["offload_param"] = {"device": "cpu"}
+    elif engine["offload_parameters"] == "storage":
+        # The path and the buffers are set per rank at set-up, from the model (`param_storage.swap_buffer_settings`).
+        zero["offload_param"] = {"device": "nvme", "nvme_path": tempfile.gettempdir(), "max_in_cpu": 0}
+        # A parameter kept gathered for reuse would hold its swap buffer: release each module's when it is done.
+        zero.setdefault("stage3_max_reuse_distance", 0)
+    config["zero_allow_untested_optimizer"] = True
+    config["zero_force_ds_cpu_optimizer"] = False
     if engine["logging_batch_size_per_gpu"] != "auto":
-        assembled.setdefault("train_micro_batch_size_per_gpu", engine["logging_batch_size_per_gpu"])
-    return assembled
+        config.setdefault("train_micro_batch_size_per_gpu", engine["logging_batch_size_per_gpu"])
+    return config
 
 
 def check_engine_arguments(problems: Problems, **engine: Any) -> None:
