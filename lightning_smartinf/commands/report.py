@@ -98,10 +98,7 @@ def read_metrics(log_dir: str | Path) -> Metrics:
     path = Path(log_dir)
     if not path.exists():
         raise ReportError(f"{path} does not exist. Pass the log directory of a run (e.g. lightning_logs/version_0).")
-    if path.is_file():
-        candidates = [path]
-    else:
-        candidates = [*path.rglob(CSV_NAME), *path.rglob(EVENTS_GLOB)]
+    candidates = [path] if path.is_file() else [*path.rglob(CSV_NAME), *path.rglob(EVENTS_GLOB)]
     candidates = [p for p in candidates if p.name == CSV_NAME or p.name.startswith("events.out.tfevents.")]
     if not candidates:
         raise ReportError(
@@ -123,20 +120,13 @@ def _traffic(metrics: Metrics) -> tuple[str, dict[str, tuple[list[int], list[flo
         if storage is not None:
             lines["inside the devices (storage)"] = storage[1:]
         return "bytes per parameter", lines, reference[2][-1] if reference else None
-
-    def summed(a: str, b: str) -> tuple[list[int], list[float]] | None:
-        if a not in series or b not in series or series[a][0] != series[b][0]:
-            return None
-        return series[a][0], [x + y for x, y in zip(series[a][1], series[b][1])]
-
     lines = {}
     for label, (a, b) in {
         "host link (ours)": ("smartinf/link_write_bytes", "smartinf/link_read_bytes"),
         "inside the devices (storage)": ("smartinf/storage_read_bytes", "smartinf/storage_write_bytes"),
     }.items():
-        total = summed(a, b)
-        if total is not None:
-            lines[label] = (total[0], [v / 1e6 for v in total[1]])
+        if a in series and b in series and series[a][0] == series[b][0]:  # the two logged at the same steps
+            lines[label] = (series[a][0], [(x + y) / 1e6 for x, y in zip(series[a][1], series[b][1])])
     reference = metrics.get("smartinf/zero_infinity_link_bytes_per_step")
     return "MB (this rank)", lines, reference[2][-1] / 1e6 if reference else None
 
@@ -150,10 +140,8 @@ def figure(metrics: Metrics) -> Figure:
     from matplotlib.figure import Figure  # the Agg canvas, without pyplot's global state
     from matplotlib.ticker import MaxNLocator
 
-    train = metrics.get(*TRAIN_LOSS_KEYS)
-    if train is None:
-        loss_keys = [n for n in metrics.series if "loss" in n and not n.startswith(("val", "test"))]
-        train = metrics.get(*loss_keys)
+    loss_keys = [n for n in metrics.series if "loss" in n and not n.startswith(("val", "test"))]
+    train = metrics.get(*TRAIN_LOSS_KEYS, *loss_keys)
     val = metrics.get(*[n for n in metrics.series if n.startswith("val") and "loss" in n])
     throughput = metrics.get("smartinf/tokens_per_s")
     unit, traffic, reference = _traffic(metrics)
