@@ -27,8 +27,9 @@ from torch import Tensor
 
 from lightning_smartinf.core.backend import Backend
 from lightning_smartinf.core.format.safetensors_stream import SavedTensor, read_safetensors_header, safetensors_blocks
-from lightning_smartinf.core.format.state_files import CheckpointError, file_crc32, read_json, write_file_atomic
+from lightning_smartinf.core.format.state_files import CheckpointError, read_json, write_file_atomic
 from lightning_smartinf.core.host_buffer import HostBuffer
+from lightning_smartinf.core.io.checksum import CRC32, file_checksum
 
 HOST_STATE = "host_state.json"
 RESIDUAL = "residual.safetensors"
@@ -56,7 +57,7 @@ def save_device_state(
     if kept:
         path = directory / RESIDUAL
         write_file_atomic(path, safetensors_blocks(kept, HOST_DTYPES))
-        size, crc = file_crc32(path)
+        size, crc = file_checksum(path, CRC32)
         host_state["residual"] = {"file": RESIDUAL, "bytes": size, "crc32": crc}
     write_file_atomic(directory / HOST_STATE, json.dumps(host_state).encode())
 
@@ -91,7 +92,7 @@ def load_host_tensors(directory: Path, entry: dict[str, Any] | None) -> dict[str
         raise CheckpointError(
             f"The compression residual {path} is missing: the checkpoint is incomplete. Resume from another one."
         )
-    size, crc = file_crc32(path)
+    size, crc = file_checksum(path, CRC32)
     if (crc, size) != (entry["crc32"], entry["bytes"]):
         raise CheckpointError(
             f"The compression residual {path} is corrupt ({size} bytes, CRC-32 {crc:#010x}; the checkpoint "

@@ -35,6 +35,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import functools
 import json
 import logging
 import mmap
@@ -247,33 +248,27 @@ def copy_with_crc(
     return crc
 
 
-def file_crc32(path: Path) -> tuple[int, int]:
-    """``(size, crc32)`` of a file (zlib's CRC-32: the checksum of the files around the state)."""
-    return file_checksum(path, checksum.CRC32)
-
-
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
-_renameat2: Callable[..., int] | None = None
-_NO_RENAMEAT2 = False
+
+
+@functools.cache
+def _renameat2() -> Callable[..., int] | None:
+    """libc's ``renameat2``, or ``None`` where this libc has none (glibc < 2.28, musl, macOS)."""
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two existing paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
-    global _renameat2, _NO_RENAMEAT2
-    if _NO_RENAMEAT2:
+    if (renameat2 := _renameat2()) is None:
         return False
-    if _renameat2 is None:
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            fn = libc.renameat2
-        except (OSError, AttributeError):  # no renameat2 in this libc (glibc < 2.28, musl, macOS)
-            _NO_RENAMEAT2 = True
-            return False
-        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-        _renameat2 = fn
-    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
     if err in (0, errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
@@ -314,47 +309,33 @@ def install_directory(tmp: Path, directory: Path) -> None:
         )
 
 
-def _by_device(shards: Sequence[ShardState]) -> list[list[ShardState]]:
-    """Shards grouped by the directory (device) of their live file, so each device's files move in parallel."""
-    groups: dict[Path, list[ShardState]] = {}
-    for shard in shards:
-        groups.setdefault(shard.path.parent, []).append(shard)
-    return list(groups.values())
-
-
 def _per_device(
     shards: Sequence[ShardState],
     work: Callable[[ShardState], object],
     progress: Progress | None = None,
     file_bytes: Callable[[ShardState], int] = lambda shard: saved_form(shard.layout).file_bytes,
 ) -> dict[int, object]:
-    """Run ``work`` for every shard, the shards of each device one after another, devices in parallel; each shard
-    done adds ``file_bytes`` of it (its file's as this run saves it) to ``progress``."""
-    groups = _by_device(shards)
-
-    def one(shard: ShardState) -> object:
-        result = work(shard)
-        if progress is not None:
-            progress.update(file_bytes(shard))
-        return result
+    """Run ``work`` for every shard, the shards of each device (the directory of their live file) one after another,
+    devices in parallel; each shard done adds ``file_bytes`` of it (its file's as this run saves it) to
+    ``progress``."""
+    groups: dict[Path, list[ShardState]] = {}
+    for shard in shards:
+        groups.setdefault(shard.path.parent, []).append(shard)
 
     def run(group: list[ShardState]) -> list[tuple[int, object]]:
-        return [(shard.spec.index, one(shard)) for shard in group]
+        done = []
+        for shard in group:
+            done.append((shard.spec.index, work(shard)))
+            if progress is not None:
+                progress.update(file_bytes(shard))
+        return done
 
     if len(groups) <= 1:
-        return dict(run(groups[0])) if groups else {}
+        return {index: result for group in groups.values() for index, result in run(group)}
     with ThreadPoolExecutor(len(groups), thread_name_prefix="csd-ckpt") as pool:
-        futures = [pool.submit(run, g) for g in groups]
-        results: dict[int, object] = {}
-        errors = []
-        for f in futures:
-            try:
-                results.update(f.result())
-            except BaseException as exc:  # noqa: BLE001 - re-raised below after all devices stopped
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-        return results
+        futures = [pool.submit(run, group) for group in groups.values()]
+    # Leaving the pool waited for every device: the first error is raised only once all of them have stopped.
+    return {index: result for future in futures for index, result in future.result()}
 
 
 # ------------------------------------------------------------------------------------------------ save / load
@@ -532,12 +513,11 @@ def load_state(
     expected = [_describe(s) for s in shards]
     found = manifest.get("shards", [])
     found_plain = [{k: v for k, v in e.items() if k not in CHECKSUM_KEYS} for e in found if isinstance(e, dict)]
-    if manifest.get("chunk_elems") != chunk_elems or not _loadable(found_plain, expected):
+    if difference := _difference(found_plain, expected, manifest.get("chunk_elems"), chunk_elems):
         raise ValueError(
-            f"Device state in {directory} does not match this model and optimizer: "
-            f"{_difference(found_plain, expected, manifest.get('chunk_elems'), chunk_elems)}. Resume with the model "
-            "and the optimizer it was saved with (through the strategy, the number of ranks, `sub_group_size` and "
-            "`chunk_size` may change)."
+            f"Device state in {directory} does not match this model and optimizer: {difference}. Resume with the "
+            "model and the optimizer it was saved with (through the strategy, the number of ranks, `sub_group_size` "
+            "and `chunk_size` may change)."
         )
     entries = {e["index"]: e for e in found}
     # Files are looked up by index (never by a name from the manifest): the checkpoint cannot point elsewhere.
@@ -547,11 +527,9 @@ def load_state(
     formats = {
         (e.get("state_format", "fp32"), w.get("state_format", "fp32"))
         for e, w in zip(found_plain, expected)
-        if e.get("states")
+        if e.get("states") and e.get("state_format", "fp32") != w.get("state_format", "fp32")
     }
     for saved_format, wanted_format in sorted(formats):
-        if saved_format == wanted_format:
-            continue
         # fp32 holds every value of the other formats as the devices decode them; bf16 does not hold int8's (a code
         # times an fp32 block scale), so any conversion but into fp32 rounds.
         exact = wanted_format == "fp32"
@@ -600,13 +578,17 @@ def load_state(
         _per_device(shards, copy_back, progress, read_bytes)
 
 
-def _difference(found: list[dict], expected: list[dict], saved_chunk: Any, chunk_elems: int) -> str:
-    """The first way saved shards ``found`` differ from this run's ``expected`` ones, in words."""
+def _difference(found: list[dict], expected: list[dict], saved_chunk: Any, chunk_elems: int) -> str | None:
+    """The first way saved shards ``found`` differ from this run's ``expected`` ones, in words; ``None`` where they
+    load into them: equal, or equal but for convertible rules (and so their states and sizes) or state formats."""
     if saved_chunk != chunk_elems:
         return f"it was saved in chunks of {saved_chunk} elements, this run's are {chunk_elems}"
     if len(found) != len(expected):
         return f"it holds {len(found)} shards, this run has {len(expected)}"
+    loadable = True
     for saved, wanted in zip(found, expected):
+        if saved == wanted:
+            continue
         if saved.get("numel") != wanted["numel"]:
             return f"its shard {wanted['index']} holds {saved.get('numel')} elements, this run's {wanted['numel']}"
         same_rule = saved.get("rule") == wanted["rule"] and saved.get("states") == wanted["states"]
@@ -619,23 +601,8 @@ def _difference(found: list[dict], expected: list[dict], saved_chunk: Any, chunk
             )
         if saved.get("state_format", "fp32") not in FORMATS:
             return f"its shard {wanted['index']} is in state format {saved.get('state_format')!r}, unknown here"
-    return f"it holds {found}, this run needs {expected}"
-
-
-def _loadable(found: list[dict], expected: list[dict]) -> bool:
-    """Whether saved shards ``found`` load into this run's ``expected`` ones: equal, or equal but for convertible
-    rules (and so their states and sizes)."""
-    if len(found) != len(expected):
-        return False
-    for saved, wanted in zip(found, expected):
-        if saved == wanted:
-            continue
-        same_shard = all(saved.get(k) == wanted[k] for k in ("index", "numel"))
-        same_rule = all(saved.get(k) == wanted[k] for k in ("rule", "states"))
-        known_format = saved.get("state_format", "fp32") in FORMATS
-        if not (same_shard and known_format and (same_rule or (saved.get("rule"), wanted["rule"]) in CONVERSIONS)):
-            return False
-    return True
+        loadable = loadable and saved.get("index") == wanted["index"]
+    return None if loadable else f"it holds {found}, this run needs {expected}"
 
 
 def convert_state_file(
@@ -692,17 +659,14 @@ def read_shard_masters(path: Path, layout: ChunkLayout, start: int = 0, numel: i
     return out
 
 
-def saved_shard_masters(
-    directory: Path, index: int, *, verify: bool = True, manifest: dict[str, Any] | None = None
-) -> Tensor:
+def saved_shard_masters(directory: Path, index: int, *, manifest: dict[str, Any] | None = None) -> Tensor:
     """The fp32 masters of shard ``index`` of the state :func:`save_state` wrote under ``directory``, CRC-checked
-    first with ``verify``. ``manifest``: the directory's manifest, when the caller has read it already."""
+    first. ``manifest``: the directory's manifest, when the caller has read it already."""
     manifest = read_manifest(directory) if manifest is None else manifest
     entries = {int(e["index"]): e for e in manifest["shards"]}
     if index not in entries:
         raise ValueError(f"{directory / MANIFEST} has no shard {index}.")
     entry = entries[index]
     path = Path(directory) / shard_file_name(index)
-    if verify:
-        verify_state_file(path, entry)
+    verify_state_file(path, entry)
     return read_shard_masters(path, saved_layout(entry, int(manifest["chunk_elems"])))
