@@ -426,9 +426,8 @@ def _device(
     foreign: dict[str, list[str]] = {}
     for name in options:
         if kind is None or name not in kind.arguments:
-            owner = registry.kind_of_argument(name)
-            if owner is None or owner is not kind:
-                foreign.setdefault(owner.name if owner is not None else "", []).append(name)
+            owner = registry.kind_of_argument(name)  # never ``kind``, which does not take it
+            foreign.setdefault(owner.name if owner is not None else "", []).append(name)
     for owner, names in foreign.items():
         shown = " and ".join(f"`{n}=...`" for n in names)
         if owner:
@@ -543,7 +542,7 @@ def _device_weights(
     if value is None or kind is None:
         return None
     what = kind.weighs
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
+    if not isinstance(value, (list, tuple)) or not value:
         problems.add(
             f"`device_weights={show(value)}` must be a list of positive numbers, one per {what} (e.g. "
             f"`device_weights=[2.0, 1.0]` gives the first {what} twice the sub-groups of the second), or None."
