@@ -75,18 +75,13 @@ class TopKCompression:
         for name in ("error_feedback", "layerwise"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}={getattr(self, name)!r}` must be True or False.")
-        check_rule_choice(self.rule)
+        if not isinstance(self.rule, str) or self.rule not in RULE_CHOICES:
+            raise ValueError(
+                f"`compression` rule {self.rule!r} is invalid: it must be one of {', '.join(map(repr, RULE_CHOICES))} "
+                "('auto' runs 'ef_adam' for Adam and AdamW with error feedback, the optimizer's own rule otherwise)."
+            )
         if self.rule in EF_RULES and not self.error_feedback:
             raise ValueError(ef_rule_needs_feedback(self.rule))
-
-
-def check_rule_choice(rule: object) -> None:
-    """Raise ``ValueError`` unless ``rule`` is one of :data:`RULE_CHOICES`."""
-    if not isinstance(rule, str) or rule not in RULE_CHOICES:
-        raise ValueError(
-            f"`compression` rule {rule!r} is invalid: it must be one of {', '.join(map(repr, RULE_CHOICES))} "
-            "('auto' runs 'ef_adam' for Adam and AdamW with error feedback, the optimizer's own rule otherwise)."
-        )
 
 
 def compressed_rule(rule: UpdateRule, compression: TopKCompression | None, weight_decay: float = 0.0) -> UpdateRule:
