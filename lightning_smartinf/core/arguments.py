@@ -80,12 +80,6 @@ def _bytes_in(text: str) -> int | None:
     return int(value) if value is not None and value.is_integer() else None
 
 
-def _size_in(text: str) -> int | None:
-    """The bytes of a memory size (``"1.5GiB"``, ``"2 GB"``, ``"4096"``), rounded down; ``None`` if not a size."""
-    value = _scaled(text)
-    return int(value) if value is not None and value <= INT64_MAX else None
-
-
 class Problems:
     """The problems found in the arguments of one call, reported together by :meth:`raise_if_any`.
 
@@ -215,10 +209,9 @@ class Problems:
         if value is None and optional:
             return None
         if isinstance(value, str):
-            parsed = _size_in(value)
-            if parsed is not None and parsed >= low:
-                return parsed
-            scaled = _scaled(value)
+            scaled = _scaled(value)  # the bytes, rounded down below
+            if scaled is not None and scaled <= INT64_MAX and int(scaled) >= low:
+                return int(scaled)
             wrong = "is not a size" if scaled is None else "is too large" if scaled > INT64_MAX else "is too small"
             self.add(
                 f"`{self.name(key)}={show(value)}` {wrong}: it must "
