@@ -40,6 +40,8 @@ LANES = 8
 HOST_PIECE = 1 << 18
 #: Elements converted at once on an accelerator: a 32 MiB float64 temporary.
 ACCELERATOR_PIECE = 1 << 22
+#: The C kernel of each dtype it reads.
+_KERNELS = {torch.float32: "smartinf_sum_squares_f32", torch.bfloat16: "smartinf_sum_squares_bf16"}
 
 
 def lane_sums(values: Tensor, lanes: Tensor) -> Tensor:
@@ -87,10 +89,5 @@ class PartitionNorm:
 
     def _kernel(self, dtype: torch.dtype) -> Callable[[int, int, int], None] | None:
         kernels = sum_squares_kernels() if self._native else None
-        if kernels is None:
-            return None
-        if dtype == torch.float32:
-            return kernels.smartinf_sum_squares_f32
-        if dtype == torch.bfloat16:
-            return kernels.smartinf_sum_squares_bf16
-        return None
+        name = _KERNELS.get(dtype)
+        return None if kernels is None or name is None else getattr(kernels, name)
