@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +52,6 @@ class BuildContext:
     label: str = "rank000"
     io_factory: Callable[[], IOEngine] | None = None
     accelerator_training: bool = False
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 class DeviceKind(ABC):
