@@ -68,10 +68,6 @@ class RankPlace:
     #: The device this rank trains on (Lightning's ``root_device``).
     device: torch.device
 
-    @property
-    def is_global_zero(self) -> bool:
-        return self.global_rank == 0
-
 
 def check_optimizer(settings: SmartUpdateSettings, optimizer: Optimizer) -> None:
     """Every param group of ``optimizer`` has an update rule the devices run (and a sparse one with compression) that
@@ -120,15 +116,6 @@ def split_masters_conflict(
     )
 
 
-def check_split_masters(
-    settings: SmartUpdateSettings, precision: str, config: dict[str, Any], device: torch.device
-) -> None:
-    """Refuse, before anything is built, a ``split_masters=True`` run whose parameters are in another precision or
-    elsewhere (:func:`split_masters_conflict`)."""
-    if (conflict := split_masters_conflict(settings, config, precision, device)) is not None:
-        raise MisconfigurationException(conflict)
-
-
 def release_at_next_run(owner: object, release: Callable[[], None]) -> weakref.finalize:
     """Keep a finished run's temporary device state until the next run starts, ``owner`` is collected, or exit."""
     finalizer = weakref.finalize(owner, release)
@@ -154,12 +141,10 @@ def rank_devices(place: RankPlace) -> tuple[list[Path], list[Path]]:
             local_rank=place.local_rank,
             ranks_per_node=place.ranks_per_node,
         )
-    except ValueError as exc:  # a StorageError is no ValueError: it propagates as it is
-        raise MisconfigurationException(str(exc)) from None
-    check_node_memory_budget(place.settings, place.ranks_per_node)
-    try:  # on this rank's own GPU, now that Lightning chose it
+        check_node_memory_budget(place.settings, place.ranks_per_node)
+        # On this rank's own GPU, now that Lightning chose it.
         check_accelerator_budget(place.settings.state_accelerator_budget, place.device)
-    except ValueError as exc:
+    except ValueError as exc:  # a StorageError is no ValueError: it propagates as it is
         raise MisconfigurationException(str(exc)) from None
     return directories, owned
 
@@ -344,11 +329,9 @@ def initialize(
             f"`precision={precision!r}` needs fp16 support, which DeepSpeed's `{get_accelerator().device_name()}` "
             "accelerator lacks on this machine. Use `precision='bf16-mixed'` (or train on a GPU)."
         )
-    if optimizer is None:
-        raise MisconfigurationException(
-            "`SmartInfinityStrategy` needs an optimizer from `LightningModule.configure_optimizers` (one of "
-            f"{', '.join(SUPPORTED_OPTIMIZERS)})."
-        )
+    # Lightning passes none only for a DeepSpeed `optimizer` block, which `deepspeed_config` refuses; a module that
+    # returns none is refused before (`check_optimizer`).
+    assert optimizer is not None
     # From here on (and for a model built in `configure_model`, from before it): each large host block is a mapping
     # of its own, given back when freed, so partitions moved, gradients and buffers freed leave no holes in the RSS.
     map_large_allocations()
@@ -357,11 +340,13 @@ def initialize(
     # The memory tiers' state is in memory; a kind may keep its state elsewhere than `device_dirs` (remote servers).
     settings = place.settings
     in_memory = (settings.state_memory_budget or 0) + (settings.state_accelerator_budget or 0)
-    check_split_masters(settings, precision, config, place.device)
+    # Refused before anything is built: `split_masters=True` with the parameters in another precision or elsewhere.
+    if (conflict := split_masters_conflict(settings, config, precision, place.device)) is not None:
+        raise MisconfigurationException(conflict)
     whole = state_bytes(optimizer, settings.compression, settings.state_precision, split_masters=settings.split_masters)
     on_storage = whole // place.world_size - in_memory
     if (
-        place.is_global_zero
+        place.global_rank == 0
         and settings.kind.state_in_storage_paths
         and on_storage > 0
         and (note := quiet.endurance_note([str(d) for d in device_dirs], on_storage))
