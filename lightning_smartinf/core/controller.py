@@ -610,14 +610,9 @@ class SmartUpdateController:
             "moment_updates": self.moments.updates if self.moments is not None else None,
         }
 
-    def load_state_dict(self, state: dict[str, Any], *, resharded: bool = False) -> None:
-        """Restore what :meth:`state_dict` returned (the device state itself is loaded by :meth:`restore`);
-        ``resharded``: the state was saved under another layout, so its shard count is not this run's."""
-        if not resharded and state["num_shards"] != len(self.sub_groups):
-            raise ValueError(
-                f"The checkpoint holds {state['num_shards']} sub-groups on this rank but the model has "
-                f"{len(self.sub_groups)}. Resume with the same model, `sub_group_size` and number of ranks."
-            )
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (the device state itself is loaded by :meth:`restore`, which
+        re-shards a state saved under another layout than this run's)."""
         groups = state.get("param_groups")
         if groups is not None and len(groups) != len(self.optimizer.param_groups):
             raise ValueError(
@@ -710,36 +705,33 @@ class SmartUpdateController:
         """
         with contextlib.ExitStack() as scratch:
             reshard = self._reshard(directory, state, rank_dirs, scratch)
-            self._restore(directory, state, reshard)
-
-    def _restore(self, directory: Path, state: dict[str, Any], reshard: Reshard | None) -> None:
-        tensors = load_host_tensors(directory, state.get("residual"))
-        residual = tensors.get("residual")
-        compression = self.settings.compression
-        if residual is not None and (compression is None or not compression.error_feedback):
-            warnings.warn(
-                "The checkpoint holds an error-feedback residual, but this run does not use error feedback; the "
-                "residual (gradient not yet sent) is dropped.",
-                stacklevel=2,
-            )
-            residual = None
-        self.discard_early()
-        if self.settings.split_masters:  # the load sets the parameters, the other half of the masters
-            self.partitions.prepare_for_update()
-        if reshard is None:
-            self.backend.load(directory)
-        else:
-            log.info("Re-sharding the device state of %s into this run's layout.", reshard.describe())
-            self.backend.load_resharded(reshard)
-        self.load_state_dict(state, resharded=reshard is not None)
-        self.load_residual(residual, state.get("residual_loss_scale"))
-        if self.moments is not None:
-            # Saved under another rule: the moments start again, bias-corrected from their first update.
-            saved = tensors.get("moments")
-            self.moments.load(None if saved is None else saved.load(), state.get("moment_updates") or 0)
-        elif state.get("moment_updates") is not None:
-            self._restart_second_moments()
-        self.refresh_params()
+            tensors = load_host_tensors(directory, state.get("residual"))
+            residual = tensors.get("residual")
+            compression = self.settings.compression
+            if residual is not None and (compression is None or not compression.error_feedback):
+                warnings.warn(
+                    "The checkpoint holds an error-feedback residual, but this run does not use error feedback; the "
+                    "residual (gradient not yet sent) is dropped.",
+                    stacklevel=1,  # `restore`, as the other warnings of a load
+                )
+                residual = None
+            self.discard_early()
+            if self.settings.split_masters:  # the load sets the parameters, the other half of the masters
+                self.partitions.prepare_for_update()
+            if reshard is None:
+                self.backend.load(directory)
+            else:
+                log.info("Re-sharding the device state of %s into this run's layout.", reshard.describe())
+                self.backend.load_resharded(reshard)
+            self.load_state_dict(state)
+            self.load_residual(residual, state.get("residual_loss_scale"))
+            if self.moments is not None:
+                # Saved under another rule: the moments start again, bias-corrected from their first update.
+                saved = tensors.get("moments")
+                self.moments.load(None if saved is None else saved.load(), state.get("moment_updates") or 0)
+            elif state.get("moment_updates") is not None:
+                self._restart_second_moments()
+            self.refresh_params()
 
     def _restart_second_moments(self) -> None:
         """After a resume from ``ef_adafactor``, whose second moment stayed on the host: this run's Adam moments start
@@ -749,7 +741,7 @@ class SmartUpdateController:
             "The checkpoint was trained with compression rule 'ef_adafactor', which kept its second moment on the "
             "host; this run keeps Adam's moments on the devices, so they start again from zero, bias-corrected from "
             "step 1.",
-            stacklevel=3,
+            stacklevel=2,
         )
         for sub_group in self.sub_groups:
             self.group_steps[sub_group.param_group] = 0
