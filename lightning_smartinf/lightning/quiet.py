@@ -97,10 +97,9 @@ ENTRY_POINT_RECORDS = (
 )
 
 
-def _keep(patterns: list[re.Pattern[str]], record: logging.LogRecord) -> bool:
-    """A log filter (``Logger.addFilter`` takes any callable): drops the records whose message a pattern matches."""
-    message = record.getMessage()
-    return not any(p.match(message) for p in patterns)
+def _keep(pattern: re.Pattern[str], record: logging.LogRecord) -> bool:
+    """A log filter (``Logger.addFilter`` takes any callable): drops the records whose message ``pattern`` matches."""
+    return pattern.match(record.getMessage()) is None
 
 
 class Silenced:
@@ -111,14 +110,12 @@ class Silenced:
         for entry in WARNINGS:
             warnings.filterwarnings("ignore", message=entry.message, category=entry.category, module=entry.module)
         self._warning_filters = [f for f in warnings.filters if f not in before]
-        self._log_filters: list[tuple[logging.Logger, functools.partial[bool]]] = []
-        by_logger: dict[str, list[re.Pattern[str]]] = {}
-        for record in records:
-            by_logger.setdefault(record.logger, []).append(re.compile(record.message))
-        for name, patterns in by_logger.items():
-            logger, drop = logging.getLogger(name), functools.partial(_keep, patterns)
+        self._log_filters = [
+            (logging.getLogger(record.logger), functools.partial(_keep, re.compile(record.message)))
+            for record in records
+        ]
+        for logger, drop in self._log_filters:
             logger.addFilter(drop)
-            self._log_filters.append((logger, drop))
 
     def restore(self) -> None:
         for entry in self._warning_filters:
