@@ -408,35 +408,35 @@ def _chunk_update_seconds(precision: str, numel: int, chunk: int = 1 << 20, *, f
     return seconds
 
 
-def _update_rate_best(numel: int, *, fused: bool = False) -> float:
-    """Best of the update rate with torch's intra-op threads and with one thread (a device worker is one
-    thread, and intra-op threads collapse when the cores are oversubscribed)."""
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one intra-op thread inside, as a device worker runs; its threads as they were after."""
     import torch
 
     threads = torch.get_num_threads()
-    rates = [numel / _chunk_update_seconds("fp32", numel, fused=fused)]
+    torch.set_num_threads(1)
     try:
-        torch.set_num_threads(1)
-        rates.append(numel / _chunk_update_seconds("fp32", numel, fused=fused))
+        yield
     finally:
         torch.set_num_threads(threads)
-    return max(rates)
+
+
+def _update_rate_best(numel: int, *, fused: bool = False) -> float:
+    """Best of the update rate with torch's intra-op threads and with one thread (a device worker is one
+    thread, and intra-op threads collapse when the cores are oversubscribed)."""
+    rate = numel / _chunk_update_seconds("fp32", numel, fused=fused)
+    with _one_thread():
+        return max(rate, numel / _chunk_update_seconds("fp32", numel, fused=fused))
 
 
 def _update_costs(numel: int = 4 << 20, *, fused: bool = False) -> dict[str, float]:
     """Each ``state_precision``'s Adam(W) update time per element over fp32's: the ``cpu`` backend's chunk update in
     that format (load, update, store), one thread, best of three passes over ``numel`` in-memory elements
     (``fused``: the rule of an optimizer built with ``fused=True``, against its own fp32 time)."""
-    import torch
-
     from lightning_smartinf.core.state_formats import FORMATS
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with _one_thread():
         seconds = {name: _chunk_update_seconds(name, numel, fused=fused) for name in FORMATS}
-    finally:
-        torch.set_num_threads(threads)
     return {name: round(t / seconds["fp32"], 3) for name, t in seconds.items()}
 
 
@@ -454,14 +454,17 @@ def _host_adam_rate(numel: int) -> float:
     return numel / _best_seconds(lambda _: opt.step())
 
 
-def _timed_steps(backend: Any, shards: int, per: int, steps: int, precision: str = "fp32") -> list[tuple[float, float]]:
-    """Open ``shards`` shards of ``per`` elements on ``backend`` (Adam(W) as recipes build it, the state in
-    ``precision``) and run ``steps`` optimizer steps, bf16 gradients in and parameters out; each step's wall and CPU
-    seconds (every thread of this process). Closes ``backend``."""
+def _timed_steps(
+    backend: Any, shards: int, numel: int, steps: int, precision: str = "fp32"
+) -> list[tuple[float, float]]:
+    """Open ``shards`` shards of ``numel`` elements in all (each a whole number of 1024) on ``backend`` (Adam(W) as
+    recipes build it, the state in ``precision``) and run ``steps`` optimizer steps, bf16 gradients in and parameters
+    out; each step's wall and CPU seconds (every thread of this process) per 1e9 elements. Closes ``backend``."""
     import torch
 
     from lightning_smartinf.core import Adam, ShardSpec, StepParams
 
+    per = numel // shards // 1024 * 1024
     try:
         rule = Adam(decoupled_weight_decay=True)
         backend.open([ShardSpec(i, per, rule, state_format=precision) for i in range(shards)])
@@ -476,7 +479,8 @@ def _timed_steps(backend: Any, shards: int, per: int, steps: int, precision: str
             for i in range(shards):
                 backend.submit(i, grads[i], StepParams(step=step, lr=1e-3), params[i])
             backend.wait()  # every update and write-back done
-            timed.append((time.perf_counter() - wall, time.process_time() - cpu))
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            timed.append((wall / (per * shards) * 1e9, cpu / (per * shards) * 1e9))
         return timed
     finally:
         backend.close()
@@ -487,10 +491,8 @@ def _backend_step(paths: Sequence[Path], numel: int) -> float:
     from lightning_smartinf.devices.cpu import CpuBackend
 
     dirs = [path / "device" for path in paths]
-    shards = 4 * len(dirs)
-    per = numel // shards // 1024 * 1024
-    wall_s, _ = min(_timed_steps(CpuBackend(dirs, owned_dirs=dirs), shards, per, steps=2))
-    return wall_s / (per * shards) * 1e9
+    wall_s, _ = min(_timed_steps(CpuBackend(dirs, owned_dirs=dirs), 4 * len(dirs), numel, steps=2))
+    return wall_s
 
 
 def _step_seconds(
@@ -508,7 +510,6 @@ def _step_seconds(
     from lightning_smartinf.devices.cpu import CpuBackend
 
     dirs = [directory / f"step-{precision}"]
-    shards, per = 4, numel // 4 // 1024 * 1024
     backend: Any = CpuBackend(dirs, owned_dirs=dirs)
     if in_memory:  # every shard fits the budget: the tier holds them all
         backend = tiers_over(
@@ -519,12 +520,11 @@ def _step_seconds(
     if training is not None:
         training.start()
     try:
-        wall_s, cpu_s = min(_timed_steps(backend, shards, per, steps=3, precision=precision)[1:])
+        return min(_timed_steps(backend, 4, numel, steps=3, precision=precision)[1:])
     finally:
         stop.set()
         if training is not None:
             training.join()
-    return wall_s / (per * shards) * 1e9, cpu_s / (per * shards) * 1e9
 
 
 def _step_costs(directory: Path, training: _TrainingReplay) -> dict[str, dict[str, float]]:
@@ -638,9 +638,7 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
         "storage": [
             {
                 "path": str(root),
-                "read_gbps": round(a["read_gbps"], 3),
-                "write_gbps": round(a["write_gbps"], 3),
-                "read_write_gbps": round(a["read_write_gbps"], 3),
+                **{rate: round(a[rate], 3) for rate in ("read_gbps", "write_gbps", "read_write_gbps")},
                 "disk": disk,
                 "free_gb": round(shutil.disk_usage(root).free / 1e9, 1),
             }
