@@ -71,10 +71,33 @@ def parts(region: Tensor, n: int) -> tuple[Tensor, Tensor]:
     return region[: 2 * padded].view(torch.int16)[:n], region[2 * padded :][: -(-n // 8)]
 
 
-def _native(*tensors: Tensor) -> ctypes.CDLL | None:
-    if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
-        return state_format_kernels()
-    return None
+#: In :func:`_native`'s arguments: the count of elements of each piece.
+_COUNT = object()
+#: The C type of a pointer into a tensor, by its bytes per element (fp32 masters, 16-bit halves, carry bytes).
+_CTYPES = {4: ctypes.c_float, 2: ctypes.c_uint16, 1: ctypes.c_uint8}
+
+
+def _native(kernel: str, n: int, *arguments: Any) -> bool:
+    """Run C kernel ``kernel`` over ``n`` elements in pieces of :data:`UNIT` where the kernels are built and every
+    tensor of ``arguments`` is a contiguous host one; ``False`` (nothing done) otherwise. Each tensor is passed as a
+    pointer to the piece's first element, ``None`` as a null pointer and :data:`_COUNT` as the piece's length."""
+    tensors = [a for a in arguments if isinstance(a, Tensor)]
+    kernels = state_format_kernels() if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) else None
+    if kernels is None:
+        return False
+
+    def pointer(tensor: Tensor | None, first: int) -> Any:
+        if tensor is None:
+            return None
+        size = tensor.element_size()
+        offset = first // 8 if size == 1 else first * size  # carry bytes: 8 elements a byte
+        return ctypes.cast(tensor.data_ptr() + offset, ctypes.POINTER(_CTYPES[size]))
+
+    def piece(first: int, end: int) -> None:
+        getattr(kernels, kernel)(*(end - first if a is _COUNT else pointer(a, first) for a in arguments))
+
+    in_pieces(piece, n, UNIT)
+    return True
 
 
 def encode(master: Tensor, region: Tensor, params: Tensor | None = None) -> None:
@@ -84,20 +107,7 @@ def encode(master: Tensor, region: Tensor, params: Tensor | None = None) -> None
     n = master.numel()
     low, carry = parts(region, n)
     _check_params("params", params, n)
-    kernels = _native(master, region, *_given(params))
-    if kernels is not None:
-        at = (master.data_ptr(), low.data_ptr(), carry.data_ptr(), None if params is None else params.data_ptr())
-
-        def piece(first: int, end: int) -> None:
-            kernels.smartinf_split_encode(
-                _at(at[0], 4 * first, ctypes.c_float),
-                end - first,
-                _at(at[1], 2 * first, ctypes.c_uint16),
-                _at(at[2], first // 8, ctypes.c_uint8),
-                _at(at[3], 2 * first, ctypes.c_uint16),
-            )
-
-        in_pieces(piece, n, UNIT)
+    if _native("smartinf_split_encode", n, master, _COUNT, low, carry, params):
         return
     bits = master.reshape(-1).view(torch.int32)
     low.copy_(bits.to(torch.int16))  # the low 16 bits (a narrowing conversion wraps)
@@ -117,22 +127,7 @@ def decode(params: Tensor, region: Tensor, out: Tensor, aside: Tensor | None = N
     _check_params("params", params, n)
     _check_params("aside", aside, n)
     low, carry = parts(region, n)
-    kernels = _native(params, region, out, *_given(aside))
-    if kernels is not None:
-        at = (params.data_ptr(), low.data_ptr(), carry.data_ptr(), out.data_ptr())
-        aside_at = None if aside is None else aside.data_ptr()
-
-        def piece(first: int, end: int) -> None:
-            kernels.smartinf_split_decode(
-                _at(at[0], 2 * first, ctypes.c_uint16),
-                _at(at[1], 2 * first, ctypes.c_uint16),
-                _at(at[2], first // 8, ctypes.c_uint8),
-                end - first,
-                _at(at[3], 4 * first, ctypes.c_float),
-                _at(aside_at, 2 * first, ctypes.c_uint16),
-            )
-
-        in_pieces(piece, n, UNIT)
+    if _native("smartinf_split_decode", n, params, low, carry, _COUNT, out, aside):
         return
     if aside is not None:
         aside.copy_(params)
@@ -145,12 +140,3 @@ def decode(params: Tensor, region: Tensor, out: Tensor, aside: Tensor | None = N
 def _check_params(name: str, tensor: Tensor | None, n: int) -> None:
     if tensor is not None and (tensor.dtype != torch.bfloat16 or tensor.numel() != n):
         raise ValueError(f"`{name}` must hold {n} bf16 parameters, got {tensor.numel()} {tensor.dtype}.")
-
-
-def _given(*tensors: Tensor | None) -> list[Tensor]:
-    return [t for t in tensors if t is not None]
-
-
-def _at(address: int | None, offset: int, ctype: type) -> Any:
-    """A pointer ``offset`` bytes past ``address`` (``None``: a null pointer)."""
-    return None if address is None else ctypes.cast(address + offset, ctypes.POINTER(ctype))
