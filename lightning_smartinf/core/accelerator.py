@@ -396,11 +396,6 @@ class PinnedRing:
         except BaseException as exc:  # noqa: BLE001 - raised by every later fence
             self._error = self._error or exc
 
-    @property
-    def error(self) -> BaseException | None:
-        """The first error of a piece the thread failed to move, if any."""
-        return self._error
-
     def fence(self) -> Fence:
         """A fence that completes once every piece queued so far is in its destination."""
         return _Moved(self, self._last)
@@ -427,5 +422,5 @@ class _Moved:
     def synchronize(self) -> None:
         if self._last is not None:
             self._last.result()
-        if self._ring.error is not None:
-            raise RuntimeError("A gradient copy into host memory failed") from self._ring.error
+        if self._ring._error is not None:
+            raise RuntimeError("A gradient copy into host memory failed") from self._ring._error

@@ -51,7 +51,10 @@ def gradient_buffer_device(setting: str, needed_bytes: int, accumulation: int = 
     device = accelerator.current_device_name()
     if accelerator.is_synchronized_device():
         return device
-    free = _free_memory(device)
+    if torch.device(device).type == "cuda":
+        free = int(torch.cuda.mem_get_info(torch.device(device))[0])
+    else:
+        free = int(accelerator.available_memory())
     if setting == "auto":
         share = AUTO_ACCUMULATING_SHARE if accumulation > 1 else AUTO_ACCELERATOR_SHARE
         if needed_bytes > share * free:
@@ -75,11 +78,3 @@ def gradient_buffer_device(setting: str, needed_bytes: int, accumulation: int = 
             "`gradient_buffer='host'` (pinned host memory) or 'auto', or train on more ranks."
         )
     return device
-
-
-def _free_memory(device: str) -> int:
-    if torch.device(device).type == "cuda":
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    from deepspeed.accelerator import get_accelerator
-
-    return int(get_accelerator().available_memory())

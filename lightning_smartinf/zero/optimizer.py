@@ -254,7 +254,6 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self.smart_update = type(self).controller_factory(
             self.optimizer, sub_groups, ZeroPartitions(self, param_traffic)
         )
-        self._expected_params: list[set[Hashable]] | None = None
         self.optimizer_swapper = DeviceSwapper(self, str(offload_optimizer_config.nvme_path))
 
     def _move_to_flat_buffer(
@@ -275,7 +274,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         settings = self.smart_update.settings
         numel = sum(int(p.partition_numel()) for p in itertools.chain.from_iterable(self.fp16_groups))
         residual = 4 if settings.compression is not None and settings.compression.error_feedback else 0
-        element_size = torch.empty(0, dtype=self.gradient_accumulation_dtype).element_size()
+        element_size = self.gradient_accumulation_dtype.itemsize
         device = gradient_buffer_device(
             settings.gradient_buffer, numel * (element_size + residual), int(self.gradient_accumulation_steps)
         )

@@ -152,8 +152,8 @@ def prepare_swapper(swapper: Any) -> Traffic:
       parameter twice when the trace uses it twice in a row (the last layer ends forward and starts backward), and
       the swapper then fails with "param N already assigned swap buffer".
     - A gather of more stored partitions than the pool has free buffers, or a partition larger than the pool's
-      buffers (while a model is built, before the pool is sized for it), uses a buffer of its own
-      (:func:`own_buffer`), freed on release, instead of failing with "Not enough buffers".
+      buffers (while a model is built, before the pool is sized for it), uses a buffer of its own, freed on release,
+      instead of failing with "Not enough buffers".
     """
     traffic = getattr(swapper, "smartinf_traffic", None)
     if traffic is not None:
@@ -180,8 +180,11 @@ def prepare_swapper(swapper: Any) -> Traffic:
             swap_in(extra, async_op=async_op, swap_in_buffers=buffers)
 
     def take_own(param: Any, numel: int) -> torch.Tensor:
+        """A buffer of ``param``'s own for ``numel`` elements, outside the pool (a whole model under
+        ``GatheredParameters``, as export and users' saving code do, or a partition larger than the pool's buffers)."""
         own.add(param.ds_id)
-        buffer = own_buffer(swapper, param, numel)
+        swapper.param_id_to_numel[param.ds_id] = numel
+        buffer = torch.empty(_aligned(swapper, numel), dtype=swapper.dtype)
         # Where `_swap_out` finds what to write when the partition changed (`GatheredParameters(modifier_rank=0)`).
         swapper.param_id_to_swap_buffer[param.ds_id] = buffer
         return buffer
@@ -242,14 +245,6 @@ def construction_swapper(config: dict[str, Any]) -> Any:
 def _aligned(swapper: Any, numel: int) -> int:
     """``numel`` rounded up to the swapper's I/O alignment (what its files and buffers hold per partition)."""
     return -(-numel // swapper.numel_alignment) * swapper.numel_alignment
-
-
-def own_buffer(swapper: Any, param: Any, numel: int) -> torch.Tensor:
-    """A buffer of ``param``'s own for ``numel`` elements, outside the pool (a whole model under
-    ``GatheredParameters``, as export and users' saving code do, or a partition larger than the pool's buffers); it
-    is freed when the swapper releases it."""
-    swapper.param_id_to_numel[param.ds_id] = numel
-    return torch.empty(_aligned(swapper, numel), dtype=swapper.dtype)
 
 
 def check_parameter_files(swapper: Any) -> None:
