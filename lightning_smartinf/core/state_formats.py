@@ -41,6 +41,7 @@ Formats (``state_precision``):
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -543,17 +544,7 @@ def _scratch(numel: int, purpose: str, dtype: torch.dtype = torch.float32, devic
     return buffer[:numel]
 
 
-#: Code tables copied to other devices, by (table, device): each device decodes from a copy in its own memory. Each
-#: entry keeps its host table too, so that its ``id`` cannot be reused by another table while the entry stands.
-_TABLES_ON_DEVICES: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
-
-
+@functools.cache  # by (table, device); tensors hash by identity, and the cache keeps each table it saw alive
 def _on_device(table: Tensor, device: torch.device) -> Tensor:
-    """``table`` (a code's values, on the host) on ``device``."""
-    if device == _HOST:
-        return table
-    key = (id(table), device)
-    entry = _TABLES_ON_DEVICES.get(key)
-    if entry is None or entry[0] is not table:
-        entry = _TABLES_ON_DEVICES[key] = (table, table.to(device))
-    return entry[1]
+    """``table`` (a code's values, on the host) on ``device``: each device decodes from a copy in its own memory."""
+    return table if device == _HOST else table.to(device)
