@@ -73,11 +73,8 @@ class DeviceOptions(Mapping[str, Any]):
     def __len__(self) -> int:
         return len(self._values)
 
-    def __hash__(self) -> int:
-        return hash(tuple(sorted(self._values.items(), key=lambda kv: kv[0])))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mapping) and dict(self) == dict(other)
+    def __hash__(self) -> int:  # equal mappings (Mapping's ``==``) hash alike
+        return hash(frozenset(self._values.items()))
 
     def __repr__(self) -> str:
         return f"DeviceOptions({self._values!r})"
@@ -296,16 +293,14 @@ def check_pool_shape(
     ]
 
 
-def check_sub_group_indexable(problems: Problems, sub_group_size: float) -> bool:
+def check_sub_group_indexable(problems: Problems, sub_group_size: float) -> None:
     """Compressed gradients address their entries in a sub-group of ``sub_group_size`` with int32 indices."""
-    if sub_group_size < 1 << 31:
-        return True
-    problems.add(
-        f"`compression` with a ZeRO `sub_group_size` of {sub_group_size:.0f}: compressed gradients address "
-        "their entries inside a sub-group with int32 indices, so it must be < 2**31. Lower `sub_group_size` "
-        "(e.g. 40_000_000)."
-    )
-    return False
+    if sub_group_size >= 1 << 31:
+        problems.add(
+            f"`compression` with a ZeRO `sub_group_size` of {sub_group_size:.0f}: compressed gradients address "
+            "their entries inside a sub-group with int32 indices, so it must be < 2**31. Lower `sub_group_size` "
+            "(e.g. 40_000_000)."
+        )
 
 
 # ------------------------------------------------------------------------------------------------- the checks
