@@ -68,7 +68,14 @@ def save(
         )
     smart_update = strategy.smart_update
     if (failure := smart_update.backend.failure) is not None:
-        refusal = _refusal(failure, filepath)
+        refusal = StorageError(
+            f"`save_checkpoint({str(filepath)!r})` refused: a device failed earlier, so the state on the devices may "
+            "be torn, and a checkpoint of it would be worse than none. The last good checkpoint is as it was; resume "
+            f"from it once the storage is fixed. The error was: {failure}",
+            path=getattr(failure, "path", None),
+            operation=getattr(failure, "operation", None),
+            errno=getattr(failure, "errno", None),
+        )
         module = strategy.lightning_module
         interrupted = module is not None and module.trainer.state.status == TrainerStatus.INTERRUPTED
         if interrupted and strategy.has_smart_update:
@@ -284,6 +291,7 @@ def _make_room_on_rank_zero(
             if path != target and path.resolve() not in gone and checkpoint_folder.is_sealed(path)
         )
     reclaimable = sum(disk_bytes(path) for path in obsolete)
+    why, removed = "", []
     if obsolete and standing and free + reclaimable >= needed:
         for path in obsolete:
             checkpoint_folder.retire(path)
@@ -306,15 +314,11 @@ def _make_room_on_rank_zero(
             "run would stand while it is written (keep one more: `ModelCheckpoint(save_last=True)` or a larger "
             "`save_top_k`)."
         )
-        removed = []
     elif obsolete:
         why = (
             f" Removing {_names(obsolete)}, which this save makes obsolete, would free {readable_size(reclaimable)}: "
             "not enough, so they were kept."
         )
-        removed = []
-    else:
-        why, removed = "", []
     untouched = "" if removed else " The previous checkpoint, if any, is untouched."
     return (
         f"Saving checkpoint {str(target)!r} refused before writing anything: it needs {readable_size(needed)} "
@@ -347,17 +351,6 @@ def _failed(target: Path, error: OSError, freed: list[Path]) -> StorageError:
 
 def _names(paths: list[Path]) -> str:
     return ", ".join(repr(str(path)) for path in paths)
-
-
-def _refusal(failure: BaseException, filepath: str | os.PathLike) -> StorageError:
-    return StorageError(
-        f"`save_checkpoint({str(filepath)!r})` refused: a device failed earlier, so the state on the devices may be "
-        "torn, and a checkpoint of it would be worse than none. The last good checkpoint is as it was; resume from it "
-        f"once the storage is fixed. The error was: {failure}",
-        path=getattr(failure, "path", None),
-        operation=getattr(failure, "operation", None),
-        errno=getattr(failure, "errno", None),
-    )
 
 
 def load(strategy: SmartInfinityStrategy, checkpoint_path: str | os.PathLike) -> dict[str, Any]:
