@@ -245,12 +245,9 @@ class DeepSpeedAIO(IOEngine):
         global _first_write_done
         handle = self._handle()
         flat = self._direct(handle, buf)
-        if _first_write_done:
+        with contextlib.nullcontext() if _first_write_done else _first_write:  # waiting here releases the GIL
             done = handle.sync_pwrite(flat, str(file.path), offset)
-        else:
-            with _first_write:  # waiting here releases the GIL
-                done = handle.sync_pwrite(flat, str(file.path), offset)
-                _first_write_done = True
+            _first_write_done = True
         if done < 0:
             raise _failure("write", file, offset, done)
 

@@ -265,7 +265,7 @@ class SmartUpdateZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         super()._move_to_flat_buffer(param_list, flat_buffer, avoid_copy=avoid_copy)
         if flat_buffer is None or avoid_copy:
             return
-        self._moved_bytes += flat_buffer.numel() * flat_buffer.element_size()
+        self._moved_bytes += flat_buffer.nbytes
         if self._moved_bytes >= RETURN_FREED_EVERY_BYTES:
             self._moved_bytes = 0
             return_free_heap()

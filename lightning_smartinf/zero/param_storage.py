@@ -132,11 +132,11 @@ class CountingHandle:
         self._traffic = traffic
 
     def async_pread(self, buffer: torch.Tensor, path: str, offset: int = 0) -> int:
-        self._traffic.add(param_read_bytes=buffer.numel() * buffer.element_size())
+        self._traffic.add(param_read_bytes=buffer.nbytes)
         return self._handle.async_pread(buffer, path, offset)
 
     def async_pwrite(self, buffer: torch.Tensor, path: str, offset: int = 0) -> int:
-        self._traffic.add(param_write_bytes=buffer.numel() * buffer.element_size())
+        self._traffic.add(param_write_bytes=buffer.nbytes)
         return self._handle.async_pwrite(buffer, path, offset)
 
     def __getattr__(self, name: str) -> Any:
@@ -316,7 +316,7 @@ class FileBuffer:
     """
 
     def __init__(self, directory: Path, numel: int, dtype: torch.dtype, *, what: str = "the gradients") -> None:
-        self.element_size = torch.empty(0, dtype=dtype).element_size()
+        self.element_size = dtype.itemsize
         #: The directory the file was made in.
         self.directory = Path(directory)
         nbytes = max(1, numel) * self.element_size

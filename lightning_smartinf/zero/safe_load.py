@@ -17,18 +17,15 @@ from typing import Any
 from lightning_smartinf.core.format.torch_files import safe_torch_load
 
 
-def deepspeed_globals() -> list[type]:
-    """Classes DeepSpeed pickles into its checkpoint files that carry data only (no ``__reduce__`` of their own)."""
+def load_deepspeed_file(path: str | Path, map_location: Any = "cpu", *, mmap: bool = False) -> Any:
+    """One DeepSpeed checkpoint file, read with ``weights_only=True`` (see :func:`safe_torch_load`); ``mmap``: its
+    tensors map the file. Allowed beyond torch's defaults: the classes DeepSpeed pickles into its checkpoint files
+    that carry data only (no ``__reduce__`` of their own)."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
-
-
-def load_deepspeed_file(path: str | Path, map_location: Any = "cpu", *, mmap: bool = False) -> Any:
-    """One DeepSpeed checkpoint file, read with ``weights_only=True`` (see :func:`safe_torch_load`); ``mmap``: its
-    tensors map the file."""
-    return safe_torch_load(path, map_location=map_location, allowed=deepspeed_globals(), mmap=mmap)
+    allowed = [ZeroStageEnum, LossScaler, DynamicLossScaler]
+    return safe_torch_load(path, map_location=map_location, allowed=allowed, mmap=mmap)
 
 
 @contextlib.contextmanager
