@@ -153,23 +153,20 @@ def make_plan(
 
 
 def model_text(work: Workload) -> str:
-    """``model: 7B = 7.00B parameters (7,000,000,000), batch 4 x seq 1024``: each report's first line."""
+    """``model: 7B = 7.00B parameters (7,000,000,000), batch 2 x seq 2048 x 16 micro-batches a step``: each report's
+    first line, the model and what one step trains."""
     size = str(work.params)
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if work.params >= scale:
             size = f"{work.params / scale:.2f}{unit}"
             break
-    return f"model: {work.name or 'model'} = {size} parameters ({work.params:,}), {workload_text(work)}"
-
-
-def workload_text(work: Workload) -> str:
-    """``batch 2 x seq 2048 x 16 micro-batches a step``: what one step trains."""
     micro = f"batch {work.batch} x seq {work.seq}"
     recompute = (
         "" if work.flops_per_param_token == 8.0 else f", {work.flops_per_param_token:g} FLOPs per parameter and token"
     )
     fused = ", a fused optimizer" if work.fused else ""
-    return micro + (f" x {work.accumulate} micro-batches a step" if work.accumulate > 1 else "") + recompute + fused
+    steps = f" x {work.accumulate} micro-batches a step" if work.accumulate > 1 else ""
+    return f"model: {work.name or 'model'} = {size} parameters ({work.params:,}), {micro}{steps}{recompute}{fused}"
 
 
 def format_plan(plan: Plan) -> str:
