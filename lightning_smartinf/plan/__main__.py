@@ -166,12 +166,6 @@ def _check_output(output: str) -> None:
         )
 
 
-def _save_profile(profile: dict[str, Any], output: str) -> None:
-    # Through a temporary renamed into place: an interrupted write leaves the earlier profile, never half of one.
-    write_file_atomic(Path(output), (json.dumps(profile, indent=2) + "\n").encode())
-    print(f"wrote profile {profile['name']!r} to {output}", file=sys.stderr)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -207,7 +201,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | dic
         measured = Profile.from_dict(calibrated, origin="the measured profile")
     if calibrated is not None:
         if args.output:
-            _save_profile(calibrated, args.output)
+            # Through a temporary renamed into place: an interrupted write leaves the earlier profile, not half of one.
+            write_file_atomic(Path(args.output), (json.dumps(calibrated, indent=2) + "\n").encode())
+            print(f"wrote profile {calibrated['name']!r} to {args.output}", file=sys.stderr)
         if not args.model:
             return None if args.output else calibrated
     if not args.model:
