@@ -322,6 +322,12 @@ class Profile:
             return measured / 1e9
         return 1 / self.memory_update_rate(state_precision)
 
+    def device_io_rates(self, devices: int) -> tuple[float, float]:
+        """Bytes per second each of ``devices`` devices reads and writes its state at: its SSD's, within its share of
+        the devices' ``device_storage_ceiling_gbps``."""
+        ceiling = _limit(self.device_storage_ceiling_gbps) / devices
+        return min(self.ssd_read_gbps * GB, ceiling), min(self.ssd_write_gbps * GB, ceiling)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -559,9 +565,7 @@ def smart_update(
     if remote:
         # One call per sub-group and step, devices (servers) in parallel, REMOTE_CALLS_IN_FLIGHT calls each at once.
         grad_link += math.ceil(n / sub_group_size) * prof.network_latency_ms / 1e3 / REMOTE_CALLS_IN_FLIGHT
-    ceiling = _limit(prof.device_storage_ceiling_gbps) / devices
-    b_r = min(prof.ssd_read_gbps * GB, ceiling)
-    b_w = min(prof.ssd_write_gbps * GB, ceiling)
+    b_r, b_w = prof.device_io_rates(devices)
     staged = grad_bytes if staged_on_ssd else 0.0
     state = work.state_bytes
     storage = (state + staged) * n / b_r + state * n / b_w

@@ -133,8 +133,7 @@ def place_state(
     # The GPU link carries the 16-bit gradient in and parameter out: 2 * transfer_bytes per parameter's state.
     accelerator_rate = (prof.gpu_link_gbps or 0) * GB * per_param / (2 * prof.transfer_bytes)
     state = total - accelerator
-    ceiling = math.inf if prof.device_storage_ceiling_gbps is None else prof.device_storage_ceiling_gbps * GB / devices
-    read, write = min(prof.ssd_read_gbps * GB, ceiling), min(prof.ssd_write_gbps * GB, ceiling)
+    read, write = prof.device_io_rates(devices)
     cost = prof.update_cost(work.state_precision)
     update = prof.device_update_gparams_per_s * 1e9 / cost * per_param
     # State bytes per second each device updates: its I/O at its weight's share of the nominal speed.
