@@ -18,7 +18,7 @@ none), a few hundred GB of RAM and one to four ordinary NVMe SSDs:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -256,7 +256,7 @@ class Machine:
         """
         paths = [self.storage[i] for i in indices]
         fastest = max(paths, key=lambda p: p.state_gbps)
-        k = fastest.state_gbps / (2 * fastest.read_gbps * fastest.write_gbps / (fastest.read_gbps + fastest.write_gbps))
+        k = fastest.state_gbps / replace(fastest, read_write_gbps=None).state_gbps  # over read then write
         aggregate = self.aggregate_gbps(indices)
         shared = aggregate < 0.999 * sum(p.state_gbps for p in paths)
         scale = self._scale()
