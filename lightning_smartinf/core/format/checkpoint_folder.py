@@ -67,13 +67,6 @@ def rank_state_dir(root: str | os.PathLike, rank: int) -> Path:
 # ------------------------------------------------------------------------------------------------------- saving
 
 
-def _digest(path: Path) -> dict[str, int]:
-    """Size and CRC-32C of ``path``, with its data forced to disk (a seal must not outlive what it describes)."""
-    fsync_file(path, os.O_NOFOLLOW)
-    size, crc = file_checksum(path, CRC32C)
-    return {"bytes": size, CRC32C: crc}
-
-
 def seal(root: Path, *, global_step: int, world_size: int) -> dict[str, Any]:
     """Write the seal of the staged checkpoint ``root``: its step, world size and every file's size and checksum.
 
@@ -89,12 +82,13 @@ def seal(root: Path, *, global_step: int, world_size: int) -> dict[str, Any]:
             key = str(relative / name) if str(relative) != "." else name
             if key == str(SEAL):
                 continue
-            path = here / name
             if name in manifest_entries:  # a shard file: its rank's manifest (sealed below) holds its checksum
                 algorithm, value = checksum_of(manifest_entries[name], here / MANIFEST)
                 files[key] = {"bytes": int(manifest_entries[name]["bytes"]), algorithm: int(value)}
-            else:
-                files[key] = _digest(path)
+            else:  # forced to disk first: a seal must not outlive what it describes
+                fsync_file(here / name, os.O_NOFOLLOW)
+                size, crc = file_checksum(here / name, CRC32C)
+                files[key] = {"bytes": size, CRC32C: crc}
         dirnames.sort()
     content = {"format": SEAL_FORMAT, "global_step": int(global_step), "world_size": int(world_size), "files": files}
     write_file_atomic(root / SEAL, json.dumps(content, indent=1, sort_keys=True).encode())

@@ -28,7 +28,7 @@ from lightning_smartinf.core.format.state_files import (
     verify_state_file,
 )
 
-__all__ = ["MastersReader", "Weights", "host_state", "saved_masters"]
+__all__ = ["MastersReader", "Weights", "saved_masters"]
 
 #: Reads the fp32 masters of every shard of one rank's device state kept elsewhere than its shard files (on remote
 #: servers), by shard index, from the rank's device-state directory.
@@ -80,11 +80,6 @@ class Weights:
             yield from other.read([name for name in names if name in added])
 
         return Weights({**self.shapes, **added}, read)
-
-
-def host_state(directory: Path) -> dict:
-    """One rank's ``host_state.json``: which parameter partitions each of its shards holds."""
-    return read_json(Path(directory) / HOST_STATE, "the device state", ("rank", "world_size", "shards"))
 
 
 class _RankMasters:
@@ -158,7 +153,7 @@ def saved_masters(
     where: list[dict[str, tuple[int, int, int]]] = []  # per rank: name -> (shard, offset, numel)
     shapes: dict[str, tuple[int, ...]] = {}
     for rank, directory in enumerate(map(Path, rank_dirs)):
-        host = host_state(directory)
+        host = read_json(directory / HOST_STATE, "the device state", ("rank", "world_size", "shards"))
         if host.get("world_size") != size or host.get("rank") != rank:
             raise ValueError(
                 f"{directory / HOST_STATE} belongs to rank {host.get('rank')} of {host.get('world_size')}."

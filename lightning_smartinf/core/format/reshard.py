@@ -64,12 +64,10 @@ class SavedRank:
     """One saved rank's device state: where each parameter's partition lies in its shard files."""
 
     directory: Path
-    host_state: dict[str, Any]
-    layouts: list[ChunkLayout]
-    states: list[list[str]]
-    entries: list[dict[str, Any]]
-    #: parameter name -> (shard, offset in the shard, partition_numel)
-    where: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    #: Where each parameter's partition lies in the rank's shards, and its whole shape.
+    partitions: PartitionIndex
+    layouts: list[ChunkLayout] = field(default_factory=list)
+    entries: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def read(cls, directory: Path, rank: int, world_size: int) -> SavedRank:
@@ -86,16 +84,14 @@ class SavedRank:
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
         entries = {int(e["index"]): e for e in manifest["shards"]}
-        partitions = PartitionIndex.of(host["shards"])
-        saved = cls(directory, host, [], [], [], partitions.where)
+        saved = cls(directory, PartitionIndex.of(host["shards"]))
         chunk = int(manifest["chunk_elems"])
-        for index, covered in enumerate(partitions.numels):
+        for index, covered in enumerate(saved.partitions.numels):
             entry = entries.get(index)
             if entry is None:
                 raise CheckpointError(f"{directory / MANIFEST} has no shard {index}; its host state lists it.")
             saved.entries.append(entry)
             saved.layouts.append(saved_layout(entry, chunk))
-            saved.states.append(list(entry["states"]))
             if covered != int(entry["numel"]):
                 raise CheckpointError(
                     f"{directory / shard_file_name(index)}: its parameters cover {covered} elements, the manifest "
@@ -130,9 +126,8 @@ def plan_reshard(
     old_world = len(saved)
     shapes: dict[str, list[int]] = {}
     for r in saved:
-        for params in r.host_state["shards"]:
-            for param in params:
-                shapes.setdefault(param["name"], [int(n) for n in param["shape"]])
+        for name, shape in r.partitions.shapes.items():
+            shapes.setdefault(name, list(shape))
     plan: list[list[Piece]] = []
     for params in layout:
         pieces: list[Piece] = []
@@ -154,12 +149,12 @@ def plan_reshard(
             low, high = rank * new_p, min((rank + 1) * new_p, numel)  # this rank's real elements of the parameter
             for r in range(low // old_p, min(old_world, -(-high // old_p))) if low < high else ():
                 a, b = max(low, r * old_p), min(high, (r + 1) * old_p)
-                if name not in saved[r].where:
+                if name not in saved[r].partitions.where:
                     raise CheckpointError(
                         f"{saved[r].directory / HOST_STATE} lists no partition of parameter {name!r}; the checkpoint "
                         "is incomplete or comes from another model."
                     )
-                shard, offset, held = saved[r].where[name]
+                shard, offset, held = saved[r].partitions.where[name]
                 if held != old_p:
                     raise CheckpointError(
                         f"{saved[r].directory / HOST_STATE} holds {held} elements of {name!r}, a partition over "
@@ -300,7 +295,7 @@ class Reshard:
     ) -> None:
         """Copy ``count`` saved elements from ``src`` of the piece's shard into ``record[:, at:]``, every tensor."""
         saved = self.saved[piece.rank]
-        layout, states = saved.layouts[piece.shard], saved.states[piece.shard]
+        layout, states = saved.layouts[piece.shard], list(saved.entries[piece.shard]["states"])
         source = self._source(files, piece.rank, piece.shard)
         # (row in this run's record, row in the saved record): the master, then the states both rules have.
         rows = [(0, 0)] + [(i, 1 + states.index(name)) for i, name in enumerate(names, start=1) if name in states]

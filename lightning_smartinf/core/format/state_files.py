@@ -220,7 +220,7 @@ def copy_with_crc(
     ``exclusive``: ``dst`` must not exist yet (a fresh checkpoint file); otherwise it is overwritten in place
     and truncated to the copied length. Raises ``ValueError`` if ``src`` does not hold ``expected_bytes``.
     """
-    update = checksum.updater(algorithm)
+    update = checksum.UPDATERS[algorithm]
     crc = 0
     flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else 0)
     with open(src, "rb", buffering=0) as fin:
@@ -408,7 +408,7 @@ def _write_whole_masters(shard: ShardState, dst: Path) -> int:
     its parameters, record by record; return the CRC-32C of what was written."""
     assert shard.params is not None, "split masters are saved with their parameters"
     layout, saved, names = shard.layout, saved_form(shard.layout), shard.spec.rule.state_names
-    update, crc = checksum.updater(CRC32C), 0
+    update, crc = checksum.UPDATERS[CRC32C], 0
     with (
         open(shard.path, "rb", buffering=0) as fin,  # first: a source that will not open leaves no descriptor behind
         open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb", buffering=0) as fout,
@@ -616,7 +616,7 @@ def convert_state_file(
     live layout splits the masters, ``shard``'s parameters are set to their rounding (the masters' other half).
     """
     rule, layout = shard.spec.rule, shard.layout
-    update = checksum.updater(algorithm)
+    update = checksum.UPDATERS[algorithm]
     crc = 0
     with open(src, "rb", buffering=0) as fin, open(shard.path, "r+b", buffering=0) as fout:
         fout.truncate(layout.file_bytes)
@@ -659,10 +659,9 @@ def read_shard_masters(path: Path, layout: ChunkLayout, start: int = 0, numel: i
     return out
 
 
-def saved_shard_masters(directory: Path, index: int, *, manifest: dict[str, Any] | None = None) -> Tensor:
-    """The fp32 masters of shard ``index`` of the state :func:`save_state` wrote under ``directory``, CRC-checked
-    first. ``manifest``: the directory's manifest, when the caller has read it already."""
-    manifest = read_manifest(directory) if manifest is None else manifest
+def saved_shard_masters(directory: Path, index: int, *, manifest: dict[str, Any]) -> Tensor:
+    """The fp32 masters of shard ``index`` of the state :func:`save_state` wrote under ``directory`` (whose manifest,
+    as the caller read it, is ``manifest``), CRC-checked first."""
     entries = {int(e["index"]): e for e in manifest["shards"]}
     if index not in entries:
         raise ValueError(f"{directory / MANIFEST} has no shard {index}.")

@@ -16,7 +16,7 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-import crc32c as _crc32c
+from crc32c import crc32c  # crc32c(data, value=0): CRC-32C of data, continuing from value (the bytes before's)
 
 #: The checksum a state file's manifest entry names by its key: ``crc32c`` now, ``crc32`` (zlib) in older checkpoints.
 CRC32C = "crc32c"
@@ -27,12 +27,8 @@ READ_BLOCK = 8 << 20
 _POLY = 0x82F63B78  # CRC-32C (Castagnoli), reflected
 
 
-def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
-    """CRC-32C of ``data``, continuing from ``crc`` (the CRC of the bytes before it)."""
-    return _crc32c.crc32c(data, crc)
-
-
-_UPDATE: dict[str, Callable[[memoryview, int], int]] = {CRC32C: crc32c, CRC32: zlib.crc32}
+#: The running-checksum function of each algorithm: ``update(bytes, previous) -> checksum``.
+UPDATERS: dict[str, Callable[[memoryview, int], int]] = {CRC32C: crc32c, CRC32: zlib.crc32}
 
 
 def _multmodp(a: int, b: int) -> int:
@@ -73,7 +69,7 @@ def combine(crc1: int, crc2: int, len2: int) -> int:
 
 def file_checksum(path: Path, algorithm: str = CRC32C) -> tuple[int, int]:
     """``(size, checksum)`` of the file at ``path`` with ``algorithm`` (:data:`CRC32C` or :data:`CRC32`)."""
-    update = _UPDATE[algorithm]
+    update = UPDATERS[algorithm]
     buf = bytearray(READ_BLOCK)
     view = memoryview(buf)
     crc = total = 0
@@ -90,8 +86,3 @@ def checksum_of(entry: dict, where: object) -> tuple[str, int]:
         if isinstance(entry.get(algorithm), int) and not isinstance(entry.get(algorithm), bool):
             return algorithm, entry[algorithm]
     raise ValueError(f"{where}: the entry {entry!r} records no checksum ({CRC32C!r} or {CRC32!r}).")
-
-
-def updater(algorithm: str) -> Callable[[memoryview, int], int]:
-    """The running-checksum function of ``algorithm``: ``update(bytes, previous) -> checksum``."""
-    return _UPDATE[algorithm]
