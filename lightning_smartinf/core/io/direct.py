@@ -203,14 +203,9 @@ class ThreadedIO(IOEngine):
         super().__init__(block_size, queue_depth)
         self._pool = ThreadPoolExecutor(queue_depth, thread_name_prefix="csd-io")
 
-    def _pieces(self, buf: Tensor, offset: int) -> list[tuple[Tensor, int]]:
-        flat = buf.view(torch.uint8)
-        return [
-            (flat[start : start + self.block_size], offset + start) for start in range(0, flat.numel(), self.block_size)
-        ]
-
     def _run(self, fn, buf: Tensor, offset: int) -> None:  # noqa: ANN001 - a bound StateFile method
-        pieces = self._pieces(buf, offset)
+        flat = buf.view(torch.uint8)
+        pieces = [(flat[at : at + self.block_size], offset + at) for at in range(0, flat.numel(), self.block_size)]
         if len(pieces) == 1:
             fn(*pieces[0])
             return

@@ -230,7 +230,9 @@ def make_private_dirs(base: str | os.PathLike, parts: Sequence[str]) -> Path:
                 pass
             except OSError as exc:
                 # Some filesystems report EROFS or EACCES before EEXIST: an existing component is still usable.
-                if not _lexists(part, fd):
+                try:
+                    os.lstat(part, dir_fd=fd)
+                except OSError:
                     raise StorageError(
                         f"Cannot create directory {str(path)!r} ({exc.strerror}). Make {str(path.parent)!r} writable "
                         "by this user or choose another storage path.",
@@ -258,14 +260,6 @@ def make_private_dirs(base: str | os.PathLike, parts: Sequence[str]) -> Path:
     finally:
         os.close(fd)
     return path
-
-
-def _lexists(name: str, dir_fd: int) -> bool:
-    try:
-        os.lstat(name, dir_fd=dir_fd)
-    except OSError:
-        return False
-    return True
 
 
 def _not_a_private_dir(path: Path, part: str, parent_fd: int, exc: OSError) -> StorageError:
