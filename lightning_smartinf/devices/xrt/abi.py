@@ -11,6 +11,7 @@ fp32 once (by ``struct``/``ctypes``), where ``torch.optim`` rounds a Python floa
 from __future__ import annotations
 
 import ctypes
+import itertools
 import struct
 from dataclasses import replace
 from pathlib import Path
@@ -79,11 +80,8 @@ def state_port_extents(state_precision: str, offset: int, padded: int) -> list[t
     """``(byte offset, bytes)`` of each kernel port of one state stored at ``offset`` of a record whose tensors are
     ``padded`` elements long (a multiple of 1024, so a call over them touches the state's bytes exactly; the record's
     4 KiB alignment leaves room for an int8 state's last beat of scales)."""
-    extents = []
-    for size in state_port_bytes(state_precision, padded):
-        extents.append((offset, size))
-        offset += size
-    return extents
+    sizes = state_port_bytes(state_precision, padded)
+    return list(zip(itertools.accumulate(sizes[:-1], initial=offset), sizes))
 
 
 def _state_suffix(state_precision: str) -> str:
@@ -196,17 +194,12 @@ def adagrad_scalars(hp: StepParams) -> tuple[list[float], int]:
 
 def derive_scalars(rule: UpdateRule, hp: StepParams) -> tuple[list[float], int]:
     """The fp32 scalar arguments (as Python floats, still unrounded) and ``flags`` of one update."""
-    kind = rule_kernel(rule)
-    if kind == "adam":
-        assert isinstance(rule, Adam)
-        return adam_scalars(hp, rule.decoupled_weight_decay)
-    if kind == "sgd":
-        assert isinstance(rule, SGD)
+    rule_kernel(rule)  # ValueError for what the kernels cannot run
+    if isinstance(rule, SGD):
         return sgd_scalars(hp, rule.with_momentum)
-    if kind == "efadam":
-        assert isinstance(rule, EFAdam)
-        return efadam_scalars(hp, rule.decoupled_weight_decay)
-    return adagrad_scalars(hp)
+    if isinstance(rule, Adagrad):
+        return adagrad_scalars(hp)
+    return (efadam_scalars if isinstance(rule, EFAdam) else adam_scalars)(hp, rule.decoupled_weight_decay)
 
 
 # ---- scalar encodings ------------------------------------------------------------------------------------------

@@ -149,9 +149,11 @@ def load_pyxrt(xclbin: str | os.PathLike) -> Any:
 # ---------------------------------------------------------------------------------------------- device pairing
 
 
-def _pci_ancestors(sysfs_path: Path) -> list[Path]:
-    """The PCI devices on the way from the root complex to ``sysfs_path`` (nearest last)."""
-    return [p for p in reversed([sysfs_path, *sysfs_path.parents]) if _BDF.match(p.name)]
+def _switch(sysfs_path: Path) -> Path | None:
+    """The PCI device two levels above the nearest one on the way from the root complex to ``sysfs_path`` (where a
+    SmartSSD's switch has its upstream port), or ``None``."""
+    chain = [p for p in reversed([sysfs_path, *sysfs_path.parents]) if _BDF.match(p.name)]  # nearest last
+    return chain[-3] if len(chain) >= 3 else None
 
 
 def pair_by_pcie(storage_paths: Sequence[Path], bdfs: Sequence[str], sysfs: Path = Path("/sys")) -> list[str]:
@@ -164,16 +166,12 @@ def pair_by_pcie(storage_paths: Sequence[Path], bdfs: Sequence[str], sysfs: Path
     Raises:
         ValueError: a path's SSD is not behind a switch with exactly one of ``bdfs``.
     """
-    fpga_switch = {}
-    for bdf in bdfs:
-        chain = _pci_ancestors((sysfs / "bus" / "pci" / "devices" / bdf).resolve())
-        fpga_switch[bdf] = chain[-3] if len(chain) >= 3 else None
+    fpga_switch = {bdf: _switch((sysfs / "bus" / "pci" / "devices" / bdf).resolve()) for bdf in bdfs}
     paired = []
     for path in storage_paths:
         st = os.stat(path)
         block = (sysfs / "dev" / "block" / f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve()
-        chain = _pci_ancestors(block)
-        switch = chain[-3] if len(chain) >= 3 else None
+        switch = _switch(block)
         found = [bdf for bdf, s in fpga_switch.items() if switch is not None and s == switch]
         if len(found) != 1:
             raise ValueError(
@@ -227,11 +225,10 @@ class XrtDevice(StreamingDevice):
 
     def device_bytes(self, tensors_per_record: int) -> int:
         """Device DDR the buffers take: the P2P records plus the staging buffers."""
-        return pool_bytes(1, self.buffer_count, self.chunk_elems, tensors_per_record) + self._staging_bytes
-
-    @property
-    def _staging_bytes(self) -> int:
-        return STAGING_BUFFERS * self.chunk_elems * 4
+        return (
+            pool_bytes(1, self.buffer_count, self.chunk_elems, tensors_per_record)
+            + STAGING_BUFFERS * self.chunk_elems * 4
+        )
 
     def allocate(self, tensors_per_record: int) -> None:
         pyxrt = self.pyxrt
@@ -431,7 +428,20 @@ class XrtBackend(StreamingBackend):
 
         Computed when :meth:`make_device` first needs it, once the directories are claimed.
         """
-        return self._pair(list(self.device_dirs), self._xrt_devices)
+        if self._xrt_devices is not None:
+            return list(self._xrt_devices)
+        device_dirs = list(self.device_dirs)
+        available = int(self.pyxrt.enumerate_devices())
+        if len(device_dirs) > available:
+            raise ValueError(
+                f"`storage_paths` gives {len(device_dirs)} path(s) ({', '.join(map(str, device_dirs))}) to this rank, "
+                f"but XRT sees only {available} device(s). Each storage path must be on its own SmartSSD: pass at "
+                f"most {available} path(s) per node, or list the devices with `xrt_devices=`."
+            )
+        if self.is_model:
+            return list(range(len(device_dirs)))  # the model has no PCIe topology: pair in order
+        bdfs = [str(self.pyxrt.device(i).get_info(self.pyxrt.xrt_info_device.bdf)) for i in range(available)]
+        return list(pair_by_pcie(device_dirs, bdfs))
 
     def make_device(self, index: int, directory: Path) -> XrtDevice:
         """Open XRT device ``index`` of :attr:`device_idents`, load the xclbin, and wrap it for ``directory``.
@@ -461,21 +471,6 @@ class XrtBackend(StreamingBackend):
             kernel_names=self.kernel_names,
             xclbin_path=self.xclbin_path,
         )
-
-    def _pair(self, device_dirs: list[Path], devices: Sequence[int | str] | None) -> list[int | str]:
-        if devices is not None:
-            return list(devices)
-        available = int(self.pyxrt.enumerate_devices())
-        if len(device_dirs) > available:
-            raise ValueError(
-                f"`storage_paths` gives {len(device_dirs)} path(s) ({', '.join(map(str, device_dirs))}) to this rank, "
-                f"but XRT sees only {available} device(s). Each storage path must be on its own SmartSSD: pass at "
-                f"most {available} path(s) per node, or list the devices with `xrt_devices=`."
-            )
-        if self.is_model:
-            return list(range(len(device_dirs)))  # the model has no PCIe topology: pair in order
-        bdfs = [str(self.pyxrt.device(i).get_info(self.pyxrt.xrt_info_device.bdf)) for i in range(available)]
-        return list(pair_by_pcie(device_dirs, bdfs))
 
     def open(self, shards: Sequence[ShardSpec]) -> None:
         needed = {(rule_kernel(s.rule), s.state_format) for s in shards}  # ValueError for rules without a kernel

@@ -376,9 +376,7 @@ class _Device:
         return xbin.get_uuid()
 
     def get_info(self, key: xrt_info_device) -> str:
-        if key == xrt_info_device.bdf:
-            return self._state.bdf
-        return "NA"
+        return self._state.bdf  # the one key the model has (``xrt_info_device.bdf``)
 
 
 @dataclass(frozen=True)
@@ -505,7 +503,8 @@ class _Bo:
 
     def sync(self, direction: xclBOSyncDirection, size: int | None = None, offset: int = 0) -> None:
         size = self._size - offset if size is None else size
-        self._check(size, offset)
+        if offset < 0 or size < 0 or offset + size > self._size:
+            raise RuntimeError(f"transfer [{offset}, {offset + size}) outside the {self._size} B buffer")
         if self.is_p2p:
             self._state.count(p2p_host_sync_bytes=size)
             return
@@ -516,10 +515,6 @@ class _Bo:
         else:
             self._root._host[lo:hi] = self._root._device[lo:hi]
             self._state.count(device_to_host_bytes=size)
-
-    def _check(self, size: int, offset: int) -> None:
-        if offset < 0 or size < 0 or offset + size > self._size:
-            raise RuntimeError(f"transfer [{offset}, {offset + size}) outside the {self._size} B buffer")
 
 
 def _free(state: _DeviceState, size: int, *closers: Any) -> None:
