@@ -17,7 +17,6 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_smartinf.activations.costs import OVERHEAD_BUDGET
 from lightning_smartinf.activations.offload import OffloadStats, SavedTensorOffloader, check_arguments
 from lightning_smartinf.core.arguments import Problems
-from lightning_smartinf.core.placement import rank_share
 from lightning_smartinf.lightning.contract import SmartUpdateStrategy
 
 
@@ -84,17 +83,16 @@ class ActivationOffload(L.Callback):
             paths = self.storage_paths
             return [Path(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
         strategy = trainer.strategy
-        if isinstance(strategy, SmartUpdateStrategy) and strategy.settings.storage_paths is None:
-            # The strategy keeps its state in temporary directories: activations go to the temporary directory too.
-            return [Path(tempfile.gettempdir())]
-        strategy_paths = strategy.settings.storage_paths if isinstance(strategy, SmartUpdateStrategy) else None
-        if not strategy_paths:
+        if not isinstance(strategy, SmartUpdateStrategy):
             raise MisconfigurationException(
                 "`ActivationOffload(storage_paths=None)` needs `SmartInfinityStrategy(storage_paths=[...])` to take "
                 "its paths from; pass `storage_paths=` to the callback, or set them on the strategy."
             )
+        if strategy.settings.storage_paths is None:  # given, they are never empty: the settings refuse that
+            # The strategy keeps its state in temporary directories: activations go to the temporary directory too.
+            return [Path(tempfile.gettempdir())]
         # A rank with no path of its own shares them all: activation files are private to the rank's run directory.
-        return rank_share(strategy_paths, trainer.local_rank, strategy.num_processes) or list(strategy_paths)
+        return strategy.rank_storage_paths() or list(strategy.settings.storage_paths)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" or self.offloader is not None:
