@@ -25,14 +25,7 @@ from lightning_smartinf.plan.cost_model import (
 )
 from lightning_smartinf.plan.machine import Machine, load_any
 from lightning_smartinf.plan.machine_plan import format_machine_plan, machine_json, plan_machine
-from lightning_smartinf.plan.planner import (
-    PYTHON_HEADER,
-    YAML_HEADER,
-    format_plan,
-    make_plan,
-    precisions_json,
-    strategy_args,
-)
+from lightning_smartinf.plan.planner import format_plan, make_plan, precisions_json, strategy_args
 from lightning_smartinf.plan.tier_placement import place_state
 
 
@@ -269,7 +262,7 @@ def _machine_plan(work: Workload, machine: Machine, args: argparse.Namespace) ->
         checkpoint_dir=args.checkpoint_dir,
         keep_checkpoints=args.keep_checkpoints,
     )
-    return machine_json(plan) if args.json else format_machine_plan(plan, PYTHON_HEADER, YAML_HEADER)
+    return machine_json(plan) if args.json else format_machine_plan(plan)
 
 
 def _testbed_plan(work: Workload, prof: Profile, args: argparse.Namespace) -> str | dict[str, Any]:

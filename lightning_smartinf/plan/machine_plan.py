@@ -53,6 +53,8 @@ from lightning_smartinf.plan.planner import (
     ARGUMENT_COMMENTS,
     ENOUGH,
     PARAMETERS_ON_STORAGE,
+    PYTHON_HEADER,
+    YAML_HEADER,
     choose_sub_group,
     model_text,
     precision_lines,
@@ -552,7 +554,7 @@ def _sub_groups_text(plan: MachinePlan) -> str:
     return f"{groups} sub-group(s) for {holders} holder(s) of state: the model is too small for 8 each"
 
 
-def format_machine_plan(plan: MachinePlan, python_header: str, yaml_header: str) -> str:
+def format_machine_plan(plan: MachinePlan, python_header: str = PYTHON_HEADER, yaml_header: str = YAML_HEADER) -> str:
     """The report: the machine, the step, each setting with its reason, disk per path, and both snippets."""
     w, m, placed = plan.work, plan.machine, plan.placement
     gpu = (
@@ -633,8 +635,8 @@ def format_machine_plan(plan: MachinePlan, python_header: str, yaml_header: str)
             "  GPU memory: " + ", ".join(f"{name} {nbytes / GB:.1f} GB" for name, nbytes in plan.gpu_memory.items())
         )
     lines += _disk_table(plan)
-    lines += ["", python_header, "", python_code(plan.strategy_args(), _comments(plan))]
-    lines += ["", yaml_header, "", yaml_code(plan.strategy_args(), _comments(plan))]
+    args, comments = plan.strategy_args(), _comments(plan)
+    lines += ["", python_header, "", python_code(args, comments), "", yaml_header, "", yaml_code(args, comments)]
     return "\n".join(lines)
 
 
