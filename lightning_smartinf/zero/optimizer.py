@@ -190,15 +190,10 @@ class DeviceSwapper:
         ]
         self._optimizer.smart_update.initialize_all(masters)
 
-    def init_timers(self) -> None: ...
+    def _nothing_to_do(self) -> None:
+        """ZeRO's timers and its hooks around backward: nothing is timed or swapped here."""
 
-    def log_timers(self) -> None: ...
-
-    def pre_backward(self) -> None: ...
-
-    def post_backward(self) -> None: ...
-
-    def purge_state(self) -> None: ...
+    init_timers = log_timers = pre_backward = post_backward = purge_state = _nothing_to_do
 
     def __getattr__(self, name: str) -> Any:
         raise RuntimeError(
