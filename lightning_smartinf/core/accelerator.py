@@ -348,8 +348,6 @@ class PinnedRing:
     """
 
     def __init__(self, *, slots: int = 4, slot_bytes: int = 8 << 20, device: torch.device | None = None) -> None:
-        if slots < 1 or slot_bytes < 1:
-            raise ValueError(f"`slots={slots}` and `slot_bytes={slot_bytes}` must be at least 1.")
         pinned = device is not None and device.type == "cuda"
         self._buffers = [
             pinned_empty(slot_bytes) if pinned else torch.empty(slot_bytes, dtype=torch.uint8) for _ in range(slots)
@@ -362,8 +360,6 @@ class PinnedRing:
 
     def copy(self, dst: Tensor, src: Tensor, *, accumulate: bool = False) -> None:
         """Queue ``dst.copy_(src)`` (``accumulate``: ``dst.add_(src)``), ``src`` in ``dst``'s dtype and shape."""
-        if src.dtype != dst.dtype or src.numel() != dst.numel():
-            raise ValueError(f"`src` ({src.dtype}, {src.numel()}) must match `dst` ({dst.dtype}, {dst.numel()}).")
         src, dst = src.reshape(-1), dst.view(-1)
         per_slot = max(1, self._buffers[0].numel() // src.element_size())
         for start in range(0, src.numel(), per_slot):
