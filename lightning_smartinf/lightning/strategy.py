@@ -328,12 +328,7 @@ class SmartInfinityStrategy(DeepSpeedOnCPUMixin, DeepSpeedStrategy, SmartUpdateS
         if self._smart_update is not None:
             self._smart_update.kept_ratio = ratio
 
-    @property
-    @override
-    def precision_plugin(self) -> Precision:
-        return super().precision_plugin
-
-    @precision_plugin.setter
+    @DeepSpeedStrategy.precision_plugin.setter  # Lightning's getter, this setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
         # The connector hands every DeepSpeedStrategy a plain DeepSpeedPrecision; ours adds validation and link dtype.
