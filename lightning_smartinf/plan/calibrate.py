@@ -552,7 +552,7 @@ def calibrate(paths: Sequence[str | Path], *, megabytes: int = 384, name: str | 
     import psutil
     import torch
 
-    roots = [Path(os.path.abspath(p)) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+    roots = [Path(os.path.abspath(p)) for p in paths]
     if isinstance(megabytes, bool) or not isinstance(megabytes, int) or megabytes < 1:  # the space below needs it
         raise PlanError(f"`--calibrate-mb {megabytes!r}` must be an int >= 1 (MiB of test data per file), e.g. 384.")
     problems = []
