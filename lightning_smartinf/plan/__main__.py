@@ -242,10 +242,8 @@ def _calibrate_remote(parser: argparse.ArgumentParser, args: argparse.Namespace)
             f"`--calibrate-remote` with `--profile {args.profile}`: the network figures extend a testbed profile "
             f"({', '.join(profile_names())} or a file of that kind), not a machine profile. Pass one of those."
         )
-    profile = {**base.to_dict(), **figures}
     source = f"measured against {args.calibrate_remote} (smartinf plan --calibrate-remote)"
-    profile["sources"] = {**profile.get("sources", {}), **{key: source for key in figures}}
-    return profile
+    return {**base.to_dict(), **figures, "sources": {**base.sources, **dict.fromkeys(figures, source)}}
 
 
 def _machine_plan(work: Workload, machine: Machine, args: argparse.Namespace) -> str | dict[str, Any]:
