@@ -255,11 +255,6 @@ class Reshard:
             self._last_unpacked = (key, layout.unpack(raw, k, states))
         return self._last_unpacked[1]
 
-    def _source(self, files: dict[tuple[int, int], BinaryIO], rank: int, index: int) -> BinaryIO:
-        if (rank, index) not in files:
-            files[(rank, index)] = open(self.saved[rank].directory / shard_file_name(index), "rb", buffering=0)  # noqa: SIM115
-        return files[(rank, index)]
-
     def _write_shard(self, shard: ShardState, pieces: list[Piece], files: dict[tuple[int, int], BinaryIO]) -> None:
         rule, layout = shard.spec.rule, shard.layout
         names = list(rule.state_names)
@@ -296,7 +291,9 @@ class Reshard:
         """Copy ``count`` saved elements from ``src`` of the piece's shard into ``record[:, at:]``, every tensor."""
         saved = self.saved[piece.rank]
         layout, states = saved.layouts[piece.shard], list(saved.entries[piece.shard]["states"])
-        source = self._source(files, piece.rank, piece.shard)
+        if (piece.rank, piece.shard) not in files:  # opened once, closed by `write`
+            files[(piece.rank, piece.shard)] = open(saved.directory / shard_file_name(piece.shard), "rb", buffering=0)  # noqa: SIM115
+        source = files[(piece.rank, piece.shard)]
         # (row in this run's record, row in the saved record): the master, then the states both rules have.
         rows = [(0, 0)] + [(i, 1 + states.index(name)) for i, name in enumerate(names, start=1) if name in states]
         done = 0

@@ -124,13 +124,19 @@ def build(name: str) -> Path:
     return library
 
 
-def _load(name: str, without: str) -> ctypes.CDLL | None:
-    """Kernel library ``name``, or ``None`` where it cannot be built, said with ``without`` (what runs instead)."""
+def _load(name: str, without: str, argtypes: dict[str, list]) -> ctypes.CDLL | None:
+    """Kernel library ``name`` with the argument types of its kernels (none returns a value), or ``None`` where it
+    cannot be built, said with ``without`` (what runs instead)."""
     try:
-        return ctypes.CDLL(str(build(name)))
+        library = ctypes.CDLL(str(build(name)))
     except (KernelBuildError, OSError) as exc:
         log.warning("%s: its C kernels did not build here (%s).", without, exc)
         return None
+    for kernel_name, types in argtypes.items():
+        kernel = getattr(library, kernel_name)
+        kernel.argtypes = types
+        kernel.restype = None
+    return library
 
 
 @functools.cache
@@ -138,11 +144,6 @@ def state_format_kernels() -> ctypes.CDLL | None:
     """The state formats' kernels (``state_formats.c``: the ``"int8"`` conversions, Adam fused with ``"int8"`` and
     ``"bf16"``, split masters' conversions), or ``None`` (said once) where they cannot be built: the plain-torch
     reference then runs."""
-    library = _load(
-        "state_formats", "The optimizer state's formats run their slower plain-torch reference (the same bytes)"
-    )
-    if library is None:
-        return None
     f32, u8, u16 = (ctypes.POINTER(t) for t in (ctypes.c_float, ctypes.c_uint8, ctypes.c_uint16))
     i64 = ctypes.c_int64
     # The gradient of the Adam kernels: fp32 or (when that is NULL) bf16, and the factor it is multiplied by.
@@ -165,24 +166,17 @@ def state_format_kernels() -> ctypes.CDLL | None:
         "smartinf_adam_int8_split": [u16, u16, u8, u16, *grad, *int8_states],
         "smartinf_adam_bf16_split": [u16, u16, u8, u16, *grad, *bf16_states],
     }
-    for name, types in argtypes.items():
-        kernel = getattr(library, name)
-        kernel.argtypes = types
-        kernel.restype = None
-    return library
+    without = "The optimizer state's formats run their slower plain-torch reference (the same bytes)"
+    return _load("state_formats", without, argtypes)
 
 
 @functools.cache
 def sum_squares_kernels() -> ctypes.CDLL | None:
     """The float64 sums of squares of a gradient's norm (``sum_squares.c``), or ``None`` (said once) where they cannot
     be built: the plain-torch reference then runs."""
-    library = _load("sum_squares", "Gradient norms are taken by their slower plain-torch reference (the same bytes)")
-    if library is None:
-        return None
-    for kernel in (library.smartinf_sum_squares_f32, library.smartinf_sum_squares_bf16):
-        kernel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]  # values, their number, the lanes
-        kernel.restype = None
-    return library
+    without = "Gradient norms are taken by their slower plain-torch reference (the same bytes)"
+    args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]  # values, their number, the lanes
+    return _load("sum_squares", without, {"smartinf_sum_squares_f32": args, "smartinf_sum_squares_bf16": args})
 
 
 __getattr__ = old_names(__name__, {"int8_kernels": "state_format_kernels"})

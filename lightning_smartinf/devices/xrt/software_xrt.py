@@ -287,17 +287,16 @@ class SoftwarePyxrt:
         self._library_path = Path(manifest["library"])
         self._library: ctypes.CDLL | None = None
         self._library_lock = threading.Lock()
-        platform = self
         self.xclBOSyncDirection = xclBOSyncDirection
         self.ert_cmd_state = ert_cmd_state
         self.xrt_info_device = xrt_info_device
-        self.device = type("device", (_Device,), {"_platform": platform})
-        self.xclbin = type("xclbin", (_Xclbin,), {"_platform": platform})
-        self.kernel = type("kernel", (_Kernel,), {"_platform": platform, "shared": _CuAccessMode.shared})
+        self.device = type("device", (_Device,), {"_platform": self})
+        self.xclbin = type("xclbin", (_Xclbin,), {"_platform": self})
+        self.kernel = type("kernel", (_Kernel,), {"_platform": self, "shared": _CuAccessMode.shared})
         self.bo = type(
-            "bo", (_Bo,), {"_platform": platform, "flags": _BoFlags, "normal": _BoFlags.normal, "p2p": _BoFlags.p2p}
+            "bo", (_Bo,), {"_platform": self, "flags": _BoFlags, "normal": _BoFlags.normal, "p2p": _BoFlags.p2p}
         )
-        self.run = type("run", (_Run,), {"_platform": platform})
+        self.run = type("run", (_Run,), {"_platform": self})
 
     def __repr__(self) -> str:
         return f"SoftwarePyxrt({str(self.manifest_path)!r}, devices={len(self._states)})"
