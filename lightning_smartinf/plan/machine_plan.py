@@ -354,11 +354,7 @@ def _state_budget(machine: Machine, model: _ModelPlacement, whole: float, asked:
     """Step 3: bytes of host RAM for the state (``whole`` bytes of it outside the GPU), and why."""
     free = max(0.0, machine.host_memory_gb * GB - sum(model.host.values()))
     cap = free if machine.state_memory_gb is None else min(free, machine.state_memory_gb * GB)
-    capped = (
-        f" (the profile's state_memory_gb caps it at {machine.state_memory_gb:g} GB)"
-        if machine.state_memory_gb is not None and cap < free
-        else ""
-    )
+    capped = f" (the profile's state_memory_gb caps it at {machine.state_memory_gb:g} GB)" if cap < free else ""
     if asked is not None:
         beyond = f"; more than the {free / GB:.1f} GB of RAM the plan leaves free" if asked > free else ""
         return asked, f"as asked (--memory-budget){beyond}"
