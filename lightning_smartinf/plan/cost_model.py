@@ -660,10 +660,7 @@ def parse_size(text: str) -> int:
 
 
 def _first(cfg: dict[str, Any], *keys: str) -> Any:
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    return None
+    return next((cfg[key] for key in keys if cfg.get(key) is not None), None)
 
 
 def params_from_config(cfg: dict[str, Any], origin: str = "config") -> int:
