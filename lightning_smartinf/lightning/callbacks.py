@@ -246,11 +246,10 @@ class CompressionWarmup(Callback):
         problems.integer("steps_per_stage", steps_per_stage, low=1, why="optimizer steps", example=1)
         if schedule == "dgc":
             schedule = DGC_SCHEDULE
-        ratios: tuple = ()
         if isinstance(schedule, Sequence) and not isinstance(schedule, str):
             inside = problems.within("schedule")
-            if all([inside.ratio(index, ratio, example=0.25) for index, ratio in enumerate(schedule)]):
-                ratios = tuple(schedule)
+            for index, ratio in enumerate(schedule):
+                inside.ratio(index, ratio, example=0.25)
         elif schedule is not None:
             problems.add(
                 f"`schedule={show(schedule)}` is not supported: it must be 'dgc', a list of kept ratios (each with "
@@ -258,7 +257,7 @@ class CompressionWarmup(Callback):
             )
         problems.raise_if_any()
         self.dense_steps = dense_steps
-        self.schedule = ratios
+        self.schedule = tuple(schedule or ())
         self.steps_per_stage = steps_per_stage
         self._stages: tuple[float, ...] = ()
         self._target = 1.0  # the strategy's ratio, read at fit start
