@@ -221,10 +221,6 @@ def named_layers(model: nn.Module, name: str) -> list[nn.Module]:
     return list(holder.children())
 
 
-def _warn(message: str) -> None:
-    warnings.warn(message, UserWarning, stacklevel=3)
-
-
 def cleanup_stale_dirs(storage_path: str | os.PathLike) -> list[Path]:
     """Remove the run directories under ``storage_path/smartinf-activations`` that dead processes left; return them."""
     return remove_leftovers(Path(storage_path) / ROOT_DIR_NAME)
@@ -380,7 +376,7 @@ class SavedTensorOffloader:
         self.detach()
         self._layers = named_layers(model, layers) if isinstance(layers, str) else list(layers or find_layers(model))
         if not self._layers:
-            (warn or _warn)(
+            (warn or functools.partial(warnings.warn, stacklevel=2))(
                 f"Activation offload found no repeated layers in {type(model).__name__} (a ModuleList/Sequential of "
                 "same-type modules with parameters); falling back to a size-only policy: every saved tensor of at "
                 f"least `threshold_bytes={self.threshold_bytes}` is offloaded and `keep_last` is ignored. Pass "
@@ -519,12 +515,8 @@ class SavedTensorOffloader:
         """Choose the settings left to ``None`` from the measured micro-batches (the median of each I/O cost: one
         micro-batch the machine was busy elsewhere does not decide)."""
         samples = self._io_samples
-        io = IOCosts(
-            write_bytes_per_s=statistics.median(c.write_bytes_per_s for c in samples),
-            read_bytes_per_s=statistics.median(c.read_bytes_per_s for c in samples),
-            cpu_s_per_byte=statistics.median(c.cpu_s_per_byte for c in samples),
-            compute_on_host=samples[-1].compute_on_host,
-        )
+        costs = ("write_bytes_per_s", "read_bytes_per_s", "cpu_s_per_byte")
+        io = dataclasses.replace(samples[-1], **{c: statistics.median(getattr(s, c) for s in samples) for c in costs})
         self._tuned_io = io
         self._apply(self._choose(io))
 
@@ -788,11 +780,8 @@ class SavedTensorOffloader:
             with self._cond:
                 self._io_active[kind] -= 1
                 if not self._io_active[kind]:
-                    busy = time.perf_counter() - self._io_since[kind]
-                    if kind == "write":
-                        self.stats.write_busy_s += busy
-                    else:
-                        self.stats.read_busy_s += busy
+                    busy = f"{kind}_busy_s"
+                    setattr(self.stats, busy, getattr(self.stats, busy) + time.perf_counter() - self._io_since[kind])
                 self.stats.io_cpu_s += time.thread_time() - cpu
 
     def _settle_write(self, rec: _Record, keep: bool) -> None:
