@@ -372,20 +372,21 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
     try:
         ensure_private_dir(tmp)
 
-        def copy(shard: ShardState) -> tuple[int, str]:
+        def copy(shard: ShardState) -> tuple[int, str, bool]:
+            """The file's CRC-32C, how it was moved, and whether its bytes were read to checksum them."""
             dst, size = tmp / shard_file_name(shard.spec.index), shard.layout.file_bytes
             if shard.layout.split_masters:
-                return _write_whole_masters(shard, dst), "checksummed " + REBUILT
+                return _write_whole_masters(shard, dst), REBUILT, True
             crc = shard.file_crc32c()
             if crc is not None:  # known from the writes: the bytes need not pass through this process
-                return crc, clone_file(shard.path, dst, size, fsync=False)
-            return copy_with_crc(shard.path, dst, expected_bytes=size, fsync=False), "checksummed " + COPY
+                return crc, clone_file(shard.path, dst, size, fsync=False), False
+            return copy_with_crc(shard.path, dst, expected_bytes=size, fsync=False), COPY, True
 
         with Progress("saving the optimizer state", sum(sizes.values()), per_rank=True) as progress:
             done = _per_device(shards, copy, progress)
         # Forced to disk once all are copied (before the manifest): a flush per file would idle the disk between them.
         _per_device(shards, lambda shard: fsync_file(tmp / shard_file_name(shard.spec.index)))
-        manifest = manifest_of(shards, chunk_elems=chunk_elems, crcs={i: crc for i, (crc, _) in done.items()})
+        manifest = manifest_of(shards, chunk_elems=chunk_elems, crcs={i: crc for i, (crc, _, _) in done.items()})
         write_file_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         install_directory(tmp, directory)
     except BaseException as exc:
@@ -395,10 +396,8 @@ def save_state(shards: Sequence[ShardState], directory: Path, *, chunk_elems: in
         raise
     stats = SaveStats(by_method={})
     for shard in shards:
-        how, size = done[shard.spec.index][1], sizes[shard.spec.index]
-        if how.startswith("checksummed "):
-            how = how.removeprefix("checksummed ")
-            stats.checksummed_bytes += size
+        (_, how, checksummed), size = done[shard.spec.index], sizes[shard.spec.index]
+        stats.checksummed_bytes += size if checksummed else 0
         stats.by_method[how] = stats.by_method.get(how, 0) + size
     return stats
 
