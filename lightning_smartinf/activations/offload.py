@@ -93,8 +93,8 @@ def _rate(nbytes: int, seconds: float) -> float:
     return nbytes / seconds if nbytes > 0 and seconds > 0 else FALLBACK_BYTES_PER_S
 
 
-# Record states
-_KEPT, _WRITING, _ON_DISK, _READING, _RESIDENT, _FREED = "kept", "writing", "on_disk", "reading", "resident", "freed"
+# Record states: a tensor in memory (kept there, read back, or not written after all) or where its bytes go
+_IN_MEMORY, _WRITING, _ON_DISK, _READING, _FREED = "in_memory", "writing", "on_disk", "reading", "freed"
 
 
 @dataclass
@@ -139,7 +139,7 @@ class _Record:
     dtype: torch.dtype
     device: torch.device
     tensor: Tensor | None
-    state: str = _KEPT
+    state: str = _IN_MEMORY
     refs: int = 1  # the handle of the pack that created it
     slot: tuple[int, int] | None = None  # (spill file, offset) while the bytes are in a spill file
     future: Future | None = None
@@ -706,7 +706,7 @@ class SavedTensorOffloader:
 
     def _write(self, rec: _Record) -> None:
         with self._cond:
-            if self._backward and rec.state == _WRITING:
+            if self._backward:  # the state is `_WRITING` until the write settles it
                 # Backward started before this write did: the tensor stays in memory for it, no I/O at all.
                 self._settle_write(rec, keep=True)
                 self.stats.writes_skipped += 1
@@ -747,11 +747,7 @@ class SavedTensorOffloader:
                 )
             with self._cond:
                 self._error = exc
-                rec.state = _KEPT  # the tensor is still held: nothing is lost
-                self._inflight -= rec.charged
-                rec.charged = 0
-                rec.slot = None
-                self._cond.notify_all()
+                self._settle_write(rec, keep=True)  # the tensor is still held: nothing is lost
             return
         with self._cond:
             self.stats.copy_s += copied - start
@@ -785,14 +781,14 @@ class SavedTensorOffloader:
                 self.stats.io_cpu_s += time.thread_time() - cpu
 
     def _settle_write(self, rec: _Record, keep: bool) -> None:
-        """After the write of ``rec`` (or instead of it): its budget charge ends; the tensor stays in memory if
-        ``keep``, else the file holds it (caller holds the lock)."""
+        """After the write of ``rec`` (or instead of it, or after it failed): its budget charge ends; the tensor stays
+        in memory if ``keep``, else the file holds it (caller holds the lock)."""
         self._inflight -= rec.charged
         rec.charged = 0
-        if rec.state == _WRITING and keep:
-            rec.state = _RESIDENT
+        if keep:
+            rec.state = _IN_MEMORY
             rec.slot = None
-        elif rec.state == _WRITING:
+        else:
             rec.state = _ON_DISK
             rec.tensor = None
             self._charge_resident(-rec.nbytes)
@@ -872,7 +868,7 @@ class SavedTensorOffloader:
             if rec.state == _WRITING:
                 self.stats.forwarded += 1  # still in memory: no read
                 out = rec.tensor
-            elif rec.state in (_KEPT, _RESIDENT):
+            elif rec.state == _IN_MEMORY:
                 out = rec.tensor
             else:
                 if rec.state == _ON_DISK:
@@ -942,7 +938,7 @@ class SavedTensorOffloader:
             self.stats.bytes_read += rec.nbytes
             rec.tensor = out
             if rec.state == _READING:
-                rec.state = _RESIDENT
+                rec.state = _IN_MEMORY
             # Reads stay charged to the budget until consumed (prefetched buffers are in-flight memory).
             if rec.refs <= 0:
                 self._free(rec)
@@ -960,7 +956,7 @@ class SavedTensorOffloader:
     def _release(self, rec: _Record) -> None:
         with self._cond:
             rec.refs -= 1
-            if rec.refs <= 0 and rec.state in (_KEPT, _RESIDENT, _ON_DISK):
+            if rec.refs <= 0 and rec.state in (_IN_MEMORY, _ON_DISK):
                 self._free(rec)
 
     def _free(self, rec: _Record) -> None:
