@@ -253,17 +253,13 @@ def _sealed_manifest_entries(root: Path, state_dir: str, listed: Mapping[str, Ma
         raise CheckpointError(str(exc)) from None
     for name, entry in entries.items():
         sealed = listed.get(f"{state_dir}/{name}")
-        if sealed is None or _sums(sealed) != _sums(entry):
+        # The seal and the manifest must agree on the file's size and checksums.
+        if sealed is None or any(sealed.get(key) != entry.get(key) for key in ("bytes", CRC32, CRC32C)):
             raise CheckpointError(
                 f"{directory / name} does not match the checkpoint's seal ({directory / MANIFEST} and "
                 f"{root / SEAL} disagree): the device state comes from another save. Use another checkpoint."
             )
     return list(entries)
-
-
-def _sums(entry: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What a seal and a manifest must agree on for one file: its size and checksums."""
-    return entry.get("bytes"), entry.get(CRC32), entry.get(CRC32C)
 
 
 def is_private(path: Path) -> bool:

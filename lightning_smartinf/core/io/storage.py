@@ -135,7 +135,10 @@ def _not_creatable(path: Path) -> str | None:
     if not parent.is_dir():
         return f"its parent {str(parent)!r} is a file, not a directory. Fix the path."
     if not os.access(parent, os.W_OK | os.X_OK):
-        read_only = _on_read_only_filesystem(parent)
+        try:
+            read_only = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
         return (
             f"its parent {str(parent)!r} is on a read-only filesystem. Remount it read-write or choose another path."
             if read_only
@@ -143,13 +146,6 @@ def _not_creatable(path: Path) -> str | None:
             "with sudo, then chown it), fix the parent's permissions, or choose another path."
         )
     return None
-
-
-def _on_read_only_filesystem(path: Path) -> bool:
-    try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
 
 
 def create_storage_path(path: str | os.PathLike) -> bool:
