@@ -319,14 +319,12 @@ def _stream_weights(directory: Path, plan: dict[str, SavedTensor], targets: Targ
 
     reads = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     total = sum(saved.nbytes for key, saved in plan.items() if key in targets)
-    with Progress(f"loading the pretrained weights of {directory}", total) as progress:
+    with Progress(f"loading the pretrained weights of {directory}", total) as progress, torch.no_grad():
         for key, (target, is_param) in targets.items():
             if not is_param:
-                with torch.no_grad():
-                    target.copy_(plan[key].load())
+                target.copy_(plan[key].load())
             else:
                 with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
                     if reads:
-                        with torch.no_grad():
-                            target.data.copy_(plan[key].load())
+                        target.data.copy_(plan[key].load())
             progress.update(plan[key].nbytes)

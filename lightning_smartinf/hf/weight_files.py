@@ -208,7 +208,7 @@ def write_weight_files(
     return WrittenWeights(
         files=list(split.filename_to_tensors),
         weight_map=weight_map,
-        total_size=int(split.metadata["total_size"]),
+        total_size=total,
         parameters=parameters,
         dtype=dtype,
     )
@@ -224,7 +224,12 @@ def require_room(directory: Path, what: str, nbytes: int, fix: str) -> None:
 def _install(stage: Path, out: Path, files: set[str]) -> None:
     """Move a whole export from ``stage`` into ``out``: the earlier export's weight files go first, the index (which
     names the shards to load) last, so a crash between leaves no index over a mix of old and new shards."""
-    _remove_stale(out, files)
+    # An earlier save's weight files not among `files`: `from_pretrained` would read a left-over `model.safetensors`
+    # before the index.
+    for path in out.iterdir():
+        stale = path.name in (WEIGHTS_NAME, INDEX_NAME) or _SHARD_NAME.fullmatch(path.name) is not None
+        if stale and path.name not in files and path.is_file():
+            path.unlink()
     (out / INDEX_NAME).unlink(missing_ok=True)
     for name in sorted(files):
         os.replace(stage / name, out / name)
@@ -232,12 +237,3 @@ def _install(stage: Path, out: Path, files: set[str]) -> None:
         os.replace(stage / INDEX_NAME, out / INDEX_NAME)
     stage.rmdir()
     fsync_dir(out)
-
-
-def _remove_stale(out: Path, files: set[str]) -> None:
-    """Remove the weight files of an earlier save in ``out`` that are not among ``files``: ``from_pretrained``
-    would read a left-over ``model.safetensors`` before the index."""
-    for path in out.iterdir():
-        stale = path.name in (WEIGHTS_NAME, INDEX_NAME) or _SHARD_NAME.fullmatch(path.name) is not None
-        if stale and path.name not in files and path.is_file():
-            path.unlink()
