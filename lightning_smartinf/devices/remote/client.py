@@ -88,7 +88,7 @@ __all__ = [
     "RemoteBackend",
     "checkpoint_masters",
     "fetch_saved_state",
-    "fetch_saved_state_from",
+    "greeted",
     "measure_network",
 ]
 
@@ -241,6 +241,19 @@ class _Server:
                 time.sleep(random.uniform(0.0, backoff))  # noqa: S311 - jitter, not a secret
                 backoff = min(most, 2 * backoff)
 
+    def receive(
+        self, method: Any, request: Any, what: str, name: str, *, numel: int, dtype: torch.dtype, exact: bool = True
+    ) -> Tensor:
+        """The tensor ``name`` of ``numel`` ``dtype`` elements (at most, unless ``exact``) that the streamed reply of
+        :meth:`call` carries, read as it arrives, and nothing after it; a server that sends more, less or something
+        malformed fails, named."""
+        frames = self.call(method, request, what)
+        with _from_server(self, name, what):
+            tensor = read_tensor(frames, name, numel, (dtype,), exact=exact)
+            if next(frames, None) is not None:
+                raise WireError(f"More frames followed {name!r}.")
+        return tensor
+
     def error(self, exc: grpc.RpcError | None, what: str) -> StorageError:
         """The failure of ``what`` on this server, named as ``exc`` says (``None``: no answer within the timeout)."""
         code = grpc.StatusCode.DEADLINE_EXCEEDED if exc is None else exc.code() if hasattr(exc, "code") else None
@@ -295,19 +308,6 @@ def _from_server(server: _Server, name: str, what: str) -> Iterator[None]:
         raise server.error(exc, what) from None
 
 
-def _receive(
-    name: str, frames: Iterable[Any], *, numel: int, dtype: torch.dtype, server: _Server, what: str, exact: bool = True
-) -> Tensor:
-    """The tensor ``name`` of ``numel`` ``dtype`` elements (at most, unless ``exact``) that ``frames`` carry, read as
-    they arrive, and nothing after it; a server that sends more, less or something malformed fails, named."""
-    with _from_server(server, name, what):
-        frames = iter(frames)
-        tensor = read_tensor(frames, name, numel, (dtype,), exact=exact)
-        if next(frames, None) is not None:
-            raise WireError(f"More frames followed {name!r}.")
-    return tensor
-
-
 def measure_network(
     address: str,
     token: str,
@@ -356,7 +356,7 @@ def checkpoint_masters(
     def read(directory: Path) -> list[Tensor]:
         manifest, entries = _remote_manifest(directory)
         with contextlib.ExitStack() as connected:
-            servers = _greeted(addresses, token, timeout, tls, allow_plaintext, connected)
+            servers = greeted(addresses, token, timeout, tls, allow_plaintext, connected)
             by_id = {server.server_id: server for server in servers}
             masters: dict[int, Tensor] = {}
             for entry in entries:
@@ -365,9 +365,8 @@ def checkpoint_masters(
                 for local, (shard, numel) in enumerate(zip(entry["shards"], numels)):
                     request = header_frame(**_saved_request(entry, manifest), shard=local)
                     what = f"reading shard {shard} of a checkpoint"
-                    frames = server.call(server.read_checkpoint, request, what)
-                    masters[int(shard)] = _receive(
-                        "master", frames, numel=int(numel), dtype=torch.float32, server=server, what=what
+                    masters[int(shard)] = server.receive(
+                        server.read_checkpoint, request, what, "master", numel=int(numel), dtype=torch.float32
                     )
             if sorted(masters) != list(range(len(masters))):
                 raise CheckpointError(f"{directory / REMOTE_MANIFEST} does not list every shard of the rank.")
@@ -396,7 +395,7 @@ def _recorded_numels(directory: Path, shards: Sequence[int]) -> list[int]:
     return [recorded[shard] for shard in shards]
 
 
-def _greeted(
+def greeted(
     addresses: Sequence[str],
     token: str,
     timeout: float | None,
@@ -551,9 +550,9 @@ def _numbered(
 def _saved_manifest(server: _Server, request: dict[str, Any], directory: Path) -> dict[str, Any]:
     """The manifest of a checkpoint ``server`` saved, checked against the digest ``request`` carries."""
     what = "fetching a checkpoint's manifest"
-    frames = server.call(server.read_checkpoint, header_frame(part="manifest", shard=0, **request), what)
-    data = _receive(
-        "manifest", frames, numel=MAX_MANIFEST_BYTES, dtype=torch.uint8, server=server, what=what, exact=False
+    ask = header_frame(part="manifest", shard=0, **request)
+    data = server.receive(
+        server.read_checkpoint, ask, what, "manifest", numel=MAX_MANIFEST_BYTES, dtype=torch.uint8, exact=False
     )
     data_bytes = data.numpy().tobytes()
     if hashlib.sha256(data_bytes).hexdigest() != request["digest"]:
@@ -565,23 +564,6 @@ def _saved_manifest(server: _Server, request: dict[str, Any], directory: Path) -
         return parse_manifest(data_bytes, directory / REMOTE_MANIFEST)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
-
-
-def fetch_saved_state_from(
-    addresses: Sequence[str],
-    token: str,
-    rank_dirs: Sequence[Path],
-    into: Path,
-    connected: contextlib.ExitStack,
-    *,
-    tls: TlsFiles | None = None,
-    timeout: float | None = 300.0,
-    allow_plaintext: bool = False,
-) -> tuple[list[Path], Fetch]:
-    """For a run of another backend: :func:`fetch_saved_state` from the servers at ``addresses`` (greeted, not
-    opened: no session, so nothing of theirs changes), which stay connected until ``connected`` closes."""
-    servers = _greeted(addresses, token, timeout, tls, allow_plaintext, connected)
-    return fetch_saved_state(servers, rank_dirs, into)
 
 
 class RemoteBackend(LatchingBackend):
@@ -628,7 +610,7 @@ class RemoteBackend(LatchingBackend):
         self.device_timeout_s = device_timeout_s
         self.placement = placement
         with contextlib.ExitStack() as connected:  # a failure closes the servers built before it
-            self.servers = _greeted(addresses, token, device_timeout_s, tls, allow_plaintext, connected)
+            self.servers = greeted(addresses, token, device_timeout_s, tls, allow_plaintext, connected)
             connected.pop_all()  # every one greeted: closed with the backend from now on
         self._specs: list[ShardSpec] = []
         self._where: list[tuple[_Server, int]] = []
@@ -692,7 +674,7 @@ class RemoteBackend(LatchingBackend):
     def _start(self, server: _Server, work: Any, what: str) -> Handle:
         def run() -> None:
             try:
-                work()  # its calls go through `_Server.call` and `_receive`, which name the server in a StorageError
+                work()  # its calls go through `_Server.call`, which names the server in a StorageError
             except StorageError as exc:
                 raise self.latch_error(exc) from None
 
@@ -760,8 +742,7 @@ class RemoteBackend(LatchingBackend):
                 for name, tensor in tensors:
                     yield from encode_tensor(name, tensor)
 
-            replies = server.call(server.update, request, what)
-            self._deliver(out, _receive("out", replies, numel=out.numel(), dtype=out.dtype, server=server, what=what))
+            self._deliver(out, server.receive(server.update, request, what, "out", numel=out.numel(), dtype=out.dtype))
             sent = sum(tensor.numel() * tensor.element_size() for _, tensor in tensors)  # the answered attempt's
             self.traffic.add(link_write_bytes=sent, link_read_bytes=out.numel() * out.element_size())
 
@@ -775,10 +756,10 @@ class RemoteBackend(LatchingBackend):
 
         def work() -> None:
             request = header_frame(session=server.session, shard=local)
-            replies = server.call(server.read_master, request, what)
-            self._deliver(
-                out, _receive("master", replies, numel=out.numel(), dtype=torch.float32, server=server, what=what)
+            received = server.receive(
+                server.read_master, request, what, "master", numel=out.numel(), dtype=torch.float32
             )
+            self._deliver(out, received)
             self.traffic.add(link_read_bytes=out.numel() * 4)
 
         return self._start(server, work, what)
@@ -864,9 +845,8 @@ class RemoteBackend(LatchingBackend):
             self._step_control(server, "check_storage", "a storage check")
 
     def wait(self) -> None:
-        pending = self.pending_work.take()
         errors = []
-        for handle in pending:
+        for handle in self.pending_work.take():
             try:
                 self.result(handle)
             except BaseException as exc:  # noqa: BLE001 - the first is raised below

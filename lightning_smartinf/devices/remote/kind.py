@@ -142,12 +142,11 @@ class RemoteKind(DeviceKind):
         *,
         timeout: float | None,
     ) -> tuple[list[Path], Fetch] | None:
-        from lightning_smartinf.devices.remote.client import fetch_saved_state_from
+        from lightning_smartinf.devices.remote.client import fetch_saved_state, greeted
 
         addresses, token, tls, plaintext = _access(options.get)
-        return fetch_saved_state_from(
-            addresses, token, rank_dirs, into, scratch, tls=tls, timeout=timeout, allow_plaintext=plaintext
-        )
+        # Greeted, not opened: no session, so nothing of theirs changes; connected until `scratch` closes.
+        return fetch_saved_state(greeted(addresses, token, timeout, tls, plaintext, scratch), rank_dirs, into)
 
 
 def _access(option: Callable[[str], Any]) -> tuple[tuple[str, ...], str, TlsFiles | None, bool]:
