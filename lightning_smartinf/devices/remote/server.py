@@ -456,10 +456,9 @@ class DeviceServer:
             yield
         finally:
             with self._lock:
-                if self._peer_calls[peer] == 1:
+                self._peer_calls[peer] -= 1
+                if not self._peer_calls[peer]:
                     del self._peer_calls[peer]
-                else:
-                    self._peer_calls[peer] -= 1
 
     def hello(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         return header_frame(
@@ -604,9 +603,7 @@ class DeviceServer:
             ensure_private_dir(directory)
         backend = CpuBackend(
             dirs,
-            chunk_elems=options["chunk_elems"],
-            buffer_count=options["buffer_count"],
-            io_threads=options["io_threads"],
+            **options,  # chunk_elems, buffer_count, io_threads
             owned_dirs=dirs,
             tentative_slots=bool(header.get("tentative", False)),
             prefetch_state=bool(header.get("prefetch", True)),
@@ -1012,12 +1009,8 @@ class DeviceServer:
 
         def streamed(name: str, call: Method, *, guarded: bool = True) -> grpc.RpcMethodHandler:
             def run(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-                with self._peer_slot(context):
-                    if guarded:
-                        with self._guarded(name, context):
-                            yield from call(requests, context)
-                    else:
-                        yield from call(requests, context)
+                with self._peer_slot(context), self._guarded(name, context) if guarded else contextlib.nullcontext():
+                    yield from call(requests, context)
 
             return grpc.stream_stream_rpc_method_handler(run, decode, encode)
 

@@ -164,10 +164,7 @@ def encode_tensor(name: str, tensor: Tensor, chunk_bytes: int = CHUNK_BYTES) -> 
     dtype = dtype_name(flat.dtype)
     per_chunk = max(1, chunk_bytes // flat.element_size())
     numel = flat.numel()
-    if numel == 0:
-        yield Frame(tensor=name, dtype=dtype, numel=0, offset=0)
-        return
-    for start in range(0, numel, per_chunk):
+    for start in range(0, max(numel, 1), per_chunk):  # an empty tensor: one frame, without data
         chunk = flat[start : start + per_chunk].contiguous()
         data = chunk.view(torch.uint8).numpy().tobytes()
         yield Frame(tensor=name, dtype=dtype, numel=numel, offset=start, data=data)
@@ -183,9 +180,7 @@ def encode_file(name: str, path: Path, dtype: torch.dtype, chunk_bytes: int = CH
     numel, name_of_dtype = size // itemsize, dtype_name(dtype)
     per_chunk = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
     with open(path, "rb") as f:
-        if numel == 0:
-            yield Frame(tensor=name, dtype=name_of_dtype, numel=0, offset=0)
-        for start in range(0, size, per_chunk):
+        for start in range(0, max(size, 1), per_chunk):  # an empty file: one frame, without data
             data = f.read(min(per_chunk, size - start))
             if len(data) != min(per_chunk, size - start):
                 raise WireError(f"{path} ended early at byte {start + len(data)} of {size}.")
