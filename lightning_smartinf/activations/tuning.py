@@ -55,13 +55,11 @@ class LayerMeter:
         self.sizes: list[list[int]] = [[] for _ in range(layers)]
         self._began: float | None = None
         self._ended: float | None = None
-        self._tail_done = True
 
     def start(self) -> None:
         """A measured micro-batch begins."""
         self.micro_batches += 1
         self._began = self._ended = None
-        self._tail_done = False
 
     @property
     def forward_s(self) -> list[float]:
@@ -86,9 +84,9 @@ class LayerMeter:
             self.sizes[max(layer, 0)].append(nbytes)
 
     def backward_started(self) -> None:
-        if self._ended is not None and not self._tail_done:
+        """The first unpack of a measured micro-batch (once per :meth:`start`): the tail ends."""
+        if self._ended is not None:
             self._tail_s += time.perf_counter() - self._ended
-            self._tail_done = True
 
 
 @dataclass(frozen=True)
