@@ -104,22 +104,21 @@ MAX_MANIFEST_BYTES = 16 << 20
 def channel_credentials(address: str, token: str, tls: TlsFiles | None, allow_plaintext: bool) -> Any:
     """How a client reaches the server at ``address``: TLS, or gRPC's local credentials on loopback, both with the
     token as call credentials (which gRPC refuses to send in clear); ``None`` for plain gRPC (``allow_plaintext``)."""
-    token_credentials = grpc.access_token_call_credentials(token)
     if tls is not None:
         transport = grpc.ssl_channel_credentials(
             root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
         )
-        return grpc.composite_channel_credentials(transport, token_credentials)
-    if is_loopback(address):
-        local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
-        return grpc.composite_channel_credentials(local, token_credentials)
-    if not allow_plaintext:
+    elif is_loopback(address):
+        transport = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+    elif allow_plaintext:
+        return None
+    else:
         raise ValueError(
             f"The remote device server {address} is not on this machine and no TLS is set (`remote_tls_dir`): the "
             "token and the optimizer state would cross the network in clear. Give the servers TLS and this run "
             "`remote_tls_dir`, or `remote_allow_plaintext=True` on a network you trust."
         )
-    return None
+    return grpc.composite_channel_credentials(transport, grpc.access_token_call_credentials(token))
 
 
 #: How a call the server refused for a busy moment is made again: all its call slots taken, or this session's or

@@ -719,7 +719,8 @@ class DeviceServer:
             raise WireError(f"`part={part!r}` is not one of {', '.join(CHECKPOINT_PARTS)}.")
         directory, data, manifest = self._checkpoint(header, header["label"], certificate_identity(context))
         if part == "manifest":
-            return encode_tensor("manifest", torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            yield from encode_tensor("manifest", torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            return
         shard = header["shard"]
         if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0:
             raise WireError(f"`shard={shard!r}` is not a shard index.")
@@ -727,17 +728,15 @@ class DeviceServer:
         if entry is None:
             raise WireError(f"Checkpoint {header['checkpoint']!r} has no shard {shard} for {header['label']!r}.")
         if part == "masters":
-            return self._saved_masters(directory, shard, manifest, 4 * int(entry["numel"]))
+            with self._reserved(4 * int(entry["numel"]), "a saved shard's masters"):
+                yield from encode_tensor("master", saved_shard_masters(directory, shard, manifest=manifest))
+            return
         path = directory / shard_file_name(shard)
         try:
             verify_state_file(path, entry)
         except ValueError as exc:
             raise CallError(grpc.StatusCode.DATA_LOSS, f"Server {self.server_id}: {exc}") from None
-        return encode_file("state", path, torch.float32)
-
-    def _saved_masters(self, directory: Path, shard: int, manifest: dict[str, Any], nbytes: int) -> Iterator[Any]:
-        with self._reserved(nbytes, "a saved shard's masters"):
-            yield from encode_tensor("master", saved_shard_masters(directory, shard, manifest=manifest))
+        yield from encode_file("state", path, torch.float32)
 
     @contextlib.contextmanager
     def _reserved(self, nbytes: int, what: str) -> Iterator[None]:

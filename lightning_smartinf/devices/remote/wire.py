@@ -244,11 +244,7 @@ class TensorReader:
             target = self.tensor[self.filled : self.filled + n].view(torch.uint8).numpy()
             target[:] = numpy.frombuffer(frame.data, dtype=numpy.uint8)
         self.filled += n
-        return self.done
-
-    @property
-    def done(self) -> bool:
-        return self.tensor is not None and self.filled == self.tensor.numel()
+        return self.filled == self.tensor.numel()
 
 
 def read_tensor(
@@ -338,9 +334,7 @@ def shard_from_wire(index: int, data: dict[str, Any]) -> ShardSpec:
 
 
 def hp_to_wire(hp: StepParams) -> dict[str, Any]:
-    out = dataclasses.asdict(hp)
-    out["betas"] = list(hp.betas)
-    return out
+    return {**dataclasses.asdict(hp), "betas": list(hp.betas)}
 
 
 def hp_from_wire(data: Any) -> StepParams:
