@@ -381,9 +381,8 @@ def test_sequence_length_above_model_maximum(tmp_path, gpt2_dir):
 def test_unknown_label_and_tiny_text(tmp_path, gpt2_dir):
     (tmp_path / "rows.csv").write_text("text,label\nhello there,a\nhi,b\nyo,c\n")
     data = ClassificationDataModule(str(tmp_path / "rows.csv"), labels=["a", "b"], val_fraction=0.0)
-    data._tokenizer = load_tokenizer(gpt2_dir)
     with pytest.raises(ValueError, match=r"row 3 has label 'c', which is not one of the labels \['a', 'b'\]"):
-        data._encode(data._read("train_file", str(tmp_path / "rows.csv")), "train_file")
+        data._dataset(load_tokenizer(gpt2_dir), "train_file", str(tmp_path / "rows.csv"))
     (tmp_path / "short.txt").write_text("just a few words")
     short = TextDataModule(str(tmp_path / "short.txt"), block_size=64)
     with pytest.raises(ValueError, match=r"fewer than one block of `block_size=64`"):

@@ -850,7 +850,6 @@ class ClassificationDataModule(_FileData[list[dict[str, Any]]]):
         )
         self.text_field, self.label_field, self.labels, self.max_length = text_field, label_field, labels, max_length
         self.label_names: list[str] | None = list(labels) if labels is not None else None
-        self._tokenizer: PreTrainedTokenizerBase | None = None
 
     @property
     def num_labels(self) -> int:
@@ -887,10 +886,16 @@ class ClassificationDataModule(_FileData[list[dict[str, Any]]]):
             return [str(i) for i in range(ints[-1] + 1)]
         return sorted(values)
 
-    def _encode(self, rows: list[dict[str, Any]], argument: str) -> list[dict[str, Any]]:
-        assert self._tokenizer is not None and self.label_names is not None
+    def _prepare(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._collate = functools.partial(_pad_rows, tokenizer)
+
+    def _dataset(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> list[dict[str, Any]]:
+        """The rows of ``path``, encoded, each with the index of its label."""
+        rows = self._read(argument, path)
+        if self.label_names is None:  # setup reads the training file first: its labels are the labels
+            self.label_names = self._derive_labels(rows)
         index = {name: i for i, name in enumerate(self.label_names)}
-        encoded = self._tokenizer(
+        encoded = tokenizer(
             [str(r[self.text_field]) for r in rows], truncation=True, max_length=self.max_length, verbose=False
         )
         out = []
@@ -903,16 +908,6 @@ class ClassificationDataModule(_FileData[list[dict[str, Any]]]):
                 )
             out.append({k: encoded[k][i] for k in encoded} | {"labels": index[label]})
         return out
-
-    def _prepare(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self._tokenizer, self._collate = tokenizer, functools.partial(_pad_rows, tokenizer)
-
-    def _dataset(self, tokenizer: PreTrainedTokenizerBase, argument: str, path: str) -> list[dict[str, Any]]:
-        """The rows of ``path``, encoded (``_encode``, with the tokenizer that :meth:`_prepare` took)."""
-        rows = self._read(argument, path)
-        if self.label_names is None:  # setup reads the training file first: its labels are the labels
-            self.label_names = self._derive_labels(rows)
-        return self._encode(rows, argument)
 
     def _split(self, rows: list[dict[str, Any]], held_out: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         train, val = self._random_split(len(rows), held_out)
