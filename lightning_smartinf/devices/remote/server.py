@@ -1159,10 +1159,13 @@ def serve(
             credentials = grpc.ssl_server_credentials(
                 [(tls.key, tls.cert)], root_certificates=tls.ca or None, require_client_auth=bool(tls.ca)
             )
+            transport = "mutual TLS" if tls.ca else "TLS"
             port = server.add_secure_port(listen, credentials)
         elif allow_plaintext:
+            transport = "plain gRPC, NOT ENCRYPTED"
             port = server.add_insecure_port(listen)
         else:  # loopback: connections from this machine only
+            transport = "this machine only"
             port = server.add_secure_port(listen, grpc.local_server_credentials(grpc.LocalConnectionType.LOCAL_TCP))
     except RuntimeError:  # grpcio reports a failed bind so
         port = 0
@@ -1174,13 +1177,6 @@ def serve(
             "one of its own addresses with `--listen HOST:PORT` (port 0: any free one)."
         )
     server.start()
-    transport = (
-        ("mutual TLS" if tls.ca else "TLS")
-        if tls is not None
-        else "plain gRPC, NOT ENCRYPTED"
-        if allow_plaintext
-        else "this machine only"
-    )
     log.info(
         "serving device server %s on %s (port %d, %s): %d device(s) under %s; %d session(s), %d call(s) at most "
         "(%d per session, %d per client)",
