@@ -937,8 +937,7 @@ class SavedTensorOffloader:
             self.stats.read_s += time.perf_counter() - start
             self.stats.bytes_read += rec.nbytes
             rec.tensor = out
-            if rec.state == _READING:
-                rec.state = _IN_MEMORY
+            rec.state = _IN_MEMORY  # `_READING` until here: nothing else changes the state of a record being read
             # Reads stay charged to the budget until consumed (prefetched buffers are in-flight memory).
             if rec.refs <= 0:
                 self._free(rec)
@@ -963,7 +962,7 @@ class SavedTensorOffloader:
         """Drop the record's memory and file (caller holds the lock; I/O on it must be finished)."""
         if rec.state == _FREED:
             return
-        if rec.state in (_WRITING, _READING) and rec.future is not None and not rec.future.done():
+        if rec.state in (_WRITING, _READING) and not rec.future.done():
             return  # the I/O completion frees it (refs <= 0)
         if rec.tensor is not None:
             self._charge_resident(-rec.nbytes)
