@@ -186,18 +186,15 @@ def _dense_span(t: Tensor) -> bool:
 def find_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated layers of ``model``: the longest ``ModuleList``/``Sequential`` of ≥ 2 same-type modules with
     parameters (a transformer's blocks). Empty when there is none."""
-    best: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            children = list(module.children())
-            if (
-                len(children) >= 2
-                and len({type(c) for c in children}) == 1
-                and all(any(True for _ in c.parameters()) for c in children)
-                and len(children) > len(best)
-            ):
-                best = children
-    return best
+    lists = (list(m.children()) for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)))
+    repeated = [
+        children
+        for children in lists
+        if len(children) >= 2
+        and len({type(c) for c in children}) == 1
+        and all(any(True for _ in c.parameters()) for c in children)
+    ]
+    return max(repeated, key=len, default=[])  # the first of the longest
 
 
 def named_layers(model: nn.Module, name: str) -> list[nn.Module]:
