@@ -358,8 +358,8 @@ class PinnedRing:
         self._error: BaseException | None = None
         self._thread = thread_pool(1, "smartinf-ring", device)
 
-    def copy(self, dst: Tensor, src: Tensor, *, accumulate: bool = False) -> None:
-        """Queue ``dst.copy_(src)`` (``accumulate``: ``dst.add_(src)``), ``src`` in ``dst``'s dtype and shape."""
+    def copy(self, dst: Tensor, src: Tensor) -> None:
+        """Queue ``dst.copy_(src)``, ``src`` in ``dst``'s dtype and shape."""
         src, dst = src.reshape(-1), dst.view(-1)
         per_slot = max(1, self._buffers[0].numel() // src.element_size())
         for start in range(0, src.numel(), per_slot):
@@ -377,18 +377,13 @@ class PinnedRing:
                 copied.record(torch.cuda.current_stream(src.device))
             else:
                 staging.copy_(src[start : start + n])
-            self._last = self._moved[index] = self._thread.submit(
-                self._move, copied, staging, dst[start : start + n], accumulate
-            )
+            self._last = self._moved[index] = self._thread.submit(self._move, copied, staging, dst[start : start + n])
 
-    def _move(self, copied: Fence | None, staging: Tensor, target: Tensor, accumulate: bool) -> None:
+    def _move(self, copied: Fence | None, staging: Tensor, target: Tensor) -> None:
         try:
             if copied is not None:
                 copied.synchronize()
-            if accumulate:
-                target.add_(staging)
-            else:
-                target.copy_(staging)
+            target.copy_(staging)
         except BaseException as exc:  # noqa: BLE001 - raised by every later fence
             self._error = self._error or exc
 
