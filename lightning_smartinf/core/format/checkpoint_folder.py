@@ -22,7 +22,6 @@ import glob
 import json
 import os
 import shutil
-import stat
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -260,12 +259,6 @@ def _sealed_manifest_entries(root: Path, state_dir: str, listed: Mapping[str, Ma
                 f"{root / SEAL} disagree): the device state comes from another save. Use another checkpoint."
             )
     return list(entries)
-
-
-def is_private(path: Path) -> bool:
-    """Whether ``path`` is a real directory (not a link) that only its owner may enter."""
-    info = os.lstat(path)
-    return stat.S_ISDIR(info.st_mode) and not info.st_mode & 0o077
 
 
 __all__ = [
