@@ -152,15 +152,6 @@ class TieredBackend(Backend, ABC):
     ) -> None:
         super().__init__()
         self.inner = inner
-        try:
-            for name, value in (("memory_bytes", memory_bytes), ("accelerator_bytes", accelerator_bytes)):
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise TypeError(f"`{name}={value!r}` must be an int: bytes of state (0: no such tier).")
-                if value < 0:
-                    raise ValueError(f"`{name}={value}` must be >= 0: bytes of state (0: no such tier).")
-        except BaseException:
-            inner.close()
-            raise
         self.memory_bytes = memory_bytes
         self.accelerator_bytes = accelerator_bytes
         self._accelerator_device = accelerator_device
@@ -289,7 +280,6 @@ class TieredBackend(Backend, ABC):
             backend.commit(indices)
 
     def rollback(self, shards: Iterable[int]) -> None:
-        shards = list(shards)
         self.wait()
         for backend, indices in by_holder(self._where, shards).items():
             backend.rollback(indices)
@@ -406,9 +396,6 @@ class AttachedTiers(TieredBackend):
             self._backward.append(dict(ready))
             del self._backward[:-BACKWARD_SAMPLES]
 
-    def _memory_index(self) -> int | None:
-        return self._storage_count() if self.memory_bytes else None
-
     def _accelerator_index(self) -> int | None:
         return self._storage_count() + (self.memory_bytes > 0) if self.accelerator_bytes else None
 
@@ -425,10 +412,10 @@ class AttachedTiers(TieredBackend):
         share. :attr:`last_replan` records what was decided.
         """
         moved = self.inner.replan()
-        inner, memory = self.inner, self._memory_index()
-        if memory is None or not self.measures_memory_share:
+        inner, memory = self.inner, self._storage_count()  # (the memory tier's device, where it has one)
+        if not self.memory_bytes or not self.measures_memory_share:
             return moved
-        if inner.failure is not None or not inner.shards or not self._storage_count():
+        if inner.failure is not None or not inner.shards or not memory:
             return moved
         rates = inner.update_rates
         ready, self._backward = _median_ready(self._backward), []
@@ -580,9 +567,8 @@ class BesideTiers(TieredBackend):
             self._attach_tiers(self.local)
             self.local.open([dataclasses.replace(shards[i], index=j) for j, i in enumerate(self._local_shards)])
         self.inner.open([dataclasses.replace(shards[i], index=j) for j, i in enumerate(self._inner_shards)])
-        place = {i: (self.inner, j) for j, i in enumerate(self._inner_shards)}
-        if self.local is not None:
-            place.update({i: (self.local, j) for j, i in enumerate(self._local_shards)})
+        sides = ((self.inner, self._inner_shards), (self.local, self._local_shards))  # (no local shard: no `local`)
+        place = {i: (side, j) for side, held in sides for j, i in enumerate(held)}
         self._where = [place[spec.index] for spec in shards]
         if self._local_shards:
             sizes = [spec.layout(self.chunk_elems).file_bytes for spec in shards]
@@ -654,14 +640,11 @@ class BesideTiers(TieredBackend):
         if self.local is None:
             return inner
         local = self.local.stats(reset_peaks=reset_peaks)
+        summed = {f.name: getattr(inner, f.name) + getattr(local, f.name) for f in dataclasses.fields(BackendStats)}
+        # The tiers' devices come after ``inner``'s.
         offset = self.inner.num_devices
-        return BackendStats(
-            traffic=inner.traffic + local.traffic,
-            buffer_bytes=inner.buffer_bytes + local.buffer_bytes,
-            devices=inner.devices + tuple(dataclasses.replace(d, index=d.index + offset) for d in local.devices),
-            prefetch_used_bytes=inner.prefetch_used_bytes + local.prefetch_used_bytes,
-            prefetch_dropped_bytes=inner.prefetch_dropped_bytes + local.prefetch_dropped_bytes,
-        )
+        summed["devices"] = inner.devices + tuple(dataclasses.replace(d, index=d.index + offset) for d in local.devices)
+        return BackendStats(**summed)
 
 
 def saved_local_shards(directory: Path) -> list[int]:
