@@ -253,15 +253,13 @@ class StreamingBackend(LatchingBackend):
         return tuple(self._shards)
 
     def _settle(self, future: Future, device: StreamingDevice | None = None, what: str = "") -> BaseException | None:
-        """Wait for ``future`` of ``device`` (a request's handle names both); its error, or ``None``.
+        """Wait for ``future`` of ``device`` (a request's handle names both: every handle is one of
+        :meth:`StreamingDevice.enqueue`); its error, or ``None``.
 
         Raises (and latches) the :class:`StorageError` of a device that stopped answering.
         """
-        device = device or getattr(future, "device", None)
-        if device is None:
-            return future.exception()
         try:
-            return device.wait_for(future, what or getattr(future, "what", "a request"), self.device_timeout_s)
+            return (device or future.device).wait_for(future, what or future.what, self.device_timeout_s)
         except StorageError as exc:
             raise self.latch_error(exc)  # noqa: B904 - the timeout is the error, not a consequence of it
 
@@ -324,12 +322,15 @@ class StreamingBackend(LatchingBackend):
                 f"`ShardSpec.index` values must be 0..{len(shards) - 1} in order, got {[s.index for s in shards]}."
             )
         layouts = [s.layout(self.chunk_elems) for s in shards]
-        placement = self.placement or self._default_placement()
+        placement = self.placement
+        if placement is None:  # by the storage devices' weights; round-robin when there is nothing to weigh
+            weights = self.storage_weights()
+            placement = RoundRobin() if weights is None else TieredPlacement(weights, chunk_elems=self.chunk_elems)
         self._assignment = check_assignment(placement, shards, self.num_devices)
         self._warn_of_idle_paths(shards)
         self._check_capacity(repr(placement), layouts, self.assignment)
         for device in self.storage_devices:
-            self._check_space(device, shards, layouts, self._slots(device))
+            self._check_space(device, shards, layouts)
         created: list[Path] = []
         try:
             for spec, layout in zip(shards, layouts):
@@ -436,12 +437,6 @@ class StreamingBackend(LatchingBackend):
             shown = ", ".join(f"{w / 1e9:.2f} GB/s" for w in self._measured_weights)
             log.info("SmartUpdate measured its storage paths: %s", shown)
         return self._measured_weights
-
-    def _default_placement(self) -> Placement:
-        """:class:`TieredPlacement` over the storage devices by :meth:`storage_weights`; round-robin when there is
-        nothing to weigh."""
-        weights = self.storage_weights()
-        return RoundRobin() if weights is None else TieredPlacement(weights, chunk_elems=self.chunk_elems)
 
     def _warn_of_idle_paths(self, shards: Sequence[ShardSpec]) -> None:
         """Warn where fewer shards than storage paths leave a path without state: a drive the user gave sits idle."""
@@ -619,11 +614,10 @@ class StreamingBackend(LatchingBackend):
         memory, which updates fast enough after backward and so keeps one copy of its state."""
         return self.tentative_slots and not self.device_of(shard).in_memory
 
-    def _check_space(
-        self, device: StreamingDevice, shards: Sequence[ShardSpec], layouts: list[ChunkLayout], slots: int
-    ) -> None:
+    def _check_space(self, device: StreamingDevice, shards: Sequence[ShardSpec], layouts: list[ChunkLayout]) -> None:
         assert device.directory is not None  # a storage device
         ensure_private_dir(device.directory)
+        slots = self._slots(device)
         needed = slots * sum(
             lay.file_bytes for s, lay in zip(shards, layouts) if self.assignment[s.index] == device.index
         )
