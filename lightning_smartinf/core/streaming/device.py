@@ -214,21 +214,17 @@ class StreamingDevice(ABC):
         assert self.directory is not None, "a device whose state is in memory makes its own files"
         return StateFile(self.directory / name, size, create=True)
 
-    def link_chunk(self, n: int, dtype: torch.dtype) -> Tensor:
-        """Scratch for one gradient chunk as it crosses the link (allocated once per dtype)."""
-        chunk = self._link_chunks.get(dtype)
-        if chunk is None:
-            chunk = self._link_chunks[dtype] = torch.empty(self.chunk_elems, dtype=dtype)
-            self.allocated_bytes += chunk.numel() * chunk.element_size()
-        return chunk[:n]
-
     def store_link(self, dst: Tensor, src: Tensor, link_dtype: torch.dtype) -> None:
         """``dst`` (host memory) filled with ``src`` as it arrives after crossing the link in ``link_dtype``."""
         src = self.copies.to_host(src)
         if src.dtype == link_dtype or dst.dtype == link_dtype:
             dst.copy_(src)  # one rounding (or none): copy_ rounds to nearest even like .to()
-        else:
-            dst.copy_(self.link_chunk(src.numel(), link_dtype).copy_(src))  # round to the link, then widen (exact)
+            return
+        # Round to the link in scratch (a gradient chunk per dtype, allocated once), then widen (exact).
+        if (link := self._link_chunks.get(link_dtype)) is None:
+            link = self._link_chunks[link_dtype] = torch.empty(self.chunk_elems, dtype=link_dtype)
+            self.allocated_bytes += link.numel() * link.element_size()
+        dst.copy_(link[: src.numel()].copy_(src))
 
     # ------------------------------------------------------------------------------------------ host side
 
@@ -410,7 +406,7 @@ class StreamingDevice(ABC):
         """Start reads of advised chunks while the cap allows and a buffer is free; never blocks."""
         plan = self.prefetch_plan
         while (entry := plan.next_entry()) is not None:
-            if (buf := self.pool.try_acquire()) is None:
+            if (buf := self.pool.acquire(block=False)) is None:
                 return  # write-back holds the pool; retried when the queue poll times out
             k, entry.next_chunk = entry.next_chunk, entry.next_chunk + 1
             pending = self._reader.submit(self._read, entry.shard, entry.slot, k, buf, count=False)
@@ -484,11 +480,7 @@ class StreamingDevice(ABC):
             and (target := self._next_read()) is not None
         ):
             request, k = target
-            if request is window.serving:
-                buf = self.pool.acquire()
-            elif (free := self.pool.try_acquire()) is not None:
-                buf = free
-            else:
+            if (buf := self.pool.acquire(block=request is window.serving)) is None:
                 window.unclaim()  # retried at the next chunk boundary
                 return
             pending = self._reader.submit(self._read, request.shard, request.read_slot, k, buf)
@@ -633,6 +625,7 @@ def link_bytes(grad: Tensor | SparseGrad, link_dtype: torch.dtype) -> int:
 class HostCoreDevice(StreamingDevice):
     """One emulated computational-storage device: a directory, a host buffer pool and three kinds of threads."""
 
+    #: The fp32 gradient of the chunk being updated (scratch, one per device, made by :meth:`allocate`).
     _grad_chunk: Tensor | None = None
 
     def allocate(self, tensors_per_record: int) -> None:
@@ -643,11 +636,6 @@ class HostCoreDevice(StreamingDevice):
         self._grad_chunk = torch.empty(self.chunk_elems, dtype=torch.float32)
         self.allocated_bytes = pool_bytes(1, self.buffer_count, self.chunk_elems, tensors_per_record)
         self.allocated_bytes += self.chunk_elems * 4
-
-    def grad_chunk(self, n: int) -> Tensor:
-        """The fp32 gradient of the chunk being updated (scratch, one per device)."""
-        assert self._grad_chunk is not None
-        return self._grad_chunk[:n]
 
     def update_work(
         self, shard: Shard, grad: Tensor | SparseGrad, hp: StepParams, out: Tensor, link_dtype: torch.dtype
@@ -669,7 +657,8 @@ class HostCoreDevice(StreamingDevice):
 
         def gradient(start: int, n: int, link: Tensor | None) -> Tensor:
             """The chunk's gradient in fp32, scaled; from ``link`` where :func:`staged` brought it over already."""
-            g = self.grad_chunk(n)
+            assert self._grad_chunk is not None
+            g = self._grad_chunk[:n]
             if link is None:
                 self.load_gradient(g, grad, start, link_dtype)
             else:

@@ -58,17 +58,10 @@ class ChunkPool:
         self.size += 1
         self._free.put(buf)
 
-    def acquire(self) -> Tensor:
-        buf = self._free.get()
-        with self._lock:
-            self.in_use += 1
-            self.peak_in_use = max(self.peak_in_use, self.in_use)
-        return buf
-
-    def try_acquire(self) -> Tensor | None:
-        """A free buffer, or None at once if every buffer is in use."""
+    def acquire(self, block: bool = True) -> Tensor | None:
+        """A free buffer, waiting for one; without ``block``, None at once if every buffer is in use."""
         try:
-            buf = self._free.get_nowait()
+            buf = self._free.get(block)
         except queue.Empty:
             return None
         with self._lock:
