@@ -313,36 +313,6 @@ class Backend(ABC):
 # ---------------------------------------------------------------------------------------------- shared bookkeeping
 
 
-class FailureLatch:
-    """The first device error reported to the host. From then on the state on the devices may be torn (some chunks
-    updated, others not), so a backend refuses every use of it, naming that error (see :attr:`Backend.failure`)."""
-
-    def __init__(self) -> None:
-        #: The error that stopped the backend (``None``: none yet).
-        self.error: StorageError | None = None
-
-    def latch(self, exc: BaseException) -> BaseException:
-        """Remember ``exc`` if it is the first storage error; returns it, for raising."""
-        if isinstance(exc, StorageError) and self.error is None:
-            self.error = exc
-        return exc
-
-    def refuse(self, what: str) -> None:
-        """Raise a :class:`StorageError` naming ``what`` and the latched error, if there is one."""
-        failure = self.error
-        if failure is None:
-            return
-        raise StorageError(
-            f"`{what}` refused: a device failed earlier and the state on the devices may be torn (some chunks updated, "
-            "others not), so the backend takes no further update and saves nothing (a checkpoint of torn state is "
-            "worse than none). Restart the process and, once the storage is fixed, resume from the last good "
-            f"checkpoint. The error was: {failure}",
-            path=failure.path,
-            operation=failure.operation,
-            errno=failure.errno,
-        ) from failure
-
-
 class PendingWork:
     """Handles whose errors the host has not been told yet: :meth:`Backend.wait` settles them."""
 
@@ -424,7 +394,7 @@ class LatchingBackend(Backend):
         super().__init__()
         #: Whether :meth:`submit` takes ``tentative=True``.
         self.tentative_slots = tentative_slots
-        self._latched = FailureLatch()
+        self._failure: StorageError | None = None
         self._closed = False
         #: Requests whose errors the host has not been told yet.
         self.pending_work = PendingWork()
@@ -446,15 +416,29 @@ class LatchingBackend(Backend):
         still releases everything. Requests queued before the error was reported still run. The process must restart
         and resume from the last good checkpoint.
         """
-        return self._latched.error
+        return self._failure
 
     def latch_error(self, exc: BaseException) -> BaseException:
         """Remember the first storage error reported to the host; returns ``exc`` for raising."""
-        return self._latched.latch(exc)
+        if isinstance(exc, StorageError) and self._failure is None:
+            self._failure = exc
+        return exc
 
     def check_usable(self, method: str) -> None:
-        """Raise before ``method`` runs if a device error stopped this backend (:attr:`failure`)."""
-        self._latched.refuse(f"{type(self).__name__}.{method}")
+        """Raise a :class:`StorageError` naming the error that stopped this backend (:attr:`failure`), if one did,
+        before ``method`` runs: from then on the state on the devices may be torn (some chunks updated, others not)."""
+        failure = self._failure
+        if failure is None:
+            return
+        raise StorageError(
+            f"`{type(self).__name__}.{method}` refused: a device failed earlier and the state on the devices may be "
+            "torn (some chunks updated, others not), so the backend takes no further update and saves nothing (a "
+            "checkpoint of torn state is worse than none). Restart the process and, once the storage is fixed, resume "
+            f"from the last good checkpoint. The error was: {failure}",
+            path=failure.path,
+            operation=failure.operation,
+            errno=failure.errno,
+        ) from failure
 
     @property
     def closed(self) -> bool:
