@@ -128,11 +128,6 @@ class StreamingBackend(LatchingBackend):
 
     #: Whether the backend needs at least one storage directory (a backend of in-memory devices only does not).
     needs_storage: bool = True
-
-    #: Whether :meth:`prefetch` advice is acted on (set by the constructor).
-    prefetch_state = True
-    #: Seconds without progress before waiting on a device fails (set by the constructor; ``None``: forever).
-    device_timeout_s: float | None = 300.0
     # Set by `release_storage`: the directories are no longer this backend's, and state in memory is freed.
     _released = False
 
@@ -159,6 +154,7 @@ class StreamingBackend(LatchingBackend):
             )
         check_pool_shape(problems, chunk_elems, buffer_count, names=("chunk_elems", "buffer_count"))
         try:
+            #: Seconds without progress before waiting on a device fails (``None``: forever).
             self.device_timeout_s = check_device_timeout(device_timeout_s)
         except ValueError as exc:
             problems.add(str(exc))
@@ -177,6 +173,7 @@ class StreamingBackend(LatchingBackend):
         self.chunk_elems = chunk_elems
         #: Chunk buffers per device.
         self.buffer_count = buffer_count
+        #: Whether :meth:`prefetch` advice is acted on.
         self.prefetch_state = prefetch_state
         self.placement = placement
         self.device_weights = None if device_weights is None else tuple(device_weights)
@@ -331,24 +328,15 @@ class StreamingBackend(LatchingBackend):
         self._check_capacity(repr(placement), layouts, self.assignment)
         for device in self.storage_devices:
             self._check_space(device, shards, layouts)
-        created: list[Path] = []
         try:
             for spec, layout in zip(shards, layouts):
                 device = self.device_of(spec.index)
-                files = []
-                for slot in range(self._slots(device)):
-                    if device.directory is not None:
-                        created.append(device.directory / shard_file_name(spec.index, slot))
-                    files.append(device.create_file(shard_file_name(spec.index, slot), layout.file_bytes))
-                self._shards.append(Shard(spec, layout, tuple(files)))
+                self._shards.append(Shard(spec, layout, self._create_files(device, spec.index, layout.file_bytes)))
         except BaseException as exc:
-            self._free_memory()
             # Files made here hold no state yet: they go, and with them the blocks the next attempt needs.
             for shard in self._shards:
                 for file in shard.files:
-                    file.close()
-            for path in created:
-                path.unlink(missing_ok=True)
+                    file.discard()
             self._shards.clear()
             if is_disk_full(exc) and device.directory is not None:
                 raise self._full(device, layouts) from exc
@@ -579,12 +567,25 @@ class StreamingBackend(LatchingBackend):
             self._assignment = tuple(placed)
         return [shard.spec.index for shard, _ in moves]
 
-    def _move(self, shard: Shard, source: StreamingDevice, target: StreamingDevice) -> None:
-        size = shard.layout.file_bytes
+    def _create_files(self, device: StreamingDevice, shard: int, size: int) -> tuple[StateFile, ...]:
+        """New state files of ``shard`` on ``device``, one per slot, of ``size`` bytes; on an error, none is left."""
         files: list[StateFile] = []
         try:
-            for slot in range(self._slots(target)):
-                files.append(target.create_file(shard_file_name(shard.spec.index, slot), size))
+            for slot in range(self._slots(device)):
+                files.append(device.create_file(shard_file_name(shard, slot), size))
+        except BaseException:
+            for file in files:
+                file.discard()
+            if device.directory is not None:  # the file whose creation failed, if it got that far
+                (device.directory / shard_file_name(shard, len(files))).unlink(missing_ok=True)
+            raise
+        return tuple(files)
+
+    def _move(self, shard: Shard, source: StreamingDevice, target: StreamingDevice) -> None:
+        size = shard.layout.file_bytes
+        files: tuple[StateFile, ...] = ()
+        try:
+            files = self._create_files(target, shard.spec.index, size)
             buf = aligned_empty(min(size, MOVE_BLOCK))
             for offset in range(0, size, MOVE_BLOCK):
                 piece = buf[: min(MOVE_BLOCK, size - offset)]
@@ -593,8 +594,6 @@ class StreamingBackend(LatchingBackend):
         except BaseException as exc:
             for file in files:
                 file.discard()
-            if target.directory is not None:  # the file whose creation failed, if it got that far
-                (target.directory / shard_file_name(shard.spec.index, len(files))).unlink(missing_ok=True)
             if is_disk_full(exc) and target.directory is not None:
                 raise disk_full_error(
                     target.directory,
@@ -606,7 +605,7 @@ class StreamingBackend(LatchingBackend):
         self.traffic.add(**{source.read_counter: size, target.write_counter: size})
         for file in shard.files:
             file.discard()
-        shard.files, shard.slot = tuple(files), 0
+        shard.files, shard.slot = files, 0
         shard.writes.clear()
 
     def takes_hand_off(self, shard: int) -> bool:
@@ -937,15 +936,12 @@ class StreamingBackend(LatchingBackend):
         """
         claims, self._claims = self._claims, []
         self._released = True
-        self._free_memory()
-        release_claims(claims, remove=self._owned_dirs)
-
-    def _free_memory(self) -> None:
         # State on storage outlives the backend (its files are the state); state in memory ends with it.
         for shard in self._shards:
             for file in shard.files:
                 if file.in_memory:
                     file.discard()
+        release_claims(claims, remove=self._owned_dirs)
 
 
 def _rounds_to(master: Tensor, params: Tensor) -> bool:
