@@ -347,11 +347,6 @@ class TentativeUpdates:
     def __contains__(self, shard: object) -> bool:
         return shard in self._held
 
-    @property
-    def held(self) -> list[int]:
-        """The shards holding a tentative update, in order."""
-        return sorted(self._held)
-
     def start(self, shard: int, tentative: bool) -> None:
         """Before a request on ``shard`` (``tentative``: an update to hold until :meth:`end`)."""
         if shard in self._held:
@@ -377,8 +372,8 @@ class TentativeUpdates:
         """Raise if a shard holds a tentative update: ``what`` needs every shard's state committed."""
         if self._held:
             raise RuntimeError(
-                f"Shards {self.held} hold tentative updates; commit or roll back each uncommitted tentative update "
-                f"before {what}."
+                f"Shards {sorted(self._held)} hold tentative updates; commit or roll back each uncommitted tentative "
+                f"update before {what}."
             )
 
 
