@@ -11,6 +11,7 @@ machines run ahead of the request being served, both touched only by the device'
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from collections import deque
@@ -263,7 +264,9 @@ class ReadAheadWindow:
         while True:
             request = self.requests[self.cursor]
             if request.read and self.next_chunk < request.shard.layout.num_chunks:
-                if self.cursor and not self._may_read_ahead(self.cursor):
+                # A request past the first waits while an earlier one has its shard: that one has not yet handed all
+                # of its write-backs to the writer, and reads only wait for those submitted (one could overtake).
+                if any(earlier.shard is request.shard for earlier in itertools.islice(self.requests, self.cursor)):
                     return None
                 self.next_chunk += 1
                 return request, self.next_chunk - 1
@@ -281,15 +284,6 @@ class ReadAheadWindow:
         request = self.requests[self.cursor]
         left = request.read and self.next_chunk < request.shard.layout.num_chunks
         return self.cursor + 1 == len(self.requests) and not left
-
-    def _may_read_ahead(self, i: int) -> bool:
-        """Whether chunks of ``requests[i]`` may be read now: no earlier request in the window has its shard.
-
-        An earlier request of the same shard has not yet handed all of its write-backs to the writer, so a
-        read of that shard could overtake an update (reads only wait for write-backs already submitted).
-        """
-        shard = self.requests[i].shard
-        return all(self.requests[j].shard is not shard for j in range(i))
 
 
 class PrefetchPlan:
