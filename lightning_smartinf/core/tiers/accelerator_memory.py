@@ -50,7 +50,6 @@ class AcceleratorStateFile(TensorStateFile):
     needs_host_copy = True
 
     def __init__(self, name: str, size: int, device: torch.device) -> None:  # noqa: D107 - the class says it
-        self.direct = False
         self.name, self.size, self.device = name, size, device
         self._bytes = torch.zeros(size, dtype=torch.uint8, device=device)
         self._host: MemoryStateFile | None = None

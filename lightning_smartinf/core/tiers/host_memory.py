@@ -39,6 +39,7 @@ class TensorStateFile(StateFile):
 
     in_memory = True
     keeps_checksums = False
+    direct = False
     size = 0
     _bytes: Tensor | None = None
 
@@ -74,7 +75,6 @@ class MemoryStateFile(TensorStateFile):
     """
 
     def __init__(self, name: str, size: int) -> None:  # noqa: D107 - the class says it
-        self.direct = False
         self._fd = os.memfd_create(f"smartinf-{name}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self._fd, size)
