@@ -475,11 +475,10 @@ class StreamingBackend(LatchingBackend):
         if not shares_drifted(measured, weights):
             return []
         self._measured_weights = measured
-        specs = [s.spec for s in self._shards]
         placed = [i for i, d in enumerate(self.assignment) if not self.devices[d].in_memory]
         spread = TieredPlacement(measured, chunk_elems=self.chunk_elems, keep=tuple(self.assignment[i] for i in placed))
         assignment = list(self.assignment)
-        for i, device in zip(placed, spread.assign([specs[i] for i in placed], len(storage))):
+        for i, device in zip(placed, spread.assign([self._shards[i].spec for i in placed], len(storage))):
             assignment[i] = device
         try:
             moved = self.relocate(assignment)

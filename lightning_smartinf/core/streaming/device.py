@@ -165,8 +165,9 @@ class StreamingDevice(ABC):
 
     @property
     def label(self) -> str:
-        """Where the state is, in messages: the directory, or the memory that holds it."""
-        return str(self.directory) if self.directory is not None else f"{self.tier} memory"
+        """Where the state is, in messages: the directory, or the memory that holds it (host memory unless a device
+        says otherwise)."""
+        return str(self.directory) if self.directory is not None else "host memory"
 
     @property
     def trailing(self) -> tuple[Future, ...]:

@@ -135,10 +135,6 @@ class MemoryDevice(HostCoreDevice):
         super().__init__(index, None, traffic, MemoryIO(), chunk_elems=chunk_elems, buffer_count=buffer_count)
         self.capacity = capacity
 
-    @property
-    def label(self) -> str:
-        return "host memory"
-
     def create_file(self, name: str, size: int) -> StateFile:
         return MemoryStateFile(name, size)
 
