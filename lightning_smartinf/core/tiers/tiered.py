@@ -307,9 +307,6 @@ class TieredBackend(Backend, ABC):
     def wait(self) -> None:
         self._on_each(lambda backend: backend.wait())
 
-    def note_backward(self, ready: Mapping[int, float]) -> None:
-        """Nothing to note: only a memory share that can move reads when backward completed each gradient."""
-
     # ---------------------------------------------------------------------------------------------- checkpoints
 
     def checkpoint_bytes(self) -> int:
