@@ -44,7 +44,7 @@ import ctypes
 import functools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -79,6 +79,8 @@ NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "sum"})
 #: The value of each FP8 E4M3 code, by code (0x7F and 0xFF are NaN, which no finite state is stored as).
 _E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 _HOST = torch.device("cpu")
+#: A fused kernel's arguments for Adam's two stored states, for the elements ``[first, end)`` of a chunk.
+StateArguments = Callable[[int, int], tuple[Any, ...]]
 
 
 class UnsignedFloat8:
@@ -185,10 +187,10 @@ class StateFormat(ABC):
         The pass can also take what a device does around the update: ``grad`` in bf16 as it crossed the link
         (``grad.float()``), times ``grad_scale`` (one fp32 rounding, as ``g.mul_(grad_scale)``), and the updated
         masters' bf16 roundings written to ``params`` (whole masters only: split ones write their parameters)."""
-        n = master.numel()
-        count = self._fused_elements(n, stored)
-        if count is None:
+        kernel = self._fused_kernel(master.numel(), stored)
+        if kernel is None:
             return False
+        count, state_arguments = kernel
         arguments = _fused_adam_arguments(rule, master, grad, stored, hp, self.stored_bytes(count), split, params)
         if arguments is None:
             return False
@@ -200,7 +202,7 @@ class StateFormat(ABC):
         def piece(first: int, end: int) -> None:  # elements [first, end), whole blocks
             states = (
                 *_gradient_pointers(grad, first, grad_scale),
-                *self._fused_states(stored, first, end, n, count),
+                *state_arguments(first, end),
                 _pointer(scalars_at, ctypes.c_float),
                 flags,
             )
@@ -213,14 +215,11 @@ class StateFormat(ABC):
         in_pieces(piece, count, BLOCK)
         return True
 
-    def _fused_elements(self, numel: int, stored: Sequence[Tensor]) -> int | None:
-        """Elements :meth:`fused_update`'s kernel runs over for a chunk of ``numel`` (``None``: this format has no
-        kernel, or ``stored`` cannot take one)."""
+    def _fused_kernel(self, numel: int, stored: Sequence[Tensor]) -> tuple[int, StateArguments] | None:
+        """How :meth:`fused_update`'s kernel runs over a chunk of ``numel`` stored in ``stored``: the elements it runs
+        over (whole blocks), and its arguments for Adam's two states for elements ``[first, end)``. ``None``: this
+        format has no kernel, or ``stored`` cannot take one (the reference runs)."""
         return None
-
-    def _fused_states(self, stored: Sequence[Tensor], first: int, end: int, numel: int, count: int) -> tuple[Any, ...]:
-        """The kernel's arguments for Adam's two ``stored`` states, elements ``[first, end)`` of ``count``."""
-        raise NotImplementedError
 
 
 class FloatFormat(StateFormat):
@@ -245,11 +244,14 @@ class FloatFormat(StateFormat):
     def load(self, raw: Tensor, out: Tensor, state: str) -> None:
         out.copy_(raw.view(self.dtype))
 
-    def _fused_elements(self, numel: int, stored: Sequence[Tensor]) -> int | None:
-        return numel if self.dtype == torch.bfloat16 and self.native else None
+    def _fused_kernel(self, numel: int, stored: Sequence[Tensor]) -> tuple[int, StateArguments] | None:
+        if self.dtype != torch.bfloat16 or not self.native:
+            return None
 
-    def _fused_states(self, stored: Sequence[Tensor], first: int, end: int, numel: int, count: int) -> tuple[Any, ...]:
-        return (end - first, *(_pointer(raw.data_ptr() + 2 * first, ctypes.c_uint16) for raw in stored))
+        def state_arguments(first: int, end: int) -> tuple[Any, ...]:  # 2 bytes an element in each state
+            return (end - first, *(_pointer(raw.data_ptr() + 2 * first, ctypes.c_uint16) for raw in stored))
+
+        return numel, state_arguments
 
 
 class Int8(StateFormat):
@@ -349,22 +351,24 @@ class Int8(StateFormat):
         if values is not out:
             out.copy_(values[:n])
 
-    def _fused_elements(self, numel: int, stored: Sequence[Tensor]) -> int | None:
+    def _fused_kernel(self, numel: int, stored: Sequence[Tensor]) -> tuple[int, StateArguments] | None:
         padded = self.elements(stored[0].numel()) if stored else 0
-        return padded if self.native and padded >= numel else None
+        if not self.native or padded < numel:
+            return None
 
-    def _fused_states(self, stored: Sequence[Tensor], first: int, end: int, numel: int, count: int) -> tuple[Any, ...]:
-        # Each state's codes, then its scales (``count`` codes in all, whole blocks).
-        m_at, v_at = (raw.data_ptr() for raw in stored)
-        scales = count + 4 * (first // BLOCK)
-        return (
-            min(max(numel - first, 0), end - first),
-            end - first,
-            _pointer(m_at + first, ctypes.c_uint8),
-            _pointer(m_at + scales, ctypes.c_float),
-            _pointer(v_at + first, ctypes.c_uint8),
-            _pointer(v_at + scales, ctypes.c_float),
-        )
+        def state_arguments(first: int, end: int) -> tuple[Any, ...]:  # each state's codes, then its scales
+            m_at, v_at = (raw.data_ptr() for raw in stored)
+            scales = padded + 4 * (first // BLOCK)
+            return (
+                min(max(numel - first, 0), end - first),
+                end - first,
+                _pointer(m_at + first, ctypes.c_uint8),
+                _pointer(m_at + scales, ctypes.c_float),
+                _pointer(v_at + first, ctypes.c_uint8),
+                _pointer(v_at + scales, ctypes.c_float),
+            )
+
+        return padded, state_arguments
 
 
 _FORMATS: dict[str, StateFormat] = {
