@@ -194,12 +194,15 @@ def adagrad_scalars(hp: StepParams) -> tuple[list[float], int]:
 
 def derive_scalars(rule: UpdateRule, hp: StepParams) -> tuple[list[float], int]:
     """The fp32 scalar arguments (as Python floats, still unrounded) and ``flags`` of one update."""
-    rule_kernel(rule)  # ValueError for what the kernels cannot run
+    kind = rule_kernel(rule)  # ValueError for what the kernels cannot run
     if isinstance(rule, SGD):
         return sgd_scalars(hp, rule.with_momentum)
-    if isinstance(rule, Adagrad):
-        return adagrad_scalars(hp)
-    return (efadam_scalars if isinstance(rule, EFAdam) else adam_scalars)(hp, rule.decoupled_weight_decay)
+    if isinstance(rule, EFAdam):
+        return efadam_scalars(hp, rule.decoupled_weight_decay)
+    if isinstance(rule, Adam):
+        return adam_scalars(hp, rule.decoupled_weight_decay)
+    assert kind == "adagrad"
+    return adagrad_scalars(hp)
 
 
 # ---- scalar encodings ------------------------------------------------------------------------------------------
