@@ -1008,7 +1008,8 @@ class DeviceServer:
 
         def streamed(name: str, call: Method, *, guarded: bool = True) -> grpc.RpcMethodHandler:
             def run(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-                with self._peer_slot(context), self._guarded(name, context) if guarded else contextlib.nullcontext():
+                guard = self._guarded(name, context) if guarded else contextlib.nullcontext()  # entered after the slot
+                with self._peer_slot(context), guard:
                     yield from call(requests, context)
 
             return grpc.stream_stream_rpc_method_handler(run, decode, encode)
